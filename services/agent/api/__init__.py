@@ -1,0 +1,1 @@
+"""HTTP routers of the agent service (thin: logic lives behind protocols)."""

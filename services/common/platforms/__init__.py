@@ -1,0 +1,138 @@
+"""The accelerator platform layer: the one place that knows the devices.
+
+Detection order: ``cuda`` (NVIDIA or ROCm builds of torch), ``xpu`` (Intel),
+``npu`` (Ascend, via ``torch_npu``), ``mps`` (Apple), then ``cpu``.
+``TANDEM_DEVICE`` overrides detection; asking for a device that is not
+there is an error, not a silent fallback. No code outside this package calls
+``torch.cuda.*`` (or its xpu/npu/mps twins) directly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+DEVICE_TYPES = ("cuda", "xpu", "npu", "mps", "cpu")
+# Celery queue a worker on each device type serves.
+QUEUE_OF = {"cuda": "gpu", "xpu": "gpu", "npu": "npu", "mps": "cpu", "cpu": "cpu"}
+
+
+class PlatformError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Platform:
+    device_type: str
+    # "nvidia" or "rocm" for cuda, else the device type
+    vendor: str
+
+    @property
+    def queue(self) -> str:
+        return QUEUE_OF[self.device_type]
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.device_type != "cpu"
+
+    def device(self, index: int = 0) -> Any:
+        import torch
+
+        if self.device_type in ("cpu", "mps"):
+            return torch.device(self.device_type)
+        return torch.device(self.device_type, index)
+
+    def _module(self) -> Any:
+        import torch
+
+        return getattr(torch, self.device_type, None)
+
+    def device_count(self) -> int:
+        if self.device_type == "cpu":
+            return 1
+        mod = self._module()
+        return int(mod.device_count()) if mod is not None and hasattr(mod, "device_count") else 1
+
+    def synchronize(self) -> None:
+        mod = self._module()
+        if self.device_type != "cpu" and mod is not None and hasattr(mod, "synchronize"):
+            mod.synchronize()
+
+    def empty_cache(self) -> None:
+        mod = self._module()
+        if self.device_type != "cpu" and mod is not None and hasattr(mod, "empty_cache"):
+            mod.empty_cache()
+
+    def reset_peak_memory(self) -> None:
+        mod = self._module()
+        if self.device_type != "cpu" and mod is not None and hasattr(mod, "reset_peak_memory_stats"):
+            mod.reset_peak_memory_stats()
+
+    def max_memory_allocated(self) -> int | None:
+        """Peak bytes allocated on the device, or None where torch does not track it (cpu)."""
+        mod = self._module()
+        if self.device_type != "cpu" and mod is not None and hasattr(mod, "max_memory_allocated"):
+            return int(mod.max_memory_allocated())
+        return None
+
+    def supports_triton(self) -> bool:
+        return self.device_type in ("cuda", "xpu") or os.environ.get("TRITON_INTERPRET") == "1"
+
+    def default_dtype(self) -> Any:
+        """bf16 where the hardware does it well, fp32 on the CPU (bf16 matmuls are slow there)."""
+        import torch
+
+        if self.device_type == "cpu":
+            return torch.float32
+        if self.device_type == "mps":
+            return torch.float16
+        return torch.bfloat16
+
+
+def _available(device_type: str) -> bool:
+    import torch
+
+    if device_type == "cpu":
+        return True
+    if device_type == "npu":
+        try:
+            importlib.import_module("torch_npu")
+        except ImportError:
+            return False
+    mod = getattr(torch, device_type, None)
+    if device_type == "mps":
+        backend = getattr(torch.backends, "mps", None)
+        return bool(backend is not None and backend.is_available())
+    return bool(mod is not None and hasattr(mod, "is_available") and mod.is_available())
+
+
+def _vendor(device_type: str) -> str:
+    if device_type == "cuda":
+        import torch
+
+        return "rocm" if getattr(torch.version, "hip", None) else "nvidia"
+    return device_type
+
+
+def detect_platform(override: str | None = None) -> Platform:
+    """Pick the platform: ``override`` (or ``TANDEM_DEVICE``) when set and not ``auto``, else detect."""
+    wanted = (override if override is not None else os.environ.get("TANDEM_DEVICE", "auto")).lower()
+    if wanted not in ("auto", *DEVICE_TYPES):
+        raise PlatformError(f"TANDEM_DEVICE={wanted!r} is not one of auto, {', '.join(DEVICE_TYPES)}")
+    if wanted != "auto":
+        if not _available(wanted):
+            raise PlatformError(f"TANDEM_DEVICE={wanted!r} was asked for but no such device is available")
+        return Platform(wanted, _vendor(wanted))
+    for device_type in DEVICE_TYPES:
+        if _available(device_type):
+            return Platform(device_type, _vendor(device_type))
+    return Platform("cpu", "cpu")
+
+
+@lru_cache(maxsize=1)
+def current_platform() -> Platform:
+    """The platform of this process (detected once)."""
+    return detect_platform()

@@ -1,0 +1,1 @@
+"""Tandem inference service."""

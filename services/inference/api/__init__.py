@@ -1,0 +1,1 @@
+"""HTTP routers of the inference service (thin: logic lives behind protocols)."""

@@ -1,0 +1,1 @@
+"""HTTP routers of the retrieval service (thin: logic lives behind protocols)."""

@@ -1,0 +1,1 @@
+"""HTTP routers of the trainer service (thin: logic lives behind protocols)."""
