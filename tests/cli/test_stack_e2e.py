@@ -1,0 +1,169 @@
+"""`tandem up` / `status` / `down` for real: processes, embedded Valkey, Celery workers, HTTP."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.cli.stack import pid_alive
+from services.common.celery_app import make_celery
+from tests.helpers.servers import free_port
+
+pytestmark = pytest.mark.e2e
+TANDEM = [sys.executable, "-m", "services.cli.main"]
+
+
+def home_processes(home: Path) -> list[int]:
+    """Pids of live processes started for ``home`` (children inherit TANDEM_HOME)."""
+    needle = f"TANDEM_HOME={home}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if needle in environ.read_bytes().split(b"\0") and int(environ.parent.name) != os.getpid():
+                stat = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] != "Z":
+                    found.append(int(environ.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    home = tmp_path_factory.mktemp("stack") / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(
+        TANDEM_HOME=str(home),
+        TANDEM_REDIS_PORT=str(free_port()),
+        TANDEM_AGENT_PORT=str(free_port()),
+        TANDEM_INFERENCE_PORT=str(free_port()),
+        TANDEM_RETRIEVAL_PORT=str(free_port()),
+        TANDEM_TRAINER_PORT=str(free_port()),
+        TANDEM_DEVICE="cpu",
+    )
+    up = subprocess.run(
+        [*TANDEM, "up", "--timeout", "600"], env=env, capture_output=True, text=True, timeout=900
+    )
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        env["_UP_OUTPUT"] = up.stdout
+        yield env
+    finally:
+        subprocess.run([*TANDEM, "down"], env=env, capture_output=True, text=True, timeout=120)
+
+
+def url(env: dict[str, str], service: str) -> str:
+    return f"http://127.0.0.1:{env[f'TANDEM_{service.upper()}_PORT']}"
+
+
+def test_up_prints_urls_and_a_key_once(stack_env: dict[str, str]) -> None:
+    home = Path(stack_env["TANDEM_HOME"])
+    key = (home / "api-key").read_text().strip()
+    out = stack_env["_UP_OUTPUT"]
+    assert key in out
+    for service in ("agent", "inference", "retrieval", "trainer"):
+        assert url(stack_env, service) in out
+    assert oct((home / "api-key").stat().st_mode & 0o777) == "0o600"
+
+
+def test_every_service_is_ready_and_guarded(stack_env: dict[str, str]) -> None:
+    key = (Path(stack_env["TANDEM_HOME"]) / "api-key").read_text().strip()
+    for service in ("agent", "inference", "retrieval", "trainer"):
+        base = url(stack_env, service)
+        ready = httpx.get(f"{base}/readyz", timeout=10)
+        assert ready.status_code == 200, ready.text
+        assert httpx.get(f"{base}/v1/whoami", timeout=10).status_code == 401
+        who = httpx.get(f"{base}/v1/whoami", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert who.json() == {"tenant": "default", "key_id": who.json()["key_id"], "service": service}
+
+
+def test_celery_task_round_trip_through_embedded_valkey(stack_env: dict[str, str]) -> None:
+    redis_url = f"redis://127.0.0.1:{stack_env['TANDEM_REDIS_PORT']}/0"
+    app = make_celery("test-client", redis_url)
+    try:
+        for queue in ("io", "cpu"):
+            result = app.send_task("tandem.ping", args=[{"queue": queue}], queue=queue)
+            reply = result.get(timeout=60)
+            assert reply["pong"] is True and reply["echo"] == {"queue": queue}
+    finally:
+        app.close()
+
+
+def test_status_and_second_up(stack_env: dict[str, str]) -> None:
+    status = subprocess.run([*TANDEM, "status"], env=stack_env, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    for name in ("redis", "agent", "inference", "retrieval", "trainer", "worker-io", "worker-cpu"):
+        assert name in status.stdout
+    again = subprocess.run([*TANDEM, "up"], env=stack_env, capture_output=True, text=True, timeout=120)
+    assert "already running" in again.stdout
+
+
+def test_keys_cli_create_and_revoke(stack_env: dict[str, str]) -> None:
+    created = subprocess.run(
+        [*TANDEM, "keys", "create", "--tenant", "team-b"],
+        env=stack_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip().splitlines()[-1]
+    headers = {"Authorization": f"Bearer {key}"}
+    base = url(stack_env, "retrieval")
+    assert httpx.get(f"{base}/v1/whoami", headers=headers).json()["tenant"] == "team-b"
+    revoked = subprocess.run(
+        [*TANDEM, "keys", "revoke", key], env=stack_env, capture_output=True, text=True, timeout=60
+    )
+    assert revoked.returncode == 0, revoked.stderr
+    assert httpx.get(f"{base}/v1/whoami", headers=headers).status_code == 401
+
+
+def test_port_in_use_is_named(tmp_path: Path) -> None:
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(
+        TANDEM_HOME=str(tmp_path / "h2"), TANDEM_REDIS_PORT=str(free_port()), TANDEM_INFERENCE_PORT=str(port)
+    )
+    try:
+        result = subprocess.run([*TANDEM, "up"], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        busy.close()
+    assert result.returncode == 1
+    assert f"port {port} (inference)" in result.stdout and "TANDEM_INFERENCE_PORT" in result.stdout
+    assert home_processes(tmp_path / "h2") == []
+
+
+def test_bad_setting_stops_start_up(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(TANDEM_HOME=str(tmp_path / "h3"), TANDEM_DEVICE="tpu")
+    result = subprocess.run([*TANDEM, "up"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "TANDEM_DEVICE" in result.stdout
+
+
+def test_down_leaves_no_process(stack_env: dict[str, str]) -> None:
+    home = Path(stack_env["TANDEM_HOME"])
+    # Valkey rewrites its own environ (process title), so it is followed by its pid file.
+    pids = [int(p.read_text()) for p in (home / "run").glob("*.pid")]
+    assert len(pids) == 7  # redis, 4 services, 2 workers
+    assert len(home_processes(home)) >= 6
+    down = subprocess.run([*TANDEM, "down"], env=stack_env, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + 10
+    while home_processes(home) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert home_processes(home) == []
+    assert not [pid for pid in pids if pid_alive(pid)]
+    status = subprocess.run([*TANDEM, "status"], env=stack_env, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 3 and "not running" in status.stdout
