@@ -26,8 +26,10 @@ from services.common.redis_conn import redis_reachable, sync_redis
 app = typer.Typer(help="Tandem: RAG, agents and fine-tuning, as one stack.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys (stored hashed in Redis).", no_args_is_help=True)
 eval_app = typer.Typer(help="Evaluations against a running stack.", no_args_is_help=True)
+config_app = typer.Typer(help="Configuration: every TANDEM_ variable.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 app.add_typer(eval_app, name="eval")
+app.add_typer(config_app, name="config")
 console = Console()
 
 
@@ -324,6 +326,21 @@ def _key_store(common: CommonSettings) -> KeyStore:
     if not redis_reachable(url):
         _fail(f"Redis at {url} does not answer; start the stack (`tandem up`) or set TANDEM_REDIS_URL")
     return KeyStore(sync_redis(url))
+
+
+@config_app.command("env-example")
+def config_env_example() -> None:
+    """Print the .env.example body: every variable with its default and meaning."""
+    from services.cli.envdoc import render_env_example
+
+    print(render_env_example(), end="")
+
+
+@config_app.command("check")
+def config_check() -> None:
+    """Validate the current environment's TANDEM_ variables without starting anything."""
+    _settings()
+    console.print("configuration ok")
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -117,7 +117,7 @@ def _describe(cls: type[BaseSettings], exc: ValidationError) -> str:
 def check_unknown_env(*classes: type[BaseSettings], environ: dict[str, str] | None = None) -> None:
     """Refuse ``TANDEM_`` variables that none of ``classes`` (nor another service) reads.
 
-    A typo such as ``TANDEM_INFERENCE_MODLE`` would otherwise be ignored silently.
+    A misspelt variable would otherwise be ignored silently.
     Variables of services not in ``classes`` are left to those services to check.
     """
     env = os.environ if environ is None else environ

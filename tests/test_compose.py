@@ -1,0 +1,126 @@
+"""docker-compose.yml: valid against the Compose spec, every command it names exists,
+and every TANDEM_ variable the code reads is documented in .env.example.
+
+No Docker engine runs on these machines, so this is how the file is kept honest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from services.cli.envdoc import all_env_vars, render_env_example
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = ROOT.parent / "shared" / "schemas" / "compose-spec.json"
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+ENV_EXAMPLE = (ROOT / ".env.example").read_text()
+
+
+def test_compose_is_valid_against_the_spec() -> None:
+    if not SCHEMA.exists():
+        pytest.skip(f"compose schema not found at {SCHEMA}")
+    jsonschema.validate(COMPOSE, json.loads(SCHEMA.read_text()))
+
+
+def test_required_services_profiles_and_health() -> None:
+    services = COMPOSE["services"]
+    for name in ("redis", "inference", "retrieval", "agent", "trainer-api", "trainer-worker-cpu", "trainer-worker-gpu"):
+        assert name in services, name
+    assert services["inference"]["profiles"] == ["cpu"]
+    assert services["inference-gpu"]["profiles"] == ["gpu"] and services["trainer-worker-gpu"]["profiles"] == ["gpu"]
+    assert "inference" in services["inference-gpu"]["networks"]["default"]["aliases"]
+    for gpu in ("inference-gpu", "trainer-worker-gpu"):
+        devices = services[gpu]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia"
+    assert "--appendonly" in services["redis"]["command"]
+    for name, svc in services.items():
+        assert "healthcheck" in svc, f"{name} has no health check"
+        for dep in (svc.get("depends_on") or {}).values():
+            assert dep["condition"] == "service_healthy"
+
+
+def test_durable_folders_are_named_volumes() -> None:
+    volumes = set(COMPOSE["volumes"])
+    mounted = {
+        m.split(":")[0] for svc in COMPOSE["services"].values() for m in svc.get("volumes", []) if isinstance(m, str)
+    }
+    assert {"redis-data", "models", "retrieval-data", "trainer-data"} <= volumes
+    assert mounted <= volumes  # no bind mounts of host folders
+
+
+def _check_target(target: str) -> None:
+    module, _, attr = target.partition(":")
+    mod = importlib.import_module(module)
+    assert hasattr(mod, attr), f"{module} has no {attr}"
+
+
+def _commands(svc: dict[str, Any]) -> list[list[str]]:
+    out = [svc["command"]] if "command" in svc else []
+    test = svc.get("healthcheck", {}).get("test", [])
+    if test and test[0] == "CMD":
+        out.append(test[1:])
+    return out
+
+
+def test_every_command_and_module_exists() -> None:
+    from typer.main import get_command
+
+    from services.cli.main import app
+
+    cli = get_command(app)
+    checked = 0
+    for svc in COMPOSE["services"].values():
+        for cmd in _commands(svc):
+            if cmd[0] == "uvicorn":
+                _check_target(cmd[1])
+                assert "--factory" in cmd
+            elif cmd[0] == "celery":
+                _check_target(cmd[cmd.index("-A") + 1])
+                if "-Q" in cmd:
+                    assert cmd[cmd.index("-Q") + 1] in ("cpu", "gpu", "npu", "io")
+            elif cmd[0] == "tandem":
+                assert cmd[1] in cli.commands  # type: ignore[attr-defined]
+            else:
+                assert cmd[0] in ("redis-server", "redis-cli", "curl"), cmd
+                continue
+            checked += 1
+    assert checked >= 8
+    for dockerfile in ("docker/Dockerfile", "docker/Dockerfile.gpu"):
+        assert (ROOT / dockerfile).is_file()
+    for svc in COMPOSE["services"].values():
+        if "build" in svc:
+            assert (ROOT / svc["build"]["dockerfile"]).is_file()
+
+
+def test_env_example_is_current_and_complete() -> None:
+    assert ENV_EXAMPLE == render_env_example(), "regenerate: tandem config env-example > .env.example"
+    documented = set(re.findall(r"\b(TANDEM_[A-Z0-9_]+)=", ENV_EXAMPLE))
+    assert {v.name for v in all_env_vars()} <= documented
+    # Variables named anywhere in the code (not only through settings classes).
+    in_code = set()
+    for path in [*ROOT.glob("services/**/*.py"), *ROOT.glob("kernels/**/*.py")]:
+        in_code |= set(re.findall(r"\b(TANDEM_[A-Z0-9_]*[A-Z0-9])\b", path.read_text()))
+    prefixes = {"TANDEM_INFERENCE", "TANDEM_RETRIEVAL", "TANDEM_AGENT", "TANDEM_TRAINER", "TANDEM_TEST"}
+    missing = {v for v in in_code - documented if v not in prefixes and not v.startswith("TANDEM_TEST_")}
+    assert not missing, f"not in .env.example: {sorted(missing)}"
+    # Variables the compose file interpolates.
+    compose_text = (ROOT / "docker-compose.yml").read_text()
+    for var in set(re.findall(r"\$\{([A-Z0-9_]+)", compose_text)):
+        assert f"{var}=" in ENV_EXAMPLE, var
+    for svc in COMPOSE["services"].values():
+        env = svc.get("environment") or {}
+        for var in env if isinstance(env, dict) else [e.split("=")[0] for e in env]:
+            assert f"{var}=" in ENV_EXAMPLE, f"compose sets {var}, which no settings class reads"
+
+
+def test_required_secrets_fail_loudly() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "${TANDEM_SERVICE_API_KEY:?" in text
