@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -256,7 +257,7 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def stop_all(layout: Layout, say: callable = print) -> list[str]:  # type: ignore[valid-type]
+def stop_all(layout: Layout, say: Callable[[str], object] = print) -> list[str]:
     """Stop services and workers first, Redis last (workers ack to it on the way down)."""
     stopped = []
     running = running_components(layout)

@@ -61,6 +61,15 @@ def validate_tenant(tenant: str) -> str:
     return tenant
 
 
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _text_dict(raw: object) -> dict[str, str]:
+    """Redis hashes as str→str (clients are made with decode_responses; this keeps mypy honest)."""
+    return {_text(k): _text(v) for k, v in dict(raw).items()}  # type: ignore[call-overload]
+
+
 def _record(key_id: str, data: dict[str, str]) -> KeyRecord:
     return KeyRecord(
         key_id=key_id,
@@ -105,33 +114,35 @@ class KeyStore:
             found = self.r.get(f"tandem:keys:hash:{hash_key(key_id)}")
             if not found:
                 raise NotFound("no such API key", param="key")
-            key_id = str(found)
-        data = self.r.hgetall(f"tandem:keys:{key_id}")
+            key_id = _text(found)
+        data = _text_dict(self.r.hgetall(f"tandem:keys:{key_id}"))
         if not data:
             raise NotFound(f"no API key with id {key_id!r}", param="key_id")
         self.r.hset(f"tandem:keys:{key_id}", "revoked", "1")
         self.r.delete(f"tandem:keys:hash:{data['sha256']}")
-        return _record(key_id, {**data, "revoked": "1"})  # type: ignore[arg-type]
+        return _record(key_id, {**data, "revoked": "1"})
 
     def list(self, tenant: str | None = None) -> list[KeyRecord]:
         out = []
-        for key_id in sorted(self.r.smembers("tandem:keys:ids")):  # type: ignore[arg-type]
-            data = self.r.hgetall(f"tandem:keys:{key_id}")
+        for raw_id in self.r.smembers("tandem:keys:ids"):  # type: ignore[union-attr]
+            key_id = _text(raw_id)
+            data = _text_dict(self.r.hgetall(f"tandem:keys:{key_id}"))
             if data and (tenant is None or data["tenant"] == tenant):
-                out.append(_record(str(key_id), data))  # type: ignore[arg-type]
+                out.append(_record(key_id, data))
         return sorted(out, key=lambda r: r.created_at)
 
 
 async def verify_key(client: aioredis.Redis, key: str) -> Principal | None:
     if not key.startswith(KEY_PREFIX):
         return None
-    key_id = await client.get(f"tandem:keys:hash:{hash_key(key)}")
-    if not key_id:
+    found = await client.get(f"tandem:keys:hash:{hash_key(key)}")
+    if not found:
         return None
-    data = await client.hgetall(f"tandem:keys:{key_id}")
+    key_id = _text(found)
+    data = _text_dict(await client.hgetall(f"tandem:keys:{key_id}"))
     if not data or data.get("revoked") == "1":
         return None
-    return Principal(tenant=data["tenant"], key_id=str(key_id))
+    return Principal(tenant=data["tenant"], key_id=key_id)
 
 
 def bearer_token(conn: HTTPConnection) -> str | None:

@@ -44,7 +44,7 @@ def test_bad_common_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) ->
         load_settings(CommonSettings)
     monkeypatch.setenv("TANDEM_DEVICE", "cpu")
     monkeypatch.setenv("TANDEM_AGENT_PORT", "70000")
-    with pytest.raises(SettingsError, match="TANDEM_AGENT_PORT.*65535"):
+    with pytest.raises(SettingsError, match=r"TANDEM_AGENT_PORT.*65535"):
         load_settings(CommonSettings)
 
 
