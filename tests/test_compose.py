@@ -32,10 +32,20 @@ def test_compose_is_valid_against_the_spec() -> None:
 
 def test_required_services_profiles_and_health() -> None:
     services = COMPOSE["services"]
-    for name in ("redis", "inference", "retrieval", "agent", "trainer-api", "trainer-worker-cpu", "trainer-worker-gpu"):
+    for name in (
+        "redis",
+        "inference",
+        "retrieval",
+        "agent",
+        "trainer-api",
+        "trainer-worker-cpu",
+        "trainer-worker-gpu",
+    ):
         assert name in services, name
     assert services["inference"]["profiles"] == ["cpu"]
-    assert services["inference-gpu"]["profiles"] == ["gpu"] and services["trainer-worker-gpu"]["profiles"] == ["gpu"]
+    assert services["inference-gpu"]["profiles"] == ["gpu"] and services["trainer-worker-gpu"][
+        "profiles"
+    ] == ["gpu"]
     assert "inference" in services["inference-gpu"]["networks"]["default"]["aliases"]
     for gpu in ("inference-gpu", "trainer-worker-gpu"):
         devices = services[gpu]["deploy"]["resources"]["reservations"]["devices"]
@@ -50,7 +60,10 @@ def test_required_services_profiles_and_health() -> None:
 def test_durable_folders_are_named_volumes() -> None:
     volumes = set(COMPOSE["volumes"])
     mounted = {
-        m.split(":")[0] for svc in COMPOSE["services"].values() for m in svc.get("volumes", []) if isinstance(m, str)
+        m.split(":")[0]
+        for svc in COMPOSE["services"].values()
+        for m in svc.get("volumes", [])
+        if isinstance(m, str)
     }
     assert {"redis-data", "models", "retrieval-data", "trainer-data"} <= volumes
     assert mounted <= volumes  # no bind mounts of host folders
@@ -101,7 +114,7 @@ def test_every_command_and_module_exists() -> None:
 
 
 def test_env_example_is_current_and_complete() -> None:
-    assert ENV_EXAMPLE == render_env_example(), "regenerate: tandem config env-example > .env.example"
+    assert render_env_example() == ENV_EXAMPLE, "regenerate: tandem config env-example > .env.example"
     documented = set(re.findall(r"\b(TANDEM_[A-Z0-9_]+)=", ENV_EXAMPLE))
     assert {v.name for v in all_env_vars()} <= documented
     # Variables named anywhere in the code (not only through settings classes).

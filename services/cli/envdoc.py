@@ -83,7 +83,9 @@ def render_env_example() -> str:
         if desc:
             lines.append(f"# {desc}")
         if var.name in REQUIRED_IN_COMPOSE:
-            lines.append(f"# Required by docker-compose.yml (create one with `tandem keys create --tenant system`).")
+            lines.append(
+                "# Required by docker-compose.yml (create one with `tandem keys create --tenant system`)."
+            )
             lines.append(f"{var.name}=")
         else:
             lines.append(f"# {var.name}={var.default}")
