@@ -1,0 +1,574 @@
+// Chat: conversations on the left, the exchange on the right. Answers stream over the
+// agent's websocket (/v1/ws/chat, key as the "tandem.bearer" subprotocol); citations
+// come as chips that open the cited passage with the cited span highlighted.
+import { api, ApiError, enc, getKey, listOf, retrieval, wsUrl } from "../api";
+import { clear, field, h, highlightSpan, toast } from "../dom";
+import { linkCitations, renderMarkdown } from "../markdown";
+
+export interface Citation {
+  index: number;
+  chunk_id?: string;
+  document_id?: string;
+  title?: string;
+  text?: string;
+  start?: number;
+  end?: number;
+}
+
+interface Step {
+  kind: string;
+  [k: string]: unknown;
+}
+
+interface Conversation {
+  id?: string;
+  conversation_id?: string;
+  title?: string;
+  updated_at?: number | string;
+}
+
+interface StoredMessage {
+  role: string;
+  content: string;
+  citations?: Citation[];
+  steps?: Step[];
+}
+
+type Target = { kind: "pipeline" | "agent"; name: string; collection: string };
+
+const PREFS = "tandem.chat.target";
+
+function loadTarget(): Target {
+  try {
+    const t = JSON.parse(localStorage.getItem(PREFS) ?? "");
+    if (t && (t.kind === "pipeline" || t.kind === "agent")) return t as Target;
+  } catch {
+    /* no saved choice */
+  }
+  return { kind: "pipeline", name: "chat-documents", collection: "docs" };
+}
+
+const convId = (c: Conversation) => c.id ?? c.conversation_id ?? "";
+
+/** Pipelines and agents the agent offers; the OpenAI facade's model list as a fallback. */
+async function loadChoices(): Promise<{ pipelines: string[]; agents: string[] }> {
+  const names = (d: unknown, key: string) =>
+    listOf<Record<string, string> | string>(d, key).map((p) => (typeof p === "string" ? p : p.name ?? p.id));
+  const [p, a] = await Promise.allSettled([api("/v1/pipelines"), api("/v1/agents")]);
+  let pipelines = p.status === "fulfilled" ? names(p.value, "pipelines") : [];
+  const agents = a.status === "fulfilled" ? names(a.value, "agents") : [];
+  if (!pipelines.length) {
+    try {
+      pipelines = names(await api("/v1/models"), "data").filter((n) => !agents.includes(n));
+    } catch {
+      pipelines = [];
+    }
+  }
+  // semantic-search returns passages, not an answer: it lives on the Search page.
+  pipelines = pipelines.filter((n) => n !== "semantic-search");
+  if (!pipelines.length) pipelines = ["chat-documents"];
+  return { pipelines, agents };
+}
+
+export async function loadCollections(): Promise<string[]> {
+  const data = await api(retrieval("/collections"));
+  return listOf<Record<string, string> | string>(data, "collections").map((c) =>
+    typeof c === "string" ? c : c.name,
+  );
+}
+
+/** The dialog that shows a cited passage inside its document, the cited span marked. */
+export function citationDialog(): { open: (c: Citation, collection: string) => void; el: HTMLDialogElement } {
+  const title = h("h2", { id: "cite-title" });
+  const meta = h("p", { class: "muted" });
+  const body = h("div", { class: "passage", tabindex: "0", "aria-label": "Cited passage" });
+  const close = h("button", { type: "button", class: "close" }, "Close");
+  const el = h(
+    "dialog",
+    { class: "citation-dialog", "aria-labelledby": "cite-title" },
+    h("div", { class: "dialog-head" }, title, close),
+    meta,
+    body,
+  );
+  close.addEventListener("click", () => el.close());
+  el.addEventListener("click", (ev) => {
+    if (ev.target === el) el.close();
+  });
+  async function open(c: Citation, collection: string): Promise<void> {
+    title.textContent = `[${c.index}] ${c.title || c.document_id || "Cited passage"}`;
+    meta.textContent = [
+      c.document_id ? `document ${c.document_id}` : "",
+      c.start !== undefined && c.end !== undefined ? `characters ${c.start}–${c.end}` : "",
+    ]
+      .filter(Boolean)
+      .join(" · ");
+    clear(body);
+    body.append(...highlightSpan(c.text ?? "", 0, (c.text ?? "").length));
+    if (!el.open) el.showModal();
+    close.focus();
+    // Show the passage in its document when the document's text can be had.
+    if (c.document_id && collection && c.start !== undefined && c.end !== undefined) {
+      try {
+        const doc = await api<Record<string, unknown>>(
+          retrieval(`/collections/${enc(collection)}/documents/${enc(c.document_id)}`),
+        );
+        const text = typeof doc.text === "string" ? doc.text : null;
+        if (text && c.end <= text.length) {
+          clear(body);
+          body.append(...highlightSpan(text, c.start, c.end));
+        }
+      } catch {
+        /* the chunk text alone is still the cited passage */
+      }
+    }
+    body.querySelector("mark")?.scrollIntoView({ block: "center" });
+  }
+  return { open: (c, col) => void open(c, col), el };
+}
+
+function stepView(step: Step): HTMLElement {
+  const { kind, ...rest } = step;
+  delete (rest as Record<string, unknown>).type;
+  let text: string;
+  if (kind === "tool_call") {
+    const tool = rest.tool ?? rest.name ?? "tool";
+    const args = rest.input ?? rest.arguments ?? rest.args;
+    text = `${tool}(${typeof args === "string" ? args : JSON.stringify(args ?? {})})`;
+  } else {
+    const t = rest.text ?? rest.content ?? rest.output ?? rest.observation ?? rest.answer;
+    text = typeof t === "string" ? t : JSON.stringify(rest);
+  }
+  return h("li", { class: `step step-${kind}` }, h("span", { class: "step-kind" }, kind.replace("_", " ")), " ", text);
+}
+
+export function chatPage(root: HTMLElement, args: string[]) {
+  let target = loadTarget();
+  let conversationId: string | null = args[0] ?? null;
+  let socket: WebSocket | null = null;
+  let streaming = false;
+  let disposed = false;
+
+  const dialog = citationDialog();
+
+  // --- sidebar: conversations -------------------------------------------------
+  const convList = h("ul", { class: "conv-list", "aria-label": "Conversations" });
+  const newButton = h("button", { type: "button", class: "primary", id: "new-conversation" }, "New conversation");
+  const sidebar = h(
+    "aside",
+    { class: "sidebar", "aria-label": "Conversations" },
+    h("div", { class: "sidebar-head" }, h("h2", null, "Conversations"), newButton),
+    convList,
+  );
+
+  // --- target selection ---------------------------------------------------------
+  const kindSel = h(
+    "select",
+    { id: "chat-kind" },
+    h("option", { value: "pipeline" }, "Pipeline"),
+    h("option", { value: "agent" }, "Agent"),
+  );
+  const nameSel = h("select", { id: "chat-name" });
+  const collSel = h("select", { id: "chat-collection" });
+  const toolbar = h(
+    "div",
+    { class: "toolbar", role: "group", "aria-label": "What to chat with" },
+    field("Kind", kindSel),
+    field("Pipeline or agent", nameSel),
+    field("Collection", collSel),
+  );
+
+  // --- messages and composer --------------------------------------------------
+  const log = h("div", { class: "messages", role: "log", "aria-live": "polite", "aria-label": "Messages" });
+  const input = h("textarea", {
+    id: "chat-input",
+    rows: "2",
+    placeholder: "Ask about your documents…  (Enter sends, Shift+Enter adds a line)",
+  });
+  const send = h("button", { type: "submit", class: "primary", id: "chat-send" }, "Send");
+  const stop = h("button", { type: "button", id: "chat-stop", disabled: true }, "Stop");
+  const composer = h(
+    "form",
+    { class: "composer" },
+    h("label", { for: "chat-input", class: "visually-hidden" }, "Message"),
+    input,
+    h("div", { class: "composer-buttons" }, send, stop),
+  );
+  const chat = h("section", { class: "chat", "aria-label": "Chat" }, toolbar, log, composer);
+  root.appendChild(h("div", { class: "chat-layout" }, sidebar, chat, dialog.el));
+
+  let choices: { pipelines: string[]; agents: string[] } = { pipelines: [target.name], agents: [] };
+
+  function fillNames(): void {
+    const names = target.kind === "agent" ? choices.agents : choices.pipelines;
+    clear(nameSel);
+    for (const n of names) nameSel.appendChild(h("option", { value: n }, n));
+    if (!names.length) nameSel.appendChild(h("option", { value: "" }, "(none offered)"));
+    if (names.includes(target.name)) nameSel.value = target.name;
+    else target.name = nameSel.value;
+  }
+
+  function saveTarget(): void {
+    target = { kind: kindSel.value as Target["kind"], name: nameSel.value, collection: collSel.value };
+    localStorage.setItem(PREFS, JSON.stringify(target));
+  }
+
+  kindSel.value = target.kind;
+  kindSel.addEventListener("change", () => {
+    target.kind = kindSel.value as Target["kind"];
+    fillNames();
+    saveTarget();
+  });
+  nameSel.addEventListener("change", saveTarget);
+  collSel.addEventListener("change", saveTarget);
+
+  void loadChoices().then((c) => {
+    choices = c;
+    kindSel.querySelector<HTMLOptionElement>('option[value="agent"]')!.disabled = !c.agents.length;
+    fillNames();
+  });
+  void loadCollections()
+    .then((cols) => {
+      clear(collSel);
+      collSel.appendChild(h("option", { value: "" }, "(no collection)"));
+      for (const c of cols) collSel.appendChild(h("option", { value: c }, c));
+      if (cols.includes(target.collection)) collSel.value = target.collection;
+      else if (cols.length) collSel.value = cols.includes("docs") ? "docs" : cols[0];
+      target.collection = collSel.value;
+    })
+    .catch((exc: ApiError) => toast(`Collections: ${exc.message}`, "error"));
+
+  // --- conversations ----------------------------------------------------------
+  async function refreshConversations(): Promise<void> {
+    let convs: Conversation[];
+    try {
+      convs = listOf<Conversation>(await api("/v1/conversations"), "conversations");
+    } catch (exc) {
+      toast(`Conversations: ${(exc as Error).message}`, "error");
+      return;
+    }
+    clear(convList);
+    if (!convs.length) convList.appendChild(h("li", { class: "muted empty" }, "No conversations yet."));
+    for (const c of convs) convList.appendChild(convItem(c));
+  }
+
+  function convItem(c: Conversation): HTMLElement {
+    const id = convId(c);
+    const label = c.title?.trim() || "Untitled";
+    const link = h(
+      "a",
+      { href: `#/chat/${enc(id)}`, class: "conv-link", "aria-current": id === conversationId ? "page" : false },
+      label,
+    );
+    const rename = h("button", { type: "button", class: "icon", "aria-label": `Rename “${label}”`, title: "Rename" }, "✎");
+    const del = h("button", { type: "button", class: "icon", "aria-label": `Delete “${label}”`, title: "Delete" }, "🗑");
+    const li = h("li", { class: "conv", "data-id": id }, link, rename, del);
+    rename.addEventListener("click", () => {
+      const box = h("input", { type: "text", value: label, "aria-label": "New title", class: "rename-input" });
+      const form = h("form", { class: "rename" }, box);
+      li.replaceChildren(form);
+      box.focus();
+      box.select();
+      const finish = async (save: boolean) => {
+        if (!li.isConnected) return;
+        const title = box.value.trim();
+        if (save && title && title !== label) {
+          try {
+            await api(`/v1/conversations/${enc(id)}`, { method: "PATCH", json: { title } });
+          } catch (exc) {
+            toast(`Rename failed: ${(exc as Error).message}`, "error");
+          }
+        }
+        await refreshConversations();
+        convList.querySelector<HTMLElement>(`li[data-id="${CSS.escape(id)}"] .conv-link`)?.focus();
+      };
+      form.addEventListener("submit", (ev) => {
+        ev.preventDefault();
+        void finish(true);
+      });
+      box.addEventListener("keydown", (ev) => {
+        if (ev.key === "Escape") void finish(false);
+      });
+      box.addEventListener("blur", () => void finish(true), { once: true });
+    });
+    del.addEventListener("click", async () => {
+      if (!confirm(`Delete the conversation “${label}”?`)) return;
+      try {
+        await api(`/v1/conversations/${enc(id)}`, { method: "DELETE" });
+      } catch (exc) {
+        toast(`Delete failed: ${(exc as Error).message}`, "error");
+        return;
+      }
+      if (id === conversationId) location.hash = "#/chat";
+      await refreshConversations();
+      newButton.focus();
+    });
+    return li;
+  }
+
+  newButton.addEventListener("click", () => {
+    location.hash = "#/chat";
+    showConversation(null);
+    input.focus();
+  });
+
+  // --- messages ---------------------------------------------------------------
+  function userMessage(text: string): HTMLElement {
+    return h("article", { class: "msg user" }, h("h3", { class: "visually-hidden" }, "You"), h("p", null, text));
+  }
+
+  interface AnswerView {
+    el: HTMLElement;
+    setText: (text: string) => void;
+    addCitation: (c: Citation) => void;
+    addStep: (s: Step) => void;
+    setError: (m: string) => void;
+    finish: () => void;
+  }
+
+  function answerMessage(collection: string): AnswerView {
+    const body = h("div", { class: "md" });
+    const stepsList = h("ol", { class: "steps" });
+    const steps = h("details", { class: "steps-box", open: true, hidden: true }, h("summary", null, "Agent steps"), stepsList);
+    const chips = h("div", { class: "chips", role: "list", "aria-label": "Citations", hidden: true });
+    const error = h("p", { class: "error", role: "alert", hidden: true });
+    const el = h(
+      "article",
+      { class: "msg assistant", "aria-busy": "true" },
+      h("h3", { class: "visually-hidden" }, "Answer"),
+      steps,
+      body,
+      chips,
+      error,
+    );
+    const cites = new Map<number, Citation>();
+    let text = "";
+    let pending = false;
+    const render = () => {
+      pending = false;
+      body.replaceChildren(renderMarkdown(text));
+      linkCitations(body, (n) => {
+        const c = cites.get(n);
+        if (!c) return null;
+        return h(
+          "button",
+          { type: "button", class: "cite-ref", "aria-label": `Citation ${n}: ${c.title ?? ""}`, onclick: () => dialog.open(c, collection) },
+          `[${n}]`,
+        );
+      });
+    };
+    const schedule = () => {
+      if (!pending) {
+        pending = true;
+        requestAnimationFrame(render);
+      }
+    };
+    return {
+      el,
+      setText(t) {
+        text = t;
+        schedule();
+      },
+      addCitation(c) {
+        if (cites.has(c.index)) return;
+        cites.set(c.index, c);
+        chips.hidden = false;
+        const chip = h(
+          "button",
+          { type: "button", class: "chip", role: "listitem", title: c.text?.slice(0, 200) ?? "" },
+          h("span", { class: "chip-n" }, String(c.index)),
+          " ",
+          c.title || c.document_id || "source",
+        );
+        chip.addEventListener("click", () => dialog.open(c, collection));
+        chips.appendChild(chip);
+        schedule();
+      },
+      addStep(s) {
+        steps.hidden = false;
+        stepsList.appendChild(stepView(s));
+      },
+      setError(m) {
+        error.hidden = false;
+        error.textContent = m;
+      },
+      finish() {
+        el.setAttribute("aria-busy", "false");
+        render();
+        if (stepsList.children.length) steps.open = false;
+      },
+    };
+  }
+
+  function scrollDown(): void {
+    const nearBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 120;
+    if (nearBottom) log.scrollTop = log.scrollHeight;
+  }
+
+  async function showConversation(id: string | null): Promise<void> {
+    conversationId = id;
+    for (const a of convList.querySelectorAll("a.conv-link")) a.removeAttribute("aria-current");
+    if (id) convList.querySelector(`li[data-id="${CSS.escape(id)}"] a`)?.setAttribute("aria-current", "page");
+    clear(log);
+    if (!id) {
+      log.appendChild(
+        h(
+          "div",
+          { class: "empty-chat" },
+          h("h2", null, "Ask your documents"),
+          h("p", null, "Pick a collection above and ask a question; answers cite the passages they use."),
+        ),
+      );
+      return;
+    }
+    try {
+      const conv = await api<Record<string, unknown>>(`/v1/conversations/${enc(id)}`);
+      if (conversationId !== id) return;
+      for (const m of listOf<StoredMessage>(conv, "messages")) {
+        if (m.role === "user") log.appendChild(userMessage(m.content));
+        else if (m.role === "assistant") {
+          const view = answerMessage(target.collection);
+          for (const c of m.citations ?? []) view.addCitation(c);
+          for (const s of m.steps ?? []) view.addStep(s);
+          view.setText(m.content);
+          view.finish();
+          log.appendChild(view.el);
+        }
+      }
+      log.scrollTop = log.scrollHeight;
+    } catch (exc) {
+      if ((exc as ApiError).status === 404) {
+        toast("That conversation no longer exists.", "error");
+        location.hash = "#/chat";
+      } else toast(`Conversation: ${(exc as Error).message}`, "error");
+    }
+  }
+
+  function setStreaming(on: boolean): void {
+    streaming = on;
+    send.disabled = on;
+    stop.disabled = !on;
+    input.setAttribute("aria-disabled", String(on));
+  }
+
+  function ask(message: string): void {
+    const key = getKey();
+    if (!key) return;
+    saveTarget();
+    const collection = target.collection;
+    const empty = log.querySelector(".empty-chat");
+    empty?.remove();
+    log.appendChild(userMessage(message));
+    const view = answerMessage(collection);
+    log.appendChild(view.el);
+    log.scrollTop = log.scrollHeight;
+    setStreaming(true);
+    let text = "";
+    let finished = false;
+    const ws = new WebSocket(wsUrl("/v1/ws/chat"), ["tandem.bearer", key]);
+    socket = ws;
+    const done = (error?: string) => {
+      if (finished) return;
+      finished = true;
+      if (error) view.setError(error);
+      view.finish();
+      setStreaming(false);
+      if (socket === ws) socket = null;
+      if (ws.readyState === WebSocket.OPEN) ws.close(1000);
+      void refreshConversations();
+      if (!disposed) input.focus();
+    };
+    ws.onopen = () => {
+      const msg: Record<string, unknown> = { [target.kind]: target.name, message };
+      if (collection) msg.collection = collection;
+      if (conversationId) msg.conversation_id = conversationId;
+      ws.send(JSON.stringify(msg));
+    };
+    ws.onmessage = (ev) => {
+      let e: Record<string, unknown>;
+      try {
+        e = JSON.parse(String(ev.data));
+      } catch {
+        return;
+      }
+      switch (e.type) {
+        case "conversation":
+          if (typeof e.conversation_id === "string" && e.conversation_id !== conversationId) {
+            conversationId = e.conversation_id;
+            // Put the conversation in the URL without rebuilding the page (onRoute says "handled").
+            location.hash = `#/chat/${enc(conversationId)}`;
+            void refreshConversations();
+          }
+          break;
+        case "token":
+          text += String(e.text ?? "");
+          view.setText(text);
+          scrollDown();
+          break;
+        case "citation":
+          view.addCitation(e as unknown as Citation);
+          break;
+        case "step":
+          view.addStep(e as unknown as Step);
+          if (e.kind === "final" && !text && typeof e.text === "string") {
+            text = e.text;
+            view.setText(text);
+          }
+          scrollDown();
+          break;
+        case "error":
+          done(String(e.message ?? "error"));
+          break;
+        case "done":
+          for (const c of listOf<Citation>(e, "citations")) view.addCitation(c);
+          done();
+          break;
+      }
+    };
+    ws.onerror = () => done("The connection to the chat service failed.");
+    ws.onclose = (ev) => {
+      if (!finished) {
+        const reason = ev.code === 1008 || ev.code === 4401 ? "The API key was refused." : `connection closed (${ev.code})`;
+        done(text ? undefined : reason);
+      }
+    };
+  }
+
+  composer.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const message = input.value.trim();
+    if (!message || streaming) return;
+    if (!target.name) {
+      toast("Choose a pipeline or agent first.", "error");
+      nameSel.focus();
+      return;
+    }
+    input.value = "";
+    ask(message);
+  });
+  input.addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
+      ev.preventDefault();
+      composer.requestSubmit();
+    }
+  });
+  stop.addEventListener("click", () => {
+    if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "stop" }));
+    stop.disabled = true;
+  });
+
+  void refreshConversations();
+  void showConversation(conversationId);
+  input.focus();
+
+  return {
+    onRoute(newArgs: string[]) {
+      const id = newArgs[0] ?? null;
+      if (id !== conversationId) void showConversation(id);
+      return true;
+    },
+    dispose() {
+      disposed = true;
+      socket?.close(1000);
+    },
+  };
+}
