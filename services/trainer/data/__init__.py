@@ -1,0 +1,1 @@
+"""Dataset formats, tokenisation with chat templates, and packing."""

@@ -1,0 +1,321 @@
+"""Dataset formats: parse JSONL rows into one normalised record shape per job kind.
+
+Every row is checked when the file is uploaded, so a job never starts on a file
+that would fail half-way. Errors name the line (1-based) and the field.
+
+Accepted formats (detected from the first row; every later row must match it):
+
+============  =====================================================  ===========
+format        fields of a row                                        usable for
+============  =====================================================  ===========
+alpaca        ``instruction``, ``input``?, ``output``, ``system``?  sft, rl
+sharegpt      ``conversations``: [{``from``, ``value``}]            sft
+messages      ``messages``: [{``role``, ``content``}] (OpenAI)      sft, rl
+completion    ``prompt``, ``completion``                             sft, rl
+gsm8k         ``question``, ``answer``                               sft, rl
+preference    ``prompt``, ``chosen``, ``rejected`` (str or messages) dpo
+hh-rlhf       ``chosen``, ``rejected`` (whole ``Human:/Assistant:``) dpo
+prompt        ``prompt`` (str or messages), ``answer``?              rl
+============  =====================================================  ===========
+
+Normalised records (what the tokenizer side sees):
+
+- sft: ``{"messages": [...]}`` with at least one assistant message;
+- dpo: ``{"prompt": [...], "chosen": [...], "rejected": [...]}``: the prompt
+  messages and the two assistant continuations;
+- rl:  ``{"prompt": [...], "answer": str | None}``: the reference answer is what
+  a verifiable reward (GSM8K exact match) checks against.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["sft", "dpo", "rl"]
+Message = dict[str, str]
+
+FORMAT_KINDS: dict[str, tuple[Kind, ...]] = {
+    "alpaca": ("sft", "rl"),
+    "sharegpt": ("sft",),
+    "messages": ("sft", "rl"),
+    "completion": ("sft", "rl"),
+    "gsm8k": ("sft", "rl"),
+    "preference": ("dpo",),
+    "hh-rlhf": ("dpo",),
+    "prompt": ("rl",),
+}
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+MAX_ERRORS = 5
+
+
+class DatasetError(ValueError):
+    """A dataset row is malformed; ``line`` is 1-based, ``field`` the offending key."""
+
+    def __init__(self, message: str, *, line: int | None = None, field: str | None = None) -> None:
+        where = f"line {line}: " if line is not None else ""
+        super().__init__(where + message)
+        self.line = line
+        self.field = field
+
+
+@dataclass
+class ParsedDataset:
+    format: str
+    kinds: tuple[Kind, ...]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def detect_format(row: dict[str, Any]) -> str | None:
+    keys = set(row)
+    if "conversations" in keys:
+        return "sharegpt"
+    if "chosen" in keys or "rejected" in keys:
+        return "preference" if "prompt" in keys else "hh-rlhf"
+    if "messages" in keys:
+        return "messages"
+    if "instruction" in keys or "output" in keys:
+        return "alpaca"
+    if "question" in keys:
+        return "gsm8k"
+    if "completion" in keys:
+        return "completion"
+    if "prompt" in keys:
+        return "prompt"
+    return None
+
+
+def _text(row: dict[str, Any], key: str, line: int, *, required: bool = True, fmt: str = "") -> str:
+    if key not in row or row[key] is None:
+        if required:
+            raise DatasetError(f"field {key!r} is missing ({fmt} rows need it)", line=line, field=key)
+        return ""
+    value = row[key]
+    if not isinstance(value, str):
+        raise DatasetError(f"field {key!r} must be a string, got {type(value).__name__}", line=line, field=key)
+    if required and not value.strip():
+        raise DatasetError(f"field {key!r} is empty", line=line, field=key)
+    return value
+
+
+def _messages(value: Any, line: int, key: str, *, role_key: str = "role", content_key: str = "content") -> list[Message]:
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"field {key!r} must be a non-empty list of messages", line=line, field=key)
+    out: list[Message] = []
+    for i, msg in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(msg, dict):
+            raise DatasetError(f"field {where!r} must be an object", line=line, field=where)
+        role = msg.get(role_key)
+        if role_key == "from":
+            role = SHAREGPT_ROLES.get(str(role).lower()) if role is not None else None
+        if role not in ROLES:
+            raise DatasetError(
+                f"field '{where}.{role_key}' must be one of {', '.join(ROLES) if role_key == 'role' else ', '.join(SHAREGPT_ROLES)}"
+                f" (got {msg.get(role_key)!r})",
+                line=line,
+                field=f"{where}.{role_key}",
+            )
+        content = msg.get(content_key)
+        if not isinstance(content, str):
+            raise DatasetError(
+                f"field '{where}.{content_key}' must be a string", line=line, field=f"{where}.{content_key}"
+            )
+        out.append({"role": str(role), "content": content})
+    return out
+
+
+def _prompt_messages(value: Any, line: int, key: str = "prompt") -> list[Message]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(f"field {key!r} is empty", line=line, field=key)
+        return [{"role": "user", "content": value}]
+    msgs = _messages(value, line, key)
+    if msgs[-1]["role"] == "assistant":
+        raise DatasetError(f"field {key!r} must not end with an assistant message", line=line, field=key)
+    return msgs
+
+
+def _continuation(value: Any, line: int, key: str) -> list[Message]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(f"field {key!r} is empty", line=line, field=key)
+        return [{"role": "assistant", "content": value}]
+    msgs = _messages(value, line, key)
+    if msgs[-1]["role"] != "assistant":
+        raise DatasetError(f"field {key!r} must end with an assistant message", line=line, field=key)
+    return msgs
+
+
+HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def parse_hh_dialogue(text: str) -> list[Message]:
+    """``"\\n\\nHuman: ...\\n\\nAssistant: ..."`` into messages."""
+    parts = HH_TURN.split(text)
+    if parts[0].strip():
+        raise ValueError("text before the first 'Human:' turn")
+    msgs = []
+    for speaker, content in zip(parts[1::2], parts[2::2], strict=True):
+        msgs.append({"role": "user" if speaker == "Human" else "assistant", "content": content.strip()})
+    return msgs
+
+
+def split_hh_pair(chosen: str, rejected: str) -> tuple[list[Message], list[Message], list[Message]]:
+    """Split an HH-RLHF pair at the last shared ``Assistant:`` turn: (prompt, chosen, rejected).
+
+    The two dialogues share everything up to and including the last ``Assistant:``
+    tag they both reach at the same offset; what follows is the answer being judged.
+    """
+    tag = "\n\nAssistant:"
+    limit = 0
+    while limit < min(len(chosen), len(rejected)) and chosen[limit] == rejected[limit]:
+        limit += 1
+    cut = chosen.rfind(tag, 0, limit)
+    if cut < 0:
+        raise ValueError("the two dialogues share no 'Assistant:' turn")
+    prompt = parse_hh_dialogue(chosen[:cut])
+    if not prompt or prompt[-1]["role"] != "user":
+        raise ValueError("the shared part does not end with a 'Human:' turn")
+    answer_c = chosen[cut + len(tag) :].strip()
+    answer_r = rejected[cut + len(tag) :].strip()
+    return prompt, [{"role": "assistant", "content": answer_c}], [{"role": "assistant", "content": answer_r}]
+
+
+def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
+    """One row of format ``fmt`` into the normalised records of every kind it supports."""
+    if fmt == "alpaca":
+        instruction = _text(row, "instruction", line, fmt=fmt)
+        extra = _text(row, "input", line, required=False)
+        output = _text(row, "output", line, fmt=fmt)
+        system = _text(row, "system", line, required=False)
+        prompt = [{"role": "system", "content": system}] if system else []
+        prompt.append({"role": "user", "content": f"{instruction}\n\n{extra}" if extra.strip() else instruction})
+        return {"messages": [*prompt, {"role": "assistant", "content": output}], "prompt": prompt, "answer": output}
+    if fmt in ("sharegpt", "messages"):
+        key = "conversations" if fmt == "sharegpt" else "messages"
+        if key not in row:
+            raise DatasetError(f"field {key!r} is missing ({fmt} rows need it)", line=line, field=key)
+        msgs = (
+            _messages(row[key], line, key, role_key="from", content_key="value")
+            if fmt == "sharegpt"
+            else _messages(row[key], line, key)
+        )
+        rec: dict[str, Any] = {"messages": msgs}
+        if msgs[-1]["role"] == "assistant":
+            rec["prompt"], rec["answer"] = msgs[:-1], msgs[-1]["content"]
+        else:
+            rec["prompt"], rec["answer"] = msgs, row.get("answer")
+        return rec
+    if fmt in ("completion", "gsm8k"):
+        pk, ck = ("prompt", "completion") if fmt == "completion" else ("question", "answer")
+        prompt_text = _text(row, pk, line, fmt=fmt)
+        completion = _text(row, ck, line, fmt=fmt)
+        prompt = [{"role": "user", "content": prompt_text}]
+        return {"messages": [*prompt, {"role": "assistant", "content": completion}], "prompt": prompt, "answer": completion}
+    if fmt == "preference":
+        if "prompt" not in row:
+            raise DatasetError("field 'prompt' is missing (preference rows need it)", line=line, field="prompt")
+        for key in ("chosen", "rejected"):
+            if key not in row:
+                raise DatasetError(f"field {key!r} is missing (preference rows need it)", line=line, field=key)
+        return {
+            "prompt": _prompt_messages(row["prompt"], line),
+            "chosen": _continuation(row["chosen"], line, "chosen"),
+            "rejected": _continuation(row["rejected"], line, "rejected"),
+        }
+    if fmt == "hh-rlhf":
+        chosen = _text(row, "chosen", line, fmt=fmt)
+        rejected = _text(row, "rejected", line, fmt=fmt)
+        try:
+            prompt, c, r = split_hh_pair(chosen, rejected)
+        except ValueError as exc:
+            raise DatasetError(f"field 'chosen'/'rejected': {exc}", line=line, field="chosen") from None
+        return {"prompt": prompt, "chosen": c, "rejected": r}
+    if fmt == "prompt":
+        if "prompt" not in row:
+            raise DatasetError("field 'prompt' is missing (prompt rows need it)", line=line, field="prompt")
+        answer = row.get("answer")
+        if answer is not None and not isinstance(answer, str | int | float):
+            raise DatasetError("field 'answer' must be a string or a number", line=line, field="answer")
+        return {"prompt": _prompt_messages(row["prompt"], line), "answer": None if answer is None else str(answer)}
+    raise DatasetError(f"unknown format {fmt!r}")
+
+
+def check_kind(record: dict[str, Any], kind: Kind, line: int) -> None:
+    if kind == "sft":
+        msgs = record.get("messages") or []
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DatasetError("no assistant message to learn from", line=line, field="messages")
+
+
+def iter_lines(data: bytes) -> Iterator[tuple[int, str]]:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise DatasetError("not valid UTF-8", line=line) from None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if raw.strip():
+            yield number, raw
+
+
+def parse_dataset(
+    data: bytes | Iterable[tuple[int, str]], *, max_rows: int | None = None, kind: Kind | None = None
+) -> ParsedDataset:
+    """Parse and validate a whole JSONL file. Raises ``DatasetError`` naming up to five bad lines."""
+    lines = iter_lines(data) if isinstance(data, bytes) else iter(data)
+    fmt: str | None = None
+    records: list[dict[str, Any]] = []
+    errors: list[DatasetError] = []
+    for number, raw in lines:
+        try:
+            row = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            errors.append(DatasetError(f"malformed JSON ({exc.msg} at column {exc.colno})", line=number))
+        else:
+            try:
+                if not isinstance(row, dict):
+                    raise DatasetError(f"each line must be a JSON object, got {type(row).__name__}", line=number)
+                if fmt is None:
+                    fmt = detect_format(row)
+                    if fmt is None:
+                        raise DatasetError(
+                            "unrecognised row: expected one of the fields messages, conversations, instruction/output, "
+                            f"prompt/completion, question/answer, prompt/chosen/rejected, chosen/rejected (got {sorted(row)})",
+                            line=number,
+                        )
+                    if kind is not None and kind not in FORMAT_KINDS[fmt]:
+                        raise DatasetError(
+                            f"{fmt} rows cannot be used for {kind} (they suit {', '.join(FORMAT_KINDS[fmt])})",
+                            line=number,
+                        )
+                rec = normalise_row(fmt, row, number)
+                if kind is not None:
+                    check_kind(rec, kind, number)
+                records.append(rec)
+            except DatasetError as exc:
+                errors.append(exc)
+        if len(errors) >= MAX_ERRORS:
+            break
+        if max_rows is not None and len(records) > max_rows:
+            raise DatasetError(f"more than {max_rows} rows")
+    if errors:
+        first = errors[0]
+        message = "; ".join(str(e) for e in errors)
+        raise DatasetError(message, line=first.line, field=first.field) from None
+    if fmt is None or not records:
+        raise DatasetError("the file is empty (no JSON lines)")
+    return ParsedDataset(fmt, FORMAT_KINDS[fmt], records)
+
+
+def records_for(parsed: ParsedDataset, kind: Kind) -> list[dict[str, Any]]:
+    if kind not in parsed.kinds:
+        raise DatasetError(f"a {parsed.format} dataset cannot be used for {kind} (it suits {', '.join(parsed.kinds)})")
+    for i, rec in enumerate(parsed.records):
+        check_kind(rec, kind, i + 1)
+    return parsed.records

@@ -1,0 +1,140 @@
+"""Model components: loading with the FlashMask attention, LoRA, and per-token log-probs.
+
+Log-probs are computed from the decoder's hidden states through the output head in
+chunks, each recomputed in the backward pass (activation checkpointing): a 4096-token
+pack times a 49K vocabulary would otherwise hold 800 MB of fp32 logits and as much
+again of their gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger("tandem.trainer.modeling")
+
+HEAD_CHUNK = 1024
+ATTN = "flashmask"
+
+
+class ModelError(ValueError):
+    pass
+
+
+def attention_name() -> str:
+    """Register the kernels' attention with transformers (idempotent) and return its name."""
+    import kernels
+
+    return str(kernels.register_hf_attention())
+
+
+def load_causal_lm(
+    path: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | None = None, attn: str = ATTN
+) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    impl = attention_name() if attn == ATTN else attn
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, attn_implementation=impl)
+    if device is not None:
+        model.to(device)
+    return model
+
+
+def linear_module_names(model: nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+
+
+def check_lora_targets(model_path: str | Path, targets: Sequence[str]) -> None:
+    """Refuse LoRA targets that name no linear layer of the model (built on the meta device: no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = linear_module_names(skeleton)
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ModelError(
+            f"lora.target_modules: {', '.join(repr(m) for m in missing)} not found in the model "
+            f"(its linear layers: {', '.join(sorted(names))})"
+        )
+
+
+def apply_lora(model: Any, r: int, alpha: float, dropout: float, targets: Sequence[str]) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def base_lm(model: Any) -> Any:
+    """The underlying ``*ForCausalLM`` (through a PEFT wrapper)."""
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def hidden_states(
+    model: Any,
+    input_ids: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    startend_row_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Last hidden states ``[B, S, H]`` of the decoder (no logits)."""
+    lm = base_lm(model)
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if startend_row_indices is not None:
+        kwargs["startend_row_indices"] = startend_row_indices
+    out = lm.get_decoder()(**kwargs)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _chunk_logps(head: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(h).float()
+    return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def gather_logps(model: Any, hidden: torch.Tensor, src: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Log-prob of ``targets[i]`` under the logits at flat position ``src[i]`` of ``hidden``."""
+    head = base_lm(model).get_output_embeddings()
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    picked = flat.index_select(0, src.to(flat.device))
+    targets = targets.to(flat.device)
+    parts = []
+    for start in range(0, picked.shape[0], HEAD_CHUNK):
+        h = picked[start : start + HEAD_CHUNK]
+        t = targets[start : start + HEAD_CHUNK]
+        if torch.is_grad_enabled() and h.requires_grad:
+            parts.append(checkpoint(_chunk_logps, head, h, t, use_reentrant=False))
+        else:
+            parts.append(_chunk_logps(head, h, t))
+    return torch.cat(parts) if parts else picked.new_zeros(0)
+
+
+def label_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions, targets) of every label that is not -100 (labels already shifted)."""
+    flat = labels.reshape(-1)
+    pos = (flat != -100).nonzero().squeeze(-1)
+    return pos, flat[pos]
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total

@@ -1,0 +1,149 @@
+"""Wire models of the trainer API (``/v1/files``, ``/v1/jobs``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+JobType = Literal["sft", "dpo", "ppo", "grpo"]
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+TERMINAL: tuple[str, ...] = ("succeeded", "failed", "cancelled")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoraSpec(Strict):
+    r: int = Field(8, ge=1, le=1024, description="LoRA rank")
+    alpha: float = Field(16.0, gt=0, le=4096, description="LoRA scaling numerator (alpha / r)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names (last component) of the linear layers to adapt",
+    )
+
+
+class Hyperparameters(Strict):
+    """Every knob a recipe reads; ranges refuse values that cannot train."""
+
+    learning_rate: float | None = Field(None, gt=0, le=1.0, description="default 1e-4 for LoRA, 1e-5 full")
+    n_epochs: int = Field(1, ge=1, le=100)
+    max_steps: int | None = Field(None, ge=1, le=1_000_000, description="cap on optimizer steps")
+    batch_size: int = Field(8, ge=1, le=4096, description="samples (or pairs) per step without packing")
+    packs_per_step: int = Field(1, ge=1, le=1024, description="packs per optimizer step with packing")
+    warmup_steps: int = Field(0, ge=0, le=1_000_000)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    max_grad_norm: float = Field(1.0, ge=0.0, le=1e4, description="0 disables clipping")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    checkpoint_every: int | None = Field(None, ge=1, le=1_000_000)
+    gradient_checkpointing: bool = False
+    # DPO
+    beta: float = Field(0.1, gt=0.0, le=10.0)
+    # PPO / GRPO
+    prompts_per_step: int = Field(4, ge=1, le=1024)
+    group_size: int = Field(4, ge=2, le=256, description="GRPO completions per prompt")
+    max_new_tokens: int = Field(64, ge=1, le=8192)
+    temperature: float = Field(1.0, gt=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    kl_coef: float = Field(0.05, ge=0.0, le=10.0)
+    clip_range: float = Field(0.2, gt=0.0, le=1.0)
+    vf_coef: float = Field(0.5, ge=0.0, le=10.0)
+    gamma: float = Field(1.0, gt=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    ppo_epochs: int = Field(1, ge=1, le=16)
+
+
+class RewardSpec(Strict):
+    function: str | None = Field(None, description="name of a registered reward function")
+    model: str | None = Field(None, description="reward-model folder under the allowed model roots")
+
+    @model_validator(mode="after")
+    def _one(self) -> RewardSpec:
+        if (self.function is None) == (self.model is None):
+            raise ValueError("give exactly one of 'function' or 'model'")
+        return self
+
+
+class JobCreate(Strict):
+    type: JobType
+    base_model: str = Field(min_length=1)
+    dataset: str = Field(min_length=1, description="file id from POST /v1/files")
+    eval_dataset: str | None = None
+    lora: LoraSpec | None = None
+    packing: bool = True
+    max_tokens_per_pack: int | None = Field(None, ge=64)
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    reward: RewardSpec | None = None
+    queue: Literal["cpu", "gpu", "npu"] | None = None
+    publish: bool = False
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_name(cls, value: Any) -> Any:
+        return {"function": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _reward_for_rl(self) -> JobCreate:
+        if self.type in ("ppo", "grpo") and self.reward is None:
+            raise ValueError(f"a {self.type} job needs 'reward' (a registered function name or a reward-model folder)")
+        if self.type in ("sft", "dpo") and self.reward is not None:
+            raise ValueError(f"'reward' only applies to ppo and grpo jobs, not {self.type}")
+        return self
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    filename: str
+    bytes: int
+    rows: int
+    format: str
+    kinds: list[str]
+    created_at: float
+
+
+class Progress(BaseModel):
+    step: int = 0
+    total: int = 0
+
+
+class Job(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    type: JobType
+    status: JobStatus
+    base_model: str
+    dataset: str
+    eval_dataset: str | None = None
+    queue: str
+    progress: Progress
+    metrics: dict[str, float] = Field(default_factory=dict)
+    error: str | None = None
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempts: int = 0
+    fine_tuned_model: str | None = None
+    published: bool = False
+    request: dict[str, Any] = Field(default_factory=dict)
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Job]
+
+
+class Artifact(BaseModel):
+    path: str
+    bytes: int
+    kind: Literal["checkpoint", "final"]
+    url: str
+
+
+class ArtifactList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Artifact]

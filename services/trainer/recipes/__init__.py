@@ -1,0 +1,1 @@
+"""Training recipes (torchtune-style): SFT, DPO, PPO, GRPO over shared components."""

@@ -1,0 +1,271 @@
+"""What every recipe shares: the config, model set-up, optimizer, and the step loop
+with checkpoints, resume and cancellation.
+
+A recipe is small: it builds its batch schedule in ``setup`` and does one optimizer
+step in ``train_step``. The loop here owns the rest, so SFT, DPO, PPO and GRPO
+checkpoint, resume and stop the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from services.common.platforms import current_platform
+from services.trainer import checkpoint as ckpt
+from services.trainer.modeling import apply_lora, count_params, load_causal_lm, trainable_state
+from services.trainer.protocol import Hyperparameters, LoraSpec
+
+log = logging.getLogger("tandem.trainer.recipes")
+
+
+@dataclass
+class TrainConfig:
+    kind: str  # sft | dpo | ppo | grpo
+    model_path: Path
+    records: list[dict[str, Any]]
+    hp: Hyperparameters = field(default_factory=Hyperparameters)
+    lora: LoraSpec | None = None
+    packing: bool = True
+    max_tokens_per_pack: int = 4096
+    pad_to_multiple_of: int = 1
+    reward: Any = None  # a RewardFn for ppo/grpo
+    device: torch.device | None = None
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    work_dir: Path | None = None  # checkpoints and caches live here
+
+    @property
+    def learning_rate(self) -> float:
+        if self.hp.learning_rate is not None:
+            return self.hp.learning_rate
+        return 1e-4 if self.lora is not None else 1e-5
+
+
+class Hooks(Protocol):
+    def should_stop(self) -> bool: ...
+    def report(self, step: int, total: int, metrics: dict[str, float]) -> None: ...
+    def log(self, message: str) -> None: ...
+    def resumed(self, step: int) -> None: ...
+
+
+class NullHooks:
+    def __init__(self) -> None:
+        self.history: list[dict[str, float]] = []
+
+    def should_stop(self) -> bool:
+        return False
+
+    def report(self, step: int, total: int, metrics: dict[str, float]) -> None:
+        self.history.append({"step": step, **metrics})
+
+    def log(self, message: str) -> None:
+        log.info(message)
+
+    def resumed(self, step: int) -> None:
+        self.history = [h for h in self.history if h["step"] <= step]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, total: int) -> Any:
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return max(0.0, 1.0 - progress)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Recipe:
+    """Base of the recipes: loads the model (LoRA or full) and runs the loop."""
+
+    total_steps: int = 0
+
+    def __init__(self, cfg: TrainConfig, hooks: Hooks | None = None) -> None:
+        self.cfg = cfg
+        self.hp = cfg.hp
+        self.hooks: Hooks = hooks or NullHooks()
+        self.device = cfg.device or current_platform().device()
+        self.platform = current_platform()
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.last_metrics: dict[str, float] = {}
+
+    # ---- set-up
+    def load_model(self, attn: str = "flashmask") -> None:
+        from transformers import AutoTokenizer
+
+        seed_everything(self.hp.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.cfg.model_path))
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        model = load_causal_lm(self.cfg.model_path, device=self.device, attn=attn)
+        if self.hp.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.lora is not None:
+            lo = self.cfg.lora
+            model = apply_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules)
+            if self.hp.gradient_checkpointing:
+                model.enable_input_require_grads()
+        model.train()
+        self.model = model
+        trainable, total = count_params(model)
+        self.hooks.log(f"model {self.cfg.model_path.name}: {trainable:,} trainable of {total:,} parameters")
+
+    def trainable_modules(self) -> list[torch.nn.Module]:
+        return [self.model]
+
+    def params(self) -> list[torch.nn.Parameter]:
+        seen: set[int] = set()
+        out = []
+        for mod in self.trainable_modules():
+            for p in mod.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def make_optimizer(self) -> None:
+        self.optimizer = torch.optim.AdamW(
+            self.params(), lr=self.cfg.learning_rate, weight_decay=self.hp.weight_decay, foreach=False
+        )
+        self.scheduler = make_scheduler(
+            self.optimizer, self.hp.lr_scheduler, self.hp.warmup_steps, max(self.total_steps, 1)
+        )
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def train_step(self, step: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    # ---- helpers for recipes
+    def autocast(self) -> Any:
+        if self.platform.is_accelerator and self.platform.default_dtype() != torch.float32:
+            return torch.autocast(self.device.type, dtype=self.platform.default_dtype())
+        return torch.autocast("cpu", enabled=False)
+
+    def optimizer_step(self) -> float:
+        assert self.optimizer is not None
+        params = self.params()
+        if self.hp.max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.hp.max_grad_norm))
+        else:
+            norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def lr(self) -> float:
+        assert self.optimizer is not None
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ---- state
+    def weights(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, mod in enumerate(self.trainable_modules()):
+            for k, v in trainable_state(mod).items():
+                out[f"{i}.{k}"] = v
+        return out
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for i, mod in enumerate(self.trainable_modules()):
+            prefix = f"{i}."
+            sub = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+            missing = [n for n, p in mod.named_parameters() if p.requires_grad and n not in sub]
+            if missing:
+                raise RuntimeError(f"checkpoint lacks {missing[:3]}")
+            mod.load_state_dict(sub, strict=False)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def save_final(self, out: Path) -> None:
+        """The model (full fine-tune) or the PEFT adapter, in Hugging Face format."""
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(out), safe_serialization=True)
+        self.tokenizer.save_pretrained(str(out))
+        (out / "tandem_training.json").write_text(
+            json.dumps(
+                {
+                    "type": self.cfg.kind,
+                    "base_model": str(self.cfg.model_path),
+                    "lora": self.cfg.lora.model_dump() if self.cfg.lora else None,
+                    "hyperparameters": self.hp.model_dump(),
+                    "steps": self.total_steps,
+                    "final_metrics": self.last_metrics,
+                },
+                indent=2,
+            )
+        )
+
+
+def run(recipe: Recipe, checkpoint_root: Path | None = None) -> str:
+    """Set up, resume from the latest checkpoint if any, and train; returns
+    ``"succeeded"`` or ``"cancelled"`` (a cancel is honoured before each step)."""
+    cfg = recipe.cfg
+    recipe.setup()
+    start = 0
+    if checkpoint_root is not None:
+        found = ckpt.latest_checkpoint(checkpoint_root)
+        if found is not None:
+            step, path = found
+            weights, state = ckpt.load_checkpoint(path)
+            recipe.load_weights(weights)
+            assert recipe.optimizer is not None
+            recipe.optimizer.load_state_dict(state["optimizer"])
+            recipe.scheduler.load_state_dict(state["scheduler"])
+            recipe.load_extra_state(state["extra"])
+            ckpt.set_rng_state(state["rng"])
+            start = step
+            recipe.hooks.resumed(step)
+            recipe.hooks.log(f"resumed from checkpoint step {step}")
+    total = recipe.total_steps
+    for step in range(start + 1, total + 1):
+        if recipe.hooks.should_stop():
+            recipe.hooks.log(f"cancelled before step {step}")
+            return "cancelled"
+        metrics = recipe.train_step(step)
+        recipe.last_metrics = metrics
+        recipe.hooks.report(step, total, metrics)
+        if checkpoint_root is not None and step % cfg.checkpoint_every == 0 and step < total:
+            assert recipe.optimizer is not None
+            ckpt.save_checkpoint(
+                checkpoint_root,
+                step,
+                weights=recipe.weights(),
+                optimizer=recipe.optimizer,
+                scheduler=recipe.scheduler,
+                extra=recipe.extra_state(),
+                keep=cfg.keep_checkpoints,
+            )
+            recipe.hooks.log(f"checkpoint at step {step}")
+    return "succeeded"
+
+
+ReportFn = Callable[[int, int, dict[str, float]], None]

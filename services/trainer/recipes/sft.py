@@ -1,0 +1,131 @@
+"""Supervised fine-tuning: token-mean loss on assistant tokens, packed or padded."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from services.trainer.data.packing import Pack, pack_sft, plan_packs
+from services.trainer.data.tokenize import IGNORE, SFTSample, tokenize_sft
+from services.trainer.losses import sft_loss
+from services.trainer.modeling import gather_logps, hidden_states, label_positions
+from services.trainer.recipes.base import Recipe
+
+
+def pack_logps(model: Any, pack: Pack) -> tuple[torch.Tensor, int]:
+    """Log-probs of every label token of a pack (FlashMask document mask); and their count."""
+    device = next(model.parameters()).device
+    h = hidden_states(
+        model,
+        pack.input_ids.to(device),
+        position_ids=pack.position_ids.to(device),
+        startend_row_indices=pack.mask().to(device),
+    )
+    pos, tgt = label_positions(pack.labels)
+    return gather_logps(model, h, pos, tgt), int(pos.numel())
+
+
+def pad_batch(samples: Sequence[SFTSample], indices: Sequence[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch to the longest sample, with shifted labels (the unpacked baseline)."""
+    longest = max(len(samples[i]) for i in indices)
+    ids = torch.full((len(indices), longest), pad_id, dtype=torch.long)
+    labels = torch.full((len(indices), longest), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(indices), longest), dtype=torch.long)
+    for row, i in enumerate(indices):
+        s = samples[i]
+        n = len(s)
+        ids[row, :n] = torch.tensor(s.input_ids)
+        labels[row, : n - 1] = torch.tensor(s.labels[1:])
+        mask[row, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def padded_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    device = next(model.parameters()).device
+    h = hidden_states(model, batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+    pos, tgt = label_positions(batch["labels"])
+    return gather_logps(model, h, pos, tgt), int(pos.numel())
+
+
+def tokenize_all(tokenizer: Any, records: Sequence[dict[str, Any]]) -> list[SFTSample]:
+    return [tokenize_sft(tokenizer, r["messages"]) for r in records]
+
+
+def sft_schedule(
+    lengths: Sequence[int], *, packing: bool, capacity: int, seed: int, epochs: int, per_step: int
+) -> list[list[list[int]]]:
+    """Steps -> micro-batches -> sample indices. A pure function of the seed, so a
+    resumed job finds its data position from the step number alone."""
+    steps: list[list[list[int]]] = []
+    for epoch in range(epochs):
+        if packing:
+            micro = plan_packs(lengths, capacity, seed=seed + epoch)
+        else:
+            order = list(range(len(lengths)))
+            random.Random(seed + epoch).shuffle(order)
+            micro = [order[i : i + per_step] for i in range(0, len(order), per_step)]
+        per = per_step if packing else 1
+        steps += [micro[i : i + per] for i in range(0, len(micro), per)]
+    return steps
+
+
+class SFTRecipe(Recipe):
+    def setup(self) -> None:
+        self.load_model(attn="flashmask" if self.cfg.packing else "sdpa")
+        self.samples = [s for s in tokenize_all(self.tokenizer, self.cfg.records) if any(x != IGNORE for x in s.labels)]
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.schedule = sft_schedule(
+            [len(s) for s in self.samples],
+            packing=self.cfg.packing,
+            capacity=self.cfg.max_tokens_per_pack,
+            seed=self.hp.seed,
+            epochs=self.hp.n_epochs,
+            per_step=self.hp.packs_per_step if self.cfg.packing else self.hp.batch_size,
+        )
+        self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
+        self.make_optimizer()
+        self.hooks.log(f"sft: {len(self.samples)} samples, {self.total_steps} steps, packing={self.cfg.packing}")
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        micro = self.schedule[step - 1]
+        if self.cfg.packing:
+            packs = [
+                pack_sft(self.samples, idx, pad_id=self.pad_id, pad_to_multiple_of=self.cfg.pad_to_multiple_of)
+                for idx in micro
+            ]
+            real = sum(p.real_tokens for p in packs)
+            processed = sum(p.total_tokens for p in packs)
+            n_tokens = sum(int((p.labels != IGNORE).sum()) for p in packs)
+            loss_total = 0.0
+            for p in packs:
+                with self.autocast():
+                    logps, _ = pack_logps(self.model, p)
+                loss = sft_loss(logps, n_tokens)
+                loss.backward()
+                loss_total += float(loss.detach())
+        else:
+            batch = pad_batch(self.samples, micro[0], self.pad_id)
+            real = int(batch["attention_mask"].sum())
+            processed = int(batch["attention_mask"].numel())
+            with self.autocast():
+                logps, n_tokens = padded_logps(self.model, batch)
+            loss = sft_loss(logps, n_tokens)
+            loss.backward()
+            loss_total = float(loss.detach())
+        lr = self.lr()
+        grad_norm = self.optimizer_step()
+        self.platform.synchronize()
+        dt = time.perf_counter() - t0
+        return {
+            "loss": loss_total,
+            "learning_rate": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": real / dt,
+            "padding_ratio": 1 - real / max(processed, 1),
+            "label_tokens": float(n_tokens),
+        }
