@@ -1,0 +1,109 @@
+"""The torch path (and the public API) against the dense reference: outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.flashmask.bounds import normalize_bounds
+from kernels.flashmask.reference import reference_attention
+from kernels.flashmask.torch_impl import torch_flashmask_attention
+from tests.kernels.cases import cases, compare_with_reference, qkv
+
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+
+
+@pytest.mark.parametrize("hq,hk", HEADS)
+@pytest.mark.parametrize("case", cases(77, 4, seed=3), ids=lambda c: c.name)
+def test_small_tiles_fp32(case, hq, hk) -> None:  # type: ignore[no-untyped-def]
+    """Odd size with 16-row/8-column tiles, so skipped, partial and full tiles all occur; a tiny
+    budget forces runs to split too."""
+    q, k, v = qkv(2, 77, hq, hk, 16, torch.float32, seed=hq + hk)
+    bounds = normalize_bounds(case.mask, causal=case.causal, batch=2, sq=77, sk=77, device=q.device)
+    out = torch_flashmask_attention(q, k, v, bounds, 16**-0.5, block_q=16, block_k=8, budget=2 * 4 * 16 * 16)
+    compare_with_reference(out, q, k, v, case, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", cases(300, 4, seed=5), ids=lambda c: c.name)
+def test_public_api_default_tiles(case, dtype) -> None:  # type: ignore[no-untyped-def]
+    q, k, v = qkv(1, 300, 4, 2, 32, dtype, seed=7)
+    out = kernels.flashmask_attention(q, k, v, case.mask, causal=case.causal, impl="torch")
+    compare_with_reference(out, q, k, v, case, dtype)
+
+
+def test_fully_masked_rows_are_zero_not_nan() -> None:
+    s = 40
+    # C=4 masking every row of every column: nothing is visible at all.
+    mask = torch.tensor([0, s, 0, 0], dtype=torch.int32).expand(1, 1, s, 4).contiguous()
+    q, k, v = qkv(1, s, 2, 2, 8, torch.float32)
+    for impl in ("torch", "reference"):
+        out = kernels.flashmask_attention(q, k, v, mask, causal=False, impl=impl)
+        assert torch.equal(out, torch.zeros_like(out))
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_one_token_and_unequal_lengths() -> None:
+    q, k, v = qkv(1, 1, 2, 1, 8, torch.float32)
+    out = kernels.flashmask_attention(q, k, v, impl="torch")
+    torch.testing.assert_close(out, v.repeat_interleave(2, dim=2))  # the only key is itself
+    # cross attention shapes (Sq != Sk), non-causal with a mask over the keys
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 9, 2, 8, generator=gen)
+    k = torch.randn(2, 20, 2, 8, generator=gen)
+    v = torch.randn(2, 20, 2, 8, generator=gen)
+    mask = torch.stack([torch.randint(0, 10, (2, 1, 20)), torch.randint(0, 10, (2, 1, 20))], -1).int()
+    out = kernels.flashmask_attention(q, k, v, mask, causal=False, impl="torch")
+    ref = reference_attention(q, k, v, mask, causal=False)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_softmax_scale_and_auto_on_cpu() -> None:
+    q, k, v = qkv(1, 33, 2, 2, 8, torch.float32)
+    mask = kernels.document_mask([10, 23])
+    assert kernels.choose_impl(q) == "torch"
+    out = kernels.flashmask_attention(q, k, v, mask, softmax_scale=0.3)
+    ref = reference_attention(q, k, v, mask, softmax_scale=0.3)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"mask": torch.zeros(1, 1, 5, 1, dtype=torch.int32)}, "key columns"),
+        ({"mask": torch.zeros(1, 3, 8, 1, dtype=torch.int32)}, "heads"),
+        ({"mask": torch.zeros(1, 1, 8, 4, dtype=torch.int32)}, "C=4"),
+        ({"mask": torch.zeros(1, 1, 8, 1)}, "integer"),
+        ({"mask": None, "impl": "cuda"}, "impl"),
+        ({"mask": None, "hk": 4}, "multiple"),
+    ],
+)
+def test_bad_input_names_the_value(kwargs, message) -> None:  # type: ignore[no-untyped-def]
+    q = torch.randn(1, 8, 6, 4)
+    k = torch.randn(1, 8, kwargs.get("hk", 2), 4)
+    with pytest.raises(ValueError, match=message):
+        kernels.flashmask_attention(q, k, k, kwargs["mask"], impl=kwargs.get("impl", "torch"))
+
+
+def test_fully_masked_tiles_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a document mask of 4 equal samples, the torch path multiplies only the diagonal blocks."""
+    import kernels.flashmask.torch_impl as ti
+
+    calls: list[tuple[int, ...]] = []
+    real = torch.matmul
+
+    def counting(a, b):  # type: ignore[no-untyped-def]
+        calls.append(tuple(b.shape))
+        return real(a, b)
+
+    monkeypatch.setattr(ti.torch, "matmul", counting)
+    q, k, v = qkv(1, 256, 1, 1, 8, torch.float32)
+    bounds = normalize_bounds(
+        kernels.document_mask([64] * 4), causal=True, batch=1, sq=256, sk=256, device=q.device
+    )
+    with torch.no_grad():
+        ti.flashmask_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bounds, 1.0, 64, 64)
+    key_cols = sum(shape[-1] for shape in calls[::2])  # q @ k^T calls: keys touched per query block
+    assert key_cols == 4 * 64  # dense would be 4 * 256 (and causal-only 64+128+192+256)
