@@ -129,9 +129,16 @@ def _start(
     for comp in others:
         stack.start_component(layout, comp, env)
     status = {c.name: "starting" for c in others}
+    shown: dict[str, str] = {}
     deadline = time.monotonic() + timeout
     with Live(_status_table(status), console=console, refresh_per_second=4, transient=True) as live:
         while any(v != "ready" for v in status.values()):
+            if not console.is_terminal:
+                # No live table in logs and CI: one line per change of state instead.
+                for name, state in status.items():
+                    if shown.get(name) != state:
+                        console.print(f"  {name}: {state}")
+                        shown[name] = state
             for comp in others:
                 if status[comp.name] == "ready":
                     continue

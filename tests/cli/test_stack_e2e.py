@@ -167,3 +167,36 @@ def test_down_leaves_no_process(stack_env: dict[str, str]) -> None:
     assert not [pid for pid in pids if pid_alive(pid)]
     status = subprocess.run([*TANDEM, "status"], env=stack_env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 3 and "not running" in status.stdout
+
+
+def test_foreground_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    import signal
+
+    home = tmp_path / "fg"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(
+        TANDEM_HOME=str(home),
+        TANDEM_REDIS_PORT=str(free_port()),
+        TANDEM_AGENT_PORT=str(free_port()),
+        TANDEM_INFERENCE_PORT=str(free_port()),
+        TANDEM_RETRIEVAL_PORT=str(free_port()),
+        TANDEM_TRAINER_PORT=str(free_port()),
+        TANDEM_DEVICE="cpu",
+    )
+    proc = subprocess.Popen([*TANDEM, "up", "--foreground"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "Ctrl-C stops the stack" in line:
+                break
+        else:
+            raise AssertionError("tandem up --foreground never became ready")
+        ready = httpx.get(f"http://127.0.0.1:{env['TANDEM_AGENT_PORT']}/readyz", timeout=10)
+        assert ready.status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run([*TANDEM, "down"], env=env, capture_output=True, timeout=120)
+    assert home_processes(home) == []
