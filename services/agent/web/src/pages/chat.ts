@@ -260,7 +260,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
       label,
     );
     const rename = h("button", { type: "button", class: "icon", "aria-label": `Rename “${label}”`, title: "Rename" }, "✎");
-    const del = h("button", { type: "button", class: "icon", "aria-label": `Delete “${label}”`, title: "Delete" }, "🗑");
+    const del = h("button", { type: "button", class: "icon", "aria-label": `Delete “${label}”`, title: "Delete" }, "✕");
     const li = h("li", { class: "conv", "data-id": id }, link, rename, del);
     rename.addEventListener("click", () => {
       const box = h("input", { type: "text", value: label, "aria-label": "New title", class: "rename-input" });

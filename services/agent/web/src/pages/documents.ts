@@ -184,7 +184,7 @@ export function documentsPage(root: HTMLElement, args: string[]) {
   function docRow(coll: string, d: Doc): HTMLElement {
     const id = d.id ?? d.document_id ?? "";
     const title = d.title || (d.metadata?.filename as string) || id;
-    const del = h("button", { type: "button", class: "icon danger", "aria-label": `Delete ${title}`, title: "Delete" }, "🗑");
+    const del = h("button", { type: "button", class: "icon danger", "aria-label": `Delete ${title}`, title: "Delete" }, "✕");
     const row = h("tr", { "data-id": id }, h("td", null, title), h("td", null, h("code", null, id)), h("td", null, String(d.chunks ?? d.chunk_count ?? "")), h("td", null, del));
     del.addEventListener("click", async () => {
       if (!confirm(`Delete “${title}”?`)) return;
