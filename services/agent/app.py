@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from pathlib import Path
 
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from services.agent.api import conversations, openai_compat, pipelines, proxy, ws
 from services.agent.config import AgentSettings
+from services.agent.runtime import AgentRuntime
 from services.common.app_factory import create_service_app
 from services.common.config import CommonSettings, load_settings
+
+DEFAULT_WEB_DIST = Path(__file__).parent / "web" / "dist"
 
 
 def create_app(common: CommonSettings | None = None, settings: AgentSettings | None = None) -> FastAPI:
     common = common or load_settings(CommonSettings, check_unknown=False)
     settings = settings or load_settings(AgentSettings)
-    app = create_service_app("agent", common)
+
+    app = create_service_app(
+        "agent",
+        common,
+        routers=[pipelines.router, conversations.router, openai_compat.router, ws.router],
+        public_routers=[proxy.router],
+    )
     app.state.settings = settings
+    app.state.runtime = AgentRuntime.create(common, settings, app.state.redis)
+    web = Path(settings.web_dist) if settings.web_dist else DEFAULT_WEB_DIST
+    if web.is_dir():
+        # Mounted last: every API route above wins over a file of the same path.
+        app.mount("/", StaticFiles(directory=web, html=True), name="web")
     return app

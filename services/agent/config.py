@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
@@ -9,3 +12,63 @@ from services.common.config import ServiceSettings
 
 class AgentSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_AGENT_", extra="ignore")
+
+    model: str = Field(
+        "",
+        description="Model name asked of the inference service; empty uses the first model it lists.",
+    )
+    tokenizer: str = Field(
+        "",
+        description=(
+            "Hugging Face tokenizer folder used to count prompt tokens; empty counts with a conservative "
+            "estimate (one token per 3 UTF-8 bytes)."
+        ),
+    )
+    context_tokens: int = Field(
+        2048, ge=256, description="Context window of the model, in tokens (prompt plus answer)."
+    )
+    max_answer_tokens: int = Field(
+        256, ge=1, description="Tokens reserved for (and at most generated in) an answer."
+    )
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature of answers.")
+    top_k: int = Field(5, ge=1, le=100, description="Chunks retrieved for chat-documents.")
+    min_relevance: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Below this relevance (dense cosine when the retrieval service reports one, else the share of "
+            "query words found in the chunk) a chunk is not used as context."
+        ),
+    )
+    pipelines_dir: str = Field(
+        "", description="Folder with extra pipeline definitions (*.yaml, *.yml, *.json) loaded at start."
+    )
+    agent_max_steps: int = Field(6, ge=1, le=50, description="Most reasoning steps of one agent run.")
+    agent_time_budget_s: float = Field(60.0, gt=0, description="Wall-clock budget of one agent run.")
+    tool_timeout_s: float = Field(10.0, gt=0, description="Longest a single tool call may run.")
+    tool_calling: Literal["react", "openai"] = Field(
+        "react",
+        description="How agents call tools: the strict ReAct text protocol, or OpenAI tool calls (models that support them).",
+    )
+    http_tool_enabled: bool = Field(
+        False, description="Offer the HTTP GET tool to agents (it refuses private and loopback addresses)."
+    )
+    http_tool_max_bytes: int = Field(200_000, ge=1024, description="Largest body the HTTP GET tool reads.")
+    memory_ttl_s: int = Field(7 * 24 * 3600, ge=60, description="Seconds a conversation lives after use.")
+    memory_max_messages: int = Field(
+        100, ge=2, description="Messages kept per conversation (oldest dropped first)."
+    )
+    memory_max_conversations: int = Field(
+        200, ge=1, description="Conversations kept per user (least recently used dropped first)."
+    )
+    max_message_chars: int = Field(16_000, ge=1, description="Longest user message accepted.")
+    ws_max_frame_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest websocket frame accepted; bigger ones get an error event."
+    )
+    upstream_timeout_s: float = Field(
+        120.0, gt=0, description="Timeout of calls to the retrieval and inference services."
+    )
+    web_dist: str = Field(
+        "", description="Folder of the built web front end; empty uses services/agent/web/dist."
+    )

@@ -1,0 +1,1 @@
+"""Tool-using agents: a ReAct text protocol small models can drive, and OpenAI tool calls."""

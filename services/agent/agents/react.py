@@ -1,0 +1,193 @@
+"""The ReAct text protocol, parsed strictly, with repair of the near-misses small models make.
+
+The protocol (one step per model turn)::
+
+    Thought: <reasoning>
+    Action: <tool name>
+    Action Input: <argument>
+
+or, to finish::
+
+    Thought: <reasoning>
+    Final Answer: <answer>
+
+Repairs (each recorded, so the step event shows what was fixed): keys in any case
+or with '-'/'_' instead of a space and missing colons; ``Action: calculator(2+3)``;
+``Input:``/``Tool:`` synonyms; quoted, back-ticked or JSON arguments; tool names
+off by case, punctuation or a typo (closest known name); a hallucinated
+``Observation:`` (and everything after it) cut off; a bare ``tool(arg)`` line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass, field
+
+_LEAD = r"^[ \t]*[*#_>]*[ \t]*"
+_TRAIL_OPT = r"[ \t]*[*_]*[ \t]*[:\-]?[ \t]*[*_]*[ \t]*"  # "Key:", "**Key:**", "Key -", "Key"
+_TRAIL_REQ = r"[ \t]*[*_]*[ \t]*:[ \t]*[*_]*[ \t]*"  # a colon is required where the key is a common word
+_FLAGS = re.IGNORECASE | re.MULTILINE
+FINAL_RE = re.compile(rf"{_LEAD}final[ _-]*answer{_TRAIL_OPT}(.*)", _FLAGS | re.DOTALL)
+ACTION_RE = re.compile(rf"{_LEAD}(?:action|tool){_TRAIL_REQ}(.+?)[ \t]*$", _FLAGS)
+INPUT_RE = re.compile(
+    rf"{_LEAD}(?:action[ _-]*input|input|tool[ _-]*input|arguments?){_TRAIL_REQ}(.*)", _FLAGS | re.DOTALL
+)
+THOUGHT_RE = re.compile(rf"{_LEAD}thought{_TRAIL_OPT}(.*?)(?={_LEAD}(?:action|final)|\Z)", _FLAGS | re.DOTALL)
+OBSERVATION_RE = re.compile(rf"{_LEAD}observation{_TRAIL_REQ}", _FLAGS)
+CALL_RE = re.compile(r"^\s*`?([A-Za-z_][\w\- ]{0,40}?)\s*\((.*)\)\s*`?\s*$", re.DOTALL)
+
+
+@dataclass
+class ReactStep:
+    kind: str  # "action" | "final" | "invalid"
+    thought: str = ""
+    tool: str = ""
+    argument: str = ""
+    answer: str = ""
+    repairs: list[str] = field(default_factory=list)
+    error: str = ""
+
+
+def _clean_argument(text: str, repairs: list[str]) -> str:
+    arg = text.strip()
+    if arg.startswith("```"):
+        arg = re.sub(r"^```\w*\s*|\s*```$", "", arg)
+        repairs.append("code fence removed from the input")
+    first_line = arg.splitlines()[0].strip() if arg else ""
+    if arg != first_line and not arg.lstrip().startswith("{"):
+        arg = first_line
+        repairs.append("input cut to its first line")
+    if len(arg) >= 2 and arg[0] == arg[-1] and arg[0] in "`'\"":
+        arg = arg[1:-1]
+        repairs.append("quotes removed from the input")
+    if arg.startswith("{"):
+        try:
+            value = json.loads(arg)
+            if isinstance(value, dict) and len(value) == 1:
+                arg = str(next(iter(value.values())))
+                repairs.append("JSON input unwrapped")
+        except json.JSONDecodeError:
+            pass
+    return arg.strip()
+
+
+def match_tool(name: str, tools: list[str], repairs: list[str]) -> str | None:
+    raw = name.strip().strip("`'\"*[]().").strip()
+    if raw in tools:
+        return raw
+    canon = {re.sub(r"[^a-z0-9]", "", t.lower()): t for t in tools}
+    key = re.sub(r"[^a-z0-9]", "", raw.lower())
+    if key in canon:
+        repairs.append(f"tool name {raw!r} read as {canon[key]!r}")
+        return canon[key]
+    close = difflib.get_close_matches(key, list(canon), n=1, cutoff=0.75)
+    if close:
+        repairs.append(f"tool name {raw!r} read as {canon[close[0]]!r}")
+        return canon[close[0]]
+    return None
+
+
+def parse_react(text: str, tools: list[str]) -> ReactStep:
+    repairs: list[str] = []
+    obs = OBSERVATION_RE.search(text)
+    if obs:
+        text = text[: obs.start()]
+        repairs.append("invented observation cut off")
+    thought_match = THOUGHT_RE.search(text)
+    thought = thought_match.group(1).strip() if thought_match else ""
+    action = ACTION_RE.search(text)
+    final = FINAL_RE.search(text)
+    # A final answer wins when it comes before any action (the model finished).
+    if final and (action is None or final.start() < action.start()):
+        answer = final.group(1).strip()
+        if answer:
+            return ReactStep("final", thought=thought, answer=answer, repairs=repairs)
+    if action:
+        if not re.search(r"^Action: \S", text, re.MULTILINE) or not re.search(
+            r"^Action Input: ", text, re.MULTILINE
+        ):
+            repairs.append("keys normalised to 'Action:' / 'Action Input:'")
+        name_part = action.group(1)
+        argument = ""
+        call = CALL_RE.match(name_part)
+        if call:
+            name_part, argument = call.group(1), call.group(2)
+            repairs.append("call syntax 'tool(input)' read as action and input")
+        tool = match_tool(name_part, tools, repairs)
+        if tool is None:
+            return ReactStep(
+                "invalid",
+                thought=thought,
+                repairs=repairs,
+                error=f"unknown tool {name_part.strip()!r}; use one of: {', '.join(tools)}",
+            )
+        rest = text[action.end() :]
+        inp = INPUT_RE.search(rest)
+        if inp:
+            argument = inp.group(1)
+        elif not argument:
+            argument = rest.strip()
+            if argument:
+                repairs.append("input taken from the text after the action")
+        argument = _clean_argument(argument, repairs)
+        if not argument:
+            return ReactStep(
+                "invalid",
+                thought=thought,
+                tool=tool,
+                repairs=repairs,
+                error="the action has no 'Action Input:'",
+            )
+        return ReactStep("action", thought=thought, tool=tool, argument=argument, repairs=repairs)
+    # No keys at all: a bare "calculator(2+3)" line.
+    for line in text.splitlines():
+        call = CALL_RE.match(line)
+        if call:
+            tool = match_tool(call.group(1), tools, [])
+            if tool:
+                repairs.append("bare 'tool(input)' line read as an action")
+                return ReactStep(
+                    "action",
+                    thought=thought,
+                    tool=tool,
+                    argument=_clean_argument(call.group(2), repairs),
+                    repairs=repairs,
+                )
+    return ReactStep(
+        "invalid",
+        thought=thought or text.strip(),
+        repairs=repairs,
+        error="no 'Action:' with 'Action Input:', and no 'Final Answer:'",
+    )
+
+
+def format_instructions(tools: dict[str, str]) -> str:
+    listing = "\n".join(f"- {name}: {desc}" for name, desc in tools.items())
+    names = ", ".join(tools)
+    return (
+        "You answer questions by using tools. Available tools:\n"
+        f"{listing}\n\n"
+        "Use exactly this format:\n"
+        "Thought: what to do next\n"
+        f"Action: one of [{names}]\n"
+        "Action Input: the input of the tool\n\n"
+        "You will then get 'Observation: <result>'. Repeat as needed. When you know the answer, write:\n"
+        "Thought: I know the answer\n"
+        "Final Answer: the answer\n\n"
+        "Example:\n"
+        "Question: What is 6 times 7?\n"
+        "Thought: I should multiply.\n"
+        "Action: calculator\n"
+        "Action Input: 6 * 7\n"
+        "Observation: 42\n"
+        "Thought: I know the answer\n"
+        "Final Answer: 42"
+    )
+
+
+REPAIR_PROMPT = (
+    "Your reply did not follow the format ({error}). Reply with either\n"
+    "Action: <tool>\nAction Input: <input>\nor\nFinal Answer: <answer>"
+)

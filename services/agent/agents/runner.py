@@ -1,0 +1,247 @@
+"""The agent loop: think, call a tool, observe, repeat, within step and time budgets.
+
+Each step is yielded as an event the moment it happens (``step`` with kind
+thought / tool_call / observation / final), and the final answer as ``token``
+events, so websocket and SSE clients watch the agent work. Budgets end a run
+with an ``error`` event (``step_budget_exceeded`` / ``time_budget_exceeded``);
+a tool that raises or hangs becomes an error observation and the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from services.agent.agents.react import REPAIR_PROMPT, format_instructions, parse_react
+from services.agent.clients import InferenceClient
+from services.agent.tools.base import Tool, ToolContext, call_tool
+from services.common.errors import InvalidRequest
+
+Event = dict[str, Any]
+STOP = ["\nObservation:", "Observation:"]
+
+
+@dataclass
+class AgentSpec:
+    name: str
+    description: str
+    tools: list[str]
+    mode: Literal["react", "openai"] = "react"
+
+
+@dataclass
+class AgentRun:
+    answer: str = ""
+    steps: int = 0
+    tool_calls: int = 0
+    repairs: list[str] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+
+@dataclass
+class AgentRunner:
+    inference: InferenceClient
+    model: str
+    tools: dict[str, Tool]
+    tool_ctx: ToolContext
+    max_steps: int = 6
+    time_budget_s: float = 60.0
+    tool_timeout_s: float = 10.0
+    max_tokens: int = 256
+    max_repairs: int = 2
+    result: AgentRun = field(default_factory=AgentRun)
+
+    async def run(
+        self, question: str, history: list[dict[str, str]], mode: str = "react"
+    ) -> AsyncIterator[Event]:
+        queue: asyncio.Queue[Event | None] = asyncio.Queue()
+
+        async def produce() -> None:
+            try:
+                async with asyncio.timeout(self.time_budget_s):
+                    loop = self._openai if mode == "openai" else self._react
+                    async for event in loop(question, history):
+                        await queue.put(event)
+            except TimeoutError:
+                self.result.finish_reason = "time_budget"
+                await queue.put(
+                    {
+                        "type": "error",
+                        "code": "time_budget_exceeded",
+                        "message": f"the agent used its time budget of {self.time_budget_s:g} s",
+                    }
+                )
+            finally:
+                await queue.put(None)
+
+        task = asyncio.create_task(produce())
+        try:
+            while (event := await queue.get()) is not None:
+                yield event
+            await task  # re-raises errors of the loop (bad input, upstream failures)
+        finally:
+            task.cancel()
+
+    async def _tool(self, name: str, argument: Any) -> AsyncIterator[Event]:
+        self.result.tool_calls += 1
+        started = time.perf_counter()
+        observation, ok = await call_tool(self.tools[name], argument, self.tool_ctx, self.tool_timeout_s)
+        yield {
+            "type": "step",
+            "kind": "observation",
+            "tool": name,
+            "text": observation,
+            "ok": ok,
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+        self._last_observation = observation
+
+    def _final(self, answer: str) -> list[Event]:
+        self.result.answer = answer
+        return [{"type": "step", "kind": "final", "text": answer}, {"type": "token", "text": answer}]
+
+    async def _react(self, question: str, history: list[dict[str, str]]) -> AsyncIterator[Event]:
+        names = list(self.tools)
+        system = format_instructions({n: t.description for n, t in self.tools.items()})
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": system},
+            *history,
+            {"role": "user", "content": f"Question: {question}"},
+        ]
+        repairs_left = self.max_repairs
+        for step in range(1, self.max_steps + 1):
+            self.result.steps = step
+            resp = await self.inference.complete(
+                {
+                    "model": self.model,
+                    "messages": messages,
+                    "max_tokens": self.max_tokens,
+                    "temperature": 0.0,
+                    "stop": STOP,
+                }
+            )
+            text = str(((resp.get("choices") or [{}])[0].get("message") or {}).get("content") or "")
+            parsed = parse_react(text, names)
+            self.result.repairs.extend(parsed.repairs)
+            if parsed.thought:
+                yield {"type": "step", "kind": "thought", "step": step, "text": parsed.thought}
+            if parsed.kind == "final":
+                for event in self._final(parsed.answer):
+                    yield event
+                return
+            if parsed.kind == "action":
+                yield {
+                    "type": "step",
+                    "kind": "tool_call",
+                    "step": step,
+                    "tool": parsed.tool,
+                    "input": parsed.argument,
+                    "repairs": parsed.repairs,
+                }
+                async for event in self._tool(parsed.tool, parsed.argument):
+                    yield event
+                # The model sees its step rewritten in the strict format: small models copy what they see.
+                canonical = (
+                    f"Thought: {parsed.thought}\n" if parsed.thought else ""
+                ) + f"Action: {parsed.tool}\nAction Input: {parsed.argument}"
+                messages += [
+                    {"role": "assistant", "content": canonical},
+                    {"role": "user", "content": f"Observation: {self._last_observation}"},
+                ]
+                continue
+            # Invalid: ask for the format again, a bounded number of times; then take plain text as the answer.
+            if repairs_left > 0 and step < self.max_steps:
+                repairs_left -= 1
+                yield {
+                    "type": "step",
+                    "kind": "thought",
+                    "step": step,
+                    "text": text.strip(),
+                    "error": parsed.error,
+                }
+                messages += [
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": REPAIR_PROMPT.format(error=parsed.error)},
+                ]
+                continue
+            if text.strip() and not parsed.tool:
+                self.result.repairs.append("plain reply taken as the final answer")
+                for event in self._final(text.strip()):
+                    yield event
+                return
+        self.result.finish_reason = "step_budget"
+        yield {
+            "type": "error",
+            "code": "step_budget_exceeded",
+            "message": f"the agent used its {self.max_steps} steps without a final answer",
+        }
+
+    async def _openai(self, question: str, history: list[dict[str, str]]) -> AsyncIterator[Event]:
+        tools = [
+            {
+                "type": "function",
+                "function": {"name": n, "description": t.description, "parameters": t.parameters},
+            }
+            for n, t in self.tools.items()
+        ]
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "Use the tools when they help, then answer the question."},
+            *history,
+            {"role": "user", "content": question},
+        ]
+        for step in range(1, self.max_steps + 1):
+            self.result.steps = step
+            resp = await self.inference.complete(
+                {"model": self.model, "messages": messages, "tools": tools, "max_tokens": self.max_tokens}
+            )
+            message = (resp.get("choices") or [{}])[0].get("message") or {}
+            calls = message.get("tool_calls") or []
+            if not calls:
+                for event in self._final(str(message.get("content") or "").strip()):
+                    yield event
+                return
+            if message.get("content"):
+                yield {"type": "step", "kind": "thought", "step": step, "text": message["content"]}
+            messages.append({"role": "assistant", "content": message.get("content"), "tool_calls": calls})
+            for call in calls:
+                fn = call.get("function") or {}
+                name = str(fn.get("name") or "")
+                try:
+                    args = json.loads(fn.get("arguments") or "{}")
+                except json.JSONDecodeError:
+                    args = fn.get("arguments") or ""
+                yield {"type": "step", "kind": "tool_call", "step": step, "tool": name, "input": args}
+                if name not in self.tools:
+                    self._last_observation = f"error: unknown tool {name!r}"
+                    yield {
+                        "type": "step",
+                        "kind": "observation",
+                        "tool": name,
+                        "text": self._last_observation,
+                        "ok": False,
+                    }
+                else:
+                    async for event in self._tool(name, args):
+                        yield event
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.get("id", name), "content": self._last_observation}
+                )
+        self.result.finish_reason = "step_budget"
+        yield {
+            "type": "error",
+            "code": "step_budget_exceeded",
+            "message": f"the agent used its {self.max_steps} steps without a final answer",
+        }
+
+    _last_observation: str = ""
+
+
+def check_tools(spec: AgentSpec, tools: dict[str, Tool]) -> dict[str, Tool]:
+    missing = [t for t in spec.tools if t not in tools]
+    if missing:
+        raise InvalidRequest(f"agent {spec.name!r} needs tools that are not available: {missing}")
+    return {t: tools[t] for t in spec.tools}

@@ -1,0 +1,31 @@
+"""GET /v1/conversations, GET|DELETE /v1/conversations/{id}: the caller's own conversations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request, Response
+
+from services.agent.api.common import caller, runtime_of
+
+router = APIRouter(tags=["conversations"])
+
+
+@router.get("/v1/conversations")
+async def list_conversations(request: Request, limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
+    principal, _ = caller(request)
+    items = await runtime_of(request).memory.list(principal.tenant, principal.key_id, limit)
+    return {"data": items}
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def get_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
+    principal, _ = caller(request)
+    return await runtime_of(request).memory.get(principal.tenant, principal.key_id, conversation_id)
+
+
+@router.delete("/v1/conversations/{conversation_id}", status_code=204)
+async def delete_conversation(conversation_id: str, request: Request) -> Response:
+    principal, _ = caller(request)
+    await runtime_of(request).memory.delete(principal.tenant, principal.key_id, conversation_id)
+    return Response(status_code=204)

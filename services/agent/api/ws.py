@@ -1,0 +1,153 @@
+"""Websocket ``/v1/ws/chat``: typed events per contracts.md.
+
+One connection carries many turns, one at a time. A malformed frame, an oversize
+frame, an unknown pipeline or collection each get an ``error`` event and the
+connection keeps working; ``{"type": "stop"}`` stops the answer being generated
+(``done`` with ``finish_reason: "stopped"``); a client that goes away cancels its
+running turn, which closes the upstream stream so the inference slot is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import MutableMapping
+from typing import Any
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from services.agent.api.common import caller, error_event, runtime_of
+from services.agent.protocol import WsChatFrame
+from services.agent.runtime import Turn, TurnResult
+from services.common.auth import WS_PROTOCOL
+
+router = APIRouter(tags=["websocket"])
+log = logging.getLogger("tandem.agent.ws")
+
+
+class Connection:
+    def __init__(self, ws: WebSocket) -> None:
+        self.ws = ws
+        self.lock = asyncio.Lock()
+        self.open = True
+
+    async def send(self, event: dict[str, Any]) -> None:
+        if not self.open:
+            return
+        async with self.lock:
+            try:
+                await self.ws.send_text(json.dumps(event, default=str))
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                self.open = False
+
+    async def error(self, message: str, code: str) -> None:
+        await self.send({"type": "error", "message": message, "code": code})
+
+
+def _frame_text(message: MutableMapping[str, Any]) -> str | bytes | None:
+    if message.get("text") is not None:
+        return str(message["text"])
+    if message.get("bytes") is not None:
+        return bytes(message["bytes"])
+    return None
+
+
+@router.websocket("/v1/ws/chat")
+async def ws_chat(websocket: WebSocket) -> None:
+    offered = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",")]
+    await websocket.accept(subprotocol=WS_PROTOCOL if WS_PROTOCOL in offered else None)
+    runtime = runtime_of(websocket)
+    principal, key = caller(websocket)
+    conn = Connection(websocket)
+    limit = runtime.settings.ws_max_frame_bytes
+    current: asyncio.Task[None] | None = None
+    current_result: TurnResult | None = None
+
+    async def run_turn(turn: Turn, result: TurnResult) -> None:
+        try:
+            async for event in runtime.turn(principal, key, turn, result):
+                await conn.send(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            event = error_event(exc)
+            if event["code"] == "internal_error":
+                log.exception("websocket turn failed")
+            event.pop("status", None)
+            await conn.send(event)
+
+    try:
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            raw = _frame_text(message)
+            if raw is None:
+                continue
+            if len(raw) > limit:
+                await conn.error(
+                    f"frame of {len(raw)} bytes is larger than the limit of {limit}", "message_too_large"
+                )
+                continue
+            try:
+                data = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                await conn.error(f"frame is not valid JSON: {exc}", "invalid_json")
+                continue
+            if not isinstance(data, dict):
+                await conn.error(f"frame must be a JSON object, got {type(data).__name__}", "invalid_frame")
+                continue
+            try:
+                frame = WsChatFrame.model_validate(data)
+            except ValidationError as exc:
+                text = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc']) or 'frame'}: {e['msg']}" for e in exc.errors()
+                )
+                await conn.error(text, "invalid_frame")
+                continue
+            if frame.type == "stop":
+                if current is not None and not current.done():
+                    current.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await current
+                    assert current_result is not None
+                    await conn.send(
+                        {
+                            "type": "done",
+                            "conversation_id": current_result.conversation_id,
+                            "citations": current_result.citations,
+                            "finish_reason": "stopped",
+                        }
+                    )
+                continue
+            if current is not None and not current.done():
+                await conn.error(
+                    "a message is still being answered: wait for 'done' or send {'type': 'stop'}", "busy"
+                )
+                continue
+            target = frame.pipeline or frame.agent
+            if not target or (frame.pipeline and frame.agent):
+                await conn.error("give exactly one of 'pipeline' or 'agent'", "invalid_frame")
+                continue
+            if frame.message is None:
+                await conn.error("'message' is required", "invalid_frame")
+                continue
+            turn = Turn(
+                target=target,
+                message=frame.message,
+                collection=frame.collection,
+                conversation_id=frame.conversation_id,
+            )
+            current_result = TurnResult()
+            current = asyncio.create_task(run_turn(turn, current_result))
+    except WebSocketDisconnect:
+        pass
+    finally:
+        conn.open = False
+        if current is not None and not current.done():
+            current.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await current

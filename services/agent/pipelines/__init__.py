@@ -1,0 +1,1 @@
+"""Declarative pipelines: small components behind protocols, wired by a validated definition."""

@@ -1,0 +1,380 @@
+"""Pipeline components. Each node type wraps one small piece behind a protocol.
+
+A node is built from its definition's ``params`` (validated by the node's own
+``Params`` model: an unknown or ill-typed parameter is a definition error naming
+it) and runs as an async generator over the shared ``RunState``, yielding any
+events it produces (tokens, citations) as they happen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.agent.chunks import Chunk
+from services.agent.citations import CitationTracker, attribute
+from services.agent.highlight import highlight
+from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
+from services.agent.rewrite import HistoryRewriter, QueryRewriter
+from services.agent.text import content_terms, overlap
+from services.common.errors import InvalidRequest
+
+from .state import EventStream, RunContext, RunState
+
+NO_CONTEXT_ANSWER = "I don't know: nothing in the collection {collection!r} is relevant to this question."
+
+
+# -- the protocols the nodes are built on ------------------------------------------------------
+
+
+class Retriever(Protocol):
+    async def retrieve(self, ctx: RunContext, collection: str, query: str) -> list[Chunk]: ...
+
+
+class Reranker(Protocol):
+    def rerank(self, query: str, chunks: list[Chunk]) -> list[Chunk]: ...
+
+
+class PromptBuilder(Protocol):
+    def build(self, question: str, history: list[dict[str, str]], chunks: list[Chunk]) -> PromptPlan: ...
+
+
+class Generator(Protocol):
+    def generate(self, ctx: RunContext, messages: list[dict[str, str]]) -> AsyncIterator[str]: ...
+
+
+class Component(Protocol):
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        yield {}  # pragma: no cover - protocol
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- implementations of the protocols ---------------------------------------------------------
+
+
+class ServiceRetriever:
+    """Hybrid (or dense / sparse) search through the retrieval service."""
+
+    def __init__(self, top_k: int | None, mode: str, rerank: bool) -> None:
+        self.top_k = top_k
+        self.mode = mode
+        self.rerank = rerank
+
+    async def retrieve(self, ctx: RunContext, collection: str, query: str) -> list[Chunk]:
+        return await ctx.retrieval.search(
+            collection, query, top_k=self.top_k or ctx.settings.top_k, mode=self.mode, rerank=self.rerank
+        )
+
+
+class OverlapReranker:
+    """Re-orders by a blend of the retrieval rank and query-word coverage; cheap, runs in the agent.
+
+    Hybrid fusion scores are ranks, not relevance: a chunk that contains every
+    query word beats one that only shares a topic. The cross-encoder reranker of
+    the retrieval service (``retriever.rerank: true``) is the heavier alternative.
+    """
+
+    def __init__(self, weight: float = 0.5) -> None:
+        self.weight = weight
+
+    def rerank(self, query: str, chunks: list[Chunk]) -> list[Chunk]:
+        terms = content_terms(query)
+        n = max(len(chunks), 1)
+        scored = []
+        for rank, chunk in enumerate(chunks):
+            lexical = overlap(terms, chunk.text + " " + chunk.title)
+            scored.append((self.weight * lexical + (1 - self.weight) * (1 - rank / n), -rank, chunk))
+        scored.sort(key=lambda t: (t[0], t[1]), reverse=True)
+        return [c for _, _, c in scored]
+
+
+class InferenceGenerator:
+    """Streams answer text from the inference service's chat completions."""
+
+    def __init__(self, max_tokens: int | None, temperature: float | None) -> None:
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.usage: dict[str, int] = {}
+        self.finish_reason = "stop"
+
+    async def generate(self, ctx: RunContext, messages: list[dict[str, str]]) -> AsyncIterator[str]:
+        body: dict[str, Any] = {
+            "model": ctx.model,
+            "messages": messages,
+            "max_tokens": self.max_tokens or ctx.settings.max_answer_tokens,
+            "temperature": ctx.settings.temperature if self.temperature is None else self.temperature,
+            "stream_options": {"include_usage": True},
+        }
+        async for chunk in ctx.inference.stream(body):
+            if chunk.get("usage"):
+                self.usage = {k: int(v) for k, v in chunk["usage"].items() if isinstance(v, int)}
+            for choice in chunk.get("choices") or []:
+                if choice.get("finish_reason"):
+                    self.finish_reason = str(choice["finish_reason"])
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    yield text
+
+
+# -- nodes ---------------------------------------------------------------------------------------
+
+
+class RewriteNode:
+    class P(Params):
+        max_turns: int = Field(2, ge=1, le=20)
+
+    def __init__(self, p: P, rewriter: QueryRewriter | None = None) -> None:
+        self.rewriter = rewriter or HistoryRewriter(max_turns=p.max_turns)
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        state.search_query = await self.rewriter.rewrite(state.question, state.history)
+        return
+        yield
+
+
+class RetrieveNode:
+    class P(Params):
+        top_k: int | None = Field(None, ge=1, le=100)
+        mode: Literal["dense", "sparse", "hybrid"] = "hybrid"
+        rerank: bool = False
+        fetch_titles: bool = True
+
+    def __init__(self, p: P, retriever: Retriever | None = None) -> None:
+        self.p = p
+        self.retriever = retriever or ServiceRetriever(p.top_k, p.mode, p.rerank)
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        if not state.collection:
+            raise InvalidRequest("this pipeline needs a 'collection'", param="collection")
+        query = state.search_query or state.question
+        top_k = state.options.get("top_k")
+        if isinstance(top_k, int) and isinstance(self.retriever, ServiceRetriever):
+            state.chunks = await ctx.retrieval.search(
+                state.collection, query, top_k=top_k, mode=self.p.mode, rerank=self.p.rerank
+            )
+        else:
+            state.chunks = await self.retriever.retrieve(ctx, state.collection, query)
+        if self.p.fetch_titles:
+            missing = [c.document_id for c in state.chunks if not c.title]
+            if missing:
+                titles = await ctx.retrieval.document_titles(state.collection, missing)
+                for c in state.chunks:
+                    c.title = c.title or titles.get(c.document_id, "")
+        return
+        yield
+
+
+class RerankNode:
+    class P(Params):
+        weight: float = Field(0.5, ge=0.0, le=1.0)
+
+    def __init__(self, p: P, reranker: Reranker | None = None) -> None:
+        self.reranker = reranker or OverlapReranker(p.weight)
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        state.chunks = self.reranker.rerank(state.search_query or state.question, state.chunks)
+        return
+        yield
+
+
+class RelevanceNode:
+    """Drops chunks that are not relevant enough to answer from.
+
+    Relevance is the dense cosine similarity when the retrieval service reports a
+    ``dense`` score, else the share of the query's content words in the chunk.
+    Nothing left means the chat answers "I don't know" rather than inventing.
+    """
+
+    class P(Params):
+        min_relevance: float | None = Field(None, ge=0.0, le=1.0)
+
+    def __init__(self, p: P) -> None:
+        self.p = p
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        threshold = ctx.settings.min_relevance if self.p.min_relevance is None else self.p.min_relevance
+        terms = content_terms(state.search_query or state.question)
+        kept = []
+        for chunk in state.chunks:
+            lexical = overlap(terms, chunk.text + " " + chunk.title)
+            dense = chunk.scores.get("dense")
+            chunk.relevance = max(lexical, float(dense) if dense is not None else 0.0)
+            if chunk.relevance >= threshold:
+                kept.append(chunk)
+        state.chunks = kept
+        return
+        yield
+
+
+class HighlightNode:
+    class P(Params):
+        tag: str = Field("mark", pattern=r"^[a-z]{1,10}$")
+
+    def __init__(self, p: P) -> None:
+        self.p = p
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        query = state.search_query or state.question
+        results = []
+        for chunk in state.chunks:
+            item = chunk.to_result()
+            item.update(highlight(query, chunk, self.p.tag))
+            results.append(item)
+        state.results = results
+        return
+        yield
+
+
+class PromptNode:
+    class P(Params):
+        instructions: str | None = None
+        max_history_messages: int = Field(6, ge=0, le=100)
+
+    def __init__(self, p: P) -> None:
+        self.p = p
+
+    def builder(self, ctx: RunContext) -> PromptBuilder:
+        kwargs: dict[str, Any] = {"max_history_messages": self.p.max_history_messages}
+        if self.p.instructions:
+            kwargs["instructions"] = self.p.instructions
+        return BudgetPromptBuilder(
+            ctx.counter, ctx.settings.context_tokens, ctx.settings.max_answer_tokens, **kwargs
+        )
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        if not state.chunks:
+            state.no_context = True
+            return
+        try:
+            state.plan = self.builder(ctx).build(state.question, state.history, state.chunks)
+        except PromptTooLong as exc:
+            raise InvalidRequest(str(exc), param="message") from exc
+        state.chunks = state.plan.sources
+        state.no_context = not state.plan.sources
+        state.tracker = CitationTracker(state.plan.sources)
+        return
+        yield
+
+
+class GenerateNode:
+    class P(Params):
+        max_tokens: int | None = Field(None, ge=1, le=8192)
+        temperature: float | None = Field(None, ge=0.0, le=2.0)
+
+    def __init__(self, p: P, generator: Generator | None = None) -> None:
+        self.p = p
+        self.generator = generator
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        if state.no_context or state.plan is None:
+            state.answer = NO_CONTEXT_ANSWER.format(collection=state.collection)
+            yield {"type": "token", "text": state.answer}
+            return
+        gen = self.generator or InferenceGenerator(self.p.max_tokens, self.p.temperature)
+        async for text in gen.generate(ctx, state.plan.messages):
+            state.answer += text
+            yield {"type": "token", "text": text}
+            if state.tracker is not None:
+                for citation in state.tracker.feed(text):
+                    yield {"type": "citation", **citation.to_dict()}
+        if isinstance(gen, InferenceGenerator):
+            state.usage = gen.usage
+            state.finish_reason = gen.finish_reason
+
+
+class CiteNode:
+    class P(Params):
+        attribute_uncited: bool = True
+        min_overlap: float = Field(0.5, ge=0.0, le=1.0)
+
+    def __init__(self, p: P) -> None:
+        self.p = p
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        if state.tracker is None:
+            return
+        if not state.tracker.text and state.answer:
+            state.tracker.feed(state.answer)
+        for citation in state.tracker.finish():
+            yield {"type": "citation", **citation.to_dict()}
+        state.citations = state.tracker.citations
+        state.invalid_citations = list(state.tracker.invalid)
+        if not state.citations and self.p.attribute_uncited:
+            state.citations = attribute(state.answer, state.tracker.chunks, self.p.min_overlap)
+            for citation in state.citations:
+                yield {"type": "citation", **citation.to_dict()}
+
+
+class RunnableNode:
+    """A LangChain ``Runnable`` as a pipeline component.
+
+    It is invoked with ``state.view()`` (a dict) and its output replaces one field:
+    ``search_query`` or ``answer`` (a string or a message with ``content``), or
+    ``chunks`` (LangChain ``Document``s or result dicts).
+    """
+
+    class P(Params):
+        target: str = Field(..., description="'package.module:attribute' naming a Runnable")
+        field: Literal["search_query", "answer", "chunks"]
+
+    def __init__(self, p: P, runnable: Any = None) -> None:
+        self.p = p
+        self.runnable = runnable if runnable is not None else _import_target(p.target)
+        if not hasattr(self.runnable, "ainvoke"):
+            raise InvalidRequest(f"{p.target!r} is not a LangChain Runnable", param="target")
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        out = await self.runnable.ainvoke(state.view())
+        if self.p.field == "chunks":
+            state.chunks = [_to_chunk(item) for item in out]
+        else:
+            text = getattr(out, "content", out)
+            setattr(state, self.p.field, str(text))
+            if self.p.field == "answer":
+                yield {"type": "token", "text": state.answer}
+
+
+def _import_target(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    if not module or not attr:
+        raise InvalidRequest(f"target {target!r} must look like 'package.module:attribute'", param="target")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidRequest(f"cannot import {target!r}: {exc}", param="target") from exc
+    return obj() if isinstance(obj, type) else obj
+
+
+def _to_chunk(item: Any) -> Chunk:
+    if isinstance(item, dict):
+        return Chunk.from_result(item)
+    meta = dict(getattr(item, "metadata", {}) or {})
+    return Chunk.from_result({**meta, "text": getattr(item, "page_content", str(item)), "metadata": meta})
+
+
+NodeFactory = Callable[[Any], Component]
+
+NODE_TYPES: dict[str, tuple[type[Params], Callable[[Any], Any]]] = {
+    "history_rewriter": (RewriteNode.P, RewriteNode),
+    "retriever": (RetrieveNode.P, RetrieveNode),
+    "overlap_reranker": (RerankNode.P, RerankNode),
+    "relevance_filter": (RelevanceNode.P, RelevanceNode),
+    "highlighter": (HighlightNode.P, HighlightNode),
+    "prompt_builder": (PromptNode.P, PromptNode),
+    "generator": (GenerateNode.P, GenerateNode),
+    "citation_resolver": (CiteNode.P, CiteNode),
+    "langchain_runnable": (RunnableNode.P, RunnableNode),
+}
+
+
+def register_node_type(name: str, params: type[Params], factory: Callable[[Any], Any]) -> None:
+    """Adds a node type (for code that embeds the agent service and brings its own components)."""
+    NODE_TYPES[name] = (params, factory)

@@ -1,0 +1,126 @@
+"""Prompts for chat-documents, assembled within the model's context budget (counted in tokens).
+
+Budget = context window - tokens reserved for the answer - a per-message
+allowance for the chat template's markup. Sources go in best-first until the
+budget runs out (the last one may be cut at a word boundary); history is kept
+newest-first with whatever is left; the question itself is always kept (and
+refused upstream when it alone does not fit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.agent.chunks import Chunk
+from services.agent.tokens import TokenCounter
+
+DEFAULT_INSTRUCTIONS = (
+    "Answer the question using only the numbered sources. After each fact, cite its source number in "
+    "square brackets, like [1]. If the sources do not answer the question, say you don't know."
+)
+# Chat templates wrap each message in a few special tokens ("<|im_start|>user\n ... <|im_end|>\n").
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+MIN_SOURCE_TOKENS = 24
+
+
+class PromptTooLong(ValueError):
+    """The question alone does not fit the context budget."""
+
+
+@dataclass
+class PromptPlan:
+    messages: list[dict[str, str]]
+    sources: list[Chunk]
+    prompt_tokens: int
+    budget: int
+    dropped_sources: int = 0
+    dropped_history: int = 0
+    truncated: list[str] = field(default_factory=list)
+
+
+class BudgetPromptBuilder:
+    def __init__(
+        self,
+        counter: TokenCounter,
+        context_tokens: int,
+        answer_tokens: int,
+        instructions: str = DEFAULT_INSTRUCTIONS,
+        max_history_messages: int = 6,
+    ) -> None:
+        self.counter = counter
+        self.context_tokens = context_tokens
+        self.answer_tokens = answer_tokens
+        self.instructions = instructions
+        self.max_history_messages = max_history_messages
+
+    @property
+    def budget(self) -> int:
+        return self.context_tokens - self.answer_tokens
+
+    def _cost(self, text: str) -> int:
+        return self.counter.count(text) + TEMPLATE_TOKENS_PER_MESSAGE
+
+    def _source_block(self, n: int, chunk: Chunk, text: str) -> str:
+        title = f" ({chunk.title})" if chunk.title else ""
+        return f"[{n}]{title} {text.strip()}\n"
+
+    def _fit_text(self, text: str, tokens: int) -> str:
+        """The longest word-boundary prefix of ``text`` that counts at most ``tokens``."""
+        lo, hi = 0, len(text)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.counter.count(text[:mid]) <= tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        cut = text[:lo]
+        space = cut.rfind(" ")
+        return (cut[:space] if space > len(cut) // 2 else cut).rstrip() + " ..."
+
+    def build(self, question: str, history: list[dict[str, str]], chunks: list[Chunk]) -> PromptPlan:
+        header = self.instructions + "\n\nSources:\n"
+        footer = f"\nQuestion: {question}"
+        used = self._cost(header + footer)
+        if used > self.budget:
+            raise PromptTooLong(
+                f"the question needs {used} tokens but the prompt budget is {self.budget} "
+                f"(context {self.context_tokens} - {self.answer_tokens} reserved for the answer)"
+            )
+        blocks: list[str] = []
+        sources: list[Chunk] = []
+        truncated: list[str] = []
+        for chunk in chunks:
+            n = len(sources) + 1
+            block = self._source_block(n, chunk, chunk.text)
+            cost = self.counter.count(block)
+            if used + cost > self.budget:
+                room = self.budget - used - self.counter.count(self._source_block(n, chunk, ""))
+                if room < MIN_SOURCE_TOKENS:
+                    break
+                block = self._source_block(n, chunk, self._fit_text(chunk.text, room - 2))
+                cost = self.counter.count(block)
+                if used + cost > self.budget:
+                    break
+                truncated.append(chunk.chunk_id)
+            blocks.append(block)
+            sources.append(chunk)
+            used += cost
+        user = header + "".join(blocks) + footer if sources else f"Question: {question}"
+        if not sources:
+            used = self._cost(user)
+        kept: list[dict[str, str]] = []
+        for msg in reversed(history[-self.max_history_messages :]):
+            cost = self._cost(msg["content"])
+            if used + cost > self.budget:
+                break
+            kept.insert(0, {"role": msg["role"], "content": msg["content"]})
+            used += cost
+        return PromptPlan(
+            messages=[*kept, {"role": "user", "content": user}],
+            sources=sources,
+            prompt_tokens=used,
+            budget=self.budget,
+            dropped_sources=len(chunks) - len(sources),
+            dropped_history=len(history) - len(kept),
+            truncated=truncated,
+        )

@@ -1,0 +1,203 @@
+"""Small text helpers shared by relevance, highlighting, rewriting and attribution."""
+
+from __future__ import annotations
+
+import re
+
+WORD_RE = re.compile(r"[A-Za-z0-9]+(?:['’][A-Za-z]+)?")
+SENTENCE_RE = re.compile(r"[^.!?\n]+(?:[.!?]+|\n|$)")
+
+STOPWORDS = frozenset(
+    [
+        "a",
+        "about",
+        "above",
+        "after",
+        "again",
+        "against",
+        "all",
+        "am",
+        "an",
+        "and",
+        "any",
+        "are",
+        "as",
+        "at",
+        "be",
+        "because",
+        "been",
+        "before",
+        "being",
+        "below",
+        "between",
+        "both",
+        "but",
+        "by",
+        "can",
+        "could",
+        "did",
+        "do",
+        "does",
+        "doing",
+        "down",
+        "during",
+        "each",
+        "few",
+        "for",
+        "from",
+        "further",
+        "had",
+        "has",
+        "have",
+        "having",
+        "he",
+        "her",
+        "here",
+        "hers",
+        "herself",
+        "him",
+        "himself",
+        "his",
+        "how",
+        "i",
+        "if",
+        "in",
+        "into",
+        "is",
+        "it",
+        "its",
+        "itself",
+        "just",
+        "me",
+        "more",
+        "most",
+        "my",
+        "myself",
+        "no",
+        "nor",
+        "not",
+        "now",
+        "of",
+        "off",
+        "on",
+        "once",
+        "only",
+        "or",
+        "other",
+        "our",
+        "ours",
+        "ourselves",
+        "out",
+        "over",
+        "own",
+        "same",
+        "she",
+        "should",
+        "so",
+        "some",
+        "such",
+        "than",
+        "that",
+        "the",
+        "their",
+        "theirs",
+        "them",
+        "themselves",
+        "then",
+        "there",
+        "these",
+        "they",
+        "this",
+        "those",
+        "through",
+        "to",
+        "too",
+        "under",
+        "until",
+        "up",
+        "very",
+        "was",
+        "we",
+        "were",
+        "what",
+        "when",
+        "where",
+        "which",
+        "while",
+        "who",
+        "whom",
+        "why",
+        "will",
+        "with",
+        "would",
+        "you",
+        "your",
+        "yours",
+        "yourself",
+        "yourselves",
+        "tell",
+        "please",
+        "explain",
+        "describe",
+        "give",
+        "show",
+        "know",
+        "say",
+        "said",
+        "also",
+        "does",
+        "did",
+        "much",
+        "many",
+        "it's",
+        "what's",
+        "who's",
+    ]
+)
+
+
+def stem(word: str) -> str:
+    """A crude, stable stemmer: enough to match 'agents'/'agent' or 'indexing'/'index'."""
+    w = word.lower().replace("’", "'")
+    for suffix in ("'s", "ing", "ed", "es", "s"):
+        if len(w) > len(suffix) + 3 and w.endswith(suffix):
+            return w[: -len(suffix)]
+    return w
+
+
+def content_terms(text: str, stemmed: bool = True) -> list[str]:
+    """Lower-cased (and stemmed) words of ``text`` without stopwords, in order, de-duplicated."""
+    seen: dict[str, None] = {}
+    for match in WORD_RE.finditer(text):
+        word = match.group(0).lower()
+        if word in STOPWORDS or len(word) < 2:
+            continue
+        seen.setdefault(stem(word) if stemmed else word, None)
+    return list(seen)
+
+
+def term_spans(text: str, terms: set[str]) -> list[tuple[int, int]]:
+    """Character spans of the words of ``text`` whose stem is in ``terms``."""
+    return [(m.start(), m.end()) for m in WORD_RE.finditer(text) if stem(m.group(0)) in terms]
+
+
+def overlap(query_terms: list[str], text: str) -> float:
+    """Share of ``query_terms`` present in ``text`` (0 when the query has none)."""
+    if not query_terms:
+        return 0.0
+    present = {stem(m.group(0)) for m in WORD_RE.finditer(text)}
+    return sum(1 for t in query_terms if t in present) / len(query_terms)
+
+
+def sentences(text: str) -> list[tuple[int, int]]:
+    """Spans of the sentences of ``text`` (trimmed of surrounding whitespace)."""
+    spans = []
+    for m in SENTENCE_RE.finditer(text):
+        s, e = m.start(), m.end()
+        while s < e and text[s].isspace():
+            s += 1
+        while e > s and text[e - 1].isspace():
+            e -= 1
+        if e > s:
+            spans.append((s, e))
+    return spans

@@ -1,0 +1,1 @@
+"""Tools agents can call: document search, a safe calculator, HTTP GET, and user tools."""

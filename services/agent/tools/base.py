@@ -1,0 +1,70 @@
+"""The ``Tool`` protocol and the guarded way every tool call runs (time limit, errors as observations)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from services.agent.clients import RetrievalClient
+
+
+@dataclass
+class ToolContext:
+    """What a tool may use for one agent run."""
+
+    retrieval: RetrievalClient | None = None
+    collection: str | None = None
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A tool: ``run`` takes the model's argument (a string, or a dict from OpenAI tool calls) and
+    returns the observation text. ``run`` may be sync or async; ``parameters`` is a JSON schema."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def run(self, argument: Any, ctx: ToolContext) -> Any: ...
+
+
+def single_string_schema(field: str, description: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {field: {"type": "string", "description": description}},
+        "required": [field],
+    }
+
+
+def argument_text(argument: Any, field: str) -> str:
+    """A tool's one string argument, however the model sent it."""
+    if isinstance(argument, dict):
+        if field in argument:
+            return str(argument[field])
+        if len(argument) == 1:
+            return str(next(iter(argument.values())))
+        return json.dumps(argument)
+    return str(argument)
+
+
+class ToolFailed(Exception):
+    pass
+
+
+async def call_tool(tool: Tool, argument: Any, ctx: ToolContext, timeout: float) -> tuple[str, bool]:
+    """Runs a tool; returns (observation, ok). A tool that raises or hangs gives an error observation
+    (the agent reads it and carries on) instead of taking the run down. A sync tool runs in a thread:
+    one that hangs keeps its thread, but the run stops waiting for it."""
+    try:
+        if inspect.iscoroutinefunction(tool.run):
+            result = await asyncio.wait_for(tool.run(argument, ctx), timeout)
+        else:
+            result = await asyncio.wait_for(asyncio.to_thread(tool.run, argument, ctx), timeout)
+    except TimeoutError:
+        return f"error: tool {tool.name!r} did not answer within {timeout:g} s", False
+    except Exception as exc:
+        return f"error: tool {tool.name!r} failed: {type(exc).__name__}: {exc}", False
+    return (result if isinstance(result, str) else json.dumps(result, default=str)), True

@@ -1,0 +1,136 @@
+"""Test doubles for what the agent service's unit tests are *not* about: the retrieval and
+inference services. They speak the real wire shapes (issue 3's search API, OpenAI's chat
+completions with SSE) over real HTTP; the integration tests use the real services instead."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+@dataclass
+class FakeCorpus:
+    """collection -> document id -> (title, text); search ranks by shared words."""
+
+    collections: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
+    seen_headers: list[dict[str, str]] = field(default_factory=list)
+
+    def search(self, collection: str, query: str, top_k: int) -> list[dict[str, Any]]:
+        words = set(re.findall(r"\w+", query.lower()))
+        hits = []
+        for doc_id, (title, text) in self.collections[collection].items():
+            score = len(words & set(re.findall(r"\w+", text.lower())))
+            if score:
+                hits.append(
+                    {
+                        "chunk_id": f"{doc_id}#0",
+                        "document_id": doc_id,
+                        "text": text,
+                        "score": float(score),
+                        "scores": {"sparse": float(score)},
+                        "metadata": {"title": title},
+                        "start": 0,
+                        "end": len(text),
+                    }
+                )
+        hits.sort(key=lambda h: -h["score"])
+        return hits[:top_k]
+
+
+def retrieval_double(corpus: FakeCorpus) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/collections/{name}/search")
+    async def search(name: str, request: Request) -> Any:
+        corpus.seen_headers.append(dict(request.headers))
+        if name not in corpus.collections:
+            return JSONResponse(
+                {"error": {"type": "not_found_error", "message": f"no collection {name!r}"}}, status_code=404
+            )
+        body = await request.json()
+        return {"results": corpus.search(name, body["query"], body.get("top_k", 10))}
+
+    @app.get("/v1/collections/{name}/documents/{doc_id}")
+    async def document(name: str, doc_id: str) -> Any:
+        title, text = corpus.collections[name][doc_id]
+        return {"id": doc_id, "title": title, "text": text}
+
+    return app
+
+
+Script = Callable[[dict[str, Any]], str | dict[str, Any]]
+
+
+@dataclass
+class ScriptedModel:
+    """An OpenAI-compatible chat model that answers from a script (a list of replies, or a function
+    of the request). A reply is text, or a dict message (for tool calls). ``delay`` is per token."""
+
+    replies: list[str | dict[str, Any]] | Script = field(default_factory=list)
+    delay: float = 0.0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    disconnected: int = 0
+
+    def next_reply(self, body: dict[str, Any]) -> str | dict[str, Any]:
+        if callable(self.replies):
+            return self.replies(body)
+        return self.replies.pop(0) if self.replies else "Final Answer: (script exhausted)"
+
+
+def inference_double(model: ScriptedModel) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        body = await request.json()
+        model.requests.append(body)
+        model.headers.append(dict(request.headers))
+        reply = model.next_reply(body)
+        message = reply if isinstance(reply, dict) else {"role": "assistant", "content": reply}
+        text = str(message.get("content") or "")
+        for stop in body.get("stop") or []:
+            if stop in text:
+                text = text[: text.index(stop)]
+        if not body.get("stream"):
+            return {
+                "id": "x",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body["model"],
+                "choices": [{"index": 0, "message": {**message, "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+            }
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                for piece in re.findall(r"\S+\s*|\s+", text):
+                    if model.delay:
+                        await asyncio.sleep(model.delay)
+                    chunk = {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                last = {
+                    "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+                }
+                yield f"data: {json.dumps(last)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                model.disconnected += 1
+                raise
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app

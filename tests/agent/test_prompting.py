@@ -1,0 +1,60 @@
+from pathlib import Path
+
+import pytest
+
+from services.agent.chunks import Chunk
+from services.agent.prompting import TEMPLATE_TOKENS_PER_MESSAGE, BudgetPromptBuilder, PromptTooLong
+from services.agent.tokens import EstimatingCounter, HFTokenCounter, load_counter
+
+
+def make_chunks(n: int, words: int) -> list[Chunk]:
+    return [Chunk(f"c{i}", f"d{i}", " ".join(f"word{i}x{j}" for j in range(words))) for i in range(n)]
+
+
+def total_tokens(counter, messages) -> int:  # type: ignore[no-untyped-def]
+    return sum(counter.count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in messages)
+
+
+@pytest.fixture(scope="module")
+def hf_counter(tiny_model_path: Path) -> HFTokenCounter:
+    counter = load_counter(str(tiny_model_path))
+    assert isinstance(counter, HFTokenCounter)
+    return counter
+
+
+def test_prompt_fits_budget_counted_with_the_real_tokenizer(hf_counter: HFTokenCounter) -> None:
+    builder = BudgetPromptBuilder(hf_counter, context_tokens=600, answer_tokens=100)
+    history = [{"role": "user", "content": "earlier " * 50}, {"role": "assistant", "content": "reply " * 50}]
+    plan = builder.build("What is word3x4?", history, make_chunks(10, 60))
+    assert total_tokens(hf_counter, plan.messages) <= 500
+    assert plan.prompt_tokens <= plan.budget == 500
+    assert 0 < len(plan.sources) < 10 and plan.dropped_sources == 10 - len(plan.sources)
+    # Sources are numbered in the order given; the prompt shows [1]..[n].
+    user = plan.messages[-1]["content"]
+    for i in range(1, len(plan.sources) + 1):
+        assert f"[{i}]" in user
+    assert "Question: What is word3x4?" in user
+
+
+def test_last_source_is_cut_rather_than_dropped(hf_counter: HFTokenCounter) -> None:
+    builder = BudgetPromptBuilder(hf_counter, context_tokens=400, answer_tokens=100)
+    plan = builder.build("q?", [], make_chunks(1, 400))
+    assert len(plan.sources) == 1 and plan.truncated == ["c0"]
+    assert plan.messages[-1]["content"].rstrip().endswith("Question: q?")
+    assert total_tokens(hf_counter, plan.messages) <= 300
+
+
+def test_history_is_kept_newest_first() -> None:
+    counter = EstimatingCounter()
+    builder = BudgetPromptBuilder(counter, context_tokens=400, answer_tokens=100)
+    history = [{"role": "user", "content": f"turn {i} " + "x" * 200} for i in range(6)]
+    plan = builder.build("q?", history, make_chunks(1, 20))
+    kept = [m["content"][:6] for m in plan.messages[:-1]]
+    assert kept and kept[-1] == "turn 5"
+    assert plan.dropped_history == 6 - len(kept)
+
+
+def test_question_too_long_for_the_window() -> None:
+    builder = BudgetPromptBuilder(EstimatingCounter(), context_tokens=300, answer_tokens=100)
+    with pytest.raises(PromptTooLong, match="budget is 200"):
+        builder.build("x " * 1000, [], [])
