@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 
 from services.common.app_factory import create_service_app
+from services.common.celery_app import make_celery
 from services.common.config import CommonSettings, load_settings
+from services.common.redis_conn import sync_redis
+from services.trainer.api import files, jobs
+from services.trainer.api.deps import TrainerState
 from services.trainer.config import TrainerSettings
+from services.trainer.store import TrainerStore
+
+RUN_JOB = "tandem.trainer.run_job"  # the worker's task name (services/trainer/worker.py)
 
 
 def create_app(common: CommonSettings | None = None, settings: TrainerSettings | None = None) -> FastAPI:
     common = common or load_settings(CommonSettings, check_unknown=False)
     settings = settings or load_settings(TrainerSettings)
-    app = create_service_app("trainer", common)
+    client = sync_redis(common.redis_url)
+    # A Celery client only (no worker here): the API just puts job ids on queues.
+    celery = make_celery("trainer", common.redis_url, default_queue=settings.default_queue)
+
+    def dispatch(job_id: str, queue: str) -> None:
+        celery.send_task(RUN_JOB, args=[job_id], queue=queue)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            client.close()
+
+    app = create_service_app("trainer", common, routers=[files.router, jobs.router], lifespan=lifespan)
     app.state.settings = settings
+    app.state.trainer = TrainerState(
+        common=common, settings=settings, store=TrainerStore(client), dispatch=dispatch
+    )
     return app

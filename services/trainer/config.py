@@ -11,22 +11,22 @@ from services.common.config import ServiceSettings
 class TrainerSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_TRAINER_", extra="ignore")
 
-    max_dataset_mb: int = Field(
-        200, ge=1, description="Largest dataset file POST /v1/files accepts, in MiB."
-    )
-    max_dataset_rows: int = Field(
-        1_000_000, ge=1, description="Most rows a dataset file may hold."
-    )
+    max_dataset_mb: int = Field(200, ge=1, description="Largest dataset file POST /v1/files accepts, in MiB.")
+    max_dataset_rows: int = Field(1_000_000, ge=1, description="Most rows a dataset file may hold.")
     default_max_tokens_per_pack: int = Field(
         4096, ge=64, description="Pack size used when a job does not set max_tokens_per_pack."
     )
     max_tokens_per_pack_limit: int = Field(
-        131072, ge=64, description="Largest max_tokens_per_pack a job may ask for (128K fits a GPU with checkpointing)."
+        131072,
+        ge=64,
+        description="Largest max_tokens_per_pack a job may ask for (128K fits a GPU with checkpointing).",
     )
     checkpoint_every: int = Field(
         50, ge=1, description="Default number of optimizer steps between checkpoints (a job may override it)."
     )
-    keep_checkpoints: int = Field(2, ge=1, description="How many most recent checkpoints a job keeps on disk.")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="How many most recent checkpoints a job keeps on disk."
+    )
     heartbeat_interval_s: float = Field(
         5.0, gt=0, description="How often a running job refreshes its heartbeat in Redis."
     )
@@ -40,6 +40,11 @@ class TrainerSettings(ServiceSettings):
     )
     max_recoveries: int = Field(
         3, ge=0, description="How many times a job is requeued after its worker died before it is failed."
+    )
+    default_queue: str = Field(
+        "cpu",
+        pattern="^(cpu|gpu|npu)$",
+        description="Celery queue of jobs that do not name one (cpu, gpu or npu).",
     )
     base_models: str = Field(
         "SmolLM2-135M-Instruct",

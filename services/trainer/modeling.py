@@ -35,12 +35,18 @@ def attention_name() -> str:
 
 
 def load_causal_lm(
-    path: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | None = None, attn: str = ATTN
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    attn: str = ATTN,
 ) -> Any:
     from transformers import AutoModelForCausalLM
 
     impl = attention_name() if attn == ATTN else attn
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, attn_implementation=impl)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype or torch.float32, attn_implementation=impl
+    )
     if device is not None:
         model.to(device)
     return model
@@ -69,7 +75,9 @@ def check_lora_targets(model_path: str | Path, targets: Sequence[str]) -> None:
 def apply_lora(model: Any, r: int, alpha: float, dropout: float, targets: Sequence[str]) -> Any:
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), task_type="CAUSAL_LM")
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), task_type="CAUSAL_LM"
+    )
     return get_peft_model(model, cfg)
 
 

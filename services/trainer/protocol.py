@@ -89,7 +89,9 @@ class JobCreate(Strict):
     @model_validator(mode="after")
     def _reward_for_rl(self) -> JobCreate:
         if self.type in ("ppo", "grpo") and self.reward is None:
-            raise ValueError(f"a {self.type} job needs 'reward' (a registered function name or a reward-model folder)")
+            raise ValueError(
+                f"a {self.type} job needs 'reward' (a registered function name or a reward-model folder)"
+            )
         if self.type in ("sft", "dpo") and self.reward is not None:
             raise ValueError(f"'reward' only applies to ppo and grpo jobs, not {self.type}")
         return self

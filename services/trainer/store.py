@@ -167,7 +167,9 @@ class TrainerStore:
     def progress(self, job_id: str, step: int, total: int, metrics: dict[str, float]) -> None:
         point = {"step": step, **metrics, "time": time.time()}
         pipe = self.r.pipeline()
-        pipe.hset(job_key(job_id), mapping={"step": str(step), "total": str(total), "metrics": json.dumps(metrics)})
+        pipe.hset(
+            job_key(job_id), mapping={"step": str(step), "total": str(total), "metrics": json.dumps(metrics)}
+        )
         pipe.rpush(f"{P}job:{job_id}:metrics", json.dumps(point))
         pipe.execute()
         self.event(job_id, "progress", {"step": step, "total": total, "metrics": metrics})
@@ -198,7 +200,10 @@ class TrainerStore:
 
     def event(self, job_id: str, type_: str, data: dict[str, Any]) -> None:
         self.r.xadd(
-            events_key(job_id), {"type": type_, "data": json.dumps(data)}, maxlen=EVENTS_MAXLEN, approximate=True
+            events_key(job_id),
+            {"type": type_, "data": json.dumps(data)},
+            maxlen=EVENTS_MAXLEN,
+            approximate=True,
         )
 
     # ---- leases (heartbeats)

@@ -1,9 +1,89 @@
-"""Celery app of the trainer service: ``celery -A services.trainer.worker:celery_app worker -Q cpu``."""
+"""Celery app of the trainer service: ``celery -A services.trainer.worker:celery_app worker -Q cpu``.
+
+Tasks (explicit names, payloads are ids):
+
+- ``tandem.trainer.run_job(job_id)``: run (or resume) a job; idempotent, see ``runner``.
+- ``tandem.trainer.recover``: requeue jobs whose worker died. Every worker also runs it
+  at start-up and then every ``TANDEM_TRAINER_RECOVERY_INTERVAL_S`` in a thread.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+from typing import Any
+
+from celery.signals import worker_ready, worker_shutdown
+
 from services.common.celery_app import make_celery
 from services.common.config import CommonSettings, load_settings
+from services.common.redis_conn import sync_redis
+from services.trainer.config import TrainerSettings
+
+log = logging.getLogger("tandem.trainer.worker")
+
+RUN_JOB = "tandem.trainer.run_job"
+RECOVER = "tandem.trainer.recover"
 
 common = load_settings(CommonSettings, check_unknown=False)
 celery_app = make_celery("trainer", common.redis_url, default_queue="cpu")
+_stop = threading.Event()
+
+
+def _store() -> Any:
+    from services.trainer.store import TrainerStore
+
+    return TrainerStore(sync_redis(common.redis_url))
+
+
+def dispatch(job_id: str, queue: str) -> None:
+    celery_app.send_task(RUN_JOB, args=[job_id], queue=queue)
+
+
+@celery_app.task(name=RUN_JOB)
+def run_job(job_id: str) -> str:
+    from services.trainer.publish import publish
+    from services.trainer.runner import execute
+
+    settings = load_settings(TrainerSettings, check_unknown=False)
+    store = _store()
+    return execute(
+        job_id,
+        store=store,
+        common=common,
+        settings=settings,
+        publish=lambda jid, spec, path: publish(common, jid, spec, path),
+    )
+
+
+@celery_app.task(name=RECOVER)
+def recover() -> list[str]:
+    from services.trainer.runner import recover_orphans
+
+    return recover_orphans(_store(), load_settings(TrainerSettings, check_unknown=False), dispatch)
+
+
+def _recovery_loop() -> None:
+    from services.trainer.runner import recover_orphans
+
+    settings = load_settings(TrainerSettings, check_unknown=False)
+    store = _store()
+    while True:
+        try:
+            found = recover_orphans(store, settings, dispatch)
+            if found:
+                log.warning("requeued orphaned jobs: %s", ", ".join(found))
+        except Exception:
+            log.exception("orphan recovery failed")
+        if _stop.wait(settings.recovery_interval_s):
+            return
+
+
+@worker_ready.connect
+def _on_ready(**_: Any) -> None:
+    threading.Thread(target=_recovery_loop, name="trainer-recovery", daemon=True).start()
+
+
+@worker_shutdown.connect
+def _on_shutdown(**_: Any) -> None:
+    _stop.set()

@@ -49,7 +49,13 @@ FORMAT_KINDS: dict[str, tuple[Kind, ...]] = {
     "prompt": ("rl",),
 }
 ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
 MAX_ERRORS = 5
 
 
@@ -96,13 +102,17 @@ def _text(row: dict[str, Any], key: str, line: int, *, required: bool = True, fm
         return ""
     value = row[key]
     if not isinstance(value, str):
-        raise DatasetError(f"field {key!r} must be a string, got {type(value).__name__}", line=line, field=key)
+        raise DatasetError(
+            f"field {key!r} must be a string, got {type(value).__name__}", line=line, field=key
+        )
     if required and not value.strip():
         raise DatasetError(f"field {key!r} is empty", line=line, field=key)
     return value
 
 
-def _messages(value: Any, line: int, key: str, *, role_key: str = "role", content_key: str = "content") -> list[Message]:
+def _messages(
+    value: Any, line: int, key: str, *, role_key: str = "role", content_key: str = "content"
+) -> list[Message]:
     if not isinstance(value, list) or not value:
         raise DatasetError(f"field {key!r} must be a non-empty list of messages", line=line, field=key)
     out: list[Message] = []
@@ -194,8 +204,14 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
         output = _text(row, "output", line, fmt=fmt)
         system = _text(row, "system", line, required=False)
         prompt = [{"role": "system", "content": system}] if system else []
-        prompt.append({"role": "user", "content": f"{instruction}\n\n{extra}" if extra.strip() else instruction})
-        return {"messages": [*prompt, {"role": "assistant", "content": output}], "prompt": prompt, "answer": output}
+        prompt.append(
+            {"role": "user", "content": f"{instruction}\n\n{extra}" if extra.strip() else instruction}
+        )
+        return {
+            "messages": [*prompt, {"role": "assistant", "content": output}],
+            "prompt": prompt,
+            "answer": output,
+        }
     if fmt in ("sharegpt", "messages"):
         key = "conversations" if fmt == "sharegpt" else "messages"
         if key not in row:
@@ -216,13 +232,21 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
         prompt_text = _text(row, pk, line, fmt=fmt)
         completion = _text(row, ck, line, fmt=fmt)
         prompt = [{"role": "user", "content": prompt_text}]
-        return {"messages": [*prompt, {"role": "assistant", "content": completion}], "prompt": prompt, "answer": completion}
+        return {
+            "messages": [*prompt, {"role": "assistant", "content": completion}],
+            "prompt": prompt,
+            "answer": completion,
+        }
     if fmt == "preference":
         if "prompt" not in row:
-            raise DatasetError("field 'prompt' is missing (preference rows need it)", line=line, field="prompt")
+            raise DatasetError(
+                "field 'prompt' is missing (preference rows need it)", line=line, field="prompt"
+            )
         for key in ("chosen", "rejected"):
             if key not in row:
-                raise DatasetError(f"field {key!r} is missing (preference rows need it)", line=line, field=key)
+                raise DatasetError(
+                    f"field {key!r} is missing (preference rows need it)", line=line, field=key
+                )
         return {
             "prompt": _prompt_messages(row["prompt"], line),
             "chosen": _continuation(row["chosen"], line, "chosen"),
@@ -242,7 +266,10 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
         answer = row.get("answer")
         if answer is not None and not isinstance(answer, str | int | float):
             raise DatasetError("field 'answer' must be a string or a number", line=line, field="answer")
-        return {"prompt": _prompt_messages(row["prompt"], line), "answer": None if answer is None else str(answer)}
+        return {
+            "prompt": _prompt_messages(row["prompt"], line),
+            "answer": None if answer is None else str(answer),
+        }
     raise DatasetError(f"unknown format {fmt!r}")
 
 
@@ -280,7 +307,9 @@ def parse_dataset(
         else:
             try:
                 if not isinstance(row, dict):
-                    raise DatasetError(f"each line must be a JSON object, got {type(row).__name__}", line=number)
+                    raise DatasetError(
+                        f"each line must be a JSON object, got {type(row).__name__}", line=number
+                    )
                 if fmt is None:
                     fmt = detect_format(row)
                     if fmt is None:
@@ -295,6 +324,7 @@ def parse_dataset(
                             line=number,
                         )
                 rec = normalise_row(fmt, row, number)
+                rec["_line"] = number
                 if kind is not None:
                     check_kind(rec, kind, number)
                 records.append(rec)
@@ -315,7 +345,9 @@ def parse_dataset(
 
 def records_for(parsed: ParsedDataset, kind: Kind) -> list[dict[str, Any]]:
     if kind not in parsed.kinds:
-        raise DatasetError(f"a {parsed.format} dataset cannot be used for {kind} (it suits {', '.join(parsed.kinds)})")
-    for i, rec in enumerate(parsed.records):
-        check_kind(rec, kind, i + 1)
+        raise DatasetError(
+            f"a {parsed.format} dataset cannot be used for {kind} (it suits {', '.join(parsed.kinds)})"
+        )
+    for rec in parsed.records:
+        check_kind(rec, kind, int(rec.get("_line", 0)))
     return parsed.records

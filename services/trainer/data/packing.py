@@ -192,10 +192,14 @@ def pack_pairs(
     labels += [IGNORE] * pad
     pos += list(range(pad))
     t = torch.tensor
-    return Pack(t([ids]), t([labels]), t([pos]), [sum(x) for x in triples], triples=triples, sample_ids=list(indices))
+    return Pack(
+        t([ids]), t([labels]), t([pos]), [sum(x) for x in triples], triples=triples, sample_ids=list(indices)
+    )
 
 
-def pair_logit_index(triples: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pair_logit_index(
+    triples: Sequence[tuple[int, int, int]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For a DPO pack: (logit positions, target positions, segment ids) of every answer token.
 
     Answer token at position ``t`` is predicted by the logits of the token before it *in
@@ -230,7 +234,11 @@ def plan_packs(
 def padding_stats(packs: Sequence[Pack]) -> dict[str, float]:
     real = sum(p.real_tokens for p in packs)
     total = sum(p.total_tokens for p in packs)
-    return {"real_tokens": float(real), "total_tokens": float(total), "padding_ratio": 1 - real / max(total, 1)}
+    return {
+        "real_tokens": float(real),
+        "total_tokens": float(total),
+        "padding_ratio": 1 - real / max(total, 1),
+    }
 
 
 PackFn = Callable[[Sequence[int]], Pack]

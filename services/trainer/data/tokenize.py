@@ -79,7 +79,9 @@ def tokenize_prompt(tokenizer: Any, prompt: list[Message]) -> list[int]:
     return encode(tokenizer, render(tokenizer, prompt, generation_prompt=True))
 
 
-def tokenize_pair(tokenizer: Any, prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> PairSample:
+def tokenize_pair(
+    tokenizer: Any, prompt: list[Message], chosen: list[Message], rejected: list[Message]
+) -> PairSample:
     """The prompt with the generation prompt, then each continuation tokenised on its own.
 
     The cut sits right after ``<|im_start|>assistant\\n``-style tags, a boundary the

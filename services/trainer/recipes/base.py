@@ -166,7 +166,7 @@ class Recipe:
             return torch.autocast(self.device.type, dtype=self.platform.default_dtype())
         return torch.autocast("cpu", enabled=False)
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self, *, advance_schedule: bool = True) -> float:
         assert self.optimizer is not None
         params = self.params()
         if self.hp.max_grad_norm > 0:
@@ -174,7 +174,8 @@ class Recipe:
         else:
             norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
         self.optimizer.step()
-        self.scheduler.step()
+        if advance_schedule:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 

@@ -76,7 +76,9 @@ def sft_schedule(
 class SFTRecipe(Recipe):
     def setup(self) -> None:
         self.load_model(attn="flashmask" if self.cfg.packing else "sdpa")
-        self.samples = [s for s in tokenize_all(self.tokenizer, self.cfg.records) if any(x != IGNORE for x in s.labels)]
+        self.samples = [
+            s for s in tokenize_all(self.tokenizer, self.cfg.records) if any(x != IGNORE for x in s.labels)
+        ]
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.schedule = sft_schedule(
             [len(s) for s in self.samples],
@@ -88,14 +90,18 @@ class SFTRecipe(Recipe):
         )
         self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
         self.make_optimizer()
-        self.hooks.log(f"sft: {len(self.samples)} samples, {self.total_steps} steps, packing={self.cfg.packing}")
+        self.hooks.log(
+            f"sft: {len(self.samples)} samples, {self.total_steps} steps, packing={self.cfg.packing}"
+        )
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         micro = self.schedule[step - 1]
         if self.cfg.packing:
             packs = [
-                pack_sft(self.samples, idx, pad_id=self.pad_id, pad_to_multiple_of=self.cfg.pad_to_multiple_of)
+                pack_sft(
+                    self.samples, idx, pad_id=self.pad_id, pad_to_multiple_of=self.cfg.pad_to_multiple_of
+                )
                 for idx in micro
             ]
             real = sum(p.real_tokens for p in packs)

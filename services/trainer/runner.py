@@ -1,0 +1,256 @@
+"""Running a job inside a worker: idempotent, heartbeated, resumable.
+
+``execute(job_id)`` is the body of the Celery task. It may be delivered twice (a
+recovered job, then the original unacked message once the broker's visibility
+timeout passes), so it first takes the job's *lease* (a Redis key with a TTL that
+a heartbeat thread renews): a job in a terminal state, or whose lease another live
+worker holds, is left alone. Training always resumes from the job's latest
+checkpoint, so a re-run after a crash continues instead of starting over and ends
+at the same step count.
+
+Recovery (``recover_orphans``): a worker killed with ``kill -9`` leaves its job
+``running`` with a lease that nobody renews. When the lease has expired, any worker
+(at start-up and then periodically) puts the job back on its queue; exactly one of
+them does, thanks to a per-attempt claim in Redis. The task's unacked message is not
+relied on: with the Redis transport it would only come back after the visibility
+timeout, which has to be longer than the longest job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from services.common.config import CommonSettings
+from services.trainer.config import TrainerSettings
+from services.trainer.jobspec import PAD_MULTIPLE, validate_job
+from services.trainer.protocol import TERMINAL, JobCreate
+from services.trainer.recipes.base import Recipe, TrainConfig, run
+from services.trainer.store import TrainerStore
+
+log = logging.getLogger("tandem.trainer.runner")
+
+Dispatch = Callable[[str, str], None]  # (job_id, queue)
+
+
+class LeaseLost(RuntimeError):
+    """Another worker took this job over (we were presumed dead): stop without touching its state."""
+
+
+def job_dir(common: CommonSettings, job_id: str) -> Path:
+    return common.home_dir / "trainer" / "jobs" / job_id
+
+
+def artifact_dir(common: CommonSettings, job_id: str) -> Path:
+    # Under $TANDEM_HOME/models, the inference service's default model root, so it can load it.
+    return common.home_dir / "models" / "trainer" / job_id
+
+
+def dataset_path(common: CommonSettings, tenant: str, file_id: str) -> Path:
+    return common.home_dir / "trainer" / "files" / tenant / f"{file_id}.jsonl"
+
+
+class JobHooks:
+    def __init__(self, store: TrainerStore, job_id: str, lost: threading.Event) -> None:
+        self.store = store
+        self.job_id = job_id
+        self.lost = lost
+
+    def should_stop(self) -> bool:
+        if self.lost.is_set():
+            raise LeaseLost(self.job_id)
+        return self.store.cancel_requested(self.job_id)
+
+    def report(self, step: int, total: int, metrics: dict[str, float]) -> None:
+        if self.lost.is_set():
+            raise LeaseLost(self.job_id)
+        self.store.progress(self.job_id, step, total, {k: round(float(v), 6) for k, v in metrics.items()})
+
+    def log(self, message: str) -> None:
+        self.store.log(self.job_id, message)
+
+    def resumed(self, step: int) -> None:
+        self.store.truncate_metrics(self.job_id, step)
+        self.store.update(self.job_id, step=step)
+
+
+class Heartbeat:
+    def __init__(self, store: TrainerStore, job_id: str, owner: str, settings: TrainerSettings) -> None:
+        self.store, self.job_id, self.owner, self.settings = store, job_id, owner, settings
+        self.stop = threading.Event()
+        self.lost = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name=f"heartbeat-{job_id}", daemon=True)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(self.settings.heartbeat_interval_s):
+            try:
+                if not self.store.renew_lease(self.job_id, self.owner, self.settings.stale_after_s):
+                    self.lost.set()
+                    return
+                self.store.update(self.job_id, heartbeat=time.time())
+            except Exception:  # a Redis blip: try again next beat; the TTL covers a few misses
+                log.warning("heartbeat of %s failed", self.job_id, exc_info=True)
+
+    def __enter__(self) -> Heartbeat:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def recipe_for(kind: str) -> type[Recipe]:
+    from services.trainer.recipes.dpo import DPORecipe
+    from services.trainer.recipes.rl import GRPORecipe, PPORecipe
+    from services.trainer.recipes.sft import SFTRecipe
+
+    return {"sft": SFTRecipe, "dpo": DPORecipe, "ppo": PPORecipe, "grpo": GRPORecipe}[kind]
+
+
+def execute(
+    job_id: str,
+    *,
+    store: TrainerStore,
+    common: CommonSettings,
+    settings: TrainerSettings,
+    owner: str | None = None,
+    publish: Callable[[str, JobCreate, Path], str | None] | None = None,
+) -> str:
+    owner = owner or f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{time.time_ns()}"
+    data = store.job(job_id)
+    if not data:
+        log.warning("job %s does not exist", job_id)
+        return "missing"
+    if data["status"] in TERMINAL:
+        return data["status"]
+    if not store.acquire_lease(job_id, owner, settings.stale_after_s):
+        log.info("job %s is held by %s; not running it twice", job_id, store.lease_owner(job_id))
+        return "duplicate"
+    try:
+        data = store.job(job_id)
+        if data["status"] in TERMINAL:  # cancelled between the two reads
+            return data["status"]
+        attempts = int(data.get("attempts") or 0) + 1
+        store.set_status(
+            job_id,
+            "running",
+            started_at=data.get("started_at") or time.time(),
+            attempts=attempts,
+            owner=owner,
+            heartbeat=time.time(),
+        )
+        with Heartbeat(store, job_id, owner, settings) as beat:
+            outcome = _train(job_id, data, store, common, settings, beat.lost, publish)
+        return outcome
+    except LeaseLost:
+        log.warning("job %s: lease lost, another worker continues it", job_id)
+        return "lease-lost"
+    finally:
+        store.release_lease(job_id, owner)
+
+
+def _train(
+    job_id: str,
+    data: dict[str, str],
+    store: TrainerStore,
+    common: CommonSettings,
+    settings: TrainerSettings,
+    lost: threading.Event,
+    publish: Callable[[str, JobCreate, Path], str | None] | None,
+) -> str:
+    tenant = data["tenant"]
+    try:
+        spec = JobCreate.model_validate_json(data["spec"])
+        resolved = validate_job(
+            spec,
+            dataset_path(common, tenant, spec.dataset),
+            dataset_path(common, tenant, spec.eval_dataset) if spec.eval_dataset else None,
+            common,
+            settings,
+        )
+        reward = resolved.reward
+        if isinstance(reward, Path):
+            from services.trainer.rewards import RewardModel
+
+            reward = RewardModel(reward)
+        work = job_dir(common, job_id)
+        cfg = TrainConfig(
+            kind=spec.type,
+            model_path=resolved.model_path,
+            records=resolved.records,
+            hp=spec.hyperparameters,
+            lora=spec.lora,
+            packing=spec.packing,
+            max_tokens_per_pack=resolved.capacity,
+            pad_to_multiple_of=PAD_MULTIPLE,
+            reward=reward,
+            checkpoint_every=spec.hyperparameters.checkpoint_every or settings.checkpoint_every,
+            keep_checkpoints=settings.keep_checkpoints,
+            work_dir=work,
+        )
+        recipe = recipe_for(spec.type)(cfg, hooks=JobHooks(store, job_id, lost))
+        outcome = run(recipe, work / "checkpoints")
+        if outcome == "cancelled":
+            store.set_status(job_id, "cancelled")
+            return "cancelled"
+        out = artifact_dir(common, job_id)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        recipe.save_final(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        store.log(job_id, f"saved {'adapter' if spec.lora else 'model'} to {out}")
+        name = None
+        if spec.publish and publish is not None:
+            name = publish(job_id, spec, out)
+            store.log(job_id, f"published as {name!r}")
+        store.set_status(
+            job_id,
+            "succeeded",
+            fine_tuned_model=name or "",
+            published="1" if name else "0",
+            artifact_path=str(out),
+        )
+        return "succeeded"
+    except LeaseLost:
+        raise
+    except Exception as exc:
+        message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+        store.log(job_id, "failed:\n" + traceback.format_exc(limit=8), level="error")
+        store.set_status(job_id, "failed", error=f"{type(exc).__name__}: {message}")
+        return "failed"
+
+
+def recover_orphans(store: TrainerStore, settings: TrainerSettings, dispatch: Dispatch) -> list[str]:
+    """Requeue running jobs whose heartbeat (lease) has expired; fail those requeued too often."""
+    requeued = []
+    for job_id in store.active_jobs():
+        data = store.job(job_id)
+        if not data or data.get("status") != "running":
+            store.r.srem("tandem:trainer:active", job_id)
+            continue
+        if store.lease_owner(job_id) is not None:
+            continue  # alive
+        attempts = int(data.get("attempts") or 0)
+        if not store.claim_requeue(job_id, attempts):
+            continue  # another worker already requeued this attempt
+        if attempts > settings.max_recoveries:
+            store.set_status(job_id, "failed", error=f"worker lost {attempts} times; giving up")
+            continue
+        store.log(
+            job_id,
+            f"worker of attempt {attempts} stopped heartbeating; requeued to resume from its last checkpoint",
+            level="warning",
+        )
+        store.set_status(job_id, "queued")
+        dispatch(job_id, data.get("queue") or "cpu")
+        requeued.append(job_id)
+    return requeued
