@@ -127,7 +127,7 @@ class AgentRunner:
             text = str(((resp.get("choices") or [{}])[0].get("message") or {}).get("content") or "")
             parsed = parse_react(text, names)
             self.result.repairs.extend(parsed.repairs)
-            if parsed.thought:
+            if parsed.thought and parsed.kind != "invalid":
                 yield {"type": "step", "kind": "thought", "step": step, "text": parsed.thought}
             if parsed.kind == "final":
                 for event in self._final(parsed.answer):

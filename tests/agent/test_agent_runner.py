@@ -1,0 +1,151 @@
+"""The agent loop against a scripted test-double model (OpenAI wire format over real HTTP)."""
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from services.agent.agents.runner import AgentRunner
+from services.agent.clients import InferenceClient
+from services.agent.tools.base import ToolContext
+from services.agent.tools.calculator import Calculator
+from tests.agent.doubles import ScriptedModel, inference_double
+from tests.helpers.servers import serve_app
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[tuple[ScriptedModel, str]]:
+    model = ScriptedModel()
+    with serve_app(inference_double(model)) as url:
+        yield model, url
+
+
+class Exploding:
+    name = "explode"
+    description = "Always fails."
+    parameters: dict[str, Any] = {}
+
+    def run(self, argument: Any, ctx: ToolContext) -> str:
+        raise RuntimeError("kaboom")
+
+
+class Hanging:
+    name = "hang"
+    description = "Never answers."
+    parameters: dict[str, Any] = {}
+
+    async def run(self, argument: Any, ctx: ToolContext) -> str:
+        await asyncio.sleep(3600)
+        return "never"
+
+
+class SyncHanging(Hanging):
+    name = "synchang"
+
+    def run(self, argument: Any, ctx: ToolContext) -> str:  # type: ignore[override]
+        time.sleep(2)
+        return "late"
+
+
+def runner(url: str, **kw: Any) -> AgentRunner:
+    tools = {"calculator": Calculator(), "explode": Exploding(), "hang": Hanging(), "synchang": SyncHanging()}
+    return AgentRunner(InferenceClient(url, "k"), "scripted", tools, ToolContext(), **kw)
+
+
+async def events_of(r: AgentRunner, question: str, mode: str = "react") -> list[dict[str, Any]]:
+    return [e async for e in r.run(question, [], mode=mode)]
+
+
+async def test_calculator_task_with_repairs(scripted: tuple[ScriptedModel, str]) -> None:
+    model, url = scripted
+    model.requests.clear()
+    model.replies = [
+        "I am not sure.",  # no protocol at all: the loop asks again
+        "Thought: multiply them\n**Action:** calcualtor\nAction Input: `17 * 23`\nObservation: 400",
+        "Thought: I know the answer\nFinal Answer: 391",
+    ]
+    r = runner(url)
+    events = await events_of(r, "What is 17 times 23?")
+    steps = [(e["kind"], e.get("tool")) for e in events if e["type"] == "step"]
+    assert steps == [
+        ("thought", None),
+        ("thought", None),
+        ("tool_call", "calculator"),
+        ("observation", "calculator"),
+        ("thought", None),
+        ("final", None),
+    ]
+    call = next(e for e in events if e.get("kind") == "tool_call")
+    assert call["input"] == "17 * 23" and call["repairs"]
+    assert next(e for e in events if e.get("kind") == "observation")["text"] == "391"
+    assert r.result.answer == "391" and events[-1] == {"type": "token", "text": "391"}
+    # The model saw the format reminder, then its own step rewritten strictly, then the real observation.
+    assert "did not follow the format" in model.requests[1]["messages"][-1]["content"]
+    last = model.requests[2]["messages"]
+    assert last[-2]["content"] == "Thought: multiply them\nAction: calculator\nAction Input: 17 * 23"
+    assert last[-1]["content"] == "Observation: 391"
+    assert model.requests[0]["stop"]
+
+
+async def test_failing_and_hanging_tools_become_observations(scripted: tuple[ScriptedModel, str]) -> None:
+    model, url = scripted
+    model.replies = [
+        "Action: explode\nAction Input: now",
+        "Action: hang\nAction Input: forever",
+        "Action: synchang\nAction Input: forever",
+        "Final Answer: tools are broken",
+    ]
+    r = runner(url, tool_timeout_s=0.3)
+    started = time.monotonic()
+    events = await events_of(r, "use the tools")
+    observations = [e for e in events if e.get("kind") == "observation"]
+    assert [o["ok"] for o in observations] == [False, False, False]
+    assert "RuntimeError: kaboom" in observations[0]["text"]
+    assert "did not answer within 0.3 s" in observations[1]["text"]
+    assert "did not answer within 0.3 s" in observations[2]["text"]
+    assert r.result.answer == "tools are broken" and time.monotonic() - started < 5
+
+
+async def test_step_budget(scripted: tuple[ScriptedModel, str]) -> None:
+    model, url = scripted
+    model.replies = lambda body: "Action: calculator\nAction Input: 1+1"
+    events = await events_of(runner(url, max_steps=3), "loop forever")
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "step_budget_exceeded"
+    assert sum(1 for e in events if e.get("kind") == "tool_call") == 3
+
+
+async def test_time_budget(scripted: tuple[ScriptedModel, str]) -> None:
+    model, url = scripted
+    model.replies = lambda body: "Action: hang\nAction Input: x"
+    started = time.monotonic()
+    events = await events_of(runner(url, time_budget_s=0.5, tool_timeout_s=30), "hang")
+    assert events[-1]["code"] == "time_budget_exceeded" and time.monotonic() - started < 3
+
+
+async def test_openai_tool_calling(scripted: tuple[ScriptedModel, str]) -> None:
+    model, url = scripted
+    model.requests.clear()
+    model.replies = [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "2**10"}'},
+                }
+            ],
+        },
+        "The answer is 1024.",
+    ]
+    r = runner(url)
+    events = await events_of(r, "2 to the 10th?", mode="openai")
+    assert [e["text"] for e in events if e.get("kind") == "observation"] == ["1024"]
+    assert r.result.answer == "The answer is 1024."
+    assert model.requests[0]["tools"][0]["function"]["name"] == "calculator"
+    assert model.requests[1]["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "1024"}

@@ -1,0 +1,237 @@
+"""The agent's HTTP interfaces (pipelines JSON/SSE, OpenAI facade, conversations, proxy, web) over real
+HTTP, with doubles for retrieval and inference (their real versions run in test_integration.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.agent.stack import Stack, agent_stack
+from tests.conftest import auth
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with agent_stack(redis_url, tmp_path_factory.mktemp("home")) as s:
+        yield s
+
+
+def cite_first(body: dict[str, Any]) -> str:
+    """A model that answers from its first source and cites it."""
+    user = body["messages"][-1]["content"]
+    first = user.split("\n[1]", 1)[1].split("\n", 1)[0].strip() if "\n[1]" in user else "nothing"
+    return f"According to the sources, {first} [1]."
+
+
+def sse_events(resp: httpx.Response) -> list[dict[str, Any]]:
+    return [
+        json.loads(line[5:])
+        for line in resp.iter_lines()
+        if line.startswith("data:") and line[5:].strip() != "[DONE]"
+    ]
+
+
+def test_chat_documents_json_cites_the_right_document(stack: Stack, api_key: str) -> None:
+    stack.model.replies = cite_first
+    resp = httpx.post(
+        f"{stack.url}/v1/pipelines/chat-documents/run",
+        json={"query": "What is the capital of Germany?", "collection": "geo"},
+        headers={**auth(api_key), "X-Request-ID": "rid-123"},
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["answer"].endswith("[1].") and "Berlin" in body["answer"]
+    [cite] = body["citations"]
+    assert (cite["index"], cite["document_id"], cite["chunk_id"], cite["title"]) == (
+        1,
+        "de",
+        "de#0",
+        "Germany",
+    )
+    assert (cite["start"], cite["end"], cite["kind"]) == (0, len(cite["text"]), "cited")
+    assert body["usage"]["total_tokens"] == 15
+    # The user's own key and the request id went upstream.
+    assert stack.model.headers[-1]["authorization"] == f"Bearer {api_key}"
+    assert stack.corpus.seen_headers[-1]["authorization"] == f"Bearer {api_key}"
+    assert stack.corpus.seen_headers[-1]["x-request-id"] == "rid-123"
+
+
+def test_chat_documents_sse_streams_tokens_then_citation_then_done(stack: Stack, api_key: str) -> None:
+    stack.model.replies = cite_first
+    with httpx.stream(
+        "POST",
+        f"{stack.url}/v1/pipelines/chat-documents/run",
+        json={"query": "What is the capital of France?", "collection": "geo", "stream": True},
+        headers=auth(api_key),
+        timeout=30,
+    ) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    types = [e["type"] for e in events]
+    assert types[0] == "token" and types[-1] == "done" and types.count("citation") == 1
+    assert types.index("citation") < len(types) - 1
+    citation = next(e for e in events if e["type"] == "citation")
+    assert citation["document_id"] == "fr"
+    assert events[-1]["citations"][0]["document_id"] == "fr"
+
+
+def test_nothing_relevant_says_it_does_not_know(stack: Stack, api_key: str) -> None:
+    stack.model.requests.clear()
+    resp = httpx.post(
+        f"{stack.url}/v1/pipelines/chat-documents/run",
+        json={"query": "How do volcanoes erupt under the ocean?", "collection": "geo"},
+        headers=auth(api_key),
+        timeout=30,
+    )
+    body = resp.json()
+    assert body["answer"].startswith("I don't know") and body["citations"] == []
+    assert stack.model.requests == []  # no model call, nothing invented
+
+
+def test_semantic_search_highlights_the_passage(stack: Stack, api_key: str) -> None:
+    resp = httpx.post(
+        f"{stack.url}/v1/pipelines/semantic-search/run",
+        json={"query": "Where is the Eiffel Tower?", "collection": "geo"},
+        headers=auth(api_key),
+    )
+    top = resp.json()["results"][0]
+    assert top["document_id"] == "eiffel"
+    assert top["passage"]["text"] == "The Eiffel Tower stands in Paris."
+    text = stack.corpus.collections["geo"]["eiffel"][1]
+    assert text[top["passage"]["start"] : top["passage"]["end"]] == top["passage"]["text"]
+    assert "<mark>Eiffel</mark>" in top["highlighted"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        (
+            "/v1/pipelines/nope/run",
+            {"query": "x", "collection": "geo"},
+            404,
+            "unknown pipeline or agent 'nope'",
+        ),
+        (
+            "/v1/pipelines/chat-documents/run",
+            {"query": "capital", "collection": "missing"},
+            404,
+            "unknown collection 'missing'",
+        ),
+        (
+            "/v1/pipelines/chat-documents/run",
+            {"query": "capital", "collection": "missing", "stream": True},
+            404,
+            "missing",
+        ),
+        ("/v1/pipelines/chat-documents/run", {"query": "capital"}, 400, "needs a 'collection'"),
+        ("/v1/pipelines/chat-documents/run", {"query": "  ", "collection": "geo"}, 400, "empty"),
+        (
+            "/v1/pipelines/chat-documents/run",
+            {"query": "x" * 20000, "collection": "geo"},
+            413,
+            "limit is 16000",
+        ),
+        ("/v1/pipelines/chat-documents/run", {"query": "x", "collection": "geo", "top_k": 0}, 400, "top_k"),
+        ("/v1/pipelines/chat-documents/run", {"query": "x", "collection": "../etc"}, 400, "collection"),
+        (
+            "/v1/pipelines/chat-documents/run",
+            {"query": "x", "collection": "geo", "conversation_id": "conv_nope"},
+            404,
+            "no conversation",
+        ),
+    ],
+)
+def test_bad_input_is_a_clear_4xx(
+    stack: Stack, api_key: str, path: str, body: dict[str, Any], status: int, needle: str
+) -> None:
+    resp = httpx.post(f"{stack.url}{path}", json=body, headers=auth(api_key), timeout=30)
+    assert resp.status_code == status, resp.text
+    assert needle in resp.json()["error"]["message"]
+
+
+def test_every_route_needs_a_key(stack: Stack) -> None:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("GET", "/v1/conversations"),
+        ("POST", "/v1/pipelines/chat-documents/run"),
+    ]:
+        assert httpx.request(method, f"{stack.url}{path}").status_code == 401
+
+
+def test_openai_client_chats_with_documents(stack: Stack, api_key: str) -> None:
+    stack.model.replies = cite_first
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=api_key)
+    ids = [m.id for m in client.models.list().data]
+    assert {"chat-documents", "semantic-search", "tools-agent"} <= set(ids)
+    out = client.chat.completions.create(
+        model="chat-documents",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        extra_body={"collection": "geo"},
+    )
+    assert "Paris" in (out.choices[0].message.content or "")
+    assert out.model_extra and out.model_extra["citations"][0]["document_id"] == "fr"
+    chunks = list(
+        client.chat.completions.create(
+            model="chat-documents",
+            messages=[
+                {"role": "user", "content": "Tell me about Germany"},
+                {"role": "assistant", "content": "Germany is in Europe."},
+                {"role": "user", "content": "What is its capital?"},
+            ],
+            extra_body={"collection": "geo"},
+            stream=True,
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Berlin" in text  # "its" was rewritten with the history: the search found Germany
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].model_extra and chunks[-1].model_extra["citations"][0]["document_id"] == "de"
+    with pytest.raises(openai.NotFoundError, match="unknown pipeline or agent 'gpt-4'"):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_proxy_forwards_auth_request_id_and_streams_sse(stack: Stack, api_key: str) -> None:
+    resp = httpx.post(
+        f"{stack.url}/api/retrieval/v1/collections/geo/search",
+        json={"query": "Berlin", "top_k": 1},
+        headers={**auth(api_key), "X-Request-ID": "proxied-1"},
+    )
+    assert resp.status_code == 200 and resp.json()["results"][0]["document_id"] == "de"
+    assert stack.corpus.seen_headers[-1]["authorization"] == f"Bearer {api_key}"
+    assert stack.corpus.seen_headers[-1]["x-request-id"] == "proxied-1"
+    assert (
+        httpx.post(f"{stack.url}/api/retrieval/v1/collections/nope/search", json={"query": "x"}).status_code
+        == 404
+    )
+    stack.model.replies = ["one two three four"]
+    with httpx.stream(
+        "POST",
+        f"{stack.url}/api/inference/v1/chat/completions",
+        json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        headers=auth(api_key),
+    ) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        pieces = [
+            json.loads(line[5:])["choices"][0]["delta"].get("content", "")
+            for line in resp.iter_lines()
+            if line.startswith("data: {")
+        ]
+    assert "".join(pieces) == "one two three four"
+    assert httpx.get(f"{stack.url}/api/elsewhere/v1/x").status_code in (404, 400)
+
+
+def test_web_front_end_is_served_when_built(redis_url: str, tmp_path: Path, api_key: str) -> None:
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    (dist / "index.html").write_text("<html>tandem web</html>")
+    with agent_stack(redis_url, tmp_path / "home", web_dist=str(dist)) as s:
+        assert "tandem web" in httpx.get(f"{s.url}/").text
+        assert httpx.get(f"{s.url}/v1/models", headers=auth(api_key)).status_code == 200
+        assert httpx.get(f"{s.url}/healthz").status_code == 200
