@@ -3,7 +3,7 @@
 import asyncio
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -27,7 +27,7 @@ def scripted() -> Iterator[tuple[ScriptedModel, str]]:
 class Exploding:
     name = "explode"
     description = "Always fails."
-    parameters: dict[str, Any] = {}
+    parameters: ClassVar[dict[str, Any]] = {}
 
     def run(self, argument: Any, ctx: ToolContext) -> str:
         raise RuntimeError("kaboom")
@@ -36,7 +36,7 @@ class Exploding:
 class Hanging:
     name = "hang"
     description = "Never answers."
-    parameters: dict[str, Any] = {}
+    parameters: ClassVar[dict[str, Any]] = {}
 
     async def run(self, argument: Any, ctx: ToolContext) -> str:
         await asyncio.sleep(3600)
