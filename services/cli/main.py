@@ -17,6 +17,7 @@ from rich.live import Live
 from rich.table import Table
 
 from services.cli import stack
+from services.cli.eval_rag import rag_command
 from services.common.auth import KeyStore
 from services.common.config import SERVICE_NAMES, CommonSettings, SettingsError, load_settings
 from services.common.errors import TandemError
@@ -29,6 +30,7 @@ eval_app = typer.Typer(help="Evaluations against a running stack.", no_args_is_h
 config_app = typer.Typer(help="Configuration: every TANDEM_ variable.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 app.add_typer(eval_app, name="eval")
+eval_app.command("rag")(rag_command)
 app.add_typer(config_app, name="config")
 console = Console()
 

@@ -1,0 +1,309 @@
+"""``tandem eval rag --beir DIR``: asks a BEIR data set's queries through ``chat-documents``.
+
+Reports, over the queries asked:
+
+- cited-chunk relevance: of the chunks the answers cite with ``[n]``, the share whose
+  document is relevant to the query in the qrels;
+- citation validity: of all ``[n]`` markers written, the share naming a chunk that was
+  actually shown to the model (the rest are invalid: a number with no source);
+- answers with at least one (valid) citation;
+- first-token and total latency, p50 and p95, measured at the client over SSE.
+
+Citations the server *attributed* to an uncited answer are reported on their own
+line and never counted as the model's citations.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from services.common.config import CommonSettings, load_settings
+
+console = Console()
+
+
+@dataclass
+class BeirSet:
+    corpus: dict[str, dict[str, str]]
+    queries: dict[str, str]
+    qrels: dict[str, set[str]]
+
+
+def load_beir(folder: Path, split: str = "test") -> BeirSet:
+    def jsonl(path: Path) -> list[dict[str, Any]]:
+        with path.open(encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+
+    for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name} is missing (expected BEIR layout)")
+    corpus = {
+        str(d["_id"]): {"title": str(d.get("title") or ""), "text": str(d.get("text") or "")}
+        for d in jsonl(folder / "corpus.jsonl")
+    }
+    queries = {str(q["_id"]): str(q["text"]) for q in jsonl(folder / "queries.jsonl")}
+    qrels: dict[str, set[str]] = {}
+    with (folder / f"qrels/{split}.tsv").open(encoding="utf-8") as fh:
+        for row in csv.reader(fh, delimiter="\t"):
+            if len(row) < 3 or row[0] == "query-id":
+                continue
+            if int(row[2]) > 0:
+                qrels.setdefault(row[0], set()).add(row[1])
+    return BeirSet(corpus, queries, qrels)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[idx]
+
+
+@dataclass
+class QueryOutcome:
+    query_id: str
+    answer: str
+    cited_docs: list[str]
+    attributed_docs: list[str]
+    markers: int
+    invalid: int
+    first_token_s: float | None
+    total_s: float
+    error: str | None = None
+
+
+@dataclass
+class RagReport:
+    outcomes: list[QueryOutcome] = field(default_factory=list)
+    qrels: dict[str, set[str]] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        ok = [o for o in self.outcomes if o.error is None]
+        cited = [(o.query_id, d) for o in ok for d in o.cited_docs]
+        attributed = [(o.query_id, d) for o in ok for d in o.attributed_docs]
+        markers = sum(o.markers for o in ok)
+        invalid = sum(o.invalid for o in ok)
+        firsts = [o.first_token_s for o in ok if o.first_token_s is not None]
+        totals = [o.total_s for o in ok]
+
+        def rel(pairs: list[tuple[str, str]]) -> float | None:
+            return sum(1 for q, d in pairs if d in self.qrels.get(q, set())) / len(pairs) if pairs else None
+
+        return {
+            "queries": len(self.outcomes),
+            "errors": len(self.outcomes) - len(ok),
+            "cited_chunk_relevance": rel(cited),
+            "cited_chunks": len(cited),
+            "citation_validity": (markers - invalid) / markers if markers else None,
+            "markers": markers,
+            "answers_with_citation": sum(1 for o in ok if o.cited_docs) / len(ok) if ok else None,
+            "attributed_relevance": rel(attributed),
+            "answers_attributed_only": sum(1 for o in ok if o.attributed_docs and not o.cited_docs) / len(ok)
+            if ok
+            else None,
+            "first_token_p50_s": percentile(firsts, 50),
+            "first_token_p95_s": percentile(firsts, 95),
+            "total_p50_s": percentile(totals, 50),
+            "total_p95_s": percentile(totals, 95),
+        }
+
+
+def ingest(
+    client: httpx.Client, collection: str, data: BeirSet, batch: int = 64, timeout: float = 3600
+) -> int:
+    """Creates the collection and posts the corpus in batches (waiting for any that became jobs)."""
+    resp = client.post("/v1/collections", json={"name": collection})
+    if resp.status_code == 409:
+        return 0
+    resp.raise_for_status()
+    docs = [
+        {"id": k, "title": v["title"], "text": v["text"]} for k, v in data.corpus.items() if v["text"].strip()
+    ]
+    for i in range(0, len(docs), batch):
+        resp = client.post(f"/v1/collections/{collection}/documents", json={"documents": docs[i : i + batch]})
+        resp.raise_for_status()
+        job = resp.json().get("job_id")
+        deadline = time.monotonic() + timeout
+        while job:
+            state = client.get(f"/v1/jobs/{job}").json()
+            if state["state"] == "succeeded":
+                break
+            if state["state"] == "failed" or time.monotonic() > deadline:
+                raise RuntimeError(f"ingestion job {job} {state['state']}: {state.get('error')}")
+            time.sleep(0.5)
+    return len(docs)
+
+
+def ask(client: httpx.Client, pipeline: str, collection: str, query: str) -> dict[str, Any]:
+    started = time.perf_counter()
+    first: float | None = None
+    answer: list[str] = []
+    done: dict[str, Any] = {}
+    error: str | None = None
+    with client.stream(
+        "POST",
+        f"/v1/pipelines/{pipeline}/run",
+        json={"query": query, "collection": collection, "stream": True},
+    ) as resp:
+        if resp.status_code >= 400:
+            resp.read()
+            return {
+                "error": f"HTTP {resp.status_code}: {resp.text[:200]}",
+                "total": time.perf_counter() - started,
+            }
+        for line in resp.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if event["type"] == "token":
+                if first is None:
+                    first = time.perf_counter() - started
+                answer.append(event["text"])
+            elif event["type"] == "done":
+                done = event
+            elif event["type"] == "error":
+                error = event.get("message")
+    return {
+        "answer": "".join(answer),
+        "done": done,
+        "first": first,
+        "total": time.perf_counter() - started,
+        "error": error,
+    }
+
+
+def run_rag_eval(
+    data: BeirSet,
+    *,
+    agent_url: str,
+    retrieval_url: str,
+    api_key: str,
+    collection: str,
+    limit: int,
+    do_ingest: bool = True,
+    pipeline: str = "chat-documents",
+    timeout: float = 300.0,
+) -> RagReport:
+    from services.agent.citations import marker_numbers
+
+    headers = {"Authorization": f"Bearer {api_key}"}
+    if do_ingest:
+        with httpx.Client(base_url=retrieval_url, headers=headers, timeout=timeout) as rc:
+            ingest(rc, collection, data)
+    query_ids = [q for q in sorted(data.qrels) if q in data.queries][:limit]
+    report = RagReport(qrels=data.qrels)
+    with httpx.Client(base_url=agent_url, headers=headers, timeout=timeout) as ac:
+        for qid in query_ids:
+            out = ask(ac, pipeline, collection, data.queries[qid])
+            done = out.get("done") or {}
+            cites = done.get("citations") or []
+            answer = str(out.get("answer") or "")
+            report.outcomes.append(
+                QueryOutcome(
+                    query_id=qid,
+                    answer=answer,
+                    cited_docs=[c["document_id"] for c in cites if c.get("kind", "cited") == "cited"],
+                    attributed_docs=[c["document_id"] for c in cites if c.get("kind") == "attributed"],
+                    markers=len(marker_numbers(answer)),
+                    invalid=len(done.get("invalid_citations") or []),
+                    first_token_s=out.get("first"),
+                    total_s=float(out["total"]),
+                    error=out.get("error"),
+                )
+            )
+    return report
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    def fmt(v: Any, pct: bool = False) -> str:
+        if v is None:
+            return "n/a"
+        return f"{100 * v:.1f}%" if pct else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+    table = Table(title="chat-documents RAG evaluation")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("queries (errors)", f"{summary['queries']} ({summary['errors']})"),
+        (
+            "cited-chunk relevance",
+            f"{fmt(summary['cited_chunk_relevance'], True)} of {summary['cited_chunks']}",
+        ),
+        ("citation validity", f"{fmt(summary['citation_validity'], True)} of {summary['markers']} markers"),
+        ("answers with >=1 citation", fmt(summary["answers_with_citation"], True)),
+        ("server-attributed only (not counted above)", fmt(summary["answers_attributed_only"], True)),
+        ("attributed-chunk relevance", fmt(summary["attributed_relevance"], True)),
+        (
+            "first token p50 / p95 (s)",
+            f"{fmt(summary['first_token_p50_s'])} / {fmt(summary['first_token_p95_s'])}",
+        ),
+        ("total p50 / p95 (s)", f"{fmt(summary['total_p50_s'])} / {fmt(summary['total_p95_s'])}"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+
+
+def rag_command(
+    beir: Path = typer.Option(
+        ..., "--beir", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/test.tsv."
+    ),
+    collection: str = typer.Option("", help="Collection to ask (default: beir-<folder name>)."),
+    limit: int = typer.Option(50, min=1, help="Queries to ask (those with judgments, in id order)."),
+    ingest_corpus: bool = typer.Option(
+        True, "--ingest/--no-ingest", help="Create the collection and ingest the corpus if it does not exist."
+    ),
+    pipeline: str = typer.Option("chat-documents", help="Pipeline to ask."),
+    api_key: str = typer.Option("", help="API key (default: TANDEM_SERVICE_API_KEY)."),
+    agent_url: str = typer.Option("", help="Agent service URL (default from settings)."),
+    retrieval_url: str = typer.Option("", help="Retrieval service URL (default from settings)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the summary and answers here."),
+) -> None:
+    """Ask a BEIR data set's queries through chat-documents; report citation quality and latency."""
+    common = load_settings(CommonSettings, check_unknown=False)
+    key = api_key or common.service_api_key
+    if not key:
+        console.print("[bold red]error:[/] give --api-key (or set TANDEM_SERVICE_API_KEY)")
+        raise typer.Exit(1)
+    try:
+        data = load_beir(beir)
+    except (FileNotFoundError, ValueError) as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(1) from None
+    name = collection or f"beir-{beir.resolve().name}".lower()
+    try:
+        report = run_rag_eval(
+            data,
+            agent_url=agent_url or common.url_of("agent"),
+            retrieval_url=retrieval_url or common.url_of("retrieval"),
+            api_key=key,
+            collection=name,
+            limit=limit,
+            do_ingest=ingest_corpus,
+            pipeline=pipeline,
+        )
+    except httpx.HTTPError as exc:
+        console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+        raise typer.Exit(1) from None
+    summary = report.summary()
+    print_summary(summary)
+    if json_out:
+        json_out.write_text(
+            json.dumps(
+                {"summary": summary, "answers": [o.__dict__ for o in report.outcomes]}, indent=2, default=str
+            )
+        )
+
+
+__all__ = ["rag_command", "run_rag_eval"]
