@@ -1,0 +1,363 @@
+"""Continuous batching: sequences join the running batch between steps and leave when done.
+
+One iteration (``step``) does, in order:
+
+1. drop aborted and timed-out sequences (freeing their slots at once);
+2. admit waiting sequences into free slots (FIFO);
+3. one *prefill* forward over a token budget (``prefill_chunk``): the prompts of newly
+   admitted sequences, batched, long prompts split into chunks so a big arrival never
+   stalls the others for long (chunked prefill); a sequence whose prompt is done samples
+   its first token;
+4. one *decode* forward: every slot that has a token to extend moves one token on.
+
+Each sampled token is handed to the sequence's sink at once (streaming). The scheduler
+is driven either by its own thread (the server: ``start()``) or inline by the caller
+(``run_until_done``, used by ``generate_batch`` when no thread runs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.inference.engine.detokenizer import IncrementalDetokenizer
+from services.inference.engine.runner import ModelRunner, PrefillRow
+from services.inference.engine.sampling import RowSampling, sample
+from services.inference.engine.types import (
+    FinishReason,
+    QueueFull,
+    SamplingParams,
+    StreamEvent,
+    TokenLogprob,
+    TopLogprob,
+)
+
+log = logging.getLogger("tandem.engine.scheduler")
+
+Sink = Callable[[StreamEvent], None]
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    sink: Sink
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer | None
+    adapter: str | None = None
+    deadline: float | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0
+    slot: int = -1
+    finish_reason: FinishReason | None = None
+    # time the sequence was submitted / got its first token (metrics)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_computed >= len(self.prompt_ids)
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        *,
+        max_batch_size: int,
+        max_queue: int,
+        prefill_chunk: int,
+        eos_token_ids: set[int],
+        model_lock: threading.RLock,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.prefill_chunk = max(16, prefill_chunk)
+        self.eos_token_ids = eos_token_ids
+        self.model_lock = model_lock
+        self.waiting: deque[Sequence] = deque()
+        self.slots: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.steps = 0
+        self.last_error: str | None = None
+
+    # --- submission (any thread) ---------------------------------------------------------
+    def submit(self, seqs: list[Sequence], *, bounded: bool = True) -> None:
+        with self._cv:
+            if bounded and len(self.waiting) + len(seqs) > self.max_queue + max(
+                0, self.max_batch_size - len(self.slots)
+            ):
+                raise QueueFull(
+                    f"the waiting queue is full ({len(self.waiting)} requests waiting, "
+                    f"limit {self.max_queue}); retry later",
+                    retry_after=1.0,
+                )
+            self.waiting.extend(seqs)
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._aborts.add(request_id)
+            self._cv.notify()
+
+    def load(self) -> dict[str, int]:
+        with self._cv:
+            return {"running": len(self.slots), "waiting": len(self.waiting)}
+
+    def fail_where(self, predicate: Callable[[Sequence], bool], message: str) -> None:
+        """End every queued or running sequence matching ``predicate`` with an error (caller holds the model lock)."""
+        with self._cv:
+            victims = [s for s in [*self.slots, *self.waiting] if predicate(s)]
+            self.waiting = deque(s for s in self.waiting if not predicate(s))
+        for seq in victims:
+            self._finish(seq, "error", error=message)
+        self._release_finished()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.slots)
+
+    # --- the thread ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="tandem-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(30)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not (self.waiting or self.slots or self._aborts):
+                    self._cv.wait()
+                if self._stop:
+                    break
+            self.step()
+        self._fail_all("the engine is shutting down")
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    # --- one iteration -----------------------------------------------------------------------
+    def step(self) -> None:
+        try:
+            with self.model_lock:
+                self._step()
+            self.last_error = None
+        except Exception as exc:  # a failed forward must not take the service down
+            log.exception("scheduler step failed")
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._fail_all(f"generation failed: {self.last_error}")
+
+    def _fail_all(self, message: str) -> None:
+        with self._cv:
+            victims = list(self.slots) + list(self.waiting)
+            self.slots.clear()
+            self.waiting.clear()
+        for seq in victims:
+            self._finish(seq, "error", error=message)
+
+    def _step(self) -> None:
+        self.steps += 1
+        with self._cv:
+            aborts, self._aborts = self._aborts, set()
+            now = time.monotonic()
+            kept: deque[Sequence] = deque()
+            dropped: list[tuple[Sequence, FinishReason]] = []
+            for seq in self.waiting:
+                if seq.request_id in aborts:
+                    dropped.append((seq, "abort"))
+                elif seq.deadline is not None and now > seq.deadline:
+                    dropped.append((seq, "timeout"))
+                else:
+                    kept.append(seq)
+            self.waiting = kept
+            for seq in list(self.slots):
+                if seq.request_id in aborts:
+                    dropped.append((seq, "abort"))
+                elif seq.deadline is not None and now > seq.deadline:
+                    dropped.append((seq, "timeout"))
+            while self.waiting and len(self.slots) < self.max_batch_size:
+                seq = self.waiting.popleft()
+                seq.slot = len(self.slots)
+                self.slots.append(seq)
+        for seq, reason in dropped:
+            error = "the request timed out" if reason == "timeout" else None
+            self._finish(seq, reason, error=error)
+        self._release_finished()
+        if not self.slots:
+            return
+        self._prefill()
+        self._decode()
+        self._release_finished()
+
+    def _prefill(self) -> None:
+        pending = sorted((s for s in self.slots if not s.prefilled), key=lambda s: s.seq_id)
+        if not pending:
+            return
+        max_len = self.runner.max_len
+        chosen: list[tuple[Sequence, int]] = []
+        width = 0
+        for seq in pending:
+            chunk = min(len(seq.prompt_ids) - seq.num_computed, self.prefill_chunk)
+            new_width = max(width, chunk)
+            if chosen and (len(chosen) + 1) * new_width > self.prefill_chunk:
+                break
+            # right-padding writes throwaway keys up to start + width: keep them in the context
+            if chosen and any(s.num_computed + new_width > max_len for s, _ in [*chosen, (seq, 0)]):
+                break
+            chosen.append((seq, chunk))
+            width = new_width
+        rows = [
+            PrefillRow(s.slot, s.prompt_ids[s.num_computed : s.num_computed + c], s.num_computed)
+            for s, c in chosen
+        ]
+        adapters = [s.adapter or "__base__" for s, _ in chosen]
+        logits = self.runner.prefill(rows, adapters)
+        done = []
+        for i, (seq, chunk) in enumerate(chosen):
+            seq.num_computed += chunk
+            if seq.prefilled:
+                done.append(i)
+        if done:
+            self._sample_and_emit([chosen[i][0] for i in done], logits[done])
+
+    def _decode(self) -> None:
+        n = len(self.slots)
+        active = [s.prefilled and s.output_ids and s.finish_reason is None for s in self.slots]
+        if not any(active):
+            return
+        tokens, positions = [], []
+        for seq, on in zip(self.slots, active, strict=True):
+            if on:
+                tokens.append(seq.output_ids[-1])
+                positions.append(seq.total_len - 1)
+            else:
+                # a slot still prefilling rides along: its throwaway key lands at the next
+                # position its prompt will overwrite
+                tokens.append(self.runner.pad_id)
+                positions.append(seq.num_computed)
+        adapters = [s.adapter or "__base__" for s in self.slots]
+        logits = self.runner.decode(tokens, positions, adapters)
+        rows = [i for i in range(n) if active[i]]
+        seqs = [self.slots[i] for i in rows]
+        for seq in seqs:
+            seq.num_computed = seq.total_len
+        self._sample_and_emit(seqs, logits if len(rows) == n else logits[rows])
+
+    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        tokens, raw_logprobs = sample(logits, [RowSampling(s.params, s.generator) for s in seqs])
+        chosen_lp = raw_logprobs.gather(1, tokens.to(raw_logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+        token_list = tokens.tolist()
+        for i, seq in enumerate(seqs):
+            token = int(token_list[i])
+            seq.output_ids.append(token)
+            seq.logprobs.append(float(chosen_lp[i]))
+            reason: FinishReason | None = None
+            if seq.detok is not None:
+                seq.detok.add(token)
+            if (
+                not seq.params.ignore_eos and token in self.eos_token_ids
+            ) or token in seq.params.stop_token_ids or (seq.detok is not None and seq.detok.stopped):
+                reason = "stop"
+            elif len(seq.output_ids) >= seq.max_tokens or seq.total_len >= self.runner.max_len:
+                reason = "length"
+            entry = None
+            if seq.params.logprobs is not None:
+                entry = self._logprob_entry(token, raw_logprobs[i], seq.params.logprobs)
+            text = seq.detok.flush(reason is not None) if seq.detok is not None else ""
+            if reason is not None:
+                seq.finish_reason = reason
+            seq.sink(
+                StreamEvent(
+                    index=seq.index,
+                    token_ids=[token],
+                    text=text,
+                    logprobs=[entry] if entry is not None else None,
+                    finish_reason=reason,
+                    prompt_tokens=len(seq.prompt_ids),
+                    completion_tokens=len(seq.output_ids),
+                )
+            )
+
+    def _token_text(self, token: int) -> str:
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))
+
+    def _logprob_entry(self, token: int, row: torch.Tensor, k: int) -> TokenLogprob:
+        top: list[TopLogprob] = []
+        if k > 0:
+            values, ids = torch.topk(row, k)
+            top = [
+                TopLogprob(int(t), self._token_text(int(t)), float(v))
+                for v, t in zip(values.tolist(), ids.tolist(), strict=True)
+            ]
+        return TokenLogprob(token, self._token_text(token), float(row[token]), top)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if seq.finish_reason is not None and reason != "error":
+            return
+        seq.finish_reason = reason
+        seq.sink(
+            StreamEvent(
+                index=seq.index,
+                token_ids=[],
+                text=seq.detok.flush(True) if seq.detok is not None and reason in ("stop", "length") else "",
+                logprobs=None,
+                finish_reason=reason,
+                prompt_tokens=len(seq.prompt_ids),
+                completion_tokens=len(seq.output_ids),
+                error=error,
+            )
+        )
+
+    def _release_finished(self) -> None:
+        """Free the slots of finished sequences, keeping slots 0..N-1 contiguous."""
+        with self._cv:
+            i = 0
+            while i < len(self.slots):
+                seq = self.slots[i]
+                if seq.finish_reason is None:
+                    i += 1
+                    continue
+                last = self.slots.pop()
+                if last is not seq:
+                    # fill the hole with the last row (only its computed positions move)
+                    self.runner.cache.move(last.slot, i, last.num_computed)
+                    last.slot = i
+                    self.slots[i] = last
+                # re-check index i: it now holds the moved sequence

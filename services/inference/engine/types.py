@@ -1,0 +1,164 @@
+"""Engine-level data types: sampling parameters, requests, streamed events, outputs, errors.
+
+These are plain dataclasses (no pydantic, no FastAPI) so the engine stays a library
+the trainer can import for its rollouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "timeout", "error"]
+
+
+class EngineError(Exception):
+    """Base of the engine's errors; the HTTP edge maps each subclass to a status code."""
+
+
+class InvalidParams(EngineError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthExceeded(InvalidParams):
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message, param="messages")
+        self.limit = limit
+
+
+class QueueFull(EngineError):
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class UnknownModel(EngineError):
+    pass
+
+
+class AdapterError(EngineError):
+    """An adapter path that is not an adapter, or does not fit the base model."""
+
+
+class EngineUnavailable(EngineError):
+    pass
+
+
+class UpstreamFailure(EngineError):
+    """A remote engine answered with an error or could not be reached."""
+
+    def __init__(self, message: str, status_code: int = 502, body: dict | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1`` are off.
+
+    ``max_tokens=None`` means up to the context length. ``logprobs`` is None (none), 0 (the
+    sampled token's only) or k (plus the k most likely); the engine always records the sampled
+    token's log-probability under the model's raw distribution (temperature 1, no filtering,
+    as vLLM's default), which is what ``GenerationOutput.logprobs`` holds.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Set False to skip incremental detokenisation when only token ids are wanted (rollouts).
+    detokenize: bool = True
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature > 100:
+            raise InvalidParams(
+                f"temperature must be between 0 and 100, got {self.temperature}", "temperature"
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidParams(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise InvalidParams(f"top_k must be -1, 0 (off) or positive, got {self.top_k}", "top_k")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidParams(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.n < 1 or self.n > 64:
+            raise InvalidParams(f"n must be between 1 and 64, got {self.n}", "n")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise InvalidParams(
+                f"logprobs/top_logprobs must be between 0 and 20, got {self.logprobs}", "logprobs"
+            )
+        if any(not s for s in self.stop):
+            raise InvalidParams("stop strings must not be empty", "stop")
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class StreamEvent:
+    """What one sequence (choice ``index``) produced in one scheduler step."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationOutput:
+    """One finished sequence (the contract the trainer's rollouts use)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str = ""
+
+
+@dataclass
+class EngineRequest:
+    """A request as the serving layer hands it to an engine.
+
+    Exactly one of ``messages`` (chat), ``prompt`` (text) or ``prompt_token_ids`` is set.
+    ``model`` is the served name the client asked for (base model, adapter or registered
+    model); engines that serve adapters pick the adapter by it.
+    """
+
+    request_id: str
+    params: SamplingParams
+    model: str | None = None
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    timeout: float | None = None
+    # for `remote`: the raw OpenAI body fields to forward (extensions such as top_k)
+    extra: dict = field(default_factory=dict)
