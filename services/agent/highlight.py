@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import html
+import math
 from typing import Any
 
 from services.agent.chunks import Chunk
-from services.agent.text import content_terms, overlap, sentences, term_spans
+from services.agent.text import WORD_RE, content_terms, overlap, sentences, stem, term_spans
+
+
+def _sentence_score(
+    terms: list[str], text: str, spans: list[tuple[int, int]], span: tuple[int, int]
+) -> float:
+    """Query words in the sentence, each weighted by how rare it is among the chunk's sentences
+    (IDF with the chunk as the corpus): in "How tall is the Eiffel Tower?" against a chunk about the
+    tower, "tall" picks the sentence, since "Eiffel" and "Tower" are in most of them."""
+    words = [{stem(m.group(0)) for m in WORD_RE.finditer(text[s:e])} for s, e in spans]
+    mine = {stem(m.group(0)) for m in WORD_RE.finditer(text[span[0] : span[1]])}
+    n = len(spans)
+    score = 0.0
+    for term in terms:
+        if term in mine:
+            df = sum(1 for w in words if term in w)
+            score += math.log(1 + n / df)
+    return score
 
 
 def highlight(query: str, chunk: Chunk, tag: str = "mark") -> dict[str, Any]:
@@ -18,7 +36,7 @@ def highlight(query: str, chunk: Chunk, tag: str = "mark") -> dict[str, Any]:
     """
     terms = content_terms(query)
     spans = sentences(chunk.text) or [(0, len(chunk.text))]
-    best = max(spans, key=lambda s: (overlap(terms, chunk.text[s[0] : s[1]]), -s[0]))
+    best = max(spans, key=lambda s: (_sentence_score(terms, chunk.text, spans, s), -s[0]))
     words = term_spans(chunk.text, set(terms))
     pieces: list[str] = []
     pos = 0

@@ -1,0 +1,210 @@
+"""End to end: the agent over the *real* retrieval and inference services (in-process apps over real
+HTTP) with the real SmolLM2-135M-Instruct. Marked e2e (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from services.agent.app import create_app as create_agent
+from services.agent.config import AgentSettings
+from services.common.config import CommonSettings
+from tests.conftest import auth
+from tests.helpers.servers import serve_app
+
+pytestmark = pytest.mark.e2e
+
+DOCS = [
+    {
+        "id": "eiffel",
+        "title": "The Eiffel Tower",
+        "text": "The Eiffel Tower is a wrought-iron lattice tower in Paris, France. It was designed by the "
+        "engineering company of Gustave Eiffel and completed in 1889 for the World's Fair. "
+        "The tower is 330 metres tall.",
+    },
+    {
+        "id": "photosynthesis",
+        "title": "Photosynthesis",
+        "text": "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide "
+        "to make glucose and oxygen. It takes place in the chloroplasts of leaf cells.",
+    },
+    {
+        "id": "jupiter",
+        "title": "Jupiter",
+        "text": "Jupiter is the fifth planet from the Sun and the largest planet in the Solar System. "
+        "It is a gas giant with a mass more than two and a half times that of all other planets combined. "
+        "Its Great Red Spot is a storm larger than Earth.",
+    },
+    {
+        "id": "honey",
+        "title": "Honey bees",
+        "text": "Honey bees make honey from the nectar of flowers. A colony has one queen, thousands of "
+        "worker bees and some drones. Worker bees communicate the location of food with a waggle dance.",
+    },
+]
+
+
+@dataclass
+class RealStack:
+    agent: str
+    retrieval: str
+    inference: str
+    key: str
+    has_inference: bool
+    collection: str = "facts"
+
+    @property
+    def ws(self) -> str:
+        return self.agent.replace("http://", "ws://") + "/v1/ws/chat"
+
+
+def _inference_app(common: CommonSettings, model: Path) -> Any:
+    """The real inference app, or None while issue 4's service has no chat API yet."""
+    from services.inference.app import create_app
+    from services.inference.config import InferenceSettings
+
+    if "model" not in InferenceSettings.model_fields:
+        return None
+    return create_app(common, InferenceSettings(model=str(model)))
+
+
+def needs_inference(stack: RealStack) -> None:
+    if not stack.has_inference:
+        pytest.skip("the inference service (issue 4) has no chat completions API in this tree yet")
+
+
+@pytest.fixture(scope="module")
+def real_stack(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
+) -> Iterator[RealStack]:
+    from services.common.auth import KeyStore
+    from services.common.redis_conn import sync_redis
+    from services.retrieval.app import create_app as create_retrieval
+    from services.retrieval.config import RetrievalSettings
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    home = tmp_path_factory.mktemp("agent-e2e")
+    key = KeyStore(sync_redis(redis_url)).create("acme-e2e")[0]
+    with ExitStack() as stack:
+        base = CommonSettings(
+            home=home, redis_url=redis_url, log_json=False, model_roots=f"{home}:{smollm2_path.parent}"
+        )
+        r_url = stack.enter_context(serve_app(create_retrieval(base, RetrievalSettings())))
+        inference = _inference_app(base, smollm2_path)
+        i_url = stack.enter_context(serve_app(inference)) if inference is not None else "http://127.0.0.1:9"
+        common = base.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})
+        settings = AgentSettings(tokenizer=str(smollm2_path), max_answer_tokens=96)
+        a_url = stack.enter_context(serve_app(create_agent(common, settings)))
+        with httpx.Client(base_url=r_url, headers=auth(key), timeout=300) as client:
+            for _ in range(600):  # the embedder loads in the background
+                if client.get("/readyz").status_code == 200:
+                    break
+                time.sleep(0.2)
+            assert client.post("/v1/collections", json={"name": "facts"}).status_code == 201
+            resp = client.post("/v1/collections/facts/documents", json={"documents": DOCS})
+            assert resp.status_code == 201, resp.text
+        yield RealStack(a_url, r_url, i_url, key, inference is not None)
+
+
+def test_semantic_search_highlights_the_right_passage(real_stack: RealStack) -> None:
+    resp = httpx.post(
+        f"{real_stack.agent}/v1/pipelines/semantic-search/run",
+        json={"query": "How tall is the Eiffel Tower?", "collection": "facts"},
+        headers=auth(real_stack.key),
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    top = resp.json()["results"][0]
+    assert top["document_id"] == "eiffel" and top["title"] == "The Eiffel Tower"
+    assert top["passage"]["text"] == "The tower is 330 metres tall."
+    doc = DOCS[0]["text"]
+    assert doc[top["passage"]["start"] : top["passage"]["end"]] == "The tower is 330 metres tall."
+    assert "<mark>tall</mark>" in top["highlighted"]
+
+
+def test_chat_streams_an_answer_citing_the_right_document(real_stack: RealStack) -> None:
+    needs_inference(real_stack)
+    with connect(real_stack.ws, additional_headers=auth(real_stack.key), open_timeout=30) as conn:
+        conn.send(
+            json.dumps(
+                {
+                    "pipeline": "chat-documents",
+                    "collection": "facts",
+                    "message": "What is the largest planet in the Solar System?",
+                }
+            )
+        )
+        events: list[dict[str, Any]] = []
+        while not events or events[-1]["type"] not in ("done", "error"):
+            events.append(json.loads(conn.recv(timeout=300)))
+    assert events[-1]["type"] == "done", events[-1]
+    tokens = [e for e in events if e["type"] == "token"]
+    assert len(tokens) > 1  # streamed, not one blob
+    answer = "".join(e["text"] for e in tokens)
+    citations = events[-1]["citations"]
+    print(
+        f"\nSmolLM2 answer: {answer!r}\ncitations: {[(c['index'], c['document_id'], c['kind']) for c in citations]}"
+    )
+    assert citations, f"no citation for {answer!r}"
+    assert citations[0]["document_id"] == "jupiter"
+    c = citations[0]
+    assert c["title"] == "Jupiter" and DOCS[2]["text"][c["start"] : c["end"]] == c["text"]
+
+
+def test_unrelated_question_gets_i_dont_know(real_stack: RealStack) -> None:
+    needs_inference(real_stack)
+    resp = httpx.post(
+        f"{real_stack.agent}/v1/pipelines/chat-documents/run",
+        json={"query": "Who won the 1998 football world cup final?", "collection": "facts"},
+        headers=auth(real_stack.key),
+        timeout=300,
+    )
+    body = resp.json()
+    assert body["answer"].startswith("I don't know") and body["citations"] == []
+
+
+CALC_TASKS = [
+    ("What is 17 times 23?", "391"),
+    ("What is 1234 plus 4321?", "5555"),
+    ("What is 144 divided by 12?", "12"),
+    ("What is 99 minus 45?", "54"),
+    ("What is 25 times 25?", "625"),
+    ("What is 7 to the power of 3?", "343"),
+]
+
+
+def test_agent_calculator_with_the_real_model(real_stack: RealStack) -> None:
+    """SmolLM2-135M drives the ReAct loop. Its success rate is printed and reported, not asserted
+    high: the test checks that every run ends cleanly (final answer or a budget error)."""
+    needs_inference(real_stack)
+    solved = 0
+    used_tool = 0
+    for question, expected in CALC_TASKS:
+        resp = httpx.post(
+            f"{real_stack.agent}/v1/pipelines/tools-agent/run",
+            json={"query": question},
+            headers=auth(real_stack.key),
+            timeout=300,
+        )
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        steps = body.get("steps", [])
+        used_tool += any(s["kind"] == "tool_call" and s["tool"] == "calculator" for s in steps)
+        solved += expected in body["answer"].replace(",", "")
+        assert body["answer"] or body.get("error")
+        print(
+            f"\n{question} -> {body['answer']!r} steps={[s['kind'] for s in steps]} error={body.get('error')}"
+        )
+    print(
+        f"\nSmolLM2-135M calculator agent: solved {solved}/{len(CALC_TASKS)}, used the calculator in {used_tool}"
+    )
