@@ -2,16 +2,78 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 
 from services.common.app_factory import create_service_app
+from services.common.celery_app import make_celery
 from services.common.config import CommonSettings, load_settings
+from services.common.redis_conn import sync_redis
+from services.retrieval.api import collections, documents, jobs, search
 from services.retrieval.config import RetrievalSettings
+from services.retrieval.core.jobs import JobStore
+from services.retrieval.core.registry import CollectionManager
+
+log = logging.getLogger("tandem.retrieval")
+
+
+class EmbedderWarmup:
+    """Loads the default embedding model in the background; readiness waits for it."""
+
+    def __init__(self, manager: CollectionManager, model: str) -> None:
+        self.error: str | None = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(manager, model), daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self, manager: CollectionManager, model: str) -> None:
+        try:
+            manager.embedder_for(manager.model_path(model))
+        except Exception as exc:
+            log.exception("loading the embedding model %s failed", model)
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.done.set()
+
+    async def check(self) -> None:
+        if self.error:
+            raise RuntimeError(f"embedding model failed to load: {self.error}")
+        if not self.done.is_set():
+            raise RuntimeError("embedding model is loading")
 
 
 def create_app(common: CommonSettings | None = None, settings: RetrievalSettings | None = None) -> FastAPI:
     common = common or load_settings(CommonSettings, check_unknown=False)
     settings = settings or load_settings(RetrievalSettings)
-    app = create_service_app("retrieval", common)
+    manager = CollectionManager(common.home_dir, settings, common.allowed_model_roots)
+    warmup = EmbedderWarmup(manager, settings.embedding_model)
+    job_redis = sync_redis(common.redis_url)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        warmup.start()
+        try:
+            yield
+        finally:
+            # Checkpoint the indexes so the next start replays little.
+            manager.close_all()
+            job_redis.close()
+
+    app = create_service_app(
+        "retrieval",
+        common,
+        routers=[collections.router, documents.router, search.router, jobs.router],
+        readiness={"embedder": warmup.check},
+        lifespan=lifespan,
+    )
     app.state.settings = settings
+    app.state.collections = manager
+    app.state.jobs = JobStore(job_redis)
+    app.state.celery = make_celery("retrieval", common.redis_url, default_queue="io")
     return app

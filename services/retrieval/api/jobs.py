@@ -1,0 +1,70 @@
+"""``/v1/jobs/{id}``: ingestion job state, and its progress as Server-Sent Events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from services.common.errors import NotFound
+from services.retrieval.api.deps import tenant
+from services.retrieval.core.jobs import decode_job, job_key
+from services.retrieval.protocol import Job
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+FINAL = ("succeeded", "failed")
+
+
+async def _load(request: Request, job_id: str) -> dict[str, Any]:
+    raw = await request.app.state.redis.hgetall(job_key(job_id))
+    # Another tenant's job is indistinguishable from a missing one.
+    if not raw or raw.get("tenant") != tenant(request):
+        raise NotFound(f"job {job_id!r} not found", param="id", code="job_not_found")
+    return decode_job(job_id, raw)
+
+
+def _public(job: dict[str, Any]) -> dict[str, Any]:
+    return Job(**job).model_dump()
+
+
+@router.get("/{job_id}", response_model=Job)
+async def get_job(job_id: str, request: Request) -> dict[str, Any]:
+    return _public(await _load(request, job_id))
+
+
+@router.get("/{job_id}/events")
+async def job_events(job_id: str, request: Request) -> StreamingResponse:
+    """``event: progress`` whenever the job changes, then one ``event: done`` (or ``failed``)."""
+    first = await _load(request, job_id)
+
+    async def stream() -> AsyncIterator[str]:
+        job = first
+        last: str | None = None
+        beat = time.monotonic()
+        while True:
+            payload = json.dumps(_public(job))
+            if payload != last:
+                last = payload
+                beat = time.monotonic()
+                if job["state"] in FINAL:
+                    yield f"event: {'done' if job['state'] == 'succeeded' else 'failed'}\ndata: {payload}\n\n"
+                    return
+                yield f"event: progress\ndata: {payload}\n\n"
+            elif time.monotonic() - beat > 15:
+                beat = time.monotonic()
+                yield ": keep-alive\n\n"
+            if await request.is_disconnected():
+                return
+            await asyncio.sleep(0.25)
+            job = await _load(request, job_id)
+
+    return StreamingResponse(
+        stream(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,223 @@
+"""Uploaded files to documents, with real parsers (pypdf, python-docx, BeautifulSoup,
+markdown-it-py). Structure that chunking uses is kept as Markdown headings: HTML
+``<h1>``-``<h6>``, DOCX "Heading N" paragraphs and Markdown headings all become
+``#``-lines. Every problem is an ``InvalidRequest`` naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.errors import InvalidRequest, UnsupportedMediaType
+
+SUPPORTED = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf", ".docx", ".jsonl")
+
+
+@dataclass
+class ParsedDocument:
+    id: str
+    text: str
+    title: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def extension_of(filename: str) -> str:
+    dot = filename.rfind(".")
+    return filename[dot:].lower() if dot > 0 else ""
+
+
+def check_supported(filename: str) -> str:
+    ext = extension_of(filename)
+    if ext not in SUPPORTED:
+        shown = ext or "(no extension)"
+        raise UnsupportedMediaType(
+            f"file {filename!r}: unsupported type {shown}; supported: {', '.join(SUPPORTED)}",
+            param="file",
+            code="unsupported_file_type",
+        )
+    return ext
+
+
+def _decode(filename: str, data: bytes) -> str:
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(
+            f"file {filename!r} is not valid UTF-8 (invalid byte 0x{data[exc.start]:02x} at offset {exc.start})",
+            param="file",
+            code="invalid_utf8",
+        ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+_BLANKS = re.compile(r"\n{3,}")
+
+
+def _tidy(text: str) -> str:
+    lines = [ln.rstrip() for ln in text.split("\n")]
+    return _BLANKS.sub("\n\n", "\n".join(lines)).strip()
+
+
+def markdown_to_text(source: str) -> str:
+    """Markdown to plain text that keeps headings as ``#`` lines (for section-aware chunking)
+    and drops markup (emphasis, links, images, HTML)."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark")
+    out: list[str] = []
+    prefix = ""
+    for tok in md.parse(source):
+        if tok.type == "heading_open":
+            prefix = "#" * int(tok.tag[1]) + " "
+        elif tok.type == "inline":
+            parts = []
+            for child in tok.children or []:
+                if child.type in ("text", "code_inline"):
+                    parts.append(child.content)
+                elif child.type in ("softbreak", "hardbreak"):
+                    parts.append("\n")
+                elif child.type == "image":
+                    parts.append(child.content)
+            out.append(prefix + "".join(parts))
+            prefix = ""
+        elif tok.type in ("fence", "code_block"):
+            out.append(tok.content.rstrip("\n"))
+        elif tok.type == "list_item_open":
+            prefix = "- "
+        elif tok.type == "paragraph_open" and prefix == "- ":
+            continue
+        if tok.type in ("paragraph_close", "heading_close", "fence", "code_block"):
+            out.append("")
+    return _tidy("\n".join(out))
+
+
+def html_to_text(source: str) -> tuple[str, str]:
+    """(text, title) of an HTML page: scripts and styles dropped, headings as ``#`` lines,
+    block elements on their own lines."""
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(source, "html.parser")
+    title = soup.title.get_text(" ", strip=True) if soup.title else ""
+    for tag in soup(["script", "style", "noscript", "template", "head"]):
+        tag.decompose()
+    for level in range(1, 7):
+        for h in soup.find_all(f"h{level}"):
+            h.replace_with(f"\n\n{'#' * level} {h.get_text(' ', strip=True)}\n\n")
+    for br in soup.find_all("br"):
+        br.replace_with("\n")
+    for block in soup.find_all(["p", "div", "li", "tr", "section", "article", "pre", "blockquote"]):
+        block.insert_before("\n\n")
+        block.insert_after("\n\n")
+    text = soup.get_text()
+    text = "\n".join(re.sub(r"[ \t\xa0]+", " ", ln).strip() for ln in text.split("\n"))
+    return _tidy(text), title
+
+
+def pdf_to_text(filename: str, data: bytes) -> str:
+    from pypdf import PdfReader
+    from pypdf.errors import PdfReadError, PdfStreamError
+
+    try:
+        reader = PdfReader(io.BytesIO(data), strict=False)
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except (PdfReadError, PdfStreamError, ValueError, KeyError, TypeError, AssertionError) as exc:
+        raise InvalidRequest(
+            f"file {filename!r} is not a readable PDF: {exc}", param="file", code="corrupt_file"
+        ) from None
+    except Exception as exc:  # pypdf raises many kinds of errors on broken files
+        raise InvalidRequest(
+            f"file {filename!r} is not a readable PDF: {type(exc).__name__}: {exc}",
+            param="file",
+            code="corrupt_file",
+        ) from None
+    return _tidy("\n\n".join(p.strip() for p in pages))
+
+
+def docx_to_text(filename: str, data: bytes) -> tuple[str, str]:
+    import zipfile
+
+    from docx import Document
+    from docx.opc.exceptions import PackageNotFoundError
+
+    try:
+        doc = Document(io.BytesIO(data))
+    except (PackageNotFoundError, zipfile.BadZipFile, KeyError, ValueError) as exc:
+        raise InvalidRequest(
+            f"file {filename!r} is not a readable DOCX: {exc}", param="file", code="corrupt_file"
+        ) from None
+    lines: list[str] = []
+    for para in doc.paragraphs:
+        style = (para.style.name if para.style is not None else "") or ""
+        text = para.text.strip()
+        if not text:
+            continue
+        m = re.match(r"Heading (\d)", style)
+        if m:
+            lines.append(f"\n{'#' * min(int(m.group(1)), 6)} {text}\n")
+        elif style == "Title":
+            lines.append(f"\n# {text}\n")
+        else:
+            lines.append(text + "\n")
+    for table in doc.tables:
+        for row in table.rows:
+            lines.append(" | ".join(cell.text.strip() for cell in row.cells) + "\n")
+    title = (doc.core_properties.title or "").strip()
+    return _tidy("\n".join(lines)), title
+
+
+def jsonl_documents(filename: str, text: str) -> list[ParsedDocument]:
+    """One document per line: ``{"id", "text", "title"?, "metadata"?}`` (BEIR's ``_id`` also works)."""
+    docs = []
+    for n, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(
+                f"file {filename!r} line {n}: not JSON ({exc.msg})", param="file", code="invalid_jsonl"
+            ) from None
+        if not isinstance(obj, dict):
+            raise InvalidRequest(f"file {filename!r} line {n}: expected a JSON object", param="file")
+        doc_id = obj.get("id", obj.get("_id"))
+        body = obj.get("text")
+        if not isinstance(doc_id, str | int) or str(doc_id) == "":
+            raise InvalidRequest(f"file {filename!r} line {n}: missing 'id'", param="file")
+        if not isinstance(body, str) or not body.strip():
+            raise InvalidRequest(f"file {filename!r} line {n}: missing or empty 'text'", param="file")
+        meta = obj.get("metadata") or {}
+        if not isinstance(meta, dict):
+            raise InvalidRequest(f"file {filename!r} line {n}: 'metadata' must be an object", param="file")
+        docs.append(ParsedDocument(str(doc_id), body, str(obj.get("title") or ""), meta))
+    if not docs:
+        raise InvalidRequest(f"file {filename!r} has no documents", param="file", code="empty_file")
+    return docs
+
+
+def parse_file(filename: str, data: bytes, *, doc_id: str | None = None) -> list[ParsedDocument]:
+    """Documents in an uploaded file (one, or one per line for .jsonl)."""
+    ext = check_supported(filename)
+    if not data:
+        raise InvalidRequest(f"file {filename!r} is empty", param="file", code="empty_file")
+    title = ""
+    if ext == ".jsonl":
+        return jsonl_documents(filename, _decode(filename, data))
+    if ext == ".pdf":
+        text = pdf_to_text(filename, data)
+    elif ext == ".docx":
+        text, title = docx_to_text(filename, data)
+    elif ext in (".html", ".htm"):
+        text, title = html_to_text(_decode(filename, data))
+    elif ext in (".md", ".markdown"):
+        text = markdown_to_text(_decode(filename, data))
+    else:
+        text = _tidy(_decode(filename, data))
+    if not text.strip():
+        raise InvalidRequest(
+            f"file {filename!r} contains no extractable text", param="file", code="empty_file"
+        )
+    return [ParsedDocument(doc_id or filename, text, title or filename, {"source": filename})]

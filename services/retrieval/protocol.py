@@ -1,0 +1,137 @@
+"""Wire models of the retrieval API (``/v1``). Other services use these shapes over HTTP."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SearchMode = Literal["dense", "sparse", "hybrid"]
+IndexKind = Literal["auto", "flat", "hnsw", "ivf"]
+
+
+class Chunking(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    size: int = Field(..., ge=16, le=8192, description="Chunk size in tokens of the embedding model.")
+    overlap: int = Field(0, ge=0, le=4096, description="Tokens shared by consecutive chunks.")
+
+
+class CreateCollection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., min_length=1, max_length=64)
+    embedding_model: str | None = None
+    chunking: Chunking | None = None
+    index: IndexKind | None = None
+
+
+class CollectionInfo(BaseModel):
+    name: str
+    embedding_model: str
+    dimension: int
+    chunking: Chunking
+    index: str
+    index_type: str | None = None
+    documents: int | None = None
+    chunks: int | None = None
+    created_at: float
+
+
+class CollectionList(BaseModel):
+    collections: list[CollectionInfo]
+
+
+class DocumentIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(..., min_length=1, max_length=512)
+    text: str = Field(..., min_length=1)
+    title: str | None = Field(None, max_length=2048)
+    metadata: dict[str, Any] | None = None
+
+
+class AddDocuments(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    documents: list[DocumentIn] = Field(..., min_length=1)
+
+
+class IngestResponse(BaseModel):
+    """201 for a synchronous ingestion, 202 (with ``job_id``) when it became a job."""
+
+    documents: int = 0
+    document_ids: list[str] = Field(default_factory=list)
+    chunks_added: int = 0
+    chunks_removed: int = 0
+    chunks_unchanged: int = 0
+    job_id: str | None = None
+    status_url: str | None = None
+    events_url: str | None = None
+
+
+class ChunkSpan(BaseModel):
+    chunk_id: str
+    start: int
+    end: int
+
+
+class Document(BaseModel):
+    id: str
+    title: str
+    metadata: dict[str, Any]
+    chunks: int
+    created_at: float
+    updated_at: float
+    text: str | None = None
+    chunk_list: list[ChunkSpan] | None = None
+
+
+class DocumentPage(BaseModel):
+    documents: list[Document]
+    total: int
+    limit: int
+    offset: int
+    next_offset: int | None
+
+
+class SearchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # Emptiness is checked in the route: the shared validation message drops a field named "query".
+    query: str = Field(..., max_length=8192)
+    top_k: int = Field(10, ge=1, le=100)
+    mode: SearchMode = "hybrid"
+    filters: dict[str, Any] | None = None
+    rerank: bool = False
+    weights: dict[Literal["dense", "sparse"], float] | None = Field(
+        None, description="RRF weights of the rankings in hybrid mode (defaults from settings)."
+    )
+
+
+class SearchResult(BaseModel):
+    chunk_id: str
+    document_id: str
+    text: str
+    score: float
+    scores: dict[str, float]
+    metadata: dict[str, Any]
+    title: str = ""
+    start: int
+    end: int
+
+
+class SearchResponse(BaseModel):
+    results: list[SearchResult]
+    mode: SearchMode
+    took_ms: float
+
+
+class Job(BaseModel):
+    id: str
+    collection: str
+    state: Literal["queued", "running", "succeeded", "failed"]
+    chunks_done: int
+    chunks_total: int
+    documents_done: int
+    documents_total: int
+    error: str | None = None
+    result: dict[str, Any] | None = None
+    filename: str | None = None
+    created_at: float
+    updated_at: float

