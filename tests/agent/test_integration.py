@@ -75,7 +75,10 @@ def _inference_app(common: CommonSettings, model: Path) -> Any:
 
     if "model" not in InferenceSettings.model_fields:
         return None
-    return create_app(common, InferenceSettings(model=str(model)))
+    app = create_app(common, InferenceSettings(model=str(model)))
+    if not any(getattr(r, "path", "") == "/v1/chat/completions" for r in app.routes):
+        return None
+    return app
 
 
 def needs_inference(stack: RealStack) -> None:
