@@ -14,23 +14,13 @@ IMPLS = ("auto", "torch", "triton", "reference")
 def _triton_usable(q: torch.Tensor) -> bool:
     from services.common.platforms import current_platform
 
-    platform = current_platform()
-    if not platform.supports_triton():
-        return False
-    # Under TRITON_INTERPRET=1 the kernels run on CPU tensors; otherwise they need the device's tensors.
-    if q.device.type == "cpu" and platform.device_type != "cpu" and not _interpreting():
+    if q.device.type != current_platform().device_type or not current_platform().supports_triton():
         return False
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def choose_impl(q: torch.Tensor, impl: str = "auto") -> str:
@@ -92,5 +82,7 @@ def flashmask_attention(
         from kernels.flashmask.triton_impl import supports, triton_flashmask_attention
 
         if supports(q, v):
-            return triton_flashmask_attention(q, k, v, bounds, scale, deterministic=deterministic)
+            return triton_flashmask_attention(
+                q, k, v, bounds, scale, causal_hint=causal, deterministic=deterministic
+            )
     return torch_flashmask_attention(q, k, v, bounds, scale)
