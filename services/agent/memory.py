@@ -142,6 +142,11 @@ class ConversationStore:
         data = await self.meta(tenant, user, conv_id)
         return {**self._public(conv_id, data), "messages": await self.messages(tenant, user, conv_id)}
 
+    async def rename(self, tenant: str, user: str, conv_id: str, title: str) -> dict[str, Any]:
+        await self.meta(tenant, user, conv_id)
+        await self.r.hset(self._key(tenant, conv_id), "title", title[:120])
+        return self._public(conv_id, await self.meta(tenant, user, conv_id))
+
     async def delete(self, tenant: str, user: str, conv_id: str) -> None:
         await self.meta(tenant, user, conv_id)
         await self._delete_keys(tenant, user, conv_id)

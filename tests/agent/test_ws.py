@@ -100,6 +100,14 @@ def test_conversations_are_isolated_between_tenants(stack: Stack, api_key: str, 
         )
         [event] = until_done(conn)
         assert event["type"] == "error" and event["code"] == "not_found_error"
+    assert (
+        httpx.patch(f"{stack.url}/v1/conversations/{conv}", json={"title": "x"}, headers=other).status_code
+        == 404
+    )
+    renamed = httpx.patch(
+        f"{stack.url}/v1/conversations/{conv}", json={"title": "Germany"}, headers=auth(api_key)
+    )
+    assert renamed.json()["title"] == "Germany"
     assert httpx.delete(f"{stack.url}/v1/conversations/{conv}", headers=auth(api_key)).status_code == 204
     assert httpx.get(f"{stack.url}/v1/conversations/{conv}", headers=auth(api_key)).status_code == 404
 

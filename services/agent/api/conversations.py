@@ -1,10 +1,11 @@
-"""GET /v1/conversations, GET|DELETE /v1/conversations/{id}: the caller's own conversations."""
+"""GET /v1/conversations, GET|PATCH|DELETE /v1/conversations/{id}: the caller's own conversations."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.agent.api.common import caller, runtime_of
 
@@ -22,6 +23,20 @@ async def list_conversations(request: Request, limit: int = Query(100, ge=1, le=
 async def get_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
     principal, _ = caller(request)
     return await runtime_of(request).memory.get(principal.tenant, principal.key_id, conversation_id)
+
+
+class Rename(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    title: str = Field(min_length=1, max_length=120)
+
+
+@router.patch("/v1/conversations/{conversation_id}")
+async def rename_conversation(conversation_id: str, body: Rename, request: Request) -> dict[str, Any]:
+    principal, _ = caller(request)
+    return await runtime_of(request).memory.rename(
+        principal.tenant, principal.key_id, conversation_id, body.title
+    )
 
 
 @router.delete("/v1/conversations/{conversation_id}", status_code=204)

@@ -1,0 +1,261 @@
+"""Benchmark: first-token and full-answer latency of ``chat-documents`` over websockets.
+
+``python -m benchmarks.agent [--sessions 1,8] [--questions 2] [--docs 300] [--max-tokens 64]``
+
+Starts the CPU stack as separate processes (an embedded Valkey, then the
+retrieval, inference and agent services under uvicorn, as ``tandem up`` does),
+ingests a slice of SciFact, and asks SciFact claims:
+
+- baseline: the same pipeline called directly without streaming
+  (``POST /v1/pipelines/chat-documents/run``), one request at a time, so the
+  user waits for the whole answer;
+- websocket sessions: 1 and 8 concurrent ``/v1/ws/chat`` connections, each
+  asking ``--questions`` questions in turn; first token and full answer are
+  timed at the client.
+
+Prints medians and p95 and the ratios of websocket first-token latency to the
+baseline's full-answer latency (what streaming buys the user).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import websockets
+
+REPO = Path(__file__).resolve().parents[2]
+SCIFACT = REPO.parent / "shared" / "data" / "scifact"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_service(name: str, port: int, env: dict[str, str], log_dir: Path) -> subprocess.Popen[bytes]:
+    log = (log_dir / f"{name}.log").open("wb")
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            f"services.{name}.app:create_app",
+            "--factory",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout} s")
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+async def ws_session(
+    url: str, key: str, collection: str, questions: list[str]
+) -> list[tuple[float, float, int]]:
+    """(first token s, full answer s, tokens) per question, asked in turn on one connection."""
+    out = []
+    async with websockets.connect(
+        url, additional_headers={"Authorization": f"Bearer {key}"}, max_size=None
+    ) as ws:
+        for q in questions:
+            start = time.perf_counter()
+            frame = {"pipeline": "chat-documents", "collection": collection, "message": q}
+            await ws.send(json.dumps(frame))
+            first = None
+            tokens = 0
+            while True:
+                event = json.loads(await ws.recv())
+                if event["type"] == "token":
+                    tokens += 1
+                    if first is None:
+                        first = time.perf_counter() - start
+                elif event["type"] in ("done", "error"):
+                    if event["type"] == "error":
+                        raise RuntimeError(f"error event: {event}")
+                    break
+            out.append((first or float("nan"), time.perf_counter() - start, tokens))
+    return out
+
+
+def load_scifact(n_docs: int) -> tuple[list[dict[str, str]], list[str]]:
+    qrels: dict[str, list[str]] = {}
+    for line in (SCIFACT / "qrels" / "test.tsv").read_text().splitlines()[1:]:
+        qid, doc, _ = line.split("\t")
+        qrels.setdefault(qid, []).append(doc)
+    queries = {}
+    for line in (SCIFACT / "queries.jsonl").read_text().splitlines():
+        q = json.loads(line)
+        queries[q["_id"]] = q["text"]
+    wanted_docs = {d for qid in sorted(qrels)[:64] for d in qrels[qid]}
+    docs = []
+    for line in (SCIFACT / "corpus.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        if d["_id"] in wanted_docs or len(docs) < n_docs:
+            docs.append({"id": d["_id"], "title": d.get("title", ""), "text": d["text"]})
+    questions = [queries[q] for q in sorted(qrels)[:64] if q in queries]
+    return docs, questions
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", default="1,8", help="concurrent websocket sessions to measure")
+    ap.add_argument("--questions", type=int, default=2, help="questions per session")
+    ap.add_argument("--baseline", type=int, default=4, help="direct non-streaming calls for the baseline")
+    ap.add_argument("--docs", type=int, default=300, help="SciFact documents ingested (plus the judged ones)")
+    ap.add_argument(
+        "--max-tokens", type=int, default=64, help="answer tokens (TANDEM_AGENT_MAX_ANSWER_TOKENS)"
+    )
+    ap.add_argument("--top-k", type=int, default=3, help="chunks retrieved per question")
+    args = ap.parse_args(argv)
+    sessions = [int(s) for s in args.sessions.split(",")]
+
+    from services.common.auth import KeyStore
+    from services.common.redis_conn import sync_redis
+    from tests.helpers.models import smollm2_dir
+    from tests.helpers.servers import valkey_server
+
+    model_dir = smollm2_dir()
+    docs, questions = load_scifact(args.docs)
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        home = Path(tmp)
+        redis_url = stack.enter_context(valkey_server(home / "valkey"))
+        key = KeyStore(sync_redis(redis_url)).create("bench")[0]
+        ports = {s: free_port() for s in ("retrieval", "inference", "agent")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+        env.update(
+            TANDEM_HOME=str(home),
+            TANDEM_REDIS_URL=redis_url,
+            TANDEM_LOG_JSON="false",
+            HF_HUB_OFFLINE="1",
+            TANDEM_MODEL_ROOTS=f"{home}:{model_dir.parent}",
+            TANDEM_INFERENCE_MODEL=str(model_dir),
+            TANDEM_AGENT_TOKENIZER=str(model_dir),
+            TANDEM_AGENT_MAX_ANSWER_TOKENS=str(args.max_tokens),
+            TANDEM_AGENT_TOP_K=str(args.top_k),
+            **{f"TANDEM_{s.upper()}_PORT": str(p) for s, p in ports.items()},
+        )
+        procs = {}
+        for name in ("retrieval", "inference", "agent"):
+            procs[name] = start_service(name, ports[name], env, home)
+            stack.callback(procs[name].terminate)
+        urls = {s: f"http://127.0.0.1:{p}" for s, p in ports.items()}
+        for name, proc in procs.items():
+            wait_ready(urls[name], proc)
+        headers = {"Authorization": f"Bearer {key}"}
+        t0 = time.perf_counter()
+        with httpx.Client(base_url=urls["retrieval"], headers=headers, timeout=600) as rc:
+            rc.post("/v1/collections", json={"name": "scifact"}).raise_for_status()
+            for i in range(0, len(docs), 100):
+                rc.post(
+                    "/v1/collections/scifact/documents", json={"documents": docs[i : i + 100]}
+                ).raise_for_status()
+        print(f"ingested {len(docs)} SciFact documents in {time.perf_counter() - t0:.1f} s")
+
+        # Warm-up: first calls load lazily-initialised pieces (tokenizer, kernels).
+        with httpx.Client(base_url=urls["agent"], headers=headers, timeout=600) as ac:
+            ac.post(
+                "/v1/pipelines/chat-documents/run", json={"query": questions[-1], "collection": "scifact"}
+            )
+            base_lat = []
+            for q in questions[: args.baseline]:
+                t = time.perf_counter()
+                r = ac.post("/v1/pipelines/chat-documents/run", json={"query": q, "collection": "scifact"})
+                r.raise_for_status()
+                base_lat.append(time.perf_counter() - t)
+        base_med = statistics.median(base_lat)
+        rows = [
+            (
+                "baseline: direct JSON call, sequential",
+                1,
+                len(base_lat),
+                None,
+                None,
+                base_med,
+                pct(base_lat, 95),
+            )
+        ]
+        ws_url = urls["agent"].replace("http://", "ws://") + "/v1/ws/chat"
+        for n in sessions:
+            qs = [
+                [questions[(i * args.questions + j) % len(questions)] for j in range(args.questions)]
+                for i in range(n)
+            ]
+
+            async def run_all(qs: list[list[str]] = qs) -> list[Any]:
+                return await asyncio.gather(*(ws_session(ws_url, key, "scifact", q) for q in qs))
+
+            results = [r for session in asyncio.run(run_all()) for r in session]
+            firsts = [r[0] for r in results]
+            fulls = [r[1] for r in results]
+            rows.append(
+                (
+                    f"websocket, {n} concurrent session(s)",
+                    n,
+                    len(results),
+                    statistics.median(firsts),
+                    pct(firsts, 95),
+                    statistics.median(fulls),
+                    pct(fulls, 95),
+                )
+            )
+        print()
+        print(
+            f"chat-documents on the CPU stack (SmolLM2-135M, {args.max_tokens} answer tokens, top_k {args.top_k})"
+        )
+        hdr = f"{'run':42} {'sess':>4} {'n':>3} {'first p50':>9} {'first p95':>9} {'full p50':>9} {'full p95':>9} {'first/base':>10}"
+        print(hdr)
+        print("-" * len(hdr))
+        for name, n, count, f50, f95, t50, t95 in rows:
+            ratio = f"{f50 / base_med:.2f}x" if f50 is not None else "1.00x(full)"
+            f50s = f"{f50:.2f}" if f50 is not None else "-"
+            f95s = f"{f95:.2f}" if f95 is not None else "-"
+            print(f"{name:42} {n:>4} {count:>3} {f50s:>9} {f95s:>9} {t50:>9.2f} {t95:>9.2f} {ratio:>10}")
+        print(
+            "\nlatencies in seconds, medians (p50) and p95; 'first/base' = websocket first-token p50 over the"
+        )
+        print("baseline's full-answer p50 (lower is better: the user sees text that much sooner).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
