@@ -314,7 +314,8 @@ class CiteNode:
 class RunnableNode:
     """A LangChain ``Runnable`` as a pipeline component.
 
-    It is invoked with ``state.view()`` (a dict) and its output replaces one field:
+    It is invoked with ``state.view()`` (a dict), or just the question or search query
+    (``input``; so a LangChain retriever fits as is), and its output replaces one field:
     ``search_query`` or ``answer`` (a string or a message with ``content``), or
     ``chunks`` (LangChain ``Document``s or result dicts).
     """
@@ -322,6 +323,7 @@ class RunnableNode:
     class P(Params):
         target: str = Field(..., description="'package.module:attribute' naming a Runnable")
         field: Literal["search_query", "answer", "chunks"]
+        input: Literal["state", "question", "search_query"] = "state"
 
     def __init__(self, p: P, runnable: Any = None) -> None:
         self.p = p
@@ -330,7 +332,8 @@ class RunnableNode:
             raise InvalidRequest(f"{p.target!r} is not a LangChain Runnable", param="target")
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
-        out = await self.runnable.ainvoke(state.view())
+        view = state.view()
+        out = await self.runnable.ainvoke(view if self.p.input == "state" else view[self.p.input])
         if self.p.field == "chunks":
             state.chunks = [_to_chunk(item) for item in out]
         else:

@@ -164,7 +164,12 @@ def build_pipeline(data: Any, source: str = "<definition>") -> Pipeline:
                 f"{where}: component {name!r} ({node.type}): {_describe(exc)}",
                 param=f"components.{name}.params",
             ) from None
-        nodes[name] = factory(params)
+        try:
+            nodes[name] = factory(params)
+        except InvalidRequest as exc:
+            raise PipelineDefinitionError(
+                f"{where}: component {name!r} ({node.type}): {exc.message}", param=f"components.{name}.params"
+            ) from None
     return Pipeline(spec=spec, order=topological_order(edges), nodes=nodes, source=source)
 
 
