@@ -111,12 +111,18 @@ def whoami(req: Any) -> tuple[int, Any]:
 
 BASE_ROUTES: dict[str, Handler] = {
     r"GET /v1/whoami": whoami,
-    r"GET /v1/conversations": lambda r: (200, {"conversations": []}),
+    r"GET /v1/conversations": lambda r: (200, {"data": []}),
+    # The agent's catalog shape (services/agent/runtime.py catalog()).
     r"GET /v1/pipelines": lambda r: (
         200,
-        {"pipelines": [{"name": "chat-documents"}, {"name": "semantic-search"}]},
+        {
+            "data": [
+                {"id": "chat-documents", "kind": "pipeline:chat"},
+                {"id": "semantic-search", "kind": "pipeline:search"},
+                {"id": "react", "kind": "agent"},
+            ]
+        },
     ),
-    r"GET /v1/agents": lambda r: (200, {"agents": [{"name": "react"}]}),
     r"GET /api/retrieval/v1/collections": lambda r: (200, {"collections": [{"name": "handbook"}]}),
 }
 
@@ -192,7 +198,7 @@ def test_untrusted_markdown_and_document_text_stay_inert(page: Any, site: str) -
     }
     routes = {
         **BASE_ROUTES,
-        r"GET /v1/conversations": lambda r: (200, {"conversations": [{"id": "c-1", "title": "<b>evil</b>"}]}),
+        r"GET /v1/conversations": lambda r: (200, {"data": [{"id": "c-1", "title": "<b>evil</b>"}]}),
         r"GET /v1/conversations/c-1": lambda r: (
             200,
             {
@@ -249,7 +255,7 @@ def test_chat_streams_websocket_events_and_stops(page: Any, site: str) -> None:
     conversations: list[dict[str, str]] = []
     routes = {
         **BASE_ROUTES,
-        r"GET /v1/conversations": lambda r: (200, {"conversations": conversations}),
+        r"GET /v1/conversations": lambda r: (200, {"data": conversations}),
         r"GET /api/retrieval/v1/collections/handbook/documents/leave": lambda r: (404, {}),
     }
     double_api(page, routes)

@@ -50,23 +50,26 @@ function loadTarget(): Target {
 
 const convId = (c: Conversation) => c.id ?? c.conversation_id ?? "";
 
-/** Pipelines and agents the agent offers; the OpenAI facade's model list as a fallback. */
+/**
+ * Chat pipelines and agents from the agent's catalog (GET /v1/pipelines: {data: [{id, kind}]},
+ * kind "pipeline:chat", "pipeline:search" or "agent"). Search pipelines return passages, not
+ * answers: they live on the Search page.
+ */
 async function loadChoices(): Promise<{ pipelines: string[]; agents: string[] }> {
-  const names = (d: unknown, key: string) =>
-    listOf<Record<string, string> | string>(d, key).map((p) => (typeof p === "string" ? p : p.name ?? p.id));
-  const [p, a] = await Promise.allSettled([api("/v1/pipelines"), api("/v1/agents")]);
-  let pipelines = p.status === "fulfilled" ? names(p.value, "pipelines") : [];
-  const agents = a.status === "fulfilled" ? names(a.value, "agents") : [];
-  if (!pipelines.length) {
-    try {
-      pipelines = names(await api("/v1/models"), "data").filter((n) => !agents.includes(n));
-    } catch {
-      pipelines = [];
+  const pipelines: string[] = [];
+  const agents: string[] = [];
+  try {
+    for (const item of listOf<Record<string, string>>(await api("/v1/pipelines"), "pipelines")) {
+      const id = item.id ?? item.name;
+      const kind = item.kind ?? "";
+      if (!id) continue;
+      if (kind === "agent") agents.push(id);
+      else if (!kind.endsWith("search")) pipelines.push(id);
     }
+  } catch (exc) {
+    toast(`Pipelines: ${(exc as Error).message}`, "error");
   }
-  // semantic-search returns passages, not an answer: it lives on the Search page.
-  pipelines = pipelines.filter((n) => n !== "semantic-search");
-  if (!pipelines.length) pipelines = ["chat-documents"];
+  if (!pipelines.length && !agents.length) pipelines.push("chat-documents");
   return { pipelines, agents };
 }
 
@@ -423,10 +426,12 @@ export function chatPage(root: HTMLElement, args: string[]) {
     try {
       const conv = await api<Record<string, unknown>>(`/v1/conversations/${enc(id)}`);
       if (conversationId !== id) return;
+      // Citations point into the collection the conversation used.
+      const collection = typeof conv.collection === "string" && conv.collection ? conv.collection : target.collection;
       for (const m of listOf<StoredMessage>(conv, "messages")) {
         if (m.role === "user") log.appendChild(userMessage(m.content));
         else if (m.role === "assistant") {
-          const view = answerMessage(target.collection);
+          const view = answerMessage(collection);
           for (const c of m.citations ?? []) view.addCitation(c);
           for (const s of m.steps ?? []) view.addStep(s);
           view.setText(m.content);

@@ -158,21 +158,23 @@ export function documentsPage(root: HTMLElement, args: string[]) {
 
   // --- documents ------------------------------------------------------------------
   let offset = 0;
+  // Uploads finishing together each reload the list: only the latest load may draw it.
+  let generation = 0;
   async function loadDocs(reset: boolean): Promise<void> {
     if (!selected) return;
     const coll = selected;
-    if (reset) {
-      offset = 0;
-      clear(docsBody);
-    }
+    const mine = reset ? ++generation : generation;
+    const from = reset ? 0 : offset;
     let data: unknown;
     try {
-      data = await api(retrieval(`/collections/${enc(coll)}/documents?limit=${PAGE}&offset=${offset}`));
+      data = await api(retrieval(`/collections/${enc(coll)}/documents?limit=${PAGE}&offset=${from}`));
     } catch (exc) {
       if (coll === selected) toast(`Documents: ${(exc as Error).message}`, "error");
       return;
     }
-    if (coll !== selected) return;
+    if (coll !== selected || mine !== generation) return;
+    if (reset) clear(docsBody);
+    offset = from;
     const docs = listOf<Doc>(data, "documents");
     offset += docs.length;
     for (const d of docs) docsBody.appendChild(docRow(coll, d));

@@ -259,6 +259,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     drawChart(chart, "Training loss", []);
 
     let lastType = "sft";
+    let lastStatus = "";
     let chatShown = false;
     let metricsBusy = false;
     const refreshMetrics = async () => {
@@ -308,7 +309,11 @@ export function trainingPage(root: HTMLElement, args: string[]) {
       errorBox.textContent = job.error ?? "";
       cancel.disabled = isTerminal(job);
       void refreshMetrics();
-      if (isTerminal(job)) void loadJobs();
+      // Keep the jobs list's badges in step with what this view sees.
+      if (jobStatus(job) !== lastStatus) {
+        lastStatus = jobStatus(job);
+        void loadJobs();
+      }
       if (!chatShown && job.status === "succeeded" && job.fine_tuned_model) {
         chatShown = true;
         chatBox.append(modelChat(job.fine_tuned_model, Boolean(job.published)));
