@@ -319,3 +319,53 @@ def test_phone_width_has_no_sideways_scroll(page: Any, site: str) -> None:
             .map(el => el.id || el.name || el.outerHTML.slice(0, 60))"""
     )
     assert unlabeled == []
+
+
+def test_conversations_rename_and_delete_from_the_keyboard(page: Any, site: str) -> None:
+    convs = [{"id": "a1", "title": "First chat"}, {"id": "b2", "title": "Second chat"}]
+    calls: list[tuple[str, str, Any]] = []
+
+    def patch(req: Any) -> tuple[int, Any]:
+        body = json.loads(req.post_data or "{}")
+        calls.append(("PATCH", req.url, body))
+        for c in convs:
+            if req.url.endswith(f"/{c['id']}"):
+                c["title"] = body["title"]
+        return 200, {}
+
+    def delete(req: Any) -> tuple[int, Any]:
+        calls.append(("DELETE", req.url, None))
+        convs[:] = [c for c in convs if not req.url.endswith(f"/{c['id']}")]
+        return 204, None
+
+    double_api(
+        page,
+        {
+            **BASE_ROUTES,
+            r"GET /v1/conversations": lambda r: (200, {"data": convs}),
+            r"GET /v1/conversations/\w+": lambda r: (200, {"id": "a1", "messages": []}),
+            r"PATCH /v1/conversations/\w+": patch,
+            r"DELETE /v1/conversations/\w+": delete,
+        },
+    )
+    page.on("dialog", lambda d: d.accept())
+    sign_in(page, site)
+    page.get_by_role("button", name="Rename “First chat”").wait_for()
+    page.get_by_role("button", name="Rename “First chat”").focus()
+    page.keyboard.press("Enter")
+    box = page.get_by_label("New title")
+    assert page.evaluate("document.activeElement.getAttribute('aria-label')") == "New title"
+    box.fill("Lighthouse questions")
+    box.press("Enter")
+    page.get_by_role("link", name="Lighthouse questions").wait_for()
+    assert calls[0][0] == "PATCH" and calls[0][2] == {"title": "Lighthouse questions"}
+    # Escape leaves the title as it was.
+    page.get_by_role("button", name="Rename “Second chat”").click()
+    page.get_by_label("New title").press("Escape")
+    page.get_by_role("link", name="Second chat").wait_for()
+    assert len(calls) == 1
+
+    page.get_by_role("button", name="Delete “Second chat”").click()
+    page.get_by_role("link", name="Second chat").wait_for(state="detached")
+    assert calls[-1][0] == "DELETE" and calls[-1][1].endswith("/v1/conversations/b2")
+    assert page.locator(".conv-link").count() == 1

@@ -271,8 +271,11 @@ export function chatPage(root: HTMLElement, args: string[]) {
       li.replaceChildren(form);
       box.focus();
       box.select();
+      // Enter, Escape and blur can each end the edit (removing the input blurs it): act once.
+      let ended = false;
       const finish = async (save: boolean) => {
-        if (!li.isConnected) return;
+        if (ended || !li.isConnected) return;
+        ended = true;
         const title = box.value.trim();
         if (save && title && title !== label) {
           try {
