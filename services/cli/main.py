@@ -18,6 +18,7 @@ from rich.table import Table
 
 from services.cli import stack
 from services.cli.eval_rag import rag_command
+from services.cli.eval_retrieval import retrieval_command
 from services.common.auth import KeyStore
 from services.common.config import SERVICE_NAMES, CommonSettings, SettingsError, load_settings
 from services.common.errors import TandemError
@@ -31,6 +32,7 @@ config_app = typer.Typer(help="Configuration: every TANDEM_ variable.", no_args_
 app.add_typer(keys_app, name="keys")
 app.add_typer(eval_app, name="eval")
 eval_app.command("rag")(rag_command)
+eval_app.command("retrieval")(retrieval_command)
 app.add_typer(config_app, name="config")
 console = Console()
 

@@ -1,0 +1,272 @@
+"""``tandem eval retrieval --beir DIR``: a BEIR data set through a running retrieval service.
+
+The corpus is ingested over the HTTP API (``POST /v1/collections/{name}/documents``),
+every test query is searched in each mode, and the ranking (chunks collapsed to their
+documents, best first) is scored against ``qrels/test.tsv``: nDCG@10, Recall@100, MRR@10.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import typer
+
+MODES = ("dense", "sparse", "hybrid")
+
+
+@dataclass
+class BeirSet:
+    corpus: Path
+    queries: dict[str, str]
+    qrels: dict[str, dict[str, int]]
+
+
+def load_beir(root: Path, split: str = "test") -> BeirSet:
+    corpus = root / "corpus.jsonl"
+    qfile = root / "queries.jsonl"
+    qrels_file = root / "qrels" / f"{split}.tsv"
+    for p in (corpus, qfile, qrels_file):
+        if not p.exists():
+            raise FileNotFoundError(
+                f"{p} is missing (BEIR layout: corpus.jsonl, queries.jsonl, qrels/{split}.tsv)"
+            )
+    qrels: dict[str, dict[str, int]] = {}
+    with qrels_file.open() as f:
+        for row in csv.reader(f, delimiter="\t"):
+            if not row or row[0] == "query-id":
+                continue
+            qrels.setdefault(row[0], {})[row[1]] = int(row[2])
+    queries = {}
+    with qfile.open() as f:
+        for line in f:
+            if line.strip():
+                q = json.loads(line)
+                if str(q["_id"]) in qrels:
+                    queries[str(q["_id"])] = q["text"]
+    return BeirSet(corpus, queries, qrels)
+
+
+def corpus_batches(path: Path, size: int) -> Iterator[list[dict[str, object]]]:
+    batch: list[dict[str, object]] = []
+    with path.open() as f:
+        for line in f:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            if not str(d.get("text", "")).strip():
+                continue
+            batch.append({"id": str(d["_id"]), "text": d["text"], "title": d.get("title") or None})
+            if len(batch) == size:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def ndcg_at(ranked: list[str], rel: dict[str, int], k: int) -> float:
+    dcg = sum((2 ** rel.get(d, 0) - 1) / math.log2(i + 2) for i, d in enumerate(ranked[:k]))
+    ideal = sorted(rel.values(), reverse=True)[:k]
+    idcg = sum((2**g - 1) / math.log2(i + 2) for i, g in enumerate(ideal))
+    return dcg / idcg if idcg > 0 else 0.0
+
+
+def recall_at(ranked: list[str], rel: dict[str, int], k: int) -> float:
+    relevant = {d for d, g in rel.items() if g > 0}
+    return len(relevant & set(ranked[:k])) / len(relevant) if relevant else 0.0
+
+
+def mrr_at(ranked: list[str], rel: dict[str, int], k: int) -> float:
+    for i, d in enumerate(ranked[:k]):
+        if rel.get(d, 0) > 0:
+            return 1.0 / (i + 1)
+    return 0.0
+
+
+def documents_in_order(results: list[dict[str, object]]) -> list[str]:
+    seen: dict[str, None] = {}
+    for r in results:
+        seen.setdefault(str(r["document_id"]), None)
+    return list(seen)
+
+
+class RetrievalClient:
+    def __init__(self, url: str, key: str, timeout: float = 300.0) -> None:
+        self.http = httpx.Client(
+            base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {key}"}, timeout=timeout
+        )
+
+    def _check(self, r: httpx.Response) -> httpx.Response:
+        if r.status_code >= 400:
+            try:
+                msg = r.json()["error"]["message"]
+            except Exception:
+                msg = r.text[:300]
+            raise RuntimeError(f"{r.request.method} {r.request.url.path} -> {r.status_code}: {msg}")
+        return r
+
+    def ensure_collection(self, name: str, recreate: bool) -> int:
+        """Creates the collection (dropping an old one if ``recreate``); returns its document count."""
+        r = self.http.get(f"/v1/collections/{name}")
+        if r.status_code == 200 and recreate:
+            self._check(self.http.delete(f"/v1/collections/{name}"))
+        elif r.status_code == 200:
+            return int(r.json().get("documents") or 0)
+        self._check(self.http.post("/v1/collections", json={"name": name}))
+        return 0
+
+    def ingest(self, name: str, docs: list[dict[str, object]]) -> dict[str, object]:
+        return dict(
+            self._check(self.http.post(f"/v1/collections/{name}/documents", json={"documents": docs})).json()
+        )
+
+    def search(self, name: str, query: str, mode: str, top_k: int) -> tuple[list[dict[str, object]], float]:
+        t0 = time.perf_counter()
+        r = self._check(
+            self.http.post(
+                f"/v1/collections/{name}/search", json={"query": query, "mode": mode, "top_k": top_k}
+            )
+        )
+        return list(r.json()["results"]), time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.http.close()
+
+
+@dataclass
+class ModeScores:
+    mode: str
+    ndcg10: float
+    recall100: float
+    mrr10: float
+    queries: int
+    p50_ms: float
+    p95_ms: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    idx = min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))
+    return s[idx]
+
+
+def evaluate(
+    client: RetrievalClient,
+    collection: str,
+    data: BeirSet,
+    modes: list[str],
+    top_k: int = 100,
+) -> list[ModeScores]:
+    out = []
+    for mode in modes:
+        nd, rc, mr, lat = [], [], [], []
+        for qid, text in data.queries.items():
+            results, dt = client.search(collection, text, mode, top_k)
+            ranked = documents_in_order(results)
+            rel = data.qrels[qid]
+            nd.append(ndcg_at(ranked, rel, 10))
+            rc.append(recall_at(ranked, rel, 100))
+            mr.append(mrr_at(ranked, rel, 10))
+            lat.append(dt * 1000)
+        n = max(len(nd), 1)
+        out.append(
+            ModeScores(
+                mode,
+                sum(nd) / n,
+                sum(rc) / n,
+                sum(mr) / n,
+                len(nd),
+                percentile(lat, 0.5),
+                percentile(lat, 0.95),
+            )
+        )
+    return out
+
+
+def retrieval_command(
+    beir: Path = typer.Option(
+        ..., "--beir", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/test.tsv."
+    ),
+    mode: str = typer.Option("all", "--mode", help="dense, sparse, hybrid or all."),
+    collection: str = typer.Option(
+        "", "--collection", help="Collection to use (default: beir-<folder name>)."
+    ),
+    reuse: bool = typer.Option(
+        False, "--reuse", help="Keep an existing collection of that name instead of re-ingesting."
+    ),
+    url: str = typer.Option("", "--url", help="Retrieval service URL (default: from settings)."),
+    api_key: str = typer.Option("", "--api-key", help="API key (default: $TANDEM_HOME/api-key)."),
+    batch: int = typer.Option(128, "--batch", help="Documents per ingestion request."),
+    top_k: int = typer.Option(100, "--top-k", help="Results fetched per query (Recall@100 needs 100)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the figures as JSON here."),
+) -> None:
+    """Run a BEIR data set through the retrieval service: nDCG@10, Recall@100 and MRR@10 per mode."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from services.cli.stack import Layout
+    from services.common.config import CommonSettings, load_settings
+
+    console = Console()
+    modes = list(MODES) if mode == "all" else [mode]
+    if any(m not in MODES for m in modes):
+        console.print(f"[red]error:[/] --mode must be one of {', '.join(MODES)} or all, got {mode!r}")
+        raise typer.Exit(2)
+    try:
+        data = load_beir(beir)
+    except FileNotFoundError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    common = load_settings(CommonSettings, check_unknown=False)
+    key = api_key
+    if not key:
+        key_file = Layout(common.home_dir).key_file
+        if not key_file.exists():
+            console.print(f"[red]error:[/] no --api-key and no key file at {key_file}; run `tandem up` first")
+            raise typer.Exit(2)
+        key = key_file.read_text().strip()
+    name = collection or f"beir-{beir.resolve().name}"[:64]
+    client = RetrievalClient(url or common.url_of("retrieval"), key)
+    try:
+        have = client.ensure_collection(name, recreate=not reuse)
+        if not have:
+            t0 = time.perf_counter()
+            docs = chunks = 0
+            for part in corpus_batches(data.corpus, batch):
+                res = client.ingest(name, part)
+                docs += len(part)
+                chunks += int(res.get("chunks_added", 0)) + int(res.get("chunks_unchanged", 0))  # type: ignore[call-overload]
+                console.print(f"  ingested {docs} documents ({chunks} chunks)", end="\r")
+            dt = time.perf_counter() - t0
+            console.print(
+                f"ingested {docs} documents, {chunks} chunks in {dt:.1f}s ({chunks / dt:.1f} chunks/s)"
+            )
+        scores = evaluate(client, name, data, modes, top_k)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from None
+    finally:
+        client.close()
+    table = Table(title=f"{beir.name}: {len(data.queries)} queries, collection {name}")
+    for col in ("mode", "nDCG@10", "Recall@100", "MRR@10", "p50 ms", "p95 ms"):
+        table.add_column(col, justify="right" if col != "mode" else "left")
+    for s in scores:
+        table.add_row(
+            s.mode,
+            f"{s.ndcg10:.4f}",
+            f"{s.recall100:.4f}",
+            f"{s.mrr10:.4f}",
+            f"{s.p50_ms:.1f}",
+            f"{s.p95_ms:.1f}",
+        )
+    console.print(table)
+    if json_out:
+        json_out.write_text(json.dumps([s.__dict__ for s in scores], indent=2))
