@@ -3,6 +3,7 @@ overlap starting at word boundaries, headings respected, deterministic content i
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def test_chunk_properties(tokenizer: SentenceTransformerEmbedder, seed: int, siz
     # every non-space character is in some chunk
     assert all(covered[i] for i, ch in enumerate(text) if not ch.isspace())
     # overlap: consecutive chunks within a section share at most `overlap` tokens, and start on a word
-    for (s1, e1, h1), (s2, e2, h2) in zip(chunks, chunks[1:], strict=False):
+    for (s1, e1, h1), (s2, e2, h2) in itertools.pairwise(chunks):
         assert s2 > s1 and e2 > e1
         if s2 < e1:
             assert h1 == h2, "no overlap across sections"
@@ -102,7 +103,7 @@ def test_prefers_paragraph_then_sentence_boundaries() -> None:
     para1 = " ".join(["one"] * 30) + "."
     para2 = " ".join(["two"] * 30) + "."
     chunks = chunk_text(f"{para1}\n\n{para2}", size=45, overlap=0, offsets=regex_offsets)
-    assert [(c[0], c[1]) for c in chunks][0][1] == len(para1)  # cut at the paragraph break
+    assert chunks[0][1] == len(para1)  # cut at the paragraph break
     sent = "First sentence here is fine. " * 6
     chunks = chunk_text(sent.strip(), size=12, overlap=0, offsets=regex_offsets)
     assert all(sent[c[0] : c[1]].endswith(".") for c in chunks[:-1])
