@@ -15,8 +15,14 @@ from services.agent.text import content_terms, overlap
 
 # "[1]", "[1, 3]", "[1][2]", "[Source 2]", "[source: 2]"
 MARKER_RE = re.compile(r"\[\s*(?:sources?\s*:?\s*)?(\d{1,3}(?:\s*[,;]\s*\d{1,3})*)\s*\]", re.IGNORECASE)
-# Longest tail that may still grow into a marker: held back while streaming.
-_OPEN_TAIL_RE = re.compile(r"\[[^\[\]]{0,20}$")
+# Small models also cite a source by its title: "[Jupiter]". Resolved only on an exact title match.
+TITLE_MARKER_RE = re.compile(r"\[\s*([^\[\]\d\s][^\[\]]{0,119}?)\s*\]")
+# Longest tail that may still grow into a marker: held back (from citation events only) while streaming.
+_OPEN_TAIL_RE = re.compile(r"\[[^\[\]]{0,120}$")
+
+
+def _title_key(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).removeprefix("the ").strip()
 
 
 def marker_numbers(text: str) -> list[int]:
@@ -36,6 +42,7 @@ class CitationTracker:
     text: str = ""
     resolved: dict[int, Citation] = field(default_factory=dict)
     invalid: list[int] = field(default_factory=list)
+    by_title: int = 0  # markers that named a source by its title ("[Jupiter]")
     _scanned: int = 0
 
     def feed(self, delta: str) -> list[Citation]:
@@ -53,9 +60,23 @@ class CitationTracker:
             if tail:
                 end = tail.start()
         new: list[Citation] = []
-        for match in MARKER_RE.finditer(self.text, self._scanned, end):
-            for part in re.split(r"[,;]", match.group(1)):
-                n = int(part.strip())
+        titles = {_title_key(c.title): i + 1 for i, c in reversed(list(enumerate(self.chunks))) if c.title}
+        found = [
+            (m.start(), m.end(), m.group(1), True) for m in MARKER_RE.finditer(self.text, self._scanned, end)
+        ]
+        found += [
+            (m.start(), m.end(), m.group(1), False)
+            for m in TITLE_MARKER_RE.finditer(self.text, self._scanned, end)
+        ]
+        for _, stop, body, numeric in sorted(found):
+            if numeric:
+                numbers = [int(part.strip()) for part in re.split(r"[,;]", body)]
+            elif _title_key(body) in titles:
+                numbers = [titles[_title_key(body)]]
+                self.by_title += 1
+            else:
+                numbers = []
+            for n in numbers:
                 if n in self.resolved or n in self.invalid:
                     continue
                 if 1 <= n <= len(self.chunks):
@@ -63,7 +84,7 @@ class CitationTracker:
                     new.append(self.resolved[n])
                 else:
                     self.invalid.append(n)
-            self._scanned = match.end()
+            self._scanned = max(self._scanned, stop)
         return new
 
     @property

@@ -52,3 +52,13 @@ def test_highlight_marks_the_matching_sentence_with_document_offsets() -> None:
 def test_highlight_escapes_html() -> None:
     chunk = Chunk("x", "x", "<script>alert(1)</script> tower")
     assert "<script>" not in highlight("tower", chunk)["highlighted"]
+
+
+def test_a_source_cited_by_its_title_resolves_to_it() -> None:
+    tracker = CitationTracker(chunks())
+    got = tracker.feed("The capital is Berlin [Germany]. Not a source: [Spain], [note].")
+    got += tracker.finish()
+    assert [(c.index, c.document_id) for c in got] == [(2, "b")]
+    assert tracker.by_title == 1 and tracker.invalid == []
+    tracker = CitationTracker(chunks())
+    assert [c.index for c in tracker.feed("see [the france] and [2]")] == [1, 2]

@@ -76,7 +76,7 @@ def _inference_app(common: CommonSettings, model: Path) -> Any:
     if "model" not in InferenceSettings.model_fields:
         return None
     app = create_app(common, InferenceSettings(model=str(model)))
-    if not any(getattr(r, "path", "") == "/v1/chat/completions" for r in app.routes):
+    if "/v1/chat/completions" not in app.openapi()["paths"]:
         return None
     return app
 
@@ -103,16 +103,18 @@ def real_stack(
             home=home, redis_url=redis_url, log_json=False, model_roots=f"{home}:{smollm2_path.parent}"
         )
         r_url = stack.enter_context(serve_app(create_retrieval(base, RetrievalSettings())))
+        # transformers' lazy imports are not thread-safe: let the embedder finish loading in its
+        # thread before the inference app loads the model in another.
+        for _ in range(600):
+            if httpx.get(f"{r_url}/readyz").status_code == 200:
+                break
+            time.sleep(0.2)
         inference = _inference_app(base, smollm2_path)
         i_url = stack.enter_context(serve_app(inference)) if inference is not None else "http://127.0.0.1:9"
         common = base.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})
         settings = AgentSettings(tokenizer=str(smollm2_path), max_answer_tokens=96)
         a_url = stack.enter_context(serve_app(create_agent(common, settings)))
         with httpx.Client(base_url=r_url, headers=auth(key), timeout=300) as client:
-            for _ in range(600):  # the embedder loads in the background
-                if client.get("/readyz").status_code == 200:
-                    break
-                time.sleep(0.2)
             assert client.post("/v1/collections", json={"name": "facts"}).status_code == 201
             resp = client.post("/v1/collections/facts/documents", json={"documents": DOCS})
             assert resp.status_code == 201, resp.text
