@@ -254,7 +254,7 @@ class OpenAIServing:
         messages = [
             m.model_dump(exclude_none=True, include={"role", "content", "name"}) for m in req.messages
         ]
-        body = req.model_dump(exclude_none=True)
+        body = req.model_dump(exclude_unset=True)
         engine_req = EngineRequest(
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
             params=params,
@@ -391,7 +391,7 @@ class OpenAIServing:
                 f"at most 64 choices per request, got {len(prompts) * req.n}", param="prompt"
             )
         rid = f"cmpl-{uuid.uuid4().hex}"
-        body = req.model_dump(exclude_none=True)
+        body = req.model_dump(exclude_unset=True)
         engine_reqs = [
             EngineRequest(
                 request_id=f"{rid}-{i}",

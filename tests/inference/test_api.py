@@ -47,7 +47,11 @@ def _common(home: Path, redis_url: str) -> CommonSettings:
 @pytest.fixture(scope="module")
 def server(home: Path, redis_url: str, lively_tiny_path: Path) -> Iterator[tuple[str, Any]]:
     settings = InferenceSettings(
-        model=str(lively_tiny_path), served_model_name="tiny", max_model_len=MAX_LEN, max_batch_size=4, max_queue=8
+        model=str(lively_tiny_path),
+        served_model_name="tiny",
+        max_model_len=MAX_LEN,
+        max_batch_size=4,
+        max_queue=8,
     )
     app = create_app(_common(home, redis_url), settings)
     with serve_app(app) as url:
@@ -96,7 +100,9 @@ def test_models_chat_and_completions(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
 
-    comp = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, logprobs=2, **_greedy())
+    comp = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=10, logprobs=2, **_greedy()
+    )
     assert comp.object == "text_completion"
     lp = comp.choices[0].logprobs
     assert lp is not None and len(lp.tokens) == comp.usage.completion_tokens
@@ -104,13 +110,19 @@ def test_models_chat_and_completions(client: openai.OpenAI) -> None:
     assert "".join(lp.tokens) == comp.choices[0].text or comp.choices[0].finish_reason == "stop"
     streamed = "".join(
         c.choices[0].text
-        for c in client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, stream=True, **_greedy())
+        for c in client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=10, stream=True, **_greedy()
+        )
     )
     assert streamed == comp.choices[0].text
 
 
 def test_sampling_seed_n_and_chat_logprobs(client: openai.OpenAI) -> None:
-    args: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "Pick words"}], "max_tokens": 16}
+    args: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Pick words"}],
+        "max_tokens": 16,
+    }
     a = client.chat.completions.create(**args, temperature=1.0, top_p=0.95, seed=5, n=3)
     b = client.chat.completions.create(**args, temperature=1.0, top_p=0.95, seed=5, n=3)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
@@ -124,13 +136,17 @@ def test_sampling_seed_n_and_chat_logprobs(client: openai.OpenAI) -> None:
     greedy = client.chat.completions.create(**args, temperature=0)
     topk1 = client.chat.completions.create(**args, temperature=1.0, seed=1, extra_body={"top_k": 1})
     assert topk1.choices[0].message.content == greedy.choices[0].message.content
-    stopped = client.chat.completions.create(**args, temperature=0, stop=[greedy.choices[0].message.content[3:6]])
+    stopped = client.chat.completions.create(
+        **args, temperature=0, stop=[greedy.choices[0].message.content[3:6]]
+    )
     if greedy.choices[0].message.content[3:6]:
         assert stopped.choices[0].finish_reason == "stop"
         assert len(stopped.choices[0].message.content) <= 3 + 2
 
 
-def test_errors_are_openai_shaped_and_service_keeps_serving(client: openai.OpenAI, server: tuple[str, Any], key: str) -> None:
+def test_errors_are_openai_shaped_and_service_keeps_serving(
+    client: openai.OpenAI, server: tuple[str, Any], key: str
+) -> None:
     with pytest.raises(openai.NotFoundError) as nf:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert nf.value.body["code"] == "model_not_found"  # type: ignore[index]
@@ -142,28 +158,38 @@ def test_errors_are_openai_shaped_and_service_keeps_serving(client: openai.OpenA
         client.completions.create(model="tiny", prompt="hi", max_tokens=MAX_LEN * 2)
     assert str(MAX_LEN) in too_many.value.body["message"]  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as temp:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=7)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], temperature=7
+        )
     assert "temperature" in temp.value.body["message"]  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=0)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], frequency_penalty=1)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], frequency_penalty=1
+        )
     url = server[0]
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    bad = httpx.post(url + "/v1/chat/completions", content=b'{"model": "tiny", "messages": [', headers=headers)
+    bad = httpx.post(
+        url + "/v1/chat/completions", content=b'{"model": "tiny", "messages": [', headers=headers
+    )
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
     noauth = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": []})
     assert noauth.status_code == 401
-    ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    ok = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3
+    )
     assert ok.choices[0].message.content is not None
 
 
 def test_langchain_chat_openai(server: tuple[str, Any], key: str) -> None:
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=server[0] + "/v1", api_key=key, model="tiny", temperature=0, max_tokens=8, max_retries=0)
+    llm = ChatOpenAI(
+        base_url=server[0] + "/v1", api_key=key, model="tiny", temperature=0, max_tokens=8, max_retries=0
+    )
     reply = llm.invoke("Say something")
     assert isinstance(reply.content, str)
     pieces = [c.content for c in llm.stream("Say something")]
@@ -181,7 +207,13 @@ def _stream_chat(url: str, key: str, content: str, max_tokens: int, out: dict[st
         "stream": True,
     }
     times, text = [], []
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 delta = json.loads(line[6:])["choices"][0]["delta"]
@@ -192,12 +224,18 @@ def _stream_chat(url: str, key: str, content: str, max_tokens: int, out: dict[st
     out["times"] = times
 
 
-def test_request_joins_mid_generation_without_disturbing_others(client: openai.OpenAI, server: tuple[str, Any], key: str) -> None:
+def test_request_joins_mid_generation_without_disturbing_others(
+    client: openai.OpenAI, server: tuple[str, Any], key: str
+) -> None:
     url = server[0]
     solo: dict[str, str] = {}
     for name, content, n in (("long", "Tell a long story", 80), ("short", "A short one", 20)):
         r = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=n, temperature=0, extra_body={"ignore_eos": True}
+            model="tiny",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=n,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
         solo[name] = r.choices[0].message.content or ""
     long_out: dict[str, Any] = {}
@@ -228,7 +266,13 @@ def test_disconnect_mid_stream_frees_the_slot(server: tuple[str, Any], key: str)
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    ) as r:
         seen = 0
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -242,8 +286,12 @@ def test_disconnect_mid_stream_frees_the_slot(server: tuple[str, Any], key: str)
     assert engine.scheduler.load() == {"running": 0, "waiting": 0}
 
 
-def test_queue_full_is_429_with_retry_after(home: Path, redis_url: str, lively_tiny_path: Path, key: str) -> None:
-    settings = InferenceSettings(model=str(lively_tiny_path), served_model_name="tiny", max_batch_size=1, max_queue=0)
+def test_queue_full_is_429_with_retry_after(
+    home: Path, redis_url: str, lively_tiny_path: Path, key: str
+) -> None:
+    settings = InferenceSettings(
+        model=str(lively_tiny_path), served_model_name="tiny", max_batch_size=1, max_queue=0
+    )
     app = create_app(_common(home, redis_url), settings)
     with serve_app(app) as url:
         out: dict[str, Any] = {}
@@ -255,10 +303,14 @@ def test_queue_full_is_429_with_retry_after(home: Path, redis_url: str, lively_t
             time.sleep(0.01)
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
         with pytest.raises(openai.RateLimitError) as exc:
-            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
         assert int(exc.value.response.headers["Retry-After"]) >= 1
         t.join(60)
-        ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        ok = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
         assert ok.choices[0].message.content is not None
 
 
@@ -270,7 +322,9 @@ def test_timeout_ends_a_request(lively_tiny_path: Path) -> None:
     async def run() -> list[Any]:
         await engine.start()
         try:
-            req = EngineRequest("t1", SamplingParams(max_tokens=None, ignore_eos=True), prompt="x", timeout=0.3)
+            req = EngineRequest(
+                "t1", SamplingParams(max_tokens=None, ignore_eos=True), prompt="x", timeout=0.3
+            )
             return [ev async for ev in await engine.generate(req)]
         finally:
             await engine.shutdown()

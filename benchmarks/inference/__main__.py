@@ -1,0 +1,332 @@
+"""Inference throughput and latency: the server under 1, 4 and 16 concurrent streams vs
+sequential ``transformers`` ``generate`` of the same kind of requests, in the same run.
+
+    python -m benchmarks.inference                      # SmolLM2-135M fp32 on the CPU (~5 min on 2 cores)
+    python -m benchmarks.inference --device cuda        # random-init Llama-3.2-1B-sized model, bf16
+
+The server runs as its own process (uvicorn, as deployed) with a real Valkey for API
+keys; each of C client streams sends its requests one after another (closed loop),
+every request a chat completion streamed over SSE with ``max_tokens`` tokens exactly
+(``ignore_eos``) and greedy decoding, so every run generates the same token counts.
+The baseline runs ``model.generate`` (greedy, ``min_new_tokens = max_new_tokens``) on
+the same prompts one at a time in this process while the server idles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about autumn leaves.",
+    "Explain how a rainbow forms.",
+    "Give me three tips for learning a new language.",
+    "What is photosynthesis?",
+    "Describe the water cycle in simple terms.",
+    "Why is the sky blue?",
+    "How do vaccines work?",
+    "Summarise the plot of Romeo and Juliet.",
+    "What are the benefits of regular exercise?",
+    "Explain what a neural network is.",
+    "How does a refrigerator keep food cold?",
+    "What causes the seasons on Earth?",
+    "Suggest a name for a friendly robot.",
+    "How do bees make honey?",
+    "What is the difference between weather and climate?",
+]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def llama_1b_folder(target: Path, tokenizer_dir: Path) -> Path:
+    """A random-initialised model with Llama-3.2-1B's shape (SmolLM2's tokenizer and vocabulary)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if (target / "config.json").is_file():
+        return target
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(target, safe_serialization=True)
+    tok.save_pretrained(target)
+    return target
+
+
+# --- baseline ------------------------------------------------------------------------------------
+def baseline(model_dir: Path, prompts: list[str], max_tokens: int, device: str, dtype: str) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.generation.streamers import BaseStreamer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+
+    class Clock(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.first = True
+
+        def put(self, value: Any) -> None:
+            if self.first:  # generate first hands over the prompt
+                self.first = False
+                return
+            if device != "cpu":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def ids(q: str) -> Any:
+        out = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
+        return torch.tensor([list(out["input_ids"] if hasattr(out, "keys") else out)], device=device)
+
+    model.generate(ids(prompts[0]), max_new_tokens=4, do_sample=False)  # warm-up
+    ttft, itl, tokens = [], [], 0
+    start = time.perf_counter()
+    for q in prompts:
+        clock = Clock()
+        t0 = time.perf_counter()
+        out = model.generate(
+            ids(q), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, streamer=clock
+        )
+        tokens += out.shape[1] - ids(q).shape[1]
+        ttft.append(clock.times[0] - t0)
+        itl += [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+    wall = time.perf_counter() - start
+    del model
+    return {"tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl, "requests": len(prompts)}
+
+
+# --- the server ----------------------------------------------------------------------------------
+async def one_request(
+    client: httpx.AsyncClient, url: str, key: str, model: str, q: str, max_tokens: int
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": q}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    times: list[float] = []
+    usage = 0
+    async with client.stream(
+        "POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                if choice["delta"].get("content"):
+                    times.append(time.perf_counter())
+    return {"ttft": times[0] - t0 if times else float("nan"), "times": times, "tokens": usage}
+
+
+async def load(
+    url: str, key: str, model: str, concurrency: int, per_stream: int, max_tokens: int
+) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def worker(w: int) -> None:
+            for r in range(per_stream):
+                q = QUESTIONS[(w * per_stream + r) % len(QUESTIONS)]
+                results.append(await one_request(client, url, key, model, q, max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        wall = time.perf_counter() - start
+    itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
+    return {
+        "tokens": sum(r["tokens"] for r in results),
+        "wall": wall,
+        "ttft": [r["ttft"] for r in results],
+        "itl": itl,
+        "requests": len(results),
+    }
+
+
+def start_server(
+    model_dir: Path, home: Path, redis_url: str, device: str, dtype: str, max_batch: int, chunk: int
+) -> tuple[subprocess.Popen[bytes], str]:
+    from tests.helpers.servers import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(
+        TANDEM_HOME=str(home),
+        TANDEM_REDIS_URL=redis_url,
+        TANDEM_LOG_JSON="false",
+        TANDEM_LOG_LEVEL="WARNING",
+        TANDEM_DEVICE=device,
+        TANDEM_INFERENCE_MODEL=str(model_dir),
+        TANDEM_INFERENCE_SERVED_MODEL_NAME="bench",
+        TANDEM_INFERENCE_DTYPE=dtype,
+        TANDEM_INFERENCE_MAX_BATCH_SIZE=str(max_batch),
+        TANDEM_INFERENCE_PREFILL_CHUNK=str(chunk),
+        TANDEM_INFERENCE_MAX_QUEUE="256",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "services.inference.app:create_app",
+        "--factory",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the inference server exited during start-up")
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the inference server did not become ready")
+
+
+def row(name: str, res: dict[str, Any], base_tps: float | None) -> str:
+    tps = res["tokens"] / res["wall"]
+    ratio = f"{tps / base_tps:.2f}x" if base_tps else "1.00x"
+    ms = lambda v: f"{v * 1000:.0f}"  # noqa: E731
+    return (
+        f"| {name} | {res['requests']} | {res['tokens']} | {tps:.1f} | {ratio} | "
+        f"{ms(pct(res['ttft'], 0.5))} / {ms(pct(res['ttft'], 0.95))} | {ms(pct(res['itl'], 0.5))} / {ms(pct(res['itl'], 0.95))} |"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--model",
+        default="",
+        help="HF folder or .gguf (default: SmolLM2-135M-Instruct on cpu, a random Llama-3.2-1B shape on cuda)",
+    )
+    ap.add_argument(
+        "--concurrency",
+        default="",
+        help="comma-separated stream counts (default 1,4,16 on cpu; 1,16,64 on cuda)",
+    )
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--per-stream",
+        type=int,
+        default=0,
+        help="requests each stream sends (default: 4 at C=1, 3 at C=4, 2 at C>=16)",
+    )
+    ap.add_argument("--baseline-requests", type=int, default=6)
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    args = ap.parse_args()
+
+    from services.inference.engine.loader import resolve_model
+    from tests.helpers.models import MODEL_CACHE, smollm2_dir
+    from tests.helpers.servers import valkey_server
+
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    levels = [
+        int(x) for x in (args.concurrency or ("1,4,16" if args.device == "cpu" else "1,16,64")).split(",")
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmpdir = Path(tmp)
+        if args.model:
+            model_dir = resolve_model(args.model, MODEL_CACHE)
+        elif args.device == "cuda":
+            model_dir = llama_1b_folder(MODEL_CACHE / "random-llama-3.2-1b-shape", smollm2_dir())
+        else:
+            model_dir = smollm2_dir()
+        print(
+            f"model {model_dir.name} on {args.device} ({dtype}), {args.max_tokens} tokens per request",
+            flush=True,
+        )
+        base_prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.baseline_requests)]
+        print(f"baseline: sequential transformers generate of {len(base_prompts)} requests ...", flush=True)
+        base = baseline(model_dir, base_prompts, args.max_tokens, args.device, dtype)
+        base_tps = base["tokens"] / base["wall"]
+        with valkey_server(tmpdir / "valkey") as redis_url:
+            import redis
+
+            from services.common.auth import KeyStore
+
+            rc = redis.Redis.from_url(redis_url, decode_responses=True)
+            key = KeyStore(rc).create("bench")[0]
+            proc, url = start_server(
+                model_dir, tmpdir / "home", redis_url, args.device, dtype, max(levels), args.prefill_chunk
+            )
+            try:
+                asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up
+                results = []
+                for c in levels:
+                    per = args.per_stream or (4 if c == 1 else 3 if c <= 4 else 2)
+                    print(f"server: {c} concurrent streams x {per} requests ...", flush=True)
+                    results.append((c, asyncio.run(load(url, key, "bench", c, per, args.max_tokens))))
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    print()
+    print("| run | requests | tokens | tokens/s | vs generate | TTFT p50 / p95 ms | ITL p50 / p95 ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(row("transformers generate, sequential", base, None))
+    for c, res in results:
+        print(row(f"tandem torch engine, {c} streams", res, base_tps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
