@@ -45,7 +45,7 @@ class Hyperparameters(Strict):
     beta: float = Field(0.1, gt=0.0, le=10.0)
     # PPO / GRPO
     prompts_per_step: int = Field(4, ge=1, le=1024)
-    group_size: int = Field(4, ge=2, le=256, description="GRPO completions per prompt")
+    group_size: int = Field(4, ge=2, le=64, description="GRPO completions per prompt")
     max_new_tokens: int = Field(64, ge=1, le=8192)
     temperature: float = Field(1.0, gt=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

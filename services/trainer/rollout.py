@@ -38,7 +38,10 @@ class EngineRollouts:
         temperature: float,
         top_p: float,
         seed: int,
+        n: int = 1,
     ) -> list[Rollout]:
+        """``n`` completions per prompt, prompt-major (the engine seeds sample j with ``seed + j``,
+        so the members of a GRPO group differ while the run stays reproducible)."""
         from services.inference.engine import SamplingParams
 
         params = SamplingParams(
@@ -48,6 +51,7 @@ class EngineRollouts:
             seed=seed,
             stop_token_ids=[int(self.tokenizer.eos_token_id)],
             detokenize=False,
+            n=n,
         )
         was_training = self.model.training
         self.model.eval()
@@ -56,8 +60,8 @@ class EngineRollouts:
         finally:
             self.model.train(was_training)
         rollouts = []
-        for prompt, out in zip(prompts, outs, strict=True):
+        for out in outs:
             ids = list(out.token_ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            rollouts.append(Rollout(list(prompt), ids, text, str(out.finish_reason)))
+            rollouts.append(Rollout(list(out.prompt_token_ids), ids, text, str(out.finish_reason)))
         return rollouts

@@ -92,8 +92,14 @@ class Heartbeat:
         while not self.stop.wait(self.settings.heartbeat_interval_s):
             try:
                 if not self.store.renew_lease(self.job_id, self.owner, self.settings.stale_after_s):
-                    self.lost.set()
-                    return
+                    # Expired (a long stall) but nobody took over: take it back. Held by
+                    # someone else: a recovered copy runs it now, so this one must stop.
+                    if not self.store.acquire_lease(self.job_id, self.owner, self.settings.stale_after_s):
+                        self.lost.set()
+                        return
+                    log.warning("job %s: heartbeat lease had expired; re-acquired", self.job_id)
+                    if self.store.job(self.job_id).get("status") == "queued":
+                        self.store.set_status(self.job_id, "running")
                 self.store.update(self.job_id, heartbeat=time.time())
             except Exception:  # a Redis blip: try again next beat; the TTL covers a few misses
                 log.warning("heartbeat of %s failed", self.job_id, exc_info=True)

@@ -145,9 +145,9 @@ class RLRecipe(Recipe):
         t0 = time.perf_counter()
         idx = self.prompt_indices(step)
         records = [self.cfg.records[i] for i in idx for _ in range(self.group)]
-        prompts = [self.prompts[i] for i in idx for _ in range(self.group)]
         rollouts = self.rollouts.generate(
-            prompts,
+            [self.prompts[i] for i in idx],
+            n=self.group,
             max_new_tokens=self.hp.max_new_tokens,
             temperature=self.hp.temperature,
             top_p=self.hp.top_p,

@@ -1,0 +1,194 @@
+"""The trainer API over real HTTP with a real Valkey: uploads, validation before queueing,
+tenant isolation, a job run by the worker's task body, progress over SSE, artifacts, cancel,
+and orphan recovery. The Celery hop is replaced by a recording double here (the real
+worker subprocess is in test_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.common.config import CommonSettings
+from services.trainer.app import create_app
+from services.trainer.config import TrainerSettings
+from services.trainer.runner import execute, recover_orphans
+from tests.conftest import auth
+from tests.helpers.servers import serve_app
+from tests.trainer.conftest import jsonl
+
+ROWS = [
+    {"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]}
+    for n in range(1, 13)
+]
+
+
+class Harness:
+    def __init__(self, base: str, app: Any) -> None:
+        self.base = base
+        self.app = app
+        self.dispatched: list[tuple[str, str]] = []
+        self.st = app.state.trainer
+        self.st.dispatch = lambda job_id, queue: self.dispatched.append((job_id, queue))
+
+    def run_worker(self, job_id: str) -> str:
+        return execute(job_id, store=self.st.store, common=self.st.common, settings=self.st.settings)
+
+
+@pytest.fixture()
+def harness(tandem_env: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
+    monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{tiny_model_path.parent}:{tandem_env / 'models'}")
+    common = CommonSettings()
+    settings = TrainerSettings(heartbeat_interval_s=0.2, stale_after_s=10.0)
+    app = create_app(common, settings)
+    with serve_app(app) as base:
+        yield Harness(base, app)
+
+
+def upload(h: Harness, key: str, data: bytes, name: str = "train.jsonl") -> httpx.Response:
+    return httpx.post(f"{h.base}/v1/files", files={"file": (name, data, "application/jsonl")}, headers=auth(key))
+
+
+def job_body(model: Path, dataset: str, **kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "type": "sft",
+        "base_model": str(model),
+        "dataset": dataset,
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "max_tokens_per_pack": 256,
+        "hyperparameters": {"max_steps": 3, "learning_rate": 1e-3, "checkpoint_every": 2},
+    }
+    body.update(kw)
+    return body
+
+
+def test_upload_validates_and_names_line_and_field(harness: Harness, api_key: str, gsm8k_rows: bytes) -> None:
+    ok = upload(harness, api_key, gsm8k_rows)
+    assert ok.status_code == 201, ok.text
+    assert ok.json()["format"] == "gsm8k" and ok.json()["rows"] == 24 and ok.json()["id"].startswith("file-")
+
+    bad = upload(harness, api_key, b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": "b"\n')
+    assert bad.status_code == 400
+    assert "line 2" in bad.json()["error"]["message"] and "malformed JSON" in bad.json()["error"]["message"]
+
+    missing = upload(harness, api_key, b'{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n')
+    assert missing.status_code == 400
+    err = missing.json()["error"]
+    assert "line 2" in err["message"] and "'output' is missing" in err["message"] and err["param"] == "output"
+
+    empty = upload(harness, api_key, b"")
+    assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
+
+
+def test_bad_job_requests_are_refused_before_queueing(
+    harness: Harness, api_key: str, tiny_model_path: Path, gsm8k_rows: bytes
+) -> None:
+    fid = upload(harness, api_key, jsonl(ROWS)).json()["id"]
+    gsm = upload(harness, api_key, gsm8k_rows).json()["id"]
+    m = tiny_model_path
+    cases = [
+        (job_body(m, fid, base_model="no-such-model"), "unknown base_model 'no-such-model'"),
+        (job_body(m, fid, base_model="/etc"), "outside the allowed roots"),
+        (job_body(m, fid, lora={"target_modules": ["q_proj", "attn_qkv"]}), "'attn_qkv' not found in the model"),
+        (job_body(m, gsm, max_tokens_per_pack=64), "more than max_tokens_per_pack=64"),
+        (job_body(m, fid, hyperparameters={"learning_rate": 5}), "hyperparameters.learning_rate"),
+        (job_body(m, fid, hyperparameters={"max_steps": 0}), "hyperparameters.max_steps"),
+        (job_body(m, fid, hyperparameters={"lerning_rate": 1e-3}), "hyperparameters.lerning_rate"),
+        (job_body(m, fid, type="dpo"), "suits sft, rl jobs, not dpo"),
+        (job_body(m, fid, type="grpo"), "needs 'reward'"),
+        (job_body(m, fid, type="grpo", reward="nope"), "no reward function named 'nope'"),
+        (job_body(m, "file-missing"), "no file with id 'file-missing'"),
+    ]
+    for body, needle in cases:
+        resp = httpx.post(f"{harness.base}/v1/jobs", json=body, headers=auth(api_key), timeout=60)
+        assert resp.status_code in (400, 404), (needle, resp.status_code, resp.text)
+        assert needle in resp.json()["error"]["message"], (needle, resp.json())
+    assert harness.dispatched == []
+
+
+def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
+    harness: Harness, api_key: str, other_key: str, tiny_model_path: Path
+) -> None:
+    fid = upload(harness, api_key, jsonl(ROWS)).json()["id"]
+    resp = httpx.post(f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60)
+    assert resp.status_code == 201, resp.text
+    job = resp.json()
+    assert job["status"] == "queued" and harness.dispatched == [(job["id"], "cpu")]
+    jid = job["id"]
+
+    # tenant isolation
+    assert httpx.get(f"{harness.base}/v1/jobs/{jid}", headers=auth(other_key)).status_code == 404
+    assert httpx.get(f"{harness.base}/v1/files/{fid}", headers=auth(other_key)).status_code == 404
+    assert all(j["id"] != jid for j in httpx.get(f"{harness.base}/v1/jobs", headers=auth(other_key)).json()["data"])
+
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    def watch() -> None:
+        with httpx.stream("GET", f"{harness.base}/v1/jobs/{jid}/events", headers=auth(api_key), timeout=120) as s:
+            kind = None
+            for line in s.iter_lines():
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: ") and kind:
+                    events.append((kind, json.loads(line[6:])))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    assert harness.run_worker(jid) == "succeeded"
+    watcher.join(60)
+    assert not watcher.is_alive(), "SSE stream did not end with the job"
+    progress = [d for k, d in events if k == "progress"]
+    assert [p["step"] for p in progress] == [1, 2, 3] and progress[-1]["total"] == 3
+    assert "loss" in progress[-1]["metrics"] and "padding_ratio" in progress[-1]["metrics"]
+    assert [d["status"] for k, d in events if k == "status"] == ["queued", "running", "succeeded"]
+
+    done = httpx.get(f"{harness.base}/v1/jobs/{jid}", headers=auth(api_key)).json()
+    assert done["status"] == "succeeded" and done["progress"] == {"step": 3, "total": 3}
+    assert done["metrics"]["tokens_per_s"] > 0 and done["error"] is None
+    metrics = httpx.get(f"{harness.base}/v1/jobs/{jid}/metrics", headers=auth(api_key)).json()["data"]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all("learning_rate" in m for m in metrics)
+    logs = httpx.get(f"{harness.base}/v1/jobs/{jid}/logs", headers=auth(api_key)).json()["data"]
+    assert any("checkpoint at step 2" in line["message"] for line in logs)
+
+    arts = httpx.get(f"{harness.base}/v1/jobs/{jid}/artifacts", headers=auth(api_key)).json()["data"]
+    paths = {a["path"] for a in arts}
+    assert "final/adapter_model.safetensors" in paths and "final/adapter_config.json" in paths
+    assert "checkpoints/step-2/trainable.safetensors" in paths and "checkpoints/step-2/state.pt" in paths
+    cfg = httpx.get(f"{harness.base}/v1/jobs/{jid}/artifacts/final/adapter_config.json", headers=auth(api_key))
+    assert cfg.status_code == 200 and cfg.json()["r"] == 4
+    assert httpx.get(f"{harness.base}/v1/jobs/{jid}/artifacts/final/../../x", headers=auth(api_key)).status_code == 404
+    again = httpx.post(f"{harness.base}/v1/jobs/{jid}/cancel", headers=auth(api_key))
+    assert again.status_code == 409
+
+
+def test_cancel_of_a_queued_job_and_idempotent_task(harness: Harness, api_key: str, tiny_model_path: Path) -> None:
+    fid = upload(harness, api_key, jsonl(ROWS)).json()["id"]
+    jid = httpx.post(f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60).json()["id"]
+    resp = httpx.post(f"{harness.base}/v1/jobs/{jid}/cancel", headers=auth(api_key))
+    assert resp.status_code == 200 and resp.json()["status"] == "cancelled"
+    assert harness.run_worker(jid) == "cancelled"  # the queued message arrives later: nothing runs
+    assert httpx.get(f"{harness.base}/v1/jobs/{jid}", headers=auth(api_key)).json()["progress"]["step"] == 0
+
+
+def test_orphaned_running_job_is_requeued_once(harness: Harness, api_key: str, tiny_model_path: Path) -> None:
+    fid = upload(harness, api_key, jsonl(ROWS)).json()["id"]
+    jid = httpx.post(f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60).json()["id"]
+    store = harness.st.store
+    # a worker took it and died: running, one attempt, lease held but no longer renewed
+    assert store.acquire_lease(jid, "dead-worker", 0.5)  # as if its TTL (stale_after_s) ran out
+    store.set_status(jid, "running", attempts=1)
+    requeue: list[tuple[str, str]] = []
+    assert recover_orphans(store, harness.st.settings, lambda j, q: requeue.append((j, q))) == []  # lease alive
+    time.sleep(0.7)
+    assert recover_orphans(store, harness.st.settings, lambda j, q: requeue.append((j, q))) == [jid]
+    assert recover_orphans(store, harness.st.settings, lambda j, q: requeue.append((j, q))) == []
+    assert requeue == [(jid, "cpu")]
+    assert store.job(jid)["status"] == "queued"
+    assert harness.run_worker(jid) == "succeeded"
+    assert store.job(jid)["attempts"] == "2"
