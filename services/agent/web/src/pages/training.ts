@@ -87,6 +87,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
   const modelNames = h("datalist", { id: "model-names" });
   const dataset = h("select", { id: "job-dataset", required: true }, h("option", { value: "" }, "(upload a dataset first)"));
   const maxSteps = h("input", { type: "number", id: "job-max-steps", min: "1", value: "20" });
+  const epochs = h("input", { type: "number", id: "job-epochs", min: "1", max: "100", value: "1" });
   const lr = h("input", { type: "text", id: "job-lr", inputmode: "decimal", placeholder: "default (1e-4 with LoRA)" });
   const batch = h("input", { type: "number", id: "job-batch", min: "1", value: "4" });
   const useLora = h("input", { type: "checkbox", id: "job-lora", checked: true });
@@ -102,7 +103,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     "form",
     { class: "card job-form", "aria-labelledby": "job-form-title" },
     h("h2", { id: "job-form-title" }, "2. Job"),
-    h("div", { class: "grid" }, field("Type", type), field("Base model", baseModel), modelNames, field("Dataset", dataset), field("Max steps", maxSteps), field("Learning rate", lr), field("Batch size", batch), field("LoRA rank", loraR)),
+    h("div", { class: "grid" }, field("Type", type), field("Base model", baseModel), modelNames, field("Dataset", dataset), field("Epochs", epochs), field("Max steps", maxSteps), field("Learning rate", lr), field("Batch size", batch), field("LoRA rank", loraR)),
     rewardField,
     h("div", { class: "checks" }, h("label", { class: "check" }, useLora, " LoRA adapter"), h("label", { class: "check" }, packing, " zero-padding packing"), h("label", { class: "check" }, publish, " publish to the inference service when done")),
     formErr,
@@ -175,6 +176,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     }
     const hp: Record<string, unknown> = {};
     if (maxSteps.value) hp.max_steps = Number(maxSteps.value);
+    if (epochs.value) hp.n_epochs = Number(epochs.value);
     if (batch.value) hp.batch_size = Number(batch.value);
     if (lr.value.trim()) {
       const v = Number(lr.value.trim());
