@@ -33,6 +33,7 @@ class CollectionInfo(BaseModel):
     index_type: str | None = None
     documents: int | None = None
     chunks: int | None = None
+    indexed: dict[str, int] | None = Field(None, description="Chunks in the dense and sparse indexes.")
     created_at: float
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import auth
+from tests.conftest import TEST_CACHE, auth
 from tests.helpers.servers import serve_app
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,6 +25,7 @@ def make_tiny_embedder(target: Path, hidden: int = 32) -> Path:
     from sentence_transformers import SentenceTransformer, models
     from transformers import AutoTokenizer, BertConfig, BertModel
 
+    final, target = target, target.with_name(f"{target.name}.tmp{os.getpid()}")
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(str(get_model_path()))
     hf_dir = target / "hf"
@@ -41,12 +42,20 @@ def make_tiny_embedder(target: Path, hidden: int = 32) -> Path:
     word = models.Transformer(str(hf_dir), max_seq_length=256)
     st = SentenceTransformer(modules=[word, models.Pooling(hidden, "mean"), models.Normalize()], device="cpu")
     st.save(str(target))
-    return target
+    # The Transformer module points at hf/: keep it, and publish the folder in one rename.
+    try:
+        target.rename(final)
+    except OSError:  # another test process won the race
+        pass
+    return final
 
 
 @pytest.fixture(scope="session")
-def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def model_root() -> Path:
+    """Tiny test models, built once and kept across runs (.cache is git-ignored)."""
+    root = TEST_CACHE / "retrieval-models"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 @pytest.fixture(scope="session")

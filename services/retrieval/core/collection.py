@@ -404,8 +404,16 @@ class Collection:
         return out
 
     def stats(self) -> dict[str, Any]:
+        self.refresh()
         docs, chunks = self.store.counts()
-        return {"documents": docs, "chunks": chunks, "index_type": self.dense.kind}
+        with self._lock:
+            dense, sparse = len(self.dense), self.sparse.n_live
+        return {
+            "documents": docs,
+            "chunks": chunks,
+            "index_type": self.dense.kind,
+            "indexed": {"dense": dense, "sparse": sparse},
+        }
 
     def close(self, checkpoint: bool = True) -> None:
         if checkpoint:
