@@ -3,6 +3,7 @@ tokenizer) for speed, the real MiniLM where quality matters, and the service ove
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,10 +44,8 @@ def make_tiny_embedder(target: Path, hidden: int = 32) -> Path:
     st = SentenceTransformer(modules=[word, models.Pooling(hidden, "mean"), models.Normalize()], device="cpu")
     st.save(str(target))
     # The Transformer module points at hf/: keep it, and publish the folder in one rename.
-    try:
+    with contextlib.suppress(OSError):  # another test process won the race
         target.rename(final)
-    except OSError:  # another test process won the race
-        pass
     return final
 
 
