@@ -89,51 +89,73 @@ def llama_1b_folder(target: Path, tokenizer_dir: Path) -> Path:
 
 
 # --- baseline ------------------------------------------------------------------------------------
-def baseline(model_dir: Path, prompts: list[str], max_tokens: int, device: str, dtype: str) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.generation.streamers import BaseStreamer
+class Baseline:
+    """Sequential ``model.generate`` in this process (the server idles meanwhile)."""
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    def __init__(self, model_dir: Path, device: str, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    class Clock(BaseStreamer):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.first = True
+        self.torch = torch
+        self.device = device
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+        )
 
-        def put(self, value: Any) -> None:
-            if self.first:  # generate first hands over the prompt
-                self.first = False
-                return
-            if device != "cpu":
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
-    def ids(q: str) -> Any:
-        out = tok.apply_chat_template(
+    def ids(self, q: str) -> Any:
+        out = self.tok.apply_chat_template(
             [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
         )
-        return torch.tensor([list(out["input_ids"] if hasattr(out, "keys") else out)], device=device)
-
-    model.generate(ids(prompts[0]), max_new_tokens=4, do_sample=False)  # warm-up
-    ttft, itl, tokens = [], [], 0
-    start = time.perf_counter()
-    for q in prompts:
-        clock = Clock()
-        t0 = time.perf_counter()
-        out = model.generate(
-            ids(q), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, streamer=clock
+        return self.torch.tensor(
+            [list(out["input_ids"] if hasattr(out, "keys") else out)], device=self.device
         )
-        tokens += out.shape[1] - ids(q).shape[1]
-        ttft.append(clock.times[0] - t0)
-        itl += [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
-    wall = time.perf_counter() - start
-    del model
-    return {"tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl, "requests": len(prompts)}
+
+    def run(self, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+        from transformers.generation.streamers import BaseStreamer
+
+        torch, device = self.torch, self.device
+
+        class Clock(BaseStreamer):
+            def __init__(self) -> None:
+                self.times: list[float] = []
+                self.first = True
+
+            def put(self, value: Any) -> None:
+                if self.first:  # generate first hands over the prompt
+                    self.first = False
+                    return
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                self.times.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        ttft, itl, tokens = [], [], 0
+        start = time.perf_counter()
+        for q in prompts:
+            clock = Clock()
+            ids = self.ids(q)
+            t0 = time.perf_counter()
+            out = self.model.generate(
+                ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, streamer=clock
+            )
+            tokens += out.shape[1] - ids.shape[1]
+            ttft.append(clock.times[0] - t0)
+            itl += [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+        wall = time.perf_counter() - start
+        return {"tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl, "requests": len(prompts)}
+
+
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "tokens": sum(p["tokens"] for p in parts),
+        "wall": sum(p["wall"] for p in parts),
+        "ttft": [x for p in parts for x in p["ttft"]],
+        "itl": [x for p in parts for x in p["itl"]],
+        "requests": sum(p["requests"] for p in parts),
+    }
 
 
 # --- the server ----------------------------------------------------------------------------------
@@ -271,7 +293,7 @@ def main() -> int:
         default=0,
         help="requests each stream sends (default: 4 at C=1, 3 at C=4, 2 at C>=16)",
     )
-    ap.add_argument("--baseline-requests", type=int, default=6)
+    ap.add_argument("--baseline-requests", type=int, default=2, help="baseline requests before each level")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     args = ap.parse_args()
 
@@ -295,10 +317,8 @@ def main() -> int:
             f"model {model_dir.name} on {args.device} ({dtype}), {args.max_tokens} tokens per request",
             flush=True,
         )
-        base_prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.baseline_requests)]
-        print(f"baseline: sequential transformers generate of {len(base_prompts)} requests ...", flush=True)
-        base = baseline(model_dir, base_prompts, args.max_tokens, args.device, dtype)
-        base_tps = base["tokens"] / base["wall"]
+        base_model = Baseline(model_dir, args.device, dtype)
+        base_model.run(QUESTIONS[:1], 4)  # warm-up
         with valkey_server(tmpdir / "valkey") as redis_url:
             import redis
 
@@ -312,19 +332,28 @@ def main() -> int:
             try:
                 asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up
                 results = []
-                for c in levels:
+                for i, c in enumerate(levels):
+                    # the baseline runs right before each level: on a shared machine the load
+                    # drifts, so each ratio compares figures taken a minute or so apart
+                    prompts = [QUESTIONS[(i * 5 + j) % len(QUESTIONS)] for j in range(args.baseline_requests)]
+                    print(f"baseline: sequential generate of {len(prompts)} requests ...", flush=True)
+                    base = base_model.run(prompts, args.max_tokens)
                     per = args.per_stream or (4 if c == 1 else 3 if c <= 4 else 2)
                     print(f"server: {c} concurrent streams x {per} requests ...", flush=True)
-                    results.append((c, asyncio.run(load(url, key, "bench", c, per, args.max_tokens))))
+                    results.append((c, base, asyncio.run(load(url, key, "bench", c, per, args.max_tokens))))
             finally:
                 proc.terminate()
                 proc.wait(30)
     print()
     print("| run | requests | tokens | tokens/s | vs generate | TTFT p50 / p95 ms | ITL p50 / p95 ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(row("transformers generate, sequential", base, None))
-    for c, res in results:
-        print(row(f"tandem torch engine, {c} streams", res, base_tps))
+    print(row("transformers generate, sequential (all segments)", merge([b for _, b, _ in results]), None))
+    for c, base, res in results:
+        print(row(f"tandem torch engine, {c} streams", res, base["tokens"] / base["wall"]))
+    print()
+    print("each ratio is against the baseline segment run just before that level:")
+    for c, base, _ in results:
+        print(f"  before {c} streams: generate {base['tokens'] / base['wall']:.1f} tokens/s")
     return 0
 
 

@@ -64,6 +64,7 @@ def test_greedy_equals_generate_alone_and_in_full_batch(lively: tuple[Any, Any])
     assert alone[0].token_ids == refs[1]
 
 
+@pytest.mark.e2e
 def test_greedy_equals_generate_smollm2(smollm2_path: Path) -> None:
     model, tok = _load(smollm2_path)
     prompts = [_chat(tok, q) for q in QUESTIONS[:4]]
