@@ -69,6 +69,7 @@ def page(browser, request: pytest.FixtureRequest) -> Iterator[object]:  # type: 
     finally:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         try:
+            pg.evaluate("window.scrollTo(0, 0)")  # a sticky header otherwise lands mid-picture
             pg.screenshot(path=str(ARTIFACTS / f"{_artifact_name(request)}.png"), full_page=True)
         except Exception as exc:  # a crashed page still lets the test report its own failure
             print(f"screenshot failed: {exc}")
