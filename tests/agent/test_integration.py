@@ -112,7 +112,7 @@ def real_stack(
         inference = _inference_app(base, smollm2_path)
         i_url = stack.enter_context(serve_app(inference)) if inference is not None else "http://127.0.0.1:9"
         common = base.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})
-        settings = AgentSettings(tokenizer=str(smollm2_path), max_answer_tokens=96)
+        settings = AgentSettings(tokenizer=str(smollm2_path), max_answer_tokens=48)
         a_url = stack.enter_context(serve_app(create_agent(common, settings)))
         with httpx.Client(base_url=r_url, headers=auth(key), timeout=300) as client:
             assert client.post("/v1/collections", json={"name": "facts"}).status_code == 201
@@ -160,6 +160,8 @@ def test_chat_streams_an_answer_citing_the_right_document(real_stack: RealStack)
     print(
         f"\nSmolLM2 answer: {answer!r}\ncitations: {[(c['index'], c['document_id'], c['kind']) for c in citations]}"
     )
+    # SmolLM2-135M seldom writes [n] itself (see docs/agent.md); when it does not, the server attributes
+    # the answer to the source it overlaps most (kind "attributed"). Either way it must be the right one.
     assert citations, f"no citation for {answer!r}"
     assert citations[0]["document_id"] == "jupiter"
     c = citations[0]
