@@ -125,9 +125,10 @@ class RLRecipe(Recipe):
                 lp = gather_logps(model, h, pos, flat[pos]).float()
                 v = None
                 if with_values and self.value_head is not None:
-                    v = self.value_head(
-                        h.reshape(-1, h.shape[-1]).index_select(0, pos.to(h.device)).float()
-                    ).squeeze(-1)
+                    # The critic reads the policy's features detached: its regression loss must not
+                    # move the shared trunk (that destabilises the policy on small batches).
+                    feats = h.detach().reshape(-1, h.shape[-1]).index_select(0, pos.to(h.device)).float()
+                    v = self.value_head(feats).squeeze(-1)
             start = 0
             for i in idx:
                 n = len(seqs[i].labels) - seqs[i].labels.count(-100)
