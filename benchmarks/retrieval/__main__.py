@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -33,7 +34,7 @@ SCIFACT = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "scif
 
 def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))]
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def load(docs_arg: str, n_queries: int) -> tuple[list[dict[str, str]], list[str]]:
