@@ -31,6 +31,7 @@ def test_strict_protocol() -> None:
         ("Action: Document Search\nInput: capital of France", "document_search", "capital of France"),
         ("I will compute.\ncalculator(12*7)", "calculator", "12*7"),
         ("Action: calculator\nAction Input: 2+3\nmore rambling", "calculator", "2+3"),
+        ("Thought: 99 - 45 = 42\nAction: 99 - 45 = 42\nFinal Answer: 42", "calculator", "99 - 45"),
     ],
 )
 def test_near_misses_are_repaired(text: str, tool: str, argument: str) -> None:
@@ -47,5 +48,6 @@ def test_final_answer_variants() -> None:
 
 def test_unrecoverable_outputs_are_invalid_with_a_reason() -> None:
     assert "unknown tool 'weather'" in parse_react("Action: weather\nAction Input: x", TOOLS).error
+    assert "unknown tool '2024'" in parse_react("Action: 2024\nAction Input: x", TOOLS).error
     assert "no 'Action:'" in parse_react("I am not sure what to do.", TOOLS).error
     assert "no 'Action Input:'" in parse_react("Action: calculator", TOOLS).error

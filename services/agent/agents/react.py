@@ -13,7 +13,8 @@ or, to finish::
 
 Repairs (each recorded, so the step event shows what was fixed): keys in any case
 or with '-'/'_' instead of a space and missing colons; ``Action: calculator(2+3)``;
-``Input:``/``Tool:`` synonyms; quoted, back-ticked or JSON arguments; tool names
+``Input:``/``Tool:`` synonyms; ``Action: 99 - 45 = 42`` (arithmetic where the tool
+name goes, sent to the calculator without the guessed result); quoted, back-ticked or JSON arguments; tool names
 off by case, punctuation or a typo (closest known name); a hallucinated
 ``Observation:`` (and everything after it) cut off; a bare ``tool(arg)`` line.
 """
@@ -36,6 +37,7 @@ INPUT_RE = re.compile(
 )
 THOUGHT_RE = re.compile(rf"{_LEAD}thought{_TRAIL_OPT}(.*?)(?={_LEAD}(?:action|final)|\Z)", _FLAGS | re.DOTALL)
 OBSERVATION_RE = re.compile(rf"{_LEAD}observation{_TRAIL_REQ}", _FLAGS)
+ARITHMETIC_RE = re.compile(r"^[\d\s.,()]*\d[\d\s.,()]*(?:[-+*/^×÷%]+[\d\s.,()]+)+(?:=.*)?$")
 CALL_RE = re.compile(r"^\s*`?([A-Za-z_][\w\- ]{0,40}?)\s*\((.*)\)\s*`?\s*$", re.DOTALL)
 
 
@@ -116,6 +118,11 @@ def parse_react(text: str, tools: list[str]) -> ReactStep:
             name_part, argument = call.group(1), call.group(2)
             repairs.append("call syntax 'tool(input)' read as action and input")
         tool = match_tool(name_part, tools, repairs)
+        if tool is None and "calculator" in tools and ARITHMETIC_RE.match(name_part.strip()):
+            # "Action: 99 - 45 = 42": the model wrote the computation where the tool name goes.
+            tool, argument = "calculator", name_part.split("=", 1)[0].strip()
+            repairs.append("arithmetic in place of the tool name sent to the calculator")
+            return ReactStep("action", thought=thought, tool=tool, argument=argument, repairs=repairs)
         if tool is None:
             return ReactStep(
                 "invalid",
