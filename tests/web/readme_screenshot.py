@@ -28,7 +28,9 @@ QUESTION = "How do I start Tandem and open the web front end?"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "images" / "chat.png")
-    parser.add_argument("--question", default=QUESTION)
+    parser.add_argument(
+        "--question", action="append", help="ask this (repeatable: one picture each, -N before the suffix)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
     from playwright.sync_api import sync_playwright
@@ -53,21 +55,21 @@ def main() -> None:
                 page.get_by_label("API key").fill(key)
                 page.keyboard.press("Enter")
                 page.wait_for_url(re.compile(r".*#/chat$"))
-                page.get_by_label("Collection", exact=True).select_option("docs")
-                page.get_by_label("Message", exact=True).fill(args.question)
-                page.keyboard.press("Enter")
-                page.locator(".msg.assistant[aria-busy='false']").wait_for(timeout=300_000)
-                chip = page.locator(".chip").first
-                if chip.count():
-                    chip.hover()
-                page.locator("#chat-input").blur()
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=str(args.out))
-                print(page.locator(".msg.assistant").last.inner_text())
+                questions = args.question or [QUESTION]
+                for i, question in enumerate(questions, 1):
+                    page.get_by_role("button", name="New conversation").click()
+                    page.get_by_label("Collection", exact=True).select_option("docs")
+                    page.get_by_label("Message", exact=True).fill(question)
+                    page.keyboard.press("Enter")
+                    page.locator(".msg.assistant[aria-busy='false']").wait_for(timeout=300_000)
+                    page.locator("#chat-input").blur()
+                    out = args.out if len(questions) == 1 else args.out.with_stem(f"{args.out.stem}-{i}")
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    page.screenshot(path=str(out))
+                    print(f"--- {out}: {question}\n{page.locator('.msg.assistant').last.inner_text()}")
                 browser.close()
         finally:
             subprocess.run([*TANDEM, "down"], env=env, timeout=180)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
