@@ -48,7 +48,7 @@ def load_causal_lm(
         str(path), dtype=dtype or torch.float32, attn_implementation=impl
     )
     if device is not None:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]
     return model
 
 
@@ -76,7 +76,11 @@ def apply_lora(model: Any, r: int, alpha: float, dropout: float, targets: Sequen
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), task_type="CAUSAL_LM"
+        r=r,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # floats work; the stub says int
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        task_type="CAUSAL_LM",
     )
     return get_peft_model(model, cfg)
 

@@ -76,7 +76,7 @@ class JobCreate(Strict):
     lora: LoraSpec | None = None
     packing: bool = True
     max_tokens_per_pack: int | None = Field(None, ge=64)
-    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    hyperparameters: Hyperparameters = Field(default_factory=lambda: Hyperparameters.model_validate({}))
     reward: RewardSpec | None = None
     queue: Literal["cpu", "gpu", "npu"] | None = None
     publish: bool = False

@@ -24,7 +24,7 @@ class Rollout:
 
 class EngineRollouts:
     def __init__(self, model: Any, tokenizer: Any, device: torch.device, max_batch_size: int = 64) -> None:
-        from services.inference.engine import TorchEngine
+        from services.inference.engine.torch_engine import TorchEngine
 
         self.tokenizer = tokenizer
         self.model = model
@@ -37,7 +37,7 @@ class EngineRollouts:
         max_new_tokens: int,
         temperature: float,
         top_p: float,
-        seed: int,
+        seed: int | None,
         n: int = 1,
     ) -> list[Rollout]:
         """``n`` completions per prompt, prompt-major (the engine seeds sample j with ``seed + j``,

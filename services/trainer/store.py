@@ -72,7 +72,8 @@ class TrainerStore:
         fid = record["id"]
         data = {k: json.dumps(v) if isinstance(v, list | dict) else str(v) for k, v in record.items()}
         pipe = self.r.pipeline()
-        pipe.hset(file_key(fid), mapping={**data, "tenant": tenant})
+        mapping: dict[Any, Any] = {**data, "tenant": tenant}
+        pipe.hset(file_key(fid), mapping=mapping)
         pipe.zadd(f"{P}files:{tenant}", {fid: float(record["created_at"])})
         pipe.execute()
 
@@ -95,20 +96,18 @@ class TrainerStore:
     def create_job(self, tenant: str, job_id: str, fields: dict[str, str]) -> None:
         now = time.time()
         pipe = self.r.pipeline()
-        pipe.hset(
-            job_key(job_id),
-            mapping={
-                **fields,
-                "tenant": tenant,
-                "status": "queued",
-                "step": "0",
-                "total": "0",
-                "metrics": "{}",
-                "created_at": str(now),
-                "attempts": "0",
-                "cancel": "0",
-            },
-        )
+        mapping: dict[Any, Any] = {
+            **fields,
+            "tenant": tenant,
+            "status": "queued",
+            "step": "0",
+            "total": "0",
+            "metrics": "{}",
+            "created_at": str(now),
+            "attempts": "0",
+            "cancel": "0",
+        }
+        pipe.hset(job_key(job_id), mapping=mapping)
         pipe.zadd(f"{P}jobs:{tenant}", {job_id: now})
         pipe.execute()
         self.event(job_id, "status", {"status": "queued"})

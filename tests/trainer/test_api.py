@@ -24,7 +24,12 @@ from tests.helpers.servers import serve_app
 from tests.trainer.conftest import jsonl
 
 ROWS = [
-    {"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]}
+    {
+        "messages": [
+            {"role": "user", "content": f"Count to {n}."},
+            {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
+        ]
+    }
     for n in range(1, 13)
 ]
 
@@ -52,7 +57,9 @@ def harness(tandem_env: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def upload(h: Harness, key: str, data: bytes, name: str = "train.jsonl") -> httpx.Response:
-    return httpx.post(f"{h.base}/v1/files", files={"file": (name, data, "application/jsonl")}, headers=auth(key))
+    return httpx.post(
+        f"{h.base}/v1/files", files={"file": (name, data, "application/jsonl")}, headers=auth(key)
+    )
 
 
 def job_body(model: Path, dataset: str, **kw: Any) -> dict[str, Any]:
@@ -95,7 +102,10 @@ def test_bad_job_requests_are_refused_before_queueing(
     cases = [
         (job_body(m, fid, base_model="no-such-model"), "unknown base_model 'no-such-model'"),
         (job_body(m, fid, base_model="/etc"), "outside the allowed roots"),
-        (job_body(m, fid, lora={"target_modules": ["q_proj", "attn_qkv"]}), "'attn_qkv' not found in the model"),
+        (
+            job_body(m, fid, lora={"target_modules": ["q_proj", "attn_qkv"]}),
+            "'attn_qkv' not found in the model",
+        ),
         (job_body(m, gsm, max_tokens_per_pack=64), "more than max_tokens_per_pack=64"),
         (job_body(m, fid, hyperparameters={"learning_rate": 5}), "hyperparameters.learning_rate"),
         (job_body(m, fid, hyperparameters={"max_steps": 0}), "hyperparameters.max_steps"),
@@ -116,7 +126,9 @@ def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
     harness: Harness, api_key: str, other_key: str, tiny_model_path: Path
 ) -> None:
     fid = upload(harness, api_key, jsonl(ROWS)).json()["id"]
-    resp = httpx.post(f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60)
+    resp = httpx.post(
+        f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60
+    )
     assert resp.status_code == 201, resp.text
     job = resp.json()
     assert job["status"] == "queued" and harness.dispatched == [(job["id"], "cpu")]
@@ -125,12 +137,16 @@ def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
     # tenant isolation
     assert httpx.get(f"{harness.base}/v1/jobs/{jid}", headers=auth(other_key)).status_code == 404
     assert httpx.get(f"{harness.base}/v1/files/{fid}", headers=auth(other_key)).status_code == 404
-    assert all(j["id"] != jid for j in httpx.get(f"{harness.base}/v1/jobs", headers=auth(other_key)).json()["data"])
+    assert all(
+        j["id"] != jid for j in httpx.get(f"{harness.base}/v1/jobs", headers=auth(other_key)).json()["data"]
+    )
 
     events: list[tuple[str, dict[str, Any]]] = []
 
     def watch() -> None:
-        with httpx.stream("GET", f"{harness.base}/v1/jobs/{jid}/events", headers=auth(api_key), timeout=120) as s:
+        with httpx.stream(
+            "GET", f"{harness.base}/v1/jobs/{jid}/events", headers=auth(api_key), timeout=120
+        ) as s:
             kind = None
             for line in s.iter_lines():
                 if line.startswith("event: "):
@@ -160,16 +176,25 @@ def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
     paths = {a["path"] for a in arts}
     assert "final/adapter_model.safetensors" in paths and "final/adapter_config.json" in paths
     assert "checkpoints/step-2/trainable.safetensors" in paths and "checkpoints/step-2/state.pt" in paths
-    cfg = httpx.get(f"{harness.base}/v1/jobs/{jid}/artifacts/final/adapter_config.json", headers=auth(api_key))
+    cfg = httpx.get(
+        f"{harness.base}/v1/jobs/{jid}/artifacts/final/adapter_config.json", headers=auth(api_key)
+    )
     assert cfg.status_code == 200 and cfg.json()["r"] == 4
-    assert httpx.get(f"{harness.base}/v1/jobs/{jid}/artifacts/final/../../x", headers=auth(api_key)).status_code == 404
+    assert (
+        httpx.get(f"{harness.base}/v1/jobs/{jid}/artifacts/final/../../x", headers=auth(api_key)).status_code
+        == 404
+    )
     again = httpx.post(f"{harness.base}/v1/jobs/{jid}/cancel", headers=auth(api_key))
     assert again.status_code == 409
 
 
-def test_cancel_of_a_queued_job_and_idempotent_task(harness: Harness, api_key: str, tiny_model_path: Path) -> None:
+def test_cancel_of_a_queued_job_and_idempotent_task(
+    harness: Harness, api_key: str, tiny_model_path: Path
+) -> None:
     fid = upload(harness, api_key, jsonl(ROWS)).json()["id"]
-    jid = httpx.post(f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60).json()["id"]
+    jid = httpx.post(
+        f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60
+    ).json()["id"]
     resp = httpx.post(f"{harness.base}/v1/jobs/{jid}/cancel", headers=auth(api_key))
     assert resp.status_code == 200 and resp.json()["status"] == "cancelled"
     assert harness.run_worker(jid) == "cancelled"  # the queued message arrives later: nothing runs
@@ -178,13 +203,17 @@ def test_cancel_of_a_queued_job_and_idempotent_task(harness: Harness, api_key: s
 
 def test_orphaned_running_job_is_requeued_once(harness: Harness, api_key: str, tiny_model_path: Path) -> None:
     fid = upload(harness, api_key, jsonl(ROWS)).json()["id"]
-    jid = httpx.post(f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60).json()["id"]
+    jid = httpx.post(
+        f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60
+    ).json()["id"]
     store = harness.st.store
     # a worker took it and died: running, one attempt, lease held but no longer renewed
     assert store.acquire_lease(jid, "dead-worker", 0.5)  # as if its TTL (stale_after_s) ran out
     store.set_status(jid, "running", attempts=1)
     requeue: list[tuple[str, str]] = []
-    assert recover_orphans(store, harness.st.settings, lambda j, q: requeue.append((j, q))) == []  # lease alive
+    assert (
+        recover_orphans(store, harness.st.settings, lambda j, q: requeue.append((j, q))) == []
+    )  # lease alive
     time.sleep(0.7)
     assert recover_orphans(store, harness.st.settings, lambda j, q: requeue.append((j, q))) == [jid]
     assert recover_orphans(store, harness.st.settings, lambda j, q: requeue.append((j, q))) == []

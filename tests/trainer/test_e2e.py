@@ -34,7 +34,12 @@ from tests.trainer.conftest import jsonl
 pytestmark = pytest.mark.e2e
 
 ROWS = [
-    {"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]}
+    {
+        "messages": [
+            {"role": "user", "content": f"Count to {n}."},
+            {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
+        ]
+    }
     for n in range(1, 25)
 ]
 FAST_RECOVERY = {
@@ -111,7 +116,9 @@ def test_killed_worker_job_is_resumed_to_the_same_result(
         body["dataset"] = fid
         with worker(env, log, "w1") as w1:
             ref = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(api_key), timeout=60).json()["id"]
-            wait_for(lambda: get_job(base, api_key, ref)["status"] == "succeeded", 300, "the reference job", log)
+            wait_for(
+                lambda: get_job(base, api_key, ref)["status"] == "succeeded", 300, "the reference job", log
+            )
             jid = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(api_key), timeout=60).json()["id"]
             wait_for(lambda: get_job(base, api_key, jid)["progress"]["step"] >= 3, 300, "step 3", log)
             os.kill(w1.pid, signal.SIGKILL)  # the worker dies mid-job, without acking
@@ -130,9 +137,15 @@ def test_killed_worker_job_is_resumed_to_the_same_result(
         total = reference["progress"]["total"]
         assert total >= 6 and done["progress"] == reference["progress"] == {"step": total, "total": total}
         assert done["metrics"]["loss"] == pytest.approx(reference["metrics"]["loss"], abs=1e-4)
-        steps = [m["step"] for m in httpx.get(f"{base}/v1/jobs/{jid}/metrics", headers=auth(api_key)).json()["data"]]
+        steps = [
+            m["step"]
+            for m in httpx.get(f"{base}/v1/jobs/{jid}/metrics", headers=auth(api_key)).json()["data"]
+        ]
         assert steps == list(range(1, total + 1))
-        logs = [x["message"] for x in httpx.get(f"{base}/v1/jobs/{jid}/logs", headers=auth(api_key)).json()["data"]]
+        logs = [
+            x["message"]
+            for x in httpx.get(f"{base}/v1/jobs/{jid}/logs", headers=auth(api_key)).json()["data"]
+        ]
         assert any("requeued" in m for m in logs) and any("resumed from checkpoint" in m for m in logs)
 
 
@@ -151,16 +164,22 @@ def test_lora_sft_on_smollm2_over_sse_then_chat_with_the_published_adapter(
     service_key = key_store.create("system", "service")[0]
     monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{smollm2_path.parent}:{tandem_env / 'models'}")
     monkeypatch.setenv("TANDEM_SERVICE_API_KEY", service_key)
-    inference = create_inference(CommonSettings(), InferenceSettings(model=str(smollm2_path), max_batch_size=4))
+    inference = create_inference(
+        CommonSettings(), InferenceSettings(model=str(smollm2_path), max_batch_size=4)
+    )
     log = tmp_path / "worker.log"
     with serve_app(inference) as inf_url:
         monkeypatch.setenv("TANDEM_INFERENCE_URL", inf_url)
         app = create_app(CommonSettings(), TrainerSettings())
         with serve_app(app) as base, worker(worker_env({}), log, "w1"):
-            up = httpx.post(f"{base}/v1/files", files={"file": ("gsm8k.jsonl", gsm8k_rows[: 6000])}, headers=auth(api_key))
+            up = httpx.post(
+                f"{base}/v1/files", files={"file": ("gsm8k.jsonl", gsm8k_rows[:6000])}, headers=auth(api_key)
+            )
             if up.status_code != 201:  # the cut may split a row: keep whole lines
                 rows = b"\n".join(gsm8k_rows.splitlines()[:8]) + b"\n"
-                up = httpx.post(f"{base}/v1/files", files={"file": ("gsm8k.jsonl", rows)}, headers=auth(api_key))
+                up = httpx.post(
+                    f"{base}/v1/files", files={"file": ("gsm8k.jsonl", rows)}, headers=auth(api_key)
+                )
             assert up.status_code == 201, up.text
             body = {
                 "type": "sft",
@@ -193,7 +212,9 @@ def test_lora_sft_on_smollm2_over_sse_then_chat_with_the_published_adapter(
                 f"{inf_url}/v1/chat/completions",
                 json={
                     "model": job["fine_tuned_model"],
-                    "messages": [{"role": "user", "content": "Tom has 3 apples and buys 2 more. How many apples?"}],
+                    "messages": [
+                        {"role": "user", "content": "Tom has 3 apples and buys 2 more. How many apples?"}
+                    ],
                     "max_tokens": 24,
                     "temperature": 0,
                 },

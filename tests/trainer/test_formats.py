@@ -14,7 +14,9 @@ def test_alpaca_sharegpt_messages_completion_normalise() -> None:
     cases = {
         "alpaca": {"instruction": "Add", "input": "2+2", "output": "4"},
         "sharegpt": {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
-        "messages": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        "messages": {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        },
         "completion": {"prompt": "hi", "completion": "hello"},
         "gsm8k": {"question": "1+1?", "answer": "2\n#### 2"},
     }
@@ -67,7 +69,12 @@ def test_hh_rlhf_splits_at_last_shared_assistant_turn(hh_rows: bytes) -> None:
     ("data", "needle", "line", "field"),
     [
         (b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": \n', "malformed JSON", 2, None),
-        (b'{"instruction": "a", "output": "b"}\n\n{"instruction": "a"}\n', "field 'output' is missing", 3, "output"),
+        (
+            b'{"instruction": "a", "output": "b"}\n\n{"instruction": "a"}\n',
+            "field 'output' is missing",
+            3,
+            "output",
+        ),
         (b'{"messages": [{"role": "robot", "content": "x"}]}\n', "messages[0].role", 1, "messages[0].role"),
         (b'{"prompt": "q", "chosen": "a", "rejected": 3}\n', "rejected", 1, "rejected"),
         (b"[1, 2]\n", "JSON object", 1, None),

@@ -70,7 +70,9 @@ def fp32_models(tiny_model_path: Path) -> tuple:
     return load_causal_lm(tiny_model_path), load_causal_lm(tiny_model_path, attn="sdpa")
 
 
-def test_packed_sft_loss_and_grads_equal_unpacked(tiny_model_path: Path, gsm8k_rows: bytes, fp32_models: tuple) -> None:
+def test_packed_sft_loss_and_grads_equal_unpacked(
+    tiny_model_path: Path, gsm8k_rows: bytes, fp32_models: tuple
+) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     samples = [tokenize_sft(tok, r["messages"]) for r in parse_dataset(gsm8k_rows).records[:12]]
     packed_model, plain_model = fp32_models
@@ -96,9 +98,7 @@ def test_packed_sft_loss_and_grads_equal_unpacked(tiny_model_path: Path, gsm8k_r
 
     assert abs(packed_loss - plain_loss) <= 1e-5
     plain_grads = dict(plain_model.named_parameters())
-    worst = max(
-        float((p.grad - plain_grads[n].grad).abs().max()) for n, p in packed_model.named_parameters()
-    )
+    worst = max(float((p.grad - plain_grads[n].grad).abs().max()) for n, p in packed_model.named_parameters())
     assert worst <= 1e-5, worst
 
 
@@ -113,9 +113,13 @@ def test_packed_dpo_loss_equals_unpacked(tiny_model_path: Path, hh_rows: bytes, 
     rejected = torch.zeros(len(pairs))
     with torch.no_grad():
         for idx in plan:
-            c, r = pack_pair_logps(packed_model, pack_pairs(pairs, idx, pad_id=tok.pad_token_id, pad_to_multiple_of=64))
+            c, r = pack_pair_logps(
+                packed_model, pack_pairs(pairs, idx, pad_id=tok.pad_token_id, pad_to_multiple_of=64)
+            )
             chosen[idx], rejected[idx] = c, r
-        c2, r2 = padded_pair_logps(plain_model, padded_pair_batch(pairs, list(range(len(pairs))), tok.pad_token_id))
+        c2, r2 = padded_pair_logps(
+            plain_model, padded_pair_batch(pairs, list(range(len(pairs))), tok.pad_token_id)
+        )
     # reference log-probs: a fixed shift, as if from another model
     ref_c, ref_r = c2 - 0.5, r2 + 0.25
     packed, _ = dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.1)

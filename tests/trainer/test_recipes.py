@@ -16,7 +16,12 @@ from services.trainer.recipes.sft import SFTRecipe
 from tests.trainer.conftest import jsonl
 
 ROWS = [
-    {"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]}
+    {
+        "messages": [
+            {"role": "user", "content": f"Count to {n}."},
+            {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
+        ]
+    }
     for n in range(1, 25)
 ]
 

@@ -33,7 +33,7 @@ class TrainConfig:
     kind: str  # sft | dpo | ppo | grpo
     model_path: Path
     records: list[dict[str, Any]]
-    hp: Hyperparameters = field(default_factory=Hyperparameters)
+    hp: Hyperparameters = field(default_factory=lambda: Hyperparameters.model_validate({}))
     lora: LoraSpec | None = None
     packing: bool = True
     max_tokens_per_pack: int = 4096

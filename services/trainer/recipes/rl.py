@@ -152,7 +152,9 @@ class RLRecipe(Recipe):
             max_new_tokens=self.hp.max_new_tokens,
             temperature=self.hp.temperature,
             top_p=self.hp.top_p,
-            seed=self.hp.seed * 1_000_003 + step,
+            # Not seeded: the engine gives every prompt of a batch the same stream (seed + j for
+            # its j-th sample), which would make distinct prompts' completions move in lockstep.
+            seed=None,
         )
         t_gen = time.perf_counter() - t0
         rewards = torch.tensor(self.reward_fn(records, [r.text for r in rollouts]), dtype=torch.float32)
