@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -10,6 +13,7 @@ from fastapi.staticfiles import StaticFiles
 from services.agent.api import conversations, openai_compat, pipelines, proxy, ws
 from services.agent.config import AgentSettings
 from services.agent.runtime import AgentRuntime
+from services.agent.tokens import load_counter
 from services.common.app_factory import create_service_app
 from services.common.config import CommonSettings, load_settings
 
@@ -20,11 +24,21 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
     common = common or load_settings(CommonSettings, check_unknown=False)
     settings = settings or load_settings(AgentSettings)
 
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Load the tokenizer (if one is configured) now, not in the first user's first-token latency.
+        warm = asyncio.create_task(asyncio.to_thread(load_counter, settings.tokenizer))
+        try:
+            yield
+        finally:
+            warm.cancel()
+
     app = create_service_app(
         "agent",
         common,
         routers=[pipelines.router, conversations.router, openai_compat.router, ws.router],
         public_routers=[proxy.router],
+        lifespan=lifespan,
     )
     app.state.settings = settings
     app.state.runtime = AgentRuntime.create(common, settings, app.state.redis)
