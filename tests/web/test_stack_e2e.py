@@ -59,6 +59,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         f"TANDEM_{s}_PORT": str(free_port()) for s in ("REDIS", "AGENT", "INFERENCE", "RETRIEVAL", "TRAINER")
     }
     env.update(ports, TANDEM_HOME=str(home), TANDEM_DEVICE="cpu", TANDEM_LOG_JSON="false")
+    # Uploads over 1 KiB become ingestion jobs, so the upload test sees both paths (the PDF is ~1.4 KiB).
+    env["TANDEM_RETRIEVAL_ASYNC_UPLOAD_KB"] = "1"
     up = subprocess.run(
         [*TANDEM, "up", "--timeout", "600"], env=env, capture_output=True, text=True, timeout=900
     )
@@ -209,6 +211,9 @@ def test_create_collection_and_upload_markdown_and_pdf(page: Any, stack: Stack, 
             timeout=240_000,
         )
         assert item.get_attribute("data-state") == "done", item.inner_text()
+    # The small Markdown file was ingested in the request; the PDF went through a job to the end.
+    assert page.locator("li.upload[data-file='guide.md']").get_attribute("data-job") is None
+    assert page.locator("li.upload[data-file='tides.pdf']").get_attribute("data-job")
     rows = page.locator("table.docs tbody tr[data-id]")
     page.wait_for_function("document.querySelectorAll('table.docs tbody tr[data-id]').length === 2")
     assert rows.count() == 2
@@ -265,6 +270,53 @@ def test_chat_streams_an_answer_with_a_citation(page: Any, stack: Stack, facts: 
     cited = mark.inner_text().strip()
     assert cited and cited.split()[0] in FACT_DOC, cited
     assert page.get_by_role("dialog").get_by_role("heading").inner_text().startswith("[")
+
+
+def test_stop_keeps_the_partial_answer(page: Any, stack: Stack, facts: str) -> None:
+    need(stack, "GET", "/v1/pipelines", "the agent's pipeline catalog (issue 7)")
+    need(stack, "GET", "/api/inference/v1/models", "the inference service's OpenAI API (issue 4)")
+    sign_in(page, stack)
+    page.get_by_label("Collection", exact=True).select_option(facts)
+    page.get_by_label("Message", exact=True).fill(
+        "Tell me everything about the Harbor Lighthouse, in detail."
+    )
+    page.keyboard.press("Enter")
+    page.wait_for_function(
+        "(() => { const m = document.querySelector('.msg.assistant[aria-busy=\"true\"] .md');"
+        " return !!m && m.textContent.trim().length > 0; })()",
+        timeout=240_000,
+    )
+    page.get_by_role("button", name="Stop").click()
+    page.locator(".msg.assistant[aria-busy='false']").wait_for(timeout=30_000)
+    assert page.get_by_role("button", name="Send").is_enabled()
+    assert page.get_by_role("button", name="Stop").is_disabled()
+    assert page.locator(".msg.assistant .md").last.inner_text().strip()
+    assert not page.locator(".msg.assistant .error").last.is_visible()
+    # The conversation goes on after a stop.
+    page.get_by_label("Message", exact=True).fill("When does it open?")
+    page.keyboard.press("Enter")
+    page.locator(".msg.assistant[aria-busy='false']").nth(1).wait_for(timeout=240_000)
+    assert page.locator(".msg.user").count() == 2
+
+
+def test_agent_steps_show_as_they_happen(page: Any, stack: Stack) -> None:
+    catalog = need(stack, "GET", "/v1/pipelines", "the agent's pipeline catalog (issue 7)").json()["data"]
+    agents = [c["id"] for c in catalog if c.get("kind") == "agent"]
+    if not agents:
+        pytest.skip("the agent service lists no agent in GET /v1/pipelines (issue 7)")
+    sign_in(page, stack)
+    page.get_by_label("Kind").select_option("agent")
+    page.get_by_label("Pipeline or agent").select_option(agents[0])
+    page.get_by_label("Message", exact=True).fill("What is 37 * 41? Use the calculator.")
+    page.keyboard.press("Enter")
+    # A step is on the page before the turn is over.
+    page.wait_for_function(
+        "document.querySelectorAll('.msg.assistant[aria-busy=\"true\"] .step').length > 0", timeout=240_000
+    )
+    page.locator(".msg.assistant[aria-busy='false']").wait_for(timeout=240_000)
+    steps = page.locator(".msg.assistant .step")
+    kinds = {c.split("step-")[-1] for c in steps.evaluate_all("els => els.map(e => e.className)")}
+    assert kinds & {"thought", "tool_call", "observation", "final"}, kinds
 
 
 def test_search_highlights_passages(page: Any, stack: Stack, facts: str) -> None:

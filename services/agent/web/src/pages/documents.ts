@@ -242,6 +242,7 @@ export function documentsPage(root: HTMLElement, args: string[]) {
           finish();
           return;
         }
+        item.dataset.job = jobId;
         set("ingesting", "ingesting", 50);
         const follow = followJob(retrieval(`/jobs/${enc(jobId)}`), retrieval(`/jobs/${enc(jobId)}/events`), (job: JobState) => {
           const p = progressOf(job);
