@@ -85,4 +85,4 @@ def flashmask_attention(
             return triton_flashmask_attention(
                 q, k, v, bounds, scale, causal_hint=causal, deterministic=deterministic
             )
-    return torch_flashmask_attention(q, k, v, bounds, scale)
+    return torch_flashmask_attention(q, k, v, bounds, scale, causal=causal)

@@ -86,11 +86,27 @@ def _finish(
     return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32).contiguous()
 
 
-def masked_tile(bounds: torch.Tensor, row0: int, row1: int) -> torch.Tensor:
-    """Boolean ``[Bm, Hm, row1-row0, T]`` (True = masked) for the columns in ``bounds [Bm, Hm, T, 4]``."""
+def masked_tile(
+    bounds: torch.Tensor, row0: int, row1: int, *, lower: bool = True, upper: bool = True
+) -> torch.Tensor:
+    """Boolean ``[Bm, Hm, row1-row0, T]`` (True = masked) for the columns in ``bounds [Bm, Hm, T, 4]``.
+
+    ``lower=False`` / ``upper=False`` leave out an interval the caller knows misses these rows
+    (each one costs two full-size comparisons)."""
     rows = torch.arange(row0, row1, device=bounds.device, dtype=torch.int32).view(-1, 1)
     b = bounds.unsqueeze(-3)  # [Bm, Hm, 1, T, 4]
-    return ((rows >= b[..., 0]) & (rows < b[..., 1])) | ((rows >= b[..., 2]) & (rows < b[..., 3]))
+    out: torch.Tensor | None = None
+    for wanted, lo, hi in ((lower, 0, 1), (upper, 2, 3)):
+        if not wanted:
+            continue
+        part = rows >= b[..., lo]
+        part &= rows < b[..., hi]
+        out = part if out is None else out.logical_or_(part)
+    if out is None:
+        return torch.zeros(
+            (*bounds.shape[:2], row1 - row0, bounds.shape[2]), dtype=torch.bool, device=bounds.device
+        )
+    return out
 
 
 def block_stats(bounds: torch.Tensor, block_k: int) -> torch.Tensor:
@@ -124,10 +140,24 @@ def tile_classes(stats: torch.Tensor, sq: int, block_q: int) -> torch.Tensor:
     return out
 
 
-def shared_tile_classes(bounds: torch.Tensor, sq: int, block_q: int, block_k: int) -> torch.Tensor:
-    """``[nq, nk]`` classes valid for every batch row and head (a tile is skipped only if all skip)."""
+def interval_free(stats: torch.Tensor, sq: int, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[Bm, Hm, nq, nk]`` bools: the lower interval ``[LTS, LTE)`` (resp. the upper one) touches
+    no row of the tile. Under ``causal=True`` a lower-free tile is masked by the triangle alone."""
+    nq = -(-sq // block_q)
+    i0 = (torch.arange(nq, device=stats.device) * block_q).view(1, 1, nq, 1)
+    i1 = torch.clamp(i0 + block_q, max=sq)
+    s = stats.unsqueeze(2)
+    return (i1 <= s[..., 0]) | (i0 >= s[..., 3]), (i1 <= s[..., 4]) | (i0 >= s[..., 7])
+
+
+def shared_tile_classes(
+    bounds: torch.Tensor, sq: int, block_q: int, block_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[nq, nk]`` classes valid for every batch row and head (a tile is skipped only if all
+    skip), and the matching :func:`interval_free` flags (lower, upper)."""
     stats = block_stats(bounds, block_k)
     bm, hm, nk, _ = stats.shape
     flat = stats.view(bm * hm, nk, 4, 2)
     merged = torch.stack([flat[..., 0].amin(0), flat[..., 1].amax(0)], dim=-1).reshape(1, 1, nk, 8)
-    return tile_classes(merged, sq, block_q)[0, 0]
+    low, up = interval_free(merged, sq, block_q)
+    return tile_classes(merged, sq, block_q)[0, 0], low[0, 0], up[0, 0]

@@ -1,112 +1,153 @@
 """Blockwise FlashMask attention in plain torch (any device; the CPU path of the trainer).
 
 Queries are processed in blocks of ``block_q`` rows. For each block only the key tiles
-that are not fully masked are visited, grouped into runs of neighbouring tiles so that
-one matmul covers many keys; the elementwise mask is built only for *partial* tiles
-(fully visible tiles get no mask work). Softmax is online (running max and sum), so
-nothing of size ``Sq x Sk`` ever exists: the largest temporary is one run of scores,
-``B * Hq * block_q * run_width`` floats, capped by ``budget``.
+(``block_k`` columns) that are not fully masked are visited, grouped into *runs* of
+neighbouring tiles of one kind: a run of fully visible tiles gets no mask at all, a run
+of partial tiles gets the elementwise mask of just those tiles. A run's width is capped
+so that its scores (``B * Hq * block_q * width`` floats) stay within ``budget``: nothing
+of size ``Sq x Sk`` ever exists.
 
-The backward (a ``torch.autograd.Function``) recomputes the scores of each run from
-``q``, ``k`` and the saved log-sum-exp, FlashAttention-2 style, and accumulates
-``dK``/``dV`` in fp32; memory stays ``O(S * tile)`` and the result is deterministic.
-Half-precision inputs are computed in fp32.
+Runs are combined with an online softmax (running max / log-sum-exp), and the backward
+(a ``torch.autograd.Function``) recomputes every run from ``q``, ``k``, ``v`` and the saved
+log-sum-exp, FlashAttention-2 style, so memory stays ``O(S * tile)``.
+
+Two interchangeable engines compute one run:
+
+* ``matmul``: explicit matmuls and softmax in fp32, on any device;
+* ``sdpa_cpu`` (the default on the CPU): torch's fused CPU flash-attention op, which
+  returns the run's log-sum-exp; runs are merged through it. Its backward is called per
+  run with the *global* output and log-sum-exp, which makes its ``P`` and
+  ``rowsum(dO * O)`` the global ones, so the per-run gradients add up exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kernels.flashmask.bounds import PARTIAL, SKIP, masked_tile, shared_tile_classes
+from kernels.flashmask.bounds import FULL, SKIP, masked_tile, shared_tile_classes
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 128
-# Largest score chunk (elements) one step may hold; ~16 MiB in fp32.
+# Largest score chunk (elements) one step may hold; 16 MiB in fp32.
 DEFAULT_BUDGET = 4 * 1024 * 1024
+ENGINES = ("auto", "matmul", "sdpa_cpu")
+
+_NEG_INF = float("-inf")
+
+
+FULL_RUN, PARTIAL_RUN, CAUSAL_RUN = "full", "partial", "causal"
 
 
 @dataclass(frozen=True)
 class _Run:
     k0: int
     k1: int
-    partial: tuple[tuple[int, int], ...]  # key ranges of partial tiles inside [k0, k1)
+    # "full": fully visible tiles, no mask; "partial": apply the elementwise mask;
+    # "causal": the diagonal square [i0, i1) x [i0, i1) masked by the causal triangle alone
+    kind: str
+    # for "partial" runs: which of the two masked intervals can touch these rows
+    lower: bool = True
+    upper: bool = True
+
+    @property
+    def masked(self) -> bool:
+        return self.kind != FULL_RUN
 
 
 def _plan(
-    bounds: torch.Tensor, sq: int, sk: int, block_q: int, block_k: int, max_width: int
+    bounds: torch.Tensor,
+    sq: int,
+    sk: int,
+    block_q: int,
+    block_k: int,
+    max_width: int,
+    causal: bool = False,
 ) -> list[list[_Run]]:
-    """For each query block, the runs of key tiles to visit (skipped tiles left out)."""
-    classes = shared_tile_classes(bounds, sq, block_q, block_k).tolist()
+    """For each query block, its runs of key tiles (fully masked tiles left out)."""
+    classes_t, low_t, up_t = shared_tile_classes(bounds, sq, block_q, block_k)
+    classes, free, up_free = classes_t.tolist(), low_t.tolist(), up_t.tolist()
     plan: list[list[_Run]] = []
-    for row in classes:
+    for qi, row in enumerate(classes):
+        i0, i1 = qi * block_q, min((qi + 1) * block_q, sq)
+        stop = len(row)
+        diagonal: _Run | None = None
+        if causal and block_q % block_k == 0 and i1 <= sk:
+            first, last = i0 // block_k, -(-i1 // block_k)
+            if all(free[qi][first:last]):
+                diagonal, stop = _Run(i0, i1, CAUSAL_RUN), first
         runs: list[_Run] = []
-        start = -1
-        partial: list[tuple[int, int]] = []
-        for kb, cls in enumerate([*row, SKIP]):
+        start, kind = -1, SKIP
+        for kb, cls in enumerate([*row[:stop], SKIP]):
             k0 = kb * block_k
-            if start >= 0 and (cls == SKIP or k0 - start >= max_width):
-                runs.append(_Run(start, min(k0, sk), tuple(partial)))
-                start, partial = -1, []
-            if cls != SKIP:
-                if start < 0:
-                    start = k0
-                if cls == PARTIAL:
-                    partial.append((k0, min(k0 + block_k, sk)))
+            if start >= 0 and (cls != kind or k0 - start >= max_width):
+                first_kb = start // block_k
+                runs.append(
+                    _Run(
+                        start,
+                        min(k0, sk),
+                        FULL_RUN if kind == FULL else PARTIAL_RUN,
+                        lower=not all(free[qi][first_kb:kb]),
+                        upper=not all(up_free[qi][first_kb:kb]),
+                    )
+                )
+                start = -1
+            if cls != SKIP and start < 0:
+                start, kind = k0, cls
+        if diagonal is not None:
+            runs.append(diagonal)
         plan.append(runs)
     return plan
 
 
-def _mask_run(s: torch.Tensor, bounds: torch.Tensor, run: _Run, i0: int, i1: int) -> None:
-    """Set the masked entries of the partial tiles of ``s [B, Hq, L, W]`` to -inf, in place."""
-    for t0, t1 in run.partial:
-        masked = masked_tile(bounds[:, :, t0:t1], i0, i1)
-        s[..., t0 - run.k0 : t1 - run.k0].masked_fill_(masked, float("-inf"))
+def _run_mask(bounds: torch.Tensor, run: _Run, i0: int, i1: int) -> torch.Tensor | None:
+    """Boolean ``[Bm, Hm, L, W]`` (True = masked) for a partial run, None for a visible one."""
+    if not run.masked:
+        return None
+    return masked_tile(bounds[:, :, run.k0 : run.k1], i0, i1, lower=run.lower, upper=run.upper)
 
 
-def _setup(
-    q: torch.Tensor, k: torch.Tensor, block_q: int, block_k: int, budget: int
-) -> tuple[int, int, int, int, int, int]:
-    b, hq, sq, _ = q.shape
-    hk, sk = k.shape[1], k.shape[2]
-    width = max(block_k, (budget // max(1, b * hq * block_q)) // block_k * block_k)
-    return b, hq, hk, sq, sk, width
+def _width(b: int, hq: int, block_q: int, block_k: int, budget: int) -> int:
+    return max(block_k, (budget // max(1, b * hq * block_q)) // block_k * block_k)
 
 
-def flashmask_forward(
+# ---------------------------------------------------------------- engine: matmul (any device)
+
+
+def _matmul_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     bounds: torch.Tensor,
     scale: float,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
-    budget: int = DEFAULT_BUDGET,
+    plan: list[list[_Run]],
+    block_q: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, Hq, Sq, D]``, ``k``/``v`` ``[B, Hk, Sk, D*]`` (any strides) -> (out ``[B, Hq, Sq, Dv]``
-    in q's dtype, lse ``[B, Hq, Sq]`` fp32, +inf on rows that see no key)."""
-    b, hq, hk, sq, sk, width = _setup(q, k, block_q, block_k, budget)
+    b, hq, sq, _ = q.shape
+    hk = k.shape[1]
     g = hq // hk
     dv = v.shape[-1]
-    plan = _plan(bounds, sq, sk, block_q, block_k, width)
     out = torch.empty(b, hq, sq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     for qi, runs in enumerate(plan):
         i0, i1 = qi * block_q, min((qi + 1) * block_q, sq)
         n = i1 - i0
-        # GQA without repeating K/V: the G query heads of a KV head are stacked along rows.
-        qb = q[:, :, i0:i1].float().reshape(b, hk, g * n, -1)
-        m = torch.full((b, hk, g * n), float("-inf"), device=q.device)
+        # GQA without repeating K/V: the G query heads of a KV head are stacked along rows;
+        # the scale is folded into q once per block instead of once per score tile.
+        qb = (q[:, :, i0:i1].float() * scale).reshape(b, hk, g * n, -1)
+        m = torch.full((b, hk, g * n), _NEG_INF, device=q.device)
         l_sum = torch.zeros(b, hk, g * n, device=q.device)
         acc = torch.zeros(b, hk, g * n, dv, device=q.device)
         for run in runs:
             kb = k[:, :, run.k0 : run.k1].float()
             vb = v[:, :, run.k0 : run.k1].float()
-            s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)
-            if run.partial:
-                _mask_run(s.view(b, hq, n, -1), bounds, run, i0, i1)
+            s = torch.matmul(qb, kb.transpose(-1, -2))
+            mask = _run_mask(bounds, run, i0, i1)
+            if mask is not None:
+                s.view(b, hq, n, -1).masked_fill_(mask, _NEG_INF)
             m_new = torch.maximum(m, s.amax(dim=-1))
             m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet
             p = s.sub_(m_safe.unsqueeze(-1)).exp_()
@@ -115,15 +156,13 @@ def flashmask_forward(
             acc = acc * alpha.unsqueeze(-1) + torch.matmul(p, vb)
             m = m_new
         seen = l_sum > 0
-        o = acc / torch.where(seen, l_sum, 1.0).unsqueeze(-1)
-        out[:, :, i0:i1] = o.view(b, hq, n, dv).to(q.dtype)
-        lse[:, :, i0:i1] = torch.where(seen, m + torch.log(torch.where(seen, l_sum, 1.0)), float("inf")).view(
-            b, hq, n
-        )
+        l_safe = torch.where(seen, l_sum, 1.0)
+        out[:, :, i0:i1] = (acc / l_safe.unsqueeze(-1)).view(b, hq, n, dv).to(q.dtype)
+        lse[:, :, i0:i1] = torch.where(seen, m + torch.log(l_safe), float("inf")).view(b, hq, n)
     return out, lse
 
 
-def flashmask_backward(
+def _matmul_backward(
     do: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -132,14 +171,12 @@ def flashmask_backward(
     lse: torch.Tensor,
     bounds: torch.Tensor,
     scale: float,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
-    budget: int = DEFAULT_BUDGET,
+    plan: list[list[_Run]],
+    block_q: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` in the layouts and dtypes of ``q``, ``k``, ``v``."""
-    b, hq, hk, sq, sk, width = _setup(q, k, block_q, block_k, budget)
+    b, hq, sq, _ = q.shape
+    hk = k.shape[1]
     g = hq // hk
-    plan = _plan(bounds, sq, sk, block_q, block_k, width)
     delta = (do.float() * out.float()).sum(dim=-1)  # rowsum(dO * O), [B, Hq, Sq]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
@@ -156,8 +193,9 @@ def flashmask_backward(
             kb = k[:, :, run.k0 : run.k1].float()
             vb = v[:, :, run.k0 : run.k1].float()
             s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)
-            if run.partial:
-                _mask_run(s.view(b, hq, n, -1), bounds, run, i0, i1)
+            mask = _run_mask(bounds, run, i0, i1)
+            if mask is not None:
+                s.view(b, hq, n, -1).masked_fill_(mask, _NEG_INF)
             p = s.sub_(lse_b).exp_()  # masked entries and empty rows (lse=+inf) give 0
             dv[:, :, run.k0 : run.k1] += torch.matmul(p.transpose(-1, -2), dob)
             ds = torch.matmul(dob, vb.transpose(-1, -2)).sub_(delta_b).mul_(p)
@@ -165,6 +203,195 @@ def flashmask_backward(
             dk[:, :, run.k0 : run.k1] += torch.matmul(ds.transpose(-1, -2), qb)
         dq[:, :, i0:i1] = (dqb * scale).view(b, hq, n, -1).to(q.dtype)
     return dq, (dk * scale).to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------- engine: sdpa_cpu (fused CPU op)
+
+
+def _cpu_op() -> Any:
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _float_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    return torch.where(mask, _NEG_INF, 0.0)
+
+
+def _expand_kv(t: torch.Tensor, g: int) -> torch.Tensor:
+    return t if g == 1 else t.repeat_interleave(g, dim=1)
+
+
+def _sdpa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor,
+    scale: float,
+    plan: list[list[_Run]],
+    block_q: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    b, hq, sq, _ = q.shape
+    g = hq // k.shape[1]
+    dv = v.shape[-1]
+    out = torch.zeros(b, hq, sq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.full((b, hq, sq), float("inf"), dtype=torch.float32, device=q.device)
+    for qi, runs in enumerate(plan):
+        i0, i1 = qi * block_q, min((qi + 1) * block_q, sq)
+        qb = q[:, :, i0:i1]
+        acc: torch.Tensor | None = None
+        acc_lse = torch.full((b, hq, i1 - i0), _NEG_INF, device=q.device)
+        for run in runs:
+            is_causal = run.kind == CAUSAL_RUN  # the fused op skips the upper triangle itself
+            mask = None if is_causal else _run_mask(bounds, run, i0, i1)
+            kb = _expand_kv(k[:, :, run.k0 : run.k1], g)
+            vb = _expand_kv(v[:, :, run.k0 : run.k1], g)
+            o_r, lse_r = op(qb, kb, vb, 0.0, is_causal, attn_mask=_float_mask(mask), scale=scale)
+            if mask is not None:
+                # the op reports lse = 0 (and output 0) for a row it sees no key of
+                lse_r = lse_r.masked_fill(mask.all(dim=-1), _NEG_INF)
+            if acc is None:
+                acc, acc_lse = o_r.float(), lse_r
+                continue
+            new = torch.logaddexp(acc_lse, lse_r)
+            safe = torch.where(torch.isinf(new), 0.0, new)
+            acc = acc * torch.exp(acc_lse - safe).unsqueeze(-1) + o_r.float() * torch.exp(
+                lse_r - safe
+            ).unsqueeze(-1)
+            acc_lse = new
+        if acc is None:
+            continue  # every key masked for this block: zeros and lse=+inf
+        seen = ~torch.isinf(acc_lse)
+        out[:, :, i0:i1] = torch.where(seen.unsqueeze(-1), acc, 0.0).to(q.dtype)
+        lse[:, :, i0:i1] = torch.where(seen, acc_lse, float("inf"))
+    return out, lse
+
+
+def _sdpa_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bounds: torch.Tensor,
+    scale: float,
+    plan: list[list[_Run]],
+    block_q: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    b, hq, sq, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for qi, runs in enumerate(plan):
+        i0, i1 = qi * block_q, min((qi + 1) * block_q, sq)
+        qb = q[:, :, i0:i1].contiguous()
+        dob = do[:, :, i0:i1].contiguous()
+        ob = out[:, :, i0:i1].contiguous()
+        lse_b = lse[:, :, i0:i1].contiguous()
+        dqb = torch.zeros(qb.shape, dtype=torch.float32, device=q.device)
+        for run in runs:
+            mask = _run_mask(bounds, run, i0, i1)
+            kb = _expand_kv(k[:, :, run.k0 : run.k1], g).contiguous()
+            vb = _expand_kv(v[:, :, run.k0 : run.k1], g).contiguous()
+            dq_r, dk_r, dv_r = op(
+                dob, qb, kb, vb, ob, lse_b, 0.0, False, attn_mask=_float_mask(mask), scale=scale
+            )
+            dqb += dq_r
+            w = run.k1 - run.k0
+            dk[:, :, run.k0 : run.k1] += dk_r.float().view(b, hk, g, w, d).sum(2)
+            dv[:, :, run.k0 : run.k1] += dv_r.float().view(b, hk, g, w, -1).sum(2)
+        dq[:, :, i0:i1] = dqb.to(q.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def _engine(q: torch.Tensor, engine: str) -> str:
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is not one of {', '.join(ENGINES)}")
+    if engine == "auto":
+        return "sdpa_cpu" if q.device.type == "cpu" and _cpu_op() is not None else "matmul"
+    if engine == "sdpa_cpu" and q.device.type != "cpu":
+        raise ValueError(f"engine='sdpa_cpu' needs CPU tensors, got {q.device}")
+    return engine
+
+
+_FORWARD: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "matmul": _matmul_forward,
+    "sdpa_cpu": _sdpa_forward,
+}
+_BACKWARD: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+    "matmul": _matmul_backward,
+    "sdpa_cpu": _sdpa_backward,
+}
+
+
+# Tile sizes per engine. The fused CPU op tiles internally and never holds a run's scores,
+# so its runs are not width-capped; bigger query blocks mean fewer op calls.
+_DEFAULTS = {"matmul": (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K, DEFAULT_BUDGET), "sdpa_cpu": (1024, 128, 1 << 62)}
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    bounds: torch.Tensor,
+    causal: bool,
+    block_q: int | None,
+    block_k: int | None,
+    budget: int | None,
+    engine: str,
+) -> tuple[str, list[list[_Run]], int]:
+    name = _engine(q, engine)
+    dq, dk, dbudget = _DEFAULTS[name]
+    bq, bk, bud = block_q or dq, block_k or dk, budget or dbudget
+    b, hq, sq, _ = q.shape
+    plan = _plan(bounds, sq, k.shape[2], bq, bk, _width(b, hq, bq, bk, bud), causal)
+    return name, plan, bq
+
+
+def flashmask_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    budget: int | None = None,
+    engine: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, Hq, Sq, D]``, ``k``/``v`` ``[B, Hk, Sk, D]`` (any strides) -> (out ``[B, Hq, Sq, D]``
+    in q's dtype, lse ``[B, Hq, Sq]`` fp32, +inf on rows that see no key). ``causal`` says the
+    bounds hold the causal triangle (it lets diagonal blocks use the fused causal path)."""
+    name, plan, bq = _prepare(q, k, bounds, causal, block_q, block_k, budget, engine)
+    return _FORWARD[name](q, k, v, bounds, scale, plan, bq)
+
+
+def flashmask_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bounds: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    budget: int | None = None,
+    engine: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` in the layouts and dtypes of ``q``, ``k``, ``v``."""
+    name, plan, bq = _prepare(q, k, bounds, causal, block_q, block_k, budget, engine)
+    return _BACKWARD[name](do, q, k, v, out, lse, bounds, scale, plan, bq)
 
 
 class FlashMaskTorchFunction(torch.autograd.Function):
@@ -178,34 +405,32 @@ class FlashMaskTorchFunction(torch.autograd.Function):
         v: torch.Tensor,
         bounds: torch.Tensor,
         scale: float,
-        block_q: int,
-        block_k: int,
-        budget: int,
+        causal: bool,
+        block_q: int | None,
+        block_k: int | None,
+        budget: int | None,
+        engine: str,
     ) -> torch.Tensor:
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out, lse = flashmask_forward(qt, kt, vt, bounds, scale, block_q, block_k, budget)
+        out, lse = flashmask_forward(qt, kt, vt, bounds, scale, causal, block_q, block_k, budget, engine)
         ctx.save_for_backward(q, k, v, out, lse, bounds)
-        ctx.scale, ctx.block_q, ctx.block_k, ctx.budget = scale, block_q, block_k, budget
+        ctx.args = (scale, causal, block_q, block_k, budget, engine)
         return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (grad,) = grads
         q, k, v, out, lse, bounds = ctx.saved_tensors
         dq, dk, dv = flashmask_backward(
-            grad.transpose(1, 2),
+            grads[0].transpose(1, 2),
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
             out,
             lse,
             bounds,
-            ctx.scale,
-            ctx.block_q,
-            ctx.block_k,
-            ctx.budget,
+            *ctx.args,
         )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None, None
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), *([None] * 7)
 
 
 def torch_flashmask_attention(
@@ -214,10 +439,16 @@ def torch_flashmask_attention(
     v: torch.Tensor,
     bounds: torch.Tensor,
     scale: float,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
-    budget: int = DEFAULT_BUDGET,
+    *,
+    causal: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    budget: int | None = None,
+    engine: str = "auto",
 ) -> torch.Tensor:
-    """``[B, S, H, D]`` in and out; ``bounds`` from :func:`kernels.flashmask.bounds.normalize_bounds`."""
-    out: torch.Tensor = FlashMaskTorchFunction.apply(q, k, v, bounds, scale, block_q, block_k, budget)
+    """``[B, S, H, D]`` in and out; ``bounds`` from :func:`kernels.flashmask.bounds.normalize_bounds`
+    (``causal`` as given there). Tile sizes default per engine."""
+    out: torch.Tensor = FlashMaskTorchFunction.apply(
+        q, k, v, bounds, scale, causal, block_q, block_k, budget, engine
+    )
     return out

@@ -14,14 +14,26 @@ from tests.kernels.cases import cases, compare_with_reference, qkv
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
 
 
+@pytest.mark.parametrize("engine", ["matmul", "sdpa_cpu"])
 @pytest.mark.parametrize("hq,hk", HEADS)
 @pytest.mark.parametrize("case", cases(77, 4, seed=3), ids=lambda c: c.name)
-def test_small_tiles_fp32(case, hq, hk) -> None:  # type: ignore[no-untyped-def]
+def test_small_tiles_fp32(case, hq, hk, engine) -> None:  # type: ignore[no-untyped-def]
     """Odd size with 16-row/8-column tiles, so skipped, partial and full tiles all occur; a tiny
     budget forces runs to split too."""
     q, k, v = qkv(2, 77, hq, hk, 16, torch.float32, seed=hq + hk)
     bounds = normalize_bounds(case.mask, causal=case.causal, batch=2, sq=77, sk=77, device=q.device)
-    out = torch_flashmask_attention(q, k, v, bounds, 16**-0.5, block_q=16, block_k=8, budget=2 * 4 * 16 * 16)
+    out = torch_flashmask_attention(
+        q,
+        k,
+        v,
+        bounds,
+        16**-0.5,
+        causal=case.causal,
+        block_q=16,
+        block_k=8,
+        budget=2 * 4 * 16 * 16,
+        engine=engine,
+    )
     compare_with_reference(out, q, k, v, case, torch.float32)
 
 
@@ -30,6 +42,16 @@ def test_small_tiles_fp32(case, hq, hk) -> None:  # type: ignore[no-untyped-def]
 def test_public_api_default_tiles(case, dtype) -> None:  # type: ignore[no-untyped-def]
     q, k, v = qkv(1, 300, 4, 2, 32, dtype, seed=7)
     out = kernels.flashmask_attention(q, k, v, case.mask, causal=case.causal, impl="torch")
+    compare_with_reference(out, q, k, v, case, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["document", "random-c4-per-head", "prefix-lm"])
+def test_matmul_engine_half_precision(name, dtype) -> None:  # type: ignore[no-untyped-def]
+    case = {c.name: c for c in cases(300, 4, seed=5)}[name]
+    q, k, v = qkv(1, 300, 4, 2, 32, dtype, seed=8)
+    bounds = normalize_bounds(case.mask, causal=case.causal, batch=1, sq=300, sk=300, device=q.device)
+    out = torch_flashmask_attention(q, k, v, bounds, 32**-0.5, causal=case.causal, engine="matmul")
     compare_with_reference(out, q, k, v, case, dtype)
 
 
@@ -104,6 +126,16 @@ def test_fully_masked_tiles_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None
         kernels.document_mask([64] * 4), causal=True, batch=1, sq=256, sk=256, device=q.device
     )
     with torch.no_grad():
-        ti.flashmask_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bounds, 1.0, 64, 64)
+        ti.flashmask_forward(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            bounds,
+            1.0,
+            True,
+            64,
+            64,
+            engine="matmul",
+        )
     key_cols = sum(shape[-1] for shape in calls[::2])  # q @ k^T calls: keys touched per query block
     assert key_cols == 4 * 64  # dense would be 4 * 256 (and causal-only 64+128+192+256)
