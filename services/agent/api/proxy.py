@@ -58,7 +58,7 @@ async def proxy(
         "/" + path,
         params=list(request.query_params.multi_items()),
         headers=headers,
-        content=request.stream(),
+        content=request.stream() if request.method in ("POST", "PUT", "PATCH") else None,
     )
     try:
         resp = await client.send(upstream, stream=True)
