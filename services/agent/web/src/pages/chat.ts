@@ -400,7 +400,8 @@ export function chatPage(root: HTMLElement, args: string[]) {
       finish() {
         el.setAttribute("aria-busy", "false");
         render();
-        if (stepsList.children.length) steps.open = false;
+        // Fold the steps away under a good answer; leave them open when the turn failed.
+        if (stepsList.children.length && error.hidden) steps.open = false;
       },
     };
   }
