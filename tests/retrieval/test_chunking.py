@@ -52,7 +52,7 @@ def tokenizer(tiny_embedder: Path) -> SentenceTransformerEmbedder:
     return SentenceTransformerEmbedder(tiny_embedder, dtype="float32")
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize(("size", "overlap"), [(16, 4), (40, 10), (128, 0)])
 def test_chunk_properties(tokenizer: SentenceTransformerEmbedder, seed: int, size: int, overlap: int) -> None:
     text = random_text(seed)
