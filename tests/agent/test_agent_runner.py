@@ -87,7 +87,8 @@ async def test_calculator_task_with_repairs(scripted: tuple[ScriptedModel, str])
     assert "did not follow the format" in model.requests[1]["messages"][-1]["content"]
     last = model.requests[2]["messages"]
     assert last[-2]["content"] == "Thought: multiply them\nAction: calculator\nAction Input: 17 * 23"
-    assert last[-1]["content"] == "Observation: 391"
+    assert last[-1]["content"].startswith("Observation: 391\n")
+    assert model.requests[0]["messages"][1]["content"] == "Question: What is 6 times 7?"  # the worked example
     assert model.requests[0]["stop"]
 
 

@@ -172,26 +172,38 @@ def parse_react(text: str, tools: list[str]) -> ReactStep:
 
 def format_instructions(tools: dict[str, str]) -> str:
     listing = "\n".join(f"- {name}: {desc}" for name, desc in tools.items())
-    names = ", ".join(tools)
     return (
-        "You answer questions by using tools. Available tools:\n"
+        "You answer questions by using tools. Tools:\n"
         f"{listing}\n\n"
-        "Use exactly this format:\n"
+        "Reply with these lines:\n"
         "Thought: what to do next\n"
-        f"Action: one of [{names}]\n"
-        "Action Input: the input of the tool\n\n"
-        "You will then get 'Observation: <result>'. Repeat as needed. When you know the answer, write:\n"
-        "Thought: I know the answer\n"
-        "Final Answer: the answer\n\n"
-        "Example:\n"
-        "Question: What is 6 times 7?\n"
-        "Thought: I should multiply.\n"
-        "Action: calculator\n"
-        "Action Input: 6 * 7\n"
-        "Observation: 42\n"
-        "Thought: I know the answer\n"
-        "Final Answer: 42"
+        f"Action: the tool to use, one of [{', '.join(tools)}]\n"
+        "Action Input: the input of the tool\n"
+        "You then get 'Observation: <result>'. When you know the answer, reply:\n"
+        "Thought: I know the answer.\n"
+        "Final Answer: the answer"
     )
+
+
+OBSERVATION_PROMPT = (
+    "Observation: {observation}\nIf this answers the question, reply 'Final Answer: <answer>'."
+)
+
+
+def example_turns(tools: dict[str, str]) -> list[dict[str, str]]:
+    """A worked exchange in the protocol, as real chat turns: small chat models imitate earlier
+    assistant turns far more faithfully than instructions in the system message."""
+    if "calculator" not in tools:
+        return []
+    return [
+        {"role": "user", "content": "Question: What is 6 times 7?"},
+        {
+            "role": "assistant",
+            "content": "Thought: I should multiply with the calculator.\nAction: calculator\nAction Input: 6 * 7",
+        },
+        {"role": "user", "content": OBSERVATION_PROMPT.format(observation="42")},
+        {"role": "assistant", "content": "Thought: I know the answer.\nFinal Answer: 42"},
+    ]
 
 
 REPAIR_PROMPT = (

@@ -16,7 +16,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from services.agent.agents.react import REPAIR_PROMPT, format_instructions, parse_react
+from services.agent.agents.react import (
+    OBSERVATION_PROMPT,
+    REPAIR_PROMPT,
+    example_turns,
+    format_instructions,
+    parse_react,
+)
 from services.agent.clients import InferenceClient
 from services.agent.tools.base import Tool, ToolContext, call_tool
 from services.common.errors import InvalidRequest
@@ -106,9 +112,10 @@ class AgentRunner:
 
     async def _react(self, question: str, history: list[dict[str, str]]) -> AsyncIterator[Event]:
         names = list(self.tools)
-        system = format_instructions({n: t.description for n, t in self.tools.items()})
+        described = {n: t.description for n, t in self.tools.items()}
         messages: list[dict[str, str]] = [
-            {"role": "system", "content": system},
+            {"role": "system", "content": format_instructions(described)},
+            *example_turns(described),
             *history,
             {"role": "user", "content": f"Question: {question}"},
         ]
@@ -150,7 +157,10 @@ class AgentRunner:
                 ) + f"Action: {parsed.tool}\nAction Input: {parsed.argument}"
                 messages += [
                     {"role": "assistant", "content": canonical},
-                    {"role": "user", "content": f"Observation: {self._last_observation}"},
+                    {
+                        "role": "user",
+                        "content": OBSERVATION_PROMPT.format(observation=self._last_observation),
+                    },
                 ]
                 continue
             # Invalid: ask for the format again, a bounded number of times; then take plain text as the answer.
