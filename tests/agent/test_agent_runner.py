@@ -111,9 +111,20 @@ async def test_failing_and_hanging_tools_become_observations(scripted: tuple[Scr
     assert r.result.answer == "tools are broken" and time.monotonic() - started < 5
 
 
+async def test_a_repeated_call_ends_with_its_observation(scripted: tuple[ScriptedModel, str]) -> None:
+    model, url = scripted
+    model.replies = lambda body: "Thought: multiply\nAction: calculator\nAction Input: 17 * 23"
+    r = runner(url)
+    events = await events_of(r, "What is 17 times 23?")
+    assert [e.get("kind") for e in events if e["type"] == "step"][-1] == "final"
+    assert sum(1 for e in events if e.get("kind") == "tool_call") == 1
+    assert r.result.answer == "391" and any("repeated call" in x for x in r.result.repairs)
+
+
 async def test_step_budget(scripted: tuple[ScriptedModel, str]) -> None:
     model, url = scripted
-    model.replies = lambda body: "Action: calculator\nAction Input: 1+1"
+    counter = iter(range(100))
+    model.replies = lambda body: f"Action: calculator\nAction Input: 1+{next(counter)}"
     events = await events_of(runner(url, max_steps=3), "loop forever")
     assert events[-1]["type"] == "error" and events[-1]["code"] == "step_budget_exceeded"
     assert sum(1 for e in events if e.get("kind") == "tool_call") == 3

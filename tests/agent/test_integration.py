@@ -112,7 +112,9 @@ def real_stack(
         inference = _inference_app(base, smollm2_path)
         i_url = stack.enter_context(serve_app(inference)) if inference is not None else "http://127.0.0.1:9"
         common = base.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})
-        settings = AgentSettings(tokenizer=str(smollm2_path), max_answer_tokens=48)
+        settings = AgentSettings(
+            tokenizer=str(smollm2_path), max_answer_tokens=48, agent_max_steps=4, agent_time_budget_s=90
+        )
         a_url = stack.enter_context(serve_app(create_agent(common, settings)))
         with httpx.Client(base_url=r_url, headers=auth(key), timeout=300) as client:
             assert client.post("/v1/collections", json={"name": "facts"}).status_code == 201
@@ -184,9 +186,7 @@ CALC_TASKS = [
     ("What is 17 times 23?", "391"),
     ("What is 1234 plus 4321?", "5555"),
     ("What is 144 divided by 12?", "12"),
-    ("What is 99 minus 45?", "54"),
     ("What is 25 times 25?", "625"),
-    ("What is 7 to the power of 3?", "343"),
 ]
 
 
@@ -209,9 +209,8 @@ def test_agent_calculator_with_the_real_model(real_stack: RealStack) -> None:
         used_tool += any(s["kind"] == "tool_call" and s["tool"] == "calculator" for s in steps)
         solved += expected in body["answer"].replace(",", "")
         assert body["answer"] or body.get("error")
-        print(
-            f"\n{question} -> {body['answer']!r} steps={[s['kind'] for s in steps]} error={body.get('error')}"
-        )
+        calls = [s["input"] for s in steps if s["kind"] == "tool_call"]
+        print(f"\n{question} -> {body['answer']!r} calls={calls} error={body.get('error')}")
     print(
         f"\nSmolLM2-135M calculator agent: solved {solved}/{len(CALC_TASKS)}, used the calculator in {used_tool}"
     )

@@ -96,6 +96,7 @@ class AgentRunner:
         self.result.tool_calls += 1
         started = time.perf_counter()
         observation, ok = await call_tool(self.tools[name], argument, self.tool_ctx, self.tool_timeout_s)
+        self._last_ok = ok
         yield {
             "type": "step",
             "kind": "observation",
@@ -120,6 +121,7 @@ class AgentRunner:
             {"role": "user", "content": f"Question: {question}"},
         ]
         repairs_left = self.max_repairs
+        last_call: tuple[str, str] | None = None
         for step in range(1, self.max_steps + 1):
             self.result.steps = step
             resp = await self.inference.complete(
@@ -140,7 +142,15 @@ class AgentRunner:
                 for event in self._final(parsed.answer):
                     yield event
                 return
+            if parsed.kind == "action" and (parsed.tool, parsed.argument) == last_call and self._last_ok:
+                # The same call again, right after its answer: small models loop here instead of
+                # finishing. The observation already answers it; take it as the final answer.
+                self.result.repairs.append("repeated call: its last observation taken as the final answer")
+                for event in self._final(self._last_observation):
+                    yield event
+                return
             if parsed.kind == "action":
+                last_call = (parsed.tool, parsed.argument)
                 yield {
                     "type": "step",
                     "kind": "tool_call",
@@ -248,6 +258,7 @@ class AgentRunner:
         }
 
     _last_observation: str = ""
+    _last_ok: bool = False
 
 
 def check_tools(spec: AgentSpec, tools: dict[str, Tool]) -> dict[str, Tool]:
