@@ -192,6 +192,7 @@ def _train(
             kind=spec.type,
             model_path=resolved.model_path,
             records=resolved.records,
+            eval_records=resolved.eval_records,
             hp=spec.hyperparameters,
             lora=spec.lora,
             packing=spec.packing,

@@ -127,7 +127,10 @@ def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
 ) -> None:
     fid = upload(harness, api_key, jsonl(ROWS)).json()["id"]
     resp = httpx.post(
-        f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60
+        f"{harness.base}/v1/jobs",
+        json=job_body(tiny_model_path, fid, eval_dataset=fid),
+        headers=auth(api_key),
+        timeout=60,
     )
     assert resp.status_code == 201, resp.text
     job = resp.json()
@@ -167,6 +170,7 @@ def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
     done = httpx.get(f"{harness.base}/v1/jobs/{jid}", headers=auth(api_key)).json()
     assert done["status"] == "succeeded" and done["progress"] == {"step": 3, "total": 3}
     assert done["metrics"]["tokens_per_s"] > 0 and done["error"] is None
+    assert done["metrics"]["eval_loss"] > 0 and done["eval_dataset"] == fid
     metrics = httpx.get(f"{harness.base}/v1/jobs/{jid}/metrics", headers=auth(api_key)).json()["data"]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all("learning_rate" in m for m in metrics)
     logs = httpx.get(f"{harness.base}/v1/jobs/{jid}/logs", headers=auth(api_key)).json()["data"]

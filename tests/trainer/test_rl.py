@@ -68,7 +68,14 @@ def rl_run(recipe_cls: type, model: Path, **hp: Any) -> list[float]:
         model_path=model,
         records=records(),
         hp=Hyperparameters(
-            **{"learning_rate": 1e-3, "max_new_tokens": 8, "seed": 0, "lr_scheduler": "constant", "n_epochs": 8, **hp}
+            **{
+                "learning_rate": 1e-3,
+                "max_new_tokens": 8,
+                "seed": 0,
+                "lr_scheduler": "constant",
+                "n_epochs": 8,
+                **hp,
+            }
         ),
         max_tokens_per_pack=512,
         reward=get_reward("toy_yes_fraction"),

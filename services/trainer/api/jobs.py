@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import redis.exceptions
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, StreamingResponse
 
@@ -188,7 +189,7 @@ async def _owned(request_app: Any, tenant: str, job_id: str) -> dict[str, str]:
 
 
 async def job_events(
-    app: Any, job_id: str, last_id: str = "0", block_ms: int = 10_000
+    app: Any, job_id: str, last_id: str = "0", block_ms: int = 2_000
 ) -> AsyncIterator[tuple[str, str, dict[str, Any]]]:
     """(event id, type, data) from the start (or ``last_id``) until the job ends.
 
@@ -197,14 +198,22 @@ async def job_events(
     """
     r = app.state.redis
     key = events_key(job_id)
+    idle = 0
     while True:
-        got = await r.xread({key: last_id}, count=200, block=block_ms)
+        try:
+            got = await r.xread({key: last_id}, count=200, block=block_ms)
+        except redis.exceptions.TimeoutError:  # the client's socket timeout hit a long block
+            got = None
         if not got:
             status = await r.hget(job_key(job_id), "status")
             if status in TERMINAL:
                 return
-            yield "", "ping", {"time": time.time()}
+            idle += block_ms
+            if idle >= 15_000:  # keep proxies from closing an idle stream
+                idle = 0
+                yield "", "ping", {"time": time.time()}
             continue
+        idle = 0
         for _stream, entries in got:
             for eid, fields in entries:
                 last_id = eid

@@ -33,6 +33,7 @@ class TrainConfig:
     kind: str  # sft | dpo | ppo | grpo
     model_path: Path
     records: list[dict[str, Any]]
+    eval_records: list[dict[str, Any]] | None = None
     hp: Hyperparameters = field(default_factory=lambda: Hyperparameters.model_validate({}))
     lora: LoraSpec | None = None
     packing: bool = True

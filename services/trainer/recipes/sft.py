@@ -89,6 +89,7 @@ class SFTRecipe(Recipe):
             per_step=self.hp.packs_per_step if self.cfg.packing else self.hp.batch_size,
         )
         self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
+        self.eval_samples = tokenize_all(self.tokenizer, self.cfg.eval_records or [])
         self.make_optimizer()
         self.hooks.log(
             f"sft: {len(self.samples)} samples, {self.total_steps} steps, packing={self.cfg.packing}"
@@ -127,7 +128,9 @@ class SFTRecipe(Recipe):
         grad_norm = self.optimizer_step()
         self.platform.synchronize()
         dt = time.perf_counter() - t0
+        extra = {"eval_loss": self.eval_loss()} if self.eval_samples and step == self.total_steps else {}
         return {
+            **extra,
             "loss": loss_total,
             "learning_rate": lr,
             "grad_norm": grad_norm,
@@ -135,3 +138,20 @@ class SFTRecipe(Recipe):
             "padding_ratio": 1 - real / max(processed, 1),
             "label_tokens": float(n_tokens),
         }
+
+    @torch.no_grad()
+    def eval_loss(self) -> float:
+        """Token-mean loss on the eval dataset (reported with the last step)."""
+        was_training = self.model.training
+        self.model.eval()
+        total, count = 0.0, 0
+        for i in range(len(self.eval_samples)):
+            with self.autocast():
+                if self.cfg.packing:
+                    logps, n = pack_logps(self.model, pack_sft(self.eval_samples, [i], pad_id=self.pad_id))
+                else:
+                    logps, n = padded_logps(self.model, pad_batch(self.eval_samples, [i], self.pad_id))
+            total -= float(logps.sum())
+            count += n
+        self.model.train(was_training)
+        return total / max(count, 1)
