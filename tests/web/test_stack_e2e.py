@@ -298,6 +298,21 @@ def test_stop_keeps_the_partial_answer(page: Any, stack: Stack, facts: str) -> N
     page.locator(".msg.assistant[aria-busy='false']").nth(1).wait_for(timeout=240_000)
     assert page.locator(".msg.user").count() == 2
 
+    # Rename the conversation (kept by the agent: it survives a reload), then delete it.
+    conv = page.locator(".conv-link[aria-current='page']")
+    old_title = conv.inner_text()
+    page.get_by_role("button", name=f"Rename “{old_title}”").click()
+    page.get_by_label("New title").fill("Lighthouse, stopped early")
+    page.get_by_label("New title").press("Enter")
+    page.get_by_role("link", name="Lighthouse, stopped early").wait_for()
+    page.reload()
+    page.get_by_role("link", name="Lighthouse, stopped early").wait_for()
+    assert page.locator(".msg.user").count() == 2
+    page.once("dialog", lambda d: d.accept())
+    page.get_by_role("button", name="Delete “Lighthouse, stopped early”").click()
+    page.get_by_role("link", name="Lighthouse, stopped early").wait_for(state="detached")
+    page.wait_for_url(re.compile(r".*#/chat$"))
+
 
 def test_agent_steps_show_as_they_happen(page: Any, stack: Stack) -> None:
     catalog = need(stack, "GET", "/v1/pipelines", "the agent's pipeline catalog (issue 7)").json()["data"]

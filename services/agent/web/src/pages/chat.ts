@@ -266,7 +266,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
     const del = h("button", { type: "button", class: "icon", "aria-label": `Delete “${label}”`, title: "Delete" }, "✕");
     const li = h("li", { class: "conv", "data-id": id }, link, rename, del);
     rename.addEventListener("click", () => {
-      const box = h("input", { type: "text", value: label, "aria-label": "New title", class: "rename-input" });
+      const box = h("input", { type: "text", value: label, maxlength: "120", "aria-label": "New title", class: "rename-input" });
       const form = h("form", { class: "rename" }, box);
       li.replaceChildren(form);
       box.focus();
