@@ -94,8 +94,8 @@ def empty_fraction(kind: str, s: int) -> float:
         return 1.0 - allowed.float().mean().item()
     if kind == "shared-question":
         return float("nan")
-    lens = mask_lengths(kind, s)
-    return 1.0 - sum(n * (n + 1) / 2 for n in lens) / (s * s)  # type: ignore[operator]
+    lens = [n for n in mask_lengths(kind, s) if isinstance(n, int)]
+    return 1.0 - sum(n * (n + 1) / 2 for n in lens) / (s * s)
 
 
 def _cpu() -> Any:
@@ -226,6 +226,25 @@ def _method(
     raise ValueError(f"unknown method {name!r}")
 
 
+def _timed_call(
+    platform: Any, run: Any, q: Any, k: Any, v: Any, m: Any, bwd: bool
+) -> tuple[float, float | None]:
+    """One call: (forward seconds, backward seconds or None)."""
+    import torch
+
+    q.grad = k.grad = v.grad = None
+    platform.synchronize()
+    t0 = time.perf_counter()
+    out = run(q, k, v, m)
+    platform.synchronize()
+    t1 = time.perf_counter()
+    if not bwd:
+        return t1 - t0, None
+    out.backward(torch.ones_like(out))
+    platform.synchronize()
+    return t1 - t0, time.perf_counter() - t1
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -258,21 +277,8 @@ def worker(args: argparse.Namespace) -> None:
                 for h in (args.heads, args.kv_heads, args.kv_heads)
             )
 
-            def call(m: Any) -> tuple[float, float | None]:
-                q.grad = k.grad = v.grad = None
-                platform.synchronize()
-                t0 = time.perf_counter()
-                out = run(q, k, v, m)
-                platform.synchronize()
-                t1 = time.perf_counter()
-                if not has_bwd:
-                    del out
-                    return t1 - t0, None
-                out.backward(torch.ones_like(out))
-                platform.synchronize()
-                t2 = time.perf_counter()
-                del out
-                return t1 - t0, t2 - t1
+            def call(m: Any, run: Any = run, q: Any = q, k: Any = k, v: Any = v, bwd: bool = has_bwd) -> Any:
+                return _timed_call(platform, run, q, k, v, m, bwd)
 
             call(build())  # warm-up (and compilation)
             q.grad = k.grad = v.grad = None
@@ -286,7 +292,8 @@ def worker(args: argparse.Namespace) -> None:
             peak = mem.peak()
             del m
             fwd = statistics.median(t[0] for t in times) * 1e3
-            bwd = statistics.median(t[1] for t in times) * 1e3 if has_bwd else None  # type: ignore[misc]
+            bwds = [t[1] for t in times if t[1] is not None]
+            bwd = statistics.median(bwds) * 1e3 if bwds else None
             note = "" if has_bwd else "forward only"
             print(
                 json.dumps(

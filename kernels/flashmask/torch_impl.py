@@ -110,6 +110,13 @@ def _run_mask(bounds: torch.Tensor, run: _Run, i0: int, i1: int) -> torch.Tensor
     return masked_tile(bounds[:, :, run.k0 : run.k1], i0, i1, lower=run.lower, upper=run.upper)
 
 
+def _bshd(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed ``[B, H, S, D]`` view of ``[B, S, H, D]`` storage: what is written through it comes
+    back to the caller contiguous in the public layout (no copy when autograd stores the grad)."""
+    b, h, s, d = shape
+    return torch.zeros(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
+
+
 def _width(b: int, hq: int, block_q: int, block_k: int, budget: int) -> int:
     return max(block_k, (budget // max(1, b * hq * block_q)) // block_k * block_k)
 
@@ -130,7 +137,7 @@ def _matmul_forward(
     hk = k.shape[1]
     g = hq // hk
     dv = v.shape[-1]
-    out = torch.empty(b, hq, sq, dv, dtype=q.dtype, device=q.device)
+    out = _bshd((b, hq, sq, dv), q.dtype, q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     for qi, runs in enumerate(plan):
         i0, i1 = qi * block_q, min((qi + 1) * block_q, sq)
@@ -178,9 +185,9 @@ def _matmul_backward(
     hk = k.shape[1]
     g = hq // hk
     delta = (do.float() * out.float()).sum(dim=-1)  # rowsum(dO * O), [B, Hq, Sq]
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    dq = _bshd(q.shape, q.dtype, q.device)
+    dk = _bshd(k.shape, torch.float32, q.device)
+    dv = _bshd(v.shape, torch.float32, q.device)
     for qi, runs in enumerate(plan):
         i0, i1 = qi * block_q, min((qi + 1) * block_q, sq)
         n = i1 - i0
@@ -202,7 +209,7 @@ def _matmul_backward(
             dqb += torch.matmul(ds, kb)
             dk[:, :, run.k0 : run.k1] += torch.matmul(ds.transpose(-1, -2), qb)
         dq[:, :, i0:i1] = (dqb * scale).view(b, hq, n, -1).to(q.dtype)
-    return dq, (dk * scale).to(k.dtype), dv.to(v.dtype)
+    return dq, dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
 
 
 # ---------------------------------------------------------------- engine: sdpa_cpu (fused CPU op)
@@ -235,7 +242,7 @@ def _sdpa_forward(
     b, hq, sq, _ = q.shape
     g = hq // k.shape[1]
     dv = v.shape[-1]
-    out = torch.zeros(b, hq, sq, dv, dtype=q.dtype, device=q.device)
+    out = _bshd((b, hq, sq, dv), q.dtype, q.device)
     lse = torch.full((b, hq, sq), float("inf"), dtype=torch.float32, device=q.device)
     for qi, runs in enumerate(plan):
         i0, i1 = qi * block_q, min((qi + 1) * block_q, sq)
@@ -284,9 +291,9 @@ def _sdpa_backward(
     b, hq, sq, d = q.shape
     hk = k.shape[1]
     g = hq // hk
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    dq = _bshd(q.shape, q.dtype, q.device)
+    dk = _bshd(k.shape, torch.float32, q.device)
+    dv = _bshd(v.shape, torch.float32, q.device)
     for qi, runs in enumerate(plan):
         i0, i1 = qi * block_q, min((qi + 1) * block_q, sq)
         qb = q[:, :, i0:i1].contiguous()
@@ -303,8 +310,10 @@ def _sdpa_backward(
             )
             dqb += dq_r
             w = run.k1 - run.k0
-            dk[:, :, run.k0 : run.k1] += dk_r.float().view(b, hk, g, w, d).sum(2)
-            dv[:, :, run.k0 : run.k1] += dv_r.float().view(b, hk, g, w, -1).sum(2)
+            if g > 1:  # fold the query heads of each KV head back
+                dk_r, dv_r = dk_r.view(b, hk, g, w, d).sum(2), dv_r.view(b, hk, g, w, -1).sum(2)
+            dk[:, :, run.k0 : run.k1] += dk_r
+            dv[:, :, run.k0 : run.k1] += dv_r
         dq[:, :, i0:i1] = dqb.to(q.dtype)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
@@ -332,9 +341,13 @@ _BACKWARD: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tenso
 }
 
 
-# Tile sizes per engine. The fused CPU op tiles internally and never holds a run's scores,
-# so its runs are not width-capped; bigger query blocks mean fewer op calls.
-_DEFAULTS = {"matmul": (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K, DEFAULT_BUDGET), "sdpa_cpu": (1024, 128, 1 << 62)}
+# Tile sizes per engine. The fused CPU op tiles internally and never holds a run's scores, so
+# bigger query blocks (fewer op calls) are fine; its budget only caps the per-run K/V copies
+# and dK/dV results (B * Hq * block_q * width elements -> width 4096 for 4 heads).
+_DEFAULTS = {
+    "matmul": (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K, DEFAULT_BUDGET),
+    "sdpa_cpu": (1024, 128, 16 * 1024 * 1024),
+}
 
 
 def _prepare(
