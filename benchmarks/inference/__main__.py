@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,12 @@ def llama_1b_folder(target: Path, tokenizer_dir: Path) -> Path:
 class Baseline:
     """Sequential ``model.generate`` in this process (the server idles meanwhile)."""
 
-    def __init__(self, model_dir: Path, device: str, dtype: str) -> None:
+    def __init__(self, model_dir: Path, device: str, dtype: str, threads: int = 0) -> None:
         import torch
+
+        self.threads = threads
+        if threads:
+            torch.set_num_threads(threads)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
@@ -112,6 +117,22 @@ class Baseline:
         )
 
     def run(self, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+        """Runs in a worker thread, as the server's scheduler does: on a loaded machine torch's
+        CPU threads behave very differently in the main thread (measured 0.8 vs 4 tokens/s for
+        the same generate), and the comparison must not hinge on that."""
+        out: dict[str, Any] = {}
+
+        def work() -> None:
+            if self.threads:
+                self.torch.set_num_threads(self.threads)
+            out.update(self._run(prompts, max_tokens))
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        return out
+
+    def _run(self, prompts: list[str], max_tokens: int) -> dict[str, Any]:
         from transformers.generation.streamers import BaseStreamer
 
         torch, device = self.torch, self.device
@@ -215,7 +236,14 @@ async def load(
 
 
 def start_server(
-    model_dir: Path, home: Path, redis_url: str, device: str, dtype: str, max_batch: int, chunk: int
+    model_dir: Path,
+    home: Path,
+    redis_url: str,
+    device: str,
+    dtype: str,
+    max_batch: int,
+    chunk: int,
+    threads: int,
 ) -> tuple[subprocess.Popen[bytes], str]:
     from tests.helpers.servers import free_port
 
@@ -233,6 +261,7 @@ def start_server(
         TANDEM_INFERENCE_MAX_BATCH_SIZE=str(max_batch),
         TANDEM_INFERENCE_PREFILL_CHUNK=str(chunk),
         TANDEM_INFERENCE_MAX_QUEUE="256",
+        TANDEM_INFERENCE_THREADS=str(threads),
     )
     cmd = [
         sys.executable,
@@ -295,6 +324,13 @@ def main() -> int:
     )
     ap.add_argument("--baseline-requests", type=int, default=2, help="baseline requests before each level")
     ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads for both the baseline and the server (0: torch's default); "
+        "on a machine shared with other jobs, 1 gives stable figures",
+    )
     args = ap.parse_args()
 
     from services.inference.engine.loader import resolve_model
@@ -317,7 +353,7 @@ def main() -> int:
             f"model {model_dir.name} on {args.device} ({dtype}), {args.max_tokens} tokens per request",
             flush=True,
         )
-        base_model = Baseline(model_dir, args.device, dtype)
+        base_model = Baseline(model_dir, args.device, dtype, args.threads)
         base_model.run(QUESTIONS[:1], 4)  # warm-up
         with valkey_server(tmpdir / "valkey") as redis_url:
             import redis
@@ -327,7 +363,14 @@ def main() -> int:
             rc = redis.Redis.from_url(redis_url, decode_responses=True)
             key = KeyStore(rc).create("bench")[0]
             proc, url = start_server(
-                model_dir, tmpdir / "home", redis_url, args.device, dtype, max(levels), args.prefill_chunk
+                model_dir,
+                tmpdir / "home",
+                redis_url,
+                args.device,
+                dtype,
+                max(levels),
+                args.prefill_chunk,
+                args.threads,
             )
             try:
                 asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up

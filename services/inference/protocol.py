@@ -40,6 +40,9 @@ class _Sampling(_Open):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past the end-of-text token.")
+    stop_token_ids: list[int] | None = Field(
+        None, description="vLLM extension: token ids that end generation."
+    )
 
 
 class ChatCompletionRequest(_Sampling):

@@ -121,6 +121,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingP
         top_k=req.top_k or 0,
         max_tokens=max_tokens,
         stop=_stop_list(req.stop),
+        stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         seed=req.seed,
         n=req.n,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,15 @@ def lively_tiny_path(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: 
     model.save_pretrained(target, safe_serialization=True)
     AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(target)
     return target
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """The tiny models gain nothing from a second CPU thread, and on a machine shared with
+    other jobs two OpenMP threads wait on each other (measured 5x slower): use one here."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -24,7 +24,15 @@ def smol_server(tandem_env: Path, smollm2_path: Path, api_key: str) -> Iterator[
     port = free_port()
     env = {**os.environ, "TANDEM_INFERENCE_MODEL": str(smollm2_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "services.inference.app:create_app", "--factory", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "services.inference.app:create_app",
+            "--factory",
+            "--port",
+            str(port),
+        ],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,

@@ -96,6 +96,13 @@ def test_seed_n_stop_and_logprobs(lively: tuple[Any, Any]) -> None:
         logp = torch.log_softmax(model(full).logits[0].float(), -1)
     for k, (tid, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         assert abs(logp[len(out.prompt_token_ids) - 1 + k, tid].item() - lp) < 1e-4
+    # a stop token ends the sequence (and is its last token)
+    ids = out.token_ids
+    stopped = engine.generate_batch(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[ids[2]])
+    )[0]
+    assert stopped.token_ids == ids[: ids.index(ids[2]) + 1]
+    assert stopped.finish_reason == "stop"
     # a stop string cuts the text before it
     full_text = engine.generate_batch(
         prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
