@@ -172,14 +172,8 @@ def test_lora_sft_on_smollm2_over_sse_then_chat_with_the_published_adapter(
         monkeypatch.setenv("TANDEM_INFERENCE_URL", inf_url)
         app = create_app(CommonSettings(), TrainerSettings())
         with serve_app(app) as base, worker(worker_env({}), log, "w1"):
-            up = httpx.post(
-                f"{base}/v1/files", files={"file": ("gsm8k.jsonl", gsm8k_rows[:6000])}, headers=auth(api_key)
-            )
-            if up.status_code != 201:  # the cut may split a row: keep whole lines
-                rows = b"\n".join(gsm8k_rows.splitlines()[:8]) + b"\n"
-                up = httpx.post(
-                    f"{base}/v1/files", files={"file": ("gsm8k.jsonl", rows)}, headers=auth(api_key)
-                )
+            rows = b"\n".join(gsm8k_rows.splitlines()[:12]) + b"\n"
+            up = httpx.post(f"{base}/v1/files", files={"file": ("gsm8k.jsonl", rows)}, headers=auth(api_key))
             assert up.status_code == 201, up.text
             body = {
                 "type": "sft",
@@ -187,7 +181,7 @@ def test_lora_sft_on_smollm2_over_sse_then_chat_with_the_published_adapter(
                 "dataset": up.json()["id"],
                 "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
                 "max_tokens_per_pack": 1024,
-                "hyperparameters": {"max_steps": 3, "learning_rate": 2e-4},
+                "hyperparameters": {"max_steps": 3, "n_epochs": 2, "learning_rate": 2e-4},
                 "publish": True,
             }
             created = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(api_key), timeout=120)
