@@ -112,6 +112,7 @@ def up(
             }
         )
     )
+    _bootstrap_docs(layout, common)
     _print_urls(layout, comps, redis_url)
     if foreground:
         _wait_for_signal(layout)
@@ -160,6 +161,19 @@ def _start(
                 waiting = {k: v for k, v in status.items() if v != "ready"}
                 raise stack.StackError(f"not ready after {timeout:.0f}s: {waiting}")
             time.sleep(0.5)
+
+
+def _bootstrap_docs(layout: stack.Layout, common: CommonSettings) -> None:
+    """First start: a `docs` collection of the project's own documentation for tenant `default`,
+    so a newcomer can ask questions at once. Does nothing when the collection exists."""
+    from services.agent.bootstrap_docs import BootstrapError, ensure_docs_collection
+
+    try:
+        made = ensure_docs_collection(common.url_of("retrieval"), layout.key_file.read_text().strip())
+        if made.created:
+            console.print(f"Created collection [bold]docs[/] from {len(made.documents)} documentation files")
+    except (BootstrapError, httpx.HTTPError, OSError) as exc:
+        console.print(f"[yellow]docs collection not created:[/] {exc}")
 
 
 def _status_table(status: dict[str, str]) -> Table:
