@@ -194,14 +194,20 @@ def run_rag_eval(
     do_ingest: bool = True,
     pipeline: str = "chat-documents",
     timeout: float = 300.0,
+    distractors: int | None = None,
 ) -> RagReport:
     from services.agent.citations import marker_numbers
 
     headers = {"Authorization": f"Bearer {api_key}"}
+    query_ids = [q for q in sorted(data.qrels) if q in data.queries][:limit]
+    if distractors is not None:
+        # A slice for quick runs: the judged documents of the asked queries plus some others.
+        judged = {d for q in query_ids for d in data.qrels[q] if d in data.corpus}
+        others = [d for d in data.corpus if d not in judged][:distractors]
+        data = BeirSet({d: data.corpus[d] for d in [*judged, *others]}, data.queries, data.qrels)
     if do_ingest:
         with httpx.Client(base_url=retrieval_url, headers=headers, timeout=timeout) as rc:
             ingest(rc, collection, data)
-    query_ids = [q for q in sorted(data.qrels) if q in data.queries][:limit]
     report = RagReport(qrels=data.qrels)
     with httpx.Client(base_url=agent_url, headers=headers, timeout=timeout) as ac:
         for qid in query_ids:
@@ -265,6 +271,11 @@ def rag_command(
         True, "--ingest/--no-ingest", help="Create the collection and ingest the corpus if it does not exist."
     ),
     pipeline: str = typer.Option("chat-documents", help="Pipeline to ask."),
+    distractors: int | None = typer.Option(
+        None,
+        min=0,
+        help="Ingest only the judged documents of the asked queries plus this many others (quick runs).",
+    ),
     api_key: str = typer.Option("", help="API key (default: TANDEM_SERVICE_API_KEY)."),
     agent_url: str = typer.Option("", help="Agent service URL (default from settings)."),
     retrieval_url: str = typer.Option("", help="Retrieval service URL (default from settings)."),
@@ -292,6 +303,7 @@ def rag_command(
             limit=limit,
             do_ingest=ingest_corpus,
             pipeline=pipeline,
+            distractors=distractors,
         )
     except httpx.HTTPError as exc:
         console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
