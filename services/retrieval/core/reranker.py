@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -29,15 +30,28 @@ class CrossEncoderReranker:
         self.name = path.name
         self.batch_size = batch_size
         self.model = CrossEncoder(str(path), device=str(current_platform().device()))
-        self._lock = threading.Lock()
+        # One thread for the model, as in embedder.py (torch's OpenMP pool is per calling thread).
+        on_cpu = current_platform().device_type == "cpu"
+
+        def one_thread() -> None:
+            if on_cpu:
+                import torch
+
+                torch.set_num_threads(1)
+
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="rerank", initializer=one_thread
+        )
 
     def score(self, query: str, texts: Sequence[str]) -> np.ndarray:
         if not texts:
             return np.zeros(0, dtype=np.float32)
-        with self._lock:
-            out = self.model.predict(
-                [(query, t) for t in texts], batch_size=self.batch_size, show_progress_bar=False
-            )
+        out = self._executor.submit(
+            self.model.predict,
+            [(query, t) for t in texts],
+            batch_size=self.batch_size,
+            show_progress_bar=False,
+        ).result()
         arr = np.asarray(out, dtype=np.float32)
         # Multi-label heads give [n, labels]; the last label is "relevant" by convention.
         return arr if arr.ndim == 1 else arr[:, -1]
