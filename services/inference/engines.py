@@ -36,7 +36,11 @@ def _dtype(settings: InferenceSettings) -> Any:
 
 
 def build_torch_engine(
-    settings: InferenceSettings, common: CommonSettings, name: str, model: str | None
+    settings: InferenceSettings,
+    common: CommonSettings,
+    name: str,
+    model: str | None,
+    tokenizer_fallback: Path | None = None,
 ) -> Engine:
     import torch
 
@@ -56,6 +60,7 @@ def build_torch_engine(
         prefill_chunk=settings.prefill_chunk,
         max_model_len=settings.max_model_len,
         request_timeout=settings.request_timeout,
+        tokenizer_fallback=tokenizer_fallback,
     )
 
 
@@ -86,6 +91,8 @@ async def build_engine(settings: InferenceSettings, common: CommonSettings) -> E
 
 def torch_builder(settings: InferenceSettings, common: CommonSettings) -> Any:
     async def build(name: str, path: Path) -> Engine:
-        return await asyncio.to_thread(build_torch_engine, settings, common, name, str(path))
+        # a registered fine-tune without tokenizer files borrows the served base model's
+        base = await asyncio.to_thread(resolve_model, settings.model or None, cache_root(common))
+        return await asyncio.to_thread(build_torch_engine, settings, common, name, str(path), base)
 
     return build

@@ -126,11 +126,18 @@ class TorchEngine:
         device: Any = None,
         dtype: torch.dtype | None = None,
         name: str | None = None,
+        tokenizer_fallback: str | Path | None = None,
         **kwargs: Any,
     ) -> TorchEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError):
+            # a fine-tune saved without its tokenizer: the base model's is the right one
+            if tokenizer_fallback is None:
+                raise
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_fallback))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32)
         model.eval()
         return cls(model, tokenizer, name=name or Path(path).name, device=device, **kwargs)
