@@ -61,6 +61,7 @@ def build_torch_engine(
         max_model_len=settings.max_model_len,
         request_timeout=settings.request_timeout,
         tokenizer_fallback=tokenizer_fallback,
+        num_threads=settings.threads,
     )
 
 

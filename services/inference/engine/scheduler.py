@@ -87,7 +87,9 @@ class Scheduler:
         prefill_chunk: int,
         eos_token_ids: set[int],
         model_lock: threading.RLock,
+        num_threads: int = 0,
     ) -> None:
+        self.num_threads = num_threads
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -160,6 +162,9 @@ class Scheduler:
             self._thread = None
 
     def _loop(self) -> None:
+        if self.num_threads:
+            # torch's CPU thread count must be set on the thread that runs the forwards
+            torch.set_num_threads(self.num_threads)
         while True:
             with self._cv:
                 while not self._stop and not (self.waiting or self.slots or self._aborts):

@@ -84,6 +84,7 @@ class TorchEngine:
         prefill_chunk: int = 256,
         max_model_len: int | None = None,
         request_timeout: float | None = None,
+        num_threads: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -105,6 +106,7 @@ class TorchEngine:
             prefill_chunk=prefill_chunk,
             eos_token_ids=_eos_ids(model, tokenizer),
             model_lock=self.model_lock,
+            num_threads=num_threads,
         )
         self.adapters: dict[str, str] = {}
         # the trainer's engine uses the model's active adapter as is; ours route per row
