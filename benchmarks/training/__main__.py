@@ -10,8 +10,12 @@ second of forward + backward + AdamW step.
 
 SFT (GSM8K train plus the chosen dialogues of HH-RLHF, mixed lengths):
   packed            BFD packs of <= 4096 tokens, FlashMask document mask (kernels)
-  padded-16         batches of 16 padded to their longest (transformers DataCollatorWithPadding), SDPA
-  fixed-1024        every sample padded to 1024 tokens (the common fixed-length practice), SDPA
+  padded-16         batches of 16 padded to their longest (transformers DataCollatorWithPadding), SDPA,
+                    the plain HF forward (logits at every position) and cross-entropy
+  fixed-1024        every sample padded to 1024 tokens (the common fixed-length practice), same forward
+The packed path also computes the output head only at label positions (chunked); the
+padded baselines run the standard HF forward, as a Trainer would. DPO: both contenders use
+the label-position head, so the DPO ratio isolates packing with the shared prompt.
 DPO (HH-RLHF):
   packed            prompt once + chosen + rejected per pair, shared-question mask, <= 4096 per pack
   padded-8          batches of 8 pairs = 16 rows (prompt+chosen, prompt+rejected) padded to the longest
@@ -36,7 +40,7 @@ from services.trainer.data.formats import parse_dataset, parse_hh_dialogue
 from services.trainer.data.packing import pack_pairs, pack_sft, shuffled_bfd
 from services.trainer.data.tokenize import IGNORE, PairSample, SFTSample, tokenize_pair, tokenize_sft
 from services.trainer.losses import dpo_loss
-from services.trainer.modeling import gather_logps, hidden_states, label_positions, load_causal_lm
+from services.trainer.modeling import load_causal_lm
 from services.trainer.recipes.dpo import pack_pair_logps, padded_pair_batch, padded_pair_logps
 from services.trainer.recipes.sft import pack_logps
 
@@ -67,6 +71,40 @@ def build_model(tmp: Path, hidden: int, layers: int) -> Path:
     LlamaForCausalLM(cfg).save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     return tmp
+
+
+def register_per_document_sdpa() -> str:
+    """Diagnostic only (``--diagnose``): document-masked attention as one SDPA call per document.
+
+    Registered as another HF attention so the *same* packed batches can be timed with an
+    attention whose cost follows the document mask, to separate what packing saves from
+    what the CPU FlashMask path costs. The trainer itself always uses ``kernels``.
+    """
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+
+    def attn(
+        module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, **kw: Any
+    ) -> tuple[torch.Tensor, None]:
+        bounds = kw.get("startend_row_indices")
+        ends = sorted(set(bounds[0, 0, :, 0].tolist())) if bounds is not None else [q.shape[2]]
+        outs, start = [], 0
+        for end in ends:
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, start:end],
+                    k[:, :, start:end],
+                    v[:, :, start:end],
+                    is_causal=True,
+                    scale=kw.get("scaling"),
+                    enable_gqa=True,
+                )
+            )
+            start = end
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("bench_per_document_sdpa", attn)
+    return "bench_per_document_sdpa"
 
 
 def sft_samples(tok: Any, n: int, seed: int) -> list[SFTSample]:
@@ -154,6 +192,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma-separated contenders to skip, e.g. fixed-1024")
+    ap.add_argument(
+        "--diagnose", action="store_true", help="also time the packed batches with per-document SDPA"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
@@ -202,9 +243,18 @@ def main(argv: list[str]) -> int:
                 processed = sum(int(b["input_ids"].numel()) for b in batches)
 
                 def run(b: dict[str, torch.Tensor], denom: int) -> torch.Tensor:
-                    h = hidden_states(padded_model, b["input_ids"], attention_mask=b["attention_mask"])
-                    pos, tgt = label_positions(b["labels"])
-                    return -gather_logps(padded_model, h, pos, tgt).sum() / denom
+                    # The common practice: the HF forward with padded batches, logits at every
+                    # position, summed token loss (so accumulation gives the same token mean).
+                    logits = padded_model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+                    return (
+                        torch.nn.functional.cross_entropy(
+                            logits.flatten(0, 1).float(),
+                            b["labels"].flatten(),
+                            ignore_index=IGNORE,
+                            reduction="sum",
+                        )
+                        / denom
+                    )
 
                 t, rates = train(
                     padded_model,
@@ -216,8 +266,18 @@ def main(argv: list[str]) -> int:
 
             return go
 
+        def packed_diag() -> tuple[float, list[float], float]:
+            nonlocal packed_model
+            saved = packed_model
+            packed_model = load_causal_lm(path, attn=register_per_document_sdpa())
+            try:
+                return packed_sft()
+            finally:
+                packed_model = saved
+
         contenders = {
             f"packed-{args.pack}": packed_sft,
+            **({f"packed-{args.pack}-per-doc-sdpa (diagnostic)": packed_diag} if args.diagnose else {}),
             "padded-16": padded_sft(None, 16),
             "fixed-1024": padded_sft(1024, 4),
         }
