@@ -108,7 +108,10 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     parts = []
     first_param: str | None = None
     for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        loc = [str(p) for p in err.get("loc", ())]
+        # The first element says where the value came from (body, query string, ...), not its name.
+        if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
+            loc = loc[1:]
         param = ".".join(loc) or None
         first_param = first_param or param
         if err.get("type") == "json_invalid":

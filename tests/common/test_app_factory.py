@@ -165,3 +165,15 @@ def test_readiness_reports_failing_dependency() -> None:
         resp = httpx.get(f"{url}/readyz")
         assert resp.status_code == 503
         assert resp.json()["checks"]["redis"] != "ok"
+
+
+def test_field_named_like_a_location_is_still_named() -> None:
+    from fastapi.exceptions import RequestValidationError
+
+    from services.common.errors import describe_validation_error
+
+    exc = RequestValidationError(
+        [{"type": "string_too_short", "loc": ("body", "query"), "msg": "too short", "input": ""}]
+    )
+    message, param = describe_validation_error(exc)
+    assert param == "query" and message.startswith("query:")
