@@ -57,6 +57,9 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix services kernels tests benchmarks
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	# Its huggingface-hub<2 pin would downgrade the hub transformers needs; the code it uses works with 2.x.
+	$(PY) -m pip install --quiet --no-deps "langchain-huggingface>=0.1"
 	$(PY) -m benchmarks.run $(ARGS)
 
 clean:
