@@ -188,6 +188,15 @@ def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
         httpx.get(f"{harness.base}/v1/jobs/{jid}/artifacts/final/../../x", headers=auth(api_key)).status_code
         == 404
     )
+    # the websocket replays the same events (browser-style auth through subprotocols)
+    from websockets.sync.client import connect
+
+    ws_url = harness.base.replace("http://", "ws://") + f"/v1/ws/jobs/{jid}"
+    with connect(ws_url, subprotocols=["tandem.bearer", api_key]) as ws:  # type: ignore[list-item]
+        assert ws.subprotocol == "tandem.bearer"
+        got = [json.loads(m) for m in ws]
+    assert [e["step"] for e in got if e["type"] == "progress"] == [1, 2, 3]
+    assert got[-1] == {**got[-1], "type": "status", "status": "succeeded"}
     again = httpx.post(f"{harness.base}/v1/jobs/{jid}/cancel", headers=auth(api_key))
     assert again.status_code == 409
 
