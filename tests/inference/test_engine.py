@@ -131,3 +131,41 @@ def test_generate_batch_follows_weight_updates(lively: tuple[Any, Any]) -> None:
     after = engine.generate_batch(prompt, params)[0].token_ids
     assert after != before
     assert after == _reference(model.eval(), prompt, 12)[0]
+
+
+def test_long_prompts_grow_the_cache_and_finished_rows_are_moved(lively: tuple[Any, Any]) -> None:
+    """Prompts beyond the slab's first capacity (256) grow it; sequences finishing at
+    different times move the last row into their hole. Outputs stay equal to generate."""
+    model, tok = lively
+    prompts = [list(range(1000 + 7 * i, 1000 + 7 * i + 300 + 40 * i)) for i in range(4)]
+    lengths = [5, 30, 12, 25]
+    refs = []
+    for p, n in zip(prompts, lengths, strict=True):
+        out = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        refs.append(out[0, len(p) :].tolist())
+    engine = TorchEngine.from_model(model, tok, max_batch_size=3, prefill_chunk=128)
+    outs = [
+        engine.generate_batch([p], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        for p, n in zip(prompts[:1], lengths[:1], strict=True)
+    ]
+    # all together, each with its own length: rows leave at different steps
+    import threading
+
+    engine.scheduler.start()
+    try:
+        results: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            params = SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True)
+            results[i] = engine.generate_batch([prompts[i]], params)[0].token_ids
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        engine.scheduler.stop()
+    assert outs[0].token_ids == refs[0]
+    assert [results[i] for i in range(4)] == refs
+    assert engine.runner.cache.capacity >= 512

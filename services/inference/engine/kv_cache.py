@@ -62,6 +62,7 @@ class SlabKVCache:
     def nbytes(self) -> int:
         return 2 * self.num_layers * self.k[0].numel() * self.k[0].element_size()
 
+    @torch.inference_mode()
     def ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return
@@ -78,6 +79,7 @@ class SlabKVCache:
                 store[layer] = grown
         self.capacity = new
 
+    @torch.inference_mode()
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s first ``length`` positions into slot ``dst`` (hole filling)."""
         if src == dst or length <= 0:

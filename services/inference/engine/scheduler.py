@@ -136,7 +136,8 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if not predicate(s))
         for seq in victims:
             self._finish(seq, "error", error=message)
-        self._release_finished()
+        with torch.inference_mode():
+            self._release_finished()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.slots)
@@ -181,7 +182,9 @@ class Scheduler:
     # --- one iteration -----------------------------------------------------------------------
     def step(self) -> None:
         try:
-            with self.model_lock:
+            # inference mode for the whole step: the KV slab is created and grown inside it,
+            # and in-place updates of it (hole filling) must happen inside it too
+            with self.model_lock, torch.inference_mode():
                 self._step()
             self.last_error = None
         except Exception as exc:  # a failed forward must not take the service down
@@ -361,10 +364,12 @@ class Scheduler:
                 if seq.finish_reason is None:
                     i += 1
                     continue
-                last = self.slots.pop()
+                last = self.slots[-1]
                 if last is not seq:
-                    # fill the hole with the last row (only its computed positions move)
+                    # fill the hole with the last row (only its computed positions move);
+                    # moved before anything is popped, so a failure loses no sequence
                     self.runner.cache.move(last.slot, i, last.num_computed)
                     last.slot = i
                     self.slots[i] = last
+                self.slots.pop()
                 # re-check index i: it now holds the moved sequence
