@@ -218,7 +218,7 @@ class TorchEngine:
         deadline = time.monotonic() + timeout if timeout else None
         seqs = []
         for j in range(params.n):
-            seed = None if params.seed is None else params.seed + j
+            seed = None if params.seed is None else params.seed + index_base + j  # distinct per choice
             detok = (
                 IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.skip_special_tokens)
                 if params.detokenize or params.stop
