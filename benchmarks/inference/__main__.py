@@ -244,6 +244,7 @@ def start_server(
     max_batch: int,
     chunk: int,
     threads: int,
+    prefix_cache_mb: float = 64.0,
 ) -> tuple[subprocess.Popen[bytes], str]:
     from tests.helpers.servers import free_port
 
@@ -262,6 +263,7 @@ def start_server(
         TANDEM_INFERENCE_PREFILL_CHUNK=str(chunk),
         TANDEM_INFERENCE_MAX_QUEUE="256",
         TANDEM_INFERENCE_THREADS=str(threads),
+        TANDEM_INFERENCE_PREFIX_CACHE_MB=str(prefix_cache_mb),
     )
     cmd = [
         sys.executable,
@@ -331,6 +333,12 @@ def main() -> int:
         help="torch CPU threads for both the baseline and the server (0: torch's default); "
         "on a machine shared with other jobs, 1 gives stable figures",
     )
+    ap.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=64.0,
+        help="the server's prefix cache (TANDEM_INFERENCE_PREFIX_CACHE_MB); 0 turns it off for an A/B run",
+    )
     args = ap.parse_args()
 
     from services.inference.engine.loader import resolve_model
@@ -371,6 +379,7 @@ def main() -> int:
                 max(levels),
                 args.prefill_chunk,
                 args.threads,
+                args.prefix_cache_mb,
             )
             try:
                 asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up

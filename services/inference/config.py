@@ -38,6 +38,11 @@ class InferenceSettings(ServiceSettings):
     prefill_chunk: int = Field(
         256, ge=16, le=65536, description="Prompt tokens per prefill forward (chunked prefill budget)."
     )
+    prefix_cache_mb: float = Field(
+        64.0,
+        ge=0,
+        description="MiB of prompt-prefix keys/values kept for reuse (shared system prompts); 0 disables.",
+    )
     max_model_len: int = Field(
         2048, ge=16, description="Context length served (capped by the model's own); longer prompts get 400."
     )

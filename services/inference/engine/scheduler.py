@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from services.inference.engine.detokenizer import IncrementalDetokenizer
+from services.inference.engine.prefix_cache import PrefixCache, common_prefix_len, weights_fingerprint
 from services.inference.engine.runner import ModelRunner, PrefillRow
 from services.inference.engine.sampling import RowSampling, sample
 from services.inference.engine.types import (
@@ -64,6 +65,8 @@ class Sequence:
     num_computed: int = 0
     slot: int = -1
     finish_reason: FinishReason | None = None
+    # looked up in the prefix cache already (only once, when admitted)
+    prefix_checked: bool = False
     # time the sequence was submitted / got its first token (metrics)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -74,6 +77,10 @@ class Sequence:
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+def _adapter(seq: Sequence) -> str:
+    return seq.adapter or "__base__"
 
 
 class Scheduler:
@@ -88,8 +95,10 @@ class Scheduler:
         eos_token_ids: set[int],
         model_lock: threading.RLock,
         num_threads: int = 0,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.num_threads = num_threads
+        self.prefix_cache = prefix_cache or PrefixCache(0)
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -238,6 +247,9 @@ class Scheduler:
         pending = sorted((s for s in self.slots if not s.prefilled), key=lambda s: s.seq_id)
         if not pending:
             return
+        if self.prefix_cache.enabled:
+            self._reuse_prefixes(pending)
+            pending = [s for s in pending if not s.prefilled]
         max_len = self.runner.max_len
         chosen: list[tuple[Sequence, int]] = []
         width = 0
@@ -262,8 +274,46 @@ class Scheduler:
             seq.num_computed += chunk
             if seq.prefilled:
                 done.append(i)
+            if self.prefix_cache.enabled:
+                self.prefix_cache.store(
+                    _adapter(seq), seq.prompt_ids[: seq.num_computed], self.runner.cache, seq.slot
+                )
         if done:
             self._sample_and_emit([chosen[i][0] for i in done], logits[done])
+
+    def _try_prefix_hit(self, seq: Sequence) -> bool:
+        entry, length = self.prefix_cache.longest(_adapter(seq), seq.prompt_ids)
+        if entry is None:
+            return False
+        self.prefix_cache.load_into(entry, length, self.runner.cache, seq.slot)
+        seq.num_computed = length
+        return True
+
+    def _reuse_prefixes(self, pending: list[Sequence]) -> None:
+        """Start newly admitted sequences from cached prefixes; compute a prefix shared by
+        several new arrivals once (for the oldest of them) and copy it to the others."""
+        cache = self.prefix_cache
+        cache.validate(weights_fingerprint(self.runner.model))
+        fresh = [s for s in pending if s.num_computed == 0 and not s.prefix_checked]
+        if not fresh:
+            return
+        misses = [s for s in fresh if not self._try_prefix_hit(s)]
+        while len(misses) >= 2:
+            leader, rest = misses[0], misses[1:]
+            adapter = _adapter(leader)
+            shared = max(
+                (common_prefix_len(leader.prompt_ids, o.prompt_ids) for o in rest if _adapter(o) == adapter),
+                default=0,
+            )
+            shared = min(shared, len(leader.prompt_ids) - 1, self.prefill_chunk, cache.max_entry_tokens)
+            if shared >= cache.min_tokens:
+                self.runner.prefill([PrefillRow(leader.slot, leader.prompt_ids[:shared], 0)], [adapter])
+                leader.num_computed = shared
+                cache.store(adapter, leader.prompt_ids[:shared], self.runner.cache, leader.slot)
+                rest = [o for o in rest if not self._try_prefix_hit(o)]
+            misses = rest
+        for seq in fresh:
+            seq.prefix_checked = True
 
     def _decode(self) -> None:
         n = len(self.slots)

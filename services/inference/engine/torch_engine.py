@@ -23,6 +23,7 @@ import torch
 
 from services.inference.engine.base import ServedModel
 from services.inference.engine.detokenizer import IncrementalDetokenizer
+from services.inference.engine.prefix_cache import PrefixCache
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import Scheduler, Sequence
@@ -85,6 +86,7 @@ class TorchEngine:
         max_model_len: int | None = None,
         request_timeout: float | None = None,
         num_threads: int = 0,
+        prefix_cache_mb: float = 64.0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -107,6 +109,7 @@ class TorchEngine:
             eos_token_ids=_eos_ids(model, tokenizer),
             model_lock=self.model_lock,
             num_threads=num_threads,
+            prefix_cache=PrefixCache(int(prefix_cache_mb * 2**20)),
         )
         self.adapters: dict[str, str] = {}
         # the trainer's engine uses the model's active adapter as is; ours route per row
@@ -413,6 +416,7 @@ class TorchEngine:
             self._own_adapters = True
             self.runner.model = self.model
             self.runner.refresh_adapter_hooks()
+            self.scheduler.prefix_cache.clear()
 
     def _drop_adapter_modules(self, name: str) -> None:
         from peft import PeftModel
@@ -435,3 +439,5 @@ class TorchEngine:
             del self.adapters[name]
             self.runner.model = self.model
             self.runner.refresh_adapter_hooks()
+            # a later adapter of the same name must not find this one's keys/values
+            self.scheduler.prefix_cache.clear()

@@ -1,0 +1,114 @@
+"""The prefix cache: a prompt that starts from cached keys/values gives exactly the tokens
+it gives when computed from scratch; it is keyed per adapter and dropped on weight updates."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.inference.engine import SamplingParams, TorchEngine
+from services.inference.engine.kv_cache import SlabKVCache
+from services.inference.engine.prefix_cache import PrefixCache
+from tests.inference.test_engine import QUESTIONS, _chat, _load, _reference
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def lively(lively_tiny_path: Path) -> tuple[Any, Any]:
+    return _load(lively_tiny_path)
+
+
+def test_hit_gives_the_same_tokens_as_a_miss(lively: tuple[Any, Any]) -> None:
+    model, tok = lively
+    prompts = [_chat(tok, q) for q in QUESTIONS]
+    refs = _reference(model, prompts, 24)
+    cold = TorchEngine.from_model(model, tok, max_batch_size=4, prefix_cache_mb=0)
+    assert [o.token_ids for o in cold.generate_batch(prompts, GREEDY)] == refs
+    assert cold.scheduler.prefix_cache.hits == 0
+
+    warm = TorchEngine.from_model(model, tok, max_batch_size=4)
+    # one at a time: each later prompt starts from the system prompt cached by the first
+    for prompt, ref in zip(prompts, refs, strict=True):
+        assert warm.generate_batch([prompt], GREEDY)[0].token_ids == ref
+    cache = warm.scheduler.prefix_cache
+    assert cache.hits >= len(prompts) - 1
+    # the same prompt again reuses all but its last token
+    before = cache.hit_tokens
+    assert warm.generate_batch([prompts[0]], GREEDY)[0].token_ids == refs[0]
+    assert cache.hit_tokens - before == len(prompts[0]) - 1
+
+
+def test_prompts_arriving_together_share_one_prefix_computation(lively: tuple[Any, Any]) -> None:
+    model, tok = lively
+    prompts = [_chat(tok, q) for q in QUESTIONS[:4]]
+    refs = _reference(model, prompts, 24)
+    engine = TorchEngine.from_model(model, tok, max_batch_size=4)
+    outs = engine.generate_batch(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    # the oldest computed the shared prefix, the other three copied it
+    assert engine.scheduler.prefix_cache.hits == 3
+
+
+def test_seeded_sampling_is_reproducible_across_hits(lively: tuple[Any, Any]) -> None:
+    model, tok = lively
+    engine = TorchEngine.from_model(model, tok, max_batch_size=4)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=7, n=2)
+    prompt = [_chat(tok, QUESTIONS[2])]
+    first = [o.token_ids for o in engine.generate_batch(prompt, params)]
+    second = [o.token_ids for o in engine.generate_batch(prompt, params)]
+    assert engine.scheduler.prefix_cache.hits > 0
+    assert first == second
+    uncached = TorchEngine.from_model(model, tok, max_batch_size=4, prefix_cache_mb=0)
+    assert [o.token_ids for o in uncached.generate_batch(prompt, params)] == first
+
+
+def test_in_place_weight_update_drops_the_cache(lively: tuple[Any, Any]) -> None:
+    """The trainer updates weights between rollouts; cached keys/values of the old weights
+    must not be reused (here a change to the attention, so the keys/values differ)."""
+    model, tok = lively
+    model = copy.deepcopy(model)
+    engine = TorchEngine.from_model(model, tok, max_batch_size=4)
+    prompt = [_chat(tok, QUESTIONS[0])]
+    before = engine.generate_batch(prompt, GREEDY)[0].token_ids
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(-1.5)
+    after = engine.generate_batch(prompt, GREEDY)[0].token_ids
+    assert after == _reference(model, prompt, 24)[0]
+    assert after != before
+
+
+def test_entries_are_keyed_per_adapter_and_bounded() -> None:
+    slab = SlabKVCache(
+        num_layers=2,
+        max_slots=2,
+        kv_heads=1,
+        head_dim=4,
+        max_len=64,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    slab.k[0][0, :, :10] = 1.0
+    cache = PrefixCache(10_000)
+    tokens = list(range(10))
+    cache.store("a", tokens, slab, 0)
+    assert cache.longest("b", [*tokens, 99])[0] is None
+    entry, n = cache.longest("a", [*tokens[:6], 42, 43])
+    assert entry is not None and n == 6
+    # a full match still leaves the last token to compute
+    assert cache.longest("a", tokens)[1] == 9
+    cache.load_into(entry, n, slab, 1)
+    assert torch.equal(slab.k[0][1, :, :6], slab.k[0][0, :, :6])
+    # a longer prompt with the same start replaces its prefix entry; bytes stay bounded
+    cache.store("a", [*tokens, 10, 11], slab, 0)
+    assert len(cache.entries) == 1
+    small = PrefixCache(2 * 2 * 4 * 4 * 12)  # room for one 12-token entry
+    small.store("a", [*tokens, 10, 11], slab, 0)
+    small.store("a", list(range(100, 112)), slab, 0)
+    assert len(small.entries) == 1 and small.nbytes <= small.max_bytes
+    assert small.longest("a", [*tokens, 5])[0] is None
