@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from services.agent.chunks import Chunk, Citation
-from services.agent.text import content_terms, overlap
+from services.agent.text import content_terms, overlap, sentences
 
 # "[1]", "[1, 3]", "[1][2]", "[Source 2]", "[source: 2]"
 MARKER_RE = re.compile(r"\[\s*(?:sources?\s*:?\s*)?(\d{1,3}(?:\s*[,;]\s*\d{1,3})*)\s*\]", re.IGNORECASE)
@@ -92,16 +92,29 @@ class CitationTracker:
         return [self.resolved[n] for n in sorted(self.resolved)]
 
 
-def attribute(answer: str, chunks: list[Chunk], min_overlap: float = 0.5) -> list[Citation]:
-    """For an answer without markers: the chunk whose words the answer shares most, if it shares enough.
+def attribute(
+    answer: str, chunks: list[Chunk], min_overlap: float = 0.5, max_citations: int = 3
+) -> list[Citation]:
+    """For an answer without markers: the chunks its sentences are drawn from, if they share enough.
 
-    Marked ``kind="attributed"`` so it is never mistaken for a citation the model made.
+    Judged sentence by sentence, not over the whole answer: a small model that repeats
+    itself or adds a sentence of its own would otherwise dilute a clear match below the
+    threshold. Marked ``kind="attributed"`` so it is never mistaken for a citation the
+    model made.
     """
-    terms = content_terms(answer)
-    if not terms or not chunks:
+    if not chunks:
         return []
-    scored = [(overlap(terms, c.text), i) for i, c in enumerate(chunks)]
-    best, idx = max(scored)
-    if best < min_overlap:
-        return []
-    return [Citation.of(idx + 1, chunks[idx], kind="attributed")]
+    whole = content_terms(answer)
+    pieces = [answer[s:e] for s, e in sentences(answer)] or [answer]
+    picked: list[int] = []
+    for piece in [answer, *pieces]:
+        terms = content_terms(piece)
+        # Very short sentences ("Yes.") say nothing about where they came from.
+        if len(terms) < min(3, len(whole)) or not terms:
+            continue
+        best, idx = max((overlap(terms, c.text), i) for i, c in enumerate(chunks))
+        if best >= min_overlap and idx not in picked:
+            picked.append(idx)
+        if len(picked) >= max_citations:
+            break
+    return [Citation.of(idx + 1, chunks[idx], kind="attributed") for idx in picked]

@@ -62,3 +62,13 @@ def test_a_source_cited_by_its_title_resolves_to_it() -> None:
     assert tracker.by_title == 1 and tracker.invalid == []
     tracker = CitationTracker(chunks())
     assert [c.index for c in tracker.feed("see [the france] and [2]")] == [1, 2]
+
+
+def test_attribution_survives_a_rambling_answer() -> None:
+    # The first sentence is drawn from a source; the rest is the model's own repetition.
+    answer = (
+        "The capital of Germany is Berlin. Many people like travelling and seeing museums, "
+        "parks, rivers, bridges, trains, mountains, lakes and forests every single summer holiday."
+    )
+    found = attribute(answer, chunks())
+    assert [(c.document_id, c.kind) for c in found] == [("b", "attributed")]
