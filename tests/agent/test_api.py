@@ -235,3 +235,18 @@ def test_web_front_end_is_served_when_built(redis_url: str, tmp_path: Path, api_
         assert "tandem web" in httpx.get(f"{s.url}/").text
         assert httpx.get(f"{s.url}/v1/models", headers=auth(api_key)).status_code == 200
         assert httpx.get(f"{s.url}/healthz").status_code == 200
+
+
+def test_a_looping_model_is_stopped_at_the_first_repeat(stack: Stack, api_key: str) -> None:
+    stack.model.replies = lambda body: "Berlin is the capital of Germany [1]. " * 8 + "It has many museums."
+    resp = httpx.post(
+        f"{stack.url}/v1/pipelines/chat-documents/run",
+        json={"query": "What is the capital of Germany?", "collection": "geo"},
+        headers=auth(api_key),
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["answer"].count("Berlin is the capital of Germany") == 1, body["answer"]
+    assert "museums" not in body["answer"]
+    assert [c["document_id"] for c in body["citations"]] == ["de"]

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.agent.chunks import Chunk
 from services.agent.citations import CitationTracker, attribute
+from services.agent.repetition import RepetitionGuard
 from services.agent.highlight import highlight
 from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
 from services.agent.rewrite import HistoryRewriter, QueryRewriter
@@ -277,15 +278,30 @@ class GenerateNode:
             yield {"type": "token", "text": state.answer}
             return
         gen = self.generator or InferenceGenerator(self.p.max_tokens, self.p.temperature)
-        async for text in gen.generate(ctx, state.plan.messages):
-            state.answer += text
-            yield {"type": "token", "text": text}
-            if state.tracker is not None:
-                for citation in state.tracker.feed(text):
-                    yield {"type": "citation", **citation.to_dict()}
+        guard = RepetitionGuard()
+        stream = gen.generate(ctx, state.plan.messages)
+        looped = False
+        try:
+            async for text in stream:
+                state.answer += text
+                yield {"type": "token", "text": text}
+                if state.tracker is not None:
+                    for citation in state.tracker.feed(text):
+                        yield {"type": "citation", **citation.to_dict()}
+                if guard.feed(text):
+                    looped = True
+                    break
+        finally:
+            # Closing the stream closes the upstream request, which frees the inference slot.
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
         if isinstance(gen, InferenceGenerator):
             state.usage = gen.usage
             state.finish_reason = gen.finish_reason
+        if looped:
+            state.answer = guard.trim(state.answer)
+            state.finish_reason = "repetition"
 
 
 class CiteNode:

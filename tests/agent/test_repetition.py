@@ -1,0 +1,19 @@
+from services.agent.repetition import RepetitionGuard
+
+
+def test_guard_stops_at_a_repeated_sentence_fed_in_pieces() -> None:
+    guard = RepetitionGuard()
+    text = "The tower is 330 metres tall. It was built in 1889. The tower is 330 metres tall. More."
+    stopped_at = None
+    for i in range(0, len(text), 3):
+        if guard.feed(text[i : i + 3]):
+            stopped_at = i
+            break
+    assert stopped_at is not None
+    assert guard.trim(text[: stopped_at + 3]) == "The tower is 330 metres tall. It was built in 1889."
+
+
+def test_short_or_distinct_sentences_do_not_stop() -> None:
+    guard = RepetitionGuard()
+    assert not guard.feed("Yes. Yes. Yes. The first long sentence here. The second long sentence here. ")
+    assert guard.trim("unchanged") == "unchanged"
