@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.agent.chunks import Chunk
 from services.agent.citations import CitationTracker, attribute
-from services.agent.repetition import RepetitionGuard
 from services.agent.highlight import highlight
 from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
+from services.agent.repetition import RepetitionGuard
 from services.agent.rewrite import HistoryRewriter, QueryRewriter
 from services.agent.text import content_terms, overlap
 from services.common.errors import InvalidRequest
