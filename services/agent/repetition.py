@@ -14,7 +14,7 @@ _SENTENCE_END = re.compile(r"[.!?\n](?=\s)")
 
 
 class RepetitionGuard:
-    def __init__(self, min_chars: int = 20) -> None:
+    def __init__(self, min_chars: int = 8) -> None:
         # Short sentences ("Yes.") legitimately recur.
         self.min_chars = min_chars
         self.seen: set[str] = set()

@@ -17,3 +17,9 @@ def test_short_or_distinct_sentences_do_not_stop() -> None:
     guard = RepetitionGuard()
     assert not guard.feed("Yes. Yes. Yes. The first long sentence here. The second long sentence here. ")
     assert guard.trim("unchanged") == "unchanged"
+
+
+def test_repeated_short_lines_stop_too() -> None:
+    guard = RepetitionGuard()
+    assert not guard.feed("The answer is:\n")
+    assert guard.feed("The answer is:\n")
