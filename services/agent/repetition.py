@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-_SENTENCE_END = re.compile(r"[.!?\n](?=\s)")
+_SENTENCE_END = re.compile(r"[.!?](?=\s)|\n")
 
 
 class RepetitionGuard:
