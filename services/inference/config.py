@@ -43,6 +43,12 @@ class InferenceSettings(ServiceSettings):
         ge=0,
         description="MiB of prompt-prefix keys/values kept for reuse (shared system prompts); 0 disables.",
     )
+    admit_window_ms: float = Field(
+        20.0,
+        ge=0,
+        le=1000,
+        description="An idle engine waits this long for more arrivals so a burst prefills as one batch.",
+    )
     max_model_len: int = Field(
         2048, ge=16, description="Context length served (capped by the model's own); longer prompts get 400."
     )

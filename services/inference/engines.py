@@ -59,6 +59,7 @@ def build_torch_engine(
         max_queue=settings.max_queue,
         prefill_chunk=settings.prefill_chunk,
         prefix_cache_mb=settings.prefix_cache_mb,
+        admit_window=settings.admit_window_ms / 1000,
         max_model_len=settings.max_model_len,
         request_timeout=settings.request_timeout,
         tokenizer_fallback=tokenizer_fallback,

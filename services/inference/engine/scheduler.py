@@ -96,7 +96,9 @@ class Scheduler:
         model_lock: threading.RLock,
         num_threads: int = 0,
         prefix_cache: PrefixCache | None = None,
+        admit_window: float = 0.0,
     ) -> None:
+        self.admit_window = admit_window
         self.num_threads = num_threads
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.runner = runner
@@ -179,6 +181,15 @@ class Scheduler:
             with self._cv:
                 while not self._stop and not (self.waiting or self.slots or self._aborts):
                     self._cv.wait()
+                if not self.slots and self.admit_window > 0:
+                    # an idle engine waits a moment for the rest of a burst of arrivals, so
+                    # they prefill in one batch instead of queueing behind the first one's step
+                    until = time.monotonic() + self.admit_window
+                    while not self._stop and len(self.waiting) < self.max_batch_size:
+                        left = until - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cv.wait(left)
                 if self._stop:
                     break
             self.step()

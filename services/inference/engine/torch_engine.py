@@ -87,6 +87,7 @@ class TorchEngine:
         request_timeout: float | None = None,
         num_threads: int = 0,
         prefix_cache_mb: float = 64.0,
+        admit_window: float = 0.0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -110,6 +111,7 @@ class TorchEngine:
             model_lock=self.model_lock,
             num_threads=num_threads,
             prefix_cache=PrefixCache(int(prefix_cache_mb * 2**20)),
+            admit_window=admit_window,
         )
         self.adapters: dict[str, str] = {}
         # the trainer's engine uses the model's active adapter as is; ours route per row
