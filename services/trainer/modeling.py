@@ -1,9 +1,10 @@
 """Model components: loading with the FlashMask attention, LoRA, and per-token log-probs.
 
-Log-probs are computed from the decoder's hidden states through the output head in
-chunks, each recomputed in the backward pass (activation checkpointing): a 4096-token
-pack times a 49K vocabulary would otherwise hold 800 MB of fp32 logits and as much
-again of their gradient.
+Log-probs are computed from the decoder's hidden states through the output head at label
+positions only. Up to ``HEAD_SAVE_ELEMENTS`` logits the head runs once and its log-softmax
+is kept for the backward; above that it runs in chunks, each recomputed in the backward
+pass (activation checkpointing), so a long pack times a large vocabulary never holds all
+its fp32 logits and their gradient at once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from torch.utils.checkpoint import checkpoint
 log = logging.getLogger("tandem.trainer.modeling")
 
 HEAD_CHUNK = 1024
+# Up to this many logits (label rows x vocabulary; 1 GiB of fp32) the head runs in one call
+# and autograd keeps its log-softmax for the backward: recomputing it (checkpointing) costs
+# a whole extra head forward, which on a small model with a 49K vocabulary is most of a
+# packed step's matmuls. Bigger packs (long context, large vocabularies) are chunked and
+# recomputed so no more than HEAD_CHUNK rows of logits exist at once.
+HEAD_SAVE_ELEMENTS = 1 << 28
 ATTN = "flashmask"
 
 
@@ -124,6 +131,9 @@ def gather_logps(model: Any, hidden: torch.Tensor, src: torch.Tensor, targets: t
     flat = hidden.reshape(-1, hidden.shape[-1])
     picked = flat.index_select(0, src.to(flat.device))
     targets = targets.to(flat.device)
+    vocab = int(head.weight.shape[0])
+    if picked.shape[0] * vocab <= HEAD_SAVE_ELEMENTS:
+        return _chunk_logps(head, picked, targets)
     parts = []
     for start in range(0, picked.shape[0], HEAD_CHUNK):
         h = picked[start : start + HEAD_CHUNK]
