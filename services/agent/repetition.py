@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 
-_SENTENCE_END = re.compile(r"[.!?](?=\s)|\n")
+# A model may wrap lines mid-sentence, so a newline alone does not end one.
+_SENTENCE_END = re.compile(r"[.!?:;](?=\s)")
 
 
 class RepetitionGuard:

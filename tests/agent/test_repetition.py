@@ -23,3 +23,13 @@ def test_repeated_short_lines_stop_too() -> None:
     guard = RepetitionGuard()
     assert not guard.feed("The answer is:\n")
     assert guard.feed("The answer is:\n")
+
+
+def test_sentences_wrapped_differently_still_count_as_repeats() -> None:
+    guard = RepetitionGuard()
+    text = (
+        "The retriever is used to filter the\ndocuments. It is fast. The retriever is used\n"
+        "to filter the documents. And more."
+    )
+    assert any(guard.feed(text[i : i + 5]) for i in range(0, len(text), 5))
+    assert guard.repeated is not None and "retriever" in guard.repeated
