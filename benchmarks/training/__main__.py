@@ -13,7 +13,7 @@ SFT (GSM8K train plus the chosen dialogues of HH-RLHF, mixed lengths):
   padded-16         batches of 16 padded to their longest (transformers DataCollatorWithPadding), SDPA,
                     the plain HF forward (logits at every position) and cross-entropy
   fixed-1024        every sample padded to 1024 tokens (the common fixed-length practice), same forward
-The packed path also computes the output head only at label positions (chunked); the
+The packed path also computes the output head only at label positions (see modeling.py); the
 padded baselines run the standard HF forward, as a Trainer would. DPO: both contenders use
 the label-position head, so the DPO ratio isolates packing with the shared prompt.
 DPO (HH-RLHF):
