@@ -22,7 +22,7 @@ from tests.helpers.servers import free_port
 from tests.web.conftest import CHROMIUM, CHROMIUM_ARGS, REPO_ROOT
 
 TANDEM = [sys.executable, "-m", "services.cli.main"]
-QUESTION = "How do I start Tandem and open the web front end?"
+QUESTION = "What does the Search page do?"
 
 
 def main() -> None:
