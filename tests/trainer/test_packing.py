@@ -70,8 +70,19 @@ def fp32_models(tiny_model_path: Path) -> tuple:
     return load_causal_lm(tiny_model_path), load_causal_lm(tiny_model_path, attn="sdpa")
 
 
+@pytest.fixture(params=["head-kept", "head-chunked"])
+def head_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the label-position head runs: logits kept for the backward (packs up to
+    HEAD_SAVE_ELEMENTS logits) and chunked with recompute (the long-context path)."""
+    import services.trainer.modeling as modeling
+
+    if request.param == "head-chunked":
+        monkeypatch.setattr(modeling, "HEAD_SAVE_ELEMENTS", 0)
+    return str(request.param)
+
+
 def test_packed_sft_loss_and_grads_equal_unpacked(
-    tiny_model_path: Path, gsm8k_rows: bytes, fp32_models: tuple
+    tiny_model_path: Path, gsm8k_rows: bytes, fp32_models: tuple, head_path: str
 ) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     samples = [tokenize_sft(tok, r["messages"]) for r in parse_dataset(gsm8k_rows).records[:12]]
