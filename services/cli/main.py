@@ -290,20 +290,44 @@ def status() -> None:
 
 @app.command()
 def demo() -> None:
-    """Show the running stack working: authenticated calls to every service."""
+    """Show the running stack working: every service answers the key, then a search of the
+    `docs` collection and a question answered from it with citations."""
     common = load_settings(CommonSettings, check_unknown=False)
     layout = stack.Layout(common.home_dir)
     if not layout.key_file.exists():
         _fail(f"no API key in {layout.key_file}; run `tandem up` first")
     key = layout.key_file.read_text().strip()
     headers = {"Authorization": f"Bearer {key}"}
-    for svc in SERVICE_NAMES:
-        url = common.url_of(svc)
-        try:
-            resp = httpx.get(f"{url}/v1/whoami", headers=headers, timeout=10)
-            console.print(f"{svc:<10} {url}/v1/whoami -> {resp.status_code} {resp.json()}")
-        except httpx.HTTPError as exc:
-            _fail(f"{svc} at {url} did not answer: {exc}")
+    try:
+        for svc in SERVICE_NAMES:
+            resp = httpx.get(f"{common.url_of(svc)}/v1/whoami", headers=headers, timeout=10)
+            resp.raise_for_status()
+            console.print(f"{svc:<10} {common.url_of(svc)} answers for tenant {resp.json()['tenant']}")
+        question = "How do I start Tandem?"
+        hits = httpx.post(
+            f"{common.url_of('retrieval')}/v1/collections/docs/search",
+            json={"query": question, "top_k": 3},
+            headers=headers,
+            timeout=60,
+        )
+        hits.raise_for_status()
+        console.print(f"\n[bold]search[/] docs for {question!r}:")
+        for hit in hits.json()["results"]:
+            console.print(f"  {hit['score']:.3f}  {hit['document_id']}  {hit['text'][:70]!r}")
+        answer = httpx.post(
+            f"{common.url_of('agent')}/v1/pipelines/chat-documents/run",
+            json={"collection": "docs", "message": question},
+            headers=headers,
+            timeout=300,
+        )
+        answer.raise_for_status()
+        body = answer.json()
+        console.print(f"\n[bold]chat-documents[/] {question!r}:\n  {body['answer'].strip()}")
+        for cite in body.get("citations", []):
+            console.print(f"  [{cite['index']}] {cite['title']} ({cite['document_id']})")
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        _fail(f"the stack did not answer as expected: {exc}")
+    console.print(f"\nOpen {common.url_of('agent')} and sign in with the key in {layout.key_file}.")
 
 
 @keys_app.command("create")

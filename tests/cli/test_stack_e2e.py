@@ -152,6 +152,15 @@ def test_bad_setting_stops_start_up(tmp_path: Path) -> None:
     assert result.returncode == 1 and "TANDEM_DEVICE" in result.stdout
 
 
+def test_demo_searches_and_answers_from_the_docs_collection(stack_env: dict[str, str]) -> None:
+    demo = subprocess.run([*TANDEM, "demo"], env=stack_env, capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    out = demo.stdout
+    assert out.count("answers for tenant default") == 4
+    assert "README.md" in out  # the docs collection made by the first `tandem up`
+    assert "chat-documents" in out
+
+
 def test_down_leaves_no_process(stack_env: dict[str, str]) -> None:
     home = Path(stack_env["TANDEM_HOME"])
     # Valkey rewrites its own environ (process title), so it is followed by its pid file.
