@@ -107,7 +107,15 @@ def test_killed_worker_job_is_resumed_to_the_same_result(
         "base_model": str(tiny_model_path),
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
         "max_tokens_per_pack": 256,
-        "hyperparameters": {"max_steps": 8, "learning_rate": 1e-2, "checkpoint_every": 2, "seed": 7},
+        # Enough steps that the kill lands mid-job even on a fast, quiet machine (a tiny step
+        # takes ~0.1 s there; the poll that sees step 3 can lag by a few steps).
+        "hyperparameters": {
+            "n_epochs": 20,
+            "max_steps": 40,
+            "learning_rate": 1e-2,
+            "checkpoint_every": 2,
+            "seed": 7,
+        },
     }
     with serve_app(app) as base:
         fid = httpx.post(
