@@ -29,12 +29,13 @@ from typing import Any
 import torch
 
 from kernels.flashmask.bounds import FULL, SKIP, masked_tile, shared_tile_classes
+from kernels.flashmask.segments import RowSegment, segment_plan
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 128
 # Largest score chunk (elements) one step may hold; 16 MiB in fp32.
 DEFAULT_BUDGET = 4 * 1024 * 1024
-ENGINES = ("auto", "matmul", "sdpa_cpu")
+ENGINES = ("auto", "matmul", "sdpa_cpu", "segments")
 
 _NEG_INF = float("-inf")
 
@@ -318,7 +319,117 @@ def _sdpa_backward(
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
+# ---------------------------------------------------------------- engine: segments (CPU, exact plans)
+
+
+def _segment_batches(plans: list[list[RowSegment]], b: int) -> list[tuple[slice, list[RowSegment]]]:
+    """(batch rows, plan) pairs: one plan for the whole batch, or one per row."""
+    if len(plans) == 1:
+        return [(slice(0, b), plans[0])]
+    return [(slice(i, i + 1), plan) for i, plan in enumerate(plans)]
+
+
+def _segments_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plans: list[list[RowSegment]],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    b, hq, sq, _ = q.shape
+    g = hq // k.shape[1]
+    out = _bshd((b, hq, sq, v.shape[-1]), q.dtype, q.device)
+    lse = torch.full((b, hq, sq), float("inf"), dtype=torch.float32, device=q.device)
+    for rows, plan in _segment_batches(plans, b):
+        for seg in plan:
+            if not seg.runs:
+                continue  # no visible key: zeros and lse=+inf
+            qb = q[rows, :, seg.r0 : seg.r1]
+            acc: torch.Tensor | None = None
+            acc_lse = torch.empty(0)
+            for run in seg.runs:
+                kb = _expand_kv(k[rows, :, run.k0 : run.k1], g)
+                vb = _expand_kv(v[rows, :, run.k0 : run.k1], g)
+                o_r, lse_r = op(qb, kb, vb, 0.0, run.causal, scale=scale)
+                if acc is None:
+                    acc, acc_lse = o_r.float() if len(seg.runs) > 1 else o_r, lse_r
+                    continue
+                new = torch.logaddexp(acc_lse, lse_r)
+                acc = acc * torch.exp(acc_lse - new).unsqueeze(-1) + o_r.float() * torch.exp(
+                    lse_r - new
+                ).unsqueeze(-1)
+                acc_lse = new
+            assert acc is not None
+            out[rows, :, seg.r0 : seg.r1] = acc.to(q.dtype)
+            lse[rows, :, seg.r0 : seg.r1] = acc_lse
+    return out, lse
+
+
+def _segments_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    plans: list[list[RowSegment]],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    b, hq, _, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    dq = _bshd(q.shape, q.dtype, q.device)
+    dk = _bshd(k.shape, torch.float32, q.device)
+    dv = _bshd(v.shape, torch.float32, q.device)
+    for rows, plan in _segment_batches(plans, b):
+        nb = rows.stop - rows.start
+        for seg in plan:
+            if not seg.runs:
+                continue
+            sl = (rows, slice(None), slice(seg.r0, seg.r1))
+            qb, dob, ob, lse_b = (t[sl].contiguous() for t in (q, do, out, lse))
+            dqb: torch.Tensor | None = None
+            for run in seg.runs:
+                kb = _expand_kv(k[rows, :, run.k0 : run.k1], g).contiguous()
+                vb = _expand_kv(v[rows, :, run.k0 : run.k1], g).contiguous()
+                # the global out and lse make each run's P and rowsum(dO * O) the global ones
+                dq_r, dk_r, dv_r = op(dob, qb, kb, vb, ob, lse_b, 0.0, run.causal, scale=scale)
+                dqb = dq_r.float() if dqb is None else dqb.add_(dq_r)
+                w = run.k1 - run.k0
+                if g > 1:  # fold the query heads of each KV head back
+                    dk_r, dv_r = dk_r.view(nb, hk, g, w, d).sum(2), dv_r.view(nb, hk, g, w, -1).sum(2)
+                dk[rows, :, run.k0 : run.k1] += dk_r
+                dv[rows, :, run.k0 : run.k1] += dv_r
+            assert dqb is not None
+            dq[sl] = dqb.to(q.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
 # ---------------------------------------------------------------- dispatch
+
+
+def _segments(
+    q: torch.Tensor, k: torch.Tensor, bounds: torch.Tensor, engine: str
+) -> list[list[RowSegment]] | None:
+    """The exact segment plan when the segments engine runs (``auto`` on the CPU picks it for
+    segment-shaped masks: packed documents, DPO triples, prefix-LM), else None."""
+    if engine not in ("auto", "segments"):
+        return None
+    usable = q.device.type == "cpu" and _cpu_op() is not None
+    if engine == "segments" and not usable:
+        raise ValueError(
+            f"engine='segments' needs CPU tensors and torch's fused CPU attention, got {q.device}"
+        )
+    plan = segment_plan(bounds, q.shape[2], k.shape[2]) if usable else None
+    if engine == "segments" and plan is None:
+        raise ValueError(
+            "engine='segments' needs a segment-shaped mask (documents, shared-question, prefix-LM) "
+            f"with one head and as many queries as keys; got bounds {tuple(bounds.shape)}, "
+            f"{q.shape[2]} queries, {k.shape[2]} keys"
+        )
+    return plan
 
 
 def _engine(q: torch.Tensor, engine: str) -> str:
@@ -383,6 +494,9 @@ def flashmask_forward(
     """``q [B, Hq, Sq, D]``, ``k``/``v`` ``[B, Hk, Sk, D]`` (any strides) -> (out ``[B, Hq, Sq, D]``
     in q's dtype, lse ``[B, Hq, Sq]`` fp32, +inf on rows that see no key). ``causal`` says the
     bounds hold the causal triangle (it lets diagonal blocks use the fused causal path)."""
+    segments = _segments(q, k, bounds, engine)
+    if segments is not None:
+        return _segments_forward(q, k, v, segments, scale)
     name, plan, bq = _prepare(q, k, bounds, causal, block_q, block_k, budget, engine)
     return _FORWARD[name](q, k, v, bounds, scale, plan, bq)
 
@@ -403,6 +517,9 @@ def flashmask_backward(
     engine: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` in the layouts and dtypes of ``q``, ``k``, ``v``."""
+    segments = _segments(q, k, bounds, engine)
+    if segments is not None:
+        return _segments_backward(do, q, k, v, out, lse, segments, scale)
     name, plan, bq = _prepare(q, k, bounds, causal, block_q, block_k, budget, engine)
     return _BACKWARD[name](do, q, k, v, out, lse, bounds, scale, plan, bq)
 

@@ -146,3 +146,53 @@ def test_fully_masked_tiles_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None
         )
     key_cols = sum(shape[-1] for shape in calls[::2])  # q @ k^T calls: keys touched per query block
     assert key_cols == 4 * 64  # dense would be 4 * 256 (and causal-only 64+128+192+256)
+
+
+SEGMENT_SHAPED = ["causal", "full", "document", "document-padded", "shared-question", "prefix-lm"]
+
+
+@pytest.mark.parametrize("name", SEGMENT_SHAPED)
+def test_segment_plans_cover_packing_masks_exactly(name: str) -> None:
+    """Packing masks run as dense calls per segment (no elementwise mask) and match the reference."""
+    from kernels.flashmask.segments import segment_plan
+
+    case = {c.name: c for c in cases(300, 4, seed=5)}[name]
+    q, k, v = qkv(2, 300, 4, 2, 16, torch.float32, seed=11)
+    bounds = normalize_bounds(case.mask, causal=case.causal, batch=2, sq=300, sk=300, device=q.device)
+    assert segment_plan(bounds, 300, 300) is not None
+    out = torch_flashmask_attention(q, k, v, bounds, 16**-0.5, causal=case.causal, engine="segments")
+    compare_with_reference(out, q, k, v, case, torch.float32)
+
+
+def test_segment_plans_per_batch_row_and_merged_causal_blocks() -> None:
+    """Different packs per batch row; a DPO prompt and its chosen answer form one causal call."""
+    from kernels.flashmask.segments import segment_plan
+
+    sq = kernels.shared_question_mask([(5, 3, 4), (2, 2, 2)], total_len=20)
+    doc = kernels.document_mask([7, 1, 12])
+    mask = torch.cat([sq, doc])
+    bounds = normalize_bounds(mask, causal=True, batch=2, sq=20, sk=20, device=torch.device("cpu"))
+    plans = segment_plan(bounds, 20, 20)
+    assert plans is not None
+    runs = [[(s.r0, s.r1, [(r.k0, r.k1, r.causal) for r in s.runs]) for s in p] for p in plans]
+    assert runs[0][:2] == [(0, 8, [(0, 8, True)]), (8, 12, [(0, 5, False), (8, 12, True)])]
+    assert runs[1] == [(0, 7, [(0, 7, True)]), (7, 8, [(7, 8, True)]), (8, 20, [(8, 20, True)])]
+    q, k, v = qkv(2, 20, 2, 1, 8, torch.float32, seed=2)
+    out = kernels.flashmask_attention(q, k, v, mask, impl="torch")
+    ref = reference_attention(q, k, v, mask)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, r, atol=5e-5, rtol=1e-4)
+
+
+def test_unstructured_masks_fall_back_to_tiles() -> None:
+    from kernels.flashmask.segments import segment_plan
+
+    case = {c.name: c for c in cases(300, 4, seed=5)}["random-c4"]
+    bounds = normalize_bounds(case.mask, causal=False, batch=1, sq=300, sk=300, device=torch.device("cpu"))
+    assert segment_plan(bounds, 300, 300) is None
+    q, k, v = qkv(1, 300, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="segment-shaped"):
+        torch_flashmask_attention(q, k, v, bounds, 0.25, engine="segments")
