@@ -15,6 +15,8 @@ SFT (GSM8K train plus the chosen dialogues of HH-RLHF, mixed lengths):
   padded-16         batches of 16 padded to their longest (transformers DataCollatorWithPadding), SDPA,
                     the plain HF forward (logits at every position) and cross-entropy, as a Trainer does
   fixed-1024        every sample padded to 1024 tokens (the common fixed-length practice), same forward
+  trl-sft           TRL's SFTTrainer without packing (batches of 16, its collator pads to the longest;
+                    the same tokenized samples and assistant-only labels), timed over ``train()``
 DPO (HH-RLHF):
   packed            prompt once + chosen + rejected per pair, shared-question mask, <= 4096 per pack
   padded-8-pairs    batches of 8 pairs = 16 rows (prompt+chosen, prompt+rejected) padded to the
@@ -203,6 +205,10 @@ def full_logits_pair_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[
 Result = tuple[float, float, float]
 
 
+def share(x: float) -> str:
+    return "n/a" if x != x else f"{x:.1%}"  # NaN: not measured
+
+
 def warm_up(*models: Any) -> None:
     """One small untimed forward+backward per model (thread pools, first-call set-up), so the
     contender that happens to run first does not pay for them."""
@@ -225,7 +231,7 @@ def run_contenders(
         t, rates, pad = fn()
         results[name] = (real / t, statistics.median(rates), pad)
         print(
-            f"  {name:<28} {real / t:8.0f} tok/s  (median step {statistics.median(rates):8.0f})  {waste} {pad:6.1%}  {t:7.1f} s",
+            f"  {name:<28} {real / t:8.0f} tok/s  (median step {statistics.median(rates):8.0f})  {waste} {share(pad):>6}  {t:7.1f} s",
             flush=True,
         )
     return results
@@ -242,7 +248,7 @@ def print_table(
     for name, (tps, med, pad) in results.items():
         ratio = f"{tps / base[0]:.2f}x" if base else "-"
         ratio2 = (f" | {tps / other[0]:.2f}x" if other else " | -") if also else ""
-        print(f"| {name} | {tps:.0f} | {med:.0f} | {pad:.1%} | {ratio}{ratio2} |")
+        print(f"| {name} | {tps:.0f} | {med:.0f} | {share(pad)} | {ratio}{ratio2} |")
 
 
 def main(argv: list[str]) -> int:
@@ -335,6 +341,34 @@ def main(argv: list[str]) -> int:
 
             return go
 
+        def trl_sft() -> tuple[float, list[float], float]:
+            from datasets import Dataset
+            from trl import SFTConfig, SFTTrainer
+
+            data = Dataset.from_list([{"input_ids": s.input_ids, "labels": s.labels} for s in samples])
+            cfg = SFTConfig(
+                output_dir=str(Path(tmp) / "trl"),
+                per_device_train_batch_size=16,
+                max_steps=n_steps,
+                learning_rate=1e-5,
+                lr_scheduler_type="constant",
+                packing=False,
+                max_length=None,
+                report_to="none",
+                save_strategy="no",
+                logging_strategy="no",
+                use_cpu=True,
+                dataloader_num_workers=0,
+                seed=args.seed,
+            )
+            # its own copy of the model: the trainer may change settings of the model it is given
+            model = load_causal_lm(path, attn="sdpa")
+            trainer = SFTTrainer(model=model, args=cfg, train_dataset=data, processing_class=tok)
+            t0 = time.perf_counter()
+            trainer.train()
+            t = time.perf_counter() - t0
+            return t, [real / t], float("nan")  # its batches are its own: padding not measured
+
         def packed_diag() -> tuple[float, list[float], float]:
             nonlocal packed_model
             saved = packed_model
@@ -350,6 +384,7 @@ def main(argv: list[str]) -> int:
             "padded-16": padded_sft(None, 16),
             **({"padded-16-label-head (diagnostic)": padded_sft(None, 16, True)} if args.diagnose else {}),
             "fixed-1024": padded_sft(1024, 4),
+            "trl-sft": trl_sft,
         }
         results = run_contenders(contenders, skip, real, "padding")
         print_table("SFT", results, "padded-16", "padding")
