@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -49,6 +50,16 @@ QUESTIONS = [
     "How do bees make honey?",
     "What is the difference between weather and climate?",
 ]
+
+
+_request_numbers = itertools.count(1)
+
+
+def unique_question(i: int) -> str:
+    """Every request of a run asks something no earlier request asked (the number makes it
+    unique), so the prefix cache can only reuse what real traffic shares: the chat
+    template's system prompt, not whole repeated prompts."""
+    return f"Request {next(_request_numbers)}: {QUESTIONS[i % len(QUESTIONS)]}"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -219,7 +230,7 @@ async def load(
 
         async def worker(w: int) -> None:
             for r in range(per_stream):
-                q = QUESTIONS[(w * per_stream + r) % len(QUESTIONS)]
+                q = unique_question(w * per_stream + r)
                 results.append(await one_request(client, url, key, model, q, max_tokens))
 
         start = time.perf_counter()
@@ -245,6 +256,7 @@ def start_server(
     chunk: int,
     threads: int,
     prefix_cache_mb: float = 64.0,
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     from tests.helpers.servers import free_port
 
@@ -265,6 +277,7 @@ def start_server(
         TANDEM_INFERENCE_THREADS=str(threads),
         TANDEM_INFERENCE_PREFIX_CACHE_MB=str(prefix_cache_mb),
     )
+    env.update(extra_env or {})
     cmd = [
         sys.executable,
         "-m",
@@ -317,6 +330,12 @@ def main() -> int:
         default="",
         help="comma-separated stream counts (default 1,4,16 on cpu; 1,16,64 on cuda)",
     )
+    ap.add_argument(
+        "--dtype",
+        default="",
+        choices=["", "float32", "bfloat16"],
+        help="weights of both the server and the baseline (default: float32 on cpu, bfloat16 on cuda)",
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
         "--per-stream",
@@ -339,13 +358,24 @@ def main() -> int:
         default=64.0,
         help="the server's prefix cache (TANDEM_INFERENCE_PREFIX_CACHE_MB); 0 turns it off for an A/B run",
     )
+    ap.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra server setting for an A/B run, e.g. TANDEM_INFERENCE_PREFILL_GROUP=0 (repeatable)",
+    )
     args = ap.parse_args()
+    bad = [e for e in args.server_env if "=" not in e or not e.startswith("TANDEM_INFERENCE_")]
+    if bad:
+        ap.error(f"--server-env wants TANDEM_INFERENCE_NAME=VALUE, got {bad[0]!r}")
+    extra_env = dict(e.split("=", 1) for e in args.server_env)
 
     from services.inference.engine.loader import resolve_model
     from tests.helpers.models import MODEL_CACHE, smollm2_dir
     from tests.helpers.servers import valkey_server
 
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     levels = [
         int(x) for x in (args.concurrency or ("1,4,16" if args.device == "cpu" else "1,16,64")).split(",")
     ]
@@ -380,6 +410,7 @@ def main() -> int:
                 args.prefill_chunk,
                 args.threads,
                 args.prefix_cache_mb,
+                extra_env,
             )
             try:
                 asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up
@@ -387,7 +418,7 @@ def main() -> int:
                 for i, c in enumerate(levels):
                     # the baseline runs right before each level: on a shared machine the load
                     # drifts, so each ratio compares figures taken a minute or so apart
-                    prompts = [QUESTIONS[(i * 5 + j) % len(QUESTIONS)] for j in range(args.baseline_requests)]
+                    prompts = [unique_question(i * 5 + j) for j in range(args.baseline_requests)]
                     print(f"baseline: sequential generate of {len(prompts)} requests ...", flush=True)
                     base = base_model.run(prompts, args.max_tokens)
                     per = args.per_stream or (4 if c == 1 else 3 if c <= 4 else 2)

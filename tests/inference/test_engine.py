@@ -169,3 +169,78 @@ def test_long_prompts_grow_the_cache_and_finished_rows_are_moved(lively: tuple[A
     assert outs[0].token_ids == refs[0]
     assert [results[i] for i in range(4)] == refs
     assert engine.runner.cache.capacity >= 512
+
+
+def _first_token_steps(engine: TorchEngine, prompts: list[list[int]], tokens: int) -> dict[int, list[int]]:
+    """Run prompts through the scheduler inline; per prompt, the step number of each token."""
+    from services.inference.engine.scheduler import Sequence
+
+    steps: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    sched = engine.scheduler
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    seqs = [
+        Sequence(f"r{i}", 0, p, params, tokens, lambda ev, i=i: steps[i].append(sched.steps), None, None)
+        for i, p in enumerate(prompts)
+    ]
+    sched.submit(seqs)
+    sched.run_until_done()
+    return steps
+
+
+def test_first_tokens_go_first_in_groups(lively: tuple[Any, Any]) -> None:
+    """A burst prefills in small groups, each getting its first token before the next group runs,
+    and no stream decodes while others still wait for their first token (within the stall limit)."""
+    model, tok = lively
+    prompts = [_chat(tok, q) for q in QUESTIONS[:4]] + [list(range(300, 320)), list(range(400, 430))]
+    refs = _reference(model, prompts, 6)
+    engine = TorchEngine.from_model(
+        model, tok, max_batch_size=8, prefix_cache_mb=0, prefill_group=40, max_decode_stall=60.0
+    )
+    steps = _first_token_steps(engine, prompts, 6)
+    first = [s[0] for s in steps.values()]
+    assert len(set(first)) >= 3, f"one prefill group for the whole burst: {first}"
+    # the step that prefills the last group decodes after it: no second token before that step
+    assert max(first) <= min(s[1] for s in steps.values()), f"a decode ran before every first token: {steps}"
+    outs = engine.generate_batch(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs  # the grouping changes the order, not the tokens
+
+    # with no stall allowed, running streams decode at every step while the burst prefills
+    eager = TorchEngine.from_model(
+        model, tok, max_batch_size=8, prefix_cache_mb=0, prefill_group=40, max_decode_stall=0.0
+    )
+    steps = _first_token_steps(eager, prompts, 6)
+    assert max(s[0] for s in steps.values()) > min(s[1] for s in steps.values())
+
+
+def test_idle_engine_gathers_a_trickling_burst(lively: tuple[Any, Any]) -> None:
+    """Requests arriving 60 ms apart (longer than the 100 ms window would cover in all, but
+    never a 100 ms gap) are gathered by an idle engine and prefilled in its first step."""
+    import threading
+    import time
+
+    from services.inference.engine.scheduler import Sequence
+
+    model, tok = lively
+    engine = TorchEngine.from_model(model, tok, max_batch_size=8, prefix_cache_mb=0, admit_window=0.1)
+    sched = engine.scheduler
+    first: dict[int, int] = {}
+    done = threading.Event()
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def sink(i: int) -> Any:
+        def on(ev: Any) -> None:
+            first.setdefault(i, sched.steps)
+            if ev.finish_reason and len(first) == 4:
+                done.set()
+
+        return on
+
+    sched.start()
+    try:
+        for i, q in enumerate(QUESTIONS[:4]):
+            sched.submit([Sequence(f"t{i}", 0, _chat(tok, q), params, 2, sink(i), None, None)])
+            time.sleep(0.06)
+        assert done.wait(60)
+    finally:
+        sched.stop()
+    assert len(set(first.values())) == 1, f"first tokens came in different steps: {first}"

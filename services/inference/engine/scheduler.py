@@ -4,11 +4,15 @@ One iteration (``step``) does, in order:
 
 1. drop aborted and timed-out sequences (freeing their slots at once);
 2. admit waiting sequences into free slots (FIFO);
-3. one *prefill* forward over a token budget (``prefill_chunk``): the prompts of newly
-   admitted sequences, batched, long prompts split into chunks so a big arrival never
-   stalls the others for long (chunked prefill); a sequence whose prompt is done samples
-   its first token;
-4. one *decode* forward: every slot that has a token to extend moves one token on.
+3. one *prefill* forward for a group of newly admitted sequences: their prompts batched
+   up to ``prefill_group`` tokens (one prompt alone may take up to ``prefill_chunk``;
+   longer prompts are split into chunks, so a big arrival never stalls the others for
+   long); a sequence whose prompt is done samples its first token;
+4. one *decode* forward: every slot that has a token to extend moves one token on --
+   unless prompts are still waiting for their first token and decoding has waited less
+   than ``max_decode_stall``: first tokens go first, as vLLM's default scheduler does
+   (a burst of new requests gets its first tokens group by group instead of all at the
+   end of one long prefill, and running streams pause for at most the stall limit).
 
 Each sampled token is handed to the sequence's sink at once (streaming). The scheduler
 is driven either by its own thread (the server: ``start()``) or inline by the caller
@@ -44,6 +48,8 @@ from services.inference.engine.types import (
 log = logging.getLogger("tandem.engine.scheduler")
 
 Sink = Callable[[StreamEvent], None]
+# An idle engine gathers a burst for at most this many admission windows.
+ADMIT_MAX_WINDOWS = 5
 _ids = itertools.count()
 
 
@@ -97,8 +103,14 @@ class Scheduler:
         num_threads: int = 0,
         prefix_cache: PrefixCache | None = None,
         admit_window: float = 0.0,
+        prefill_group: int = 0,
+        max_decode_stall: float = 0.0,
     ) -> None:
         self.admit_window = admit_window
+        # 0: group as many prompts as prefill_chunk allows and decode every step
+        self.prefill_group = prefill_group
+        self.max_decode_stall = max_decode_stall
+        self._stalled_since: float | None = None
         self.num_threads = num_threads
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.runner = runner
@@ -182,18 +194,30 @@ class Scheduler:
                 while not self._stop and not (self.waiting or self.slots or self._aborts):
                     self._cv.wait()
                 if not self.slots and self.admit_window > 0:
-                    # an idle engine waits a moment for the rest of a burst of arrivals, so
-                    # they prefill in one batch instead of queueing behind the first one's step
-                    until = time.monotonic() + self.admit_window
-                    while not self._stop and len(self.waiting) < self.max_batch_size:
-                        left = until - time.monotonic()
-                        if left <= 0:
-                            break
-                        self._cv.wait(left)
+                    self._gather_burst()
                 if self._stop:
                     break
             self.step()
         self._fail_all("the engine is shutting down")
+
+    def _gather_burst(self) -> None:
+        """An idle engine lets a burst of arrivals gather before its first step, so they are
+        scheduled together instead of the first one's prefill delaying all the others: it
+        waits until no request has arrived for ``admit_window`` (HTTP requests of one burst
+        trickle in over tens of ms), at most ``ADMIT_MAX_WINDOWS`` windows in all, and not
+        once the batch is full. Caller holds ``_cv``."""
+        now = time.monotonic()
+        deadline = now + self.admit_window * ADMIT_MAX_WINDOWS
+        quiet_at = now + self.admit_window
+        seen = len(self.waiting)
+        while not self._stop and len(self.waiting) < self.max_batch_size:
+            left = min(quiet_at, deadline) - time.monotonic()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+            if len(self.waiting) > seen:
+                seen = len(self.waiting)
+                quiet_at = time.monotonic() + self.admit_window
 
     def run_until_done(self) -> None:
         while self.has_work():
@@ -251,8 +275,23 @@ class Scheduler:
         if not self.slots:
             return
         self._prefill()
-        self._decode()
+        if self._decode_due():
+            self._decode()
         self._release_finished()
+
+    def _decode_due(self) -> bool:
+        """Decode now, or give the prompts still waiting for a first token another prefill step.
+
+        The stall clock starts at the first decode skipped since the last decode, so streams
+        that just got their first token do not count the time the engine sat idle before."""
+        if self.prefill_group and any(not s.prefilled for s in self.slots):
+            now = time.monotonic()
+            if self._stalled_since is None:
+                self._stalled_since = now
+            if now - self._stalled_since < self.max_decode_stall:
+                return False
+        self._stalled_since = None
+        return True
 
     def _prefill(self) -> None:
         pending = sorted((s for s in self.slots if not s.prefilled), key=lambda s: s.seq_id)
@@ -262,12 +301,14 @@ class Scheduler:
             self._reuse_prefixes(pending)
             pending = [s for s in pending if not s.prefilled]
         max_len = self.runner.max_len
+        # the first prompt may take a whole chunk; others join while the group stays small
+        budget = min(self.prefill_group or self.prefill_chunk, self.prefill_chunk)
         chosen: list[tuple[Sequence, int]] = []
         width = 0
         for seq in pending:
             chunk = min(len(seq.prompt_ids) - seq.num_computed, self.prefill_chunk)
             new_width = max(width, chunk)
-            if chosen and (len(chosen) + 1) * new_width > self.prefill_chunk:
+            if chosen and (len(chosen) + 1) * new_width > budget:
                 break
             # right-padding writes throwaway keys up to start + width: keep them in the context
             if chosen and any(s.num_computed + new_width > max_len for s, _ in [*chosen, (seq, 0)]):
