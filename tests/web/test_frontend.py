@@ -369,3 +369,41 @@ def test_conversations_rename_and_delete_from_the_keyboard(page: Any, site: str)
     page.get_by_role("link", name="Second chat").wait_for(state="detached")
     assert calls[-1][0] == "DELETE" and calls[-1][1].endswith("/v1/conversations/b2")
     assert page.locator(".conv-link").count() == 1
+
+
+def test_a_late_file_listing_keeps_the_dataset_just_uploaded(page: Any, site: str, tmp_path: Any) -> None:
+    """The training page lists files on load; if that answer arrives after an upload made
+    meanwhile, the upload stays in the list and stays selected (seen in the stack e2e test
+    on a loaded machine: the job form was left without a dataset)."""
+    uploaded = {"id": "file-1", "filename": "sums.jsonl", "rows": 8, "format": "messages", "kinds": ["sft"]}
+    double_api(
+        page,
+        {
+            **BASE_ROUTES,
+            r"GET /api/trainer/v1/jobs": lambda r: (200, {"data": []}),
+            r"POST /api/trainer/v1/files": lambda r: (201, uploaded),
+            r"GET /api/inference/v1/models": lambda r: (200, {"data": [{"id": "SmolLM2-135M-Instruct"}]}),
+        },
+    )
+    held: list[Any] = []
+
+    def hold_listing(route: Any) -> None:
+        if route.request.method == "GET":
+            held.append(route)  # answered below, after the upload
+        else:
+            route.fallback()
+
+    page.route(re.compile(r".*/api/trainer/v1/files$"), hold_listing)
+    sign_in(page, site)
+    page.goto(f"{site}/#/training")
+    data = tmp_path / "sums.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}\n')
+    page.get_by_label("Dataset file").set_input_files(str(data))
+    page.get_by_role("status").filter(has_text="8 rows").wait_for(timeout=10_000)
+    assert page.locator("#job-dataset").input_value() == "file-1"
+    assert held, "the page did not list files on load"
+    for route in held:
+        route.fulfill(status=200, content_type="application/json", body=json.dumps({"data": []}))
+    page.wait_for_timeout(300)
+    assert page.locator("#job-dataset").input_value() == "file-1"
+    assert "sums.jsonl" in page.locator("#job-dataset").inner_text()

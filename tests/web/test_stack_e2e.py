@@ -395,8 +395,16 @@ def test_training_job_draws_a_loss_chart(page: Any, stack: Stack, tmp_path: Path
     page.get_by_label("Batch size").fill("2")
     page.get_by_role("checkbox", name="packing").uncheck()
     page.get_by_role("button", name="Start training").click()
-    # The first job of a fresh stack waits for the trainer to prepare the base model.
-    page.wait_for_url(re.compile(r".*#/training/[^/]+$"), timeout=300_000)
+    # The first job of a fresh stack waits for the trainer to prepare the base model; a refused
+    # job shows its error in the form instead (fail with it rather than wait out the timeout).
+    page.wait_for_function(
+        "/#\\/training\\/[^/]+$/.test(location.hash)"
+        " || !!document.querySelector('p.error[role=alert]')?.textContent.trim()",
+        timeout=300_000,
+    )
+    form_error = page.locator("p.error[role=alert]").first
+    assert not (form_error.count() and form_error.inner_text().strip()), form_error.inner_text()
+    assert re.search(r"#/training/[^/]+$", page.url), page.url
     # The chart gets points as the job runs (each optimizer step logs a loss).
     page.wait_for_function(
         "document.querySelectorAll('#loss-chart circle.point').length >= 2", timeout=300_000

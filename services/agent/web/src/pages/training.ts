@@ -136,8 +136,11 @@ export function trainingPage(root: HTMLElement, args: string[]) {
 
   async function loadFiles(): Promise<void> {
     try {
-      files = listOf<FileObject>(await api(trainer("/files")), "files");
-      fillDatasets();
+      const listed = listOf<FileObject>(await api(trainer("/files")), "files");
+      // The listing may answer after an upload made meanwhile: keep that upload and the selection.
+      const seen = new Set(listed.map((f) => f.id));
+      files = [...files.filter((f) => !seen.has(f.id)), ...listed];
+      fillDatasets(dataset.value || undefined);
     } catch {
       /* listing is optional: uploads made here still appear */
     }
