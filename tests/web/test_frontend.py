@@ -397,7 +397,9 @@ def test_a_late_file_listing_keeps_the_dataset_just_uploaded(page: Any, site: st
     sign_in(page, site)
     page.goto(f"{site}/#/training")
     data = tmp_path / "sums.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}\n')
+    data.write_text(
+        '{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}\n'
+    )
     page.get_by_label("Dataset file").set_input_files(str(data))
     page.get_by_role("status").filter(has_text="8 rows").wait_for(timeout=10_000)
     assert page.locator("#job-dataset").input_value() == "file-1"
