@@ -30,6 +30,13 @@ import torch
 # More segments than keys / MIN_AVG_SEGMENT (and than MIN_SEGMENTS): the tiled path is cheaper.
 MIN_AVG_SEGMENT = 16
 MIN_SEGMENTS = 16
+# Longer row segments are split into row chunks of this size (each chunk sees the keys before
+# it in full and its own square causally), which bounds the fused backward's buffers: one
+# 16K-row causal call peaked at twice the memory of 1K-row chunks.
+MAX_SEGMENT_ROWS = 1024
+# Full runs wider than this are split too: the backward copies a run's keys and returns its
+# dK/dV, so this caps those buffers (the tiled path's budget gives the same 4096 for 4 heads).
+MAX_RUN_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,40 @@ def _causal_start(seg: RowSegment) -> int | None:
     return None
 
 
+def _split_long(seg: RowSegment, limit: int) -> list[RowSegment]:
+    """Row chunks of at most ``limit`` rows; a diagonal run becomes the keys before each chunk
+    (visible in full) plus the chunk's own causal square."""
+    if seg.r1 - seg.r0 <= limit:
+        return [seg]
+    out = []
+    for a in range(seg.r0, seg.r1, limit):
+        b = min(a + limit, seg.r1)
+        runs: list[SegmentRun] = []
+        for run in seg.runs:
+            if not run.causal:
+                runs.append(run)
+                continue
+            if a > run.k0:  # the part of the diagonal block above this chunk
+                if runs and not runs[-1].causal and runs[-1].k1 == run.k0:
+                    runs[-1] = SegmentRun(runs[-1].k0, a, False)
+                else:
+                    runs.append(SegmentRun(run.k0, a, False))
+            runs.append(SegmentRun(a, b, True))
+        out.append(RowSegment(a, b, tuple(runs)))
+    return out
+
+
+def _narrow_runs(seg: RowSegment, limit: int) -> RowSegment:
+    """Full runs of at most ``limit`` keys (merged again by log-sum-exp)."""
+    runs: list[SegmentRun] = []
+    for run in seg.runs:
+        if run.causal or run.k1 - run.k0 <= limit:
+            runs.append(run)
+            continue
+        runs += [SegmentRun(k, min(k + limit, run.k1), False) for k in range(run.k0, run.k1, limit)]
+    return RowSegment(seg.r0, seg.r1, tuple(runs))
+
+
 def _merge_causal(rows: list[RowSegment]) -> list[RowSegment]:
     out: list[RowSegment] = []
     for seg in rows:
@@ -131,5 +172,7 @@ def segment_plan(bounds: torch.Tensor, sq: int, sk: int) -> list[list[RowSegment
         cuts = _boundaries(b, sq, causal_col)
         if cuts.numel() - 1 > max(MIN_SEGMENTS, sk // MIN_AVG_SEGMENT):
             return None
-        plans.append(_row_segments(b, cuts.tolist(), causal_col))
+        segments = _row_segments(b, cuts.tolist(), causal_col)
+        parts = [part for seg in segments for part in _split_long(seg, MAX_SEGMENT_ROWS)]
+        plans.append([_narrow_runs(part, MAX_RUN_KEYS) for part in parts])
     return plans

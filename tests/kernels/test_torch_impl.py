@@ -196,3 +196,20 @@ def test_unstructured_masks_fall_back_to_tiles() -> None:
     q, k, v = qkv(1, 300, 4, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="segment-shaped"):
         torch_flashmask_attention(q, k, v, bounds, 0.25, engine="segments")
+
+
+@pytest.mark.parametrize("name", SEGMENT_SHAPED)
+def test_long_segments_are_split_into_row_chunks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments longer than MAX_SEGMENT_ROWS run as row chunks (bounded buffers); still exact."""
+    import kernels.flashmask.segments as seg
+
+    monkeypatch.setattr(seg, "MAX_SEGMENT_ROWS", 24)
+    monkeypatch.setattr(seg, "MAX_RUN_KEYS", 40)
+    case = {c.name: c for c in cases(300, 4, seed=5)}[name]
+    q, k, v = qkv(1, 300, 4, 2, 16, torch.float32, seed=13)
+    bounds = normalize_bounds(case.mask, causal=case.causal, batch=1, sq=300, sk=300, device=q.device)
+    plan = seg.segment_plan(bounds, 300, 300)
+    assert plan is not None and all(s.r1 - s.r0 <= 24 for s in plan[0])
+    assert all(r.k1 - r.k0 <= 40 for s in plan[0] for r in s.runs)
+    out = torch_flashmask_attention(q, k, v, bounds, 16**-0.5, causal=case.causal, engine="segments")
+    compare_with_reference(out, q, k, v, case, torch.float32)
