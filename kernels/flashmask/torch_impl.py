@@ -230,6 +230,42 @@ def _expand_kv(t: torch.Tensor, g: int) -> torch.Tensor:
     return t if g == 1 else t.repeat_interleave(g, dim=1)
 
 
+def _merge_lse(
+    acc: torch.Tensor, acc_lse: torch.Tensor, o_r: torch.Tensor, lse_r: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint keys by their log-sum-exps (rows that saw
+    no key in either stay -inf)."""
+    new = torch.logaddexp(acc_lse, lse_r)
+    safe = torch.where(torch.isinf(new), 0.0, new)
+    acc = acc * torch.exp(acc_lse - safe).unsqueeze(-1) + o_r.float() * torch.exp(lse_r - safe).unsqueeze(-1)
+    return acc, new
+
+
+def _fused_run_backward(
+    dob: torch.Tensor,
+    qb: torch.Tensor,
+    ob: torch.Tensor,
+    lse_b: torch.Tensor,
+    k_run: torch.Tensor,
+    v_run: torch.Tensor,
+    scale: float,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One run's (dq, dk, dv) from the fused CPU backward, dk/dv folded back to the KV heads.
+    Given the global out and lse, the op's P and rowsum(dO * O) are the global ones, so the
+    per-run gradients add up exactly."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    nb, hk, w, d = k_run.shape
+    g = qb.shape[1] // hk
+    kb = _expand_kv(k_run, g).contiguous()
+    vb = _expand_kv(v_run, g).contiguous()
+    dq_r, dk_r, dv_r = op(dob, qb, kb, vb, ob, lse_b, 0.0, causal, attn_mask=_float_mask(mask), scale=scale)
+    if g > 1:  # fold the query heads of each KV head back
+        dk_r, dv_r = dk_r.view(nb, hk, g, w, d).sum(2), dv_r.view(nb, hk, g, w, -1).sum(2)
+    return dq_r, dk_r, dv_r
+
+
 def _sdpa_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -262,12 +298,7 @@ def _sdpa_forward(
             if acc is None:
                 acc, acc_lse = o_r.float(), lse_r
                 continue
-            new = torch.logaddexp(acc_lse, lse_r)
-            safe = torch.where(torch.isinf(new), 0.0, new)
-            acc = acc * torch.exp(acc_lse - safe).unsqueeze(-1) + o_r.float() * torch.exp(
-                lse_r - safe
-            ).unsqueeze(-1)
-            acc_lse = new
+            acc, acc_lse = _merge_lse(acc, acc_lse, o_r, lse_r)
         if acc is None:
             continue  # every key masked for this block: zeros and lse=+inf
         seen = ~torch.isinf(acc_lse)
@@ -288,10 +319,7 @@ def _sdpa_backward(
     plan: list[list[_Run]],
     block_q: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    b, hq, sq, d = q.shape
-    hk = k.shape[1]
-    g = hq // hk
+    sq = q.shape[2]
     dq = _bshd(q.shape, q.dtype, q.device)
     dk = _bshd(k.shape, torch.float32, q.device)
     dv = _bshd(v.shape, torch.float32, q.device)
@@ -303,16 +331,18 @@ def _sdpa_backward(
         lse_b = lse[:, :, i0:i1].contiguous()
         dqb = torch.zeros(qb.shape, dtype=torch.float32, device=q.device)
         for run in runs:
-            mask = _run_mask(bounds, run, i0, i1)
-            kb = _expand_kv(k[:, :, run.k0 : run.k1], g).contiguous()
-            vb = _expand_kv(v[:, :, run.k0 : run.k1], g).contiguous()
-            dq_r, dk_r, dv_r = op(
-                dob, qb, kb, vb, ob, lse_b, 0.0, False, attn_mask=_float_mask(mask), scale=scale
+            dq_r, dk_r, dv_r = _fused_run_backward(
+                dob,
+                qb,
+                ob,
+                lse_b,
+                k[:, :, run.k0 : run.k1],
+                v[:, :, run.k0 : run.k1],
+                scale,
+                False,
+                _run_mask(bounds, run, i0, i1),
             )
             dqb += dq_r
-            w = run.k1 - run.k0
-            if g > 1:  # fold the query heads of each KV head back
-                dk_r, dv_r = dk_r.view(b, hk, g, w, d).sum(2), dv_r.view(b, hk, g, w, -1).sum(2)
             dk[:, :, run.k0 : run.k1] += dk_r
             dv[:, :, run.k0 : run.k1] += dv_r
         dq[:, :, i0:i1] = dqb.to(q.dtype)
@@ -355,11 +385,7 @@ def _segments_forward(
                 if acc is None:
                     acc, acc_lse = o_r.float() if len(seg.runs) > 1 else o_r, lse_r
                     continue
-                new = torch.logaddexp(acc_lse, lse_r)
-                acc = acc * torch.exp(acc_lse - new).unsqueeze(-1) + o_r.float() * torch.exp(
-                    lse_r - new
-                ).unsqueeze(-1)
-                acc_lse = new
+                acc, acc_lse = _merge_lse(acc, acc_lse, o_r, lse_r)
             assert acc is not None
             out[rows, :, seg.r0 : seg.r1] = acc.to(q.dtype)
             lse[rows, :, seg.r0 : seg.r1] = acc_lse
@@ -376,15 +402,11 @@ def _segments_backward(
     plans: list[list[RowSegment]],
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    b, hq, _, d = q.shape
-    hk = k.shape[1]
-    g = hq // hk
+    b = q.shape[0]
     dq = _bshd(q.shape, q.dtype, q.device)
     dk = _bshd(k.shape, torch.float32, q.device)
     dv = _bshd(v.shape, torch.float32, q.device)
     for rows, plan in _segment_batches(plans, b):
-        nb = rows.stop - rows.start
         for seg in plan:
             if not seg.runs:
                 continue
@@ -392,14 +414,17 @@ def _segments_backward(
             qb, dob, ob, lse_b = (t[sl].contiguous() for t in (q, do, out, lse))
             dqb: torch.Tensor | None = None
             for run in seg.runs:
-                kb = _expand_kv(k[rows, :, run.k0 : run.k1], g).contiguous()
-                vb = _expand_kv(v[rows, :, run.k0 : run.k1], g).contiguous()
-                # the global out and lse make each run's P and rowsum(dO * O) the global ones
-                dq_r, dk_r, dv_r = op(dob, qb, kb, vb, ob, lse_b, 0.0, run.causal, scale=scale)
+                dq_r, dk_r, dv_r = _fused_run_backward(
+                    dob,
+                    qb,
+                    ob,
+                    lse_b,
+                    k[rows, :, run.k0 : run.k1],
+                    v[rows, :, run.k0 : run.k1],
+                    scale,
+                    run.causal,
+                )
                 dqb = dq_r.float() if dqb is None else dqb.add_(dq_r)
-                w = run.k1 - run.k0
-                if g > 1:  # fold the query heads of each KV head back
-                    dk_r, dv_r = dk_r.view(nb, hk, g, w, d).sum(2), dv_r.view(nb, hk, g, w, -1).sum(2)
                 dk[rows, :, run.k0 : run.k1] += dk_r
                 dv[rows, :, run.k0 : run.k1] += dv_r
             assert dqb is not None
