@@ -363,7 +363,7 @@ def main() -> int:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="extra server setting for an A/B run, e.g. TANDEM_INFERENCE_PREFILL_GROUP=0 (repeatable)",
+        help="extra server setting for an A/B run, e.g. TANDEM_INFERENCE_ADMIT_WINDOW_MS=0 (repeatable)",
     )
     args = ap.parse_args()
     bad = [e for e in args.server_env if "=" not in e or not e.startswith("TANDEM_INFERENCE_")]

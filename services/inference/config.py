@@ -36,24 +36,11 @@ class InferenceSettings(ServiceSettings):
         64, ge=0, le=100_000, description="Requests that may wait for a slot; beyond it requests get 429."
     )
     prefill_chunk: int = Field(
-        256, ge=16, le=65536, description="Prompt tokens per prefill forward (chunked prefill budget)."
-    )
-    prefill_group: int = Field(
-        0,
-        ge=0,
+        256,
+        ge=16,
         le=65536,
-        description="If > 0, new prompts are prefilled in groups of about this many tokens, each group getting "
-        "its first tokens before the next starts, and running streams wait (max_decode_stall_ms) until every new "
-        "prompt has its first token; 0: one prefill forward of up to prefill_chunk tokens per step, then a decode. "
-        "On a 2-core CPU it made no measurable difference to time to first token (each forward re-reads the "
-        "weights), so it is off by default.",
-    )
-    max_decode_stall_ms: float = Field(
-        500.0,
-        ge=0,
-        le=60_000,
-        description="Running streams wait at most this long for new prompts' prefill before a decode step "
-        "runs anyway (with prefill_group).",
+        description="Prompt tokens per forward (chunked prefill budget): each step runs one forward with a "
+        "token for every running stream plus up to this many prompt tokens; longer prompts take several steps.",
     )
     prefix_cache_mb: float = Field(
         64.0,

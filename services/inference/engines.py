@@ -60,8 +60,6 @@ def build_torch_engine(
         prefill_chunk=settings.prefill_chunk,
         prefix_cache_mb=settings.prefix_cache_mb,
         admit_window=settings.admit_window_ms / 1000,
-        prefill_group=settings.prefill_group,
-        max_decode_stall=settings.max_decode_stall_ms / 1000,
         max_model_len=settings.max_model_len,
         request_timeout=settings.request_timeout,
         tokenizer_fallback=tokenizer_fallback,

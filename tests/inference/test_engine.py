@@ -171,45 +171,50 @@ def test_long_prompts_grow_the_cache_and_finished_rows_are_moved(lively: tuple[A
     assert engine.runner.cache.capacity >= 512
 
 
-def _first_token_steps(engine: TorchEngine, prompts: list[list[int]], tokens: int) -> dict[int, list[int]]:
-    """Run prompts through the scheduler inline; per prompt, the step number of each token."""
+def test_each_step_is_one_forward_mixing_decode_and_prompt_chunks(lively: tuple[Any, Any]) -> None:
+    """A long prompt arriving mid-generation is prefilled in chunks of at most prefill_chunk
+    tokens, each in the same forward as the running stream's next token: the running stream
+    gets a token at every step (no stall), and both outputs equal generate."""
+    from collections import Counter
+
     from services.inference.engine.scheduler import Sequence
 
-    steps: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    sched = engine.scheduler
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    seqs = [
-        Sequence(f"r{i}", 0, p, params, tokens, lambda ev, i=i: steps[i].append(sched.steps), None, None)
-        for i, p in enumerate(prompts)
-    ]
-    sched.submit(seqs)
-    sched.run_until_done()
-    return steps
-
-
-def test_first_tokens_go_first_in_groups(lively: tuple[Any, Any]) -> None:
-    """A burst prefills in small groups, each getting its first token before the next group runs,
-    and no stream decodes while others still wait for their first token (within the stall limit)."""
     model, tok = lively
-    prompts = [_chat(tok, q) for q in QUESTIONS[:4]] + [list(range(300, 320)), list(range(400, 430))]
-    refs = _reference(model, prompts, 6)
-    engine = TorchEngine.from_model(
-        model, tok, max_batch_size=8, prefix_cache_mb=0, prefill_group=40, max_decode_stall=60.0
-    )
-    steps = _first_token_steps(engine, prompts, 6)
-    first = [s[0] for s in steps.values()]
-    assert len(set(first)) >= 3, f"one prefill group for the whole burst: {first}"
-    # the step that prefills the last group decodes after it: no second token before that step
-    assert max(first) <= min(s[1] for s in steps.values()), f"a decode ran before every first token: {steps}"
-    outs = engine.generate_batch(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert [o.token_ids for o in outs] == refs  # the grouping changes the order, not the tokens
+    first, long = _chat(tok, QUESTIONS[4]), list(range(500, 570))
+    refs = _reference(model, [first, long], 10)
+    engine = TorchEngine.from_model(model, tok, max_batch_size=4, prefill_chunk=32, prefix_cache_mb=0)
+    sched = engine.scheduler
+    forwards: list[tuple[int, int, int]] = []  # (step, decode tokens, prompt tokens)
+    real_forward = engine.runner.forward
 
-    # with no stall allowed, running streams decode at every step while the burst prefills
-    eager = TorchEngine.from_model(
-        model, tok, max_batch_size=8, prefix_cache_mb=0, prefill_group=40, max_decode_stall=0.0
-    )
-    steps = _first_token_steps(eager, prompts, 6)
-    assert max(s[0] for s in steps.values()) > min(s[1] for s in steps.values())
+    def counting(decode: list[Any], prefill: list[Any]) -> Any:
+        forwards.append((sched.steps, len(decode), sum(len(r.token_ids) for r in prefill)))
+        return real_forward(decode, prefill)
+
+    engine.runner.forward = counting  # type: ignore[method-assign]
+    steps: dict[int, list[int]] = {0: [], 1: []}
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+
+    def sink(i: int) -> Any:
+        def put(ev: Any) -> None:
+            if ev.token_ids:
+                steps[i].append(sched.steps)
+                tokens[i].extend(ev.token_ids)
+
+        return put
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    sched.submit([Sequence("a", 0, first, params, 10, sink(0), None, None)])
+    while len(tokens[0]) < 2:
+        sched.step()
+    sched.submit([Sequence("b", 0, long, params, 10, sink(1), None, None)])
+    sched.run_until_done()
+
+    assert tokens[0] == refs[0] and tokens[1] == refs[1]
+    assert set(Counter(step for step, _, _ in forwards).values()) == {1}, forwards
+    long_chunks = [(d, p) for _, d, p in forwards if p and d]
+    assert long_chunks == [(1, 32), (1, 32), (1, 6)], forwards
+    assert steps[0] == list(range(steps[0][0], steps[0][0] + 10)), f"the running stream stalled: {steps}"
 
 
 def test_idle_engine_gathers_a_trickling_burst(lively: tuple[Any, Any]) -> None:

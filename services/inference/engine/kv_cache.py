@@ -11,8 +11,9 @@ The capacity (time axis) grows by doubling, up to the model's context, as the lo
 sequence grows, so memory follows use.
 
 The cache is handed to a Hugging Face decoder as its ``cache``; each attention layer
-calls ``update(key, value, layer_idx, ...)`` which writes the new keys/values at the
-planned positions and returns what that layer must attend over.
+calls ``update(key, value, layer_idx, ...)``, which writes the new keys/values at the
+planned (slot, position) of each token and returns the layer's slab, from which the
+ragged attention (``ragged.py``) reads what each token attends.
 """
 
 from __future__ import annotations
@@ -45,13 +46,9 @@ class SlabKVCache:
         self.capacity = min(max_len, initial_capacity)
         self.k = [self._alloc(self.capacity) for _ in range(num_layers)]
         self.v = [self._alloc(self.capacity) for _ in range(num_layers)]
-        # the plan of the forward about to run (set by plan_decode / plan_prefill)
-        self._mode = "none"
-        self._rows = 0
+        # where the forward about to run writes its keys/values (set by plan_writes)
         self._slots: torch.Tensor | None = None
-        self._row_index: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
-        self._att_len = 0
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         # zeros, not empty: masked positions must hold finite numbers (0 * NaN is NaN)
@@ -88,44 +85,21 @@ class SlabKVCache:
             self.k[layer][dst, :, :length].copy_(self.k[layer][src, :, :length])
             self.v[layer][dst, :, :length].copy_(self.v[layer][src, :, :length])
 
-    def plan_decode(self, rows: int, positions: torch.Tensor, att_len: int) -> None:
-        """Next forward: one token for each of slots ``0..rows-1`` at ``positions[r]``."""
-        self._mode = "decode"
-        self._rows = rows
-        self._positions = positions
-        self._row_index = torch.arange(rows, device=self.device)
-        self._att_len = att_len
-
-    def plan_prefill(self, slots: torch.Tensor, positions: torch.Tensor, att_len: int, fresh: bool) -> None:
-        """Next forward: ``[P, S]`` tokens for ``slots`` at ``positions[p, s]``.
-
-        ``fresh`` (every row starts at position 0) lets attention use the new keys as
-        they are instead of gathering the rows back out of the slab.
-        """
-        self._mode = "prefill_fresh" if fresh else "prefill"
+    def plan_writes(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Next forward: token ``t`` (batch row ``t``) goes to slab row ``slots[t]`` at ``positions[t]``."""
         self._slots = slots
         self._positions = positions
-        self._att_len = att_len
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_: Any, **__: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the forward's keys/values (``[T, Hkv, 1, D]``); return the layer's whole slab
+        (the ragged attention reads the rows and positions its plan names)."""
+        assert self._slots is not None and self._positions is not None, "plan_writes first"
         k_store, v_store = self.k[layer_idx], self.v[layer_idx]
-        if self._mode == "decode":
-            # key: [R, H, 1, D] -> written at (r, :, pos_r, :)
-            k_store[self._row_index, :, self._positions] = key[:, :, 0]
-            v_store[self._row_index, :, self._positions] = value[:, :, 0]
-            return k_store[: self._rows, :, : self._att_len], v_store[: self._rows, :, : self._att_len]
-        assert self._slots is not None and self._positions is not None
-        slots = self._slots.unsqueeze(1)
-        # key: [P, H, S, D] -> indexed as [P, S, H, D]
-        k_store[slots, :, self._positions] = key.transpose(1, 2)
-        v_store[slots, :, self._positions] = value.transpose(1, 2)
-        if self._mode == "prefill_fresh":
-            return key, value
-        k = k_store.index_select(0, self._slots)[:, :, : self._att_len]
-        v = v_store.index_select(0, self._slots)[:, :, : self._att_len]
-        return k, v
+        k_store[self._slots, :, self._positions] = key[:, :, 0]
+        v_store[self._slots, :, self._positions] = value[:, :, 0]
+        return k_store, v_store
 
     # Hugging Face models may ask these of a cache object.
     def get_seq_length(self, layer_idx: int = 0) -> int:

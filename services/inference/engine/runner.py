@@ -1,15 +1,14 @@
-"""Runs a Hugging Face causal LM over the slab KV cache: batched prefill and decode.
+"""Runs a Hugging Face causal LM over the slab KV cache: one mixed forward per step.
 
 The model's own modules do the work (so PEFT LoRA layers, weights the trainer just
-updated, and the model's exact numerics all apply); only the cache and the mask are
-ours. Any decoder that reads its keys/values through ``cache.update`` and accepts a
-prepared 4-D mask works (the Llama family: Llama, SmolLM2, Mistral, Qwen2/3 without
-sliding windows).
+updated, and the model's exact numerics all apply); only the cache and attention are
+ours. Any decoder that reads its keys/values through ``cache.update`` and calls its
+attention through transformers' attention interface works (the Llama family: Llama,
+SmolLM2, Mistral, Qwen2/3 without sliding windows).
 
-Decode: ``[N, 1]`` tokens for slots ``0..N-1``, each at its own position, with a
-boolean mask ``[N, 1, 1, T]`` (key ``t`` visible iff ``t <= pos_r``): no padding
-between tokens, no per-row Python. Prefill: ``[P, S]`` prompt chunks (right-padded to
-the longest chunk) for any slots; logits only at each row's last real token.
+A forward takes decode tokens and prompt chunks of any slots together, flattened into
+one token per batch row (``ragged.py`` holds the layout and the attention); it returns
+logits for each decode token and at each chunk's last token.
 """
 
 from __future__ import annotations
@@ -17,20 +16,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from services.inference.engine import ragged
 from services.inference.engine.kv_cache import SlabKVCache
+from services.inference.engine.ragged import DecodeRow, PrefillRow
 
-
-@dataclass
-class PrefillRow:
-    slot: int
-    token_ids: list[int]
-    start: int
-    adapter: str | None = None
+__all__ = ["DecodeRow", "ModelRunner", "PrefillRow", "base_model_of"]
 
 
 def base_model_of(model: Any) -> Any:
@@ -69,6 +63,9 @@ class ModelRunner:
         self._adapter_names: list[str] | None = None
         self._hooks: list[Any] = []
         self.pad_id = int(getattr(self.config, "pad_token_id", None) or 0)
+        self._attention_name = ragged.register()
+        # a 4-D mask is passed through by transformers as is; ours attends by the plan instead
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
     # --- LoRA: per-row adapters through PEFT's mixed-batch path -------------------------
     def refresh_adapter_hooks(self) -> None:
@@ -99,66 +96,29 @@ class ModelRunner:
             self._adapter_names = None
 
     @contextmanager
-    def _sdpa(self) -> Iterator[None]:
-        # Our prepared 4-D boolean mask needs an attention that takes masks (a model loaded
-        # for training may use flash/flashmask kernels); restored afterwards.
+    def _ragged_attention(self) -> Iterator[None]:
+        # the model's own attention implementation is restored afterwards (a model shared
+        # with the trainer trains with its own kernels)
         previous = self.config._attn_implementation
-        if previous not in ("sdpa", "eager"):
-            self.config._attn_implementation = "sdpa"
+        self.config._attn_implementation = self._attention_name
         try:
             yield
         finally:
-            if previous not in ("sdpa", "eager"):
-                self.config._attn_implementation = previous
-
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = self.decoder(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **{self._cache_kwarg: self.cache},
-        )
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-    # --- forwards -------------------------------------------------------------------------
-    @torch.inference_mode()
-    def decode(
-        self, tokens: list[int], positions: list[int], adapters: list[str] | None = None
-    ) -> torch.Tensor:
-        """One token for each of slots ``0..N-1``; returns logits ``[N, V]``."""
-        n = len(tokens)
-        dev = self.device
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        att_len = max(positions) + 1
-        self.cache.ensure_capacity(att_len)
-        mask = (torch.arange(att_len, device=dev).unsqueeze(0) <= pos.unsqueeze(1)).view(n, 1, 1, att_len)
-        self.cache.plan_decode(n, pos, att_len)
-        ids = torch.tensor(tokens, dtype=torch.long, device=dev).unsqueeze(1)
-        with self._sdpa(), self._adapters(adapters):
-            hidden = self._run(ids, pos.unsqueeze(1), mask)
-            return self.lm_head(hidden[:, -1, :])
+            self.config._attn_implementation = previous
 
     @torch.inference_mode()
-    def prefill(self, rows: list[PrefillRow], adapters: list[str] | None = None) -> torch.Tensor:
-        """Prompt chunks for several slots at once; returns logits ``[P, V]`` at each row's last token."""
-        dev = self.device
-        width = max(len(r.token_ids) for r in rows)
-        starts = torch.tensor([r.start for r in rows], dtype=torch.long, device=dev)
-        positions = starts.unsqueeze(1) + torch.arange(width, device=dev).unsqueeze(0)
-        att_len = int(positions.max()) + 1
-        self.cache.ensure_capacity(att_len)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r.token_ids)] = torch.tensor(r.token_ids, dtype=torch.long)
-        ids = ids.to(dev)
-        fresh = all(r.start == 0 for r in rows)
-        key_len = width if fresh else att_len
-        mask = (torch.arange(key_len, device=dev).view(1, 1, key_len) <= positions.unsqueeze(2)).unsqueeze(1)
-        slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)
-        self.cache.plan_prefill(slots, positions, att_len, fresh)
-        with self._sdpa(), self._adapters(adapters):
-            hidden = self._run(ids, positions, mask)
-            last = torch.tensor([len(r.token_ids) - 1 for r in rows], device=dev)
-            picked = hidden[torch.arange(len(rows), device=dev), last]
-            return self.lm_head(picked)
+    def forward(self, decode: list[DecodeRow], prefill: list[PrefillRow]) -> torch.Tensor:
+        """Logits ``[D + P, V]``: one row per decode token, then one at each chunk's last token."""
+        plan = ragged.build_plan(decode, prefill, self.device)
+        self.cache.ensure_capacity(plan.max_position + 1)
+        self.cache.plan_writes(plan.write_slots, plan.write_positions)
+        with ragged.active(plan), self._ragged_attention(), self._adapters(plan.adapters):
+            out = self.decoder(
+                input_ids=plan.input_ids,
+                attention_mask=self._no_mask,
+                position_ids=plan.positions,
+                use_cache=True,
+                **{self._cache_kwarg: self.cache},
+            )
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return self.lm_head(hidden[plan.logit_rows, 0])

@@ -3,16 +3,14 @@
 One iteration (``step``) does, in order:
 
 1. drop aborted and timed-out sequences (freeing their slots at once);
-2. admit waiting sequences into free slots (FIFO);
-3. one *prefill* forward for a group of newly admitted sequences: their prompts batched
-   up to ``prefill_group`` tokens (one prompt alone may take up to ``prefill_chunk``;
-   longer prompts are split into chunks, so a big arrival never stalls the others for
-   long); a sequence whose prompt is done samples its first token;
-4. one *decode* forward: every slot that has a token to extend moves one token on --
-   unless prompts are still waiting for their first token and decoding has waited less
-   than ``max_decode_stall``: first tokens go first, as vLLM's default scheduler does
-   (a burst of new requests gets its first tokens group by group instead of all at the
-   end of one long prefill, and running streams pause for at most the stall limit).
+2. admit waiting sequences into free slots (FIFO), starting each from the longest cached
+   prefix of its prompt;
+3. one forward for the whole batch: a token for every running sequence plus prompt
+   chunks of newly admitted ones, up to ``prefill_chunk`` prompt tokens (FIFO; a long
+   prompt is split over several steps, so a big arrival never stalls the others for
+   long). Running streams keep moving while prompts are prefilled, and a step costs one
+   read of the weights however it is mixed. A sequence whose prompt is done samples its
+   first token in the same step.
 
 Each sampled token is handed to the sequence's sink at once (streaming). The scheduler
 is driven either by its own thread (the server: ``start()``) or inline by the caller
@@ -34,7 +32,7 @@ import torch
 
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.prefix_cache import PrefixCache, common_prefix_len, weights_fingerprint
-from services.inference.engine.runner import ModelRunner, PrefillRow
+from services.inference.engine.runner import DecodeRow, ModelRunner, PrefillRow
 from services.inference.engine.sampling import RowSampling, sample
 from services.inference.engine.types import (
     FinishReason,
@@ -103,14 +101,8 @@ class Scheduler:
         num_threads: int = 0,
         prefix_cache: PrefixCache | None = None,
         admit_window: float = 0.0,
-        prefill_group: int = 0,
-        max_decode_stall: float = 0.0,
     ) -> None:
         self.admit_window = admit_window
-        # 0: group as many prompts as prefill_chunk allows and decode every step
-        self.prefill_group = prefill_group
-        self.max_decode_stall = max_decode_stall
-        self._stalled_since: float | None = None
         self.num_threads = num_threads
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.runner = runner
@@ -274,64 +266,66 @@ class Scheduler:
         self._release_finished()
         if not self.slots:
             return
-        self._prefill()
-        if self._decode_due():
-            self._decode()
+        t0 = time.perf_counter()
+        decoded, prefilled = self._forward()
         self._release_finished()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "step %d: %d decode tokens + %d prompt tokens in %.0f ms; %d running, %d waiting",
+                self.steps,
+                decoded,
+                prefilled,
+                (time.perf_counter() - t0) * 1e3,
+                len(self.slots),
+                len(self.waiting),
+            )
 
-    def _decode_due(self) -> bool:
-        """Decode now, or give the prompts still waiting for a first token another prefill step.
-
-        The stall clock starts at the first decode skipped since the last decode, so streams
-        that just got their first token do not count the time the engine sat idle before."""
-        if self.prefill_group and any(not s.prefilled for s in self.slots):
-            now = time.monotonic()
-            if self._stalled_since is None:
-                self._stalled_since = now
-            if now - self._stalled_since < self.max_decode_stall:
-                return False
-        self._stalled_since = None
-        return True
-
-    def _prefill(self) -> None:
+    def _prompt_chunks(self) -> list[tuple[Sequence, int]]:
+        """The prompt chunks of this step: oldest prompts first, up to ``prefill_chunk`` tokens."""
         pending = sorted((s for s in self.slots if not s.prefilled), key=lambda s: s.seq_id)
-        if not pending:
-            return
-        if self.prefix_cache.enabled:
+        if pending and self.prefix_cache.enabled:
             self._reuse_prefixes(pending)
             pending = [s for s in pending if not s.prefilled]
-        max_len = self.runner.max_len
-        # the first prompt may take a whole chunk; others join while the group stays small
-        budget = min(self.prefill_group or self.prefill_chunk, self.prefill_chunk)
+        budget = self.prefill_chunk
         chosen: list[tuple[Sequence, int]] = []
-        width = 0
         for seq in pending:
-            chunk = min(len(seq.prompt_ids) - seq.num_computed, self.prefill_chunk)
-            new_width = max(width, chunk)
-            if chosen and (len(chosen) + 1) * new_width > budget:
+            if budget <= 0:
                 break
-            # right-padding writes throwaway keys up to start + width: keep them in the context
-            if chosen and any(s.num_computed + new_width > max_len for s, _ in [*chosen, (seq, 0)]):
-                break
+            chunk = min(len(seq.prompt_ids) - seq.num_computed, budget)
             chosen.append((seq, chunk))
-            width = new_width
-        rows = [
-            PrefillRow(s.slot, s.prompt_ids[s.num_computed : s.num_computed + c], s.num_computed)
-            for s, c in chosen
+            budget -= chunk
+        return chosen
+
+    def _forward(self) -> tuple[int, int]:
+        """One forward: a token for every running sequence, plus this step's prompt chunks.
+
+        Returns (decode tokens, prompt tokens)."""
+        decoding = [s for s in self.slots if s.prefilled and s.output_ids and s.finish_reason is None]
+        chunks = self._prompt_chunks()
+        if not decoding and not chunks:
+            return 0, 0
+        decode_rows = [DecodeRow(s.slot, s.output_ids[-1], s.total_len - 1, s.adapter) for s in decoding]
+        prefill_rows = [
+            PrefillRow(s.slot, s.prompt_ids[s.num_computed : s.num_computed + c], s.num_computed, s.adapter)
+            for s, c in chunks
         ]
-        adapters = [s.adapter or "__base__" for s, _ in chosen]
-        logits = self.runner.prefill(rows, adapters)
-        done = []
-        for i, (seq, chunk) in enumerate(chosen):
+        logits = self.runner.forward(decode_rows, prefill_rows)
+        for seq in decoding:
+            seq.num_computed = seq.total_len
+        sampled = list(decoding)
+        rows = list(range(len(decoding)))
+        for i, (seq, chunk) in enumerate(chunks):
             seq.num_computed += chunk
-            if seq.prefilled:
-                done.append(i)
             if self.prefix_cache.enabled:
                 self.prefix_cache.store(
                     _adapter(seq), seq.prompt_ids[: seq.num_computed], self.runner.cache, seq.slot
                 )
-        if done:
-            self._sample_and_emit([chosen[i][0] for i in done], logits[done])
+            if seq.prefilled:
+                sampled.append(seq)
+                rows.append(len(decoding) + i)
+        if sampled:
+            self._sample_and_emit(sampled, logits if len(rows) == len(logits) else logits[rows])
+        return len(decoding), sum(c for _, c in chunks)
 
     def _try_prefix_hit(self, seq: Sequence) -> bool:
         entry, length = self.prefix_cache.longest(_adapter(seq), seq.prompt_ids)
@@ -359,36 +353,15 @@ class Scheduler:
             )
             shared = min(shared, len(leader.prompt_ids) - 1, self.prefill_chunk, cache.max_entry_tokens)
             if shared >= cache.min_tokens:
-                self.runner.prefill([PrefillRow(leader.slot, leader.prompt_ids[:shared], 0)], [adapter])
+                self.runner.forward(
+                    [], [PrefillRow(leader.slot, leader.prompt_ids[:shared], 0, leader.adapter)]
+                )
                 leader.num_computed = shared
                 cache.store(adapter, leader.prompt_ids[:shared], self.runner.cache, leader.slot)
                 rest = [o for o in rest if not self._try_prefix_hit(o)]
             misses = rest
         for seq in fresh:
             seq.prefix_checked = True
-
-    def _decode(self) -> None:
-        n = len(self.slots)
-        active = [s.prefilled and s.output_ids and s.finish_reason is None for s in self.slots]
-        if not any(active):
-            return
-        tokens, positions = [], []
-        for seq, on in zip(self.slots, active, strict=True):
-            if on:
-                tokens.append(seq.output_ids[-1])
-                positions.append(seq.total_len - 1)
-            else:
-                # a slot still prefilling rides along: its throwaway key lands at the next
-                # position its prompt will overwrite
-                tokens.append(self.runner.pad_id)
-                positions.append(seq.num_computed)
-        adapters = [s.adapter or "__base__" for s in self.slots]
-        logits = self.runner.decode(tokens, positions, adapters)
-        rows = [i for i in range(n) if active[i]]
-        seqs = [self.slots[i] for i in rows]
-        for seq in seqs:
-            seq.num_computed = seq.total_len
-        self._sample_and_emit(seqs, logits if len(rows) == n else logits[rows])
 
     def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         tokens, raw_logprobs = sample(logits, [RowSampling(s.params, s.generator) for s in seqs])

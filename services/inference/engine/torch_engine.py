@@ -88,8 +88,6 @@ class TorchEngine:
         num_threads: int = 0,
         prefix_cache_mb: float = 64.0,
         admit_window: float = 0.0,
-        prefill_group: int = 0,
-        max_decode_stall: float = 0.0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -114,8 +112,6 @@ class TorchEngine:
             num_threads=num_threads,
             prefix_cache=PrefixCache(int(prefix_cache_mb * 2**20)),
             admit_window=admit_window,
-            prefill_group=prefill_group,
-            max_decode_stall=max_decode_stall,
         )
         self.adapters: dict[str, str] = {}
         # the trainer's engine uses the model's active adapter as is; ours route per row

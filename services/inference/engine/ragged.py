@@ -1,0 +1,211 @@
+"""One forward for a mixed batch: decode tokens and prompt chunks of many sequences, flattened.
+
+Every token is its own batch row (input ids ``[T, 1]``), so the linear layers -- most of
+the work -- see exactly the real tokens with no padding, PEFT routes each row to its own
+adapter, and RoPE takes each token's own position. Only attention must know which tokens
+belong together; the plan built here says so, and ``ragged_attention`` (registered with
+transformers as the attention implementation ``tandem_ragged``) does two batched SDPA
+calls per layer over the slab KV cache, whose ``update`` has just written every token's
+key and value at its (slot, position):
+
+- decode tokens: one query per slab row, attending that row's keys up to its position
+  (the slab rows are a view, not a copy);
+- prompt chunks: their queries gathered into a padded ``[P, S]`` block, each chunk
+  attending its slot's keys causally from the chunk's start (a prefix already in the
+  cache included); padded queries are computed and dropped (attention is a small part
+  of the work at these lengths).
+
+Mixing both in one forward is what makes continuous batching cheap on a CPU: a forward
+re-reads every weight (~55 ms for SmolLM2-135M in fp32 on 2 cores), so a separate
+prefill forward for each arrival would stall every running stream by that much.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "tandem_ragged"
+
+
+@dataclass
+class DecodeRow:
+    """Extend sequence ``slot`` by ``token`` at ``position``."""
+
+    slot: int
+    token: int
+    position: int
+    adapter: str | None = None
+
+
+@dataclass
+class PrefillRow:
+    """Prompt tokens ``token_ids`` of sequence ``slot``, the first at position ``start``."""
+
+    slot: int
+    token_ids: list[int]
+    start: int
+    adapter: str | None = None
+
+
+@dataclass
+class RaggedPlan:
+    input_ids: torch.Tensor  # [T, 1]
+    positions: torch.Tensor  # [T, 1]
+    write_slots: torch.Tensor  # [T] slab row each token's key/value goes to
+    write_positions: torch.Tensor  # [T]
+    logit_rows: torch.Tensor  # [D + P] decode tokens, then each chunk's last token
+    adapters: list[str]  # per token, for PEFT's mixed-batch LoRA
+    max_position: int
+    # decode tokens (the first D tokens): attention over slab rows [0, decode_view)
+    n_decode: int = 0
+    decode_view: int = 0
+    decode_rows: torch.Tensor | None = None  # slab row of each decode token; None: rows 0..D-1
+    decode_len: int = 0
+    decode_mask: torch.Tensor | None = None  # [decode_view, 1, 1, decode_len]
+    # prompt chunks (the other tokens, chunk after chunk)
+    prefill_slots: torch.Tensor | None = None  # [P]
+    width: int = 0  # S, the longest chunk
+    gather: torch.Tensor | None = None  # [P * S] token index of each padded query
+    valid: torch.Tensor | None = None  # [sum L] index into P * S of the real queries
+    prefill_len: int = 0
+    prefill_mask: torch.Tensor | None = None  # [P, 1, S, prefill_len]
+
+
+_ACTIVE_PLAN: ContextVar[RaggedPlan | None] = ContextVar("tandem_ragged_plan", default=None)
+
+
+def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch.device) -> RaggedPlan:
+    if not decode and not prefill:
+        raise ValueError("a forward needs at least one decode token or prompt chunk")
+    if any(not r.token_ids for r in prefill):
+        raise ValueError("a prompt chunk must not be empty")
+    slots = [r.slot for r in decode] + [r.slot for r in prefill]
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"a slot appears twice in one forward: {slots}")
+    n_dec = len(decode)
+    ids = [r.token for r in decode]
+    pos = [r.position for r in decode]
+    write_slots = [r.slot for r in decode]
+    adapters = [r.adapter or "__base__" for r in decode]
+    logit_rows = list(range(n_dec))
+    offsets = []
+    for chunk in prefill:
+        offsets.append(len(ids))
+        n = len(chunk.token_ids)
+        ids += chunk.token_ids
+        pos += range(chunk.start, chunk.start + n)
+        write_slots += [chunk.slot] * n
+        adapters += [chunk.adapter or "__base__"] * n
+        logit_rows.append(len(ids) - 1)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    plan = RaggedPlan(
+        input_ids=tensor(ids).unsqueeze(1),
+        positions=tensor(pos).unsqueeze(1),
+        write_slots=tensor(write_slots),
+        write_positions=tensor(pos),
+        logit_rows=tensor(logit_rows),
+        adapters=adapters,
+        max_position=max(pos),
+    )
+    if decode:
+        rows = [r.slot for r in decode]
+        view = max(rows) + 1
+        row_pos = [0] * view  # rows that are not decoding see key 0 only (finite, dropped)
+        for row in decode:
+            row_pos[row.slot] = row.position
+        plan.n_decode = n_dec
+        plan.decode_view = view
+        plan.decode_rows = None if rows == list(range(n_dec)) else tensor(rows)
+        plan.decode_len = max(row_pos) + 1
+        keys = torch.arange(plan.decode_len, device=device)
+        plan.decode_mask = (keys.unsqueeze(0) <= tensor(row_pos).unsqueeze(1)).view(view, 1, 1, -1)
+    if prefill:
+        width = max(len(r.token_ids) for r in prefill)
+        gather: list[int] = []
+        valid: list[int] = []
+        for p, (chunk, off) in enumerate(zip(prefill, offsets, strict=True)):
+            n = len(chunk.token_ids)
+            gather += [off + min(s, n - 1) for s in range(width)]
+            valid += range(p * width, p * width + n)
+        starts = tensor([r.start for r in prefill])
+        query_pos = starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)  # [P, S]
+        plan.prefill_len = int(query_pos.max()) + 1
+        keys = torch.arange(plan.prefill_len, device=device)
+        plan.prefill_slots = tensor([r.slot for r in prefill])
+        plan.width = width
+        plan.gather = tensor(gather)
+        plan.valid = tensor(valid)
+        plan.prefill_mask = (keys.view(1, 1, -1) <= query_pos.unsqueeze(2)).unsqueeze(1)
+    return plan
+
+
+def ragged_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query`` ``[T, H, 1, d]``; ``key``/``value``: the layer's whole slab ``[slots, Hkv, cap, d]``.
+
+    Returns ``[T, 1, H, d]`` (the layout transformers' attention functions return)."""
+    plan = _ACTIVE_PLAN.get()
+    if plan is None:
+        raise RuntimeError("tandem_ragged attention runs only inside a ModelRunner forward")
+    q = query[:, :, 0]  # [T, H, d]
+    heads, dim = q.shape[1], q.shape[2]
+    parts = []
+    if plan.n_decode:
+        qd = q[: plan.n_decode]
+        if plan.decode_rows is not None:
+            qd = q.new_zeros(plan.decode_view, heads, dim).index_copy_(0, plan.decode_rows, qd)
+        k = key[: plan.decode_view, :, : plan.decode_len]
+        v = value[: plan.decode_view, :, : plan.decode_len]
+        out = F.scaled_dot_product_attention(
+            qd.unsqueeze(2), k, v, attn_mask=plan.decode_mask, scale=scaling, enable_gqa=True
+        )[:, :, 0]
+        parts.append(out if plan.decode_rows is None else out.index_select(0, plan.decode_rows))
+    if plan.prefill_slots is not None:
+        assert plan.gather is not None and plan.valid is not None
+        chunks = len(plan.prefill_slots)
+        qp = q.index_select(0, plan.gather).view(chunks, plan.width, heads, dim).transpose(1, 2)
+        # slice before gathering: only the attended positions are copied, not the capacity
+        k = key[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
+        v = value[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
+        out = F.scaled_dot_product_attention(
+            qp, k, v, attn_mask=plan.prefill_mask, scale=scaling, enable_gqa=True
+        )  # [P, H, S, d]
+        parts.append(out.transpose(1, 2).reshape(chunks * plan.width, heads, dim).index_select(0, plan.valid))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.unsqueeze(1), None
+
+
+def register() -> str:
+    """Make ``tandem_ragged`` known to transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ragged_attention)
+    return ATTENTION_NAME
+
+
+@contextmanager
+def active(plan: RaggedPlan) -> Iterator[RaggedPlan]:
+    """``plan`` is the one the attention layers read during this forward (this thread only)."""
+    token = _ACTIVE_PLAN.set(plan)
+    try:
+        yield plan
+    finally:
+        _ACTIVE_PLAN.reset(token)
