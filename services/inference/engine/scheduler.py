@@ -316,15 +316,17 @@ class Scheduler:
         rows = list(range(len(decoding)))
         for i, (seq, chunk) in enumerate(chunks):
             seq.num_computed += chunk
-            if self.prefix_cache.enabled:
-                self.prefix_cache.store(
-                    _adapter(seq), seq.prompt_ids[: seq.num_computed], self.runner.cache, seq.slot
-                )
             if seq.prefilled:
                 sampled.append(seq)
                 rows.append(len(decoding) + i)
         if sampled:
             self._sample_and_emit(sampled, logits if len(rows) == len(logits) else logits[rows])
+        if self.prefix_cache.enabled:
+            # after the tokens went out: copying prompts into the cache is off the latency path
+            for seq, _ in chunks:
+                self.prefix_cache.store(
+                    _adapter(seq), seq.prompt_ids[: seq.num_computed], self.runner.cache, seq.slot
+                )
         return len(decoding), sum(c for _, c in chunks)
 
     def _try_prefix_hit(self, seq: Sequence) -> bool:
