@@ -64,6 +64,7 @@ def build_torch_engine(
         request_timeout=settings.request_timeout,
         tokenizer_fallback=tokenizer_fallback,
         num_threads=settings.threads,
+        packed_weights=settings.packed_weights,
     )
 
 

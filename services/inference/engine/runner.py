@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
-from services.inference.engine import ragged
+from services.inference.engine import packed_linear, ragged
 from services.inference.engine.kv_cache import SlabKVCache
+from services.inference.engine.packed_linear import PackedLinears
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 
 __all__ = ["DecodeRow", "ModelRunner", "PrefillRow", "base_model_of"]
@@ -34,7 +35,9 @@ def base_model_of(model: Any) -> Any:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, *, max_slots: int, max_len: int, device: Any = None) -> None:
+    def __init__(
+        self, model: Any, *, max_slots: int, max_len: int, device: Any = None, packed_weights: bool = True
+    ) -> None:
         self.model = model
         base = base_model_of(model)
         self.config = base.config
@@ -66,10 +69,16 @@ class ModelRunner:
         self._attention_name = ragged.register()
         # a 4-D mask is passed through by transformers as is; ours attends by the plan instead
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.packed: PackedLinears | None = None
+        if packed_weights and packed_linear.available(self.device, self.dtype):
+            self.packed = PackedLinears(model, batch_hint=max_slots)
 
     # --- LoRA: per-row adapters through PEFT's mixed-batch path -------------------------
     def refresh_adapter_hooks(self) -> None:
-        """(Re)attach the hooks that hand each LoRA layer the per-row adapter names."""
+        """(Re)attach the hooks that hand each LoRA layer the per-row adapter names (and track
+        the linear layers an adapter added or took away)."""
+        if self.packed is not None:
+            self.packed.refresh(self.model)
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -112,7 +121,8 @@ class ModelRunner:
         plan = ragged.build_plan(decode, prefill, self.device)
         self.cache.ensure_capacity(plan.max_position + 1)
         self.cache.plan_writes(plan.write_slots, plan.write_positions)
-        with ragged.active(plan), self._ragged_attention(), self._adapters(plan.adapters):
+        packed = self.packed.active() if self.packed is not None else nullcontext()
+        with ragged.active(plan), self._ragged_attention(), self._adapters(plan.adapters), packed:
             out = self.decoder(
                 input_ids=plan.input_ids,
                 attention_mask=self._no_mask,
@@ -120,5 +130,5 @@ class ModelRunner:
                 use_cache=True,
                 **{self._cache_kwarg: self.cache},
             )
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return self.lm_head(hidden[plan.logit_rows, 0])
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+            return self.lm_head(hidden[plan.logit_rows, 0])

@@ -88,6 +88,7 @@ class TorchEngine:
         num_threads: int = 0,
         prefix_cache_mb: float = 64.0,
         admit_window: float = 0.0,
+        packed_weights: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -96,7 +97,11 @@ class TorchEngine:
         if device is not None:
             model.to(device)
         self.runner = ModelRunner(
-            model, max_slots=max_batch_size, max_len=max_model_len or 1 << 30, device=device
+            model,
+            max_slots=max_batch_size,
+            max_len=max_model_len or 1 << 30,
+            device=device,
+            packed_weights=packed_weights,
         )
         self.max_model_len = self.runner.max_len
         self.device = self.runner.device
@@ -309,6 +314,9 @@ class TorchEngine:
 
     # --- the server's face (Engine protocol) ------------------------------------------------------
     async def start(self) -> None:
+        if self.runner.packed is not None:
+            # pack the weights before serving, so the first request does not pay for it
+            await asyncio.to_thread(self.runner.packed.pack_all)
         self.scheduler.start()
 
     async def shutdown(self) -> None:
