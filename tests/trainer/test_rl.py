@@ -97,3 +97,12 @@ def test_ppo_raises_mean_reward(yes_no_model: Path) -> None:
     print(f"\nPPO mean reward per step: {[round(r, 2) for r in rewards]}")
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last > first + 0.15, rewards
+
+
+def test_grpo_rollouts_are_reproducible(yes_no_model: Path) -> None:
+    """Rollouts are seeded from the run's seed and the step: the same run twice samples the same
+    completions (so the same rewards), and another seed samples others."""
+    hp = {"max_steps": 2, "prompts_per_step": 4, "group_size": 8, "kl_coef": 0.01}
+    first = rl_run(GRPORecipe, yes_no_model, **hp)
+    assert rl_run(GRPORecipe, yes_no_model, **hp) == first
+    assert rl_run(GRPORecipe, yes_no_model, **{**hp, "seed": 1}) != first

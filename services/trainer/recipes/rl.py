@@ -36,6 +36,10 @@ from services.trainer.recipes.base import Recipe
 from services.trainer.rollout import EngineRollouts, Rollout
 
 
+# seeds of consecutive steps' rollouts lie this far apart (more than a step's samples)
+ROLLOUT_SEED_STRIDE = 1_000_003
+
+
 @dataclass
 class Batch:
     """Per completion: its token log-probs etc. as 1-D tensors (completion tokens only)."""
@@ -152,9 +156,9 @@ class RLRecipe(Recipe):
             max_new_tokens=self.hp.max_new_tokens,
             temperature=self.hp.temperature,
             top_p=self.hp.top_p,
-            # Not seeded: the engine gives every prompt of a batch the same stream (seed + j for
-            # its j-th sample), which would make distinct prompts' completions move in lockstep.
-            seed=None,
+            # Reproducible runs: the engine seeds sample j of prompt i with seed + i * n + j, so
+            # every completion of a step draws its own stream; steps are spaced apart.
+            seed=(self.hp.seed + step * ROLLOUT_SEED_STRIDE) % 2**31,
         )
         t_gen = time.perf_counter() - t0
         rewards = torch.tensor(self.reward_fn(records, [r.text for r in rollouts]), dtype=torch.float32)
