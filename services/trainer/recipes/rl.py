@@ -35,7 +35,6 @@ from services.trainer.modeling import gather_logps, hidden_states
 from services.trainer.recipes.base import Recipe
 from services.trainer.rollout import EngineRollouts, Rollout
 
-
 # seeds of consecutive steps' rollouts lie this far apart (more than a step's samples)
 ROLLOUT_SEED_STRIDE = 1_000_003
 
