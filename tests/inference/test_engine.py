@@ -249,3 +249,46 @@ def test_idle_engine_gathers_a_trickling_burst(lively: tuple[Any, Any]) -> None:
     finally:
         sched.stop()
     assert len(set(first.values())) == 1, f"first tokens came in different steps: {first}"
+
+
+def test_sliding_window_model_is_served_within_its_window(tmp_path: Path) -> None:
+    """Our attention is full attention: a model with a sliding window gets a context no longer
+    than the window (where both agree), and greedy output still equals generate."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    from services.inference.engine.types import ContextLengthExceeded
+    from tests.helpers.models import smollm2_dir
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    config = MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=48,
+    )
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    engine = TorchEngine.from_model(model, tok, max_batch_size=2)
+    assert engine.max_model_len == 48
+    prompt = list(range(500, 530))
+    out = engine.generate_batch([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert len(out.token_ids) == 18 and out.finish_reason == "length"  # cut at the window
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=18, min_new_tokens=18, do_sample=False)
+    assert out.token_ids == ref[0, len(prompt) :].tolist()
+    with pytest.raises(ContextLengthExceeded, match="48"):
+        engine._resolve_max_tokens(60, SamplingParams(max_tokens=4), strict=True)
+
+
+def test_sliding_window_detection() -> None:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from services.inference.engine.runner import sliding_window
+
+    assert sliding_window(LlamaConfig()) is None
+    assert sliding_window(Qwen2Config()) is None  # its window is off unless use_sliding_window
+    assert sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=100)) == 100
+    assert sliding_window(MistralConfig(sliding_window=4096)) == 4096
