@@ -34,6 +34,11 @@ import torch.nn.functional as F
 ATTENTION_NAME = "tandem_ragged"
 
 
+def adapter_key(adapter: str | None) -> str:
+    """A row's LoRA adapter as PEFT's mixed batch names it ("__base__": the base model alone)."""
+    return adapter or "__base__"
+
+
 @dataclass
 class DecodeRow:
     """Extend sequence ``slot`` by ``token`` at ``position``."""
@@ -93,7 +98,7 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
     ids = [r.token for r in decode]
     pos = [r.position for r in decode]
     write_slots = [r.slot for r in decode]
-    adapters = [r.adapter or "__base__" for r in decode]
+    adapters = [adapter_key(r.adapter) for r in decode]
     logit_rows = list(range(n_dec))
     offsets = []
     for chunk in prefill:
@@ -102,7 +107,7 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
         ids += chunk.token_ids
         pos += range(chunk.start, chunk.start + n)
         write_slots += [chunk.slot] * n
-        adapters += [chunk.adapter or "__base__"] * n
+        adapters += [adapter_key(chunk.adapter)] * n
         logit_rows.append(len(ids) - 1)
 
     def tensor(values: list[int]) -> torch.Tensor:

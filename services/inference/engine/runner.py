@@ -83,7 +83,6 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._adapter_names: list[str] | None = None
         self._hooks: list[Any] = []
-        self.pad_id = int(getattr(self.config, "pad_token_id", None) or 0)
         self._attention_name = ragged.register()
         # a 4-D mask is passed through by transformers as is; ours attends by the plan instead
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)

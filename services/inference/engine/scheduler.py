@@ -32,6 +32,7 @@ import torch
 
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.prefix_cache import PrefixCache, common_prefix_len, weights_fingerprint
+from services.inference.engine.ragged import adapter_key
 from services.inference.engine.runner import DecodeRow, ModelRunner, PrefillRow
 from services.inference.engine.sampling import RowSampling, sample
 from services.inference.engine.types import (
@@ -84,7 +85,8 @@ class Sequence:
 
 
 def _adapter(seq: Sequence) -> str:
-    return seq.adapter or "__base__"
+    # prefix-cache entries are keyed like the forward's rows: keys/values depend on the adapter
+    return adapter_key(seq.adapter)
 
 
 class Scheduler:
