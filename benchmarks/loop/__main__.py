@@ -1,0 +1,330 @@
+"""Benchmark: what one turn of the learning loop changes, on questions it did not train on.
+
+``python -m benchmarks.loop [--train 200] [--eval 100] [--concurrency 8] [--out FILE]``
+
+Starts the whole stack with ``tandem up`` in a temporary home (embedded Valkey, the
+four services, the Celery workers, the default SmolLM2-135M), builds a collection of
+documents holding invented facts (``services.cli.factset``, fixed seed), and then plays
+a scripted user through the public APIs only:
+
+1. asks ``--train`` questions with ``chat-documents`` on the base model and judges each
+   answer: thumbs up when the model wrote a valid ``[n]`` marker itself and the answer
+   states the expected fact, thumbs down otherwise; for every second answer it turns down
+   it writes a correction: the source's sentence that states the fact, followed by that
+   source's ``[n]`` (the number the prompt gave that source);
+2. asks ``--eval`` other questions (their documents are in the same collection; the
+   training never saw them) on the base model;
+3. clicks "train on feedback" (``POST /v1/feedback/train``: a LoRA ``kto`` job with no
+   hyperparameters given, published when done) and waits for the adapter to answer;
+4. asks the same unseen questions with ``llm`` = the adapter.
+
+Reports, for the base model and the adapter on the unseen questions: the share of answers
+with a valid model-written ``[n]`` marker, the share stating the expected fact, the share
+citing the right document, and the wall time from "train on feedback" to the adapter's
+first answer. Targets on a 2-core CPU (issue 13): marker rate >= 60 %, the fact rate does
+not fall, the round within 20 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.agent.citations import marker_numbers
+from services.cli.factset import Fact, make_facts, states
+
+REPO = Path(__file__).resolve().parents[2]
+COLLECTION = "facts"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Answer:
+    fact_id: str
+    message_id: str
+    answer: str
+    sources: int
+    marker: bool  # the model wrote a valid [n] itself
+    fact: bool  # the expected answer string is stated
+    right_doc: bool  # a citation (written or attributed) points at the fact's document
+    seconds: float
+
+
+@dataclass
+class Rates:
+    n: int
+    marker: float
+    fact: float
+    right_doc: float
+    p50_s: float
+
+    @classmethod
+    def of(cls, answers: list[Answer]) -> Rates:
+        n = max(len(answers), 1)
+        return cls(
+            n=len(answers),
+            marker=sum(a.marker for a in answers) / n,
+            fact=sum(a.fact for a in answers) / n,
+            right_doc=sum(a.right_doc for a in answers) / n,
+            p50_s=statistics.median([a.seconds for a in answers]) if answers else float("nan"),
+        )
+
+
+@dataclass
+class Report:
+    train_answers: int
+    thumbs_up: int
+    thumbs_down: int
+    corrections: int
+    dataset: dict[str, Any] = field(default_factory=dict)
+    job: dict[str, Any] = field(default_factory=dict)
+    base: Rates | None = None
+    adapter: Rates | None = None
+    train_to_answer_s: float = 0.0
+    adapter_name: str = ""
+
+
+class Client:
+    """The scripted user's view of the stack: the agent's and the other services' public APIs."""
+
+    def __init__(self, env: dict[str, str], key: str) -> None:
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.agent = f"http://127.0.0.1:{env['TANDEM_AGENT_PORT']}"
+        self.retrieval = f"http://127.0.0.1:{env['TANDEM_RETRIEVAL_PORT']}"
+        self.trainer = f"http://127.0.0.1:{env['TANDEM_TRAINER_PORT']}"
+        self.http = httpx.AsyncClient(headers=self.headers, timeout=600)
+
+    async def check(self, resp: httpx.Response) -> Any:
+        if resp.status_code >= 400:
+            raise RuntimeError(
+                f"{resp.request.method} {resp.request.url}: {resp.status_code} {resp.text[:500]}"
+            )
+        return resp.json() if resp.content else None
+
+    async def ingest(self, facts: list[Fact]) -> None:
+        await self.check(await self.http.post(f"{self.retrieval}/v1/collections", json={"name": COLLECTION}))
+        docs = [{"id": f.fact_id, "title": f.title, "text": f.text} for f in facts]
+        body = await self.check(
+            await self.http.post(
+                f"{self.retrieval}/v1/collections/{COLLECTION}/documents", json={"documents": docs}
+            )
+        )
+        job_id = body.get("job_id")
+        while job_id:
+            job = await self.check(await self.http.get(f"{self.retrieval}/v1/jobs/{job_id}"))
+            if job["state"] in ("succeeded", "failed"):
+                if job["state"] == "failed":
+                    raise RuntimeError(f"ingestion failed: {job.get('error')}")
+                break
+            await asyncio.sleep(1)
+
+    async def ask(self, fact: Fact, llm: str | None) -> Answer:
+        body: dict[str, Any] = {"query": fact.question, "collection": COLLECTION}
+        if llm:
+            body["llm"] = llm
+        start = time.perf_counter()
+        out = await self.check(
+            await self.http.post(f"{self.agent}/v1/pipelines/chat-documents/run", json=body)
+        )
+        seconds = time.perf_counter() - start
+        record = await self.check(await self.http.get(f"{self.agent}/v1/messages/{out['message_id']}"))
+        sources = len(record.get("chunk_ids") or [])
+        answer = out.get("answer") or ""
+        marker = any(1 <= n <= sources for n in marker_numbers(answer))
+        docs = {c.get("document_id") for c in out.get("citations") or []}
+        return Answer(
+            fact_id=fact.fact_id,
+            message_id=out["message_id"],
+            answer=answer,
+            sources=sources,
+            marker=marker,
+            fact=states(answer, fact.answer),
+            right_doc=fact.fact_id in docs,
+            seconds=seconds,
+        )
+
+    async def source_number(self, message_id: str, fact: Fact) -> int | None:
+        """The number the prompt gave the source holding the fact's sentence, if it was shown."""
+        record = await self.check(await self.http.get(f"{self.agent}/v1/messages/{message_id}"))
+        prompt = "\n".join(str(m.get("content", "")) for m in record["prompt"])
+        for line in prompt.splitlines():
+            if fact.sentence in line and line.startswith("["):
+                number = line[1 : line.index("]")]
+                if number.isdigit():
+                    return int(number)
+        return None
+
+    async def feedback(self, message_id: str, rating: int, correction: str | None = None) -> None:
+        body: dict[str, Any] = {"message_id": message_id, "rating": rating}
+        if correction:
+            body["correction"] = correction
+        await self.check(await self.http.post(f"{self.agent}/v1/feedback", json=body))
+
+
+async def ask_all(client: Client, facts: list[Fact], llm: str | None, concurrency: int) -> list[Answer]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(fact: Fact) -> Answer:
+        async with gate:
+            return await client.ask(fact, llm)
+
+    return list(await asyncio.gather(*(one(f) for f in facts)))
+
+
+async def wait_for_adapter(
+    client: Client, job_id: str, probe: Fact, timeout: float
+) -> tuple[dict[str, Any], str]:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        job = await client.check(await client.http.get(f"{client.trainer}/v1/jobs/{job_id}"))
+        status = f"{job['status']} {job['progress']['step']}/{job['progress']['total']}"
+        if status != last:
+            print(f"  job {job_id}: {status}", flush=True)
+            last = status
+        if job["status"] in ("failed", "cancelled"):
+            raise RuntimeError(f"training job {job['status']}: {job.get('error')}")
+        if job["status"] == "succeeded" and job.get("published") and job.get("fine_tuned_model"):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"training job not done after {timeout} s ({status})")
+        await asyncio.sleep(2)
+    name = str(job["fine_tuned_model"])
+    await client.ask(probe, name)  # the adapter answers
+    return job, name
+
+
+async def run(args: argparse.Namespace, env: dict[str, str], key: str) -> Report:
+    facts = make_facts(args.train + args.eval, seed=args.seed)
+    train, unseen = facts[: args.train], facts[args.train :]
+    client = Client(env, key)
+    print(f"ingesting {len(facts)} documents ...", flush=True)
+    await client.ingest(facts)
+
+    print(f"asking {len(train)} questions on the base model and judging them ...", flush=True)
+    answers = await ask_all(client, train, None, args.concurrency)
+    ups = downs = corrections = 0
+    by_id = {f.fact_id: f for f in train}
+    for a in answers:
+        fact = by_id[a.fact_id]
+        if a.marker and a.fact:
+            await client.feedback(a.message_id, 1)
+            ups += 1
+            continue
+        downs += 1
+        correction = None
+        if downs % 2 == 0:
+            number = await client.source_number(a.message_id, fact)
+            if number is not None:
+                correction = f"{fact.sentence} [{number}]"
+                corrections += 1
+        await client.feedback(a.message_id, -1, correction)
+    report = Report(train_answers=len(answers), thumbs_up=ups, thumbs_down=downs, corrections=corrections)
+    print(f"  {ups} up, {downs} down, {corrections} corrections", flush=True)
+
+    print(f"asking {len(unseen)} unseen questions on the base model ...", flush=True)
+    report.base = Rates.of(await ask_all(client, unseen, None, args.concurrency))
+
+    print("train on feedback ...", flush=True)
+    started = time.perf_counter()
+    out = await client.check(
+        await client.http.post(f"{client.agent}/v1/feedback/train", json={"format": "kto"})
+    )
+    report.dataset = out["dataset"]
+    job, name = await wait_for_adapter(client, out["job"]["id"], unseen[0], args.timeout)
+    report.train_to_answer_s = time.perf_counter() - started
+    report.job = {k: job.get(k) for k in ("id", "type", "status", "metrics", "progress", "request")}
+    report.adapter_name = name
+
+    print(f"asking the unseen questions with {name} ...", flush=True)
+    report.adapter = Rates.of(await ask_all(client, unseen, name, args.concurrency))
+    await client.http.aclose()
+    return report
+
+
+def table(report: Report) -> str:
+    assert report.base is not None and report.adapter is not None
+    rows = [
+        "| model | unseen questions | model-written [n] | fact stated | right document cited | answer p50 |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, r in (("base SmolLM2-135M", report.base), (f"adapter {report.adapter_name}", report.adapter)):
+        rows.append(
+            f"| {label} | {r.n} | {r.marker:.0%} | {r.fact:.0%} | {r.right_doc:.0%} | {r.p50_s:.1f} s |"
+        )
+    rows.append("")
+    rows.append(
+        f"Feedback: {report.train_answers} answers, {report.thumbs_up} up, {report.thumbs_down} down, "
+        f"{report.corrections} corrections; dataset {report.dataset.get('rows')} rows "
+        f"{report.dataset.get('counts')}; train on feedback -> adapter answering: "
+        f"{report.train_to_answer_s / 60:.1f} min"
+    )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", type=int, default=200, help="answers the scripted user gives feedback on")
+    ap.add_argument("--eval", type=int, default=100, help="unseen questions asked before and after")
+    ap.add_argument("--concurrency", type=int, default=8, help="questions in flight at once")
+    ap.add_argument("--seed", type=int, default=13, help="seed of the invented facts")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds to wait for the training job")
+    ap.add_argument("--out", type=Path, help="write the report as JSON here")
+    ap.add_argument("--keep", action="store_true", help="leave the stack running (prints its home)")
+    args = ap.parse_args(argv)
+
+    home = Path(tempfile.mkdtemp(prefix="tandem-loop-")) / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(
+        TANDEM_HOME=str(home),
+        TANDEM_REDIS_PORT=str(free_port()),
+        TANDEM_AGENT_PORT=str(free_port()),
+        TANDEM_INFERENCE_PORT=str(free_port()),
+        TANDEM_RETRIEVAL_PORT=str(free_port()),
+        TANDEM_TRAINER_PORT=str(free_port()),
+        TANDEM_DEVICE="cpu",
+    )
+    tandem = [sys.executable, "-m", "services.cli.main"]
+    print(f"starting the stack in {home} ...", flush=True)
+    up = subprocess.run(
+        [*tandem, "up", "--timeout", "900"], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    if up.returncode != 0:
+        print(up.stdout + up.stderr, file=sys.stderr)
+        return 1
+    try:
+        key = (home / "api-key").read_text().strip()
+        report = asyncio.run(run(args, env, key))
+    finally:
+        if args.keep:
+            print(f"stack left running: TANDEM_HOME={home}")
+        else:
+            subprocess.run([*tandem, "down"], env=env, cwd=REPO, capture_output=True, text=True)
+    print()
+    print(table(report))
+    if args.out:
+        args.out.write_text(json.dumps(asdict(report), indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
