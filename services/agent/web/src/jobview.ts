@@ -32,9 +32,10 @@ export function seriesFrom(data: unknown, names: string[]): Record<string, [numb
 }
 
 /**
- * A refresher for a job's loss chart: each call re-reads the metric history and redraws
- * (calls made while one is in flight are dropped; the next job update retries).
- * `isCurrent` lets a view that moved on to another job ignore a late answer.
+ * A refresher for a job's loss chart: each call re-reads the metric history and redraws.
+ * A call made while a read is in flight runs once more after it, so that the update that
+ * ends the job always draws its last points. `isCurrent` lets a view that moved on to
+ * another job ignore a late answer.
  */
 export function lossChartUpdater(
   chart: HTMLElement,
@@ -42,9 +43,13 @@ export function lossChartUpdater(
   isCurrent: () => boolean = () => true,
 ): (jobType: string) => Promise<void> {
   let busy = false;
+  let again: string | null = null;
   drawChart(chart, "Training loss", []);
-  return async (jobType: string) => {
-    if (busy) return;
+  const refresh = async (jobType: string): Promise<void> => {
+    if (busy) {
+      again = jobType;
+      return;
+    }
     busy = true;
     try {
       const s = seriesFrom(await api(trainer(`/jobs/${enc(jobId)}/metrics`)), ["loss", "reward"]);
@@ -56,7 +61,13 @@ export function lossChartUpdater(
     } finally {
       busy = false;
     }
+    if (again !== null && isCurrent()) {
+      const next = again;
+      again = null;
+      await refresh(next);
+    }
   };
+  return refresh;
 }
 
 export function fmtNumber(v: number): string {
@@ -66,9 +77,9 @@ export function fmtNumber(v: number): string {
 
 /** The held-out metrics the trainer reports as `eval_<name>_before` / `eval_<name>_after`. */
 const EVAL_ROWS: { key: string; label: string; better: "lower" | "higher"; percent?: boolean }[] = [
-  { key: "loss", label: "Held-out loss", better: "lower" },
-  { key: "accuracy", label: "Preference accuracy", better: "higher", percent: true },
-  { key: "margin", label: "Reward margin", better: "higher" },
+  { key: "loss", label: "Loss", better: "lower" },
+  { key: "accuracy", label: "Accuracy", better: "higher", percent: true },
+  { key: "margin", label: "Margin", better: "higher" },
 ];
 
 export function hasEvalMetrics(metrics: Record<string, unknown> | undefined | null): boolean {

@@ -3,6 +3,7 @@
 // come as chips that open the cited passage with the cited span highlighted.
 import { api, ApiError, enc, getKey, inference, listOf, retrieval, wsUrl } from "../api";
 import { clear, field, h, highlightSpan, toast } from "../dom";
+import { thumbIcon } from "../icons";
 import { linkCitations, renderMarkdown } from "../markdown";
 
 export interface Citation {
@@ -471,8 +472,8 @@ export function chatPage(root: HTMLElement, args: string[]) {
    */
   function feedbackControls(view: AnswerView, id: string, collection: string, initial?: StoredMessage["feedback"]): HTMLElement[] {
     let rating = initial && (initial.rating === 1 || initial.rating === -1) ? initial.rating : 0;
-    const up = h("button", { type: "button", class: "icon thumb thumb-up", "aria-label": "Good answer", title: "Good answer" }, "👍");
-    const down = h("button", { type: "button", class: "icon thumb thumb-down", "aria-label": "Bad answer", title: "Bad answer" }, "👎");
+    const up = h("button", { type: "button", class: "icon thumb thumb-up", "aria-label": "Good answer", title: "Good answer" }, thumbIcon("up"));
+    const down = h("button", { type: "button", class: "icon thumb thumb-down", "aria-label": "Bad answer", title: "Bad answer" }, thumbIcon("down"));
     const edit = h("button", { type: "button", class: "link edit-answer" }, "Edit answer");
     const regen = h("button", { type: "button", class: "link regenerate" }, "Regenerate");
     const state = h("span", { class: "fb-state small muted", role: "status" });

@@ -4,6 +4,7 @@
 import { api, ApiError, enc, listOf, trainer } from "../api";
 import { clear, field, h, toast } from "../dom";
 import { followJob, isSuccess, isTerminal, jobStatus, type Follow, type JobState } from "../jobs";
+import { thumbIcon } from "../icons";
 import { evalMetricsView, lossChartUpdater } from "../jobview";
 
 export interface Feedback {
@@ -55,11 +56,11 @@ export function feedbackPage(root: HTMLElement) {
       { class: "table-wrap" },
       h(
         "table",
-        { class: "docs stats-table" },
+        { class: "stats-table" },
         h(
           "thead",
           null,
-          h("tr", null, h("th", { scope: "col" }, "Model"), h("th", { scope: "col" }, "👍 up"), h("th", { scope: "col" }, "👎 down"), h("th", { scope: "col" }, "Corrections"), h("th", { scope: "col" }, "Preferences")),
+          h("tr", null, h("th", { scope: "col" }, "Model"), h("th", { scope: "col" }, "Up"), h("th", { scope: "col" }, "Down"), h("th", { scope: "col" }, "Corrections"), h("th", { scope: "col" }, "Preferences")),
         ),
         statsBody,
       ),
@@ -95,8 +96,8 @@ export function feedbackPage(root: HTMLElement) {
     "select",
     { id: "fb-filter-rating" },
     h("option", { value: "" }, "All ratings"),
-    h("option", { value: "1" }, "👍 Good"),
-    h("option", { value: "-1" }, "👎 Bad"),
+    h("option", { value: "1" }, "Good (thumbs up)"),
+    h("option", { value: "-1" }, "Bad (thumbs down)"),
   );
   const list = h("ul", { class: "fb-list", "aria-label": "Feedback" });
   const pageInfo = h("span", { class: "small muted", id: "fb-page-info", role: "status" });
@@ -176,7 +177,7 @@ export function feedbackPage(root: HTMLElement) {
       h(
         "div",
         { class: "fb-head" },
-        h("span", { class: "fb-rating", "aria-label": good ? "Good answer" : "Bad answer" }, good ? "👍" : "👎"),
+        h("span", { class: "fb-rating", role: "img", "aria-label": good ? "Good answer" : "Bad answer" }, thumbIcon(good ? "up" : "down")),
         h("span", { class: "tag" }, f.model ?? "?"),
         f.pipeline ? h("span", { class: "tag" }, f.pipeline) : null,
         h("span", { class: "small muted" }, when(f.updated_at ?? f.created_at)),
