@@ -1,5 +1,6 @@
-// Training: upload a dataset, start an SFT/DPO (or PPO/GRPO) job with sensible defaults,
-// watch its status and loss (and reward) live, cancel it, and chat with the published result.
+// Training: upload a dataset, start an SFT/DPO/KTO/SimPO/ORPO (or PPO/GRPO) job with sensible
+// defaults, watch its status and loss (and reward) live with the held-out evaluation beside
+// the chart, cancel it, and chat with the published result.
 import { api, ApiError, enc, inference, listOf, sse, trainer, uploadWithProgress } from "../api";
 import { clear, field, h, toast } from "../dom";
 import { followJob, isTerminal, jobStatus, type Follow, type JobState } from "../jobs";
