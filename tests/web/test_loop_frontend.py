@@ -76,6 +76,20 @@ def body_of(req: Any) -> Any:
     return json.loads(req.post_data or "null")
 
 
+def stream_route(page: Any, path: str, events: list[dict[str, Any]], calls: list[Any] | None = None) -> None:
+    """Answer POST `path` with the events as server-sent events (as the agent streams a turn)."""
+
+    def handle(route: Any) -> None:
+        req = route.request
+        if calls is not None:
+            calls.append((req.method, urlsplit(req.url).path, body_of(req)))
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+        route.fulfill(status=200, content_type="text/event-stream", body=body)
+
+    # Registered after double_api's catch-all, so it is asked first.
+    page.route(re.compile(rf".*{re.escape(path)}$"), handle)
+
+
 def test_thumbs_edit_regenerate_and_model_picker_on_a_streamed_answer(page: Any, site: str) -> None:
     WS_FRAMES.clear()
     calls: list[tuple[str, str, Any]] = []
@@ -94,19 +108,25 @@ def test_thumbs_edit_regenerate_and_model_picker_on_a_streamed_answer(page: Any,
             r"GET /api/inference/v1/models": lambda r: (200, MODELS),
             r"POST /v1/feedback": log(200, {"message_id": MSG, "rating": 1}),
             rf"DELETE /v1/feedback/{MSG}": log(200, {"message_id": MSG, "deleted": True}),
-            rf"POST /v1/messages/{MSG}/regenerate": log(
-                200,
-                {
-                    "message_id": DRAFT,
-                    "draft_of": MSG,
-                    "answer": f"Everyone gets *thirty* days. {EVIL}",
-                    "citations": [],
-                    "model": "ft-acme-kto-1",
-                    "finish_reason": "stop",
-                },
-            ),
             rf"POST /v1/messages/{DRAFT}/choose": log(200, {"chosen": DRAFT, "rejected": MSG}),
         },
+    )
+    stream_route(
+        page,
+        f"/v1/messages/{MSG}/regenerate",
+        [
+            {"type": "token", "text": "Everyone gets *thirty* "},
+            {"type": "token", "text": f"days [1]. {EVIL}"},
+            {
+                "type": "citation",
+                "index": 1,
+                "document_id": "leave",
+                "title": "Leave policy",
+                "text": "30 days.",
+            },
+            {"type": "done", "message_id": DRAFT, "draft_of": MSG, "citations": []},
+        ],
+        calls,
     )
     sign_in(page, site)
     # The picker lists the base model and the tenant's fine-tune, apart.
@@ -160,12 +180,14 @@ def test_thumbs_edit_regenerate_and_model_picker_on_a_streamed_answer(page: Any,
     # Regenerate: two drafts side by side; choosing the second records it over the first.
     answer.get_by_role("button", name="Regenerate").click()
     drafts = page.locator(".drafts .draft")
-    drafts.nth(1).wait_for()
-    assert calls[-1] == ("POST", f"/v1/messages/{MSG}/regenerate", {"stream": False})
+    page.locator(f".draft[data-message-id='{DRAFT}'][aria-busy='false']").wait_for()
+    assert calls[-1] == ("POST", f"/v1/messages/{MSG}/regenerate", {"stream": True})
     first, second = drafts.nth(0).bounding_box(), drafts.nth(1).bounding_box()
     assert abs(first["y"] - second["y"]) < 2 and second["x"] > first["x"] + first["width"] - 1
     assert drafts.nth(0).locator(".md").inner_text() == "Staff get 25 days of leave."
     assert drafts.nth(1).locator("em").inner_text() == "thirty"
+    assert drafts.nth(1).locator(".cite-ref").inner_text() == "[1]"
+    assert drafts.nth(1).locator(".chip").inner_text().endswith("Leave policy")
     page.screenshot(path=str(SHOTS / "chat-feedback-drafts.png"), full_page=True)
     page.get_by_role("button", name="Choose draft 2").click()
     page.locator(".draft.chosen").wait_for()
@@ -209,6 +231,12 @@ def test_a_reopened_conversation_keeps_its_model_and_its_feedback(page: Any, sit
     first = page.locator(f"[data-message-id='{MSG}']")
     assert first.get_by_role("button", name="Good answer").get_attribute("aria-pressed") == "true"
     assert page.locator(".answer-actions:not([hidden])").count() == 2  # the id-less answer has none
+    # A regenerate the agent refuses says why, and offers nothing to choose.
+    page.locator(f"[data-message-id='{DRAFT}']").get_by_role("button", name="Regenerate").click()
+    failed = page.locator(".drafts-status[role='alert']")
+    failed.wait_for()
+    assert failed.inner_text() == "Regenerate failed: no double for /v1/messages/" + DRAFT + "/regenerate"
+    assert page.get_by_role("button", name="Choose draft 1").is_disabled()
     page.get_by_label("Message", exact=True).fill("And parental leave?")
     page.keyboard.press("Enter")
     page.locator(".msg.assistant[aria-busy='false']").nth(3).wait_for()
@@ -570,11 +598,15 @@ def test_feedback_page_and_drafts_fit_a_phone(page: Any, site: str) -> None:
             **BASE_ROUTES,
             **store.routes(),
             r"GET /api/inference/v1/models": lambda r: (200, MODELS),
-            rf"POST /v1/messages/{MSG}/regenerate": lambda r: (
-                200,
-                {"message_id": DRAFT, "draft_of": MSG, "answer": "Thirty days " * 30, "citations": []},
-            ),
         },
+    )
+    stream_route(
+        page,
+        f"/v1/messages/{MSG}/regenerate",
+        [
+            {"type": "token", "text": "Thirty days " * 30},
+            {"type": "done", "message_id": DRAFT, "citations": []},
+        ],
     )
     sign_in(page, site)
     page.get_by_label("Message", exact=True).fill("How much leave?")

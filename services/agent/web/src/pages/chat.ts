@@ -1,7 +1,7 @@
 // Chat: conversations on the left, the exchange on the right. Answers stream over the
 // agent's websocket (/v1/ws/chat, key as the "tandem.bearer" subprotocol); citations
 // come as chips that open the cited passage with the cited span highlighted.
-import { api, ApiError, enc, getKey, inference, listOf, retrieval, wsUrl } from "../api";
+import { api, ApiError, enc, getKey, inference, listOf, retrieval, sse, wsUrl } from "../api";
 import { clear, field, h, highlightSpan, toast } from "../dom";
 import { thumbIcon } from "../icons";
 import { linkCitations, renderMarkdown } from "../markdown";
@@ -565,60 +565,135 @@ export function chatPage(root: HTMLElement, args: string[]) {
     regen.addEventListener("click", async () => {
       regen.disabled = true;
       state.className = "fb-state small muted";
-      state.textContent = "Writing another draft…";
+      state.textContent = "";
+      // The new draft streams into the right-hand column (a CPU model takes a while).
+      const drafts = draftsView(id, view.text(), collection);
+      view.el.after(drafts.el);
+      drafts.el.scrollIntoView({ block: "nearest" });
+      let text = "";
+      let draftId = "";
+      let failure = "";
       try {
-        const draft = await api<Record<string, unknown>>(`/v1/messages/${enc(id)}/regenerate`, { json: { stream: false } });
-        const draftId = String(draft.message_id ?? "");
-        if (!draftId) throw new Error("the server returned no message_id for the draft");
-        state.textContent = "";
-        view.el.after(draftsView(id, view.text(), draftId, String(draft.answer ?? ""), collection, listOf<Citation>(draft, "citations")));
+        for await (const ev of sse(`/v1/messages/${enc(id)}/regenerate`, {
+          method: "POST",
+          headers: { "Content-Type": "application/json" },
+          body: JSON.stringify({ stream: true }),
+        })) {
+          let e: Record<string, unknown>;
+          try {
+            e = JSON.parse(ev.data);
+          } catch {
+            continue;
+          }
+          if (e.type === "token") {
+            text += String(e.text ?? "");
+            drafts.setText(text);
+          } else if (e.type === "citation") drafts.addCitation(e as unknown as Citation);
+          else if (e.type === "step" && e.kind === "final" && !text && typeof e.text === "string") {
+            text = e.text;
+            drafts.setText(text);
+          } else if (e.type === "error") failure = String(e.message ?? "error");
+          else if (e.type === "done") {
+            for (const c of listOf<Citation>(e, "citations")) drafts.addCitation(c);
+            if (typeof e.message_id === "string") draftId = e.message_id;
+          }
+        }
+        if (!failure && !draftId) failure = "the server sent no message_id for the new draft";
       } catch (exc) {
-        state.textContent = `Regenerate failed: ${(exc as Error).message}`;
-        state.className = "fb-state small error";
+        failure = (exc as Error).message;
       } finally {
         regen.disabled = false;
       }
+      if (failure) drafts.fail(`Regenerate failed: ${failure}`);
+      else drafts.finish(draftId);
     });
 
     return [h("div", { class: "fb-buttons", role: "group", "aria-label": "Feedback on this answer" }, up, down, edit, regen, state), correctionBox];
   }
 
-  /** Two drafts of one prompt side by side; picking one records the preference (POST .../choose). */
-  function draftsView(firstId: string, firstText: string, secondId: string, secondText: string, collection: string, cites: Citation[]): HTMLElement {
-    const box = h("section", { class: "drafts", "aria-label": "Two drafts: choose the better one" });
+  /**
+   * Two drafts of one prompt side by side: the answer as it was, and a new one that streams in.
+   * Picking one records the preference (POST /v1/messages/{chosen}/choose {"over": other}).
+   */
+  function draftsView(firstId: string, firstText: string, collection: string) {
+    const el = h("section", { class: "drafts", "aria-label": "Two drafts: choose the better one" });
     const status = h("p", { class: "small muted drafts-status", role: "status" });
-    const column = (label: string, id: string, text: string, otherId: string, citations: Citation[]) => {
+    let secondId = "";
+    const column = (label: string, text: string) => {
       const body = h("div", { class: "md" });
-      body.replaceChildren(renderMarkdown(text));
-      const byIndex = new Map(citations.map((c) => [c.index, c]));
-      linkCitations(body, (n) => {
-        const c = byIndex.get(n);
-        return c ? h("button", { type: "button", class: "cite-ref", "aria-label": `Citation ${n}: ${c.title ?? ""}`, onclick: () => dialog.open(c, collection) }, `[${n}]`) : null;
-      });
-      const pick = h("button", { type: "button", class: "choose" }, `Choose ${label.toLowerCase()}`);
-      const col = h("article", { class: "draft", "data-message-id": id }, h("h3", null, label), body, pick);
-      pick.addEventListener("click", async () => {
-        for (const b of box.querySelectorAll<HTMLButtonElement>("button.choose")) b.disabled = true;
-        try {
-          await api(`/v1/messages/${enc(id)}/choose`, { json: { over: otherId } });
-          col.classList.add("chosen");
-          pick.textContent = "Chosen";
-          status.className = "small muted drafts-status";
-          status.textContent = `${label} chosen: recorded as preferred over the other.`;
-        } catch (exc) {
-          status.className = "small error drafts-status";
-          status.textContent = `Not recorded: ${(exc as Error).message}`;
-          for (const b of box.querySelectorAll<HTMLButtonElement>("button.choose")) b.disabled = false;
-        }
-      });
-      return col;
+      const cites = new Map<number, Citation>();
+      const chips = h("div", { class: "chips", role: "list", "aria-label": "Citations", hidden: true });
+      const render = (t: string) => {
+        body.replaceChildren(renderMarkdown(t));
+        linkCitations(body, (n) => {
+          const c = cites.get(n);
+          return c ? h("button", { type: "button", class: "cite-ref", "aria-label": `Citation ${n}: ${c.title ?? ""}`, onclick: () => dialog.open(c, collection) }, `[${n}]`) : null;
+        });
+      };
+      const pick = h("button", { type: "button", class: "choose", disabled: true }, `Choose ${label.toLowerCase()}`);
+      const col = h("article", { class: "draft", "aria-busy": "false" }, h("h3", null, label), body, chips, pick);
+      const addCitation = (c: Citation) => {
+        if (cites.has(c.index)) return;
+        cites.set(c.index, c);
+        chips.hidden = false;
+        const chip = h("button", { type: "button", class: "chip", role: "listitem" }, h("span", { class: "chip-n" }, String(c.index)), " ", c.title || c.document_id || "source");
+        chip.addEventListener("click", () => dialog.open(c, collection));
+        chips.appendChild(chip);
+      };
+      render(text);
+      return { col, pick, render, addCitation };
     };
-    box.append(
-      h("h3", { class: "drafts-title" }, "Which answer is better?"),
-      h("div", { class: "drafts-grid" }, column("Draft 1", firstId, firstText, secondId, []), column("Draft 2", secondId, secondText, firstId, cites)),
-      status,
-    );
-    return box;
+    const first = column("Draft 1", firstText);
+    const second = column("Draft 2", "");
+    first.col.dataset.messageId = firstId;
+    second.col.setAttribute("aria-busy", "true");
+    const choose = async (which: typeof first, chosen: string, over: string, label: string) => {
+      first.pick.disabled = second.pick.disabled = true;
+      try {
+        await api(`/v1/messages/${enc(chosen)}/choose`, { json: { over } });
+        which.col.classList.add("chosen");
+        which.pick.textContent = "Chosen";
+        status.className = "small muted drafts-status";
+        status.textContent = `${label} chosen: recorded as preferred over the other.`;
+      } catch (exc) {
+        status.className = "small error drafts-status";
+        status.textContent = `Not recorded: ${(exc as Error).message}`;
+        first.pick.disabled = second.pick.disabled = false;
+      }
+    };
+    first.pick.addEventListener("click", () => void choose(first, firstId, secondId, "Draft 1"));
+    second.pick.addEventListener("click", () => void choose(second, secondId, firstId, "Draft 2"));
+    status.textContent = "Writing another draft…";
+    el.append(h("h3", { class: "drafts-title" }, "Which answer is better?"), h("div", { class: "drafts-grid" }, first.col, second.col), status);
+    let pending = false;
+    let latest = "";
+    return {
+      el,
+      setText(t: string) {
+        latest = t;
+        if (pending) return;
+        pending = true;
+        requestAnimationFrame(() => {
+          pending = false;
+          second.render(latest);
+        });
+      },
+      addCitation: second.addCitation,
+      finish(id: string) {
+        secondId = id;
+        second.col.dataset.messageId = id;
+        second.col.setAttribute("aria-busy", "false");
+        second.render(latest);
+        first.pick.disabled = second.pick.disabled = false;
+        status.textContent = "";
+      },
+      fail(message: string) {
+        second.col.setAttribute("aria-busy", "false");
+        status.className = "small error drafts-status";
+        status.setAttribute("role", "alert");
+        status.textContent = message;
+      },
+    };
   }
 
   function scrollDown(): void {
