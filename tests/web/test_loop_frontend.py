@@ -131,11 +131,11 @@ def test_thumbs_edit_regenerate_and_model_picker_on_a_streamed_answer(page: Any,
     sign_in(page, site)
     # The picker lists the base model and the tenant's fine-tune, apart.
     picker = page.get_by_label("Model", exact=True)
-    page.locator("#chat-model optgroup[label='Your fine-tunes'] option").wait_for(state="attached")
+    page.locator("#chat-model optgroup[label='Fine-tunes'] option").wait_for(state="attached")
     assert picker.locator("optgroup[label='Base models'] option").all_inner_texts() == [
         "SmolLM2-135M-Instruct"
     ]
-    assert picker.locator("optgroup[label='Your fine-tunes'] option").all_inner_texts() == ["ft-acme-kto-1"]
+    assert picker.locator("optgroup[label='Fine-tunes'] option").all_inner_texts() == ["ft-acme-kto-1"]
     picker.select_option("ft-acme-kto-1")
     page.get_by_label("Collection").select_option("handbook")
     page.get_by_label("Message", exact=True).fill("How much leave?")

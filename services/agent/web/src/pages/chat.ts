@@ -47,7 +47,7 @@ export interface ModelCard {
   parent?: string | null;
 }
 
-/** A fine-tune (the tenant's own adapter or registered model) rather than a shared base model. */
+/** An adapter or registered model (the tenant's fine-tunes, or ones the operator registered) rather than a base model. */
 export function isFineTune(m: ModelCard): boolean {
   return m.kind === "adapter" || m.kind === "registered" || Boolean(m.parent);
 }
@@ -274,7 +274,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
     const base = models.filter((m) => !isFineTune(m));
     const tuned = models.filter(isFineTune);
     if (base.length) modelSel.appendChild(h("optgroup", { label: "Base models" }, base.map((m) => h("option", { value: m.id }, m.id))));
-    if (tuned.length) modelSel.appendChild(h("optgroup", { label: "Your fine-tunes" }, tuned.map((m) => h("option", { value: m.id }, m.id))));
+    if (tuned.length) modelSel.appendChild(h("optgroup", { label: "Fine-tunes" }, tuned.map((m) => h("option", { value: m.id }, m.id))));
     // A conversation may remember a model no longer listed (deleted since): show it as such.
     if (want && !models.some((m) => m.id === want)) modelSel.appendChild(h("option", { value: want }, `${want} (not listed)`));
     modelSel.value = want;
@@ -371,6 +371,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
   interface AnswerView {
     el: HTMLElement;
     text: () => string;
+    citations: () => Citation[];
     setMessageId: (id: string, feedback?: StoredMessage["feedback"]) => void;
     setText: (text: string) => void;
     addCitation: (c: Citation) => void;
@@ -421,6 +422,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
     const view: AnswerView = {
       el,
       text: () => text,
+      citations: () => [...cites.values()],
       setMessageId(id, feedback) {
         if (el.dataset.messageId === id) return;
         el.dataset.messageId = id;
@@ -567,7 +569,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
       state.className = "fb-state small muted";
       state.textContent = "";
       // The new draft streams into the right-hand column (a CPU model takes a while).
-      const drafts = draftsView(id, view.text(), collection);
+      const drafts = draftsView(id, view.text(), view.citations(), collection);
       view.el.after(drafts.el);
       drafts.el.scrollIntoView({ block: "nearest" });
       let text = "";
@@ -615,7 +617,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
    * Two drafts of one prompt side by side: the answer as it was, and a new one that streams in.
    * Picking one records the preference (POST /v1/messages/{chosen}/choose {"over": other}).
    */
-  function draftsView(firstId: string, firstText: string, collection: string) {
+  function draftsView(firstId: string, firstText: string, firstCites: Citation[], collection: string) {
     const el = h("section", { class: "drafts", "aria-label": "Two drafts: choose the better one" });
     const status = h("p", { class: "small muted drafts-status", role: "status" });
     let secondId = "";
@@ -644,6 +646,8 @@ export function chatPage(root: HTMLElement, args: string[]) {
       return { col, pick, render, addCitation };
     };
     const first = column("Draft 1", firstText);
+    for (const c of firstCites) first.addCitation(c);
+    first.render(firstText);
     const second = column("Draft 2", "");
     first.col.dataset.messageId = firstId;
     second.col.setAttribute("aria-busy", "true");
