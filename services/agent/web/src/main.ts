@@ -1,10 +1,11 @@
-// Hash routing: #/signin, #/chat[/<conversation>], #/documents[/<collection>], #/search, #/training[/<job>].
+// Hash routing: #/signin, #/chat[/<conversation>], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback.
 // Every page but sign-in needs a key; a visit without one lands on sign-in.
 import "./style.css";
 import { forgetKey, getKey, setUnauthorizedHandler } from "./api";
 import { clear } from "./dom";
 import { chatPage } from "./pages/chat";
 import { documentsPage } from "./pages/documents";
+import { feedbackPage } from "./pages/feedback";
 import { searchPage } from "./pages/search";
 import { signinPage, whoami } from "./pages/signin";
 import { trainingPage } from "./pages/training";
@@ -22,6 +23,7 @@ const pages: Record<string, PageFn> = {
   documents: documentsPage,
   search: searchPage,
   training: trainingPage,
+  feedback: feedbackPage,
 };
 
 const titles: Record<string, string> = {
@@ -30,6 +32,7 @@ const titles: Record<string, string> = {
   documents: "Documents",
   search: "Search",
   training: "Training",
+  feedback: "Feedback",
 };
 
 const main = document.getElementById("main") as HTMLElement;

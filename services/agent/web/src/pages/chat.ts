@@ -1,8 +1,9 @@
 // Chat: conversations on the left, the exchange on the right. Answers stream over the
 // agent's websocket (/v1/ws/chat, key as the "tandem.bearer" subprotocol); citations
 // come as chips that open the cited passage with the cited span highlighted.
-import { api, ApiError, enc, getKey, listOf, retrieval, wsUrl } from "../api";
+import { api, ApiError, enc, getKey, inference, listOf, retrieval, sse, wsUrl } from "../api";
 import { clear, field, h, highlightSpan, toast } from "../dom";
+import { thumbIcon } from "../icons";
 import { linkCitations, renderMarkdown } from "../markdown";
 
 export interface Citation {
@@ -32,6 +33,28 @@ interface StoredMessage {
   content: string;
   citations?: Citation[];
   steps?: Step[];
+  /** The assistant turn's id (feedback, regenerate and choose name it). */
+  message_id?: string;
+  /** The caller's feedback on it, when the agent includes it. */
+  feedback?: { rating?: number; correction?: string | null } | null;
+}
+
+export interface ModelCard {
+  id: string;
+  kind?: string;
+  owned_by?: string;
+  root?: string;
+  parent?: string | null;
+}
+
+/** An adapter or registered model (the tenant's fine-tunes, or ones the operator registered) rather than a base model. */
+export function isFineTune(m: ModelCard): boolean {
+  return m.kind === "adapter" || m.kind === "registered" || Boolean(m.parent);
+}
+
+/** What GET /api/inference/v1/models lists for the caller's tenant: base models and its fine-tunes. */
+export async function loadModels(): Promise<ModelCard[]> {
+  return listOf<ModelCard>(await api(inference("/models")), "models").filter((m) => m && typeof m.id === "string");
 }
 
 type Target = { kind: "pipeline" | "agent"; name: string; collection: string };
@@ -172,12 +195,15 @@ export function chatPage(root: HTMLElement, args: string[]) {
   );
   const nameSel = h("select", { id: "chat-name" });
   const collSel = h("select", { id: "chat-collection" });
+  // "" = the pipeline's own model; anything else rides as `llm` on each chat frame.
+  const modelSel = h("select", { id: "chat-model" }, h("option", { value: "" }, "Pipeline default"));
   const toolbar = h(
     "div",
     { class: "toolbar", role: "group", "aria-label": "What to chat with" },
     field("Kind", kindSel),
     field("Pipeline or agent", nameSel),
     field("Collection", collSel),
+    field("Model", modelSel),
   );
 
   // --- messages and composer --------------------------------------------------
@@ -239,6 +265,26 @@ export function chatPage(root: HTMLElement, args: string[]) {
       target.collection = collSel.value;
     })
     .catch((exc: ApiError) => toast(`Collections: ${exc.message}`, "error"));
+
+  // --- model picker -----------------------------------------------------------
+  let models: ModelCard[] = [];
+  function fillModels(want: string): void {
+    clear(modelSel);
+    modelSel.appendChild(h("option", { value: "" }, "Pipeline default"));
+    const base = models.filter((m) => !isFineTune(m));
+    const tuned = models.filter(isFineTune);
+    if (base.length) modelSel.appendChild(h("optgroup", { label: "Base models" }, base.map((m) => h("option", { value: m.id }, m.id))));
+    if (tuned.length) modelSel.appendChild(h("optgroup", { label: "Fine-tunes" }, tuned.map((m) => h("option", { value: m.id }, m.id))));
+    // A conversation may remember a model no longer listed (deleted since): show it as such.
+    if (want && !models.some((m) => m.id === want)) modelSel.appendChild(h("option", { value: want }, `${want} (not listed)`));
+    modelSel.value = want;
+  }
+  void loadModels()
+    .then((ms) => {
+      models = ms;
+      fillModels(modelSel.value);
+    })
+    .catch(() => undefined /* no model list: the pipeline's default model still answers */);
 
   // --- conversations ----------------------------------------------------------
   async function refreshConversations(): Promise<void> {
@@ -324,6 +370,9 @@ export function chatPage(root: HTMLElement, args: string[]) {
 
   interface AnswerView {
     el: HTMLElement;
+    text: () => string;
+    citations: () => Citation[];
+    setMessageId: (id: string, feedback?: StoredMessage["feedback"]) => void;
     setText: (text: string) => void;
     addCitation: (c: Citation) => void;
     addStep: (s: Step) => void;
@@ -337,6 +386,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
     const steps = h("details", { class: "steps-box", open: true, hidden: true }, h("summary", null, "Agent steps"), stepsList);
     const chips = h("div", { class: "chips", role: "list", "aria-label": "Citations", hidden: true });
     const error = h("p", { class: "error", role: "alert", hidden: true });
+    const actions = h("div", { class: "answer-actions", hidden: true });
     const el = h(
       "article",
       { class: "msg assistant", "aria-busy": "true" },
@@ -345,6 +395,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
       body,
       chips,
       error,
+      actions,
     );
     const cites = new Map<number, Citation>();
     let text = "";
@@ -368,8 +419,16 @@ export function chatPage(root: HTMLElement, args: string[]) {
         requestAnimationFrame(render);
       }
     };
-    return {
+    const view: AnswerView = {
       el,
+      text: () => text,
+      citations: () => [...cites.values()],
+      setMessageId(id, feedback) {
+        if (el.dataset.messageId === id) return;
+        el.dataset.messageId = id;
+        actions.hidden = false;
+        actions.replaceChildren(...feedbackControls(view, id, collection, feedback));
+      },
       setText(t) {
         text = t;
         schedule();
@@ -404,6 +463,241 @@ export function chatPage(root: HTMLElement, args: string[]) {
         if (stepsList.children.length && error.hidden) steps.open = false;
       },
     };
+    return view;
+  }
+
+  /**
+   * Thumbs, "edit answer" and "regenerate" under an answer that has a message_id. Feedback
+   * goes over REST (POST /v1/feedback): the chat socket lives for one turn only, and these
+   * act on answers of reopened conversations too. A new rating replaces the old one;
+   * pressing the active thumb again withdraws it (DELETE /v1/feedback/{id}).
+   */
+  function feedbackControls(view: AnswerView, id: string, collection: string, initial?: StoredMessage["feedback"]): HTMLElement[] {
+    let rating = initial && (initial.rating === 1 || initial.rating === -1) ? initial.rating : 0;
+    const up = h("button", { type: "button", class: "icon thumb thumb-up", "aria-label": "Good answer", title: "Good answer" }, thumbIcon("up"));
+    const down = h("button", { type: "button", class: "icon thumb thumb-down", "aria-label": "Bad answer", title: "Bad answer" }, thumbIcon("down"));
+    const edit = h("button", { type: "button", class: "link edit-answer" }, "Edit answer");
+    const regen = h("button", { type: "button", class: "link regenerate" }, "Regenerate");
+    const state = h("span", { class: "fb-state small muted", role: "status" });
+    const correctionBox = h("div", { class: "correction", hidden: true });
+    const showCorrection = (text: string | null | undefined) => {
+      correctionBox.hidden = !text;
+      correctionBox.replaceChildren(h("strong", null, "Your correction: "), h("span", { class: "correction-text" }, text ?? ""));
+    };
+    const paint = () => {
+      up.setAttribute("aria-pressed", String(rating === 1));
+      down.setAttribute("aria-pressed", String(rating === -1));
+    };
+    paint();
+    showCorrection(initial?.correction);
+
+    const send = async (body: Record<string, unknown>): Promise<boolean> => {
+      try {
+        await api("/v1/feedback", { json: { message_id: id, ...body } });
+        return true;
+      } catch (exc) {
+        state.textContent = `Feedback not saved: ${(exc as Error).message}`;
+        state.className = "fb-state small error";
+        return false;
+      }
+    };
+    const rate = async (r: 1 | -1) => {
+      up.disabled = down.disabled = true;
+      state.className = "fb-state small muted";
+      try {
+        if (rating === r) {
+          await api(`/v1/feedback/${enc(id)}`, { method: "DELETE" });
+          rating = 0;
+          showCorrection(null);
+          state.textContent = "Feedback removed.";
+        } else if (await send({ rating: r })) {
+          rating = r;
+          showCorrection(null);
+          state.textContent = r === 1 ? "Thanks: marked as a good answer." : "Thanks: marked as a bad answer.";
+        }
+      } catch (exc) {
+        state.textContent = `Feedback not removed: ${(exc as Error).message}`;
+        state.className = "fb-state small error";
+      } finally {
+        up.disabled = down.disabled = false;
+        paint();
+      }
+    };
+    up.addEventListener("click", () => void rate(1));
+    down.addEventListener("click", () => void rate(-1));
+
+    edit.addEventListener("click", () => {
+      if (view.el.querySelector(".edit-form")) return;
+      const box = h("textarea", { class: "edit-text", rows: "6", maxlength: "20000" });
+      box.value = correctionBox.hidden ? view.text() : (correctionBox.querySelector(".correction-text")?.textContent ?? "");
+      const save = h("button", { type: "submit", class: "primary" }, "Save correction");
+      const cancel = h("button", { type: "button" }, "Cancel");
+      const form = h(
+        "form",
+        { class: "edit-form" },
+        field("Corrected answer", box, "What the answer should have said. Saved as a thumbs down with this correction."),
+        h("div", { class: "row-buttons" }, save, cancel),
+      );
+      cancel.addEventListener("click", () => {
+        form.remove();
+        edit.focus();
+      });
+      form.addEventListener("submit", async (ev) => {
+        ev.preventDefault();
+        const correction = box.value.trim();
+        if (!correction) {
+          box.focus();
+          return;
+        }
+        save.disabled = true;
+        state.className = "fb-state small muted";
+        if (await send({ rating: -1, correction })) {
+          rating = -1;
+          paint();
+          showCorrection(correction);
+          state.textContent = "Correction saved.";
+          form.remove();
+          edit.focus();
+        } else save.disabled = false;
+      });
+      view.el.appendChild(form);
+      box.focus();
+    });
+
+    regen.addEventListener("click", async () => {
+      regen.disabled = true;
+      state.className = "fb-state small muted";
+      state.textContent = "";
+      // The new draft streams into the right-hand column (a CPU model takes a while).
+      const drafts = draftsView(id, view.text(), view.citations(), collection);
+      view.el.after(drafts.el);
+      drafts.el.scrollIntoView({ block: "nearest" });
+      let text = "";
+      let draftId = "";
+      let failure = "";
+      try {
+        for await (const ev of sse(`/v1/messages/${enc(id)}/regenerate`, {
+          method: "POST",
+          headers: { "Content-Type": "application/json" },
+          body: JSON.stringify({ stream: true }),
+        })) {
+          let e: Record<string, unknown>;
+          try {
+            e = JSON.parse(ev.data);
+          } catch {
+            continue;
+          }
+          if (e.type === "token") {
+            text += String(e.text ?? "");
+            drafts.setText(text);
+          } else if (e.type === "citation") drafts.addCitation(e as unknown as Citation);
+          else if (e.type === "step" && e.kind === "final" && !text && typeof e.text === "string") {
+            text = e.text;
+            drafts.setText(text);
+          } else if (e.type === "error") failure = String(e.message ?? "error");
+          else if (e.type === "done") {
+            for (const c of listOf<Citation>(e, "citations")) drafts.addCitation(c);
+            if (typeof e.message_id === "string") draftId = e.message_id;
+          }
+        }
+        if (!failure && !draftId) failure = "the server sent no message_id for the new draft";
+      } catch (exc) {
+        failure = (exc as Error).message;
+      } finally {
+        regen.disabled = false;
+      }
+      if (failure) drafts.fail(`Regenerate failed: ${failure}`);
+      else drafts.finish(draftId);
+    });
+
+    return [h("div", { class: "fb-buttons", role: "group", "aria-label": "Feedback on this answer" }, up, down, edit, regen, state), correctionBox];
+  }
+
+  /**
+   * Two drafts of one prompt side by side: the answer as it was, and a new one that streams in.
+   * Picking one records the preference (POST /v1/messages/{chosen}/choose {"over": other}).
+   */
+  function draftsView(firstId: string, firstText: string, firstCites: Citation[], collection: string) {
+    const el = h("section", { class: "drafts", "aria-label": "Two drafts: choose the better one" });
+    const status = h("p", { class: "small muted drafts-status", role: "status" });
+    let secondId = "";
+    const column = (label: string, text: string) => {
+      const body = h("div", { class: "md" });
+      const cites = new Map<number, Citation>();
+      const chips = h("div", { class: "chips", role: "list", "aria-label": "Citations", hidden: true });
+      const render = (t: string) => {
+        body.replaceChildren(renderMarkdown(t));
+        linkCitations(body, (n) => {
+          const c = cites.get(n);
+          return c ? h("button", { type: "button", class: "cite-ref", "aria-label": `Citation ${n}: ${c.title ?? ""}`, onclick: () => dialog.open(c, collection) }, `[${n}]`) : null;
+        });
+      };
+      const pick = h("button", { type: "button", class: "choose", disabled: true }, `Choose ${label.toLowerCase()}`);
+      const col = h("article", { class: "draft", "aria-busy": "false" }, h("h3", null, label), body, chips, pick);
+      const addCitation = (c: Citation) => {
+        if (cites.has(c.index)) return;
+        cites.set(c.index, c);
+        chips.hidden = false;
+        const chip = h("button", { type: "button", class: "chip", role: "listitem" }, h("span", { class: "chip-n" }, String(c.index)), " ", c.title || c.document_id || "source");
+        chip.addEventListener("click", () => dialog.open(c, collection));
+        chips.appendChild(chip);
+      };
+      render(text);
+      return { col, pick, render, addCitation };
+    };
+    const first = column("Draft 1", firstText);
+    for (const c of firstCites) first.addCitation(c);
+    first.render(firstText);
+    const second = column("Draft 2", "");
+    first.col.dataset.messageId = firstId;
+    second.col.setAttribute("aria-busy", "true");
+    const choose = async (which: typeof first, chosen: string, over: string, label: string) => {
+      first.pick.disabled = second.pick.disabled = true;
+      try {
+        await api(`/v1/messages/${enc(chosen)}/choose`, { json: { over } });
+        which.col.classList.add("chosen");
+        which.pick.textContent = "Chosen";
+        status.className = "small muted drafts-status";
+        status.textContent = `${label} chosen: recorded as preferred over the other.`;
+      } catch (exc) {
+        status.className = "small error drafts-status";
+        status.textContent = `Not recorded: ${(exc as Error).message}`;
+        first.pick.disabled = second.pick.disabled = false;
+      }
+    };
+    first.pick.addEventListener("click", () => void choose(first, firstId, secondId, "Draft 1"));
+    second.pick.addEventListener("click", () => void choose(second, secondId, firstId, "Draft 2"));
+    status.textContent = "Writing another draft…";
+    el.append(h("h3", { class: "drafts-title" }, "Which answer is better?"), h("div", { class: "drafts-grid" }, first.col, second.col), status);
+    let pending = false;
+    let latest = "";
+    return {
+      el,
+      setText(t: string) {
+        latest = t;
+        if (pending) return;
+        pending = true;
+        requestAnimationFrame(() => {
+          pending = false;
+          second.render(latest);
+        });
+      },
+      addCitation: second.addCitation,
+      finish(id: string) {
+        secondId = id;
+        second.col.dataset.messageId = id;
+        second.col.setAttribute("aria-busy", "false");
+        second.render(latest);
+        first.pick.disabled = second.pick.disabled = false;
+        status.textContent = "";
+      },
+      fail(message: string) {
+        second.col.setAttribute("aria-busy", "false");
+        status.className = "small error drafts-status";
+        status.setAttribute("role", "alert");
+        status.textContent = message;
+      },
+    };
   }
 
   function scrollDown(): void {
@@ -432,6 +726,8 @@ export function chatPage(root: HTMLElement, args: string[]) {
       if (conversationId !== id) return;
       // Citations point into the collection the conversation used.
       const collection = typeof conv.collection === "string" && conv.collection ? conv.collection : target.collection;
+      // A reopened conversation goes on with the model it used.
+      fillModels(typeof conv.llm === "string" ? conv.llm : "");
       for (const m of listOf<StoredMessage>(conv, "messages")) {
         if (m.role === "user") log.appendChild(userMessage(m.content));
         else if (m.role === "assistant") {
@@ -440,6 +736,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
           for (const s of m.steps ?? []) view.addStep(s);
           view.setText(m.content);
           view.finish();
+          if (m.message_id) view.setMessageId(m.message_id, m.feedback);
           log.appendChild(view.el);
         }
       }
@@ -464,6 +761,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
     if (!key) return;
     saveTarget();
     const collection = target.collection;
+    const llm = modelSel.value;
     const empty = log.querySelector(".empty-chat");
     empty?.remove();
     log.appendChild(userMessage(message));
@@ -490,6 +788,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
       const msg: Record<string, unknown> = { [target.kind]: target.name, message };
       if (collection) msg.collection = collection;
       if (conversationId) msg.conversation_id = conversationId;
+      if (llm) msg.llm = llm;
       ws.send(JSON.stringify(msg));
     };
     ws.onmessage = (ev) => {
@@ -530,6 +829,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
         case "done":
           for (const c of listOf<Citation>(e, "citations")) view.addCitation(c);
           done();
+          if (typeof e.message_id === "string" && e.message_id) view.setMessageId(e.message_id);
           break;
       }
     };

@@ -1,9 +1,10 @@
-// Training: upload a dataset, start an SFT/DPO (or PPO/GRPO) job with sensible defaults,
-// watch its status and loss (and reward) live, cancel it, and chat with the published result.
+// Training: upload a dataset, start an SFT/DPO/KTO/SimPO/ORPO (or PPO/GRPO) job with sensible
+// defaults, watch its status and loss (and reward) live with the held-out evaluation beside
+// the chart, cancel it, and chat with the published result.
 import { api, ApiError, enc, inference, listOf, sse, trainer, uploadWithProgress } from "../api";
-import { drawChart, type Series } from "../chart";
 import { clear, field, h, toast } from "../dom";
 import { followJob, isTerminal, jobStatus, type Follow, type JobState } from "../jobs";
+import { evalMetricsView, fmtNumber, lossChartUpdater, seriesFrom } from "../jobview";
 import { renderMarkdown } from "../markdown";
 
 interface FileObject {
@@ -29,31 +30,7 @@ interface Job extends JobState {
 
 const DEFAULT_MODEL = "SmolLM2-135M-Instruct";
 
-/** Metric history in any of these shapes: [{step, loss, ...}], {data: [...]}, {loss: [[step, v], ...]}. */
-export function seriesFrom(data: unknown, names: string[]): Record<string, [number, number][]> {
-  const out: Record<string, [number, number][]> = Object.fromEntries(names.map((n) => [n, []]));
-  const rows = listOf<Record<string, unknown>>(data, "metrics", "history");
-  if (rows.length) {
-    rows.forEach((row, i) => {
-      const step = Number(row.step ?? i + 1);
-      const vals = (row.metrics as Record<string, unknown>) ?? row;
-      for (const n of names) {
-        const v = Number(vals[n]);
-        if (vals[n] !== undefined && vals[n] !== null && Number.isFinite(v)) out[n].push([step, v]);
-      }
-    });
-    return out;
-  }
-  if (data && typeof data === "object") {
-    for (const n of names) {
-      const pts = (data as Record<string, unknown>)[n];
-      if (Array.isArray(pts)) {
-        out[n] = pts.map((p, i) => (Array.isArray(p) ? [Number(p[0]), Number(p[1])] : [i + 1, Number(p)]));
-      }
-    }
-  }
-  return out;
-}
+export { seriesFrom };
 
 export function trainingPage(root: HTMLElement, args: string[]) {
   let selected: string | null = args[0] ?? null;
@@ -80,6 +57,9 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     { id: "job-type" },
     h("option", { value: "sft" }, "SFT (supervised fine-tuning)"),
     h("option", { value: "dpo" }, "DPO (preference pairs)"),
+    h("option", { value: "kto" }, "KTO (answers labelled good or bad)"),
+    h("option", { value: "simpo" }, "SimPO (preference pairs, no reference)"),
+    h("option", { value: "orpo" }, "ORPO (preference pairs, no reference)"),
     h("option", { value: "grpo" }, "GRPO (reward, no critic)"),
     h("option", { value: "ppo" }, "PPO (reward, actor-critic)"),
   );
@@ -94,6 +74,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
   const loraR = h("input", { type: "number", id: "job-lora-r", min: "1", value: "8" });
   const packing = h("input", { type: "checkbox", id: "job-packing", checked: true });
   const publish = h("input", { type: "checkbox", id: "job-publish", checked: true });
+  const evalFraction = h("input", { type: "text", id: "job-eval-fraction", inputmode: "decimal", placeholder: "none (e.g. 0.1)" });
   const reward = h("input", { type: "text", id: "job-reward", placeholder: "e.g. gsm8k_exact_match" });
   const rewardField = field("Reward function", reward, "A registered reward function name (PPO/GRPO only).");
   rewardField.hidden = true;
@@ -103,7 +84,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     "form",
     { class: "card job-form", "aria-labelledby": "job-form-title" },
     h("h2", { id: "job-form-title" }, "2. Job"),
-    h("div", { class: "grid" }, field("Type", type), field("Base model", baseModel), modelNames, field("Dataset", dataset), field("Epochs", epochs), field("Max steps", maxSteps), field("Learning rate", lr), field("Batch size", batch), field("LoRA rank", loraR)),
+    h("div", { class: "grid" }, field("Type", type), field("Base model", baseModel), modelNames, field("Dataset", dataset), field("Epochs", epochs), field("Max steps", maxSteps), field("Learning rate", lr), field("Batch size", batch), field("LoRA rank", loraR), field("Held-out share", evalFraction)),
     rewardField,
     h("div", { class: "checks" }, h("label", { class: "check" }, useLora, " LoRA adapter"), h("label", { class: "check" }, packing, " zero-padding packing"), h("label", { class: "check" }, publish, " publish to the inference service when done")),
     formErr,
@@ -162,6 +143,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
       files = [obj, ...files.filter((f) => f.id !== obj.id)];
       fillDatasets(obj.id);
       if (obj.kinds?.includes("dpo") && !obj.kinds.includes("sft")) type.value = "dpo";
+      if (obj.kinds?.includes("kto") && !obj.kinds.includes("sft")) type.value = "kto";
     } catch (exc) {
       upProgress.hidden = true;
       upMsg.className = "small error";
@@ -190,6 +172,15 @@ export function trainingPage(root: HTMLElement, args: string[]) {
       }
       hp.learning_rate = v;
     }
+    let heldOut: number | null = null;
+    if (evalFraction.value.trim()) {
+      heldOut = Number(evalFraction.value.trim());
+      if (!Number.isFinite(heldOut) || heldOut <= 0 || heldOut > 0.5) {
+        formErr.textContent = `Held-out share ${JSON.stringify(evalFraction.value)} is not a number in (0, 0.5].`;
+        evalFraction.focus();
+        return;
+      }
+    }
     const body: Record<string, unknown> = {
       type: type.value,
       base_model: baseModel.value.trim(),
@@ -199,6 +190,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
       hyperparameters: hp,
     };
     if (useLora.checked) body.lora = { r: Number(loraR.value) || 8, alpha: 2 * (Number(loraR.value) || 8) };
+    if (heldOut !== null) body.eval_fraction = heldOut;
     if (["ppo", "grpo"].includes(type.value)) body.reward = reward.value.trim();
     start.disabled = true;
     try {
@@ -260,28 +252,22 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     const cancel = h("button", { type: "button", class: "danger", id: "job-cancel" }, "Cancel");
     const errorBox = h("p", { class: "error", role: "alert" });
     const chatBox = h("div", { class: "model-chat" });
-    detail.append(h("div", { class: "panel-head" }, title, cancel), status, bar, metricsLine, chart, errorBox, chatBox);
-    drawChart(chart, "Training loss", []);
+    // The held-out evaluation (before -> after) sits beside the loss chart when the job has one.
+    const evalBox = h("div", { class: "eval-box", id: "eval-metrics", hidden: true });
+    detail.append(
+      h("div", { class: "panel-head" }, title, cancel),
+      status,
+      bar,
+      metricsLine,
+      h("div", { class: "chart-row" }, chart, evalBox),
+      errorBox,
+      chatBox,
+    );
 
     let lastType = "sft";
     let lastStatus = "";
     let chatShown = false;
-    let metricsBusy = false;
-    const refreshMetrics = async () => {
-      if (metricsBusy) return;
-      metricsBusy = true;
-      try {
-        const names = ["loss", "reward"];
-        const s = seriesFrom(await api(trainer(`/jobs/${enc(id)}/metrics`)), names);
-        const series: Series[] = [{ name: "loss", color: "#2563eb", points: s.loss }];
-        if (["ppo", "grpo"].includes(lastType) || s.reward.length) series.push({ name: "reward", color: "#d97706", points: s.reward });
-        if (selected === id) drawChart(chart, "Training loss" + (series.length > 1 ? " and reward" : ""), series);
-      } catch {
-        /* the next update retries */
-      } finally {
-        metricsBusy = false;
-      }
-    };
+    const refreshMetrics = lossChartUpdater(chart, id, () => selected === id);
 
     cancel.addEventListener("click", async () => {
       cancel.disabled = true;
@@ -308,12 +294,16 @@ export function trainingPage(root: HTMLElement, args: string[]) {
       }
       const m = job.metrics ?? {};
       metricsLine.textContent = Object.entries(m)
+        .filter(([k]) => !k.startsWith("eval_"))
         .slice(0, 8)
-        .map(([k, v]) => `${k} ${typeof v === "number" ? (Math.abs(v) < 0.01 || Math.abs(v) > 1e4 ? v.toExponential(2) : v.toFixed(4)) : v}`)
+        .map(([k, v]) => `${k} ${typeof v === "number" ? fmtNumber(v) : v}`)
         .join(" · ");
+      const ev = evalMetricsView(m);
+      evalBox.hidden = !ev;
+      evalBox.replaceChildren(...(ev ? [ev] : []));
       errorBox.textContent = job.error ?? "";
       cancel.disabled = isTerminal(job);
-      void refreshMetrics();
+      void refreshMetrics(lastType);
       // Keep the jobs list's badges in step with what this view sees.
       if (jobStatus(job) !== lastStatus) {
         lastStatus = jobStatus(job);
