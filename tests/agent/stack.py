@@ -46,15 +46,20 @@ class Stack:
 
 @contextmanager
 def agent_stack(
-    redis_url: str, home: Path, model: ScriptedModel | None = None, **settings: Any
+    redis_url: str,
+    home: Path,
+    model: ScriptedModel | None = None,
+    trainer_url: str | None = None,
+    **settings: Any,
 ) -> Iterator[Stack]:
+    """``trainer_url``: a real trainer to use instead of the recording double."""
     corpus = FakeCorpus({k: dict(v) for k, v in CORPUS.items()})
     model = model or ScriptedModel()
     trainer = RecordingTrainer()
     with ExitStack() as stack:
         r_url = stack.enter_context(serve_app(retrieval_double(corpus)))
         i_url = stack.enter_context(serve_app(inference_double(model)))
-        t_url = stack.enter_context(serve_app(trainer_double(trainer)))
+        t_url = trainer_url or stack.enter_context(serve_app(trainer_double(trainer)))
         common = CommonSettings(
             home=home,
             redis_url=redis_url,

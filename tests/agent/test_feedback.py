@@ -630,3 +630,44 @@ def test_websocket_feedback_regenerate_and_choose_frames(stack: Stack, key: str,
         assert (
             error["type"] == "error" and error["param"] == "message_id" and error["code"] == "not_found_error"
         )
+
+
+def test_datasets_and_a_job_through_the_real_trainer(
+    redis_url: str,
+    tandem_env: Path,
+    tiny_model_path: Path,
+    key: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real trainer app over HTTP: it parses the uploaded rows (messages and preference formats)
+    and validates the job (base model, dataset kind) before queueing it."""
+    from services.common.config import CommonSettings
+    from services.trainer.app import create_app as trainer_app
+    from services.trainer.config import TrainerSettings
+    from tests.helpers.servers import serve_app
+
+    monkeypatch.setenv("TANDEM_MODEL_ROOTS", str(tiny_model_path.parent))
+    app = trainer_app(CommonSettings(), TrainerSettings())
+    queued: list[tuple[str, str]] = []
+    app.state.trainer.dispatch = lambda job_id, queue: queued.append((job_id, queue))
+    base = str(tiny_model_path)  # the model the inference double serves by default, by its path
+    model = ScriptedModel(replies=reply, shared=[base])
+    with (
+        serve_app(app) as t_url,
+        agent_stack(redis_url, tandem_env / "agent-home", model=model, trainer_url=t_url, **SETTINGS) as s,
+    ):
+        up, down = ask(s, key, FRANCE), ask(s, key, GERMANY)
+        assert record(s, key, up["message_id"])["model"] == base
+        rate(s, key, up["message_id"], 1)
+        rate(s, key, down["message_id"], -1, correction="Berlin is the capital of Germany [1].")
+        for fmt, trainer_format, rows in (("sft", "messages", 2), ("dpo", "preference", 1)):
+            resp = build(s, key, format=fmt)
+            assert resp.status_code == 200, resp.text
+            stored = httpx.get(f"{t_url}/v1/files/{resp.json()['file_id']}", headers=auth(key)).json()
+            assert (stored["format"], stored["rows"]) == (trainer_format, rows)
+        resp = httpx.post(f"{s.url}/v1/feedback/train", json={"format": "dpo"}, headers=auth(key), timeout=60)
+        assert resp.status_code == 200, resp.text
+        job = resp.json()["job"]
+        assert (job["type"], job["base_model"], job["status"]) == ("dpo", base, "queued")
+        assert job["request"]["publish"] is True and job["dataset"] == resp.json()["dataset"]["file_id"]
+        assert queued and queued[-1][0] == job["id"]
