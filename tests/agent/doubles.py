@@ -98,6 +98,11 @@ def inference_double(model: ScriptedModel) -> FastAPI:
         ids = [*model.shared, *model.own.get(key, [])]
         return {"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}
 
+    @app.get("/v1/capabilities")
+    async def capabilities() -> Any:
+        # What a trainer asks before it accepts a publish: true job (CONTRACT.md).
+        return {"engine": "scripted", "adapters": True, "max_lora_rank": 64, "register_models": True}
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         body = await request.json()

@@ -19,7 +19,7 @@ import redis
 from websockets.sync.client import connect
 
 from services.common.auth import KeyStore
-from tests.agent.doubles import ScriptedModel
+from tests.agent.doubles import ScriptedModel, inference_double
 from tests.agent.stack import Stack, agent_stack
 from tests.agent.test_api import cite_first, sse_events
 from tests.agent.test_ws import until_done
@@ -647,13 +647,20 @@ def test_datasets_and_a_job_through_the_real_trainer(
     from tests.helpers.servers import serve_app
 
     monkeypatch.setenv("TANDEM_MODEL_ROOTS", str(tiny_model_path.parent))
-    app = trainer_app(CommonSettings(), TrainerSettings())
-    queued: list[tuple[str, str]] = []
-    app.state.trainer.dispatch = lambda job_id, queue: queued.append((job_id, queue))
     base = str(tiny_model_path)  # the model the inference double serves by default, by its path
     model = ScriptedModel(replies=reply, shared=[base])
+    queued: list[str] = []
+
+    def trainer(inference_url: str) -> Any:
+        app = trainer_app(CommonSettings(inference_url=inference_url), TrainerSettings())
+        # No Celery hop: a job message left on the shared Valkey could be taken by another test's worker.
+        app.state.trainer.dispatch = lambda job_id, queue: queued.append(job_id)
+        return app
+
     with (
-        serve_app(app) as t_url,
+        # The trainer may ask the inference service what it can serve before it accepts a job.
+        serve_app(inference_double(model)) as i_url,
+        serve_app(trainer(i_url)) as t_url,
         agent_stack(redis_url, tandem_env / "agent-home", model=model, trainer_url=t_url, **SETTINGS) as s,
     ):
         up, down = ask(s, key, FRANCE), ask(s, key, GERMANY)
@@ -670,4 +677,4 @@ def test_datasets_and_a_job_through_the_real_trainer(
         job = resp.json()["job"]
         assert (job["type"], job["base_model"], job["status"]) == ("dpo", base, "queued")
         assert job["request"]["publish"] is True and job["dataset"] == resp.json()["dataset"]["file_id"]
-        assert queued and queued[-1][0] == job["id"]
+        assert queued == [job["id"]]
