@@ -125,7 +125,10 @@ class AgentRuntime:
                 models = await inference.models()
                 if not models:
                     raise ServiceUnavailable("the inference service lists no model")
-                self._model = str(models[0]["id"])
+                # The list is per tenant (shared models plus the caller's fine-tunes): the default,
+                # kept for every caller, must be a shared base model, never one tenant's adapter.
+                shared = [m for m in models if m.get("kind") in (None, "base")]
+                self._model = str((shared or models)[0]["id"])
         return self._model
 
     async def check_llm(self, inference: InferenceClient, llm: str) -> None:
