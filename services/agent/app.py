@@ -10,7 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from services.agent.api import conversations, openai_compat, pipelines, proxy, ws
+from services.agent.api import conversations, feedback, openai_compat, pipelines, proxy, ws
 from services.agent.config import AgentSettings
 from services.agent.runtime import AgentRuntime
 from services.agent.tokens import load_counter
@@ -32,11 +32,12 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
             yield
         finally:
             warm.cancel()
+            app.state.runtime.turns.close()
 
     app = create_service_app(
         "agent",
         common,
-        routers=[pipelines.router, conversations.router, openai_compat.router, ws.router],
+        routers=[pipelines.router, conversations.router, feedback.router, openai_compat.router, ws.router],
         public_routers=[proxy.router],
         lifespan=lifespan,
     )

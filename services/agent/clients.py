@@ -9,6 +9,7 @@ else is an upstream failure (502/503).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -178,3 +179,40 @@ class InferenceClient:
                     yield chunk
         except httpx.HTTPError as exc:
             raise unreachable("inference", exc) from exc
+
+
+class TrainerClient:
+    """The trainer's dataset and job API, called with the caller's own key (so files and jobs
+    belong to the caller's tenant)."""
+
+    def __init__(self, base_url: str, api_key: str, timeout: float = 120.0) -> None:
+        self.base_url = base_url
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def _client(self) -> httpx.AsyncClient:
+        return service_client(self.base_url, self.api_key, self.timeout)
+
+    async def upload_file(self, filename: str, data: bytes) -> dict[str, Any]:
+        """POST /v1/files (multipart): the trainer checks every row before it stores the file."""
+        try:
+            async with self._client() as client:
+                resp = await client.post("/v1/files", files={"file": (filename, data, "application/jsonl")})
+        except httpx.HTTPError as exc:
+            raise unreachable("trainer", exc) from exc
+        if resp.status_code >= 400:
+            raise upstream_error("trainer", resp, param="format")
+        return dict(resp.json())
+
+    async def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self._client() as client:
+                resp = await client.post("/v1/jobs", json=body)
+        except httpx.HTTPError as exc:
+            raise unreachable("trainer", exc) from exc
+        if resp.status_code >= 400:
+            param = None
+            with contextlib.suppress(ValueError, AttributeError):
+                param = (resp.json().get("error") or {}).get("param")
+            raise upstream_error("trainer", resp, param=param)
+        return dict(resp.json())

@@ -72,3 +72,21 @@ class AgentSettings(ServiceSettings):
     web_dist: str = Field(
         "", description="Folder of the built web front end; empty uses services/agent/web/dist."
     )
+    feedback_max_correction_chars: int = Field(
+        8000, ge=1, description="Longest correction (a rewritten answer) accepted with feedback."
+    )
+    regenerate_temperature: float = Field(
+        0.8,
+        gt=0.0,
+        le=2.0,
+        description="Sampling temperature of a regenerated draft (sampled, so it differs from the answer).",
+    )
+    dataset_min_rows_kto: int = Field(
+        4, ge=1, description="Fewest rows a KTO dataset built from feedback may have (both labels needed)."
+    )
+    dataset_min_rows_dpo: int = Field(
+        2, ge=1, description="Fewest rows a DPO dataset built from feedback may have."
+    )
+    dataset_min_rows_sft: int = Field(
+        2, ge=1, description="Fewest rows an SFT dataset built from feedback may have."
+    )

@@ -2,8 +2,8 @@
 
 Layout (the tenant is part of every key, so one tenant can never name another's)::
 
-    tandem:agent:conv:<tenant>:<id>            hash  {user, title, pipeline, collection, created_at, updated_at}
-    tandem:agent:conv:<tenant>:<id>:messages   list  of JSON {role, content, citations?, ts}
+    tandem:agent:conv:<tenant>:<id>            hash  {user, title, pipeline, collection, llm, created_at, updated_at}
+    tandem:agent:conv:<tenant>:<id>:messages   list  of JSON {role, content, citations?, message_id?, ts}
     tandem:agent:convs:<tenant>:<user>         zset  id -> updated_at (the user's conversations)
 
 Every write refreshes the TTL of the keys it touches; a conversation keeps its
@@ -49,7 +49,14 @@ class ConversationStore:
         return f"tandem:agent:convs:{tenant}:{user}"
 
     async def create(
-        self, tenant: str, user: str, *, title: str = "", pipeline: str = "", collection: str = ""
+        self,
+        tenant: str,
+        user: str,
+        *,
+        title: str = "",
+        pipeline: str = "",
+        collection: str = "",
+        llm: str = "",
     ) -> str:
         conv_id = f"conv_{secrets.token_hex(12)}"
         now = time.time()
@@ -62,6 +69,7 @@ class ConversationStore:
                 "title": title[:120],
                 "pipeline": pipeline,
                 "collection": collection,
+                "llm": llm,
                 "created_at": str(now),
                 "updated_at": str(now),
             },
@@ -147,6 +155,11 @@ class ConversationStore:
         await self.r.hset(self._key(tenant, conv_id), "title", title[:120])
         return self._public(conv_id, await self.meta(tenant, user, conv_id))
 
+    async def set_llm(self, tenant: str, user: str, conv_id: str, llm: str) -> None:
+        """Later turns of the conversation generate with ``llm`` unless they name another."""
+        await self.meta(tenant, user, conv_id)
+        await self.r.hset(self._key(tenant, conv_id), "llm", llm)
+
     async def delete(self, tenant: str, user: str, conv_id: str) -> None:
         await self.meta(tenant, user, conv_id)
         await self._delete_keys(tenant, user, conv_id)
@@ -158,6 +171,7 @@ class ConversationStore:
             "title": data.get("title", ""),
             "pipeline": data.get("pipeline", ""),
             "collection": data.get("collection", ""),
+            "llm": data.get("llm") or None,
             "created_at": float(data.get("created_at", 0)),
             "updated_at": float(data.get("updated_at", 0)),
         }

@@ -7,6 +7,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+def _llm_field() -> Any:
+    return Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Model that generates (a base model or one of the tenant's fine-tunes); "
+        "default: the conversation's, else the service's.",
+    )
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -30,6 +40,7 @@ class PipelineRunRequest(BaseModel):
     history: list[Message] | None = None
     top_k: int | None = Field(None, ge=1, le=100)
     stream: bool = False
+    llm: str | None = _llm_field()
 
     def question(self) -> str:
         return self.query if self.query is not None else (self.message or "")
@@ -44,6 +55,7 @@ class ChatCompletionRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     collection: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     conversation_id: str | None = None
+    llm: str | None = _llm_field()
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
@@ -58,3 +70,146 @@ class WsChatFrame(BaseModel):
     collection: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     conversation_id: str | None = None
     message: str | None = None
+    llm: str | None = _llm_field()
+
+
+MESSAGE_ID_PATTERN = r"^msg_[0-9a-f]{24}$"
+
+
+# -- turn records and feedback (issue 13) ---------------------------------------------------------
+
+
+class TurnRecord(BaseModel):
+    """One assistant turn as it was produced: the exact prompt the model saw and what it said."""
+
+    message_id: str
+    conversation_id: str | None = None
+    pipeline: str
+    collection: str | None = None
+    model: str
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    prompt: list[dict[str, Any]] = Field(default_factory=list)
+    chunk_ids: list[str] = Field(default_factory=list)
+    completion: str = ""
+    citations: list[dict[str, Any]] = Field(default_factory=list)
+    created_at: float
+    draft_of: str | None = None
+    # Beyond the contract: what the user asked and saw, and what regenerating needs.
+    question: str = ""
+    answer: str = ""
+    kind: Literal["pipeline", "agent"] = "pipeline"
+    finish_reason: str = "stop"
+    sources: list[dict[str, Any]] = Field(default_factory=list, exclude=True)
+    tenant: str = Field(default="", exclude=True)
+    user: str = Field(default="", exclude=True)
+
+
+class FeedbackCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message_id: str = Field(min_length=1, max_length=64)
+    rating: Literal[1, -1]
+    correction: str | None = None
+    comment: str | None = Field(None, max_length=4000)
+
+
+class Feedback(BaseModel):
+    message_id: str
+    rating: int
+    correction: str | None = None
+    comment: str | None = None
+    pipeline: str
+    model: str
+    collection: str | None = None
+    question: str
+    answer: str
+    conversation_id: str | None = None
+    draft_of: str | None = None
+    created_at: float
+    updated_at: float
+
+
+class FeedbackList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Feedback]
+    total: int
+    has_more: bool
+
+
+class ModelStats(BaseModel):
+    model: str
+    up: int = 0
+    down: int = 0
+    corrections: int = 0
+    preferences: int = 0
+
+
+class FeedbackStats(BaseModel):
+    data: list[ModelStats]
+
+
+class RegenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stream: bool = False
+
+
+class ChooseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    over: str = Field(min_length=1, max_length=64, description="the other draft, the one not chosen")
+
+
+class Choice(BaseModel):
+    chosen: str
+    rejected: str
+
+
+DatasetFormat = Literal["kto", "dpo", "sft"]
+
+
+class DatasetRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: DatasetFormat
+    since: float | None = Field(None, ge=0, description="only feedback given at or after (unix seconds)")
+    pipeline: str | None = None
+    model: str | None = None
+
+
+class TrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: DatasetFormat = "kto"
+    since: float | None = Field(None, ge=0)
+    pipeline: str | None = None
+    model: str | None = None
+    eval_fraction: float | None = Field(None, gt=0, le=0.5)
+
+
+class DatasetResult(BaseModel):
+    file_id: str
+    format: DatasetFormat
+    rows: int
+    counts: dict[str, int]
+
+
+class TrainResult(BaseModel):
+    dataset: DatasetResult
+    job: dict[str, Any]
+
+
+class WsFeedbackFrame(FeedbackCreate):
+    type: Literal["feedback"]
+
+
+class WsRegenerateFrame(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["regenerate"]
+    message_id: str = Field(min_length=1, max_length=64)
+
+
+class WsChooseFrame(ChooseRequest):
+    type: Literal["choose"]
+    message_id: str = Field(min_length=1, max_length=64)

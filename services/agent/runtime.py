@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.agent.agents.runner import AgentRunner, AgentSpec, check_tools
-from services.agent.clients import InferenceClient, RetrievalClient
+from services.agent.chunks import Chunk
+from services.agent.citations import CitationTracker
+from services.agent.clients import InferenceClient, RetrievalClient, TrainerClient
 from services.agent.config import AgentSettings
 from services.agent.memory import ConversationStore, MemoryLimits
+from services.agent.pipelines.components import CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
 from services.agent.pipelines.state import Event, RunContext, RunState
+from services.agent.prompting import PromptPlan
+from services.agent.protocol import TurnRecord
 from services.agent.tokens import load_counter
 from services.agent.tools.base import Tool, ToolContext
 from services.agent.tools.registry import default_tools
+from services.agent.turns import SqliteTurnStore, TurnStore, new_message_id
 from services.common.auth import Principal
 from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
@@ -43,11 +50,15 @@ class Turn:
     history: list[dict[str, str]] | None = None  # given by the caller (OpenAI facade) instead of memory
     remember: bool = True
     options: dict[str, Any] = field(default_factory=dict)
+    llm: str | None = None  # the model that generates; None: the conversation's, else the default
 
 
 @dataclass
 class TurnResult:
     conversation_id: str | None = None
+    message_id: str = ""
+    model: str = ""  # the model that generated (empty when none was called)
+    draft_of: str | None = None
     answer: str = ""
     citations: list[dict[str, Any]] = field(default_factory=list)
     invalid_citations: list[int] = field(default_factory=list)
@@ -56,13 +67,19 @@ class TurnResult:
     usage: dict[str, int] = field(default_factory=dict)
     finish_reason: str = "stop"
     error: dict[str, Any] | None = None
+    # Where the turn record is read from: the pipeline's state or the agent's run.
+    state: RunState | None = None
+    agent_run: Any = None
 
 
 class AgentRuntime:
-    def __init__(self, common: CommonSettings, settings: AgentSettings, memory: ConversationStore) -> None:
+    def __init__(
+        self, common: CommonSettings, settings: AgentSettings, memory: ConversationStore, turns: TurnStore
+    ) -> None:
         self.common = common
         self.settings = settings
         self.memory = memory
+        self.turns = turns
         self.pipelines: dict[str, Pipeline] = load_pipelines(settings.pipelines_dir or None)
         self.tools, self.tool_errors = default_tools(settings)
         self.agents: dict[str, AgentSpec] = {
@@ -86,7 +103,8 @@ class AgentRuntime:
             max_conversations=settings.memory_max_conversations,
             max_chars=max(settings.max_message_chars, 32_000),
         )
-        return cls(common, settings, ConversationStore(redis, limits))
+        turns = SqliteTurnStore(common.home_dir / "agent" / "turns.sqlite3")
+        return cls(common, settings, ConversationStore(redis, limits), turns)
 
     # -- clients carry the caller's own key ---------------------------------------------------
 
@@ -96,6 +114,9 @@ class AgentRuntime:
     def inference(self, api_key: str) -> InferenceClient:
         return InferenceClient(self.common.url_of("inference"), api_key, self.settings.upstream_timeout_s)
 
+    def trainer(self, api_key: str) -> TrainerClient:
+        return TrainerClient(self.common.url_of("trainer"), api_key, self.settings.upstream_timeout_s)
+
     async def model(self, inference: InferenceClient) -> str:
         if self._model:
             return self._model
@@ -104,8 +125,22 @@ class AgentRuntime:
                 models = await inference.models()
                 if not models:
                     raise ServiceUnavailable("the inference service lists no model")
-                self._model = str(models[0]["id"])
+                # The list is per tenant (shared models plus the caller's fine-tunes): the default,
+                # kept for every caller, must be a shared base model, never one tenant's adapter.
+                shared = [m for m in models if m.get("kind") in (None, "base")]
+                self._model = str((shared or models)[0]["id"])
         return self._model
+
+    async def check_llm(self, inference: InferenceClient, llm: str) -> None:
+        """``llm`` must be one of the models the inference service lists for the caller's key
+        (shared base models and the tenant's own fine-tunes): anything else is a 404 naming it."""
+        listed = {str(m.get("id")) for m in await inference.models()}
+        if llm not in listed:
+            raise NotFound(
+                f"unknown model {llm!r} for 'llm': use one of the models GET /v1/models lists for this key",
+                param="llm",
+                code="model_not_found",
+            )
 
     def catalog(self) -> list[dict[str, str]]:
         out = [
@@ -142,6 +177,16 @@ class AgentRuntime:
         found before the first answer event (so HTTP interfaces can still answer 4xx)."""
         self.validate(turn)
         tenant, user = principal.tenant, principal.key_id
+        inference = self.inference(api_key)
+        meta: dict[str, str] = {}
+        if turn.remember and turn.conversation_id:
+            meta = await self.memory.meta(tenant, user, turn.conversation_id)
+        llm = turn.llm
+        if llm:
+            await self.check_llm(inference, llm)
+        else:
+            llm = meta.get("llm") or None  # the conversation remembers its model
+        result.message_id = new_message_id()
         history = list(turn.history or [])
         created = False
         partial: list[str] = []
@@ -149,6 +194,8 @@ class AgentRuntime:
             if turn.conversation_id:
                 history = await self.memory.history(tenant, user, turn.conversation_id)
                 result.conversation_id = turn.conversation_id
+                if turn.llm and turn.llm != meta.get("llm"):
+                    await self.memory.set_llm(tenant, user, turn.conversation_id, turn.llm)
             else:
                 result.conversation_id = await self.memory.create(
                     tenant,
@@ -156,14 +203,15 @@ class AgentRuntime:
                     title=turn.message[:80],
                     pipeline=turn.target,
                     collection=turn.collection or "",
+                    llm=turn.llm or "",
                 )
                 created = True
             yield {"type": "conversation", "conversation_id": result.conversation_id}
         try:
             if turn.target in self.pipelines:
-                events = self._run_pipeline(api_key, turn, history, result)
+                events = self._run_pipeline(inference, api_key, turn, llm, history, result)
             else:
-                events = self._run_agent(api_key, turn, history, result)
+                events = self._run_agent(inference, api_key, turn, llm, history, result)
             async for event in events:
                 if event["type"] == "token":
                     partial.append(event["text"])
@@ -173,9 +221,18 @@ class AgentRuntime:
                     result.error = event
                 yield event
         except asyncio.CancelledError:
-            # Stopped by the user or a disconnect: keep what was said so far.
+            # Stopped by the user or a disconnect: keep what was said so far (and its record).
+            said = {
+                "role": "assistant",
+                "content": "".join(partial),
+                "stopped": True,
+                "message_id": result.message_id,
+            }
+            try:
+                await self._save_record(principal, turn, result, "".join(partial), "stopped")
+            except Exception:
+                log.exception("could not record the stopped turn %s", result.message_id)
             if turn.remember and result.conversation_id:
-                said = {"role": "assistant", "content": "".join(partial), "stopped": True}
                 await self.memory.append(
                     tenant, user, result.conversation_id, [{"role": "user", "content": turn.message}, said]
                 )
@@ -185,11 +242,14 @@ class AgentRuntime:
                 await self.memory.delete(tenant, user, result.conversation_id)
                 result.conversation_id = None
             raise
+        # Recorded before 'done' goes out: a client may rate the answer as soon as it sees it.
+        await self._save_record(principal, turn, result, result.answer, result.finish_reason)
         if turn.remember and result.conversation_id:
             assistant: dict[str, Any] = {
                 "role": "assistant",
                 "content": result.answer,
                 "citations": result.citations,
+                "message_id": result.message_id,
             }
             if result.steps:
                 assistant["steps"] = result.steps
@@ -199,6 +259,8 @@ class AgentRuntime:
         done: Event = {
             "type": "done",
             "conversation_id": result.conversation_id,
+            "message_id": result.message_id,
+            "model": result.model or None,
             "citations": result.citations,
             "finish_reason": result.finish_reason,
         }
@@ -210,22 +272,154 @@ class AgentRuntime:
             done["invalid_citations"] = result.invalid_citations
         yield done
 
+    async def _save_record(
+        self, principal: Principal, turn: Turn, result: TurnResult, answer: str, finish_reason: str
+    ) -> None:
+        """The turn record: the exact prompt of the (last) model call, the model and what it said."""
+        record = TurnRecord(
+            message_id=result.message_id,
+            conversation_id=result.conversation_id,
+            pipeline=turn.target,
+            collection=turn.collection,
+            model="",
+            created_at=time.time(),
+            question=turn.message,
+            answer=answer,
+            completion=answer,
+            citations=result.citations,
+            finish_reason=finish_reason,
+        )
+        if result.state is not None:
+            state: RunState = result.state
+            record.model = state.model
+            record.prompt = list(state.prompt or [])
+            record.sampling = state.sampling
+            record.chunk_ids = [c.chunk_id for c in state.chunks] if state.prompt is not None else []
+            record.sources = [c.to_result() for c in state.chunks] if state.prompt is not None else []
+            if finish_reason == "stopped":
+                record.completion = record.answer = state.answer or answer
+        elif result.agent_run is not None:
+            run = result.agent_run.result
+            record.kind = "agent"
+            record.model = result.agent_run.model
+            record.prompt = list(run.prompt)
+            record.sampling = run.sampling
+            # The raw reply of the last call (e.g. "Thought: ...\nFinal Answer: ..."): what the prompt continues to.
+            record.completion = run.completion or answer
+        if not record.prompt:
+            record.model = ""  # nothing was generated (a search, or "I don't know" without a model call)
+        result.model = record.model
+        await self.turns.add_turn(principal.tenant, principal.key_id, record)
+
+    async def regenerate(
+        self, principal: Principal, api_key: str, message_id: str, result: TurnResult
+    ) -> AsyncIterator[Event]:
+        """A new draft of a recorded answer: the exact recorded prompt and model, sampled (not greedy)
+        so it can differ. It gets its own record, with ``draft_of`` naming the first answer."""
+        original = await self.turns.get_turn(principal.tenant, message_id)
+        if original is None:
+            raise NotFound(f"no message {message_id!r}", param="message_id")
+        if original.kind != "pipeline" or not original.prompt:
+            raise InvalidRequest(
+                f"message {message_id!r} was not written by a model from a pipeline's prompt "
+                "(an agent's answer, a search or an answer without sources): there is nothing to regenerate",
+                param="message_id",
+            )
+        chunks = [Chunk.from_result(s) for s in original.sources]
+        state = RunState(
+            question=original.question,
+            collection=original.collection,
+            options={"temperature": self.settings.regenerate_temperature},
+        )
+        state.chunks = chunks
+        state.plan = PromptPlan(messages=list(original.prompt), sources=chunks, prompt_tokens=0, budget=0)
+        state.tracker = CitationTracker(chunks)
+        ctx = RunContext(
+            settings=self.settings,
+            retrieval=self.retrieval(api_key),
+            inference=self.inference(api_key),
+            counter=load_counter(self.settings.tokenizer),
+            model=original.model,
+        )
+        pipeline = self.pipelines.get(original.pipeline)
+        nodes: list[Component] = []
+        if pipeline is not None:
+            nodes = [
+                pipeline.nodes[name]
+                for name in pipeline.order
+                if pipeline.spec.components[name].type in ("generator", "citation_resolver")
+            ]
+        if not nodes:
+            nodes = [GenerateNode(GenerateNode.P.model_validate({})), CiteNode(CiteNode.P.model_validate({}))]
+        result.message_id = new_message_id()
+        result.draft_of = original.draft_of or original.message_id
+        result.conversation_id = original.conversation_id
+        for node in nodes:
+            async for event in node.run(state, ctx):
+                yield event
+        result.answer = state.answer
+        result.citations = [c.to_dict() for c in state.citations]
+        result.invalid_citations = state.invalid_citations
+        result.usage = state.usage
+        result.finish_reason = state.finish_reason
+        result.model = original.model
+        draft = TurnRecord(
+            message_id=result.message_id,
+            conversation_id=original.conversation_id,
+            pipeline=original.pipeline,
+            collection=original.collection,
+            model=original.model,
+            sampling=state.sampling,
+            prompt=list(state.prompt or original.prompt),
+            chunk_ids=list(original.chunk_ids),
+            completion=state.answer,
+            citations=result.citations,
+            created_at=time.time(),
+            draft_of=result.draft_of,
+            question=original.question,
+            answer=state.answer,
+            finish_reason=state.finish_reason,
+            sources=original.sources,
+        )
+        # The draft belongs to the conversation's owner, so deleting the conversation deletes it.
+        await self.turns.add_turn(principal.tenant, original.user, draft)
+        done: Event = {
+            "type": "done",
+            "conversation_id": result.conversation_id,
+            "message_id": result.message_id,
+            "draft_of": result.draft_of,
+            "model": result.model,
+            "citations": result.citations,
+            "finish_reason": result.finish_reason,
+        }
+        if result.usage:
+            done["usage"] = result.usage
+        if result.invalid_citations:
+            done["invalid_citations"] = result.invalid_citations
+        yield done
+
     async def _run_pipeline(
-        self, api_key: str, turn: Turn, history: list[dict[str, str]], result: TurnResult
+        self,
+        inference: InferenceClient,
+        api_key: str,
+        turn: Turn,
+        llm: str | None,
+        history: list[dict[str, str]],
+        result: TurnResult,
     ) -> AsyncIterator[Event]:
         pipeline = self.pipelines[turn.target]
-        inference = self.inference(api_key)
         uses_model = any(n.type == "generator" for n in pipeline.spec.components.values())
         ctx = RunContext(
             settings=self.settings,
             retrieval=self.retrieval(api_key),
             inference=inference,
             counter=load_counter(self.settings.tokenizer),
-            model=await self.model(inference) if uses_model else "",
+            model=(llm or await self.model(inference)) if uses_model else "",
         )
         state = RunState(
             question=turn.message, collection=turn.collection, history=history, options=turn.options
         )
+        result.state = state
         async for event in pipeline.run(state, ctx):
             yield event
         result.answer = state.answer
@@ -236,14 +430,19 @@ class AgentRuntime:
         result.finish_reason = state.finish_reason
 
     async def _run_agent(
-        self, api_key: str, turn: Turn, history: list[dict[str, str]], result: TurnResult
+        self,
+        inference: InferenceClient,
+        api_key: str,
+        turn: Turn,
+        llm: str | None,
+        history: list[dict[str, str]],
+        result: TurnResult,
     ) -> AsyncIterator[Event]:
         spec = self.agents[turn.target]
-        inference = self.inference(api_key)
         tools: dict[str, Tool] = check_tools(spec, self.tools)
         runner = AgentRunner(
             inference=inference,
-            model=await self.model(inference),
+            model=llm or await self.model(inference),
             tools=tools,
             tool_ctx=ToolContext(retrieval=self.retrieval(api_key), collection=turn.collection),
             max_steps=self.settings.agent_max_steps,
@@ -251,6 +450,7 @@ class AgentRuntime:
             tool_timeout_s=self.settings.tool_timeout_s,
             max_tokens=self.settings.max_answer_tokens,
         )
+        result.agent_run = runner
         async for event in runner.run(turn.message, history, mode=spec.mode):
             yield event
         result.answer = runner.result.answer

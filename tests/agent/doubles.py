@@ -79,6 +79,9 @@ class ScriptedModel:
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected: int = 0
+    # GET /v1/models: the shared models every key sees, plus each key's own (a tenant's fine-tunes).
+    shared: list[str] = field(default_factory=lambda: ["scripted"])
+    own: dict[str, list[str]] = field(default_factory=dict)
 
     def next_reply(self, body: dict[str, Any]) -> str | dict[str, Any]:
         if callable(self.replies):
@@ -90,8 +93,15 @@ def inference_double(model: ScriptedModel) -> FastAPI:
     app = FastAPI()
 
     @app.get("/v1/models")
-    async def models() -> Any:
-        return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
+    async def models(request: Request) -> Any:
+        key = request.headers.get("authorization", "").removeprefix("Bearer ")
+        ids = [*model.shared, *model.own.get(key, [])]
+        return {"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}
+
+    @app.get("/v1/capabilities")
+    async def capabilities() -> Any:
+        # What a trainer asks before it accepts a publish: true job (CONTRACT.md).
+        return {"engine": "scripted", "adapters": True, "max_lora_rank": 64, "register_models": True}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -132,5 +142,51 @@ def inference_double(model: ScriptedModel) -> FastAPI:
                 raise
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+@dataclass
+class RecordingTrainer:
+    """The trainer's ``POST /v1/files`` (multipart JSONL) and ``POST /v1/jobs``, recording what it got.
+
+    Rows of the formats today's trainer knows (``preference``, ``messages``) are checked with its own
+    parser, so a row shape it would refuse fails here too."""
+
+    files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    file_headers: list[dict[str, str]] = field(default_factory=list)
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    job_headers: list[dict[str, str]] = field(default_factory=list)
+
+
+def trainer_double(trainer: RecordingTrainer) -> FastAPI:
+    from starlette.datastructures import UploadFile
+
+    from services.trainer.data.formats import parse_dataset
+
+    app = FastAPI()
+
+    @app.post("/v1/files", status_code=201)
+    async def upload(request: Request) -> Any:
+        form = await request.form()
+        upload = form["file"]
+        assert isinstance(upload, UploadFile)
+        data = await upload.read()
+        rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+        fmt = "kto"
+        if "label" not in rows[0]:
+            parsed = parse_dataset(data)
+            fmt = parsed.format
+        fid = f"file-{len(trainer.files) + 1}"
+        trainer.files[fid] = rows
+        trainer.file_headers.append(dict(request.headers))
+        return {"id": fid, "object": "file", "filename": upload.filename, "rows": len(rows), "format": fmt}
+
+    @app.post("/v1/jobs", status_code=201)
+    async def create_job(request: Request) -> Any:
+        body = await request.json()
+        trainer.jobs.append(body)
+        trainer.job_headers.append(dict(request.headers))
+        return {"id": f"ftjob-{len(trainer.jobs)}", "object": "fine_tuning.job", "status": "queued", **body}
 
     return app

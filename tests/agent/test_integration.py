@@ -168,6 +168,18 @@ def test_chat_streams_an_answer_citing_the_right_document(real_stack: RealStack)
     assert citations[0]["document_id"] == "jupiter"
     c = citations[0]
     assert c["title"] == "Jupiter" and DOCS[2]["text"][c["start"] : c["end"]] == c["text"]
+    # The turn record: the prompt the real model got (with Jupiter's source) and what it wrote;
+    # a regenerated draft samples the same prompt on the same model.
+    headers = auth(real_stack.key)
+    mid = events[-1]["message_id"]
+    rec = httpx.get(f"{real_stack.agent}/v1/messages/{mid}", headers=headers, timeout=30).json()
+    assert rec["model"] and answer.startswith(rec["completion"]) and rec["completion"]
+    prompt = rec["prompt"][-1]["content"]
+    assert "Great Red Spot" in prompt and prompt.endswith("What is the largest planet in the Solar System?")
+    resp = httpx.post(f"{real_stack.agent}/v1/messages/{mid}/regenerate", headers=headers, timeout=300)
+    assert resp.status_code == 200, resp.text
+    draft = resp.json()
+    assert (draft["draft_of"], draft["model"]) == (mid, rec["model"]) and draft["answer"]
 
 
 def test_unrelated_question_gets_i_dont_know(real_stack: RealStack) -> None:

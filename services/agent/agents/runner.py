@@ -46,6 +46,10 @@ class AgentRun:
     tool_calls: int = 0
     repairs: list[str] = field(default_factory=list)
     finish_reason: str = "stop"
+    # The last model call, exactly (the turn record keeps it): its messages, sampling and raw reply.
+    prompt: list[dict[str, Any]] = field(default_factory=list)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    completion: str = ""
 
 
 @dataclass
@@ -107,6 +111,11 @@ class AgentRunner:
         }
         self._last_observation = observation
 
+    def _record_call(self, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> None:
+        self.result.prompt = [dict(m) for m in messages]
+        self.result.sampling = dict(sampling)
+        self.result.completion = ""
+
     def _final(self, answer: str) -> list[Event]:
         self.result.answer = answer
         return [{"type": "step", "kind": "final", "text": answer}, {"type": "token", "text": answer}]
@@ -124,16 +133,11 @@ class AgentRunner:
         last_call: tuple[str, str] | None = None
         for step in range(1, self.max_steps + 1):
             self.result.steps = step
-            resp = await self.inference.complete(
-                {
-                    "model": self.model,
-                    "messages": messages,
-                    "max_tokens": self.max_tokens,
-                    "temperature": 0.0,
-                    "stop": STOP,
-                }
-            )
+            sampling: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0.0, "stop": STOP}
+            self._record_call(messages, sampling)
+            resp = await self.inference.complete({"model": self.model, "messages": messages, **sampling})
             text = str(((resp.get("choices") or [{}])[0].get("message") or {}).get("content") or "")
+            self.result.completion = text
             parsed = parse_react(text, names)
             self.result.repairs.extend(parsed.repairs)
             if parsed.thought and parsed.kind != "invalid":
@@ -215,10 +219,12 @@ class AgentRunner:
         ]
         for step in range(1, self.max_steps + 1):
             self.result.steps = step
+            self._record_call(messages, {"max_tokens": self.max_tokens})
             resp = await self.inference.complete(
                 {"model": self.model, "messages": messages, "tools": tools, "max_tokens": self.max_tokens}
             )
             message = (resp.get("choices") or [{}])[0].get("message") or {}
+            self.result.completion = str(message.get("content") or "")
             calls = message.get("tool_calls") or []
             if not calls:
                 for event in self._final(str(message.get("content") or "").strip()):

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.agent.api.common import caller, runtime_of
+from services.common.errors import NotFound
 
 router = APIRouter(tags=["conversations"])
 
@@ -41,6 +42,16 @@ async def rename_conversation(conversation_id: str, body: Rename, request: Reque
 
 @router.delete("/v1/conversations/{conversation_id}", status_code=204)
 async def delete_conversation(conversation_id: str, request: Request) -> Response:
+    """Deletes the conversation and, with it, its turn records (and their feedback): the only way
+    records go. A conversation whose memory already expired still has records to delete."""
     principal, _ = caller(request)
-    await runtime_of(request).memory.delete(principal.tenant, principal.key_id, conversation_id)
+    runtime = runtime_of(request)
+    try:
+        await runtime.memory.delete(principal.tenant, principal.key_id, conversation_id)
+        found = True
+    except NotFound:
+        found = False
+    deleted = await runtime.turns.delete_conversation(principal.tenant, principal.key_id, conversation_id)
+    if not found and not deleted:
+        raise NotFound(f"no conversation {conversation_id!r}", param="conversation_id")
     return Response(status_code=204)

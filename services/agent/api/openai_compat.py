@@ -75,6 +75,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         conversation_id=body.conversation_id,
         history=history,
         remember=body.conversation_id is not None,
+        llm=body.llm,
     )
     try:
         runtime.validate(turn)
@@ -107,6 +108,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "total_tokens": result.usage.get("total_tokens", 0),
             },
             "citations": _citations(result),
+            "message_id": result.message_id,
             "conversation_id": result.conversation_id,
         }
     buffered, rest = await peek(events)
@@ -143,7 +145,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             yield sse({"error": {"message": err["message"], "code": err["code"]}})
         if result.results is not None:
             yield chunk({"content": _render_results(result.results)})
-        extra: dict[str, Any] = {"citations": _citations(result), "conversation_id": result.conversation_id}
+        extra: dict[str, Any] = {
+            "citations": _citations(result),
+            "message_id": result.message_id or None,
+            "conversation_id": result.conversation_id,
+        }
         if result.usage and (body.stream_options or {}).get("include_usage"):
             extra["usage"] = result.usage
         yield chunk({}, "stop", **extra)

@@ -32,12 +32,15 @@ async def run_pipeline(name: str, body: PipelineRunRequest, request: Request) ->
         history=[{"role": m.role, "content": m.text()} for m in body.history or []],
         remember=body.remember or body.conversation_id is not None,
         options={"top_k": body.top_k} if body.top_k else {},
+        llm=body.llm,
     )
     result = TurnResult()
     events = runtime.turn(principal, key, turn, result)
     if not body.stream:
         collected = await collect(events)
-        out: dict[str, Any] = {"pipeline": name, "query": turn.message}
+        out: dict[str, Any] = {"pipeline": name, "query": turn.message, "message_id": result.message_id}
+        if result.model:
+            out["model"] = result.model
         if result.conversation_id:
             out["conversation_id"] = result.conversation_id
         if result.results is not None:

@@ -20,9 +20,17 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from services.agent.api.common import caller, error_event, runtime_of
-from services.agent.protocol import WsChatFrame
+from services.agent.api.feedback import choose, give_feedback
+from services.agent.protocol import (
+    FeedbackCreate,
+    WsChatFrame,
+    WsChooseFrame,
+    WsFeedbackFrame,
+    WsRegenerateFrame,
+)
 from services.agent.runtime import Turn, TurnResult
 from services.common.auth import WS_PROTOCOL
+from services.common.errors import TandemError
 
 router = APIRouter(tags=["websocket"])
 log = logging.getLogger("tandem.agent.ws")
@@ -66,9 +74,15 @@ async def ws_chat(websocket: WebSocket) -> None:
     current: asyncio.Task[None] | None = None
     current_result: TurnResult | None = None
 
-    async def run_turn(turn: Turn, result: TurnResult) -> None:
+    async def run_turn(turn: Turn | str, result: TurnResult) -> None:
+        """A chat turn, or (a message id) a regenerated draft of a recorded answer."""
         try:
-            async for event in runtime.turn(principal, key, turn, result):
+            events = (
+                runtime.regenerate(principal, key, turn, result)
+                if isinstance(turn, str)
+                else runtime.turn(principal, key, turn, result)
+            )
+            async for event in events:
                 await conn.send(event)
         except asyncio.CancelledError:
             raise
@@ -100,14 +114,47 @@ async def ws_chat(websocket: WebSocket) -> None:
             if not isinstance(data, dict):
                 await conn.error(f"frame must be a JSON object, got {type(data).__name__}", "invalid_frame")
                 continue
+            kind = data.get("type")
+            frames: dict[str, type[WsChatFrame | WsFeedbackFrame | WsRegenerateFrame | WsChooseFrame]] = {
+                "feedback": WsFeedbackFrame,
+                "regenerate": WsRegenerateFrame,
+                "choose": WsChooseFrame,
+            }
+            model = frames.get(kind, WsChatFrame) if isinstance(kind, str) else WsChatFrame
             try:
-                frame = WsChatFrame.model_validate(data)
+                parsed = model.model_validate(data)
             except ValidationError as exc:
                 text = "; ".join(
                     f"{'.'.join(str(p) for p in e['loc']) or 'frame'}: {e['msg']}" for e in exc.errors()
                 )
                 await conn.error(text, "invalid_frame")
                 continue
+            if isinstance(parsed, WsFeedbackFrame | WsChooseFrame):
+                # Quick writes: answered at once, even while an answer is streaming.
+                try:
+                    if isinstance(parsed, WsFeedbackFrame):
+                        body = FeedbackCreate.model_validate(parsed.model_dump(exclude={"type"}))
+                        await give_feedback(runtime, principal, body)
+                        await conn.send({"type": "feedback", "message_id": parsed.message_id, "ok": True})
+                    else:
+                        choice = await choose(runtime, principal, parsed.message_id, parsed.over)
+                        await conn.send({"type": "choice", **choice.model_dump()})
+                except TandemError as exc:
+                    event = error_event(exc)
+                    event.pop("status", None)
+                    event["param"] = exc.param
+                    await conn.send(event)
+                continue
+            if isinstance(parsed, WsRegenerateFrame):
+                if current is not None and not current.done():
+                    await conn.error(
+                        "a message is still being answered: wait for 'done' or send {'type': 'stop'}", "busy"
+                    )
+                    continue
+                current_result = TurnResult()
+                current = asyncio.create_task(run_turn(parsed.message_id, current_result))
+                continue
+            frame = parsed
             if frame.type == "stop":
                 if current is not None and not current.done():
                     current.cancel()
@@ -118,6 +165,7 @@ async def ws_chat(websocket: WebSocket) -> None:
                         {
                             "type": "done",
                             "conversation_id": current_result.conversation_id,
+                            "message_id": current_result.message_id or None,
                             "citations": current_result.citations,
                             "finish_reason": "stopped",
                         }
@@ -140,6 +188,7 @@ async def ws_chat(websocket: WebSocket) -> None:
                 message=frame.message,
                 collection=frame.collection,
                 conversation_id=frame.conversation_id,
+                llm=frame.llm,
             )
             current_result = TurnResult()
             current = asyncio.create_task(run_turn(turn, current_result))

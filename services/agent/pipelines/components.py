@@ -104,12 +104,17 @@ class InferenceGenerator:
         self.usage: dict[str, int] = {}
         self.finish_reason = "stop"
 
+    def sampling(self, ctx: RunContext) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens or ctx.settings.max_answer_tokens,
+            "temperature": ctx.settings.temperature if self.temperature is None else self.temperature,
+        }
+
     async def generate(self, ctx: RunContext, messages: list[dict[str, str]]) -> AsyncIterator[str]:
         body: dict[str, Any] = {
             "model": ctx.model,
             "messages": messages,
-            "max_tokens": self.max_tokens or ctx.settings.max_answer_tokens,
-            "temperature": ctx.settings.temperature if self.temperature is None else self.temperature,
+            **self.sampling(ctx),
             "stream_options": {"include_usage": True},
         }
         async for chunk in ctx.inference.stream(body):
@@ -277,7 +282,13 @@ class GenerateNode:
             state.answer = NO_CONTEXT_ANSWER.format(collection=state.collection)
             yield {"type": "token", "text": state.answer}
             return
-        gen = self.generator or InferenceGenerator(self.p.max_tokens, self.p.temperature)
+        # A regenerated draft samples at its own temperature (state.options), so it can differ.
+        temperature = state.options.get("temperature", self.p.temperature)
+        gen = self.generator or InferenceGenerator(self.p.max_tokens, temperature)
+        # The exact messages and sampling the model gets: the turn record keeps them for training.
+        state.prompt = [dict(m) for m in state.plan.messages]
+        state.model = ctx.model
+        state.sampling = gen.sampling(ctx) if isinstance(gen, InferenceGenerator) else {}
         guard = RepetitionGuard()
         stream = gen.generate(ctx, state.plan.messages)
         looped = False

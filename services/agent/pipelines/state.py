@@ -45,6 +45,10 @@ class RunState:
     results: list[dict[str, Any]] | None = None
     usage: dict[str, int] = field(default_factory=dict)
     finish_reason: str = "stop"
+    # What the generator sent, exactly (the turn record keeps it): None when no model was called.
+    prompt: list[dict[str, str]] | None = None
+    model: str = ""
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     def view(self) -> dict[str, Any]:
         """A plain-dict view for foreign components (LangChain runnables)."""

@@ -1,0 +1,245 @@
+"""Feedback on answers, drafts and preference pairs, and datasets built from them (issue 13).
+
+``/v1/feedback`` (rate, correct, list, delete, stats), ``/v1/messages/{id}`` (the turn
+record; ``/regenerate`` a new draft; ``/choose`` one draft over another) and
+``/v1/feedback/datasets`` / ``/v1/feedback/train`` (rows for the trainer, and a job).
+Everything is scoped to the caller's tenant: another tenant's message is a 404.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
+from services.agent.api.common import caller, guarded, runtime_of, sse
+from services.agent.feedback import JOB_TYPE, BuiltDataset, build_dataset, check_enough
+from services.agent.protocol import (
+    Choice,
+    ChooseRequest,
+    DatasetRequest,
+    DatasetResult,
+    Feedback,
+    FeedbackCreate,
+    FeedbackList,
+    FeedbackStats,
+    ModelStats,
+    RegenerateRequest,
+    TrainRequest,
+    TurnRecord,
+)
+from services.agent.runtime import AgentRuntime, TurnResult, collect, peek
+from services.agent.turns import FeedbackFilter, FeedbackRow
+from services.common.auth import Principal
+from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
+
+router = APIRouter(tags=["feedback"])
+
+
+def feedback_object(fb: FeedbackRow, rec: TurnRecord) -> Feedback:
+    return Feedback(
+        message_id=fb.message_id,
+        rating=fb.rating,
+        correction=fb.correction,
+        comment=fb.comment,
+        pipeline=rec.pipeline,
+        model=rec.model,
+        collection=rec.collection,
+        question=rec.question,
+        answer=rec.answer,
+        conversation_id=rec.conversation_id,
+        draft_of=rec.draft_of,
+        created_at=fb.created_at,
+        updated_at=fb.updated_at,
+    )
+
+
+async def turn_of(runtime: AgentRuntime, principal: Principal, message_id: str, param: str) -> TurnRecord:
+    record = await runtime.turns.get_turn(principal.tenant, message_id)
+    if record is None:
+        raise NotFound(f"no message {message_id!r}", param=param)
+    return record
+
+
+async def give_feedback(runtime: AgentRuntime, principal: Principal, body: FeedbackCreate) -> Feedback:
+    """Records or replaces the caller's feedback on one of its tenant's messages."""
+    limit = runtime.settings.feedback_max_correction_chars
+    if body.correction is not None and len(body.correction) > limit:
+        raise PayloadTooLarge(
+            f"correction has {len(body.correction)} characters; the limit is {limit}", param="correction"
+        )
+    if body.correction is not None and not body.correction.strip():
+        raise InvalidRequest(
+            "correction is empty: leave it out, or write the answer it should have been", param="correction"
+        )
+    record = await turn_of(runtime, principal, body.message_id, "message_id")
+    fb = await runtime.turns.set_feedback(
+        principal.tenant, body.message_id, body.rating, body.correction, body.comment
+    )
+    return feedback_object(fb, record)
+
+
+async def choose(runtime: AgentRuntime, principal: Principal, message_id: str, over: str) -> Choice:
+    """Records a preference pair: ``message_id`` chosen over ``over``, two drafts of one prompt."""
+    chosen = await turn_of(runtime, principal, message_id, "message_id")
+    if over == message_id:
+        raise InvalidRequest(
+            f"over: {over!r} is the chosen message itself; name the other draft", param="over"
+        )
+    rejected = await turn_of(runtime, principal, over, "over")
+    if (chosen.draft_of or chosen.message_id) != (rejected.draft_of or rejected.message_id):
+        raise InvalidRequest(
+            f"over: {over!r} is not a draft of the same prompt as {message_id!r} "
+            "(regenerate an answer to get drafts to choose from)",
+            param="over",
+        )
+    await runtime.turns.add_preference(principal.tenant, message_id, over)
+    return Choice(chosen=message_id, rejected=over)
+
+
+@router.post("/v1/feedback", response_model=Feedback)
+async def post_feedback(body: FeedbackCreate, request: Request) -> Feedback:
+    principal, _ = caller(request)
+    return await give_feedback(runtime_of(request), principal, body)
+
+
+@router.get("/v1/feedback", response_model=FeedbackList)
+async def list_feedback(
+    request: Request,
+    since: float | None = Query(
+        None, ge=0, description="feedback given or changed at or after (unix seconds)"
+    ),
+    pipeline: str | None = None,
+    model: str | None = None,
+    rating: int | None = Query(None, description="1 or -1"),
+    limit: int = Query(50, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+) -> FeedbackList:
+    principal, _ = caller(request)
+    if rating is not None and rating not in (1, -1):
+        raise InvalidRequest(f"rating: must be 1 or -1 (got {rating})", param="rating")
+    filt = FeedbackFilter(since=since, pipeline=pipeline, model=model, rating=rating)
+    rows, total = await runtime_of(request).turns.list_feedback(principal.tenant, filt, limit, offset)
+    return FeedbackList(
+        data=[feedback_object(fb, rec) for fb, rec in rows], total=total, has_more=offset + len(rows) < total
+    )
+
+
+@router.get("/v1/feedback/stats", response_model=FeedbackStats)
+async def feedback_stats(request: Request) -> FeedbackStats:
+    principal, _ = caller(request)
+    stats = await runtime_of(request).turns.stats(principal.tenant)
+    return FeedbackStats(data=[ModelStats(**s) for s in stats])
+
+
+@router.delete("/v1/feedback/{message_id}")
+async def delete_feedback(message_id: str, request: Request) -> dict[str, Any]:
+    principal, _ = caller(request)
+    if not await runtime_of(request).turns.delete_feedback(principal.tenant, message_id):
+        raise NotFound(f"no feedback on message {message_id!r}", param="message_id")
+    return {"message_id": message_id, "deleted": True}
+
+
+@router.get("/v1/messages/{message_id}", response_model=TurnRecord)
+async def get_message(message_id: str, request: Request) -> TurnRecord:
+    principal, _ = caller(request)
+    return await turn_of(runtime_of(request), principal, message_id, "message_id")
+
+
+@router.post("/v1/messages/{message_id}/regenerate", response_model=None)
+async def regenerate(message_id: str, request: Request, body: RegenerateRequest | None = None) -> Any:
+    runtime = runtime_of(request)
+    principal, key = caller(request)
+    result = TurnResult()
+    events = runtime.regenerate(principal, key, message_id, result)
+    if body is None or not body.stream:
+        await collect(events)
+        return {
+            "message_id": result.message_id,
+            "draft_of": result.draft_of,
+            "answer": result.answer,
+            "citations": result.citations,
+            "model": result.model,
+            "finish_reason": result.finish_reason,
+            "conversation_id": result.conversation_id,
+        }
+    buffered, rest = await peek(events)
+
+    async def body_iter() -> AsyncIterator[bytes]:
+        async for event in guarded(buffered, rest):
+            yield sse(event)
+
+    return StreamingResponse(
+        body_iter(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.post("/v1/messages/{message_id}/choose", response_model=Choice)
+async def choose_draft(message_id: str, body: ChooseRequest, request: Request) -> Choice:
+    principal, _ = caller(request)
+    return await choose(runtime_of(request), principal, message_id, body.over)
+
+
+# -- datasets and training -------------------------------------------------------------------
+
+
+def _min_rows(runtime: AgentRuntime, fmt: str) -> int:
+    return int(getattr(runtime.settings, f"dataset_min_rows_{fmt}"))
+
+
+async def _build(
+    runtime: AgentRuntime, principal: Principal, req: DatasetRequest | TrainRequest
+) -> BuiltDataset:
+    filt = FeedbackFilter(since=req.since, pipeline=req.pipeline, model=req.model)
+    rated, _ = await runtime.turns.list_feedback(principal.tenant, filt)
+    prefs = await runtime.turns.preferences(principal.tenant, filt) if req.format == "dpo" else []
+    built = build_dataset(req.format, rated, prefs)
+    check_enough(built, _min_rows(runtime, req.format), filt)
+    return built
+
+
+async def _upload(runtime: AgentRuntime, key: str, built: BuiltDataset) -> DatasetResult:
+    name = f"feedback-{built.format}-{int(time.time())}.jsonl"
+    stored = await runtime.trainer(key).upload_file(name, built.jsonl())
+    return DatasetResult(
+        file_id=str(stored["id"]), format=built.format, rows=len(built.rows), counts=built.counts
+    )
+
+
+@router.post("/v1/feedback/datasets", response_model=DatasetResult)
+async def build_feedback_dataset(body: DatasetRequest, request: Request) -> DatasetResult:
+    runtime = runtime_of(request)
+    principal, key = caller(request)
+    return await _upload(runtime, key, await _build(runtime, principal, body))
+
+
+@router.post("/v1/feedback/train")
+async def train_on_feedback(body: TrainRequest, request: Request) -> dict[str, Any]:
+    """Builds the dataset and starts a LoRA job (defaults, published) on the model that wrote the answers."""
+    runtime = runtime_of(request)
+    principal, key = caller(request)
+    built = await _build(runtime, principal, body)
+    if len(built.models) > 1:
+        raise InvalidRequest(
+            f"model: the feedback is on answers of several models ({', '.join(sorted(built.models))}); "
+            "name the one to train with 'model'",
+            param="model",
+        )
+    [base_model] = built.models
+    dataset = await _upload(runtime, key, built)
+    job_body: dict[str, Any] = {
+        "type": JOB_TYPE[body.format],
+        "base_model": base_model,
+        "dataset": dataset.file_id,
+        "lora": {},
+        "publish": True,
+    }
+    if body.eval_fraction is not None:
+        job_body["eval_fraction"] = body.eval_fraction
+    job = await runtime.trainer(key).create_job(job_body)
+    return {"dataset": dataset.model_dump(), "job": job}

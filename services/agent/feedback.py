@@ -1,0 +1,162 @@
+"""Feedback into training datasets (issue 13): KTO, DPO and SFT rows from turn records.
+
+Every row's prompt is the exact list of messages the model saw when it answered
+(the turn record), so a fine-tune trains on what it will be served. Shapes
+(CONTRACT.md, the trainer's formats):
+
+- ``kto``: ``{"prompt": [messages], "completion": str, "label": bool}``: every
+  rated answer with its rating's label, and every correction as a desirable
+  completion;
+- ``dpo`` (``preference``): ``{"prompt": [messages], "chosen": str, "rejected": str}``:
+  corrections (chosen = the correction, rejected = the original answer) and
+  chosen drafts (chosen over the other draft of the same prompt);
+- ``sft`` (``messages``): ``{"messages": [...prompt, {"role": "assistant", ...}]}``:
+  thumbs-up answers and corrections.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.agent.protocol import DatasetFormat, TurnRecord
+from services.agent.turns import FeedbackFilter, FeedbackRow, PreferenceRow
+from services.common.errors import InvalidRequest
+
+# The trainer job type of each dataset format.
+JOB_TYPE: dict[str, str] = {"kto": "kto", "dpo": "dpo", "sft": "sft"}
+
+
+@dataclass
+class BuiltDataset:
+    format: DatasetFormat
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    models: set[str] = field(default_factory=set)
+
+    def jsonl(self) -> bytes:
+        return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in self.rows).encode()
+
+
+def corrected_completion(record: TurnRecord, correction: str) -> str:
+    """The completion the model should have written, given the answer the user should have seen.
+
+    For a pipeline both are the same text. An agent's raw completion wraps the visible
+    answer ("Thought: ...\\nFinal Answer: <answer>"): the correction replaces the answer
+    inside it, so the row keeps the format the agent's prompt asks for.
+    """
+    if record.answer and record.completion != record.answer:
+        at = record.completion.rfind(record.answer)
+        if at >= 0:
+            return record.completion[:at] + correction + record.completion[at + len(record.answer) :]
+    return correction
+
+
+def _usable(record: TurnRecord) -> bool:
+    """Only answers a model wrote from a recorded prompt can train it."""
+    return bool(record.prompt) and bool(record.model)
+
+
+def _prompt(record: TurnRecord) -> list[dict[str, Any]]:
+    return [{"role": str(m.get("role")), "content": str(m.get("content") or "")} for m in record.prompt]
+
+
+def build_dataset(
+    fmt: DatasetFormat,
+    feedback: list[tuple[FeedbackRow, TurnRecord]],
+    preferences: list[PreferenceRow],
+) -> BuiltDataset:
+    out = BuiltDataset(fmt)
+    counts = dict.fromkeys(_COUNT_NAMES[fmt], 0)
+    rated = sorted(feedback, key=lambda pair: pair[1].created_at)
+    for fb, rec in rated:
+        if not _usable(rec):
+            continue
+        correction = (fb.correction or "").strip()
+        if fmt == "kto":
+            out.rows.append({"prompt": _prompt(rec), "completion": rec.completion, "label": fb.rating == 1})
+            counts["desirable" if fb.rating == 1 else "undesirable"] += 1
+            if correction:
+                out.rows.append(
+                    {
+                        "prompt": _prompt(rec),
+                        "completion": corrected_completion(rec, correction),
+                        "label": True,
+                    }
+                )
+                counts["desirable"] += 1
+                counts["corrections"] += 1
+        elif fmt == "dpo":
+            if correction and correction != rec.answer.strip():
+                out.rows.append(
+                    {
+                        "prompt": _prompt(rec),
+                        "chosen": corrected_completion(rec, correction),
+                        "rejected": rec.completion,
+                    }
+                )
+                counts["corrections"] += 1
+        else:
+            if correction:
+                completion = corrected_completion(rec, correction)
+                counts["corrections"] += 1
+            elif fb.rating == 1:
+                completion = rec.completion
+                counts["thumbs_up"] += 1
+            else:
+                continue
+            out.rows.append({"messages": [*_prompt(rec), {"role": "assistant", "content": completion}]})
+        out.models.add(rec.model)
+    if fmt == "dpo":
+        for pref in preferences:
+            if not (_usable(pref.chosen) and _usable(pref.rejected)):
+                continue
+            if pref.chosen.completion.strip() == pref.rejected.completion.strip():
+                continue  # two identical drafts teach nothing
+            out.rows.append(
+                {
+                    "prompt": _prompt(pref.chosen),
+                    "chosen": pref.chosen.completion,
+                    "rejected": pref.rejected.completion,
+                }
+            )
+            counts["preferences"] += 1
+            out.models.add(pref.chosen.model)
+    out.counts = counts
+    return out
+
+
+_COUNT_NAMES: dict[str, tuple[str, ...]] = {
+    "kto": ("desirable", "undesirable", "corrections"),
+    "dpo": ("corrections", "preferences"),
+    "sft": ("thumbs_up", "corrections"),
+}
+
+
+def check_enough(built: BuiltDataset, min_rows: int, filt: FeedbackFilter) -> None:
+    """Too little data is a 400 naming what was found and what is needed."""
+    found = ", ".join(f"{k}={v}" for k, v in built.counts.items())
+    scope = _describe_filter(filt)
+    problems = []
+    if len(built.rows) < min_rows:
+        problems.append(f"{len(built.rows)} rows found, at least {min_rows} needed")
+    if built.format == "kto":
+        for label in ("desirable", "undesirable"):
+            if built.counts[label] < 1:
+                problems.append(f"no {label} rows found, at least 1 needed (KTO needs both labels)")
+    if problems:
+        raise InvalidRequest(
+            f"too little feedback for a {built.format} dataset{scope}: {'; '.join(problems)} (found: {found})",
+            param="format",
+            code="not_enough_feedback",
+        )
+
+
+def _describe_filter(filt: FeedbackFilter) -> str:
+    parts = [
+        f"{name}={value!r}"
+        for name, value in (("since", filt.since), ("pipeline", filt.pipeline), ("model", filt.model))
+        if value is not None
+    ]
+    return f" ({', '.join(parts)})" if parts else ""

@@ -1,0 +1,344 @@
+"""Durable turn records, feedback and preference pairs, per tenant (issue 13).
+
+A turn record is what the model saw and said: the exact prompt messages after
+retrieval and prompt assembly, the model, the sampling parameters, the chunk
+ids, the completion and its citations. Feedback and preference pairs point at
+records. They are training data, so they live outside the conversation memory
+(whose Redis keys expire and are capped) in a store of their own that survives
+restarts of the agent and of Redis; a record is deleted only with its
+conversation, when the tenant deletes it.
+
+``TurnStore`` is the protocol the routes use; ``SqliteTurnStore`` is the one
+backend (see docs/agent.md for why SQLite): one file under
+``$TANDEM_HOME/agent/``, WAL journal with ``synchronous=FULL`` so a committed
+write survives a crash or power loss, calls run off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from services.agent.protocol import TurnRecord
+
+T = TypeVar("T")
+
+
+def new_message_id() -> str:
+    return f"msg_{secrets.token_hex(12)}"
+
+
+@dataclass
+class FeedbackRow:
+    message_id: str
+    rating: int
+    correction: str | None
+    comment: str | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass
+class FeedbackFilter:
+    since: float | None = None
+    pipeline: str | None = None
+    model: str | None = None
+    rating: int | None = None
+
+
+@dataclass
+class PreferenceRow:
+    chosen: TurnRecord
+    rejected: TurnRecord
+    created_at: float
+
+
+class TurnStore(Protocol):
+    async def add_turn(self, tenant: str, user: str, record: TurnRecord) -> None: ...
+
+    async def get_turn(self, tenant: str, message_id: str) -> TurnRecord | None: ...
+
+    async def delete_conversation(self, tenant: str, user: str, conversation_id: str) -> int: ...
+
+    async def set_feedback(
+        self, tenant: str, message_id: str, rating: int, correction: str | None, comment: str | None
+    ) -> FeedbackRow: ...
+
+    async def list_feedback(
+        self, tenant: str, filt: FeedbackFilter, limit: int | None = None, offset: int = 0
+    ) -> tuple[list[tuple[FeedbackRow, TurnRecord]], int]: ...
+
+    async def delete_feedback(self, tenant: str, message_id: str) -> bool: ...
+
+    async def add_preference(self, tenant: str, chosen: str, rejected: str) -> None: ...
+
+    async def preferences(self, tenant: str, filt: FeedbackFilter) -> list[PreferenceRow]: ...
+
+    async def stats(self, tenant: str) -> list[dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS turns (
+    message_id      TEXT PRIMARY KEY,
+    tenant          TEXT NOT NULL,
+    user            TEXT NOT NULL,
+    conversation_id TEXT,
+    pipeline        TEXT NOT NULL,
+    model           TEXT NOT NULL,
+    created_at      REAL NOT NULL,
+    draft_of        TEXT,
+    data            TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS turns_conv ON turns (tenant, conversation_id);
+CREATE TABLE IF NOT EXISTS feedback (
+    message_id  TEXT PRIMARY KEY REFERENCES turns (message_id) ON DELETE CASCADE,
+    tenant      TEXT NOT NULL,
+    rating      INTEGER NOT NULL,
+    correction  TEXT,
+    comment     TEXT,
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS feedback_tenant ON feedback (tenant, updated_at);
+CREATE TABLE IF NOT EXISTS preferences (
+    tenant      TEXT NOT NULL,
+    chosen      TEXT NOT NULL REFERENCES turns (message_id) ON DELETE CASCADE,
+    rejected    TEXT NOT NULL REFERENCES turns (message_id) ON DELETE CASCADE,
+    created_at  REAL NOT NULL,
+    PRIMARY KEY (tenant, chosen, rejected)
+);
+"""
+
+
+def _record(row: sqlite3.Row | tuple[Any, ...], offset: int = 0) -> TurnRecord:
+    """A TurnRecord from the ``tenant, user, data`` columns starting at ``offset``."""
+    rec = TurnRecord.model_validate_json(row[offset + 2])
+    rec.tenant, rec.user = row[offset], row[offset + 1]
+    return rec
+
+
+class SqliteTurnStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # One connection, used from worker threads one call at a time (the lock): SQLite
+        # serialises writers anyway, and these calls are small.
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a commit is on disk (WAL fsynced) before it returns, so an acknowledged
+        # record or rating survives a power loss, not only a process crash.
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def call() -> T:
+            with self._lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    out = fn(self._db)
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+                return out
+
+        return await asyncio.to_thread(call)
+
+    # -- turns ------------------------------------------------------------------------------
+
+    async def add_turn(self, tenant: str, user: str, record: TurnRecord) -> None:
+        data = record.model_dump_json(exclude={"tenant", "user"}, round_trip=True)
+        # ``sources`` is excluded from the public dump; keep it in the stored one.
+        stored = json.loads(data)
+        stored["sources"] = record.sources
+        blob = json.dumps(stored)
+
+        def fn(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO turns (message_id, tenant, user, conversation_id, pipeline, model, created_at,"
+                " draft_of, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.message_id,
+                    tenant,
+                    user,
+                    record.conversation_id,
+                    record.pipeline,
+                    record.model,
+                    record.created_at,
+                    record.draft_of,
+                    blob,
+                ),
+            )
+
+        await self._run(fn)
+
+    async def get_turn(self, tenant: str, message_id: str) -> TurnRecord | None:
+        def fn(db: sqlite3.Connection) -> TurnRecord | None:
+            row = db.execute(
+                "SELECT tenant, user, data FROM turns WHERE message_id = ? AND tenant = ?",
+                (message_id, tenant),
+            ).fetchone()
+            return _record(row) if row else None
+
+        return await self._run(fn)
+
+    async def delete_conversation(self, tenant: str, user: str, conversation_id: str) -> int:
+        def fn(db: sqlite3.Connection) -> int:
+            # Feedback and preference rows go with their turns (ON DELETE CASCADE).
+            cur = db.execute(
+                "DELETE FROM turns WHERE tenant = ? AND user = ? AND conversation_id = ?",
+                (tenant, user, conversation_id),
+            )
+            return int(cur.rowcount)
+
+        return await self._run(fn)
+
+    # -- feedback ---------------------------------------------------------------------------
+
+    async def set_feedback(
+        self, tenant: str, message_id: str, rating: int, correction: str | None, comment: str | None
+    ) -> FeedbackRow:
+        now = time.time()
+
+        def fn(db: sqlite3.Connection) -> FeedbackRow:
+            db.execute(
+                "INSERT INTO feedback (message_id, tenant, rating, correction, comment, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (message_id) DO UPDATE SET rating = excluded.rating,"
+                " correction = excluded.correction, comment = excluded.comment, updated_at = excluded.updated_at",
+                (message_id, tenant, rating, correction, comment, now, now),
+            )
+            row = db.execute(
+                "SELECT message_id, rating, correction, comment, created_at, updated_at FROM feedback"
+                " WHERE message_id = ?",
+                (message_id,),
+            ).fetchone()
+            return FeedbackRow(*row)
+
+        return await self._run(fn)
+
+    async def list_feedback(
+        self, tenant: str, filt: FeedbackFilter, limit: int | None = None, offset: int = 0
+    ) -> tuple[list[tuple[FeedbackRow, TurnRecord]], int]:
+        where = ["f.tenant = ?"]
+        args: list[Any] = [tenant]
+        if filt.since is not None:
+            where.append("f.updated_at >= ?")
+            args.append(filt.since)
+        if filt.pipeline:
+            where.append("t.pipeline = ?")
+            args.append(filt.pipeline)
+        if filt.model:
+            where.append("t.model = ?")
+            args.append(filt.model)
+        if filt.rating is not None:
+            where.append("f.rating = ?")
+            args.append(filt.rating)
+        clause = " AND ".join(where)
+
+        def fn(db: sqlite3.Connection) -> tuple[list[tuple[FeedbackRow, TurnRecord]], int]:
+            total = db.execute(
+                f"SELECT COUNT(*) FROM feedback f JOIN turns t ON t.message_id = f.message_id WHERE {clause}",
+                args,
+            ).fetchone()[0]
+            rows = db.execute(
+                "SELECT f.message_id, f.rating, f.correction, f.comment, f.created_at, f.updated_at,"
+                " t.tenant, t.user, t.data FROM feedback f JOIN turns t ON t.message_id = f.message_id"
+                f" WHERE {clause} ORDER BY f.updated_at DESC, f.message_id LIMIT ? OFFSET ?",
+                [*args, -1 if limit is None else limit, offset],
+            ).fetchall()
+            return [(FeedbackRow(*r[:6]), _record(r, 6)) for r in rows], int(total)
+
+        return await self._run(fn)
+
+    async def delete_feedback(self, tenant: str, message_id: str) -> bool:
+        def fn(db: sqlite3.Connection) -> bool:
+            cur = db.execute("DELETE FROM feedback WHERE tenant = ? AND message_id = ?", (tenant, message_id))
+            return cur.rowcount > 0
+
+        return await self._run(fn)
+
+    # -- preference pairs -------------------------------------------------------------------
+
+    async def add_preference(self, tenant: str, chosen: str, rejected: str) -> None:
+        def fn(db: sqlite3.Connection) -> None:
+            # Choosing again between the same two drafts replaces the earlier choice.
+            db.execute(
+                "DELETE FROM preferences WHERE tenant = ? AND ((chosen = ? AND rejected = ?)"
+                " OR (chosen = ? AND rejected = ?))",
+                (tenant, chosen, rejected, rejected, chosen),
+            )
+            db.execute(
+                "INSERT INTO preferences (tenant, chosen, rejected, created_at) VALUES (?, ?, ?, ?)",
+                (tenant, chosen, rejected, time.time()),
+            )
+
+        await self._run(fn)
+
+    async def preferences(self, tenant: str, filt: FeedbackFilter) -> list[PreferenceRow]:
+        where = ["p.tenant = ?"]
+        args: list[Any] = [tenant]
+        if filt.since is not None:
+            where.append("p.created_at >= ?")
+            args.append(filt.since)
+        if filt.pipeline:
+            where.append("c.pipeline = ?")
+            args.append(filt.pipeline)
+        if filt.model:
+            where.append("c.model = ?")
+            args.append(filt.model)
+
+        def fn(db: sqlite3.Connection) -> list[PreferenceRow]:
+            rows = db.execute(
+                "SELECT c.tenant, c.user, c.data, r.tenant, r.user, r.data, p.created_at FROM preferences p"
+                " JOIN turns c ON c.message_id = p.chosen JOIN turns r ON r.message_id = p.rejected"
+                f" WHERE {' AND '.join(where)} ORDER BY p.created_at",
+                args,
+            ).fetchall()
+            return [PreferenceRow(_record(r, 0), _record(r, 3), float(r[6])) for r in rows]
+
+        return await self._run(fn)
+
+    async def stats(self, tenant: str) -> list[dict[str, Any]]:
+        def fn(db: sqlite3.Connection) -> list[dict[str, Any]]:
+            out: dict[str, dict[str, Any]] = {}
+
+            def entry(model: str) -> dict[str, Any]:
+                return out.setdefault(
+                    model, {"model": model, "up": 0, "down": 0, "corrections": 0, "preferences": 0}
+                )
+
+            for model, up, down, corrections in db.execute(
+                "SELECT t.model, SUM(f.rating = 1), SUM(f.rating = -1),"
+                " SUM(f.correction IS NOT NULL AND f.correction != '')"
+                " FROM feedback f JOIN turns t ON t.message_id = f.message_id WHERE f.tenant = ?"
+                " GROUP BY t.model",
+                (tenant,),
+            ):
+                e = entry(model)
+                e.update(up=int(up or 0), down=int(down or 0), corrections=int(corrections or 0))
+            for model, n in db.execute(
+                "SELECT t.model, COUNT(*) FROM preferences p JOIN turns t ON t.message_id = p.chosen"
+                " WHERE p.tenant = ? GROUP BY t.model",
+                (tenant,),
+            ):
+                entry(model)["preferences"] = int(n)
+            return sorted(out.values(), key=lambda e: e["model"])
+
+        return await self._run(fn)
