@@ -78,6 +78,8 @@ class TurnStore(Protocol):
 
     async def delete_feedback(self, tenant: str, message_id: str) -> bool: ...
 
+    async def feedback_of(self, tenant: str, message_ids: list[str]) -> dict[str, FeedbackRow]: ...
+
     async def add_preference(self, tenant: str, chosen: str, rejected: str) -> None: ...
 
     async def preferences(self, tenant: str, filt: FeedbackFilter) -> list[PreferenceRow]: ...
@@ -264,6 +266,22 @@ class SqliteTurnStore:
                 [*args, -1 if limit is None else limit, offset],
             ).fetchall()
             return [(FeedbackRow(*r[:6]), _record(r, 6)) for r in rows], int(total)
+
+        return await self._run(fn)
+
+    async def feedback_of(self, tenant: str, message_ids: list[str]) -> dict[str, FeedbackRow]:
+        """The tenant's feedback on these messages (for showing a reopened conversation's thumbs)."""
+        if not message_ids:
+            return {}
+
+        def fn(db: sqlite3.Connection) -> dict[str, FeedbackRow]:
+            marks = ",".join("?" * len(message_ids))
+            rows = db.execute(
+                "SELECT message_id, rating, correction, comment, created_at, updated_at FROM feedback"
+                f" WHERE tenant = ? AND message_id IN ({marks})",
+                [tenant, *message_ids],
+            ).fetchall()
+            return {r[0]: FeedbackRow(*r) for r in rows}
 
         return await self._run(fn)
 

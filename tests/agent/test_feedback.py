@@ -678,3 +678,19 @@ def test_datasets_and_a_job_through_the_real_trainer(
         assert (job["type"], job["base_model"], job["status"]) == ("dpo", base, "queued")
         assert job["request"]["publish"] is True and job["dataset"] == resp.json()["dataset"]["file_id"]
         assert queued == [job["id"]]
+
+
+def test_a_reopened_conversation_shows_the_feedback_on_its_answers(stack: Stack, key: str) -> None:
+    first = ask(stack, key, FRANCE, remember=True)
+    conv = first["conversation_id"]
+    second = ask(stack, key, GERMANY, conversation_id=conv)
+    rate(stack, key, second["message_id"], -1, correction="Berlin [1].")
+    body = httpx.get(f"{stack.url}/v1/conversations/{conv}", headers=auth(key), timeout=30).json()
+    answers = {m["message_id"]: m for m in body["messages"] if m["role"] == "assistant"}
+    assert set(answers) == {first["message_id"], second["message_id"]}
+    assert "feedback" not in answers[first["message_id"]]
+    assert answers[second["message_id"]]["feedback"] == {
+        "rating": -1,
+        "correction": "Berlin [1].",
+        "comment": None,
+    }

@@ -23,7 +23,16 @@ async def list_conversations(request: Request, limit: int = Query(100, ge=1, le=
 @router.get("/v1/conversations/{conversation_id}")
 async def get_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
     principal, _ = caller(request)
-    return await runtime_of(request).memory.get(principal.tenant, principal.key_id, conversation_id)
+    runtime = runtime_of(request)
+    conversation = await runtime.memory.get(principal.tenant, principal.key_id, conversation_id)
+    # The caller's feedback rides on its messages, so a reopened conversation shows its thumbs.
+    ids = [str(m["message_id"]) for m in conversation["messages"] if m.get("message_id")]
+    given = await runtime.turns.feedback_of(principal.tenant, ids)
+    for message in conversation["messages"]:
+        row = given.get(str(message.get("message_id", "")))
+        if row is not None:
+            message["feedback"] = {"rating": row.rating, "correction": row.correction, "comment": row.comment}
+    return conversation
 
 
 class Rename(BaseModel):
