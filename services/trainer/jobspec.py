@@ -153,6 +153,18 @@ def resolve_lineage(
     )
 
 
+def check_own_artifact(value: str, common: CommonSettings, owner: JobOwner | None, param: str) -> None:
+    """Any other path a job names (``reward.model``) may not reach into another tenant's
+    job weights either."""
+    path = resolve_under_roots(value, common.allowed_model_roots, param=param)
+    trainer_root = _trainer_root(common)
+    if path == trainer_root or path.is_relative_to(trainer_root):
+        parts = path.relative_to(trainer_root).parts
+        data = owner.store.job(parts[0]) if owner is not None and len(parts) == 1 else {}
+        if not data or owner is None or data.get("tenant") != owner.tenant:
+            raise NotFound(f"{param} {value!r}: no such model among your fine-tunes", param=param)
+
+
 def _checked(lineage: Lineage, name: str, spec: JobCreate | None) -> Lineage:
     """A job from an adapter trains that adapter further: it must be a LoRA job of the same rank."""
     if lineage.init_adapter is None or spec is None:

@@ -149,6 +149,10 @@ def test_job_from_own_adapter_trains_it_further_and_publishes_for_the_tenant(
         assert r.status_code == 404, (foreign, r.text)
         assert r.json()["error"]["param"] == "base_model"
 
+    # nor as a reward model of an RL job
+    r = stack.create(other_key, str(tiny_model_path), type="grpo", reward={"model": job1["artifact_path"]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "reward.model", r.text
+
     # a second round from the adapter: lr so small that the new adapter starts (and stays)
     # where the first ended, which a fresh LoRA (B = 0) would not
     second = stack.create(

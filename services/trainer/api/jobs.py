@@ -16,7 +16,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from services.common.auth import Principal, principal_of
 from services.common.errors import InvalidRequest, NotFound
 from services.trainer.api.deps import TrainerState, state_of
-from services.trainer.jobspec import KIND_OF, JobOwner, validate_job
+from services.trainer.jobspec import KIND_OF, JobOwner, check_own_artifact, validate_job
 from services.trainer.protocol import TERMINAL, Artifact, ArtifactList, Job, JobCreate, JobList, Progress
 from services.trainer.publish import check_publishable
 from services.trainer.runner import artifact_dir, dataset_path, job_dir
@@ -74,7 +74,10 @@ def _check_files(st: TrainerState, tenant: str, spec: JobCreate) -> tuple[Path, 
 
 def _create(st: TrainerState, tenant: str, spec: JobCreate) -> Job:
     dataset, eval_ds = _check_files(st, tenant, spec)
-    resolved = validate_job(spec, dataset, eval_ds, st.common, st.settings, JobOwner(tenant, st.store))
+    owner = JobOwner(tenant, st.store)
+    if spec.reward is not None and spec.reward.model is not None:
+        check_own_artifact(spec.reward.model, st.common, owner, "reward.model")
+    resolved = validate_job(spec, dataset, eval_ds, st.common, st.settings, owner)
     # a job from an adapter keeps that adapter's rank; otherwise the rank asked for
     lineage = resolved.lineage
     if lineage and lineage.init_adapter and spec.lora is not None and lineage.parent_rank is not None:
