@@ -209,3 +209,42 @@ def test_publish_is_checked_against_the_inference_capabilities(
     r = stack.create(api_key, str(tiny_model_path), publish=True)
     assert r.status_code == 503 and r.json()["error"]["param"] == "publish"
     assert "unreachable" in r.json()["error"]["message"]
+
+
+def test_full_fine_tune_lineage_and_an_adapter_published_on_it(
+    stack: Stack, api_key: str, other_key: str, tiny_model_path: Path
+) -> None:
+    inf = stack.inference
+    assert inf is not None
+    full = stack.create(api_key, str(tiny_model_path), lora=None, publish=True)
+    assert full.status_code == 201, full.text
+    job = stack.run(full.json()["id"])
+    assert job["status"] == "succeeded", job.get("error")
+    ft_full = job["fine_tuned_model"]
+
+    # a full fine-tune from it trains from its folder
+    again = stack.create(api_key, ft_full, lora=None)
+    assert again.status_code == 201, again.text
+    assert stack.st.store.job(again.json()["id"])["model_path"] == job["artifact_path"]
+    assert stack.create(other_key, ft_full, lora=None).status_code == 404
+
+    # an adapter trained on it is published onto it (not onto the served base model)
+    on_it = stack.create(api_key, ft_full, publish=True)
+    assert on_it.status_code == 201, on_it.text
+    ljob = stack.run(on_it.json()["id"])
+    assert ljob["status"] == "succeeded", ljob.get("error")
+    ft_lora = ljob["fine_tuned_model"]
+    mine = {m["id"]: m for m in httpx.get(f"{inf}/v1/models", headers=auth(api_key)).json()["data"]}
+    assert mine[ft_full]["kind"] == "registered" and mine[ft_full]["owned_by"] == "acme"
+    assert mine[ft_lora]["kind"] == "adapter" and mine[ft_lora]["parent"] == ft_full
+    theirs = {m["id"] for m in httpx.get(f"{inf}/v1/models", headers=auth(other_key)).json()["data"]}
+    assert not {ft_full, ft_lora} & theirs
+    chat = {"model": ft_lora, "messages": [{"role": "user", "content": "Count to 2."}], "max_tokens": 4}
+    assert (
+        httpx.post(f"{inf}/v1/chat/completions", json=chat, headers=auth(api_key), timeout=60).status_code
+        == 200
+    )
+    assert (
+        httpx.post(f"{inf}/v1/chat/completions", json=chat, headers=auth(other_key), timeout=60).status_code
+        == 404
+    )
