@@ -403,8 +403,9 @@ class ModelRegistry:
     async def _check_free(self, name: str) -> None:
         if name in RESERVED_NAMES:
             raise AdapterError(f"the name {name!r} is reserved")
-        if name == self.base_name or name in self.registered or await self._record(name) is not None:
+        if name == self.base_name or await self._record(name) is not None:
             raise KeyError(name)
+        await self._forget(name)  # leftovers of a record deleted through another replica
 
     async def load_adapter(
         self, name: str, path: Path, tenant: str = "", base: str | None = None
