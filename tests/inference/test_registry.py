@@ -6,6 +6,7 @@ routes refuse other keys. Real Valkey, real HTTP, a real torch engine on a tiny 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -244,9 +245,18 @@ def test_published_adapter_survives_restart_and_serves_on_a_second_replica(
     adapters: dict[str, Path],
     refs: dict[str, str],
 ) -> None:
+    full = home / "models" / "full-copy"
+    shutil.copytree(lively_tiny_path, full, dirs_exist_ok=True)
     first = _app(home, db_url, lively_tiny_path)
     with serve_app(first) as url:
         assert _publish(url, keys["operator"], "ft-durable", adapters["a2"], tenant="acme").status_code == 200
+        r = httpx.post(
+            url + "/v1/models/register",
+            json={"name": "ft-full", "path": str(full), "tenant": "acme"},
+            headers=_h(keys["operator"]),
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
         assert _complete(url, keys["acme"], "ft-durable") == refs["a2"]
         # a second replica over the same Redis and storage, started after the publish
         second = _app(home, db_url, lively_tiny_path)
@@ -265,6 +275,15 @@ def test_published_adapter_survives_restart_and_serves_on_a_second_replica(
                 t.join(120)
             assert got == [refs["a2"]] * 3
             assert second.state.registry.loads == 1  # concurrent first uses: loaded once
+            # a registered full model: listed at once, its engine built on first use
+            listed = _models(url2, keys["acme"])["ft-full"]
+            assert listed["kind"] == "registered" and listed["owned_by"] == "acme"
+            assert "ft-full" not in second.state.registry.registered
+            assert _complete(url2, keys["acme"], "ft-full") == refs["tiny"]  # the same weights
+            assert "ft-full" in second.state.registry.registered
+            with pytest.raises(openai.NotFoundError):
+                _complete(url2, keys["globex"], "ft-full")
+            assert httpx.delete(url2 + "/v1/models/ft-full", headers=_h(keys["acme"])).status_code == 200
             with pytest.raises(openai.NotFoundError):
                 _complete(url2, keys["globex"], "ft-durable")
             # deleted through the first replica: the second stops serving it too
