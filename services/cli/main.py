@@ -203,8 +203,12 @@ def _ensure_keys(layout: stack.Layout, redis_url: str, env: dict[str, str]) -> N
         console.print(f"  (shown once; it is also in {layout.key_file}, readable only by you)")
     service_key_file = layout.home / "service-key"
     if not service_key_file.exists():
-        key, _ = store.create("system", name="service-to-service")
+        # an operator key: the trainer publishes fine-tunes (for their tenants) with it
+        key, _ = store.create("system", name="service-to-service", operator=True)
         _write_secret(service_key_file, key)
+    else:
+        # a service key made before roles existed becomes an operator key
+        store.make_operator(service_key_file.read_text().strip())
     if not env.get("TANDEM_SERVICE_API_KEY"):
         env["TANDEM_SERVICE_API_KEY"] = service_key_file.read_text().strip()
 
@@ -334,15 +338,19 @@ def demo() -> None:
 def keys_create(
     tenant: str = typer.Option(..., "--tenant", help="Tenant the key acts for."),
     name: str = typer.Option("", "--name", help="A label to recognise the key by."),
+    operator: bool = typer.Option(
+        False, "--operator", help="An operator key: may load, unload and register models for every tenant."
+    ),
 ) -> None:
     """Create an API key; it is printed once and stored only as a hash."""
     common = load_settings(CommonSettings, check_unknown=False)
     store = _key_store(common)
     try:
-        key, record = store.create(tenant, name)
+        key, record = store.create(tenant, name, operator=operator)
     except TandemError as exc:
         _fail(exc.message)
-    console.print(f"key id {record.key_id} for tenant {record.tenant}:")
+    role = " (operator)" if record.operator else ""
+    console.print(f"key id {record.key_id} for tenant {record.tenant}{role}:")
     print(key)
 
 
@@ -362,11 +370,12 @@ def keys_list(tenant: str | None = typer.Option(None, "--tenant")) -> None:
     """List keys (ids and tenants; never the keys themselves)."""
     common = load_settings(CommonSettings, check_unknown=False)
     table = Table()
-    for col in ("key id", "tenant", "name", "created", "revoked"):
+    for col in ("key id", "tenant", "name", "role", "created", "revoked"):
         table.add_column(col)
     for rec in _key_store(common).list(tenant):
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.created_at))
-        table.add_row(rec.key_id, rec.tenant, rec.name, created, "yes" if rec.revoked else "")
+        role = "operator" if rec.operator else ""
+        table.add_row(rec.key_id, rec.tenant, rec.name, role, created, "yes" if rec.revoked else "")
     console.print(table)
 
 

@@ -9,8 +9,12 @@ in many containers, sees the same keys and revocations at once.
 Redis layout::
 
     tandem:keys:hash:<sha256>  -> key id
-    tandem:keys:<id>           -> hash {tenant, name, sha256, created_at, revoked}
+    tandem:keys:<id>           -> hash {tenant, name, sha256, created_at, revoked, role}
     tandem:keys:ids            -> set of key ids
+
+``role`` is ``operator`` for operator keys (``tandem keys create --operator``, and the
+service-to-service key ``tandem up`` creates): they may load, unload and register models
+for everyone. Keys without the field (older ones) are plain tenant keys.
 """
 
 from __future__ import annotations
@@ -26,17 +30,19 @@ import redis.asyncio as aioredis
 from fastapi import Request, WebSocketException
 from starlette.requests import HTTPConnection
 
-from services.common.errors import InvalidRequest, NotFound, Unauthorized
+from services.common.errors import Forbidden, InvalidRequest, NotFound, Unauthorized
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KEY_PREFIX = "tdm_"
 WS_PROTOCOL = "tandem.bearer"
+OPERATOR = "operator"
 
 
 @dataclass(frozen=True)
 class Principal:
     tenant: str
     key_id: str
+    operator: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class KeyRecord:
     name: str
     created_at: float
     revoked: bool
+    operator: bool = False
 
 
 def hash_key(key: str) -> str:
@@ -77,6 +84,7 @@ def _record(key_id: str, data: dict[str, str]) -> KeyRecord:
         name=data.get("name", ""),
         created_at=float(data.get("created_at", 0)),
         revoked=data.get("revoked") == "1",
+        operator=data.get("role") == OPERATOR,
     )
 
 
@@ -86,7 +94,7 @@ class KeyStore:
     def __init__(self, client: redis.Redis) -> None:
         self.r = client
 
-    def create(self, tenant: str, name: str = "") -> tuple[str, KeyRecord]:
+    def create(self, tenant: str, name: str = "", *, operator: bool = False) -> tuple[str, KeyRecord]:
         validate_tenant(tenant)
         key_id = secrets.token_hex(6)
         key = f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
@@ -101,12 +109,27 @@ class KeyStore:
                 "sha256": digest,
                 "created_at": str(created),
                 "revoked": "0",
+                "role": OPERATOR if operator else "",
             },
         )
         pipe.set(f"tandem:keys:hash:{digest}", key_id)
         pipe.sadd("tandem:keys:ids", key_id)
         pipe.execute()
-        return key, KeyRecord(key_id, tenant, name, created, False)
+        return key, KeyRecord(key_id, tenant, name, created, False, operator)
+
+    def make_operator(self, key: str) -> KeyRecord | None:
+        """Give an existing key (the whole key) the operator role; None if it is unknown or revoked.
+
+        ``tandem up`` uses it on a service key created before roles existed."""
+        found = self.r.get(f"tandem:keys:hash:{hash_key(key)}")
+        if not found:
+            return None
+        key_id = _text(found)
+        data = _text_dict(self.r.hgetall(f"tandem:keys:{key_id}"))
+        if not data or data.get("revoked") == "1":
+            return None
+        self.r.hset(f"tandem:keys:{key_id}", "role", OPERATOR)
+        return _record(key_id, {**data, "role": OPERATOR})
 
     def revoke(self, key_id: str) -> KeyRecord:
         """Revoke by key id, or by the whole key."""
@@ -142,7 +165,7 @@ async def verify_key(client: aioredis.Redis, key: str) -> Principal | None:
     data = _text_dict(await client.hgetall(f"tandem:keys:{key_id}"))
     if not data or data.get("revoked") == "1":
         return None
-    return Principal(tenant=data["tenant"], key_id=key_id)
+    return Principal(tenant=data["tenant"], key_id=key_id, operator=data.get("role") == OPERATOR)
 
 
 def bearer_token(conn: HTTPConnection) -> str | None:
@@ -185,4 +208,15 @@ def principal_of(request: Request) -> Principal:
     principal = getattr(request.state, "principal", None)
     if not isinstance(principal, Principal):
         raise Unauthorized("not authenticated")
+    return principal
+
+
+def require_operator(request: Request) -> Principal:
+    """The caller, who must hold an operator key (403 ``forbidden`` otherwise)."""
+    principal = principal_of(request)
+    if not principal.operator:
+        raise Forbidden(
+            f"{request.method} {request.url.path} needs an operator key (`tandem keys create --operator`)",
+            code="forbidden",
+        )
     return principal

@@ -14,7 +14,7 @@ from services.inference.api.openai import router
 from services.inference.config import InferenceSettings
 from services.inference.engine.base import Engine
 from services.inference.engines import build_engine, torch_builder
-from services.inference.registry import ModelRegistry
+from services.inference.registry import ModelRegistry, RecordStore
 
 
 def create_app(
@@ -31,7 +31,13 @@ def create_app(
         primary = engine or await build_engine(settings, common)
         await primary.start()
         builder = torch_builder(settings, common) if primary.kind == "torch" else None
-        app.state.registry = ModelRegistry(primary, builder)
+        app.state.registry = ModelRegistry(
+            primary,
+            builder,
+            RecordStore(app.state.redis),
+            max_adapters=settings.max_adapters,
+            max_lora_rank=settings.max_lora_rank,
+        )
         try:
             yield
         finally:

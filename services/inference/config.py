@@ -73,3 +73,17 @@ class InferenceSettings(ServiceSettings):
         0, ge=0, description="torch intra-op threads for the CPU engine; 0 keeps torch's default."
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM engine: GPU memory fraction.")
+    max_adapters: int = Field(
+        8,
+        ge=0,
+        le=10_000,
+        description="LoRA adapters kept loaded at once (least recently used idle one unloaded first; "
+        "published adapters load again on first use); 0: no limit.",
+    )
+    max_lora_rank: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Largest LoRA rank served (the trainer refuses to publish above it). 0: the engine's "
+        "own (vLLM: 64; the torch engine: no limit).",
+    )

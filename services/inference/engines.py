@@ -89,6 +89,8 @@ async def build_engine(settings: InferenceSettings, common: CommonSettings) -> E
             max_num_seqs=settings.max_batch_size,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             dtype=settings.dtype,
+            max_lora_rank=settings.max_lora_rank or 64,
+            max_loras=min(settings.max_adapters, 64) if settings.max_adapters else 8,
         )
     return await asyncio.to_thread(build_torch_engine, settings, common, name, settings.model)
 

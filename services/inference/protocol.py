@@ -65,9 +65,21 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(None, ge=1)
 
 
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
 class LoadLoraRequest(BaseModel):
     lora_name: str = Field(..., min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/-]+$")
     lora_path: str = Field(..., min_length=1)
+    tenant: str | None = Field(
+        None, pattern=TENANT_PATTERN, description="Tandem: the tenant the adapter belongs to (none: shared)."
+    )
+    base: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="Tandem: a registered model the adapter applies to (none: the served base model).",
+    )
 
 
 class UnloadLoraRequest(BaseModel):
@@ -77,6 +89,9 @@ class UnloadLoraRequest(BaseModel):
 class RegisterModelRequest(BaseModel):
     name: str = Field(..., min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/-]+$")
     path: str = Field(..., min_length=1)
+    tenant: str | None = Field(
+        None, pattern=TENANT_PATTERN, description="The tenant the model belongs to (none: shared)."
+    )
 
 
 class UnregisterModelRequest(BaseModel):
@@ -91,6 +106,16 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    kind: Literal["base", "adapter", "registered"] = "base"
+
+
+class Capabilities(BaseModel):
+    """What this server can serve; the trainer checks a ``publish`` job against it."""
+
+    engine: str
+    adapters: bool
+    max_lora_rank: int | None
+    register_models: bool
 
 
 class ModelList(BaseModel):

@@ -20,8 +20,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.common.auth import principal_of
 from services.common.errors import (
     Conflict,
+    Forbidden,
     InvalidRequest,
     NotFound,
     ServiceUnavailable,
@@ -45,7 +47,7 @@ from services.inference.engine.types import (
     UpstreamFailure,
 )
 from services.inference.protocol import ChatCompletionRequest, CompletionRequest
-from services.inference.registry import ModelRegistry
+from services.inference.registry import ModelRegistry, NotPermitted
 
 
 class GatewayTimeout(TandemError):
@@ -65,6 +67,8 @@ def http_error(exc: EngineError) -> TandemError:
         )
     if isinstance(exc, UnknownModel):
         return NotFound(str(exc), param="model", code="model_not_found")
+    if isinstance(exc, NotPermitted):
+        return Forbidden(str(exc), code="forbidden")
     if isinstance(exc, AdapterError):
         return InvalidRequest(str(exc), param="lora_path")
     if isinstance(exc, EngineUnavailable):
@@ -225,14 +229,17 @@ class OpenAIServing:
     def __init__(self, registry: ModelRegistry) -> None:
         self.registry = registry
 
-    async def _open(self, requests: list[EngineRequest], model: str, n: int) -> AsyncIterator[StreamEvent]:
+    async def _open(
+        self, requests: list[EngineRequest], model: str, n: int, raw: Request
+    ) -> AsyncIterator[StreamEvent]:
         try:
-            engine = self.registry.engine_for(model)
+            lease = await self.registry.acquire(model, principal_of(raw))
             streams: list[tuple[int, AsyncIterator[StreamEvent]]] = []
             try:
                 for i, req in enumerate(requests):
-                    streams.append((i * n, await engine.generate(req)))
+                    streams.append((i * n, await lease.engine.generate(req)))
             except BaseException:
+                lease.release()
                 for _, s in streams:
                     aclose = getattr(s, "aclose", None)
                     if aclose is not None:
@@ -240,7 +247,8 @@ class OpenAIServing:
                 raise
         except EngineError as exc:
             raise http_error(exc) from None
-        return _merge(streams)
+        # the adapter counts as running until the merged stream ends or is closed
+        return lease.wrap(_merge(streams))
 
     # --- chat ---------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
@@ -263,7 +271,7 @@ class OpenAIServing:
             messages=messages,
             extra=body,
         )
-        stream = await self._open([engine_req], req.model, req.n)
+        stream = await self._open([engine_req], req.model, req.n, raw)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -404,7 +412,7 @@ class OpenAIServing:
             )
             for i, q in enumerate(prompts)
         ]
-        stream = await self._open(engine_reqs, req.model, req.n)
+        stream = await self._open(engine_reqs, req.model, req.n, raw)
         created = int(time.time())
         total = len(prompts) * req.n
         if req.stream:

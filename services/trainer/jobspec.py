@@ -9,12 +9,14 @@ build its :class:`TrainConfig` (the files could have changed in between).
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common.config import CommonSettings
-from services.common.errors import InvalidRequest
+from services.common.errors import InvalidRequest, NotFound
 from services.common.paths import resolve_under_roots
 from services.trainer.config import TrainerSettings
 from services.trainer.data.formats import DatasetError, Kind, parse_dataset, records_for
@@ -28,31 +30,161 @@ def model_cache_root(common: CommonSettings) -> Path:
     return common.home_dir / "models" / "cache"
 
 
-def resolve_base_model(name: str, common: CommonSettings, settings: TrainerSettings) -> Path:
+def resolve_base_model(
+    name: str, common: CommonSettings, settings: TrainerSettings, owner: JobOwner | None = None
+) -> Path:
+    """The folder (or converted GGUF) a job named ``name`` trains from: a configured base
+    model, a model under the allowed roots, or (see :func:`resolve_lineage`) one of the
+    owner's fine-tunes. Another tenant's artifacts are refused as if they did not exist."""
+    return resolve_lineage(name, common, settings, owner).model_path
+
+
+@dataclass(frozen=True)
+class JobOwner:
+    """Who asks (the job's tenant) and where its jobs are recorded: lineage is checked
+    against the trainer's own job store (jobs carry tenant and fine_tuned_model)."""
+
+    tenant: str
+    store: Any  # TrainerStore (not imported: the worker and the API both pass theirs)
+
+
+@dataclass(frozen=True)
+class Lineage:
+    model_path: Path  # the weights the job loads
+    init_adapter: Path | None = None  # a parent LoRA adapter the new one starts from
+    parent_job: str | None = None  # the job whose fine-tune this one starts from
+    parent_rank: int | None = None  # the parent adapter's rank (it fixes the new one's)
+
+
+FT_NAME = re.compile(r"^ft-[0-9a-f]{1,64}$")
+
+
+def _trainer_root(common: CommonSettings) -> Path:
+    # where runner.artifact_dir puts every job's final weights
+    return (common.home_dir / "models" / "trainer").resolve()
+
+
+def _not_yours(name: str) -> NotFound:
+    return NotFound(
+        f"base_model {name!r}: no such model among the configured base models and your fine-tunes",
+        param="base_model",
+    )
+
+
+def _own_job(name: str, job_id: str, owner: JobOwner | None) -> dict[str, str]:
+    data: dict[str, str] = owner.store.job(job_id) if owner is not None else {}
+    if not data or owner is None or data.get("tenant") != owner.tenant:
+        raise _not_yours(name)
+    if data.get("status") != "succeeded":
+        raise InvalidRequest(
+            f"base_model {name!r}: job {job_id} has not succeeded (status {data.get('status')!r})",
+            param="base_model",
+        )
+    return data
+
+
+def _lineage_of_job(name: str, job_id: str, data: dict[str, str], common: CommonSettings) -> Lineage:
+    spec = json.loads(data["spec"])
+    artifact = Path(data.get("artifact_path") or _trainer_root(common) / job_id)
+    if not artifact.is_dir():
+        raise InvalidRequest(f"base_model {name!r}: the weights of job {job_id} are gone", param="base_model")
+    if spec.get("lora") is None:
+        return Lineage(artifact, parent_job=job_id)
+    # an adapter: train a new LoRA on the adapter's own base, starting from the adapter
+    try:
+        rank = json.loads((artifact / "adapter_config.json").read_text()).get("r")
+    except (OSError, ValueError):
+        rank = None
+    return Lineage(Path(data["model_path"]), artifact, job_id, rank if isinstance(rank, int) else None)
+
+
+def resolve_lineage(
+    name: str,
+    common: CommonSettings,
+    settings: TrainerSettings,
+    owner: JobOwner | None = None,
+    spec: JobCreate | None = None,
+) -> Lineage:
+    """Like :func:`resolve_base_model`, and also what a job starting from a fine-tune needs.
+
+    ``ft-<hex>`` names the fine-tune job ``ftjob-<hex>`` published (the names are made
+    that way, see publish.published_name); a path under ``$TANDEM_HOME/models/trainer/``
+    must be the final weights of one of the owner's jobs. Both must be the owner's: anything
+    else is a 404 naming ``base_model`` that does not tell whether the model exists.
+    """
     from services.inference.engine.loader import ModelNotFound, is_hf_folder, resolve_model
 
     named = [n.strip() for n in settings.base_models.split(",") if n.strip()]
     if name in named:
         try:
-            return resolve_model(name, model_cache_root(common))
+            return Lineage(resolve_model(name, model_cache_root(common)))
         except ModelNotFound as exc:
             raise InvalidRequest(f"base_model {name!r}: {exc}", param="base_model") from None
+    if FT_NAME.match(name):
+        job_id = "ftjob-" + name.removeprefix("ft-")
+        data = _own_job(name, job_id, owner)
+        if data.get("fine_tuned_model") != name:
+            raise _not_yours(name)
+        return _checked(_lineage_of_job(name, job_id, data, common), name, spec)
     looks_like_path = "/" in name or name.endswith(".gguf") or name.startswith(".")
     if not looks_like_path:
         raise InvalidRequest(
-            f"unknown base_model {name!r}: use one of {', '.join(named) or '(none configured)'} "
+            f"unknown base_model {name!r}: use one of {', '.join(named) or '(none configured)'}, "
+            "one of your fine-tunes (ft-...), "
             "or a Hugging Face folder / GGUF file under the allowed model roots",
             param="base_model",
         )
     path = resolve_under_roots(name, common.allowed_model_roots, param="base_model")
+    trainer_root = _trainer_root(common)
+    if path == trainer_root or path.is_relative_to(trainer_root):
+        # the jobs' weights: only the final weights of the owner's own jobs
+        parts = path.relative_to(trainer_root).parts
+        if len(parts) != 1:
+            raise _not_yours(name)
+        data = _own_job(name, parts[0], owner)
+        return _checked(_lineage_of_job(name, parts[0], data, common), name, spec)
     if is_hf_folder(path):
-        return path
+        return Lineage(path)
     if path.is_file() and path.suffix == ".gguf":
-        return resolve_model(path, model_cache_root(common))
+        return Lineage(resolve_model(path, model_cache_root(common)))
     raise InvalidRequest(
         f"unknown base_model {name!r}: {path} is neither a Hugging Face model folder (with config.json) nor a .gguf file",
         param="base_model",
     )
+
+
+def check_own_artifact(value: str, common: CommonSettings, owner: JobOwner | None, param: str) -> None:
+    """Any other path a job names (``reward.model``) may not reach into another tenant's
+    job weights either."""
+    path = resolve_under_roots(value, common.allowed_model_roots, param=param)
+    trainer_root = _trainer_root(common)
+    if path == trainer_root or path.is_relative_to(trainer_root):
+        parts = path.relative_to(trainer_root).parts
+        data = owner.store.job(parts[0]) if owner is not None and len(parts) == 1 else {}
+        if not data or owner is None or data.get("tenant") != owner.tenant:
+            raise NotFound(f"{param} {value!r}: no such model among your fine-tunes", param=param)
+
+
+def _checked(lineage: Lineage, name: str, spec: JobCreate | None) -> Lineage:
+    """A job from an adapter trains that adapter further: it must be a LoRA job of the same rank."""
+    if lineage.init_adapter is None or spec is None:
+        return lineage
+    if spec.lora is None:
+        raise InvalidRequest(
+            f"base_model {name!r} is a LoRA adapter: a job from it trains the adapter further, so give 'lora'",
+            param="lora",
+        )
+    if (
+        "r" in spec.lora.model_fields_set
+        and lineage.parent_rank is not None
+        and spec.lora.r != lineage.parent_rank
+    ):
+        raise InvalidRequest(
+            f"lora.r {spec.lora.r} differs from the rank {lineage.parent_rank} of base_model {name!r}, "
+            "whose weights the new adapter starts from; leave lora.r out or give that rank",
+            param="lora.r",
+        )
+    return lineage
 
 
 def load_records(path: Path, kind: Kind, *, param: str = "dataset") -> list[dict[str, Any]]:
@@ -123,6 +255,7 @@ class ResolvedJob:
     eval_records: list[dict[str, Any]] | None
     capacity: int
     reward: Any
+    lineage: Lineage | None = None
 
 
 def validate_job(
@@ -131,6 +264,7 @@ def validate_job(
     eval_path: Path | None,
     common: CommonSettings,
     settings: TrainerSettings,
+    owner: JobOwner | None = None,
 ) -> ResolvedJob:
     from transformers import AutoTokenizer
 
@@ -141,7 +275,8 @@ def validate_job(
     records = load_records(dataset_path, kind)
     eval_records = load_records(eval_path, kind, param="eval_dataset") if eval_path else None
     reward = resolve_reward(spec, common)
-    model_path = resolve_base_model(spec.base_model, common, settings)
+    lineage = resolve_lineage(spec.base_model, common, settings, owner, spec)
+    model_path = lineage.model_path
     if spec.lora is not None:
         try:
             check_lora_targets(model_path, spec.lora.target_modules)
@@ -156,4 +291,4 @@ def validate_job(
             check_lengths(tokenizer, spec, eval_records, cap, "eval_dataset")
     except DatasetError as exc:
         raise InvalidRequest(f"dataset: {exc}", param="dataset") from None
-    return ResolvedJob(model_path, records, eval_records, cap, reward)
+    return ResolvedJob(model_path, records, eval_records, cap, reward, lineage)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from services.common.config import CommonSettings
 from services.trainer.config import TrainerSettings
-from services.trainer.jobspec import PAD_MULTIPLE, validate_job
+from services.trainer.jobspec import PAD_MULTIPLE, JobOwner, validate_job
 from services.trainer.protocol import TERMINAL, JobCreate
 from services.trainer.recipes.base import Recipe, TrainConfig, run
 from services.trainer.store import TrainerStore
@@ -181,6 +181,7 @@ def _train(
             dataset_path(common, tenant, spec.eval_dataset) if spec.eval_dataset else None,
             common,
             settings,
+            JobOwner(tenant, store),
         )
         reward = resolved.reward
         if isinstance(reward, Path):
@@ -202,6 +203,7 @@ def _train(
             checkpoint_every=spec.hyperparameters.checkpoint_every or settings.checkpoint_every,
             keep_checkpoints=settings.keep_checkpoints,
             work_dir=work,
+            init_adapter=resolved.lineage.init_adapter if resolved.lineage else None,
         )
         recipe = recipe_for(spec.type)(cfg, hooks=JobHooks(store, job_id, lost))
         outcome = run(recipe, work / "checkpoints")

@@ -33,11 +33,15 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def key(redis_url: str) -> str:
+    """An operator key: these tests load shared adapters and register shared models."""
     import redis
 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        return KeyStore(client).create("acme")[0]
+        # the session's Valkey is shared: start from an empty model registry
+        for name in client.keys("tandem:models:*"):
+            client.delete(name)
+        return KeyStore(client).create("acme", operator=True)[0]
     finally:
         client.close()
 

@@ -169,7 +169,7 @@ def test_lora_sft_on_smollm2_over_sse_then_chat_with_the_published_adapter(
     from services.inference.app import create_app as create_inference
     from services.inference.config import InferenceSettings
 
-    service_key = key_store.create("system", "service")[0]
+    service_key = key_store.create("system", "service", operator=True)[0]
     monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{smollm2_path.parent}:{tandem_env / 'models'}")
     monkeypatch.setenv("TANDEM_SERVICE_API_KEY", service_key)
     inference = create_inference(

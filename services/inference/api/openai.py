@@ -1,4 +1,10 @@
-"""OpenAI-compatible routes plus vLLM's adapter routes and Tandem's model registration (thin)."""
+"""OpenAI-compatible routes plus vLLM's adapter routes and Tandem's model registration (thin).
+
+Roles: loading adapters and registering models (for any tenant, or shared) needs an
+operator key; unloading, unregistering and ``DELETE /v1/models/{name}`` take an operator
+key or the owning tenant's. Everything else takes any key, and sees shared models plus
+the caller's own.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.common.auth import principal_of, require_operator
 from services.common.errors import Conflict, InvalidRequest, NotFound
 from services.common.paths import resolve_under_roots
-from services.inference.engine.types import EngineError, UnknownModel
+from services.inference.engine.types import EngineError
 from services.inference.protocol import (
+    Capabilities,
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoraRequest,
@@ -47,8 +55,9 @@ def _server_path(request: Request, value: str, param: str) -> Path:
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
+    """The served base models, shared fine-tunes, and the caller tenant's own."""
     try:
-        served = await _registry(request).models()
+        served = await _registry(request).models(principal_of(request))
     except EngineError as exc:
         raise http_error(exc) from None
     return ModelList(
@@ -60,10 +69,17 @@ async def list_models(request: Request) -> ModelList:
                 root=m.parent if m.kind == "registered" else (m.id if m.kind == "base" else None),
                 parent=m.parent if m.kind == "adapter" else None,
                 max_model_len=m.max_model_len,
+                kind=m.kind if m.kind in ("adapter", "registered") else "base",  # type: ignore[arg-type]
             )
             for m in served
         ]
     )
+
+
+@router.get("/v1/capabilities", response_model=Capabilities)
+async def capabilities(request: Request) -> Capabilities:
+    """Tandem extension: what can be published here (the trainer asks before training)."""
+    return Capabilities(**_registry(request).capabilities())
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)
@@ -72,6 +88,28 @@ async def retrieve_model(model_id: str, request: Request) -> ModelCard:
         if card.id == model_id:
             return card
     raise NotFound(f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+
+
+@router.delete("/v1/models/{model_id:path}")
+async def delete_model(model_id: str, request: Request) -> dict[str, Any]:
+    """Remove a fine-tune (adapter or registered model) from every replica: its tenant or an
+    operator. The weights stay with the trainer job that made them."""
+    try:
+        rec = await _registry(request).remove(model_id, principal_of(request))
+    except EngineError as exc:
+        raise _not_found(exc, "model") from None
+    return {"id": model_id, "object": "model", "deleted": True, "kind": _kind(rec.kind if rec else "adapter")}
+
+
+def _kind(kind: str) -> str:
+    return "registered" if kind == "model" else kind
+
+
+def _not_found(exc: EngineError, param: str) -> Exception:
+    err = http_error(exc)
+    if err.status_code == 404:
+        err.param = param
+    return err
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -86,25 +124,32 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoraRequest, request: Request) -> dict[str, Any]:
+    """Operator: record an adapter (for ``tenant``, or shared) and load it; every replica
+    serves it from now on, after restarts too."""
+    require_operator(request)
     registry = _registry(request)
     path = _server_path(request, body.lora_path, "lora_path")
-    if body.lora_name in registry.registered:
-        raise Conflict(f"lora_name {body.lora_name!r} is already a registered model", param="lora_name")
     try:
-        await registry.primary.load_adapter(body.lora_name, str(path))
+        await registry.load_adapter(body.lora_name, path, body.tenant or "", body.base)
+    except KeyError:
+        raise Conflict(f"lora_name {body.lora_name!r} is already served", param="lora_name") from None
     except EngineError as exc:
         if "already loaded" in str(exc):
             raise Conflict(str(exc), param="lora_name") from None
-        raise http_error(exc) from None
-    return {"status": "loaded", "lora_name": body.lora_name, "lora_path": str(path)}
+        raise _not_found(exc, "base") from None
+    out: dict[str, Any] = {"status": "loaded", "lora_name": body.lora_name, "lora_path": str(path)}
+    if body.tenant:
+        out["tenant"] = body.tenant
+    return out
 
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoraRequest, request: Request) -> dict[str, Any]:
+    """Remove an adapter everywhere (its record too): an operator, or the owning tenant."""
     try:
-        await _registry(request).primary.unload_adapter(body.lora_name)
+        await _registry(request).remove(body.lora_name, principal_of(request), kind="adapter")
     except EngineError as exc:
-        if "no adapter named" in str(exc):
+        if "no adapter named" in str(exc) or "does not exist" in str(exc):
             raise NotFound(str(exc), param="lora_name", code="adapter_not_found") from None
         raise http_error(exc) from None
     return {"status": "unloaded", "lora_name": body.lora_name}
@@ -112,26 +157,36 @@ async def unload_lora_adapter(body: UnloadLoraRequest, request: Request) -> dict
 
 @router.post("/v1/models/register")
 async def register_model(body: RegisterModelRequest, request: Request) -> ModelCard:
-    """Tandem extension: serve a full fine-tuned model folder (or .gguf) under ``name``."""
+    """Tandem extension (operator): serve a full fine-tuned model folder (or .gguf) under
+    ``name``, for ``tenant`` or shared; recorded durably like adapters."""
+    require_operator(request)
     registry = _registry(request)
     path = _server_path(request, body.path, "path")
     try:
-        await registry.register(body.name, path)
+        await registry.register(body.name, path, body.tenant or "")
     except KeyError:
         raise Conflict(f"a model named {body.name!r} is already served", param="name") from None
     except EngineError as exc:
-        raise http_error(exc) from None
-    except (OSError, ValueError) as exc:
-        raise InvalidRequest(
-            f"path {body.path!r} could not be loaded as a model: {exc}", param="path"
-        ) from None
-    return ModelCard(id=body.name, created=int(time.time()), root=str(path))
+        err = http_error(exc)
+        if err.status_code == 503:  # the weights did not load: the path's fault
+            raise InvalidRequest(
+                f"path {body.path!r} could not be loaded as a model: {exc}", param="path"
+            ) from None
+        raise err from None
+    return ModelCard(
+        id=body.name,
+        created=int(time.time()),
+        root=str(path),
+        kind="registered",
+        owned_by=body.tenant or "tandem",
+    )
 
 
 @router.post("/v1/models/unregister")
 async def unregister_model(body: UnregisterModelRequest, request: Request) -> dict[str, Any]:
+    """Remove a registered model everywhere: an operator, or the owning tenant."""
     try:
-        await _registry(request).unregister(body.name)
-    except UnknownModel as exc:
-        raise NotFound(str(exc), param="name", code="model_not_found") from None
+        await _registry(request).remove(body.name, principal_of(request), kind="model")
+    except EngineError as exc:
+        raise _not_found(exc, "name") from None
     return {"status": "unregistered", "name": body.name}

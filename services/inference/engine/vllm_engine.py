@@ -44,6 +44,8 @@ class VLLMEngine:
         max_num_seqs: int,
         gpu_memory_utilization: float = 0.85,
         dtype: str = "auto",
+        max_lora_rank: int = 64,
+        max_loras: int = 8,
     ) -> None:
         if not vllm_available():
             raise EngineUnavailable(
@@ -60,9 +62,11 @@ class VLLMEngine:
             "gpu_memory_utilization": gpu_memory_utilization,
             "dtype": dtype,
             "enable_lora": True,
-            "max_loras": 8,
-            "max_lora_rank": 64,
+            "max_loras": max_loras,
+            "max_lora_rank": max_lora_rank,
         }
+        # what /v1/capabilities reports: vLLM refuses adapters of a higher rank
+        self.max_lora_rank = max_lora_rank
         self.engine: Any = None
         self.tokenizer: Any = None
         self.adapters: dict[str, Any] = {}

@@ -16,8 +16,9 @@ from fastapi.responses import FileResponse, StreamingResponse
 from services.common.auth import Principal, principal_of
 from services.common.errors import InvalidRequest, NotFound
 from services.trainer.api.deps import TrainerState, state_of
-from services.trainer.jobspec import KIND_OF, validate_job
+from services.trainer.jobspec import KIND_OF, JobOwner, check_own_artifact, validate_job
 from services.trainer.protocol import TERMINAL, Artifact, ArtifactList, Job, JobCreate, JobList, Progress
+from services.trainer.publish import check_publishable
 from services.trainer.runner import artifact_dir, dataset_path, job_dir
 from services.trainer.store import events_key, job_key, new_id
 
@@ -73,7 +74,16 @@ def _check_files(st: TrainerState, tenant: str, spec: JobCreate) -> tuple[Path, 
 
 def _create(st: TrainerState, tenant: str, spec: JobCreate) -> Job:
     dataset, eval_ds = _check_files(st, tenant, spec)
-    resolved = validate_job(spec, dataset, eval_ds, st.common, st.settings)
+    owner = JobOwner(tenant, st.store)
+    if spec.reward is not None and spec.reward.model is not None:
+        check_own_artifact(spec.reward.model, st.common, owner, "reward.model")
+    resolved = validate_job(spec, dataset, eval_ds, st.common, st.settings, owner)
+    # a job from an adapter keeps that adapter's rank; otherwise the rank asked for
+    lineage = resolved.lineage
+    if lineage and lineage.init_adapter and spec.lora is not None and lineage.parent_rank is not None:
+        # the job trains the parent adapter further: record the rank it really has
+        spec = spec.model_copy(update={"lora": spec.lora.model_copy(update={"r": lineage.parent_rank})})
+    check_publishable(st.common, spec, spec.lora.r if spec.lora else None)
     job_id = new_id("ftjob")
     queue = spec.queue or st.settings.default_queue
     st.store.create_job(

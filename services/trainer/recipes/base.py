@@ -44,6 +44,9 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     work_dir: Path | None = None  # checkpoints and caches live here
+    # a LoRA adapter the job's adapter starts from (a job whose base_model is the tenant's
+    # own adapter fine-tune): its rank and targets are the new adapter's
+    init_adapter: Path | None = None
 
     @property
     def learning_rate(self) -> float:
@@ -126,7 +129,13 @@ class Recipe:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.cfg.lora is not None:
             lo = self.cfg.lora
-            model = apply_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules)
+            if self.cfg.init_adapter is not None:
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(model, str(self.cfg.init_adapter), is_trainable=True)
+                self.hooks.log(f"LoRA initialised from {self.cfg.init_adapter}")
+            else:
+                model = apply_lora(model, lo.r, lo.alpha, lo.dropout, lo.target_modules)
             if self.hp.gradient_checkpointing:
                 model.enable_input_require_grads()
         model.train()
