@@ -113,7 +113,13 @@ def render(folder: Path) -> list[Doc]:
                     key, _, value = line.partition("=")
                     data[key.strip()] = base64.b64encode(value.encode()).decode()
         docs.append(
-            {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": gen["name"]}, "type": "Opaque", "data": data}
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": gen["name"]},
+                "type": "Opaque",
+                "data": data,
+            }
         )
     for label in spec.get("labels", []):
         assert set(label) == {"pairs"}, "only plain metadata labels are handled"
@@ -310,7 +316,9 @@ def test_every_command_port_and_probe_is_real(
                 assert status != 404, f"{svc} has no route {probe['path']}"
             # The Service in front of it, named as the other services' URLs name it.
             selector = doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
-            fronts = [s for s in services.values() if s["spec"]["selector"]["app.kubernetes.io/name"] == selector]
+            fronts = [
+                s for s in services.values() if s["spec"]["selector"]["app.kubernetes.io/name"] == selector
+            ]
             assert len(fronts) == 1, f"{svc}: {len(fronts)} Services"
             assert fronts[0]["spec"]["ports"][0]["port"] == port
             assert fronts[0]["spec"]["ports"][0]["targetPort"] == "http"
@@ -430,7 +438,7 @@ def test_volumes_autoscalers_and_security(rendered: dict[str, list[Doc]], name: 
             if "persistentVolumeClaim" in vol:
                 assert vol["persistentVolumeClaim"]["claimName"] in pvcs
     # The models volume is mounted where TANDEM_MODEL_ROOTS lets paths point.
-    for doc, c in _tandem_containers(docs):
+    for _doc, c in _tandem_containers(docs):
         for m in c.get("volumeMounts", []):
             if m["name"] == "models":
                 assert m["mountPath"] in cfg["TANDEM_MODEL_ROOTS"].split(":")
@@ -466,7 +474,9 @@ def test_gpu_overlay_requests_gpus_and_cpu_overlay_none(rendered: dict[str, list
         c = gpu[name]["spec"]["template"]["spec"]["containers"][0]
         assert c["image"].startswith("tandem-gpu:")
         assert c["resources"]["requests"]["nvidia.com/gpu"] == "1"
-    env = {e["name"]: e["value"] for e in gpu["inference"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e["value"] for e in gpu["inference"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["TANDEM_INFERENCE_ENGINE"] == "vllm"
     cpu_inf = _of(rendered["cpu"], "Deployment")["inference"]["spec"]["template"]["spec"]["containers"][0]
     assert {e["name"]: e["value"] for e in cpu_inf["env"]}["TANDEM_INFERENCE_ENGINE"] == "torch"
@@ -480,7 +490,9 @@ def _dockerfile(path: str) -> tuple[list[str], str | None]:
     """The FROM images (ARG defaults substituted) and the last USER of a Dockerfile."""
     text = (ROOT / path).read_text()
     args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))
-    froms = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], f) for f in re.findall(r"^FROM (\S+)", text, re.M)]
+    froms = [
+        re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], f) for f in re.findall(r"^FROM (\S+)", text, re.M)
+    ]
     users = re.findall(r"^USER (\S+)", text, re.M)
     return froms, users[-1] if users else None
 
