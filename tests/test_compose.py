@@ -19,15 +19,20 @@ import yaml
 from services.cli.envdoc import all_env_vars, render_env_example
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMA = ROOT.parent / "shared" / "schemas" / "compose-spec.json"
+# Vendored (tests/data/README.md names its source) so a clean clone checks it too.
+SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 ENV_EXAMPLE = (ROOT / ".env.example").read_text()
 
 
 def test_compose_is_valid_against_the_spec() -> None:
-    if not SCHEMA.exists():
-        pytest.skip(f"compose schema not found at {SCHEMA}")
-    jsonschema.validate(COMPOSE, json.loads(SCHEMA.read_text()))
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.validate(COMPOSE, schema)
+    # The schema does reject mistakes (so the check above means something).
+    milvus = {**COMPOSE["services"]["milvus"], "profile": ["scale"]}  # misspelt key
+    broken = {**COMPOSE, "services": {**COMPOSE["services"], "milvus": milvus}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
 
 
 def test_required_services_profiles_and_health() -> None:
@@ -102,7 +107,16 @@ def test_every_command_and_module_exists() -> None:
             elif cmd[0] == "tandem":
                 assert cmd[1] in cli.commands  # type: ignore[attr-defined]
             else:
-                assert cmd[0] in ("redis-server", "redis-cli", "curl"), cmd
+                # Third-party images: their own binaries (Redis, Milvus and what it needs).
+                assert cmd[0] in (
+                    "redis-server",
+                    "redis-cli",
+                    "curl",
+                    "etcd",
+                    "etcdctl",
+                    "minio",
+                    "milvus",
+                ), cmd
                 continue
             checked += 1
     assert checked >= 8
@@ -131,9 +145,71 @@ def test_env_example_is_current_and_complete() -> None:
     for svc in COMPOSE["services"].values():
         env = svc.get("environment") or {}
         for var in env if isinstance(env, dict) else [e.split("=")[0] for e in env]:
-            assert f"{var}=" in ENV_EXAMPLE, f"compose sets {var}, which no settings class reads"
+            if var.startswith("TANDEM_") or svc.get("image", "").startswith("tandem"):
+                assert f"{var}=" in ENV_EXAMPLE, f"compose sets {var}, which no settings class reads"
 
 
 def test_required_secrets_fail_loudly() -> None:
     text = (ROOT / "docker-compose.yml").read_text()
     assert "${TANDEM_SERVICE_API_KEY:?" in text
+
+
+def _active(profiles: set[str]) -> dict[str, dict[str, Any]]:
+    """The services `docker compose --profile ... up` starts."""
+    return {
+        name: svc
+        for name, svc in COMPOSE["services"].items()
+        if not svc.get("profiles") or profiles & set(svc["profiles"])
+    }
+
+
+def _names(name: str, svc: dict[str, Any]) -> set[str]:
+    aliases = ((svc.get("networks") or {}).get("default") or {}).get("aliases", [])
+    return {name, *aliases}
+
+
+@pytest.mark.parametrize("profiles", [{"cpu"}, {"gpu"}, {"scale"}])
+def test_each_profile_is_a_whole_stack(profiles: set[str]) -> None:
+    active = _active(profiles)
+    for name, svc in active.items():
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            assert dep in COMPOSE["services"], f"{name} depends on unknown {dep}"
+            assert dep in active or cond.get("required") is False, f"{name} needs {dep}, off in {profiles}"
+    # Exactly one service answers each host name the Tandem URLs use.
+    env = COMPOSE["x-tandem-env"]
+    for var in ("TANDEM_INFERENCE_URL", "TANDEM_RETRIEVAL_URL", "TANDEM_TRAINER_URL", "TANDEM_AGENT_URL"):
+        host, port = re.fullmatch(r"http://([a-z-]+):(\d+)", env[var]).groups()  # type: ignore[union-attr]
+        providers = [n for n, svc in active.items() if host in _names(n, svc)]
+        assert len(providers) == 1, f"{profiles}: {host} is served by {providers}"
+        assert f"--port {port}" in " ".join(active[providers[0]]["command"])
+    assert "redis" in active and "redis" in env["TANDEM_REDIS_URL"]
+
+
+def test_scale_profile() -> None:
+    services = COMPOSE["services"]
+    scale = {n for n, s in services.items() if "scale" in (s.get("profiles") or [])}
+    assert {"milvus", "etcd", "minio", "inference-replica", "retrieval-replica"} <= scale
+    for name in ("milvus", "etcd", "minio"):
+        image = services[name]["image"]
+        tag = image.rpartition(":")[2]
+        # Versions published together by Milvus; "latest" would let any release in.
+        assert ":" in image and tag != "latest" and any(ch.isdigit() for ch in tag), image
+        assert "ports" not in services[name], f"{name} should not be published on the host"
+        assert services[name]["volumes"][0].split(":")[0] in COMPOSE["volumes"]
+    milvus = services["milvus"]
+    assert milvus["command"] == ["milvus", "run", "standalone"]
+    assert milvus["environment"]["ETCD_ENDPOINTS"] == "etcd:2379"
+    assert milvus["environment"]["MINIO_ADDRESS"] == "minio:9000"
+    assert set(milvus["depends_on"]) == {"etcd", "minio"}
+    for name, alias, port in (
+        ("inference-replica", "inference", 8001),
+        ("retrieval-replica", "retrieval", 8002),
+    ):
+        svc = services[name]
+        assert svc["deploy"]["replicas"] == 2
+        assert alias in svc["networks"]["default"]["aliases"]
+        # Two replicas cannot bind one host port.
+        assert "ports" not in svc
+        assert svc["command"][svc["command"].index("--port") + 1] == str(port)
+        assert str(port) in svc["healthcheck"]["test"][-1]
+    assert services["retrieval-replica"]["depends_on"]["milvus"]["condition"] == "service_healthy"
