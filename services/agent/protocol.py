@@ -185,6 +185,9 @@ class TrainRequest(BaseModel):
     pipeline: str | None = None
     model: str | None = None
     eval_fraction: float | None = Field(None, gt=0, le=0.5)
+    hyperparameters: dict[str, float | int | str | bool] | None = Field(
+        None, description="passed to the trainer's job as is (it checks them); empty: the job type's defaults"
+    )
 
 
 class DatasetResult(BaseModel):

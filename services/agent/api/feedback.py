@@ -241,5 +241,7 @@ async def train_on_feedback(body: TrainRequest, request: Request) -> dict[str, A
     }
     if body.eval_fraction is not None:
         job_body["eval_fraction"] = body.eval_fraction
+    if body.hyperparameters:
+        job_body["hyperparameters"] = body.hyperparameters
     job = await runtime.trainer(key).create_job(job_body)
     return {"dataset": dataset.model_dump(), "job": job}
