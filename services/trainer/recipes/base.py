@@ -120,6 +120,7 @@ class Recipe:
         self.scheduler: Any = None
         self.last_metrics: dict[str, float] = {}
         self.eval_before = {}
+        self._refs: dict[str, torch.Tensor] = {}
 
     # ---- set-up
     def load_model(self, attn: str = "flashmask") -> None:
@@ -178,9 +179,12 @@ class Recipe:
         """Reference log-probs, computed once (adapter switched off for LoRA; for a full
         fine-tune the untouched model is the reference at that moment) and cached in
         ``work_dir/<name>.pt``, which a resumed job reuses."""
+        if name in self._refs:  # also without a work_dir, computed only once
+            return self._refs[name]
         cache = None if self.cfg.work_dir is None else self.cfg.work_dir / f"{name}.pt"
         if cache is not None and cache.is_file():
-            return torch.load(cache)
+            self._refs[name] = torch.load(cache)
+            return self._refs[name]
         ctx = self.model.disable_adapter() if self.cfg.lora is not None else nullcontext()
         was_training = self.model.training
         self.model.eval()
@@ -192,6 +196,7 @@ class Recipe:
             tmp = cache.with_suffix(".tmp")
             torch.save(ref, tmp)
             tmp.replace(cache)
+        self._refs[name] = ref
         return ref
 
     def run_eval(self) -> dict[str, float]:
