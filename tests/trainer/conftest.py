@@ -9,7 +9,11 @@ import pytest
 
 # The repo's sibling shared/ folder; a git worktree one level deeper finds it one level up.
 SHARED_DATA = next(
-    (p / "shared" / "data" for p in Path(__file__).resolve().parents[3:5] if (p / "shared" / "data").is_dir()),
+    (
+        p / "shared" / "data"
+        for p in Path(__file__).resolve().parents[3:5]
+        if (p / "shared" / "data").is_dir()
+    ),
     Path(__file__).resolve().parents[3] / "shared" / "data",
 )
 GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"

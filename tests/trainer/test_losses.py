@@ -61,7 +61,10 @@ def test_simpo_is_meng_length_normalised_margin() -> None:
     avg_r = torch.tensor([-1.0, -0.8])
     beta, gamma = 2.0, 0.5
     losses, stats = simpo_loss(avg_c, avg_r, beta, gamma)
-    expected = [-logsig(beta * (-0.5) - beta * (-1.0) - gamma), -logsig(beta * (-1.0) - beta * (-0.8) - gamma)]
+    expected = [
+        -logsig(beta * (-0.5) - beta * (-1.0) - gamma),
+        -logsig(beta * (-1.0) - beta * (-0.8) - gamma),
+    ]
     assert losses.tolist() == pytest.approx(expected, abs=1e-6)
     assert expected[0] == pytest.approx(-logsig(0.5))  # 2*0.5 - 0.5
     assert stats["chosen_reward"] == pytest.approx(beta * -0.75)

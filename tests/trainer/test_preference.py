@@ -28,7 +28,13 @@ from services.trainer.recipes.dpo import (
     padded_pair_logps,
     pair_losses,
 )
-from services.trainer.recipes.kto import KTOData, KTORecipe, kl_partners, pack_answer_logps, padded_answer_logps
+from services.trainer.recipes.kto import (
+    KTOData,
+    KTORecipe,
+    kl_partners,
+    pack_answer_logps,
+    padded_answer_logps,
+)
 from tests.trainer.conftest import jsonl
 
 
@@ -48,13 +54,29 @@ def test_kto_rows_parse_and_bad_rows_name_line_and_field() -> None:
     assert rec["completion"] == [{"role": "assistant", "content": "go away"}] and rec["label"] is False
     first = {"prompt": "q", "completion": "a", "label": True}
     cases = [
-        ({"prompt": "q", "completion": "a", "label": "yes"}, "line 2: field 'label' must be true or false", "label"),
+        (
+            {"prompt": "q", "completion": "a", "label": "yes"},
+            "line 2: field 'label' must be true or false",
+            "label",
+        ),
         ({"prompt": "q", "completion": "a", "label": 1}, "field 'label' must be true or false", "label"),
-        ({"prompt": "q", "label": True}, "line 2: field 'completion' is missing (kto rows need it)", "completion"),
+        (
+            {"prompt": "q", "label": True},
+            "line 2: field 'completion' is missing (kto rows need it)",
+            "completion",
+        ),
         ({"completion": "a", "label": True}, "field 'prompt' is missing", "prompt"),
         ({"prompt": "q", "completion": "", "label": True}, "field 'completion' is empty", "completion"),
-        ({"prompt": "q", "completion": ["a"], "label": True}, "field 'completion' must be a string", "completion"),
-        ({"prompt": [], "completion": "a", "label": False}, "field 'prompt' must be a non-empty list", "prompt"),
+        (
+            {"prompt": "q", "completion": ["a"], "label": True},
+            "field 'completion' must be a string",
+            "completion",
+        ),
+        (
+            {"prompt": [], "completion": "a", "label": False},
+            "field 'prompt' must be a non-empty list",
+            "prompt",
+        ),
         ({"prompt": "q", "completion": "a"}, "field 'label' is missing", "label"),
     ]
     for row, needle, field in cases:
@@ -124,7 +146,8 @@ def fp32_models(tiny_model_path: Path) -> tuple:
 
 
 @pytest.mark.parametrize(
-    "kind,loss_type", [("dpo", "sigmoid"), ("dpo", "ipo"), ("dpo", "hinge"), ("simpo", "sigmoid"), ("orpo", "sigmoid")]
+    "kind,loss_type",
+    [("dpo", "sigmoid"), ("dpo", "ipo"), ("dpo", "hinge"), ("simpo", "sigmoid"), ("orpo", "sigmoid")],
 )
 def test_packed_pair_losses_equal_unpacked(
     tiny_model_path: Path, hh_rows: bytes, fp32_models: tuple, kind: str, loss_type: str
@@ -141,7 +164,9 @@ def test_packed_pair_losses_equal_unpacked(
     packed_loss = 0.0
     ref = None
     for idx in plan:
-        pc, pr = pack_pair_logps(packed_model, pack_pairs(pairs, idx, pad_id=tok.pad_token_id, pad_to_multiple_of=64))
+        pc, pr = pack_pair_logps(
+            packed_model, pack_pairs(pairs, idx, pad_id=tok.pad_token_id, pad_to_multiple_of=64)
+        )
         if kind == "dpo":  # a fixed reference, as if from another model
             ref = torch.stack([pc.detach() - 0.5, pr.detach() + 0.25], dim=1)
         losses, _ = pair_losses(kind, hp, pc, pr, lengths[idx], ref)
@@ -171,7 +196,9 @@ def kto_records_from_pairs(hh_rows: bytes, n: int) -> list[dict[str, Any]]:
     return out
 
 
-def test_packed_kto_loss_and_grads_equal_unpacked(tiny_model_path: Path, hh_rows: bytes, fp32_models: tuple) -> None:
+def test_packed_kto_loss_and_grads_equal_unpacked(
+    tiny_model_path: Path, hh_rows: bytes, fp32_models: tuple
+) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     data = KTOData(tok, kto_records_from_pairs(hh_rows, 6), seed=0, capacity=4096)
     assert len(data.groups) == 6 and all(len(g.answers) == 4 for g in data.groups)  # prompts shared
@@ -218,7 +245,9 @@ def yes_no_kto(n: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_kto_recipe_learns_and_reports_held_out_metrics(tiny_model_path: Path, tmp_path: Path, packing: bool) -> None:
+def test_kto_recipe_learns_and_reports_held_out_metrics(
+    tiny_model_path: Path, tmp_path: Path, packing: bool
+) -> None:
     records = parse_dataset(jsonl(yes_no_kto(20))).records
     train, held = split_eval(records, 0.2, seed=0)
     cfg = TrainConfig(
@@ -241,7 +270,9 @@ def test_kto_recipe_learns_and_reports_held_out_metrics(tiny_model_path: Path, t
     assert last["loss"] < first["loss"] - 0.1
     assert last["reward_accuracy"] > first["reward_accuracy"]
     before, after = hooks.evals["before"], hooks.evals["after"]
-    assert before["eval_loss_before"] == pytest.approx(0.5, abs=1e-3) and before["eval_accuracy_before"] == 0.0
+    assert (
+        before["eval_loss_before"] == pytest.approx(0.5, abs=1e-3) and before["eval_accuracy_before"] == 0.0
+    )
     assert after["eval_loss_after"] < after["eval_loss_before"] - 0.05
     assert after["eval_accuracy_after"] > 0.5 and after["eval_margin_after"] > 0
     assert recipe.last_metrics["eval_margin_after"] == after["eval_margin_after"]
@@ -259,7 +290,12 @@ def test_pair_recipes_learn_with_held_out_metrics(tiny_model_path: Path, kind: s
         records=train,
         eval_records=held,
         hp=Hyperparameters(
-            learning_rate=5e-3, max_steps=8, n_epochs=8, beta=beta, seed=0, loss_type="ipo" if kind == "dpo" else "sigmoid"
+            learning_rate=5e-3,
+            max_steps=8,
+            n_epochs=8,
+            beta=beta,
+            seed=0,
+            loss_type="ipo" if kind == "dpo" else "sigmoid",
         ),
         max_tokens_per_pack=256,
         pad_to_multiple_of=16,
