@@ -18,7 +18,7 @@ from services.trainer.data.tokenize import tokenize_pair
 from services.trainer.jobspec import split_eval
 from services.trainer.losses import kto_kl, kto_loss
 from services.trainer.modeling import load_causal_lm
-from services.trainer.protocol import Hyperparameters, JobCreate
+from services.trainer.protocol import Hyperparameters, JobCreate, LoraSpec
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
 from services.trainer.recipes.dpo import (
     DPORecipe,
@@ -308,3 +308,39 @@ def test_pair_recipes_learn_with_held_out_metrics(tiny_model_path: Path, kind: s
     assert after["eval_loss_after"] < after["eval_loss_before"]
     assert after["eval_margin_after"] > after["eval_margin_before"]
     assert after["eval_accuracy_after"] == 1.0
+
+
+def test_killed_kto_run_resumes_with_its_before_metrics_and_same_result(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    from tests.trainer.test_recipes import KillAt
+
+    records = parse_dataset(jsonl(yes_no_kto(12))).records
+    train, held = split_eval(records, 0.25, seed=0)
+
+    def cfg(work: Path) -> TrainConfig:
+        return TrainConfig(
+            kind="kto",
+            model_path=tiny_model_path,
+            records=train,
+            eval_records=held,
+            hp=Hyperparameters(learning_rate=5e-3, max_steps=6, n_epochs=6, beta=0.5, seed=1),
+            lora=LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+            max_tokens_per_pack=128,
+            pad_to_multiple_of=16,
+            checkpoint_every=2,
+            work_dir=work,
+        )
+
+    straight = NullHooks()
+    assert run(KTORecipe(cfg(tmp_path / "a"), hooks=straight), tmp_path / "a" / "ckpt") == "succeeded"
+    with pytest.raises(KeyboardInterrupt):
+        run(KTORecipe(cfg(tmp_path / "b"), hooks=KillAt(5)), tmp_path / "b" / "ckpt")
+    resumed = NullHooks()
+    assert run(KTORecipe(cfg(tmp_path / "b"), hooks=resumed), tmp_path / "b" / "ckpt") == "succeeded"
+    assert [h["step"] for h in resumed.history] == [5, 6]
+    assert "before" not in resumed.evals  # not recomputed on resume: it came from the checkpoint
+    after, ref = resumed.evals["after"], straight.evals["after"]
+    assert after["eval_loss_before"] == ref["eval_loss_before"]
+    assert after["eval_loss_after"] == pytest.approx(ref["eval_loss_after"], abs=1e-5)
+    assert resumed.history[-1]["loss"] == pytest.approx(straight.history[-1]["loss"], abs=1e-5)

@@ -130,10 +130,18 @@ class KTORecipe(Recipe):
         self.ref = self.reference("reference_logps", lambda: self.all_logps(self.data))
         self.make_optimizer()
         n_good = int(self.data.labels.sum())
+        n_bad = len(self.data.samples) - n_good
         self.hooks.log(
             f"kto: {len(self.data.samples)} rows ({n_good} desirable) in {len(self.data.groups)} prompt groups, "
             f"{self.total_steps} steps, packing={self.cfg.packing}"
         )
+        # The KTO paper (and TRL) suggest weighting so that w_d * n_d / (w_u * n_u) is in [1, 4/3].
+        ratio = self.hp.desirable_weight * n_good / max(self.hp.undesirable_weight * n_bad, 1e-9)
+        if n_good and n_bad and not 1.0 <= ratio <= 4 / 3:
+            self.hooks.log(
+                f"kto: desirable_weight*{n_good} / (undesirable_weight*{n_bad}) = {ratio:.2f}; the KTO paper "
+                "suggests weights that bring it into [1, 4/3]"
+            )
 
     def logps(self, data: KTOData, group_idx: Sequence[int]) -> tuple[torch.Tensor, int, int]:
         """``[n_rows, 2]`` summed (completion, KL completion) log-probs of the groups' rows
