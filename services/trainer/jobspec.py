@@ -10,6 +10,7 @@ build its :class:`TrainConfig` (the files could have changed in between).
 from __future__ import annotations
 
 import json
+import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,15 @@ from services.trainer.config import TrainerSettings
 from services.trainer.data.formats import DatasetError, Kind, parse_dataset, records_for
 from services.trainer.protocol import JobCreate
 
-KIND_OF: dict[str, Kind] = {"sft": "sft", "dpo": "dpo", "ppo": "rl", "grpo": "rl"}
+KIND_OF: dict[str, Kind] = {
+    "sft": "sft",
+    "dpo": "dpo",
+    "simpo": "dpo",
+    "orpo": "dpo",
+    "kto": "kto",
+    "ppo": "rl",
+    "grpo": "rl",
+}
 PAD_MULTIPLE = 64  # packs are padded to a multiple of this (kernel block friendly); counted as padding
 
 
@@ -227,9 +236,24 @@ def check_lengths(
     tokenizer: Any, spec: JobCreate, records: list[dict[str, Any]], cap: int, param: str
 ) -> None:
     """Every sample must fit in one pack (or, unpacked, in ``max_tokens_per_pack`` tokens)."""
-    from services.trainer.data.tokenize import tokenize_pair, tokenize_prompt, tokenize_sft
+    from services.trainer.data.tokenize import tokenize_kto, tokenize_pair, tokenize_prompt, tokenize_sft
 
     kind = KIND_OF[spec.type]
+    if kind == "kto":
+        # A row packs with its completion and another row's (KTO's mismatched KL completion):
+        # the longest completion of the dataset bounds the latter.
+        rows = [tokenize_kto(tokenizer, r["prompt"], r["completion"], r["label"]) for r in records]
+        longest = max((len(s.completion) for s in rows), default=0)
+        for rec, s in zip(records, rows, strict=True):
+            n = len(s.prompt) + len(s.completion) + longest
+            if n > cap:
+                raise InvalidRequest(
+                    f"{param}: line {rec.get('_line', '?')} has {n} tokens (prompt + completion + the dataset's "
+                    f"longest completion, its KL mismatch), more than max_tokens_per_pack={cap}; "
+                    "raise max_tokens_per_pack or shorten the sample",
+                    param="max_tokens_per_pack",
+                )
+        return
     for rec in records:
         if kind == "sft":
             n = len(tokenize_sft(tokenizer, rec["messages"]))
@@ -246,6 +270,37 @@ def check_lengths(
                 "raise max_tokens_per_pack or shorten the sample",
                 param="max_tokens_per_pack",
             )
+
+
+def prompt_key(rec: dict[str, Any]) -> str:
+    return json.dumps(rec.get("prompt", rec.get("messages")), sort_keys=True)
+
+
+def split_eval(
+    records: list[dict[str, Any]], fraction: float, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A seeded held-out split of about ``fraction`` of the rows (at least one), whole
+    prompts at a time: rows sharing a prompt (a KTO prompt's good and bad answers, DPO
+    drafts) land on the same side, so the held-out prompts were never trained on."""
+    by_prompt: dict[str, list[int]] = {}
+    for i, rec in enumerate(records):
+        by_prompt.setdefault(prompt_key(rec), []).append(i)
+    groups = list(by_prompt.values())
+    random.Random(seed).shuffle(groups)
+    target = max(1, round(fraction * len(records)))
+    held: set[int] = set()
+    for g in groups:
+        if len(held) >= target:
+            break
+        held.update(g)
+    if len(held) >= len(records):
+        raise InvalidRequest(
+            f"eval_fraction {fraction}: the dataset's {len(records)} rows have {len(groups)} distinct prompt(s), "
+            "too few to hold some out and still train (held-out rows keep their whole prompt)",
+            param="eval_fraction",
+        )
+    train = [r for i, r in enumerate(records) if i not in held]
+    return train, [records[i] for i in sorted(held)]
 
 
 @dataclass
@@ -274,6 +329,8 @@ def validate_job(
     cap = pack_capacity(spec, settings)
     records = load_records(dataset_path, kind)
     eval_records = load_records(eval_path, kind, param="eval_dataset") if eval_path else None
+    if spec.eval_fraction is not None:
+        records, eval_records = split_eval(records, spec.eval_fraction, spec.hyperparameters.seed)
     reward = resolve_reward(spec, common)
     lineage = resolve_lineage(spec.base_model, common, settings, owner, spec)
     model_path = lineage.model_path

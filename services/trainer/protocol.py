@@ -6,7 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-JobType = Literal["sft", "dpo", "ppo", "grpo"]
+JobType = Literal["sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo"]
+DpoLossType = Literal["sigmoid", "ipo", "hinge"]
+PREFERENCE_TYPES: tuple[str, ...] = ("dpo", "simpo", "orpo", "kto")  # jobs with held-out accuracy/margin
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: tuple[str, ...] = ("succeeded", "failed", "cancelled")
 
@@ -29,8 +31,10 @@ class LoraSpec(Strict):
 class Hyperparameters(Strict):
     """Every knob a recipe reads; ranges refuse values that cannot train."""
 
-    learning_rate: float | None = Field(None, gt=0, le=1.0, description="default 1e-4 for LoRA, 1e-5 full")
-    n_epochs: int = Field(1, ge=1, le=100)
+    learning_rate: float | None = Field(
+        None, gt=0, le=1.0, description="default per job type and LoRA/full (services/trainer/defaults.py)"
+    )
+    n_epochs: int = Field(1, ge=1, le=100, description="default per job type (services/trainer/defaults.py)")
     max_steps: int | None = Field(None, ge=1, le=1_000_000, description="cap on optimizer steps")
     batch_size: int = Field(8, ge=1, le=4096, description="samples (or pairs) per step without packing")
     packs_per_step: int = Field(1, ge=1, le=1024, description="packs per optimizer step with packing")
@@ -41,8 +45,14 @@ class Hyperparameters(Strict):
     seed: int = Field(0, ge=0, le=2**31 - 1)
     checkpoint_every: int | None = Field(None, ge=1, le=1_000_000)
     gradient_checkpointing: bool = False
-    # DPO
-    beta: float = Field(0.1, gt=0.0, le=10.0)
+    # DPO family and KTO (beta's default depends on the job type: services/trainer/defaults.py)
+    beta: float = Field(
+        0.1, gt=0.0, le=10.0, description="DPO/KTO/SimPO temperature; ORPO's lambda (TRL's naming)"
+    )
+    loss_type: DpoLossType = Field("sigmoid", description="dpo jobs only: sigmoid (DPO), ipo or hinge")
+    simpo_gamma: float = Field(0.5, ge=0.0, le=10.0, description="SimPO's target reward margin gamma")
+    desirable_weight: float = Field(1.0, gt=0.0, le=100.0, description="KTO: weight of desirable rows")
+    undesirable_weight: float = Field(1.0, gt=0.0, le=100.0, description="KTO: weight of undesirable rows")
     # PPO / GRPO
     prompts_per_step: int = Field(4, ge=1, le=1024)
     group_size: int = Field(4, ge=2, le=64, description="GRPO completions per prompt")
@@ -80,6 +90,12 @@ class JobCreate(Strict):
     reward: RewardSpec | None = None
     queue: Literal["cpu", "gpu", "npu"] | None = None
     publish: bool = False
+    eval_fraction: float | None = Field(
+        None,
+        gt=0.0,
+        le=0.5,
+        description="hold out this share of the dataset (seeded, whole prompts) for eval metrics before/after",
+    )
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -92,8 +108,39 @@ class JobCreate(Strict):
             raise ValueError(
                 f"a {self.type} job needs 'reward' (a registered function name or a reward-model folder)"
             )
-        if self.type in ("sft", "dpo") and self.reward is not None:
+        if self.type not in ("ppo", "grpo") and self.reward is not None:
             raise ValueError(f"'reward' only applies to ppo and grpo jobs, not {self.type}")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_and_loss_type(self) -> JobCreate:
+        if self.eval_fraction is not None and self.eval_dataset is not None:
+            raise ValueError("give 'eval_dataset' or 'eval_fraction', not both")
+        if self.eval_fraction is not None and self.type in ("ppo", "grpo"):
+            raise ValueError(
+                f"eval_fraction applies to jobs with a loss (sft, dpo, simpo, orpo, kto), not {self.type}"
+            )
+        if self.hyperparameters.loss_type != "sigmoid" and self.type != "dpo":
+            raise ValueError(
+                f"hyperparameters.loss_type {self.hyperparameters.loss_type!r} only applies to dpo jobs, not {self.type}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _type_defaults(self) -> JobCreate:
+        """Fill the hyperparameters the request left out with this job type's defaults (so
+        the stored request shows what ran)."""
+        from services.trainer.defaults import defaults_for
+
+        hp = self.hyperparameters
+        missing = {
+            k: v
+            for k, v in defaults_for(self.type, lora=self.lora is not None).items()
+            if k not in hp.model_fields_set
+        }
+        if missing:
+            self.hyperparameters = hp.model_copy(update=missing)
+            self.hyperparameters.model_fields_set.update(missing)
         return self
 
 

@@ -80,6 +80,15 @@ class JobHooks:
         self.store.truncate_metrics(self.job_id, step)
         self.store.update(self.job_id, step=step)
 
+    def evaluated(self, phase: str, metrics: dict[str, float]) -> None:
+        if self.lost.is_set():
+            raise LeaseLost(self.job_id)
+        rounded = {k: round(float(v), 6) for k, v in metrics.items()}
+        self.store.evaluation(self.job_id, phase, rounded)
+        self.store.log(
+            self.job_id, f"held-out eval {phase}: " + ", ".join(f"{k}={v:g}" for k, v in rounded.items())
+        )
+
 
 class Heartbeat:
     def __init__(self, store: TrainerStore, job_id: str, owner: str, settings: TrainerSettings) -> None:
@@ -115,10 +124,19 @@ class Heartbeat:
 
 def recipe_for(kind: str) -> type[Recipe]:
     from services.trainer.recipes.dpo import DPORecipe
+    from services.trainer.recipes.kto import KTORecipe
     from services.trainer.recipes.rl import GRPORecipe, PPORecipe
     from services.trainer.recipes.sft import SFTRecipe
 
-    return {"sft": SFTRecipe, "dpo": DPORecipe, "ppo": PPORecipe, "grpo": GRPORecipe}[kind]
+    return {
+        "sft": SFTRecipe,
+        "dpo": DPORecipe,
+        "simpo": DPORecipe,
+        "orpo": DPORecipe,
+        "kto": KTORecipe,
+        "ppo": PPORecipe,
+        "grpo": GRPORecipe,
+    }[kind]
 
 
 def execute(

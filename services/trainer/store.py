@@ -6,11 +6,12 @@ Layout (prefix ``tandem:trainer:``)::
     files:<tenant>       zset  file ids by creation time
     job:<id>             hash  tenant, type, status, spec (JSON), queue, step, total, metrics (JSON),
                                error, created_at, started_at, finished_at, attempts, cancel,
-                               fine_tuned_model, published, owner
+                               fine_tuned_model, published, owner, eval (JSON: held-out metrics,
+                               merged into metrics)
     jobs:<tenant>        zset  job ids by creation time
     job:<id>:metrics     list  JSON metric points, one per step
     job:<id>:logs        list  JSON log lines
-    job:<id>:events      stream of {type, data}: status / progress / log, read by SSE and websockets
+    job:<id>:events      stream of {type, data}: status / progress / log / eval, read by SSE and websockets
     job:<id>:lease       string owner token with a TTL: the heartbeat of the worker running it
     active               set   ids of jobs marked running (scanned for dead workers)
 """
@@ -165,13 +166,26 @@ class TrainerStore:
     # ---- progress, metrics, logs, events
     def progress(self, job_id: str, step: int, total: int, metrics: dict[str, float]) -> None:
         point = {"step": step, **metrics, "time": time.time()}
+        held_out = json.loads(str(self.r.hget(job_key(job_id), "eval") or "{}"))
         pipe = self.r.pipeline()
         pipe.hset(
-            job_key(job_id), mapping={"step": str(step), "total": str(total), "metrics": json.dumps(metrics)}
+            job_key(job_id),
+            mapping={"step": str(step), "total": str(total), "metrics": json.dumps({**metrics, **held_out})},
         )
         pipe.rpush(f"{P}job:{job_id}:metrics", json.dumps(point))
         pipe.execute()
         self.event(job_id, "progress", {"step": step, "total": total, "metrics": metrics})
+
+    def evaluation(self, job_id: str, phase: str, metrics: dict[str, float]) -> None:
+        """Held-out metrics (``eval_*_before`` / ``eval_*_after``): kept in the job's ``metrics``
+        from now on (each step's metrics are merged with them) and sent as an ``eval`` event."""
+        key = job_key(job_id)
+        held_out = {**json.loads(str(self.r.hget(key, "eval") or "{}")), **metrics}
+        latest = json.loads(str(self.r.hget(key, "metrics") or "{}"))
+        self.r.hset(
+            key, mapping={"eval": json.dumps(held_out), "metrics": json.dumps({**latest, **held_out})}
+        )
+        self.event(job_id, "eval", {"phase": phase, "metrics": metrics})
 
     def truncate_metrics(self, job_id: str, upto_step: int) -> None:
         """After a resume from step N, forget points past N (they are recomputed)."""

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+# The repo's sibling shared/ folder; a git worktree one level deeper finds it one level up.
+SHARED_DATA = next(
+    (
+        p / "shared" / "data"
+        for p in Path(__file__).resolve().parents[3:5]
+        if (p / "shared" / "data").is_dir()
+    ),
+    Path(__file__).resolve().parents[3] / "shared" / "data",
+)
 GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
 HH = SHARED_DATA / "hh-rlhf" / "harmless-base.jsonl"
 

@@ -170,7 +170,8 @@ def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
     done = httpx.get(f"{harness.base}/v1/jobs/{jid}", headers=auth(api_key)).json()
     assert done["status"] == "succeeded" and done["progress"] == {"step": 3, "total": 3}
     assert done["metrics"]["tokens_per_s"] > 0 and done["error"] is None
-    assert done["metrics"]["eval_loss"] > 0 and done["eval_dataset"] == fid
+    assert done["metrics"]["eval_loss_after"] > 0 and done["eval_dataset"] == fid
+    assert done["metrics"]["eval_loss_before"] > done["metrics"]["eval_loss_after"]
     metrics = httpx.get(f"{harness.base}/v1/jobs/{jid}/metrics", headers=auth(api_key)).json()["data"]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all("learning_rate" in m for m in metrics)
     logs = httpx.get(f"{harness.base}/v1/jobs/{jid}/logs", headers=auth(api_key)).json()["data"]
@@ -234,3 +235,81 @@ def test_orphaned_running_job_is_requeued_once(harness: Harness, api_key: str, t
     assert store.job(jid)["status"] == "queued"
     assert harness.run_worker(jid) == "succeeded"
     assert store.job(jid)["attempts"] == "2"
+
+
+KTO_ROWS = [
+    row
+    for i in range(12)
+    for row in (
+        {"prompt": [{"role": "user", "content": f"Say yes {i}"}], "completion": "yes yes", "label": True},
+        {"prompt": [{"role": "user", "content": f"Say yes {i}"}], "completion": "no no no", "label": False},
+    )
+]
+
+
+def test_kto_job_with_eval_fraction_reports_held_out_metrics_as_events(
+    harness: Harness, api_key: str, tiny_model_path: Path
+) -> None:
+    up = upload(harness, api_key, jsonl(KTO_ROWS))
+    assert up.status_code == 201 and up.json()["format"] == "kto" and up.json()["kinds"] == ["kto"]
+    fid = up.json()["id"]
+    pref = upload(harness, api_key, jsonl([{"prompt": "a", "chosen": "b", "rejected": "c"}])).json()["id"]
+    same_prompt = upload(
+        harness,
+        api_key,
+        jsonl([{"prompt": "same", "completion": c, "label": c == "yes"} for c in ("yes", "no")]),
+    ).json()["id"]
+    long = upload(
+        harness, api_key, jsonl([{"prompt": "q", "completion": "yes " * 30, "label": True}, *KTO_ROWS[:3]])
+    ).json()["id"]
+    m = tiny_model_path
+    for body, needle, param in [
+        (job_body(m, pref, type="kto"), "suits dpo jobs, not kto", "dataset"),
+        (job_body(m, fid, type="dpo"), "suits kto jobs, not dpo", "dataset"),
+        (job_body(m, same_prompt, type="kto", eval_fraction=0.5), "distinct prompt", "eval_fraction"),
+        (
+            job_body(m, long, type="kto", max_tokens_per_pack=64),
+            "line 1 has 97 tokens (prompt + completion",
+            "max_tokens_per_pack",
+        ),
+        (job_body(m, fid, type="kto", hyperparameters={"loss_type": "hinge"}), "only applies to dpo", None),
+    ]:
+        resp = httpx.post(f"{harness.base}/v1/jobs", json=body, headers=auth(api_key), timeout=60)
+        assert resp.status_code == 400, (needle, resp.text)
+        assert needle in resp.json()["error"]["message"], (needle, resp.json())
+        if param:
+            assert resp.json()["error"]["param"] == param
+    assert harness.dispatched == []
+
+    body = job_body(
+        tiny_model_path,
+        fid,
+        type="kto",
+        eval_fraction=0.25,
+        hyperparameters={
+            "max_steps": 6,
+            "n_epochs": 6,
+            "learning_rate": 5e-3,
+            "beta": 0.5,
+            "checkpoint_every": 2,
+        },
+    )
+    created = httpx.post(f"{harness.base}/v1/jobs", json=body, headers=auth(api_key), timeout=60)
+    assert created.status_code == 201, created.text
+    job = created.json()
+    assert job["type"] == "kto" and job["request"]["eval_fraction"] == 0.25
+    assert job["request"]["hyperparameters"]["desirable_weight"] == 1.0  # the type's defaults are filled in
+    assert harness.run_worker(job["id"]) == "succeeded"
+    done = httpx.get(f"{harness.base}/v1/jobs/{job['id']}", headers=auth(api_key)).json()
+    metrics = done["metrics"]
+    for name in ("loss", "accuracy", "margin"):
+        assert f"eval_{name}_before" in metrics and f"eval_{name}_after" in metrics, metrics
+    assert metrics["eval_loss_after"] < metrics["eval_loss_before"]
+    assert metrics["eval_margin_after"] > metrics["eval_margin_before"] == 0.0
+    assert "reward_accuracy" in metrics and "kl" in metrics
+    events = harness.st.store.r.xrange(f"tandem:trainer:job:{job['id']}:events")
+    evals = [json.loads(f["data"]) for _, f in events if f["type"] == "eval"]
+    assert [e["phase"] for e in evals] == ["before", "after"]
+    assert evals[1]["metrics"]["eval_accuracy_after"] == metrics["eval_accuracy_after"]
+    logs = httpx.get(f"{harness.base}/v1/jobs/{job['id']}/logs", headers=auth(api_key)).json()["data"]
+    assert any("kto:" in x["message"] and "prompt groups" in x["message"] for x in logs)

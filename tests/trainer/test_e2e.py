@@ -3,7 +3,9 @@
 1. A worker killed with ``kill -9`` mid-job: a second worker finds the stale heartbeat,
    requeues the job, resumes it from its last checkpoint, and it ends with the same step
    count and final loss as the same job run without interruption.
-2. GSM8K rows uploaded, a LoRA SFT job on the real SmolLM2-135M watched over SSE,
+2. A KTO LoRA job with ``eval_fraction`` on the tiny model, run by the real worker: it
+   succeeds and reports held-out loss, accuracy and margin before and after.
+3. GSM8K rows uploaded, a LoRA SFT job on the real SmolLM2-135M watched over SSE,
    published to a live inference service and chatted with there.
 """
 
@@ -155,6 +157,48 @@ def test_killed_worker_job_is_resumed_to_the_same_result(
             for x in httpx.get(f"{base}/v1/jobs/{jid}/logs", headers=auth(api_key)).json()["data"]
         ]
         assert any("requeued" in m for m in logs) and any("resumed from checkpoint" in m for m in logs)
+
+
+def test_kto_job_through_a_real_worker_reports_eval_metrics(
+    tandem_env: Path, tiny_model_path: Path, api_key: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{tiny_model_path.parent}:{tandem_env / 'models'}")
+    rows = [
+        row
+        for i in range(16)
+        for row in (
+            {"prompt": [{"role": "user", "content": f"Say yes {i}"}], "completion": "yes yes", "label": True},
+            {"prompt": f"Say yes {i}", "completion": "no no no", "label": False},
+        )
+    ]
+    log = tmp_path / "worker.log"
+    app = create_app(CommonSettings(), TrainerSettings())
+    with serve_app(app) as base, worker(worker_env({}), log, "w1"):
+        up = httpx.post(f"{base}/v1/files", files={"file": ("kto.jsonl", jsonl(rows))}, headers=auth(api_key))
+        assert up.status_code == 201 and up.json()["format"] == "kto", up.text
+        body = {
+            "type": "kto",
+            "base_model": str(tiny_model_path),
+            "dataset": up.json()["id"],
+            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "max_tokens_per_pack": 256,
+            "eval_fraction": 0.25,
+            "hyperparameters": {"n_epochs": 6, "learning_rate": 5e-3, "beta": 0.5},
+        }
+        created = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(api_key), timeout=60)
+        assert created.status_code == 201, created.text
+        jid = created.json()["id"]
+        done = wait_for(
+            lambda: (j := get_job(base, api_key, jid))["status"] in ("succeeded", "failed") and j,
+            300,
+            "the kto job",
+            log,
+        )
+    assert done["status"] == "succeeded", done["error"]
+    m = done["metrics"]
+    assert m["eval_loss_after"] < m["eval_loss_before"]
+    assert m["eval_accuracy_after"] > m["eval_accuracy_before"]
+    assert m["eval_margin_after"] > m["eval_margin_before"]
 
 
 def test_lora_sft_on_smollm2_over_sse_then_chat_with_the_published_adapter(

@@ -14,6 +14,7 @@ messages      ``messages``: [{``role``, ``content``}] (OpenAI)      sft, rl
 completion    ``prompt``, ``completion``                             sft, rl
 gsm8k         ``question``, ``answer``                               sft, rl
 preference    ``prompt``, ``chosen``, ``rejected`` (str or messages) dpo
+kto           ``prompt`` (str or messages), ``completion``, ``label``  kto
 hh-rlhf       ``chosen``, ``rejected`` (whole ``Human:/Assistant:``) dpo
 prompt        ``prompt`` (str or messages), ``answer``?              rl
 ============  =====================================================  ===========
@@ -23,6 +24,8 @@ Normalised records (what the tokenizer side sees):
 - sft: ``{"messages": [...]}`` with at least one assistant message;
 - dpo: ``{"prompt": [...], "chosen": [...], "rejected": [...]}``: the prompt
   messages and the two assistant continuations;
+- kto: ``{"prompt": [...], "completion": [...], "label": bool}``: the prompt messages,
+  the assistant continuation, and whether it is desirable;
 - rl:  ``{"prompt": [...], "answer": str | None}``: the reference answer is what
   a verifiable reward (GSM8K exact match) checks against.
 """
@@ -35,7 +38,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Kind = Literal["sft", "dpo", "rl"]
+Kind = Literal["sft", "dpo", "kto", "rl"]
 Message = dict[str, str]
 
 FORMAT_KINDS: dict[str, tuple[Kind, ...]] = {
@@ -45,6 +48,7 @@ FORMAT_KINDS: dict[str, tuple[Kind, ...]] = {
     "completion": ("sft", "rl"),
     "gsm8k": ("sft", "rl"),
     "preference": ("dpo",),
+    "kto": ("kto",),
     "hh-rlhf": ("dpo",),
     "prompt": ("rl",),
 }
@@ -82,6 +86,8 @@ def detect_format(row: dict[str, Any]) -> str | None:
         return "sharegpt"
     if "chosen" in keys or "rejected" in keys:
         return "preference" if "prompt" in keys else "hh-rlhf"
+    if "label" in keys:
+        return "kto"
     if "messages" in keys:
         return "messages"
     if "instruction" in keys or "output" in keys:
@@ -252,6 +258,25 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
             "chosen": _continuation(row["chosen"], line, "chosen"),
             "rejected": _continuation(row["rejected"], line, "rejected"),
         }
+    if fmt == "kto":
+        for key in ("prompt", "completion", "label"):
+            if key not in row:
+                raise DatasetError(f"field {key!r} is missing (kto rows need it)", line=line, field=key)
+        if not isinstance(row["label"], bool):
+            raise DatasetError(
+                f"field 'label' must be true or false, got {row['label']!r}", line=line, field="label"
+            )
+        if not isinstance(row["completion"], str):
+            raise DatasetError(
+                f"field 'completion' must be a string, got {type(row['completion']).__name__}",
+                line=line,
+                field="completion",
+            )
+        return {
+            "prompt": _prompt_messages(row["prompt"], line),
+            "completion": _continuation(row["completion"], line, "completion"),
+            "label": row["label"],
+        }
     if fmt == "hh-rlhf":
         chosen = _text(row, "chosen", line, fmt=fmt)
         rejected = _text(row, "rejected", line, fmt=fmt)
@@ -315,7 +340,7 @@ def parse_dataset(
                     if fmt is None:
                         raise DatasetError(
                             "unrecognised row: expected one of the fields messages, conversations, instruction/output, "
-                            f"prompt/completion, question/answer, prompt/chosen/rejected, chosen/rejected (got {sorted(row)})",
+                            f"prompt/completion, question/answer, prompt/chosen/rejected, prompt/completion/label, chosen/rejected (got {sorted(row)})",
                             line=number,
                         )
                     if kind is not None and kind not in FORMAT_KINDS[fmt]:

@@ -45,6 +45,22 @@ answers, with the shared-question mask (``kernels.shared_question_mask``)::
         r1     x  x  .  .  x  x
 
 Several pairs share a pack, each isolated from the others like SFT documents.
+
+A KTO pack generalises this to a *prompt group*: rows that share a prompt keep it once,
+followed by every row's completion and its mismatched KL completion (another row's
+completion, see ``recipes/kto.py``); each continuation sees the prompt and itself only.
+Prompt P with answers A, B, C (column-wise ``LTS``: the prompt's columns are seen up to
+the group's end, each answer's only up to its own end)::
+
+    tokens        p0 p1 a0 a1 b0 c0 c1
+    position_ids   0  1  2  3  2  2  3
+
+              p0 p1 a0 a1 b0 c0 c1
+        a0     x  x  x  .  .  .  .
+        a1     x  x  x  x  .  .  .
+        b0     x  x  .  .  x  .  .
+        c0     x  x  .  .  .  x  .
+        c1     x  x  .  .  .  x  x
 """
 
 from __future__ import annotations
@@ -57,6 +73,17 @@ from dataclasses import dataclass, field
 import torch
 
 from services.trainer.data.tokenize import IGNORE, PairSample, SFTSample
+
+
+@dataclass
+class PromptGroup:
+    """A prompt once and the continuations that each follow it alone."""
+
+    prompt: list[int]
+    answers: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.prompt) + sum(len(a) for a in self.answers)
 
 
 class PackingError(ValueError):
@@ -118,6 +145,8 @@ class Pack:
     # DPO only: (prompt, chosen, rejected) lengths per pair, in pack order
     triples: list[tuple[int, int, int]] = field(default_factory=list)
     sample_ids: list[int] = field(default_factory=list)
+    # KTO only: (prompt length, answer lengths) per prompt group, in pack order
+    groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def real_tokens(self) -> int:
@@ -131,6 +160,8 @@ class Pack:
         """FlashMask ``startend_row_indices`` for this pack ([1, 1, S, 1], int32)."""
         import kernels
 
+        if self.groups:
+            return group_mask(self.groups, self.total_tokens)
         if self.triples:
             return kernels.shared_question_mask(self.triples, total_len=self.total_tokens)
         return kernels.document_mask(self.seq_lens, total_len=self.total_tokens)
@@ -223,6 +254,87 @@ def pair_logit_index(
             seg.append(2 * k + 1)
         off += p + c + r
     return torch.tensor(src), torch.tensor(tgt), torch.tensor(seg)
+
+
+def pack_groups(
+    groups: Sequence[PromptGroup],
+    indices: Sequence[int],
+    *,
+    pad_id: int,
+    pad_to_multiple_of: int = 1,
+) -> Pack:
+    """Prompt groups (KTO), each prompt once; log-probs are read with :func:`group_logit_index`."""
+    ids: list[int] = []
+    pos: list[int] = []
+    shapes: list[tuple[int, tuple[int, ...]]] = []
+    for i in indices:
+        g = groups[i]
+        p = len(g.prompt)
+        ids += g.prompt
+        pos += list(range(p))
+        for a in g.answers:
+            ids += a
+            pos += list(range(p, p + len(a)))
+        shapes.append((p, tuple(len(a) for a in g.answers)))
+    used = len(ids)
+    total = _round_up(used, pad_to_multiple_of)
+    ids += [pad_id] * (total - used)
+    pos += list(range(total - used))
+    t = torch.tensor
+    return Pack(
+        t([ids]),
+        t([[IGNORE] * total]),
+        t([pos]),
+        [p + sum(a) for p, a in shapes],
+        sample_ids=list(indices),
+        groups=shapes,
+    )
+
+
+def group_mask(shapes: Sequence[tuple[int, tuple[int, ...]]], total_len: int) -> torch.Tensor:
+    """FlashMask column-wise ``LTS`` (``C=1``, causal) of prompt groups; the generalisation
+    of ``kernels.shared_question_mask`` to any number of answers per prompt."""
+    lts: list[int] = []
+    off = 0
+    for p, answers in shapes:
+        end = off + p + sum(answers)
+        lts += [end] * p
+        a_off = off + p
+        for n in answers:
+            lts += [a_off + n] * n
+            a_off += n
+        off = end
+    lts += [total_len] * (total_len - off)  # padding sees only padding
+    return torch.tensor(lts, dtype=torch.int32).reshape(1, 1, total_len, 1)
+
+
+def group_logit_index(
+    shapes: Sequence[tuple[int, tuple[int, ...]]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logit positions, target positions, segment ids) of every answer token of a group pack;
+    an answer's first token is predicted from the prompt's last token. Segments number the
+    answers in pack order."""
+    src: list[int] = []
+    tgt: list[int] = []
+    seg: list[int] = []
+    off = 0
+    k = 0
+    for p, answers in shapes:
+        last_prompt = off + p - 1
+        a_off = off + p
+        for n in answers:
+            for j in range(n):
+                tgt.append(a_off + j)
+                src.append(last_prompt if j == 0 else a_off + j - 1)
+                seg.append(k)
+            a_off += n
+            k += 1
+        off = a_off
+    return (
+        torch.tensor(src, dtype=torch.long),
+        torch.tensor(tgt, dtype=torch.long),
+        torch.tensor(seg, dtype=torch.long),
+    )
 
 
 def plan_packs(

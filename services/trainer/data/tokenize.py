@@ -79,19 +79,40 @@ def tokenize_prompt(tokenizer: Any, prompt: list[Message]) -> list[int]:
     return encode(tokenizer, render(tokenizer, prompt, generation_prompt=True))
 
 
-def tokenize_pair(
-    tokenizer: Any, prompt: list[Message], chosen: list[Message], rejected: list[Message]
-) -> PairSample:
+def tokenize_continuations(
+    tokenizer: Any, prompt: list[Message], conts: dict[str, list[Message]]
+) -> tuple[list[int], list[list[int]]]:
     """The prompt with the generation prompt, then each continuation tokenised on its own.
 
     The cut sits right after ``<|im_start|>assistant\\n``-style tags, a boundary the
     tokenizer never merges across, so prompt+continuation equals the full render.
     """
     head = render(tokenizer, prompt, generation_prompt=True)
-    conts = []
-    for name, cont in (("chosen", chosen), ("rejected", rejected)):
+    out = []
+    for name, cont in conts.items():
         full = render(tokenizer, prompt + cont)
         if not full.startswith(head):
             raise DatasetError(f"the chat template renders prompt+{name} without the prompt as its prefix")
-        conts.append(encode(tokenizer, full[len(head) :]))
-    return PairSample(encode(tokenizer, head), conts[0], conts[1])
+        out.append(encode(tokenizer, full[len(head) :]))
+    return encode(tokenizer, head), out
+
+
+def tokenize_pair(
+    tokenizer: Any, prompt: list[Message], chosen: list[Message], rejected: list[Message]
+) -> PairSample:
+    head, (c, r) = tokenize_continuations(tokenizer, prompt, {"chosen": chosen, "rejected": rejected})
+    return PairSample(head, c, r)
+
+
+@dataclass
+class KTOSample:
+    """A KTO row: its prompt and completion, and whether the completion is desirable."""
+
+    prompt: list[int]
+    completion: list[int]
+    label: bool
+
+
+def tokenize_kto(tokenizer: Any, prompt: list[Message], completion: list[Message], label: bool) -> KTOSample:
+    head, (c,) = tokenize_continuations(tokenizer, prompt, {"completion": completion})
+    return KTOSample(head, c, label)

@@ -13,6 +13,7 @@ import logging
 import math
 import random
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,7 +31,7 @@ log = logging.getLogger("tandem.trainer.recipes")
 
 @dataclass
 class TrainConfig:
-    kind: str  # sft | dpo | ppo | grpo
+    kind: str  # sft | dpo | simpo | orpo | kto | ppo | grpo
     model_path: Path
     records: list[dict[str, Any]]
     eval_records: list[dict[str, Any]] | None = None
@@ -60,11 +61,16 @@ class Hooks(Protocol):
     def report(self, step: int, total: int, metrics: dict[str, float]) -> None: ...
     def log(self, message: str) -> None: ...
     def resumed(self, step: int) -> None: ...
+    def evaluated(self, phase: str, metrics: dict[str, float]) -> None: ...
 
 
 class NullHooks:
     def __init__(self) -> None:
         self.history: list[dict[str, float]] = []
+        self.evals: dict[str, dict[str, float]] = {}
+
+    def evaluated(self, phase: str, metrics: dict[str, float]) -> None:
+        self.evals[phase] = dict(metrics)
 
     def should_stop(self) -> bool:
         return False
@@ -103,6 +109,7 @@ class Recipe:
     """Base of the recipes: loads the model (LoRA or full) and runs the loop."""
 
     total_steps: int = 0
+    eval_before: dict[str, float]
 
     def __init__(self, cfg: TrainConfig, hooks: Hooks | None = None) -> None:
         self.cfg = cfg
@@ -115,6 +122,8 @@ class Recipe:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.last_metrics: dict[str, float] = {}
+        self.eval_before = {}
+        self._refs: dict[str, torch.Tensor] = {}
 
     # ---- set-up
     def load_model(self, attn: str = "flashmask") -> None:
@@ -169,6 +178,45 @@ class Recipe:
 
     def train_step(self, step: int) -> dict[str, float]:
         raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics (``loss``, and ``accuracy``/``margin`` for preference jobs) on
+        ``cfg.eval_records``; empty when there is none or the recipe has no loss to report."""
+        return {}
+
+    def reference(self, name: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Reference log-probs, computed once (adapter switched off for LoRA; for a full
+        fine-tune the untouched model is the reference at that moment) and cached in
+        ``work_dir/<name>.pt``, which a resumed job reuses."""
+        if name in self._refs:  # also without a work_dir, computed only once
+            return self._refs[name]
+        cache = None if self.cfg.work_dir is None else self.cfg.work_dir / f"{name}.pt"
+        if cache is not None and cache.is_file():
+            self._refs[name] = torch.load(cache)
+            return self._refs[name]
+        ctx = self.model.disable_adapter() if self.cfg.lora is not None else nullcontext()
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad(), ctx:
+            ref = compute()
+        self.model.train(was_training)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            torch.save(ref, tmp)
+            tmp.replace(cache)
+        self._refs[name] = ref
+        return ref
+
+    def run_eval(self) -> dict[str, float]:
+        if not self.cfg.eval_records:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            out = self.evaluate()
+        self.model.train(was_training)
+        return out
 
     # ---- helpers for recipes
     def autocast(self) -> Any:
@@ -251,11 +299,18 @@ def run(recipe: Recipe, checkpoint_root: Path | None = None) -> str:
             assert recipe.optimizer is not None
             recipe.optimizer.load_state_dict(state["optimizer"])
             recipe.scheduler.load_state_dict(state["scheduler"])
-            recipe.load_extra_state(state["extra"])
+            extra = dict(state["extra"])
+            recipe.eval_before = extra.pop("eval_before", {})
+            recipe.load_extra_state(extra)
             ckpt.set_rng_state(state["rng"])
             start = step
             recipe.hooks.resumed(step)
             recipe.hooks.log(f"resumed from checkpoint step {step}")
+    if start == 0:
+        # Held-out metrics before the first update (a resumed job kept them in its checkpoint).
+        recipe.eval_before = {f"eval_{k}_before": v for k, v in recipe.run_eval().items()}
+        if recipe.eval_before:
+            recipe.hooks.evaluated("before", recipe.eval_before)
     total = recipe.total_steps
     for step in range(start + 1, total + 1):
         if recipe.hooks.should_stop():
@@ -272,10 +327,14 @@ def run(recipe: Recipe, checkpoint_root: Path | None = None) -> str:
                 weights=recipe.weights(),
                 optimizer=recipe.optimizer,
                 scheduler=recipe.scheduler,
-                extra=recipe.extra_state(),
+                extra={**recipe.extra_state(), "eval_before": recipe.eval_before},
                 keep=cfg.keep_checkpoints,
             )
             recipe.hooks.log(f"checkpoint at step {step}")
+    after = {f"eval_{k}_after": v for k, v in recipe.run_eval().items()}
+    if after:
+        recipe.hooks.evaluated("after", {**recipe.eval_before, **after})
+    recipe.last_metrics = {**recipe.last_metrics, **recipe.eval_before, **after}
     return "succeeded"
 
 

@@ -1,9 +1,11 @@
-"""DPO (sigmoid loss with ``beta``): pairs packed with the prompt once per pair.
+"""The preference-pair recipes: DPO (``loss_type`` sigmoid, ipo or hinge) and the
+reference-free SimPO and ORPO. Pairs are packed with the prompt once per pair.
 
-The reference model's log-probs do not change during training, so they are computed
-once, before the first update, for every pair (with the adapter switched off for
-LoRA; for a full fine-tune the untouched model is the reference at that moment) and
-kept in a cache file next to the checkpoints, which a resumed job reuses.
+DPO's reference log-probs do not change during training, so they are computed once,
+before the first update, for every pair (with the adapter switched off for LoRA; for a
+full fine-tune the untouched model is the reference at that moment) and kept in a cache
+file next to the checkpoints, which a resumed job reuses. SimPO and ORPO need none:
+they compare per-token mean log-probs of the policy alone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from services.trainer.data.packing import Pack, pack_pairs, pair_logit_index, plan_packs
 from services.trainer.data.tokenize import PairSample, tokenize_pair
-from services.trainer.losses import dpo_loss, segment_sums
+from services.trainer.losses import dpo_loss, orpo_loss, segment_sums, simpo_loss
 from services.trainer.modeling import gather_logps, hidden_states
 from services.trainer.recipes.base import Recipe
 
@@ -82,12 +84,42 @@ def dpo_schedule(
     return steps
 
 
+def pair_losses(
+    kind: str,
+    hp: Any,
+    pc: torch.Tensor,
+    pr: torch.Tensor,
+    lengths: torch.Tensor,
+    ref: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-pair losses of job type ``kind`` from summed answer log-probs ``pc``/``pr``;
+    ``lengths`` is ``[n, 2]`` answer token counts, ``ref`` ``[n, 2]`` reference sums (dpo)."""
+    if kind == "dpo":
+        assert ref is not None
+        rc, rr = ref[:, 0], ref[:, 1]
+        if hp.loss_type == "ipo":  # IPO works on per-token mean log-probs (as TRL)
+            pc, pr, rc, rr = pc / lengths[:, 0], pr / lengths[:, 1], rc / lengths[:, 0], rr / lengths[:, 1]
+        return dpo_loss(pc, pr, rc, rr, hp.beta, hp.loss_type)
+    avg_c, avg_r = pc / lengths[:, 0], pr / lengths[:, 1]
+    if kind == "simpo":
+        return simpo_loss(avg_c, avg_r, hp.beta, hp.simpo_gamma)
+    if kind == "orpo":
+        return orpo_loss(avg_c, avg_r, hp.beta)
+    raise ValueError(f"not a preference-pair job type: {kind!r}")
+
+
+def answer_lengths(pairs: Sequence[PairSample]) -> torch.Tensor:
+    return torch.tensor([[len(p.chosen), len(p.rejected)] for p in pairs], dtype=torch.float32)
+
+
 class DPORecipe(Recipe):
+    """dpo, simpo and orpo jobs (``cfg.kind``)."""
+
     def setup(self) -> None:
         self.load_model(attn="flashmask" if self.cfg.packing else "sdpa")
-        self.pairs = [
-            tokenize_pair(self.tokenizer, r["prompt"], r["chosen"], r["rejected"]) for r in self.cfg.records
-        ]
+        self.pairs = self.tokenize(self.cfg.records)
+        self.eval_pairs = self.tokenize(self.cfg.eval_records or [])
+        self.lengths = answer_lengths(self.pairs)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.schedule = dpo_schedule(
             [len(p) for p in self.pairs],
@@ -98,51 +130,58 @@ class DPORecipe(Recipe):
             per_step=self.hp.packs_per_step if self.cfg.packing else self.hp.batch_size,
         )
         self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
-        self.ref = self.reference_logps()
+        self.needs_ref = self.cfg.kind == "dpo"
+        self.ref = (
+            self.reference("reference_logps", lambda: self.all_logps(self.pairs)) if self.needs_ref else None
+        )
         self.make_optimizer()
-        self.hooks.log(f"dpo: {len(self.pairs)} pairs, {self.total_steps} steps, packing={self.cfg.packing}")
+        self.hooks.log(
+            f"{self.cfg.kind}: {len(self.pairs)} pairs, {self.total_steps} steps, packing={self.cfg.packing}"
+        )
 
-    def _ref_cache(self) -> Any:
-        return None if self.cfg.work_dir is None else self.cfg.work_dir / "reference_logps.pt"
+    def tokenize(self, records: Sequence[dict[str, Any]]) -> list[PairSample]:
+        return [tokenize_pair(self.tokenizer, r["prompt"], r["chosen"], r["rejected"]) for r in records]
 
-    def reference_logps(self) -> torch.Tensor:
-        """``[n_pairs, 2]`` reference (chosen, rejected) log-probs, computed once and cached."""
-        cache = self._ref_cache()
-        if cache is not None and cache.is_file():
-            return torch.load(cache)
-        ref = torch.zeros(len(self.pairs), 2)
-        ctx = self.model.disable_adapter() if self.cfg.lora is not None else _nullcontext()
-        was_training = self.model.training
-        self.model.eval()
-        with torch.no_grad(), ctx:
-            groups = dpo_schedule(
-                [len(p) for p in self.pairs],
-                packing=self.cfg.packing,
-                capacity=self.cfg.max_tokens_per_pack,
-                seed=self.hp.seed,
-                epochs=1,
-                per_step=self.hp.batch_size,
-            )
+    def all_logps(self, pairs: Sequence[PairSample]) -> torch.Tensor:
+        """``[n_pairs, 2]`` summed (chosen, rejected) log-probs of the current model, no grad."""
+        out = torch.zeros(len(pairs), 2)
+        groups = dpo_schedule(
+            [len(p) for p in pairs],
+            packing=self.cfg.packing,
+            capacity=self.cfg.max_tokens_per_pack,
+            seed=self.hp.seed,
+            epochs=1,
+            per_step=self.hp.batch_size,
+        )
+        with torch.no_grad():
             for step in groups:
                 for idx in step:
-                    c, r = self._logps(idx)
-                    ref[idx, 0], ref[idx, 1] = c.float().cpu(), r.float().cpu()
-        self.model.train(was_training)
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(".tmp")
-            torch.save(ref, tmp)
-            tmp.replace(cache)
-        return ref
+                    c, r = self._logps(pairs, idx)
+                    out[idx, 0], out[idx, 1] = c.float().cpu(), r.float().cpu()
+        return out
 
-    def _logps(self, idx: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logps(self, pairs: Sequence[PairSample], idx: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         with self.autocast():
             if self.cfg.packing:
                 pack = pack_pairs(
-                    self.pairs, idx, pad_id=self.pad_id, pad_to_multiple_of=self.cfg.pad_to_multiple_of
+                    pairs, idx, pad_id=self.pad_id, pad_to_multiple_of=self.cfg.pad_to_multiple_of
                 )
                 return pack_pair_logps(self.model, pack)
-            return padded_pair_logps(self.model, padded_pair_batch(self.pairs, idx, self.pad_id))
+            return padded_pair_logps(self.model, padded_pair_batch(pairs, idx, self.pad_id))
+
+    def evaluate(self) -> dict[str, float]:
+        eval_ref = None
+        if self.needs_ref:
+            eval_ref = self.reference("reference_logps_eval", lambda: self.all_logps(self.eval_pairs))
+        logps = self.all_logps(self.eval_pairs)
+        losses, stats = pair_losses(
+            self.cfg.kind, self.hp, logps[:, 0], logps[:, 1], answer_lengths(self.eval_pairs), eval_ref
+        )
+        return {
+            "loss": float(losses.mean()),
+            "accuracy": stats["reward_accuracy"],
+            "margin": stats["reward_margin"],
+        }
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -166,8 +205,11 @@ class DPORecipe(Recipe):
                 processed += int(batch["attention_mask"].numel())
                 with self.autocast():
                     pc, pr = padded_pair_logps(self.model, batch)
-            ref = self.ref[list(idx)].to(pc.device)
-            losses, stats = dpo_loss(pc.float(), pr.float(), ref[:, 0], ref[:, 1], self.hp.beta)
+            rows = list(idx)
+            ref = None if self.ref is None else self.ref[rows].to(pc.device)
+            losses, stats = pair_losses(
+                self.cfg.kind, self.hp, pc.float(), pr.float(), self.lengths[rows].to(pc.device), ref
+            )
             loss = losses.sum() / n_pairs
             loss.backward()
             loss_total += float(loss.detach())
@@ -185,11 +227,3 @@ class DPORecipe(Recipe):
             "padding_ratio": 1 - real / max(processed, 1),
             **stats_acc,
         }
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

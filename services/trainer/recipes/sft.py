@@ -128,9 +128,7 @@ class SFTRecipe(Recipe):
         grad_norm = self.optimizer_step()
         self.platform.synchronize()
         dt = time.perf_counter() - t0
-        extra = {"eval_loss": self.eval_loss()} if self.eval_samples and step == self.total_steps else {}
         return {
-            **extra,
             "loss": loss_total,
             "learning_rate": lr,
             "grad_norm": grad_norm,
@@ -139,9 +137,12 @@ class SFTRecipe(Recipe):
             "label_tokens": float(n_tokens),
         }
 
+    def evaluate(self) -> dict[str, float]:
+        return {"loss": self.eval_loss()}
+
     @torch.no_grad()
     def eval_loss(self) -> float:
-        """Token-mean loss on the eval dataset (reported with the last step)."""
+        """Token-mean loss on the eval dataset."""
         was_training = self.model.training
         self.model.eval()
         total, count = 0.0, 0
