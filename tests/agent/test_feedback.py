@@ -647,6 +647,8 @@ def test_datasets_and_a_job_through_the_real_trainer(
     from tests.helpers.servers import serve_app
 
     monkeypatch.setenv("TANDEM_MODEL_ROOTS", str(tiny_model_path.parent))
+    # The trainer asks the inference service (here its double) what it can serve with its service key.
+    monkeypatch.setenv("TANDEM_SERVICE_API_KEY", key)
     base = str(tiny_model_path)  # the model the inference double serves by default, by its path
     model = ScriptedModel(replies=reply, shared=[base])
     queued: list[str] = []
