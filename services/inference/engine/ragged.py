@@ -144,7 +144,9 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
             valid += range(p * width, p * width + n)
         starts = tensor([r.start for r in prefill])
         query_pos = starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)  # [P, S]
-        plan.prefill_len = int(query_pos.max()) + 1
+        # Keys up to the longest chunk's real end: a shorter chunk's padded queries (s >= n, dropped
+        # by ``valid``) would otherwise reach past it, and past the slab's capacity.
+        plan.prefill_len = max(r.start + len(r.token_ids) for r in prefill)
         keys = torch.arange(plan.prefill_len, device=device)
         plan.prefill_slots = tensor([r.slot for r in prefill])
         plan.width = width
