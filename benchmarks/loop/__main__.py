@@ -63,10 +63,11 @@ class Answer:
     message_id: str
     answer: str
     sources: int
-    marker: bool  # the model wrote a valid [n] itself
-    fact: bool  # the expected answer string is stated
+    marker: bool  # the model wrote a valid [n] itself (in its raw completion)
+    fact: bool  # the model's completion states the expected answer string
     right_doc: bool  # a citation (written or attributed) points at the fact's document
     seconds: float
+    shown_ok: bool  # what the user saw has a valid [n] and states the fact (the thumbs-up rule)
 
 
 @dataclass
@@ -149,17 +150,23 @@ class Client:
         record = await self.check(await self.http.get(f"{self.agent}/v1/messages/{out['message_id']}"))
         sources = len(record.get("chunk_ids") or [])
         answer = out.get("answer") or ""
-        marker = any(1 <= n <= sources for n in marker_numbers(answer))
+        # What the model wrote, before any guard of the pipeline replaced or trimmed it.
+        completion = record.get("completion") or answer
+
+        def has_marker(text: str) -> bool:
+            return any(1 <= n <= sources for n in marker_numbers(text))
+
         docs = {c.get("document_id") for c in out.get("citations") or []}
         return Answer(
             fact_id=fact.fact_id,
             message_id=out["message_id"],
             answer=answer,
             sources=sources,
-            marker=marker,
-            fact=states(answer, fact.answer),
+            marker=has_marker(completion),
+            fact=states(completion, fact.answer),
             right_doc=fact.fact_id in docs,
             seconds=seconds,
+            shown_ok=has_marker(answer) and states(answer, fact.answer),
         )
 
     async def source_number(self, message_id: str, fact: Fact) -> int | None:
@@ -226,7 +233,7 @@ async def run(args: argparse.Namespace, env: dict[str, str], key: str) -> Report
     by_id = {f.fact_id: f for f in train}
     for a in answers:
         fact = by_id[a.fact_id]
-        if a.marker and a.fact:
+        if a.shown_ok:
             await client.feedback(a.message_id, 1)
             ups += 1
             continue
