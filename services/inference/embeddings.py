@@ -96,7 +96,7 @@ class EmbeddingModel:
             str(path), device=str(self.device), model_kwargs={"dtype": _dtype(dtype)}
         )
         self.model.eval()
-        self.dim = int(self.model.get_embedding_dimension())
+        self.dim = int(self.model.get_embedding_dimension() or 0)
         self.max_tokens = int(self.model.max_seq_length or 512)
         self.tokenizer: Any = self.model.tokenizer
         self.specials = int(self.tokenizer.num_special_tokens_to_add())
