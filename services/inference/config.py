@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
@@ -120,3 +120,11 @@ class InferenceSettings(ServiceSettings):
         description="Embedding/rerank model dtype. 'auto': bf16 on accelerators and on CPUs with native "
         "bf16, else float32.",
     )
+
+    @field_validator("embedding_models", "rerank_models")
+    @classmethod
+    def _model_entries(cls, value: str) -> str:
+        from services.inference.embeddings import parse_specs
+
+        parse_specs(value, "entries")  # a ValueError names the bad entry
+        return value

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from services.common.errors import InvalidRequest, NotFound
+from services.common.errors import InvalidRequest, NotFound, ServiceUnavailable
 from services.common.platforms import current_platform
 from services.inference.config import InferenceSettings
 from services.inference.protocol import ModelCard
@@ -192,6 +192,13 @@ class EmbeddingService:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _load(self, name: str, kind: str) -> Any:
+        try:
+            return self._load_now(name, kind)
+        except (InvalidRequest, OSError, ValueError) as exc:
+            # The server's settings name a model it cannot load: not the caller's fault.
+            raise ServiceUnavailable(f"the {kind} model {name!r} could not be loaded: {exc}") from None
+
+    def _load_now(self, name: str, kind: str) -> Any:
         with self._load_lock:
             model = self._loaded.get(name)
             if model is None:
