@@ -1,9 +1,11 @@
 """Embedding and reranking models (/v1/embeddings, /v1/rerank).
 
-Models are named in settings like chat models, loaded on first use, and run on one worker
-thread per service so a forward pass never blocks the event loop; each request's texts go
-through the model in batches of ``embedding_batch_size``, sorted by length so a batch
-carries little padding.
+Models are named in settings like chat models and loaded on first use. Forward passes never
+run on the event loop: each embedding model has one worker thread that takes every request
+waiting for it at once (up to ``embedding_max_inputs`` texts), so many small concurrent
+requests (retrieval replicas embedding one query each) share forward passes; the texts go
+through the model in batches of ``embedding_batch_size``, sorted by length so a batch carries
+little padding. Rerank models run on one shared worker thread.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import queue
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -84,7 +87,7 @@ def _dtype(setting: str) -> Any:
 class EmbeddingModel:
     """A sentence-transformers model; vectors are L2-normalised float32, as OpenAI's are."""
 
-    def __init__(self, spec: ModelSpec, path: Path, *, batch_size: int, dtype: str) -> None:
+    def __init__(self, spec: ModelSpec, path: Path, *, batch_size: int, dtype: str, max_texts: int) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
         from sentence_transformers import SentenceTransformer
@@ -102,20 +105,34 @@ class EmbeddingModel:
         self.specials = int(self.tokenizer.num_special_tokens_to_add())
         self.vocab_size = len(self.tokenizer)
         self._torch = torch
+        # The HF fast tokenizer is not safe to call from several threads at once (requests count
+        # tokens on their own threads while the worker prepares a batch).
+        self._tok_lock = threading.Lock()
+        self._batcher = _Batcher(self.embed, max_texts, f"embed-{spec.name}")
+
+    def close(self) -> None:
+        self._batcher.close()
+
+    def submit(self, texts: list[str]) -> Future[np.ndarray]:
+        """Embeds on the model's worker thread, together with whatever else is waiting."""
+        return self._batcher.submit(texts)
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        ids = self.tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
+        with self._tok_lock:
+            ids = self.tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
         return [len(x) for x in ids]
 
     def cut(self, text: str, tokens: int) -> str:
         """``text`` up to its first ``tokens`` tokens, special tokens included."""
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        with self._tok_lock:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         keep = max(tokens - self.specials, 0)
         offsets = enc["offset_mapping"]
         return text if keep >= len(offsets) else text[: offsets[keep - 1][1]] if keep else ""
 
     def decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        with self._tok_lock:
+            return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         torch = self._torch
@@ -123,7 +140,8 @@ class EmbeddingModel:
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         for s in range(0, len(order), self.batch_size):
             idx = order[s : s + self.batch_size]
-            features = self.model.preprocess([texts[i] for i in idx])
+            with self._tok_lock:
+                features = self.model.preprocess([texts[i] for i in idx])
             features = {k: v.to(self.device) if hasattr(v, "to") else v for k, v in features.items()}
             with torch.inference_mode():
                 vecs = self.model(features)["sentence_embedding"]
@@ -181,12 +199,15 @@ class EmbeddingService:
         }
         self._loaded: dict[str, Any] = {}
         self._load_lock = threading.Lock()
-        # One worker: models share the CPU/GPU with the chat engine, and requests queue here
-        # instead of oversubscribing it.
-        self._pool = ThreadPoolExecutor(1, "embeddings")
+        # One worker for the rerank models: they share the CPU/GPU with the chat engine, and
+        # requests queue here instead of oversubscribing it.
+        self._pool = ThreadPoolExecutor(1, "rerank")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for model in list(self._loaded.values()):
+            if isinstance(model, EmbeddingModel):
+                model.close()
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -207,7 +228,11 @@ class EmbeddingService:
                     spec = self.embedding_specs[name]
                     path = _resolve(spec.source, self.roots, "TANDEM_INFERENCE_EMBEDDING_MODELS")
                     model = EmbeddingModel(
-                        spec, path, batch_size=s.embedding_batch_size, dtype=s.embedding_dtype
+                        spec,
+                        path,
+                        batch_size=s.embedding_batch_size,
+                        dtype=s.embedding_dtype,
+                        max_texts=s.embedding_max_inputs,
                     )
                 else:
                     spec = self.rerank_specs[name]
@@ -271,7 +296,7 @@ class EmbeddingService:
         limit = self._truncation(req.truncate_prompt_tokens, model.max_tokens)
         dims = self._dimensions(req.dimensions, model)
 
-        def compute() -> tuple[np.ndarray, int]:
+        def prepare() -> tuple[list[str], int]:
             counts = model.count_tokens(texts)
             cut = list(texts)
             for i, n in enumerate(counts):
@@ -285,9 +310,12 @@ class EmbeddingService:
                     )
                 cut[i] = model.cut(texts[i], limit)
                 counts[i] = limit
-            return model.embed(cut), sum(counts)
+            return cut, sum(counts)
 
-        vecs, tokens = await self._run(compute)
+        # Checked before joining the model's queue, so one bad request never fails the others
+        # it would share a forward pass with.
+        cut, tokens = await asyncio.to_thread(prepare)
+        vecs = await asyncio.wrap_future(model.submit(cut))
         if dims < model.dim:
             # Matryoshka models put the coarse meaning in the leading coordinates: keep those
             # and renormalise (the same vector as cutting before normalising).
@@ -400,3 +428,71 @@ def _encode(vec: np.ndarray, fmt: str) -> list[float] | str:
     if fmt == "base64":
         return base64.b64encode(np.ascontiguousarray(vec, dtype="<f4").tobytes()).decode("ascii")
     return [float(x) for x in vec]
+
+
+@dataclass
+class _Job:
+    texts: list[str]
+    future: Future[np.ndarray]
+
+
+class _Batcher:
+    """One worker thread running ``fn`` over the texts of every job waiting when it is free
+    (whole jobs, at most ``max_texts`` texts unless one job alone has more), then handing each
+    job its rows."""
+
+    def __init__(self, fn: Callable[[list[str]], np.ndarray], max_texts: int, name: str) -> None:
+        self._fn = fn
+        self._max = max_texts
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._held: _Job | None = None  # a job that did not fit in the last forward pass
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, texts: list[str]) -> Future[np.ndarray]:
+        job = _Job(texts, Future())
+        self._queue.put(job)
+        return job.future
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _next(self, block: bool) -> _Job | None:
+        if self._held is not None:
+            job, self._held = self._held, None
+            return job
+        return self._queue.get() if block else self._queue.get_nowait()
+
+    def _loop(self) -> None:
+        while True:
+            first = self._next(block=True)
+            if first is None:
+                return
+            jobs, n, stop = [first], len(first.texts), False
+            while n < self._max:
+                try:
+                    job = self._next(block=False)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stop = True
+                    break
+                if n + len(job.texts) > self._max:
+                    self._held = job
+                    break
+                jobs.append(job)
+                n += len(job.texts)
+            jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+            try:
+                out = self._fn([t for j in jobs for t in j.texts]) if jobs else None
+            except BaseException as exc:  # the callers get the failure; the worker lives on
+                for j in jobs:
+                    j.future.set_exception(exc)
+            else:
+                start = 0
+                for j in jobs:
+                    assert out is not None
+                    j.future.set_result(out[start : start + len(j.texts)])
+                    start += len(j.texts)
+            if stop:
+                return

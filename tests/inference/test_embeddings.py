@@ -5,7 +5,10 @@ Matryoshka, and a tiny random cross-encoder (no real cross-encoder weights exist
 from __future__ import annotations
 
 import base64
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +50,9 @@ def key(redis_url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(
+def served(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model_path: Path, models: Path
-) -> Iterator[str]:
+) -> Iterator[tuple[str, Any]]:
     home = tmp_path_factory.mktemp("embed-home")
     common = CommonSettings(home=home, redis_url=redis_url, model_roots=str(models), log_json=False)
     settings = InferenceSettings(
@@ -62,8 +65,14 @@ def server(
         embedding_dtype="float32",
         embedding_max_inputs=MAX_INPUTS,
     )
-    with serve_app(create_app(common, settings)) as url:
-        yield url
+    app = create_app(common, settings)
+    with serve_app(app) as url:
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def server(served: tuple[str, Any]) -> str:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +288,48 @@ def test_bad_rerank_requests_are_400_naming_the_parameter(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"].split(".")[0] == param, err
+
+
+def test_concurrent_requests_share_a_forward_pass_off_the_event_loop(
+    served: tuple[str, Any], http: httpx.Client
+) -> None:
+    """While the model's worker is busy, the server still answers, and the requests that arrive
+    meanwhile go through the model together, each getting its own rows back."""
+    _, app = served
+
+    def embed(texts: list[str]) -> np.ndarray:
+        r = http.post("/v1/embeddings", json={"model": "tiny-mrl", "input": texts})
+        assert r.status_code == 200, r.text
+        return np.array([d["embedding"] for d in r.json()["data"]])
+
+    alone = {t: embed([t])[0] for t in ["first", "a", "bb", "ccc", "dddd"]}
+    batcher = app.state.embeddings._loaded["tiny-mrl"]._batcher
+    original, entered, gate = batcher._fn, threading.Event(), threading.Event()
+    calls: list[list[str]] = []
+
+    def gated(texts: list[str]) -> np.ndarray:
+        calls.append(list(texts))
+        entered.set()
+        assert gate.wait(60)
+        return original(texts)
+
+    batcher._fn = gated
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            first = pool.submit(embed, ["first"])
+            assert entered.wait(60)
+            # the forward pass holds the worker, not the event loop
+            assert http.get("/v1/models").status_code == 200
+            rest = [pool.submit(embed, texts) for texts in (["a", "bb"], ["ccc"], ["dddd"])]
+            deadline = time.monotonic() + 60
+            while batcher._queue.qsize() < 3:  # all three are waiting for the worker
+                assert time.monotonic() < deadline, "the requests never reached the model's queue"
+                time.sleep(0.01)
+            gate.set()
+            results = [first.result(60)] + [f.result(60) for f in rest]
+    finally:
+        batcher._fn = original
+    assert calls[0] == ["first"]
+    assert len(calls) == 2 and sorted(calls[1]) == ["a", "bb", "ccc", "dddd"]
+    for texts, got in zip([["first"], ["a", "bb"], ["ccc"], ["dddd"]], results, strict=True):
+        np.testing.assert_allclose(got, np.stack([alone[t] for t in texts]), atol=1e-5)
