@@ -41,7 +41,9 @@ class RetrievalSettings(ServiceSettings):
         "Collections name the server's model (`embedding_model`). Empty: embed in process.",
     )
     embedder_api_key: str = Field(
-        "", description="Bearer key for TANDEM_RETRIEVAL_EMBEDDER_URL; empty: TANDEM_SERVICE_API_KEY."
+        "",
+        description="Bearer key for TANDEM_RETRIEVAL_EMBEDDER_URL and TANDEM_RETRIEVAL_RERANKER_URL; "
+        "empty: TANDEM_SERVICE_API_KEY.",
     )
     embedder_timeout: float = Field(
         120.0, gt=0, description="Seconds one request to TANDEM_RETRIEVAL_EMBEDDER_URL may take."
@@ -49,7 +51,13 @@ class RetrievalSettings(ServiceSettings):
     reranker_model: str = Field(
         "",
         description="sentence-transformers CrossEncoder folder (under TANDEM_MODEL_ROOTS) used when a "
-        "search asks for rerank; empty disables reranking.",
+        "search asks for rerank, or with TANDEM_RETRIEVAL_RERANKER_URL the rerank model that server "
+        "serves; empty disables reranking.",
+    )
+    reranker_url: str = Field(
+        "",
+        description="Base URL of an inference service whose /v1/rerank scores for this service "
+        "(TANDEM_RETRIEVAL_RERANKER_MODEL names its model). Empty: rerank in process.",
     )
     rerank_depth: int = Field(50, ge=1, le=1000, description="First-stage candidates the reranker rescores.")
     chunk_size: int = Field(256, ge=16, le=8192, description="Default chunk size in model tokens.")

@@ -18,6 +18,7 @@ from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.embedder import HttpEmbedder, SentenceTransformerEmbedder
 from tests.conftest import auth
 from tests.helpers.servers import serve_app
+from tests.retrieval.test_protocols import make_tiny_cross_encoder
 from tests.retrieval.test_protocols import test_embedder_conformance as check_embedder_protocol
 
 DOCS = [
@@ -45,6 +46,7 @@ def embedding_server(
         model=str(tiny_model_path),
         max_model_len=128,
         embedding_models=f"shared-embedder={tiny_embedder}",
+        rerank_models=f"shared-reranker={make_tiny_cross_encoder(model_root / 'tiny-cross-encoder')}",
         embedding_dtype="float32",
         embedding_max_inputs=16,  # smaller than a batch of ingestion: the embedder splits requests
     )
@@ -152,3 +154,41 @@ def test_a_collection_refuses_an_embedder_of_another_dimension(
     with pytest.raises(Conflict) as err:
         local.get("acme", "kb")
     assert err.value.param == "embedding_model" and "32" in str(err.value) and "384" in str(err.value)
+
+
+def test_search_reranks_through_the_rerank_server_as_in_process(
+    tmp_path: Path, embedding_server: str, api_key: str, tiny_embedder: Path, model_root: Path
+) -> None:
+    """TANDEM_RETRIEVAL_RERANKER_URL: the server's cross-encoder scores the candidates, as the
+    same cross-encoder loaded here does."""
+    from services.retrieval.core.collection import InputDocument
+    from services.retrieval.core.registry import CollectionManager
+    from services.retrieval.core.reranker import CrossEncoderReranker, HttpReranker
+
+    ce = model_root / "tiny-cross-encoder"
+    remote = HttpReranker(embedding_server, api_key, "shared-reranker")
+    texts = ["first passage", "second passage", "first passage"]
+    np.testing.assert_allclose(
+        remote.score("q", texts), CrossEncoderReranker(ce).score("q", texts), atol=1e-5
+    )
+    assert remote.score("q", []).shape == (0,)
+
+    docs = [InputDocument(f"d{i}", f"passage number {i} about rivers and lakes", "", {}) for i in range(15)]
+    hits = {}
+    for where, extra in [
+        ("local", {"reranker_model": str(ce)}),
+        ("remote", {"reranker_model": "shared-reranker", "reranker_url": f"{embedding_server}/v1"}),
+    ]:
+        settings = RetrievalSettings(
+            embedding_model=str(tiny_embedder), embedding_dtype="float32", rerank_depth=20, **extra
+        )
+        manager = CollectionManager(tmp_path / where, settings, [model_root], service_api_key=api_key)
+        manager.create("t", "c")
+        col = manager.get("t", "c")
+        col.ingest(docs)
+        hits[where] = [
+            (h["chunk_id"], h["scores"]["rerank"]) for h in col.search("rivers", top_k=5, rerank=True)
+        ]
+        manager.close_all()
+    assert [c for c, _ in hits["remote"]] == [c for c, _ in hits["local"]]
+    np.testing.assert_allclose([s for _, s in hits["remote"]], [s for _, s in hits["local"]], atol=1e-5)

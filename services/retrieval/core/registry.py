@@ -21,7 +21,7 @@ from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.atomic import atomic_write, fsync_dir
 from services.retrieval.core.collection import Collection, CollectionConfig, SearchOptions
 from services.retrieval.core.embedder import Embedder, get_embedder, get_http_embedder, resolve_model_path
-from services.retrieval.core.reranker import Reranker, get_reranker
+from services.retrieval.core.reranker import Reranker, get_http_reranker, get_reranker
 from services.retrieval.core.vector_index import IndexParams
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -103,6 +103,10 @@ class CollectionManager:
     def reranker(self) -> Reranker | None:
         if not self.settings.reranker_model:
             return None
+        s = self.settings
+        if s.reranker_url:
+            key = s.embedder_api_key or self.service_api_key
+            return get_http_reranker(s.reranker_url, key, s.reranker_model, timeout=s.embedder_timeout)
         path = resolve_model_path(self.settings.reranker_model, self.model_roots, param="reranker_model")
         return get_reranker(path)
 
