@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Open(BaseModel):
@@ -15,8 +15,8 @@ class _Open(BaseModel):
 
 class EmbeddingRequest(_Open):
     model: str = Field(..., min_length=1)
-    # Strings, or token ids of the embedding model's own tokenizer; checked in the serving layer
-    # so each bad element is named (pydantic's union errors would list every branch).
+    # Strings, or token ids of the embedding model's own tokenizer (their range is checked in the
+    # serving layer, against the model's vocabulary).
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
@@ -27,6 +27,26 @@ class EmbeddingRequest(_Open):
         description="vLLM extension: cut each input to this many tokens (-1: the model's limit) "
         "instead of refusing a longer one.",
     )
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        # One clear sentence instead of pydantic's error per union branch; and no lax coercion
+        # (true is not token 1, "3" is not token 3).
+        def token(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and (
+            all(isinstance(x, str) for x in value)
+            or all(token(x) for x in value)
+            or all(isinstance(x, list) and all(token(t) for t in x) for x in value)
+        ):
+            return value
+        raise ValueError(
+            "must be a string, a list of strings, a token array (a list of integers) or a list of token arrays"
+        )
 
 
 class EmbeddingData(BaseModel):
