@@ -292,11 +292,13 @@ class EmbeddingService:
 
     async def embeddings(self, req: EmbeddingRequest) -> EmbeddingResponse:
         model = await self.embedding_model(req.model)
-        texts = self._texts(req, model)
         limit = self._truncation(req.truncate_prompt_tokens, model.max_tokens)
         dims = self._dimensions(req.dimensions, model)
 
         def prepare() -> tuple[list[str], int]:
+            # Off the event loop: decoding token arrays and counting tokens of thousands of
+            # inputs takes a while, and the tokenizer's lock may be held by the model's worker.
+            texts = self._texts(req, model)
             counts = model.count_tokens(texts)
             cut = list(texts)
             for i, n in enumerate(counts):
