@@ -10,8 +10,10 @@ from fastapi import FastAPI
 from services.common.app_factory import create_service_app
 from services.common.config import CommonSettings, load_settings
 from services.common.errors import ServiceUnavailable
+from services.inference.api.embeddings import router as embeddings_router
 from services.inference.api.openai import router
 from services.inference.config import InferenceSettings
+from services.inference.embeddings import EmbeddingService
 from services.inference.engine.base import Engine
 from services.inference.engines import build_engine, torch_builder
 from services.inference.registry import ModelRegistry, RecordStore
@@ -43,6 +45,7 @@ def create_app(
         finally:
             await app.state.registry.shutdown()
             app.state.registry = None
+            app.state.embeddings.close()
 
     async def engine_ready() -> None:
         registry = getattr(app.state, "registry", None)
@@ -51,8 +54,13 @@ def create_app(
         await registry.primary.health()
 
     app = create_service_app(
-        "inference", common, routers=[router], readiness={"engine": engine_ready}, lifespan=lifespan
+        "inference",
+        common,
+        routers=[router, embeddings_router],
+        readiness={"engine": engine_ready},
+        lifespan=lifespan,
     )
     app.state.settings = settings
     app.state.registry = None
+    app.state.embeddings = EmbeddingService(settings, common.allowed_model_roots)
     return app

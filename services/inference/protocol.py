@@ -106,7 +106,9 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
-    kind: Literal["base", "adapter", "registered"] = "base"
+    kind: Literal["base", "adapter", "registered", "embedding", "rerank"] = "base"
+    # Embedding models: the vector size (/v1/embeddings); none for generative models.
+    dimensions: int | None = None
 
 
 class Capabilities(BaseModel):

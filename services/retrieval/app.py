@@ -34,7 +34,8 @@ class EmbedderWarmup:
 
     def _run(self, manager: CollectionManager, model: str) -> None:
         try:
-            manager.embedder_for(manager.model_path(model))
+            if not manager.settings.embedder_url:  # a remote embedder is fetched on first use
+                manager.embedder_named(model)
         except Exception as exc:
             log.exception("loading the embedding model %s failed", model)
             self.error = f"{type(exc).__name__}: {exc}"
@@ -51,7 +52,9 @@ class EmbedderWarmup:
 def create_app(common: CommonSettings | None = None, settings: RetrievalSettings | None = None) -> FastAPI:
     common = common or load_settings(CommonSettings, check_unknown=False)
     settings = settings or load_settings(RetrievalSettings)
-    manager = CollectionManager(common.home_dir, settings, common.allowed_model_roots)
+    manager = CollectionManager(
+        common.home_dir, settings, common.allowed_model_roots, service_api_key=common.service_api_key
+    )
     warmup = EmbedderWarmup(manager, settings.embedding_model)
     job_redis = sync_redis(common.redis_url)
 

@@ -34,10 +34,30 @@ class RetrievalSettings(ServiceSettings):
         description="Embedding model dtype. 'auto': bf16 on accelerators and on CPUs with native bf16 "
         "(avx512_bf16/AMX), else float32.",
     )
+    embedder_url: str = Field(
+        "",
+        description="Base URL of an inference service (…/v1 or root) whose /v1/embeddings embeds for "
+        "this service instead of a model loaded here, so many replicas share one embedding server. "
+        "Collections name the server's model (`embedding_model`). Empty: embed in process.",
+    )
+    embedder_api_key: str = Field(
+        "",
+        description="Bearer key for TANDEM_RETRIEVAL_EMBEDDER_URL and TANDEM_RETRIEVAL_RERANKER_URL; "
+        "empty: TANDEM_SERVICE_API_KEY.",
+    )
+    embedder_timeout: float = Field(
+        120.0, gt=0, description="Seconds one request to TANDEM_RETRIEVAL_EMBEDDER_URL may take."
+    )
     reranker_model: str = Field(
         "",
         description="sentence-transformers CrossEncoder folder (under TANDEM_MODEL_ROOTS) used when a "
-        "search asks for rerank; empty disables reranking.",
+        "search asks for rerank, or with TANDEM_RETRIEVAL_RERANKER_URL the rerank model that server "
+        "serves; empty disables reranking.",
+    )
+    reranker_url: str = Field(
+        "",
+        description="Base URL of an inference service whose /v1/rerank scores for this service "
+        "(TANDEM_RETRIEVAL_RERANKER_MODEL names its model). Empty: rerank in process.",
     )
     rerank_depth: int = Field(50, ge=1, le=1000, description="First-stage candidates the reranker rescores.")
     chunk_size: int = Field(256, ge=16, le=8192, description="Default chunk size in model tokens.")

@@ -25,7 +25,9 @@ celery_app = make_celery("retrieval", common.redis_url, default_queue="io")
 @functools.cache
 def _manager() -> CollectionManager:
     settings = load_settings(RetrievalSettings, check_unknown=False)
-    return CollectionManager(common.home_dir, settings, common.allowed_model_roots)
+    return CollectionManager(
+        common.home_dir, settings, common.allowed_model_roots, service_api_key=common.service_api_key
+    )
 
 
 @functools.cache

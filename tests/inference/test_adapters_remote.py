@@ -128,7 +128,7 @@ def test_adapters_load_use_side_by_side_and_unload(
         )
         assert r.status_code == 200, r.text
     models = {m.id: m for m in client.models.list().data}
-    assert set(models) == {"tiny", "a1", "a2"}
+    assert set(models) == {"tiny", "a1", "a2", "all-MiniLM-L6-v2"}
     assert models["a1"].model_extra["parent"] == "tiny"  # type: ignore[index]
     for name, ref in refs.items():
         assert _complete(client, name) == ref
@@ -153,7 +153,7 @@ def test_adapters_load_use_side_by_side_and_unload(
     assert r.status_code == 200
     with pytest.raises(openai.NotFoundError):
         _complete(client, "a1")
-    assert {m.id for m in client.models.list().data} == {"tiny", "a2"}
+    assert {m.id for m in client.models.list().data} == {"tiny", "a2", "all-MiniLM-L6-v2"}
     assert _complete(client, "a2") == refs["a2"]
     assert _complete(client, "tiny") == refs["tiny"]
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a1"}, headers=h)
@@ -191,7 +191,7 @@ def test_bad_adapter_paths_are_4xx(
     bad_name = load("bad name!", str(wrong))
     assert bad_name.status_code == 400
     client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
-    assert {m.id for m in client.models.list().data} == {"tiny"}
+    assert {m.id for m in client.models.list().data} == {"tiny", "all-MiniLM-L6-v2"}  # + the embedding model
     assert _complete(client, "tiny")  # still serving
 
 
@@ -232,6 +232,9 @@ def test_remote_engine_forwards_to_a_second_instance(
     with serve_app(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
         assert "tiny" in {m.id for m in client.models.list().data}
+        # The upstream's embedding model is not taken for a chat model: listed once, the proxy's own.
+        embed = [m for m in client.models.list().data if m.id == "all-MiniLM-L6-v2"]
+        assert [m.kind for m in embed] == ["embedding"]  # type: ignore[attr-defined]
         msgs = [{"role": "user", "content": "Through the proxy"}]
         want = direct.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)  # type: ignore[arg-type]
         got = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)  # type: ignore[arg-type]

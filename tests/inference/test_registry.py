@@ -194,7 +194,7 @@ def test_tenant_adapter_is_listed_used_and_deleted_by_its_tenant_only(
     assert mine["ft-acme1"]["kind"] == "adapter"
     assert mine["ft-acme1"]["owned_by"] == "acme" and mine["ft-acme1"]["parent"] == "tiny"
     assert mine["tiny"]["kind"] == "base"
-    assert set(_models(url, keys["globex"])) == {"tiny"}
+    assert set(_models(url, keys["globex"])) == {"tiny", "all-MiniLM-L6-v2"}  # + the embedding model
     assert "ft-acme1" not in _models(url, keys["operator"])  # an operator's listing is its own tenant's too
 
     assert _complete(url, keys["acme"], "ft-acme1") == refs["a1"]

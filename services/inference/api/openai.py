@@ -73,6 +73,8 @@ async def list_models(request: Request) -> ModelList:
             )
             for m in served
         ]
+        # Embedding and rerank models (kind "embedding" / "rerank"), shared by every tenant.
+        + request.app.state.embeddings.cards(_STARTED)
     )
 
 

@@ -57,6 +57,8 @@ class RemoteEngine:
         data = await self._json("GET", "/models")
         out = []
         for m in data.get("data", []) if isinstance(data, dict) else []:
+            if m.get("kind") in ("embedding", "rerank"):  # an upstream Tandem's: not chat models
+                continue
             kind = "adapter" if m.get("parent") else "base"
             out.append(
                 ServedModel(str(m["id"]), kind, parent=m.get("parent"), max_model_len=m.get("max_model_len"))

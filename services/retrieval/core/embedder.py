@@ -25,7 +25,11 @@ DEFAULT_ALIASES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 
 class Embedder(Protocol):
     name: str
-    dim: int
+
+    @property
+    def dim(self) -> int:
+        """Vector size (read-only: ``HttpEmbedder`` learns it from the server on first use)."""
+        ...
 
     def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
         """float32 [n, dim], L2-normalised."""
@@ -182,4 +186,136 @@ def get_embedder(
         if emb is None:
             emb = SentenceTransformerEmbedder(path, batch_size=batch_size, dtype=dtype, workers=workers)
             _cache[key] = emb
+        return emb
+
+
+class HttpEmbedder:
+    """``Embedder`` over an inference service's ``/v1/embeddings``: many retrieval replicas share
+    one embedding server and load no model. Chunking needs the model's token offsets on every
+    ingest, so the model's fast tokenizer is fetched once (a Tandem extension route) and run here.
+    The server's model metadata is fetched on first use, so this service starts (and becomes
+    ready) before the embedding server does."""
+
+    def __init__(
+        self, url: str, api_key: str, model: str, *, batch_size: int = 64, timeout: float = 120.0
+    ) -> None:
+        import httpx
+
+        base = url.rstrip("/")
+        base = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.url = base
+        self.name = model
+        self.batch_size = batch_size
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base, headers=headers, timeout=timeout)
+        self._meta_lock = threading.Lock()
+        self._dim: int | None = None
+        self._max_tokens = 0
+        self._fast: Any = None
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        import httpx
+
+        from services.common.errors import UpstreamError
+
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise UpstreamError(
+                f"embedding server {self.url} unreachable: {type(exc).__name__}: {exc}"
+            ) from None
+        if resp.status_code == 404:
+            raise InvalidRequest(
+                f"embedding_model: {self.name!r} is not served by the embedding server {self.url}",
+                param="embedding_model",
+            )
+        if resp.status_code >= 400:
+            try:
+                message = resp.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = resp.text[:300]
+            raise UpstreamError(f"embedding server {self.url} answered {resp.status_code}: {message}")
+        return resp.json()
+
+    def _meta(self) -> None:
+        if self._dim is not None:
+            return
+        with self._meta_lock:
+            if self._dim is not None:
+                return
+            from tokenizers import Tokenizer
+
+            body = self._request("GET", f"/v1/embeddings/tokenizer/{self.name}")
+            fast = Tokenizer.from_str(body["tokenizer"])
+            fast.no_truncation()
+            fast.no_padding()
+            self._fast, self._max_tokens = fast, int(body["max_tokens"])
+            self._dim = int(body["dimensions"])
+
+    @property
+    def dim(self) -> int:
+        self._meta()
+        assert self._dim is not None
+        return self._dim
+
+    @property
+    def max_tokens(self) -> int:
+        self._meta()
+        return self._max_tokens
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        import base64
+
+        from services.common.errors import UpstreamError
+
+        body = self._request(
+            "POST",
+            "/v1/embeddings",
+            # truncate_prompt_tokens=-1: cut at the model's limit, as the in-process embedder does.
+            json={
+                "model": self.name,
+                "input": texts,
+                "encoding_format": "base64",
+                "truncate_prompt_tokens": -1,
+            },
+        )
+        rows = sorted(body["data"], key=lambda d: d["index"])
+        out = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in rows])
+        if out.shape != (len(texts), self.dim):
+            # The collection's index was built for self.dim: a server now serving another model
+            # under this name must not corrupt it.
+            raise UpstreamError(
+                f"embedding server {self.url} gave vectors of shape {out.shape} for {len(texts)} texts; "
+                f"{self.name} is {self.dim}-dimensional"
+            )
+        return out.astype(np.float32)
+
+    def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        parts = [
+            self._embed(list(texts[s : s + self.batch_size])) for s in range(0, len(texts), self.batch_size)
+        ]
+        return np.concatenate(parts)
+
+    def embed_query(self, text: str) -> np.ndarray:
+        return self._embed([text])[0]
+
+    def token_offsets(self, text: str) -> list[tuple[int, int]]:
+        self._meta()
+        return [(int(a), int(b)) for a, b in self._fast.encode(text, add_special_tokens=False).offsets]
+
+
+_http_cache: dict[tuple[str, str, str, int], HttpEmbedder] = {}
+
+
+def get_http_embedder(
+    url: str, api_key: str, model: str, *, batch_size: int = 64, timeout: float = 120.0
+) -> HttpEmbedder:
+    """The process-wide client for this server and model (one connection pool)."""
+    key = (url, api_key, model, batch_size)
+    with _cache_lock:
+        emb = _http_cache.get(key)
+        if emb is None:
+            emb = _http_cache[key] = HttpEmbedder(url, api_key, model, batch_size=batch_size, timeout=timeout)
         return emb

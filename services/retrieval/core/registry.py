@@ -20,8 +20,8 @@ from services.common.errors import Conflict, InvalidRequest, NotFound
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.atomic import atomic_write, fsync_dir
 from services.retrieval.core.collection import Collection, CollectionConfig, SearchOptions
-from services.retrieval.core.embedder import get_embedder, resolve_model_path
-from services.retrieval.core.reranker import Reranker, get_reranker
+from services.retrieval.core.embedder import Embedder, get_embedder, get_http_embedder, resolve_model_path
+from services.retrieval.core.reranker import Reranker, get_http_reranker, get_reranker
 from services.retrieval.core.vector_index import IndexParams
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -37,11 +37,18 @@ def validate_name(name: str) -> str:
     return name
 
 
+# ``CollectionConfig.model_path`` of a collection embedded by TANDEM_RETRIEVAL_EMBEDDER_URL.
+REMOTE_MODEL = "remote:"
+
+
 class CollectionManager:
-    def __init__(self, home: Path, settings: RetrievalSettings, model_roots: list[Path]) -> None:
+    def __init__(
+        self, home: Path, settings: RetrievalSettings, model_roots: list[Path], service_api_key: str = ""
+    ) -> None:
         self.base = home / "retrieval"
         self.settings = settings
         self.model_roots = model_roots
+        self.service_api_key = service_api_key
         self._open: dict[tuple[str, str], Collection] = {}
         self._lock = threading.Lock()
 
@@ -77,9 +84,29 @@ class CollectionManager:
             workers=self.settings.embedding_workers,
         )
 
+    def embedder_named(self, model: str, model_path: str | None = None) -> tuple[Embedder, str]:
+        """The embedder of ``model`` (a collection's ``embedding_model``) and the path to record:
+        the embedding server's when TANDEM_RETRIEVAL_EMBEDDER_URL is set, else the local model."""
+        s = self.settings
+        if s.embedder_url:
+            key = s.embedder_api_key or self.service_api_key
+            emb = get_http_embedder(
+                s.embedder_url, key, model, batch_size=s.embedding_batch_size, timeout=s.embedder_timeout
+            )
+            return emb, REMOTE_MODEL + model
+        if model_path and not model_path.startswith(REMOTE_MODEL):
+            path = Path(model_path)
+        else:
+            path = self.model_path(model)
+        return self.embedder_for(path), str(path)
+
     def reranker(self) -> Reranker | None:
         if not self.settings.reranker_model:
             return None
+        s = self.settings
+        if s.reranker_url:
+            key = s.embedder_api_key or self.service_api_key
+            return get_http_reranker(s.reranker_url, key, s.reranker_model, timeout=s.embedder_timeout)
         path = resolve_model_path(self.settings.reranker_model, self.model_roots, param="reranker_model")
         return get_reranker(path)
 
@@ -97,7 +124,7 @@ class CollectionManager:
         if final.exists():
             raise Conflict(f"collection {name!r} already exists", param="name", code="collection_exists")
         model = embedding_model or self.settings.embedding_model
-        model_path = resolve_model_path(model, self.model_roots)
+        embedder, model_path = self.embedder_named(model)
         size = chunk_size or self.settings.chunk_size
         overlap = self.settings.chunk_overlap if chunk_overlap is None else chunk_overlap
         if overlap >= size:
@@ -105,11 +132,10 @@ class CollectionManager:
                 f"chunking.overlap ({overlap}) must be smaller than chunking.size ({size})",
                 param="chunking.overlap",
             )
-        embedder = self.embedder_for(model_path)
         config = CollectionConfig(
             name=name,
             embedding_model=model,
-            model_path=str(model_path),
+            model_path=model_path,
             dim=embedder.dim,
             chunk_size=size,
             chunk_overlap=overlap,
@@ -159,10 +185,20 @@ class CollectionManager:
             if col is not None:  # deleted by another process
                 self._open.pop(key).close(checkpoint=False)
             config = self.config(tenant, name)
+            embedder, _ = self.embedder_named(config.embedding_model, config.model_path)
+            if embedder.dim != config.dim:
+                # Another model now answers to this name (here or on the embedding server):
+                # its vectors would not fit the collection's index.
+                raise Conflict(
+                    f"collection {name!r} holds {config.dim}-dimensional vectors of "
+                    f"{config.embedding_model!r}, but that model now gives {embedder.dim}",
+                    param="embedding_model",
+                    code="embedding_dimension_mismatch",
+                )
             col = Collection(
                 self.path_of(tenant, name),
                 config,
-                self.embedder_for(Path(config.model_path)),
+                embedder,
                 self.options(config.index),
                 self.reranker(),
             )

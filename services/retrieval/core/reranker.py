@@ -57,6 +57,49 @@ class CrossEncoderReranker:
         return arr if arr.ndim == 1 else arr[:, -1]
 
 
+class HttpReranker:
+    """``Reranker`` over an inference service's ``/v1/rerank`` (vLLM's and Jina's shape), so
+    retrieval replicas share one cross-encoder server."""
+
+    def __init__(self, url: str, api_key: str, model: str, *, timeout: float = 120.0) -> None:
+        import httpx
+
+        base = url.rstrip("/")
+        self.url = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.name = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def score(self, query: str, texts: Sequence[str]) -> np.ndarray:
+        import httpx
+
+        from services.common.errors import InvalidRequest, UpstreamError
+
+        if not texts:
+            return np.zeros(0, dtype=np.float32)
+        body = {"model": self.name, "query": query, "documents": list(texts), "return_documents": False}
+        try:
+            resp = self._http.post("/v1/rerank", json=body)
+        except httpx.HTTPError as exc:
+            raise UpstreamError(
+                f"rerank server {self.url} unreachable: {type(exc).__name__}: {exc}"
+            ) from None
+        if resp.status_code == 404:
+            raise InvalidRequest(
+                f"reranker_model: {self.name!r} is not served by the rerank server {self.url}",
+                param="reranker_model",
+            )
+        if resp.status_code >= 400:
+            raise UpstreamError(f"rerank server {self.url} answered {resp.status_code}: {resp.text[:300]}")
+        out = np.zeros(len(texts), dtype=np.float32)
+        results = resp.json()["results"]
+        if sorted(r["index"] for r in results) != list(range(len(texts))):
+            raise UpstreamError(f"rerank server {self.url} did not score each of the {len(texts)} texts once")
+        for r in results:
+            out[r["index"]] = r["relevance_score"]
+        return out
+
+
 _cache: dict[str, CrossEncoderReranker] = {}
 _cache_lock = threading.Lock()
 
@@ -66,4 +109,16 @@ def get_reranker(path: Path) -> CrossEncoderReranker:
         r = _cache.get(str(path))
         if r is None:
             r = _cache[str(path)] = CrossEncoderReranker(path)
+        return r
+
+
+_http_cache: dict[tuple[str, str, str], HttpReranker] = {}
+
+
+def get_http_reranker(url: str, api_key: str, model: str, *, timeout: float = 120.0) -> HttpReranker:
+    with _cache_lock:
+        key = (url, api_key, model)
+        r = _http_cache.get(key)
+        if r is None:
+            r = _http_cache[key] = HttpReranker(url, api_key, model, timeout=timeout)
         return r
