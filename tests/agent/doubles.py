@@ -82,6 +82,8 @@ class ScriptedModel:
     # GET /v1/models: the shared models every key sees, plus each key's own (a tenant's fine-tunes).
     shared: list[str] = field(default_factory=lambda: ["scripted"])
     own: dict[str, list[str]] = field(default_factory=dict)
+    # Embedding models listed beside the chat models, as the inference service lists them.
+    embedding: list[str] = field(default_factory=lambda: ["all-MiniLM-L6-v2"])
 
     def next_reply(self, body: dict[str, Any]) -> str | dict[str, Any]:
         if callable(self.replies):
@@ -96,7 +98,9 @@ def inference_double(model: ScriptedModel) -> FastAPI:
     async def models(request: Request) -> Any:
         key = request.headers.get("authorization", "").removeprefix("Bearer ")
         ids = [*model.shared, *model.own.get(key, [])]
-        return {"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}
+        cards = [{"id": i, "object": "model"} for i in ids]
+        cards += [{"id": i, "object": "model", "kind": "embedding"} for i in model.embedding]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/capabilities")
     async def capabilities() -> Any:

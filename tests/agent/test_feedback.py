@@ -529,7 +529,7 @@ def test_llm_is_validated_for_the_caller_and_remembered_by_the_conversation(
 ) -> None:
     stack.model.own[key] = ["ft-mine"]
     try:
-        for llm in ("nope", "ft-theirs"):
+        for llm in ("nope", "ft-theirs", "all-MiniLM-L6-v2"):  # unknown, foreign, cannot chat
             stack.model.own[foreign_key] = ["ft-theirs"]
             resp = httpx.post(
                 f"{stack.url}/v1/pipelines/chat-documents/run",

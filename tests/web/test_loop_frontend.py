@@ -42,6 +42,9 @@ MODELS = {
             "root": "SmolLM2-135M-Instruct",
         },
         {"id": "ft-acme-kto-1", "kind": "adapter", "owned_by": "acme", "parent": "SmolLM2-135M-Instruct"},
+        # Listed by the inference service too, but they cannot answer: not in the picker.
+        {"id": "all-MiniLM-L6-v2", "kind": "embedding", "owned_by": "tandem"},
+        {"id": "tiny-reranker", "kind": "rerank", "owned_by": "tandem"},
     ],
 }
 

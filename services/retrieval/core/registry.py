@@ -16,11 +16,12 @@ import time
 import uuid
 from pathlib import Path
 
+from services.common.embedding_models import resolve_model_path
 from services.common.errors import Conflict, InvalidRequest, NotFound
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.atomic import atomic_write, fsync_dir
 from services.retrieval.core.collection import Collection, CollectionConfig, SearchOptions
-from services.retrieval.core.embedder import Embedder, get_embedder, get_http_embedder, resolve_model_path
+from services.retrieval.core.embedder import Embedder, get_embedder, get_http_embedder
 from services.retrieval.core.reranker import Reranker, get_http_reranker, get_reranker
 from services.retrieval.core.vector_index import IndexParams
 

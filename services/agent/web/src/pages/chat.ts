@@ -54,7 +54,10 @@ export function isFineTune(m: ModelCard): boolean {
 
 /** What GET /api/inference/v1/models lists for the caller's tenant: base models and its fine-tunes. */
 export async function loadModels(): Promise<ModelCard[]> {
-  return listOf<ModelCard>(await api(inference("/models")), "models").filter((m) => m && typeof m.id === "string");
+  // Embedding and rerank models are listed too, but cannot write answers.
+  return listOf<ModelCard>(await api(inference("/models")), "models").filter(
+    (m) => m && typeof m.id === "string" && m.kind !== "embedding" && m.kind !== "rerank",
+  );
 }
 
 type Target = { kind: "pipeline" | "agent"; name: string; collection: string };
