@@ -135,7 +135,9 @@ class AgentRuntime:
         """``llm`` must be one of the models the inference service lists for the caller's key
         (shared base models and the tenant's own fine-tunes): anything else is a 404 naming it."""
         # Embedding and rerank models are listed too, but cannot write an answer.
-        listed = {str(m.get("id")) for m in await inference.models() if m.get("kind") not in ("embedding", "rerank")}
+        listed = {
+            str(m.get("id")) for m in await inference.models() if m.get("kind") not in ("embedding", "rerank")
+        }
         if llm not in listed:
             raise NotFound(
                 f"unknown model {llm!r} for 'llm': use one of the models GET /v1/models lists for this key",
