@@ -1,0 +1,77 @@
+"""Grammar-constrained decoding with xgrammar (see docs/inference.md for why xgrammar).
+
+One ``GuidedCompiler`` per engine holds the tokenizer's token table and xgrammar's
+compiler (which caches compiled grammars, so a schema repeated across requests compiles
+once). Each constrained sequence gets its own ``GrammarMatcher``: before sampling, the
+scheduler fills that row's token bitmask and applies it to that row's logits only, so
+constrained and free sequences share a batch; after sampling the matcher is advanced
+with the accepted token, and the sequence ends when the grammar terminates.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from services.inference.engine.types import GuidedDecoding, InvalidParams
+
+
+class GuidedCompiler:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                # the stop tokens are the engine's end-of-text ids: a finished grammar allows
+                # only those, and the scheduler ends the sequence on them
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def compile(self, spec: GuidedDecoding) -> Any:
+        """Compile ``spec`` (cached by xgrammar); a grammar it cannot compile is a 400."""
+        compiler = self._get()
+        try:
+            if spec.json_schema is not None:
+                # compact JSON (no free whitespace): a model can't pad the output forever
+                return compiler.compile_json_schema(spec.json_schema, any_whitespace=False, strict_mode=False)
+            if spec.grammar is not None:
+                return compiler.compile_grammar(spec.grammar)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
+            raise InvalidParams(
+                f"{spec.param}: the grammar could not be compiled: {exc}", spec.param
+            ) from None
+        raise InvalidParams(f"{spec.param}: no grammar given", spec.param)
+
+    @staticmethod
+    def matcher(compiled: Any) -> Any:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+
+def apply_masks(logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:
+    """Mask, in place, the rows of ``logits`` that have a matcher to the tokens their grammar allows."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    for row, matcher in matchers:
+        matcher.fill_next_token_bitmask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=[row for row, _ in matchers])
+
+
+def json_object_schema() -> str:
+    return json.dumps({"type": "object"})
