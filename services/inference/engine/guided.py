@@ -10,7 +10,7 @@ with the accepted token, and the sequence ends when the grammar terminates.
 
 from __future__ import annotations
 
-import json
+import functools
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -46,8 +46,7 @@ class GuidedCompiler:
         compiler = self._get()
         try:
             if spec.json_schema is not None:
-                # compact JSON (no free whitespace): a model can't pad the output forever
-                return compiler.compile_json_schema(spec.json_schema, any_whitespace=False, strict_mode=False)
+                return compiler.compile_grammar(schema_grammar(spec.json_schema))
             if spec.grammar is not None:
                 return compiler.compile_grammar(spec.grammar)
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
@@ -73,5 +72,18 @@ def apply_masks(logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=[row for row, _ in matchers])
 
 
-def json_object_schema() -> str:
-    return json.dumps({"type": "object"})
+# xgrammar 0.2.9 writes length-bounded strings (minLength/maxLength) with the character class
+# below, which lets raw control characters (U+0000-U+001F) into a JSON string: the output
+# then does not parse. Its unbounded strings use the right class, substituted here.
+_LOOSE_CHAR = r"[^\"\\\r\n]"
+_JSON_CHAR = r"[^\0-\x1f\"\\]"
+
+
+@functools.lru_cache(maxsize=256)
+def schema_grammar(schema: str) -> str:
+    """The EBNF grammar of a JSON Schema: compact JSON (no free whitespace, so a model cannot
+    pad the output forever), the schema's own semantics (no implied additionalProperties)."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=False)
+    return str(grammar).replace(_LOOSE_CHAR, _JSON_CHAR)

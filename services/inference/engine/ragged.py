@@ -144,7 +144,9 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
             valid += range(p * width, p * width + n)
         starts = tensor([r.start for r in prefill])
         query_pos = starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)  # [P, S]
-        plan.prefill_len = int(query_pos.max()) + 1
+        # the last real position, not the padded one: a short chunk padded to the widest one
+        # would otherwise ask for keys beyond the cache's capacity (padded queries are dropped)
+        plan.prefill_len = max(r.start + len(r.token_ids) for r in prefill)
         keys = torch.arange(plan.prefill_len, device=device)
         plan.prefill_slots = tensor([r.slot for r in prefill])
         plan.width = width

@@ -27,6 +27,9 @@ FALLBACK_INSTRUCTIONS = (
 )
 
 
+MAX_PARALLEL_CALLS = 8
+
+
 @dataclass
 class ToolCall:
     name: str
@@ -132,7 +135,8 @@ def call_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool) -
     ]
     one: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     if parallel and name is None:
-        return {"type": "array", "items": one, "minItems": 1}
+        # bounded so a forced answer always ends (a model never choosing "]" is cut off)
+        return {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
     return one
 
 
