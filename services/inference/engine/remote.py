@@ -17,6 +17,7 @@ from services.inference.engine.base import ServedModel
 from services.inference.engine.types import (
     AdapterError,
     EngineRequest,
+    InvalidParams,
     StreamEvent,
     TokenLogprob,
     TopLogprob,
@@ -30,7 +31,12 @@ _OWN = {"stream", "stream_options"}
 class RemoteEngine:
     kind = "remote"
 
-    def __init__(self, base_url: str, *, api_key: str = "", timeout: float = 300.0) -> None:
+    def __init__(
+        self, base_url: str, *, api_key: str = "", timeout: float = 300.0, structured_outputs: bool = True
+    ) -> None:
+        # whether the upstream honours response_format / guided_grammar (vLLM, OpenAI do):
+        # when it does not, such requests are refused here rather than silently unconstrained
+        self.structured_outputs = structured_outputs
         root = base_url.rstrip("/")
         self.base = root if root.endswith("/v1") else root + "/v1"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -90,6 +96,16 @@ class RemoteEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         chat = request.messages is not None
+        if request.tools:
+            # the stream parser reads text, not the upstream's tool_calls deltas
+            raise InvalidParams("tools are not supported on the remote engine", "tools")
+        guided = request.params.guided
+        if guided is not None and not self.structured_outputs:
+            raise InvalidParams(
+                f"{guided.param}: the remote engine's upstream does not support structured output "
+                "(TANDEM_INFERENCE_REMOTE_STRUCTURED_OUTPUTS=false)",
+                guided.param,
+            )
         body = {k: v for k, v in request.extra.items() if k not in _OWN}
         body.update(stream=True, stream_options={"include_usage": True})
         if request.model:

@@ -195,3 +195,17 @@ def may_be_call(prefix: str) -> bool:
     if not s:
         return True
     return s[0] in "[{" or any(s.startswith(t) or t.startswith(s) for t in ("```", "<tool_call>"))
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template has a tool format: rendering with a tool changes the prompt."""
+    probe = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}
+    try:
+        plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        with_tools = tokenizer.apply_chat_template(
+            probe, tokenize=False, add_generation_prompt=True, tools=[tool]
+        )
+    except Exception:  # a template that chokes on tools has no tool format
+        return False
+    return plain != with_tools and "probe_tool" in str(with_tools)

@@ -28,7 +28,7 @@ from services.inference.engine.prefix_cache import PrefixCache
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import Scheduler, Sequence
-from services.inference.engine.tools import fallback_messages, native_messages
+from services.inference.engine.tools import fallback_messages, native_messages, template_renders_tools
 from services.inference.engine.types import (
     AdapterError,
     ContextLengthExceeded,
@@ -190,16 +190,7 @@ class TorchEngine:
     def template_renders_tools(self) -> bool:
         """Whether the chat template has a tool format: rendering with a tool changes the prompt."""
         if self._renders_tools is None:
-            probe = [{"role": "user", "content": "hi"}]
-            tool = {"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}
-            try:
-                plain = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-                with_tools = self.tokenizer.apply_chat_template(
-                    probe, tokenize=False, add_generation_prompt=True, tools=[tool]
-                )
-                self._renders_tools = plain != with_tools and "probe_tool" in str(with_tools)
-            except Exception:
-                self._renders_tools = False
+            self._renders_tools = template_renders_tools(self.tokenizer)
         return self._renders_tools
 
     def fim_tokens(self) -> tuple[str, str, str] | None:
