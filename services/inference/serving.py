@@ -403,7 +403,8 @@ class OpenAIServing:
             params=params,
             model=req.model,
             messages=messages,
-            tools=plan.tools if plan.active else None,
+            # rendered with tool_choice none too (as OpenAI does): the history may refer to them
+            tools=plan.tools or None,
             extra=body,
         )
         stream = await self._open([engine_req], req.model, req.n, raw)

@@ -66,7 +66,11 @@ def test_vllm_engine_json_schema_output_validates(smollm2_path: Path) -> None:
         await engine.start()
         try:
             params = SamplingParams(
-                temperature=1.0, max_tokens=120, n=4, seed=1, guided=GuidedDecoding(json_schema=json.dumps(schema))
+                temperature=1.0,
+                max_tokens=120,
+                n=4,
+                seed=1,
+                guided=GuidedDecoding(json_schema=json.dumps(schema)),
             )
             req = EngineRequest("r", params, messages=[{"role": "user", "content": "A person as JSON."}])
             texts: dict[int, str] = {}

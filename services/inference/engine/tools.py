@@ -110,6 +110,8 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
             )
         else:
             out.append({k: v for k, v in m.items() if k in ("role", "content")})
+    if not tools:  # only a call history to render
+        return out
     if out and out[0].get("role") == "system":
         out[0] = {"role": "system", "content": f"{out[0].get('content') or ''}\n\n{system}".strip()}
     else:

@@ -171,13 +171,15 @@ class TorchEngine:
             entry = {**m, "role": role, "content": _message_text(m.get("content"))}
             clean.append({k: v for k, v in entry.items() if v is not None})
         extra: dict[str, Any] = {}
-        if tools:
+        history = any(m.get("tool_calls") or m.get("role") == "tool" for m in clean)
+        if tools or history:
+            tools = tools or []
             if self.template_renders_tools():
-                clean, extra = native_messages(clean), {"tools": tools}
+                clean, extra = native_messages(clean), ({"tools": tools} if tools else {})
             else:
                 clean = fallback_messages(clean, tools)
         else:
-            clean = [{k: v for k, v in m.items() if k in ("role", "content", "name")} for m in clean]
+            clean = [{"role": m["role"], "content": m["content"]} for m in clean]
         try:
             out = self.tokenizer.apply_chat_template(
                 clean, add_generation_prompt=True, tokenize=True, **extra
