@@ -262,3 +262,39 @@ def test_remote_engine_forwards_to_a_second_instance(
             client.chat.completions.create(model="nope", messages=msgs, max_tokens=2)  # type: ignore[arg-type]
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w " * 400}])
+
+
+def test_remote_engine_forwards_or_refuses_structured_output(
+    server: tuple[str, Any], key: str, home: Path, redis_url: str
+) -> None:
+    import json
+
+    import jsonschema
+
+    upstream, _ = server
+    common = CommonSettings(home=home, redis_url=redis_url, log_json=False)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    msgs = [{"role": "user", "content": "JSON"}]
+    for supported in (True, False):
+        settings = InferenceSettings(
+            engine="remote", remote_url=upstream, remote_api_key=key, remote_structured_outputs=supported
+        )
+        with serve_app(create_app(common, settings)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+            if supported:
+                out = client.chat.completions.create(
+                    model="tiny",
+                    messages=msgs,
+                    response_format=fmt,
+                    max_tokens=40,  # type: ignore[arg-type]
+                )
+                jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
+            else:
+                with pytest.raises(openai.BadRequestError) as err:
+                    client.chat.completions.create(model="tiny", messages=msgs, response_format=fmt)  # type: ignore[arg-type]
+                assert err.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
+            tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="tiny", messages=msgs, tools=[tool])  # type: ignore[arg-type,list-item]
+            assert err.value.body["param"] == "tools"  # type: ignore[index]
