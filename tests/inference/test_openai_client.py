@@ -385,3 +385,24 @@ def test_validation_parity(client: openai.OpenAI) -> None:
         assert top == {token: value}
     # the service keeps serving
     assert chat(model="tiny", messages=msgs, max_tokens=2).choices[0].message.content is not None  # type: ignore[arg-type]
+
+
+def test_auto_streamed_text_equals_unstreamed(client: openai.OpenAI) -> None:
+    """With tools offered, a text answer still streams (held back only while it may be a call)."""
+    args: dict[str, Any] = {
+        "model": "tiny",
+        "messages": USER,
+        "tools": TOOLS,
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    msg = whole.choices[0].message
+    if msg.tool_calls:  # the random model happened to call: the stream says so too
+        assert any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+    else:
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+            whole.choices[0].finish_reason
+        ]

@@ -295,15 +295,26 @@ def test_smollm2_constrained_outputs_validate() -> None:
         prompts,
         SamplingParams(
             temperature=1.0,
-            max_tokens=200,
+            max_tokens=300,
             seed=3,
-            n=2,
+            n=3,
             guided=GuidedDecoding(json_schema='{"type": "object"}'),
         ),
     )
     for out in obj:
-        if out.finish_reason == "stop":
-            assert isinstance(json.loads(out.text), dict)
+        assert out.finish_reason == "stop", out.text
+        assert isinstance(json.loads(out.text), dict)
+    # a forced tool call on the real model: always parses, arguments validate
+    prompt = engine.encode_chat([{"role": "user", "content": "What is 12 plus 30?"}], TOOLS)
+    guided = GuidedDecoding(json_schema=json.dumps(call_schema(TOOLS, None, True)), param="tools")
+    for out in engine.generate_batch(
+        [prompt], SamplingParams(temperature=1.0, max_tokens=200, seed=4, n=4, guided=guided)
+    ):
+        calls = parse_tool_calls(out.text, TOOLS)
+        assert out.finish_reason == "stop" and calls, out.text
+        for call in calls:
+            schema = TOOLS[0 if call.name == "add" else 1]["function"]["parameters"]
+            jsonschema.validate(json.loads(call.arguments), schema)
 
 
 def test_long_prompt_with_several_choices_prefills_in_padded_chunks(engine: TorchEngine) -> None:
