@@ -309,6 +309,25 @@ class _Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     chars: int = 0
+    # calls an upstream parsed itself (remote engine), merged from its deltas by index
+    upstream_calls: dict[int, dict[str, str]] = field(default_factory=dict)
+
+    def add_call_deltas(self, deltas: list[dict[str, Any]]) -> None:
+        for d in deltas:
+            slot = self.upstream_calls.setdefault(
+                int(d.get("index", 0)), {"id": "", "name": "", "arguments": ""}
+            )
+            fn = d.get("function") or {}
+            slot["id"] = d.get("id") or slot["id"]
+            slot["name"] += fn.get("name") or ""
+            slot["arguments"] += fn.get("arguments") or ""
+
+    def calls(self, tools: list[dict[str, Any]] | None) -> list[ToolCall] | None:
+        if self.upstream_calls:
+            return [
+                ToolCall(c["name"], c["arguments"], c["id"]) for _, c in sorted(self.upstream_calls.items())
+            ]
+        return parse_tool_calls("".join(self.text), tools) if tools else None
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -421,7 +440,7 @@ class OpenAIServing:
         out_choices = []
         for i, c in enumerate(choices):
             text = "".join(c.text)
-            calls = parse_tool_calls(text, plan.tools) if plan.active else None
+            calls = c.calls(plan.tools if plan.active else None)
             out_choices.append(
                 {
                     "index": i,
@@ -499,6 +518,19 @@ class OpenAIServing:
             if ev.error is not None or ev.finish_reason in ("timeout", "error", "abort"):
                 yield _sse(self._stream_error(ev))
                 break
+            if ev.tool_calls:
+                # an upstream's own call deltas (remote engine): already in OpenAI's shape
+                c.add_call_deltas(ev.tool_calls)
+                yield chunk(
+                    [
+                        {
+                            "index": ev.index,
+                            "delta": {"tool_calls": ev.tool_calls},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
             if holding[ev.index]:
                 c.text.append(ev.text)
                 if ev.logprobs:
@@ -508,7 +540,7 @@ class OpenAIServing:
                     holding[ev.index] = False
                     yield content(ev.index, held, c.logprobs)
                 elif ev.finish_reason is not None:
-                    calls = parse_tool_calls(held, plan.tools)
+                    calls = None if c.upstream_calls else parse_tool_calls(held, plan.tools)
                     if calls:
                         for piece in self._tool_call_chunks(ev.index, calls):
                             yield chunk([piece])
@@ -742,6 +774,8 @@ class OpenAIServing:
                     c.text.append(ev.text)
                     if ev.logprobs:
                         c.logprobs.extend(ev.logprobs)
+                    if ev.tool_calls:
+                        c.add_call_deltas(ev.tool_calls)
                     c.prompt_tokens = ev.prompt_tokens
                     c.completion_tokens = max(c.completion_tokens, ev.completion_tokens)
                     if ev.finish_reason is not None:

@@ -96,11 +96,10 @@ class RemoteEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         chat = request.messages is not None
-        if request.tools:
-            # the stream parser reads text, not the upstream's tool_calls deltas
-            raise InvalidParams("tools are not supported on the remote engine", "tools")
         guided = request.params.guided
-        if guided is not None and not self.structured_outputs:
+        # a forced tool call's grammar (param "tools") is the upstream's business: it gets
+        # tools and tool_choice as sent, and its tool_calls come back as they are
+        if guided is not None and guided.param != "tools" and not self.structured_outputs:
             raise InvalidParams(
                 f"{guided.param}: the remote engine's upstream does not support structured output "
                 "(TANDEM_INFERENCE_REMOTE_STRUCTURED_OUTPUTS=false)",
@@ -148,9 +147,12 @@ class RemoteEngine:
                         (choice.get("delta") or {}).get("content") or "" if chat else choice.get("text") or ""
                     )
                     entries = _logprobs(choice.get("logprobs"), chat)
-                    if text or entries:
+                    calls = (choice.get("delta") or {}).get("tool_calls") if chat else None
+                    if text or entries or calls:
                         counts[idx] = counts.get(idx, 0) + max(1, len(entries or []))
-                        yield StreamEvent(idx, [], text, entries, None, 0, counts[idx])
+                        yield StreamEvent(
+                            idx, [], text, entries, None, 0, counts[idx], tool_calls=calls or None
+                        )
                     if choice.get("finish_reason"):
                         # held back until usage arrives, so the counts are the upstream's
                         finished[idx] = StreamEvent(

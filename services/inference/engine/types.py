@@ -194,6 +194,8 @@ class StreamEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    # tool-call deltas in OpenAI's chunk shape, from an upstream that parsed calls itself (remote)
+    tool_calls: list[dict] | None = None
 
     @property
     def finished(self) -> bool:
