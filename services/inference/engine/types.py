@@ -138,9 +138,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidParams(f"{name} must be between -2 and 2, got {value}", name)
-        if not 0.0 < self.repetition_penalty <= 2.0:
+        if not 0.0 < self.repetition_penalty < float("inf"):  # vLLM's rule: any positive number
             raise InvalidParams(
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}", "repetition_penalty"
+                f"repetition_penalty must be a positive number, got {self.repetition_penalty}",
+                "repetition_penalty",
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParams(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
