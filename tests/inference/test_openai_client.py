@@ -357,6 +357,19 @@ def test_validation_parity(client: openai.OpenAI) -> None:
         ),
         "response_format.json_schema.schema",
     )
+    # valid JSON Schema, but a regex xgrammar cannot compile
+    lookbehind = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}},
+    }
+    body = _bad(
+        lambda: chat(model="tiny", messages=msgs, response_format=lookbehind),  # type: ignore[arg-type]
+        "response_format.json_schema.schema",
+    )
+    assert body["message"].startswith(
+        "response_format.json_schema.schema: the grammar could not be compiled: "
+    )
+    assert "Lookbehind" in body["message"] and "/project/" not in body["message"]
     _bad(lambda: chat(model="tiny", messages=msgs, response_format={"type": "yaml"}), "response_format.type")  # type: ignore[arg-type,typeddict-item,misc]
     _bad(
         lambda: chat(

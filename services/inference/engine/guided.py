@@ -11,6 +11,7 @@ with the accepted token, and the sequence ends when the grammar terminates.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -50,8 +51,12 @@ class GuidedCompiler:
             if spec.grammar is not None:
                 return compiler.compile_grammar(spec.grammar)
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
+            # its messages start with "[time] /project/cpp/file.cc:line: ": the client needs the rest
+            reason = re.sub(
+                r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            )
             raise InvalidParams(
-                f"{spec.param}: the grammar could not be compiled: {exc}", spec.param
+                f"{spec.param}: the grammar could not be compiled: {reason or type(exc).__name__}", spec.param
             ) from None
         raise InvalidParams(f"{spec.param}: no grammar given", spec.param)
 
