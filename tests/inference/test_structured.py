@@ -331,3 +331,39 @@ def test_long_prompt_with_several_choices_prefills_in_padded_chunks(engine: Torc
     outs = engine.generate_batch([prompt], SamplingParams(temperature=0, max_tokens=6, n=6, ignore_eos=True))
     assert [o.finish_reason for o in outs] == ["length"] * 6
     assert all(o.token_ids == ref for o in outs)
+
+
+def test_suffix_builds_a_fill_in_the_middle_prompt(tiny_model_path: Path) -> None:
+    """With FIM tokens in the vocabulary, suffix makes a prefix-suffix-middle prompt; without, 400."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.inference.engine.types import EngineRequest
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    plain = TorchEngine.from_model(model, tok)
+    with pytest.raises(InvalidParams) as err:
+        plain.prompt_ids(EngineRequest("r", SamplingParams(), prompt="def f(", suffix="return x"))
+    assert err.value.param == "suffix"
+    tok.add_special_tokens({"additional_special_tokens": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]})
+    model.resize_token_embeddings(len(tok))
+    engine = TorchEngine.from_model(model, tok)
+    ids = engine.prompt_ids(EngineRequest("r", SamplingParams(), prompt="def f(", suffix="return x"))
+    pre, suf, mid = tok.convert_tokens_to_ids(["<fim_prefix>", "<fim_suffix>", "<fim_middle>"])
+    assert ids[-1] == mid and pre in ids and suf in ids
+    assert ids.index(pre) < ids.index(suf)
+    assert tok.decode(ids[ids.index(pre) + 1 : ids.index(suf)]) == "def f("
+
+    async def run() -> str:
+        req = EngineRequest(
+            "r", SamplingParams(temperature=0, max_tokens=4), prompt="def f(", suffix="return x"
+        )
+        return "".join([ev.text async for ev in await engine.generate(req)])
+
+    engine.scheduler.start()
+    try:
+        assert isinstance(asyncio.run(run()), str)
+    finally:
+        engine.scheduler.stop()
