@@ -31,6 +31,11 @@ class InferenceSettings(ServiceSettings):
         description="Base URL of the OpenAI-compatible server the remote engine forwards to (…/v1 or root).",
     )
     remote_api_key: str = Field("", description="Bearer key the remote engine presents upstream.")
+    remote_structured_outputs: bool = Field(
+        True,
+        description="Whether the remote engine's upstream supports response_format json_object/json_schema "
+        "(and guided_grammar): forwarded when true, refused with a 400 when false.",
+    )
     max_batch_size: int = Field(16, ge=1, le=1024, description="Sequences decoded together (KV cache slots).")
     max_queue: int = Field(
         64, ge=0, le=100_000, description="Requests that may wait for a slot; beyond it requests get 429."

@@ -76,7 +76,10 @@ async def build_engine(settings: InferenceSettings, common: CommonSettings) -> E
         if not settings.remote_url:
             raise ValueError("TANDEM_INFERENCE_ENGINE=remote needs TANDEM_INFERENCE_REMOTE_URL")
         return RemoteEngine(
-            settings.remote_url, api_key=settings.remote_api_key, timeout=settings.request_timeout
+            settings.remote_url,
+            api_key=settings.remote_api_key,
+            timeout=settings.request_timeout,
+            structured_outputs=settings.remote_structured_outputs,
         )
     if settings.engine == "vllm":
         from services.inference.engine.vllm_engine import VLLMEngine

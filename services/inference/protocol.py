@@ -21,6 +21,8 @@ class ChatMessage(_Open):
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class _Sampling(_Open):
@@ -43,6 +45,16 @@ class _Sampling(_Open):
     stop_token_ids: list[int] | None = Field(
         None, description="vLLM extension: token ids that end generation."
     )
+    repetition_penalty: float | None = Field(
+        None,
+        description="vLLM extension: divide seen tokens' positive logits (multiply negative ones) by this.",
+    )
+    min_p: float | None = Field(
+        None, description="vLLM extension: drop tokens less likely than min_p times the most likely one."
+    )
+    guided_grammar: str | None = Field(
+        None, description="vLLM extension: an EBNF grammar (xgrammar's dialect) the output must follow."
+    )
 
 
 class ChatCompletionRequest(_Sampling):
@@ -53,6 +65,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -63,6 +76,9 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = Field(
+        None, description="Tandem/vLLM extension: json_object or json_schema, as on chat."
+    )
 
 
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"

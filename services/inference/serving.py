@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,12 +33,14 @@ from services.common.errors import (
     UpstreamError,
     error_body,
 )
+from services.inference.engine.tools import ToolCall, call_schema, may_be_call, parse_tool_calls
 from services.inference.engine.types import (
     AdapterError,
     ContextLengthExceeded,
     EngineError,
     EngineRequest,
     EngineUnavailable,
+    GuidedDecoding,
     InvalidParams,
     QueueFull,
     SamplingParams,
@@ -100,17 +103,136 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def _unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value not in (None, 0, 0.0):
-            raise InvalidRequest(f"{name}: only 0 is supported by this server, got {value}", param=name)
-    if req.logit_bias:
-        raise InvalidRequest("logit_bias is not supported by this server", param="logit_bias")
+def _check_schema(schema: Any, param: str) -> None:
+    """A schema that is not valid JSON Schema is the client's error, named by ``param``."""
+    import jsonschema
+
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequest(
+            f"{param} must be a JSON Schema object, got {type(schema).__name__}", param=param
+        )
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise InvalidRequest(f"{param} is not a valid JSON Schema: {exc.message}", param=param) from None
+
+
+def guided_decoding(req: ChatCompletionRequest | CompletionRequest) -> GuidedDecoding | None:
+    """``response_format`` (json_object / json_schema) or vLLM's ``guided_grammar`` as a grammar."""
+    rf = req.response_format
+    guided: GuidedDecoding | None = None
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            guided = GuidedDecoding(json_schema=json.dumps({"type": "object"}))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise InvalidRequest(
+                    "response_format.json_schema must be an object with name and schema",
+                    param="response_format.json_schema",
+                )
+            name = spec.get("name")
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+                raise InvalidRequest(
+                    f"response_format.json_schema.name must be 1-64 letters, digits, _ or -, got {name!r}",
+                    param="response_format.json_schema.name",
+                )
+            schema = spec.get("schema", {})
+            _check_schema(schema, "response_format.json_schema.schema")
+            guided = GuidedDecoding(
+                json_schema=json.dumps(schema), param="response_format.json_schema.schema"
+            )
+        elif kind not in (None, "text"):
+            raise InvalidRequest(
+                f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                param="response_format.type",
+            )
+    if req.guided_grammar is not None:
+        if guided is not None:
+            raise InvalidRequest("give response_format or guided_grammar, not both", param="guided_grammar")
+        guided = GuidedDecoding(grammar=req.guided_grammar, param="guided_grammar")
+    return guided
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request asks of tools: ``mode`` none/auto/required/named."""
+
+    tools: list[dict[str, Any]]
+    mode: str
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
+    tools, choice = req.tools or [], req.tool_choice
+    parallel = req.parallel_tool_calls is not False
+    names: list[str] = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise InvalidRequest(f"tools[{i}].type must be 'function'", param=f"tools[{i}].type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequest(f"tools[{i}].function must be an object", param=f"tools[{i}].function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise InvalidRequest(
+                f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}",
+                param=f"tools[{i}].function.name",
+            )
+        if name in names:
+            raise InvalidRequest(
+                f"tools[{i}].function.name {name!r} is repeated", param=f"tools[{i}].function.name"
+            )
+        names.append(name)
+        if fn.get("parameters") is not None:
+            _check_schema(fn["parameters"], f"tools[{i}].function.parameters")
+    if choice is None:
+        return ToolPlan(tools, "auto" if tools else "none", parallel=parallel)
+    if choice in ("none", "auto", "required"):
+        if choice == "required" and not tools:
+            raise InvalidRequest("tool_choice 'required' needs tools", param="tool_choice")
+        return ToolPlan(tools, choice if tools else "none", parallel=parallel)
+    if isinstance(choice, dict) and choice.get("type", "function") == "function":
+        name = (
+            (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        )
+        if name not in names:
+            raise InvalidRequest(
+                f"tool_choice names function {name!r}, which is not among the tools {names}",
+                param="tool_choice",
+            )
+        return ToolPlan(tools, "named", name=name, parallel=False)
+    raise InvalidRequest(
+        f"tool_choice must be none, auto, required or {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}",
+        param="tool_choice",
+    )
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        try:
+            out[int(key)] = float(value)
+        except (TypeError, ValueError):
+            raise InvalidRequest(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+    return out
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    _unsupported(req)
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens or req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
@@ -119,7 +241,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingP
     else:
         max_tokens = req.max_tokens
         logprobs = req.logprobs
-    return SamplingParams(
+    params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
@@ -130,7 +252,18 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingP
         seed=req.seed,
         n=req.n,
         logprobs=logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+        min_p=req.min_p or 0.0,
+        guided=guided_decoding(req),
     )
+    try:
+        params.validate()
+    except InvalidParams as exc:
+        raise http_error(exc) from None
+    return params
 
 
 def _token_bytes(text: str) -> list[int]:
@@ -162,7 +295,8 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, A
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        # logprobs=0 still reports the sampled token (OpenAI's way), not an empty entry
+        "top_logprobs": [{t.token: t.logprob for t in e.top} or {e.token: e.logprob} for e in entries],
         "text_offset": offsets,
     }
 
@@ -175,6 +309,25 @@ class _Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     chars: int = 0
+    # calls an upstream parsed itself (remote engine), merged from its deltas by index
+    upstream_calls: dict[int, dict[str, str]] = field(default_factory=dict)
+
+    def add_call_deltas(self, deltas: list[dict[str, Any]]) -> None:
+        for d in deltas:
+            slot = self.upstream_calls.setdefault(
+                int(d.get("index", 0)), {"id": "", "name": "", "arguments": ""}
+            )
+            fn = d.get("function") or {}
+            slot["id"] = d.get("id") or slot["id"]
+            slot["name"] += fn.get("name") or ""
+            slot["arguments"] += fn.get("arguments") or ""
+
+    def calls(self, tools: list[dict[str, Any]] | None) -> list[ToolCall] | None:
+        if self.upstream_calls:
+            return [
+                ToolCall(c["name"], c["arguments"], c["id"]) for _, c in sorted(self.upstream_calls.items())
+            ]
+        return parse_tool_calls("".join(self.text), tools) if tools else None
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -252,16 +405,16 @@ class OpenAIServing:
 
     # --- chat ---------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
-        if req.tools and req.tool_choice != "none":
-            raise InvalidRequest("tools are not supported by this server", param="tools")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise InvalidRequest(
-                f"response_format {req.response_format.get('type')!r} is not supported (only text)",
-                param="response_format",
-            )
+        plan = tool_plan(req)
         params = sampling_params(req)
+        if plan.forced:
+            # the output is forced into the call format, arguments valid against their schema
+            params.guided = GuidedDecoding(
+                json_schema=json.dumps(call_schema(plan.tools, plan.name, plan.parallel)), param="tools"
+            )
         messages = [
-            m.model_dump(exclude_none=True, include={"role", "content", "name"}) for m in req.messages
+            m.model_dump(exclude_none=True, include={"role", "content", "name", "tool_calls", "tool_call_id"})
+            for m in req.messages
         ]
         body = req.model_dump(exclude_unset=True)
         engine_req = EngineRequest(
@@ -269,6 +422,8 @@ class OpenAIServing:
             params=params,
             model=req.model,
             messages=messages,
+            # rendered with tool_choice none too (as OpenAI does): the history may refer to them
+            tools=plan.tools or None,
             extra=body,
         )
         stream = await self._open([engine_req], req.model, req.n, raw)
@@ -277,31 +432,35 @@ class OpenAIServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse_response(
                 self._chat_chunks(
-                    stream, engine_req.request_id, req.model, created, req.n, include_usage, params
+                    stream, engine_req.request_id, req.model, created, req.n, include_usage, params, plan
                 ),
                 raw,
             )
         choices = await self._collect(stream, raw, req.n)
+        out_choices = []
+        for i, c in enumerate(choices):
+            text = "".join(c.text)
+            calls = c.calls(plan.tools if plan.active else None)
+            out_choices.append(
+                {
+                    "index": i,
+                    "message": {
+                        "role": "assistant",
+                        "content": None if calls else text,
+                        "refusal": None,
+                        "tool_calls": [call.openai() for call in calls] if calls else None,
+                    },
+                    "logprobs": chat_logprobs(c.logprobs) if params.logprobs is not None else None,
+                    "finish_reason": "tool_calls" if calls else c.finish_reason,
+                }
+            )
         body_out = {
             "id": engine_req.request_id,
             "object": "chat.completion",
             "created": created,
             "model": req.model,
             "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {
-                        "role": "assistant",
-                        "content": "".join(c.text),
-                        "refusal": None,
-                        "tool_calls": None,
-                    },
-                    "logprobs": chat_logprobs(c.logprobs) if params.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for i, c in enumerate(choices)
-            ],
+            "choices": out_choices,
             "usage": self._usage(choices, req.n),
         }
         return JSONResponse(body_out)
@@ -315,6 +474,7 @@ class OpenAIServing:
         n: int,
         include_usage: bool,
         params: SamplingParams,
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
             payload: dict[str, Any] = {
@@ -329,6 +489,12 @@ class OpenAIServing:
                 payload["usage"] = usage
             return _sse(payload)
 
+        def content(index: int, text: str, entries: list[TokenLogprob] | None) -> str:
+            lp = chat_logprobs(entries) if (params.logprobs is not None and entries) else None
+            return chunk(
+                [{"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}]
+            )
+
         for i in range(n):
             yield chunk(
                 [
@@ -341,6 +507,8 @@ class OpenAIServing:
                 ]
             )
         state = [_Choice() for _ in range(n)]
+        # with tools, text that may be a call is held back until it can be told apart
+        holding = [plan.active] * n
         async for ev in stream:
             c = state[ev.index]
             c.prompt_tokens, c.completion_tokens = (
@@ -350,18 +518,48 @@ class OpenAIServing:
             if ev.error is not None or ev.finish_reason in ("timeout", "error", "abort"):
                 yield _sse(self._stream_error(ev))
                 break
-            lp = chat_logprobs(ev.logprobs) if (params.logprobs is not None and ev.logprobs) else None
-            if ev.text or lp is not None:
+            if ev.tool_calls:
+                # an upstream's own call deltas (remote engine): already in OpenAI's shape
+                c.add_call_deltas(ev.tool_calls)
                 yield chunk(
                     [
                         {
                             "index": ev.index,
-                            "delta": {"content": ev.text},
-                            "logprobs": lp,
+                            "delta": {"tool_calls": ev.tool_calls},
+                            "logprobs": None,
                             "finish_reason": None,
                         }
                     ]
                 )
+            if holding[ev.index]:
+                c.text.append(ev.text)
+                if ev.logprobs:
+                    c.logprobs.extend(ev.logprobs)
+                held = "".join(c.text)
+                if not plan.forced and not may_be_call(held):
+                    holding[ev.index] = False
+                    yield content(ev.index, held, c.logprobs)
+                elif ev.finish_reason is not None:
+                    calls = None if c.upstream_calls else parse_tool_calls(held, plan.tools)
+                    if calls:
+                        for piece in self._tool_call_chunks(ev.index, calls):
+                            yield chunk([piece])
+                        c.finish_reason = "tool_calls"
+                        yield chunk(
+                            [
+                                {
+                                    "index": ev.index,
+                                    "delta": {},
+                                    "logprobs": None,
+                                    "finish_reason": "tool_calls",
+                                }
+                            ]
+                        )
+                        continue
+                    if held or c.logprobs:
+                        yield content(ev.index, held, c.logprobs)
+            elif ev.text or (ev.logprobs and params.logprobs is not None):
+                yield content(ev.index, ev.text, ev.logprobs)
             if ev.finish_reason is not None:
                 c.finish_reason = ev.finish_reason
                 yield chunk(
@@ -372,12 +570,51 @@ class OpenAIServing:
                 yield chunk([], self._usage(state, n))
         yield "data: [DONE]\n\n"
 
+    @staticmethod
+    def _tool_call_chunks(index: int, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """OpenAI's streamed tool-call deltas: per call, one chunk with its index, id, type and
+        name (arguments empty), then the arguments in fragments."""
+        out: list[dict[str, Any]] = []
+        for k, call in enumerate(calls):
+            out.append(
+                {
+                    "index": index,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": k,
+                                "id": call.id,
+                                "type": "function",
+                                "function": {"name": call.name, "arguments": ""},
+                            }
+                        ]
+                    },
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
+            for start in range(0, len(call.arguments), 32):
+                out.append(
+                    {
+                        "index": index,
+                        "delta": {
+                            "tool_calls": [
+                                {"index": k, "function": {"arguments": call.arguments[start : start + 32]}}
+                            ]
+                        },
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+        return out
+
     # --- completions -------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
-        if req.suffix:
-            raise InvalidRequest("suffix is not supported by this server", param="suffix")
-        if req.echo:
-            raise InvalidRequest("echo is not supported by this server", param="echo")
+        if req.echo and req.logprobs is not None:
+            # the prompt's own log-probabilities are not computed by the engines yet
+            raise InvalidRequest("echo with logprobs is not supported by this server", param="echo")
+        if req.echo and req.suffix is not None:
+            raise InvalidRequest("echo and suffix cannot be combined", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequest(
                 f"best_of must equal n ({req.n}) on this server, got {req.best_of}", param="best_of"
@@ -408,6 +645,8 @@ class OpenAIServing:
                 model=req.model,
                 prompt=q if isinstance(q, str) else None,
                 prompt_token_ids=q if isinstance(q, list) else None,
+                echo=req.echo,
+                suffix=req.suffix,
                 extra={**body, "prompt": q},
             )
             for i, q in enumerate(prompts)
@@ -535,6 +774,8 @@ class OpenAIServing:
                     c.text.append(ev.text)
                     if ev.logprobs:
                         c.logprobs.extend(ev.logprobs)
+                    if ev.tool_calls:
+                        c.add_call_deltas(ev.tool_calls)
                     c.prompt_tokens = ev.prompt_tokens
                     c.completion_tokens = max(c.completion_tokens, ev.completion_tokens)
                     if ev.finish_reason is not None:

@@ -265,3 +265,78 @@ def test_remote_engine_forwards_to_a_second_instance(
             client.chat.completions.create(model="nope", messages=msgs, max_tokens=2)  # type: ignore[arg-type]
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w " * 400}])
+
+
+def test_remote_engine_forwards_structured_output_and_tools(
+    server: tuple[str, Any], key: str, home: Path, redis_url: str
+) -> None:
+    import json
+
+    import jsonschema
+
+    upstream, _ = server
+    common = CommonSettings(home=home, redis_url=redis_url, log_json=False)
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    msgs = [{"role": "user", "content": "JSON"}]
+    for supported in (True, False):
+        settings = InferenceSettings(
+            engine="remote", remote_url=upstream, remote_api_key=key, remote_structured_outputs=supported
+        )
+        with serve_app(create_app(common, settings)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+            if supported:
+                out = client.chat.completions.create(
+                    model="tiny",
+                    messages=msgs,
+                    response_format=fmt,
+                    max_tokens=40,  # type: ignore[arg-type]
+                )
+                jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
+            else:
+                with pytest.raises(openai.BadRequestError) as err:
+                    client.chat.completions.create(model="tiny", messages=msgs, response_format=fmt)  # type: ignore[arg-type]
+                assert err.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
+            # tools go upstream as sent; the upstream's tool_calls come back, whole or streamed
+            params = {
+                "type": "object",
+                "properties": {"x": {"enum": [1, 2]}},
+                "required": ["x"],
+                "additionalProperties": False,
+            }
+            tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+            got = client.chat.completions.create(
+                model="tiny",
+                messages=msgs,
+                tools=[tool],
+                tool_choice="required",
+                parallel_tool_calls=False,
+                max_tokens=60,  # type: ignore[arg-type,list-item]
+            )
+            assert got.choices[0].finish_reason == "tool_calls", got.choices[0].message
+            (call,) = got.choices[0].message.tool_calls or []
+            assert call.function.name == "f"  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(call.function.arguments), params)  # type: ignore[union-attr]
+            chunks = list(
+                client.chat.completions.create(
+                    model="tiny",
+                    messages=msgs,  # type: ignore[arg-type]
+                    tools=[tool],  # type: ignore[list-item]
+                    tool_choice="required",
+                    parallel_tool_calls=False,
+                    max_tokens=60,
+                    stream=True,
+                )
+            )
+            deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+            assert deltas[0].id and deltas[0].function and deltas[0].function.name == "f"
+            args = "".join(d.function.arguments or "" for d in deltas if d.function)
+            jsonschema.validate(json.loads(args), params)
+            assert [
+                c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+            ] == ["tool_calls"]

@@ -168,7 +168,7 @@ def test_errors_are_openai_shaped_and_service_keeps_serving(
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=0)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], frequency_penalty=1
+            model="tiny", messages=[{"role": "user", "content": "x"}], frequency_penalty=3
         )
     url = server[0]
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}

@@ -17,6 +17,7 @@ from services.inference.engine.base import ServedModel
 from services.inference.engine.types import (
     AdapterError,
     EngineRequest,
+    InvalidParams,
     StreamEvent,
     TokenLogprob,
     TopLogprob,
@@ -30,7 +31,12 @@ _OWN = {"stream", "stream_options"}
 class RemoteEngine:
     kind = "remote"
 
-    def __init__(self, base_url: str, *, api_key: str = "", timeout: float = 300.0) -> None:
+    def __init__(
+        self, base_url: str, *, api_key: str = "", timeout: float = 300.0, structured_outputs: bool = True
+    ) -> None:
+        # whether the upstream honours response_format / guided_grammar (vLLM, OpenAI do):
+        # when it does not, such requests are refused here rather than silently unconstrained
+        self.structured_outputs = structured_outputs
         root = base_url.rstrip("/")
         self.base = root if root.endswith("/v1") else root + "/v1"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -92,6 +98,15 @@ class RemoteEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         chat = request.messages is not None
+        guided = request.params.guided
+        # a forced tool call's grammar (param "tools") is the upstream's business: it gets
+        # tools and tool_choice as sent, and its tool_calls come back as they are
+        if guided is not None and guided.param != "tools" and not self.structured_outputs:
+            raise InvalidParams(
+                f"{guided.param}: the remote engine's upstream does not support structured output "
+                "(TANDEM_INFERENCE_REMOTE_STRUCTURED_OUTPUTS=false)",
+                guided.param,
+            )
         body = {k: v for k, v in request.extra.items() if k not in _OWN}
         body.update(stream=True, stream_options={"include_usage": True})
         if request.model:
@@ -134,9 +149,12 @@ class RemoteEngine:
                         (choice.get("delta") or {}).get("content") or "" if chat else choice.get("text") or ""
                     )
                     entries = _logprobs(choice.get("logprobs"), chat)
-                    if text or entries:
+                    calls = (choice.get("delta") or {}).get("tool_calls") if chat else None
+                    if text or entries or calls:
                         counts[idx] = counts.get(idx, 0) + max(1, len(entries or []))
-                        yield StreamEvent(idx, [], text, entries, None, 0, counts[idx])
+                        yield StreamEvent(
+                            idx, [], text, entries, None, 0, counts[idx], tool_calls=calls or None
+                        )
                     if choice.get("finish_reason"):
                         # held back until usage arrives, so the counts are the upstream's
                         finished[idx] = StreamEvent(

@@ -8,6 +8,7 @@ request gives the same tokens whatever else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,10 +19,69 @@ from services.inference.engine.types import SamplingParams
 class RowSampling:
     params: SamplingParams
     generator: torch.Generator | None
+    # the sequence's tokens so far, read by the penalties (only when the request has any)
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None
+    # an xgrammar GrammarMatcher when the request is constrained
+    matcher: Any = None
 
 
-def _filter(logits: torch.Tensor, temps: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
+def _process(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Apply each row's own logit processors; rows without any are left untouched.
+
+    Order as in vLLM: penalties (repetition over prompt and output, frequency and presence
+    over the output), then logit_bias, then the grammar's mask (last, so nothing can
+    re-allow a token the grammar forbids).
+    """
+    touched = [i for i, r in enumerate(rows) if r.params.processed or r.matcher is not None]
+    if not touched:
+        return logits
+    out = logits.clone()
+    vocab = out.shape[-1]
+    masks: list[tuple[int, Any]] = []
+    for i in touched:
+        p, row = rows[i].params, out[i]
+        if p.penalized:
+            output = torch.tensor(rows[i].output_ids or [], dtype=torch.long, device=out.device)
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(
+                    sorted(set(rows[i].prompt_ids or []) | set(rows[i].output_ids or [])),
+                    dtype=torch.long,
+                    device=out.device,
+                )
+                if seen.numel():
+                    vals = row[seen]
+                    row[seen] = torch.where(
+                        vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                    )
+            if output.numel() and (p.frequency_penalty or p.presence_penalty):
+                counts = torch.bincount(output, minlength=vocab)[:vocab].to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=out.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=out.device)
+        if rows[i].matcher is not None:
+            masks.append((i, rows[i].matcher))
+    if masks:
+        from services.inference.engine.guided import apply_masks
+
+        apply_masks(out, masks)
+    return out
+
+
+def _filter(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    top_k: list[int],
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     scaled = logits / temps.unsqueeze(1)
+    if min_p is not None:
+        # min-p: drop tokens whose probability is below min_p times the most likely one's
+        probs = torch.softmax(scaled, dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     vocab = scaled.shape[-1]
     ks = [k if 0 < k < vocab else 0 for k in top_k]
     if any(ks):
@@ -44,17 +104,22 @@ def _filter(logits: torch.Tensor, temps: torch.Tensor, top_k: list[int], top_p: 
 def sample(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token per row and its log-probability under the raw model distribution.
 
-    ``logits`` is ``[R, V]``; returns ``(tokens[R], raw_logprobs[R, V])`` on the CPU.
+    ``logits`` is ``[R, V]``; returns ``(tokens[R], raw_logprobs[R, V])`` on the CPU. The
+    log-probabilities are of the model's raw distribution (before penalties, bias and the
+    grammar's mask), like vLLM's default.
     """
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _process(logits, rows)
     tokens = torch.argmax(logits, dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
     if sampled:
         sub = logits[sampled]
         temps = torch.tensor([rows[i].params.temperature for i in sampled], device=sub.device)
         top_p = torch.tensor([rows[i].params.top_p for i in sampled], device=sub.device)
-        filtered = _filter(sub, temps, [rows[i].params.top_k for i in sampled], top_p)
+        min_ps = [rows[i].params.min_p for i in sampled]
+        min_p = torch.tensor(min_ps, device=sub.device) if any(min_ps) else None
+        filtered = _filter(sub, temps, [rows[i].params.top_k for i in sampled], top_p, min_p)
         probs = torch.softmax(filtered, dim=-1)
         # Exponential-race sampling (argmax of p / E, E ~ Exp(1)) equals a categorical draw
         # and lets each row use its own generator without a Python loop over the vocabulary.

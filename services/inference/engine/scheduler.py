@@ -64,6 +64,8 @@ class Sequence:
     detok: IncrementalDetokenizer | None
     adapter: str | None = None
     deadline: float | None = None
+    # xgrammar GrammarMatcher of a constrained request (its own per choice)
+    matcher: Any = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -368,7 +370,17 @@ class Scheduler:
             seq.prefix_checked = True
 
     def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens, raw_logprobs = sample(logits, [RowSampling(s.params, s.generator) for s in seqs])
+        rows = [
+            RowSampling(
+                s.params,
+                s.generator,
+                s.prompt_ids if s.params.penalized else None,
+                s.output_ids if s.params.penalized else None,
+                s.matcher,
+            )
+            for s in seqs
+        ]
+        tokens, raw_logprobs = sample(logits, rows)
         chosen_lp = raw_logprobs.gather(1, tokens.to(raw_logprobs.device).unsqueeze(1)).squeeze(1).tolist()
         token_list = tokens.tolist()
         for i, seq in enumerate(seqs):
@@ -378,8 +390,15 @@ class Scheduler:
             reason: FinishReason | None = None
             if seq.detok is not None:
                 seq.detok.add(token)
+            grammar_done = False
+            if seq.matcher is not None:
+                # the mask allowed only this grammar's tokens, so this accepts; a grammar that
+                # reached its end (it then allows only end-of-text) ends the request
+                accepted = seq.matcher.accept_token(token)
+                grammar_done = not accepted or seq.matcher.is_terminated()
             if (
-                (not seq.params.ignore_eos and token in self.eos_token_ids)
+                grammar_done
+                or (not seq.params.ignore_eos and token in self.eos_token_ids)
                 or token in seq.params.stop_token_ids
                 or (seq.detok is not None and seq.detok.stopped)
             ):

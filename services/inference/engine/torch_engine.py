@@ -23,10 +23,12 @@ import torch
 
 from services.inference.engine.base import ServedModel
 from services.inference.engine.detokenizer import IncrementalDetokenizer
+from services.inference.engine.guided import GuidedCompiler
 from services.inference.engine.prefix_cache import PrefixCache
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import Scheduler, Sequence
+from services.inference.engine.tools import fallback_messages, native_messages, template_renders_tools
 from services.inference.engine.types import (
     AdapterError,
     ContextLengthExceeded,
@@ -119,6 +121,9 @@ class TorchEngine:
             admit_window=admit_window,
         )
         self.adapters: dict[str, str] = {}
+        self._renders_tools: bool | None = None
+        self.vocab_size = int(getattr(getattr(model, "config", None), "vocab_size", 0) or len(tokenizer))
+        self.guided = GuidedCompiler(tokenizer, self.vocab_size, _eos_ids(model, tokenizer))
         # the trainer's engine uses the model's active adapter as is; ours route per row
         self._own_adapters = False
 
@@ -155,7 +160,7 @@ class TorchEngine:
         return cls(model, tokenizer, name=name or Path(path).name, device=device, **kwargs)
 
     # --- prompts -----------------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not messages:
             raise InvalidParams("messages must not be empty", "messages")
         clean = []
@@ -163,13 +168,43 @@ class TorchEngine:
             if not isinstance(m, dict) or "role" not in m:
                 raise InvalidParams(f"messages[{i}] must be an object with a role", "messages")
             role = "system" if m["role"] == "developer" else m["role"]
-            clean.append({"role": role, "content": _message_text(m.get("content"))})
+            entry = {**m, "role": role, "content": _message_text(m.get("content"))}
+            clean.append({k: v for k, v in entry.items() if v is not None})
+        extra: dict[str, Any] = {}
+        history = any(m.get("tool_calls") or m.get("role") == "tool" for m in clean)
+        if tools or history:
+            tools = tools or []
+            if self.template_renders_tools():
+                clean, extra = native_messages(clean), ({"tools": tools} if tools else {})
+            else:
+                clean = fallback_messages(clean, tools)
+        else:
+            clean = [{"role": m["role"], "content": m["content"]} for m in clean]
         try:
-            out = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+            out = self.tokenizer.apply_chat_template(
+                clean, add_generation_prompt=True, tokenize=True, **extra
+            )
         except Exception as exc:
             raise InvalidParams(f"the chat template rejected the messages: {exc}", "messages") from None
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(x) for x in ids]
+
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template has a tool format: rendering with a tool changes the prompt."""
+        if self._renders_tools is None:
+            self._renders_tools = template_renders_tools(self.tokenizer)
+        return self._renders_tools
+
+    def fim_tokens(self) -> tuple[str, str, str] | None:
+        """The fill-in-the-middle tokens (prefix, suffix, middle) when the vocabulary has them."""
+        vocab = self.tokenizer.get_vocab()
+        for names in (
+            ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+            ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+        ):
+            if all(n in vocab for n in names):
+                return names
+        return None
 
     def encode_text(self, prompt: str) -> list[int]:
         return [int(x) for x in self.tokenizer(prompt, add_special_tokens=True)["input_ids"]]
@@ -182,7 +217,13 @@ class TorchEngine:
             if bad:
                 raise InvalidParams(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
         elif request.messages is not None:
-            ids = self.encode_chat(request.messages)
+            ids = self.encode_chat(request.messages, request.tools)
+        elif request.suffix is not None:
+            fim = self.fim_tokens()
+            if fim is None:
+                raise InvalidParams(f"suffix: model {self.name!r} has no fill-in-the-middle tokens", "suffix")
+            # prefix-suffix-middle order, as StarCoder-style models (and SmolLM2's tokenizer) expect
+            ids = self.encode_text(f"{fim[0]}{request.prompt or ''}{fim[1]}{request.suffix}{fim[2]}")
         else:
             ids = self.encode_text(request.prompt or "")
         if not ids:
@@ -223,6 +264,7 @@ class TorchEngine:
         timeout: float | None,
         strict: bool,
         index_base: int = 0,
+        grammar: Any = None,
     ) -> list[Sequence]:
         max_tokens = self._resolve_max_tokens(len(prompt), params, strict)
         deadline = time.monotonic() + timeout if timeout else None
@@ -246,6 +288,7 @@ class TorchEngine:
                     detok=detok,
                     adapter=adapter,
                     deadline=deadline,
+                    matcher=GuidedCompiler.matcher(grammar) if grammar is not None else None,
                 )
             )
         return seqs
@@ -258,8 +301,10 @@ class TorchEngine:
         the context rather than refused.
         """
         params.validate()
+        params.check_vocab(self.vocab_size)
         if not prompts:
             return []
+        grammar = self.guided.compile(params.guided) if params.guided is not None else None
         request_id = f"batch-{id(prompts)}-{time.monotonic_ns()}"
         results: dict[int, GenerationOutput] = {}
         texts: dict[int, list[str]] = {}
@@ -296,6 +341,7 @@ class TorchEngine:
                 timeout=None,
                 strict=False,
                 index_base=i * params.n,
+                grammar=grammar,
             )
         for seq in seqs:
             seq_of[seq.index] = seq
@@ -343,8 +389,13 @@ class TorchEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         request.params.validate()
+        request.params.check_vocab(self.vocab_size)
         adapter = request.model if request.model in self.adapters else None
         prompt = self.prompt_ids(request)
+        grammar = None
+        if request.params.guided is not None:
+            # compiling takes milliseconds to seconds (cached per schema): off the event loop
+            grammar = await asyncio.to_thread(self.guided.compile, request.params.guided)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
 
@@ -362,7 +413,13 @@ class TorchEngine:
             adapter=adapter,
             timeout=timeout,
             strict=request.messages is not None or request.prompt is not None,
+            grammar=grammar,
         )
+        if request.echo:
+            # the prompt goes out first, as each choice's first text (OpenAI's echo)
+            text = str(self.tokenizer.decode(prompt, skip_special_tokens=True))
+            for seq in seqs:
+                queue.put_nowait(StreamEvent(seq.index, [], text, None, None, len(prompt), 0))
         self.scheduler.submit(seqs)
         return self._stream(request.request_id, queue, len(seqs))
 

@@ -55,6 +55,20 @@ class UpstreamFailure(EngineError):
         self.body = body
 
 
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A grammar the output must follow: exactly one of ``json_schema`` (JSON text; the
+    OpenAI ``json_object`` mode is the schema ``{"type": "object"}``) or ``grammar`` (EBNF,
+    a vLLM-style extension). ``param`` names the request field errors are reported on."""
+
+    json_schema: str | None = None
+    grammar: str | None = None
+    param: str = "response_format"
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 @dataclass
 class SamplingParams:
     """How to sample. ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1`` are off.
@@ -78,6 +92,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Set False to skip incremental detokenisation when only token ids are wanted (rollouts).
     detokenize: bool = True
+    # Logit processors (OpenAI/vLLM semantics); at their defaults they are skipped entirely,
+    # so greedy output stays identical to ``transformers``' generate.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    guided: GuidedDecoding | None = None
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logit processor runs for this request (the fast path skips them)."""
+        return self.penalized or bool(self.logit_bias)
 
     def validate(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature > 100:
@@ -98,6 +129,43 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidParams("stop strings must not be empty", "stop")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidParams(f"seed must fit in 64 bits, got {self.seed}", "seed")
+        bad = [t for t in self.stop_token_ids if t < 0]
+        if bad:
+            raise InvalidParams(f"stop_token_ids must not be negative, got {bad[:5]}", "stop_token_ids")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidParams(f"{name} must be between -2 and 2, got {value}", name)
+        if not 0.0 < self.repetition_penalty < float("inf"):  # vLLM's rule: any positive number
+            raise InvalidParams(
+                f"repetition_penalty must be a positive number, got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParams(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        for token, bias in self.logit_bias.items():
+            if token < 0:
+                raise InvalidParams(f"logit_bias: token id {token} is negative", "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidParams(
+                    f"logit_bias: the bias of token {token} must be between -100 and 100, got {bias}",
+                    "logit_bias",
+                )
+
+    def check_vocab(self, vocab: int) -> None:
+        """Token ids the request names must exist in the model's vocabulary."""
+        bad = [t for t in self.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidParams(
+                f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}", "stop_token_ids"
+            )
+        bad = [t for t in self.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidParams(
+                f"logit_bias: token ids out of the vocabulary [0, {vocab}): {bad[:5]}", "logit_bias"
+            )
 
 
 @dataclass
@@ -127,6 +195,8 @@ class StreamEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    # tool-call deltas in OpenAI's chunk shape, from an upstream that parsed calls itself (remote)
+    tool_calls: list[dict] | None = None
 
     @property
     def finished(self) -> bool:
@@ -160,5 +230,10 @@ class EngineRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     timeout: float | None = None
+    # chat: OpenAI tool definitions to render into the prompt (chat template or fallback)
+    tools: list[dict] | None = None
+    # completions: return the prompt before the completion / fill in the middle before ``suffix``
+    echo: bool = False
+    suffix: str | None = None
     # for `remote`: the raw OpenAI body fields to forward (extensions such as top_k)
     extra: dict = field(default_factory=dict)

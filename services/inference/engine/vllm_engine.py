@@ -11,21 +11,39 @@ import asyncio
 import contextlib
 import importlib.util
 import itertools
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from services.inference.engine.base import ServedModel
+from services.inference.engine.tools import fallback_messages, native_messages, template_renders_tools
 from services.inference.engine.types import (
     AdapterError,
     ContextLengthExceeded,
     EngineRequest,
     EngineUnavailable,
+    GuidedDecoding,
     InvalidParams,
     SamplingParams,
     StreamEvent,
     TokenLogprob,
     TopLogprob,
 )
+
+
+def _structured_outputs(guided: GuidedDecoding) -> dict[str, Any]:
+    """vLLM's own guided decoding for our grammar: ``StructuredOutputsParams`` (vLLM >= 0.10.2,
+    what the GPU image's ``vllm/vllm-openai:latest`` carries), else the older
+    ``GuidedDecodingParams``. Untested here (no GPU in CI)."""
+    schema = json.loads(guided.json_schema) if guided.json_schema is not None else None
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return {"structured_outputs": StructuredOutputsParams(json=schema, grammar=guided.grammar)}
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(json=schema, grammar=guided.grammar)}
 
 
 def vllm_available() -> bool:
@@ -124,7 +142,16 @@ class VLLMEngine:
     def _params(self, params: SamplingParams, max_tokens: int, seed: int | None) -> Any:
         from vllm import SamplingParams as VSP
 
+        extra: dict[str, Any] = {}
+        if params.guided is not None:
+            extra = _structured_outputs(params.guided)
         return VSP(
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=dict(params.logit_bias) or None,
+            min_p=params.min_p,
+            **extra,
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -142,13 +169,23 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         request.params.validate()
+        request.params.check_vocab(len(self.tokenizer))
+        if request.echo or request.suffix is not None:
+            param = "echo" if request.echo else "suffix"
+            raise InvalidParams(f"{param} is not supported on the vLLM engine", param)
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.messages is not None:
+            messages, extra = request.messages, {}
+            if request.tools:
+                if template_renders_tools(self.tokenizer):
+                    messages, extra = native_messages(messages), {"tools": request.tools}
+                else:
+                    messages = fallback_messages(messages, request.tools)
             try:
                 ids = list(
                     self.tokenizer.apply_chat_template(
-                        request.messages, add_generation_prompt=True, tokenize=True
+                        messages, add_generation_prompt=True, tokenize=True, **extra
                     )
                 )
             except Exception as exc:
