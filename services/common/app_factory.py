@@ -7,7 +7,7 @@ service hands over in ``routers`` (health, readiness and metrics stay public).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI
@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from services.common.auth import Principal, require_principal
 from services.common.config import CommonSettings
 from services.common.errors import install_error_handlers
+from services.common.guard import DOCS_PATHS, MIB, GuardMiddleware
 from services.common.logs import configure_logging
 from services.common.observability import Readiness, ReadinessCheck, install_observability
 from services.common.redis_conn import async_redis
@@ -42,7 +43,10 @@ def create_service_app(
     readiness: dict[str, ReadinessCheck] | None = None,
     lifespan: Lifespan | None = None,
     version: str = "0.1.0",
+    body_limits: Mapping[str, int] | None = None,
 ) -> FastAPI:
+    """``body_limits``: bytes per route template (``/v1/files``) for routes that take more than
+    ``TANDEM_MAX_BODY_MB`` (uploads); every other route gets that default."""
     configure_logging(service, common.log_level, common.log_json)
     redis_client = async_redis(common.redis_url)
 
@@ -63,14 +67,27 @@ def create_service_app(
             await redis_client.aclose()
 
     app = FastAPI(title=f"Tandem {service}", version=version, lifespan=_lifespan)
+    protected_routes: set[int] = set()
     app.state.service = service
     app.state.common = common
     app.state.redis = redis_client
     app.state.readiness = Readiness(checks)
     install_error_handlers(app)
+    # Added before observability so that the access log and metrics also see the guard's 401s and 413s.
+    app.add_middleware(
+        GuardMiddleware,
+        routes=lambda: app.router.routes,
+        protected=lambda route: id(route) in protected_routes,
+        protected_paths=() if common.public_docs else DOCS_PATHS,
+        redis_client=redis_client,
+        default_limit=common.max_body_mb * MIB,
+        limits=body_limits or {},
+    )
     app.state.metrics = install_observability(app, service, app.state.readiness)
     for router in (whoami_router(service), *routers):
+        before = len(app.router.routes)
         app.include_router(router, dependencies=[Depends(require_principal)])
+        protected_routes.update(id(r) for r in app.router.routes[before:])
     for router in public_routers:
         app.include_router(router)
     return app
