@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI
+from starlette.routing import BaseRoute
 
 from services.common.auth import Principal, require_principal
 from services.common.config import CommonSettings
@@ -67,7 +68,9 @@ def create_service_app(
             await redis_client.aclose()
 
     app = FastAPI(title=f"Tandem {service}", version=version, lifespan=_lifespan)
-    protected_routes: set[int] = set()
+    # (route, needs a key?) as the routers declare them: the guard matches requests against
+    # these itself, before FastAPI's router (which, since 0.165, nests included routers).
+    guarded: list[tuple[BaseRoute, bool]] = []
     app.state.service = service
     app.state.common = common
     app.state.redis = redis_client
@@ -76,8 +79,7 @@ def create_service_app(
     # Added before observability so that the access log and metrics also see the guard's 401s and 413s.
     app.add_middleware(
         GuardMiddleware,
-        routes=lambda: app.router.routes,
-        protected=lambda route: id(route) in protected_routes,
+        routes=lambda: guarded,
         protected_paths=() if common.public_docs else DOCS_PATHS,
         redis_client=redis_client,
         default_limit=common.max_body_mb * MIB,
@@ -85,9 +87,9 @@ def create_service_app(
     )
     app.state.metrics = install_observability(app, service, app.state.readiness)
     for router in (whoami_router(service), *routers):
-        before = len(app.router.routes)
         app.include_router(router, dependencies=[Depends(require_principal)])
-        protected_routes.update(id(r) for r in app.router.routes[before:])
+        guarded.extend((r, True) for r in router.routes)
     for router in public_routers:
         app.include_router(router)
+        guarded.extend((r, False) for r in router.routes)
     return app
