@@ -44,10 +44,11 @@ def create_service_app(
     readiness: dict[str, ReadinessCheck] | None = None,
     lifespan: Lifespan | None = None,
     version: str = "0.1.0",
-    body_limits: Mapping[str, int] | None = None,
+    body_limits: Mapping[str, int | tuple[int, str]] | None = None,
 ) -> FastAPI:
-    """``body_limits``: bytes per route template (``/v1/files``) for routes that take more than
-    ``TANDEM_MAX_BODY_MB`` (uploads); every other route gets that default."""
+    """``body_limits``: bytes (or bytes and a hint naming the setting) per route template
+    (``/v1/files``) for routes that take more than ``TANDEM_MAX_BODY_MB`` (uploads); every
+    other route gets that default."""
     configure_logging(service, common.log_level, common.log_json)
     redis_client = async_redis(common.redis_url)
 

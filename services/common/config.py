@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
 from typing import Literal, TypeVar
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict

@@ -31,8 +31,8 @@ from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.common.auth import Principal, bearer_token, verify_key
 from services.common import jsonsafe
+from services.common.auth import Principal, bearer_token, verify_key
 from services.common.errors import TandemError, error_body
 
 MIB = 1024 * 1024
@@ -43,11 +43,11 @@ class BodyTooLarge(HTTPException):
     """Raised from ``receive`` when a streamed body passes its limit (FastAPI lets
     HTTPExceptions from body reading through, so it becomes the 413 below)."""
 
-    def __init__(self, limit: int, received: int) -> None:
+    def __init__(self, limit: int, received: int, hint: str = "") -> None:
         super().__init__(
             413,
             f"request body larger than the limit of {describe_bytes(limit)} for this route "
-            f"(received {received} bytes so far)",
+            f"(received {received} bytes so far){hint}",
         )
         self.limit = limit
 
@@ -75,14 +75,16 @@ class GuardMiddleware:
         protected_paths: Collection[str],
         redis_client: aioredis.Redis,
         default_limit: int,
-        limits: Mapping[str, int],
+        limits: Mapping[str, int | tuple[int, str]],
     ) -> None:
         self.app = app
         self.routes = routes
         self.protected_paths = frozenset(protected_paths)
         self.redis = redis_client
         self.default_limit = default_limit
-        self.limits = dict(limits)
+        # template -> (bytes, a hint naming the setting behind it)
+        self.limits = {k: v if isinstance(v, tuple) else (v, "") for k, v in limits.items()}
+        self.default = (default_limit, "TANDEM_MAX_BODY_MB")
 
     def _route(self, scope: Scope) -> tuple[BaseRoute | None, bool]:
         """(route, needs a key?) of the first route matching path and method (else path only)."""
@@ -105,7 +107,8 @@ class GuardMiddleware:
             return
         route, protected = self._route(scope)
         template = getattr(route, "path", None)
-        limit = self.limits.get(template, self.default_limit) if isinstance(template, str) else self.default_limit
+        limit, hint = self.limits.get(template, self.default) if isinstance(template, str) else self.default
+        hint = f" ({hint})" if hint else ""
         if protected or scope["path"] in self.protected_paths:
             conn = HTTPConnection(scope)
             token = bearer_token(conn)
@@ -126,7 +129,7 @@ class GuardMiddleware:
                 error_body(
                     "invalid_request_error",
                     f"request body of {declared} bytes is larger than the limit of {describe_bytes(limit)} "
-                    f"for {scope.get('method', '')} {template or scope['path']}",
+                    f"for {scope.get('method', '')} {template or scope['path']}{hint}",
                     None,
                     "body_too_large",
                 ),
@@ -141,7 +144,7 @@ class GuardMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit, received)
+                    raise BodyTooLarge(limit, received, hint)
             return message
 
         async def tracking_send(message: Message) -> None:
