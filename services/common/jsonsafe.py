@@ -35,7 +35,8 @@ def find_problem(value: Any, *, max_depth: int = MAX_DEPTH) -> tuple[tuple[str |
         elif isinstance(node, list):
             stack.extend((v, (*path, i)) for i, v in enumerate(node))
         elif isinstance(node, float) and not math.isfinite(node):
-            return path, f"{node!r} is not a JSON number (NaN and Infinity are refused)", "non_finite_number"
+            shown = "NaN" if math.isnan(node) else ("Infinity" if node > 0 else "-Infinity")
+            return path, f"{shown} is not a JSON number (NaN and Infinity are refused)", "non_finite_number"
     return None
 
 

@@ -1,0 +1,82 @@
+"""Hostile and careless input to retrieval: each is a 4xx naming the field and the limit, never a 500."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.retrieval.test_api import make
+
+
+def _raw_json(client: httpx.Client, path: str, text: str) -> httpx.Response:
+    return client.post(path, content=text, headers={"content-type": "application/json"})
+
+
+@pytest.fixture()
+def kb(client: httpx.Client) -> httpx.Client:
+    make(client)
+    r = client.post(
+        "/v1/collections/kb/documents",
+        json={"documents": [{"id": "a", "text": "Kestrels hover over fields.", "metadata": {"year": 2020}}]},
+    )
+    assert r.status_code == 201, r.text
+    return client
+
+
+@pytest.mark.parametrize(
+    ("filters", "needle"),
+    [
+        ({"$or": [{"year": i} for i in range(1200)]}, "more than 256 conditions"),
+        ({"year": {"$in": list(range(300_000))}}, "300000 values; the limit is 1024"),
+        ({"year": 2**70}, "outside the 64-bit range"),
+        ({"year": {"$gt": -(2**64)}}, "outside the 64-bit range"),
+        ({"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"year": 1}}}}}}}}}}}}}}}}}}, "nested deeper than 16"),
+    ],
+)
+def test_filter_limits_are_400s_naming_the_limit(kb: httpx.Client, filters: dict, needle: str) -> None:
+    r = kb.post("/v1/collections/kb/search", json={"query": "kestrels", "filters": filters}, timeout=60)
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["param"] == "filters" and needle in err["message"], err["message"][:300]
+
+
+@pytest.mark.parametrize("const", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_refused(kb: httpx.Client, const: str) -> None:
+    doc = '{"documents": [{"id": "n", "text": "t", "metadata": {"score": %s}}]}' % const
+    r = _raw_json(kb, "/v1/collections/kb/documents", doc)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body.documents.0.metadata.score", r.text
+    r = _raw_json(kb, "/v1/collections/kb/search", '{"query": "k", "weights": {"dense": %s}}' % const)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body.weights.dense", r.text
+    r = _raw_json(kb, "/v1/collections/kb/search", '{"query": "k", "filters": {"year": %s}}' % const)
+    assert r.status_code == 400 and const in r.json()["error"]["message"], r.text
+
+
+def test_deeply_nested_jsonl_and_metadata(kb: httpx.Client) -> None:
+    deep = {"id": "d", "text": "deep", "metadata": {}}
+    line = json.dumps(deep)[:-2] + '"x": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    r = kb.post("/v1/collections/kb/files", files={"file": ("deep.jsonl", line.encode())})
+    assert r.status_code == 400, r.text[:300]
+    assert "deep.jsonl" in r.json()["error"]["message"] and "nested deeper than 64" in r.json()["error"]["message"]
+    r = kb.post("/v1/collections/kb/files", files={"file": ("a.txt", b"fine")}, data={"metadata": "[" * 50_000 + "]" * 50_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text[:300]
+    assert kb.get("/v1/collections/kb").json()["documents"] == 1
+
+
+def test_tenant_storage_quota_is_507_with_the_numbers(
+    retrieval_env, api_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.retrieval.app import create_app
+    from tests.conftest import auth
+    from tests.helpers.servers import serve_app
+
+    monkeypatch.setenv("TANDEM_RETRIEVAL_TENANT_QUOTA_MB", "1")
+    with serve_app(create_app()) as url, httpx.Client(base_url=url, headers=auth(api_key), timeout=60) as c:
+        make(c)
+        big = b"lorem ipsum dolor " * (1024 * 1024 // 18 + 100)  # just over 1 MiB
+        r = c.post("/v1/collections/kb/files", files={"file": ("big.txt", big)})
+        assert r.status_code == 507, r.text
+        msg = r.json()["error"]["message"]
+        assert "1 MiB storage quota" in msg and "TANDEM_RETRIEVAL_TENANT_QUOTA_MB" in msg and "acme" in msg
+        assert c.post("/v1/collections/kb/files", files={"file": ("s.txt", b"small")}).status_code == 201
