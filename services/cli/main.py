@@ -287,7 +287,12 @@ def status() -> None:
             ok, detail = stack.worker_ready(redis_url, name.removeprefix("worker-"))
             health = "[green]ready[/]" if ok else f"[red]{detail}[/]"
             healthy &= ok
-        table.add_row(name, str(pid or "-"), urls.get(name, stack.redacted(redis_url) if name == "redis" else ""), health)
+        table.add_row(
+            name,
+            str(pid or "-"),
+            urls.get(name, stack.redacted(redis_url) if name == "redis" else ""),
+            health,
+        )
     console.print(table)
     if not healthy:
         raise typer.Exit(1)

@@ -345,9 +345,7 @@ def worker_ready(redis_url: str, queue: str, timeout: float = 3.0) -> tuple[bool
         app.close()
 
 
-def redis_url_for(
-    common: CommonSettings, environ: dict[str, str], password: str = ""
-) -> tuple[str, bool]:
+def redis_url_for(common: CommonSettings, environ: dict[str, str], password: str = "") -> tuple[str, bool]:
     """(url, embedded?): use TANDEM_REDIS_URL when it is set (it must answer), else embedded Valkey
     (on loopback, with ``password``)."""
     if "TANDEM_REDIS_URL" in environ:

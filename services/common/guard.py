@@ -56,7 +56,9 @@ def describe_bytes(n: int) -> str:
     return f"{n / MIB:g} MiB" if n >= MIB else f"{n} bytes"
 
 
-def _json_response(status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> list[Message]:
+def _json_response(
+    status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None
+) -> list[Message]:
     raw = json.dumps(body).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -97,7 +99,9 @@ class GuardMiddleware:
                 partial = (route, protected)
         return partial
 
-    async def _refuse(self, send: Send, status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> None:
+    async def _refuse(
+        self, send: Send, status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None
+    ) -> None:
         for message in _json_response(status, body, headers):
             await send(message)
 
@@ -114,7 +118,11 @@ class GuardMiddleware:
             token = bearer_token(conn)
             principal: Principal | None = await verify_key(self.redis, token) if token else None
             if principal is None:
-                why = "missing API key: send 'Authorization: Bearer <key>'" if token is None else "invalid or revoked API key"
+                why = (
+                    "missing API key: send 'Authorization: Bearer <key>'"
+                    if token is None
+                    else "invalid or revoked API key"
+                )
                 await self._refuse(
                     send, 401, error_body("authentication_error", why), {"WWW-Authenticate": "Bearer"}
                 )

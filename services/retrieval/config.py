@@ -84,7 +84,9 @@ class RetrievalSettings(ServiceSettings):
         100.0, gt=1, description="Highest compression ratio of a DOCX member larger than 1 MiB (zip bombs)."
     )
     parse_max_pages: int = Field(2000, ge=1, description="Most pages of a PDF.")
-    parse_timeout_s: float = Field(120.0, gt=0, description="Seconds parsing one PDF, DOCX or HTML file may take.")
+    parse_timeout_s: float = Field(
+        120.0, gt=0, description="Seconds parsing one PDF, DOCX or HTML file may take."
+    )
     checkpoint_every: int = Field(
         2000, ge=1, description="Write index checkpoints after this many logged chunk operations."
     )

@@ -144,7 +144,9 @@ def run_job(
                 return job["result"] or {}  # redelivered after it finished
             raise FileNotFoundError(f"job input {path.name} is gone")
         else:
-            docs = [InputDocument(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+            docs = [
+                InputDocument(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()
+            ]
         jobs.update(job_id, state="running", documents_total=len(docs))
         records = col.prepare(docs)
         total = sum(len(r.chunks) for r in records)

@@ -168,9 +168,14 @@ def test_guard_answers_fast(url: str) -> None:
 
 def test_deep_json_and_nan_are_400_naming_the_field(url: str, api_key: str) -> None:
     deep = '{"name": "a", "x": ' + "[" * 5000 + "]" * 5000 + "}"
-    r = httpx.post(f"{url}/v1/things", content=deep, headers={**auth(api_key), "content-type": "application/json"})
+    r = httpx.post(
+        f"{url}/v1/things", content=deep, headers={**auth(api_key), "content-type": "application/json"}
+    )
     assert r.status_code == 400, r.text
-    assert "nested deeper than 64" in r.json()["error"]["message"] and r.json()["error"]["code"] == "json_too_deep"
+    assert (
+        "nested deeper than 64" in r.json()["error"]["message"]
+        and r.json()["error"]["code"] == "json_too_deep"
+    )
     for const in ("NaN", "Infinity", "-Infinity"):
         body = '{"name": "a", "meta": {"score": ' + const + "}}"
         r = httpx.post(
@@ -180,6 +185,8 @@ def test_deep_json_and_nan_are_400_naming_the_field(url: str, api_key: str) -> N
         err = r.json()["error"]
         assert err["param"] == "body.meta.score" and "NaN and Infinity are refused" in err["message"]
     # malformed JSON from a key holder keeps the route's own 400 naming the position
-    r = httpx.post(f"{url}/v1/things", content=b"{oops", headers={**auth(api_key), "content-type": "application/json"})
+    r = httpx.post(
+        f"{url}/v1/things", content=b"{oops", headers={**auth(api_key), "content-type": "application/json"}
+    )
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     assert httpx.post(f"{url}/v1/things", json={"name": "ok"}, headers=auth(api_key)).json() == {"name": "ok"}

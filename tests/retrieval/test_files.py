@@ -217,7 +217,9 @@ def test_parse_limits_pages_and_decompressed_size(
         job = run_queued_job(c, r)
         assert job["state"] == "failed" and "2 pages, more than 1" in job["error"], job
         assert "TANDEM_RETRIEVAL_PARSE_MAX_PAGES" in job["error"]
-        big = _docx_with(b"<?xml version='1.0'?><w:document>" + b"<w:p/>" * 400_000 + b"</w:document>", level=1)
+        big = _docx_with(
+            b"<?xml version='1.0'?><w:document>" + b"<w:p/>" * 400_000 + b"</w:document>", level=1
+        )
         r = c.post("/v1/collections/kb/files", files={"file": ("big.docx", big)})
         job = run_queued_job(c, r)
         assert job["state"] == "failed" and "more than 1 MiB" in job["error"], job

@@ -32,7 +32,42 @@ def kb(client: httpx.Client) -> httpx.Client:
         ({"year": {"$in": list(range(300_000))}}, "300000 values; the limit is 1024"),
         ({"year": 2**70}, "outside the 64-bit range"),
         ({"year": {"$gt": -(2**64)}}, "outside the 64-bit range"),
-        ({"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"$not": {"year": 1}}}}}}}}}}}}}}}}}}, "nested deeper than 16"),
+        (
+            {
+                "$not": {
+                    "$not": {
+                        "$not": {
+                            "$not": {
+                                "$not": {
+                                    "$not": {
+                                        "$not": {
+                                            "$not": {
+                                                "$not": {
+                                                    "$not": {
+                                                        "$not": {
+                                                            "$not": {
+                                                                "$not": {
+                                                                    "$not": {
+                                                                        "$not": {
+                                                                            "$not": {"$not": {"year": 1}}
+                                                                        }
+                                                                    }
+                                                                }
+                                                            }
+                                                        }
+                                                    }
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            },
+            "nested deeper than 16",
+        ),
     ],
 )
 def test_filter_limits_are_400s_naming_the_limit(kb: httpx.Client, filters: dict, needle: str) -> None:
@@ -58,8 +93,15 @@ def test_deeply_nested_jsonl_and_metadata(kb: httpx.Client) -> None:
     line = json.dumps(deep)[:-2] + '"x": ' + "[" * 100_000 + "]" * 100_000 + "}}"
     r = kb.post("/v1/collections/kb/files", files={"file": ("deep.jsonl", line.encode())})
     assert r.status_code == 400, r.text[:300]
-    assert "deep.jsonl" in r.json()["error"]["message"] and "nested deeper than 64" in r.json()["error"]["message"]
-    r = kb.post("/v1/collections/kb/files", files={"file": ("a.txt", b"fine")}, data={"metadata": "[" * 50_000 + "]" * 50_000})
+    assert (
+        "deep.jsonl" in r.json()["error"]["message"]
+        and "nested deeper than 64" in r.json()["error"]["message"]
+    )
+    r = kb.post(
+        "/v1/collections/kb/files",
+        files={"file": ("a.txt", b"fine")},
+        data={"metadata": "[" * 50_000 + "]" * 50_000},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text[:300]
     assert kb.get("/v1/collections/kb").json()["documents"] == 1
 

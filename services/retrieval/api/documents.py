@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse
 
 from services.common import jsonsafe
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
+from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
+from services.common.idempotency import file_fingerprint, idempotent
 from services.common.paths import safe_filename
 from services.common.quota import check_quota, folder_bytes
 from services.retrieval.api.deps import collection, manager, tenant
@@ -65,10 +67,27 @@ def _as_job(request: Request, name: str, docs: list[InputDocument], filename: st
     "/{name}/documents",
     status_code=201,
     response_model=IngestResponse,
-    responses={202: {"model": IngestResponse, "description": "queued as an ingestion job"}},
+    responses={
+        202: {"model": IngestResponse, "description": "queued as an ingestion job"},
+        400: {"description": "a document is invalid (the message names the field and value)"},
+        401: {"description": "missing or unknown API key"},
+        404: {"description": "no such collection"},
+        413: {"description": "the request is larger than TANDEM_MAX_BODY_MB"},
+        **IDEMPOTENCY_RESPONSES,
+    },
 )
-def add_documents(name: str, body: AddDocuments, request: Request) -> JSONResponse:
-    """Ingest JSON documents; a document with an id already stored replaces it."""
+async def add_documents(name: str, body: AddDocuments, request: Request) -> Any:
+    """Ingest JSON documents; a document with an id already stored replaces it. With an
+    ``Idempotency-Key`` header a retry returns the first answer (the same job, if it became one)."""
+
+    async def create() -> tuple[int, Any]:
+        resp = await run_in_threadpool(_add_documents, name, body, request)
+        return resp.status_code, json.loads(bytes(resp.body))
+
+    return await idempotent(request, tenant(request), create)
+
+
+def _add_documents(name: str, body: AddDocuments, request: Request) -> JSONResponse:
     collection(request, name)  # 404 before any work
     docs = [InputDocument(d.id, d.text, d.title or "", d.metadata or {}) for d in body.documents]
     for i, d in enumerate(docs):
@@ -82,7 +101,10 @@ def add_documents(name: str, body: AddDocuments, request: Request) -> JSONRespon
 
 
 UPLOAD_ERRORS: dict[int | str, dict[str, Any]] = {
-    202: {"model": IngestResponse, "description": "queued as an ingestion job (PDF, DOCX, HTML, large uploads)"},
+    202: {
+        "model": IngestResponse,
+        "description": "queued as an ingestion job (PDF, DOCX, HTML, large uploads)",
+    },
     400: {"description": "a file or the metadata is invalid (the message names the file and the problem)"},
     401: {"description": "missing or unknown API key"},
     404: {"description": "no such collection"},
@@ -127,7 +149,7 @@ def _spooled_size(up: UploadFile) -> int:
     "/{name}/files",
     status_code=201,
     response_model=IngestResponse,
-    responses=UPLOAD_ERRORS,
+    responses={**UPLOAD_ERRORS, **IDEMPOTENCY_RESPONSES},
 )
 async def upload_files(
     name: str,
@@ -138,7 +160,23 @@ async def upload_files(
     """Upload files. The request body streams to disk under the guard's limit; PDF, DOCX and
     HTML (and large uploads) are parsed by the ingestion worker with limits (a 202 job whose
     ``file_errors`` name any file that could not be parsed); small text, Markdown and JSONL
-    files are parsed here, off the event loop, and ingested at once (201)."""
+    files are parsed here, off the event loop, and ingested at once (201). With an
+    ``Idempotency-Key`` header a retry returns the first answer."""
+    who = tenant(request)
+    fingerprint = await run_in_threadpool(
+        file_fingerprint, [(up.filename or "", up.file) for up in file], f"{name}\0{metadata or ''}"
+    )
+
+    async def create() -> tuple[int, Any]:
+        resp = await _upload_files(name, request, file, metadata)
+        return resp.status_code, json.loads(bytes(resp.body))
+
+    return await idempotent(request, who, create, fingerprint=fingerprint)
+
+
+async def _upload_files(
+    name: str, request: Request, file: list[UploadFile], metadata: str | None
+) -> JSONResponse:
     extra: dict[str, Any] = {}
     if metadata:
         try:

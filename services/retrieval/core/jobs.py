@@ -73,7 +73,9 @@ class JobStore:
 
     def update(self, job_id: str, **fields: Any) -> None:
         mapping: dict[str, Any] = {
-            k: (json.dumps(v) if k in ("result", "file_errors") else v) for k, v in fields.items() if v is not None
+            k: (json.dumps(v) if k in ("result", "file_errors") else v)
+            for k, v in fields.items()
+            if v is not None
         }
         mapping["updated_at"] = time.time()
         self.r.hset(job_key(job_id), mapping=mapping)  # type: ignore[arg-type]

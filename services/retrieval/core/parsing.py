@@ -152,7 +152,9 @@ def pdf_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits())
     try:
         reader = PdfReader(io.BytesIO(data), strict=False)
         if len(reader.pages) > limits.max_pages:
-            raise _limit(filename, f"{len(reader.pages)} pages, more than {limits.max_pages}", "PARSE_MAX_PAGES")
+            raise _limit(
+                filename, f"{len(reader.pages)} pages, more than {limits.max_pages}", "PARSE_MAX_PAGES"
+            )
         pages: list[str] = []
         size = 0
         for page in reader.pages:
