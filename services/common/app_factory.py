@@ -21,6 +21,13 @@ from services.common.logs import configure_logging
 from services.common.observability import Readiness, ReadinessCheck, install_observability
 from services.common.redis_conn import async_redis
 
+# What the guard answers on any route that needs a key, declared so the OpenAPI schema tells the truth.
+GUARD_RESPONSES: dict[int | str, dict[str, object]] = {
+    400: {"description": "invalid request: the message names the field and value (JSON nested too deep, NaN, ...)"},
+    401: {"description": "missing, unknown or revoked API key"},
+    413: {"description": "request body larger than the route's limit"},
+}
+
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
@@ -88,7 +95,7 @@ def create_service_app(
     )
     app.state.metrics = install_observability(app, service, app.state.readiness)
     for router in (whoami_router(service), *routers):
-        app.include_router(router, dependencies=[Depends(require_principal)])
+        app.include_router(router, dependencies=[Depends(require_principal)], responses=GUARD_RESPONSES)
         guarded.extend((r, True) for r in router.routes)
     for router in public_routers:
         app.include_router(router)

@@ -190,3 +190,9 @@ def test_deep_json_and_nan_are_400_naming_the_field(url: str, api_key: str) -> N
     )
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     assert httpx.post(f"{url}/v1/things", json={"name": "ok"}, headers=auth(api_key)).json() == {"name": "ok"}
+
+
+def test_openapi_declares_the_guards_answers(url: str, api_key: str) -> None:
+    spec = httpx.get(f"{url}/openapi.json", headers=auth(api_key)).json()
+    responses = spec["paths"]["/v1/things"]["post"]["responses"]
+    assert {"400", "401", "413"} <= set(responses)

@@ -122,3 +122,37 @@ def test_tenant_storage_quota_is_507_with_the_numbers(
         msg = r.json()["error"]["message"]
         assert "1 MiB storage quota" in msg and "TANDEM_RETRIEVAL_TENANT_QUOTA_MB" in msg and "acme" in msg
         assert c.post("/v1/collections/kb/files", files={"file": ("s.txt", b"small")}).status_code == 201
+
+
+def test_idempotency_key_on_collections_documents_and_files(client: httpx.Client, other_client: httpx.Client) -> None:
+    key = {"Idempotency-Key": "make-kb"}
+    first = client.post("/v1/collections", json={"name": "kb"}, headers=key)
+    again = client.post("/v1/collections", json={"name": "kb"}, headers=key)
+    assert first.status_code == again.status_code == 201, again.text  # not a 409 for its own collection
+    assert again.json() == first.json() and again.headers["idempotent-replayed"] == "true"
+    assert client.post("/v1/collections", json={"name": "kb2"}, headers=key).status_code == 409
+    # another tenant's same key is its own request
+    assert other_client.post("/v1/collections", json={"name": "kb"}, headers=key).status_code == 201
+
+    docs = {"documents": [{"id": "d1", "text": "Puffins nest in burrows."}]}
+    dkey = {"Idempotency-Key": "docs-1"}
+    d1 = client.post("/v1/collections/kb/documents", json=docs, headers=dkey)
+    d2 = client.post("/v1/collections/kb/documents", json=docs, headers=dkey)
+    assert d1.status_code == d2.status_code == 201 and d1.json() == d2.json()
+    assert d2.json()["chunks_added"] == 1  # the first answer, not a second ingestion's "unchanged"
+    other = client.post(
+        "/v1/collections/kb/documents", json={"documents": [{"id": "d2", "text": "x"}]}, headers=dkey
+    )
+    assert other.status_code == 409 and other.json()["error"]["param"] == "Idempotency-Key"
+
+    fkey = {"Idempotency-Key": "file-1"}
+    f1 = client.post("/v1/collections/kb/files", files={"file": ("a.txt", b"Gannets dive.")}, headers=fkey)
+    f2 = client.post("/v1/collections/kb/files", files={"file": ("a.txt", b"Gannets dive.")}, headers=fkey)
+    assert f1.status_code == f2.status_code == 201 and f1.json() == f2.json()
+    f3 = client.post("/v1/collections/kb/files", files={"file": ("a.txt", b"Other text.")}, headers=fkey)
+    assert f3.status_code == 409
+    assert client.get("/v1/collections/kb").json()["documents"] == 2
+    # a request that failed frees its key: the retry runs
+    bad = client.post("/v1/collections/nope/documents", json=docs, headers={"Idempotency-Key": "k404"})
+    assert bad.status_code == 404
+    assert client.post("/v1/collections/nope/documents", json=docs, headers={"Idempotency-Key": "k404"}).status_code == 404
