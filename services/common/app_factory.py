@@ -23,7 +23,9 @@ from services.common.redis_conn import async_redis
 
 # What the guard answers on any route that needs a key, declared so the OpenAPI schema tells the truth.
 GUARD_RESPONSES: dict[int | str, dict[str, object]] = {
-    400: {"description": "invalid request: the message names the field and value (JSON nested too deep, NaN, ...)"},
+    400: {
+        "description": "invalid request: the message names the field and value (JSON nested too deep, NaN, ...)"
+    },
     401: {"description": "missing, unknown or revoked API key"},
     413: {"description": "request body larger than the route's limit"},
 }

@@ -8,8 +8,6 @@ from its own origin and has no inline script, so the policy allows scripts only 
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import Scope
@@ -44,4 +42,3 @@ class SecureStaticFiles(StaticFiles):
         response = await super().get_response(path, scope)
         response.headers.update(HEADERS)
         return response
-

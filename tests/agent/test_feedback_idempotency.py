@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from tests.agent.test_feedback import FRANCE, ask, foreign_key, key, stack  # noqa: F401  (fixtures)
 from tests.agent.stack import Stack
+from tests.agent.test_feedback import FRANCE, ask, foreign_key, key, stack  # noqa: F401  (fixtures)
 from tests.conftest import auth
 
 

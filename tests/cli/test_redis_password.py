@@ -44,7 +44,9 @@ def test_embedded_valkey_refuses_clients_without_the_password(tmp_path: Path) ->
         client = sync_redis(url)
         assert client.ping() and client.config_get("bind")["bind"] == "127.0.0.1"
         # TANDEM_REDIS_PASSWORD with a password-less URL (compose's way) reaches it too
-        via_setting = CommonSettings(redis_url=f"redis://127.0.0.1:{common.redis_port}/0", redis_password=password)
+        via_setting = CommonSettings(
+            redis_url=f"redis://127.0.0.1:{common.redis_port}/0", redis_password=password
+        )
         assert sync_redis(via_setting.redis_url).ping()
         assert stack.redacted(url) == f"redis://:***@127.0.0.1:{common.redis_port}/0"
         client.close()
@@ -55,7 +57,6 @@ def test_embedded_valkey_refuses_clients_without_the_password(tmp_path: Path) ->
 
 def test_redis_clients_time_out_instead_of_hanging() -> None:
     import socket
-
     import threading
 
     # a server that accepts connections and never answers

@@ -34,7 +34,9 @@ def _poll_health_while(url: str, busy: threading.Event, done: threading.Event) -
 def test_healthz_stays_fast_during_an_8mb_chat_message(
     tmp_path: Path, redis_url: str, api_key: str, lively_tiny_path: Path
 ) -> None:
-    common = CommonSettings(home=tmp_path, redis_url=redis_url, model_roots=str(tmp_path / "models"), log_json=False)
+    common = CommonSettings(
+        home=tmp_path, redis_url=redis_url, model_roots=str(tmp_path / "models"), log_json=False
+    )
     settings = InferenceSettings(model=str(lively_tiny_path), served_model_name="tiny", max_model_len=256)
     # ordinary prose, ~8 MB: the tokenizer's real work (a single repeated character is cheaper)
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
@@ -49,7 +51,11 @@ def test_healthz_stays_fast_during_an_8mb_chat_message(
             try:
                 result["r"] = httpx.post(
                     f"{url}/v1/chat/completions",
-                    json={"model": "tiny", "messages": [{"role": "user", "content": message}], "max_tokens": 2},
+                    json={
+                        "model": "tiny",
+                        "messages": [{"role": "user", "content": message}],
+                        "max_tokens": 2,
+                    },
                     headers=auth(api_key),
                     timeout=300,
                 )
@@ -64,4 +70,6 @@ def test_healthz_stays_fast_during_an_8mb_chat_message(
     assert result["r"].status_code == 400, result["r"].text[:300]
     assert "maximum context length" in result["r"].json()["error"]["message"]
     assert len(latencies) >= 3, latencies  # the request took long enough to measure
-    assert max(latencies) < 0.2, f"/healthz took up to {max(latencies) * 1000:.0f} ms ({len(latencies)} polls)"
+    assert max(latencies) < 0.2, (
+        f"/healthz took up to {max(latencies) * 1000:.0f} ms ({len(latencies)} polls)"
+    )

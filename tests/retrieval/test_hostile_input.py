@@ -79,12 +79,12 @@ def test_filter_limits_are_400s_naming_the_limit(kb: httpx.Client, filters: dict
 
 @pytest.mark.parametrize("const", ["NaN", "Infinity", "-Infinity"])
 def test_nan_and_infinity_are_refused(kb: httpx.Client, const: str) -> None:
-    doc = '{"documents": [{"id": "n", "text": "t", "metadata": {"score": %s}}]}' % const
+    doc = f'{{"documents": [{{"id": "n", "text": "t", "metadata": {{"score": {const}}}}}]}}'
     r = _raw_json(kb, "/v1/collections/kb/documents", doc)
     assert r.status_code == 400 and r.json()["error"]["param"] == "body.documents.0.metadata.score", r.text
-    r = _raw_json(kb, "/v1/collections/kb/search", '{"query": "k", "weights": {"dense": %s}}' % const)
+    r = _raw_json(kb, "/v1/collections/kb/search", f'{{"query": "k", "weights": {{"dense": {const}}}}}')
     assert r.status_code == 400 and r.json()["error"]["param"] == "body.weights.dense", r.text
-    r = _raw_json(kb, "/v1/collections/kb/search", '{"query": "k", "filters": {"year": %s}}' % const)
+    r = _raw_json(kb, "/v1/collections/kb/search", f'{{"query": "k", "filters": {{"year": {const}}}}}')
     assert r.status_code == 400 and const in r.json()["error"]["message"], r.text
 
 
@@ -124,7 +124,9 @@ def test_tenant_storage_quota_is_507_with_the_numbers(
         assert c.post("/v1/collections/kb/files", files={"file": ("s.txt", b"small")}).status_code == 201
 
 
-def test_idempotency_key_on_collections_documents_and_files(client: httpx.Client, other_client: httpx.Client) -> None:
+def test_idempotency_key_on_collections_documents_and_files(
+    client: httpx.Client, other_client: httpx.Client
+) -> None:
     key = {"Idempotency-Key": "make-kb"}
     first = client.post("/v1/collections", json={"name": "kb"}, headers=key)
     again = client.post("/v1/collections", json={"name": "kb"}, headers=key)
@@ -155,4 +157,9 @@ def test_idempotency_key_on_collections_documents_and_files(client: httpx.Client
     # a request that failed frees its key: the retry runs
     bad = client.post("/v1/collections/nope/documents", json=docs, headers={"Idempotency-Key": "k404"})
     assert bad.status_code == 404
-    assert client.post("/v1/collections/nope/documents", json=docs, headers={"Idempotency-Key": "k404"}).status_code == 404
+    assert (
+        client.post(
+            "/v1/collections/nope/documents", json=docs, headers={"Idempotency-Key": "k404"}
+        ).status_code
+        == 404
+    )

@@ -34,7 +34,9 @@ def test_deeply_nested_and_nan_rows_are_400s_naming_the_line(harness: Harness, a
     deep = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
     r = upload(harness, api_key, (good + deep + "\n").encode())
     assert r.status_code == 400, r.text[:300]
-    assert "line 3" in r.json()["error"]["message"] and "nested deeper than 64" in r.json()["error"]["message"]
+    assert (
+        "line 3" in r.json()["error"]["message"] and "nested deeper than 64" in r.json()["error"]["message"]
+    )
     nan_row = '{"prompt": "a", "completion": "b", "label": true, "weight": NaN}'
     r = upload(harness, api_key, (nan_row + "\n").encode())
     assert r.status_code == 400 and "NaN" in r.json()["error"]["message"], r.text
@@ -60,21 +62,31 @@ def test_upload_over_the_limit_and_over_the_quota(harness: Harness, key_store: K
     assert upload(harness, other_key, almost).status_code == 201
 
 
-def test_idempotent_file_and_job_creation(harness: Harness, api_key: str, other_key: str, tiny_model_path: Path) -> None:
+def test_idempotent_file_and_job_creation(
+    harness: Harness, api_key: str, other_key: str, tiny_model_path: Path
+) -> None:
     data = jsonl(ROWS)
     key = {"Idempotency-Key": "upload-1"}
-    first = httpx.post(f"{harness.base}/v1/files", files={"file": ("t.jsonl", data)}, headers={**auth(api_key), **key})
-    again = httpx.post(f"{harness.base}/v1/files", files={"file": ("t.jsonl", data)}, headers={**auth(api_key), **key})
+    first = httpx.post(
+        f"{harness.base}/v1/files", files={"file": ("t.jsonl", data)}, headers={**auth(api_key), **key}
+    )
+    again = httpx.post(
+        f"{harness.base}/v1/files", files={"file": ("t.jsonl", data)}, headers={**auth(api_key), **key}
+    )
     assert first.status_code == again.status_code == 201
     assert first.json()["id"] == again.json()["id"] and again.headers["idempotent-replayed"] == "true"
     files = httpx.get(f"{harness.base}/v1/files", headers=auth(api_key)).json()["data"]
     assert [f["id"] for f in files].count(first.json()["id"]) == 1 and files[0]["id"] == first.json()["id"]
     other = httpx.post(
-        f"{harness.base}/v1/files", files={"file": ("t.jsonl", jsonl(ROWS[:3]))}, headers={**auth(api_key), **key}
+        f"{harness.base}/v1/files",
+        files={"file": ("t.jsonl", jsonl(ROWS[:3]))},
+        headers={**auth(api_key), **key},
     )
     assert other.status_code == 409 and "Idempotency-Key" in other.json()["error"]["message"]
     # the same key from another tenant is another request
-    theirs = httpx.post(f"{harness.base}/v1/files", files={"file": ("t.jsonl", data)}, headers={**auth(other_key), **key})
+    theirs = httpx.post(
+        f"{harness.base}/v1/files", files={"file": ("t.jsonl", data)}, headers={**auth(other_key), **key}
+    )
     assert theirs.status_code == 201 and theirs.json()["id"] != first.json()["id"]
 
     body = job_body(tiny_model_path, first.json()["id"])

@@ -18,9 +18,9 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
-from services.common.security_headers import SecureStaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from services.common.security_headers import SecureStaticFiles
 from tests.helpers.servers import serve_app
 from tests.web.conftest import DIST
 

@@ -29,8 +29,8 @@ from services.agent.protocol import (
     WsRegenerateFrame,
 )
 from services.agent.runtime import Turn, TurnResult
-from services.common.auth import WS_PROTOCOL
 from services.common import jsonsafe
+from services.common.auth import WS_PROTOCOL
 from services.common.errors import TandemError
 
 router = APIRouter(tags=["websocket"])
