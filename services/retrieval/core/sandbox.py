@@ -24,6 +24,8 @@ from services.retrieval.core.parsing import MIB, ParsedDocument, ParseLimitError
 
 # Interpreter, parsers and their working sets besides the decompressed content itself.
 BASE_MEMORY = 768 * MIB
+# The folder holding the ``services`` package: the child imports it whatever its cwd.
+CODE_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _limit_memory(limit: int) -> None:
@@ -45,6 +47,12 @@ def parse_isolated(path: Path, filename: str, limits: ParseLimits) -> list[Parse
                 capture_output=True,
                 timeout=limits.timeout_s,
                 preexec_fn=(lambda: _limit_memory(memory)) if os.name == "posix" else None,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join(
+                        filter(None, [str(CODE_ROOT), os.environ.get("PYTHONPATH")])
+                    ),
+                },
                 check=False,
             )
         except subprocess.TimeoutExpired:
