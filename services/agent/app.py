@@ -40,6 +40,10 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
         routers=[pipelines.router, conversations.router, feedback.router, openai_compat.router, ws.router],
         public_routers=[proxy.router],
         lifespan=lifespan,
+        # the proxy streams uploads on; the service behind it applies its own, lower, limit
+        body_limits={
+            proxy.ROUTE: (proxy.MAX_BODY_MB << 20, "the proxy's limit; the service behind it has its own")
+        },
     )
     app.state.settings = settings
     app.state.runtime = AgentRuntime.create(common, settings, app.state.redis)
