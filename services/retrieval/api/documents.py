@@ -158,10 +158,10 @@ async def upload_files(
     metadata: str | None = Form(None, description="JSON object added to every document's metadata"),
 ) -> JSONResponse:
     """Upload files. The request body streams to disk under the guard's limit; an upload with
-    PDF, DOCX or HTML is parsed by the ingestion worker with limits (a 202 job whose
-    ``file_errors`` name any file that could not be parsed); text, Markdown and JSONL files
-    are parsed here, off the event loop (a bad one is a 4xx at once), and ingested at once
-    (201) or, when large, as a job (202). With an
+    PDF, DOCX or HTML, or larger than TANDEM_RETRIEVAL_ASYNC_UPLOAD_KB, is parsed by the
+    ingestion worker with limits (a 202 job whose ``file_errors`` name any file that could not
+    be parsed); small text, Markdown and JSONL files are parsed here, off the event loop (a bad
+    one is a 4xx at once), and ingested at once (201). With an
     ``Idempotency-Key`` header a retry returns the first answer."""
     who = tenant(request)
     fingerprint = await run_in_threadpool(
@@ -193,7 +193,9 @@ async def _upload_files(
     who = tenant(request)
     total = await run_in_threadpool(_check_sizes, request, who, file, names)
     settings = request.app.state.settings
-    if any(extension_of(n) in UNTRUSTED for n in names):
+    # Parsing a large file holds the GIL in long C calls (decoding, regexes, JSON): it would stall
+    # the event loop even from a thread, so large uploads are parsed by the worker, like PDFs.
+    if total > settings.async_upload_kb * 1024 or any(extension_of(n) in UNTRUSTED for n in names):
         job_id = await run_in_threadpool(
             enqueue_files_job,
             request.app.state.celery,
@@ -217,7 +219,7 @@ async def _upload_files(
         data = await run_in_threadpool(_read_spooled, up)
         parsed.extend(await run_in_threadpool(parse_file, fname, data))
     docs = [InputDocument(p.id, p.text, p.title, {**p.metadata, **extra}) for p in parsed]
-    if total > settings.async_upload_kb * 1024 or len(docs) > settings.async_documents:
+    if len(docs) > settings.async_documents:
         return await run_in_threadpool(_as_job, request, name, docs, ",".join(names))
     return await run_in_threadpool(_ingest_now, request, name, docs)
 
