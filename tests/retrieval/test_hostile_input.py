@@ -165,7 +165,9 @@ def test_idempotency_key_on_collections_documents_and_files(
     )
 
 
-def test_healthz_stays_fast_during_the_largest_upload(client: httpx.Client, retrieval_env, api_key: str) -> None:
+def test_healthz_stays_fast_during_the_largest_upload(
+    client: httpx.Client, retrieval_env, api_key: str
+) -> None:
     """The largest allowed upload (50 MiB by default) is spooled, checked, parsed and queued without
     stalling the event loop: /healthz answers within 200 ms throughout (bounded poll)."""
     import threading
@@ -179,7 +181,9 @@ def test_healthz_stays_fast_during_the_largest_upload(client: httpx.Client, retr
 
     def upload() -> None:
         try:
-            result["r"] = client.post("/v1/collections/kb/files", files={"file": ("big.txt", data)}, timeout=300)
+            result["r"] = client.post(
+                "/v1/collections/kb/files", files={"file": ("big.txt", data)}, timeout=300
+            )
         finally:
             done.set()
 
