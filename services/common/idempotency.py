@@ -27,6 +27,8 @@ from services.common.errors import Conflict, InvalidRequest
 
 HEADER = "Idempotency-Key"
 TTL_S = 24 * 3600
+# A first request that dies mid-way (kill -9) must not block its retries for a day.
+PENDING_TTL_S = 600
 MAX_KEY = 255
 REPLAYED = "Idempotent-Replayed"
 
@@ -78,7 +80,7 @@ async def idempotent(
     redis = request.app.state.redis
     skey = _storage_key(request, tenant, key)
     pending = json.dumps({"state": "pending", "fingerprint": fingerprint})
-    if not await redis.set(skey, pending, nx=True, ex=TTL_S):
+    if not await redis.set(skey, pending, nx=True, ex=PENDING_TTL_S):
         raw = await redis.get(skey)
         first = json.loads(raw) if raw else None
         if first is None:  # expired between the two calls: this request is the first
