@@ -152,6 +152,11 @@ def test_env_example_is_current_and_complete() -> None:
 def test_required_secrets_fail_loudly() -> None:
     text = (ROOT / "docker-compose.yml").read_text()
     assert "${TANDEM_SERVICE_API_KEY:?" in text
+    # Redis refuses clients without the password, and every Tandem container has it.
+    redis_cmd = COMPOSE["services"]["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--requirepass") + 1].startswith("${TANDEM_REDIS_PASSWORD:?")
+    assert COMPOSE["x-tandem-env"]["TANDEM_REDIS_PASSWORD"].startswith("${TANDEM_REDIS_PASSWORD:?")
+    assert "ports" not in COMPOSE["services"]["redis"]
 
 
 def _active(profiles: set[str]) -> dict[str, dict[str, Any]]:

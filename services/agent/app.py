@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.staticfiles import StaticFiles
 
 from services.agent.api import conversations, feedback, openai_compat, pipelines, proxy, ws
 from services.agent.config import AgentSettings
@@ -16,6 +15,7 @@ from services.agent.runtime import AgentRuntime
 from services.agent.tokens import load_counter
 from services.common.app_factory import create_service_app
 from services.common.config import CommonSettings, load_settings
+from services.common.security_headers import SecureStaticFiles
 
 DEFAULT_WEB_DIST = Path(__file__).parent / "web" / "dist"
 
@@ -40,11 +40,16 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
         routers=[pipelines.router, conversations.router, feedback.router, openai_compat.router, ws.router],
         public_routers=[proxy.router],
         lifespan=lifespan,
+        # the proxy streams uploads on; the service behind it applies its own, lower, limit
+        body_limits={
+            proxy.ROUTE: (proxy.MAX_BODY_MB << 20, "the proxy's limit; the service behind it has its own")
+        },
     )
     app.state.settings = settings
     app.state.runtime = AgentRuntime.create(common, settings, app.state.redis)
     web = Path(settings.web_dist) if settings.web_dist else DEFAULT_WEB_DIST
     if web.is_dir():
         # Mounted last: every API route above wins over a file of the same path.
-        app.mount("/", StaticFiles(directory=web, html=True), name="web")
+        # CSP without inline script, no framing, nosniff, no referrer (services/common/security_headers.py).
+        app.mount("/", SecureStaticFiles(directory=web, html=True), name="web")
     return app

@@ -85,8 +85,10 @@ def up(
         return
     try:
         platform = detect_platform(common.device)
-        redis_url, embedded = stack.redis_url_for(common, dict(os.environ))
-        comps = stack.plan(common, embedded, platform.queue)
+        embedded = "TANDEM_REDIS_URL" not in os.environ
+        password = stack.ensure_redis_password(layout) if embedded else ""
+        redis_url, embedded = stack.redis_url_for(common, dict(os.environ), password)
+        comps = stack.plan(common, embedded, platform.queue, layout.redis_conf if embedded else None)
         stack.check_ports(common, comps)
     except (stack.StackError, PlatformError) as exc:
         _fail(str(exc))
@@ -103,14 +105,16 @@ def up(
         console.print(f"[bold red]start-up failed:[/] {exc}")
         stack.stop_all(layout, say=lambda m: console.print(f"  {m}"))
         raise typer.Exit(1) from None
-    layout.state_file.write_text(
+    # 0600: the Redis URL in it carries the password
+    stack.write_secret(
+        layout.state_file,
         json.dumps(
             {
                 "redis_url": redis_url,
                 "embedded_redis": embedded,
                 "urls": {c.name: c.url for c in comps if c.url},
             }
-        )
+        ),
     )
     _bootstrap_docs(layout, common)
     _print_urls(layout, comps, redis_url)
@@ -214,10 +218,7 @@ def _ensure_keys(layout: stack.Layout, redis_url: str, env: dict[str, str]) -> N
 
 
 def _write_secret(path: Path, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
-    os.chmod(path, 0o600)
+    stack.write_secret(path, value)
 
 
 def _print_urls(layout: stack.Layout, comps: list[stack.Component], redis_url: str) -> None:
@@ -226,7 +227,7 @@ def _print_urls(layout: stack.Layout, comps: list[stack.Component], redis_url: s
         if comp.url:
             extra = "  (web front end)" if comp.name == "agent" else ""
             console.print(f"  {comp.name:<10} {comp.url}{extra}")
-    console.print(f"  {'redis':<10} {redis_url}")
+    console.print(f"  {'redis':<10} {stack.redacted(redis_url)}")
     console.print(
         f"  API key in {layout.key_file}; logs in {layout.log_dir}; `tandem down` stops everything."
     )
@@ -286,7 +287,12 @@ def status() -> None:
             ok, detail = stack.worker_ready(redis_url, name.removeprefix("worker-"))
             health = "[green]ready[/]" if ok else f"[red]{detail}[/]"
             healthy &= ok
-        table.add_row(name, str(pid or "-"), urls.get(name, redis_url if name == "redis" else ""), health)
+        table.add_row(
+            name,
+            str(pid or "-"),
+            urls.get(name, stack.redacted(redis_url) if name == "redis" else ""),
+            health,
+        )
     console.print(table)
     if not healthy:
         raise typer.Exit(1)

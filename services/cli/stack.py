@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit, urlunsplit
 
 import httpx
 
@@ -62,6 +63,14 @@ class Layout:
         return self.home / "api-key"
 
     @property
+    def redis_password_file(self) -> Path:
+        return self.home / "redis-password"
+
+    @property
+    def redis_conf(self) -> Path:
+        return self.redis_dir / "valkey.conf"
+
+    @property
     def state_file(self) -> Path:
         return self.run_dir / "stack.json"
 
@@ -74,6 +83,36 @@ class Layout:
     def make(self) -> None:
         for d in (self.home, self.run_dir, self.log_dir, self.redis_dir, self.home / "models"):
             d.mkdir(parents=True, exist_ok=True)
+
+
+def write_secret(path: Path, value: str) -> None:
+    """A file only the owner can read (created so, never readable by others even for a moment)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.chmod(path, 0o600)
+
+
+def ensure_redis_password(layout: Layout) -> str:
+    """The embedded Valkey's password: made at first start, kept like the API key (0600), and
+    put in a 0600 config file rather than on the command line, where `ps` would show it."""
+    if layout.redis_password_file.exists():
+        password = layout.redis_password_file.read_text().strip()
+    else:
+        password = secrets.token_urlsafe(32)  # URL-safe: goes into redis:// URLs as is
+        write_secret(layout.redis_password_file, password)
+    layout.redis_dir.mkdir(parents=True, exist_ok=True)
+    write_secret(layout.redis_conf, f"requirepass {password}\nprotected-mode yes")
+    return password
+
+
+def redacted(url: str) -> str:
+    """A Redis URL fit to print: the password replaced by ``***``."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{parts.netloc.rsplit('@', 1)[-1]}"))
 
 
 def pid_alive(pid: int) -> bool:
@@ -122,7 +161,10 @@ def workers_for(platform_queue: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def plan(common: CommonSettings, embedded_redis: bool, platform_queue: str) -> list[Component]:
+def plan(
+    common: CommonSettings, embedded_redis: bool, platform_queue: str, redis_conf: Path | None = None
+) -> list[Component]:
+    """``redis_conf``: the embedded Valkey's config file (its password, see ensure_redis_password)."""
     py = sys.executable
     comps: list[Component] = []
     if embedded_redis:
@@ -131,6 +173,7 @@ def plan(common: CommonSettings, embedded_redis: bool, platform_queue: str) -> l
                 "redis",
                 [
                     str(valkey_binary()),
+                    *([str(redis_conf)] if redis_conf is not None else []),
                     "--port",
                     str(common.redis_port),
                     "--bind",
@@ -302,13 +345,18 @@ def worker_ready(redis_url: str, queue: str, timeout: float = 3.0) -> tuple[bool
         app.close()
 
 
-def redis_url_for(common: CommonSettings, environ: dict[str, str]) -> tuple[str, bool]:
-    """(url, embedded?): use TANDEM_REDIS_URL when it is set (it must answer), else embedded Valkey."""
+def redis_url_for(common: CommonSettings, environ: dict[str, str], password: str = "") -> tuple[str, bool]:
+    """(url, embedded?): use TANDEM_REDIS_URL when it is set (it must answer), else embedded Valkey
+    (on loopback, with ``password``)."""
     if "TANDEM_REDIS_URL" in environ:
         if not redis_reachable(common.redis_url):
-            raise StackError(f"TANDEM_REDIS_URL={common.redis_url!r} is set but does not answer PING")
+            raise StackError(
+                f"TANDEM_REDIS_URL={redacted(common.redis_url)!r} is set but does not answer PING "
+                "(a server with a password needs it in the URL or in TANDEM_REDIS_PASSWORD)"
+            )
         return common.redis_url, False
-    return f"redis://127.0.0.1:{common.redis_port}/0", True
+    auth = f":{password}@" if password else ""
+    return f"redis://{auth}127.0.0.1:{common.redis_port}/0", True
 
 
 def check_ports(common: CommonSettings, comps: list[Component]) -> None:

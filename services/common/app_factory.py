@@ -7,17 +7,28 @@ service hands over in ``routers`` (health, readiness and metrics stay public).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI
+from starlette.routing import BaseRoute
 
 from services.common.auth import Principal, require_principal
 from services.common.config import CommonSettings
 from services.common.errors import install_error_handlers
+from services.common.guard import DOCS_PATHS, MIB, GuardMiddleware
 from services.common.logs import configure_logging
 from services.common.observability import Readiness, ReadinessCheck, install_observability
 from services.common.redis_conn import async_redis
+
+# What the guard answers on any route that needs a key, declared so the OpenAPI schema tells the truth.
+GUARD_RESPONSES: dict[int | str, dict[str, object]] = {
+    400: {
+        "description": "invalid request: the message names the field and value (JSON nested too deep, NaN, ...)"
+    },
+    401: {"description": "missing, unknown or revoked API key"},
+    413: {"description": "request body larger than the route's limit"},
+}
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -42,7 +53,11 @@ def create_service_app(
     readiness: dict[str, ReadinessCheck] | None = None,
     lifespan: Lifespan | None = None,
     version: str = "0.1.0",
+    body_limits: Mapping[str, int | tuple[int, str]] | None = None,
 ) -> FastAPI:
+    """``body_limits``: bytes (or bytes and a hint naming the setting) per route template
+    (``/v1/files``) for routes that take more than ``TANDEM_MAX_BODY_MB`` (uploads); every
+    other route gets that default."""
     configure_logging(service, common.log_level, common.log_json)
     redis_client = async_redis(common.redis_url)
 
@@ -63,14 +78,28 @@ def create_service_app(
             await redis_client.aclose()
 
     app = FastAPI(title=f"Tandem {service}", version=version, lifespan=_lifespan)
+    # (route, needs a key?) as the routers declare them: the guard matches requests against
+    # these itself, before FastAPI's router (which, since 0.165, nests included routers).
+    guarded: list[tuple[BaseRoute, bool]] = []
     app.state.service = service
     app.state.common = common
     app.state.redis = redis_client
     app.state.readiness = Readiness(checks)
     install_error_handlers(app)
+    # Added before observability so that the access log and metrics also see the guard's 401s and 413s.
+    app.add_middleware(
+        GuardMiddleware,
+        routes=lambda: guarded,
+        protected_paths=() if common.public_docs else DOCS_PATHS,
+        redis_client=redis_client,
+        default_limit=common.max_body_mb * MIB,
+        limits=body_limits or {},
+    )
     app.state.metrics = install_observability(app, service, app.state.readiness)
     for router in (whoami_router(service), *routers):
-        app.include_router(router, dependencies=[Depends(require_principal)])
+        app.include_router(router, dependencies=[Depends(require_principal)], responses=GUARD_RESPONSES)
+        guarded.extend((r, True) for r in router.routes)
     for router in public_routers:
         app.include_router(router)
+        guarded.extend((r, False) for r in router.routes)
     return app

@@ -185,7 +185,13 @@ def bearer_token(conn: HTTPConnection) -> str | None:
 
 
 async def require_principal(conn: HTTPConnection) -> Principal:
-    """FastAPI dependency guarding every route except health and metrics."""
+    """FastAPI dependency guarding every route except health and metrics.
+
+    For HTTP the guard middleware (services/common/guard.py) has already checked the key
+    before the body was read; its principal is reused here."""
+    known = conn.scope.get("state", {}).get("principal")
+    if isinstance(known, Principal):
+        return known
     token = bearer_token(conn)
     is_ws = conn.scope.get("type") == "websocket"
     if token is None:

@@ -13,6 +13,8 @@ from typing import Any
 from celery import Celery
 from kombu import Queue
 
+from services.common.redis_conn import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S
+
 QUEUES = ("cpu", "gpu", "npu", "io")
 # Longer than the longest job: with the Redis transport an unacknowledged task is
 # handed to another worker once this passes, so a short value would run long jobs twice.
@@ -37,8 +39,26 @@ def make_celery(
         worker_prefetch_multiplier=1,
         task_queues=[Queue(q) for q in QUEUES],
         task_default_queue=default_queue,
-        broker_transport_options={"visibility_timeout": visibility_timeout_s},
-        result_backend_transport_options={"visibility_timeout": visibility_timeout_s},
+        # Timeouts so that a Redis that stops answering is an error and a reconnect, not a hang.
+        broker_transport_options={
+            "visibility_timeout": visibility_timeout_s,
+            "socket_connect_timeout": CONNECT_TIMEOUT_S,
+            "socket_timeout": SOCKET_TIMEOUT_S,
+            "socket_keepalive": True,
+            "retry_on_timeout": True,
+            "health_check_interval": 30,
+        },
+        result_backend_transport_options={
+            "visibility_timeout": visibility_timeout_s,
+            "retry_policy": {"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5},
+        },
+        redis_socket_connect_timeout=CONNECT_TIMEOUT_S,
+        redis_socket_timeout=SOCKET_TIMEOUT_S,
+        redis_socket_keepalive=True,
+        redis_retry_on_timeout=True,
+        redis_backend_health_check_interval=30,
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
         result_expires=24 * 3600,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,

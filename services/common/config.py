@@ -11,14 +11,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Literal, TypeVar
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SERVICE_NAMES = ("agent", "inference", "retrieval", "trainer")
 DEFAULT_PORTS = {"agent": 8000, "inference": 8001, "retrieval": 8002, "trainer": 8003}
 
 DeviceName = Literal["auto", "cuda", "xpu", "npu", "mps", "cpu"]
+
+
+def with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` unless it already carries one (its own wins)."""
+    parts = urlsplit(url)
+    if parts.password or parts.scheme == "unix" or not parts.hostname:
+        return url
+    user = quote(parts.username or "", safe="")
+    netloc = f"{user}:{quote(password, safe='')}@{parts.netloc.rsplit('@', 1)[-1]}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class SettingsError(RuntimeError):
@@ -52,6 +63,13 @@ class CommonSettings(BaseSettings):
     # API key a service presents when it calls another service on its own behalf.
     service_api_key: str = ""
     max_upload_mb: int = 50
+    # Largest request body of a route without its own limit (uploads have theirs), in MiB:
+    # larger is a 413 before the body is read.
+    max_body_mb: int = Field(16, ge=1)
+    # Serve /docs and /openapi.json without an API key (with a key they are always served).
+    public_docs: bool = False
+    # Password of the Redis server when TANDEM_REDIS_URL carries none (compose sets it).
+    redis_password: str = ""
 
     @field_validator("redis_url")
     @classmethod
@@ -59,6 +77,13 @@ class CommonSettings(BaseSettings):
         if not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"must start with redis://, rediss:// or unix://, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _redis_password_in_url(self) -> CommonSettings:
+        # Every client (Celery's included) is built from redis_url: put the password there once.
+        if self.redis_password:
+            self.redis_url = with_password(self.redis_url, self.redis_password)
+        return self
 
     @field_validator("agent_port", "inference_port", "retrieval_port", "trainer_port", "redis_port")
     @classmethod

@@ -73,6 +73,13 @@ class PayloadTooLarge(TandemError):
     status_code = 413
 
 
+class InsufficientStorage(TandemError):
+    """The tenant's storage quota would be passed (RFC 4918's 507)."""
+
+    status_code = 507
+    type = "quota_exceeded_error"
+
+
 class UnsupportedMediaType(TandemError):
     status_code = 415
 

@@ -390,6 +390,11 @@ class OpenAIServing:
             streams: list[tuple[int, AsyncIterator[StreamEvent]]] = []
             try:
                 for i, req in enumerate(requests):
+                    # Tokenise off the event loop (an 8 MB message takes seconds); the engine
+                    # then takes the ids as they are.
+                    encode = getattr(lease.engine, "prompt_ids", None)
+                    if encode is not None and req.prompt_token_ids is None:
+                        req.prompt_token_ids = await asyncio.to_thread(encode, req)
                     streams.append((i * n, await lease.engine.generate(req)))
             except BaseException:
                 lease.release()

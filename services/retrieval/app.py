@@ -49,6 +49,10 @@ class EmbedderWarmup:
             raise RuntimeError("embedding model is loading")
 
 
+def _upload_limit(common: CommonSettings, settings: RetrievalSettings) -> int:
+    return (settings.max_upload_mb or common.max_upload_mb) * 1024 * 1024
+
+
 def create_app(common: CommonSettings | None = None, settings: RetrievalSettings | None = None) -> FastAPI:
     common = common or load_settings(CommonSettings, check_unknown=False)
     settings = settings or load_settings(RetrievalSettings)
@@ -74,6 +78,14 @@ def create_app(common: CommonSettings | None = None, settings: RetrievalSettings
         routers=[collections.router, documents.router, search.router, jobs.router],
         readiness={"embedder": warmup.check},
         lifespan=lifespan,
+        # Uploads stream to disk under this limit (plus room for the multipart framing).
+        body_limits={
+            "/v1/collections/{name}/files": (
+                _upload_limit(common, settings) + (1 << 20),
+                f"uploads are limited to {_upload_limit(common, settings) >> 20} MiB a file: "
+                "TANDEM_RETRIEVAL_MAX_UPLOAD_MB / TANDEM_MAX_UPLOAD_MB",
+            )
+        },
     )
     app.state.settings = settings
     app.state.collections = manager

@@ -14,6 +14,8 @@ DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 
 class RetrievalSettings(ServiceSettings):
+    """(Parse limits apply in the ingestion worker, where PDF, DOCX and HTML files are parsed.)"""
+
     model_config = SettingsConfigDict(env_prefix="TANDEM_RETRIEVAL_", extra="ignore")
 
     embedding_model: str = Field(
@@ -88,6 +90,22 @@ class RetrievalSettings(ServiceSettings):
     )
     async_documents: int = Field(
         500, ge=1, description="Requests with more documents than this become an ingestion job."
+    )
+    tenant_quota_mb: int = Field(
+        10240,
+        ge=0,
+        description="Disk space (MiB) one tenant's collections may use; an upload that would pass it "
+        "is refused with 507. 0: no quota.",
+    )
+    parse_max_decompressed_mb: int = Field(
+        256, ge=1, description="Most bytes (MiB) a DOCX may inflate to, and of text a PDF may yield."
+    )
+    parse_max_ratio: float = Field(
+        100.0, gt=1, description="Highest compression ratio of a DOCX member larger than 1 MiB (zip bombs)."
+    )
+    parse_max_pages: int = Field(2000, ge=1, description="Most pages of a PDF.")
+    parse_timeout_s: float = Field(
+        120.0, gt=0, description="Seconds parsing one PDF, DOCX or HTML file may take."
     )
     checkpoint_every: int = Field(
         2000, ge=1, description="Write index checkpoints after this many logged chunk operations."

@@ -1,8 +1,11 @@
 """Ingestion jobs: the API side queues them, the ``io`` worker runs them.
 
-The request has already parsed and validated the input (so bad files are a 4xx at
-once); the parsed documents go to ``uploads/<job_id>.jsonl`` in the collection's folder
-and the task carries only ids. The worker commits documents in batches, so everything
+Two kinds of input. Documents the request already parsed and validated (JSON documents,
+text, Markdown, JSONL) go to ``uploads/<job_id>.jsonl``. Uploaded files the API must not
+parse itself (PDF, DOCX, HTML: parsers that can be bombed) go, as received, to
+``uploads/<job_id>/`` with a ``manifest.json``; the worker parses each in a sandboxed child
+process with limits (core/sandbox.py), and a file that fails is a per-file error in the
+job's ``file_errors`` while the other files are ingested. The task carries only ids. The worker commits documents in batches, so everything
 committed is acknowledged even if the job dies later; re-running a job is idempotent
 (content-derived chunk ids make re-ingested chunks no-ops).
 """
@@ -12,21 +15,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from celery import Celery
 
-from services.common.errors import TandemError
-from services.retrieval.core.atomic import atomic_write
+from services.common.errors import InvalidRequest, TandemError
+from services.retrieval.core.atomic import atomic_write, fsync_dir
 from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.jobs import JobStore, new_job_id
+from services.retrieval.core.parsing import MIB, UNTRUSTED, ParseLimits, extension_of, parse_file
 from services.retrieval.core.registry import CollectionManager
+from services.retrieval.core.sandbox import parse_isolated
 
 log = logging.getLogger("tandem.retrieval.jobs")
 
 TASK_NAME = "tandem.retrieval.ingest"
 BATCH_DOCS = 32
+MANIFEST = "manifest.json"
 
 
 def enqueue_job(
@@ -49,6 +56,69 @@ def enqueue_job(
     return job_id
 
 
+def enqueue_files_job(
+    celery: Celery,
+    jobs: JobStore,
+    root: Path,
+    tenant: str,
+    collection: str,
+    files: list[tuple[str, BinaryIO]],
+    metadata: dict[str, Any],
+) -> str:
+    """Store uploaded files as received (streamed from the request's spool, never in memory
+    whole) and queue their parsing and ingestion. Runs in a thread: it writes files."""
+    job_id = new_job_id()
+    uploads = root / "uploads"
+    staging = uploads / f".{job_id}.tmp"
+    staging.mkdir(parents=True, exist_ok=True)
+    stored = []
+    for i, (name, src) in enumerate(files):
+        local = f"{i:04d}-{name}"  # two files of one name in one upload stay two files
+        src.seek(0)
+        with (staging / local).open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+        stored.append({"name": name, "path": local})
+    atomic_write(staging / MANIFEST, json.dumps({"files": stored, "metadata": metadata}).encode())
+    os.replace(staging, uploads / job_id)
+    fsync_dir(uploads)
+    jobs.create(job_id, tenant, collection, filename=",".join(f["name"] for f in stored), documents=0)
+    celery.send_task(TASK_NAME, args=[tenant, collection, job_id], queue="io")
+    return job_id
+
+
+def limits_of(manager: CollectionManager) -> ParseLimits:
+    s = manager.settings
+    return ParseLimits(
+        max_decompressed_bytes=s.parse_max_decompressed_mb * MIB,
+        max_ratio=s.parse_max_ratio,
+        max_pages=s.parse_max_pages,
+        timeout_s=s.parse_timeout_s,
+        max_text_bytes=s.parse_max_decompressed_mb * MIB,
+    )
+
+
+def parse_job_files(folder: Path, limits: ParseLimits) -> tuple[list[InputDocument], list[dict[str, str]]]:
+    """(documents, per-file errors) of a files job."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    extra = manifest.get("metadata") or {}
+    docs: list[InputDocument] = []
+    errors: list[dict[str, str]] = []
+    for entry in manifest["files"]:
+        name = entry["name"]
+        try:
+            if extension_of(name) in UNTRUSTED:
+                parsed = parse_isolated(folder / entry["path"], name, limits)
+            else:
+                parsed = parse_file(name, (folder / entry["path"]).read_bytes(), limits=limits)
+        except TandemError as exc:
+            errors.append({"filename": name, "code": exc.code or "invalid_file", "message": exc.message})
+            continue
+        docs.extend(InputDocument(p.id, p.text, p.title, {**p.metadata, **extra}) for p in parsed)
+    return docs, errors
+
+
 def run_job(
     manager: CollectionManager, jobs: JobStore, tenant: str, collection: str, job_id: str
 ) -> dict[str, Any]:
@@ -56,12 +126,27 @@ def run_job(
     try:
         col = manager.get(tenant, collection)
         path = col.root / "uploads" / f"{job_id}.jsonl"
-        if not path.exists():
+        folder = col.root / "uploads" / job_id
+        file_errors: list[dict[str, str]] = []
+        if folder.is_dir():
+            jobs.update(job_id, state="running")
+            docs, file_errors = parse_job_files(folder, limits_of(manager))
+            jobs.update(job_id, file_errors=file_errors)
+            if not docs:
+                raise InvalidRequest(
+                    "no file could be ingested: " + "; ".join(e["message"] for e in file_errors),
+                    param="file",
+                )
+            path = folder
+        elif not path.exists():
             job = jobs.get(job_id)
             if job and job["state"] == "succeeded":
                 return job["result"] or {}  # redelivered after it finished
             raise FileNotFoundError(f"job input {path.name} is gone")
-        docs = [InputDocument(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+        else:
+            docs = [
+                InputDocument(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()
+            ]
         jobs.update(job_id, state="running", documents_total=len(docs))
         records = col.prepare(docs)
         total = sum(len(r.chunks) for r in records)
@@ -90,9 +175,13 @@ def run_job(
             "chunks_added": added,
             "chunks_removed": removed,
             "chunks_unchanged": unchanged,
+            "files_failed": len(file_errors),
         }
         jobs.update(job_id, state="succeeded", result=result)
-        os.unlink(path)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
         return result
     except TandemError as exc:
         jobs.update(job_id, state="failed", error=exc.message)

@@ -123,6 +123,14 @@ class SearchResponse(BaseModel):
     took_ms: float
 
 
+class FileError(BaseModel):
+    """A file of an upload job that could not be ingested (the job's other files were)."""
+
+    filename: str
+    code: str
+    message: str
+
+
 class Job(BaseModel):
     id: str
     collection: str
@@ -133,6 +141,7 @@ class Job(BaseModel):
     documents_total: int
     error: str | None = None
     result: dict[str, Any] | None = None
+    file_errors: list[FileError] = Field(default_factory=list)
     filename: str | None = None
     created_at: float
     updated_at: float

@@ -36,7 +36,20 @@ def create_app(common: CommonSettings | None = None, settings: TrainerSettings |
         finally:
             client.close()
 
-    app = create_service_app("trainer", common, routers=[files.router, jobs.router], lifespan=lifespan)
+    upload_limit = settings.max_dataset_mb * 1024 * 1024
+    app = create_service_app(
+        "trainer",
+        common,
+        routers=[files.router, jobs.router],
+        lifespan=lifespan,
+        # The dataset upload streams to disk under this limit (plus room for the multipart framing).
+        body_limits={
+            "/v1/files": (
+                upload_limit + (1 << 20),
+                f"datasets are limited to {settings.max_dataset_mb} MiB: TANDEM_TRAINER_MAX_DATASET_MB",
+            )
+        },
+    )
     app.state.settings = settings
     app.state.trainer = TrainerState(
         common=common, settings=settings, store=TrainerStore(client), dispatch=dispatch

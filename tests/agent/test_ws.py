@@ -127,6 +127,13 @@ def test_bad_frames_get_error_events_and_the_connection_keeps_working(stack: Sta
         ),
         (json.dumps({"pipeline": "chat-documents", "message": "x" * 5000}), "message_too_large"),
         (b"\xff\xfe binary junk", "invalid_json"),
+        # nested past Python's recursion limit: crashed the handler
+        ("[" * 1900 + "]" * 1900, "json_too_deep"),
+        ('{"a":' * 100 + "1" + "}" * 100, "json_too_deep"),
+        (
+            json.dumps({"pipeline": "chat-documents", "message": "x"})[:-1] + ', "n": NaN}',
+            "non_finite_number",
+        ),
     ]
     with ws(stack, api_key) as conn:
         for frame, code in bad:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from services.cli.stack import pid_alive
 from services.common.celery_app import make_celery
@@ -85,7 +86,12 @@ def test_every_service_is_ready_and_guarded(stack_env: dict[str, str]) -> None:
 
 
 def test_celery_task_round_trip_through_embedded_valkey(stack_env: dict[str, str]) -> None:
-    redis_url = f"redis://127.0.0.1:{stack_env['TANDEM_REDIS_PORT']}/0"
+    password = (Path(stack_env["TANDEM_HOME"]) / "redis-password").read_text().strip()
+    port = stack_env["TANDEM_REDIS_PORT"]
+    # the embedded Valkey has a password: without it, nothing
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=int(port), socket_timeout=5).ping()
+    redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
     app = make_celery("test-client", redis_url)
     try:
         for queue in ("io", "cpu"):

@@ -72,12 +72,31 @@ def retrieval_env(
     return tandem_env
 
 
+# base URL -> the app serving it, so a test can run a queued ingestion job in process
+SERVED: dict[str, object] = {}
+
+
 @pytest.fixture()
 def service(retrieval_env: Path) -> Iterator[str]:
     from services.retrieval.app import create_app
 
-    with serve_app(create_app()) as url:
+    app = create_app()
+    with serve_app(app) as url:
+        SERVED[url] = app
         yield url
+        SERVED.pop(url, None)
+
+
+def run_queued_job(client: httpx.Client, response: httpx.Response, tenant: str = "acme") -> dict:
+    """Run the job a 202 answer queued, here (the task body; the Celery worker itself is in
+    test_jobs.py), and return the job as GET /v1/jobs/{id} shows it."""
+    from services.retrieval.ingest import run_job
+
+    assert response.status_code == 202, response.text
+    app = SERVED[str(client.base_url).rstrip("/")]
+    job_id = response.json()["job_id"]
+    run_job(app.state.collections, app.state.jobs, tenant, app.state.jobs.get(job_id)["collection"], job_id)  # type: ignore[attr-defined]
+    return client.get(f"/v1/jobs/{job_id}").json()
 
 
 @pytest.fixture()

@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from tests.retrieval.conftest import run_queued_job
 from tests.retrieval.test_api import make, search
 
 
@@ -78,8 +79,13 @@ def test_each_format_is_parsed_and_searchable(client: httpx.Client) -> None:
     ]
     for name, data, query, expect in cases:
         r = upload(client, name, data, metadata={"kind": name.rsplit(".", 1)[1]})
-        assert r.status_code == 201, (name, r.text)
         assert r.json()["document_ids"] == [name]
+        if name.endswith((".html", ".pdf", ".docx")):
+            # parsed by the ingestion worker, never in the API process
+            job = run_queued_job(client, r)
+            assert job["state"] == "succeeded" and job["file_errors"] == [], job
+        else:
+            assert r.status_code == 201, (name, r.text)
         hits = search(client, query=query, mode="sparse", top_k=3)
         assert hits and hits[0]["document_id"] == name, (name, hits)
         assert expect in hits[0]["text"]
@@ -129,8 +135,6 @@ def test_reupload_replaces(client: httpx.Client) -> None:
     [
         ("empty.txt", b"", 400, ["empty.txt", "empty"]),
         ("blank.md", b"   \n\n", 400, ["blank.md", "no extractable text"]),
-        ("broken.pdf", b"%PDF-1.4\n1 0 obj garbage\n%%EOF", 400, ["broken.pdf", "not a readable PDF"]),
-        ("fake.docx", b"PK\x03\x04 not really a zip", 400, ["fake.docx", "not a readable DOCX"]),
         ("image.png", b"\x89PNG\r\n", 415, ["image.png", "unsupported type .png"]),
         ("noext", b"hello", 415, ["noext", "unsupported type"]),
         ("latin1.txt", "caf\u00e9".encode("latin-1"), 400, ["latin1.txt", "not valid UTF-8", "0xe9"]),
@@ -146,6 +150,79 @@ def test_bad_files(client: httpx.Client, name: str, data: bytes, status: int, ne
     for n in needles:
         assert n in msg, msg
     assert client.get("/v1/collections/kb").json()["documents"] == 0
+
+
+def _docx_with(document_xml: bytes, *, level: int = 9) -> bytes:
+    """A DOCX (made by python-docx) whose word/document.xml is replaced by ``document_xml``."""
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(make_docx())) as src, zipfile.ZipFile(out, "w") as dst:
+        for item in src.infolist():
+            data = document_xml if item.filename == "word/document.xml" else src.read(item.filename)
+            dst.writestr(item.filename, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=level)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "needles"),
+    [
+        ("broken.pdf", b"%PDF-1.4\n1 0 obj garbage\n%%EOF", ["broken.pdf", "not a readable PDF"]),
+        ("fake.docx", b"PK\x03\x04 not really a zip", ["fake.docx", "not a readable DOCX"]),
+        # malformed XML inside a valid zip: was a 500 in the API process
+        ("badxml.docx", _docx_with(b"<w:document><unclosed>"), ["badxml.docx", "not a readable DOCX"]),
+        # a small file that inflates far beyond its size: refused from the zip directory
+        (
+            "bomb.docx",
+            _docx_with(b"<?xml version='1.0'?><w:document" + b" " * (40 * 1024 * 1024) + b"/>"),
+            ["bomb.docx", "compression ratio", "TANDEM_RETRIEVAL_PARSE_MAX_RATIO"],
+        ),
+    ],
+)
+def test_hostile_files_are_per_file_job_errors(
+    client: httpx.Client, name: str, data: bytes, needles: list[str]
+) -> None:
+    make(client)
+    good = ("fine.txt", b"Otters hold hands while sleeping.")
+    r = client.post("/v1/collections/kb/files", files=[("file", (name, data)), ("file", good)])
+    assert r.status_code == 202, r.text
+    job = run_queued_job(client, r)
+    assert job["state"] == "succeeded", job
+    [err] = job["file_errors"]
+    assert err["filename"] == name
+    for n in needles:
+        assert n in err["message"], err
+    # the good file of the same upload was ingested
+    assert client.get("/v1/collections/kb").json()["documents"] == 1
+    # alone, the bad file fails the job with the same message
+    r = upload(client, name, data)
+    job = run_queued_job(client, r)
+    assert job["state"] == "failed" and needles[-1] in job["error"], job
+
+
+def test_parse_limits_pages_and_decompressed_size(
+    client: httpx.Client, retrieval_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.retrieval.app import create_app
+    from tests.helpers.servers import serve_app
+    from tests.retrieval.conftest import SERVED
+
+    make(client)
+    monkeypatch.setenv("TANDEM_RETRIEVAL_PARSE_MAX_PAGES", "1")
+    monkeypatch.setenv("TANDEM_RETRIEVAL_PARSE_MAX_DECOMPRESSED_MB", "1")
+    app = create_app()
+    with serve_app(app) as url, httpx.Client(base_url=url, headers=dict(client.headers), timeout=60) as c:
+        SERVED[url] = app
+        r = c.post("/v1/collections/kb/files", files={"file": ("two.pdf", make_pdf(["one page", "x"]))})
+        job = run_queued_job(c, r)
+        assert job["state"] == "failed" and "2 pages, more than 1" in job["error"], job
+        assert "TANDEM_RETRIEVAL_PARSE_MAX_PAGES" in job["error"]
+        big = _docx_with(
+            b"<?xml version='1.0'?><w:document>" + b"<w:p/>" * 400_000 + b"</w:document>", level=1
+        )
+        r = c.post("/v1/collections/kb/files", files={"file": ("big.docx", big)})
+        job = run_queued_job(c, r)
+        assert job["state"] == "failed" and "more than 1 MiB" in job["error"], job
 
 
 def test_oversized_upload(client: httpx.Client, retrieval_env, monkeypatch: pytest.MonkeyPatch) -> None:

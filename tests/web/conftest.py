@@ -8,8 +8,10 @@ it); Playwright never downloads one. Each test's page is saved as a PNG under
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,6 +56,29 @@ def _artifact_name(request: pytest.FixtureRequest) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:120]
 
 
+def _csp_safe_wait(pg: Any) -> Any:
+    """``page.wait_for_function`` that works under the front end's CSP (no 'unsafe-eval').
+
+    Playwright's own polls by compiling the predicate inside the page, which the policy refuses
+    (EvalError); this one checks it from here with ``page.evaluate`` (a DevTools call the CSP does
+    not govern), every 50 ms up to the timeout: a bounded poll, not a sleep racing the page."""
+
+    def wait_for_function(
+        expression: str, arg: Any = None, *, timeout: float | None = None, **_: Any
+    ) -> None:
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        deadline = time.monotonic() + (20_000 if timeout is None else timeout) / 1000
+        while True:
+            if pg.evaluate(expression, arg):
+                return
+            if time.monotonic() > deadline:
+                raise PlaywrightTimeout(f"wait_for_function: {expression!r} still false after {timeout} ms")
+            pg.wait_for_timeout(50)
+
+    return wait_for_function
+
+
 @pytest.fixture()
 def page(browser, request: pytest.FixtureRequest) -> Iterator[object]:  # type: ignore[no-untyped-def]
     """A fresh browser context and page; its screenshot goes to test-artifacts/web/<test>.png."""
@@ -64,6 +89,7 @@ def page(browser, request: pytest.FixtureRequest) -> Iterator[object]:  # type: 
     errors: list[str] = []
     pg.on("pageerror", lambda exc: errors.append(str(exc)))
     pg.page_errors = errors  # read by tests that assert a clean console
+    pg.wait_for_function = _csp_safe_wait(pg)
     try:
         yield pg
     finally:

@@ -14,12 +14,13 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
-from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from services.common.security_headers import SecureStaticFiles
 from tests.helpers.servers import serve_app
 from tests.web.conftest import DIST
 
@@ -76,7 +77,8 @@ async def chat_double(ws: WebSocket) -> None:
 @pytest.fixture(scope="module")
 def site() -> Iterator[str]:
     app = Starlette(routes=[WebSocketRoute("/v1/ws/chat", chat_double)])
-    app.mount("/", StaticFiles(directory=DIST, html=True))
+    # The agent's own mount: every front-end test runs under its Content-Security-Policy.
+    app.mount("/", SecureStaticFiles(directory=DIST, html=True))
     with serve_app(app) as url:
         yield url
 
@@ -409,3 +411,26 @@ def test_a_late_file_listing_keeps_the_dataset_just_uploaded(page: Any, site: st
     page.wait_for_timeout(300)
     assert page.locator("#job-dataset").input_value() == "file-1"
     assert "sums.jsonl" in page.locator("#job-dataset").inner_text()
+
+
+def test_front_end_renders_under_its_content_security_policy(page: Any, site: str) -> None:
+    """The headers are there, the page works under them, and the CSP really blocks inline script."""
+    resp = httpx.get(f"{site}/")
+    csp = resp.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "frame-ancestors 'none'" in csp
+    assert resp.headers["x-frame-options"] == "DENY"
+    assert resp.headers["x-content-type-options"] == "nosniff"
+    assert resp.headers["referrer-policy"] == "no-referrer"
+    assert httpx.get(f"{site}/assets/app.js").headers["content-security-policy"] == csp
+    violations: list[str] = []
+    page.on("console", lambda m: violations.append(m.text) if "Content Security Policy" in m.text else None)
+    double_api(page, BASE_ROUTES)
+    sign_in(page, site)
+    page.get_by_role("textbox").first.wait_for()
+    assert not page.page_errors and not violations, (page.page_errors, violations)
+    # an inline script injected into the page does not run
+    page.evaluate(
+        "() => { const s = document.createElement('script'); s.textContent = 'window.__pwned = 1';"
+        " document.body.appendChild(s); }"
+    )
+    assert page.evaluate("() => window.__pwned") is None

@@ -35,6 +35,8 @@ from services.agent.runtime import AgentRuntime, TurnResult, collect, peek
 from services.agent.turns import FeedbackFilter, FeedbackRow
 from services.common.auth import Principal
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
+from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
+from services.common.idempotency import idempotent
 
 router = APIRouter(tags=["feedback"])
 
@@ -100,10 +102,24 @@ async def choose(runtime: AgentRuntime, principal: Principal, message_id: str, o
     return Choice(chosen=message_id, rejected=over)
 
 
-@router.post("/v1/feedback", response_model=Feedback)
-async def post_feedback(body: FeedbackCreate, request: Request) -> Feedback:
+@router.post(
+    "/v1/feedback",
+    response_model=Feedback,
+    responses={
+        400: {"description": "invalid feedback (the message names the field and value)"},
+        401: {"description": "missing or unknown API key"},
+        404: {"description": "no such message"},
+        **IDEMPOTENCY_RESPONSES,
+    },
+)
+async def post_feedback(body: FeedbackCreate, request: Request) -> Any:
+    """Record feedback; with an ``Idempotency-Key`` header a retry returns the first answer."""
     principal, _ = caller(request)
-    return await give_feedback(runtime_of(request), principal, body)
+
+    async def create() -> tuple[int, Any]:
+        return 200, (await give_feedback(runtime_of(request), principal, body)).model_dump(mode="json")
+
+    return await idempotent(request, principal.tenant, create)
 
 
 @router.get("/v1/feedback", response_model=FeedbackList)

@@ -39,9 +39,12 @@ HOP_BY_HOP = frozenset(
 )
 
 
-@router.api_route(
-    "/api/{service}/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
-)
+ROUTE = "/api/{service}/{path:path}"
+# Above the largest upload a service behind the proxy takes by default (trainer datasets: 200 MiB).
+MAX_BODY_MB = 256
+
+
+@router.api_route(ROUTE, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
 async def proxy(
     service: Literal["retrieval", "trainer", "inference"], path: str, request: Request
 ) -> StreamingResponse:

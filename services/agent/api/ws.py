@@ -29,6 +29,7 @@ from services.agent.protocol import (
     WsRegenerateFrame,
 )
 from services.agent.runtime import Turn, TurnResult
+from services.common import jsonsafe
 from services.common.auth import WS_PROTOCOL
 from services.common.errors import TandemError
 
@@ -107,9 +108,14 @@ async def ws_chat(websocket: WebSocket) -> None:
                 )
                 continue
             try:
-                data = json.loads(raw)
+                # Depth-limited and NaN-free: a deeply nested frame was a RecursionError that
+                # ended the handler (and the connection) instead of an error event.
+                data = jsonsafe.loads(raw, where="frame")
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 await conn.error(f"frame is not valid JSON: {exc}", "invalid_json")
+                continue
+            except TandemError as exc:
+                await conn.error(exc.message, exc.code or "invalid_frame")
                 continue
             if not isinstance(data, dict):
                 await conn.error(f"frame must be a JSON object, got {type(data).__name__}", "invalid_frame")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Any
 
+from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from services.common.idempotency import idempotent
 from services.retrieval.api.deps import manager, tenant
 from services.retrieval.core.collection import CollectionConfig
 from services.retrieval.protocol import Chunking, CollectionInfo, CollectionList, CreateCollection
@@ -23,17 +27,38 @@ def _info(config: CollectionConfig, stats: dict[str, object] | None = None) -> C
     )
 
 
-@router.post("", status_code=201, response_model=CollectionInfo)
-def create_collection(body: CreateCollection, request: Request) -> CollectionInfo:
-    config = manager(request).create(
-        tenant(request),
-        body.name,
-        embedding_model=body.embedding_model,
-        chunk_size=body.chunking.size if body.chunking else None,
-        chunk_overlap=body.chunking.overlap if body.chunking else None,
-        index=body.index,
-    )
-    return _info(config, {"documents": 0, "chunks": 0})
+@router.post(
+    "",
+    status_code=201,
+    response_model=CollectionInfo,
+    responses={
+        400: {"description": "invalid name, model or chunking (the message names the field and value)"},
+        401: {"description": "missing or unknown API key"},
+        409: {
+            "description": "the collection exists, or the Idempotency-Key was used with a different request"
+        },
+    },
+)
+async def create_collection(body: CreateCollection, request: Request) -> Any:
+    """Create a collection; with an ``Idempotency-Key`` header a retry returns the first answer
+    (not a 409 for the collection the first request made)."""
+    who = tenant(request)
+
+    def make() -> CollectionInfo:
+        config = manager(request).create(
+            who,
+            body.name,
+            embedding_model=body.embedding_model,
+            chunk_size=body.chunking.size if body.chunking else None,
+            chunk_overlap=body.chunking.overlap if body.chunking else None,
+            index=body.index,
+        )
+        return _info(config, {"documents": 0, "chunks": 0})
+
+    async def create() -> tuple[int, Any]:
+        return 201, (await run_in_threadpool(make)).model_dump(mode="json")
+
+    return await idempotent(request, who, create)
 
 
 @router.get("", response_model=CollectionList)

@@ -9,12 +9,22 @@ from fastapi import APIRouter, File, Form, Query, Request, Response, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
+from services.common import jsonsafe
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
+from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
+from services.common.idempotency import file_fingerprint, idempotent
 from services.common.paths import safe_filename
+from services.common.quota import check_quota, folder_bytes
 from services.retrieval.api.deps import collection, manager, tenant
 from services.retrieval.core.collection import InputDocument
-from services.retrieval.core.parsing import ParsedDocument, check_supported, parse_file
-from services.retrieval.ingest import enqueue_job
+from services.retrieval.core.parsing import (
+    UNTRUSTED,
+    ParsedDocument,
+    check_supported,
+    extension_of,
+    parse_file,
+)
+from services.retrieval.ingest import enqueue_files_job, enqueue_job
 from services.retrieval.protocol import AddDocuments, Document, DocumentPage, IngestResponse
 
 router = APIRouter(prefix="/v1/collections", tags=["documents"])
@@ -57,10 +67,27 @@ def _as_job(request: Request, name: str, docs: list[InputDocument], filename: st
     "/{name}/documents",
     status_code=201,
     response_model=IngestResponse,
-    responses={202: {"model": IngestResponse, "description": "queued as an ingestion job"}},
+    responses={
+        202: {"model": IngestResponse, "description": "queued as an ingestion job"},
+        400: {"description": "a document is invalid (the message names the field and value)"},
+        401: {"description": "missing or unknown API key"},
+        404: {"description": "no such collection"},
+        413: {"description": "the request is larger than TANDEM_MAX_BODY_MB"},
+        **IDEMPOTENCY_RESPONSES,
+    },
 )
-def add_documents(name: str, body: AddDocuments, request: Request) -> JSONResponse:
-    """Ingest JSON documents; a document with an id already stored replaces it."""
+async def add_documents(name: str, body: AddDocuments, request: Request) -> Any:
+    """Ingest JSON documents; a document with an id already stored replaces it. With an
+    ``Idempotency-Key`` header a retry returns the first answer (the same job, if it became one)."""
+
+    async def create() -> tuple[int, Any]:
+        resp = await run_in_threadpool(_add_documents, name, body, request)
+        return resp.status_code, json.loads(bytes(resp.body))
+
+    return await idempotent(request, tenant(request), create)
+
+
+def _add_documents(name: str, body: AddDocuments, request: Request) -> JSONResponse:
     collection(request, name)  # 404 before any work
     docs = [InputDocument(d.id, d.text, d.title or "", d.metadata or {}) for d in body.documents]
     for i, d in enumerate(docs):
@@ -73,30 +100,56 @@ def add_documents(name: str, body: AddDocuments, request: Request) -> JSONRespon
     return _ingest_now(request, name, docs)
 
 
-async def _read_limited(upload: UploadFile, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        part = await upload.read(1 << 20)
-        if not part:
-            break
-        size += len(part)
+UPLOAD_ERRORS: dict[int | str, dict[str, Any]] = {
+    202: {
+        "model": IngestResponse,
+        "description": "queued as an ingestion job (PDF, DOCX, HTML, large uploads)",
+    },
+    400: {"description": "a file or the metadata is invalid (the message names the file and the problem)"},
+    401: {"description": "missing or unknown API key"},
+    404: {"description": "no such collection"},
+    413: {"description": "a file, or the request, is larger than the upload limit"},
+    415: {"description": "unsupported file type"},
+    507: {"description": "the tenant's storage quota would be passed"},
+}
+
+
+def _check_sizes(request: Request, tenant_name: str, uploads: list[UploadFile], names: list[str]) -> int:
+    """Total bytes of the (already spooled) files; 413 for one over the limit, 507 over quota."""
+    limit = _limit_bytes(request)
+    total = 0
+    for up, fname in zip(uploads, names, strict=True):
+        size = _spooled_size(up)
         if size > limit:
             raise PayloadTooLarge(
-                f"file {upload.filename!r} is larger than the upload limit of {limit // (1024 * 1024)} MiB "
+                f"file {fname!r} ({size} bytes) is larger than the upload limit of {limit // (1024 * 1024)} MiB "
                 "(TANDEM_RETRIEVAL_MAX_UPLOAD_MB / TANDEM_MAX_UPLOAD_MB)",
                 param="file",
                 code="file_too_large",
             )
-        chunks.append(part)
-    return b"".join(chunks)
+        if size == 0:
+            raise InvalidRequest(f"file {fname!r} is empty", param="file", code="empty_file")
+        total += size
+    settings = request.app.state.settings
+    used = folder_bytes(manager(request).tenant_dir(tenant_name))
+    check_quota(tenant_name, used, total, settings.tenant_quota_mb, "TANDEM_RETRIEVAL_TENANT_QUOTA_MB")
+    return total
+
+
+def _spooled_size(up: UploadFile) -> int:
+    if up.size is not None:
+        return int(up.size)
+    up.file.seek(0, 2)
+    size = up.file.tell()
+    up.file.seek(0)
+    return size
 
 
 @router.post(
     "/{name}/files",
     status_code=201,
     response_model=IngestResponse,
-    responses={202: {"model": IngestResponse, "description": "queued as an ingestion job"}},
+    responses={**UPLOAD_ERRORS, **IDEMPOTENCY_RESPONSES},
 )
 async def upload_files(
     name: str,
@@ -104,36 +157,76 @@ async def upload_files(
     file: list[UploadFile] = File(..., description=".txt .md .html .pdf .docx or .jsonl; several allowed"),
     metadata: str | None = Form(None, description="JSON object added to every document's metadata"),
 ) -> JSONResponse:
-    limit = _limit_bytes(request)
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > limit * max(len(file), 1) + (1 << 20):
-        raise PayloadTooLarge(
-            f"upload of {declared} bytes is larger than the upload limit of {limit // (1024 * 1024)} MiB",
-            param="file",
-            code="file_too_large",
-        )
+    """Upload files. The request body streams to disk under the guard's limit; an upload with
+    PDF, DOCX or HTML, or larger than TANDEM_RETRIEVAL_ASYNC_UPLOAD_KB, is parsed by the
+    ingestion worker with limits (a 202 job whose ``file_errors`` name any file that could not
+    be parsed); small text, Markdown and JSONL files are parsed here, off the event loop (a bad
+    one is a 4xx at once), and ingested at once (201). With an
+    ``Idempotency-Key`` header a retry returns the first answer."""
+    who = tenant(request)
+    fingerprint = await run_in_threadpool(
+        file_fingerprint, [(up.filename or "", up.file) for up in file], f"{name}\0{metadata or ''}"
+    )
+
+    async def create() -> tuple[int, Any]:
+        resp = await _upload_files(name, request, file, metadata)
+        return resp.status_code, json.loads(bytes(resp.body))
+
+    return await idempotent(request, who, create, fingerprint=fingerprint)
+
+
+async def _upload_files(
+    name: str, request: Request, file: list[UploadFile], metadata: str | None
+) -> JSONResponse:
     extra: dict[str, Any] = {}
     if metadata:
         try:
-            extra = json.loads(metadata)
+            extra = jsonsafe.loads(metadata, where="metadata")
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"metadata: not JSON ({exc.msg})", param="metadata") from None
         if not isinstance(extra, dict):
             raise InvalidRequest("metadata: must be a JSON object", param="metadata")
-    await run_in_threadpool(collection, request, name)  # 404 before reading the files
-    parsed: list[ParsedDocument] = []
-    total = 0
-    for up in file:
-        fname = safe_filename(up.filename or "", param="file")
+    col = await run_in_threadpool(collection, request, name)  # 404 before any work
+    names = [safe_filename(up.filename or "", param="file") for up in file]
+    for fname in names:
         check_supported(fname)
-        data = await _read_limited(up, limit)
-        total += len(data)
+    who = tenant(request)
+    total = await run_in_threadpool(_check_sizes, request, who, file, names)
+    settings = request.app.state.settings
+    # Parsing a large file holds the GIL in long C calls (decoding, regexes, JSON): it would stall
+    # the event loop even from a thread, so large uploads are parsed by the worker, like PDFs.
+    if total > settings.async_upload_kb * 1024 or any(extension_of(n) in UNTRUSTED for n in names):
+        job_id = await run_in_threadpool(
+            enqueue_files_job,
+            request.app.state.celery,
+            request.app.state.jobs,
+            col.root,
+            who,
+            name,
+            [(n, up.file) for n, up in zip(names, file, strict=True)],
+            extra,
+        )
+        body = IngestResponse(
+            documents=len(names),
+            document_ids=[n for n in names if extension_of(n) != ".jsonl"],
+            job_id=job_id,
+            status_url=f"/v1/jobs/{job_id}",
+            events_url=f"/v1/jobs/{job_id}/events",
+        )
+        return JSONResponse(body.model_dump(), status_code=202)
+    parsed: list[ParsedDocument] = []
+    for up, fname in zip(file, names, strict=True):
+        data = await run_in_threadpool(_read_spooled, up)
         parsed.extend(await run_in_threadpool(parse_file, fname, data))
     docs = [InputDocument(p.id, p.text, p.title, {**p.metadata, **extra}) for p in parsed]
-    settings = request.app.state.settings
-    if total > settings.async_upload_kb * 1024 or len(docs) > settings.async_documents:
-        return await run_in_threadpool(_as_job, request, name, docs, ",".join(f.filename or "" for f in file))
+    if len(docs) > settings.async_documents:
+        return await run_in_threadpool(_as_job, request, name, docs, ",".join(names))
     return await run_in_threadpool(_ingest_now, request, name, docs)
+
+
+def _read_spooled(up: UploadFile) -> bytes:
+    up.file.seek(0)
+    return up.file.read()
 
 
 @router.get("/{name}/documents", response_model=DocumentPage)

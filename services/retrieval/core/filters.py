@@ -13,6 +13,7 @@ message naming where in the filter the problem is.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from services.common.errors import InvalidRequest
@@ -21,6 +22,11 @@ COMPARE = {"$eq": "=", "$ne": "!=", "$gt": ">", "$gte": ">=", "$lt": "<", "$lte"
 SET_OPS = {"$in": "IN", "$nin": "NOT IN"}
 LOGICAL = ("$and", "$or", "$not")
 MAX_DEPTH = 16
+# Bounds that keep one filter a cheap query (and under SQLite's 32766 bound parameters):
+# conditions and $and/$or branches in the whole filter, and values in one $in / $nin list.
+MAX_TERMS = 256
+MAX_VALUES = 1024
+INT64 = (-(2**63), 2**63 - 1)
 
 
 def _bad(where: str, why: str) -> InvalidRequest:
@@ -28,6 +34,10 @@ def _bad(where: str, why: str) -> InvalidRequest:
 
 
 def _scalar(value: Any, where: str) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+        raise _bad(where, f"integer {value} is outside the 64-bit range [{INT64[0]}, {INT64[1]}]")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _bad(where, f"{value!r} is not a number (NaN and Infinity are refused)")
     if value is None or isinstance(value, str | bool | int | float):
         return value
     raise _bad(where, f"expected a string, number, boolean or null, got {type(value).__name__}")
@@ -55,12 +65,34 @@ def _compare(path: str, op: str, value: Any, where: str, params: list[Any]) -> s
     if op in SET_OPS:
         if not isinstance(value, list) or not value:
             raise _bad(where, f"{op} needs a non-empty list")
+        if len(value) > MAX_VALUES:
+            raise _bad(where, f"{op} has {len(value)} values; the limit is {MAX_VALUES}")
         vals = [int(x) if isinstance(x, bool) else x for x in (_scalar(x, where) for x in value)]
         params.append(path)
         params.extend(vals)
         return f"{col} {SET_OPS[op]} ({','.join('?' * len(vals))})"
     ops = ", ".join([*COMPARE, *SET_OPS])
     raise _bad(where, f"unknown operator {op!r} (use {ops})")
+
+
+def _count(node: Any, where: str) -> None:
+    """Refuse a filter with more than MAX_TERMS conditions before compiling any of it
+    (iterative, so a deep filter cannot overflow the stack here either)."""
+    terms = 0
+    stack: list[tuple[Any, int]] = [(node, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _bad(where, f"nested deeper than {MAX_DEPTH} levels (the limit)")
+        if isinstance(item, dict):
+            for key, value in item.items():
+                terms += 1
+                if isinstance(value, list) and key in ("$and", "$or"):
+                    stack.extend((v, depth + 1) for v in value)
+                elif isinstance(value, dict):
+                    stack.append((value, depth + 1))
+        if terms > MAX_TERMS:
+            raise _bad(where, f"more than {MAX_TERMS} conditions (the limit)")
 
 
 def _compile(node: Any, where: str, params: list[Any], depth: int) -> str:
@@ -95,4 +127,5 @@ def _compile(node: Any, where: str, params: list[Any], depth: int) -> str:
 def compile_filter(filters: dict[str, Any]) -> tuple[str, list[Any]]:
     """SQL condition over ``d.metadata`` and its parameters."""
     params: list[Any] = []
+    _count(filters, "filters")
     return _compile(filters, "filters", params, 0), params

@@ -37,6 +37,7 @@ def decode_job(job_id: str, raw: dict[str, str]) -> dict[str, Any]:
         out[k] = int(raw.get(k, 0) or 0)
     out["error"] = raw.get("error") or None
     out["result"] = json.loads(raw["result"]) if raw.get("result") else None
+    out["file_errors"] = json.loads(raw["file_errors"]) if raw.get("file_errors") else []
     for k in ("created_at", "updated_at"):
         out[k] = float(raw.get(k, 0) or 0)
     out["filename"] = raw.get("filename") or None
@@ -72,7 +73,9 @@ class JobStore:
 
     def update(self, job_id: str, **fields: Any) -> None:
         mapping: dict[str, Any] = {
-            k: (json.dumps(v) if k == "result" else v) for k, v in fields.items() if v is not None
+            k: (json.dumps(v) if k in ("result", "file_errors") else v)
+            for k, v in fields.items()
+            if v is not None
         }
         mapping["updated_at"] = time.time()
         self.r.hset(job_key(job_id), mapping=mapping)  # type: ignore[arg-type]

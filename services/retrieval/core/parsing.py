@@ -12,9 +12,29 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common import jsonsafe
 from services.common.errors import InvalidRequest, UnsupportedMediaType
 
 SUPPORTED = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf", ".docx", ".jsonl")
+# Formats whose parsers decompress, or do work out of proportion to the file's size: parsed
+# only by the ingestion worker, in a child process with limits (services/retrieval/core/sandbox.py).
+UNTRUSTED = (".pdf", ".docx", ".html", ".htm")
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ParseLimits:
+    """What one file may cost to parse (the settings TANDEM_RETRIEVAL_PARSE_*)."""
+
+    max_decompressed_bytes: int = 256 * MIB
+    max_ratio: float = 100.0
+    max_pages: int = 2000
+    timeout_s: float = 120.0
+    max_text_bytes: int = 64 * MIB
+
+
+class ParseLimitError(InvalidRequest):
+    """A file breached one of the ParseLimits."""
 
 
 @dataclass
@@ -117,13 +137,37 @@ def html_to_text(source: str) -> tuple[str, str]:
     return _tidy(text), title
 
 
-def pdf_to_text(filename: str, data: bytes) -> str:
+def _limit(filename: str, what: str, setting: str) -> ParseLimitError:
+    return ParseLimitError(
+        f"file {filename!r}: {what} (limit set by TANDEM_RETRIEVAL_{setting})",
+        param="file",
+        code="parse_limit_exceeded",
+    )
+
+
+def pdf_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits()) -> str:
     from pypdf import PdfReader
     from pypdf.errors import PdfReadError, PdfStreamError
 
     try:
         reader = PdfReader(io.BytesIO(data), strict=False)
-        pages = [page.extract_text() or "" for page in reader.pages]
+        if len(reader.pages) > limits.max_pages:
+            raise _limit(
+                filename, f"{len(reader.pages)} pages, more than {limits.max_pages}", "PARSE_MAX_PAGES"
+            )
+        pages: list[str] = []
+        size = 0
+        for page in reader.pages:
+            pages.append(page.extract_text() or "")
+            size += len(pages[-1])
+            if size > limits.max_text_bytes:
+                raise _limit(
+                    filename,
+                    f"more than {limits.max_text_bytes // MIB} MiB of text",
+                    "PARSE_MAX_DECOMPRESSED_MB",
+                )
+    except ParseLimitError:
+        raise
     except (PdfReadError, PdfStreamError, ValueError, KeyError, TypeError, AssertionError) as exc:
         raise InvalidRequest(
             f"file {filename!r} is not a readable PDF: {exc}", param="file", code="corrupt_file"
@@ -137,18 +181,54 @@ def pdf_to_text(filename: str, data: bytes) -> str:
     return _tidy("\n\n".join(p.strip() for p in pages))
 
 
-def docx_to_text(filename: str, data: bytes) -> tuple[str, str]:
+def check_zip(filename: str, data: bytes, limits: ParseLimits) -> None:
+    """Refuse a zip bomb from its directory, before inflating anything. The declared sizes can
+    be trusted: zipfile stops at the declared size and fails the CRC of a member that lies."""
     import zipfile
 
-    from docx import Document
-    from docx.opc.exceptions import PackageNotFoundError
-
     try:
-        doc = Document(io.BytesIO(data))
-    except (PackageNotFoundError, zipfile.BadZipFile, KeyError, ValueError) as exc:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            members = zf.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
         raise InvalidRequest(
             f"file {filename!r} is not a readable DOCX: {exc}", param="file", code="corrupt_file"
         ) from None
+    total = sum(m.file_size for m in members)
+    if total > limits.max_decompressed_bytes:
+        raise _limit(
+            filename,
+            f"decompresses to {total} bytes, more than {limits.max_decompressed_bytes // MIB} MiB",
+            "PARSE_MAX_DECOMPRESSED_MB",
+        )
+    for m in members:
+        # Small members compress arbitrarily well (a run of spaces): only large ones count.
+        if m.file_size > MIB and m.file_size / max(m.compress_size, 1) > limits.max_ratio:
+            ratio = m.file_size / max(m.compress_size, 1)
+            raise _limit(
+                filename,
+                f"member {m.filename!r} has a compression ratio of {ratio:.0f}:1, more than {limits.max_ratio:g}:1",
+                "PARSE_MAX_RATIO",
+            )
+
+
+def docx_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits()) -> tuple[str, str]:
+    check_zip(filename, data, limits)
+    try:
+        return _docx_to_text(data)
+    except InvalidRequest:
+        raise
+    except Exception as exc:  # malformed XML (lxml), missing parts, bad relationships...
+        raise InvalidRequest(
+            f"file {filename!r} is not a readable DOCX: {type(exc).__name__}: {exc}",
+            param="file",
+            code="corrupt_file",
+        ) from None
+
+
+def _docx_to_text(data: bytes) -> tuple[str, str]:
+    from docx import Document
+
+    doc = Document(io.BytesIO(data))
     lines: list[str] = []
     for para in doc.paragraphs:
         style = (para.style.name if para.style is not None else "") or ""
@@ -176,7 +256,7 @@ def jsonl_documents(filename: str, text: str) -> list[ParsedDocument]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = jsonsafe.loads(line, where=f"file {filename!r} line {n}")
         except json.JSONDecodeError as exc:
             raise InvalidRequest(
                 f"file {filename!r} line {n}: not JSON ({exc.msg})", param="file", code="invalid_jsonl"
@@ -198,8 +278,12 @@ def jsonl_documents(filename: str, text: str) -> list[ParsedDocument]:
     return docs
 
 
-def parse_file(filename: str, data: bytes, *, doc_id: str | None = None) -> list[ParsedDocument]:
-    """Documents in an uploaded file (one, or one per line for .jsonl)."""
+def parse_file(
+    filename: str, data: bytes, *, doc_id: str | None = None, limits: ParseLimits = ParseLimits()
+) -> list[ParsedDocument]:
+    """Documents in an uploaded file (one, or one per line for .jsonl).
+
+    PDF, DOCX and HTML are parsed this way only inside the sandbox's child process."""
     ext = check_supported(filename)
     if not data:
         raise InvalidRequest(f"file {filename!r} is empty", param="file", code="empty_file")
@@ -207,9 +291,9 @@ def parse_file(filename: str, data: bytes, *, doc_id: str | None = None) -> list
     if ext == ".jsonl":
         return jsonl_documents(filename, _decode(filename, data))
     if ext == ".pdf":
-        text = pdf_to_text(filename, data)
+        text = pdf_to_text(filename, data, limits)
     elif ext == ".docx":
-        text, title = docx_to_text(filename, data)
+        text, title = docx_to_text(filename, data, limits)
     elif ext in (".html", ".htm"):
         text, title = html_to_text(_decode(filename, data))
     elif ext in (".md", ".markdown"):

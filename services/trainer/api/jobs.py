@@ -12,9 +12,12 @@ from typing import Any
 import redis.exceptions
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from services.common.auth import Principal, principal_of
 from services.common.errors import InvalidRequest, NotFound
+from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
+from services.common.idempotency import idempotent
 from services.trainer.api.deps import TrainerState, state_of
 from services.trainer.jobspec import KIND_OF, JobOwner, check_own_artifact, validate_job
 from services.trainer.protocol import TERMINAL, Artifact, ArtifactList, Job, JobCreate, JobList, Progress
@@ -103,10 +106,28 @@ def _create(st: TrainerState, tenant: str, spec: JobCreate) -> Job:
     return job_object(job_id, st.store.job(job_id))
 
 
-@router.post("/jobs", status_code=201, response_model=Job)
-def create_job(spec: JobCreate, request: Request) -> Job:
-    """Validate everything (files, model, LoRA targets, lengths, reward), then queue the job."""
-    return _create(state_of(request), principal_of(request).tenant, spec)
+@router.post(
+    "/jobs",
+    status_code=201,
+    response_model=Job,
+    responses={
+        400: {"description": "the job spec is invalid (the message names the field and value)"},
+        401: {"description": "missing or unknown API key"},
+        404: {"description": "a dataset file does not exist"},
+        **IDEMPOTENCY_RESPONSES,
+    },
+)
+async def create_job(spec: JobCreate, request: Request) -> Any:
+    """Validate everything (files, model, LoRA targets, lengths, reward), then queue the job.
+
+    With an ``Idempotency-Key`` header a retry returns the first job instead of queueing a second."""
+    st, tenant = state_of(request), principal_of(request).tenant
+
+    async def create() -> tuple[int, Any]:
+        job = await run_in_threadpool(_create, st, tenant, spec)
+        return 201, job.model_dump(mode="json")
+
+    return await idempotent(request, tenant, create)
 
 
 @router.get("/jobs", response_model=JobList)

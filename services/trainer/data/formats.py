@@ -38,6 +38,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.common import jsonsafe
+
 Kind = Literal["sft", "dpo", "kto", "rl"]
 Message = dict[str, str]
 
@@ -327,9 +329,18 @@ def parse_dataset(
     for number, raw in lines:
         try:
             row = json.loads(raw)
+            problem = jsonsafe.find_problem(row)
         except json.JSONDecodeError as exc:
             errors.append(DatasetError(f"malformed JSON ({exc.msg} at column {exc.colno})", line=number))
+        except RecursionError:
+            errors.append(DatasetError(f"nested deeper than {jsonsafe.MAX_DEPTH} levels", line=number))
         else:
+            if problem is not None:
+                # Too deep, or NaN/Infinity: the row is refused before anything walks it recursively.
+                path, message, _code = problem
+                where = ".".join(str(p) for p in path[:4]) + ("..." if len(path) > 4 else "")
+                errors.append(DatasetError(message, line=number, field=where or None))
+                continue
             try:
                 if not isinstance(row, dict):
                     raise DatasetError(
