@@ -49,6 +49,12 @@ class RunState:
     prompt: list[dict[str, str]] | None = None
     model: str = ""
     sampling: dict[str, Any] = field(default_factory=dict)
+    # The model's own text (``answer`` is what is shown: the groundedness guard may replace it).
+    completion: str = ""
+    answer_kind: str = "generated"  # "extractive" when the guard answered from the sources
+    grounding: str | None = None  # the guard's verdict (services/agent/grounding.py)
+    groundedness: float | None = None
+    unsupported: list[dict[str, Any]] = field(default_factory=list)
 
     def view(self) -> dict[str, Any]:
         """A plain-dict view for foreign components (LangChain runnables)."""
