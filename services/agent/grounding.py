@@ -138,7 +138,20 @@ def check(
     )
 
 
-_MONTHS = "january february march april may june july august september october november december".split()
+_MONTHS = [
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+]
 _NUMBER_Q = re.compile(
     r"\bhow (many|much|deep|high|tall|long|old|far|big|large|wide|heavy)\b|\b(what|which) year\b|\bwhen\b"
 )

@@ -23,7 +23,7 @@ from services.agent.config import AgentSettings
 from services.agent.memory import ConversationStore, MemoryLimits
 from services.agent.pipelines.components import CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
-from services.agent.pipelines.state import Event, RunContext, RunState
+from services.agent.pipelines.state import AnswerKind, Event, RunContext, RunState
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import TurnRecord
 from services.agent.tokens import load_counter
@@ -68,7 +68,7 @@ class TurnResult:
     finish_reason: str = "stop"
     error: dict[str, Any] | None = None
     # The groundedness guard's outcome (pipelines with a groundedness_guard only).
-    answer_kind: str = "generated"
+    answer_kind: AnswerKind = "generated"
     unsupported: list[dict[str, Any]] = field(default_factory=list)
     grounding: str | None = None
     # Where the turn record is read from: the pipeline's state or the agent's run.
