@@ -23,7 +23,7 @@ from typing import Literal
 
 from services.agent.chunks import Chunk
 from services.agent.citations import MARKER_RE, TITLE_MARKER_RE
-from services.agent.text import content_terms, overlap, sentences
+from services.agent.text import content_terms, overlap, sentences, stem
 
 # Words that carry no fact of their own in an answer ("Based on the sources, the answer is ...").
 FILLER = frozenset(
@@ -96,22 +96,38 @@ def _source_sentences(texts: list[str]) -> list[tuple[int, str]]:
     return [(n, text[s:e]) for n, text in enumerate(texts, start=1) for s, e in sentences(text)]
 
 
+def names(sentence: str) -> set[str]:
+    """The sentence's names and numbers (lower-cased): capitalised words after the first, and
+    numbers ("source 2" aside). A supported sentence must not bring one its source lacks."""
+    text = re.sub(r"\bsources?\s*\d+", " ", strip_markers(sentence), flags=re.IGNORECASE)
+    words = re.findall(r"[A-Za-z0-9]+", text)
+    out = {w.lower() for w in words if any(ch.isdigit() for ch in w)}
+    out |= {w.lower() for w in words[1:] if w[0].isupper() and len(w) > 1 and stem(w) not in FILLER}
+    return out
+
+
 def check(
     answer: str, question: str, sources: list[str], min_support: float = 0.5, repeated: bool = False
 ) -> GroundingReport:
     """Judges ``answer`` against ``sources`` (texts, numbered from 1 as the prompt numbered them)."""
     asked = set(content_terms(question))
     pool = _source_sentences(sources)
+    vocab = [{w.lower() for w in re.findall(r"[A-Za-z0-9]+", src)} for src in sources]
     checks: list[SentenceCheck] = []
     for s, e in sentences(answer):
         text = answer[s:e]
         terms = [t for t in content_terms(strip_markers(text)) if t not in FILLER]
         facts = [t for t in terms if t not in asked]
         best, where = 0.0, None
+        named = names(text)
         if facts:
             # Judged on what the sentence adds to the question: a misspelt name is not supported
-            # just because the sentence repeats the question's words around it.
+            # just because the sentence repeats the question's words around it; and a source
+            # supports it only if it holds all its names and numbers (not another town's mayor,
+            # not a depth the model made up).
             for n, src in pool:
+                if not named <= vocab[n - 1]:
+                    continue
                 score = overlap(facts, src)
                 if score > best:
                     best, where = score, n

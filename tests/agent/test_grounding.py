@@ -115,3 +115,29 @@ def test_extractive_answer_states_invented_facts() -> None:
 def test_repeats_sentence_ignores_markers_and_case() -> None:
     assert repeats_sentence("Berlin is big [1]. berlin is big.")
     assert not repeats_sentence("Berlin is big. Paris is big.")
+
+
+def test_a_sentence_is_supported_only_by_a_source_holding_its_names_and_numbers() -> None:
+    sources = [
+        "The first mayor of Nathsour was Polean Pearklinbrail, elected in 1882.",
+        "Lake Moundtous reaches a depth of 117 metres. Its water is green in summer.",
+    ]
+    # Another town's mayor: every word is in some source, but no source has them together.
+    assert (
+        check(
+            "The first mayor of Bearoun was Polean Pearklinbrail.",
+            "Who was the first mayor of Bearoun?",
+            sources,
+        ).verdict
+        == "unsupported"
+    )
+    assert (
+        check("Lake Moundtous reaches a depth of 371 metres.", "How deep is Lake Moundtous?", sources).verdict
+        == "unsupported"
+    )
+    assert (
+        check(
+            "Lake Moundtous reaches a depth of 117 metres [2].", "How deep is Lake Moundtous?", sources
+        ).verdict
+        == "ok"
+    )
