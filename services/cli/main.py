@@ -326,9 +326,20 @@ def demo() -> None:
         )
         answer.raise_for_status()
         body = answer.json()
-        console.print(f"\n[bold]chat-documents[/] {question!r}:\n  {body['answer'].strip()}")
+        how = (
+            " (answered from the sources: the model's answer was not usable)"
+            if body.get("kind") == "extractive"
+            else ""
+        )
+        console.print(f"\n[bold]chat-documents[/] {question!r}{how}:")
+        console.print(f"  {body['answer'].strip()}", markup=False, highlight=False)
         for cite in body.get("citations", []):
-            console.print(f"  [{cite['index']}] {cite['title']} ({cite['document_id']})")
+            console.print(
+                f"  [{cite['index']}] {cite['title']} ({cite['document_id']}, {cite.get('kind', 'cited')})",
+                markup=False,
+            )
+        for flag in body.get("unsupported") or []:
+            console.print(f"  not in the sources: {flag['text']!r}", markup=False)
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         _fail(f"the stack did not answer as expected: {exc}")
     console.print(f"\nOpen {common.url_of('agent')} and sign in with the key in {layout.key_file}.")
