@@ -310,7 +310,8 @@ class AgentRuntime:
             record.completion = state.completion if state.prompt is not None else answer
             record.answer_kind = state.answer_kind
             if finish_reason == "stopped":
-                record.completion = record.answer = state.answer or answer
+                record.answer = state.answer or answer
+                record.completion = state.completion or record.answer
         elif result.agent_run is not None:
             run = result.agent_run.result
             record.kind = "agent"
