@@ -202,6 +202,9 @@ def extractive_answer(question: str, chunks: list[Chunk], max_sentences: int = 2
     scored: list[tuple[float, int, int, str]] = []
     for n, text in _source_sentences([c.text for c in chunks]):
         score = overlap(terms, text + " " + chunks[n - 1].title) if terms else 0.0
+        # Ties between sentences of one source (the title counts for each): the one that names
+        # more of the question itself wins.
+        score += 0.3 * overlap(terms, text) if terms else 0.0
         if score > 0 and answer_type_match(question, text):
             score += 0.25  # tells the asked sentence from others about the same entity
         scored.append((score, -n, -len(scored), text.strip()))
@@ -211,7 +214,7 @@ def extractive_answer(question: str, chunks: list[Chunk], max_sentences: int = 2
     best = scored[0][0]
     picked: list[tuple[int, str]] = []
     for score, neg_n, _, text in scored:
-        if len(picked) >= max_sentences or (picked and score < max(0.5, 0.9 * best)):
+        if len(picked) >= max_sentences or (picked and score < max(0.5, 0.95 * best)):
             break
         if any(_key(text) == _key(t) for _, t in picked):
             continue

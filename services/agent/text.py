@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 WORD_RE = re.compile(r"[A-Za-z0-9]+(?:['’][A-Za-z]+)?")
-SENTENCE_RE = re.compile(r"[^.!?\n]+(?:[.!?]+|\n|$)")
+# A point between digits ("96.875") is a decimal, not the end of a sentence.
+SENTENCE_RE = re.compile(r"(?:[^.!?\n]|(?<=\d)\.(?=\d))+(?:[.!?]+|\n|$)")
 
 STOPWORDS = frozenset(
     [
