@@ -264,7 +264,10 @@ class PromptNode:
         self.p = p
 
     def builder(self, ctx: RunContext) -> PromptBuilder:
-        kwargs: dict[str, Any] = {"max_history_messages": self.p.max_history_messages, "example": self.p.example}
+        kwargs: dict[str, Any] = {
+            "max_history_messages": self.p.max_history_messages,
+            "example": self.p.example,
+        }
         if self.p.instructions:
             kwargs["instructions"] = self.p.instructions
         return BudgetPromptBuilder(
