@@ -92,8 +92,21 @@ def repeats_sentence(answer: str, min_chars: int = 8) -> bool:
     return False
 
 
+# A line break inside a paragraph (wrapped Markdown or plain text) does not end a sentence; one
+# before a heading, list item, table row, quote or code fence does.
+_WRAP = re.compile(r"[ \t]*\n(?![ \t]*(?:\n|[#>|*+-]|\d+[.)]|```))[ \t]*")
+
+
+def unwrap(text: str) -> str:
+    return _WRAP.sub(" ", text)
+
+
 def _source_sentences(texts: list[str]) -> list[tuple[int, str]]:
-    return [(n, text[s:e]) for n, text in enumerate(texts, start=1) for s, e in sentences(text)]
+    out = []
+    for n, text in enumerate(texts, start=1):
+        flat = unwrap(text)
+        out += [(n, flat[s:e]) for s, e in sentences(flat)]
+    return out
 
 
 def names(sentence: str) -> set[str]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 
 WORD_RE = re.compile(r"[A-Za-z0-9]+(?:['’][A-Za-z]+)?")
-# A point between digits ("96.875") is a decimal, not the end of a sentence.
-SENTENCE_RE = re.compile(r"(?:[^.!?\n]|(?<=\d)\.(?=\d))+(?:[.!?]+|\n|$)")
+# A sentence ends at . ! or ? followed by a space, a line break or the end: not inside "96.875",
+# ".tandem/api-key" or "e.g.x".
+SENTENCE_RE = re.compile(r"(?:[^.!?\n]|[.!?]+(?=[^\s.!?]))+(?:[.!?]+|\n|$)")
 
 STOPWORDS = frozenset(
     [

@@ -307,7 +307,7 @@ def demo() -> None:
             resp = httpx.get(f"{common.url_of(svc)}/v1/whoami", headers=headers, timeout=10)
             resp.raise_for_status()
             console.print(f"{svc:<10} {common.url_of(svc)} answers for tenant {resp.json()['tenant']}")
-        question = "How do I start Tandem?"
+        question = "How do I start Tandem and where is the API key?"
         hits = httpx.post(
             f"{common.url_of('retrieval')}/v1/collections/docs/search",
             json={"query": question, "top_k": 3},
