@@ -203,6 +203,14 @@ def answer_type_match(question: str, sentence: str) -> bool:
     return False
 
 
+def is_fragment(sentence: str) -> bool:
+    """Cut by a chunk boundary: starts in lower case, or ends without punctuation."""
+    text = sentence.strip().lstrip("-*+#> ").strip()
+    if not text:
+        return True
+    return text[0].islower() or text[-1] not in ".!?:)`\"'"
+
+
 def extractive_answer(question: str, chunks: list[Chunk], max_sentences: int = 2) -> tuple[str, list[int]]:
     """The source sentences that best answer ``question``, each with its ``[n]``; and the numbers used.
 
@@ -220,6 +228,8 @@ def extractive_answer(question: str, chunks: list[Chunk], max_sentences: int = 2
         score += 0.3 * overlap(terms, text) if terms else 0.0
         if score > 0 and answer_type_match(question, text):
             score += 0.25  # tells the asked sentence from others about the same entity
+        if is_fragment(text):
+            score *= 0.7  # a chunk boundary cut it: a whole sentence reads better, if one is as good
         scored.append((score, -n, -len(scored), text.strip()))
     if not scored:
         return "", []
