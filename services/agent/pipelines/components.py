@@ -389,9 +389,13 @@ class GuardNode:
         if not enabled or state.tracker is None or state.no_context or not state.tracker.chunks:
             return
         chunks = state.tracker.chunks
+        # A follow-up ("and its capital?") is judged with what the rewriter made of it too.
+        asked = state.question
+        if state.search_query and state.search_query != state.question:
+            asked = f"{state.question} {state.search_query}"
         report = check(
             state.answer,
-            state.question,
+            asked,
             [c.text for c in chunks],
             self.p.min_support,
             repeated=state.finish_reason == "repetition",
@@ -401,7 +405,7 @@ class GuardNode:
         if not report.degenerate:
             state.unsupported = [{"text": s.text, "start": s.start, "end": s.end} for s in report.unsupported]
             return
-        text, numbers = extractive_answer(state.question, chunks, self.p.max_sentences)
+        text, numbers = extractive_answer(asked, chunks, self.p.max_sentences)
         if not text:
             return
         yield {"type": "reset", "reason": report.verdict}
