@@ -31,6 +31,17 @@ class AgentSettings(ServiceSettings):
         256, ge=1, description="Tokens reserved for (and at most generated in) an answer."
     )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature of answers.")
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, description="Nucleus sampling of answers; empty (or 1) samples from all tokens."
+    )
+    grounding_guard: bool = Field(
+        True,
+        description=(
+            "Check chat answers against their sources: a degenerate answer (empty, repeated, a bare "
+            "preamble, nothing supported) is replaced by the best source sentences with citations, "
+            "unsupported sentences of the rest are flagged."
+        ),
+    )
     top_k: int = Field(5, ge=1, le=100, description="Chunks retrieved for chat-documents.")
     min_relevance: float = Field(
         0.25,

@@ -18,6 +18,16 @@ DEFAULT_INSTRUCTIONS = (
     "Answer the question using only the numbered sources. After each fact, cite its source number in "
     "square brackets, like [1]. If the sources do not answer the question, say you don't know."
 )
+# One worked example of a cited answer, given as an earlier exchange: a 135M model copies the
+# shape of an answer it has seen (one sentence, the fact, its [n]) far more reliably than it
+# follows a described rule. Its entity is plainly unrelated to any collection, so it is not
+# mistaken for a source.
+EXAMPLE_SOURCES = [
+    ("Harbour of Quenby", "The harbour of Quenby has 40 moorings. It was dredged in 1907."),
+    ("Quenby lighthouse", "The Quenby lighthouse is painted red. Its lamp was lit by Ada Lowe in 1881."),
+]
+EXAMPLE_QUESTION = "Who lit the lamp of the Quenby lighthouse?"
+EXAMPLE_ANSWER = "The lamp of the Quenby lighthouse was lit by Ada Lowe [2]."
 # Chat templates wrap each message in a few special tokens ("<|im_start|>user\n ... <|im_end|>\n").
 TEMPLATE_TOKENS_PER_MESSAGE = 8
 MIN_SOURCE_TOKENS = 24
@@ -46,12 +56,14 @@ class BudgetPromptBuilder:
         answer_tokens: int,
         instructions: str = DEFAULT_INSTRUCTIONS,
         max_history_messages: int = 6,
+        example: bool = False,
     ) -> None:
         self.counter = counter
         self.context_tokens = context_tokens
         self.answer_tokens = answer_tokens
         self.instructions = instructions
         self.max_history_messages = max_history_messages
+        self.example = example
 
     @property
     def budget(self) -> int:
@@ -76,6 +88,19 @@ class BudgetPromptBuilder:
         cut = text[:lo]
         space = cut.rfind(" ")
         return (cut[:space] if space > len(cut) // 2 else cut).rstrip() + " ..."
+
+    def example_messages(self) -> list[dict[str, str]]:
+        blocks = "".join(
+            self._source_block(n, Chunk(f"example-{n}", "example", text, title=title), text)
+            for n, (title, text) in enumerate(EXAMPLE_SOURCES, start=1)
+        )
+        return [
+            {"role": "user", "content": self._user(blocks, EXAMPLE_QUESTION)},
+            {"role": "assistant", "content": EXAMPLE_ANSWER},
+        ]
+
+    def _user(self, blocks: str, question: str) -> str:
+        return self.instructions + "\n\nSources:\n" + blocks + f"\nQuestion: {question}"
 
     def build(self, question: str, history: list[dict[str, str]], chunks: list[Chunk]) -> PromptPlan:
         header = self.instructions + "\n\nSources:\n"
@@ -108,6 +133,13 @@ class BudgetPromptBuilder:
         user = header + "".join(blocks) + footer if sources else f"Question: {question}"
         if not sources:
             used = self._cost(user)
+        # The worked example comes after the sources in priority, before the history.
+        example: list[dict[str, str]] = []
+        if self.example and sources:
+            cost = sum(self._cost(m["content"]) for m in self.example_messages())
+            if used + cost <= self.budget:
+                example = self.example_messages()
+                used += cost
         kept: list[dict[str, str]] = []
         for msg in reversed(history[-self.max_history_messages :]):
             cost = self._cost(msg["content"])
@@ -116,7 +148,7 @@ class BudgetPromptBuilder:
             kept.insert(0, {"role": msg["role"], "content": msg["content"]})
             used += cost
         return PromptPlan(
-            messages=[*kept, {"role": "user", "content": user}],
+            messages=[*example, *kept, {"role": "user", "content": user}],
             sources=sources,
             prompt_tokens=used,
             budget=self.budget,

@@ -99,6 +99,8 @@ class TurnRecord(BaseModel):
     answer: str = ""
     kind: Literal["pipeline", "agent"] = "pipeline"
     finish_reason: str = "stop"
+    # "extractive" when the groundedness guard showed source sentences instead of ``completion``.
+    answer_kind: Literal["generated", "extractive"] = "generated"
     sources: list[dict[str, Any]] = Field(default_factory=list, exclude=True)
     tenant: str = Field(default="", exclude=True)
     user: str = Field(default="", exclude=True)

@@ -23,7 +23,7 @@ from services.agent.config import AgentSettings
 from services.agent.memory import ConversationStore, MemoryLimits
 from services.agent.pipelines.components import CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
-from services.agent.pipelines.state import Event, RunContext, RunState
+from services.agent.pipelines.state import AnswerKind, Event, RunContext, RunState
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import TurnRecord
 from services.agent.tokens import load_counter
@@ -67,6 +67,10 @@ class TurnResult:
     usage: dict[str, int] = field(default_factory=dict)
     finish_reason: str = "stop"
     error: dict[str, Any] | None = None
+    # The groundedness guard's outcome (pipelines with a groundedness_guard only).
+    answer_kind: AnswerKind = "generated"
+    unsupported: list[dict[str, Any]] = field(default_factory=list)
+    grounding: str | None = None
     # Where the turn record is read from: the pipeline's state or the agent's run.
     state: RunState | None = None
     agent_run: Any = None
@@ -218,6 +222,8 @@ class AgentRuntime:
             async for event in events:
                 if event["type"] == "token":
                     partial.append(event["text"])
+                elif event["type"] == "reset":
+                    partial.clear()  # the guard replaces what streamed so far
                 elif event["type"] == "step":
                     result.steps.append(event)
                 elif event["type"] == "error":
@@ -273,6 +279,10 @@ class AgentRuntime:
             done["results"] = result.results
         if result.invalid_citations:
             done["invalid_citations"] = result.invalid_citations
+        if result.grounding is not None:
+            done["kind"] = result.answer_kind
+            done["grounding"] = result.grounding
+            done["unsupported"] = result.unsupported
         yield done
 
     async def _save_record(
@@ -299,8 +309,12 @@ class AgentRuntime:
             record.sampling = state.sampling
             record.chunk_ids = [c.chunk_id for c in state.chunks] if state.prompt is not None else []
             record.sources = [c.to_result() for c in state.chunks] if state.prompt is not None else []
+            # What the model wrote, not what the groundedness guard showed instead.
+            record.completion = state.completion if state.prompt is not None else answer
+            record.answer_kind = state.answer_kind
             if finish_reason == "stopped":
-                record.completion = record.answer = state.answer or answer
+                record.answer = state.answer or answer
+                record.completion = state.completion or record.answer
         elif result.agent_run is not None:
             run = result.agent_run.result
             record.kind = "agent"
@@ -431,6 +445,9 @@ class AgentRuntime:
         result.results = state.results
         result.usage = state.usage
         result.finish_reason = state.finish_reason
+        result.answer_kind = state.answer_kind
+        result.unsupported = state.unsupported
+        result.grounding = state.grounding
 
     async def _run_agent(
         self,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 
 WORD_RE = re.compile(r"[A-Za-z0-9]+(?:['’][A-Za-z]+)?")
-SENTENCE_RE = re.compile(r"[^.!?\n]+(?:[.!?]+|\n|$)")
+# A sentence ends at . ! or ? followed by a space, a line break or the end: not inside "96.875",
+# ".tandem/api-key" or "e.g.x".
+SENTENCE_RE = re.compile(r"(?:[^.!?\n]|[.!?]+(?=[^\s.!?]))+(?:[.!?]+|\n|$)")
 
 STOPWORDS = frozenset(
     [

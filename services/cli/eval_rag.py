@@ -1,4 +1,10 @@
-"""``tandem eval rag --beir DIR``: asks a BEIR data set's queries through ``chat-documents``.
+"""``tandem eval rag --beir DIR`` / ``--facts N``: asks questions through ``chat-documents``.
+
+With ``--facts N --seed S`` the questions are about invented facts (services/cli/factset.py:
+no model can know them, nothing to download) and each answer is judged against its
+expected answer: see ``FactOutcome`` and ``run_facts_eval`` below.
+
+With ``--beir DIR`` it asks a BEIR data set's queries.
 
 Reports, over the queries asked:
 
@@ -145,7 +151,9 @@ def ingest(
     return len(docs)
 
 
-def ask(client: httpx.Client, pipeline: str, collection: str, query: str) -> dict[str, Any]:
+def ask(
+    client: httpx.Client, pipeline: str, collection: str, query: str, llm: str | None = None
+) -> dict[str, Any]:
     started = time.perf_counter()
     first: float | None = None
     answer: list[str] = []
@@ -154,7 +162,7 @@ def ask(client: httpx.Client, pipeline: str, collection: str, query: str) -> dic
     with client.stream(
         "POST",
         f"/v1/pipelines/{pipeline}/run",
-        json={"query": query, "collection": collection, "stream": True},
+        json={"query": query, "collection": collection, "stream": True, **({"llm": llm} if llm else {})},
     ) as resp:
         if resp.status_code >= 400:
             resp.read()
@@ -170,6 +178,8 @@ def ask(client: httpx.Client, pipeline: str, collection: str, query: str) -> dic
                 if first is None:
                     first = time.perf_counter() - started
                 answer.append(event["text"])
+            elif event["type"] == "reset":
+                answer.clear()  # the groundedness guard replaces the streamed answer
             elif event["type"] == "done":
                 done = event
             elif event["type"] == "error":
@@ -262,9 +272,19 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def rag_command(
-    beir: Path = typer.Option(
-        ..., "--beir", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/test.tsv."
+    beir: Path | None = typer.Option(
+        None, "--beir", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/test.tsv."
     ),
+    facts: int | None = typer.Option(
+        None,
+        "--facts",
+        min=1,
+        max=2000,
+        help="Instead of --beir: ask this many questions about invented facts (generated, nothing to fetch).",
+    ),
+    seed: int = typer.Option(1, help="Seed of the invented facts (--facts); another seed, another set."),
+    llm: str = typer.Option("", help="Model to answer with (default: the agent's)."),
+    show: bool = typer.Option(False, "--show", help="Print each answer as it is judged (--facts)."),
     collection: str = typer.Option("", help="Collection to ask (default: beir-<folder name>)."),
     limit: int = typer.Option(50, min=1, help="Queries to ask (those with judgments, in id order)."),
     ingest_corpus: bool = typer.Option(
@@ -281,12 +301,39 @@ def rag_command(
     retrieval_url: str = typer.Option("", help="Retrieval service URL (default from settings)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the summary and answers here."),
 ) -> None:
-    """Ask a BEIR data set's queries through chat-documents; report citation quality and latency."""
+    """Ask questions through chat-documents (a BEIR set, or invented facts with expected answers);
+    report answer and citation quality and latency."""
     common = load_settings(CommonSettings, check_unknown=False)
     key = api_key or common.service_api_key
     if not key:
         console.print("[bold red]error:[/] give --api-key (or set TANDEM_SERVICE_API_KEY)")
         raise typer.Exit(1)
+    if (beir is None) == (facts is None):
+        console.print("[bold red]error:[/] give exactly one of --beir DIR and --facts N")
+        raise typer.Exit(2)
+    if facts is not None:
+        try:
+            outcomes = run_facts_eval(
+                facts,
+                seed,
+                agent_url=agent_url or common.url_of("agent"),
+                retrieval_url=retrieval_url or common.url_of("retrieval"),
+                api_key=key,
+                collection=collection or f"facts-{seed}-{facts}",
+                pipeline=pipeline,
+                llm=llm or None,
+                progress=show,
+            )
+        except (httpx.HTTPError, RuntimeError) as exc:
+            console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+            raise typer.Exit(1) from None
+        fsum = facts_summary(outcomes)
+        print_facts_summary(fsum, f"{pipeline} on {facts} invented facts (seed {seed})")
+        if json_out:
+            payload = {"summary": fsum, "answers": [o.__dict__ for o in outcomes]}
+            json_out.write_text(json.dumps(payload, indent=2, default=str))
+        return
+    assert beir is not None
     try:
         data = load_beir(beir)
     except (FileNotFoundError, ValueError) as exc:
@@ -318,4 +365,151 @@ def rag_command(
         )
 
 
-__all__ = ["rag_command", "run_rag_eval"]
+__all__ = ["rag_command", "run_facts_eval", "run_rag_eval"]
+
+
+# -- the invented-facts question set ------------------------------------------------------------
+
+
+@dataclass
+class FactOutcome:
+    """One answer to a question about an invented fact, judged against what is known to be true."""
+
+    fact_id: str
+    question: str
+    expected: str
+    answer: str
+    stated: bool  # the expected answer string is in the shown answer
+    # Citations are those of the done event: each resolves to a source shown to the model
+    # (markers naming no source are counted apart, as invalid, and never here).
+    right_doc: bool  # a citation names the fact's document
+    valid_citation: bool  # at least one citation
+    model_marker: bool  # the model itself wrote a valid [n] (kind "cited"), not the server
+    model_right_doc: bool  # ... and one of those names the fact's document
+    extractive: bool  # the groundedness guard answered from the sources instead
+    repeated: bool  # a sentence of the shown answer occurs twice
+    groundedness: float | None  # share of the answer's substantive sentences supported by a document
+    first_token_s: float | None
+    total_s: float
+    error: str | None = None
+
+
+def judge_fact(fact: Any, out: dict[str, Any], documents: list[str]) -> FactOutcome:
+    """Per-answer metrics of one ``ask`` result (``documents``: every text of the collection)."""
+    from services.agent.grounding import check, repeats_sentence
+    from services.cli.factset import states
+
+    done = out.get("done") or {}
+    answer = str(out.get("answer") or "")
+    cites = list(done.get("citations") or [])
+    written = [c for c in cites if c.get("kind", "cited") == "cited"]
+    report = check(answer, fact.question, documents)
+    return FactOutcome(
+        fact_id=fact.fact_id,
+        question=fact.question,
+        expected=fact.answer,
+        answer=answer,
+        stated=states(answer, fact.answer),
+        right_doc=any(c.get("document_id") == fact.fact_id for c in cites),
+        valid_citation=bool(cites),
+        model_marker=bool(written),
+        model_right_doc=any(c.get("document_id") == fact.fact_id for c in written),
+        extractive=done.get("kind") == "extractive",
+        repeated=repeats_sentence(answer),
+        groundedness=report.share,
+        first_token_s=out.get("first"),
+        total_s=float(out.get("total") or 0.0),
+        error=out.get("error"),
+    )
+
+
+def facts_summary(outcomes: list[FactOutcome]) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.error is None]
+
+    def share(attr: str) -> float | None:
+        return sum(1 for o in ok if getattr(o, attr)) / len(ok) if ok else None
+
+    grounded = [o.groundedness for o in ok if o.groundedness is not None]
+    firsts = [o.first_token_s for o in ok if o.first_token_s is not None]
+    totals = [o.total_s for o in ok]
+    return {
+        "questions": len(outcomes),
+        "errors": len(outcomes) - len(ok),
+        "fact_stated": share("stated"),
+        "right_document_cited": share("right_doc"),
+        "valid_citation": share("valid_citation"),
+        "model_wrote_marker": share("model_marker"),
+        "model_cited_right_document": share("model_right_doc"),
+        "extractive": share("extractive"),
+        "repeated_sentence": share("repeated"),
+        "groundedness_mean": sum(grounded) / len(grounded) if grounded else None,
+        "first_token_p50_s": percentile(firsts, 50),
+        "first_token_p95_s": percentile(firsts, 95),
+        "total_p50_s": percentile(totals, 50),
+        "total_p95_s": percentile(totals, 95),
+    }
+
+
+def run_facts_eval(
+    count: int,
+    seed: int,
+    *,
+    agent_url: str,
+    retrieval_url: str,
+    api_key: str,
+    collection: str,
+    pipeline: str = "chat-documents",
+    llm: str | None = None,
+    timeout: float = 300.0,
+    progress: bool = False,
+) -> list[FactOutcome]:
+    """Ingests ``count`` invented facts of ``seed`` (unless the collection exists) and asks each."""
+    from services.cli.factset import make_facts
+
+    facts = make_facts(count, seed)
+    headers = {"Authorization": f"Bearer {api_key}"}
+    corpus = {f.fact_id: {"title": f.title, "text": f.text} for f in facts}
+    with httpx.Client(base_url=retrieval_url, headers=headers, timeout=timeout) as rc:
+        ingest(rc, collection, BeirSet(corpus, {}, {}))
+    documents = [f.text for f in facts]
+    outcomes = []
+    with httpx.Client(base_url=agent_url, headers=headers, timeout=timeout) as ac:
+        for i, fact in enumerate(facts):
+            outcome = judge_fact(fact, ask(ac, pipeline, collection, fact.question, llm), documents)
+            outcomes.append(outcome)
+            if progress:
+                mark = ("F" if outcome.stated else "-") + ("D" if outcome.right_doc else "-")
+                mark += ("M" if outcome.model_marker else "-") + ("X " if outcome.extractive else "- ")
+                line = f"{i + 1:>3} {mark}{fact.question!r} -> {outcome.answer.strip()[:140]!r}"
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return outcomes
+
+
+def print_facts_summary(summary: dict[str, Any], title: str = "chat-documents on invented facts") -> None:
+    def pct(v: Any) -> str:
+        return "n/a" if v is None else f"{100 * v:.1f}%"
+
+    def sec(v: Any) -> str:
+        return "n/a" if v is None else f"{v:.2f}"
+
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for label, value in [
+        ("questions (errors)", f"{summary['questions']} ({summary['errors']})"),
+        ("expected fact stated", pct(summary["fact_stated"])),
+        ("right document cited (any kind)", pct(summary["right_document_cited"])),
+        (">=1 valid citation (any kind)", pct(summary["valid_citation"])),
+        ("model wrote a valid \\[n] itself", pct(summary["model_wrote_marker"])),
+        ("... naming the right document", pct(summary["model_cited_right_document"])),
+        ("answered extractively by the guard", pct(summary["extractive"])),
+        ("a sentence repeated", pct(summary["repeated_sentence"])),
+        ("groundedness (mean supported share)", pct(summary["groundedness_mean"])),
+        (
+            "first token p50 / p95 (s)",
+            f"{sec(summary['first_token_p50_s'])} / {sec(summary['first_token_p95_s'])}",
+        ),
+        ("full answer p50 / p95 (s)", f"{sec(summary['total_p50_s'])} / {sec(summary['total_p95_s'])}"),
+    ]:
+        table.add_row(label, value)
+    console.print(table)

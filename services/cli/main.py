@@ -313,7 +313,7 @@ def demo() -> None:
             resp = httpx.get(f"{common.url_of(svc)}/v1/whoami", headers=headers, timeout=10)
             resp.raise_for_status()
             console.print(f"{svc:<10} {common.url_of(svc)} answers for tenant {resp.json()['tenant']}")
-        question = "How do I start Tandem?"
+        question = "How do I start Tandem and where is the API key?"
         hits = httpx.post(
             f"{common.url_of('retrieval')}/v1/collections/docs/search",
             json={"query": question, "top_k": 3},
@@ -332,9 +332,20 @@ def demo() -> None:
         )
         answer.raise_for_status()
         body = answer.json()
-        console.print(f"\n[bold]chat-documents[/] {question!r}:\n  {body['answer'].strip()}")
+        how = (
+            " (answered from the sources: the model's answer was not usable)"
+            if body.get("kind") == "extractive"
+            else ""
+        )
+        console.print(f"\n[bold]chat-documents[/] {question!r}{how}:")
+        console.print(f"  {body['answer'].strip()}", markup=False, highlight=False)
         for cite in body.get("citations", []):
-            console.print(f"  [{cite['index']}] {cite['title']} ({cite['document_id']})")
+            console.print(
+                f"  [{cite['index']}] {cite['title']} ({cite['document_id']}, {cite.get('kind', 'cited')})",
+                markup=False,
+            )
+        for flag in body.get("unsupported") or []:
+            console.print(f"  not in the sources: {flag['text']!r}", markup=False)
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         _fail(f"the stack did not answer as expected: {exc}")
     console.print(f"\nOpen {common.url_of('agent')} and sign in with the key in {layout.key_file}.")

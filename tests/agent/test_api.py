@@ -250,3 +250,60 @@ def test_a_looping_model_is_stopped_at_the_first_repeat(stack: Stack, api_key: s
     assert body["answer"].count("Berlin is the capital of Germany") == 1, body["answer"]
     assert "museums" not in body["answer"]
     assert [c["document_id"] for c in body["citations"]] == ["de"]
+
+
+def test_a_degenerate_answer_is_replaced_by_cited_source_sentences(stack: Stack, api_key: str) -> None:
+    """The groundedness guard over real HTTP: SSE resets and streams the extractive answer, the done
+    event and the citations say ``extractive``, the turn record keeps what the model wrote."""
+    stack.model.replies = lambda body: "The answer is: The answer is:"
+    request = {"query": "What is the capital of Germany?", "collection": "geo", "stream": True}
+    with httpx.stream(
+        "POST",
+        f"{stack.url}/v1/pipelines/chat-documents/run",
+        json=request,
+        headers=auth(api_key),
+        timeout=30,
+    ) as resp:
+        events = sse_events(resp)
+    types = [e["type"] for e in events]
+    reset = types.index("reset")
+    assert events[reset]["reason"] == "preamble"
+    shown = "".join(e["text"] for e in events[reset + 1 :] if e["type"] == "token")
+    assert shown == "Berlin is the capital of Germany [1]."
+    done = events[-1]
+    assert (done["type"], done["kind"], done["grounding"], done["unsupported"]) == (
+        "done",
+        "extractive",
+        "preamble",
+        [],
+    )
+    assert [(c["document_id"], c["kind"]) for c in done["citations"]] == [("de", "extractive")]
+    record = httpx.get(
+        f"{stack.url}/v1/messages/{done['message_id']}", headers=auth(api_key), timeout=30
+    ).json()
+    assert record["completion"] == "The answer is: The answer is:"  # the model's own words
+    assert (record["answer"], record["answer_kind"]) == (shown, "extractive")
+
+    # The JSON answer carries the same.
+    body = httpx.post(
+        f"{stack.url}/v1/pipelines/chat-documents/run",
+        json={**request, "stream": False},
+        headers=auth(api_key),
+        timeout=30,
+    ).json()
+    assert (body["answer"], body["kind"]) == (shown, "extractive")
+    assert body["citations"][0]["kind"] == "extractive"
+
+
+def test_a_partly_supported_answer_flags_its_unsupported_sentence(stack: Stack, api_key: str) -> None:
+    answer = "Berlin is the capital of Germany [1]. Its mayor rides a purple dragon."
+    stack.model.replies = lambda body: answer
+    body = httpx.post(
+        f"{stack.url}/v1/pipelines/chat-documents/run",
+        json={"query": "What is the capital of Germany?", "collection": "geo"},
+        headers=auth(api_key),
+        timeout=30,
+    ).json()
+    assert (body["answer"], body["kind"], body["grounding"]) == (answer, "generated", "partial")
+    assert [u["text"] for u in body["unsupported"]] == ["Its mayor rides a purple dragon."]
+    assert [(c["document_id"], c["kind"]) for c in body["citations"]] == [("de", "cited")]

@@ -94,3 +94,93 @@ def test_rag_metrics(redis_url: str, tmp_path: Path, api_key: str) -> None:
 def test_missing_beir_files_are_a_clear_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["eval", "rag", "--beir", str(tmp_path), "--api-key", "k"])
     assert result.exit_code == 1 and "corpus.jsonl is missing" in " ".join(result.output.split())
+
+
+# -- the invented-facts question set (``tandem eval rag --facts``) -------------------------------
+
+
+def _cite(doc: str, kind: str = "cited", index: int = 1) -> dict[str, Any]:
+    return {"index": index, "document_id": doc, "kind": kind}
+
+
+def test_fact_metrics_of_hand_made_answers() -> None:
+    from services.cli.eval_rag import facts_summary, judge_fact
+    from services.cli.factset import make_facts
+
+    facts = make_facts(4, seed=3)
+    docs = [f.text for f in facts]
+    a, b, c, d = facts
+
+    good = judge_fact(
+        a,
+        {
+            "answer": f"{a.sentence[:-1]} [1].",
+            "done": {"citations": [_cite(a.fact_id)]},
+            "first": 0.5,
+            "total": 2.0,
+        },
+        docs,
+    )
+    assert (good.stated, good.right_doc, good.valid_citation, good.model_marker, good.model_right_doc) == (
+        True,
+        True,
+        True,
+        True,
+        True,
+    )
+    assert (good.repeated, good.groundedness, good.extractive) == (False, 1.0, False)
+
+    # States the fact but only the server attributed a (wrong) document: not the model's citation.
+    loop = f"{b.sentence} {b.sentence}"
+    wrong = judge_fact(
+        b,
+        {"answer": loop, "done": {"citations": [_cite(c.fact_id, "attributed")]}, "first": 0.4, "total": 4.0},
+        docs,
+    )
+    assert (wrong.stated, wrong.right_doc, wrong.valid_citation, wrong.model_marker) == (
+        True,
+        False,
+        True,
+        False,
+    )
+    assert wrong.repeated
+
+    # The guard answered from the sources: extractive citations count for the right document,
+    # never as the model's own marker.
+    extr = judge_fact(
+        c,
+        {
+            "answer": f"{c.sentence[:-1]} [2].",
+            "done": {"kind": "extractive", "citations": [_cite(c.fact_id, "extractive", 2)]},
+            "first": 1.0,
+            "total": 1.0,
+        },
+        docs,
+    )
+    assert (extr.stated, extr.right_doc, extr.extractive, extr.model_marker) == (True, True, True, False)
+
+    # A made-up answer: nothing stated, nothing cited, its sentence unsupported.
+    made_up = judge_fact(
+        d, {"answer": "It was built by Zorblax the Great.", "done": {}, "first": None, "total": 3.0}, docs
+    )
+    assert (made_up.stated, made_up.right_doc, made_up.valid_citation, made_up.groundedness) == (
+        False,
+        False,
+        False,
+        0.0,
+    )
+
+    s = facts_summary([good, wrong, extr, made_up])
+    assert (s["questions"], s["fact_stated"], s["right_document_cited"], s["valid_citation"]) == (
+        4,
+        0.75,
+        0.5,
+        0.75,
+    )
+    assert (s["model_wrote_marker"], s["extractive"], s["repeated_sentence"]) == (0.25, 0.25, 0.25)
+    assert s["first_token_p50_s"] == 0.5 and s["total_p50_s"] in (2.0, 3.0)
+
+
+def test_eval_rag_wants_one_question_set() -> None:
+    result = CliRunner().invoke(app, ["eval", "rag", "--api-key", "k"])
+    assert result.exit_code == 2 and "exactly one of --beir DIR and --facts N" in result.output

@@ -58,3 +58,36 @@ def test_question_too_long_for_the_window() -> None:
     builder = BudgetPromptBuilder(EstimatingCounter(), context_tokens=300, answer_tokens=100)
     with pytest.raises(PromptTooLong, match="budget is 200"):
         builder.build("x " * 1000, [], [])
+
+
+def test_the_worked_example_comes_first_and_only_when_it_fits() -> None:
+    counter = EstimatingCounter()
+    roomy = BudgetPromptBuilder(counter, context_tokens=1200, answer_tokens=100, example=True)
+    plan = roomy.build("q?", [{"role": "user", "content": "earlier"}], make_chunks(1, 20))
+    assert [m["role"] for m in plan.messages] == ["user", "assistant", "user", "user"]
+    assert plan.messages[1]["content"].endswith("[2].") and "Quenby" in plan.messages[0]["content"]
+    assert plan.prompt_tokens <= plan.budget
+    # Sources come first: with no room left for it, the example is dropped, never a source.
+    tight = BudgetPromptBuilder(counter, context_tokens=220, answer_tokens=100, example=True)
+    plan = tight.build("q?", [], make_chunks(1, 20))
+    assert len(plan.sources) == 1 and all("Quenby" not in m["content"] for m in plan.messages)
+
+
+def test_generator_sampling_comes_from_settings_params_and_passthrough() -> None:
+    from services.agent.config import AgentSettings
+    from services.agent.pipelines.components import GenerateNode, InferenceGenerator
+    from services.agent.pipelines.state import RunContext
+
+    ctx = RunContext(AgentSettings(top_p=0.9), None, None, None, "m")  # type: ignore[arg-type]
+    assert InferenceGenerator(None, None).sampling(ctx) == {
+        "max_tokens": 256,
+        "temperature": 0.0,
+        "top_p": 0.9,
+    }
+    p = GenerateNode.P.model_validate(
+        {"temperature": 0.3, "top_p": 1.0, "sampling": {"presence_penalty": 0.5}}
+    )
+    gen = InferenceGenerator(p.max_tokens, p.temperature, p.top_p, p.sampling)
+    assert gen.sampling(ctx) == {"max_tokens": 256, "temperature": 0.3, "presence_penalty": 0.5}
+    with pytest.raises(ValueError, match="top_p"):
+        GenerateNode.P.model_validate({"top_p": 0})

@@ -22,7 +22,7 @@ from tests.helpers.servers import free_port
 from tests.web.conftest import CHROMIUM, CHROMIUM_ARGS, REPO_ROOT
 
 TANDEM = [sys.executable, "-m", "services.cli.main"]
-QUESTION = "What does the Search page do?"
+QUESTION = "How do I start Tandem and where is the API key?"
 
 
 def main() -> None:

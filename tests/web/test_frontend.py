@@ -48,6 +48,9 @@ async def chat_double(ws: WebSocket) -> None:
             if frame.get("type") == "stop":
                 await ws.send_json({"type": "done", "conversation_id": "conv-9", "citations": []})
                 continue
+            if "guard" in frame.get("message", ""):
+                await guarded_answers(ws, frame["message"])
+                continue
             await ws.send_json({"type": "conversation", "conversation_id": "conv-9"})
             await ws.send_json({"type": "step", "kind": "thought", "text": "I should search."})
             await ws.send_json(
@@ -72,6 +75,50 @@ async def chat_double(ws: WebSocket) -> None:
                 await ws.send_json({"type": "done", "conversation_id": "conv-9", "citations": []})
     except WebSocketDisconnect:
         return
+
+
+async def guarded_answers(ws: WebSocket, message: str) -> None:
+    """The groundedness guard's side of the protocol: a degenerate answer reset and replaced by an
+    extractive one, or a partly supported answer with an unsupported sentence."""
+    cite = {
+        "index": 1,
+        "chunk_id": "k",
+        "document_id": "leave",
+        "title": "Leave policy",
+        "text": "Employees get 25 days of paid leave.",
+        "start": 0,
+        "end": 36,
+    }
+    if "degenerate" in message:
+        for tok in ["The answer is: ", "The answer is:"]:
+            await ws.send_json({"type": "token", "text": tok})
+        await ws.send_json({"type": "reset", "reason": "repeated"})
+        for tok in ["Employees get 25 days ", "of paid leave [1]."]:
+            await ws.send_json({"type": "token", "text": tok})
+        await ws.send_json({"type": "citation", **cite, "kind": "extractive"})
+        await ws.send_json(
+            {
+                "type": "done",
+                "conversation_id": "conv-9",
+                "citations": [{**cite, "kind": "extractive"}],
+                "kind": "extractive",
+                "grounding": "repeated",
+                "unsupported": [],
+            }
+        )
+        return
+    text = "Staff get 25 days of leave [1]. Managers ride unicorns to work."
+    await ws.send_json({"type": "token", "text": text})
+    await ws.send_json(
+        {
+            "type": "done",
+            "conversation_id": "conv-9",
+            "citations": [{**cite, "kind": "cited"}],
+            "kind": "generated",
+            "grounding": "partial",
+            "unsupported": [{"text": "Managers ride unicorns to work.", "start": 32, "end": 63}],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -434,3 +481,25 @@ def test_front_end_renders_under_its_content_security_policy(page: Any, site: st
         " document.body.appendChild(s); }"
     )
     assert page.evaluate("() => window.__pwned") is None
+
+
+def test_guarded_answers_replace_and_dim(page: Any, site: str) -> None:
+    """A reset clears the streamed text (the extractive answer replaces it, with a note); an
+    unsupported sentence of a kept answer is dimmed."""
+    double_api(page, BASE_ROUTES)
+    sign_in(page, site)
+    page.get_by_label("Collection").select_option("handbook")
+    page.get_by_label("Message", exact=True).fill("guard: degenerate")
+    page.keyboard.press("Enter")
+    answer = page.locator(".msg.assistant").last
+    page.locator(".msg.assistant[aria-busy='false']").wait_for()
+    assert answer.locator(".md").inner_text().strip() == "Employees get 25 days of paid leave [1]."
+    assert "source sentences" in answer.locator(".grounding-note").inner_text()
+    assert answer.locator(".chip").count() == 1
+
+    page.get_by_label("Message", exact=True).fill("guard: partial")
+    page.keyboard.press("Enter")
+    page.locator(".msg.assistant[aria-busy='false']").nth(1).wait_for()
+    second = page.locator(".msg.assistant").nth(1)
+    assert second.locator(".md .unsupported").inner_text() == "Managers ride unicorns to work"
+    assert second.locator(".grounding-note").is_hidden()

@@ -138,6 +138,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             async for event in all_events():
                 if event["type"] == "token":
                     yield chunk({"content": event["text"]})
+                elif event["type"] == "reset":
+                    # An OpenAI stream cannot take text back: the guard's answer follows on its own
+                    # paragraph, and the last chunk says kind "extractive".
+                    yield chunk({"content": "\n\n"})
                 elif event["type"] == "error":
                     yield sse({"error": {"message": event["message"], "code": event.get("code")}})
         except Exception as exc:
@@ -150,6 +154,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "message_id": result.message_id or None,
             "conversation_id": result.conversation_id,
         }
+        if result.grounding is not None:
+            extra["kind"] = result.answer_kind
         if result.usage and (body.stream_options or {}).get("include_usage"):
             extra["usage"] = result.usage
         yield chunk({}, "stop", **extra)

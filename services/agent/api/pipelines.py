@@ -53,6 +53,10 @@ async def run_pipeline(name: str, body: PipelineRunRequest, request: Request) ->
                 usage=result.usage,
                 finish_reason=result.finish_reason,
             )
+            if result.grounding is not None:
+                out.update(
+                    kind=result.answer_kind, grounding=result.grounding, unsupported=result.unsupported
+                )
         if result.steps:
             out["steps"] = result.steps
         errors = [e for e in collected if e["type"] == "error"]

@@ -9,13 +9,15 @@ events it produces (tokens, citations) as they happen.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.agent.chunks import Chunk
+from services.agent.chunks import Chunk, Citation
 from services.agent.citations import CitationTracker, attribute
+from services.agent.grounding import check, extractive_answer
 from services.agent.highlight import highlight
 from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
 from services.agent.repetition import RepetitionGuard
@@ -98,17 +100,31 @@ class OverlapReranker:
 class InferenceGenerator:
     """Streams answer text from the inference service's chat completions."""
 
-    def __init__(self, max_tokens: int | None, temperature: float | None) -> None:
+    def __init__(
+        self,
+        max_tokens: int | None,
+        temperature: float | None,
+        top_p: float | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         self.max_tokens = max_tokens
         self.temperature = temperature
+        self.top_p = top_p
+        self.extra = dict(extra or {})
         self.usage: dict[str, int] = {}
         self.finish_reason = "stop"
 
     def sampling(self, ctx: RunContext) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "max_tokens": self.max_tokens or ctx.settings.max_answer_tokens,
             "temperature": ctx.settings.temperature if self.temperature is None else self.temperature,
         }
+        top_p = ctx.settings.top_p if self.top_p is None else self.top_p
+        if top_p is not None and top_p < 1.0:
+            out["top_p"] = top_p
+        # Passed through as is: the inference service validates them (an unknown one is its 4xx).
+        out.update(self.extra)
+        return out
 
     async def generate(self, ctx: RunContext, messages: list[dict[str, str]]) -> AsyncIterator[str]:
         body: dict[str, Any] = {
@@ -241,12 +257,17 @@ class PromptNode:
     class P(Params):
         instructions: str | None = None
         max_history_messages: int = Field(6, ge=0, le=100)
+        # A worked example of a cited answer before the question (see prompting.EXAMPLE_ANSWER).
+        example: bool = False
 
     def __init__(self, p: P) -> None:
         self.p = p
 
     def builder(self, ctx: RunContext) -> PromptBuilder:
-        kwargs: dict[str, Any] = {"max_history_messages": self.p.max_history_messages}
+        kwargs: dict[str, Any] = {
+            "max_history_messages": self.p.max_history_messages,
+            "example": self.p.example,
+        }
         if self.p.instructions:
             kwargs["instructions"] = self.p.instructions
         return BudgetPromptBuilder(
@@ -272,6 +293,10 @@ class GenerateNode:
     class P(Params):
         max_tokens: int | None = Field(None, ge=1, le=8192)
         temperature: float | None = Field(None, ge=0.0, le=2.0)
+        top_p: float | None = Field(None, gt=0.0, le=1.0)
+        # Further sampling parameters of the inference API (e.g. a penalty it gains later), sent
+        # with every request of this generator without a code change here.
+        sampling: dict[str, float | int | bool | str] = Field(default_factory=dict)
 
     def __init__(self, p: P, generator: Generator | None = None) -> None:
         self.p = p
@@ -284,7 +309,9 @@ class GenerateNode:
             return
         # A regenerated draft samples at its own temperature (state.options), so it can differ.
         temperature = state.options.get("temperature", self.p.temperature)
-        gen = self.generator or InferenceGenerator(self.p.max_tokens, temperature)
+        gen = self.generator or InferenceGenerator(
+            self.p.max_tokens, temperature, self.p.top_p, self.p.sampling
+        )
         # The exact messages and sampling the model gets: the turn record keeps them for training.
         state.prompt = [dict(m) for m in state.plan.messages]
         state.model = ctx.model
@@ -313,6 +340,8 @@ class GenerateNode:
         if looped:
             state.answer = guard.trim(state.answer)
             state.finish_reason = "repetition"
+        # What the model wrote; a later guard may show something else, the record keeps this.
+        state.completion = state.answer
 
 
 class CiteNode:
@@ -336,6 +365,60 @@ class CiteNode:
             state.citations = attribute(state.answer, state.tracker.chunks, self.p.min_overlap)
             for citation in state.citations:
                 yield {"type": "citation", **citation.to_dict()}
+
+
+class GuardNode:
+    """The groundedness guard (see services/agent/grounding.py), after the citations are resolved.
+
+    A degenerate answer is replaced: a ``reset`` event tells the client to clear what streamed,
+    then the extractive answer streams as tokens with citations of ``kind: "extractive"``. A
+    partly supported answer stays; its unsupported sentences are listed in ``state.unsupported``.
+    The model's own text stays in ``state.completion`` (the turn record's ``completion``).
+    """
+
+    class P(Params):
+        enabled: bool | None = None  # None: the agent's ``grounding_guard`` setting
+        min_support: float = Field(0.5, ge=0.0, le=1.0)
+        max_sentences: int = Field(2, ge=1, le=10)
+
+    def __init__(self, p: P) -> None:
+        self.p = p
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        enabled = ctx.settings.grounding_guard if self.p.enabled is None else self.p.enabled
+        if not enabled or state.tracker is None or state.no_context or not state.tracker.chunks:
+            return
+        chunks = state.tracker.chunks
+        # A follow-up ("and its capital?") is judged with what the rewriter made of it too.
+        asked = state.question
+        if state.search_query and state.search_query != state.question:
+            asked = f"{state.question} {state.search_query}"
+        report = check(
+            state.answer,
+            asked,
+            [c.text for c in chunks],
+            self.p.min_support,
+            repeated=state.finish_reason == "repetition",
+        )
+        state.grounding = report.verdict
+        state.groundedness = report.share
+        if not report.degenerate:
+            state.unsupported = [{"text": s.text, "start": s.start, "end": s.end} for s in report.unsupported]
+            return
+        text, numbers = extractive_answer(asked, chunks, self.p.max_sentences)
+        if not text:
+            return
+        yield {"type": "reset", "reason": report.verdict}
+        state.answer = text
+        state.answer_kind = "extractive"
+        state.groundedness = 1.0
+        state.invalid_citations = []
+        # Streamed like any answer: word by word, so a client needs no special path for it.
+        for piece in re.findall(r"\S+\s*", text):
+            yield {"type": "token", "text": piece}
+        state.citations = [Citation.of(n, chunks[n - 1], kind="extractive") for n in numbers]
+        for citation in state.citations:
+            yield {"type": "citation", **citation.to_dict()}
 
 
 class RunnableNode:
@@ -401,6 +484,7 @@ NODE_TYPES: dict[str, tuple[type[Params], Callable[[Any], Any]]] = {
     "prompt_builder": (PromptNode.P, PromptNode),
     "generator": (GenerateNode.P, GenerateNode),
     "citation_resolver": (CiteNode.P, CiteNode),
+    "groundedness_guard": (GuardNode.P, GuardNode),
     "langchain_runnable": (RunnableNode.P, RunnableNode),
 }
 

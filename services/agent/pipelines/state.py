@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from services.agent.chunks import Chunk, Citation
 from services.agent.citations import CitationTracker
@@ -14,6 +14,7 @@ from services.agent.prompting import PromptPlan
 from services.agent.tokens import TokenCounter
 
 Event = dict[str, Any]
+AnswerKind = Literal["generated", "extractive"]
 EventStream = AsyncIterator[Event]
 
 
@@ -49,6 +50,12 @@ class RunState:
     prompt: list[dict[str, str]] | None = None
     model: str = ""
     sampling: dict[str, Any] = field(default_factory=dict)
+    # The model's own text (``answer`` is what is shown: the groundedness guard may replace it).
+    completion: str = ""
+    answer_kind: AnswerKind = "generated"  # "extractive" when the guard answered from the sources
+    grounding: str | None = None  # the guard's verdict (services/agent/grounding.py)
+    groundedness: float | None = None
+    unsupported: list[dict[str, Any]] = field(default_factory=list)
 
     def view(self) -> dict[str, Any]:
         """A plain-dict view for foreign components (LangChain runnables)."""

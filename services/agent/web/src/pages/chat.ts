@@ -14,6 +14,7 @@ export interface Citation {
   text?: string;
   start?: number;
   end?: number;
+  kind?: string;
 }
 
 interface Step {
@@ -381,6 +382,10 @@ export function chatPage(root: HTMLElement, args: string[]) {
     addStep: (s: Step) => void;
     setError: (m: string) => void;
     finish: () => void;
+    /** The server replaces what streamed so far (the groundedness guard's "reset" event). */
+    reset: () => void;
+    /** The guard's verdict from "done": an extractive answer, or sentences no source supports. */
+    setGrounding: (kind: unknown, unsupported: unknown) => void;
   }
 
   function answerMessage(collection: string): AnswerView {
@@ -403,6 +408,28 @@ export function chatPage(root: HTMLElement, args: string[]) {
     const cites = new Map<number, Citation>();
     let text = "";
     let pending = false;
+    let unsupported: string[] = [];
+    const note = h("p", { class: "grounding-note", hidden: true });
+    el.insertBefore(note, chips);
+    // Dims the sentences no source supports (shown, but not to be trusted).
+    const dim = () => {
+      if (!unsupported.length) return;
+      const walker = document.createTreeWalker(body, NodeFilter.SHOW_TEXT);
+      const nodes: Text[] = [];
+      for (let n = walker.nextNode(); n; n = walker.nextNode()) nodes.push(n as Text);
+      for (const node of nodes) {
+        for (const sentence of unsupported) {
+          const at = node.data.indexOf(sentence);
+          if (at < 0) continue;
+          const rest = node.splitText(at);
+          rest.splitText(sentence.length);
+          const span = h("span", { class: "unsupported", title: "No source supports this sentence" });
+          rest.replaceWith(span);
+          span.appendChild(rest);
+          break;
+        }
+      }
+    };
     const render = () => {
       pending = false;
       body.replaceChildren(renderMarkdown(text));
@@ -415,6 +442,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
           `[${n}]`,
         );
       });
+      dim();
     };
     const schedule = () => {
       if (!pending) {
@@ -458,6 +486,25 @@ export function chatPage(root: HTMLElement, args: string[]) {
       setError(m) {
         error.hidden = false;
         error.textContent = m;
+      },
+      reset() {
+        text = "";
+        cites.clear();
+        chips.replaceChildren();
+        chips.hidden = true;
+        schedule();
+      },
+      setGrounding(kind, flagged) {
+        if (kind === "extractive") {
+          note.hidden = false;
+          note.textContent = "The model's answer was not usable; these are the source sentences that answer it.";
+        }
+        unsupported = Array.isArray(flagged)
+          ? flagged
+              .map((u) => String((u as { text?: unknown }).text ?? "").replace(/\s*\[[^\]]*\]/g, "").replace(/[.!?]+$/, "").trim())
+              .filter((t) => t.length > 0)
+          : [];
+        schedule();
       },
       finish() {
         el.setAttribute("aria-busy", "false");
@@ -815,6 +862,10 @@ export function chatPage(root: HTMLElement, args: string[]) {
           view.setText(text);
           scrollDown();
           break;
+        case "reset":
+          text = "";
+          view.reset();
+          break;
         case "citation":
           view.addCitation(e as unknown as Citation);
           break;
@@ -831,6 +882,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
           break;
         case "done":
           for (const c of listOf<Citation>(e, "citations")) view.addCitation(c);
+          view.setGrounding(e.kind, e.unsupported);
           done();
           if (typeof e.message_id === "string" && e.message_id) view.setMessageId(e.message_id);
           break;

@@ -1,0 +1,251 @@
+"""The groundedness guard: is each answer sentence supported by a source, and is the answer usable?
+
+A small model (SmolLM2-135M) often writes an answer that says nothing ("The answer is:"),
+loops on one sentence, or drifts away from its sources. The guard judges the answer
+sentence by sentence against the sources the prompt numbered, with lexical overlap only
+(no extra model, so it costs microseconds):
+
+- a sentence is *supported* when most of its fact words (its content words, citation markers,
+  filler such as "answer" and the question's own words aside) appear in one source sentence;
+- an answer is *degenerate* when it is empty, repeats a sentence, is a bare preamble
+  (nothing beyond filler and the question's words), or has no supported sentence.
+
+A degenerate answer is replaced by an *extractive* one: the source sentences that best
+answer the question, each followed by its ``[n]``. A partly supported answer is kept, and
+its unsupported sentences are reported so a client can show them dimmed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.agent.chunks import Chunk
+from services.agent.citations import MARKER_RE, TITLE_MARKER_RE
+from services.agent.text import content_terms, overlap, sentences, stem
+
+# Words that carry no fact of their own in an answer ("Based on the sources, the answer is ...").
+FILLER = frozenset(
+    content_terms(
+        "answer answers question questions source sources based according provided following given "
+        "information context document documents text mention mentioned state stated say says "
+        "know sure sorry unfortunately here help"
+    )
+)
+
+Verdict = Literal["ok", "partial", "empty", "repeated", "preamble", "unsupported"]
+
+
+@dataclass
+class SentenceCheck:
+    text: str
+    start: int
+    end: int
+    support: float  # share of the sentence's fact words (beyond the question's) in its best source sentence
+    source: int | None  # 1-based number of that source
+    substantive: bool  # says something beyond filler and the question's own words
+
+    @property
+    def supported(self) -> bool:
+        return self.source is not None
+
+
+@dataclass
+class GroundingReport:
+    verdict: Verdict
+    sentences: list[SentenceCheck] = field(default_factory=list)
+
+    @property
+    def degenerate(self) -> bool:
+        return self.verdict not in ("ok", "partial")
+
+    @property
+    def unsupported(self) -> list[SentenceCheck]:
+        return [s for s in self.sentences if s.substantive and not s.supported]
+
+    @property
+    def share(self) -> float | None:
+        """Supported share of the substantive sentences (None when there are none)."""
+        judged = [s for s in self.sentences if s.substantive]
+        return sum(s.supported for s in judged) / len(judged) if judged else None
+
+
+def strip_markers(text: str) -> str:
+    return TITLE_MARKER_RE.sub(" ", MARKER_RE.sub(" ", text))
+
+
+def _key(sentence: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9]+", strip_markers(sentence).lower()))
+
+
+def repeats_sentence(answer: str, min_chars: int = 8) -> bool:
+    """True when one sentence of ``answer`` (markers ignored) occurs twice."""
+    seen: set[str] = set()
+    for s, e in sentences(answer):
+        key = _key(answer[s:e])
+        if len(key) < min_chars:
+            continue
+        if key in seen:
+            return True
+        seen.add(key)
+    return False
+
+
+# A line break inside a paragraph (wrapped Markdown or plain text) does not end a sentence; one
+# before a heading, list item, table row, quote or code fence does.
+_WRAP = re.compile(r"[ \t]*\n(?![ \t]*(?:\n|[#>|*+-]|\d+[.)]|```))[ \t]*")
+
+
+def unwrap(text: str) -> str:
+    return _WRAP.sub(" ", text)
+
+
+def _source_sentences(texts: list[str]) -> list[tuple[int, str]]:
+    out = []
+    for n, text in enumerate(texts, start=1):
+        flat = unwrap(text)
+        out += [(n, flat[s:e]) for s, e in sentences(flat)]
+    return out
+
+
+def names(sentence: str) -> set[str]:
+    """The sentence's names and numbers (lower-cased): capitalised words after the first, and
+    numbers ("source 2" aside). A supported sentence must not bring one its source lacks."""
+    text = re.sub(r"\bsources?\s*\d+", " ", strip_markers(sentence), flags=re.IGNORECASE)
+    words = re.findall(r"[A-Za-z0-9]+", text)
+    out = {w.lower() for w in words if any(ch.isdigit() for ch in w)}
+    out |= {w.lower() for w in words[1:] if w[0].isupper() and len(w) > 1 and stem(w) not in FILLER}
+    return out
+
+
+def check(
+    answer: str, question: str, sources: list[str], min_support: float = 0.5, repeated: bool = False
+) -> GroundingReport:
+    """Judges ``answer`` against ``sources`` (texts, numbered from 1 as the prompt numbered them)."""
+    asked = set(content_terms(question))
+    pool = _source_sentences(sources)
+    vocab = [{w.lower() for w in re.findall(r"[A-Za-z0-9]+", src)} for src in sources]
+    checks: list[SentenceCheck] = []
+    for s, e in sentences(answer):
+        text = answer[s:e]
+        terms = [t for t in content_terms(strip_markers(text)) if t not in FILLER]
+        facts = [t for t in terms if t not in asked]
+        best, where = 0.0, None
+        named = names(text)
+        if facts:
+            # Judged on what the sentence adds to the question: a misspelt name is not supported
+            # just because the sentence repeats the question's words around it; and a source
+            # supports it only if it holds all its names and numbers (not another town's mayor,
+            # not a depth the model made up).
+            for n, src in pool:
+                if not named <= vocab[n - 1]:
+                    continue
+                score = overlap(facts, src)
+                if score > best:
+                    best, where = score, n
+        checks.append(
+            SentenceCheck(
+                text=text,
+                start=s,
+                end=e,
+                support=best,
+                source=where if best >= min_support and facts else None,
+                substantive=bool(facts),
+            )
+        )
+    if not strip_markers(answer).strip():
+        return GroundingReport("empty", checks)
+    if repeated or repeats_sentence(answer):
+        return GroundingReport("repeated", checks)
+    if not any(c.substantive for c in checks):
+        return GroundingReport("preamble", checks)
+    if not any(c.supported for c in checks):
+        return GroundingReport("unsupported", checks)
+    return GroundingReport(
+        "partial" if any(not c.supported for c in checks if c.substantive) else "ok", checks
+    )
+
+
+_MONTHS = [
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+]
+_NUMBER_Q = re.compile(
+    r"\bhow (many|much|deep|high|tall|long|old|far|big|large|wide|heavy)\b|\b(what|which) year\b|\bwhen\b"
+)
+_MONTH_Q = re.compile(r"\b(which|what) month\b|\bwhen\b")
+_WHO_Q = re.compile(r"^\s*(who|whom|whose)\b")
+
+
+def answer_type_match(question: str, sentence: str) -> bool:
+    """Whether ``sentence`` holds the kind of thing ``question`` asks for: a number for "how deep",
+    a month for "which month", a name (a capitalised word the question lacks) for "who"."""
+    q = question.lower()
+    if _MONTH_Q.search(q) and any(m in sentence.lower().split() for m in _MONTHS):
+        return True
+    if _NUMBER_Q.search(q):
+        return bool(re.search(r"\d", sentence))
+    if _WHO_Q.search(q):
+        asked = {w.lower() for w in re.findall(r"[A-Za-z]+", question)}
+        words = re.findall(r"[A-Za-z]+", sentence)[1:]  # the first word is capitalised anyway
+        return any(w[0].isupper() and w.lower() not in asked for w in words)
+    return False
+
+
+def is_fragment(sentence: str) -> bool:
+    """Cut by a chunk boundary: starts in lower case, or ends without punctuation."""
+    text = sentence.strip().lstrip("-*+#> ").strip()
+    if not text:
+        return True
+    return text[0].islower() or text[-1] not in ".!?:)`\"'"
+
+
+def extractive_answer(question: str, chunks: list[Chunk], max_sentences: int = 2) -> tuple[str, list[int]]:
+    """The source sentences that best answer ``question``, each with its ``[n]``; and the numbers used.
+
+    Sentences are ranked by the share of the question's content words they hold (plus a bonus
+    when they hold the kind of thing asked for: a number, a month, a name; ties: the
+    better-ranked source first). A second sentence is added only when it scores nearly as well,
+    so the answer stays short.
+    """
+    terms = content_terms(question)
+    scored: list[tuple[float, int, int, str]] = []
+    for n, text in _source_sentences([c.text for c in chunks]):
+        score = overlap(terms, text + " " + chunks[n - 1].title) if terms else 0.0
+        # Ties between sentences of one source (the title counts for each): the one that names
+        # more of the question itself wins.
+        score += 0.3 * overlap(terms, text) if terms else 0.0
+        if score > 0 and answer_type_match(question, text):
+            score += 0.25  # tells the asked sentence from others about the same entity
+        if is_fragment(text):
+            score *= 0.7  # a chunk boundary cut it: a whole sentence reads better, if one is as good
+        scored.append((score, -n, -len(scored), text.strip()))
+    if not scored:
+        return "", []
+    scored.sort(reverse=True)
+    best = scored[0][0]
+    picked: list[tuple[int, str]] = []
+    for score, neg_n, _, text in scored:
+        if len(picked) >= max_sentences or (picked and score < max(0.5, 0.95 * best)):
+            break
+        if any(_key(text) == _key(t) for _, t in picked):
+            continue
+        picked.append((-neg_n, text))
+    parts = []
+    for n, text in picked:
+        body = text.rstrip()
+        end = body[-1] if body and body[-1] in ".!?" else "."
+        body = body.rstrip(".!?")
+        parts.append(f"{body} [{n}]{end}")
+    return " ".join(parts), sorted({n for n, _ in picked})
