@@ -53,6 +53,16 @@ def corrected_completion(record: TurnRecord, correction: str) -> str:
     return correction
 
 
+def rated_completion(record: TurnRecord) -> str:
+    """The completion a rating is about: what the user saw. When the groundedness guard showed
+    source sentences instead of the model's text (``answer_kind == "extractive"``), a thumbs up
+    approves those sentences, with their ``[n]`` markers, so they are what the model should learn
+    to write; the raw completion the user never saw is not what the rating judged."""
+    if record.answer_kind == "extractive" and record.answer.strip():
+        return record.answer
+    return record.completion
+
+
 def _usable(record: TurnRecord) -> bool:
     """Only answers a model wrote from a recorded prompt can train it."""
     return bool(record.prompt) and bool(record.model)
@@ -75,7 +85,9 @@ def build_dataset(
             continue
         correction = (fb.correction or "").strip()
         if fmt == "kto":
-            out.rows.append({"prompt": _prompt(rec), "completion": rec.completion, "label": fb.rating == 1})
+            out.rows.append(
+                {"prompt": _prompt(rec), "completion": rated_completion(rec), "label": fb.rating == 1}
+            )
             counts["desirable" if fb.rating == 1 else "undesirable"] += 1
             if correction:
                 out.rows.append(
@@ -93,7 +105,7 @@ def build_dataset(
                     {
                         "prompt": _prompt(rec),
                         "chosen": corrected_completion(rec, correction),
-                        "rejected": rec.completion,
+                        "rejected": rated_completion(rec),
                     }
                 )
                 counts["corrections"] += 1
@@ -102,7 +114,7 @@ def build_dataset(
                 completion = corrected_completion(rec, correction)
                 counts["corrections"] += 1
             elif fb.rating == 1:
-                completion = rec.completion
+                completion = rated_completion(rec)
                 counts["thumbs_up"] += 1
             else:
                 continue
