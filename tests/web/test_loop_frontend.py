@@ -404,7 +404,7 @@ def test_train_on_feedback_follows_the_job_to_the_published_adapter(page: Any, s
         # Each read of the job moves it one state on: the page must keep reading to the end.
         state = states[min(polls["n"], len(states) - 1)]
         polls["n"] += 1
-        if state["status"] == "succeeded" and len(models["data"]) == 2:
+        if state["status"] == "succeeded" and all(m["id"] != "ft-acme-kto-2" for m in models["data"]):
             models["data"].append({"id": "ft-acme-kto-2", "kind": "adapter", "owned_by": "acme"})
         return 200, {"id": "job-7", "type": "kto", "base_model": "SmolLM2-135M-Instruct", **state}
 
