@@ -10,11 +10,7 @@ again) and the adapter still answers. Another tenant can neither see nor use it.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -25,43 +21,12 @@ from services.cli.factset import make_facts
 from services.common.auth import KeyStore
 from services.common.config import CommonSettings
 from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import free_port, serve_app
+from tests.helpers.servers import celery_worker, free_port, serve_app, wait_for
 
 pytestmark = pytest.mark.e2e
 
 FACTS = make_facts(6, seed=5)
 BASE = "SmolLM2-135M-Instruct"
-
-
-def wait_for(cond: Any, timeout: float, what: str, log: Path | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.5)
-    tail = log.read_text()[-3000:] if log and log.is_file() else ""
-    raise AssertionError(f"timed out waiting for {what}\n{tail}")
-
-
-@contextmanager
-def celery_worker(env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    cmd = [
-        str(Path(sys.executable).parent / "celery"),
-        "-A", "services.trainer.worker:celery_app", "worker", "-Q", "cpu", "--pool", "solo",
-        "-n", "loop@%h", "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def inference_app(common: CommonSettings, model: Path) -> Any:
@@ -129,7 +94,7 @@ def test_feedback_trains_an_adapter_that_serves_the_chat_after_a_restart(
         common = common.model_copy(update={"trainer_url": t_url})
         agent_settings = AgentSettings(tokenizer=str(smollm2_path), max_answer_tokens=40)
         agent = stack.enter_context(serve_app(create_agent(common, agent_settings)))
-        stack.enter_context(celery_worker(env, log))
+        stack.enter_context(celery_worker(env, log, "loop"))
 
         with httpx.Client(base_url=r_url, headers=auth(key), timeout=300) as client:
             assert client.post("/v1/collections", json={"name": "facts"}).status_code == 201

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +14,8 @@ from typing import Any
 
 import redis
 import uvicorn
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -95,3 +98,38 @@ def serve_app(app: Any, port: int | None = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+# A real trainer Celery worker (subprocess) on the cpu queue, and a bounded poll with the log
+# tail in its failure message: shared by the end-to-end tests that train.
+@contextmanager
+def celery_worker(env: dict[str, str], log: Path, name: str) -> Iterator[subprocess.Popen[bytes]]:
+    cmd = [
+        str(Path(sys.executable).parent / "celery"),
+        "-A", "services.trainer.worker:celery_app", "worker",
+        "-Q", "cpu", "--pool", "solo", "-n", f"{name}@%h",
+        "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel", "INFO",
+    ]  # fmt: skip
+    with log.open("ab") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_for(cond: Any, timeout: float, what: str, log: Path | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.3)
+    tail = log.read_text()[-3000:] if log and log.is_file() else ""
+    raise AssertionError(f"timed out waiting for {what}\n{tail}")

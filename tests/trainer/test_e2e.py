@@ -14,11 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +25,7 @@ from services.common.config import CommonSettings
 from services.trainer.app import create_app
 from services.trainer.config import TrainerSettings
 from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import serve_app
+from tests.helpers.servers import celery_worker, serve_app, wait_for
 from tests.trainer.conftest import jsonl
 
 pytestmark = pytest.mark.e2e
@@ -49,39 +44,6 @@ FAST_RECOVERY = {
     "TANDEM_TRAINER_STALE_AFTER_S": "5",
     "TANDEM_TRAINER_RECOVERY_INTERVAL_S": "1",
 }
-
-
-@contextmanager
-def worker(env: dict[str, str], log: Path, name: str) -> Iterator[subprocess.Popen[bytes]]:
-    cmd = [
-        str(Path(sys.executable).parent / "celery"),
-        "-A", "services.trainer.worker:celery_app", "worker",
-        "-Q", "cpu", "--pool", "solo", "-n", f"{name}@%h",
-        "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel", "INFO",
-    ]  # fmt: skip
-    with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def wait_for(cond: Any, timeout: float, what: str, log: Path | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.3)
-    tail = log.read_text()[-3000:] if log and log.is_file() else ""
-    raise AssertionError(f"timed out waiting for {what}\n{tail}")
 
 
 def worker_env(extra: dict[str, str]) -> dict[str, str]:
@@ -124,7 +86,7 @@ def test_killed_worker_job_is_resumed_to_the_same_result(
             f"{base}/v1/files", files={"file": ("c.jsonl", jsonl(ROWS))}, headers=auth(api_key)
         ).json()["id"]
         body["dataset"] = fid
-        with worker(env, log, "w1") as w1:
+        with celery_worker(env, log, "w1") as w1:
             ref = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(api_key), timeout=60).json()["id"]
             wait_for(
                 lambda: get_job(base, api_key, ref)["status"] == "succeeded", 300, "the reference job", log
@@ -134,7 +96,7 @@ def test_killed_worker_job_is_resumed_to_the_same_result(
             os.kill(w1.pid, signal.SIGKILL)  # the worker dies mid-job, without acking
             w1.wait()
         assert get_job(base, api_key, jid)["status"] == "running"
-        with worker(env, log, "w2"):
+        with celery_worker(env, log, "w2"):
             done = wait_for(
                 lambda: (j := get_job(base, api_key, jid))["status"] in ("succeeded", "failed") and j,
                 300,
@@ -173,7 +135,7 @@ def test_kto_job_through_a_real_worker_reports_eval_metrics(
     ]
     log = tmp_path / "worker.log"
     app = create_app(CommonSettings(), TrainerSettings())
-    with serve_app(app) as base, worker(worker_env({}), log, "w1"):
+    with serve_app(app) as base, celery_worker(worker_env({}), log, "w1"):
         up = httpx.post(f"{base}/v1/files", files={"file": ("kto.jsonl", jsonl(rows))}, headers=auth(api_key))
         assert up.status_code == 201 and up.json()["format"] == "kto", up.text
         body = {
@@ -223,7 +185,7 @@ def test_lora_sft_on_smollm2_over_sse_then_chat_with_the_published_adapter(
     with serve_app(inference) as inf_url:
         monkeypatch.setenv("TANDEM_INFERENCE_URL", inf_url)
         app = create_app(CommonSettings(), TrainerSettings())
-        with serve_app(app) as base, worker(worker_env({}), log, "w1"):
+        with serve_app(app) as base, celery_worker(worker_env({}), log, "w1"):
             rows = b"\n".join(gsm8k_rows.splitlines()[:12]) + b"\n"
             up = httpx.post(f"{base}/v1/files", files={"file": ("gsm8k.jsonl", rows)}, headers=auth(api_key))
             assert up.status_code == 201, up.text
