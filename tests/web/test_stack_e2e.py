@@ -2,8 +2,8 @@
 
 One stack per module in a temp TANDEM_HOME on free ports; `tandem down` afterwards.
 Each test drives the page as a person would and saves a screenshot under
-test-artifacts/web/. Where a test needs an API another part of the stack has not
-shipped yet, it checks that at run time and skips naming the missing route.
+test-artifacts/web/. A route a test needs that the stack does not serve fails the test,
+naming the route.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def need(stack: Stack, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
-    """Skip (naming the route) when `path` is not served yet: FastAPI's bare 404/405, not a Tandem error."""
+    """Fails (naming the route) when `path` is not served: FastAPI's bare 404/405, not a Tandem error."""
     with stack.client() as c:
         resp = c.request(method, path, **kwargs)
     if resp.status_code in (404, 405):
@@ -90,10 +90,9 @@ def need(stack: Stack, method: str, path: str, what: str, **kwargs: Any) -> http
             body = resp.json()
         except ValueError:
             body = {}
-        if "error" not in body:
-            pytest.skip(
-                f"{what} is not served yet: {method} {path} answers {resp.status_code} {resp.text[:80]}"
-            )
+        assert "error" in body, (
+            f"{what} is not served: {method} {path} answers {resp.status_code} {resp.text[:80]}"
+        )
     return resp
 
 
@@ -139,8 +138,9 @@ def facts(stack: Stack) -> str:
 
 def test_unauthenticated_visit_lands_on_sign_in(page: Any, stack: Stack) -> None:
     index = httpx.get(f"{stack.url}/", timeout=30)
-    if index.status_code != 200 or "<title>Tandem</title>" not in index.text:
-        pytest.skip(f"the agent does not serve the web build at / yet (HTTP {index.status_code})")
+    assert index.status_code == 200 and "<title>Tandem</title>" in index.text, (
+        f"the agent does not serve the web build at / (HTTP {index.status_code})"
+    )
     page.goto(f"{stack.url}/#/training")
     page.wait_for_url(re.compile(r".*#/signin.*"))
     assert page.get_by_role("heading", name="Sign in to Tandem").is_visible()
@@ -247,18 +247,6 @@ def test_chat_streams_an_answer_with_a_citation(page: Any, stack: Stack, facts: 
     answer = page.locator(".msg.assistant").last
     assert not answer.locator(".error").is_visible(), answer.inner_text()
     chips = answer.locator(".chip")
-    if chips.count() == 0:
-        # Tell a page that drops citations from a pipeline that sent none.
-        with stack.client() as c:
-            run = c.post(
-                "/v1/pipelines/chat-documents/run",
-                json={"collection": facts, "message": "When was the Harbor Lighthouse built, and by whom?"},
-            ).json()
-        if not run.get("citations"):
-            pytest.skip(
-                "the agent's chat-documents pipeline (issue 7) answered without any citation "
-                f"(answer: {run.get('answer', run)!r:.200})"
-            )
     assert chips.count() >= 1, f"no citation in: {answer.inner_text()}"
     page.wait_for_url(re.compile(r".*#/chat/[^/]+$"))
     page.locator(".conv-link[aria-current='page']").wait_for()
@@ -317,8 +305,7 @@ def test_stop_keeps_the_partial_answer(page: Any, stack: Stack, facts: str) -> N
 def test_agent_steps_show_as_they_happen(page: Any, stack: Stack) -> None:
     catalog = need(stack, "GET", "/v1/pipelines", "the agent's pipeline catalog (issue 7)").json()["data"]
     agents = [c["id"] for c in catalog if c.get("kind") == "agent"]
-    if not agents:
-        pytest.skip("the agent service lists no agent in GET /v1/pipelines (issue 7)")
+    assert agents, f"the agent service lists no agent in GET /v1/pipelines: {catalog}"
     sign_in(page, stack)
     page.get_by_label("Kind").select_option("agent")
     page.get_by_label("Pipeline or agent").select_option(agents[0])
