@@ -40,6 +40,14 @@ class InferenceSettings(ServiceSettings):
     max_queue: int = Field(
         64, ge=0, le=100_000, description="Requests that may wait for a slot; beyond it requests get 429."
     )
+    tenant_max_queued: int = Field(
+        16,
+        ge=0,
+        le=100_000,
+        description="Sequences one tenant may have waiting (each of n choices counts) beyond its fair share of "
+        "free batch slots; beyond it that tenant gets 429 rate_limit_exceeded while other tenants are still "
+        "admitted. Slots are shared round-robin between tenants.",
+    )
     prefill_chunk: int = Field(
         256,
         ge=16,

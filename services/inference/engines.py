@@ -57,6 +57,7 @@ def build_torch_engine(
         dtype=_dtype(settings),
         max_batch_size=settings.max_batch_size,
         max_queue=settings.max_queue,
+        tenant_max_queued=settings.tenant_max_queued,
         prefill_chunk=settings.prefill_chunk,
         prefix_cache_mb=settings.prefix_cache_mb,
         admit_window=settings.admit_window_ms / 1000,

@@ -66,7 +66,7 @@ def http_error(exc: EngineError) -> TandemError:
         return InvalidRequest(str(exc), param=exc.param)
     if isinstance(exc, QueueFull):
         return TooManyRequests(
-            str(exc), code="queue_full", headers={"Retry-After": str(max(1, round(exc.retry_after)))}
+            str(exc), code=exc.code, headers={"Retry-After": str(max(1, round(exc.retry_after)))}
         )
     if isinstance(exc, UnknownModel):
         return NotFound(str(exc), param="model", code="model_not_found")
@@ -386,10 +386,12 @@ class OpenAIServing:
         self, requests: list[EngineRequest], model: str, n: int, raw: Request
     ) -> AsyncIterator[StreamEvent]:
         try:
-            lease = await self.registry.acquire(model, principal_of(raw))
+            principal = principal_of(raw)
+            lease = await self.registry.acquire(model, principal)
             streams: list[tuple[int, AsyncIterator[StreamEvent]]] = []
             try:
                 for i, req in enumerate(requests):
+                    req.tenant = principal.tenant
                     # Tokenise off the event loop (an 8 MB message takes seconds); the engine
                     # then takes the ids as they are.
                     encode = getattr(lease.engine, "prompt_ids", None)

@@ -3,8 +3,9 @@
 One iteration (``step``) does, in order:
 
 1. drop aborted and timed-out sequences (freeing their slots at once);
-2. admit waiting sequences into free slots (FIFO), starting each from the longest cached
-   prefix of its prompt;
+2. admit waiting sequences into free slots, round-robin over tenants (FIFO within a
+   tenant; a tenant already holding its fair share of slots waits while another tenant
+   has work), starting each from the longest cached prefix of its prompt;
 3. one forward for the whole batch: a token for every running sequence plus prompt
    chunks of newly admitted ones, up to ``prefill_chunk`` prompt tokens (FIFO; a long
    prompt is split over several steps, so a big arrival never stalls the others for
@@ -49,6 +50,8 @@ log = logging.getLogger("tandem.engine.scheduler")
 Sink = Callable[[StreamEvent], None]
 # An idle engine gathers a burst for at most this many admission windows.
 ADMIT_MAX_WINDOWS = 5
+# Sequences submitted without a tenant (the trainer's in-process rollouts, tests) share this one.
+DEFAULT_TENANT = "_default"
 _ids = itertools.count()
 
 
@@ -76,6 +79,8 @@ class Sequence:
     prefix_checked: bool = False
     # time the sequence was submitted / got its first token (metrics)
     submitted: float = field(default_factory=time.perf_counter)
+    # who the sequence is for: admission is fair between tenants, not between requests
+    tenant: str = DEFAULT_TENANT
 
     @property
     def prefilled(self) -> bool:
@@ -105,7 +110,13 @@ class Scheduler:
         num_threads: int = 0,
         prefix_cache: PrefixCache | None = None,
         admit_window: float = 0.0,
+        tenant_max_queued: int | None = None,
     ) -> None:
+        # per tenant: sequences that may wait beyond the tenant's fair share of free slots
+        # (None: only the global max_queue applies)
+        self.tenant_max_queued = tenant_max_queued
+        # the tenant admitted last: the round-robin resumes after it
+        self._last_tenant: str | None = None
         self.admit_window = admit_window
         self.num_threads = num_threads
         self.prefix_cache = prefix_cache or PrefixCache(0)
@@ -128,9 +139,10 @@ class Scheduler:
     # --- submission (any thread) ---------------------------------------------------------
     def submit(self, seqs: list[Sequence], *, bounded: bool = True) -> None:
         with self._cv:
-            if bounded and len(self.waiting) + len(seqs) > self.max_queue + max(
-                0, self.max_batch_size - len(self.slots)
-            ):
+            free = max(0, self.max_batch_size - len(self.slots))
+            if bounded and self.tenant_max_queued is not None and seqs:
+                self._check_tenant_share(seqs[0].tenant, len(seqs), free)
+            if bounded and len(self.waiting) + len(seqs) > self.max_queue + free:
                 raise QueueFull(
                     f"the waiting queue is full ({len(self.waiting)} requests waiting, "
                     f"limit {self.max_queue}); retry later",
@@ -138,6 +150,71 @@ class Scheduler:
                 )
             self.waiting.extend(seqs)
             self._cv.notify()
+
+    def _check_tenant_share(self, tenant: str, count: int, free: int) -> None:
+        """Refuse a tenant whose waiting sequences (``n`` choices count each) would pass its
+        cap plus its fair share of the free slots, so one tenant's flood is that tenant's
+        429s and never fills the global queue for everyone. Caller holds ``_cv``."""
+        assert self.tenant_max_queued is not None
+        tenants = {s.tenant for s in self.waiting} | {s.tenant for s in self.slots} | {tenant}
+        share = -(-free // len(tenants))  # ceil: a lone tenant may fill every free slot
+        queued = sum(1 for s in self.waiting if s.tenant == tenant)
+        if queued + count > self.tenant_max_queued + share:
+            raise QueueFull(
+                f"tenant {tenant!r} has {queued} sequences waiting and asked for {count} more "
+                f"(n counts each); its limit is {self.tenant_max_queued} waiting plus a fair "
+                f"share of {share} free slots; retry later",
+                retry_after=1.0,
+                code="rate_limit_exceeded",
+            )
+
+    def _admit(self) -> None:
+        """Fill free slots round-robin over the tenants that have waiting sequences (FIFO
+        within a tenant). While several tenants compete, one at or above its fair share of
+        the batch (``max_batch_size`` / competing tenants) is passed over, so a tenant
+        holding many slots cannot take the next free one from a tenant holding few.
+        Caller holds ``_cv``."""
+        if not self.waiting or len(self.slots) >= self.max_batch_size:
+            return
+        queues: dict[str, deque[Sequence]] = {}
+        for seq in self.waiting:
+            queues.setdefault(seq.tenant, deque()).append(seq)
+        # tenants in the order their oldest waiting sequence arrived; the round resumes
+        # after the tenant admitted last (from the oldest when that one waits no more)
+        order = list(queues)
+        if self._last_tenant in queues:
+            start = order.index(self._last_tenant) + 1
+            order = order[start:] + order[:start]
+        running: dict[str, int] = {}
+        for seq in self.slots:
+            running[seq.tenant] = running.get(seq.tenant, 0) + 1
+        competing = set(queues) | set(running)
+        share = -(-self.max_batch_size // len(competing))
+        admitted: set[int] = set()
+        capped = len(competing) > 1
+        while len(self.slots) < self.max_batch_size:
+            progressed = False
+            for tenant in order:
+                q = queues[tenant]
+                if not q or len(self.slots) >= self.max_batch_size:
+                    continue
+                if capped and running.get(tenant, 0) >= share:
+                    continue
+                seq = q.popleft()
+                seq.slot = len(self.slots)
+                self.slots.append(seq)
+                admitted.add(seq.seq_id)
+                running[tenant] = running.get(tenant, 0) + 1
+                self._last_tenant = tenant
+                progressed = True
+            if not progressed:
+                if not capped:
+                    break
+                # every tenant with waiting work is at its share: the spare slots go
+                # round-robin anyway (a free slot is never left idle)
+                capped = False
+        if admitted:
+            self.waiting = deque(s for s in self.waiting if s.seq_id not in admitted)
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -260,10 +337,7 @@ class Scheduler:
                     dropped.append((seq, "abort"))
                 elif seq.deadline is not None and now > seq.deadline:
                     dropped.append((seq, "timeout"))
-            while self.waiting and len(self.slots) < self.max_batch_size:
-                seq = self.waiting.popleft()
-                seq.slot = len(self.slots)
-                self.slots.append(seq)
+            self._admit()
         for seq, reason in dropped:
             error = "the request timed out" if reason == "timeout" else None
             self._finish(seq, reason, error=error)

@@ -27,7 +27,7 @@ from services.inference.engine.guided import GuidedCompiler
 from services.inference.engine.prefix_cache import PrefixCache
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.sampling import make_generator
-from services.inference.engine.scheduler import Scheduler, Sequence
+from services.inference.engine.scheduler import DEFAULT_TENANT, Scheduler, Sequence
 from services.inference.engine.tools import fallback_messages, native_messages, template_renders_tools
 from services.inference.engine.types import (
     AdapterError,
@@ -91,6 +91,7 @@ class TorchEngine:
         prefix_cache_mb: float = 64.0,
         admit_window: float = 0.0,
         packed_weights: bool = True,
+        tenant_max_queued: int | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -119,6 +120,7 @@ class TorchEngine:
             num_threads=num_threads,
             prefix_cache=PrefixCache(int(prefix_cache_mb * 2**20)),
             admit_window=admit_window,
+            tenant_max_queued=tenant_max_queued,
         )
         self.adapters: dict[str, str] = {}
         self._renders_tools: bool | None = None
@@ -265,6 +267,7 @@ class TorchEngine:
         strict: bool,
         index_base: int = 0,
         grammar: Any = None,
+        tenant: str | None = None,
     ) -> list[Sequence]:
         max_tokens = self._resolve_max_tokens(len(prompt), params, strict)
         deadline = time.monotonic() + timeout if timeout else None
@@ -289,6 +292,7 @@ class TorchEngine:
                     adapter=adapter,
                     deadline=deadline,
                     matcher=GuidedCompiler.matcher(grammar) if grammar is not None else None,
+                    tenant=tenant or DEFAULT_TENANT,
                 )
             )
         return seqs
@@ -414,6 +418,7 @@ class TorchEngine:
             timeout=timeout,
             strict=request.messages is not None or request.prompt is not None,
             grammar=grammar,
+            tenant=request.tenant,
         )
         if request.echo:
             # the prompt goes out first, as each choice's first text (OpenAI's echo)

@@ -29,9 +29,13 @@ class ContextLengthExceeded(InvalidParams):
 
 
 class QueueFull(EngineError):
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+    """No room to wait: ``code`` is ``queue_full`` (the global queue) or
+    ``rate_limit_exceeded`` (the caller tenant's own share is used up)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0, code: str = "queue_full") -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.code = code
 
 
 class UnknownModel(EngineError):
@@ -235,5 +239,8 @@ class EngineRequest:
     # completions: return the prompt before the completion / fill in the middle before ``suffix``
     echo: bool = False
     suffix: str | None = None
+    # the caller's tenant (authenticated principal): the torch engine shares slots and queue
+    # fairly between tenants; None is the default tenant
+    tenant: str | None = None
     # for `remote`: the raw OpenAI body fields to forward (extensions such as top_k)
     extra: dict = field(default_factory=dict)
