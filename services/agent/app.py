@@ -37,6 +37,7 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
     app = create_service_app(
         "agent",
         common,
+        tenant_limits=settings.tenant_limits(),
         routers=[pipelines.router, conversations.router, feedback.router, openai_compat.router, ws.router],
         public_routers=[proxy.router],
         lifespan=lifespan,

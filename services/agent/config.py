@@ -7,10 +7,10 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.config import ServiceSettings
+from services.common.ratelimit import TenantLimitSettings
 
 
-class AgentSettings(ServiceSettings):
+class AgentSettings(TenantLimitSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_AGENT_", extra="ignore")
 
     model: str = Field(

@@ -19,6 +19,7 @@ from services.common.errors import install_error_handlers
 from services.common.guard import DOCS_PATHS, MIB, GuardMiddleware
 from services.common.logs import configure_logging
 from services.common.observability import Readiness, ReadinessCheck, install_observability
+from services.common.ratelimit import TenantLimiter, TenantLimits
 from services.common.redis_conn import async_redis
 
 # What the guard answers on any route that needs a key, declared so the OpenAPI schema tells the truth.
@@ -28,6 +29,7 @@ GUARD_RESPONSES: dict[int | str, dict[str, object]] = {
     },
     401: {"description": "missing, unknown or revoked API key"},
     413: {"description": "request body larger than the route's limit"},
+    429: {"description": "the tenant is over its concurrency or rate limit (Retry-After says when to retry)"},
 }
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
@@ -54,10 +56,12 @@ def create_service_app(
     lifespan: Lifespan | None = None,
     version: str = "0.1.0",
     body_limits: Mapping[str, int | tuple[int, str]] | None = None,
+    tenant_limits: TenantLimits | None = None,
 ) -> FastAPI:
     """``body_limits``: bytes (or bytes and a hint naming the setting) per route template
     (``/v1/files``) for routes that take more than ``TANDEM_MAX_BODY_MB`` (uploads); every
-    other route gets that default."""
+    other route gets that default. ``tenant_limits``: per-tenant concurrency and rate on
+    the routes that need a key (429 with Retry-After beyond them)."""
     configure_logging(service, common.log_level, common.log_json)
     redis_client = async_redis(common.redis_url)
 
@@ -94,6 +98,7 @@ def create_service_app(
         redis_client=redis_client,
         default_limit=common.max_body_mb * MIB,
         limits=body_limits or {},
+        limiter=TenantLimiter(tenant_limits, service) if tenant_limits is not None else None,
     )
     app.state.metrics = install_observability(app, service, app.state.readiness)
     for router in (whoami_router(service), *routers):

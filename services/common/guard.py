@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.common import jsonsafe
 from services.common.auth import Principal, bearer_token, verify_key
 from services.common.errors import TandemError, error_body
+from services.common.ratelimit import TenantLimiter
 
 MIB = 1024 * 1024
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
@@ -78,7 +79,9 @@ class GuardMiddleware:
         redis_client: aioredis.Redis,
         default_limit: int,
         limits: Mapping[str, int | tuple[int, str]],
+        limiter: TenantLimiter | None = None,
     ) -> None:
+        self.limiter = limiter if limiter is not None and limiter.enabled else None
         self.app = app
         self.routes = routes
         self.protected_paths = frozenset(protected_paths)
@@ -129,6 +132,26 @@ class GuardMiddleware:
                 return
             # The route's own dependency finds it here and does not look the key up again.
             scope.setdefault("state", {})["principal"] = principal
+            if self.limiter is not None and protected:
+                refusal = self.limiter.acquire(principal.tenant)
+                if refusal is not None:
+                    await self._refuse(
+                        send,
+                        429,
+                        error_body("rate_limit_error", refusal.message, None, "rate_limit_exceeded"),
+                        {"Retry-After": str(refusal.retry_after)},
+                    )
+                    return
+                try:
+                    await self._guarded(scope, receive, send, limit, hint, template)
+                finally:
+                    self.limiter.release(principal.tenant)
+                return
+        await self._guarded(scope, receive, send, limit, hint, template)
+
+    async def _guarded(
+        self, scope: Scope, receive: Receive, send: Send, limit: int, hint: str, template: object
+    ) -> None:
         declared = _content_length(scope)
         if declared is not None and declared > limit:
             await self._refuse(

@@ -75,6 +75,7 @@ def create_app(common: CommonSettings | None = None, settings: RetrievalSettings
     app = create_service_app(
         "retrieval",
         common,
+        tenant_limits=settings.tenant_limits(),
         routers=[collections.router, documents.router, search.router, jobs.router],
         readiness={"embedder": warmup.check},
         lifespan=lifespan,

@@ -7,13 +7,13 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.config import ServiceSettings
+from services.common.ratelimit import TenantLimitSettings
 
 IndexKind = Literal["auto", "flat", "hnsw", "ivf"]
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 
-class RetrievalSettings(ServiceSettings):
+class RetrievalSettings(TenantLimitSettings):
     """(Parse limits apply in the ingestion worker, where PDF, DOCX and HTML files are parsed.)"""
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_RETRIEVAL_", extra="ignore")

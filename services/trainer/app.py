@@ -40,6 +40,7 @@ def create_app(common: CommonSettings | None = None, settings: TrainerSettings |
     app = create_service_app(
         "trainer",
         common,
+        tenant_limits=settings.tenant_limits(),
         routers=[files.router, jobs.router],
         lifespan=lifespan,
         # The dataset upload streams to disk under this limit (plus room for the multipart framing).

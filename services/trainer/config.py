@@ -5,10 +5,10 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.config import ServiceSettings
+from services.common.ratelimit import TenantLimitSettings
 
 
-class TrainerSettings(ServiceSettings):
+class TrainerSettings(TenantLimitSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_TRAINER_", extra="ignore")
 
     max_dataset_mb: int = Field(200, ge=1, description="Largest dataset file POST /v1/files accepts, in MiB.")
