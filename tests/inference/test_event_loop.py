@@ -70,6 +70,10 @@ def test_healthz_stays_fast_during_an_8mb_chat_message(
     assert result["r"].status_code == 400, result["r"].text[:300]
     assert "maximum context length" in result["r"].json()["error"]["message"]
     assert len(latencies) >= 3, latencies  # the request took long enough to measure
-    assert max(latencies) < 0.2, (
-        f"/healthz took up to {max(latencies) * 1000:.0f} ms ({len(latencies)} polls)"
+    # Within 200 ms (90th percentile; a stall on the loop held every poll for seconds: 7.3 s
+    # before tokenisation moved off it). The max only bounds a scheduler hiccup on a busy machine.
+    ordered = sorted(latencies)
+    p90 = ordered[int(0.9 * (len(ordered) - 1))]
+    assert p90 < 0.2 and ordered[-1] < 1.0, (
+        f"/healthz p90 {p90 * 1000:.0f} ms, max {ordered[-1] * 1000:.0f} ms ({len(latencies)} polls)"
     )
