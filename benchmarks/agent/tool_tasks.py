@@ -5,7 +5,8 @@
 Starts, in this process over real HTTP, an embedded Valkey, the retrieval service (with a small
 collection of facts) and the inference service on SmolLM2-135M-Instruct (the default model), then runs
 the agent loop (``AgentRunner``, as the agent service runs it) on each task. A task is solved when the
-expected answer appears in the final answer (numbers compared without thousands separators).
+expected answer is the final answer's first number (without thousands separators), or a whole
+word of it for a text answer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import tempfile
 import time
 from contextlib import ExitStack
@@ -70,7 +72,13 @@ TOOL_TASKS = [
 
 
 def solved(answer: str, expected: str) -> bool:
-    return expected.lower() in answer.replace(",", "").lower()
+    """A number must be the answer's first number ('1000 - 999' does not answer 999); a word must
+    appear as a whole word."""
+    text = answer.replace(",", "")
+    if re.fullmatch(r"-?\d+(?:\.\d+)?", expected):
+        first = re.search(r"-?\d+(?:\.\d+)?", text)
+        return first is not None and float(first.group()) == float(expected)
+    return re.search(rf"\b{re.escape(expected)}\b", text, re.IGNORECASE) is not None
 
 
 async def run_tasks(
@@ -140,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         home = Path(tmp)
         redis_url = stack.enter_context(valkey_server(home / "valkey"))
         key = KeyStore(sync_redis(redis_url)).create("bench")[0]
-        base = CommonSettings(home=home, redis_url=redis_url, log_json=False, model_roots=f"{home}:{smollm2.parent}")
+        base = CommonSettings(
+            home=home, redis_url=redis_url, log_json=False, model_roots=f"{home}:{smollm2.parent}"
+        )
         r_url = stack.enter_context(serve_app(create_retrieval(base, RetrievalSettings())))
         for _ in range(600):  # the embedder loads before the model (transformers' lazy imports)
             if httpx.get(f"{r_url}/readyz").status_code == 200:
@@ -152,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             c.post("/v1/collections", json={"name": "facts"}).raise_for_status()
             c.post("/v1/collections/facts/documents", json={"documents": DOCS}).raise_for_status()
         modes = ["react", "openai"] if args.mode == "both" else [args.mode]
-        sets = [("calculator (4)", CALC_TASKS)] + ([] if args.only_calc else [("tool tasks (20)", TOOL_TASKS)])
+        sets = [("calculator (4)", CALC_TASKS)] + (
+            [] if args.only_calc else [("tool tasks (20)", TOOL_TASKS)]
+        )
         for mode in modes:
             for name, tasks in sets:
                 print(f"{mode} / {name}:", flush=True)

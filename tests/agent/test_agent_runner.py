@@ -116,7 +116,7 @@ async def test_failing_and_hanging_tools_become_observations(scripted: tuple[Scr
 async def test_a_repeated_call_ends_with_its_observation(scripted: tuple[ScriptedModel, str]) -> None:
     model, url = scripted
     model.replies = lambda body: "Thought: multiply\nAction: calculator\nAction Input: 17 * 23"
-    r = runner(url)
+    r = runner(url, finish_after_result=False)
     events = await events_of(r, "What is 17 times 23?")
     assert [e.get("kind") for e in events if e["type"] == "step"][-1] == "final"
     assert sum(1 for e in events if e.get("kind") == "tool_call") == 1
@@ -128,7 +128,7 @@ async def test_step_budget(scripted: tuple[ScriptedModel, str]) -> None:
     counter = iter(range(100))
     model.replies = lambda body: f"Action: calculator\nAction Input: 1+{next(counter)}"
     model.requests.clear()
-    events = await events_of(runner(url, max_steps=3), "loop forever")
+    events = await events_of(runner(url, max_steps=3, finish_after_result=False), "loop forever")
     # A model that ignores the final-only constraint of the last step still ends at the budget,
     # and no tool runs on that step.
     assert events[-1]["type"] == "error" and events[-1]["code"] == "step_budget_exceeded"
@@ -191,7 +191,7 @@ async def test_react_steps_are_constrained_and_the_last_is_a_forced_final(
         return json.dumps({"thought": "I know the answer.", "final_answer": "2"})
 
     model.replies = reply
-    r = runner(url, max_steps=3)
+    r = runner(url, max_steps=3, finish_after_result=False)
     events = await events_of(r, "What is 1 plus 1?")
     assert [e["kind"] for e in events if e["type"] == "step"] == [
         "thought", "tool_call", "observation", "thought", "tool_call", "observation", "thought", "final",
@@ -255,3 +255,21 @@ async def test_final_answer_call_ends_the_run_before_budget(scripted: tuple[Scri
     r = runner(url)
     await events_of(r, "say hi", mode="openai")
     assert r.result.answer == "hi" and len(model.requests) == 1 and r.result.tool_calls == 0
+
+
+async def test_a_tool_result_is_followed_by_a_forced_final_step(scripted: tuple[ScriptedModel, str]) -> None:
+    """By default (small models), the step after a good tool result may only finish, and the tool
+    result is shown as the answer's source; a failed tool leaves the next step free."""
+    model, url = scripted
+    model.requests.clear()
+    model.replies = [
+        json.dumps({"thought": "t", "action": "explode", "action_input": "now"}),
+        json.dumps({"thought": "t", "action": "calculator", "action_input": "17 * 23"}),
+        json.dumps({"thought": "done", "final_answer": "391"}),
+    ]
+    r = runner(url)
+    await events_of(r, "What is 17 times 23?")
+    assert r.result.answer == "391" and r.result.steps == 3
+    schemas = [_step(b) for b in model.requests]
+    assert ["anyOf" in s for s in schemas] == [True, True, False]
+    assert "Observation: 391" in model.requests[2]["messages"][-1]["content"]

@@ -216,15 +216,19 @@ REPAIR_PROMPT = (
 # With grammar-constrained decoding a step is one JSON object, so even SmolLM2-135M always writes a
 # parseable step: the tool name is an enum of the known tools, and lengths are bounded so a model that
 # repeats itself inside a string still closes the object within max_tokens.
-_TEXT_MAX = 160
+# Digits are one token each in SmolLM2's vocabulary: a runaway number in an action input must end
+# well inside the step's token budget (see AgentRunner.CONSTRAINED_MIN_TOKENS).
+_THOUGHT_MAX = 60
+_INPUT_MAX = 40
+_ANSWER_MAX = 80
 
 
 def step_schema(tools: list[str], final_only: bool = False) -> dict[str, object]:
     final = {
         "type": "object",
         "properties": {
-            "thought": {"type": "string", "maxLength": _TEXT_MAX},
-            "final_answer": {"type": "string", "minLength": 1, "maxLength": _TEXT_MAX},
+            "thought": {"type": "string", "maxLength": _THOUGHT_MAX},
+            "final_answer": {"type": "string", "minLength": 1, "maxLength": _ANSWER_MAX},
         },
         "required": ["thought", "final_answer"],
         "additionalProperties": False,
@@ -234,9 +238,9 @@ def step_schema(tools: list[str], final_only: bool = False) -> dict[str, object]
     action = {
         "type": "object",
         "properties": {
-            "thought": {"type": "string", "maxLength": _TEXT_MAX},
+            "thought": {"type": "string", "maxLength": _THOUGHT_MAX},
             "action": {"type": "string", "enum": tools},
-            "action_input": {"type": "string", "minLength": 1, "maxLength": _TEXT_MAX},
+            "action_input": {"type": "string", "minLength": 1, "maxLength": _INPUT_MAX},
         },
         "required": ["thought", "action", "action_input"],
         "additionalProperties": False,
@@ -296,9 +300,25 @@ def json_step(thought: str, tool: str = "", argument: str = "", answer: str | No
 
 
 def json_example_turns(tools: dict[str, str]) -> list[dict[str, str]]:
+    turns: list[dict[str, str]] = []
+    if "document_search" in tools:
+        # A worked search, so the model sees that facts come from the documents, not the calculator.
+        turns += [
+            {"role": "user", "content": "Question: What colour is the Moon?"},
+            {
+                "role": "assistant",
+                "content": json_step("I should search the documents.", "document_search", "Moon colour"),
+            },
+            {
+                "role": "user",
+                "content": JSON_OBSERVATION_PROMPT.format(observation="[moon] The Moon is grey."),
+            },
+            {"role": "assistant", "content": json_step("I know the answer.", answer="grey")},
+        ]
     if "calculator" not in tools:
-        return []
+        return turns
     return [
+        *turns,
         {"role": "user", "content": "Question: What is 6 times 7?"},
         {
             "role": "assistant",

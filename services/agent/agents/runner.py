@@ -36,6 +36,7 @@ from services.common.errors import InvalidRequest
 Event = dict[str, Any]
 STOP = ["\nObservation:", "Observation:"]
 FINAL_TOOL = "final_answer"
+CONSTRAINED_MIN_TOKENS = 128
 
 
 @dataclass
@@ -74,6 +75,10 @@ class AgentRunner:
     # tool_choice "required" / a forced final_answer call in tool-calling mode). Off for an upstream
     # that refuses them; the text protocol and its repairs still apply either way.
     constrained: bool = True
+    # After a tool result that did not fail, the next step may only finish (constrained to the
+    # final-answer form). Small models (SmolLM2-135M) otherwise feed the result back into the tool
+    # ("625 * 625") until the budget runs out; multi-hop agents on larger models turn it off.
+    finish_after_result: bool = True
     result: AgentRun = field(default_factory=AgentRun)
 
     async def run(
@@ -148,9 +153,11 @@ class AgentRunner:
         for step in range(1, self.max_steps + 1):
             self.result.steps = step
             # The last step may only finish: with a constrained engine it is always a final answer.
-            forced = step == self.max_steps and step > 1
+            forced = step > 1 and (step == self.max_steps or (self.finish_after_result and self._last_ok))
             sampling: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0.0}
             if self.constrained:
+                # the JSON step must be able to close: its bounded strings plus the keys need this many tokens
+                sampling["max_tokens"] = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
                 # no stop strings: the grammar ends the step, and a stop inside a JSON string would break it
                 sampling["response_format"] = step_response_format(names, final_only=forced)
             else:
@@ -170,9 +177,17 @@ class AgentRunner:
                 for event in self._final(parsed.answer):
                     yield event
                 return
-            if parsed.kind == "action" and (parsed.tool, parsed.argument) == last_call and self._last_ok:
-                # The same call again, right after its answer: small models loop here instead of
-                # finishing. The observation already answers it; take it as the final answer.
+            if (
+                parsed.kind == "action"
+                and self._last_ok
+                and (
+                    (parsed.tool, parsed.argument) == last_call
+                    or parsed.argument.strip() == self._last_observation.strip()
+                )
+            ):
+                # The same call again right after its answer, or the answer itself fed back as a new
+                # input: small models loop here instead of finishing. The observation already answers
+                # it; take it as the final answer.
                 self.result.repairs.append("repeated call: its last observation taken as the final answer")
                 for event in self._final(self._last_observation):
                     yield event
