@@ -293,6 +293,11 @@ JSON_OBSERVATION_PROMPT = (
 )
 
 
+JSON_FAILED_PROMPT = (
+    "Observation: {observation}\nThe tool failed. Use another tool, or give the final answer."
+)
+
+
 def json_step(thought: str, tool: str = "", argument: str = "", answer: str | None = None) -> str:
     if answer is not None:
         return json.dumps({"thought": thought, "final_answer": answer})

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.agent.agents.react import (
+    JSON_FAILED_PROMPT,
     JSON_OBSERVATION_PROMPT,
     OBSERVATION_PROMPT,
     REPAIR_PROMPT,
@@ -215,7 +216,12 @@ class AgentRunner:
                     {"role": "assistant", "content": canonical},
                     {
                         "role": "user",
-                        "content": observation_prompt.format(observation=self._last_observation),
+                        # a failed tool is not the answer's source: say so, or the model repeats the error
+                        "content": (
+                            observation_prompt
+                            if self._last_ok or not self.constrained
+                            else JSON_FAILED_PROMPT
+                        ).format(observation=self._last_observation),
                     },
                 ]
                 continue
