@@ -291,7 +291,7 @@ class AgentRunner:
             sampling: dict[str, Any] = {"max_tokens": self.max_tokens}
             if self.constrained:
                 sampling["temperature"] = 0.0
-                forced = step == self.max_steps and step > 1
+                forced = step > 1 and (step == self.max_steps or (self.finish_after_result and self._last_ok))
                 sampling["tool_choice"] = (
                     {"type": "function", "function": {"name": FINAL_TOOL}} if forced else "required"
                 )
