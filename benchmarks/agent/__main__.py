@@ -140,6 +140,11 @@ def load_scifact(n_docs: int) -> tuple[list[dict[str, str]], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--tool-tasks" in argv:  # the agent's tool tasks on the real SmolLM2 (benchmarks/agent/tool_tasks.py)
+        from benchmarks.agent.tool_tasks import main as tool_tasks
+
+        return tool_tasks(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", default="1,8", help="concurrent websocket sessions to measure")
     ap.add_argument("--questions", type=int, default=2, help="questions per session")

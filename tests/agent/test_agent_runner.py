@@ -1,6 +1,7 @@
 """The agent loop against a scripted test-double model (OpenAI wire format over real HTTP)."""
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -68,7 +69,8 @@ async def test_calculator_task_with_repairs(scripted: tuple[ScriptedModel, str])
         "Thought: multiply them\n**Action:** calcualtor\nAction Input: `17 * 23`\nObservation: 400",
         "Thought: I know the answer\nFinal Answer: 391",
     ]
-    r = runner(url)
+    # The text protocol without the engine's constraints (an upstream that refuses response_format).
+    r = runner(url, constrained=False)
     events = await events_of(r, "What is 17 times 23?")
     steps = [(e["kind"], e.get("tool")) for e in events if e["type"] == "step"]
     assert steps == [
@@ -114,7 +116,7 @@ async def test_failing_and_hanging_tools_become_observations(scripted: tuple[Scr
 async def test_a_repeated_call_ends_with_its_observation(scripted: tuple[ScriptedModel, str]) -> None:
     model, url = scripted
     model.replies = lambda body: "Thought: multiply\nAction: calculator\nAction Input: 17 * 23"
-    r = runner(url)
+    r = runner(url, finish_after_result=False)
     events = await events_of(r, "What is 17 times 23?")
     assert [e.get("kind") for e in events if e["type"] == "step"][-1] == "final"
     assert sum(1 for e in events if e.get("kind") == "tool_call") == 1
@@ -125,9 +127,13 @@ async def test_step_budget(scripted: tuple[ScriptedModel, str]) -> None:
     model, url = scripted
     counter = iter(range(100))
     model.replies = lambda body: f"Action: calculator\nAction Input: 1+{next(counter)}"
-    events = await events_of(runner(url, max_steps=3), "loop forever")
+    model.requests.clear()
+    events = await events_of(runner(url, max_steps=3, finish_after_result=False), "loop forever")
+    # A model that ignores the final-only constraint of the last step still ends at the budget,
+    # and no tool runs on that step.
     assert events[-1]["type"] == "error" and events[-1]["code"] == "step_budget_exceeded"
-    assert sum(1 for e in events if e.get("kind") == "tool_call") == 3
+    assert sum(1 for e in events if e.get("kind") == "tool_call") == 2
+    assert len(model.requests) == 3
 
 
 async def test_time_budget(scripted: tuple[ScriptedModel, str]) -> None:
@@ -161,3 +167,109 @@ async def test_openai_tool_calling(scripted: tuple[ScriptedModel, str]) -> None:
     assert r.result.answer == "The answer is 1024."
     assert model.requests[0]["tools"][0]["function"]["name"] == "calculator"
     assert model.requests[1]["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "1024"}
+
+
+def _step(body: dict[str, Any]) -> dict[str, Any]:
+    return dict(body["response_format"]["json_schema"]["schema"])
+
+
+async def test_react_steps_are_constrained_and_the_last_is_a_forced_final(
+    scripted: tuple[ScriptedModel, str],
+) -> None:
+    """Each ReAct step asks the engine for the protocol's JSON schema (tool names as an enum); the
+    last step of the budget may only be a final answer, and the model then finishes with it."""
+    model, url = scripted
+    model.requests.clear()
+    counter = iter(range(100))
+
+    def reply(body: dict[str, Any]) -> str:
+        schema = _step(body)
+        if "anyOf" in schema:  # free step: keep calling the calculator with new inputs
+            return json.dumps(
+                {"thought": "add", "action": "calculator", "action_input": f"1+{next(counter)}"}
+            )
+        return json.dumps({"thought": "I know the answer.", "final_answer": "2"})
+
+    model.replies = reply
+    r = runner(url, max_steps=3, finish_after_result=False)
+    events = await events_of(r, "What is 1 plus 1?")
+    assert [e["kind"] for e in events if e["type"] == "step"] == [
+        "thought", "tool_call", "observation", "thought", "tool_call", "observation", "thought", "final",
+    ]  # fmt: skip
+    assert r.result.answer == "2" and r.result.finish_reason == "stop" and r.result.steps == 3
+    free, forced = _step(model.requests[0]), _step(model.requests[2])
+    action = next(s for s in free["anyOf"] if "action" in s["properties"])
+    assert action["properties"]["action"]["enum"] == ["calculator", "explode", "hang", "synchang"]
+    assert set(forced["required"]) == {"thought", "final_answer"} and "action" not in forced["properties"]
+    assert all("stop" not in b for b in model.requests)
+    # The model saw its step as JSON and the tool result presented as the answer's source.
+    seen = model.requests[1]["messages"]
+    assert json.loads(seen[-2]["content"])["action_input"] == "1+0"
+    assert (
+        seen[-1]["content"].startswith("Observation: 1\n") and "from the observation" in seen[-1]["content"]
+    )
+
+
+async def test_tool_calling_mode_requires_a_tool_then_forces_final_answer(
+    scripted: tuple[ScriptedModel, str],
+) -> None:
+    model, url = scripted
+    model.requests.clear()
+
+    def reply(body: dict[str, Any]) -> dict[str, Any]:
+        choice = body["tool_choice"]
+        name, args = (
+            ("calculator", {"expression": "17*23"})
+            if choice == "required"
+            else ("final_answer", {"answer": "391"})
+        )
+        call = {
+            "id": f"c{len(model.requests)}",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)},
+        }
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+    model.replies = reply
+    r = runner(url, max_steps=2)
+    events = await events_of(r, "What is 17 times 23?", mode="openai")
+    assert [e["text"] for e in events if e.get("kind") == "observation"] == ["391"]
+    assert r.result.answer == "391" and events[-1] == {"type": "token", "text": "391"}
+    assert [b["tool_choice"] for b in model.requests] == [
+        "required",
+        {"type": "function", "function": {"name": "final_answer"}},
+    ]
+    assert "final_answer" in [t["function"]["name"] for t in model.requests[0]["tools"]]
+    assert model.requests[1]["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "391"}
+
+
+async def test_final_answer_call_ends_the_run_before_budget(scripted: tuple[ScriptedModel, str]) -> None:
+    model, url = scripted
+    model.requests.clear()
+    call = {
+        "id": "f",
+        "type": "function",
+        "function": {"name": "final_answer", "arguments": '{"answer": "hi"}'},
+    }
+    model.replies = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    r = runner(url)
+    await events_of(r, "say hi", mode="openai")
+    assert r.result.answer == "hi" and len(model.requests) == 1 and r.result.tool_calls == 0
+
+
+async def test_a_tool_result_is_followed_by_a_forced_final_step(scripted: tuple[ScriptedModel, str]) -> None:
+    """By default (small models), the step after a good tool result may only finish, and the tool
+    result is shown as the answer's source; a failed tool leaves the next step free."""
+    model, url = scripted
+    model.requests.clear()
+    model.replies = [
+        json.dumps({"thought": "t", "action": "explode", "action_input": "now"}),
+        json.dumps({"thought": "t", "action": "calculator", "action_input": "17 * 23"}),
+        json.dumps({"thought": "done", "final_answer": "391"}),
+    ]
+    r = runner(url)
+    await events_of(r, "What is 17 times 23?")
+    assert r.result.answer == "391" and r.result.steps == 3
+    schemas = [_step(b) for b in model.requests]
+    assert ["anyOf" in s for s in schemas] == [True, True, False]
+    assert "Observation: 391" in model.requests[2]["messages"][-1]["content"]

@@ -33,7 +33,8 @@ GERMANY = "What is the capital of Germany?"
 
 def reply(body: dict[str, Any]) -> str:
     """Greedy calls answer from the first source; sampled ones (regenerated drafts) say so, so they differ."""
-    if body.get("stop"):  # the ReAct agent
+    # the ReAct agent (text protocol or constrained steps)
+    if body.get("stop") or body.get("response_format"):
         return "Thought: I know this.\nFinal Answer: forty-two"
     answer = cite_first(body)
     if body.get("temperature", 0) > 0:

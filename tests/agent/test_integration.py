@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -189,8 +190,9 @@ CALC_TASKS = [
 
 
 def test_agent_calculator_with_the_real_model(real_stack: RealStack) -> None:
-    """SmolLM2-135M drives the ReAct loop. Its success rate is printed and reported, not asserted
-    high: the test checks that every run ends cleanly (final answer or a budget error)."""
+    """SmolLM2-135M drives the ReAct loop with constrained steps (response_format json_schema) and a
+    forced final answer after the tool result: it solves at least 3 of the 4 tasks (greedy, so the
+    figure is reproducible; benchmarks/agent/tool_tasks.py measures the 20-task set)."""
     solved = 0
     used_tool = 0
     for question, expected in CALC_TASKS:
@@ -204,10 +206,30 @@ def test_agent_calculator_with_the_real_model(real_stack: RealStack) -> None:
         body = resp.json()
         steps = body.get("steps", [])
         used_tool += any(s["kind"] == "tool_call" and s["tool"] == "calculator" for s in steps)
-        solved += expected in body["answer"].replace(",", "")
+        solved += re.match(rf"\s*{expected}\b", body["answer"].replace(",", "")) is not None
         assert body["answer"] or body.get("error")
         calls = [s["input"] for s in steps if s["kind"] == "tool_call"]
         print(f"\n{question} -> {body['answer']!r} calls={calls} error={body.get('error')}")
     print(
         f"\nSmolLM2-135M calculator agent: solved {solved}/{len(CALC_TASKS)}, used the calculator in {used_tool}"
     )
+    assert solved >= 3 and used_tool == len(CALC_TASKS)
+
+
+def test_agent_solves_a_calculator_task_over_the_websocket(real_stack: RealStack) -> None:
+    """One task, short: the steps arrive as events and the final answer is the calculator's result."""
+    with connect(real_stack.ws, additional_headers=auth(real_stack.key), open_timeout=30) as ws:
+        ws.send(json.dumps({"message": "What is 17 times 23?", "pipeline": "tools-agent"}))
+        events = []
+        while True:
+            event = json.loads(ws.recv(timeout=300))
+            events.append(event)
+            if event["type"] in ("done", "error"):
+                break
+    steps = [e for e in events if e["type"] == "step"]
+    assert [(s["kind"], s.get("tool")) for s in steps if s["kind"] in ("tool_call", "observation")] == [
+        ("tool_call", "calculator"),
+        ("observation", "calculator"),
+    ]
+    final = next(s for s in steps if s["kind"] == "final")
+    assert final["text"].strip().startswith("391") and events[-1]["type"] == "done"

@@ -210,3 +210,125 @@ REPAIR_PROMPT = (
     "Your reply did not follow the format ({error}). Reply with either\n"
     "Action: <tool>\nAction Input: <input>\nor\nFinal Answer: <answer>"
 )
+
+
+# --- Constrained steps (the engine's response_format json_schema) -----------------------------
+# With grammar-constrained decoding a step is one JSON object, so even SmolLM2-135M always writes a
+# parseable step: the tool name is an enum of the known tools, and lengths are bounded so a model that
+# repeats itself inside a string still closes the object within max_tokens.
+# Digits are one token each in SmolLM2's vocabulary: a runaway number in an action input must end
+# well inside the step's token budget (see AgentRunner.CONSTRAINED_MIN_TOKENS).
+_THOUGHT_MAX = 60
+_INPUT_MAX = 40
+_ANSWER_MAX = 80
+
+
+def step_schema(tools: list[str], final_only: bool = False) -> dict[str, object]:
+    final = {
+        "type": "object",
+        "properties": {
+            "thought": {"type": "string", "maxLength": _THOUGHT_MAX},
+            "final_answer": {"type": "string", "minLength": 1, "maxLength": _ANSWER_MAX},
+        },
+        "required": ["thought", "final_answer"],
+        "additionalProperties": False,
+    }
+    if final_only:
+        return final
+    action = {
+        "type": "object",
+        "properties": {
+            "thought": {"type": "string", "maxLength": _THOUGHT_MAX},
+            "action": {"type": "string", "enum": tools},
+            "action_input": {"type": "string", "minLength": 1, "maxLength": _INPUT_MAX},
+        },
+        "required": ["thought", "action", "action_input"],
+        "additionalProperties": False,
+    }
+    return {"anyOf": [action, final]}
+
+
+def step_response_format(tools: list[str], final_only: bool = False) -> dict[str, object]:
+    return {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "final_step" if final_only else "react_step",
+            "schema": step_schema(tools, final_only),
+            "strict": True,
+        },
+    }
+
+
+def json_step_as_text(text: str) -> str | None:
+    """A constrained JSON step rewritten in the text protocol (so ``parse_react`` and its repairs
+    apply unchanged); None when ``text`` is not a JSON step (an engine or double that ignored it)."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, ValueError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    thought = f"Thought: {value.get('thought', '')}\n" if value.get("thought") else ""
+    if "final_answer" in value:
+        return f"{thought}Final Answer: {value['final_answer']}"
+    if "action" in value:
+        return f"{thought}Action: {value['action']}\nAction Input: {value.get('action_input', '')}"
+    return None
+
+
+def json_instructions(tools: dict[str, str]) -> str:
+    listing = "\n".join(f"- {name}: {desc}" for name, desc in tools.items())
+    return (
+        "You answer questions by using tools. Tools:\n"
+        f"{listing}\n\n"
+        'Reply with one JSON object: {"thought": "...", "action": "<tool>", "action_input": "<input>"}.\n'
+        "You then get 'Observation: <result>'. The observation is the source of your answer: when it "
+        'answers the question, reply {"thought": "I know the answer.", "final_answer": "<the result>"}.'
+    )
+
+
+JSON_OBSERVATION_PROMPT = (
+    "Observation: {observation}\nThis result answers the question. Reply with the final answer, "
+    "taken from the observation."
+)
+
+
+JSON_FAILED_PROMPT = (
+    "Observation: {observation}\nThe tool failed. Use another tool, or give the final answer."
+)
+
+
+def json_step(thought: str, tool: str = "", argument: str = "", answer: str | None = None) -> str:
+    if answer is not None:
+        return json.dumps({"thought": thought, "final_answer": answer})
+    return json.dumps({"thought": thought, "action": tool, "action_input": argument})
+
+
+def json_example_turns(tools: dict[str, str]) -> list[dict[str, str]]:
+    turns: list[dict[str, str]] = []
+    if "document_search" in tools:
+        # A worked search, so the model sees that facts come from the documents, not the calculator.
+        turns += [
+            {"role": "user", "content": "Question: What colour is the Moon?"},
+            {
+                "role": "assistant",
+                "content": json_step("I should search the documents.", "document_search", "Moon colour"),
+            },
+            {
+                "role": "user",
+                "content": JSON_OBSERVATION_PROMPT.format(observation="[moon] The Moon is grey."),
+            },
+            {"role": "assistant", "content": json_step("I know the answer.", answer="grey")},
+        ]
+    if "calculator" not in tools:
+        return turns
+    return [
+        *turns,
+        {"role": "user", "content": "Question: What is 6 times 7?"},
+        {
+            "role": "assistant",
+            "content": json_step("I should multiply with the calculator.", "calculator", "6 * 7"),
+        },
+        {"role": "user", "content": JSON_OBSERVATION_PROMPT.format(observation="42")},
+        {"role": "assistant", "content": json_step("I know the answer.", answer="42")},
+    ]

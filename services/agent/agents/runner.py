@@ -17,11 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.agent.agents.react import (
+    JSON_FAILED_PROMPT,
+    JSON_OBSERVATION_PROMPT,
     OBSERVATION_PROMPT,
     REPAIR_PROMPT,
     example_turns,
     format_instructions,
+    json_example_turns,
+    json_instructions,
+    json_step,
+    json_step_as_text,
     parse_react,
+    step_response_format,
 )
 from services.agent.clients import InferenceClient
 from services.agent.tools.base import Tool, ToolContext, call_tool
@@ -29,6 +36,8 @@ from services.common.errors import InvalidRequest
 
 Event = dict[str, Any]
 STOP = ["\nObservation:", "Observation:"]
+FINAL_TOOL = "final_answer"
+CONSTRAINED_MIN_TOKENS = 128
 
 
 @dataclass
@@ -63,6 +72,14 @@ class AgentRunner:
     tool_timeout_s: float = 10.0
     max_tokens: int = 256
     max_repairs: int = 2
+    # Ask the engine for grammar-constrained steps (response_format json_schema in ReAct mode,
+    # tool_choice "required" / a forced final_answer call in tool-calling mode). Off for an upstream
+    # that refuses them; the text protocol and its repairs still apply either way.
+    constrained: bool = True
+    # After a tool result that did not fail, the next step may only finish (constrained to the
+    # final-answer form). Small models (SmolLM2-135M) otherwise feed the result back into the tool
+    # ("625 * 625") until the budget runs out; multi-hop agents on larger models turn it off.
+    finish_after_result: bool = True
     result: AgentRun = field(default_factory=AgentRun)
 
     async def run(
@@ -123,9 +140,12 @@ class AgentRunner:
     async def _react(self, question: str, history: list[dict[str, str]]) -> AsyncIterator[Event]:
         names = list(self.tools)
         described = {n: t.description for n, t in self.tools.items()}
+        instructions = json_instructions(described) if self.constrained else format_instructions(described)
+        examples = json_example_turns(described) if self.constrained else example_turns(described)
+        observation_prompt = JSON_OBSERVATION_PROMPT if self.constrained else OBSERVATION_PROMPT
         messages: list[dict[str, str]] = [
-            {"role": "system", "content": format_instructions(described)},
-            *example_turns(described),
+            {"role": "system", "content": instructions},
+            *examples,
             *history,
             {"role": "user", "content": f"Question: {question}"},
         ]
@@ -133,12 +153,24 @@ class AgentRunner:
         last_call: tuple[str, str] | None = None
         for step in range(1, self.max_steps + 1):
             self.result.steps = step
-            sampling: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0.0, "stop": STOP}
+            # The last step may only finish: with a constrained engine it is always a final answer.
+            forced = step > 1 and (step == self.max_steps or (self.finish_after_result and self._last_ok))
+            sampling: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0.0}
+            if self.constrained:
+                # the JSON step must be able to close: its bounded strings plus the keys need this many tokens
+                sampling["max_tokens"] = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
+                # no stop strings: the grammar ends the step, and a stop inside a JSON string would break it
+                sampling["response_format"] = step_response_format(names, final_only=forced)
+            else:
+                sampling["stop"] = STOP
             self._record_call(messages, sampling)
             resp = await self.inference.complete({"model": self.model, "messages": messages, **sampling})
             text = str(((resp.get("choices") or [{}])[0].get("message") or {}).get("content") or "")
             self.result.completion = text
-            parsed = parse_react(text, names)
+            as_text = json_step_as_text(text) if self.constrained else None
+            parsed = parse_react(as_text if as_text is not None else text, names)
+            if forced and parsed.kind != "final":
+                break
             self.result.repairs.extend(parsed.repairs)
             if parsed.thought and parsed.kind != "invalid":
                 yield {"type": "step", "kind": "thought", "step": step, "text": parsed.thought}
@@ -146,9 +178,17 @@ class AgentRunner:
                 for event in self._final(parsed.answer):
                     yield event
                 return
-            if parsed.kind == "action" and (parsed.tool, parsed.argument) == last_call and self._last_ok:
-                # The same call again, right after its answer: small models loop here instead of
-                # finishing. The observation already answers it; take it as the final answer.
+            if (
+                parsed.kind == "action"
+                and self._last_ok
+                and (
+                    (parsed.tool, parsed.argument) == last_call
+                    or parsed.argument.strip() == self._last_observation.strip()
+                )
+            ):
+                # The same call again right after its answer, or the answer itself fed back as a new
+                # input: small models loop here instead of finishing. The observation already answers
+                # it; take it as the final answer.
                 self.result.repairs.append("repeated call: its last observation taken as the final answer")
                 for event in self._final(self._last_observation):
                     yield event
@@ -167,13 +207,21 @@ class AgentRunner:
                     yield event
                 # The model sees its step rewritten in the strict format: small models copy what they see.
                 canonical = (
-                    f"Thought: {parsed.thought}\n" if parsed.thought else ""
-                ) + f"Action: {parsed.tool}\nAction Input: {parsed.argument}"
+                    json_step(parsed.thought, parsed.tool, parsed.argument)
+                    if self.constrained
+                    else (f"Thought: {parsed.thought}\n" if parsed.thought else "")
+                    + f"Action: {parsed.tool}\nAction Input: {parsed.argument}"
+                )
                 messages += [
                     {"role": "assistant", "content": canonical},
                     {
                         "role": "user",
-                        "content": OBSERVATION_PROMPT.format(observation=self._last_observation),
+                        # a failed tool is not the answer's source: say so, or the model repeats the error
+                        "content": (
+                            observation_prompt
+                            if self._last_ok or not self.constrained
+                            else JSON_FAILED_PROMPT
+                        ).format(observation=self._last_observation),
                     },
                 ]
                 continue
@@ -212,20 +260,58 @@ class AgentRunner:
             }
             for n, t in self.tools.items()
         ]
+        if self.constrained:
+            # Finishing is itself a (constrained) call, so tool_choice "required" never traps the model.
+            tools.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": FINAL_TOOL,
+                        "description": "Give the final answer to the question, taken from the tool results.",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"answer": {"type": "string", "minLength": 1, "maxLength": 200}},
+                            "required": ["answer"],
+                            "additionalProperties": False,
+                        },
+                    },
+                }
+            )
         messages: list[dict[str, Any]] = [
-            {"role": "system", "content": "Use the tools when they help, then answer the question."},
+            {
+                "role": "system",
+                "content": "Use the tools when they help, then answer the question. A tool result is the "
+                f"source of your answer: give it with {FINAL_TOOL}.",
+            },
             *history,
             {"role": "user", "content": question},
         ]
         for step in range(1, self.max_steps + 1):
             self.result.steps = step
-            self._record_call(messages, {"max_tokens": self.max_tokens})
+            sampling: dict[str, Any] = {"max_tokens": self.max_tokens}
+            if self.constrained:
+                sampling["temperature"] = 0.0
+                forced = step > 1 and (step == self.max_steps or (self.finish_after_result and self._last_ok))
+                sampling["tool_choice"] = (
+                    {"type": "function", "function": {"name": FINAL_TOOL}} if forced else "required"
+                )
+            self._record_call(messages, sampling)
             resp = await self.inference.complete(
-                {"model": self.model, "messages": messages, "tools": tools, "max_tokens": self.max_tokens}
+                {"model": self.model, "messages": messages, "tools": tools, **sampling}
             )
             message = (resp.get("choices") or [{}])[0].get("message") or {}
             self.result.completion = str(message.get("content") or "")
             calls = message.get("tool_calls") or []
+            final_call = next((c for c in calls if (c.get("function") or {}).get("name") == FINAL_TOOL), None)
+            if final_call is not None:
+                try:
+                    args = json.loads((final_call.get("function") or {}).get("arguments") or "{}")
+                except json.JSONDecodeError:
+                    args = {}
+                answer = str(args.get("answer", "") if isinstance(args, dict) else args).strip()
+                for event in self._final(answer or self._last_observation):
+                    yield event
+                return
             if not calls:
                 for event in self._final(str(message.get("content") or "").strip()):
                     yield event

@@ -1,0 +1,174 @@
+"""Agent tool tasks with the real SmolLM2-135M: the 4 calculator tasks and a set of 20 tool tasks.
+
+``python -m benchmarks.agent --tool-tasks [--mode react|openai|both] [--only-calc] [--max-steps 4]``
+
+Starts, in this process over real HTTP, an embedded Valkey, the retrieval service (with a small
+collection of facts) and the inference service on SmolLM2-135M-Instruct (the default model), then runs
+the agent loop (``AgentRunner``, as the agent service runs it) on each task. A task is solved when the
+expected answer is the final answer's first number (without thousands separators), or a whole
+word of it for a text answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+# The four calculator tasks the agent's real-model test uses (tests/agent/test_integration.py).
+CALC_TASKS = [
+    ("What is 17 times 23?", "391"),
+    ("What is 1234 plus 4321?", "5555"),
+    ("What is 144 divided by 12?", "12"),
+    ("What is 25 times 25?", "625"),
+]
+
+DOCS = [
+    {"id": "eiffel", "title": "The Eiffel Tower", "text": "The Eiffel Tower is a wrought-iron lattice tower "
+     "in Paris, France. It was completed in 1889 for the World's Fair. The tower is 330 metres tall."},
+    {"id": "jupiter", "title": "Jupiter", "text": "Jupiter is the fifth planet from the Sun and the largest "
+     "planet in the Solar System. Its Great Red Spot is a storm larger than Earth."},
+    {"id": "honey", "title": "Honey bees", "text": "Honey bees make honey from the nectar of flowers. A colony "
+     "has one queen. Worker bees communicate the location of food with a waggle dance."},
+    {"id": "nile", "title": "The Nile", "text": "The Nile is a river in Africa, about 6650 kilometres long. "
+     "It flows north into the Mediterranean Sea."},
+    {"id": "everest", "title": "Mount Everest", "text": "Mount Everest is the highest mountain on Earth, "
+     "8849 metres above sea level, in the Himalayas on the border of Nepal and China."},
+    {"id": "python", "title": "Python", "text": "Python is a programming language created by Guido van "
+     "Rossum and first released in 1991."},
+]  # fmt: skip
+
+# 20 tool tasks: 12 calculator, 8 collection search; expected answers matched as strings.
+TOOL_TASKS = [
+    ("What is 12 times 12?", "144"),
+    ("What is 345 plus 655?", "1000"),
+    ("What is 1000 minus 1?", "999"),
+    ("What is 81 divided by 9?", "9"),
+    ("What is 7 times 8?", "56"),
+    ("What is 2 to the power of 10?", "1024"),
+    ("What is 250 plus 250?", "500"),
+    ("What is 99 minus 45?", "54"),
+    ("What is 15 times 4?", "60"),
+    ("What is 1 plus 2 plus 3?", "6"),
+    ("What is 50 divided by 2?", "25"),
+    ("What is 3 times 333?", "999"),
+    ("How tall is the Eiffel Tower in metres?", "330"),
+    ("In what year was the Eiffel Tower completed?", "1889"),
+    ("Which planet is the largest in the Solar System?", "Jupiter"),
+    ("What do honey bees make honey from?", "nectar"),
+    ("How long is the Nile in kilometres?", "6650"),
+    ("How high is Mount Everest in metres?", "8849"),
+    ("Who created the Python programming language?", "Guido"),
+    ("How many queens does a honey bee colony have?", "one"),
+]
+
+
+def solved(answer: str, expected: str) -> bool:
+    """A number must be the answer's first number ('1000 - 999' does not answer 999); a word must
+    appear as a whole word."""
+    text = answer.replace(",", "")
+    if re.fullmatch(r"-?\d+(?:\.\d+)?", expected):
+        first = re.search(r"-?\d+(?:\.\d+)?", text)
+        return first is not None and float(first.group()) == float(expected)
+    return re.search(rf"\b{re.escape(expected)}\b", text, re.IGNORECASE) is not None
+
+
+async def run_tasks(
+    tasks: list[tuple[str, str]], inference: str, retrieval: str, key: str, mode: str, max_steps: int
+) -> list[dict[str, Any]]:
+    from services.agent.agents.runner import AgentRunner
+    from services.agent.clients import InferenceClient, RetrievalClient
+    from services.agent.tools.base import ToolContext
+    from services.agent.tools.calculator import Calculator
+    from services.agent.tools.search import DocumentSearch
+
+    client = InferenceClient(inference, key)
+    models = httpx.get(f"{inference}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()
+    model = models["data"][0]["id"]
+    out = []
+    for question, expected in tasks:
+        runner = AgentRunner(
+            client,
+            model,
+            {"calculator": Calculator(), "document_search": DocumentSearch()},
+            ToolContext(retrieval=RetrievalClient(retrieval, key), collection="facts"),
+            max_steps=max_steps,
+            time_budget_s=120,
+            max_tokens=96,
+        )
+        started = time.perf_counter()
+        events = [e async for e in runner.run(question, [], mode=mode)]
+        calls = [(e["tool"], e["input"]) for e in events if e.get("kind") == "tool_call"]
+        r = runner.result
+        row = {
+            "question": question,
+            "expected": expected,
+            "answer": r.answer,
+            "solved": solved(r.answer, expected),
+            "calls": calls,
+            "steps": r.steps,
+            "finish": r.finish_reason,
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        print(f"  [{'x' if row['solved'] else ' '}] {question} -> {r.answer!r} calls={calls} "
+              f"steps={r.steps} {row['seconds']}s", flush=True)  # fmt: skip
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tool-tasks", action="store_true")
+    ap.add_argument("--mode", choices=["react", "openai", "both"], default="both")
+    ap.add_argument("--only-calc", action="store_true", help="only the 4 calculator tasks")
+    ap.add_argument("--max-steps", type=int, default=4)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from services.common.auth import KeyStore
+    from services.common.config import CommonSettings
+    from services.common.redis_conn import sync_redis
+    from services.inference.app import create_app as create_inference
+    from services.inference.config import InferenceSettings
+    from services.retrieval.app import create_app as create_retrieval
+    from services.retrieval.config import RetrievalSettings
+    from tests.helpers.models import smollm2_dir
+    from tests.helpers.servers import serve_app, valkey_server
+
+    smollm2 = smollm2_dir()
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        home = Path(tmp)
+        redis_url = stack.enter_context(valkey_server(home / "valkey"))
+        key = KeyStore(sync_redis(redis_url)).create("bench")[0]
+        base = CommonSettings(
+            home=home, redis_url=redis_url, log_json=False, model_roots=f"{home}:{smollm2.parent}"
+        )
+        r_url = stack.enter_context(serve_app(create_retrieval(base, RetrievalSettings())))
+        for _ in range(600):  # the embedder loads before the model (transformers' lazy imports)
+            if httpx.get(f"{r_url}/readyz").status_code == 200:
+                break
+            time.sleep(0.2)
+        i_url = stack.enter_context(serve_app(create_inference(base, InferenceSettings(model=str(smollm2)))))
+        headers = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=r_url, headers=headers, timeout=300) as c:
+            c.post("/v1/collections", json={"name": "facts"}).raise_for_status()
+            c.post("/v1/collections/facts/documents", json={"documents": DOCS}).raise_for_status()
+        modes = ["react", "openai"] if args.mode == "both" else [args.mode]
+        sets = [("calculator (4)", CALC_TASKS)] + (
+            [] if args.only_calc else [("tool tasks (20)", TOOL_TASKS)]
+        )
+        for mode in modes:
+            for name, tasks in sets:
+                print(f"{mode} / {name}:", flush=True)
+                rows = asyncio.run(run_tasks(tasks, i_url, r_url, key, mode, args.max_steps))
+                n = sum(r["solved"] for r in rows)
+                print(f"{mode} / {name}: solved {n}/{len(rows)}", flush=True)
+    return 0
