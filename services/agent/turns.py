@@ -129,6 +129,25 @@ def _record(row: sqlite3.Row | tuple[Any, ...], offset: int = 0) -> TurnRecord:
     return rec
 
 
+def _filter_sql(
+    tenant: str, filt: FeedbackFilter, *, tenant_col: str, since_col: str, turn: str
+) -> tuple[list[str], list[Any]]:
+    """WHERE terms and their arguments for the tenant and a filter's since/pipeline/model
+    (``turn`` is the alias of the joined turns table)."""
+    where = [f"{tenant_col} = ?"]
+    args: list[Any] = [tenant]
+    if filt.since is not None:
+        where.append(f"{since_col} >= ?")
+        args.append(filt.since)
+    if filt.pipeline:
+        where.append(f"{turn}.pipeline = ?")
+        args.append(filt.pipeline)
+    if filt.model:
+        where.append(f"{turn}.model = ?")
+        args.append(filt.model)
+    return where, args
+
+
 class SqliteTurnStore:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -238,17 +257,7 @@ class SqliteTurnStore:
     async def list_feedback(
         self, tenant: str, filt: FeedbackFilter, limit: int | None = None, offset: int = 0
     ) -> tuple[list[tuple[FeedbackRow, TurnRecord]], int]:
-        where = ["f.tenant = ?"]
-        args: list[Any] = [tenant]
-        if filt.since is not None:
-            where.append("f.updated_at >= ?")
-            args.append(filt.since)
-        if filt.pipeline:
-            where.append("t.pipeline = ?")
-            args.append(filt.pipeline)
-        if filt.model:
-            where.append("t.model = ?")
-            args.append(filt.model)
+        where, args = _filter_sql(tenant, filt, tenant_col="f.tenant", since_col="f.updated_at", turn="t")
         if filt.rating is not None:
             where.append("f.rating = ?")
             args.append(filt.rating)
@@ -310,17 +319,7 @@ class SqliteTurnStore:
         await self._run(fn)
 
     async def preferences(self, tenant: str, filt: FeedbackFilter) -> list[PreferenceRow]:
-        where = ["p.tenant = ?"]
-        args: list[Any] = [tenant]
-        if filt.since is not None:
-            where.append("p.created_at >= ?")
-            args.append(filt.since)
-        if filt.pipeline:
-            where.append("c.pipeline = ?")
-            args.append(filt.pipeline)
-        if filt.model:
-            where.append("c.model = ?")
-            args.append(filt.model)
+        where, args = _filter_sql(tenant, filt, tenant_col="p.tenant", since_col="p.created_at", turn="c")
 
         def fn(db: sqlite3.Connection) -> list[PreferenceRow]:
             rows = db.execute(

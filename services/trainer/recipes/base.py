@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import random
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -240,6 +241,24 @@ class Recipe:
     def lr(self) -> float:
         assert self.optimizer is not None
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def finish_step(
+        self, t0: float, loss: float, real: int, processed: int, extra: dict[str, float]
+    ) -> dict[str, float]:
+        """Clip, step the optimizer and report the step's metrics (``real``/``processed``
+        tokens give the throughput and padding ratio since ``t0``); shared by the recipes."""
+        lr = self.lr()
+        grad_norm = self.optimizer_step()
+        self.platform.synchronize()
+        dt = time.perf_counter() - t0
+        return {
+            "loss": loss,
+            "learning_rate": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": real / dt,
+            "padding_ratio": 1 - real / max(processed, 1),
+            **extra,
+        }
 
     # ---- state
     def weights(self) -> dict[str, torch.Tensor]:

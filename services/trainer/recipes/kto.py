@@ -211,15 +211,4 @@ class KTORecipe(Recipe):
             loss_total += float(loss.detach())
             for k, v in stats.items():
                 stats_acc[k] = stats_acc.get(k, 0.0) + v * len(rows) / n_rows
-        lr = self.lr()
-        grad_norm = self.optimizer_step()
-        self.platform.synchronize()
-        dt = time.perf_counter() - t0
-        return {
-            "loss": loss_total,
-            "learning_rate": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": real / dt,
-            "padding_ratio": 1 - real / max(processed, 1),
-            **stats_acc,
-        }
+        return self.finish_step(t0, loss_total, real, processed, stats_acc)

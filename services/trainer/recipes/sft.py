@@ -124,18 +124,7 @@ class SFTRecipe(Recipe):
             loss = sft_loss(logps, n_tokens)
             loss.backward()
             loss_total = float(loss.detach())
-        lr = self.lr()
-        grad_norm = self.optimizer_step()
-        self.platform.synchronize()
-        dt = time.perf_counter() - t0
-        return {
-            "loss": loss_total,
-            "learning_rate": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": real / dt,
-            "padding_ratio": 1 - real / max(processed, 1),
-            "label_tokens": float(n_tokens),
-        }
+        return self.finish_step(t0, loss_total, real, processed, {"label_tokens": float(n_tokens)})
 
     def evaluate(self) -> dict[str, float]:
         return {"loss": self.eval_loss()}
