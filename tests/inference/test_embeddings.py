@@ -350,3 +350,13 @@ def test_langchain_openai_embeddings(server: str, key: str, minilm: Any) -> None
     expected = minilm.encode(TEXTS, normalize_embeddings=True)
     np.testing.assert_allclose(np.array(emb.embed_documents(TEXTS)), expected, atol=1e-5)
     np.testing.assert_allclose(np.array(emb.embed_query(TEXTS[0])), expected[0], atol=1e-5)
+
+
+def test_tokenizer_route_needs_a_key_and_names_an_unknown_model(server: str, http: httpx.Client) -> None:
+    assert httpx.get(f"{server}/v1/embeddings/tokenizer/all-MiniLM-L6-v2").status_code == 401
+    ok = http.get("/v1/embeddings/tokenizer/all-MiniLM-L6-v2")
+    assert ok.status_code == 200, ok.text
+    missing = http.get("/v1/embeddings/tokenizer/no-such-model")
+    assert missing.status_code == 404
+    err = missing.json()["error"]
+    assert err["param"] == "model" and "no-such-model" in err["message"]
