@@ -42,19 +42,12 @@ from typing import Any
 
 import httpx
 
+from benchmarks.agent.__main__ import free_port
 from services.agent.citations import marker_numbers
 from services.cli.factset import Fact, make_facts, states
 
 REPO = Path(__file__).resolve().parents[2]
 COLLECTION = "facts"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
