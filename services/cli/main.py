@@ -19,6 +19,7 @@ from rich.table import Table
 from services.cli import stack
 from services.cli.eval_rag import rag_command
 from services.cli.eval_retrieval import retrieval_command
+from services.cli.supervise import SupervisedState, read_state
 from services.common.auth import KeyStore
 from services.common.config import SERVICE_NAMES, CommonSettings, SettingsError, load_settings
 from services.common.errors import TandemError
@@ -152,7 +153,10 @@ def _start(
                 if status[comp.name] == "ready":
                     continue
                 pid = stack.read_pid(layout.pid_file(comp.name))
-                if pid is None or not stack.pid_alive(pid):
+                supervised = read_state(layout.supervised_state(comp.name))
+                if pid is None or not stack.pid_alive(pid) or (supervised and supervised.restarts):
+                    # its supervisor would restart it, but a component that cannot start is a
+                    # configuration error to report, not to retry for ever
                     tail = _tail(layout.log_file(comp.name))
                     raise stack.StackError(f"{comp.name} exited during start-up; last log lines:\n{tail}")
                 if comp.url:
@@ -269,7 +273,7 @@ def status() -> None:
     urls: dict[str, str] = state.get("urls", {})
     redis_url = state.get("redis_url", common.redis_url)
     table = Table(title=f"Tandem in {layout.home}")
-    for col in ("component", "pid", "url", "health"):
+    for col in ("component", "pid", "url", "health", "restarts", "last exit"):
         table.add_column(col)
     healthy = True
     for name in sorted({*running, *urls, *(["redis"] if state.get("embedded_redis") else [])}):
@@ -287,15 +291,28 @@ def status() -> None:
             ok, detail = stack.worker_ready(redis_url, name.removeprefix("worker-"))
             health = "[green]ready[/]" if ok else f"[red]{detail}[/]"
             healthy &= ok
+        supervised = read_state(layout.supervised_state(name))
+        if supervised is not None and pid is not None and supervised.pid is None:
+            health = "[yellow]restarting[/]"  # between runs: the supervisor waits out its backoff
+            healthy = False
         table.add_row(
             name,
-            str(pid or "-"),
+            str(supervised.pid if supervised and supervised.pid else pid or "-"),
             urls.get(name, stack.redacted(redis_url) if name == "redis" else ""),
             health,
+            str(supervised.restarts) if supervised else "-",
+            _last_exit(supervised),
         )
     console.print(table)
     if not healthy:
         raise typer.Exit(1)
+
+
+def _last_exit(supervised: SupervisedState | None) -> str:
+    if supervised is None or supervised.last_exit_at is None:
+        return "-"
+    at = time.strftime("%H:%M:%S", time.localtime(supervised.last_exit_at))
+    return f"{supervised.last_exit_text()} at {at}"
 
 
 @app.command()

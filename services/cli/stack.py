@@ -1,9 +1,11 @@
 """The embedded one-machine stack behind ``tandem up`` / ``status`` / ``down``.
 
-Every component is a child process in its own session (so stopping it stops its
-children too, such as Celery's pool), with its log in ``$TANDEM_HOME/logs`` and
-its pid in ``$TANDEM_HOME/run``. Children inherit ``TANDEM_HOME``, which is how
-``tandem down`` (and the tests) know which processes belong to a home.
+Every component runs under a supervisor (services/cli/supervise.py) that restarts it with
+backoff when it exits, in its own session (so stopping it stops the supervisor and the
+component's children too, such as Celery's pool), with its log in ``$TANDEM_HOME/logs``, the
+supervisor's pid in ``$TANDEM_HOME/run/NAME.pid`` and the component's pid, restarts and last exit
+in ``run/NAME.state.json``. Children inherit ``TANDEM_HOME``, which is how ``tandem down`` (and
+the tests) know which processes belong to a home.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class Layout:
 
     def log_file(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
+
+    def supervised_state(self, name: str) -> Path:
+        return self.run_dir / f"{name}.state.json"
 
     def make(self) -> None:
         for d in (self.home, self.run_dir, self.log_dir, self.redis_dir, self.home / "models"):
@@ -242,9 +247,23 @@ def plan(
 
 
 def start_component(layout: Layout, comp: Component, env: dict[str, str]) -> int:
+    """Start ``comp`` under its supervisor (services/cli/supervise.py), which restarts it when
+    it exits; the pid file holds the supervisor's pid, the leader of the component's group."""
+    layout.supervised_state(comp.name).unlink(missing_ok=True)
     log = layout.log_file(comp.name).open("ab")
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli.supervise",
+        "--name",
+        comp.name,
+        "--state",
+        str(layout.supervised_state(comp.name)),
+        "--",
+        *comp.argv,
+    ]
     proc = subprocess.Popen(
-        comp.argv,
+        argv,
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -311,6 +330,7 @@ def stop_all(layout: Layout, say: Callable[[str], object] = print) -> list[str]:
         stopped.append(name)
     for pid_file in layout.run_dir.glob("*.pid") if layout.run_dir.exists() else []:
         pid_file.unlink(missing_ok=True)
+        layout.supervised_state(pid_file.stem).unlink(missing_ok=True)
     layout.state_file.unlink(missing_ok=True)
     return stopped
 

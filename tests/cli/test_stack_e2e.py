@@ -103,7 +103,9 @@ def test_celery_task_round_trip_through_embedded_valkey(stack_env: dict[str, str
 
 
 def test_status_and_second_up(stack_env: dict[str, str]) -> None:
-    status = subprocess.run([*TANDEM, "status"], env=stack_env, capture_output=True, text=True, timeout=120)
+    status = subprocess.run(
+        [*TANDEM, "status"], env={**stack_env, "COLUMNS": "250"}, capture_output=True, text=True, timeout=120
+    )
     assert status.returncode == 0, status.stdout + status.stderr
     for name in ("redis", "agent", "inference", "retrieval", "trainer", "worker-io", "worker-cpu"):
         assert name in status.stdout
@@ -165,6 +167,35 @@ def test_demo_searches_and_answers_from_the_docs_collection(stack_env: dict[str,
     assert out.count("answers for tenant default") == 4
     assert "README.md" in out  # the docs collection made by the first `tandem up`
     assert "chat-documents" in out
+
+
+def test_a_killed_component_is_restarted_and_status_shows_it(stack_env: dict[str, str]) -> None:
+    import signal
+
+    from services.cli.supervise import read_state
+
+    state_file = Path(stack_env["TANDEM_HOME"]) / "run" / "retrieval.state.json"
+    before = read_state(state_file)
+    assert before is not None and before.pid and before.restarts == 0
+    os.kill(before.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        after = read_state(state_file)
+        if after and after.pid and after.pid != before.pid:
+            try:
+                if httpx.get(f"{url(stack_env, 'retrieval')}/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.5)
+    else:
+        raise AssertionError("retrieval was not restarted and ready within 300 s")
+    status = subprocess.run(
+        [*TANDEM, "status"], env={**stack_env, "COLUMNS": "250"}, capture_output=True, text=True, timeout=120
+    )
+    assert status.returncode == 0, status.stdout
+    row = next(line for line in status.stdout.splitlines() if "retrieval" in line)
+    assert str(after.pid) in row and "killed by SIGKILL" in row and " 1 " in row
 
 
 def test_down_leaves_no_process(stack_env: dict[str, str]) -> None:
