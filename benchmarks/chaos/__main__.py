@@ -1,0 +1,384 @@
+"""Crash safety by repetition: kill -9 a part of the running stack at a random moment, let its
+supervisor restart it, and check that nothing acknowledged was lost, duplicated or left stuck.
+
+    python -m benchmarks.chaos --trials 100                 # every target, 100 kills each
+    python -m benchmarks.chaos --trials 5 --targets retrieval,inference
+
+The stack is `tandem up` in a temporary home (benchmarks/stack.py); every component runs under
+its supervisor (services/cli/supervise.py), which is what brings a killed one back. Targets:
+
+- ``retrieval``: the retrieval service while a client adds documents one by one. Every
+  document acknowledged (2xx) must be found by a search for its unique word exactly once.
+- ``worker-io``: the ingestion worker during a queued ingestion job. The job must end
+  ``succeeded`` and its documents be found exactly once.
+- ``worker-cpu``: the training worker mid-job. The job must end ``succeeded`` with the step count
+  of an uninterrupted run.
+- ``agent``: the agent mid-answer of a remembered chat turn. The user's message must be in the
+  conversation afterwards.
+- ``inference``: the inference service mid-stream. It must answer the next request.
+- ``redis``: Redis itself while documents are added. Acknowledged documents must be found,
+  and every service must answer with the same key afterwards.
+
+A trial whose check fails counts as lost, duplicated or stuck (not done within the wait).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from benchmarks.stack import SERVICES, Stack, embedded_stack
+from services.cli.supervise import read_state
+
+TARGETS = ("retrieval", "worker-io", "worker-cpu", "agent", "inference", "redis")
+# Trainer recovery as the trainer's e2e tests set it: a dead worker's job is requeued within
+# seconds rather than the default minute, so trials do not wait out production timeouts.
+FAST_RECOVERY = {
+    "TANDEM_TRAINER_HEARTBEAT_INTERVAL_S": "0.5",
+    "TANDEM_TRAINER_STALE_AFTER_S": "5",
+    "TANDEM_TRAINER_RECOVERY_INTERVAL_S": "1",
+    # Bulk reads of every acknowledged document are the harness's, not a tenant's abuse.
+    "TANDEM_RETRIEVAL_TENANT_REQUESTS_PER_MINUTE": "0",
+    "TANDEM_AGENT_TENANT_REQUESTS_PER_MINUTE": "0",
+    "TANDEM_TRAINER_TENANT_REQUESTS_PER_MINUTE": "0",
+}
+COLLECTION = "chaos"
+
+
+@dataclass
+class Trial:
+    target: str
+    acknowledged: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    stuck: int = 0
+    recovery_s: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Report:
+    trials: list[Trial] = field(default_factory=list)
+
+
+class Chaos:
+    def __init__(self, stack: Stack, rng: random.Random, wait_s: float) -> None:
+        self.stack = stack
+        self.rng = rng
+        self.wait_s = wait_s
+        self.http = httpx.Client(headers={"Authorization": f"Bearer {stack.key}"}, timeout=120)
+        self.n = 0
+
+    # -- the kill and the wait ---------------------------------------------------------------
+    def kill(self, component: str) -> int:
+        state = read_state(self.stack.home / "run" / f"{component}.state.json")
+        if state is None or state.pid is None:
+            raise RuntimeError(f"{component} has no running process to kill")
+        os.kill(state.pid, signal.SIGKILL)
+        return state.pid
+
+    def wait_back(self, component: str, old_pid: int) -> float | None:
+        """Seconds until ``component`` runs again (a new pid) and the stack is ready; None if not
+        within the wait."""
+        start = time.monotonic()
+        state_file = self.stack.home / "run" / f"{component}.state.json"
+        while time.monotonic() - start < self.wait_s:
+            state = read_state(state_file)
+            if state and state.pid and state.pid != old_pid and self.ready():
+                return time.monotonic() - start
+            time.sleep(0.25)
+        return None
+
+    def ready(self) -> bool:
+        try:
+            return all(
+                httpx.get(f"{self.stack.url(s)}/readyz", timeout=5).status_code == 200 for s in SERVICES
+            )
+        except httpx.HTTPError:
+            return False
+
+    def until(self, what: Callable[[], object], timeout: float) -> object:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                got = what()
+            except httpx.HTTPError:
+                got = None
+            if got:
+                return got
+            time.sleep(0.5)
+        return None
+
+    # -- documents ---------------------------------------------------------------------------
+    def ensure_collection(self) -> None:
+        r = self.http.post(f"{self.stack.url('retrieval')}/v1/collections", json={"name": COLLECTION})
+        if r.status_code not in (200, 201, 409):
+            raise RuntimeError(f"creating the collection: {r.status_code} {r.text}")
+
+    def doc(self, tag: str) -> dict[str, str]:
+        # one unique word per document, found by the sparse side of a search
+        return {"id": tag, "text": f"Chaos record {tag} holds the word zq{tag.replace('-', 'x')} once."}
+
+    def found(self, doc_id: str) -> int:
+        r = self.http.post(
+            f"{self.stack.url('retrieval')}/v1/collections/{COLLECTION}/search",
+            json={"query": f"zq{doc_id.replace('-', 'x')}", "mode": "sparse", "top_k": 10},
+        )
+        r.raise_for_status()
+        return sum(1 for hit in r.json()["results"] if hit["document_id"] == doc_id)
+
+    def check_documents(self, trial: Trial, ids: list[str]) -> None:
+        trial.acknowledged = len(ids)
+        for doc_id in ids:
+            n = self.found(doc_id)
+            trial.lost += n == 0
+            trial.duplicated += n > 1
+
+    def write_while_killing(self, trial: Trial, component: str) -> None:
+        """Add documents one by one; kill ``component`` at a random moment; check every
+        acknowledged one."""
+        self.ensure_collection()
+        acked: list[str] = []
+        stop = threading.Event()
+
+        def writer() -> None:
+            i = 0
+            while not stop.is_set():
+                tag = f"t{self.n}-{i}"
+                i += 1
+                try:
+                    r = self.http.post(
+                        f"{self.stack.url('retrieval')}/v1/collections/{COLLECTION}/documents",
+                        json={"documents": [self.doc(tag)]},
+                        timeout=30,
+                    )
+                except httpx.HTTPError:
+                    continue  # not acknowledged: the client would retry; nothing is owed
+                if r.status_code in (200, 201):
+                    acked.append(tag)
+
+        thread = threading.Thread(target=writer, daemon=True)
+        thread.start()
+        time.sleep(self.rng.uniform(0.3, 2.0))
+        old = self.kill(component)
+        trial.recovery_s = self.wait_back(component, old)
+        stop.set()
+        thread.join(60)
+        if trial.recovery_s is None:
+            trial.stuck, trial.note = 1, f"{component} not back within {self.wait_s:.0f}s"
+            return
+        self.check_documents(trial, acked)
+
+    # -- targets -----------------------------------------------------------------------------
+    def retrieval(self, trial: Trial) -> None:
+        self.write_while_killing(trial, "retrieval")
+
+    def redis(self, trial: Trial) -> None:
+        self.write_while_killing(trial, "redis")
+        if not trial.stuck:
+            for svc in SERVICES:
+                if self.http.get(f"{self.stack.url(svc)}/v1/whoami").status_code != 200:
+                    trial.lost += 1
+                    trial.note += f" {svc} refused the key after the restart;"
+
+    def worker_io(self, trial: Trial) -> None:
+        self.ensure_collection()
+        ids = [f"t{self.n}-j{i}" for i in range(80)]
+        r = self.http.post(
+            f"{self.stack.url('retrieval')}/v1/collections/{COLLECTION}/documents",
+            json={"documents": [self.doc(i) for i in ids]},
+        )
+        r.raise_for_status()
+        job_id = r.json().get("job_id")
+        time.sleep(self.rng.uniform(0.1, 2.0))
+        old = self.kill("worker-io")
+        trial.recovery_s = self.wait_back("worker-io", old)
+        if job_id is None:  # ingested at once: acknowledged documents
+            self.check_documents(trial, ids)
+            return
+
+        def final() -> dict[str, object] | None:
+            job = self.http.get(f"{self.stack.url('retrieval')}/v1/jobs/{job_id}").json()
+            state = job.get("status", job.get("state"))
+            return job if state in ("succeeded", "failed", "cancelled") else None
+
+        job = self.until(final, self.wait_s)
+        if not isinstance(job, dict):
+            trial.stuck, trial.note = 1, f"ingestion job {job_id} not finished within {self.wait_s:.0f}s"
+            return
+        if job.get("status", job.get("state")) != "succeeded":
+            trial.lost, trial.note = len(ids), f"ingestion job failed: {job.get('error')}"
+            return
+        self.check_documents(trial, ids)
+
+    def worker_cpu(self, trial: Trial) -> None:
+        trainer = self.stack.url("trainer")
+        if not hasattr(self, "_dataset"):
+            rows = [
+                {
+                    "messages": [
+                        {"role": "user", "content": f"Count to {n}."},
+                        {"role": "assistant", "content": " ".join(map(str, range(1, n + 1)))},
+                    ]
+                }
+                for n in range(2, 18)
+            ]
+            data = "\n".join(json.dumps(r) for r in rows).encode()
+            self._dataset = self.http.post(
+                f"{trainer}/v1/files", files={"file": ("chaos.jsonl", data)}
+            ).json()["id"]
+            self._model = self.http.get(f"{self.stack.url('inference')}/v1/models").json()["data"][0]["id"]
+        body = {
+            "type": "sft",
+            "base_model": self._model,
+            "dataset": self._dataset,
+            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "max_tokens_per_pack": 256,
+            "hyperparameters": {"n_epochs": 4, "max_steps": 8, "checkpoint_every": 2, "seed": 7},
+        }
+        r = self.http.post(f"{trainer}/v1/jobs", json=body)
+        r.raise_for_status()
+        job_id = r.json()["id"]
+
+        def job() -> dict[str, object]:
+            return dict(self.http.get(f"{trainer}/v1/jobs/{job_id}").json())
+
+        if not self.until(lambda: job()["status"] == "running", self.wait_s):
+            trial.stuck, trial.note = 1, "job never started"
+            return
+        time.sleep(self.rng.uniform(0.0, 3.0))
+        old = self.kill("worker-cpu")
+        trial.recovery_s = self.wait_back("worker-cpu", old)
+        done = self.until(
+            lambda: (j := job())["status"] in ("succeeded", "failed", "cancelled") and j, self.wait_s
+        )
+        if not isinstance(done, dict):
+            trial.stuck, trial.note = 1, f"job {job_id} not finished within {self.wait_s:.0f}s"
+            return
+        trial.acknowledged = 1
+        progress = done.get("progress") or {}
+        if done["status"] != "succeeded" or progress.get("step") != progress.get("total"):
+            trial.lost, trial.note = 1, f"job ended {done['status']} at {progress}: {done.get('error')}"
+
+    def agent(self, trial: Trial) -> None:
+        message = f"Say something about chaos number {self.n}."
+        self.ensure_collection()
+        body = {"message": message, "collection": COLLECTION, "remember": True, "stream": True}
+        conv: str | None = None
+        old = 0
+        with self.http.stream(
+            "POST", f"{self.stack.url('agent')}/v1/pipelines/chat-documents/run", json=body
+        ) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                conv = conv or event.get("conversation_id")
+                if conv and event.get("type") in ("token", "delta"):
+                    old = self.kill("agent")  # mid-answer
+                    break
+        trial.recovery_s = self.wait_back("agent", old) if old else None
+        if not old:
+            trial.note = "the answer ended before a token could be interrupted"
+            return
+        if trial.recovery_s is None:
+            trial.stuck, trial.note = 1, f"agent not back within {self.wait_s:.0f}s"
+            return
+        trial.acknowledged = 1
+        r = self.http.get(f"{self.stack.url('agent')}/v1/conversations/{conv}")
+        said = json.dumps(r.json()) if r.status_code == 200 else ""
+        if message not in said:
+            trial.lost, trial.note = 1, f"the user's message is not in conversation {conv} ({r.status_code})"
+
+    def inference(self, trial: Trial) -> None:
+        url = f"{self.stack.url('inference')}/v1/completions"
+        model = self.http.get(f"{self.stack.url('inference')}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 200, "stream": True}
+        old = 0
+        with self.http.stream("POST", url, json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    old = self.kill("inference")
+                    break
+        trial.recovery_s = self.wait_back("inference", old)
+        if trial.recovery_s is None:
+            trial.stuck, trial.note = 1, f"inference not back within {self.wait_s:.0f}s"
+            return
+        trial.acknowledged = 1
+        again = self.http.post(url, json={"model": model, "prompt": "Hello", "max_tokens": 4})
+        if again.status_code != 200 or not again.json()["choices"]:
+            trial.lost, trial.note = 1, f"no answer after the restart: {again.status_code}"
+
+    def run(self, target: str) -> Trial:
+        self.n += 1
+        trial = Trial(target)
+        try:
+            getattr(self, target.replace("-", "_"))(trial)
+        except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
+            trial.stuck, trial.note = 1, f"{type(exc).__name__}: {exc}"
+        return trial
+
+
+def table(report: Report) -> str:
+    rows = [
+        "| kill target | trials | acknowledged | lost | duplicated | stuck | recovery p50 (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for target in TARGETS:
+        ts = [t for t in report.trials if t.target == target]
+        if not ts:
+            continue
+        rec = [t.recovery_s for t in ts if t.recovery_s is not None]
+        rows.append(
+            f"| {target} | {len(ts)} | {sum(t.acknowledged for t in ts)} | {sum(t.lost for t in ts)} | "
+            f"{sum(t.duplicated for t in ts)} | {sum(t.stuck for t in ts)} | "
+            f"{statistics.median(rec):.1f} |"
+            if rec
+            else f"| {target} | {len(ts)} | - | - | - | {len(ts)} | - |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=10, help="kills per target")
+    ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--wait", type=float, default=300, help="seconds a restart or a job may take")
+    ap.add_argument("--out", type=Path, help="write every trial as JSON here")
+    ap.add_argument("--keep", action="store_true", help="leave the stack running")
+    args = ap.parse_args(argv)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        ap.error(f"unknown target(s) {unknown}; choose from {', '.join(TARGETS)}")
+    report = Report()
+    with embedded_stack("tandem-chaos-", FAST_RECOVERY, keep=args.keep) as stack:
+        chaos = Chaos(stack, random.Random(args.seed), args.wait)
+        for target in targets:
+            for i in range(args.trials):
+                trial = chaos.run(target)
+                report.trials.append(trial)
+                print(f"{target} trial {i + 1}/{args.trials}: {asdict(trial)}", flush=True)
+    print()
+    print(table(report))
+    if args.out:
+        args.out.write_text(json.dumps(asdict(report), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
