@@ -75,14 +75,25 @@ def test_health_is_probed_only_when_older_than_the_ttl() -> None:
     assert single.stale() == []
 
 
-def test_a_replica_that_refuses_is_marked_down_and_the_request_goes_to_another() -> None:
-    pool = pool_of(A, B)
-    tried = []
-    for attempt in pool.attempts():
+def request(
+    pool: ReplicaPool, failures: list[BaseException], *, idempotent: bool = True, commit: bool = False
+) -> list[str]:
+    """One request through the pool; its n-th try raises ``failures[n]`` (none left: it
+    succeeds). Returns the replicas tried; an error that is not retried propagates."""
+    tried: list[str] = []
+    for attempt in pool.attempts(idempotent=idempotent):
         with attempt:
             tried.append(attempt.url)
-            if len(tried) == 1:
-                raise httpx.ConnectError("connection refused")
+            if commit:
+                attempt.commit()  # part of the answer reached the caller
+            if len(tried) <= len(failures):
+                raise failures[len(tried) - 1]
+    return tried
+
+
+def test_a_replica_that_refuses_is_marked_down_and_the_request_goes_to_another() -> None:
+    pool = pool_of(A, B)
+    tried = request(pool, [httpx.ConnectError("connection refused")])
     assert len(tried) == 2 and tried[0] != tried[1]
     assert pool.retries == 1
     first = next(r for r in pool.replicas if r.url == tried[0])
@@ -101,14 +112,11 @@ def test_a_replica_that_refuses_is_marked_down_and_the_request_goes_to_another()
 )
 def test_death_before_answering_is_retried_once(exc: Exception) -> None:
     pool = pool_of(A, B)
-    tried = []
+    assert len(set(request(pool, [exc]))) == 2 and pool.retries == 1
     with pytest.raises(type(exc)):
-        for attempt in pool.attempts():
-            with attempt:
-                tried.append(attempt.url)
-                raise exc
-    # two replicas tried, never a third time, and both now marked down
-    assert len(set(tried)) == 2 and pool.retries == 1
+        request(pool, [exc, exc, exc])
+    # never a third try, and both replicas are now marked down
+    assert pool.retries == 2
     assert [r.healthy for r in pool.replicas] == [False, False]
 
 
@@ -119,44 +127,23 @@ def test_what_is_not_a_death_is_not_retried() -> None:
         UpstreamBroken("model not found"),  # an answer, not a death
         ValueError("a bug"),
     ):
-        tried = []
         with pytest.raises(type(exc)):
-            for attempt in pool.attempts():
-                with attempt:
-                    tried.append(attempt.url)
-                    raise exc
-        assert len(tried) == 1
+            request(pool, [exc])
     assert pool.retries == 0 and [r.healthy for r in pool.replicas] == [True, True]
 
 
 def test_after_the_first_token_nothing_is_retried() -> None:
     pool = pool_of(A, B)
-    tried = []
     with pytest.raises(httpx.ReadError):
-        for attempt in pool.attempts():
-            with attempt:
-                tried.append(attempt.url)
-                attempt.commit()  # part of the answer reached the caller
-                raise httpx.ReadError("connection reset")
-    assert len(tried) == 1
+        request(pool, [httpx.ReadError("connection reset")], commit=True)
+    assert pool.retries == 0
 
 
 def test_a_request_with_side_effects_is_retried_only_if_it_never_arrived() -> None:
     pool = pool_of(A, B)
-    tried = []
     with pytest.raises(httpx.ReadError):
-        for attempt in pool.attempts(idempotent=False):
-            with attempt:
-                tried.append(attempt.url)
-                raise httpx.ReadError("reset after the body was sent")
-    assert len(tried) == 1
-    tried.clear()
-    for attempt in pool.attempts(idempotent=False):
-        with attempt:
-            tried.append(attempt.url)
-            if len(tried) == 1:
-                raise httpx.ConnectError("refused")
-    assert len(tried) == 2
+        request(pool, [httpx.ReadError("reset after the body was sent")], idempotent=False)
+    assert len(request(pool, [httpx.ConnectError("refused")], idempotent=False)) == 2
 
 
 def test_urls() -> None:
