@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -203,6 +202,8 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    from services.common.openai_stream import ChatCompletionChunk, openai_chunks
+
     t0 = time.perf_counter()
     times: list[float] = []
     usage = 0
@@ -210,15 +211,10 @@ async def one_request(
         "POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
     ) as resp:
         resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", []):
-                if choice["delta"].get("content"):
-                    times.append(time.perf_counter())
+        async for chunk in openai_chunks(resp.aiter_lines(), ChatCompletionChunk):
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            times += [time.perf_counter() for choice in chunk.choices if choice.text]
     return {"ttft": times[0] - t0 if times else float("nan"), "times": times, "tokens": usage}
 
 

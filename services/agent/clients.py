@@ -1,72 +1,37 @@
-"""HTTP clients of the retrieval and inference services.
+"""HTTP clients of the retrieval, inference and trainer services.
 
 The agent calls them with the *user's own* key, so tenant isolation is theirs to
 enforce and follows automatically; ``service_client`` passes the request id on.
 Upstream errors become typed errors here: a 404 from retrieval is an unknown
 collection for the caller (404), a 4xx is the caller's bad input (400), anything
-else is an upstream failure (502/503).
+else is an upstream failure (502/503): services.common.upstream maps them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from services.agent.chunks import Chunk
-from services.common.errors import (
-    InvalidRequest,
-    NotFound,
-    ServiceUnavailable,
-    TandemError,
-    TooManyRequests,
-    UpstreamError,
-)
+from services.common.errors import NotFound
 from services.common.http import service_client
+from services.common.openai_client import OpenAIClient
+from services.common.openai_stream import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList
+from services.common.replicas import ReplicaPool
+from services.common.upstream import (
+    UpstreamFailed,
+    UpstreamReply,
+    tandem_error,
+    unreachable,
+    upstream_error,
+)
 
 
-def _upstream_message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-        err = body.get("error") if isinstance(body, dict) else None
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(body, dict) and body.get("detail"):
-            return str(body["detail"])
-    except (ValueError, json.JSONDecodeError):
-        pass
-    return resp.text[:300] or resp.reason_phrase
+class _ServiceClient:
+    service = ""
 
-
-def upstream_error(service: str, resp: httpx.Response, param: str | None = None) -> TandemError:
-    message = f"{service}: {_upstream_message(resp)}"
-    if resp.status_code == 404:
-        return NotFound(message, param=param)
-    if resp.status_code == 429:
-        return TooManyRequests(message, headers={"Retry-After": resp.headers.get("retry-after", "1")})
-    if resp.status_code in (401, 403):
-        return UpstreamError(f"{message} (the key was refused upstream)")
-    if 400 <= resp.status_code < 500:
-        return InvalidRequest(message, param=param)
-    return UpstreamError(message)
-
-
-def unreachable(service: str, exc: Exception) -> TandemError:
-    return ServiceUnavailable(f"{service} service unreachable: {type(exc).__name__}: {exc}")
-
-
-@dataclass
-class Upstreams:
-    retrieval_url: str
-    inference_url: str
-    timeout: float = 120.0
-
-
-class RetrievalClient:
     def __init__(self, base_url: str, api_key: str, timeout: float = 60.0) -> None:
         self.base_url = base_url
         self.api_key = api_key
@@ -74,6 +39,23 @@ class RetrievalClient:
 
     def _client(self) -> httpx.AsyncClient:
         return service_client(self.base_url, self.api_key, self.timeout)
+
+    async def _post(self, path: str, param: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        """The JSON object answered; an error status is the upstream's error, mapped (its own
+        ``param`` when ``param`` is None)."""
+        try:
+            async with self._client() as client:
+                resp = await client.post(path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise unreachable(self.service, exc) from exc
+        if resp.status_code >= 400:
+            reply = UpstreamReply.of(self.service, resp)
+            raise upstream_error(reply, param=param or reply.param)
+        return dict(resp.json())
+
+
+class RetrievalClient(_ServiceClient):
+    service = "retrieval"
 
     async def search(
         self,
@@ -91,15 +73,10 @@ class RetrievalClient:
         if filters:
             body["filters"] = filters
         try:
-            async with self._client() as client:
-                resp = await client.post(f"/v1/collections/{collection}/search", json=body)
-        except httpx.HTTPError as exc:
-            raise unreachable("retrieval", exc) from exc
-        if resp.status_code == 404:
-            raise NotFound(f"unknown collection {collection!r}", param="collection")
-        if resp.status_code >= 400:
-            raise upstream_error("retrieval", resp, param="collection")
-        return [Chunk.from_result(item) for item in resp.json().get("results", [])]
+            found = await self._post(f"/v1/collections/{collection}/search", "collection", json=body)
+        except NotFound:
+            raise NotFound(f"unknown collection {collection!r}", param="collection") from None
+        return [Chunk.from_result(item) for item in found.get("results", [])]
 
     async def document_titles(self, collection: str, document_ids: list[str]) -> dict[str, str]:
         """Titles of documents (best effort: search hits may not carry them)."""
@@ -120,99 +97,45 @@ class RetrievalClient:
 
 
 class InferenceClient:
-    """OpenAI-style chat completions, streamed."""
+    """OpenAI-style chat completions over the inference replicas, as typed objects; a replica
+    that dies before answering is replaced by another (see services.common.replicas)."""
 
-    def __init__(self, base_url: str, api_key: str, timeout: float = 120.0) -> None:
-        self.base_url = base_url
-        self.api_key = api_key
-        self.timeout = timeout
+    def __init__(self, replicas: ReplicaPool | str, api_key: str, timeout: float = 120.0) -> None:
+        self.api = OpenAIClient(replicas, api_key, service="inference", timeout=timeout)
 
-    def _client(self) -> httpx.AsyncClient:
-        return service_client(self.base_url, self.api_key, self.timeout)
-
-    async def models(self) -> list[dict[str, Any]]:
+    async def models(self) -> list[ModelCard]:
         try:
-            async with self._client() as client:
-                resp = await client.get("/v1/models")
-        except httpx.HTTPError as exc:
-            raise unreachable("inference", exc) from exc
-        if resp.status_code >= 400:
-            raise upstream_error("inference", resp)
-        return list(resp.json().get("data", []))
+            return (await self.api.request_as(ModelList, "GET", "/models")).data
+        except (UpstreamFailed, httpx.HTTPError) as exc:
+            raise tandem_error("inference", exc) from exc
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, body: dict[str, Any]) -> ChatCompletion:
         try:
-            async with self._client() as client:
-                resp = await client.post("/v1/chat/completions", json={**body, "stream": False})
-        except httpx.HTTPError as exc:
-            raise unreachable("inference", exc) from exc
-        if resp.status_code >= 400:
-            raise upstream_error("inference", resp)
-        return dict(resp.json())
+            return await self.api.request_as(
+                ChatCompletion, "POST", "/chat/completions", {**body, "stream": False}
+            )
+        except (UpstreamFailed, httpx.HTTPError) as exc:
+            raise tandem_error("inference", exc) from exc
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Yields the chunk objects of an SSE stream; leaving early closes the connection,
-        which the inference service takes as a disconnect and frees the slot."""
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[ChatCompletionChunk]:
+        """The chunks of the answer; leaving early closes the connection, which the inference
+        service takes as a disconnect and frees the slot."""
         try:
-            async with (
-                self._client() as client,
-                client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp,
-            ):
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    raise upstream_error("inference", resp)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    try:
-                        chunk = json.loads(data)
-                    except json.JSONDecodeError:
-                        continue
-                    if isinstance(chunk, dict) and "error" in chunk:
-                        err = chunk["error"]
-                        raise UpstreamError(
-                            f"inference: {err.get('message') if isinstance(err, dict) else err}"
-                        )
-                    yield chunk
-        except httpx.HTTPError as exc:
-            raise unreachable("inference", exc) from exc
+            async for chunk in self.api.stream("/chat/completions", body, ChatCompletionChunk):
+                yield chunk
+        except (UpstreamFailed, httpx.HTTPError) as exc:
+            raise tandem_error("inference", exc) from exc
 
 
-class TrainerClient:
+class TrainerClient(_ServiceClient):
     """The trainer's dataset and job API, called with the caller's own key (so files and jobs
     belong to the caller's tenant)."""
 
-    def __init__(self, base_url: str, api_key: str, timeout: float = 120.0) -> None:
-        self.base_url = base_url
-        self.api_key = api_key
-        self.timeout = timeout
-
-    def _client(self) -> httpx.AsyncClient:
-        return service_client(self.base_url, self.api_key, self.timeout)
+    service = "trainer"
 
     async def upload_file(self, filename: str, data: bytes) -> dict[str, Any]:
         """POST /v1/files (multipart): the trainer checks every row before it stores the file."""
-        try:
-            async with self._client() as client:
-                resp = await client.post("/v1/files", files={"file": (filename, data, "application/jsonl")})
-        except httpx.HTTPError as exc:
-            raise unreachable("trainer", exc) from exc
-        if resp.status_code >= 400:
-            raise upstream_error("trainer", resp, param="format")
-        return dict(resp.json())
+        return await self._post("/v1/files", "format", files={"file": (filename, data, "application/jsonl")})
 
     async def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            async with self._client() as client:
-                resp = await client.post("/v1/jobs", json=body)
-        except httpx.HTTPError as exc:
-            raise unreachable("trainer", exc) from exc
-        if resp.status_code >= 400:
-            param = None
-            with contextlib.suppress(ValueError, AttributeError):
-                param = (resp.json().get("error") or {}).get("param")
-            raise upstream_error("trainer", resp, param=param)
-        return dict(resp.json())
+        return await self._post("/v1/jobs", json=body)

@@ -19,8 +19,9 @@ from langchain_core.tools import BaseTool
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from services.agent.chunks import Chunk
-from services.agent.clients import RetrievalClient, upstream_error
+from services.agent.clients import RetrievalClient
 from services.agent.tools.base import Tool, ToolContext, call_tool
+from services.common.upstream import UpstreamReply, upstream_error
 
 
 def _args_schema(tool: Tool) -> type[BaseModel]:
@@ -113,7 +114,7 @@ class TandemRetriever(BaseRetriever):
                 json={"query": query, "top_k": self.top_k, "mode": self.mode},
             )
         if resp.status_code >= 400:
-            raise upstream_error("retrieval", resp, param="collection")
+            raise upstream_error(UpstreamReply.of("retrieval", resp), param="collection")
         return [_document(Chunk.from_result(r)) for r in resp.json().get("results", [])]
 
     async def _aget_relevant_documents(

@@ -33,6 +33,7 @@ from services.agent.turns import SqliteTurnStore, TurnStore, new_message_id
 from services.common.auth import Principal
 from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from services.common.replicas import replica_pool
 
 log = logging.getLogger("tandem.agent")
 # Events that mean the answer has started (or ended): interfaces can commit to a streamed response then.
@@ -116,7 +117,9 @@ class AgentRuntime:
         return RetrievalClient(self.common.url_of("retrieval"), api_key, self.settings.upstream_timeout_s)
 
     def inference(self, api_key: str) -> InferenceClient:
-        return InferenceClient(self.common.url_of("inference"), api_key, self.settings.upstream_timeout_s)
+        # one pool for the process: every request shares the replicas' health and load
+        pool = replica_pool(self.common.inference_replicas())
+        return InferenceClient(pool, api_key, self.settings.upstream_timeout_s)
 
     def trainer(self, api_key: str) -> TrainerClient:
         return TrainerClient(self.common.url_of("trainer"), api_key, self.settings.upstream_timeout_s)
@@ -131,17 +134,15 @@ class AgentRuntime:
                     raise ServiceUnavailable("the inference service lists no model")
                 # The list is per tenant (shared models plus the caller's fine-tunes): the default,
                 # kept for every caller, must be a shared base model, never one tenant's adapter.
-                shared = [m for m in models if m.get("kind") in (None, "base")]
-                self._model = str((shared or models)[0]["id"])
+                shared = [m for m in models if m.kind in (None, "base")]
+                self._model = (shared or models)[0].id
         return self._model
 
     async def check_llm(self, inference: InferenceClient, llm: str) -> None:
         """``llm`` must be one of the models the inference service lists for the caller's key
         (shared base models and the tenant's own fine-tunes): anything else is a 404 naming it."""
         # Embedding and rerank models are listed too, but cannot write an answer.
-        listed = {
-            str(m.get("id")) for m in await inference.models() if m.get("kind") not in ("embedding", "rerank")
-        }
+        listed = {m.id for m in await inference.models() if m.kind not in ("embedding", "rerank")}
         if llm not in listed:
             raise NotFound(
                 f"unknown model {llm!r} for 'llm': use one of the models GET /v1/models lists for this key",

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.common.config import CommonSettings, load_settings
+from services.common.openai_stream import iter_sse
 
 console = Console()
 
@@ -170,10 +171,8 @@ def ask(
                 "error": f"HTTP {resp.status_code}: {resp.text[:200]}",
                 "total": time.perf_counter() - started,
             }
-        for line in resp.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            event = json.loads(line[5:])
+        for sse in iter_sse(resp.iter_lines()):
+            event = json.loads(sse.data)
             if event["type"] == "token":
                 if first is None:
                     first = time.perf_counter() - started

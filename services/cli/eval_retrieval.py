@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import typer
 
+from services.common.upstream import UpstreamReply
+
 MODES = ("dense", "sparse", "hybrid")
 
 
@@ -104,10 +106,7 @@ class RetrievalClient:
 
     def _check(self, r: httpx.Response) -> httpx.Response:
         if r.status_code >= 400:
-            try:
-                msg = r.json()["error"]["message"]
-            except Exception:
-                msg = r.text[:300]
+            msg = UpstreamReply.of("retrieval", r).message
             raise RuntimeError(f"{r.request.method} {r.request.url.path} -> {r.status_code}: {msg}")
         return r
 

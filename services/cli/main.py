@@ -327,9 +327,11 @@ def demo() -> None:
     headers = {"Authorization": f"Bearer {key}"}
     try:
         for svc in SERVICE_NAMES:
-            resp = httpx.get(f"{common.url_of(svc)}/v1/whoami", headers=headers, timeout=10)
-            resp.raise_for_status()
-            console.print(f"{svc:<10} {common.url_of(svc)} answers for tenant {resp.json()['tenant']}")
+            # every inference replica (TANDEM_INFERENCE_URLS) must answer, not just one of them
+            for url in common.inference_replicas() if svc == "inference" else [common.url_of(svc)]:
+                resp = httpx.get(f"{url}/v1/whoami", headers=headers, timeout=10)
+                resp.raise_for_status()
+                console.print(f"{svc:<10} {url} answers for tenant {resp.json()['tenant']}")
         question = "How do I start Tandem and where is the API key?"
         hits = httpx.post(
             f"{common.url_of('retrieval')}/v1/collections/docs/search",

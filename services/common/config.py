@@ -60,6 +60,12 @@ class CommonSettings(BaseSettings):
     retrieval_url: str = ""
     trainer_url: str = ""
     agent_url: str = ""
+    inference_urls: str = Field(
+        "",
+        description="Comma-separated base URLs of several inference replicas: the agent, trainer and "
+        "CLI spread requests over the ready ones (by /readyz) and retry a request once on another when "
+        "one dies before answering. When set, it is used instead of TANDEM_INFERENCE_URL.",
+    )
     # API key a service presents when it calls another service on its own behalf.
     service_api_key: str = ""
     max_upload_mb: int = 50
@@ -85,6 +91,14 @@ class CommonSettings(BaseSettings):
             self.redis_url = with_password(self.redis_url, self.redis_password)
         return self
 
+    @field_validator("inference_urls")
+    @classmethod
+    def _replica_urls(cls, value: str) -> str:
+        for url in (u.strip() for u in value.split(",")):
+            if url and not url.startswith(("http://", "https://")):
+                raise ValueError(f"must be http:// or https:// URLs separated by commas, got {url!r}")
+        return value
+
     @field_validator("agent_port", "inference_port", "retrieval_port", "trainer_port", "redis_port")
     @classmethod
     def _port_range(cls, value: int) -> int:
@@ -104,6 +118,11 @@ class CommonSettings(BaseSettings):
 
     def port_of(self, service: str) -> int:
         return int(getattr(self, f"{service}_port"))
+
+    def inference_replicas(self) -> list[str]:
+        """TANDEM_INFERENCE_URLS when set, else the one inference URL."""
+        urls = [u.strip().rstrip("/") for u in self.inference_urls.split(",") if u.strip()]
+        return urls or [self.url_of("inference")]
 
     def url_of(self, service: str) -> str:
         explicit = str(getattr(self, f"{service}_url"))

@@ -13,7 +13,9 @@ async def _add_request_id(request: httpx.Request) -> None:
         request.headers[REQUEST_ID_HEADER] = rid
 
 
-def service_client(base_url: str, api_key: str | None = None, timeout: float = 60.0) -> httpx.AsyncClient:
+def service_client(
+    base_url: str = "", api_key: str | None = None, timeout: float | httpx.Timeout = 60.0
+) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.AsyncClient(
         base_url=base_url, headers=headers, timeout=timeout, event_hooks={"request": [_add_request_id]}

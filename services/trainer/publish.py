@@ -21,6 +21,8 @@ import httpx
 
 from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, ServiceUnavailable
+from services.common.replicas import replica_pool, request_sync
+from services.common.upstream import UpstreamReply
 from services.trainer.protocol import JobCreate
 
 
@@ -71,37 +73,45 @@ def publish(common: CommonSettings, job_id: str, spec: JobCreate, path: Path, ti
     job = _job(common, job_id)
     tenant = job.get("tenant") or ""
     name = published_name(job_id)
-    base = common.url_of("inference")
     body: dict[str, Any]
     if spec.lora is not None:
-        url, body = f"{base}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}
+        route, body = "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}
         adapter_base = _adapter_base(common, job.get("model_path", ""), job)
         if adapter_base:
             body["base"] = adapter_base
     else:
-        url, body = f"{base}/v1/models/register", {"name": name, "path": str(path)}
+        route, body = "/v1/models/register", {"name": name, "path": str(path)}
     if tenant:
         body["tenant"] = tenant
+    # one replica records it in the durable registry, and every replica serves it from there;
+    # sent again elsewhere only if it never reached the first (a second load would be a 409)
+    pool = replica_pool(common.inference_replicas())
     try:
-        resp = httpx.post(url, json=body, headers=_headers(common), timeout=timeout)
+        resp = request_sync(
+            pool, "POST", route, idempotent=False, json=body, headers=_headers(common), timeout=timeout
+        )
     except httpx.HTTPError as exc:
-        raise PublishError(f"inference service at {base} unreachable: {exc}") from None
+        raise PublishError(f"inference service at {', '.join(pool.urls)} unreachable: {exc}") from None
     if resp.status_code >= 400:
-        raise PublishError(f"inference service refused {url}: {resp.status_code} {resp.text[:300]}")
+        reply = UpstreamReply.of("inference", resp)
+        raise PublishError(
+            f"inference service refused {resp.request.url}: {resp.status_code} {reply.message}"
+        )
     return name
 
 
 def capabilities(common: CommonSettings, timeout: float = 10.0) -> dict[str, Any]:
     """``GET {inference}/v1/capabilities``; a 503 naming ``publish`` when it cannot be asked
     (a job that would fail only after training is refused now, not an hour later)."""
-    base = common.url_of("inference")
+    pool = replica_pool(common.inference_replicas())
+    base = ", ".join(pool.urls)
     if not common.service_api_key:
         raise ServiceUnavailable(
             "publish: TANDEM_SERVICE_API_KEY is not set, so the trainer cannot publish to the inference service",
             param="publish",
         )
     try:
-        resp = httpx.get(f"{base}/v1/capabilities", headers=_headers(common), timeout=timeout)
+        resp = request_sync(pool, "GET", "/v1/capabilities", headers=_headers(common), timeout=timeout)
     except httpx.HTTPError as exc:
         raise ServiceUnavailable(
             f"publish: the inference service at {base} is unreachable ({exc}); retry when it is up, "

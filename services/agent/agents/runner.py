@@ -165,7 +165,7 @@ class AgentRunner:
                 sampling["stop"] = STOP
             self._record_call(messages, sampling)
             resp = await self.inference.complete({"model": self.model, "messages": messages, **sampling})
-            text = str(((resp.get("choices") or [{}])[0].get("message") or {}).get("content") or "")
+            text = resp.message.content or ""
             self.result.completion = text
             as_text = json_step_as_text(text) if self.constrained else None
             parsed = parse_react(as_text if as_text is not None else text, names)
@@ -299,13 +299,13 @@ class AgentRunner:
             resp = await self.inference.complete(
                 {"model": self.model, "messages": messages, "tools": tools, **sampling}
             )
-            message = (resp.get("choices") or [{}])[0].get("message") or {}
-            self.result.completion = str(message.get("content") or "")
-            calls = message.get("tool_calls") or []
-            final_call = next((c for c in calls if (c.get("function") or {}).get("name") == FINAL_TOOL), None)
+            message = resp.message
+            self.result.completion = message.content or ""
+            calls = message.tool_calls or []
+            final_call = next((c for c in calls if c.function.name == FINAL_TOOL), None)
             if final_call is not None:
                 try:
-                    args = json.loads((final_call.get("function") or {}).get("arguments") or "{}")
+                    args = json.loads(final_call.function.arguments or "{}")
                 except json.JSONDecodeError:
                     args = {}
                 answer = str(args.get("answer", "") if isinstance(args, dict) else args).strip()
@@ -313,19 +313,24 @@ class AgentRunner:
                     yield event
                 return
             if not calls:
-                for event in self._final(str(message.get("content") or "").strip()):
+                for event in self._final((message.content or "").strip()):
                     yield event
                 return
-            if message.get("content"):
-                yield {"type": "step", "kind": "thought", "step": step, "text": message["content"]}
-            messages.append({"role": "assistant", "content": message.get("content"), "tool_calls": calls})
+            if message.content:
+                yield {"type": "step", "kind": "thought", "step": step, "text": message.content}
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": message.content,
+                    "tool_calls": [c.model_dump(exclude_none=True) for c in calls],
+                }
+            )
             for call in calls:
-                fn = call.get("function") or {}
-                name = str(fn.get("name") or "")
+                name = call.function.name
                 try:
-                    args = json.loads(fn.get("arguments") or "{}")
+                    args = json.loads(call.function.arguments or "{}")
                 except json.JSONDecodeError:
-                    args = fn.get("arguments") or ""
+                    args = call.function.arguments
                 yield {"type": "step", "kind": "tool_call", "step": step, "tool": name, "input": args}
                 if name not in self.tools:
                     self._last_observation = f"error: unknown tool {name!r}"
@@ -340,7 +345,7 @@ class AgentRunner:
                     async for event in self._tool(name, args):
                         yield event
                 messages.append(
-                    {"role": "tool", "tool_call_id": call.get("id", name), "content": self._last_observation}
+                    {"role": "tool", "tool_call_id": call.id or name, "content": self._last_observation}
                 )
         self.result.finish_reason = "step_budget"
         yield {

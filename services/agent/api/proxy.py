@@ -19,6 +19,7 @@ from starlette.background import BackgroundTask
 
 from services.common.errors import InvalidRequest, ServiceUnavailable
 from services.common.logs import REQUEST_ID_HEADER, current_request_id
+from services.common.replicas import died, replica_pool
 
 router = APIRouter(tags=["proxy"])
 
@@ -50,7 +51,10 @@ async def proxy(
 ) -> StreamingResponse:
     if any(part in ("..", ".") for part in path.split("/")):
         raise InvalidRequest(f"path {path!r} may not contain '.' or '..' segments", param="path")
-    base = request.app.state.common.url_of(service)
+    common = request.app.state.common
+    # several inference replicas: a ready one (a proxied body cannot be sent twice, so no retry)
+    pool = replica_pool(common.inference_replicas()) if service == "inference" else None
+    base = pool.pick() if pool is not None else common.url_of(service)
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
     rid = current_request_id() or request.headers.get(REQUEST_ID_HEADER)
     if rid:
@@ -67,6 +71,8 @@ async def proxy(
         resp = await client.send(upstream, stream=True)
     except httpx.HTTPError as exc:
         await client.aclose()
+        if pool is not None and died(exc):
+            pool.observe(base, False, f"{type(exc).__name__}: {exc}")
         raise ServiceUnavailable(f"{service} service unreachable: {type(exc).__name__}") from exc
 
     async def body() -> AsyncIterator[bytes]:

@@ -134,14 +134,13 @@ class InferenceGenerator:
             "stream_options": {"include_usage": True},
         }
         async for chunk in ctx.inference.stream(body):
-            if chunk.get("usage"):
-                self.usage = {k: int(v) for k, v in chunk["usage"].items() if isinstance(v, int)}
-            for choice in chunk.get("choices") or []:
-                if choice.get("finish_reason"):
-                    self.finish_reason = str(choice["finish_reason"])
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    yield text
+            if chunk.usage is not None:
+                self.usage = {k: v for k, v in chunk.usage.model_dump().items() if isinstance(v, int)}
+            for choice in chunk.choices:
+                if choice.finish_reason:
+                    self.finish_reason = choice.finish_reason
+                if choice.text:
+                    yield choice.text
 
 
 # -- nodes ---------------------------------------------------------------------------------------

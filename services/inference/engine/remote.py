@@ -7,16 +7,27 @@ stream closes the upstream connection, which makes the upstream server abort too
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 import httpx
 
+from services.common.openai_client import OpenAIClient
+from services.common.openai_stream import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    CompletionChunk,
+    CompletionLogprobs,
+    ModelList,
+)
+from services.common.replicas import api_root
+from services.common.upstream import UpstreamBroken, UpstreamFailed, UpstreamStatus
 from services.inference.engine.base import ServedModel
 from services.inference.engine.types import (
     AdapterError,
     EngineRequest,
+    FinishReason,
     InvalidParams,
     StreamEvent,
     TokenLogprob,
@@ -37,38 +48,48 @@ class RemoteEngine:
         # whether the upstream honours response_format / guided_grammar (vLLM, OpenAI do):
         # when it does not, such requests are refused here rather than silently unconstrained
         self.structured_outputs = structured_outputs
-        root = base_url.rstrip("/")
-        self.base = root if root.endswith("/v1") else root + "/v1"
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
+        self.base = api_root(base_url.rstrip("/"))
+        self.api = OpenAIClient(
+            self.base,
+            api_key,
+            service="upstream",
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            persistent=True,
+        )
         self._names: set[str] = set()
 
     async def start(self) -> None:
         pass
 
     async def shutdown(self) -> None:
-        await self.client.aclose()
+        await self.api.aclose()
 
-    async def _json(self, method: str, path: str, body: dict | None = None) -> Any:
+    def _failure(self, exc: UpstreamFailed | httpx.HTTPError) -> UpstreamFailure:
+        if isinstance(exc, UpstreamStatus):
+            reply = exc.reply
+            body = reply.body or {"error": {"message": reply.message}}
+            return UpstreamFailure(f"upstream answered {reply.status_code}", reply.status_code, body)
+        if isinstance(exc, UpstreamBroken):
+            return UpstreamFailure(f"{self.base}: {exc}")
+        return UpstreamFailure(f"{self.base} is unreachable: {exc}")
+
+    async def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         try:
-            resp = await self.client.request(method, self.base + path, json=body)
-        except httpx.HTTPError as exc:
-            raise UpstreamFailure(f"{self.base} is unreachable: {exc}") from None
-        data = _body(resp.content)
-        if resp.status_code >= 400:
-            raise UpstreamFailure(f"upstream answered {resp.status_code}", resp.status_code, data)
-        return data
+            return await self.api.request(method, path, body, idempotent=method == "GET")
+        except (UpstreamFailed, httpx.HTTPError) as exc:
+            raise self._failure(exc) from None
 
     async def models(self) -> list[ServedModel]:
-        data = await self._json("GET", "/models")
+        try:
+            listed = await self.api.request_as(ModelList, "GET", "/models")
+        except (UpstreamFailed, httpx.HTTPError) as exc:
+            raise self._failure(exc) from None
         out = []
-        for m in data.get("data", []) if isinstance(data, dict) else []:
-            if m.get("kind") in ("embedding", "rerank"):  # an upstream Tandem's: not chat models
+        for m in listed.data:
+            if m.kind in ("embedding", "rerank"):  # an upstream Tandem's: not chat models
                 continue
-            kind = "adapter" if m.get("parent") else "base"
-            out.append(
-                ServedModel(str(m["id"]), kind, parent=m.get("parent"), max_model_len=m.get("max_model_len"))
-            )
+            kind = "adapter" if m.parent else "base"
+            out.append(ServedModel(m.id, kind, parent=m.parent, max_model_len=m.max_model_len))
         self._names = {m.id for m in out}
         return out
 
@@ -114,56 +135,61 @@ class RemoteEngine:
         if request.prompt_token_ids is not None and not chat:
             body["prompt"] = request.prompt_token_ids
         path = "/chat/completions" if chat else "/completions"
-        req = self.client.build_request("POST", self.base + path, json=body)
+        chunks: AsyncGenerator[ChatCompletionChunk | CompletionChunk, None] = (
+            self.api.stream(path, body, ChatCompletionChunk)
+            if chat
+            else self.api.stream(path, body, CompletionChunk)
+        )
+        # the first chunk with output is awaited here, so a refused request is this call's error
+        # (an HTTP status for the client) rather than an error inside a started stream
         try:
-            resp = await self.client.send(req, stream=True)
-        except httpx.HTTPError as exc:
-            raise UpstreamFailure(f"{self.base} is unreachable: {exc}") from None
-        if resp.status_code >= 400:
-            content = await resp.aread()
-            await resp.aclose()
-            raise UpstreamFailure(f"upstream answered {resp.status_code}", resp.status_code, _body(content))
-        return self._events(resp, chat, request.params.n)
+            first = await anext(chunks, None)
+        except UpstreamBroken as exc:
+            return _failed(str(exc))
+        except (UpstreamFailed, httpx.HTTPError) as exc:
+            raise self._failure(exc) from None
+        return self._events(first, chunks, request.params.n)
 
-    async def _events(self, resp: httpx.Response, chat: bool, n: int) -> AsyncIterator[StreamEvent]:
+    async def _events(
+        self,
+        first: ChatCompletionChunk | CompletionChunk | None,
+        chunks: AsyncGenerator[ChatCompletionChunk | CompletionChunk, None],
+        n: int,
+    ) -> AsyncIterator[StreamEvent]:
         counts: dict[int, int] = {}
         finished: dict[int, StreamEvent] = {}
-        usage: dict[str, int] | None = None
+        usage = None
         try:
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    err = chunk["error"]
-                    yield StreamEvent(0, [], "", None, "error", 0, 0, error=str(err.get("message", err)))
-                    return
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices", []):
-                    idx = int(choice.get("index", 0))
-                    text = (
-                        (choice.get("delta") or {}).get("content") or "" if chat else choice.get("text") or ""
+            chunk = first
+            while chunk is not None:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    idx = choice.index
+                    entries = _logprobs(choice.logprobs)
+                    calls = (
+                        [c.model_dump(exclude_none=True) for c in choice.delta.tool_calls or []]
+                        if isinstance(choice, ChatChunkChoice)
+                        else None
                     )
-                    entries = _logprobs(choice.get("logprobs"), chat)
-                    calls = (choice.get("delta") or {}).get("tool_calls") if chat else None
-                    if text or entries or calls:
+                    if choice.text or entries or calls:
                         counts[idx] = counts.get(idx, 0) + max(1, len(entries or []))
                         yield StreamEvent(
-                            idx, [], text, entries, None, 0, counts[idx], tool_calls=calls or None
+                            idx, [], choice.text, entries, None, 0, counts[idx], tool_calls=calls or None
                         )
-                    if choice.get("finish_reason"):
+                    if choice.finish_reason:
                         # held back until usage arrives, so the counts are the upstream's
-                        finished[idx] = StreamEvent(
-                            idx, [], "", None, choice["finish_reason"], 0, counts.get(idx, 0)
-                        )
+                        # passed on as the upstream said it ("tool_calls" included)
+                        reason = cast(FinishReason, choice.finish_reason)
+                        finished[idx] = StreamEvent(idx, [], "", None, reason, 0, counts.get(idx, 0))
+                chunk = await anext(chunks, None)
+        except (UpstreamFailed, httpx.HTTPError) as exc:
+            # an error object in the stream, or the connection lost after the first token
+            yield StreamEvent(0, [], "", None, "error", 0, 0, error=str(exc) or type(exc).__name__)
+            return
         finally:
-            await resp.aclose()
-        per_prompt = int(usage.get("prompt_tokens", 0)) if usage else 0
-        completion = int(usage.get("completion_tokens", 0)) if usage else 0
+            await chunks.aclose()
+        per_prompt = usage.prompt_tokens if usage else 0
+        completion = usage.completion_tokens if usage else 0
         for idx in sorted(finished):
             ev = finished[idx]
             ev.prompt_tokens = per_prompt
@@ -184,11 +210,8 @@ class RemoteEngine:
                 )
 
 
-def _body(content: bytes) -> Any:
-    try:
-        return json.loads(content)
-    except ValueError:
-        return {"error": {"message": content.decode("utf-8", "replace")[:500]}}
+async def _failed(message: str) -> AsyncIterator[StreamEvent]:
+    yield StreamEvent(0, [], "", None, "error", 0, 0, error=message)
 
 
 def _message(exc: UpstreamFailure) -> str:
@@ -196,21 +219,16 @@ def _message(exc: UpstreamFailure) -> str:
     return str(err.get("message")) if isinstance(err, dict) else str(exc)
 
 
-def _logprobs(raw: Any, chat: bool) -> list[TokenLogprob] | None:
-    if not raw:
+def _logprobs(raw: ChatLogprobs | CompletionLogprobs | None) -> list[TokenLogprob] | None:
+    if raw is None:
         return None
-    if chat:
+    if isinstance(raw, ChatLogprobs):
         return [
-            TokenLogprob(
-                -1,
-                e["token"],
-                float(e["logprob"]),
-                [TopLogprob(-1, t["token"], float(t["logprob"])) for t in e.get("top_logprobs") or []],
-            )
-            for e in raw.get("content") or []
-        ]
-    tops = raw.get("top_logprobs") or [None] * len(raw.get("tokens", []))
+            TokenLogprob(-1, e.token, e.logprob, [TopLogprob(-1, t.token, t.logprob) for t in e.top_logprobs])
+            for e in raw.content or []
+        ] or None
+    tops = raw.top_logprobs or [None] * len(raw.tokens)
     return [
-        TokenLogprob(-1, tok, float(lp), [TopLogprob(-1, k, float(v)) for k, v in (top or {}).items()])
-        for tok, lp, top in zip(raw.get("tokens", []), raw.get("token_logprobs", []), tops, strict=False)
-    ]
+        TokenLogprob(-1, tok, lp, [TopLogprob(-1, k, v) for k, v in (top or {}).items()])
+        for tok, lp, top in zip(raw.tokens, raw.token_logprobs, tops, strict=False)
+    ] or None
