@@ -200,6 +200,8 @@ class ToolCall(_Wire):
 
 
 class ChatCompletionMessage(_Wire):
+    """The answer of a ``chat.completion``: ``content`` is null when it is tool calls."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
@@ -251,6 +253,8 @@ class ToolCallDelta(_Wire):
 
 
 class ChatDelta(_Wire):
+    """What one chunk adds to a choice: the role first, then content or tool-call pieces."""
+
     _omit_unset = frozenset({"role", "content", "tool_calls"})
 
     role: Literal["assistant"] | None = None

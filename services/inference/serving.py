@@ -34,6 +34,7 @@ from services.common.errors import (
     UpstreamError,
     error_body,
 )
+from services.inference.engine.base import AdapterNotFound, NameTaken
 from services.inference.engine.tools import ToolCall, call_schema, may_be_call, parse_tool_calls
 from services.inference.engine.types import (
     AdapterError,
@@ -88,6 +89,10 @@ def http_error(exc: EngineError) -> TandemError:
         return TooManyRequests(
             str(exc), code=exc.code, headers={"Retry-After": str(max(1, round(exc.retry_after)))}
         )
+    if isinstance(exc, NameTaken):
+        return Conflict(str(exc))
+    if isinstance(exc, AdapterNotFound):
+        return NotFound(str(exc), param="lora_name", code="adapter_not_found")
     if isinstance(exc, UnknownModel):
         return NotFound(str(exc), param="model", code="model_not_found")
     if isinstance(exc, NotPermitted):
