@@ -10,22 +10,10 @@ from pathlib import Path
 from services.common.auth import Principal
 from services.common.errors import Conflict, InvalidRequest, NotFound, TandemError
 from services.common.paths import resolve_under_roots
+from services.inference import protocol as api
 from services.inference.embeddings import EmbeddingService
 from services.inference.engine.base import NameTaken
 from services.inference.engine.types import EngineError
-from services.inference.protocol import (
-    AdapterLoaded,
-    AdapterUnloaded,
-    Capabilities,
-    LoadLoraRequest,
-    ModelCard,
-    ModelDeleted,
-    ModelList,
-    ModelUnregistered,
-    RegisterModelRequest,
-    UnloadLoraRequest,
-    UnregisterModelRequest,
-)
 from services.inference.registry import ModelRegistry
 from services.inference.serving import http_error
 
@@ -52,15 +40,15 @@ class ModelAdmin:
             raise InvalidRequest(f"{param}: {value!r} does not exist", param=param)
         return path
 
-    async def list(self, principal: Principal) -> ModelList:
+    async def list(self, principal: Principal) -> api.ModelList:
         """The served base models, shared fine-tunes, and the caller tenant's own."""
         try:
             served = await self.registry.models(principal)
         except EngineError as exc:
             raise http_error(exc) from None
-        return ModelList(
+        return api.ModelList(
             data=[
-                ModelCard(
+                api.ModelCard(
                     id=m.id,
                     created=STARTED,
                     owned_by=m.owned_by,
@@ -79,25 +67,25 @@ class ModelAdmin:
             + self.embeddings.cards(STARTED)
         )
 
-    async def card(self, model_id: str, principal: Principal) -> ModelCard:
+    async def card(self, model_id: str, principal: Principal) -> api.ModelCard:
         for card in (await self.list(principal)).data:
             if card.id == model_id:
                 return card
         raise NotFound(f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
 
-    def capabilities(self) -> Capabilities:
-        return Capabilities(**self.registry.capabilities())
+    def capabilities(self) -> api.Capabilities:
+        return api.Capabilities(**self.registry.capabilities())
 
-    async def delete(self, model_id: str, principal: Principal) -> ModelDeleted:
+    async def delete(self, model_id: str, principal: Principal) -> api.ModelDeleted:
         try:
             rec = await self.registry.remove(model_id, principal)
         except EngineError as exc:
             raise _http(exc, "model") from None
-        return ModelDeleted(
+        return api.ModelDeleted(
             id=model_id, kind="registered" if rec is not None and rec.kind == "model" else "adapter"
         )
 
-    async def load_adapter(self, body: LoadLoraRequest) -> AdapterLoaded:
+    async def load_adapter(self, body: api.LoadLoraRequest) -> api.AdapterLoaded:
         path = self._server_path(body.lora_path, "lora_path")
         try:
             await self.registry.load_adapter(body.lora_name, path, body.tenant or "", body.base)
@@ -105,16 +93,16 @@ class ModelAdmin:
             raise Conflict(f"lora_name {body.lora_name!r} is already served", param="lora_name") from None
         except EngineError as exc:
             raise _http(exc, "base") from None
-        return AdapterLoaded(lora_name=body.lora_name, lora_path=str(path), tenant=body.tenant or None)
+        return api.AdapterLoaded(lora_name=body.lora_name, lora_path=str(path), tenant=body.tenant or None)
 
-    async def unload_adapter(self, body: UnloadLoraRequest, principal: Principal) -> AdapterUnloaded:
+    async def unload_adapter(self, body: api.UnloadLoraRequest, principal: Principal) -> api.AdapterUnloaded:
         try:
             await self.registry.remove(body.lora_name, principal, kind="adapter")
         except EngineError as exc:
             raise http_error(exc) from None
-        return AdapterUnloaded(lora_name=body.lora_name)
+        return api.AdapterUnloaded(lora_name=body.lora_name)
 
-    async def register(self, body: RegisterModelRequest) -> ModelCard:
+    async def register(self, body: api.RegisterModelRequest) -> api.ModelCard:
         path = self._server_path(body.path, "path")
         try:
             await self.registry.register(body.name, path, body.tenant or "")
@@ -127,7 +115,7 @@ class ModelAdmin:
                     f"path {body.path!r} could not be loaded as a model: {exc}", param="path"
                 ) from None
             raise err from None
-        return ModelCard(
+        return api.ModelCard(
             id=body.name,
             created=int(time.time()),
             root=str(path),
@@ -135,9 +123,11 @@ class ModelAdmin:
             owned_by=body.tenant or "tandem",
         )
 
-    async def unregister(self, body: UnregisterModelRequest, principal: Principal) -> ModelUnregistered:
+    async def unregister(
+        self, body: api.UnregisterModelRequest, principal: Principal
+    ) -> api.ModelUnregistered:
         try:
             await self.registry.remove(body.name, principal, kind="model")
         except EngineError as exc:
             raise _http(exc, "name") from None
-        return ModelUnregistered(name=body.name)
+        return api.ModelUnregistered(name=body.name)

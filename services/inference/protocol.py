@@ -209,6 +209,8 @@ class ChatCompletionMessage(_Wire):
 
 
 class ChatChoice(_Wire):
+    """One answer of a ``chat.completion``; one that made tool calls ends ``tool_calls``."""
+
     index: int
     message: ChatCompletionMessage
     logprobs: ChatLogprobs | None = None
@@ -233,10 +235,9 @@ class ChatCompletion(_Completion):
 class FunctionDelta(_Wire):
     # an upstream's own fields pass through (remote engine)
     model_config = ConfigDict(extra="allow")
-    _omit_unset = frozenset({"name", "arguments"})
-
     name: str | None = None
     arguments: str | None = None
+    _omit_unset = frozenset({"name", "arguments"})
 
 
 class ToolCallDelta(_Wire):
@@ -244,25 +245,25 @@ class ToolCallDelta(_Wire):
     the later ones argument fragments (OpenAI's chunk shape)."""
 
     model_config = ConfigDict(extra="allow")
-    _omit_unset = frozenset({"index", "id", "type", "function"})
-
     index: int = 0
     id: str | None = None
     type: Literal["function"] | None = None
     function: FunctionDelta | None = None
+    _omit_unset = frozenset({"index", "id", "type", "function"})
 
 
 class ChatDelta(_Wire):
     """What one chunk adds to a choice: the role first, then content or tool-call pieces."""
 
-    _omit_unset = frozenset({"role", "content", "tool_calls"})
-
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    _omit_unset = frozenset({"role", "content", "tool_calls"})
 
 
 class ChatChunkChoice(_Wire):
+    """One choice's piece of a ``chat.completion.chunk``: ``finish_reason`` is set on its last."""
+
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
@@ -270,14 +271,16 @@ class ChatChunkChoice(_Wire):
 
 
 class ChatCompletionChunk(_Completion):
-    _omit_unset = frozenset({"usage"})
-
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    _omit_unset = frozenset({"usage"})
 
 
 class CompletionChoice(_Wire):
+    """A choice of a text completion or chunk; with several prompts, ``index`` is
+    prompt * n + choice."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -288,11 +291,10 @@ class TextCompletion(_Completion):
     """A text completion, and (OpenAI's way) each chunk of a streamed one: ``usage`` is left
     out of chunks unless ``stream_options.include_usage`` asks for it."""
 
-    _omit_unset = frozenset({"usage"})
-
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    _omit_unset = frozenset({"usage"})
 
 
 # --- adapter and model management answers ----------------------------------------------------------

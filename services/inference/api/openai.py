@@ -84,7 +84,8 @@ async def load_lora_adapter(body: LoadLoraRequest, _: OperatorDep, admin: ModelA
 async def unload_lora_adapter(
     body: UnloadLoraRequest, admin: ModelAdminDep, caller: CallerDep
 ) -> AdapterUnloaded:
-    """Remove an adapter everywhere (its record too): an operator, or the owning tenant."""
+    """Remove an adapter everywhere (its record too; requests still running on it end with an
+    error): an operator, or the owning tenant."""
     return await admin.unload_adapter(body, caller)
 
 
