@@ -279,30 +279,25 @@ class EmbeddingService:
         return model
 
     def cards(self, created: int) -> list[ModelCard]:
+        kinds: list[tuple[Literal["embedding", "rerank"], dict[str, ModelSpec]]] = [
+            ("embedding", self.embedding_specs),
+            ("rerank", self.rerank_specs),
+        ]
         cards = []
-        for name in self.embedding_specs:
-            loaded = self._loaded.get(name)
-            cards.append(
-                ModelCard(
-                    id=name,
-                    created=created,
-                    root=name,
-                    kind="embedding",
-                    dimensions=loaded.dim if loaded else None,
-                    max_model_len=loaded.max_tokens if loaded else None,
+        for kind, specs in kinds:
+            for name in specs:
+                loaded = self._loaded.get(name)
+                cards.append(
+                    ModelCard(
+                        id=name,
+                        created=created,
+                        root=name,
+                        kind=kind,
+                        # the vector size, once an embedding model is loaded
+                        dimensions=loaded.dim if loaded is not None and kind == "embedding" else None,
+                        max_model_len=loaded.max_tokens if loaded else None,
+                    )
                 )
-            )
-        for name in self.rerank_specs:
-            loaded = self._loaded.get(name)
-            cards.append(
-                ModelCard(
-                    id=name,
-                    created=created,
-                    root=name,
-                    kind="rerank",
-                    max_model_len=loaded.max_tokens if loaded else None,
-                )
-            )
         return cards
 
     # -- /v1/embeddings ---------------------------------------------------------------------
