@@ -26,7 +26,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +65,8 @@ class ModelRecord:
     created_at: float
 
     def to_hash(self) -> dict[str, str]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "tenant": self.tenant,
-            "path": self.path,
-            "base": self.base,
-            "rank": "" if self.rank is None else str(self.rank),
-            "created_at": repr(self.created_at),
-        }
+        # Redis hash fields are text: no rank is ""; str() of a float round-trips exactly
+        return {k: "" if v is None else str(v) for k, v in asdict(self).items()}
 
     @classmethod
     def from_hash(cls, data: dict[str, str]) -> ModelRecord | None:
