@@ -145,10 +145,14 @@ class ModelList(BaseModel):
 
 
 class _Wire(BaseModel):
-    """A response model. Fields named in ``_omit_unset`` stay out of the JSON unless they were
-    given (a stream delta carries only what changed; ``usage`` is in every chunk only with
-    ``stream_options.include_usage``); every other field is always there, ``null`` included,
-    as OpenAI sends it."""
+    """A response model: every field is in the JSON, ``null`` included, as OpenAI sends it."""
+
+
+class _Sparse(_Wire):
+    """A response model whose fields named in ``_omit_unset`` stay out of the JSON unless they
+    were given: a stream delta carries only what changed, and ``usage`` is in every chunk only
+    with ``stream_options.include_usage``. (A serializer of its own costs a Python call per
+    instance, so only these models have one, not the many logprob entries.)"""
 
     _omit_unset: ClassVar[frozenset[str]] = frozenset()
 
@@ -217,7 +221,7 @@ class ChatChoice(_Wire):
     finish_reason: str | None
 
 
-class _Completion(_Wire):
+class _Completion(_Sparse):
     # field order is the JSON's: each subclass narrows ``object`` in place
     id: str
     object: str
@@ -232,7 +236,7 @@ class ChatCompletion(_Completion):
     usage: Usage
 
 
-class FunctionDelta(_Wire):
+class FunctionDelta(_Sparse):
     # an upstream's own fields pass through (remote engine)
     model_config = ConfigDict(extra="allow")
     name: str | None = None
@@ -240,7 +244,7 @@ class FunctionDelta(_Wire):
     _omit_unset = frozenset({"name", "arguments"})
 
 
-class ToolCallDelta(_Wire):
+class ToolCallDelta(_Sparse):
     """One streamed piece of a tool call: the first carries ``id``, ``type`` and the name,
     the later ones argument fragments (OpenAI's chunk shape)."""
 
@@ -252,7 +256,7 @@ class ToolCallDelta(_Wire):
     _omit_unset = frozenset({"index", "id", "type", "function"})
 
 
-class ChatDelta(_Wire):
+class ChatDelta(_Sparse):
     """What one chunk adds to a choice: the role first, then content or tool-call pieces."""
 
     role: Literal["assistant"] | None = None
