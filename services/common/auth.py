@@ -147,7 +147,7 @@ class KeyStore:
 
     def list(self, tenant: str | None = None) -> list[KeyRecord]:
         out = []
-        for raw_id in self.r.smembers("tandem:keys:ids"):  # type: ignore[union-attr]
+        for raw_id in self.r.smembers("tandem:keys:ids"):
             key_id = _text(raw_id)
             data = _text_dict(self.r.hgetall(f"tandem:keys:{key_id}"))
             if data and (tenant is None or data["tenant"] == tenant):

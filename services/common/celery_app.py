@@ -11,7 +11,7 @@ import socket
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from kombu.entity import Queue
 
 from services.common.redis_conn import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S
 
@@ -37,7 +37,7 @@ def make_celery(
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        task_queues=[Queue(q) for q in QUEUES],
+        task_queues=[Queue(q) for q in QUEUES],  # type: ignore[no-untyped-call]  # kombu is untyped
         task_default_queue=default_queue,
         # Timeouts so that a Redis that stops answering is an error and a reconnect, not a hang.
         broker_transport_options={
@@ -66,7 +66,7 @@ def make_celery(
         task_track_started=True,
     )
 
-    @app.task(name="tandem.ping")
+    @app.task(name="tandem.ping")  # type: ignore[untyped-decorator]  # celery is untyped
     def ping(payload: Any = None) -> dict[str, Any]:
         """Round trip through the broker: proves a worker consumes its queue."""
         return {"pong": True, "app": name, "host": socket.gethostname(), "echo": payload}

@@ -10,7 +10,7 @@ from typing import Any
 
 from services.common.errors import InvalidRequest
 from services.common.paths import resolve_under_roots
-from services.common.platforms import current_platform
+from services.common.platforms import Platform, current_platform
 
 DEFAULT_ALIASES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 
@@ -39,12 +39,12 @@ def cpu_has_native_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def pick_dtype(setting: str) -> Any:
+def pick_dtype(setting: str, platform: Platform | None = None) -> Any:
     import torch
 
     if setting != "auto":
         return getattr(torch, setting)
-    platform = current_platform()
+    platform = platform or current_platform()
     if platform.device_type == "cpu":
         # bf16 matmuls are ~3x faster than fp32 on CPUs with native bf16 (measured on MiniLM:
         # cosine to the fp32 embeddings > 0.9999); elsewhere on CPU they are slow.

@@ -206,7 +206,7 @@ def _is_json(scope: Scope) -> bool:
     for name, value in scope.get("headers", []):
         if name == b"content-type":
             media = value.split(b";", 1)[0].strip().lower()
-            return media == b"application/json" or media.endswith(b"+json")
+            return bool(media == b"application/json" or media.endswith(b"+json"))
     return False
 
 

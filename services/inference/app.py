@@ -62,5 +62,5 @@ def create_app(
     )
     app.state.settings = settings
     app.state.registry = None
-    app.state.embeddings = EmbeddingService(settings, common.allowed_model_roots)
+    app.state.embeddings = EmbeddingService(settings, common.allowed_model_roots, common.device)
     return app

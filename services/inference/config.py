@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
+
+# How many requests, sequences or inputs may wait or come at once: 0 (none) up to a sanity cap.
+Count = Annotated[int, Field(ge=0, le=100_000)]
 
 
 class InferenceSettings(ServiceSettings):
@@ -37,13 +40,9 @@ class InferenceSettings(ServiceSettings):
         "(and guided_grammar): forwarded when true, refused with a 400 when false.",
     )
     max_batch_size: int = Field(16, ge=1, le=1024, description="Sequences decoded together (KV cache slots).")
-    max_queue: int = Field(
-        64, ge=0, le=100_000, description="Requests that may wait for a slot; beyond it requests get 429."
-    )
-    tenant_max_queued: int = Field(
+    max_queue: Count = Field(64, description="Requests that may wait for a slot; beyond it requests get 429.")
+    tenant_max_queued: Count = Field(
         16,
-        ge=0,
-        le=100_000,
         description="Sequences one tenant may have waiting (each of n choices counts) beyond its fair share of "
         "free batch slots; beyond it that tenant gets 429 rate_limit_exceeded while other tenants are still "
         "admitted. Slots are shared round-robin between tenants.",

@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
 from services.common.errors import InvalidRequest, NotFound, ServiceUnavailable
-from services.common.platforms import current_platform
+from services.common.platforms import Platform, current_platform
 from services.inference.config import InferenceSettings
 from services.inference.protocol import ModelCard
 from services.inference.protocol_embeddings import (
@@ -78,25 +78,27 @@ def _resolve(source: str, roots: list[Path], param: str) -> Path:
     return resolve_model_path(source, roots, param=param)
 
 
-def _dtype(setting: str) -> Any:
+def _dtype(setting: str, platform: Platform) -> Any:
     from services.common.embedding_models import pick_dtype
 
-    return pick_dtype(setting)
+    return pick_dtype(setting, platform)
 
 
 class EmbeddingModel:
     """A sentence-transformers model; vectors are L2-normalised float32, as OpenAI's are."""
 
-    def __init__(self, spec: ModelSpec, path: Path, *, batch_size: int, dtype: str, max_texts: int) -> None:
+    def __init__(
+        self, spec: ModelSpec, path: Path, *, platform: Platform, batch_size: int, dtype: str, max_texts: int
+    ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
         from sentence_transformers import SentenceTransformer
 
         self.spec = spec
         self.batch_size = batch_size
-        self.device = current_platform().device()
+        self.device = platform.device()
         self.model = SentenceTransformer(
-            str(path), device=str(self.device), model_kwargs={"dtype": _dtype(dtype)}
+            str(path), device=str(self.device), model_kwargs={"dtype": _dtype(dtype, platform)}
         )
         self.model.eval()
         self.dim = int(self.model.get_embedding_dimension() or 0)
@@ -157,14 +159,16 @@ class EmbeddingModel:
 
 
 class RerankModel:
-    def __init__(self, spec: ModelSpec, path: Path, *, batch_size: int, dtype: str) -> None:
+    def __init__(
+        self, spec: ModelSpec, path: Path, *, platform: Platform, batch_size: int, dtype: str
+    ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from sentence_transformers import CrossEncoder
 
         self.spec = spec
         self.batch_size = batch_size
         self.model = CrossEncoder(
-            str(path), device=str(current_platform().device()), model_kwargs={"dtype": _dtype(dtype)}
+            str(path), device=str(platform.device()), model_kwargs={"dtype": _dtype(dtype, platform)}
         )
         self.tokenizer: Any = self.model.tokenizer
         self.max_tokens = int(getattr(self.model, "max_length", None) or self.tokenizer.model_max_length)
@@ -185,9 +189,13 @@ class RerankModel:
 class EmbeddingService:
     """The embedding and rerank models of one inference server."""
 
-    def __init__(self, settings: InferenceSettings, model_roots: list[Path]) -> None:
+    def __init__(
+        self, settings: InferenceSettings, model_roots: list[Path], device: str | None = None
+    ) -> None:
         self.settings = settings
         self.roots = model_roots
+        # the TANDEM_DEVICE setting (CommonSettings.device); None: read from the environment
+        self.device = device
         self.embedding_specs = {
             s.name: s
             for s in parse_specs(
@@ -230,6 +238,7 @@ class EmbeddingService:
                     model = EmbeddingModel(
                         spec,
                         path,
+                        platform=current_platform(self.device),
                         batch_size=s.embedding_batch_size,
                         dtype=s.embedding_dtype,
                         max_texts=s.embedding_max_inputs,
@@ -238,54 +247,57 @@ class EmbeddingService:
                     spec = self.rerank_specs[name]
                     path = _resolve(spec.source, self.roots, "TANDEM_INFERENCE_RERANK_MODELS")
                     model = RerankModel(
-                        spec, path, batch_size=s.embedding_batch_size, dtype=s.embedding_dtype
+                        spec,
+                        path,
+                        platform=current_platform(self.device),
+                        batch_size=s.embedding_batch_size,
+                        dtype=s.embedding_dtype,
                     )
                 self._loaded[name] = model
             return model
 
-    async def embedding_model(self, name: str) -> EmbeddingModel:
-        if name not in self.embedding_specs:
-            hint = " (a rerank model: use /v1/rerank)" if name in self.rerank_specs else ""
+    async def _served(self, name: str, kind: Literal["embedding", "rerank"]) -> Any:
+        """The loaded model ``name`` of ``kind``; 404 naming the other route for the other kind."""
+        own, other, hint = (
+            (self.embedding_specs, self.rerank_specs, "a rerank model: use /v1/rerank")
+            if kind == "embedding"
+            else (self.rerank_specs, self.embedding_specs, "an embedding model: use /v1/embeddings")
+        )
+        if name not in own:
+            why = f" ({hint})" if name in other else ""
             raise NotFound(
-                f"The embedding model `{name}` does not exist{hint}.", param="model", code="model_not_found"
+                f"The {kind} model `{name}` does not exist{why}.", param="model", code="model_not_found"
             )
-        model: EmbeddingModel = await asyncio.to_thread(self._load, name, "embedding")
+        return await asyncio.to_thread(self._load, name, kind)
+
+    async def embedding_model(self, name: str) -> EmbeddingModel:
+        model: EmbeddingModel = await self._served(name, "embedding")
         return model
 
     async def rerank_model(self, name: str) -> RerankModel:
-        if name not in self.rerank_specs:
-            hint = " (an embedding model: use /v1/embeddings)" if name in self.embedding_specs else ""
-            raise NotFound(
-                f"The rerank model `{name}` does not exist{hint}.", param="model", code="model_not_found"
-            )
-        model: RerankModel = await asyncio.to_thread(self._load, name, "rerank")
+        model: RerankModel = await self._served(name, "rerank")
         return model
 
     def cards(self, created: int) -> list[ModelCard]:
+        kinds: list[tuple[Literal["embedding", "rerank"], dict[str, ModelSpec]]] = [
+            ("embedding", self.embedding_specs),
+            ("rerank", self.rerank_specs),
+        ]
         cards = []
-        for name in self.embedding_specs:
-            loaded = self._loaded.get(name)
-            cards.append(
-                ModelCard(
-                    id=name,
-                    created=created,
-                    root=name,
-                    kind="embedding",
-                    dimensions=loaded.dim if loaded else None,
-                    max_model_len=loaded.max_tokens if loaded else None,
+        for kind, specs in kinds:
+            for name in specs:
+                loaded = self._loaded.get(name)
+                cards.append(
+                    ModelCard(
+                        id=name,
+                        created=created,
+                        root=name,
+                        kind=kind,
+                        # the vector size, once an embedding model is loaded
+                        dimensions=loaded.dim if loaded is not None and kind == "embedding" else None,
+                        max_model_len=loaded.max_tokens if loaded else None,
+                    )
                 )
-            )
-        for name in self.rerank_specs:
-            loaded = self._loaded.get(name)
-            cards.append(
-                ModelCard(
-                    id=name,
-                    created=created,
-                    root=name,
-                    kind="rerank",
-                    max_model_len=loaded.max_tokens if loaded else None,
-                )
-            )
         return cards
 
     # -- /v1/embeddings ---------------------------------------------------------------------

@@ -25,13 +25,13 @@ def served_name(settings: InferenceSettings) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def _dtype(settings: InferenceSettings) -> Any:
+def _dtype(settings: InferenceSettings, common: CommonSettings) -> Any:
     import torch
 
     from services.common.platforms import current_platform
 
     if settings.dtype == "auto":
-        return current_platform().default_dtype()
+        return current_platform(common.device).default_dtype()
     return getattr(torch, settings.dtype)
 
 
@@ -53,8 +53,8 @@ def build_torch_engine(
     return TorchEngine.from_pretrained(
         path,
         name=name,
-        device=current_platform().device(),
-        dtype=_dtype(settings),
+        device=current_platform(common.device).device(),
+        dtype=_dtype(settings, common),
         max_batch_size=settings.max_batch_size,
         max_queue=settings.max_queue,
         tenant_max_queued=settings.tenant_max_queued,

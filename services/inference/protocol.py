@@ -1,11 +1,11 @@
-"""Wire models of the inference API: OpenAI's shapes (chat, completions, models) plus
-vLLM's adapter routes and Tandem's model registration."""
+"""Wire models of the inference API: OpenAI's shapes (chat, completions, models; requests,
+responses and stream chunks) plus vLLM's adapter routes and Tandem's model registration."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 class _Open(BaseModel):
@@ -139,3 +139,190 @@ class Capabilities(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- responses and stream chunks (OpenAI's exact shapes) -----------------------------------------
+
+
+class _Wire(BaseModel):
+    """A response model: every field is in the JSON, ``null`` included, as OpenAI sends it."""
+
+
+class _Sparse(_Wire):
+    """A response model whose fields named in ``_omit_unset`` stay out of the JSON unless they
+    were given: a stream delta carries only what changed, and ``usage`` is in every chunk only
+    with ``stream_options.include_usage``. (A serializer of its own costs a Python call per
+    instance, so only these models have one, not the many logprob entries.)"""
+
+    _omit_unset: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in self._omit_unset - self.model_fields_set:
+            data.pop(name, None)
+        return data
+
+
+class Usage(_Wire):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(_Wire):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Wire):
+    content: list[ChatTokenLogprob] | None
+    refusal: str | None = None
+
+
+class CompletionLogprobs(_Wire):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class FunctionCall(_Wire):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Wire):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatCompletionMessage(_Wire):
+    """The answer of a ``chat.completion``: ``content`` is null when it is tool calls."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(_Wire):
+    """One answer of a ``chat.completion``; one that made tool calls ends ``tool_calls``."""
+
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class _Completion(_Sparse):
+    # field order is the JSON's: each subclass narrows ``object`` in place
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+
+
+class ChatCompletion(_Completion):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class FunctionDelta(_Sparse):
+    # an upstream's own fields pass through (remote engine)
+    model_config = ConfigDict(extra="allow")
+    name: str | None = None
+    arguments: str | None = None
+    _omit_unset = frozenset({"name", "arguments"})
+
+
+class ToolCallDelta(_Sparse):
+    """One streamed piece of a tool call: the first carries ``id``, ``type`` and the name,
+    the later ones argument fragments (OpenAI's chunk shape)."""
+
+    model_config = ConfigDict(extra="allow")
+    index: int = 0
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+    _omit_unset = frozenset({"index", "id", "type", "function"})
+
+
+class ChatDelta(_Sparse):
+    """What one chunk adds to a choice: the role first, then content or tool-call pieces."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    _omit_unset = frozenset({"role", "content", "tool_calls"})
+
+
+class ChatChunkChoice(_Wire):
+    """One choice's piece of a ``chat.completion.chunk``: ``finish_reason`` is set on its last."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Completion):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    _omit_unset = frozenset({"usage"})
+
+
+class CompletionChoice(_Wire):
+    """A choice of a text completion or chunk; with several prompts, ``index`` is
+    prompt * n + choice."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class TextCompletion(_Completion):
+    """A text completion, and (OpenAI's way) each chunk of a streamed one: ``usage`` is left
+    out of chunks unless ``stream_options.include_usage`` asks for it."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    _omit_unset = frozenset({"usage"})
+
+
+# --- adapter and model management answers ----------------------------------------------------------
+
+
+class AdapterLoaded(BaseModel):
+    status: Literal["loaded"] = "loaded"
+    lora_name: str
+    lora_path: str
+    tenant: str | None = None
+
+
+class AdapterUnloaded(BaseModel):
+    status: Literal["unloaded"] = "unloaded"
+    lora_name: str
+
+
+class ModelUnregistered(BaseModel):
+    status: Literal["unregistered"] = "unregistered"
+    name: str
+
+
+class ModelDeleted(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    deleted: Literal[True] = True
+    kind: Literal["adapter", "registered"]

@@ -26,14 +26,14 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from services.common.auth import Principal
-from services.inference.engine.base import Engine, ServedModel
+from services.inference.engine.base import AdapterNotFound, Engine, NameTaken, ServedModel
 from services.inference.engine.types import (
     AdapterError,
     EngineError,
@@ -65,15 +65,8 @@ class ModelRecord:
     created_at: float
 
     def to_hash(self) -> dict[str, str]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "tenant": self.tenant,
-            "path": self.path,
-            "base": self.base,
-            "rank": "" if self.rank is None else str(self.rank),
-            "created_at": repr(self.created_at),
-        }
+        # Redis hash fields are text: no rank is ""; str() of a float round-trips exactly
+        return {k: "" if v is None else str(v) for k, v in asdict(self).items()}
 
     @classmethod
     def from_hash(cls, data: dict[str, str]) -> ModelRecord | None:
@@ -404,7 +397,7 @@ class ModelRegistry:
         if name in RESERVED_NAMES:
             raise AdapterError(f"the name {name!r} is reserved")
         if name == self.base_name or await self._record(name) is not None:
-            raise KeyError(name)
+            raise NameTaken(name)
         await self._forget(name)  # leftovers of a record deleted through another replica
 
     async def load_adapter(
@@ -441,7 +434,7 @@ class ModelRegistry:
                 async with self._adapter_lock:
                     if self.resident.pop(name, None) is not None:
                         await engine.unload_adapter(name)
-                raise KeyError(name)
+                raise NameTaken(name)
         finally:
             self._pending.discard(name)
         return rec
@@ -459,7 +452,7 @@ class ModelRegistry:
                     hit = self.registered.pop(name, None)
                 if hit is not None:
                     await hit[0].shutdown()
-                raise KeyError(name)
+                raise NameTaken(name)
         finally:
             self._pending.discard(name)
         return rec
@@ -477,7 +470,9 @@ class ModelRegistry:
             or not (principal.operator or rec.visible_to(principal))
             or (kind and rec.kind != kind)
         ):
-            what = {"adapter": "adapter", "model": "registered model"}.get(kind or "", "model")
+            if kind == "adapter":
+                raise AdapterNotFound(name, f"The adapter `{name}` does not exist.")
+            what = "registered model" if kind == "model" else "model"
             raise UnknownModel(f"The {what} `{name}` does not exist.")
         if not principal.operator and rec.tenant != principal.tenant:
             raise NotPermitted(f"`{name}` is a shared model: only an operator key may remove it")

@@ -14,12 +14,13 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from services.common.auth import principal_of
 from services.common.errors import (
@@ -33,6 +34,7 @@ from services.common.errors import (
     UpstreamError,
     error_body,
 )
+from services.inference.engine.base import AdapterNotFound, NameTaken
 from services.inference.engine.tools import ToolCall, call_schema, may_be_call, parse_tool_calls
 from services.inference.engine.types import (
     AdapterError,
@@ -49,7 +51,26 @@ from services.inference.engine.types import (
     UnknownModel,
     UpstreamFailure,
 )
-from services.inference.protocol import ChatCompletionRequest, CompletionRequest
+from services.inference.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    FunctionDelta,
+    TextCompletion,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
+from services.inference.protocol import ToolCall as WireToolCall
 from services.inference.registry import ModelRegistry, NotPermitted
 
 
@@ -68,6 +89,10 @@ def http_error(exc: EngineError) -> TandemError:
         return TooManyRequests(
             str(exc), code=exc.code, headers={"Retry-After": str(max(1, round(exc.retry_after)))}
         )
+    if isinstance(exc, NameTaken):
+        return Conflict(str(exc))
+    if isinstance(exc, AdapterNotFound):
+        return NotFound(str(exc), param="lora_name", code="adapter_not_found")
     if isinstance(exc, UnknownModel):
         return NotFound(str(exc), param="model", code="model_not_found")
     if isinstance(exc, NotPermitted):
@@ -270,35 +295,34 @@ def _token_bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": e.token,
-                "logprob": e.logprob,
-                "bytes": _token_bytes(e.token),
-                "top_logprobs": [
-                    {"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token)} for t in e.top
+def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=e.token,
+                logprob=e.logprob,
+                bytes=_token_bytes(e.token),
+                top_logprobs=[
+                    TopLogprob(token=t.token, logprob=t.logprob, bytes=_token_bytes(t.token)) for t in e.top
                 ],
-            }
+            )
             for e in entries
-        ],
-        "refusal": None,
-    }
+        ]
+    )
 
 
-def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
     offsets, pos = [], offset
     for e in entries:
         offsets.append(pos)
         pos += len(e.token)
-    return {
-        "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
+    return CompletionLogprobs(
+        tokens=[e.token for e in entries],
+        token_logprobs=[e.logprob for e in entries],
         # logprobs=0 still reports the sampled token (OpenAI's way), not an empty entry
-        "top_logprobs": [{t.token: t.logprob for t in e.top} or {e.token: e.logprob} for e in entries],
-        "text_offset": offsets,
-    }
+        top_logprobs=[{t.token: t.logprob for t in e.top} or {e.token: e.logprob} for e in entries],
+        text_offset=offsets,
+    )
 
 
 @dataclass
@@ -312,15 +336,17 @@ class _Choice:
     # calls an upstream parsed itself (remote engine), merged from its deltas by index
     upstream_calls: dict[int, dict[str, str]] = field(default_factory=dict)
 
-    def add_call_deltas(self, deltas: list[dict[str, Any]]) -> None:
+    def count(self, ev: StreamEvent) -> None:
+        self.prompt_tokens = ev.prompt_tokens
+        self.completion_tokens = max(self.completion_tokens, ev.completion_tokens)
+
+    def add_call_deltas(self, deltas: list[ToolCallDelta]) -> None:
         for d in deltas:
-            slot = self.upstream_calls.setdefault(
-                int(d.get("index", 0)), {"id": "", "name": "", "arguments": ""}
-            )
-            fn = d.get("function") or {}
-            slot["id"] = d.get("id") or slot["id"]
-            slot["name"] += fn.get("name") or ""
-            slot["arguments"] += fn.get("arguments") or ""
+            slot = self.upstream_calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+            slot["id"] = d.id or slot["id"]
+            if d.function is not None:
+                slot["name"] += d.function.name or ""
+                slot["arguments"] += d.function.arguments or ""
 
     def calls(self, tools: list[dict[str, Any]] | None) -> list[ToolCall] | None:
         if self.upstream_calls:
@@ -330,8 +356,96 @@ class _Choice:
         return parse_tool_calls("".join(self.text), tools) if tools else None
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _sse(payload: BaseModel | dict[str, Any]) -> str:
+    # json.dumps of the dump, not pydantic's own JSON: the bytes (separators, float digits)
+    # stay those clients have always been sent
+    data = payload.model_dump() if isinstance(payload, BaseModel) else payload
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _tool_call_deltas(raw: list[dict[str, Any]]) -> list[ToolCallDelta]:
+    """An upstream's own call deltas (remote engine), already in OpenAI's chunk shape."""
+    return [ToolCallDelta.model_validate(d) for d in raw]
+
+
+ChoiceT = TypeVar("ChoiceT", ChatChunkChoice, CompletionChoice)
+
+
+@dataclass
+class _Chunks(Generic[ChoiceT]):
+    """What every chunk of one streamed response shares; ``make`` builds one chunk."""
+
+    # ChatCompletionChunk or TextCompletion, whose choices are ChoiceT
+    cls: Callable[..., ChatCompletionChunk | TextCompletion]
+    id: str
+    created: int
+    model: str
+    include_usage: bool
+
+    def make(self, choices: list[ChoiceT], usage: Usage | None = None) -> str:
+        fields: dict[str, Any] = {"usage": usage} if self.include_usage else {}
+        return _sse(self.cls(id=self.id, created=self.created, model=self.model, choices=choices, **fields))
+
+
+FAILED = ("timeout", "error", "abort")
+
+
+def _usage(choices: list[_Choice], n: int) -> Usage:
+    # the prompt counts once per prompt, however many choices it has (OpenAI's way)
+    prompt = sum(c.prompt_tokens for i, c in enumerate(choices) if i % n == 0)
+    completion = sum(c.completion_tokens for c in choices)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _stream_error(ev: StreamEvent) -> dict[str, Any]:
+    if ev.finish_reason == "timeout":
+        return error_body("timeout_error", ev.error or "the request timed out", None, "timeout")
+    return error_body("internal_error", ev.error or "generation was interrupted", None, ev.finish_reason)
+
+
+async def _stream(
+    events: AsyncIterator[StreamEvent],
+    total: int,
+    n: int,
+    chunks: _Chunks[ChoiceT],
+    step: Callable[[StreamEvent, _Choice], Iterator[list[ChoiceT]]],
+    first: list[list[ChoiceT]] | None = None,
+) -> AsyncIterator[str]:
+    """The SSE stream of chat and text completions alike: ``first`` chunks, then the chunks
+    ``step`` makes of each engine event, an error event if generation failed, the usage chunk
+    (``choices: []``) when asked for, and ``[DONE]``."""
+    for choices in first or []:
+        yield chunks.make(choices)
+    state = [_Choice() for _ in range(total)]
+    async for ev in events:
+        c = state[ev.index]
+        c.count(ev)
+        if ev.error is not None or ev.finish_reason in FAILED:
+            yield _sse(_stream_error(ev))
+            break
+        for choices in step(ev, c):
+            yield chunks.make(choices)
+    else:
+        if chunks.include_usage:
+            yield chunks.make([], _usage(state, n))
+    yield "data: [DONE]\n\n"
+
+
+def _tool_call_chunks(index: int, calls: list[ToolCall]) -> list[ChatChunkChoice]:
+    """OpenAI's streamed tool-call deltas: per call, one chunk with its index, id, type and
+    name (arguments empty), then the arguments in fragments."""
+    out: list[ChatChunkChoice] = []
+    for k, call in enumerate(calls):
+        pieces = [
+            ToolCallDelta(
+                index=k, id=call.id, type="function", function=FunctionDelta(name=call.name, arguments="")
+            )
+        ] + [
+            ToolCallDelta(index=k, function=FunctionDelta(arguments=call.arguments[start : start + 32]))
+            for start in range(0, len(call.arguments), 32)
+        ]
+        out += [ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[piece])) for piece in pieces]
+    return out
 
 
 async def _merge(streams: list[tuple[int, AsyncIterator[StreamEvent]]]) -> AsyncIterator[StreamEvent]:
@@ -437,107 +551,60 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse_response(
-                self._chat_chunks(
-                    stream, engine_req.request_id, req.model, created, req.n, include_usage, params, plan
-                ),
-                raw,
+            first, step = self._chat_steps(params, plan, req.n)
+            chunks = _Chunks[ChatChunkChoice](
+                ChatCompletionChunk, engine_req.request_id, created, req.model, include_usage
             )
+            return self._sse_response(_stream(stream, req.n, req.n, chunks, step, first), raw)
         choices = await self._collect(stream, raw, req.n)
         out_choices = []
         for i, c in enumerate(choices):
-            text = "".join(c.text)
             calls = c.calls(plan.tools if plan.active else None)
             out_choices.append(
-                {
-                    "index": i,
-                    "message": {
-                        "role": "assistant",
-                        "content": None if calls else text,
-                        "refusal": None,
-                        "tool_calls": [call.openai() for call in calls] if calls else None,
-                    },
-                    "logprobs": chat_logprobs(c.logprobs) if params.logprobs is not None else None,
-                    "finish_reason": "tool_calls" if calls else c.finish_reason,
-                }
+                ChatChoice(
+                    index=i,
+                    message=ChatCompletionMessage(
+                        content=None if calls else "".join(c.text),
+                        tool_calls=[WireToolCall.model_validate(call.openai()) for call in calls]
+                        if calls
+                        else None,
+                    ),
+                    logprobs=chat_logprobs(c.logprobs) if params.logprobs is not None else None,
+                    finish_reason="tool_calls" if calls else c.finish_reason,
+                )
             )
-        body_out = {
-            "id": engine_req.request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": None,
-            "choices": out_choices,
-            "usage": self._usage(choices, req.n),
-        }
-        return JSONResponse(body_out)
+        body_out = ChatCompletion(
+            id=engine_req.request_id,
+            created=created,
+            model=req.model,
+            choices=out_choices,
+            usage=_usage(choices, req.n),
+        )
+        return JSONResponse(body_out.model_dump())
 
-    async def _chat_chunks(
-        self,
-        stream: AsyncIterator[StreamEvent],
-        rid: str,
-        model: str,
-        created: int,
-        n: int,
-        include_usage: bool,
-        params: SamplingParams,
-        plan: ToolPlan,
-    ) -> AsyncIterator[str]:
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-            payload: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "system_fingerprint": None,
-                "choices": choices,
-            }
-            if include_usage:
-                payload["usage"] = usage
-            return _sse(payload)
-
-        def content(index: int, text: str, entries: list[TokenLogprob] | None) -> str:
-            lp = chat_logprobs(entries) if (params.logprobs is not None and entries) else None
-            return chunk(
-                [{"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}]
-            )
-
-        for i in range(n):
-            yield chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
-        state = [_Choice() for _ in range(n)]
+    @staticmethod
+    def _chat_steps(
+        params: SamplingParams, plan: ToolPlan, n: int
+    ) -> tuple[
+        list[list[ChatChunkChoice]], Callable[[StreamEvent, _Choice], Iterator[list[ChatChunkChoice]]]
+    ]:
+        """The first chunks (each choice's role) and the chunks each event becomes."""
+        first = [[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))] for i in range(n)]
         # with tools, text that may be a call is held back until it can be told apart
         holding = [plan.active] * n
-        async for ev in stream:
-            c = state[ev.index]
-            c.prompt_tokens, c.completion_tokens = (
-                ev.prompt_tokens,
-                max(c.completion_tokens, ev.completion_tokens),
-            )
-            if ev.error is not None or ev.finish_reason in ("timeout", "error", "abort"):
-                yield _sse(self._stream_error(ev))
-                break
+
+        def content(index: int, text: str, entries: list[TokenLogprob] | None) -> list[ChatChunkChoice]:
+            lp = chat_logprobs(entries) if (params.logprobs is not None and entries) else None
+            return [ChatChunkChoice(index=index, delta=ChatDelta(content=text), logprobs=lp)]
+
+        def finish(index: int, reason: str) -> list[ChatChunkChoice]:
+            return [ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)]
+
+        def step(ev: StreamEvent, c: _Choice) -> Iterator[list[ChatChunkChoice]]:
             if ev.tool_calls:
-                # an upstream's own call deltas (remote engine): already in OpenAI's shape
-                c.add_call_deltas(ev.tool_calls)
-                yield chunk(
-                    [
-                        {
-                            "index": ev.index,
-                            "delta": {"tool_calls": ev.tool_calls},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
+                deltas = _tool_call_deltas(ev.tool_calls)
+                c.add_call_deltas(deltas)
+                yield [ChatChunkChoice(index=ev.index, delta=ChatDelta(tool_calls=deltas))]
             if holding[ev.index]:
                 c.text.append(ev.text)
                 if ev.logprobs:
@@ -549,71 +616,20 @@ class OpenAIServing:
                 elif ev.finish_reason is not None:
                     calls = None if c.upstream_calls else parse_tool_calls(held, plan.tools)
                     if calls:
-                        for piece in self._tool_call_chunks(ev.index, calls):
-                            yield chunk([piece])
+                        for piece in _tool_call_chunks(ev.index, calls):
+                            yield [piece]
                         c.finish_reason = "tool_calls"
-                        yield chunk(
-                            [
-                                {
-                                    "index": ev.index,
-                                    "delta": {},
-                                    "logprobs": None,
-                                    "finish_reason": "tool_calls",
-                                }
-                            ]
-                        )
-                        continue
+                        yield finish(ev.index, "tool_calls")
+                        return
                     if held or c.logprobs:
                         yield content(ev.index, held, c.logprobs)
             elif ev.text or (ev.logprobs and params.logprobs is not None):
                 yield content(ev.index, ev.text, ev.logprobs)
             if ev.finish_reason is not None:
                 c.finish_reason = ev.finish_reason
-                yield chunk(
-                    [{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason}]
-                )
-        else:
-            if include_usage:
-                yield chunk([], self._usage(state, n))
-        yield "data: [DONE]\n\n"
+                yield finish(ev.index, ev.finish_reason)
 
-    @staticmethod
-    def _tool_call_chunks(index: int, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        """OpenAI's streamed tool-call deltas: per call, one chunk with its index, id, type and
-        name (arguments empty), then the arguments in fragments."""
-        out: list[dict[str, Any]] = []
-        for k, call in enumerate(calls):
-            out.append(
-                {
-                    "index": index,
-                    "delta": {
-                        "tool_calls": [
-                            {
-                                "index": k,
-                                "id": call.id,
-                                "type": "function",
-                                "function": {"name": call.name, "arguments": ""},
-                            }
-                        ]
-                    },
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
-            for start in range(0, len(call.arguments), 32):
-                out.append(
-                    {
-                        "index": index,
-                        "delta": {
-                            "tool_calls": [
-                                {"index": k, "function": {"arguments": call.arguments[start : start + 32]}}
-                            ]
-                        },
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
-        return out
+        return first, step
 
     # --- completions -------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
@@ -663,94 +679,47 @@ class OpenAIServing:
         total = len(prompts) * req.n
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunks = _Chunks[CompletionChoice](TextCompletion, rid, created, req.model, include_usage)
             return self._sse_response(
-                self._completion_chunks(stream, rid, req.model, created, total, req.n, include_usage, params),
-                raw,
+                _stream(stream, total, req.n, chunks, self._completion_step(params)), raw
             )
         choices = await self._collect(stream, raw, total)
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": req.model,
-                "system_fingerprint": None,
-                "choices": [
-                    {
-                        "index": i,
-                        "text": "".join(c.text),
-                        "logprobs": completion_logprobs(c.logprobs, 0)
-                        if params.logprobs is not None
-                        else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for i, c in enumerate(choices)
-                ],
-                "usage": self._usage(choices, req.n),
-            }
+        body_out = TextCompletion(
+            id=rid,
+            created=created,
+            model=req.model,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text="".join(c.text),
+                    logprobs=completion_logprobs(c.logprobs, 0) if params.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=_usage(choices, req.n),
         )
+        return JSONResponse(body_out.model_dump())
 
-    async def _completion_chunks(
-        self,
-        stream: AsyncIterator[StreamEvent],
-        rid: str,
-        model: str,
-        created: int,
-        total: int,
-        n: int,
-        include_usage: bool,
+    @staticmethod
+    def _completion_step(
         params: SamplingParams,
-    ) -> AsyncIterator[str]:
-        state = [_Choice() for _ in range(total)]
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-            payload: dict[str, Any] = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "system_fingerprint": None,
-                "choices": choices,
-            }
-            if include_usage:
-                payload["usage"] = usage
-            return _sse(payload)
-
-        async for ev in stream:
-            c = state[ev.index]
-            c.prompt_tokens, c.completion_tokens = (
-                ev.prompt_tokens,
-                max(c.completion_tokens, ev.completion_tokens),
-            )
-            if ev.error is not None or ev.finish_reason in ("timeout", "error", "abort"):
-                yield _sse(self._stream_error(ev))
-                break
+    ) -> Callable[[StreamEvent, _Choice], Iterator[list[CompletionChoice]]]:
+        def step(ev: StreamEvent, c: _Choice) -> Iterator[list[CompletionChoice]]:
             lp = None
             if params.logprobs is not None and ev.logprobs:
                 lp = completion_logprobs(ev.logprobs, c.chars)
             c.chars += len(ev.text)
             if ev.text or lp is not None or ev.finish_reason is not None:
-                yield chunk(
-                    [{"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}]
-                )
-        else:
-            if include_usage:
-                yield chunk([], self._usage(state, n))
-        yield "data: [DONE]\n\n"
+                yield [
+                    CompletionChoice(
+                        index=ev.index, text=ev.text, logprobs=lp, finish_reason=ev.finish_reason
+                    )
+                ]
+
+        return step
 
     # --- shared ---------------------------------------------------------------------------------
-    @staticmethod
-    def _stream_error(ev: StreamEvent) -> dict[str, Any]:
-        if ev.finish_reason == "timeout":
-            return error_body("timeout_error", ev.error or "the request timed out", None, "timeout")
-        return error_body("internal_error", ev.error or "generation was interrupted", None, ev.finish_reason)
-
-    @staticmethod
-    def _usage(choices: list[_Choice], n: int) -> dict[str, int]:
-        # the prompt counts once per prompt, however many choices it has (OpenAI's way)
-        prompt = sum(c.prompt_tokens for i, c in enumerate(choices) if i % n == 0)
-        completion = sum(c.completion_tokens for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @staticmethod
     def _sse_response(chunks: AsyncIterator[str], raw: Request) -> StreamingResponse:
@@ -782,9 +751,8 @@ class OpenAIServing:
                     if ev.logprobs:
                         c.logprobs.extend(ev.logprobs)
                     if ev.tool_calls:
-                        c.add_call_deltas(ev.tool_calls)
-                    c.prompt_tokens = ev.prompt_tokens
-                    c.completion_tokens = max(c.completion_tokens, ev.completion_tokens)
+                        c.add_call_deltas(_tool_call_deltas(ev.tool_calls))
+                    c.count(ev)
                     if ev.finish_reason is not None:
                         c.finish_reason = ev.finish_reason
 

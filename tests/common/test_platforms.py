@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.platforms import PlatformError, detect_platform
+from services.common.platforms import PlatformError, current_platform, detect_platform
 
 
 def test_cpu_machine_detects_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,8 +40,15 @@ def test_xpu_detected_when_no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_override_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert detect_platform("cpu").device_type == "cpu"
+    assert current_platform("cpu").device_type == "cpu"
+    # a caller without settings in hand gets TANDEM_DEVICE through CommonSettings
     monkeypatch.setenv("TANDEM_DEVICE", "cpu")
-    assert detect_platform().device_type == "cpu"
+    current_platform.cache_clear()
+    try:
+        assert current_platform().device_type == "cpu"
+    finally:
+        current_platform.cache_clear()
 
 
 def test_override_to_missing_device_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,8 @@
 Detection order: ``cuda`` (NVIDIA or ROCm builds of torch), ``xpu`` (Intel),
 ``npu`` (Ascend, via ``torch_npu``), ``mps`` (Apple), then ``cpu``.
 ``TANDEM_DEVICE`` overrides detection; asking for a device that is not
-there is an error, not a silent fallback. No code outside this package calls
+there is an error, not a silent fallback. The setting is read only through the settings
+objects (``CommonSettings.device``): callers that hold them pass it in. No code outside this package calls
 ``torch.cuda.*`` (or its xpu/npu/mps twins) directly.
 """
 
@@ -117,9 +118,9 @@ def _vendor(device_type: str) -> str:
     return device_type
 
 
-def detect_platform(override: str | None = None) -> Platform:
-    """Pick the platform: ``override`` (or ``TANDEM_DEVICE``) when set and not ``auto``, else detect."""
-    wanted = (override if override is not None else os.environ.get("TANDEM_DEVICE", "auto")).lower()
+def detect_platform(device: str = "auto") -> Platform:
+    """Pick the platform: ``device`` (the ``TANDEM_DEVICE`` setting) unless ``auto``, else detect."""
+    wanted = device.lower()
     if wanted not in ("auto", *DEVICE_TYPES):
         raise PlatformError(f"TANDEM_DEVICE={wanted!r} is not one of auto, {', '.join(DEVICE_TYPES)}")
     if wanted != "auto":
@@ -132,7 +133,12 @@ def detect_platform(override: str | None = None) -> Platform:
     return Platform("cpu", "cpu")
 
 
-@lru_cache(maxsize=1)
-def current_platform() -> Platform:
-    """The platform of this process (detected once)."""
-    return detect_platform()
+@lru_cache(maxsize=8)
+def current_platform(device: str | None = None) -> Platform:
+    """The platform of this process for the ``device`` setting (detected once per value); None
+    takes it from ``CommonSettings`` (the environment), for callers that hold no settings."""
+    if device is None:
+        from services.common.config import load_common
+
+        device = load_common().device
+    return detect_platform(device)

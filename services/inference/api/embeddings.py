@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from services.common.errors import ServiceUnavailable
-from services.inference.embeddings import EmbeddingService
+from services.inference.api.deps import EmbeddingsDep
 from services.inference.protocol_embeddings import (
     EmbeddingRequest,
     EmbeddingResponse,
@@ -18,28 +17,21 @@ from services.inference.protocol_embeddings import (
 router = APIRouter(tags=["embeddings"])
 
 
-def _service(request: Request) -> EmbeddingService:
-    service: EmbeddingService | None = getattr(request.app.state, "embeddings", None)
-    if service is None:
-        raise ServiceUnavailable("the server is starting")
-    return service
-
-
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, response_model_exclude_none=True)
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
-    return await _service(request).embeddings(body)
+async def create_embeddings(body: EmbeddingRequest, service: EmbeddingsDep) -> EmbeddingResponse:
+    return await service.embeddings(body)
 
 
 # vLLM serves the same route under these three paths; clients use each of them.
 @router.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True)
 @router.post("/v2/rerank", response_model=RerankResponse, response_model_exclude_none=True)
 @router.post("/rerank", response_model=RerankResponse, response_model_exclude_none=True)
-async def rerank(body: RerankRequest, request: Request) -> RerankResponse:
-    return await _service(request).rerank(body)
+async def rerank(body: RerankRequest, service: EmbeddingsDep) -> RerankResponse:
+    return await service.rerank(body)
 
 
 @router.get("/v1/embeddings/tokenizer/{model:path}", response_model=EmbeddingTokenizer)
-async def embedding_tokenizer(model: str, request: Request) -> EmbeddingTokenizer:
+async def embedding_tokenizer(model: str, service: EmbeddingsDep) -> EmbeddingTokenizer:
     """Tandem extension: the model's tokenizer and sizes, so a remote embedder (the retrieval
     service with TANDEM_RETRIEVAL_EMBEDDER_URL) chunks text by the model's own tokens."""
-    return await _service(request).tokenizer(model)
+    return await service.tokenizer(model)

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes plus vLLM's adapter routes and Tandem's model registration (thin).
+"""OpenAI-compatible routes plus vLLM's adapter routes and Tandem's model registration (thin:
+the logic is in ``serving.OpenAIServing`` and ``management.ModelAdmin``).
 
 Roles: loading adapters and registering models (for any tenant, or shared) needs an
 operator key; unloading, unregistering and ``DELETE /v1/models/{name}`` take an operator
@@ -8,187 +9,96 @@ the caller's own.
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.common.auth import principal_of, require_operator
-from services.common.errors import Conflict, InvalidRequest, NotFound
-from services.common.paths import resolve_under_roots
-from services.inference.engine.types import EngineError
+from services.inference.api.deps import CallerDep, ModelAdminDep, OperatorDep, ServingDep
 from services.inference.protocol import (
+    AdapterLoaded,
+    AdapterUnloaded,
     Capabilities,
+    ChatCompletion,
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoraRequest,
     ModelCard,
+    ModelDeleted,
     ModelList,
+    ModelUnregistered,
     RegisterModelRequest,
+    TextCompletion,
     UnloadLoraRequest,
     UnregisterModelRequest,
 )
-from services.inference.registry import ModelRegistry
-from services.inference.serving import OpenAIServing, http_error
 
 router = APIRouter(tags=["openai"])
-_STARTED = int(time.time())
-
-
-def _registry(request: Request) -> ModelRegistry:
-    registry: ModelRegistry | None = getattr(request.app.state, "registry", None)
-    if registry is None:
-        from services.common.errors import ServiceUnavailable
-
-        raise ServiceUnavailable("the model is still loading")
-    return registry
-
-
-def _server_path(request: Request, value: str, param: str) -> Path:
-    path = resolve_under_roots(value, request.app.state.common.allowed_model_roots, param=param)
-    if not path.exists():
-        raise InvalidRequest(f"{param}: {value!r} does not exist", param=param)
-    return path
 
 
 @router.get("/v1/models", response_model=ModelList)
-async def list_models(request: Request) -> ModelList:
+async def list_models(admin: ModelAdminDep, caller: CallerDep) -> ModelList:
     """The served base models, shared fine-tunes, and the caller tenant's own."""
-    try:
-        served = await _registry(request).models(principal_of(request))
-    except EngineError as exc:
-        raise http_error(exc) from None
-    return ModelList(
-        data=[
-            ModelCard(
-                id=m.id,
-                created=_STARTED,
-                owned_by=m.owned_by,
-                root=m.parent if m.kind == "registered" else (m.id if m.kind == "base" else None),
-                parent=m.parent if m.kind == "adapter" else None,
-                max_model_len=m.max_model_len,
-                kind=m.kind if m.kind in ("adapter", "registered") else "base",  # type: ignore[arg-type]
-            )
-            for m in served
-        ]
-        # Embedding and rerank models (kind "embedding" / "rerank"), shared by every tenant.
-        + request.app.state.embeddings.cards(_STARTED)
-    )
+    return await admin.list(caller)
 
 
 @router.get("/v1/capabilities", response_model=Capabilities)
-async def capabilities(request: Request) -> Capabilities:
+async def capabilities(admin: ModelAdminDep) -> Capabilities:
     """Tandem extension: what can be published here (the trainer asks before training)."""
-    return Capabilities(**_registry(request).capabilities())
+    return admin.capabilities()
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)
-async def retrieve_model(model_id: str, request: Request) -> ModelCard:
-    for card in (await list_models(request)).data:
-        if card.id == model_id:
-            return card
-    raise NotFound(f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+async def retrieve_model(model_id: str, admin: ModelAdminDep, caller: CallerDep) -> ModelCard:
+    return await admin.card(model_id, caller)
 
 
-@router.delete("/v1/models/{model_id:path}")
-async def delete_model(model_id: str, request: Request) -> dict[str, Any]:
+@router.delete("/v1/models/{model_id:path}", response_model=ModelDeleted)
+async def delete_model(model_id: str, admin: ModelAdminDep, caller: CallerDep) -> ModelDeleted:
     """Remove a fine-tune (adapter or registered model) from every replica: its tenant or an
     operator. The weights stay with the trainer job that made them."""
-    try:
-        rec = await _registry(request).remove(model_id, principal_of(request))
-    except EngineError as exc:
-        raise _not_found(exc, "model") from None
-    return {"id": model_id, "object": "model", "deleted": True, "kind": _kind(rec.kind if rec else "adapter")}
+    return await admin.delete(model_id, caller)
 
 
-def _kind(kind: str) -> str:
-    return "registered" if kind == "model" else kind
+# Not response models (a route returns either JSON or an SSE stream): documented as responses.
+@router.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletion}})
+async def chat_completions(
+    body: ChatCompletionRequest, serving: ServingDep, request: Request
+) -> JSONResponse | StreamingResponse:
+    return await serving.chat(body, request)
 
 
-def _not_found(exc: EngineError, param: str) -> Exception:
-    err = http_error(exc)
-    if err.status_code == 404:
-        err.param = param
-    return err
+@router.post("/v1/completions", response_model=None, responses={200: {"model": TextCompletion}})
+async def completions(
+    body: CompletionRequest, serving: ServingDep, request: Request
+) -> JSONResponse | StreamingResponse:
+    return await serving.completions(body, request)
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-    return await OpenAIServing(_registry(request)).chat(body, request)
-
-
-@router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-    return await OpenAIServing(_registry(request)).completions(body, request)
-
-
-@router.post("/v1/load_lora_adapter")
-async def load_lora_adapter(body: LoadLoraRequest, request: Request) -> dict[str, Any]:
+@router.post("/v1/load_lora_adapter", response_model=AdapterLoaded, response_model_exclude_none=True)
+async def load_lora_adapter(body: LoadLoraRequest, _: OperatorDep, admin: ModelAdminDep) -> AdapterLoaded:
     """Operator: record an adapter (for ``tenant``, or shared) and load it; every replica
     serves it from now on, after restarts too."""
-    require_operator(request)
-    registry = _registry(request)
-    path = _server_path(request, body.lora_path, "lora_path")
-    try:
-        await registry.load_adapter(body.lora_name, path, body.tenant or "", body.base)
-    except KeyError:
-        raise Conflict(f"lora_name {body.lora_name!r} is already served", param="lora_name") from None
-    except EngineError as exc:
-        if "already loaded" in str(exc):
-            raise Conflict(str(exc), param="lora_name") from None
-        raise _not_found(exc, "base") from None
-    out: dict[str, Any] = {"status": "loaded", "lora_name": body.lora_name, "lora_path": str(path)}
-    if body.tenant:
-        out["tenant"] = body.tenant
-    return out
+    return await admin.load_adapter(body)
 
 
-@router.post("/v1/unload_lora_adapter")
-async def unload_lora_adapter(body: UnloadLoraRequest, request: Request) -> dict[str, Any]:
-    """Remove an adapter everywhere (its record too): an operator, or the owning tenant."""
-    try:
-        await _registry(request).remove(body.lora_name, principal_of(request), kind="adapter")
-    except EngineError as exc:
-        if "no adapter named" in str(exc) or "does not exist" in str(exc):
-            raise NotFound(str(exc), param="lora_name", code="adapter_not_found") from None
-        raise http_error(exc) from None
-    return {"status": "unloaded", "lora_name": body.lora_name}
+@router.post("/v1/unload_lora_adapter", response_model=AdapterUnloaded)
+async def unload_lora_adapter(
+    body: UnloadLoraRequest, admin: ModelAdminDep, caller: CallerDep
+) -> AdapterUnloaded:
+    """Remove an adapter everywhere (its record too; requests still running on it end with an
+    error): an operator, or the owning tenant."""
+    return await admin.unload_adapter(body, caller)
 
 
-@router.post("/v1/models/register")
-async def register_model(body: RegisterModelRequest, request: Request) -> ModelCard:
+@router.post("/v1/models/register", response_model=ModelCard)
+async def register_model(body: RegisterModelRequest, _: OperatorDep, admin: ModelAdminDep) -> ModelCard:
     """Tandem extension (operator): serve a full fine-tuned model folder (or .gguf) under
     ``name``, for ``tenant`` or shared; recorded durably like adapters."""
-    require_operator(request)
-    registry = _registry(request)
-    path = _server_path(request, body.path, "path")
-    try:
-        await registry.register(body.name, path, body.tenant or "")
-    except KeyError:
-        raise Conflict(f"a model named {body.name!r} is already served", param="name") from None
-    except EngineError as exc:
-        err = http_error(exc)
-        if err.status_code == 503:  # the weights did not load: the path's fault
-            raise InvalidRequest(
-                f"path {body.path!r} could not be loaded as a model: {exc}", param="path"
-            ) from None
-        raise err from None
-    return ModelCard(
-        id=body.name,
-        created=int(time.time()),
-        root=str(path),
-        kind="registered",
-        owned_by=body.tenant or "tandem",
-    )
+    return await admin.register(body)
 
 
-@router.post("/v1/models/unregister")
-async def unregister_model(body: UnregisterModelRequest, request: Request) -> dict[str, Any]:
+@router.post("/v1/models/unregister", response_model=ModelUnregistered)
+async def unregister_model(
+    body: UnregisterModelRequest, admin: ModelAdminDep, caller: CallerDep
+) -> ModelUnregistered:
     """Remove a registered model everywhere: an operator, or the owning tenant."""
-    try:
-        await _registry(request).remove(body.name, principal_of(request), kind="model")
-    except EngineError as exc:
-        raise _not_found(exc, "name") from None
-    return {"status": "unregistered", "name": body.name}
+    return await admin.unregister(body, caller)

@@ -23,7 +23,7 @@ from services.common.openai_stream import (
 )
 from services.common.replicas import api_root
 from services.common.upstream import UpstreamBroken, UpstreamFailed, UpstreamStatus
-from services.inference.engine.base import ServedModel
+from services.inference.engine.base import AdapterNotFound, NameTaken, ServedModel
 from services.inference.engine.types import (
     AdapterError,
     EngineRequest,
@@ -109,13 +109,17 @@ class RemoteEngine:
         try:
             await self._json("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
         except UpstreamFailure as exc:
-            raise AdapterError(_message(exc)) from None
+            raise (
+                NameTaken(name, _message(exc)) if exc.status_code == 409 else AdapterError(_message(exc))
+            ) from None
 
     async def unload_adapter(self, name: str) -> None:
         try:
             await self._json("POST", "/unload_lora_adapter", {"lora_name": name})
         except UpstreamFailure as exc:
-            raise AdapterError(f"no adapter named {name!r} is loaded upstream: {_message(exc)}") from None
+            raise AdapterNotFound(
+                name, f"no adapter named {name!r} is loaded upstream: {_message(exc)}"
+            ) from None
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         chat = request.messages is not None

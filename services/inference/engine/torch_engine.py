@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from services.inference.engine.base import ServedModel
+from services.inference.engine.base import AdapterHost
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.guided import GuidedCompiler
 from services.inference.engine.prefix_cache import PrefixCache
@@ -72,7 +72,7 @@ def _message_text(content: Any) -> str:
     )
 
 
-class TorchEngine:
+class TorchEngine(AdapterHost):
     kind = "torch"
 
     def __init__(
@@ -372,17 +372,6 @@ class TorchEngine:
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.scheduler.stop)
 
-    def serves(self, model: str) -> bool:
-        return model == self.name or model in self.adapters
-
-    async def models(self) -> list[ServedModel]:
-        out = [ServedModel(self.name, "base", max_model_len=self.max_model_len)]
-        out += [
-            ServedModel(a, "adapter", parent=self.name, max_model_len=self.max_model_len)
-            for a in self.adapters
-        ]
-        return out
-
     async def health(self) -> dict[str, object]:
         if not self.scheduler.running:
             raise EngineUnavailable("the scheduler thread is not running")
@@ -468,8 +457,7 @@ class TorchEngine:
         from peft import PeftModel
 
         with self.model_lock:
-            if name in self.adapters or name == self.name:
-                raise AdapterError(f"an adapter or model named {name!r} is already loaded")
+            self.check_free(name)
             try:
                 if isinstance(self.model, PeftModel):
                     self.model.load_adapter(str(folder), adapter_name=name, is_trainable=False)
@@ -504,8 +492,7 @@ class TorchEngine:
 
     def unload_adapter_sync(self, name: str) -> None:
         with self.model_lock:
-            if name not in self.adapters:
-                raise AdapterError(f"no adapter named {name!r} is loaded")
+            self.check_loaded(name)
             self.scheduler.fail_where(lambda s: s.adapter == name, f"adapter {name!r} was unloaded")
             self._drop_adapter_modules(name)
             del self.adapters[name]

@@ -15,7 +15,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.inference.engine.base import ServedModel
+from services.inference.engine.base import AdapterHost
 from services.inference.engine.tools import fallback_messages, native_messages, template_renders_tools
 from services.inference.engine.types import (
     AdapterError,
@@ -50,7 +50,7 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-class VLLMEngine:
+class VLLMEngine(AdapterHost):
     kind = "vllm"
 
     def __init__(
@@ -100,17 +100,6 @@ class VLLMEngine:
         if self.engine is not None and hasattr(self.engine, "shutdown"):
             self.engine.shutdown()
 
-    def serves(self, model: str) -> bool:
-        return model == self.name or model in self.adapters
-
-    async def models(self) -> list[ServedModel]:
-        out = [ServedModel(self.name, "base", max_model_len=self.max_model_len)]
-        out += [
-            ServedModel(a, "adapter", parent=self.name, max_model_len=self.max_model_len)
-            for a in self.adapters
-        ]
-        return out
-
     async def health(self) -> dict[str, object]:
         if self.engine is None:
             raise EngineUnavailable("vLLM is not started")
@@ -123,8 +112,7 @@ class VLLMEngine:
     async def load_adapter(self, name: str, path: str) -> None:
         from vllm.lora.request import LoRARequest
 
-        if name in self.adapters:
-            raise AdapterError(f"an adapter or model named {name!r} is already loaded")
+        self.check_free(name)
         request = LoRARequest(name, next(self._lora_ids), path)
         try:
             await self.engine.add_lora(request)
@@ -133,9 +121,8 @@ class VLLMEngine:
         self.adapters[name] = request
 
     async def unload_adapter(self, name: str) -> None:
-        request = self.adapters.pop(name, None)
-        if request is None:
-            raise AdapterError(f"no adapter named {name!r} is loaded")
+        self.check_loaded(name)
+        request = self.adapters.pop(name)
         with contextlib.suppress(Exception):
             await self.engine.remove_lora(request.lora_int_id)
 
