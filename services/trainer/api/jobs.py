@@ -20,40 +20,12 @@ from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import idempotent
 from services.trainer.api.deps import TrainerState, state_of
 from services.trainer.jobspec import KIND_OF, JobOwner, check_own_artifact, validate_job
-from services.trainer.protocol import TERMINAL, Artifact, ArtifactList, Job, JobCreate, JobList, Progress
+from services.trainer.protocol import TERMINAL, Artifact, ArtifactList, Job, JobCreate, JobList
 from services.trainer.publish import check_publishable
 from services.trainer.runner import artifact_dir, dataset_path, job_dir
 from services.trainer.store import events_key, job_key, new_id
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
-
-
-def job_object(job_id: str, data: dict[str, str]) -> Job:
-    spec = json.loads(data["spec"])
-
-    def opt_float(key: str) -> float | None:
-        v = data.get(key)
-        return float(v) if v else None
-
-    return Job(
-        id=job_id,
-        type=data["type"],  # type: ignore[arg-type]
-        status=data["status"],  # type: ignore[arg-type]
-        base_model=spec["base_model"],
-        dataset=spec["dataset"],
-        eval_dataset=spec.get("eval_dataset"),
-        queue=data.get("queue", "cpu"),
-        progress=Progress(step=int(data.get("step") or 0), total=int(data.get("total") or 0)),
-        metrics=json.loads(data.get("metrics") or "{}"),
-        error=data.get("error") or None,
-        created_at=float(data["created_at"]),
-        started_at=opt_float("started_at"),
-        finished_at=opt_float("finished_at"),
-        attempts=int(data.get("attempts") or 0),
-        fine_tuned_model=data.get("fine_tuned_model") or None,
-        published=data.get("published") == "1",
-        request=spec,
-    )
 
 
 def _check_files(st: TrainerState, tenant: str, spec: JobCreate) -> tuple[Path, Path | None]:
@@ -103,7 +75,7 @@ def _create(st: TrainerState, tenant: str, spec: JobCreate) -> Job:
         job_id, f"queued on {queue!r}: {len(resolved.records)} rows, base model {resolved.model_path}"
     )
     st.dispatch(job_id, queue)
-    return job_object(job_id, st.store.job(job_id))
+    return st.store.record(job_id).to_job()
 
 
 @router.post(
@@ -135,21 +107,19 @@ def list_jobs(request: Request, limit: int = 100) -> JobList:
     if not 1 <= limit <= 1000:
         raise InvalidRequest(f"limit must be between 1 and 1000, got {limit}", param="limit")
     st = state_of(request)
-    return JobList(
-        data=[job_object(jid, d) for jid, d in st.store.list_jobs(principal_of(request).tenant, limit)]
-    )
+    return JobList(data=[job.to_job() for job in st.store.list_jobs(principal_of(request).tenant, limit)])
 
 
 @router.get("/jobs/{job_id}", response_model=Job)
 def get_job(job_id: str, request: Request) -> Job:
     st = state_of(request)
-    return job_object(job_id, st.store.get_job(principal_of(request).tenant, job_id))
+    return st.store.get_job(principal_of(request).tenant, job_id).to_job()
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=Job)
 def cancel_job(job_id: str, request: Request) -> Job:
     st = state_of(request)
-    return job_object(job_id, st.store.request_cancel(principal_of(request).tenant, job_id))
+    return st.store.request_cancel(principal_of(request).tenant, job_id).to_job()
 
 
 @router.get("/jobs/{job_id}/metrics")
