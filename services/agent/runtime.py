@@ -3,7 +3,7 @@
 Every interface (websocket, SSE, JSON, the OpenAI facade) runs a turn through
 ``AgentRuntime.turn`` and only changes how the events are written out, so they
 all behave the same. Events (contracts.md): ``conversation``, ``token``,
-``citation``, ``step``, ``error``, ``done``.
+``citation``, ``reset``, ``step``, ``error``, ``done``, typed in services/agent/events.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,17 @@ from services.agent.chunks import Chunk
 from services.agent.citations import CitationTracker
 from services.agent.clients import InferenceClient, RetrievalClient, TrainerClient
 from services.agent.config import AgentSettings
+from services.agent.events import (
+    ConversationEvent,
+    DoneEvent,
+    ErrorEvent,
+    FinalStep,
+    ObservationStep,
+    ResetEvent,
+    ThoughtStep,
+    TokenEvent,
+    ToolCallStep,
+)
 from services.agent.memory import ConversationStore, MemoryLimits
 from services.agent.pipelines.components import CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
@@ -63,10 +74,10 @@ class TurnResult:
     citations: list[dict[str, Any]] = field(default_factory=list)
     invalid_citations: list[int] = field(default_factory=list)
     results: list[dict[str, Any]] | None = None
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)  # the agent's step events, as sent
     usage: dict[str, int] = field(default_factory=dict)
     finish_reason: str = "stop"
-    error: dict[str, Any] | None = None
+    error: ErrorEvent | None = None
     # The groundedness guard's outcome (pipelines with a groundedness_guard only).
     answer_kind: AnswerKind = "generated"
     unsupported: list[dict[str, Any]] = field(default_factory=list)
@@ -74,6 +85,21 @@ class TurnResult:
     # Where the turn record is read from: the pipeline's state or the agent's run.
     state: RunState | None = None
     agent_run: Any = None
+
+    def done_event(self, **fields: Any) -> DoneEvent:
+        """The turn's ``done``; ``usage`` and ``invalid_citations`` only when there are any."""
+        done = DoneEvent(
+            conversation_id=self.conversation_id,
+            message_id=self.message_id,
+            **fields,
+            citations=self.citations,
+            finish_reason=self.finish_reason,
+        )
+        if self.usage:
+            done.usage = self.usage
+        if self.invalid_citations:
+            done.invalid_citations = self.invalid_citations
+        return done
 
 
 class AgentRuntime:
@@ -213,20 +239,20 @@ class AgentRuntime:
                     llm=turn.llm or "",
                 )
                 created = True
-            yield {"type": "conversation", "conversation_id": result.conversation_id}
+            yield ConversationEvent(conversation_id=result.conversation_id)
         try:
             if turn.target in self.pipelines:
                 events = self._run_pipeline(inference, api_key, turn, llm, history, result)
             else:
                 events = self._run_agent(inference, api_key, turn, llm, history, result)
             async for event in events:
-                if event["type"] == "token":
-                    partial.append(event["text"])
-                elif event["type"] == "reset":
+                if isinstance(event, TokenEvent):
+                    partial.append(event.text)
+                elif isinstance(event, ResetEvent):
                     partial.clear()  # the guard replaces what streamed so far
-                elif event["type"] == "step":
-                    result.steps.append(event)
-                elif event["type"] == "error":
+                elif isinstance(event, ThoughtStep | ToolCallStep | ObservationStep | FinalStep):
+                    result.steps.append(event.wire())
+                elif isinstance(event, ErrorEvent):
                     result.error = event
                 yield event
         except asyncio.CancelledError:
@@ -265,24 +291,13 @@ class AgentRuntime:
             await self.memory.append(
                 tenant, user, result.conversation_id, [{"role": "user", "content": turn.message}, assistant]
             )
-        done: Event = {
-            "type": "done",
-            "conversation_id": result.conversation_id,
-            "message_id": result.message_id,
-            "model": result.model or None,
-            "citations": result.citations,
-            "finish_reason": result.finish_reason,
-        }
-        if result.usage:
-            done["usage"] = result.usage
+        done = result.done_event(model=result.model or None)
         if result.results is not None:
-            done["results"] = result.results
-        if result.invalid_citations:
-            done["invalid_citations"] = result.invalid_citations
+            done.results = result.results
         if result.grounding is not None:
-            done["kind"] = result.answer_kind
-            done["grounding"] = result.grounding
-            done["unsupported"] = result.unsupported
+            done.kind = result.answer_kind
+            done.grounding = result.grounding
+            done.unsupported = result.unsupported
         yield done
 
     async def _save_record(
@@ -400,20 +415,7 @@ class AgentRuntime:
         )
         # The draft belongs to the conversation's owner, so deleting the conversation deletes it.
         await self.turns.add_turn(principal.tenant, original.user, draft)
-        done: Event = {
-            "type": "done",
-            "conversation_id": result.conversation_id,
-            "message_id": result.message_id,
-            "draft_of": result.draft_of,
-            "model": result.model,
-            "citations": result.citations,
-            "finish_reason": result.finish_reason,
-        }
-        if result.usage:
-            done["usage"] = result.usage
-        if result.invalid_citations:
-            done["invalid_citations"] = result.invalid_citations
-        yield done
+        yield result.done_event(model=result.model, draft_of=result.draft_of)
 
     async def _run_pipeline(
         self,
@@ -483,7 +485,7 @@ async def peek(events: AsyncIterator[Event]) -> tuple[list[Event], AsyncIterator
     buffered: list[Event] = []
     async for event in events:
         buffered.append(event)
-        if event["type"] in FIRST_OUTPUT:
+        if event.type in FIRST_OUTPUT:
             break
     return buffered, events
 

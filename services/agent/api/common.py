@@ -6,8 +6,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import HTTPConnection
 
+from services.agent.events import ErrorEvent, Event
 from services.agent.runtime import AgentRuntime
 from services.common.auth import Principal, bearer_token
 from services.common.errors import TandemError, Unauthorized
@@ -28,23 +30,20 @@ def caller(conn: HTTPConnection) -> tuple[Principal, str]:
 
 
 def sse(data: Any) -> bytes:
+    """One SSE ``data:`` frame of ``data`` (an event is sent as its wire form)."""
+    if isinstance(data, BaseModel):
+        data = data.wire() if hasattr(data, "wire") else data.model_dump()
     return f"data: {json.dumps(data, default=str)}\n\n".encode()
 
 
-def error_event(exc: BaseException) -> dict[str, Any]:
+def error_event(exc: BaseException) -> ErrorEvent:
+    """The ``error`` event of an exception raised during a turn (with the HTTP status it maps to)."""
     if isinstance(exc, TandemError):
-        return {
-            "type": "error",
-            "message": exc.message,
-            "code": exc.code or exc.type,
-            "status": exc.status_code,
-        }
-    return {"type": "error", "message": f"internal error: {type(exc).__name__}", "code": "internal_error"}
+        return ErrorEvent(message=exc.message, code=exc.code or exc.type, status=exc.status_code)
+    return ErrorEvent(message=f"internal error: {type(exc).__name__}", code="internal_error")
 
 
-async def guarded(
-    buffered: list[dict[str, Any]], rest: AsyncIterator[dict[str, Any]]
-) -> AsyncIterator[dict[str, Any]]:
+async def guarded(buffered: list[Event], rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
     """Buffered events, then the rest; an error raised mid-stream becomes a final error event."""
     for event in buffered:
         yield event

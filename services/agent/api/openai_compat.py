@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from services.agent.api.common import caller, error_event, runtime_of, sse
+from services.agent.events import ErrorEvent, Event, ResetEvent, TokenEvent
 from services.agent.protocol import ChatCompletionRequest
 from services.agent.runtime import Turn, TurnResult, collect, peek
 from services.common.errors import InvalidRequest, TandemError
@@ -128,7 +129,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     async def stream() -> AsyncIterator[bytes]:
         yield chunk({"role": "assistant", "content": ""})
 
-        async def all_events() -> AsyncIterator[dict[str, Any]]:
+        async def all_events() -> AsyncIterator[Event]:
             for event in buffered:
                 yield event
             async for event in rest:
@@ -136,17 +137,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
         try:
             async for event in all_events():
-                if event["type"] == "token":
-                    yield chunk({"content": event["text"]})
-                elif event["type"] == "reset":
+                if isinstance(event, TokenEvent):
+                    yield chunk({"content": event.text})
+                elif isinstance(event, ResetEvent):
                     # An OpenAI stream cannot take text back: the guard's answer follows on its own
                     # paragraph, and the last chunk says kind "extractive".
                     yield chunk({"content": "\n\n"})
-                elif event["type"] == "error":
-                    yield sse({"error": {"message": event["message"], "code": event.get("code")}})
+                elif isinstance(event, ErrorEvent):
+                    yield sse({"error": {"message": event.message, "code": event.code}})
         except Exception as exc:
             err = error_event(exc)
-            yield sse({"error": {"message": err["message"], "code": err["code"]}})
+            yield sse({"error": {"message": err.message, "code": err.code}})
         if result.results is not None:
             yield chunk({"content": _render_results(result.results)})
         extra: dict[str, Any] = {

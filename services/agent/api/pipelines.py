@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from services.agent.api.common import caller, guarded, runtime_of, sse
+from services.agent.events import ErrorEvent
 from services.agent.protocol import PipelineRunRequest
 from services.agent.runtime import Turn, TurnResult, collect, peek
 
@@ -59,9 +60,9 @@ async def run_pipeline(name: str, body: PipelineRunRequest, request: Request) ->
                 )
         if result.steps:
             out["steps"] = result.steps
-        errors = [e for e in collected if e["type"] == "error"]
+        errors = [e for e in collected if isinstance(e, ErrorEvent)]
         if errors:
-            out["error"] = {"message": errors[-1]["message"], "code": errors[-1].get("code")}
+            out["error"] = {"message": errors[-1].message, "code": errors[-1].code}
         return out
     buffered, rest = await peek(events)
 
