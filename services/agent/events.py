@@ -63,21 +63,15 @@ class TokenEvent(_Event):
     text: str
 
 
-class CitationEvent(_Event):
+class CitationEvent(_Event, Citation):
     """``[index]`` in the answer resolved to a chunk (``kind``: cited, attributed, extractive)."""
 
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
     type: Literal["citation"] = "citation"
-    index: int
-    chunk_id: str
-    document_id: str
-    title: str
-    text: str
-    start: int
-    end: int
-    kind: str = "cited"
 
     @classmethod
-    def of(cls, citation: Citation) -> CitationEvent:
+    def from_citation(cls, citation: Citation) -> CitationEvent:
         return cls(**citation.to_dict())
 
 

@@ -86,6 +86,14 @@ class TurnResult:
     state: RunState | None = None
     agent_run: Any = None
 
+    def take_answer(self, state: RunState) -> None:
+        """What a pipeline run (or a regenerated draft) answered."""
+        self.answer = state.answer
+        self.citations = [c.to_dict() for c in state.citations]
+        self.invalid_citations = state.invalid_citations
+        self.usage = state.usage
+        self.finish_reason = state.finish_reason
+
     def done_event(self, **fields: Any) -> DoneEvent:
         """The turn's ``done``; ``usage`` and ``invalid_citations`` only when there are any."""
         done = DoneEvent(
@@ -100,6 +108,18 @@ class TurnResult:
         if self.invalid_citations:
             done.invalid_citations = self.invalid_citations
         return done
+
+
+@dataclass
+class _Run:
+    """One turn's run of a pipeline or an agent: its model client, the caller's key, the model."""
+
+    inference: InferenceClient
+    api_key: str
+    turn: Turn
+    llm: str | None
+    history: list[dict[str, str]]
+    result: TurnResult
 
 
 class AgentRuntime:
@@ -242,9 +262,9 @@ class AgentRuntime:
             yield ConversationEvent(conversation_id=result.conversation_id)
         try:
             if turn.target in self.pipelines:
-                events = self._run_pipeline(inference, api_key, turn, llm, history, result)
+                events = self._run_pipeline(_Run(inference, api_key, turn, llm, history, result))
             else:
-                events = self._run_agent(inference, api_key, turn, llm, history, result)
+                events = self._run_agent(_Run(inference, api_key, turn, llm, history, result))
             async for event in events:
                 if isinstance(event, TokenEvent):
                     partial.append(event.text)
@@ -389,11 +409,7 @@ class AgentRuntime:
         for node in nodes:
             async for event in node.run(state, ctx):
                 yield event
-        result.answer = state.answer
-        result.citations = [c.to_dict() for c in state.citations]
-        result.invalid_citations = state.invalid_citations
-        result.usage = state.usage
-        result.finish_reason = state.finish_reason
+        result.take_answer(state)
         result.model = original.model
         draft = TurnRecord(
             message_id=result.message_id,
@@ -417,63 +433,45 @@ class AgentRuntime:
         await self.turns.add_turn(principal.tenant, original.user, draft)
         yield result.done_event(model=result.model, draft_of=result.draft_of)
 
-    async def _run_pipeline(
-        self,
-        inference: InferenceClient,
-        api_key: str,
-        turn: Turn,
-        llm: str | None,
-        history: list[dict[str, str]],
-        result: TurnResult,
-    ) -> AsyncIterator[Event]:
+    async def _run_pipeline(self, run: _Run) -> AsyncIterator[Event]:
+        inference, turn, llm, result = run.inference, run.turn, run.llm, run.result
         pipeline = self.pipelines[turn.target]
         uses_model = any(n.type == "generator" for n in pipeline.spec.components.values())
         ctx = RunContext(
             settings=self.settings,
-            retrieval=self.retrieval(api_key),
+            retrieval=self.retrieval(run.api_key),
             inference=inference,
             counter=load_counter(self.settings.tokenizer),
             model=(llm or await self.model(inference)) if uses_model else "",
         )
         state = RunState(
-            question=turn.message, collection=turn.collection, history=history, options=turn.options
+            question=turn.message, collection=turn.collection, history=run.history, options=turn.options
         )
         result.state = state
         async for event in pipeline.run(state, ctx):
             yield event
-        result.answer = state.answer
-        result.citations = [c.to_dict() for c in state.citations]
-        result.invalid_citations = state.invalid_citations
+        result.take_answer(state)
         result.results = state.results
-        result.usage = state.usage
-        result.finish_reason = state.finish_reason
         result.answer_kind = state.answer_kind
         result.unsupported = state.unsupported
         result.grounding = state.grounding
 
-    async def _run_agent(
-        self,
-        inference: InferenceClient,
-        api_key: str,
-        turn: Turn,
-        llm: str | None,
-        history: list[dict[str, str]],
-        result: TurnResult,
-    ) -> AsyncIterator[Event]:
+    async def _run_agent(self, run: _Run) -> AsyncIterator[Event]:
+        inference, turn, result = run.inference, run.turn, run.result
         spec = self.agents[turn.target]
         tools: dict[str, Tool] = check_tools(spec, self.tools)
         runner = AgentRunner(
             inference=inference,
-            model=llm or await self.model(inference),
+            model=run.llm or await self.model(inference),
             tools=tools,
-            tool_ctx=ToolContext(retrieval=self.retrieval(api_key), collection=turn.collection),
+            tool_ctx=ToolContext(retrieval=self.retrieval(run.api_key), collection=turn.collection),
             max_steps=self.settings.agent_max_steps,
             time_budget_s=self.settings.agent_time_budget_s,
             tool_timeout_s=self.settings.tool_timeout_s,
             max_tokens=self.settings.max_answer_tokens,
         )
         result.agent_run = runner
-        async for event in runner.run(turn.message, history, mode=spec.mode):
+        async for event in runner.run(turn.message, run.history, mode=spec.mode):
             yield event
         result.answer = runner.result.answer
         result.finish_reason = runner.result.finish_reason

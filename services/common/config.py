@@ -119,6 +119,17 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
 
 
+class TenantQuotaSettings(ServiceSettings):
+    """The storage quota of a service that keeps tenants' files (``TANDEM_<SERVICE>_TENANT_QUOTA_MB``)."""
+
+    tenant_quota_mb: int = Field(
+        10240,
+        ge=0,
+        description="Disk space (MiB) one tenant's stored files (retrieval: its collections; trainer: its "
+        "uploaded datasets) may use; an upload that would pass it is refused with 507. 0: no quota.",
+    )
+
+
 S = TypeVar("S", bound=BaseSettings)
 
 

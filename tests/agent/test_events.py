@@ -43,7 +43,7 @@ def test_every_event_reads_back_as_itself() -> None:
     chunk = Chunk(chunk_id="c1", document_id="d1", text="Berlin", start=0, end=6, title="t")
     events = [
         TokenEvent(text="Hi"),
-        CitationEvent.of(Citation.of(1, chunk)),
+        CitationEvent.from_citation(Citation.of(1, chunk)),
         ToolCallStep(step=1, tool="calculator", input="2+2", repairs=[]),
         ObservationStep(tool="calculator", text="4", ok=True, seconds=0.01),
         DoneEvent(message_id="msg_2", citations=[], finish_reason="length", invalid_citations=[3]),

@@ -1,4 +1,6 @@
-"""Helpers shared by the routers: the caller's key and principal, SSE framing."""
+"""Helpers shared by the routers: SSE framing, error events, streamed answers.
+
+(The runtime and the caller are dependencies: services/agent/api/deps.py.)"""
 
 from __future__ import annotations
 
@@ -6,27 +8,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from starlette.requests import HTTPConnection
 
 from services.agent.events import ErrorEvent, Event
-from services.agent.runtime import AgentRuntime
-from services.common.auth import Principal, bearer_token
-from services.common.errors import TandemError, Unauthorized
-
-
-def runtime_of(conn: HTTPConnection) -> AgentRuntime:
-    runtime: AgentRuntime = conn.app.state.runtime
-    return runtime
-
-
-def caller(conn: HTTPConnection) -> tuple[Principal, str]:
-    """The authenticated principal and the key itself (passed on to retrieval and inference)."""
-    principal = getattr(conn.state, "principal", None)
-    key = bearer_token(conn)
-    if not isinstance(principal, Principal) or not key:
-        raise Unauthorized("not authenticated")
-    return principal, key
+from services.common.errors import TandemError
 
 
 def sse(data: Any) -> bytes:
@@ -52,3 +38,17 @@ async def guarded(buffered: list[Event], rest: AsyncIterator[Event]) -> AsyncIte
             yield event
     except Exception as exc:
         yield error_event(exc)
+
+
+def event_stream(buffered: list[Event], rest: AsyncIterator[Event]) -> StreamingResponse:
+    """A turn's events as Server-Sent Events (``peek`` gave ``buffered``; errors end the stream)."""
+
+    async def body() -> AsyncIterator[bytes]:
+        async for event in guarded(buffered, rest):
+            yield sse(event)
+
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

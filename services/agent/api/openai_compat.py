@@ -11,10 +11,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
-from services.agent.api.common import caller, error_event, runtime_of, sse
+from services.agent.api.common import error_event, sse
+from services.agent.api.deps import CallerDep, RuntimeDep
 from services.agent.events import ErrorEvent, Event, ResetEvent, TokenEvent
 from services.agent.protocol import ChatCompletionRequest
 from services.agent.runtime import Turn, TurnResult, collect, peek
@@ -24,8 +25,7 @@ router = APIRouter(tags=["openai"])
 
 
 @router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
-    runtime = runtime_of(request)
+async def models(runtime: RuntimeDep) -> dict[str, Any]:
     return {
         "object": "list",
         "data": [
@@ -61,9 +61,8 @@ def _citations(result: TurnResult) -> list[dict[str, Any]]:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    runtime = runtime_of(request)
-    principal, key = caller(request)
+async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who: CallerDep) -> Any:
+    principal, key = who
     if body.messages[-1].role != "user":
         raise InvalidRequest("the last message must come from the user", param="messages")
     history = [

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter
 
-from services.agent.api.common import caller, guarded, runtime_of, sse
+from services.agent.api.common import event_stream
+from services.agent.api.deps import CallerDep, RuntimeDep
 from services.agent.events import ErrorEvent
 from services.agent.protocol import PipelineRunRequest
 from services.agent.runtime import Turn, TurnResult, collect, peek
@@ -17,14 +16,13 @@ router = APIRouter(tags=["pipelines"])
 
 
 @router.get("/v1/pipelines")
-async def list_pipelines(request: Request) -> dict[str, Any]:
-    return {"data": runtime_of(request).catalog()}
+async def list_pipelines(runtime: RuntimeDep) -> dict[str, Any]:
+    return {"data": runtime.catalog()}
 
 
 @router.post("/v1/pipelines/{name}/run", response_model=None)
-async def run_pipeline(name: str, body: PipelineRunRequest, request: Request) -> Any:
-    runtime = runtime_of(request)
-    principal, key = caller(request)
+async def run_pipeline(name: str, body: PipelineRunRequest, runtime: RuntimeDep, who: CallerDep) -> Any:
+    principal, key = who
     turn = Turn(
         target=name,
         message=body.question(),
@@ -64,14 +62,4 @@ async def run_pipeline(name: str, body: PipelineRunRequest, request: Request) ->
         if errors:
             out["error"] = {"message": errors[-1].message, "code": errors[-1].code}
         return out
-    buffered, rest = await peek(events)
-
-    async def body_iter() -> AsyncIterator[bytes]:
-        async for event in guarded(buffered, rest):
-            yield sse(event)
-
-    return StreamingResponse(
-        body_iter(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return event_stream(*await peek(events))

@@ -19,7 +19,8 @@ from typing import Any
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from services.agent.api.common import caller, error_event, runtime_of
+from services.agent.api.common import error_event
+from services.agent.api.deps import caller, runtime_of
 from services.agent.api.feedback import choose, give_feedback
 from services.agent.events import ChoiceEvent, DoneEvent, ErrorEvent, FeedbackAck, WsEvent
 from services.agent.protocol import (

@@ -327,7 +327,7 @@ class GenerateNode:
                 yield TokenEvent(text=text)
                 if state.tracker is not None:
                     for citation in state.tracker.feed(text):
-                        yield CitationEvent.of(citation)
+                        yield CitationEvent.from_citation(citation)
                 if guard.feed(text):
                     looped = True
                     break
@@ -360,13 +360,13 @@ class CiteNode:
         if not state.tracker.text and state.answer:
             state.tracker.feed(state.answer)
         for citation in state.tracker.finish():
-            yield CitationEvent.of(citation)
+            yield CitationEvent.from_citation(citation)
         state.citations = state.tracker.citations
         state.invalid_citations = list(state.tracker.invalid)
         if not state.citations and self.p.attribute_uncited:
             state.citations = attribute(state.answer, state.tracker.chunks, self.p.min_overlap)
             for citation in state.citations:
-                yield CitationEvent.of(citation)
+                yield CitationEvent.from_citation(citation)
 
 
 class GuardNode:
@@ -420,7 +420,7 @@ class GuardNode:
             yield TokenEvent(text=piece)
         state.citations = [Citation.of(n, chunks[n - 1], kind="extractive") for n in numbers]
         for citation in state.citations:
-            yield CitationEvent.of(citation)
+            yield CitationEvent.from_citation(citation)
 
 
 class RunnableNode:

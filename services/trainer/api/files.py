@@ -12,12 +12,11 @@ from typing import Any
 from fastapi import APIRouter, File, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from services.common.auth import principal_of
 from services.common.errors import InvalidRequest, PayloadTooLarge
 from services.common.idempotency import idempotent
 from services.common.paths import safe_filename
 from services.common.quota import check_quota
-from services.trainer.api.deps import TrainerState, state_of
+from services.trainer.api.deps import TenantDep, TrainerDep, TrainerState
 from services.trainer.data.formats import DatasetError, parse_dataset
 from services.trainer.protocol import FileObject
 from services.trainer.runner import dataset_path
@@ -98,13 +97,13 @@ def _store_upload(st: TrainerState, tenant: str, upload: UploadFile, name: str) 
 
 
 @router.post("/files", status_code=201, response_model=FileObject, responses=UPLOAD_ERRORS)
-async def upload_file(request: Request, file: UploadFile = File(...)) -> Any:
+async def upload_file(
+    request: Request, st: TrainerDep, tenant: TenantDep, file: UploadFile = File(...)
+) -> Any:
     """Upload a JSONL dataset; every line is parsed and checked before it is stored.
 
     The body streams to disk under the guard's limit (TANDEM_TRAINER_MAX_DATASET_MB); an
     ``Idempotency-Key`` header makes a retry return the first upload's file."""
-    tenant = principal_of(request).tenant
-    st = state_of(request)
     name = safe_filename(file.filename or "dataset.jsonl", param="file")
 
     async def create() -> tuple[int, Any]:
@@ -127,15 +126,10 @@ def _spooled_digest(upload: UploadFile) -> str:
 
 
 @router.get("/files")
-def list_files(request: Request) -> dict[str, object]:
-    st = state_of(request)
-    return {
-        "object": "list",
-        "data": [file_object(d) for d in st.store.list_files(principal_of(request).tenant)],
-    }
+def list_files(st: TrainerDep, tenant: TenantDep) -> dict[str, object]:
+    return {"object": "list", "data": [file_object(d) for d in st.store.list_files(tenant)]}
 
 
 @router.get("/files/{file_id}", response_model=FileObject)
-def get_file(file_id: str, request: Request) -> FileObject:
-    st = state_of(request)
-    return file_object(st.store.get_file(principal_of(request).tenant, file_id))
+def get_file(file_id: str, st: TrainerDep, tenant: TenantDep) -> FileObject:
+    return file_object(st.store.get_file(tenant, file_id))

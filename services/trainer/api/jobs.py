@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import redis.exceptions
-from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from services.common.auth import Principal, principal_of
+from services.common.auth import Principal
 from services.common.errors import InvalidRequest, NotFound
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import idempotent
-from services.trainer.api.deps import TrainerState, state_of
+from services.trainer.api.deps import JobDep, TenantDep, TrainerDep, TrainerState
 from services.trainer.jobspec import KIND_OF, JobOwner, check_own_artifact, validate_job
 from services.trainer.protocol import TERMINAL, Artifact, ArtifactList, Job, JobCreate, JobList
 from services.trainer.publish import check_publishable
@@ -89,11 +89,10 @@ def _create(st: TrainerState, tenant: str, spec: JobCreate) -> Job:
         **IDEMPOTENCY_RESPONSES,
     },
 )
-async def create_job(spec: JobCreate, request: Request) -> Any:
+async def create_job(spec: JobCreate, request: Request, st: TrainerDep, tenant: TenantDep) -> Any:
     """Validate everything (files, model, LoRA targets, lengths, reward), then queue the job.
 
     With an ``Idempotency-Key`` header a retry returns the first job instead of queueing a second."""
-    st, tenant = state_of(request), principal_of(request).tenant
 
     async def create() -> tuple[int, Any]:
         job = await run_in_threadpool(_create, st, tenant, spec)
@@ -103,37 +102,28 @@ async def create_job(spec: JobCreate, request: Request) -> Any:
 
 
 @router.get("/jobs", response_model=JobList)
-def list_jobs(request: Request, limit: int = 100) -> JobList:
-    if not 1 <= limit <= 1000:
-        raise InvalidRequest(f"limit must be between 1 and 1000, got {limit}", param="limit")
-    st = state_of(request)
-    return JobList(data=[job.to_job() for job in st.store.list_jobs(principal_of(request).tenant, limit)])
+def list_jobs(st: TrainerDep, tenant: TenantDep, limit: int = Query(100, ge=1, le=1000)) -> JobList:
+    return JobList(data=[job.to_job() for job in st.store.list_jobs(tenant, limit)])
 
 
 @router.get("/jobs/{job_id}", response_model=Job)
-def get_job(job_id: str, request: Request) -> Job:
-    st = state_of(request)
-    return st.store.get_job(principal_of(request).tenant, job_id).to_job()
+def get_job(job: JobDep) -> Job:
+    return job.to_job()
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=Job)
-def cancel_job(job_id: str, request: Request) -> Job:
-    st = state_of(request)
-    return st.store.request_cancel(principal_of(request).tenant, job_id).to_job()
+def cancel_job(job_id: str, st: TrainerDep, tenant: TenantDep) -> Job:
+    return st.store.request_cancel(tenant, job_id).to_job()
 
 
 @router.get("/jobs/{job_id}/metrics")
-def job_metrics(job_id: str, request: Request) -> dict[str, Any]:
-    st = state_of(request)
-    st.store.get_job(principal_of(request).tenant, job_id)
-    return {"object": "list", "data": st.store.metrics(job_id)}
+def job_metrics(job: JobDep, st: TrainerDep) -> dict[str, Any]:
+    return {"object": "list", "data": st.store.metrics(job.id)}
 
 
 @router.get("/jobs/{job_id}/logs")
-def job_logs(job_id: str, request: Request) -> dict[str, Any]:
-    st = state_of(request)
-    st.store.get_job(principal_of(request).tenant, job_id)
-    return {"object": "list", "data": st.store.logs(job_id)}
+def job_logs(job: JobDep, st: TrainerDep) -> dict[str, Any]:
+    return {"object": "list", "data": st.store.logs(job.id)}
 
 
 # ---- artifacts
@@ -145,9 +135,8 @@ def _artifact_roots(st: TrainerState, job_id: str) -> dict[str, Path]:
 
 
 @router.get("/jobs/{job_id}/artifacts", response_model=ArtifactList)
-def list_artifacts(job_id: str, request: Request) -> ArtifactList:
-    st = state_of(request)
-    st.store.get_job(principal_of(request).tenant, job_id)
+def list_artifacts(job: JobDep, st: TrainerDep) -> ArtifactList:
+    job_id = job.id
     out = []
     for top, root in _artifact_roots(st, job_id).items():
         if not root.is_dir():
@@ -167,9 +156,8 @@ def list_artifacts(job_id: str, request: Request) -> ArtifactList:
 
 
 @router.get("/jobs/{job_id}/artifacts/{path:path}")
-def download_artifact(job_id: str, path: str, request: Request) -> FileResponse:
-    st = state_of(request)
-    st.store.get_job(principal_of(request).tenant, job_id)
+def download_artifact(job: JobDep, path: str, st: TrainerDep) -> FileResponse:
+    job_id = job.id
     top, _, rest = path.partition("/")
     roots = _artifact_roots(st, job_id)
     if top not in roots or not rest:
@@ -225,9 +213,8 @@ async def job_events(
 
 
 @router.get("/jobs/{job_id}/events")
-async def stream_events(job_id: str, request: Request) -> StreamingResponse:
+async def stream_events(job_id: str, request: Request, tenant: TenantDep) -> StreamingResponse:
     """Server-sent events: ``status``, ``progress`` (step, total, metrics) and ``log``."""
-    tenant = principal_of(request).tenant
     await _owned(request.app, tenant, job_id)
     last = request.headers.get("last-event-id") or "0"
 
