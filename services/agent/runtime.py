@@ -94,6 +94,31 @@ class TurnResult:
         self.usage = state.usage
         self.finish_reason = state.finish_reason
 
+    def pipeline_answer(self, pipeline: str, query: str, error: ErrorEvent | None) -> dict[str, Any]:
+        """The JSON answer of POST /v1/pipelines/{name}/run: results (search) or the answer (chat)."""
+        out: dict[str, Any] = {"pipeline": pipeline, "query": query, "message_id": self.message_id}
+        if self.model:
+            out["model"] = self.model
+        if self.conversation_id:
+            out["conversation_id"] = self.conversation_id
+        if self.results is not None:
+            out["results"] = self.results
+        else:
+            out.update(
+                answer=self.answer,
+                citations=self.citations,
+                invalid_citations=self.invalid_citations,
+                usage=self.usage,
+                finish_reason=self.finish_reason,
+            )
+            if self.grounding is not None:
+                out.update(kind=self.answer_kind, grounding=self.grounding, unsupported=self.unsupported)
+        if self.steps:
+            out["steps"] = self.steps
+        if error is not None:
+            out["error"] = {"message": error.message, "code": error.code}
+        return out
+
     def done_event(self, **fields: Any) -> DoneEvent:
         """The turn's ``done``; ``usage`` and ``invalid_citations`` only when there are any."""
         done = DoneEvent(

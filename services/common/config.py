@@ -20,6 +20,8 @@ SERVICE_NAMES = ("agent", "inference", "retrieval", "trainer")
 DEFAULT_PORTS = {"agent": 8000, "inference": 8001, "retrieval": 8002, "trainer": 8003}
 
 DeviceName = Literal["auto", "cuda", "xpu", "npu", "mps", "cpu"]
+# Weights dtype of a model a service loads; auto: the platform's default.
+ModelDType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 def with_password(url: str, password: str) -> str:

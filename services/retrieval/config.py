@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.config import TenantQuotaSettings
+from services.common.config import ModelDType, TenantQuotaSettings
 from services.common.ratelimit import TenantLimitSettings
 
 IndexKind = Literal["auto", "flat", "hnsw", "ivf"]
@@ -32,7 +32,7 @@ class RetrievalSettings(TenantLimitSettings, TenantQuotaSettings):
         description="CPU only: single-threaded model workers embedding document batches side by side "
         "(0: one per core, at most 4). Queries get their own single-threaded worker.",
     )
-    embedding_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    embedding_dtype: ModelDType = Field(
         "auto",
         description="Embedding model dtype. 'auto': bf16 on accelerators and on CPUs with native bf16 "
         "(avx512_bf16/AMX), else float32.",

@@ -37,29 +37,6 @@ async def run_pipeline(name: str, body: PipelineRunRequest, runtime: RuntimeDep,
     events = runtime.turn(principal, key, turn, result)
     if not body.stream:
         collected = await collect(events)
-        out: dict[str, Any] = {"pipeline": name, "query": turn.message, "message_id": result.message_id}
-        if result.model:
-            out["model"] = result.model
-        if result.conversation_id:
-            out["conversation_id"] = result.conversation_id
-        if result.results is not None:
-            out["results"] = result.results
-        else:
-            out.update(
-                answer=result.answer,
-                citations=result.citations,
-                invalid_citations=result.invalid_citations,
-                usage=result.usage,
-                finish_reason=result.finish_reason,
-            )
-            if result.grounding is not None:
-                out.update(
-                    kind=result.answer_kind, grounding=result.grounding, unsupported=result.unsupported
-                )
-        if result.steps:
-            out["steps"] = result.steps
         errors = [e for e in collected if isinstance(e, ErrorEvent)]
-        if errors:
-            out["error"] = {"message": errors[-1].message, "code": errors[-1].code}
-        return out
+        return result.pipeline_answer(name, turn.message, errors[-1] if errors else None)
     return event_stream(*await peek(events))

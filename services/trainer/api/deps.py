@@ -6,25 +6,14 @@ way the FastAPI full-stack template does, instead of digging it out of the reque
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Path
 from starlette.requests import HTTPConnection
 
 from services.common.auth import Principal, principal_of
-from services.common.config import CommonSettings
-from services.trainer.config import TrainerSettings
-from services.trainer.store import JobRecord, TrainerStore
-
-
-@dataclass
-class TrainerState:
-    common: CommonSettings
-    settings: TrainerSettings
-    store: TrainerStore
-    dispatch: Callable[[str, str], None]  # (job_id, queue): put the job on a Celery queue
+from services.trainer.service import TrainerState as TrainerState  # the app builds it from here
+from services.trainer.store import JobRecord
 
 
 def state_of(conn: HTTPConnection) -> TrainerState:
