@@ -119,7 +119,12 @@ def _vendor(device_type: str) -> str:
 
 def detect_platform(override: str | None = None) -> Platform:
     """Pick the platform: ``override`` (or ``TANDEM_DEVICE``) when set and not ``auto``, else detect."""
-    wanted = (override if override is not None else os.environ.get("TANDEM_DEVICE", "auto")).lower()
+    if override is None:
+        # Through the settings object, like every other setting (a bad value names TANDEM_DEVICE).
+        from services.common.config import CommonSettings, load_settings
+
+        override = load_settings(CommonSettings, check_unknown=False).device
+    wanted = override.lower()
     if wanted not in ("auto", *DEVICE_TYPES):
         raise PlatformError(f"TANDEM_DEVICE={wanted!r} is not one of auto, {', '.join(DEVICE_TYPES)}")
     if wanted != "auto":
