@@ -1,18 +1,25 @@
 """The trainer's job logic behind the routes: checking a job's files and queueing it, its artifacts.
 
-The routers (services/trainer/api/) only parse the request and shape the answer.
+The routers (services/trainer/api/) only parse the request and shape the answer. Uploads are
+checked here too.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from services.common.config import CommonSettings
-from services.common.errors import InvalidRequest, NotFound
+from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
+from services.common.quota import check_quota
 from services.trainer.config import TrainerSettings
+from services.trainer.data.formats import DatasetError, parse_dataset
 from services.trainer.jobspec import KIND_OF, JobOwner, check_own_artifact, validate_job
 from services.trainer.protocol import Artifact, JobCreate
 from services.trainer.publish import check_publishable
@@ -77,6 +84,55 @@ def create_job(st: TrainerState, tenant: str, spec: JobCreate) -> JobRecord:
     )
     st.dispatch(job_id, queue)
     return st.store.record(job_id)
+
+
+def store_upload(st: TrainerState, tenant: str, src: BinaryIO, name: str) -> dict[str, Any]:
+    """Check, copy and parse a spooled upload (in a thread: file I/O and parsing stay off the loop)."""
+    limit = st.settings.max_dataset_mb * 1024 * 1024
+    src.seek(0, os.SEEK_END)
+    size = src.tell()
+    src.seek(0)
+    if size > limit:
+        raise PayloadTooLarge(
+            f"file: {name!r} ({size} bytes) is larger than {st.settings.max_dataset_mb} MiB "
+            "(TANDEM_TRAINER_MAX_DATASET_MB)",
+            param="file",
+        )
+    used = sum(int(f.get("bytes", 0) or 0) for f in st.store.list_files(tenant))
+    check_quota(tenant, used, size, st.settings.tenant_quota_mb, "TANDEM_TRAINER_TENANT_QUOTA_MB")
+    fid = new_id("file")
+    path = dataset_path(st.common, tenant, fid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+        dst.flush()
+        os.fsync(dst.fileno())
+    try:
+        data = tmp.read_bytes()
+        if not data.strip():
+            raise InvalidRequest("file: the file is empty", param="file")
+        try:
+            parsed = parse_dataset(data, max_rows=st.settings.max_dataset_rows)
+        except DatasetError as exc:
+            raise InvalidRequest(
+                f"file {name!r}: {exc}", param=exc.field or "file", code="invalid_dataset"
+            ) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    record = {
+        "id": fid,
+        "filename": name,
+        "bytes": size,
+        "rows": len(parsed.records),
+        "format": parsed.format,
+        "kinds": list(parsed.kinds),
+        "created_at": time.time(),
+    }
+    st.store.add_file(tenant, record)
+    return record
 
 
 def _artifact_roots(st: TrainerState, job_id: str) -> dict[str, Path]:
