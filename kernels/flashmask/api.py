@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.flashmask.bounds import normalize_bounds
@@ -11,10 +13,13 @@ from kernels.flashmask.torch_impl import torch_flashmask_attention
 IMPLS = ("auto", "torch", "triton", "reference")
 
 
-def _triton_usable(q: torch.Tensor) -> bool:
-    from services.common.platforms import current_platform
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on ``device``: a cuda/xpu device with Triton installed.
 
-    if q.device.type != current_platform().device_type or not current_platform().supports_triton():
+    Kernels are the bottom layer and know nothing of the services' platform settings: a caller
+    that knows more (a forced device, a platform without Triton) passes its own ``triton_ok``.
+    """
+    if device.type not in ("cuda", "xpu"):
         return False
     try:
         import triton  # noqa: F401
@@ -23,15 +28,15 @@ def _triton_usable(q: torch.Tensor) -> bool:
     return True
 
 
-def choose_impl(q: torch.Tensor, impl: str = "auto") -> str:
+def choose_impl(
+    q: torch.Tensor, impl: str = "auto", *, triton_ok: Callable[[torch.device], bool] = triton_usable
+) -> str:
     """The implementation ``flashmask_attention`` would run for ``q`` (``auto`` resolved)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {', '.join(IMPLS)}")
     if impl != "auto":
         return impl
-    if q.device.type in ("cuda", "xpu") and _triton_usable(q):
-        return "triton"
-    return "torch"
+    return "triton" if triton_ok(q.device) else "torch"
 
 
 def flashmask_attention(
@@ -44,6 +49,7 @@ def flashmask_attention(
     softmax_scale: float | None = None,
     impl: str = "auto",
     deterministic: bool = False,
+    triton_ok: Callable[[torch.device], bool] = triton_usable,
 ) -> torch.Tensor:
     """Attention with a FlashMask column-wise mask; see :mod:`kernels.flashmask.masks` for the format.
 
@@ -53,7 +59,8 @@ def flashmask_attention(
     Query rows that see no key get zeros. ``impl``: ``auto`` (Triton on cuda/xpu, torch
     elsewhere), ``torch``, ``triton`` (head dims other than 64/128 fall back to torch),
     ``reference`` (dense mask + SDPA, for tests). ``deterministic`` makes the Triton
-    backward accumulate without atomics (the torch path always is).
+    backward accumulate without atomics (the torch path always is). ``triton_ok(device)``
+    decides whether ``auto`` may take Triton (default: :func:`triton_usable`).
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -72,7 +79,7 @@ def flashmask_attention(
         if hm not in (1, hq):
             raise ValueError(f"startend_row_indices has {hm} heads; it must have 1 or {hq} (the query heads)")
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
-    chosen = choose_impl(q, impl)
+    chosen = choose_impl(q, impl, triton_ok=triton_ok)
     if chosen == "reference":
         return reference_attention(q, k, v, startend_row_indices, causal=causal, softmax_scale=scale)
     bounds = normalize_bounds(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 
 @dataclass
 class Chunk:
@@ -58,14 +60,19 @@ class Chunk:
         return out
 
 
-@dataclass(frozen=True)
-class Citation:
+# What a citation copies of its chunk.
+_CITED_FIELDS = ("chunk_id", "document_id", "title", "text", "start", "end")
+
+
+class Citation(BaseModel):
     """``[index]`` in an answer resolved to the chunk it names.
 
     ``kind`` is ``cited`` when the model wrote the marker, ``attributed`` when the
     server matched an uncited answer to the chunk it overlaps most (so readers and
     the evaluation can tell the two apart).
     """
+
+    model_config = ConfigDict(frozen=True)
 
     index: int
     chunk_id: str
@@ -78,18 +85,7 @@ class Citation:
 
     @classmethod
     def of(cls, index: int, chunk: Chunk, kind: str = "cited") -> Citation:
-        return cls(
-            index, chunk.chunk_id, chunk.document_id, chunk.title, chunk.text, chunk.start, chunk.end, kind
-        )
+        return cls(index=index, kind=kind, **{f: getattr(chunk, f) for f in _CITED_FIELDS})
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "chunk_id": self.chunk_id,
-            "document_id": self.document_id,
-            "title": self.title,
-            "text": self.text,
-            "start": self.start,
-            "end": self.end,
-            "kind": self.kind,
-        }
+        return self.model_dump()

@@ -3,7 +3,7 @@
 Every interface (websocket, SSE, JSON, the OpenAI facade) runs a turn through
 ``AgentRuntime.turn`` and only changes how the events are written out, so they
 all behave the same. Events (contracts.md): ``conversation``, ``token``,
-``citation``, ``step``, ``error``, ``done``.
+``citation``, ``reset``, ``step``, ``error``, ``done``, typed in services/agent/events.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,17 @@ from services.agent.chunks import Chunk
 from services.agent.citations import CitationTracker
 from services.agent.clients import InferenceClient, RetrievalClient, TrainerClient
 from services.agent.config import AgentSettings
+from services.agent.events import (
+    ConversationEvent,
+    DoneEvent,
+    ErrorEvent,
+    FinalStep,
+    ObservationStep,
+    ResetEvent,
+    ThoughtStep,
+    TokenEvent,
+    ToolCallStep,
+)
 from services.agent.memory import ConversationStore, MemoryLimits
 from services.agent.pipelines.components import CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
@@ -64,10 +75,10 @@ class TurnResult:
     citations: list[dict[str, Any]] = field(default_factory=list)
     invalid_citations: list[int] = field(default_factory=list)
     results: list[dict[str, Any]] | None = None
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)  # the agent's step events, as sent
     usage: dict[str, int] = field(default_factory=dict)
     finish_reason: str = "stop"
-    error: dict[str, Any] | None = None
+    error: ErrorEvent | None = None
     # The groundedness guard's outcome (pipelines with a groundedness_guard only).
     answer_kind: AnswerKind = "generated"
     unsupported: list[dict[str, Any]] = field(default_factory=list)
@@ -75,6 +86,66 @@ class TurnResult:
     # Where the turn record is read from: the pipeline's state or the agent's run.
     state: RunState | None = None
     agent_run: Any = None
+
+    def take_answer(self, state: RunState) -> None:
+        """What a pipeline run (or a regenerated draft) answered."""
+        self.answer = state.answer
+        self.citations = [c.to_dict() for c in state.citations]
+        self.invalid_citations = state.invalid_citations
+        self.usage = state.usage
+        self.finish_reason = state.finish_reason
+
+    def pipeline_answer(self, pipeline: str, query: str, error: ErrorEvent | None) -> dict[str, Any]:
+        """The JSON answer of POST /v1/pipelines/{name}/run: results (search) or the answer (chat)."""
+        out: dict[str, Any] = {"pipeline": pipeline, "query": query, "message_id": self.message_id}
+        if self.model:
+            out["model"] = self.model
+        if self.conversation_id:
+            out["conversation_id"] = self.conversation_id
+        if self.results is not None:
+            out["results"] = self.results
+        else:
+            out.update(
+                answer=self.answer,
+                citations=self.citations,
+                invalid_citations=self.invalid_citations,
+                usage=self.usage,
+                finish_reason=self.finish_reason,
+            )
+            if self.grounding is not None:
+                out.update(kind=self.answer_kind, grounding=self.grounding, unsupported=self.unsupported)
+        if self.steps:
+            out["steps"] = self.steps
+        if error is not None:
+            out["error"] = {"message": error.message, "code": error.code}
+        return out
+
+    def done_event(self, **fields: Any) -> DoneEvent:
+        """The turn's ``done``; ``usage`` and ``invalid_citations`` only when there are any."""
+        done = DoneEvent(
+            conversation_id=self.conversation_id,
+            message_id=self.message_id,
+            **fields,
+            citations=self.citations,
+            finish_reason=self.finish_reason,
+        )
+        if self.usage:
+            done.usage = self.usage
+        if self.invalid_citations:
+            done.invalid_citations = self.invalid_citations
+        return done
+
+
+@dataclass
+class _Run:
+    """One turn's run of a pipeline or an agent: its model client, the caller's key, the model."""
+
+    inference: InferenceClient
+    api_key: str
+    turn: Turn
+    llm: str | None
+    history: list[dict[str, str]]
+    result: TurnResult
 
 
 class AgentRuntime:
@@ -214,20 +285,20 @@ class AgentRuntime:
                     llm=turn.llm or "",
                 )
                 created = True
-            yield {"type": "conversation", "conversation_id": result.conversation_id}
+            yield ConversationEvent(conversation_id=result.conversation_id)
         try:
             if turn.target in self.pipelines:
-                events = self._run_pipeline(inference, api_key, turn, llm, history, result)
+                events = self._run_pipeline(_Run(inference, api_key, turn, llm, history, result))
             else:
-                events = self._run_agent(inference, api_key, turn, llm, history, result)
+                events = self._run_agent(_Run(inference, api_key, turn, llm, history, result))
             async for event in events:
-                if event["type"] == "token":
-                    partial.append(event["text"])
-                elif event["type"] == "reset":
+                if isinstance(event, TokenEvent):
+                    partial.append(event.text)
+                elif isinstance(event, ResetEvent):
                     partial.clear()  # the guard replaces what streamed so far
-                elif event["type"] == "step":
-                    result.steps.append(event)
-                elif event["type"] == "error":
+                elif isinstance(event, ThoughtStep | ToolCallStep | ObservationStep | FinalStep):
+                    result.steps.append(event.wire())
+                elif isinstance(event, ErrorEvent):
                     result.error = event
                 yield event
         except asyncio.CancelledError:
@@ -266,24 +337,13 @@ class AgentRuntime:
             await self.memory.append(
                 tenant, user, result.conversation_id, [{"role": "user", "content": turn.message}, assistant]
             )
-        done: Event = {
-            "type": "done",
-            "conversation_id": result.conversation_id,
-            "message_id": result.message_id,
-            "model": result.model or None,
-            "citations": result.citations,
-            "finish_reason": result.finish_reason,
-        }
-        if result.usage:
-            done["usage"] = result.usage
+        done = result.done_event(model=result.model or None)
         if result.results is not None:
-            done["results"] = result.results
-        if result.invalid_citations:
-            done["invalid_citations"] = result.invalid_citations
+            done.results = result.results
         if result.grounding is not None:
-            done["kind"] = result.answer_kind
-            done["grounding"] = result.grounding
-            done["unsupported"] = result.unsupported
+            done.kind = result.answer_kind
+            done.grounding = result.grounding
+            done.unsupported = result.unsupported
         yield done
 
     async def _save_record(
@@ -375,11 +435,7 @@ class AgentRuntime:
         for node in nodes:
             async for event in node.run(state, ctx):
                 yield event
-        result.answer = state.answer
-        result.citations = [c.to_dict() for c in state.citations]
-        result.invalid_citations = state.invalid_citations
-        result.usage = state.usage
-        result.finish_reason = state.finish_reason
+        result.take_answer(state)
         result.model = original.model
         draft = TurnRecord(
             message_id=result.message_id,
@@ -401,78 +457,47 @@ class AgentRuntime:
         )
         # The draft belongs to the conversation's owner, so deleting the conversation deletes it.
         await self.turns.add_turn(principal.tenant, original.user, draft)
-        done: Event = {
-            "type": "done",
-            "conversation_id": result.conversation_id,
-            "message_id": result.message_id,
-            "draft_of": result.draft_of,
-            "model": result.model,
-            "citations": result.citations,
-            "finish_reason": result.finish_reason,
-        }
-        if result.usage:
-            done["usage"] = result.usage
-        if result.invalid_citations:
-            done["invalid_citations"] = result.invalid_citations
-        yield done
+        yield result.done_event(model=result.model, draft_of=result.draft_of)
 
-    async def _run_pipeline(
-        self,
-        inference: InferenceClient,
-        api_key: str,
-        turn: Turn,
-        llm: str | None,
-        history: list[dict[str, str]],
-        result: TurnResult,
-    ) -> AsyncIterator[Event]:
+    async def _run_pipeline(self, run: _Run) -> AsyncIterator[Event]:
+        inference, turn, llm, result = run.inference, run.turn, run.llm, run.result
         pipeline = self.pipelines[turn.target]
         uses_model = any(n.type == "generator" for n in pipeline.spec.components.values())
         ctx = RunContext(
             settings=self.settings,
-            retrieval=self.retrieval(api_key),
+            retrieval=self.retrieval(run.api_key),
             inference=inference,
             counter=load_counter(self.settings.tokenizer),
             model=(llm or await self.model(inference)) if uses_model else "",
         )
         state = RunState(
-            question=turn.message, collection=turn.collection, history=history, options=turn.options
+            question=turn.message, collection=turn.collection, history=run.history, options=turn.options
         )
         result.state = state
         async for event in pipeline.run(state, ctx):
             yield event
-        result.answer = state.answer
-        result.citations = [c.to_dict() for c in state.citations]
-        result.invalid_citations = state.invalid_citations
+        result.take_answer(state)
         result.results = state.results
-        result.usage = state.usage
-        result.finish_reason = state.finish_reason
         result.answer_kind = state.answer_kind
         result.unsupported = state.unsupported
         result.grounding = state.grounding
 
-    async def _run_agent(
-        self,
-        inference: InferenceClient,
-        api_key: str,
-        turn: Turn,
-        llm: str | None,
-        history: list[dict[str, str]],
-        result: TurnResult,
-    ) -> AsyncIterator[Event]:
+    async def _run_agent(self, run: _Run) -> AsyncIterator[Event]:
+        inference, turn, result = run.inference, run.turn, run.result
         spec = self.agents[turn.target]
         tools: dict[str, Tool] = check_tools(spec, self.tools)
         runner = AgentRunner(
             inference=inference,
-            model=llm or await self.model(inference),
+            model=run.llm or await self.model(inference),
             tools=tools,
-            tool_ctx=ToolContext(retrieval=self.retrieval(api_key), collection=turn.collection),
+            tool_ctx=ToolContext(retrieval=self.retrieval(run.api_key), collection=turn.collection),
             max_steps=self.settings.agent_max_steps,
             time_budget_s=self.settings.agent_time_budget_s,
             tool_timeout_s=self.settings.tool_timeout_s,
             max_tokens=self.settings.max_answer_tokens,
         )
         result.agent_run = runner
-        async for event in runner.run(turn.message, history, mode=spec.mode):
+        async for event in runner.run(turn.message, run.history, mode=spec.mode):
             yield event
         result.answer = runner.result.answer
         result.finish_reason = runner.result.finish_reason
@@ -484,7 +509,7 @@ async def peek(events: AsyncIterator[Event]) -> tuple[list[Event], AsyncIterator
     buffered: list[Event] = []
     async for event in events:
         buffered.append(event)
-        if event["type"] in FIRST_OUTPUT:
+        if event.type in FIRST_OUTPUT:
             break
     return buffered, events
 

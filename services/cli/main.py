@@ -174,7 +174,7 @@ def _start(
 def _bootstrap_docs(layout: stack.Layout, common: CommonSettings) -> None:
     """First start: a `docs` collection of the project's own documentation for tenant `default`,
     so a newcomer can ask questions at once. Does nothing when the collection exists."""
-    from services.agent.bootstrap_docs import BootstrapError, ensure_docs_collection
+    from services.cli.bootstrap_docs import BootstrapError, ensure_docs_collection
 
     try:
         made = ensure_docs_collection(common.url_of("retrieval"), layout.key_file.read_text().strip())

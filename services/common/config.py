@@ -20,6 +20,8 @@ SERVICE_NAMES = ("agent", "inference", "retrieval", "trainer")
 DEFAULT_PORTS = {"agent": 8000, "inference": 8001, "retrieval": 8002, "trainer": 8003}
 
 DeviceName = Literal["auto", "cuda", "xpu", "npu", "mps", "cpu"]
+# Weights dtype of a model a service loads; auto: the platform's default.
+ModelDType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 def with_password(url: str, password: str) -> str:
@@ -136,6 +138,17 @@ class ServiceSettings(BaseSettings):
     """Base of a service's own settings; subclasses set ``env_prefix`` to ``TANDEM_<SERVICE>_``."""
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
+
+
+class TenantQuotaSettings(ServiceSettings):
+    """The storage quota of a service that keeps tenants' files (``TANDEM_<SERVICE>_TENANT_QUOTA_MB``)."""
+
+    tenant_quota_mb: int = Field(
+        10240,
+        ge=0,
+        description="Disk space (MiB) one tenant's stored files (retrieval: its collections; trainer: its "
+        "uploaded datasets) may use; an upload that would pass it is refused with 507. 0: no quota.",
+    )
 
 
 S = TypeVar("S", bound=BaseSettings)

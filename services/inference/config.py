@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.config import ServiceSettings
+from services.common.config import ModelDType, ServiceSettings
 
 # How many requests, sequences or inputs may wait or come at once: 0 (none) up to a sanity cap.
 Count = Annotated[int, Field(ge=0, le=100_000)]
@@ -72,7 +72,7 @@ class InferenceSettings(ServiceSettings):
     request_timeout: float = Field(
         300.0, gt=0, description="Seconds a request may take in the engine before it is ended with a timeout."
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    dtype: ModelDType = Field(
         "auto", description="Weights dtype; auto is the platform's default (fp32 on CPU, bf16 on GPUs)."
     )
     packed_weights: bool = Field(
@@ -127,7 +127,7 @@ class InferenceSettings(ServiceSettings):
         le=100_000,
         description="Most inputs in one /v1/embeddings request, or documents in one /v1/rerank request.",
     )
-    embedding_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    embedding_dtype: ModelDType = Field(
         "auto",
         description="Embedding/rerank model dtype. 'auto': bf16 on accelerators and on CPUs with native "
         "bf16, else float32.",

@@ -7,13 +7,14 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.config import ModelDType, TenantQuotaSettings
 from services.common.ratelimit import TenantLimitSettings
 
 IndexKind = Literal["auto", "flat", "hnsw", "ivf"]
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 
-class RetrievalSettings(TenantLimitSettings):
+class RetrievalSettings(TenantLimitSettings, TenantQuotaSettings):
     """(Parse limits apply in the ingestion worker, where PDF, DOCX and HTML files are parsed.)"""
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_RETRIEVAL_", extra="ignore")
@@ -31,7 +32,7 @@ class RetrievalSettings(TenantLimitSettings):
         description="CPU only: single-threaded model workers embedding document batches side by side "
         "(0: one per core, at most 4). Queries get their own single-threaded worker.",
     )
-    embedding_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    embedding_dtype: ModelDType = Field(
         "auto",
         description="Embedding model dtype. 'auto': bf16 on accelerators and on CPUs with native bf16 "
         "(avx512_bf16/AMX), else float32.",
@@ -90,12 +91,6 @@ class RetrievalSettings(TenantLimitSettings):
     )
     async_documents: int = Field(
         500, ge=1, description="Requests with more documents than this become an ingestion job."
-    )
-    tenant_quota_mb: int = Field(
-        10240,
-        ge=0,
-        description="Disk space (MiB) one tenant's collections may use; an upload that would pass it "
-        "is refused with 507. 0: no quota.",
     )
     parse_max_decompressed_mb: int = Field(
         256, ge=1, description="Most bytes (MiB) a DOCX may inflate to, and of text a PDF may yield."

@@ -129,7 +129,7 @@ def run_job(
         folder = col.root / "uploads" / job_id
         file_errors: list[dict[str, str]] = []
         if folder.is_dir():
-            jobs.update(job_id, state="running")
+            jobs.update(job_id, status="running")
             docs, file_errors = parse_job_files(folder, limits_of(manager))
             jobs.update(job_id, file_errors=file_errors)
             if not docs:
@@ -140,14 +140,14 @@ def run_job(
             path = folder
         elif not path.exists():
             job = jobs.get(job_id)
-            if job and job["state"] == "succeeded":
-                return job["result"] or {}  # redelivered after it finished
+            if job and job.status == "succeeded":
+                return job.result or {}  # redelivered after it finished
             raise FileNotFoundError(f"job input {path.name} is gone")
         else:
             docs = [
                 InputDocument(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()
             ]
-        jobs.update(job_id, state="running", documents_total=len(docs))
+        jobs.update(job_id, status="running", documents_total=len(docs))
         records = col.prepare(docs)
         total = sum(len(r.chunks) for r in records)
         jobs.update(job_id, chunks_total=total)
@@ -177,16 +177,16 @@ def run_job(
             "chunks_unchanged": unchanged,
             "files_failed": len(file_errors),
         }
-        jobs.update(job_id, state="succeeded", result=result)
+        jobs.update(job_id, status="succeeded", result=result)
         if path.is_dir():
             shutil.rmtree(path)
         else:
             os.unlink(path)
         return result
     except TandemError as exc:
-        jobs.update(job_id, state="failed", error=exc.message)
+        jobs.update(job_id, status="failed", error=exc.message)
         return {"error": exc.message}
     except Exception as exc:
         log.exception("ingestion job %s failed", job_id)
-        jobs.update(job_id, state="failed", error=f"{type(exc).__name__}: {exc}")
+        jobs.update(job_id, status="failed", error=f"{type(exc).__name__}: {exc}")
         raise

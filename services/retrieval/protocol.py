@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
+
+from services.common.jobs import JobStatus
 
 SearchMode = Literal["dense", "sparse", "hybrid"]
 IndexKind = Literal["auto", "flat", "hnsw", "ivf"]
@@ -134,7 +136,7 @@ class FileError(BaseModel):
 class Job(BaseModel):
     id: str
     collection: str
-    state: Literal["queued", "running", "succeeded", "failed"]
+    status: JobStatus
     chunks_done: int
     chunks_total: int
     documents_done: int
@@ -145,3 +147,12 @@ class Job(BaseModel):
     filename: str | None = None
     created_at: float
     updated_at: float
+
+    # Marked deprecated in the schema only: pydantic's ``deprecated=`` would warn on every dump.
+    @computed_field(  # type: ignore[prop-decorator]
+        description="Deprecated: use 'status' (every service's jobs use it); kept for older clients.",
+        json_schema_extra={"deprecated": True},
+    )
+    @property
+    def state(self) -> JobStatus:
+        return self.status

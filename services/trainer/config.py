@@ -5,19 +5,14 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.config import TenantQuotaSettings
 from services.common.ratelimit import TenantLimitSettings
 
 
-class TrainerSettings(TenantLimitSettings):
+class TrainerSettings(TenantLimitSettings, TenantQuotaSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_TRAINER_", extra="ignore")
 
     max_dataset_mb: int = Field(200, ge=1, description="Largest dataset file POST /v1/files accepts, in MiB.")
-    tenant_quota_mb: int = Field(
-        10240,
-        ge=0,
-        description="Disk space (MiB) one tenant's uploaded datasets may use; an upload that would pass "
-        "it is refused with 507. 0: no quota.",
-    )
     max_dataset_rows: int = Field(1_000_000, ge=1, description="Most rows a dataset file may hold.")
     default_max_tokens_per_pack: int = Field(
         4096, ge=64, description="Pack size used when a job does not set max_tokens_per_pack."

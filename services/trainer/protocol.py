@@ -6,11 +6,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# Re-exported: the trainer's modules import them from here.
+from services.common.jobs import TERMINAL as TERMINAL
+from services.common.jobs import JobStatus as JobStatus
+
 JobType = Literal["sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo"]
 DpoLossType = Literal["sigmoid", "ipo", "hinge"]
 PREFERENCE_TYPES: tuple[str, ...] = ("dpo", "simpo", "orpo", "kto")  # jobs with held-out accuracy/margin
-JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-TERMINAL: tuple[str, ...] = ("succeeded", "failed", "cancelled")
 
 
 class Strict(BaseModel):

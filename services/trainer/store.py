@@ -12,7 +12,8 @@ Layout (prefix ``tandem:trainer:``)::
     job:<id>:metrics     list  JSON metric points, one per step
     job:<id>:logs        list  JSON log lines
     job:<id>:events      stream of {type, data}: status / progress / log / eval, read by SSE and websockets
-    job:<id>:lease       string owner token with a TTL: the heartbeat of the worker running it
+    job:<id>:lease       hash  owner, expires (ms on the store's clock): the heartbeat of the worker
+                               running it; Redis drops the key an hour after it expires
     active               set   ids of jobs marked running (scanned for dead workers)
 """
 
@@ -21,12 +22,14 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import redis
 
 from services.common.errors import Conflict, NotFound
-from services.trainer.protocol import TERMINAL
+from services.trainer.protocol import TERMINAL, Job, JobStatus, JobType, Progress
 
 P = "tandem:trainer:"
 EVENTS_MAXLEN = 10_000
@@ -51,22 +54,122 @@ def lease_key(job_id: str) -> str:
 
 ACTIVE = f"{P}active"
 
-# Refresh the lease only while we still own it (a recovered job may have a new owner).
-_RENEW = """
-if redis.call('get', KEYS[1]) == ARGV[1] then
-  return redis.call('pexpire', KEYS[1], ARGV[2])
-end
-return 0
+# A lease expires at ``expires`` on the store's clock (not by Redis' own TTL), so a test moves the
+# clock instead of sleeping past it. Redis still drops a dead lease's key an hour later.
+LEASE_GC_MS = 3_600_000
+# ARGV: owner, now (ms), ttl (ms), gc (ms). Taken only when nobody holds a live lease.
+_ACQUIRE = """
+local expires = tonumber(redis.call('hget', KEYS[1], 'expires') or '0')
+if expires > tonumber(ARGV[2]) then return 0 end
+redis.call('hset', KEYS[1], 'owner', ARGV[1], 'expires', tonumber(ARGV[2]) + tonumber(ARGV[3]))
+redis.call('pexpire', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[4]))
+return 1
 """
+# Refresh the lease only while we still own it and it has not expired (a recovered job may have a
+# new owner).
+_RENEW = """
+if redis.call('hget', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if tonumber(redis.call('hget', KEYS[1], 'expires') or '0') <= tonumber(ARGV[2]) then return 0 end
+redis.call('hset', KEYS[1], 'expires', tonumber(ARGV[2]) + tonumber(ARGV[3]))
+redis.call('pexpire', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[4]))
+return 1
+"""
+
+Clock = Callable[[], float]  # seconds
+
+
+def redis_clock(client: redis.Redis) -> Clock:
+    """The Redis server's time: one clock for every worker, whatever their own clocks say."""
+
+    def now() -> float:
+        sec, usec = cast(tuple[int, int], client.time())
+        return sec + usec / 1e6
+
+    return now
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(8)}"
 
 
+def _opt_float(value: str | None) -> float | None:
+    return float(value) if value else None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as the store keeps it (the ``job:<id>`` hash, decoded)."""
+
+    id: str
+    tenant: str
+    type: JobType
+    status: JobStatus
+    spec: dict[str, Any]
+    queue: str = "cpu"
+    step: int = 0
+    total: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    created_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempts: int = 0
+    cancel_requested: bool = False
+    fine_tuned_model: str | None = None
+    published: bool = False
+    model_path: str | None = None
+
+    @classmethod
+    def from_hash(cls, job_id: str, data: dict[str, str]) -> JobRecord:
+        return cls(
+            id=job_id,
+            tenant=data.get("tenant", ""),
+            type=cast(JobType, data["type"]),
+            status=cast(JobStatus, data["status"]),
+            spec=json.loads(data["spec"]),
+            queue=data.get("queue") or "cpu",
+            step=int(data.get("step") or 0),
+            total=int(data.get("total") or 0),
+            metrics=json.loads(data.get("metrics") or "{}"),
+            error=data.get("error") or None,
+            created_at=float(data["created_at"]),
+            started_at=_opt_float(data.get("started_at")),
+            finished_at=_opt_float(data.get("finished_at")),
+            attempts=int(data.get("attempts") or 0),
+            cancel_requested=data.get("cancel") == "1",
+            fine_tuned_model=data.get("fine_tuned_model") or None,
+            published=data.get("published") == "1",
+            model_path=data.get("model_path") or None,
+        )
+
+    def to_job(self) -> Job:
+        """The API's view of the job."""
+        return Job(
+            id=self.id,
+            type=self.type,
+            status=self.status,
+            base_model=self.spec["base_model"],
+            dataset=self.spec["dataset"],
+            eval_dataset=self.spec.get("eval_dataset"),
+            queue=self.queue,
+            progress=Progress(step=self.step, total=self.total),
+            metrics=self.metrics,
+            error=self.error,
+            created_at=self.created_at,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            attempts=self.attempts,
+            fine_tuned_model=self.fine_tuned_model,
+            published=self.published,
+            request=self.spec,
+        )
+
+
 class TrainerStore:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, clock: Clock | None = None) -> None:
         self.r = client
+        # What leases are timed by; tests pass a clock they move by hand.
+        self.clock: Clock = clock or redis_clock(client)
 
     # ---- files
     def add_file(self, tenant: str, record: dict[str, Any]) -> None:
@@ -114,21 +217,26 @@ class TrainerStore:
         self.event(job_id, "status", {"status": "queued"})
 
     def job(self, job_id: str) -> dict[str, str]:
+        """The raw hash (the worker reads and writes single fields of it)."""
         return self.r.hgetall(job_key(job_id))  # type: ignore[return-value]
 
-    def get_job(self, tenant: str, job_id: str) -> dict[str, str]:
+    def record(self, job_id: str) -> JobRecord:
+        return JobRecord.from_hash(job_id, self.job(job_id))
+
+    def get_job(self, tenant: str, job_id: str) -> JobRecord:
+        """The tenant's job; another tenant's is as missing as one that never existed."""
         data = self.job(job_id)
         if not data or data.get("tenant") != tenant:
             raise NotFound(f"no job with id {job_id!r}", param="job_id")
-        return data
+        return JobRecord.from_hash(job_id, data)
 
-    def list_jobs(self, tenant: str, limit: int = 100) -> list[tuple[str, dict[str, str]]]:
+    def list_jobs(self, tenant: str, limit: int = 100) -> list[JobRecord]:
         ids = self.r.zrevrange(f"{P}jobs:{tenant}", 0, limit - 1)
         out = []
         for jid in ids:  # type: ignore[union-attr]
             data = self.job(str(jid))
             if data:
-                out.append((str(jid), data))
+                out.append(JobRecord.from_hash(str(jid), data))
         return out
 
     def update(self, job_id: str, **fields: Any) -> None:
@@ -149,16 +257,16 @@ class TrainerStore:
             payload["error"] = error
         self.event(job_id, "status", payload)
 
-    def request_cancel(self, tenant: str, job_id: str) -> dict[str, str]:
-        data = self.get_job(tenant, job_id)
-        if data["status"] in TERMINAL:
-            raise Conflict(f"job {job_id!r} is already {data['status']}", param="job_id")
+    def request_cancel(self, tenant: str, job_id: str) -> JobRecord:
+        job = self.get_job(tenant, job_id)
+        if job.status in TERMINAL:
+            raise Conflict(f"job {job_id!r} is already {job.status}", param="job_id")
         self.update(job_id, cancel="1")
-        if data["status"] == "queued":
+        if job.status == "queued":
             # Nobody runs it yet: the task will see the terminal status and do nothing.
             self.set_status(job_id, "cancelled")
         self.log(job_id, "cancel requested")
-        return self.job(job_id)
+        return self.record(job_id)
 
     def cancel_requested(self, job_id: str) -> bool:
         return self.r.hget(job_key(job_id), "cancel") == "1"
@@ -220,19 +328,29 @@ class TrainerStore:
         )
 
     # ---- leases (heartbeats)
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
     def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> bool:
-        return bool(self.r.set(lease_key(job_id), owner, nx=True, px=int(ttl_s * 1000)))
+        return bool(
+            self.r.eval(_ACQUIRE, 1, lease_key(job_id), owner, self._now_ms(), int(ttl_s * 1000), LEASE_GC_MS)
+        )
 
     def renew_lease(self, job_id: str, owner: str, ttl_s: float) -> bool:
-        return bool(self.r.eval(_RENEW, 1, lease_key(job_id), owner, int(ttl_s * 1000)))
+        return bool(
+            self.r.eval(_RENEW, 1, lease_key(job_id), owner, self._now_ms(), int(ttl_s * 1000), LEASE_GC_MS)
+        )
 
     def release_lease(self, job_id: str, owner: str) -> None:
-        if self.r.get(lease_key(job_id)) == owner:
+        if self.r.hget(lease_key(job_id), "owner") == owner:
             self.r.delete(lease_key(job_id))
 
     def lease_owner(self, job_id: str) -> str | None:
-        v = self.r.get(lease_key(job_id))
-        return None if v is None else str(v)
+        """Who holds a live lease on the job, or None when nobody does (or it expired)."""
+        owner, expires = self.r.hmget(lease_key(job_id), ["owner", "expires"])  # type: ignore[misc]
+        if owner is None or int(expires or 0) <= self._now_ms():
+            return None
+        return str(owner)
 
     def active_jobs(self) -> list[str]:
         return sorted(str(x) for x in self.r.smembers(ACTIVE))  # type: ignore[union-attr]

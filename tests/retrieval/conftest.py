@@ -95,7 +95,7 @@ def run_queued_job(client: httpx.Client, response: httpx.Response, tenant: str =
     assert response.status_code == 202, response.text
     app = SERVED[str(client.base_url).rstrip("/")]
     job_id = response.json()["job_id"]
-    run_job(app.state.collections, app.state.jobs, tenant, app.state.jobs.get(job_id)["collection"], job_id)  # type: ignore[attr-defined]
+    run_job(app.state.collections, app.state.jobs, tenant, app.state.jobs.get(job_id).collection, job_id)  # type: ignore[attr-defined,union-attr]
     return client.get(f"/v1/jobs/{job_id}").json()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -221,14 +220,19 @@ def test_orphaned_running_job_is_requeued_once(harness: Harness, api_key: str, t
         f"{harness.base}/v1/jobs", json=job_body(tiny_model_path, fid), headers=auth(api_key), timeout=60
     ).json()["id"]
     store = harness.st.store
+    now = [1_000.0]
+    store.clock = lambda: now[0]  # leases run on this clock: the test moves it instead of sleeping
     # a worker took it and died: running, one attempt, lease held but no longer renewed
     assert store.acquire_lease(jid, "dead-worker", 0.5)  # as if its TTL (stale_after_s) ran out
     store.set_status(jid, "running", attempts=1)
     requeue: list[tuple[str, str]] = []
+    now[0] += 0.4
     assert (
         recover_orphans(store, harness.st.settings, lambda j, q: requeue.append((j, q))) == []
     )  # lease alive
-    time.sleep(0.7)
+    assert store.lease_owner(jid) == "dead-worker" and not store.acquire_lease(jid, "other", 0.5)
+    now[0] += 0.2  # past the lease's 0.5 s
+    assert store.lease_owner(jid) is None
     assert recover_orphans(store, harness.st.settings, lambda j, q: requeue.append((j, q))) == [jid]
     assert recover_orphans(store, harness.st.settings, lambda j, q: requeue.append((j, q))) == []
     assert requeue == [(jid, "cpu")]

@@ -3,7 +3,7 @@
     .venv/bin/python -m tests.web.readme_screenshot [--out docs/images/chat.png]
 
 Starts `tandem up` in a temp TANDEM_HOME on free ports, creates the `docs` collection
-from README.md and docs/*.md (services/agent/bootstrap_docs.py, as a first start does),
+from README.md and docs/*.md (services/cli/bootstrap_docs.py, as a first start does),
 asks a question on the chat page in Debian's chromium, screenshots it, and stops the stack.
 """
 
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.agent.bootstrap_docs import ensure_docs_collection
+from services.cli.bootstrap_docs import ensure_docs_collection
 from tests.helpers.servers import free_port
 from tests.web.conftest import CHROMIUM, CHROMIUM_ARGS, REPO_ROOT
 

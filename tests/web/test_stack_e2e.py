@@ -443,7 +443,7 @@ def test_training_job_can_be_cancelled(page: Any, stack: Stack, tmp_path: Path) 
 def test_docs_collection_bootstrap(stack: Stack, tmp_path: Path) -> None:
     """bootstrap_docs makes `docs` from README.md + docs/*.md once, and leaves it alone afterwards."""
     need(stack, "GET", "/api/retrieval/v1/collections", "the retrieval collections API (issue 3)")
-    from services.agent.bootstrap_docs import ensure_docs_collection
+    from services.cli.bootstrap_docs import ensure_docs_collection
 
     (tmp_path / "docs").mkdir()
     (tmp_path / "README.md").write_text("# Tandem\n\nTandem is a suite for RAG with its own fine-tuning.\n")

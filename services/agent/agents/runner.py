@@ -31,10 +31,18 @@ from services.agent.agents.react import (
     step_response_format,
 )
 from services.agent.clients import InferenceClient
+from services.agent.events import (
+    ErrorEvent,
+    Event,
+    FinalStep,
+    ObservationStep,
+    ThoughtStep,
+    TokenEvent,
+    ToolCallStep,
+)
 from services.agent.tools.base import Tool, ToolContext, call_tool
 from services.common.errors import InvalidRequest
 
-Event = dict[str, Any]
 STOP = ["\nObservation:", "Observation:"]
 FINAL_TOOL = "final_answer"
 CONSTRAINED_MIN_TOKENS = 128
@@ -96,11 +104,10 @@ class AgentRunner:
             except TimeoutError:
                 self.result.finish_reason = "time_budget"
                 await queue.put(
-                    {
-                        "type": "error",
-                        "code": "time_budget_exceeded",
-                        "message": f"the agent used its time budget of {self.time_budget_s:g} s",
-                    }
+                    ErrorEvent(
+                        code="time_budget_exceeded",
+                        message=f"the agent used its time budget of {self.time_budget_s:g} s",
+                    )
                 )
             finally:
                 await queue.put(None)
@@ -118,14 +125,9 @@ class AgentRunner:
         started = time.perf_counter()
         observation, ok = await call_tool(self.tools[name], argument, self.tool_ctx, self.tool_timeout_s)
         self._last_ok = ok
-        yield {
-            "type": "step",
-            "kind": "observation",
-            "tool": name,
-            "text": observation,
-            "ok": ok,
-            "seconds": round(time.perf_counter() - started, 3),
-        }
+        yield ObservationStep(
+            tool=name, text=observation, ok=ok, seconds=round(time.perf_counter() - started, 3)
+        )
         self._last_observation = observation
 
     def _record_call(self, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> None:
@@ -135,7 +137,7 @@ class AgentRunner:
 
     def _final(self, answer: str) -> list[Event]:
         self.result.answer = answer
-        return [{"type": "step", "kind": "final", "text": answer}, {"type": "token", "text": answer}]
+        return [FinalStep(text=answer), TokenEvent(text=answer)]
 
     async def _react(self, question: str, history: list[dict[str, str]]) -> AsyncIterator[Event]:
         names = list(self.tools)
@@ -173,7 +175,7 @@ class AgentRunner:
                 break
             self.result.repairs.extend(parsed.repairs)
             if parsed.thought and parsed.kind != "invalid":
-                yield {"type": "step", "kind": "thought", "step": step, "text": parsed.thought}
+                yield ThoughtStep(step=step, text=parsed.thought)
             if parsed.kind == "final":
                 for event in self._final(parsed.answer):
                     yield event
@@ -195,14 +197,7 @@ class AgentRunner:
                 return
             if parsed.kind == "action":
                 last_call = (parsed.tool, parsed.argument)
-                yield {
-                    "type": "step",
-                    "kind": "tool_call",
-                    "step": step,
-                    "tool": parsed.tool,
-                    "input": parsed.argument,
-                    "repairs": parsed.repairs,
-                }
+                yield ToolCallStep(step=step, tool=parsed.tool, input=parsed.argument, repairs=parsed.repairs)
                 async for event in self._tool(parsed.tool, parsed.argument):
                     yield event
                 # The model sees its step rewritten in the strict format: small models copy what they see.
@@ -228,13 +223,7 @@ class AgentRunner:
             # Invalid: ask for the format again, a bounded number of times; then take plain text as the answer.
             if repairs_left > 0 and step < self.max_steps:
                 repairs_left -= 1
-                yield {
-                    "type": "step",
-                    "kind": "thought",
-                    "step": step,
-                    "text": text.strip(),
-                    "error": parsed.error,
-                }
+                yield ThoughtStep(step=step, text=text.strip(), error=parsed.error)
                 messages += [
                     {"role": "assistant", "content": text},
                     {"role": "user", "content": REPAIR_PROMPT.format(error=parsed.error)},
@@ -246,11 +235,7 @@ class AgentRunner:
                     yield event
                 return
         self.result.finish_reason = "step_budget"
-        yield {
-            "type": "error",
-            "code": "step_budget_exceeded",
-            "message": f"the agent used its {self.max_steps} steps without a final answer",
-        }
+        yield self._step_budget_exceeded()
 
     async def _openai(self, question: str, history: list[dict[str, str]]) -> AsyncIterator[Event]:
         tools = [
@@ -317,7 +302,7 @@ class AgentRunner:
                     yield event
                 return
             if message.content:
-                yield {"type": "step", "kind": "thought", "step": step, "text": message.content}
+                yield ThoughtStep(step=step, text=message.content)
             messages.append(
                 {
                     "role": "assistant",
@@ -331,16 +316,10 @@ class AgentRunner:
                     args = json.loads(call.function.arguments or "{}")
                 except json.JSONDecodeError:
                     args = call.function.arguments
-                yield {"type": "step", "kind": "tool_call", "step": step, "tool": name, "input": args}
+                yield ToolCallStep(step=step, tool=name, input=args)
                 if name not in self.tools:
                     self._last_observation = f"error: unknown tool {name!r}"
-                    yield {
-                        "type": "step",
-                        "kind": "observation",
-                        "tool": name,
-                        "text": self._last_observation,
-                        "ok": False,
-                    }
+                    yield ObservationStep(tool=name, text=self._last_observation, ok=False)
                 else:
                     async for event in self._tool(name, args):
                         yield event
@@ -348,11 +327,13 @@ class AgentRunner:
                     {"role": "tool", "tool_call_id": call.id or name, "content": self._last_observation}
                 )
         self.result.finish_reason = "step_budget"
-        yield {
-            "type": "error",
-            "code": "step_budget_exceeded",
-            "message": f"the agent used its {self.max_steps} steps without a final answer",
-        }
+        yield self._step_budget_exceeded()
+
+    def _step_budget_exceeded(self) -> ErrorEvent:
+        return ErrorEvent(
+            code="step_budget_exceeded",
+            message=f"the agent used its {self.max_steps} steps without a final answer",
+        )
 
     _last_observation: str = ""
     _last_ok: bool = False

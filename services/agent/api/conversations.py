@@ -4,26 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.agent.api.common import caller, runtime_of
+from services.agent.api.deps import PrincipalDep, RuntimeDep
 from services.common.errors import NotFound
 
 router = APIRouter(tags=["conversations"])
 
 
 @router.get("/v1/conversations")
-async def list_conversations(request: Request, limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
-    principal, _ = caller(request)
-    items = await runtime_of(request).memory.list(principal.tenant, principal.key_id, limit)
+async def list_conversations(
+    runtime: RuntimeDep, principal: PrincipalDep, limit: int = Query(100, ge=1, le=1000)
+) -> dict[str, Any]:
+    items = await runtime.memory.list(principal.tenant, principal.key_id, limit)
     return {"data": items}
 
 
 @router.get("/v1/conversations/{conversation_id}")
-async def get_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
-    principal, _ = caller(request)
-    runtime = runtime_of(request)
+async def get_conversation(
+    conversation_id: str, runtime: RuntimeDep, principal: PrincipalDep
+) -> dict[str, Any]:
     conversation = await runtime.memory.get(principal.tenant, principal.key_id, conversation_id)
     # The caller's feedback rides on its messages, so a reopened conversation shows its thumbs.
     ids = [str(m["message_id"]) for m in conversation["messages"] if m.get("message_id")]
@@ -42,19 +43,16 @@ class Rename(BaseModel):
 
 
 @router.patch("/v1/conversations/{conversation_id}")
-async def rename_conversation(conversation_id: str, body: Rename, request: Request) -> dict[str, Any]:
-    principal, _ = caller(request)
-    return await runtime_of(request).memory.rename(
-        principal.tenant, principal.key_id, conversation_id, body.title
-    )
+async def rename_conversation(
+    conversation_id: str, body: Rename, runtime: RuntimeDep, principal: PrincipalDep
+) -> dict[str, Any]:
+    return await runtime.memory.rename(principal.tenant, principal.key_id, conversation_id, body.title)
 
 
 @router.delete("/v1/conversations/{conversation_id}", status_code=204)
-async def delete_conversation(conversation_id: str, request: Request) -> Response:
+async def delete_conversation(conversation_id: str, runtime: RuntimeDep, principal: PrincipalDep) -> Response:
     """Deletes the conversation and, with it, its turn records (and their feedback): the only way
     records go. A conversation whose memory already expired still has records to delete."""
-    principal, _ = caller(request)
-    runtime = runtime_of(request)
     try:
         await runtime.memory.delete(principal.tenant, principal.key_id, conversation_id)
         found = True

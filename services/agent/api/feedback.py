@@ -9,13 +9,12 @@ Everything is scoped to the caller's tenant: another tenant's message is a 404.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
 
-from services.agent.api.common import caller, guarded, runtime_of, sse
+from services.agent.api.common import event_stream
+from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
 from services.agent.feedback import JOB_TYPE, BuiltDataset, build_dataset, check_enough
 from services.agent.protocol import (
     Choice,
@@ -112,19 +111,21 @@ async def choose(runtime: AgentRuntime, principal: Principal, message_id: str, o
         **IDEMPOTENCY_RESPONSES,
     },
 )
-async def post_feedback(body: FeedbackCreate, request: Request) -> Any:
+async def post_feedback(
+    body: FeedbackCreate, request: Request, runtime: RuntimeDep, principal: PrincipalDep
+) -> Any:
     """Record feedback; with an ``Idempotency-Key`` header a retry returns the first answer."""
-    principal, _ = caller(request)
 
     async def create() -> tuple[int, Any]:
-        return 200, (await give_feedback(runtime_of(request), principal, body)).model_dump(mode="json")
+        return 200, (await give_feedback(runtime, principal, body)).model_dump(mode="json")
 
     return await idempotent(request, principal.tenant, create)
 
 
 @router.get("/v1/feedback", response_model=FeedbackList)
 async def list_feedback(
-    request: Request,
+    runtime: RuntimeDep,
+    principal: PrincipalDep,
     since: float | None = Query(
         None, ge=0, description="feedback given or changed at or after (unix seconds)"
     ),
@@ -134,41 +135,39 @@ async def list_feedback(
     limit: int = Query(50, ge=1, le=1000),
     offset: int = Query(0, ge=0),
 ) -> FeedbackList:
-    principal, _ = caller(request)
+    # Not Literal[1, -1]: a query string's "-1" is text, which a Literal of ints refuses.
     if rating is not None and rating not in (1, -1):
         raise InvalidRequest(f"rating: must be 1 or -1 (got {rating})", param="rating")
     filt = FeedbackFilter(since=since, pipeline=pipeline, model=model, rating=rating)
-    rows, total = await runtime_of(request).turns.list_feedback(principal.tenant, filt, limit, offset)
+    rows, total = await runtime.turns.list_feedback(principal.tenant, filt, limit, offset)
     return FeedbackList(
         data=[feedback_object(fb, rec) for fb, rec in rows], total=total, has_more=offset + len(rows) < total
     )
 
 
 @router.get("/v1/feedback/stats", response_model=FeedbackStats)
-async def feedback_stats(request: Request) -> FeedbackStats:
-    principal, _ = caller(request)
-    stats = await runtime_of(request).turns.stats(principal.tenant)
+async def feedback_stats(runtime: RuntimeDep, principal: PrincipalDep) -> FeedbackStats:
+    stats = await runtime.turns.stats(principal.tenant)
     return FeedbackStats(data=[ModelStats(**s) for s in stats])
 
 
 @router.delete("/v1/feedback/{message_id}")
-async def delete_feedback(message_id: str, request: Request) -> dict[str, Any]:
-    principal, _ = caller(request)
-    if not await runtime_of(request).turns.delete_feedback(principal.tenant, message_id):
+async def delete_feedback(message_id: str, runtime: RuntimeDep, principal: PrincipalDep) -> dict[str, Any]:
+    if not await runtime.turns.delete_feedback(principal.tenant, message_id):
         raise NotFound(f"no feedback on message {message_id!r}", param="message_id")
     return {"message_id": message_id, "deleted": True}
 
 
 @router.get("/v1/messages/{message_id}", response_model=TurnRecord)
-async def get_message(message_id: str, request: Request) -> TurnRecord:
-    principal, _ = caller(request)
-    return await turn_of(runtime_of(request), principal, message_id, "message_id")
+async def get_message(message_id: str, runtime: RuntimeDep, principal: PrincipalDep) -> TurnRecord:
+    return await turn_of(runtime, principal, message_id, "message_id")
 
 
 @router.post("/v1/messages/{message_id}/regenerate", response_model=None)
-async def regenerate(message_id: str, request: Request, body: RegenerateRequest | None = None) -> Any:
-    runtime = runtime_of(request)
-    principal, key = caller(request)
+async def regenerate(
+    message_id: str, runtime: RuntimeDep, who: CallerDep, body: RegenerateRequest | None = None
+) -> Any:
+    principal, key = who
     result = TurnResult()
     events = runtime.regenerate(principal, key, message_id, result)
     if body is None or not body.stream:
@@ -182,23 +181,14 @@ async def regenerate(message_id: str, request: Request, body: RegenerateRequest 
             "finish_reason": result.finish_reason,
             "conversation_id": result.conversation_id,
         }
-    buffered, rest = await peek(events)
-
-    async def body_iter() -> AsyncIterator[bytes]:
-        async for event in guarded(buffered, rest):
-            yield sse(event)
-
-    return StreamingResponse(
-        body_iter(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return event_stream(*await peek(events))
 
 
 @router.post("/v1/messages/{message_id}/choose", response_model=Choice)
-async def choose_draft(message_id: str, body: ChooseRequest, request: Request) -> Choice:
-    principal, _ = caller(request)
-    return await choose(runtime_of(request), principal, message_id, body.over)
+async def choose_draft(
+    message_id: str, body: ChooseRequest, runtime: RuntimeDep, principal: PrincipalDep
+) -> Choice:
+    return await choose(runtime, principal, message_id, body.over)
 
 
 # -- datasets and training -------------------------------------------------------------------
@@ -228,17 +218,14 @@ async def _upload(runtime: AgentRuntime, key: str, built: BuiltDataset) -> Datas
 
 
 @router.post("/v1/feedback/datasets", response_model=DatasetResult)
-async def build_feedback_dataset(body: DatasetRequest, request: Request) -> DatasetResult:
-    runtime = runtime_of(request)
-    principal, key = caller(request)
-    return await _upload(runtime, key, await _build(runtime, principal, body))
+async def build_feedback_dataset(body: DatasetRequest, runtime: RuntimeDep, who: CallerDep) -> DatasetResult:
+    return await _upload(runtime, who.key, await _build(runtime, who.principal, body))
 
 
 @router.post("/v1/feedback/train")
-async def train_on_feedback(body: TrainRequest, request: Request) -> dict[str, Any]:
+async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: CallerDep) -> dict[str, Any]:
     """Builds the dataset and starts a LoRA job (defaults, published) on the model that wrote the answers."""
-    runtime = runtime_of(request)
-    principal, key = caller(request)
+    principal, key = who
     built = await _build(runtime, principal, body)
     if len(built.models) > 1:
         raise InvalidRequest(

@@ -11,10 +11,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
-from services.agent.api.common import caller, error_event, runtime_of, sse
+from services.agent.api.common import error_event, sse
+from services.agent.api.deps import CallerDep, RuntimeDep
+from services.agent.events import ErrorEvent, Event, ResetEvent, TokenEvent
 from services.agent.protocol import ChatCompletionRequest
 from services.agent.runtime import Turn, TurnResult, collect, peek
 from services.common.errors import InvalidRequest, TandemError
@@ -23,8 +25,7 @@ router = APIRouter(tags=["openai"])
 
 
 @router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
-    runtime = runtime_of(request)
+async def models(runtime: RuntimeDep) -> dict[str, Any]:
     return {
         "object": "list",
         "data": [
@@ -60,9 +61,8 @@ def _citations(result: TurnResult) -> list[dict[str, Any]]:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    runtime = runtime_of(request)
-    principal, key = caller(request)
+async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who: CallerDep) -> Any:
+    principal, key = who
     if body.messages[-1].role != "user":
         raise InvalidRequest("the last message must come from the user", param="messages")
     history = [
@@ -128,7 +128,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     async def stream() -> AsyncIterator[bytes]:
         yield chunk({"role": "assistant", "content": ""})
 
-        async def all_events() -> AsyncIterator[dict[str, Any]]:
+        async def all_events() -> AsyncIterator[Event]:
             for event in buffered:
                 yield event
             async for event in rest:
@@ -136,17 +136,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
         try:
             async for event in all_events():
-                if event["type"] == "token":
-                    yield chunk({"content": event["text"]})
-                elif event["type"] == "reset":
+                if isinstance(event, TokenEvent):
+                    yield chunk({"content": event.text})
+                elif isinstance(event, ResetEvent):
                     # An OpenAI stream cannot take text back: the guard's answer follows on its own
                     # paragraph, and the last chunk says kind "extractive".
                     yield chunk({"content": "\n\n"})
-                elif event["type"] == "error":
-                    yield sse({"error": {"message": event["message"], "code": event.get("code")}})
+                elif isinstance(event, ErrorEvent):
+                    yield sse({"error": {"message": event.message, "code": event.code}})
         except Exception as exc:
             err = error_event(exc)
-            yield sse({"error": {"message": err["message"], "code": err["code"]}})
+            yield sse({"error": {"message": err.message, "code": err.code}})
         if result.results is not None:
             yield chunk({"content": _render_results(result.results)})
         extra: dict[str, Any] = {

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter
 
-from services.agent.api.common import caller, guarded, runtime_of, sse
+from services.agent.api.common import event_stream
+from services.agent.api.deps import CallerDep, RuntimeDep
+from services.agent.events import ErrorEvent
 from services.agent.protocol import PipelineRunRequest
 from services.agent.runtime import Turn, TurnResult, collect, peek
 
@@ -16,14 +16,13 @@ router = APIRouter(tags=["pipelines"])
 
 
 @router.get("/v1/pipelines")
-async def list_pipelines(request: Request) -> dict[str, Any]:
-    return {"data": runtime_of(request).catalog()}
+async def list_pipelines(runtime: RuntimeDep) -> dict[str, Any]:
+    return {"data": runtime.catalog()}
 
 
 @router.post("/v1/pipelines/{name}/run", response_model=None)
-async def run_pipeline(name: str, body: PipelineRunRequest, request: Request) -> Any:
-    runtime = runtime_of(request)
-    principal, key = caller(request)
+async def run_pipeline(name: str, body: PipelineRunRequest, runtime: RuntimeDep, who: CallerDep) -> Any:
+    principal, key = who
     turn = Turn(
         target=name,
         message=body.question(),
@@ -38,39 +37,6 @@ async def run_pipeline(name: str, body: PipelineRunRequest, request: Request) ->
     events = runtime.turn(principal, key, turn, result)
     if not body.stream:
         collected = await collect(events)
-        out: dict[str, Any] = {"pipeline": name, "query": turn.message, "message_id": result.message_id}
-        if result.model:
-            out["model"] = result.model
-        if result.conversation_id:
-            out["conversation_id"] = result.conversation_id
-        if result.results is not None:
-            out["results"] = result.results
-        else:
-            out.update(
-                answer=result.answer,
-                citations=result.citations,
-                invalid_citations=result.invalid_citations,
-                usage=result.usage,
-                finish_reason=result.finish_reason,
-            )
-            if result.grounding is not None:
-                out.update(
-                    kind=result.answer_kind, grounding=result.grounding, unsupported=result.unsupported
-                )
-        if result.steps:
-            out["steps"] = result.steps
-        errors = [e for e in collected if e["type"] == "error"]
-        if errors:
-            out["error"] = {"message": errors[-1]["message"], "code": errors[-1].get("code")}
-        return out
-    buffered, rest = await peek(events)
-
-    async def body_iter() -> AsyncIterator[bytes]:
-        async for event in guarded(buffered, rest):
-            yield sse(event)
-
-    return StreamingResponse(
-        body_iter(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+        errors = [e for e in collected if isinstance(e, ErrorEvent)]
+        return result.pipeline_answer(name, turn.message, errors[-1] if errors else None)
+    return event_stream(*await peek(events))

@@ -19,8 +19,10 @@ from typing import Any
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from services.agent.api.common import caller, error_event, runtime_of
+from services.agent.api.common import error_event
+from services.agent.api.deps import caller, runtime_of
 from services.agent.api.feedback import choose, give_feedback
+from services.agent.events import ChoiceEvent, DoneEvent, ErrorEvent, FeedbackAck, WsEvent
 from services.agent.protocol import (
     FeedbackCreate,
     WsChatFrame,
@@ -43,17 +45,17 @@ class Connection:
         self.lock = asyncio.Lock()
         self.open = True
 
-    async def send(self, event: dict[str, Any]) -> None:
+    async def send(self, event: WsEvent) -> None:
         if not self.open:
             return
         async with self.lock:
             try:
-                await self.ws.send_text(json.dumps(event, default=str))
+                await self.ws.send_text(json.dumps(event.wire(), default=str))
             except (WebSocketDisconnect, RuntimeError, OSError):
                 self.open = False
 
     async def error(self, message: str, code: str) -> None:
-        await self.send({"type": "error", "message": message, "code": code})
+        await self.send(ErrorEvent(message=message, code=code))
 
 
 def _frame_text(message: MutableMapping[str, Any]) -> str | bytes | None:
@@ -89,10 +91,10 @@ async def ws_chat(websocket: WebSocket) -> None:
             raise
         except Exception as exc:
             event = error_event(exc)
-            if event["code"] == "internal_error":
+            if event.code == "internal_error":
                 log.exception("websocket turn failed")
-            event.pop("status", None)
-            await conn.send(event)
+            # No HTTP status on a websocket.
+            await conn.send(ErrorEvent(message=event.message, code=event.code))
 
     try:
         while True:
@@ -141,15 +143,13 @@ async def ws_chat(websocket: WebSocket) -> None:
                     if isinstance(parsed, WsFeedbackFrame):
                         body = FeedbackCreate.model_validate(parsed.model_dump(exclude={"type"}))
                         await give_feedback(runtime, principal, body)
-                        await conn.send({"type": "feedback", "message_id": parsed.message_id, "ok": True})
+                        await conn.send(FeedbackAck(message_id=parsed.message_id, ok=True))
                     else:
                         choice = await choose(runtime, principal, parsed.message_id, parsed.over)
-                        await conn.send({"type": "choice", **choice.model_dump()})
+                        await conn.send(ChoiceEvent(chosen=choice.chosen, rejected=choice.rejected))
                 except TandemError as exc:
                     event = error_event(exc)
-                    event.pop("status", None)
-                    event["param"] = exc.param
-                    await conn.send(event)
+                    await conn.send(ErrorEvent(message=event.message, code=event.code, param=exc.param))
                 continue
             if isinstance(parsed, WsRegenerateFrame):
                 if current is not None and not current.done():
@@ -168,13 +168,12 @@ async def ws_chat(websocket: WebSocket) -> None:
                         await current
                     assert current_result is not None
                     await conn.send(
-                        {
-                            "type": "done",
-                            "conversation_id": current_result.conversation_id,
-                            "message_id": current_result.message_id or None,
-                            "citations": current_result.citations,
-                            "finish_reason": "stopped",
-                        }
+                        DoneEvent(
+                            conversation_id=current_result.conversation_id,
+                            message_id=current_result.message_id or None,
+                            citations=current_result.citations,
+                            finish_reason="stopped",
+                        )
                     )
                 continue
             if current is not None and not current.done():

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.agent.chunks import Chunk, Citation
 from services.agent.citations import CitationTracker, attribute
+from services.agent.events import CitationEvent, ResetEvent, TokenEvent
 from services.agent.grounding import check, extractive_answer
 from services.agent.highlight import highlight
 from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
@@ -50,8 +51,9 @@ class Generator(Protocol):
 
 
 class Component(Protocol):
-    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
-        yield {}  # pragma: no cover - protocol
+    def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        """The component's events (an async generator): it reads and writes ``state``."""
+        ...
 
 
 class Params(BaseModel):
@@ -304,7 +306,7 @@ class GenerateNode:
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         if state.no_context or state.plan is None:
             state.answer = NO_CONTEXT_ANSWER.format(collection=state.collection)
-            yield {"type": "token", "text": state.answer}
+            yield TokenEvent(text=state.answer)
             return
         # A regenerated draft samples at its own temperature (state.options), so it can differ.
         temperature = state.options.get("temperature", self.p.temperature)
@@ -321,10 +323,10 @@ class GenerateNode:
         try:
             async for text in stream:
                 state.answer += text
-                yield {"type": "token", "text": text}
+                yield TokenEvent(text=text)
                 if state.tracker is not None:
                     for citation in state.tracker.feed(text):
-                        yield {"type": "citation", **citation.to_dict()}
+                        yield CitationEvent.from_citation(citation)
                 if guard.feed(text):
                     looped = True
                     break
@@ -357,13 +359,13 @@ class CiteNode:
         if not state.tracker.text and state.answer:
             state.tracker.feed(state.answer)
         for citation in state.tracker.finish():
-            yield {"type": "citation", **citation.to_dict()}
+            yield CitationEvent.from_citation(citation)
         state.citations = state.tracker.citations
         state.invalid_citations = list(state.tracker.invalid)
         if not state.citations and self.p.attribute_uncited:
             state.citations = attribute(state.answer, state.tracker.chunks, self.p.min_overlap)
             for citation in state.citations:
-                yield {"type": "citation", **citation.to_dict()}
+                yield CitationEvent.from_citation(citation)
 
 
 class GuardNode:
@@ -407,17 +409,17 @@ class GuardNode:
         text, numbers = extractive_answer(asked, chunks, self.p.max_sentences)
         if not text:
             return
-        yield {"type": "reset", "reason": report.verdict}
+        yield ResetEvent(reason=report.verdict)
         state.answer = text
         state.answer_kind = "extractive"
         state.groundedness = 1.0
         state.invalid_citations = []
         # Streamed like any answer: word by word, so a client needs no special path for it.
         for piece in re.findall(r"\S+\s*", text):
-            yield {"type": "token", "text": piece}
+            yield TokenEvent(text=piece)
         state.citations = [Citation.of(n, chunks[n - 1], kind="extractive") for n in numbers]
         for citation in state.citations:
-            yield {"type": "citation", **citation.to_dict()}
+            yield CitationEvent.from_citation(citation)
 
 
 class RunnableNode:
@@ -449,7 +451,7 @@ class RunnableNode:
             text = getattr(out, "content", out)
             setattr(state, self.p.field, str(text))
             if self.p.field == "answer":
-                yield {"type": "token", "text": state.answer}
+                yield TokenEvent(text=state.answer)
 
 
 def _import_target(target: str) -> Any:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from services.agent.chunks import Chunk, Citation
 from services.agent.citations import CitationTracker
 from services.agent.clients import InferenceClient, RetrievalClient
 from services.agent.config import AgentSettings
+from services.agent.events import AnswerKind, Event
 from services.agent.prompting import PromptPlan
 from services.agent.tokens import TokenCounter
 
-Event = dict[str, Any]
-AnswerKind = Literal["generated", "extractive"]
+__all__ = ["AnswerKind", "Event", "EventStream", "RunContext", "RunState"]
+
 EventStream = AsyncIterator[Event]
 
 

@@ -6,21 +6,20 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from services.common.errors import NotFound
+from services.common.jobs import TERMINAL
 from services.retrieval.api.deps import tenant
 from services.retrieval.core.jobs import decode_job, job_key
 from services.retrieval.protocol import Job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-FINAL = ("succeeded", "failed")
 
 
-async def _load(request: Request, job_id: str) -> dict[str, Any]:
+async def _load(request: Request, job_id: str) -> Job:
     raw = await request.app.state.redis.hgetall(job_key(job_id))
     # Another tenant's job is indistinguishable from a missing one.
     if not raw or raw.get("tenant") != tenant(request):
@@ -28,13 +27,9 @@ async def _load(request: Request, job_id: str) -> dict[str, Any]:
     return decode_job(job_id, raw)
 
 
-def _public(job: dict[str, Any]) -> dict[str, Any]:
-    return Job(**job).model_dump()
-
-
 @router.get("/{job_id}", response_model=Job)
-async def get_job(job_id: str, request: Request) -> dict[str, Any]:
-    return _public(await _load(request, job_id))
+async def get_job(job_id: str, request: Request) -> Job:
+    return await _load(request, job_id)
 
 
 @router.get("/{job_id}/events")
@@ -47,12 +42,12 @@ async def job_events(job_id: str, request: Request) -> StreamingResponse:
         last: str | None = None
         beat = time.monotonic()
         while True:
-            payload = json.dumps(_public(job))
+            payload = json.dumps(job.model_dump())
             if payload != last:
                 last = payload
                 beat = time.monotonic()
-                if job["state"] in FINAL:
-                    yield f"event: {'done' if job['state'] == 'succeeded' else 'failed'}\ndata: {payload}\n\n"
+                if job.status in TERMINAL:
+                    yield f"event: {'done' if job.status == 'succeeded' else 'failed'}\ndata: {payload}\n\n"
                     return
                 yield f"event: progress\ndata: {payload}\n\n"
             elif time.monotonic() - beat > 15:

@@ -1,7 +1,7 @@
 """Ingestion job state in Redis hashes (never in Celery's result backend).
 
-``tandem:retrieval:job:<id>`` holds tenant, collection, state (queued, running,
-succeeded, failed), progress (chunks done / total, documents done / total), the error
+``tandem:retrieval:job:<id>`` holds tenant, collection, status (queued, running,
+succeeded, failed: services/common/jobs.py's names), progress (chunks done / total, documents done / total), the error
 if any, and timestamps. Jobs expire a week after they finish.
 """
 
@@ -14,8 +14,10 @@ from typing import Any
 
 import redis
 
+from services.common.jobs import JobStatus
+from services.retrieval.protocol import Job
+
 JOB_TTL_S = 7 * 24 * 3600
-STATES = ("queued", "running", "succeeded", "failed")
 
 
 def job_key(job_id: str) -> str:
@@ -26,22 +28,28 @@ def new_job_id() -> str:
     return f"job_{uuid.uuid4().hex[:20]}"
 
 
-def decode_job(job_id: str, raw: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": job_id,
-        "tenant": raw.get("tenant", ""),
-        "collection": raw.get("collection", ""),
-    }
-    out["state"] = raw.get("state", "queued")
-    for k in ("chunks_done", "chunks_total", "documents_done", "documents_total"):
-        out[k] = int(raw.get(k, 0) or 0)
-    out["error"] = raw.get("error") or None
-    out["result"] = json.loads(raw["result"]) if raw.get("result") else None
-    out["file_errors"] = json.loads(raw["file_errors"]) if raw.get("file_errors") else []
-    for k in ("created_at", "updated_at"):
-        out[k] = float(raw.get(k, 0) or 0)
-    out["filename"] = raw.get("filename") or None
-    return out
+def decode_job(job_id: str, raw: dict[str, str]) -> Job:
+    """The job's Redis hash as the API's model (``tenant`` is checked by the caller)."""
+
+    def num(key: str) -> int:
+        return int(raw.get(key, 0) or 0)
+
+    return Job(
+        id=job_id,
+        collection=raw.get("collection", ""),
+        # "state": what a worker of an older release wrote (its jobs may still be running).
+        status=raw.get("status") or raw.get("state") or "queued",  # type: ignore[arg-type]
+        chunks_done=num("chunks_done"),
+        chunks_total=num("chunks_total"),
+        documents_done=num("documents_done"),
+        documents_total=num("documents_total"),
+        error=raw.get("error") or None,
+        result=json.loads(raw["result"]) if raw.get("result") else None,
+        file_errors=json.loads(raw["file_errors"]) if raw.get("file_errors") else [],
+        filename=raw.get("filename") or None,
+        created_at=float(raw.get("created_at", 0) or 0),
+        updated_at=float(raw.get("updated_at", 0) or 0),
+    )
 
 
 class JobStore:
@@ -59,7 +67,7 @@ class JobStore:
             mapping={
                 "tenant": tenant,
                 "collection": collection,
-                "state": "queued",
+                "status": "queued",
                 "filename": filename,
                 "chunks_done": 0,
                 "chunks_total": 0,
@@ -71,7 +79,9 @@ class JobStore:
         )
         self.r.expire(job_key(job_id), JOB_TTL_S)
 
-    def update(self, job_id: str, **fields: Any) -> None:
+    def update(self, job_id: str, *, status: JobStatus | None = None, **fields: Any) -> None:
+        if status is not None:
+            fields["status"] = status
         mapping: dict[str, Any] = {
             k: (json.dumps(v) if k in ("result", "file_errors") else v)
             for k, v in fields.items()
@@ -80,6 +90,6 @@ class JobStore:
         mapping["updated_at"] = time.time()
         self.r.hset(job_key(job_id), mapping=mapping)  # type: ignore[arg-type]
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
+    def get(self, job_id: str) -> Job | None:
         raw = self.r.hgetall(job_key(job_id))
         return decode_job(job_id, raw) if raw else None  # type: ignore[arg-type]

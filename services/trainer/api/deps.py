@@ -1,27 +1,41 @@
-"""What the routers share: the app's trainer state."""
+"""What the routers share: the app's trainer state and the caller, as ``Annotated`` dependencies.
+
+A handler names what it needs in its signature (``st: TrainerDep, tenant: TenantDep``), the
+way the FastAPI full-stack template does, instead of digging it out of the request.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Path
 from starlette.requests import HTTPConnection
 
-from services.common.config import CommonSettings
-from services.trainer.config import TrainerSettings
-from services.trainer.store import TrainerStore
+from services.common.auth import Principal, principal_of
+from services.trainer.service import TrainerState as TrainerState  # the app builds it from here
+from services.trainer.store import JobRecord
 
 
-@dataclass
-class TrainerState:
-    common: CommonSettings
-    settings: TrainerSettings
-    store: TrainerStore
-    dispatch: Callable[[str, str], None]  # (job_id, queue): put the job on a Celery queue
-
-
-def state_of(conn: Request | HTTPConnection) -> TrainerState:
+def state_of(conn: HTTPConnection) -> TrainerState:
     st = conn.app.state.trainer
     assert isinstance(st, TrainerState)
     return st
+
+
+TrainerDep = Annotated[TrainerState, Depends(state_of)]
+PrincipalDep = Annotated[Principal, Depends(principal_of)]
+
+
+def caller_tenant(principal: PrincipalDep) -> str:
+    return principal.tenant
+
+
+TenantDep = Annotated[str, Depends(caller_tenant)]
+
+
+def owned_job(st: TrainerDep, tenant: TenantDep, job_id: Annotated[str, Path()]) -> JobRecord:
+    """The caller's job ``job_id``; another tenant's is a 404 like a missing one."""
+    return st.store.get_job(tenant, job_id)
+
+
+JobDep = Annotated[JobRecord, Depends(owned_job)]

@@ -5,23 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import time
 from typing import Any
 
 from fastapi import APIRouter, File, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from services.common.auth import principal_of
-from services.common.errors import InvalidRequest, PayloadTooLarge
 from services.common.idempotency import idempotent
 from services.common.paths import safe_filename
-from services.common.quota import check_quota
-from services.trainer.api.deps import TrainerState, state_of
-from services.trainer.data.formats import DatasetError, parse_dataset
+from services.trainer import service
+from services.trainer.api.deps import TenantDep, TrainerDep
 from services.trainer.protocol import FileObject
-from services.trainer.runner import dataset_path
-from services.trainer.store import new_id
 
 router = APIRouter(prefix="/v1", tags=["files"])
 
@@ -47,68 +40,18 @@ UPLOAD_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _store_upload(st: TrainerState, tenant: str, upload: UploadFile, name: str) -> dict[str, Any]:
-    """Check, copy and parse a spooled upload (in a thread: file I/O and parsing stay off the loop)."""
-    limit = st.settings.max_dataset_mb * 1024 * 1024
-    src = upload.file
-    src.seek(0, os.SEEK_END)
-    size = src.tell()
-    src.seek(0)
-    if size > limit:
-        raise PayloadTooLarge(
-            f"file: {name!r} ({size} bytes) is larger than {st.settings.max_dataset_mb} MiB "
-            "(TANDEM_TRAINER_MAX_DATASET_MB)",
-            param="file",
-        )
-    used = sum(int(f.get("bytes", 0) or 0) for f in st.store.list_files(tenant))
-    check_quota(tenant, used, size, st.settings.tenant_quota_mb, "TANDEM_TRAINER_TENANT_QUOTA_MB")
-    fid = new_id("file")
-    path = dataset_path(st.common, tenant, fid)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-        dst.flush()
-        os.fsync(dst.fileno())
-    try:
-        data = tmp.read_bytes()
-        if not data.strip():
-            raise InvalidRequest("file: the file is empty", param="file")
-        try:
-            parsed = parse_dataset(data, max_rows=st.settings.max_dataset_rows)
-        except DatasetError as exc:
-            raise InvalidRequest(
-                f"file {name!r}: {exc}", param=exc.field or "file", code="invalid_dataset"
-            ) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
-    record = {
-        "id": fid,
-        "filename": name,
-        "bytes": size,
-        "rows": len(parsed.records),
-        "format": parsed.format,
-        "kinds": list(parsed.kinds),
-        "created_at": time.time(),
-    }
-    st.store.add_file(tenant, record)
-    return record
-
-
 @router.post("/files", status_code=201, response_model=FileObject, responses=UPLOAD_ERRORS)
-async def upload_file(request: Request, file: UploadFile = File(...)) -> Any:
+async def upload_file(
+    request: Request, st: TrainerDep, tenant: TenantDep, file: UploadFile = File(...)
+) -> Any:
     """Upload a JSONL dataset; every line is parsed and checked before it is stored.
 
     The body streams to disk under the guard's limit (TANDEM_TRAINER_MAX_DATASET_MB); an
     ``Idempotency-Key`` header makes a retry return the first upload's file."""
-    tenant = principal_of(request).tenant
-    st = state_of(request)
     name = safe_filename(file.filename or "dataset.jsonl", param="file")
 
     async def create() -> tuple[int, Any]:
-        record = await run_in_threadpool(_store_upload, st, tenant, file, name)
+        record = await run_in_threadpool(service.store_upload, st, tenant, file.file, name)
         obj = file_object({k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in record.items()})
         return 201, obj.model_dump()
 
@@ -127,15 +70,10 @@ def _spooled_digest(upload: UploadFile) -> str:
 
 
 @router.get("/files")
-def list_files(request: Request) -> dict[str, object]:
-    st = state_of(request)
-    return {
-        "object": "list",
-        "data": [file_object(d) for d in st.store.list_files(principal_of(request).tenant)],
-    }
+def list_files(st: TrainerDep, tenant: TenantDep) -> dict[str, object]:
+    return {"object": "list", "data": [file_object(d) for d in st.store.list_files(tenant)]}
 
 
 @router.get("/files/{file_id}", response_model=FileObject)
-def get_file(file_id: str, request: Request) -> FileObject:
-    st = state_of(request)
-    return file_object(st.store.get_file(principal_of(request).tenant, file_id))
+def get_file(file_id: str, st: TrainerDep, tenant: TenantDep) -> FileObject:
+    return file_object(st.store.get_file(tenant, file_id))

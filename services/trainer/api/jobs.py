@@ -6,208 +6,80 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import redis.exceptions
-from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from services.common.auth import Principal, principal_of
-from services.common.errors import InvalidRequest, NotFound
+from services.common.auth import Principal
+from services.common.errors import NotFound
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import idempotent
-from services.trainer.api.deps import TrainerState, state_of
-from services.trainer.jobspec import KIND_OF, JobOwner, check_own_artifact, validate_job
-from services.trainer.protocol import TERMINAL, Artifact, ArtifactList, Job, JobCreate, JobList, Progress
-from services.trainer.publish import check_publishable
-from services.trainer.runner import artifact_dir, dataset_path, job_dir
-from services.trainer.store import events_key, job_key, new_id
+from services.trainer import service
+from services.trainer.api.deps import JobDep, TenantDep, TrainerDep
+from services.trainer.protocol import TERMINAL, ArtifactList, Job, JobCreate, JobList
+from services.trainer.store import events_key, job_key
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 
 
-def job_object(job_id: str, data: dict[str, str]) -> Job:
-    spec = json.loads(data["spec"])
-
-    def opt_float(key: str) -> float | None:
-        v = data.get(key)
-        return float(v) if v else None
-
-    return Job(
-        id=job_id,
-        type=data["type"],  # type: ignore[arg-type]
-        status=data["status"],  # type: ignore[arg-type]
-        base_model=spec["base_model"],
-        dataset=spec["dataset"],
-        eval_dataset=spec.get("eval_dataset"),
-        queue=data.get("queue", "cpu"),
-        progress=Progress(step=int(data.get("step") or 0), total=int(data.get("total") or 0)),
-        metrics=json.loads(data.get("metrics") or "{}"),
-        error=data.get("error") or None,
-        created_at=float(data["created_at"]),
-        started_at=opt_float("started_at"),
-        finished_at=opt_float("finished_at"),
-        attempts=int(data.get("attempts") or 0),
-        fine_tuned_model=data.get("fine_tuned_model") or None,
-        published=data.get("published") == "1",
-        request=spec,
-    )
+CREATE_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "the job spec is invalid (the message names the field and value)"},
+    401: {"description": "missing or unknown API key"},
+    404: {"description": "a dataset file does not exist"},
+    **IDEMPOTENCY_RESPONSES,
+}
 
 
-def _check_files(st: TrainerState, tenant: str, spec: JobCreate) -> tuple[Path, Path | None]:
-    kind = KIND_OF[spec.type]
-    paths: list[Path | None] = []
-    for param, fid in (("dataset", spec.dataset), ("eval_dataset", spec.eval_dataset)):
-        if fid is None:
-            paths.append(None)
-            continue
-        meta = st.store.get_file(tenant, fid, param=param)
-        kinds = json.loads(meta["kinds"])
-        if kind not in kinds:
-            raise InvalidRequest(
-                f"{param}: file {fid!r} is in {meta['format']} format, which suits {', '.join(kinds)} jobs, not {spec.type}",
-                param=param,
-            )
-        paths.append(dataset_path(st.common, tenant, fid))
-    assert paths[0] is not None
-    return paths[0], paths[1]
-
-
-def _create(st: TrainerState, tenant: str, spec: JobCreate) -> Job:
-    dataset, eval_ds = _check_files(st, tenant, spec)
-    owner = JobOwner(tenant, st.store)
-    if spec.reward is not None and spec.reward.model is not None:
-        check_own_artifact(spec.reward.model, st.common, owner, "reward.model")
-    resolved = validate_job(spec, dataset, eval_ds, st.common, st.settings, owner)
-    # a job from an adapter keeps that adapter's rank; otherwise the rank asked for
-    lineage = resolved.lineage
-    if lineage and lineage.init_adapter and spec.lora is not None and lineage.parent_rank is not None:
-        # the job trains the parent adapter further: record the rank it really has
-        spec = spec.model_copy(update={"lora": spec.lora.model_copy(update={"r": lineage.parent_rank})})
-    check_publishable(st.common, spec, spec.lora.r if spec.lora else None)
-    job_id = new_id("ftjob")
-    queue = spec.queue or st.settings.default_queue
-    st.store.create_job(
-        tenant,
-        job_id,
-        {
-            "type": spec.type,
-            "spec": spec.model_dump_json(),
-            "queue": queue,
-            "model_path": str(resolved.model_path),
-        },
-    )
-    st.store.log(
-        job_id, f"queued on {queue!r}: {len(resolved.records)} rows, base model {resolved.model_path}"
-    )
-    st.dispatch(job_id, queue)
-    return job_object(job_id, st.store.job(job_id))
-
-
-@router.post(
-    "/jobs",
-    status_code=201,
-    response_model=Job,
-    responses={
-        400: {"description": "the job spec is invalid (the message names the field and value)"},
-        401: {"description": "missing or unknown API key"},
-        404: {"description": "a dataset file does not exist"},
-        **IDEMPOTENCY_RESPONSES,
-    },
-)
-async def create_job(spec: JobCreate, request: Request) -> Any:
+@router.post("/jobs", status_code=201, response_model=Job, responses=CREATE_ERRORS)
+async def create_job(spec: JobCreate, request: Request, st: TrainerDep, tenant: TenantDep) -> Any:
     """Validate everything (files, model, LoRA targets, lengths, reward), then queue the job.
 
     With an ``Idempotency-Key`` header a retry returns the first job instead of queueing a second."""
-    st, tenant = state_of(request), principal_of(request).tenant
 
     async def create() -> tuple[int, Any]:
-        job = await run_in_threadpool(_create, st, tenant, spec)
-        return 201, job.model_dump(mode="json")
+        job = await run_in_threadpool(service.create_job, st, tenant, spec)
+        return 201, job.to_job().model_dump(mode="json")
 
     return await idempotent(request, tenant, create)
 
 
 @router.get("/jobs", response_model=JobList)
-def list_jobs(request: Request, limit: int = 100) -> JobList:
-    if not 1 <= limit <= 1000:
-        raise InvalidRequest(f"limit must be between 1 and 1000, got {limit}", param="limit")
-    st = state_of(request)
-    return JobList(
-        data=[job_object(jid, d) for jid, d in st.store.list_jobs(principal_of(request).tenant, limit)]
-    )
+def list_jobs(st: TrainerDep, tenant: TenantDep, limit: int = Query(100, ge=1, le=1000)) -> JobList:
+    return JobList(data=[job.to_job() for job in st.store.list_jobs(tenant, limit)])
 
 
 @router.get("/jobs/{job_id}", response_model=Job)
-def get_job(job_id: str, request: Request) -> Job:
-    st = state_of(request)
-    return job_object(job_id, st.store.get_job(principal_of(request).tenant, job_id))
+def get_job(job: JobDep) -> Job:
+    return job.to_job()
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=Job)
-def cancel_job(job_id: str, request: Request) -> Job:
-    st = state_of(request)
-    return job_object(job_id, st.store.request_cancel(principal_of(request).tenant, job_id))
+def cancel_job(job_id: str, st: TrainerDep, tenant: TenantDep) -> Job:
+    return st.store.request_cancel(tenant, job_id).to_job()
 
 
 @router.get("/jobs/{job_id}/metrics")
-def job_metrics(job_id: str, request: Request) -> dict[str, Any]:
-    st = state_of(request)
-    st.store.get_job(principal_of(request).tenant, job_id)
-    return {"object": "list", "data": st.store.metrics(job_id)}
+def job_metrics(job: JobDep, st: TrainerDep) -> dict[str, Any]:
+    return {"object": "list", "data": st.store.metrics(job.id)}
 
 
 @router.get("/jobs/{job_id}/logs")
-def job_logs(job_id: str, request: Request) -> dict[str, Any]:
-    st = state_of(request)
-    st.store.get_job(principal_of(request).tenant, job_id)
-    return {"object": "list", "data": st.store.logs(job_id)}
+def job_logs(job: JobDep, st: TrainerDep) -> dict[str, Any]:
+    return {"object": "list", "data": st.store.logs(job.id)}
 
 
 # ---- artifacts
-def _artifact_roots(st: TrainerState, job_id: str) -> dict[str, Path]:
-    return {
-        "checkpoints": job_dir(st.common, job_id) / "checkpoints",
-        "final": artifact_dir(st.common, job_id),
-    }
-
-
 @router.get("/jobs/{job_id}/artifacts", response_model=ArtifactList)
-def list_artifacts(job_id: str, request: Request) -> ArtifactList:
-    st = state_of(request)
-    st.store.get_job(principal_of(request).tenant, job_id)
-    out = []
-    for top, root in _artifact_roots(st, job_id).items():
-        if not root.is_dir():
-            continue
-        for f in sorted(root.rglob("*")):
-            if f.is_file() and not any(part.startswith(".tmp") for part in f.relative_to(root).parts):
-                rel = f"{top}/{f.relative_to(root).as_posix()}"
-                out.append(
-                    Artifact(
-                        path=rel,
-                        bytes=f.stat().st_size,
-                        kind="final" if top == "final" else "checkpoint",
-                        url=f"/v1/jobs/{job_id}/artifacts/{rel}",
-                    )
-                )
-    return ArtifactList(data=out)
+def list_artifacts(job: JobDep, st: TrainerDep) -> ArtifactList:
+    return ArtifactList(data=service.artifacts(st, job.id))
 
 
 @router.get("/jobs/{job_id}/artifacts/{path:path}")
-def download_artifact(job_id: str, path: str, request: Request) -> FileResponse:
-    st = state_of(request)
-    st.store.get_job(principal_of(request).tenant, job_id)
-    top, _, rest = path.partition("/")
-    roots = _artifact_roots(st, job_id)
-    if top not in roots or not rest:
-        raise NotFound(f"no artifact {path!r}", param="path")
-    root = roots[top].resolve()
-    target = (root / rest).resolve()
-    if not target.is_relative_to(root) or not target.is_file():
-        raise NotFound(f"no artifact {path!r}", param="path")
+def download_artifact(job: JobDep, path: str, st: TrainerDep) -> FileResponse:
+    target = service.artifact_file(st, job.id, path)
     return FileResponse(target, filename=target.name)
 
 
@@ -255,9 +127,8 @@ async def job_events(
 
 
 @router.get("/jobs/{job_id}/events")
-async def stream_events(job_id: str, request: Request) -> StreamingResponse:
+async def stream_events(job_id: str, request: Request, tenant: TenantDep) -> StreamingResponse:
     """Server-sent events: ``status``, ``progress`` (step, total, metrics) and ``log``."""
-    tenant = principal_of(request).tenant
     await _owned(request.app, tenant, job_id)
     last = request.headers.get("last-event-id") or "0"
 

@@ -11,10 +11,10 @@ which makes ``force=True`` a clean refresh.
 Usage from ``tandem up`` (after retrieval and the io worker are ready), with the key of
 the tenant people sign in as::
 
-    from services.agent.bootstrap_docs import ensure_docs_collection
+    from services.cli.bootstrap_docs import ensure_docs_collection
     ensure_docs_collection(common.url_of("retrieval"), default_key)
 
-or by hand: ``python -m services.agent.bootstrap_docs --url URL --key-file $TANDEM_HOME/api-key``.
+or by hand: ``python -m services.cli.bootstrap_docs --url URL --key-file $TANDEM_HOME/api-key``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import httpx
 
+from services.common.jobs import TERMINAL
+
 COLLECTION = "docs"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TERMINAL_OK = {"succeeded", "success", "done", "completed", "complete", "finished"}
-TERMINAL_BAD = {"failed", "failure", "error", "cancelled", "canceled"}
 
 
 class BootstrapError(RuntimeError):
@@ -77,25 +77,14 @@ def _wait_for_job(client: httpx.Client, job_id: str, timeout: float) -> None:
         if resp.status_code != 200:
             raise BootstrapError(f"ingestion job {job_id}: HTTP {resp.status_code}: {_error(resp)}")
         job = resp.json()
-        state = str(job.get("status") or job.get("state") or "").lower()
-        if state in TERMINAL_OK:
+        status = job["status"]  # services/common/jobs.py's vocabulary
+        if status == "succeeded":
             return
-        if state in TERMINAL_BAD:
-            raise BootstrapError(f"ingestion job {job_id} {state}: {job.get('error')}")
+        if status in TERMINAL:
+            raise BootstrapError(f"ingestion job {job_id} {status}: {job.get('error')}")
         if time.monotonic() > deadline:
-            raise BootstrapError(f"ingestion job {job_id} still {state!r} after {timeout:.0f}s")
+            raise BootstrapError(f"ingestion job {job_id} still {status!r} after {timeout:.0f}s")
         time.sleep(0.5)
-
-
-def _job_id(body: object) -> str | None:
-    if not isinstance(body, dict):
-        return None
-    if isinstance(body.get("job_id"), str):
-        return str(body["job_id"])
-    job = body.get("job")
-    if isinstance(job, dict) and isinstance(job.get("id"), str):
-        return str(job["id"])
-    return None
 
 
 def ensure_docs_collection(
@@ -155,9 +144,10 @@ def ensure_docs_collection(
             sent = client.post(f"/v1/collections/{collection}/documents", json={"documents": documents})
             if sent.status_code not in (200, 201, 202):
                 raise BootstrapError(f"ingesting the docs: HTTP {sent.status_code}: {_error(sent)}")
-            job = _job_id(sent.json())
+            # 202 with a job id when the documents became an ingestion job; 201 when done already.
+            job = sent.json().get("job_id")
             if job:
-                _wait_for_job(client, job, timeout)
+                _wait_for_job(client, str(job), timeout)
         return BootstrapResult(created=created, documents=ids)
 
 

@@ -1,0 +1,175 @@
+"""The trainer's job logic behind the routes: checking a job's files and queueing it, its artifacts.
+
+The routers (services/trainer/api/) only parse the request and shape the answer. Uploads are
+checked here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from services.common.config import CommonSettings
+from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
+from services.common.quota import check_quota
+from services.trainer.config import TrainerSettings
+from services.trainer.data.formats import DatasetError, parse_dataset
+from services.trainer.jobspec import KIND_OF, JobOwner, check_own_artifact, validate_job
+from services.trainer.protocol import Artifact, JobCreate
+from services.trainer.publish import check_publishable
+from services.trainer.runner import artifact_dir, dataset_path, job_dir
+from services.trainer.store import JobRecord, TrainerStore, new_id
+
+
+@dataclass
+class TrainerState:
+    common: CommonSettings
+    settings: TrainerSettings
+    store: TrainerStore
+    dispatch: Callable[[str, str], None]  # (job_id, queue): put the job on a Celery queue
+
+
+def check_files(st: TrainerState, tenant: str, spec: JobCreate) -> tuple[Path, Path | None]:
+    kind = KIND_OF[spec.type]
+    paths: list[Path | None] = []
+    for param, fid in (("dataset", spec.dataset), ("eval_dataset", spec.eval_dataset)):
+        if fid is None:
+            paths.append(None)
+            continue
+        meta = st.store.get_file(tenant, fid, param=param)
+        kinds = json.loads(meta["kinds"])
+        if kind not in kinds:
+            raise InvalidRequest(
+                f"{param}: file {fid!r} is in {meta['format']} format, which suits {', '.join(kinds)} jobs, not {spec.type}",
+                param=param,
+            )
+        paths.append(dataset_path(st.common, tenant, fid))
+    assert paths[0] is not None
+    return paths[0], paths[1]
+
+
+def create_job(st: TrainerState, tenant: str, spec: JobCreate) -> JobRecord:
+    """Validate everything (files, model, LoRA targets, lengths, reward), then queue the job."""
+    dataset, eval_ds = check_files(st, tenant, spec)
+    owner = JobOwner(tenant, st.store)
+    if spec.reward is not None and spec.reward.model is not None:
+        check_own_artifact(spec.reward.model, st.common, owner, "reward.model")
+    resolved = validate_job(spec, dataset, eval_ds, st.common, st.settings, owner)
+    # a job from an adapter keeps that adapter's rank; otherwise the rank asked for
+    lineage = resolved.lineage
+    if lineage and lineage.init_adapter and spec.lora is not None and lineage.parent_rank is not None:
+        # the job trains the parent adapter further: record the rank it really has
+        spec = spec.model_copy(update={"lora": spec.lora.model_copy(update={"r": lineage.parent_rank})})
+    check_publishable(st.common, spec, spec.lora.r if spec.lora else None)
+    job_id = new_id("ftjob")
+    queue = spec.queue or st.settings.default_queue
+    st.store.create_job(
+        tenant,
+        job_id,
+        {
+            "type": spec.type,
+            "spec": spec.model_dump_json(),
+            "queue": queue,
+            "model_path": str(resolved.model_path),
+        },
+    )
+    st.store.log(
+        job_id, f"queued on {queue!r}: {len(resolved.records)} rows, base model {resolved.model_path}"
+    )
+    st.dispatch(job_id, queue)
+    return st.store.record(job_id)
+
+
+def store_upload(st: TrainerState, tenant: str, src: BinaryIO, name: str) -> dict[str, Any]:
+    """Check, copy and parse a spooled upload (in a thread: file I/O and parsing stay off the loop)."""
+    limit = st.settings.max_dataset_mb * 1024 * 1024
+    src.seek(0, os.SEEK_END)
+    size = src.tell()
+    src.seek(0)
+    if size > limit:
+        raise PayloadTooLarge(
+            f"file: {name!r} ({size} bytes) is larger than {st.settings.max_dataset_mb} MiB "
+            "(TANDEM_TRAINER_MAX_DATASET_MB)",
+            param="file",
+        )
+    used = sum(int(f.get("bytes", 0) or 0) for f in st.store.list_files(tenant))
+    check_quota(tenant, used, size, st.settings.tenant_quota_mb, "TANDEM_TRAINER_TENANT_QUOTA_MB")
+    fid = new_id("file")
+    path = dataset_path(st.common, tenant, fid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+        dst.flush()
+        os.fsync(dst.fileno())
+    try:
+        data = tmp.read_bytes()
+        if not data.strip():
+            raise InvalidRequest("file: the file is empty", param="file")
+        try:
+            parsed = parse_dataset(data, max_rows=st.settings.max_dataset_rows)
+        except DatasetError as exc:
+            raise InvalidRequest(
+                f"file {name!r}: {exc}", param=exc.field or "file", code="invalid_dataset"
+            ) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    record = {
+        "id": fid,
+        "filename": name,
+        "bytes": size,
+        "rows": len(parsed.records),
+        "format": parsed.format,
+        "kinds": list(parsed.kinds),
+        "created_at": time.time(),
+    }
+    st.store.add_file(tenant, record)
+    return record
+
+
+def _artifact_roots(st: TrainerState, job_id: str) -> dict[str, Path]:
+    return {
+        "checkpoints": job_dir(st.common, job_id) / "checkpoints",
+        "final": artifact_dir(st.common, job_id),
+    }
+
+
+def artifacts(st: TrainerState, job_id: str) -> list[Artifact]:
+    """The job's checkpoint and final files (not the ones still being written)."""
+    out = []
+    for top, root in _artifact_roots(st, job_id).items():
+        if not root.is_dir():
+            continue
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and not any(part.startswith(".tmp") for part in f.relative_to(root).parts):
+                rel = f"{top}/{f.relative_to(root).as_posix()}"
+                out.append(
+                    Artifact(
+                        path=rel,
+                        bytes=f.stat().st_size,
+                        kind="final" if top == "final" else "checkpoint",
+                        url=f"/v1/jobs/{job_id}/artifacts/{rel}",
+                    )
+                )
+    return out
+
+
+def artifact_file(st: TrainerState, job_id: str, path: str) -> Path:
+    """The file ``path`` names (``checkpoints/...`` or ``final/...``); nothing outside them (404)."""
+    top, _, rest = path.partition("/")
+    roots = _artifact_roots(st, job_id)
+    if top not in roots or not rest:
+        raise NotFound(f"no artifact {path!r}", param="path")
+    root = roots[top].resolve()
+    target = (root / rest).resolve()
+    if not target.is_relative_to(root) or not target.is_file():
+        raise NotFound(f"no artifact {path!r}", param="path")
+    return target
