@@ -285,6 +285,11 @@ class AgentRuntime:
                     llm=turn.llm or "",
                 )
                 created = True
+            # The user's message is kept before any work: a turn cut short by a crash of this
+            # process still leaves what the user asked in the conversation.
+            await self.memory.append(
+                tenant, user, result.conversation_id, [{"role": "user", "content": turn.message}]
+            )
             yield ConversationEvent(conversation_id=result.conversation_id)
         try:
             if turn.target in self.pipelines:
@@ -314,9 +319,7 @@ class AgentRuntime:
             except Exception:
                 log.exception("could not record the stopped turn %s", result.message_id)
             if turn.remember and result.conversation_id:
-                await self.memory.append(
-                    tenant, user, result.conversation_id, [{"role": "user", "content": turn.message}, said]
-                )
+                await self.memory.append(tenant, user, result.conversation_id, [said])
             raise
         except BaseException:
             if created and result.conversation_id:
@@ -334,9 +337,7 @@ class AgentRuntime:
             }
             if result.steps:
                 assistant["steps"] = result.steps
-            await self.memory.append(
-                tenant, user, result.conversation_id, [{"role": "user", "content": turn.message}, assistant]
-            )
+            await self.memory.append(tenant, user, result.conversation_id, [assistant])
         done = result.done_event(model=result.model or None)
         if result.results is not None:
             done.results = result.results
