@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +13,8 @@ from typing import Any
 
 import redis
 import uvicorn
+
+from tests.helpers.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,16 +53,20 @@ def valkey_server(data_dir: Path, port: int | None = None) -> Iterator[str]:
     )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 15
-    while True:
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"valkey exited with {proc.returncode}")
         try:
-            client.ping()
-            break
+            return bool(client.ping())
         except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("valkey did not start") from None
-            time.sleep(0.05)
+            return False
+
+    try:
+        wait_until(up, 15, "valkey answers PING")
+    except BaseException:
+        proc.kill()
+        raise
     try:
         yield url
     finally:
@@ -88,11 +93,13 @@ def serve_app(app: Any, port: int | None = None) -> Iterator[str]:
     server = _Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
+
+    def started() -> bool:
+        if not thread.is_alive():
             raise RuntimeError("test server did not start")
-        time.sleep(0.02)
+        return bool(server.started)
+
+    wait_until(started, 120, "the test server starts", interval=0.02)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -100,8 +107,8 @@ def serve_app(app: Any, port: int | None = None) -> Iterator[str]:
         thread.join(30)
 
 
-# A real trainer Celery worker (subprocess) on the cpu queue, and a bounded poll with the log
-# tail in its failure message: shared by the end-to-end tests that train.
+# A real trainer Celery worker (subprocess) on the cpu queue: shared by the end-to-end tests
+# that train (wait_until(..., log=) shows its log's tail when they time out).
 @contextmanager
 def celery_worker(env: dict[str, str], log: Path, name: str) -> Iterator[subprocess.Popen[bytes]]:
     cmd = [
@@ -122,14 +129,3 @@ def celery_worker(env: dict[str, str], log: Path, name: str) -> Iterator[subproc
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def wait_for(cond: Any, timeout: float, what: str, log: Path | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.3)
-    tail = log.read_text()[-3000:] if log and log.is_file() else ""
-    raise AssertionError(f"timed out waiting for {what}\n{tail}")
