@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from services.agent.app import create_app as create_agent
 from services.agent.config import AgentSettings
 from services.common.config import CommonSettings
 from tests.conftest import auth
-from tests.helpers.servers import serve_app
+from tests.helpers.servers import serve_app, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -94,10 +93,7 @@ def real_stack(
         r_url = stack.enter_context(serve_app(create_retrieval(base, RetrievalSettings())))
         # transformers' lazy imports are not thread-safe: let the embedder finish loading in its
         # thread before the inference app loads the model in another.
-        for _ in range(600):
-            if httpx.get(f"{r_url}/readyz").status_code == 200:
-                break
-            time.sleep(0.2)
+        wait_ready(r_url)
         inference = _inference_app(base, smollm2_path)
         i_url = stack.enter_context(serve_app(inference))
         common = base.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})

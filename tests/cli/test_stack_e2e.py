@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import redis
 from services.cli.stack import pid_alive
 from services.common.celery_app import make_celery
 from tests.helpers.servers import free_port
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 TANDEM = [sys.executable, "-m", "services.cli.main"]
@@ -175,10 +175,7 @@ def test_down_leaves_no_process(stack_env: dict[str, str]) -> None:
     assert len(home_processes(home)) >= 6
     down = subprocess.run([*TANDEM, "down"], env=stack_env, capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
-    deadline = time.monotonic() + 10
-    while home_processes(home) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert home_processes(home) == []
+    wait_until(lambda: home_processes(home) == [], 10, "every process of the stack exits", interval=0.2)
     assert not [pid for pid in pids if pid_alive(pid)]
     status = subprocess.run([*TANDEM, "status"], env=stack_env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 3 and "not running" in status.stdout

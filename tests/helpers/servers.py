@@ -11,12 +11,39 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis
 import uvicorn
 
 from tests.helpers.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within ``timeout`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def is_ready(url: str, proc: subprocess.Popen[bytes] | None = None) -> bool:
+    """Whether the service at ``url`` answers /readyz with 200 (a dead ``proc`` fails at once)."""
+    if proc is not None and proc.poll() is not None:
+        raise RuntimeError(f"the service at {url} exited with {proc.returncode}")
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 120) -> None:
+    wait_until(lambda: is_ready(url, proc), timeout, f"{url}/readyz answers 200", interval=0.2)
 
 
 def free_port() -> int:
@@ -71,11 +98,7 @@ def valkey_server(data_dir: Path, port: int | None = None) -> Iterator[str]:
         yield url
     finally:
         client.close()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 10)
 
 
 class _Server(uvicorn.Server):
@@ -122,10 +145,4 @@ def celery_worker(env: dict[str, str], log: Path, name: str) -> Iterator[subproc
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)

@@ -20,6 +20,7 @@ from services.common.config import CommonSettings
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
 from tests.helpers.servers import serve_app
+from tests.helpers.waiting import wait_until
 
 MAX_LEN = 256
 
@@ -242,16 +243,14 @@ def test_request_joins_mid_generation_without_disturbing_others(
     short_out: dict[str, Any] = {}
     t = threading.Thread(target=_stream_chat, args=(url, key, "Tell a long story", 200, long_out))
     t.start()
-    deadline = time.monotonic() + 60
     engine = server[1].state.registry.primary
-    # start the short one once the long one is producing tokens
-    progress = 0
-    while time.monotonic() < deadline:
+
+    def generated() -> int:
         slots = list(engine.scheduler.slots)
-        if slots and len(slots[0].output_ids) >= 5:
-            progress = len(slots[0].output_ids)
-            break
-        time.sleep(0.002)
+        return len(slots[0].output_ids) if slots and len(slots[0].output_ids) >= 5 else 0
+
+    # start the short one once the long one is producing tokens
+    progress = wait_until(generated, 60, "the long request generates", interval=0.002)
     _stream_chat(url, key, "A short one", 20, short_out)
     t.join(60)
     assert long_out["text"] == solo["long"]
@@ -286,10 +285,7 @@ def test_disconnect_mid_stream_frees_the_slot(server: tuple[str, Any], key: str)
             if seen >= 4:
                 break
         assert engine.scheduler.load()["running"] == 1
-    deadline = time.monotonic() + 10
-    while engine.scheduler.load()["running"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert engine.scheduler.load() == {"running": 0, "waiting": 0}
+    wait_until(lambda: engine.scheduler.load() == {"running": 0, "waiting": 0}, 10, "the slot is freed")
 
 
 def test_queue_full_is_429_with_retry_after(
@@ -304,9 +300,7 @@ def test_queue_full_is_429_with_retry_after(
         t = threading.Thread(target=_stream_chat, args=(url, key, "occupy the slot", 150, out))
         t.start()
         engine = app.state.registry.primary
-        deadline = time.monotonic() + 30
-        while engine.scheduler.load()["running"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: engine.scheduler.load()["running"], 30, "the slot is taken", interval=0.01)
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
         with pytest.raises(openai.RateLimitError) as exc:
             client.chat.completions.create(

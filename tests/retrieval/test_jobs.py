@@ -19,7 +19,7 @@ import redis
 from services.retrieval.core.jobs import JobStore
 from services.retrieval.ingest import run_job
 from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import serve_app
+from tests.helpers.servers import serve_app, stop_process
 from tests.helpers.sse import named_events
 from tests.helpers.waiting import wait_until
 
@@ -172,11 +172,7 @@ def test_celery_worker_runs_jobs_with_progress(
             assert final["documents_done"] == 2
             assert c.get("/v1/collections/kb/documents/guide.docx").json()["title"] == "Field Guide"
     finally:
-        worker.terminate()
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        stop_process(worker)
         log.close()
 
 

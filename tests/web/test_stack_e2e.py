@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 from tests.helpers.servers import free_port
+from tests.helpers.waiting import wait_until
 from tests.web.conftest import ARTIFACTS
 
 pytestmark = pytest.mark.e2e
@@ -126,13 +126,18 @@ def facts(stack: Stack) -> str:
         )
         assert sent.status_code in (200, 201, 202), sent.text
         job = sent.json().get("job_id")
-        deadline = time.monotonic() + 180
-        while job and time.monotonic() < deadline:
-            state = c.get(f"/api/retrieval/v1/jobs/{job}").json().get("state")
-            if state in ("succeeded", "failed"):
-                assert state == "succeeded"
-                break
-            time.sleep(0.5)
+        if job:
+            state = wait_until(
+                lambda: (
+                    (s := c.get(f"/api/retrieval/v1/jobs/{job}").json().get("state"))
+                    in ("succeeded", "failed")
+                    and s
+                ),
+                180,
+                f"ingestion job {job} ends",
+                interval=0.5,
+            )
+            assert state == "succeeded"
     return name
 
 
