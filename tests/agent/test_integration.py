@@ -62,6 +62,14 @@ class RealStack:
     key: str
     collection: str = "facts"
 
+    def run(self, pipeline: str, body: dict[str, Any]) -> httpx.Response:
+        """A pipeline run through the agent's JSON route; fails the test on anything but 200."""
+        resp = httpx.post(
+            f"{self.agent}/v1/pipelines/{pipeline}/run", json=body, headers=auth(self.key), timeout=300
+        )
+        assert resp.status_code == 200, resp.text
+        return resp
+
     @property
     def ws(self) -> str:
         return self.agent.replace("http://", "ws://") + "/v1/ws/chat"
@@ -109,13 +117,9 @@ def real_stack(
 
 
 def test_semantic_search_highlights_the_right_passage(real_stack: RealStack) -> None:
-    resp = httpx.post(
-        f"{real_stack.agent}/v1/pipelines/semantic-search/run",
-        json={"query": "How tall is the Eiffel Tower?", "collection": "facts"},
-        headers=auth(real_stack.key),
-        timeout=60,
+    resp = real_stack.run(
+        "semantic-search", {"query": "How tall is the Eiffel Tower?", "collection": "facts"}
     )
-    assert resp.status_code == 200, resp.text
     top = resp.json()["results"][0]
     assert top["document_id"] == "eiffel" and top["title"] == "The Eiffel Tower"
     assert top["passage"]["text"] == "The tower is 330 metres tall."
@@ -167,13 +171,9 @@ def test_chat_streams_an_answer_citing_the_right_document(real_stack: RealStack)
 
 
 def test_unrelated_question_gets_i_dont_know(real_stack: RealStack) -> None:
-    resp = httpx.post(
-        f"{real_stack.agent}/v1/pipelines/chat-documents/run",
-        json={"query": "Who won the 1998 football world cup final?", "collection": "facts"},
-        headers=auth(real_stack.key),
-        timeout=300,
-    )
-    body = resp.json()
+    body = real_stack.run(
+        "chat-documents", {"query": "Who won the 1998 football world cup final?", "collection": "facts"}
+    ).json()
     assert body["answer"].startswith("I don't know") and body["citations"] == []
 
 
@@ -192,13 +192,7 @@ def test_agent_calculator_with_the_real_model(real_stack: RealStack) -> None:
     solved = 0
     used_tool = 0
     for question, expected in CALC_TASKS:
-        resp = httpx.post(
-            f"{real_stack.agent}/v1/pipelines/tools-agent/run",
-            json={"query": question},
-            headers=auth(real_stack.key),
-            timeout=300,
-        )
-        assert resp.status_code == 200, resp.text
+        resp = real_stack.run("tools-agent", {"query": question})
         body = resp.json()
         steps = body.get("steps", [])
         used_tool += any(s["kind"] == "tool_call" and s["tool"] == "calculator" for s in steps)

@@ -15,6 +15,7 @@ import redis
 from services.cli.stack import pid_alive
 from services.common.celery_app import make_celery
 from tests.helpers.servers import free_port
+from tests.helpers.stack import isolated_stack_env
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -39,16 +40,7 @@ def home_processes(home: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     home = tmp_path_factory.mktemp("stack") / "home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(
-        TANDEM_HOME=str(home),
-        TANDEM_REDIS_PORT=str(free_port()),
-        TANDEM_AGENT_PORT=str(free_port()),
-        TANDEM_INFERENCE_PORT=str(free_port()),
-        TANDEM_RETRIEVAL_PORT=str(free_port()),
-        TANDEM_TRAINER_PORT=str(free_port()),
-        TANDEM_DEVICE="cpu",
-    )
+    env = isolated_stack_env(home)
     up = subprocess.run(
         [*TANDEM, "up", "--timeout", "600"], env=env, capture_output=True, text=True, timeout=900
     )
@@ -185,16 +177,7 @@ def test_foreground_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     import signal
 
     home = tmp_path / "fg"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(
-        TANDEM_HOME=str(home),
-        TANDEM_REDIS_PORT=str(free_port()),
-        TANDEM_AGENT_PORT=str(free_port()),
-        TANDEM_INFERENCE_PORT=str(free_port()),
-        TANDEM_RETRIEVAL_PORT=str(free_port()),
-        TANDEM_TRAINER_PORT=str(free_port()),
-        TANDEM_DEVICE="cpu",
-    )
+    env = isolated_stack_env(home)
     proc = subprocess.Popen([*TANDEM, "up", "--foreground"], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -15,7 +15,6 @@ import httpx
 import openai
 import pytest
 
-from services.common.auth import KeyStore
 from services.common.config import CommonSettings
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
@@ -28,17 +27,6 @@ MAX_LEN = 256
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("inference-home")
-
-
-@pytest.fixture(scope="module")
-def key(redis_url: str) -> str:
-    import redis
-
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        return KeyStore(client).create("acme")[0]
-    finally:
-        client.close()
 
 
 def _common(home: Path, redis_url: str) -> CommonSettings:
@@ -198,6 +186,17 @@ def test_langchain_chat_openai(server: tuple[str, Any], key: str) -> None:
     assert reply.usage_metadata is not None and reply.usage_metadata["output_tokens"] >= 1
 
 
+def _chat_stream(url: str, key: str, body: dict[str, Any]) -> Any:
+    """A streaming chat completion over raw HTTP (the SSE lines as the server writes them)."""
+    return httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    )
+
+
 def _stream_chat(url: str, key: str, content: str, max_tokens: int, out: dict[str, Any]) -> None:
     body = {
         "model": "tiny",
@@ -208,13 +207,7 @@ def _stream_chat(url: str, key: str, content: str, max_tokens: int, out: dict[st
         "stream": True,
     }
     times, text = [], []
-    with httpx.stream(
-        "POST",
-        url + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=120,
-    ) as r:
+    with _chat_stream(url, key, body) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 delta = json.loads(line[6:])["choices"][0]["delta"]
@@ -271,13 +264,7 @@ def test_disconnect_mid_stream_frees_the_slot(server: tuple[str, Any], key: str)
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream(
-        "POST",
-        url + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=60,
-    ) as r:
+    with _chat_stream(url, key, body) as r:
         seen = 0
         for line in r.iter_lines():
             if line.startswith("data: "):

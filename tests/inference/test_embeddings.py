@@ -16,7 +16,6 @@ import numpy as np
 import openai
 import pytest
 
-from services.common.auth import KeyStore
 from services.common.config import CommonSettings
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
@@ -36,17 +35,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_tiny_embedder(root / "tiny-mrl")
     make_tiny_cross_encoder(root / "tiny-ce")
     return root
-
-
-@pytest.fixture(scope="module")
-def key(redis_url: str) -> str:
-    import redis
-
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        return KeyStore(client).create("acme")[0]
-    finally:
-        client.close()
 
 
 @pytest.fixture(scope="module")

@@ -321,19 +321,10 @@ def test_sliding_window_model_is_served_within_its_window(tmp_path: Path) -> Non
     from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
 
     from services.inference.engine.types import ContextLengthExceeded
-    from tests.helpers.models import smollm2_dir
+    from tests.helpers.models import small_decoder, smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
-    config = MistralConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=48,
-    )
+    config = MistralConfig(**small_decoder(len(tok), max_positions=512), sliding_window=48)
     torch.manual_seed(0)
     model = MistralForCausalLM(config).eval()
     engine = TorchEngine.from_model(model, tok, max_batch_size=2)

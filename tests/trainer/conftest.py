@@ -32,3 +32,16 @@ def hh_rows() -> bytes:
 
 def jsonl(rows: list[dict]) -> bytes:
     return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+def count_to_rows(last: int) -> list[dict]:
+    """SFT rows "Count to n." -> "1 2 ... n" for n = 1 .. last: short, varied, learnable."""
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"Count to {n}."},
+                {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
+            ]
+        }
+        for n in range(1, last + 1)
+    ]

@@ -22,17 +22,9 @@ from services.trainer.runner import execute, recover_orphans
 from tests.conftest import auth
 from tests.helpers.servers import serve_app
 from tests.helpers.sse import named_events
-from tests.trainer.conftest import jsonl
+from tests.trainer.conftest import count_to_rows, jsonl
 
-ROWS = [
-    {
-        "messages": [
-            {"role": "user", "content": f"Count to {n}."},
-            {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
-        ]
-    }
-    for n in range(1, 13)
-]
+ROWS = count_to_rows(12)
 
 
 class Harness:

@@ -30,7 +30,7 @@ from services.trainer.protocol import Hyperparameters, LoraSpec
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
 from services.trainer.runner import recipe_for
 from tests.helpers.models import make_tiny_llama
-from tests.trainer.conftest import HH, jsonl
+from tests.trainer.conftest import HH, count_to_rows, jsonl
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_losses.json"
 STEPS = 10
@@ -50,18 +50,6 @@ def letter_e(records: Sequence[dict[str, Any]], completions: Sequence[str]) -> l
     return [c.count("e") / (len(c) + 1) for c in completions]
 
 
-def _sft_rows() -> list[dict[str, Any]]:
-    return [
-        {
-            "messages": [
-                {"role": "user", "content": f"Count to {n}."},
-                {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
-            ]
-        }
-        for n in range(1, 21)
-    ]
-
-
 def _kto_rows() -> list[dict[str, Any]]:
     rows = []
     for r in parse_dataset(HH.read_bytes()).records[:10]:
@@ -77,7 +65,11 @@ def _rl_rows() -> list[dict[str, Any]]:
 
 # job type -> (dataset, hyperparameters, LoRA): small, fixed, 10 optimizer steps each
 RECIPES: dict[str, tuple[Any, dict[str, Any], LoraSpec | None]] = {
-    "sft": (_sft_rows, {"learning_rate": 1e-2}, LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"])),
+    "sft": (
+        lambda: count_to_rows(20),
+        {"learning_rate": 1e-2},
+        LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+    ),
     "dpo": (lambda: HH, {"learning_rate": 1e-3, "beta": 0.5}, None),
     "simpo": (lambda: HH, {"learning_rate": 1e-3, "beta": 2.0}, None),
     "orpo": (lambda: HH, {"learning_rate": 1e-3, "beta": 0.1}, None),
