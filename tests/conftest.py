@@ -13,7 +13,6 @@ from services.common.auth import KeyStore
 from tests.helpers.servers import valkey_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED = REPO_ROOT.parent / "shared"
 # Converted models (e.g. SmolLM2 from GGUF to safetensors) are cached across test runs here.
 TEST_CACHE = REPO_ROOT / ".cache" / "tests"
 

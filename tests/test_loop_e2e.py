@@ -21,7 +21,8 @@ from services.cli.factset import make_facts
 from services.common.auth import KeyStore
 from services.common.config import CommonSettings
 from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import celery_worker, free_port, serve_app, wait_for
+from tests.helpers.servers import celery_worker, free_port, serve_app
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -84,7 +85,7 @@ def test_feedback_trains_an_adapter_that_serves_the_chat_after_a_restart(
 
     with ExitStack() as stack:
         r_url = stack.enter_context(serve_app(create_retrieval(common, RetrievalSettings())))
-        wait_for(lambda: httpx.get(f"{r_url}/readyz").status_code == 200, 300, "retrieval")
+        wait_until(lambda: httpx.get(f"{r_url}/readyz").status_code == 200, 300, "retrieval")
         inference = ExitStack()
         inference.enter_context(serve_app(inference_app(common, smollm2_path), port=inf_port))
         stack.callback(inference.close)
@@ -139,7 +140,7 @@ def test_feedback_trains_an_adapter_that_serves_the_chat_after_a_restart(
             job: dict[str, Any] = httpx.get(f"{t_url}/v1/jobs/{job_id}", headers=auth(key)).json()
             return job if job["status"] in ("succeeded", "failed", "cancelled") else None
 
-        job = wait_for(finished, 900, "the kto job", log)
+        job = wait_until(finished, 900, "the kto job", log=log)
         assert job["status"] == "succeeded", (job["error"], log.read_text()[-3000:])
         adapter = job["fine_tuned_model"]
         assert job["published"] and adapter

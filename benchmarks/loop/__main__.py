@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -42,9 +41,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.agent.__main__ import free_port
 from services.agent.citations import marker_numbers
 from services.cli.factset import Fact, make_facts, states
+from tests.helpers.stack import isolated_stack_env
 
 REPO = Path(__file__).resolve().parents[2]
 COLLECTION = "facts"
@@ -293,16 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     home = Path(tempfile.mkdtemp(prefix="tandem-loop-")) / "home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(
-        TANDEM_HOME=str(home),
-        TANDEM_REDIS_PORT=str(free_port()),
-        TANDEM_AGENT_PORT=str(free_port()),
-        TANDEM_INFERENCE_PORT=str(free_port()),
-        TANDEM_RETRIEVAL_PORT=str(free_port()),
-        TANDEM_TRAINER_PORT=str(free_port()),
-        TANDEM_DEVICE="cpu",
-    )
+    env = isolated_stack_env(home)
     tandem = [sys.executable, "-m", "services.cli.main"]
     print(f"starting the stack in {home} ...", flush=True)
     up = subprocess.run(

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -389,7 +389,3 @@ def check_ports(common: CommonSettings, comps: list[Component]) -> None:
             raise StackError(
                 f"port {comp.port} ({comp.name}) on {host} is already in use; free it or set {var} to another port"
             )
-
-
-def host_of(url: str) -> str:
-    return urlparse(url).hostname or "127.0.0.1"

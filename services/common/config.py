@@ -207,7 +207,3 @@ def load_settings(cls: type[S], *, check_unknown: bool = True) -> S:
     if check_unknown:
         check_unknown_env(cls)
     return settings
-
-
-def load_common() -> CommonSettings:
-    return load_settings(CommonSettings, check_unknown=False)

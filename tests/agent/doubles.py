@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -194,3 +194,17 @@ def trainer_double(trainer: RecordingTrainer) -> FastAPI:
         return {"id": f"ftjob-{len(trainer.jobs)}", "object": "fine_tuning.job", "status": "queued", **body}
 
     return app
+
+
+class FailingTool:
+    """A tool whose every call raises ``error`` (the agent must turn it into an observation)."""
+
+    description = "Always fails."
+    parameters: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, name: str, error: Exception) -> None:
+        self.name = name
+        self.error = error
+
+    def run(self, argument: Any, ctx: Any) -> str:
+        raise self.error

@@ -12,7 +12,7 @@ from services.agent.agents.runner import AgentRunner
 from services.agent.clients import InferenceClient
 from services.agent.tools.base import ToolContext
 from services.agent.tools.calculator import Calculator
-from tests.agent.doubles import ScriptedModel, inference_double
+from tests.agent.doubles import FailingTool, ScriptedModel, inference_double
 from tests.helpers.servers import serve_app
 
 pytestmark = pytest.mark.anyio
@@ -23,15 +23,6 @@ def scripted() -> Iterator[tuple[ScriptedModel, str]]:
     model = ScriptedModel()
     with serve_app(inference_double(model)) as url:
         yield model, url
-
-
-class Exploding:
-    name = "explode"
-    description = "Always fails."
-    parameters: ClassVar[dict[str, Any]] = {}
-
-    def run(self, argument: Any, ctx: ToolContext) -> str:
-        raise RuntimeError("kaboom")
 
 
 class Hanging:
@@ -53,7 +44,12 @@ class SyncHanging(Hanging):
 
 
 def runner(url: str, **kw: Any) -> AgentRunner:
-    tools = {"calculator": Calculator(), "explode": Exploding(), "hang": Hanging(), "synchang": SyncHanging()}
+    tools = {
+        "calculator": Calculator(),
+        "explode": FailingTool("explode", RuntimeError("kaboom")),
+        "hang": Hanging(),
+        "synchang": SyncHanging(),
+    }
     return AgentRunner(InferenceClient(url, "k"), "scripted", tools, ToolContext(), **kw)
 
 

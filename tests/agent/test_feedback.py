@@ -25,6 +25,7 @@ from tests.agent.test_api import cite_first, sse_events
 from tests.agent.test_ws import until_done
 from tests.conftest import auth
 from tests.helpers.servers import valkey_server
+from tests.helpers.waiting import wait_until
 
 MSG_ID = re.compile(r"^msg_[0-9a-f]{24}$")
 FRANCE = "What is the capital of France?"
@@ -215,10 +216,8 @@ def test_memory_expiry_keeps_records_and_only_delete_removes_them(
     assert keys
     for k in keys:
         redis_client.pexpire(k, 1)
-    deadline = time.monotonic() + 10
-    while any(redis_client.exists(k) for k in keys):  # reading an expired key removes it
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    # reading an expired key removes it
+    wait_until(lambda: not any(redis_client.exists(k) for k in keys), 10, "the keys expire", interval=0.01)
     assert httpx.get(f"{stack.url}/v1/conversations/{conv}", headers=auth(key)).status_code == 404
     assert record(stack, key, kept["message_id"])["conversation_id"] == conv
     # Deleting the (expired) conversation deletes its records and their feedback.

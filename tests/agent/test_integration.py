@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from services.agent.app import create_app as create_agent
 from services.agent.config import AgentSettings
 from services.common.config import CommonSettings
 from tests.conftest import auth
-from tests.helpers.servers import serve_app
+from tests.helpers.servers import serve_app, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -63,6 +62,14 @@ class RealStack:
     key: str
     collection: str = "facts"
 
+    def run(self, pipeline: str, body: dict[str, Any]) -> httpx.Response:
+        """A pipeline run through the agent's JSON route; fails the test on anything but 200."""
+        resp = httpx.post(
+            f"{self.agent}/v1/pipelines/{pipeline}/run", json=body, headers=auth(self.key), timeout=300
+        )
+        assert resp.status_code == 200, resp.text
+        return resp
+
     @property
     def ws(self) -> str:
         return self.agent.replace("http://", "ws://") + "/v1/ws/chat"
@@ -94,10 +101,7 @@ def real_stack(
         r_url = stack.enter_context(serve_app(create_retrieval(base, RetrievalSettings())))
         # transformers' lazy imports are not thread-safe: let the embedder finish loading in its
         # thread before the inference app loads the model in another.
-        for _ in range(600):
-            if httpx.get(f"{r_url}/readyz").status_code == 200:
-                break
-            time.sleep(0.2)
+        wait_ready(r_url)
         inference = _inference_app(base, smollm2_path)
         i_url = stack.enter_context(serve_app(inference))
         common = base.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})
@@ -113,13 +117,9 @@ def real_stack(
 
 
 def test_semantic_search_highlights_the_right_passage(real_stack: RealStack) -> None:
-    resp = httpx.post(
-        f"{real_stack.agent}/v1/pipelines/semantic-search/run",
-        json={"query": "How tall is the Eiffel Tower?", "collection": "facts"},
-        headers=auth(real_stack.key),
-        timeout=60,
+    resp = real_stack.run(
+        "semantic-search", {"query": "How tall is the Eiffel Tower?", "collection": "facts"}
     )
-    assert resp.status_code == 200, resp.text
     top = resp.json()["results"][0]
     assert top["document_id"] == "eiffel" and top["title"] == "The Eiffel Tower"
     assert top["passage"]["text"] == "The tower is 330 metres tall."
@@ -171,13 +171,9 @@ def test_chat_streams_an_answer_citing_the_right_document(real_stack: RealStack)
 
 
 def test_unrelated_question_gets_i_dont_know(real_stack: RealStack) -> None:
-    resp = httpx.post(
-        f"{real_stack.agent}/v1/pipelines/chat-documents/run",
-        json={"query": "Who won the 1998 football world cup final?", "collection": "facts"},
-        headers=auth(real_stack.key),
-        timeout=300,
-    )
-    body = resp.json()
+    body = real_stack.run(
+        "chat-documents", {"query": "Who won the 1998 football world cup final?", "collection": "facts"}
+    ).json()
     assert body["answer"].startswith("I don't know") and body["citations"] == []
 
 
@@ -196,13 +192,7 @@ def test_agent_calculator_with_the_real_model(real_stack: RealStack) -> None:
     solved = 0
     used_tool = 0
     for question, expected in CALC_TASKS:
-        resp = httpx.post(
-            f"{real_stack.agent}/v1/pipelines/tools-agent/run",
-            json={"query": question},
-            headers=auth(real_stack.key),
-            timeout=300,
-        )
-        assert resp.status_code == 200, resp.text
+        resp = real_stack.run("tools-agent", {"query": question})
         body = resp.json()
         steps = body.get("steps", [])
         used_tool += any(s["kind"] == "tool_call" and s["tool"] == "calculator" for s in steps)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any, ClassVar
 
 import pytest
 from langchain_core.retrievers import BaseRetriever
@@ -22,7 +21,7 @@ from services.agent.tools.base import ToolContext
 from services.agent.tools.calculator import Calculator
 from services.agent.tools.search import DocumentSearch
 from services.common.errors import NotFound
-from tests.agent.doubles import FakeCorpus, retrieval_double
+from tests.agent.doubles import FailingTool, FakeCorpus, retrieval_double
 from tests.agent.stack import CORPUS
 from tests.helpers.servers import serve_app
 
@@ -43,15 +42,6 @@ def retrieval_url() -> Iterator[str]:
         yield url
 
 
-class Boom:
-    name = "boom"
-    description = "fails"
-    parameters: ClassVar[dict[str, Any]] = {}
-
-    def run(self, argument: Any, ctx: ToolContext) -> str:
-        raise ValueError("nope")
-
-
 async def test_tools_are_langchain_base_tools(retrieval_url: str) -> None:
     calc = as_langchain_tool(Calculator())
     assert isinstance(calc, BaseTool) and calc.name == "calculator" and "expression" in calc.args
@@ -61,7 +51,9 @@ async def test_tools_are_langchain_base_tools(retrieval_url: str) -> None:
         DocumentSearch(), ToolContext(retrieval=RetrievalClient(retrieval_url, "k"), collection="geo")
     )
     assert "[de]" in search.invoke({"query": "Berlin capital"})  # an async tool through the sync API
-    assert "ValueError: nope" in await as_langchain_tool(Boom()).ainvoke({"input": "x"})
+    assert "ValueError: nope" in await as_langchain_tool(FailingTool("boom", ValueError("nope"))).ainvoke(
+        {"input": "x"}
+    )
 
 
 async def test_retrieval_client_is_a_langchain_retriever(retrieval_url: str) -> None:

@@ -6,16 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.servers import serve_app
 from tests.helpers.tenant_limits import assert_tenant_rate_limited
 
 
 def test_agent_tenant_rate_limit(
     tandem_env: Path, api_key: str, other_key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.agent.app import create_app
-
-    monkeypatch.setenv("TANDEM_AGENT_TENANT_REQUESTS_PER_MINUTE", "1")
-    monkeypatch.setenv("TANDEM_AGENT_TENANT_BURST", "1")
-    with serve_app(create_app()) as url:
-        assert_tenant_rate_limited(url, api_key, other_key, "agent")
+    assert_tenant_rate_limited("agent", api_key, other_key, monkeypatch)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +14,7 @@ from websockets.sync.client import ClientConnection, connect
 from tests.agent.stack import Stack, agent_stack
 from tests.agent.test_api import cite_first
 from tests.conftest import auth
+from tests.helpers.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +173,7 @@ def test_stop_and_busy(stack: Stack, api_key: str) -> None:
                 "code": "busy",
             } in events
             assert events[-1]["finish_reason"] == "stopped"
-            deadline = time.monotonic() + 5
-            while stack.model.disconnected == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: stack.model.disconnected, 5, "the upstream sees the disconnect")
             assert stack.model.disconnected == 1  # the upstream generation was abandoned, not run out
             conv = first[0]["conversation_id"]
         stored = httpx.get(f"{stack.url}/v1/conversations/{conv}", headers=auth(api_key)).json()["messages"]
@@ -196,9 +194,7 @@ def test_disconnect_mid_answer_frees_upstream_and_service_keeps_serving(stack: S
         assert json.loads(conn.recv(timeout=30))["type"] == "conversation"
         json.loads(conn.recv(timeout=30))
         conn.close()
-        deadline = time.monotonic() + 5
-        while stack.model.disconnected == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: stack.model.disconnected, 5, "the upstream sees the disconnect")
         assert stack.model.disconnected == 1
     finally:
         stack.model.delay = 0.0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from services.cli import stack
 from services.common.config import CommonSettings
 from services.common.redis_conn import redis_reachable, sync_redis
 from tests.helpers.servers import free_port
+from tests.helpers.waiting import wait_until
 
 
 def test_embedded_valkey_refuses_clients_without_the_password(tmp_path: Path) -> None:
@@ -32,10 +32,8 @@ def test_embedded_valkey_refuses_clients_without_the_password(tmp_path: Path) ->
     assert valkey.argv[valkey.argv.index("--bind") + 1] == "127.0.0.1"
     proc = subprocess.Popen(valkey.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 15
-        while not redis_reachable(url):
-            assert proc.poll() is None and time.monotonic() < deadline, "valkey did not start"
-            time.sleep(0.05)
+        wait_until(lambda: proc.poll() is not None or redis_reachable(url), 15, "valkey starts")
+        assert proc.poll() is None, "valkey exited"
         anonymous = redis.Redis(host="127.0.0.1", port=common.redis_port, socket_timeout=2)
         with pytest.raises(redis.AuthenticationError):
             anonymous.ping()

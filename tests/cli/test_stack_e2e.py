@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import redis
 from services.cli.stack import pid_alive
 from services.common.celery_app import make_celery
 from tests.helpers.servers import free_port
+from tests.helpers.stack import isolated_stack_env
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 TANDEM = [sys.executable, "-m", "services.cli.main"]
@@ -39,16 +40,7 @@ def home_processes(home: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     home = tmp_path_factory.mktemp("stack") / "home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(
-        TANDEM_HOME=str(home),
-        TANDEM_REDIS_PORT=str(free_port()),
-        TANDEM_AGENT_PORT=str(free_port()),
-        TANDEM_INFERENCE_PORT=str(free_port()),
-        TANDEM_RETRIEVAL_PORT=str(free_port()),
-        TANDEM_TRAINER_PORT=str(free_port()),
-        TANDEM_DEVICE="cpu",
-    )
+    env = isolated_stack_env(home)
     up = subprocess.run(
         [*TANDEM, "up", "--timeout", "600"], env=env, capture_output=True, text=True, timeout=900
     )
@@ -206,10 +198,7 @@ def test_down_leaves_no_process(stack_env: dict[str, str]) -> None:
     assert len(home_processes(home)) >= 6
     down = subprocess.run([*TANDEM, "down"], env=stack_env, capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
-    deadline = time.monotonic() + 10
-    while home_processes(home) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert home_processes(home) == []
+    wait_until(lambda: home_processes(home) == [], 10, "every process of the stack exits", interval=0.2)
     assert not [pid for pid in pids if pid_alive(pid)]
     status = subprocess.run([*TANDEM, "status"], env=stack_env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 3 and "not running" in status.stdout
@@ -219,16 +208,7 @@ def test_foreground_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     import signal
 
     home = tmp_path / "fg"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(
-        TANDEM_HOME=str(home),
-        TANDEM_REDIS_PORT=str(free_port()),
-        TANDEM_AGENT_PORT=str(free_port()),
-        TANDEM_INFERENCE_PORT=str(free_port()),
-        TANDEM_RETRIEVAL_PORT=str(free_port()),
-        TANDEM_TRAINER_PORT=str(free_port()),
-        TANDEM_DEVICE="cpu",
-    )
+    env = isolated_stack_env(home)
     proc = subprocess.Popen([*TANDEM, "up", "--foreground"], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

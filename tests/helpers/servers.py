@@ -6,16 +6,44 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis
 import uvicorn
 
+from tests.helpers.waiting import wait_until
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within ``timeout`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def is_ready(url: str, proc: subprocess.Popen[bytes] | None = None) -> bool:
+    """Whether the service at ``url`` answers /readyz with 200 (a dead ``proc`` fails at once)."""
+    if proc is not None and proc.poll() is not None:
+        raise RuntimeError(f"the service at {url} exited with {proc.returncode}")
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 120) -> None:
+    wait_until(lambda: is_ready(url, proc), timeout, f"{url}/readyz answers 200", interval=0.2)
 
 
 def free_port() -> int:
@@ -52,25 +80,25 @@ def valkey_server(data_dir: Path, port: int | None = None) -> Iterator[str]:
     )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 15
-    while True:
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"valkey exited with {proc.returncode}")
         try:
-            client.ping()
-            break
+            return bool(client.ping())
         except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("valkey did not start") from None
-            time.sleep(0.05)
+            return False
+
+    try:
+        wait_until(up, 15, "valkey answers PING")
+    except BaseException:
+        proc.kill()
+        raise
     try:
         yield url
     finally:
         client.close()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 10)
 
 
 class _Server(uvicorn.Server):
@@ -88,11 +116,13 @@ def serve_app(app: Any, port: int | None = None) -> Iterator[str]:
     server = _Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
+
+    def started() -> bool:
+        if not thread.is_alive():
             raise RuntimeError("test server did not start")
-        time.sleep(0.02)
+        return bool(server.started)
+
+    wait_until(started, 120, "the test server starts", interval=0.02)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -100,8 +130,8 @@ def serve_app(app: Any, port: int | None = None) -> Iterator[str]:
         thread.join(30)
 
 
-# A real trainer Celery worker (subprocess) on the cpu queue, and a bounded poll with the log
-# tail in its failure message: shared by the end-to-end tests that train.
+# A real trainer Celery worker (subprocess) on the cpu queue: shared by the end-to-end tests
+# that train (wait_until(..., log=) shows its log's tail when they time out).
 @contextmanager
 def celery_worker(env: dict[str, str], log: Path, name: str) -> Iterator[subprocess.Popen[bytes]]:
     cmd = [
@@ -115,21 +145,4 @@ def celery_worker(env: dict[str, str], log: Path, name: str) -> Iterator[subproc
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def wait_for(cond: Any, timeout: float, what: str, log: Path | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.3)
-    tail = log.read_text()[-3000:] if log and log.is_file() else ""
-    raise AssertionError(f"timed out waiting for {what}\n{tail}")
+        stop_process(proc)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
+
 import httpx
+import pytest
+
+from tests.helpers.servers import serve_app
 
 
-def assert_tenant_rate_limited(url: str, key: str, other_key: str, service: str) -> None:
-    """With ``TANDEM_<SERVICE>_TENANT_REQUESTS_PER_MINUTE=1`` and burst 1: the tenant's
-    second request is a 429 in OpenAI's shape with Retry-After; another tenant is served."""
-    with httpx.Client(base_url=url, timeout=60) as c:
+def assert_tenant_rate_limited(
+    service: str, key: str, other_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service's app with ``TANDEM_<SERVICE>_TENANT_REQUESTS_PER_MINUTE=1`` and burst 1:
+    the tenant's second request is a 429 in OpenAI's shape with Retry-After; another tenant
+    is served."""
+    monkeypatch.setenv(f"TANDEM_{service.upper()}_TENANT_REQUESTS_PER_MINUTE", "1")
+    monkeypatch.setenv(f"TANDEM_{service.upper()}_TENANT_BURST", "1")
+    create_app = importlib.import_module(f"services.{service}.app").create_app
+    with serve_app(create_app()) as url, httpx.Client(base_url=url, timeout=60) as c:
         first = c.get("/v1/whoami", headers={"Authorization": f"Bearer {key}"})
         assert first.status_code == 200, first.text
         second = c.get("/v1/whoami", headers={"Authorization": f"Bearer {key}"})

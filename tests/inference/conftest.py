@@ -37,3 +37,17 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def key(redis_url: str) -> str:
+    """A key of the tenant ``acme``, made once per module (a module may ask for its own)."""
+    import redis
+
+    from services.common.auth import KeyStore
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return str(KeyStore(client).create("acme")[0])
+    finally:
+        client.close()

@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 
 from services.common.auth import KeyStore
 from services.common.config import CommonSettings
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
+from tests.helpers.models import greedy_reference, make_lora_adapter
 from tests.helpers.servers import serve_app
 
 PROMPT = "The adapters say"
@@ -47,38 +47,11 @@ def key(redis_url: str) -> str:
 
 
 def _make_adapter(base: Path, target: Path, seed: int, modules: list[str] | None = None) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(
-        r=8,
-        lora_alpha=16,
-        target_modules=modules or ["q_proj", "v_proj", "o_proj", "up_proj"],
-        init_lora_weights=False,
-    )
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    peft_model.save_pretrained(target)
-    return target
+    return make_lora_adapter(base, target, seed, modules=modules or ["q_proj", "v_proj", "o_proj", "up_proj"])
 
 
 def _reference(base: Path, adapter: Path | None, n: int = N) -> str:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base)
-    model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter))
-    model.eval()
-    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return greedy_reference(base, adapter, PROMPT, n)
 
 
 @pytest.fixture(scope="module")

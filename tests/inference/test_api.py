@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from services.common.auth import KeyStore
 from services.common.config import CommonSettings
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
 from tests.helpers.servers import serve_app
+from tests.helpers.waiting import wait_until
 
 MAX_LEN = 256
 
@@ -27,17 +27,6 @@ MAX_LEN = 256
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("inference-home")
-
-
-@pytest.fixture(scope="module")
-def key(redis_url: str) -> str:
-    import redis
-
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        return KeyStore(client).create("acme")[0]
-    finally:
-        client.close()
 
 
 def _common(home: Path, redis_url: str) -> CommonSettings:
@@ -197,6 +186,17 @@ def test_langchain_chat_openai(server: tuple[str, Any], key: str) -> None:
     assert reply.usage_metadata is not None and reply.usage_metadata["output_tokens"] >= 1
 
 
+def _chat_stream(url: str, key: str, body: dict[str, Any]) -> Any:
+    """A streaming chat completion over raw HTTP (the SSE lines as the server writes them)."""
+    return httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    )
+
+
 def _stream_chat(url: str, key: str, content: str, max_tokens: int, out: dict[str, Any]) -> None:
     body = {
         "model": "tiny",
@@ -207,13 +207,7 @@ def _stream_chat(url: str, key: str, content: str, max_tokens: int, out: dict[st
         "stream": True,
     }
     times, text = [], []
-    with httpx.stream(
-        "POST",
-        url + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=120,
-    ) as r:
+    with _chat_stream(url, key, body) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 delta = json.loads(line[6:])["choices"][0]["delta"]
@@ -242,16 +236,14 @@ def test_request_joins_mid_generation_without_disturbing_others(
     short_out: dict[str, Any] = {}
     t = threading.Thread(target=_stream_chat, args=(url, key, "Tell a long story", 200, long_out))
     t.start()
-    deadline = time.monotonic() + 60
     engine = server[1].state.registry.primary
-    # start the short one once the long one is producing tokens
-    progress = 0
-    while time.monotonic() < deadline:
+
+    def generated() -> int:
         slots = list(engine.scheduler.slots)
-        if slots and len(slots[0].output_ids) >= 5:
-            progress = len(slots[0].output_ids)
-            break
-        time.sleep(0.002)
+        return len(slots[0].output_ids) if slots and len(slots[0].output_ids) >= 5 else 0
+
+    # start the short one once the long one is producing tokens
+    progress = wait_until(generated, 60, "the long request generates", interval=0.002)
     _stream_chat(url, key, "A short one", 20, short_out)
     t.join(60)
     assert long_out["text"] == solo["long"]
@@ -272,13 +264,7 @@ def test_disconnect_mid_stream_frees_the_slot(server: tuple[str, Any], key: str)
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream(
-        "POST",
-        url + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=60,
-    ) as r:
+    with _chat_stream(url, key, body) as r:
         seen = 0
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -286,10 +272,7 @@ def test_disconnect_mid_stream_frees_the_slot(server: tuple[str, Any], key: str)
             if seen >= 4:
                 break
         assert engine.scheduler.load()["running"] == 1
-    deadline = time.monotonic() + 10
-    while engine.scheduler.load()["running"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert engine.scheduler.load() == {"running": 0, "waiting": 0}
+    wait_until(lambda: engine.scheduler.load() == {"running": 0, "waiting": 0}, 10, "the slot is freed")
 
 
 def test_queue_full_is_429_with_retry_after(
@@ -304,9 +287,7 @@ def test_queue_full_is_429_with_retry_after(
         t = threading.Thread(target=_stream_chat, args=(url, key, "occupy the slot", 150, out))
         t.start()
         engine = app.state.registry.primary
-        deadline = time.monotonic() + 30
-        while engine.scheduler.load()["running"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: engine.scheduler.load()["running"], 30, "the slot is taken", interval=0.01)
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
         with pytest.raises(openai.RateLimitError) as exc:
             client.chat.completions.create(

@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.helpers.servers import free_port
+from tests.helpers.servers import free_port, stop_process, wait_ready
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -40,23 +38,10 @@ def smol_server(tandem_env: Path, smollm2_path: Path, api_key: str) -> Iterator[
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, "the inference server exited"
-            assert time.monotonic() < deadline, "the inference server did not become ready"
-            time.sleep(0.5)
+        wait_ready(url, proc, 180)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 20)
 
 
 def test_smollm2_answers_through_openai_and_langchain(smol_server: str, api_key: str) -> None:

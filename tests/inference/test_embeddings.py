@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,11 +16,11 @@ import numpy as np
 import openai
 import pytest
 
-from services.common.auth import KeyStore
 from services.common.config import CommonSettings
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
 from tests.helpers.servers import serve_app
+from tests.helpers.waiting import wait_until
 from tests.retrieval.conftest import make_tiny_embedder
 from tests.retrieval.test_protocols import make_tiny_cross_encoder
 
@@ -36,17 +35,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_tiny_embedder(root / "tiny-mrl")
     make_tiny_cross_encoder(root / "tiny-ce")
     return root
-
-
-@pytest.fixture(scope="module")
-def key(redis_url: str) -> str:
-    import redis
-
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        return KeyStore(client).create("acme")[0]
-    finally:
-        client.close()
 
 
 @pytest.fixture(scope="module")
@@ -325,10 +313,8 @@ def test_concurrent_requests_share_a_forward_pass_off_the_event_loop(
             # the forward pass holds the worker, not the event loop
             assert http.get("/v1/models").status_code == 200
             rest = [pool.submit(embed, texts) for texts in (["a", "bb"], ["ccc"], ["dddd"])]
-            deadline = time.monotonic() + 60
-            while batcher._queue.qsize() < 3:  # all three are waiting for the worker
-                assert time.monotonic() < deadline, "the requests never reached the model's queue"
-                time.sleep(0.01)
+            # all three are waiting for the worker
+            wait_until(lambda: batcher._queue.qsize() >= 3, 60, "the requests reach the model's queue")
             gate.set()
             results = [first.result(60)] + [f.result(60) for f in rest]
     finally:

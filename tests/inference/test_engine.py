@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.inference.engine import SamplingParams, TorchEngine
+from tests.helpers.waiting import ManualClock
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -217,20 +218,84 @@ def test_each_step_is_one_forward_mixing_decode_and_prompt_chunks(lively: tuple[
     assert steps[0] == list(range(steps[0][0], steps[0][0] + 10)), f"the running stream stalled: {steps}"
 
 
-def test_idle_engine_gathers_a_trickling_burst(lively: tuple[Any, Any]) -> None:
-    """Requests arriving 60 ms apart (longer than the 100 ms window would cover in all, but
-    never a 100 ms gap) are gathered by an idle engine and prefilled in its first step."""
-    import threading
-    import time
+def _idle_scheduler(lively: tuple[Any, Any], max_batch_size: int = 8) -> tuple[Any, ManualClock]:
+    """An engine with a 100 ms admission window on a clock the test moves."""
+    model, tok = lively
+    engine = TorchEngine.from_model(
+        model, tok, max_batch_size=max_batch_size, prefix_cache_mb=0, admit_window=0.1
+    )
+    clock = ManualClock()
+    engine.scheduler.clock = clock
+    return engine.scheduler, clock
 
+
+def _arrivals(sched: Any, clock: ManualClock, tok: Any, times: list[float], sink: Any = None) -> None:
+    """One request now (it wakes the idle engine) and one more at each of ``times``."""
     from services.inference.engine.scheduler import Sequence
 
-    model, tok = lively
-    engine = TorchEngine.from_model(model, tok, max_batch_size=8, prefix_cache_mb=0, admit_window=0.1)
-    sched = engine.scheduler
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def submit(i: int) -> None:
+        q = QUESTIONS[i % len(QUESTIONS)]
+        sched.submit(
+            [
+                Sequence(
+                    f"t{i}", 0, _chat(tok, q), params, 2, sink(i) if sink else (lambda ev: None), None, None
+                )
+            ]
+        )
+
+    submit(0)
+    for i, t in enumerate(times, start=1):
+        clock.at(t, lambda i=i: submit(i))
+
+
+def _gather(sched: Any) -> None:
+    with sched._cv:
+        sched._gather_burst()
+
+
+@pytest.mark.parametrize(
+    ("times", "gathered", "closed_at"),
+    [
+        # 60 ms apart: longer than one window in all, never a 100 ms gap
+        ([0.06, 0.12, 0.18], 4, 0.28),
+        # a 140 ms gap closes the window: the last one waits for the next step
+        ([0.06, 0.2], 2, 0.16),
+        # arrivals every 90 ms forever: gathering stops at ADMIT_MAX_WINDOWS windows
+        ([0.09 * k for k in range(1, 20)], 6, 0.5),
+        # nothing more arrives: the window closes after 100 ms
+        ([], 1, 0.1),
+    ],
+)
+def test_admission_window(
+    lively: tuple[Any, Any], times: list[float], gathered: int, closed_at: float
+) -> None:
+    from services.inference.engine.scheduler import ADMIT_MAX_WINDOWS
+
+    assert ADMIT_MAX_WINDOWS == 5
+    sched, clock = _idle_scheduler(lively)
+    _arrivals(sched, clock, lively[1], times)
+    _gather(sched)
+    assert len(sched.waiting) == gathered
+    assert clock.now() == pytest.approx(closed_at)
+
+
+def test_admission_window_ends_when_the_batch_is_full(lively: tuple[Any, Any]) -> None:
+    sched, clock = _idle_scheduler(lively, max_batch_size=3)
+    _arrivals(sched, clock, lively[1], [0.01, 0.02, 0.03, 0.04])
+    _gather(sched)
+    assert len(sched.waiting) == 3 and clock.now() == pytest.approx(0.02)
+
+
+def test_idle_engine_gathers_a_trickling_burst(lively: tuple[Any, Any]) -> None:
+    """Requests arriving 60 ms apart, through the scheduler's own thread, are prefilled in
+    its first step (their first tokens come in one step)."""
+    import threading
+
+    sched, clock = _idle_scheduler(lively)
     first: dict[int, int] = {}
     done = threading.Event()
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
     def sink(i: int) -> Any:
         def on(ev: Any) -> None:
@@ -240,14 +305,13 @@ def test_idle_engine_gathers_a_trickling_burst(lively: tuple[Any, Any]) -> None:
 
         return on
 
+    _arrivals(sched, clock, lively[1], [0.06, 0.12, 0.18], sink)
     sched.start()
     try:
-        for i, q in enumerate(QUESTIONS[:4]):
-            sched.submit([Sequence(f"t{i}", 0, _chat(tok, q), params, 2, sink(i), None, None)])
-            time.sleep(0.06)
         assert done.wait(60)
     finally:
         sched.stop()
+    assert clock.pending == 0 and clock.now() == pytest.approx(0.28)
     assert len(set(first.values())) == 1, f"first tokens came in different steps: {first}"
 
 
@@ -257,19 +321,10 @@ def test_sliding_window_model_is_served_within_its_window(tmp_path: Path) -> Non
     from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
 
     from services.inference.engine.types import ContextLengthExceeded
-    from tests.helpers.models import smollm2_dir
+    from tests.helpers.models import small_decoder, smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
-    config = MistralConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=48,
-    )
+    config = MistralConfig(**small_decoder(len(tok), max_positions=512), sliding_window=48)
     torch.manual_seed(0)
     model = MistralForCausalLM(config).eval()
     engine = TorchEngine.from_model(model, tok, max_batch_size=2)

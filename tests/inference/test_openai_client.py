@@ -12,40 +12,15 @@ import jsonschema
 import openai
 import pytest
 
-from services.common.auth import KeyStore
 from services.common.config import CommonSettings
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
 from tests.helpers.servers import serve_app
+from tests.inference.schemas import ADD_PARAMETERS, THING_SCHEMA, function_tool
 
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-        "s": {"type": "string", "maxLength": 5},
-    },
-    "required": ["ok", "n", "tags", "s"],
-    "additionalProperties": False,
-}
+SCHEMA = THING_SCHEMA
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two numbers.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "a": {"type": "integer", "minimum": 0, "maximum": 99},
-                "b": {"type": "integer", "minimum": 0, "maximum": 99},
-            },
-            "required": ["a", "b"],
-            "additionalProperties": False,
-        },
-    },
-}
+ADD = function_tool("add", ADD_PARAMETERS, "Add two numbers.")
 ECHO = {
     "type": "function",
     "function": {
@@ -65,16 +40,9 @@ USER = [{"role": "user", "content": "What is 2 + 3?"}]
 
 @pytest.fixture(scope="module")
 def client(
-    tmp_path_factory: pytest.TempPathFactory, redis_url: str, lively_tiny_path: Path
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, key: str, lively_tiny_path: Path
 ) -> Iterator[openai.OpenAI]:
-    import redis
-
     home = tmp_path_factory.mktemp("openai-client-home")
-    rc = redis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        key = KeyStore(rc).create("acme")[0]
-    finally:
-        rc.close()
     common = CommonSettings(home=home, redis_url=redis_url, model_roots=str(home / "models"), log_json=False)
     settings = InferenceSettings(
         model=str(lively_tiny_path), served_model_name="tiny", max_model_len=1024, max_batch_size=8

@@ -23,42 +23,15 @@ from services.common.config import CommonSettings
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
 from services.inference.registry import ModelRegistry, RecordStore
+from tests.helpers.models import greedy_reference, make_lora_adapter
 from tests.helpers.servers import serve_app
 
 PROMPT = "The registry says"
 N = 12
 
 
-def _make_adapter(base: Path, target: Path, seed: int, r: int = 8) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(
-        r=r, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
-    )
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    peft_model.save_pretrained(target)
-    return target
-
-
 def _reference(base: Path, adapter: Path | None) -> str:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base)
-    model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter))
-    model.eval()
-    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)
-    return str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return greedy_reference(base, adapter, PROMPT, N)
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +69,9 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def adapters(home: Path, lively_tiny_path: Path) -> dict[str, Path]:
     root = home / "models" / "adapters"
     return {
-        "a1": _make_adapter(lively_tiny_path, root / "a1", 1),
-        "a2": _make_adapter(lively_tiny_path, root / "a2", 2),
-        "wide": _make_adapter(lively_tiny_path, root / "wide", 3, r=16),
+        "a1": make_lora_adapter(lively_tiny_path, root / "a1", 1),
+        "a2": make_lora_adapter(lively_tiny_path, root / "a2", 2),
+        "wide": make_lora_adapter(lively_tiny_path, root / "wide", 3, r=16),
     }
 
 

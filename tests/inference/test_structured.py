@@ -17,19 +17,9 @@ from services.inference.engine import SamplingParams, TorchEngine
 from services.inference.engine.sampling import RowSampling, sample
 from services.inference.engine.tools import call_schema, parse_tool_calls
 from services.inference.engine.types import GuidedDecoding, InvalidParams
+from tests.inference.schemas import ADD_PARAMETERS, THING_SCHEMA, function_tool
 
-# bounded so a random model, which never chooses to close a free string, still finishes
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-        "s": {"type": "string", "maxLength": 5},
-    },
-    "required": ["ok", "n", "tags", "s"],
-    "additionalProperties": False,
-}
+SCHEMA = THING_SCHEMA
 
 
 @pytest.fixture(scope="module")
@@ -105,28 +95,8 @@ def test_greedy_unconstrained_unchanged_by_processors_at_defaults(engine: TorchE
 
 
 TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "a": {"type": "integer", "minimum": 0, "maximum": 99},
-                    "b": {"type": "integer", "minimum": 0, "maximum": 99},
-                },
-                "required": ["a", "b"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "noop",
-            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
-        },
-    },
+    function_tool("add", ADD_PARAMETERS),
+    function_tool("noop", {"type": "object", "properties": {}, "additionalProperties": False}),
 ]
 
 

@@ -10,20 +10,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import kernels
 from kernels.flashmask import hf as fm_hf
+from tests.helpers.models import small_decoder
 
 LENS = [7, 1, 12, 5]  # includes a one-token sample
 
 
 def _config(kind: str) -> LlamaConfig | Qwen2Config:
-    common = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
+    common = small_decoder(97, max_positions=128)
     if kind == "llama":
         return LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=True)
     return Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=False)

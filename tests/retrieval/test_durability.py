@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,8 @@ from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.registry import CollectionManager
 from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import free_port
+from tests.helpers.servers import free_port, stop_process, wait_ready
+from tests.helpers.waiting import wait_until
 
 
 def start_service(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
@@ -40,20 +40,6 @@ def start_service(env: dict[str, str], port: int, log: Path) -> subprocess.Popen
         stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
     )
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"service exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("service not ready")
 
 
 def doc(i: int, version: int = 0) -> dict[str, object]:
@@ -114,9 +100,7 @@ def test_kill_9_during_ingestion_then_restart(
 
         t = threading.Thread(target=writer)
         t.start()
-        deadline = time.monotonic() + 60
-        while len(acked) < 150 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len(acked) >= 150 or errors, 60, "150 documents acknowledged")
         os.kill(proc.pid, signal.SIGKILL)  # mid-request, most likely mid-write
         proc.wait(10)
         stop.set()
@@ -171,12 +155,7 @@ def test_kill_9_during_ingestion_then_restart(
                 c.post("/v1/collections/big/documents", json={"documents": [doc(10_000)]}).status_code == 201
             )
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc, 20)
 
 
 def _manager(home: Path, tiny: Path, **kw: object) -> CollectionManager:

@@ -7,9 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +19,9 @@ import redis
 from services.retrieval.core.jobs import JobStore
 from services.retrieval.ingest import run_job
 from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import serve_app
+from tests.helpers.servers import serve_app, stop_process
+from tests.helpers.sse import named_events
+from tests.helpers.waiting import wait_until
 
 
 @pytest.fixture()
@@ -33,18 +36,9 @@ def job_service(retrieval_env: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
 
 
 def sse_events(client: httpx.Client, path: str) -> list[tuple[str, dict]]:
-    events = []
     with client.stream("GET", path, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                events.append((name or "message", json.loads(line[6:])))
-                if name in ("done", "failed"):
-                    break
-    return events
+        return named_events(r.iter_lines(), until=("done", "failed"))
 
 
 def test_many_documents_become_a_job(
@@ -178,35 +172,49 @@ def test_celery_worker_runs_jobs_with_progress(
             assert final["documents_done"] == 2
             assert c.get("/v1/collections/kb/documents/guide.docx").json()["title"] == "Field Guide"
     finally:
-        worker.terminate()
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        stop_process(worker)
         log.close()
 
 
-def test_readiness_waits_for_the_embedder(retrieval_env: Path) -> None:
+def test_readiness_waits_for_the_embedder(
+    retrieval_env: Path, api_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not ready, saying the embedder is loading, for as long as the load takes (held here
+    until the test has looked); ready once it is loaded."""
     from services.retrieval.app import create_app
+    from services.retrieval.core.registry import CollectionManager
 
+    release = threading.Event()
+    real = CollectionManager.embedder_named
+
+    def held(self: CollectionManager, *args: Any, **kwargs: Any) -> Any:
+        assert release.wait(60), "the test never released the load"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CollectionManager, "embedder_named", held)
     with serve_app(create_app()) as url:
-        deadline = time.monotonic() + 60
-        while True:
-            r = httpx.get(f"{url}/readyz")
-            if r.status_code == 200 or time.monotonic() > deadline:
-                break
-            assert "embedder" in r.text
-            time.sleep(0.1)
-        assert r.status_code == 200 and "embedder" in r.text
+        loading = httpx.get(f"{url}/readyz", headers=auth(api_key))
+        anonymous = httpx.get(f"{url}/readyz")
+        release.set()
+        ready = wait_until(lambda: (r := httpx.get(f"{url}/readyz")).status_code == 200 and r, 60, "ready")
+    assert loading.status_code == 503 and loading.json()["status"] == "not_ready"
+    assert loading.json()["checks"]["embedder"] == "RuntimeError: embedding model is loading"
+    # without a key the reason is hidden, the state is not
+    assert anonymous.status_code == 503 and anonymous.json()["checks"]["embedder"] == "failing"
+    assert ready.json()["checks"]["embedder"] == "ok"
 
 
 def test_readiness_reports_a_broken_model(
-    retrieval_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    retrieval_env: Path, api_key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A model that cannot load leaves the service not ready for good, saying why."""
     monkeypatch.setenv("TANDEM_RETRIEVAL_EMBEDDING_MODEL", "/nonexistent/model")
     from services.retrieval.app import create_app
 
+    def failed() -> httpx.Response | None:
+        r = httpx.get(f"{url}/readyz", headers=auth(api_key))
+        return r if "failed to load" in r.json()["checks"]["embedder"] else None
+
     with serve_app(create_app()) as url:
-        time.sleep(0.5)
-        r = httpx.get(f"{url}/readyz")
-        assert r.status_code == 503 and "embedder" in r.text
+        r = wait_until(failed, 60, "the embedder's load fails")
+    assert r.status_code == 503 and "/nonexistent/model" in r.json()["checks"]["embedder"]

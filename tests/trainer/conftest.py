@@ -1,4 +1,4 @@
-"""Fixtures of the trainer tests: small real datasets and the tiny model loaded in fp32."""
+"""Fixtures of the trainer tests: small datasets in the shapes of GSM8K and HH-RLHF."""
 
 from __future__ import annotations
 
@@ -7,22 +7,15 @@ from pathlib import Path
 
 import pytest
 
-# The repo's sibling shared/ folder; a git worktree one level deeper finds it one level up.
-SHARED_DATA = next(
-    (
-        p / "shared" / "data"
-        for p in Path(__file__).resolve().parents[3:5]
-        if (p / "shared" / "data").is_dir()
-    ),
-    Path(__file__).resolve().parents[3] / "shared" / "data",
-)
-GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
-HH = SHARED_DATA / "hh-rlhf" / "harmless-base.jsonl"
+# Small synthetic rows in the public datasets' shapes (written for the tests, see
+# tests/data/README.md): GSM8K's question/answer with ``#### <number>``, HH-RLHF's chosen and
+# rejected dialogues sharing a prompt.
+DATA = Path(__file__).resolve().parents[1] / "data"
+GSM8K = DATA / "gsm8k-style.jsonl"
+HH = DATA / "hh-style.jsonl"
 
 
 def head_lines(path: Path, n: int) -> bytes:
-    if not path.is_file():
-        pytest.skip(f"shared data file {path} is missing")
     with path.open("rb") as f:
         return b"".join(next(f) for _ in range(n))
 
@@ -39,3 +32,16 @@ def hh_rows() -> bytes:
 
 def jsonl(rows: list[dict]) -> bytes:
     return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+def count_to_rows(last: int) -> list[dict]:
+    """SFT rows "Count to n." -> "1 2 ... n" for n = 1 .. last: short, varied, learnable."""
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"Count to {n}."},
+                {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
+            ]
+        }
+        for n in range(1, last + 1)
+    ]

@@ -20,17 +20,10 @@ from services.trainer.config import TrainerSettings
 from services.trainer.runner import execute, recover_orphans
 from tests.conftest import auth
 from tests.helpers.servers import serve_app
-from tests.trainer.conftest import jsonl
+from tests.helpers.sse import named_events
+from tests.trainer.conftest import count_to_rows, jsonl
 
-ROWS = [
-    {
-        "messages": [
-            {"role": "user", "content": f"Count to {n}."},
-            {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
-        ]
-    }
-    for n in range(1, 13)
-]
+ROWS = count_to_rows(12)
 
 
 class Harness:
@@ -149,12 +142,7 @@ def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
         with httpx.stream(
             "GET", f"{harness.base}/v1/jobs/{jid}/events", headers=auth(api_key), timeout=120
         ) as s:
-            kind = None
-            for line in s.iter_lines():
-                if line.startswith("event: "):
-                    kind = line[7:]
-                elif line.startswith("data: ") and kind:
-                    events.append((kind, json.loads(line[6:])))
+            events.extend(named_events(s.iter_lines()))
 
     watcher = threading.Thread(target=watch)
     watcher.start()

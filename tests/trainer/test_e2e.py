@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -25,20 +24,14 @@ from services.common.config import CommonSettings
 from services.trainer.app import create_app
 from services.trainer.config import TrainerSettings
 from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import celery_worker, serve_app, wait_for
-from tests.trainer.conftest import jsonl
+from tests.helpers.servers import celery_worker, serve_app
+from tests.helpers.sse import named_events
+from tests.helpers.waiting import wait_until
+from tests.trainer.conftest import count_to_rows, jsonl
 
 pytestmark = pytest.mark.e2e
 
-ROWS = [
-    {
-        "messages": [
-            {"role": "user", "content": f"Count to {n}."},
-            {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
-        ]
-    }
-    for n in range(1, 25)
-]
+ROWS = count_to_rows(24)
 FAST_RECOVERY = {
     "TANDEM_TRAINER_HEARTBEAT_INTERVAL_S": "0.5",
     "TANDEM_TRAINER_STALE_AFTER_S": "5",
@@ -55,6 +48,22 @@ def worker_env(extra: dict[str, str]) -> dict[str, str]:
 
 def get_job(base: str, key: str, jid: str) -> dict[str, Any]:
     return httpx.get(f"{base}/v1/jobs/{jid}", headers=auth(key), timeout=30).json()
+
+
+def create_job(base: str, key: str, body: dict[str, Any]) -> str:
+    created = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(key), timeout=120)
+    assert created.status_code == 201, created.text
+    return str(created.json()["id"])
+
+
+def finished_job(base: str, key: str, jid: str, log: Path, timeout: float = 300) -> dict[str, Any]:
+    """The job once it has succeeded or failed (the worker's log tail if it never does)."""
+    return wait_until(
+        lambda: (j := get_job(base, key, jid))["status"] in ("succeeded", "failed") and j,
+        timeout,
+        f"job {jid} finishes",
+        log=log,
+    )
 
 
 def test_killed_worker_job_is_resumed_to_the_same_result(
@@ -87,22 +96,20 @@ def test_killed_worker_job_is_resumed_to_the_same_result(
         ).json()["id"]
         body["dataset"] = fid
         with celery_worker(env, log, "w1") as w1:
-            ref = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(api_key), timeout=60).json()["id"]
-            wait_for(
-                lambda: get_job(base, api_key, ref)["status"] == "succeeded", 300, "the reference job", log
+            ref = create_job(base, api_key, body)
+            wait_until(
+                lambda: get_job(base, api_key, ref)["status"] == "succeeded",
+                300,
+                "the reference job",
+                log=log,
             )
-            jid = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(api_key), timeout=60).json()["id"]
-            wait_for(lambda: get_job(base, api_key, jid)["progress"]["step"] >= 3, 300, "step 3", log)
+            jid = create_job(base, api_key, body)
+            wait_until(lambda: get_job(base, api_key, jid)["progress"]["step"] >= 3, 300, "step 3", log=log)
             os.kill(w1.pid, signal.SIGKILL)  # the worker dies mid-job, without acking
             w1.wait()
         assert get_job(base, api_key, jid)["status"] == "running"
         with celery_worker(env, log, "w2"):
-            done = wait_for(
-                lambda: (j := get_job(base, api_key, jid))["status"] in ("succeeded", "failed") and j,
-                300,
-                "the resumed job",
-                log,
-            )
+            done = finished_job(base, api_key, jid, log)
         assert done["status"] == "succeeded", done["error"]
         reference = get_job(base, api_key, ref)
         assert done["attempts"] == 2
@@ -147,15 +154,8 @@ def test_kto_job_through_a_real_worker_reports_eval_metrics(
             "eval_fraction": 0.25,
             "hyperparameters": {"n_epochs": 6, "learning_rate": 5e-3, "beta": 0.5},
         }
-        created = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(api_key), timeout=60)
-        assert created.status_code == 201, created.text
-        jid = created.json()["id"]
-        done = wait_for(
-            lambda: (j := get_job(base, api_key, jid))["status"] in ("succeeded", "failed") and j,
-            300,
-            "the kto job",
-            log,
-        )
+        jid = create_job(base, api_key, body)
+        done = finished_job(base, api_key, jid, log)
     assert done["status"] == "succeeded", done["error"]
     m = done["metrics"]
     assert m["eval_loss_after"] < m["eval_loss_before"]
@@ -198,17 +198,9 @@ def test_lora_sft_on_smollm2_over_sse_then_chat_with_the_published_adapter(
                 "hyperparameters": {"max_steps": 3, "n_epochs": 2, "learning_rate": 2e-4},
                 "publish": True,
             }
-            created = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(api_key), timeout=120)
-            assert created.status_code == 201, created.text
-            jid = created.json()["id"]
-            events: list[tuple[str, dict[str, Any]]] = []
+            jid = create_job(base, api_key, body)
             with httpx.stream("GET", f"{base}/v1/jobs/{jid}/events", headers=auth(api_key), timeout=600) as s:
-                kind = None
-                for line in s.iter_lines():
-                    if line.startswith("event: "):
-                        kind = line[7:]
-                    elif line.startswith("data: ") and kind:
-                        events.append((kind, json.loads(line[6:])))
+                events = named_events(s.iter_lines())
             statuses = [d["status"] for k, d in events if k == "status"]
             job = get_job(base, api_key, jid)
             assert statuses[-1] == "succeeded", (job["error"], log.read_text()[-3000:])

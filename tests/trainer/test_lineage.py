@@ -23,17 +23,16 @@ from services.trainer.publish import publish
 from services.trainer.runner import execute
 from tests.conftest import auth
 from tests.helpers.servers import free_port, serve_app
-from tests.trainer.conftest import jsonl
+from tests.trainer.conftest import count_to_rows, jsonl
 
-ROWS = [
-    {
-        "messages": [
-            {"role": "user", "content": f"Count to {n}."},
-            {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
-        ]
-    }
-    for n in range(1, 9)
-]
+ROWS = count_to_rows(8)
+
+
+def _chat_status(inference: str, key: str, model: str, content: str) -> int:
+    chat = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    return httpx.post(
+        f"{inference}/v1/chat/completions", json=chat, headers=auth(key), timeout=60
+    ).status_code
 
 
 class Stack:
@@ -128,15 +127,8 @@ def test_job_from_own_adapter_trains_it_further_and_publishes_for_the_tenant(
     mine = {m["id"]: m for m in httpx.get(f"{inf}/v1/models", headers=auth(api_key)).json()["data"]}
     assert mine[ft1]["owned_by"] == "acme" and mine[ft1]["kind"] == "adapter"
     assert ft1 not in {m["id"] for m in httpx.get(f"{inf}/v1/models", headers=auth(other_key)).json()["data"]}
-    chat = {"model": ft1, "messages": [{"role": "user", "content": "Count to 3."}], "max_tokens": 4}
-    assert (
-        httpx.post(f"{inf}/v1/chat/completions", json=chat, headers=auth(api_key), timeout=60).status_code
-        == 200
-    )
-    assert (
-        httpx.post(f"{inf}/v1/chat/completions", json=chat, headers=auth(other_key), timeout=60).status_code
-        == 404
-    )
+    assert _chat_status(inf, api_key, ft1, "Count to 3.") == 200
+    assert _chat_status(inf, other_key, ft1, "Count to 3.") == 404
 
     # another tenant can name it neither by name nor by path; an unknown ft- name reads the same
     for foreign in (
@@ -178,11 +170,7 @@ def test_job_from_own_adapter_trains_it_further_and_publishes_for_the_tenant(
     assert any("LoRA initialised from" in x["message"] for x in logs)
     mine = {m["id"]: m for m in httpx.get(f"{inf}/v1/models", headers=auth(api_key)).json()["data"]}
     assert mine[ft2]["parent"] == "tiny" and mine[ft2]["owned_by"] == "acme"
-    chat["model"] = ft2
-    assert (
-        httpx.post(f"{inf}/v1/chat/completions", json=chat, headers=auth(api_key), timeout=60).status_code
-        == 200
-    )
+    assert _chat_status(inf, api_key, ft2, "Count to 3.") == 200
 
     # by path too (one's own job's final weights), but not its checkpoints or the root
     own_path = stack.create(api_key, job1["artifact_path"])
@@ -239,12 +227,5 @@ def test_full_fine_tune_lineage_and_an_adapter_published_on_it(
     assert mine[ft_lora]["kind"] == "adapter" and mine[ft_lora]["parent"] == ft_full
     theirs = {m["id"] for m in httpx.get(f"{inf}/v1/models", headers=auth(other_key)).json()["data"]}
     assert not {ft_full, ft_lora} & theirs
-    chat = {"model": ft_lora, "messages": [{"role": "user", "content": "Count to 2."}], "max_tokens": 4}
-    assert (
-        httpx.post(f"{inf}/v1/chat/completions", json=chat, headers=auth(api_key), timeout=60).status_code
-        == 200
-    )
-    assert (
-        httpx.post(f"{inf}/v1/chat/completions", json=chat, headers=auth(other_key), timeout=60).status_code
-        == 404
-    )
+    assert _chat_status(inf, api_key, ft_lora, "Count to 2.") == 200
+    assert _chat_status(inf, other_key, ft_lora, "Count to 2.") == 404

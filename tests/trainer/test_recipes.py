@@ -13,17 +13,9 @@ from services.trainer.protocol import Hyperparameters, LoraSpec
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
 from services.trainer.recipes.dpo import DPORecipe
 from services.trainer.recipes.sft import SFTRecipe
-from tests.trainer.conftest import jsonl
+from tests.trainer.conftest import count_to_rows, jsonl
 
-ROWS = [
-    {
-        "messages": [
-            {"role": "user", "content": f"Count to {n}."},
-            {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))},
-        ]
-    }
-    for n in range(1, 25)
-]
+ROWS = count_to_rows(24)
 
 
 def sft_config(model: Path, work: Path | None, **kw: object) -> TrainConfig:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -31,6 +32,18 @@ Handler = Callable[[Any], tuple[int, Any]]
 
 # What the websocket double received: (subprotocols offered, frames), reset per test.
 WS_LOG: dict[str, Any] = {"protocols": [], "frames": []}
+
+
+# The one source the chat double cites.
+LEAVE_CITE: dict[str, Any] = {
+    "index": 1,
+    "chunk_id": "k",
+    "document_id": "leave",
+    "title": "Leave policy",
+    "text": "Employees get 25 days of paid leave.",
+    "start": 0,
+    "end": 36,
+}
 
 
 async def chat_double(ws: WebSocket) -> None:
@@ -59,18 +72,7 @@ async def chat_double(ws: WebSocket) -> None:
             for tok in ["Staff get ", "**25 days** ", "of leave [1]."]:
                 await ws.send_json({"type": "token", "text": tok})
                 await asyncio.sleep(0.05)
-            await ws.send_json(
-                {
-                    "type": "citation",
-                    "index": 1,
-                    "chunk_id": "k",
-                    "document_id": "leave",
-                    "title": "Leave policy",
-                    "text": "Employees get 25 days of paid leave.",
-                    "start": 0,
-                    "end": 36,
-                }
-            )
+            await ws.send_json({"type": "citation", **LEAVE_CITE})
             if "hold" not in frame.get("message", ""):
                 await ws.send_json({"type": "done", "conversation_id": "conv-9", "citations": []})
     except WebSocketDisconnect:
@@ -80,15 +82,7 @@ async def chat_double(ws: WebSocket) -> None:
 async def guarded_answers(ws: WebSocket, message: str) -> None:
     """The groundedness guard's side of the protocol: a degenerate answer reset and replaced by an
     extractive one, or a partly supported answer with an unsupported sentence."""
-    cite = {
-        "index": 1,
-        "chunk_id": "k",
-        "document_id": "leave",
-        "title": "Leave policy",
-        "text": "Employees get 25 days of paid leave.",
-        "start": 0,
-        "end": 36,
-    }
+    cite = LEAVE_CITE
     if "degenerate" in message:
         for tok in ["The answer is: ", "The answer is:"]:
             await ws.send_json({"type": "token", "text": tok})
@@ -121,12 +115,19 @@ async def guarded_answers(ws: WebSocket, message: str) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def site() -> Iterator[str]:
-    app = Starlette(routes=[WebSocketRoute("/v1/ws/chat", chat_double)])
+@contextmanager
+def serve_site(chat: Callable[[WebSocket], Awaitable[None]]) -> Iterator[str]:
+    """The built front end with a double of the agent's websocket at /v1/ws/chat."""
+    app = Starlette(routes=[WebSocketRoute("/v1/ws/chat", chat)])
     # The agent's own mount: every front-end test runs under its Content-Security-Policy.
     app.mount("/", SecureStaticFiles(directory=DIST, html=True))
     with serve_app(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def site() -> Iterator[str]:
+    with serve_site(chat_double) as url:
         yield url
 
 

@@ -16,15 +16,10 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from starlette.applications import Starlette
-from starlette.routing import WebSocketRoute
-from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from tests.conftest import REPO_ROOT
-from tests.helpers.servers import serve_app
-from tests.web.conftest import DIST
-from tests.web.test_frontend import BASE_ROUTES, double_api, sign_in
+from tests.web.test_frontend import BASE_ROUTES, double_api, serve_site, sign_in
 
 SHOTS = REPO_ROOT / "test-artifacts"
 SHOTS.mkdir(parents=True, exist_ok=True)
@@ -69,9 +64,7 @@ async def chat_double(ws: WebSocket) -> None:
 
 @pytest.fixture(scope="module")
 def site() -> Iterator[str]:
-    app = Starlette(routes=[WebSocketRoute("/v1/ws/chat", chat_double)])
-    app.mount("/", StaticFiles(directory=DIST, html=True))
-    with serve_app(app) as url:
+    with serve_site(chat_double) as url:
         yield url
 
 

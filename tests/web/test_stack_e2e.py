@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 from tests.helpers.servers import free_port
+from tests.helpers.waiting import wait_until
 from tests.web.conftest import ARTIFACTS
 
 pytestmark = pytest.mark.e2e
@@ -126,13 +126,18 @@ def facts(stack: Stack) -> str:
         )
         assert sent.status_code in (200, 201, 202), sent.text
         job = sent.json().get("job_id")
-        deadline = time.monotonic() + 180
-        while job and time.monotonic() < deadline:
-            state = c.get(f"/api/retrieval/v1/jobs/{job}").json().get("state")
-            if state in ("succeeded", "failed"):
-                assert state == "succeeded"
-                break
-            time.sleep(0.5)
+        if job:
+            state = wait_until(
+                lambda: (
+                    (s := c.get(f"/api/retrieval/v1/jobs/{job}").json().get("state"))
+                    in ("succeeded", "failed")
+                    and s
+                ),
+                180,
+                f"ingestion job {job} ends",
+                interval=0.5,
+            )
+            assert state == "succeeded"
     return name
 
 
@@ -367,16 +372,21 @@ SFT_ROWS = [
 ]
 
 
+def choose_sft_rows(page: Any, tmp_path: Path) -> None:
+    """On the training page: the eight SFT rows as the dataset file, checked by the page."""
+    data = tmp_path / "sums.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in SFT_ROWS) + "\n")
+    page.get_by_label("Dataset file").set_input_files(str(data))
+    page.get_by_role("status").filter(has_text="8 rows").wait_for(timeout=60_000)
+
+
 def test_training_job_draws_a_loss_chart(page: Any, stack: Stack, tmp_path: Path) -> None:
     need(stack, "GET", "/api/trainer/v1/jobs", "the trainer jobs API (issue 6)")
     need(stack, "GET", "/api/trainer/v1/jobs/x-missing/metrics", "the trainer metrics history")
     need(stack, "GET", "/api/inference/v1/models", "the inference service's OpenAI API (issue 4)")
-    data = tmp_path / "sums.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in SFT_ROWS) + "\n")
     sign_in(page, stack)
     page.get_by_role("link", name="Training").click()
-    page.get_by_label("Dataset file").set_input_files(str(data))
-    page.get_by_role("status").filter(has_text="8 rows").wait_for(timeout=60_000)
+    choose_sft_rows(page, tmp_path)
     # Unpacked batches of 2 over 8 rows: 4 optimizer steps, so 4 points on the chart.
     page.get_by_label("Max steps").fill("4")
     page.get_by_label("Batch size").fill("2")
@@ -419,12 +429,9 @@ def test_training_job_draws_a_loss_chart(page: Any, stack: Stack, tmp_path: Path
 
 def test_training_job_can_be_cancelled(page: Any, stack: Stack, tmp_path: Path) -> None:
     need(stack, "GET", "/api/trainer/v1/jobs", "the trainer jobs API (issue 6)")
-    data = tmp_path / "sums.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in SFT_ROWS) + "\n")
     sign_in(page, stack)
     page.goto(f"{stack.url}/#/training")
-    page.get_by_label("Dataset file").set_input_files(str(data))
-    page.get_by_role("status").filter(has_text="8 rows").wait_for(timeout=60_000)
+    choose_sft_rows(page, tmp_path)
     page.get_by_label("Max steps").fill("500")
     page.get_by_label("Batch size").fill("1")
     page.get_by_role("checkbox", name="publish").uncheck()

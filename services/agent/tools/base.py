@@ -50,10 +50,6 @@ def argument_text(argument: Any, field: str) -> str:
     return str(argument)
 
 
-class ToolFailed(Exception):
-    pass
-
-
 async def call_tool(tool: Tool, argument: Any, ctx: ToolContext, timeout: float) -> tuple[str, bool]:
     """Runs a tool; returns (observation, ok). A tool that raises or hangs gives an error observation
     (the agent reads it and carries on) instead of taking the run down. A sync tool runs in a thread:

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -53,6 +53,25 @@ ADMIT_MAX_WINDOWS = 5
 # Sequences submitted without a tenant (the trainer's in-process rollouts, tests) share this one.
 DEFAULT_TENANT = "_default"
 _ids = itertools.count()
+
+
+class Clock(Protocol):
+    """Time as the admission window sees it: tests pass a clock they advance by hand, so no
+    test sleeps against the window."""
+
+    def now(self) -> float: ...
+
+    def wait(self, cv: threading.Condition, timeout: float) -> None:
+        """Block on ``cv`` (held by the caller) until notified or ``timeout`` seconds pass."""
+        ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wait(self, cv: threading.Condition, timeout: float) -> None:
+        cv.wait(timeout)
 
 
 @dataclass
@@ -111,7 +130,9 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         admit_window: float = 0.0,
         tenant_max_queued: int | None = None,
+        clock: Clock | None = None,
     ) -> None:
+        self.clock: Clock = clock or MonotonicClock()
         # per tenant: sequences that may wait beyond the tenant's fair share of free slots
         # (None: only the global max_queue applies)
         self.tenant_max_queued = tenant_max_queued
@@ -279,18 +300,18 @@ class Scheduler:
         waits until no request has arrived for ``admit_window`` (HTTP requests of one burst
         trickle in over tens of ms), at most ``ADMIT_MAX_WINDOWS`` windows in all, and not
         once the batch is full. Caller holds ``_cv``."""
-        now = time.monotonic()
+        now = self.clock.now()
         deadline = now + self.admit_window * ADMIT_MAX_WINDOWS
         quiet_at = now + self.admit_window
         seen = len(self.waiting)
         while not self._stop and len(self.waiting) < self.max_batch_size:
-            left = min(quiet_at, deadline) - time.monotonic()
+            left = min(quiet_at, deadline) - self.clock.now()
             if left <= 0:
                 break
-            self._cv.wait(left)
+            self.clock.wait(self._cv, left)
             if len(self.waiting) > seen:
                 seen = len(self.waiting)
-                quiet_at = time.monotonic() + self.admit_window
+                quiet_at = self.clock.now() + self.admit_window
 
     def run_until_done(self) -> None:
         while self.has_work():

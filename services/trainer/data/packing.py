@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -341,16 +341,3 @@ def plan_packs(
     lengths: Sequence[int], capacity: int, *, seed: int, buffer_size: int = 1024
 ) -> list[list[int]]:
     return shuffled_bfd(lengths, capacity, seed=seed, buffer_size=buffer_size)
-
-
-def padding_stats(packs: Sequence[Pack]) -> dict[str, float]:
-    real = sum(p.real_tokens for p in packs)
-    total = sum(p.total_tokens for p in packs)
-    return {
-        "real_tokens": float(real),
-        "total_tokens": float(total),
-        "padding_ratio": 1 - real / max(total, 1),
-    }
-
-
-PackFn = Callable[[Sequence[int]], Pack]

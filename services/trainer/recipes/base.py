@@ -355,6 +355,3 @@ def run(recipe: Recipe, checkpoint_root: Path | None = None) -> str:
         recipe.hooks.evaluated("after", {**recipe.eval_before, **after})
     recipe.last_metrics = {**recipe.last_metrics, **recipe.eval_before, **after}
     return "succeeded"
-
-
-ReportFn = Callable[[int, int, dict[str, float]], None]
