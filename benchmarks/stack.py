@@ -3,8 +3,6 @@ the whole product running: its environment, start and stop."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,15 +11,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.helpers.stack import isolated_stack_env
+
 REPO = Path(__file__).resolve().parent.parent
 TANDEM = [sys.executable, "-m", "services.cli.main"]
 SERVICES = ("agent", "inference", "retrieval", "trainer")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -37,22 +31,12 @@ class Stack:
         return f"http://127.0.0.1:{self.env[f'TANDEM_{service.upper()}_PORT']}"
 
 
-def stack_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The caller's environment without its TANDEM_ settings, plus a home and free ports."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(TANDEM_HOME=str(home), TANDEM_REDIS_PORT=str(free_port()), TANDEM_DEVICE="cpu")
-    for svc in SERVICES:
-        env[f"TANDEM_{svc.upper()}_PORT"] = str(free_port())
-    env.update(extra or {})
-    return env
-
-
 @contextmanager
 def embedded_stack(
     prefix: str, extra_env: dict[str, str] | None = None, keep: bool = False, timeout: float = 900
 ) -> Iterator[Stack]:
     home = Path(tempfile.mkdtemp(prefix=prefix)) / "home"
-    env = stack_env(home, extra_env)
+    env = {**isolated_stack_env(home), **(extra_env or {})}
     print(f"starting the stack in {home} ...", flush=True)
     up = subprocess.run(
         [*TANDEM, "up", "--timeout", str(timeout)], env=env, cwd=REPO, capture_output=True, text=True

@@ -207,3 +207,8 @@ def load_settings(cls: type[S], *, check_unknown: bool = True) -> S:
     if check_unknown:
         check_unknown_env(cls)
     return settings
+
+
+def load_common() -> CommonSettings:
+    """The common settings from the environment (the ``TANDEM_`` variables every service reads)."""
+    return load_settings(CommonSettings, check_unknown=False)

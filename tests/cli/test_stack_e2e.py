@@ -13,8 +13,9 @@ import pytest
 import redis
 
 from services.cli.stack import pid_alive
+from services.cli.supervise import SupervisedState, read_state
 from services.common.celery_app import make_celery
-from tests.helpers.servers import free_port
+from tests.helpers.servers import free_port, is_ready
 from tests.helpers.stack import isolated_stack_env
 from tests.helpers.waiting import wait_until
 
@@ -164,24 +165,18 @@ def test_demo_searches_and_answers_from_the_docs_collection(stack_env: dict[str,
 def test_a_killed_component_is_restarted_and_status_shows_it(stack_env: dict[str, str]) -> None:
     import signal
 
-    from services.cli.supervise import read_state
-
     state_file = Path(stack_env["TANDEM_HOME"]) / "run" / "retrieval.state.json"
     before = read_state(state_file)
     assert before is not None and before.pid and before.restarts == 0
     os.kill(before.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+
+    def restarted_and_ready() -> SupervisedState | None:
         after = read_state(state_file)
-        if after and after.pid and after.pid != before.pid:
-            try:
-                if httpx.get(f"{url(stack_env, 'retrieval')}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.5)
-    else:
-        raise AssertionError("retrieval was not restarted and ready within 300 s")
+        if after and after.pid and after.pid != before.pid and is_ready(url(stack_env, "retrieval")):
+            return after
+        return None
+
+    after = wait_until(restarted_and_ready, 300, "retrieval restarted by its supervisor and ready again")
     status = subprocess.run(
         [*TANDEM, "status"], env={**stack_env, "COLUMNS": "250"}, capture_output=True, text=True, timeout=120
     )
