@@ -57,7 +57,9 @@ class TrainerSettings(TenantLimitSettings):
         description="Comma-separated model names accepted as base_model besides folders/GGUF files under TANDEM_MODEL_ROOTS.",
     )
     max_nodes: int = Field(
-        16, ge=1, description="Largest resources.nodes a job may ask for (each node is a worker of the job's queue)."
+        16,
+        ge=1,
+        description="Largest resources.nodes a job may ask for (each node is a worker of the job's queue).",
     )
     max_procs_per_node: int = Field(
         0,
@@ -77,5 +79,7 @@ class TrainerSettings(TenantLimitSettings):
         "empty: this machine's host name.",
     )
     rdzv_timeout_s: float = Field(
-        600.0, gt=0, description="How long a multi-node job waits for all its machines to join the rendezvous."
+        600.0,
+        gt=0,
+        description="How long a multi-node job waits for all its machines to join the rendezvous.",
     )

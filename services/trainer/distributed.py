@@ -185,7 +185,10 @@ class DistContext:
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         sd = optimizer.state_dict()
         state = {
-            k: {name: self.full(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for name, v in s.items()}
+            k: {
+                name: self.full(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                for name, v in s.items()
+            }
             for k, s in sorted(sd["state"].items())
         }
         return {"state": state, "param_groups": sd["param_groups"]}

@@ -44,7 +44,9 @@ def local_devices() -> tuple[int, str]:
     platform = current_platform()
     if platform.is_accelerator:
         return platform.device_count(), f"{platform.device_type} devices"
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, "CPU cores"
+    return len(os.sched_getaffinity(0)) if hasattr(
+        os, "sched_getaffinity"
+    ) else os.cpu_count() or 1, "CPU cores"
 
 
 def check_devices(resources: ResourcesSpec) -> None:
@@ -184,7 +186,9 @@ def run_distributed(
 
         raise LeaseLost(job_id)
     if rc != 0:
-        raise LaunchError(f"torchrun exited with {rc} (after up to {settings.dist_max_restarts} restarts):\n{_tail(log_file)}")
+        raise LaunchError(
+            f"torchrun exited with {rc} (after up to {settings.dist_max_restarts} restarts):\n{_tail(log_file)}"
+        )
     try:
         return str(json.loads(outcome_file.read_text())["outcome"])
     except (OSError, ValueError, KeyError):

@@ -82,7 +82,9 @@ class ResourcesSpec(Strict):
     """Data-parallel training over ``nodes`` machines x ``procs_per_node`` processes, launched
     with torchrun (c10d rendezvous); every rank packs and trains on its share of each step."""
 
-    nodes: int = Field(1, ge=1, le=1024, description="machines (workers of the job's queue) that train together")
+    nodes: int = Field(
+        1, ge=1, le=1024, description="machines (workers of the job's queue) that train together"
+    )
     procs_per_node: int = Field(
         1, ge=1, le=1024, description="processes per machine: at most its GPUs (cuda) or CPU cores (cpu)"
     )

@@ -242,7 +242,9 @@ def _train(
                 attempt=attempt,
                 settings=settings,
                 lost=lost,
-                join=lambda jid, endpoint, rdzv: dispatch_join(jid, endpoint, rdzv, data.get("queue") or "cpu"),
+                join=lambda jid, endpoint, rdzv: dispatch_join(
+                    jid, endpoint, rdzv, data.get("queue") or "cpu"
+                ),
             )
         else:
             recipe = recipe_for(spec.type)(cfg, hooks=JobHooks(store, job_id, lost))

@@ -33,22 +33,21 @@ class Probe(SFTRecipe):
         return super().optimizer_step(advance_schedule=advance_schedule)
 
 
-def main() -> None:
-    out, model, data, packing, strategy, mode = sys.argv[1:7]
-    steps = int(sys.argv[7]) if len(sys.argv) > 7 else 1
-    ckpt = Path(sys.argv[8]) if len(sys.argv) > 8 else None
-    records = [json.loads(line) for line in Path(data).read_text().splitlines()]
+def probe(
+    out: Path, model: Path, data: Path, packing: str, strategy: str, mode: str, steps: int, ckpt: Path | None
+) -> None:
+    records = [json.loads(line) for line in data.read_text().splitlines()]
     hp = Hyperparameters.model_validate(
-        {"packs_per_step": 3, "batch_size": 5, "max_steps": steps, "learning_rate": 1e-2, "seed": 3, "checkpoint_every": 2}
+        {"packs_per_step": 3, "batch_size": 5, "max_steps": steps, "learning_rate": 1e-2, "seed": 3}
     )
     ctx = None
-    if "WORLD_SIZE" in os.environ:
+    if "WORLD_SIZE" in os.environ:  # under torchrun
         from services.trainer.distributed import init_rank
 
         ctx = init_rank(strategy)  # type: ignore[arg-type]
     cfg = TrainConfig(
         kind="sft",
-        model_path=Path(model),
+        model_path=model,
         records=records,
         hp=hp,
         lora=LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]) if mode == "lora" else None,
@@ -69,6 +68,13 @@ def main() -> None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def main() -> None:
+    out, model, data, packing, strategy, mode = sys.argv[1:7]
+    steps = int(sys.argv[7]) if len(sys.argv) > 7 else 1
+    ckpt = Path(sys.argv[8]) if len(sys.argv) > 8 else None
+    probe(Path(out), Path(model), Path(data), packing, strategy, mode, steps, ckpt)
 
 
 if __name__ == "__main__":

@@ -284,7 +284,11 @@ class Recipe:
 
     def optimizer_state(self) -> dict[str, Any]:
         assert self.optimizer is not None
-        return self.optimizer.state_dict() if self.dist is None else self.dist.full_optimizer_state(self.optimizer)
+        return (
+            self.optimizer.state_dict()
+            if self.dist is None
+            else self.dist.full_optimizer_state(self.optimizer)
+        )
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         assert self.optimizer is not None

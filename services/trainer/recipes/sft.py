@@ -116,11 +116,16 @@ class SFTRecipe(Recipe):
             return logps, int(pos.numel())
         pos, tgt = label_positions(batch["labels"])
         logps = self.dist.dp(
-            batch["input_ids"].to(dev), pos.to(dev), tgt.to(dev), attention_mask=batch["attention_mask"].to(dev)
+            batch["input_ids"].to(dev),
+            pos.to(dev),
+            tgt.to(dev),
+            attention_mask=batch["attention_mask"].to(dev),
         )
         return logps, int(pos.numel())
 
-    def _rank_batches(self, micro: list[list[int]]) -> tuple[list[Pack | dict[str, torch.Tensor] | None], int]:
+    def _rank_batches(
+        self, micro: list[list[int]]
+    ) -> tuple[list[Pack | dict[str, torch.Tensor] | None], int]:
         """This rank's share of a step (packs, or a slice of the unpacked batch), each packed
         here; and the label tokens of the whole step (known from the samples, no forward)."""
         assert self.dist is not None
