@@ -183,26 +183,51 @@ def test_fsdp_matches_one_process_and_checkpoints_resume_on_another_world_size(
         assert_same(tail, resumed, grads=False)
 
 
-# ---- through the API and a real worker
+# ---- through the API and real workers
 
 
-@pytest.mark.e2e
-def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_checkpoint(
-    tandem_env: Path, tiny_model_path: Path, api_key: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{tiny_model_path.parent}:{tandem_env / 'models'}")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    log = tmp_path / "worker.log"
-    app = create_app(CommonSettings(), TrainerSettings())
-    body: dict[str, Any] = {
+class Api:
+    def __init__(self, base: str, key: str) -> None:
+        self.base, self.key = base, key
+
+    def get(self, path: str) -> Any:
+        return httpx.get(f"{self.base}/v1{path}", headers=auth(self.key), timeout=30).json()
+
+    def submit(self, body: dict[str, Any]) -> str:
+        files = {"file": ("c.jsonl", jsonl(COUNT_ROWS))}
+        body["dataset"] = httpx.post(f"{self.base}/v1/files", files=files, headers=auth(self.key)).json()[
+            "id"
+        ]
+        resp = httpx.post(f"{self.base}/v1/jobs", json=body, headers=auth(self.key), timeout=60)
+        assert resp.status_code == 201, resp.text
+        return str(resp.json()["id"])
+
+    def logs(self, jid: str) -> list[str]:
+        return [x["message"] for x in self.get(f"/jobs/{jid}/logs")["data"]]
+
+    def finished(self, jid: str, log: Path) -> dict[str, Any]:
+        done: dict[str, Any] = wait_for(
+            lambda: (j := self.get(f"/jobs/{jid}"))["status"] in ("succeeded", "failed") and j,
+            600,
+            "the job",
+            log,
+        )
+        assert done["status"] == "succeeded", done["error"]
+        total = done["progress"]["total"]
+        assert done["progress"] == {"step": total, "total": total}
+        assert [m["step"] for m in self.get(f"/jobs/{jid}/metrics")["data"]] == list(range(1, total + 1))
+        return done
+
+
+def dist_job(resources: dict[str, Any], max_steps: int) -> dict[str, Any]:
+    return {
         "type": "sft",
-        "base_model": str(tiny_model_path),
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
         "max_tokens_per_pack": 128,
-        "resources": {"nodes": 1, "procs_per_node": 2, "strategy": "fsdp"},
+        "resources": resources,
         "hyperparameters": {
             "n_epochs": 20,
-            "max_steps": 16,
+            "max_steps": max_steps,
             "packs_per_step": 2,
             "learning_rate": 1e-2,
             "checkpoint_every": 2,
@@ -210,49 +235,57 @@ def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_che
         },
     }
 
-    def job() -> dict[str, Any]:
-        return dict(httpx.get(f"{base}/v1/jobs/{jid}", headers=auth(api_key), timeout=30).json())
 
-    def logs() -> list[str]:
-        data = httpx.get(f"{base}/v1/jobs/{jid}/logs", headers=auth(api_key), timeout=30).json()["data"]
-        return [x["message"] for x in data]
+@pytest.fixture()
+def api_app(tandem_env: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{tiny_model_path.parent}:{tandem_env / 'models'}")
+    return create_app(CommonSettings(), TrainerSettings())
 
-    with serve_app(app) as base:
-        fid = upload_file(base, api_key)
-        body["dataset"] = fid
-        with celery_worker(env, log, "w1") as w1:
-            jid = httpx.post(f"{base}/v1/jobs", json=body, headers=auth(api_key), timeout=60).json()["id"]
-            wait_for(lambda: job()["progress"]["step"] >= 3, 600, "step 3", log)
-            ranks = next(m for m in logs() if m.startswith("torchrun: 2 ranks"))
-            pid = int(re.search(r"1=[^:,]+:(\d+)", ranks).group(1))  # type: ignore[union-attr]
-            os.kill(pid, signal.SIGKILL)  # rank 1 dies mid-job
-            done = wait_for(
-                lambda: (j := job())["status"] in ("succeeded", "failed") and j, 600, "the job", log
-            )
-            assert w1.poll() is None  # the worker itself lived on
-    assert done["status"] == "succeeded", done["error"]
-    total = done["progress"]["total"]
-    assert total == 16 and done["progress"] == {"step": total, "total": total} and done["attempts"] == 1
-    with serve_app(app) as base:
-        steps = [
-            m["step"]
-            for m in httpx.get(f"{base}/v1/jobs/{jid}/metrics", headers=auth(api_key)).json()["data"]
-        ]
-        messages = logs()
-    assert steps == list(range(1, total + 1))
-    assert any("restart 1" in m for m in messages), messages
+
+@pytest.mark.e2e
+def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_checkpoint(
+    api_app: Any, tandem_env: Path, tiny_model_path: Path, api_key: str, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    log = tmp_path / "worker.log"
+    body = {
+        **dist_job({"nodes": 1, "procs_per_node": 2, "strategy": "fsdp"}, 16),
+        "base_model": str(tiny_model_path),
+    }
+    with serve_app(api_app) as base, celery_worker(env, log, "w1") as w1:
+        api = Api(base, api_key)
+        jid = api.submit(body)
+        wait_for(lambda: api.get(f"/jobs/{jid}")["progress"]["step"] >= 3, 600, "step 3", log)
+        ranks = next(m for m in api.logs(jid) if m.startswith("torchrun: 2 ranks"))
+        pid = int(re.search(r"1=[^:,]+:(\d+)", ranks).group(1))  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGKILL)  # rank 1 dies mid-job
+        done = api.finished(jid, log)
+        messages = api.logs(jid)
+        assert w1.poll() is None  # the worker itself lived on
+    # the step count of an uninterrupted run, in one attempt of the same worker
+    assert done["progress"]["total"] == 16 and done["attempts"] == 1
+    assert any("(fsdp, restart 1)" in m for m in messages), messages
     resumed = [int(m.rsplit(" ", 1)[1]) for m in messages if m.startswith("resumed from checkpoint step")]
-    assert resumed and resumed[0] % 2 == 0 and resumed[0] >= 2
-    artifact = Path(done_artifact(tandem_env, jid))
+    assert resumed and resumed[0] >= 2 and resumed[0] % 2 == 0, messages
+    artifact = tandem_env / "models" / "trainer" / jid  # rank 0 gathered the shards and saved the adapter
+    assert json.loads((artifact / "adapter_config.json").read_text())["r"] == 4
     assert (artifact / "adapter_model.safetensors").is_file()
-    config = json.loads((artifact / "adapter_config.json").read_text())
-    assert config["r"] == 4
 
 
-def upload_file(base: str, key: str) -> str:
-    resp = httpx.post(f"{base}/v1/files", files={"file": ("c.jsonl", jsonl(COUNT_ROWS))}, headers=auth(key))
-    return str(resp.json()["id"])
-
-
-def done_artifact(home: Path, jid: str) -> Path:
-    return home / "models" / "trainer" / jid
+@pytest.mark.e2e
+def test_a_two_node_job_meets_a_second_worker_at_the_rendezvous(
+    api_app: Any, tiny_model_path: Path, api_key: str, tmp_path: Path
+) -> None:
+    # two workers of the cpu queue stand for two machines (one process each)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    log = tmp_path / "workers.log"
+    body = {
+        **dist_job({"nodes": 2, "procs_per_node": 1, "strategy": "ddp"}, 4),
+        "base_model": str(tiny_model_path),
+    }
+    with serve_app(api_app) as base, celery_worker(env, log, "a"), celery_worker(env, log, "b"):
+        api = Api(base, api_key)
+        jid = api.submit(body)
+        api.finished(jid, log)
+        messages = api.logs(jid)
+    assert any(m.startswith("torchrun: 2 ranks (ddp, restart 0)") for m in messages), messages

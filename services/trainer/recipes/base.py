@@ -324,7 +324,8 @@ class Recipe:
         if not self.is_main:
             return
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(str(out), safe_serialization=True, state_dict=state)
+        extra = {} if state is None else {"state_dict": state}
+        self.model.save_pretrained(str(out), safe_serialization=True, **extra)
         self.tokenizer.save_pretrained(str(out))
         (out / "tandem_training.json").write_text(
             json.dumps(
