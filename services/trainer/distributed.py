@@ -213,15 +213,17 @@ class RankHooks:
         self.inner = inner  # the job's hooks on rank 0, None elsewhere
 
     def should_stop(self) -> bool:
+        from services.trainer.runner import LeaseLost
+
         verdict = "go"
         if self.inner is not None:
             try:
                 verdict = "stop" if self.inner.should_stop() else "go"
-            except Exception as exc:  # LeaseLost: every rank must leave, not only rank 0
-                verdict = f"lost: {exc}"
+            except LeaseLost:  # every rank must leave, not only rank 0
+                verdict = "lost"
         verdict = self.ctx.agree(verdict)
-        if verdict.startswith("lost"):
-            raise RuntimeError(f"job lease {verdict}; another worker continues the job")
+        if verdict == "lost":
+            raise LeaseLost("another worker holds the job now")
         return bool(verdict == "stop")
 
     def report(self, step: int, total: int, metrics: dict[str, float]) -> None:
@@ -271,7 +273,7 @@ def _job_hooks(launch: Launch) -> Any:
 
     from services.common.config import CommonSettings, load_settings
     from services.common.redis_conn import sync_redis
-    from services.trainer.runner import JobHooks
+    from services.trainer.runner import JobHooks, LeaseLost
     from services.trainer.store import TrainerStore
 
     common = load_settings(CommonSettings, check_unknown=False)
@@ -283,7 +285,7 @@ def _job_hooks(launch: Launch) -> Any:
         def should_stop(self) -> bool:
             holder = store.lease_owner(launch.job_id)
             if holder is not None and holder != owner:
-                raise RuntimeError(f"held by {holder}")
+                raise LeaseLost(launch.job_id)
             return super().should_stop()
 
     return LeaseHooks(store, launch.job_id, threading.Event())

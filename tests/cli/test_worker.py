@@ -8,8 +8,8 @@ message naming the setting.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,12 +56,11 @@ def test_worker_joins_the_stack_and_other_storage_is_refused(redis_url: str, tmp
         assert other.returncode == 1
         assert "is not the stack's shared storage" in other.stdout and "TANDEM_HOME" in other.stdout
     finally:
-        proc.send_signal(signal.SIGTERM)  # the CLI exec'd Celery: this pid is the worker
-        try:
+        proc.terminate()  # the CLI exec'd Celery: this pid is the worker
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.kill()  # a no-op once it has exited
+        proc.wait()
 
 
 def test_worker_refuses_a_gpu_queue_without_a_gpu_and_an_unreachable_redis(tmp_path: Path) -> None:
