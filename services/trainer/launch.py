@@ -96,6 +96,10 @@ def torchrun_argv(
 def _env(resources: ResourcesSpec) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    # Each round of ranks (the first, and each restart) gets a store of its own on rank 0: ranks
+    # sharing the rendezvous store across restarts read the previous round's addresses and fail
+    # to connect (pytorch/pytorch#135712: gloo's and NCCL's init after a torchrun restart)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if "OMP_NUM_THREADS" not in env:  # torchrun would set 1; the machine's cores shared out is faster on CPU
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // resources.procs_per_node))
     return env
