@@ -194,18 +194,22 @@ def check_shared_home(redis_url: str, home: Path) -> str:
     from services.common.redis_conn import sync_redis
 
     marker = home / "storage-id"
+    mine = marker.read_text().strip() if marker.is_file() else ""
     r = sync_redis(redis_url)
     try:
-        mine = marker.read_text().strip() if marker.is_file() else ""
-        stack_id = r.get(STORAGE_ID_KEY)
-        if stack_id is None:
-            mine = mine or secrets.token_hex(8)
-            r.set(STORAGE_ID_KEY, mine, nx=True)
-            stack_id = r.get(STORAGE_ID_KEY)
-        stack_id = stack_id.decode() if isinstance(stack_id, bytes) else str(stack_id)
+        # the first machine's id wins (nx): two machines starting at once agree on one
+        created = bool(r.set(STORAGE_ID_KEY, mine or secrets.token_hex(8), nx=True))
+        raw = r.get(STORAGE_ID_KEY)
     finally:
         r.close()
+    stack_id = raw.decode() if isinstance(raw, bytes) else str(raw)
     if not mine:
+        if not created:  # the shared folder would show the id the first machine wrote
+            raise StackError(
+                f"TANDEM_HOME={home} is not the stack's shared storage: it has no storage-id, and the "
+                f"machines already in the stack recorded storage {stack_id} in Redis; mount the shared "
+                "folder and point TANDEM_HOME at it"
+            )
         home.mkdir(parents=True, exist_ok=True)
         marker.write_text(stack_id + "\n")
         mine = stack_id

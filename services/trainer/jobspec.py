@@ -238,10 +238,10 @@ def check_resources(spec: JobCreate, settings: TrainerSettings) -> None:
     res = spec.resources
     if res is None:
         return
-    if spec.type != "sft" and res.world_size > 1:
+    if spec.type != "sft":
         raise InvalidRequest(
-            f"resources: distributed training runs sft jobs; a {spec.type} job runs in one process "
-            "(leave 'resources' out or give nodes 1 and procs_per_node 1)",
+            f"resources: distributed training runs sft jobs; a {spec.type} job runs in the worker's "
+            "process (leave 'resources' out)",
             param="resources",
         )
     if res.nodes > settings.max_nodes:

@@ -51,10 +51,20 @@ def test_worker_joins_the_stack_and_other_storage_is_refused(redis_url: str, tmp
         assert (shared / "storage-id").read_text().strip() == redis.Redis.from_url(redis_url).get(
             stack.STORAGE_ID_KEY
         ).decode()
-        # a second machine with a folder of its own (not the shared mount) is refused
-        other = tandem(env_for(tmp_path / "local", redis_url), "worker", "--queue", "cpu")
-        assert other.returncode == 1
-        assert "is not the stack's shared storage" in other.stdout and "TANDEM_HOME" in other.stdout
+        # a second machine with a folder of its own (not the shared mount) is refused: an empty
+        # one, and one that belongs to another stack
+        stranger = tmp_path / "stranger"
+        stranger.mkdir()
+        (stranger / "storage-id").write_text("0123456789abcdef\n")
+        for home, needle in [
+            (tmp_path / "local", "it has no storage-id"),
+            (stranger, "0123456789abcdef differs"),
+        ]:
+            other = tandem(env_for(home, redis_url), "worker", "--queue", "cpu")
+            assert other.returncode == 1, other.stdout
+            assert "is not the stack's shared storage" in other.stdout and needle in other.stdout, (
+                other.stdout
+            )
     finally:
         proc.terminate()  # the CLI exec'd Celery: this pid is the worker
         with contextlib.suppress(subprocess.TimeoutExpired):
