@@ -185,6 +185,20 @@ class Recipe:
             self.optimizer, self.hp.lr_scheduler, self.hp.warmup_steps, max(self.total_steps, 1)
         )
 
+    def step_schedule(self, build: Callable[..., list[Any]], lengths: list[int]) -> list[Any]:
+        """The job's batch schedule over samples of ``lengths`` (``build`` is the recipe's
+        schedule function, a pure function of the seed), and ``total_steps`` from it."""
+        schedule = build(
+            lengths,
+            packing=self.cfg.packing,
+            capacity=self.cfg.max_tokens_per_pack,
+            seed=self.hp.seed,
+            epochs=self.hp.n_epochs,
+            per_step=self.hp.packs_per_step if self.cfg.packing else self.hp.batch_size,
+        )
+        self.total_steps = min(len(schedule), self.hp.max_steps or len(schedule))
+        return schedule
+
     def setup(self) -> None:
         raise NotImplementedError
 

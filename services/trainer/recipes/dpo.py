@@ -121,15 +121,7 @@ class DPORecipe(Recipe):
         self.eval_pairs = self.tokenize(self.cfg.eval_records or [])
         self.lengths = answer_lengths(self.pairs)
         self.pad_id = int(self.tokenizer.pad_token_id)
-        self.schedule = dpo_schedule(
-            [len(p) for p in self.pairs],
-            packing=self.cfg.packing,
-            capacity=self.cfg.max_tokens_per_pack,
-            seed=self.hp.seed,
-            epochs=self.hp.n_epochs,
-            per_step=self.hp.packs_per_step if self.cfg.packing else self.hp.batch_size,
-        )
-        self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
+        self.schedule = self.step_schedule(dpo_schedule, [len(p) for p in self.pairs])
         self.needs_ref = self.cfg.kind == "dpo"
         self.ref = (
             self.reference("reference_logps", lambda: self.all_logps(self.pairs)) if self.needs_ref else None

@@ -118,15 +118,7 @@ class KTORecipe(Recipe):
         cap = self.cfg.max_tokens_per_pack
         self.data = KTOData(self.tokenizer, self.cfg.records, self.hp.seed, cap)
         self.eval_data = KTOData(self.tokenizer, self.cfg.eval_records or [], self.hp.seed, cap)
-        self.schedule = dpo_schedule(
-            [len(g) for g in self.data.groups],
-            packing=self.cfg.packing,
-            capacity=self.cfg.max_tokens_per_pack,
-            seed=self.hp.seed,
-            epochs=self.hp.n_epochs,
-            per_step=self.hp.packs_per_step if self.cfg.packing else self.hp.batch_size,
-        )
-        self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
+        self.schedule = self.step_schedule(dpo_schedule, [len(g) for g in self.data.groups])
         self.ref = self.reference("reference_logps", lambda: self.all_logps(self.data))
         self.make_optimizer()
         n_good = int(self.data.labels.sum())

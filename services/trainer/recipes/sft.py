@@ -80,15 +80,7 @@ class SFTRecipe(Recipe):
             s for s in tokenize_all(self.tokenizer, self.cfg.records) if any(x != IGNORE for x in s.labels)
         ]
         self.pad_id = int(self.tokenizer.pad_token_id)
-        self.schedule = sft_schedule(
-            [len(s) for s in self.samples],
-            packing=self.cfg.packing,
-            capacity=self.cfg.max_tokens_per_pack,
-            seed=self.hp.seed,
-            epochs=self.hp.n_epochs,
-            per_step=self.hp.packs_per_step if self.cfg.packing else self.hp.batch_size,
-        )
-        self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
+        self.schedule = self.step_schedule(sft_schedule, [len(s) for s in self.samples])
         self.eval_samples = tokenize_all(self.tokenizer, self.cfg.eval_records or [])
         self.make_optimizer()
         self.hooks.log(
