@@ -12,19 +12,13 @@ import torch
 from services.trainer.data.packing import Pack, pack_sft, plan_packs
 from services.trainer.data.tokenize import IGNORE, SFTSample, tokenize_sft
 from services.trainer.losses import sft_loss
-from services.trainer.modeling import gather_logps, hidden_states, label_positions
+from services.trainer.modeling import gather_logps, hidden_states, label_positions, pack_hidden_states
 from services.trainer.recipes.base import Recipe
 
 
 def pack_logps(model: Any, pack: Pack) -> tuple[torch.Tensor, int]:
     """Log-probs of every label token of a pack (FlashMask document mask); and their count."""
-    device = next(model.parameters()).device
-    h = hidden_states(
-        model,
-        pack.input_ids.to(device),
-        position_ids=pack.position_ids.to(device),
-        startend_row_indices=pack.mask().to(device),
-    )
+    h = pack_hidden_states(model, pack)
     pos, tgt = label_positions(pack.labels)
     return gather_logps(model, h, pos, tgt), int(pos.numel())
 
