@@ -89,6 +89,8 @@ def up(
         embedded = "TANDEM_REDIS_URL" not in os.environ
         password = stack.ensure_redis_password(layout) if embedded else ""
         redis_url, embedded = stack.redis_url_for(common, dict(os.environ), password)
+        if not embedded:  # a Redis other machines may share: their TANDEM_HOME must be this one
+            stack.check_shared_home(redis_url, layout.home)
         comps = stack.plan(common, embedded, platform.queue, layout.redis_conf if embedded else None)
         stack.check_ports(common, comps)
     except (stack.StackError, PlatformError) as exc:
@@ -249,6 +251,59 @@ def _wait_for_signal(layout: stack.Layout) -> None:
     while not stop["now"]:
         time.sleep(0.5)
     stack.stop_all(layout, say=lambda m: console.print(f"  {m}"))
+
+
+@app.command()
+def worker(
+    queue: str = typer.Option(
+        ..., "--queue", help="The queue to serve: gpu, npu or cpu (training), io (ingestion)."
+    ),
+    name: str = typer.Option("", "--name", help="Celery node name (default QUEUE@hostname)."),
+) -> None:
+    """Join this machine to a running stack as a worker of one queue, in the foreground.
+
+    The stack's Redis comes from TANDEM_REDIS_URL (or, on the machine that ran `tandem up`,
+    from its state), and TANDEM_HOME must be the stack's shared storage (datasets,
+    checkpoints, models): both are checked before the worker starts."""
+    if queue not in stack.CELERY_APP_OF:
+        _fail(f"--queue {queue!r} is not a queue: use one of {', '.join(stack.CELERY_APP_OF)}")
+    common = _settings()
+    layout = stack.Layout(common.home_dir)
+    try:
+        platform = detect_platform(common.device)
+    except PlatformError as exc:
+        _fail(str(exc))
+    if queue in ("gpu", "npu") and platform.queue != queue:
+        _fail(
+            f"--queue {queue} needs a {queue.upper()} this machine can use; TANDEM_DEVICE={common.device} "
+            f"found {platform.device_type}"
+        )
+    if "TANDEM_REDIS_URL" in os.environ or not layout.state_file.exists():
+        if "TANDEM_REDIS_URL" not in os.environ:
+            _fail(
+                "set TANDEM_REDIS_URL to the stack's Redis (a worker joins a stack; `tandem up` starts one)"
+            )
+        redis_url = common.redis_url
+    else:
+        redis_url = _redis_url(layout, common)
+    if not redis_reachable(redis_url):
+        _fail(f"TANDEM_REDIS_URL={stack.redacted(redis_url)!r} does not answer PING")
+    try:
+        stack.check_shared_home(redis_url, layout.home)
+    except stack.StackError as exc:
+        _fail(str(exc))
+    argv = stack.worker_argv(queue, name)
+    console.print(
+        f"worker for queue [bold]{queue}[/] on {platform.device_type}, Redis {stack.redacted(redis_url)}"
+    )
+    sys.stdout.flush()
+    env = {
+        **os.environ,
+        "TANDEM_HOME": str(layout.home),
+        "TANDEM_REDIS_URL": redis_url,
+        "PYTHONUNBUFFERED": "1",
+    }
+    os.execve(argv[0], argv, env)  # the worker replaces this process: signals reach Celery itself
 
 
 @app.command()

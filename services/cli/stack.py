@@ -158,12 +158,79 @@ def valkey_binary() -> Path:
     return Path(get_binary_path())
 
 
+CELERY_APP_OF = {
+    "io": "services.retrieval.worker:celery_app",
+    "cpu": "services.trainer.worker:celery_app",
+    "gpu": "services.trainer.worker:celery_app",
+    "npu": "services.trainer.worker:celery_app",
+}
+
+
+def worker_argv(queue: str, name: str = "") -> list[str]:
+    """The Celery worker serving ``queue`` (``name``: its node name, ``QUEUE@host`` by default)."""
+    # The trainer's jobs use every core, so its workers take one task at a time;
+    # solo pool means the job runs in the worker process and dies with it.
+    pool = ["--pool", "threads", "--concurrency", "2"] if queue == "io" else ["--pool", "solo"]
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        CELERY_APP_OF[queue],
+        "worker",
+        "-Q",
+        queue,
+        "-n",
+        name or f"{queue}@%h",
+        "--loglevel",
+        "INFO",
+        *pool,
+    ]
+
+
+STORAGE_ID_KEY = "tandem:storage:id"
+
+
+def check_shared_home(redis_url: str, home: Path) -> str:
+    """The stack's storage id, the same in Redis and in ``$TANDEM_HOME/storage-id``: a machine
+    whose TANDEM_HOME is not the stack's shared folder (a local one, another mount) would
+    train on datasets and checkpoints nobody else sees; it is stopped here instead. The
+    first machine to check records the id in both places."""
+    from services.common.redis_conn import sync_redis
+
+    marker = home / "storage-id"
+    mine = marker.read_text().strip() if marker.is_file() else ""
+    r = sync_redis(redis_url)
+    try:
+        # the first machine's id wins (nx): two machines starting at once agree on one
+        created = bool(r.set(STORAGE_ID_KEY, mine or secrets.token_hex(8), nx=True))
+        raw = r.get(STORAGE_ID_KEY)
+    finally:
+        r.close()
+    stack_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+    if not mine:
+        if not created:  # the shared folder would show the id the first machine wrote
+            raise StackError(
+                f"TANDEM_HOME={home} is not the stack's shared storage: it has no storage-id, and the "
+                f"machines already in the stack recorded storage {stack_id} in Redis; mount the shared "
+                "folder and point TANDEM_HOME at it"
+            )
+        home.mkdir(parents=True, exist_ok=True)
+        marker.write_text(stack_id + "\n")
+        mine = stack_id
+    if mine != stack_id:
+        raise StackError(
+            f"TANDEM_HOME={home} is not the stack's shared storage: its storage-id {mine} differs from "
+            f"{stack_id}, recorded in Redis by the machines already in the stack; mount the shared "
+            "folder and point TANDEM_HOME at it"
+        )
+    return stack_id
+
+
 def workers_for(platform_queue: str) -> list[tuple[str, str]]:
     """(queue, celery app) pairs this machine serves: io for ingestion, cpu always, gpu/npu if present."""
-    pairs = [("io", "services.retrieval.worker:celery_app"), ("cpu", "services.trainer.worker:celery_app")]
-    if platform_queue in ("gpu", "npu"):
-        pairs.append((platform_queue, "services.trainer.worker:celery_app"))
-    return pairs
+    queues = ["io", "cpu", *([platform_queue] if platform_queue in ("gpu", "npu") else [])]
+    return [(q, CELERY_APP_OF[q]) for q in queues]
 
 
 def plan(
@@ -218,31 +285,8 @@ def plan(
                 url=common.url_of(svc),
             )
         )
-    for queue, celery_app in workers_for(platform_queue):
-        # The trainer's jobs use every core, so its workers take one task at a time;
-        # solo pool means the job runs in the worker process and dies with it.
-        pool = ["--pool", "threads", "--concurrency", "2"] if queue == "io" else ["--pool", "solo"]
-        comps.append(
-            Component(
-                f"worker-{queue}",
-                [
-                    py,
-                    "-m",
-                    "celery",
-                    "-A",
-                    celery_app,
-                    "worker",
-                    "-Q",
-                    queue,
-                    "-n",
-                    f"{queue}@%h",
-                    "--loglevel",
-                    "INFO",
-                    *pool,
-                ],
-                queue=queue,
-            )
-        )
+    for queue, _ in workers_for(platform_queue):
+        comps.append(Component(f"worker-{queue}", worker_argv(queue), queue=queue))
     return comps
 
 

@@ -55,7 +55,7 @@ def save_checkpoint(
     step: int,
     *,
     weights: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | dict[str, Any],
     scheduler: Any,
     extra: dict[str, Any] | None = None,
     keep: int = 2,
@@ -70,7 +70,8 @@ def save_checkpoint(
     torch.save(
         {
             "step": step,
-            "optimizer": optimizer.state_dict(),
+            # a dict: the state already gathered whole from the ranks of a sharded job
+            "optimizer": optimizer if isinstance(optimizer, dict) else optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "rng": rng_state(),
             "extra": extra or {},

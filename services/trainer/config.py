@@ -51,3 +51,30 @@ class TrainerSettings(TenantLimitSettings, TenantQuotaSettings):
         "SmolLM2-135M-Instruct",
         description="Comma-separated model names accepted as base_model besides folders/GGUF files under TANDEM_MODEL_ROOTS.",
     )
+    max_nodes: int = Field(
+        16,
+        ge=1,
+        description="Largest resources.nodes a job may ask for (each node is a worker of the job's queue).",
+    )
+    max_procs_per_node: int = Field(
+        0,
+        ge=0,
+        description="Largest resources.procs_per_node a job may ask for, checked at submission; 0: not checked "
+        "there (the worker still refuses more processes than its GPUs, or CPU cores on the cpu queue, at launch).",
+    )
+    dist_max_restarts: int = Field(
+        3,
+        ge=0,
+        description="How many times torchrun restarts a distributed job's ranks after one dies; they resume "
+        "from the last checkpoint.",
+    )
+    rdzv_host: str = Field(
+        "",
+        description="Address other machines reach this worker on for a multi-node job's c10d rendezvous; "
+        "empty: this machine's host name.",
+    )
+    rdzv_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long a multi-node job waits for all its machines to join the rendezvous.",
+    )

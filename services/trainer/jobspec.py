@@ -232,6 +232,31 @@ def pack_capacity(spec: JobCreate, settings: TrainerSettings) -> int:
     return cap
 
 
+def check_resources(spec: JobCreate, settings: TrainerSettings) -> None:
+    """What the API can know about a distributed job before queueing it. The devices of the
+    worker that will run it are only known there, so the launcher checks those (see launch.py)."""
+    res = spec.resources
+    if res is None:
+        return
+    if spec.type != "sft":
+        raise InvalidRequest(
+            f"resources: distributed training runs sft jobs; a {spec.type} job runs in the worker's "
+            "process (leave 'resources' out)",
+            param="resources",
+        )
+    if res.nodes > settings.max_nodes:
+        raise InvalidRequest(
+            f"resources.nodes {res.nodes} is more than this server allows (TANDEM_TRAINER_MAX_NODES={settings.max_nodes})",
+            param="resources.nodes",
+        )
+    if settings.max_procs_per_node and res.procs_per_node > settings.max_procs_per_node:
+        raise InvalidRequest(
+            f"resources.procs_per_node {res.procs_per_node} is more than the workers have "
+            f"(TANDEM_TRAINER_MAX_PROCS_PER_NODE={settings.max_procs_per_node})",
+            param="resources.procs_per_node",
+        )
+
+
 def check_lengths(
     tokenizer: Any, spec: JobCreate, records: list[dict[str, Any]], cap: int, param: str
 ) -> None:
@@ -327,6 +352,7 @@ def validate_job(
 
     kind = KIND_OF[spec.type]
     cap = pack_capacity(spec, settings)
+    check_resources(spec, settings)
     records = load_records(dataset_path, kind)
     eval_records = load_records(eval_path, kind, param="eval_dataset") if eval_path else None
     if spec.eval_fraction is not None:

@@ -120,6 +120,18 @@ def hidden_states(
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
+def pack_hidden_states(model: Any, pack: Any) -> torch.Tensor:
+    """Last hidden states of a packed sequence (``data.packing.Pack``) under its own FlashMask
+    mask (documents, a shared question, or prompt groups), on the model's device."""
+    device = next(model.parameters()).device
+    return hidden_states(
+        model,
+        pack.input_ids.to(device),
+        position_ids=pack.position_ids.to(device),
+        startend_row_indices=pack.mask().to(device),
+    )
+
+
 def _chunk_logps(head: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = head(h).float()
     return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -80,6 +80,25 @@ class RewardSpec(Strict):
         return self
 
 
+class ResourcesSpec(Strict):
+    """Data-parallel training over ``nodes`` machines x ``procs_per_node`` processes, launched
+    with torchrun (c10d rendezvous); every rank packs and trains on its share of each step."""
+
+    nodes: int = Field(
+        1, ge=1, le=1024, description="machines (workers of the job's queue) that train together"
+    )
+    procs_per_node: int = Field(
+        1, ge=1, le=1024, description="processes per machine: at most its GPUs (cuda) or CPU cores (cpu)"
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: replicated weights, all-reduced gradients; fsdp: FSDP2 fully_shard"
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
 class JobCreate(Strict):
     type: JobType
     base_model: str = Field(min_length=1)
@@ -92,6 +111,9 @@ class JobCreate(Strict):
     reward: RewardSpec | None = None
     queue: Literal["cpu", "gpu", "npu"] | None = None
     publish: bool = False
+    resources: ResourcesSpec | None = Field(
+        None, description="distributed data-parallel training (torchrun); absent: one process in the worker"
+    )
     eval_fraction: float | None = Field(
         None,
         gt=0.0,

@@ -172,7 +172,7 @@ def execute(
             heartbeat=time.time(),
         )
         with Heartbeat(store, job_id, owner, settings) as beat:
-            outcome = _train(job_id, data, store, common, settings, beat.lost, publish)
+            outcome = _train(job_id, data, store, common, settings, beat.lost, publish, owner, attempts)
         return outcome
     except LeaseLost:
         log.warning("job %s: lease lost, another worker continues it", job_id)
@@ -189,6 +189,8 @@ def _train(
     settings: TrainerSettings,
     lost: threading.Event,
     publish: Callable[[str, JobCreate, Path], str | None] | None,
+    owner: str = "",
+    attempt: int = 1,
 ) -> str:
     tenant = data["tenant"]
     try:
@@ -223,15 +225,35 @@ def _train(
             work_dir=work,
             init_adapter=resolved.lineage.init_adapter if resolved.lineage else None,
         )
-        recipe = recipe_for(spec.type)(cfg, hooks=JobHooks(store, job_id, lost))
-        outcome = run(recipe, work / "checkpoints")
-        if outcome == "cancelled":
-            store.set_status(job_id, "cancelled")
-            return "cancelled"
         out = artifact_dir(common, job_id)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        recipe.save_final(tmp)
+        if spec.resources is not None:
+            from services.trainer.launch import run_distributed
+            from services.trainer.worker import dispatch_join
+
+            outcome = run_distributed(
+                job_id,
+                cfg,
+                spec.resources,
+                work=work,
+                artifact_tmp=tmp,  # rank 0 saves the final weights there
+                owner=owner,
+                attempt=attempt,
+                settings=settings,
+                lost=lost,
+                join=lambda jid, endpoint, rdzv: dispatch_join(
+                    jid, endpoint, rdzv, data.get("queue") or "cpu"
+                ),
+            )
+        else:
+            recipe = recipe_for(spec.type)(cfg, hooks=JobHooks(store, job_id, lost))
+            outcome = run(recipe, work / "checkpoints")
+            if outcome == "succeeded":
+                recipe.save_final(tmp)
+        if outcome == "cancelled":
+            store.set_status(job_id, "cancelled")
+            return "cancelled"
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
         store.log(job_id, f"saved {'adapter' if spec.lora else 'model'} to {out}")

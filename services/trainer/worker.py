@@ -10,6 +10,7 @@ Tasks (explicit names, payloads are ids):
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from typing import Any
 
@@ -24,6 +25,7 @@ log = logging.getLogger("tandem.trainer.worker")
 
 RUN_JOB = "tandem.trainer.run_job"
 RECOVER = "tandem.trainer.recover"
+JOIN_JOB = "tandem.trainer.join_job"
 
 common = load_settings(CommonSettings, check_unknown=False)
 celery_app = make_celery("trainer", common.redis_url, default_queue="cpu")
@@ -54,6 +56,27 @@ def run_job(job_id: str) -> str:
         settings=settings,
         publish=lambda jid, spec, path: publish(common, jid, spec, path),
     )
+
+
+def dispatch_join(job_id: str, endpoint: str, rdzv_id: str, queue: str) -> None:
+    celery_app.send_task(JOIN_JOB, args=[job_id, endpoint, rdzv_id], queue=queue)
+
+
+@celery_app.task(name=JOIN_JOB)
+def join_job(job_id: str, endpoint: str, rdzv_id: str) -> int:
+    """This machine's ranks of a multi-node job another worker leads (see ``launch``)."""
+    from services.trainer.launch import join_distributed
+    from services.trainer.runner import job_dir
+
+    settings = load_settings(TrainerSettings, check_unknown=False)
+    store = _store()
+    if store.job(job_id).get("status") != "running":
+        return -1  # finished or cancelled before this machine got to it
+    try:
+        return join_distributed(job_id, endpoint, rdzv_id, work=job_dir(common, job_id), settings=settings)
+    except Exception as exc:  # this machine cannot take part: the lead's rendezvous will time out
+        store.log(job_id, f"worker on {socket.gethostname()} could not join: {exc}", level="error")
+        return -1
 
 
 @celery_app.task(name=RECOVER)

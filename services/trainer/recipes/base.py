@@ -49,6 +49,8 @@ class TrainConfig:
     # a LoRA adapter the job's adapter starts from (a job whose base_model is the tenant's
     # own adapter fine-tune): its rank and targets are the new adapter's
     init_adapter: Path | None = None
+    # inside torchrun: this rank's services.trainer.distributed.DistContext (None: one process)
+    dist: Any = None
 
     @property
     def learning_rate(self) -> float:
@@ -116,6 +118,7 @@ class Recipe:
         self.cfg = cfg
         self.hp = cfg.hp
         self.hooks: Hooks = hooks or NullHooks()
+        self.dist = cfg.dist
         self.device = cfg.device or current_platform().device()
         self.platform = current_platform()
         self.model: Any = None
@@ -166,13 +169,35 @@ class Recipe:
                     out.append(p)
         return out
 
+    @property
+    def is_main(self) -> bool:
+        """The process that writes checkpoints and final weights (rank 0, or the only one)."""
+        return self.dist is None or self.dist.is_main
+
     def make_optimizer(self) -> None:
+        if self.dist is not None:
+            # before the optimizer: FSDP replaces the parameters with sharded ones
+            self.dist.wrap(self.model)
         self.optimizer = torch.optim.AdamW(
             self.params(), lr=self.cfg.learning_rate, weight_decay=self.hp.weight_decay, foreach=False
         )
         self.scheduler = make_scheduler(
             self.optimizer, self.hp.lr_scheduler, self.hp.warmup_steps, max(self.total_steps, 1)
         )
+
+    def step_schedule(self, build: Callable[..., list[Any]], lengths: list[int]) -> list[Any]:
+        """The job's batch schedule over samples of ``lengths`` (``build`` is the recipe's
+        schedule function, a pure function of the seed), and ``total_steps`` from it."""
+        schedule = build(
+            lengths,
+            packing=self.cfg.packing,
+            capacity=self.cfg.max_tokens_per_pack,
+            seed=self.hp.seed,
+            epochs=self.hp.n_epochs,
+            per_step=self.hp.packs_per_step if self.cfg.packing else self.hp.batch_size,
+        )
+        self.total_steps = min(len(schedule), self.hp.max_steps or len(schedule))
+        return schedule
 
     def setup(self) -> None:
         raise NotImplementedError
@@ -229,9 +254,11 @@ class Recipe:
         assert self.optimizer is not None
         params = self.params()
         if self.hp.max_grad_norm > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, self.hp.max_grad_norm))
+            total = torch.nn.utils.clip_grad_norm_(params, self.hp.max_grad_norm)
         else:
-            norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+            total = torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+        # FSDP's norm is a DTensor (its shards' partial norms): the whole one is the same on every rank
+        norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
         self.optimizer.step()
         if advance_schedule:
             self.scheduler.step()
@@ -265,16 +292,35 @@ class Recipe:
         out = {}
         for i, mod in enumerate(self.trainable_modules()):
             for k, v in trainable_state(mod).items():
-                out[f"{i}.{k}"] = v
+                # sharded (FSDP): gathered whole on every rank, in the same order on each
+                out[f"{i}.{k}"] = v if self.dist is None else self.dist.full(v)
         return out
+
+    def optimizer_state(self) -> dict[str, Any]:
+        assert self.optimizer is not None
+        return (
+            self.optimizer.state_dict()
+            if self.dist is None
+            else self.dist.full_optimizer_state(self.optimizer)
+        )
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        assert self.optimizer is not None
+        if self.dist is None:
+            self.optimizer.load_state_dict(state)
+        else:
+            self.dist.load_optimizer_state(self.optimizer, state)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         for i, mod in enumerate(self.trainable_modules()):
             prefix = f"{i}."
             sub = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-            missing = [n for n, p in mod.named_parameters() if p.requires_grad and n not in sub]
+            named = dict(mod.named_parameters())
+            missing = [n for n, p in named.items() if p.requires_grad and n not in sub]
             if missing:
                 raise RuntimeError(f"checkpoint lacks {missing[:3]}")
+            if self.dist is not None:  # whole tensors from the file, this rank's shard of each
+                sub = {k: self.dist.like(v, named[k]) if k in named else v for k, v in sub.items()}
             mod.load_state_dict(sub, strict=False)
 
     def extra_state(self) -> dict[str, Any]:
@@ -285,8 +331,15 @@ class Recipe:
 
     def save_final(self, out: Path) -> None:
         """The model (full fine-tune) or the PEFT adapter, in Hugging Face format."""
+        state = None
+        if self.dist is not None and self.dist.strategy == "fsdp":
+            # every rank takes part in gathering the shards; rank 0 writes them
+            state = {k: self.dist.full(v) for k, v in self.model.state_dict().items()}
+        if not self.is_main:
+            return
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(str(out), safe_serialization=True)
+        extra = {} if state is None else {"state_dict": state}
+        self.model.save_pretrained(str(out), safe_serialization=True, **extra)
         self.tokenizer.save_pretrained(str(out))
         (out / "tandem_training.json").write_text(
             json.dumps(
@@ -311,12 +364,14 @@ def run(recipe: Recipe, checkpoint_root: Path | None = None) -> str:
     start = 0
     if checkpoint_root is not None:
         found = ckpt.latest_checkpoint(checkpoint_root)
+        if recipe.dist is not None:  # rank 0's view of the folder decides for all
+            found = recipe.dist.agree(found)
         if found is not None:
             step, path = found
             weights, state = ckpt.load_checkpoint(path)
             recipe.load_weights(weights)
             assert recipe.optimizer is not None
-            recipe.optimizer.load_state_dict(state["optimizer"])
+            recipe.load_optimizer_state(state["optimizer"])
             recipe.scheduler.load_state_dict(state["scheduler"])
             extra = dict(state["extra"])
             recipe.eval_before = extra.pop("eval_before", {})
@@ -339,16 +394,17 @@ def run(recipe: Recipe, checkpoint_root: Path | None = None) -> str:
         recipe.last_metrics = metrics
         recipe.hooks.report(step, total, metrics)
         if checkpoint_root is not None and step % cfg.checkpoint_every == 0 and step < total:
-            assert recipe.optimizer is not None
-            ckpt.save_checkpoint(
-                checkpoint_root,
-                step,
-                weights=recipe.weights(),
-                optimizer=recipe.optimizer,
-                scheduler=recipe.scheduler,
-                extra={**recipe.extra_state(), "eval_before": recipe.eval_before},
-                keep=cfg.keep_checkpoints,
-            )
+            weights, optimizer = recipe.weights(), recipe.optimizer_state()  # collective when sharded
+            if recipe.is_main:
+                ckpt.save_checkpoint(
+                    checkpoint_root,
+                    step,
+                    weights=weights,
+                    optimizer=optimizer,
+                    scheduler=recipe.scheduler,
+                    extra={**recipe.extra_state(), "eval_before": recipe.eval_before},
+                    keep=cfg.keep_checkpoints,
+                )
             recipe.hooks.log(f"checkpoint at step {step}")
     after = {f"eval_{k}_after": v for k, v in recipe.run_eval().items()}
     if after:

@@ -20,19 +20,13 @@ import torch
 from services.trainer.data.packing import Pack, pack_pairs, pair_logit_index, plan_packs
 from services.trainer.data.tokenize import PairSample, tokenize_pair
 from services.trainer.losses import dpo_loss, orpo_loss, segment_sums, simpo_loss
-from services.trainer.modeling import gather_logps, hidden_states
+from services.trainer.modeling import gather_logps, hidden_states, pack_hidden_states
 from services.trainer.recipes.base import Recipe
 
 
 def pack_pair_logps(model: Any, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed answer log-probs (chosen, rejected), one per pair of the pack, pack order."""
-    device = next(model.parameters()).device
-    h = hidden_states(
-        model,
-        pack.input_ids.to(device),
-        position_ids=pack.position_ids.to(device),
-        startend_row_indices=pack.mask().to(device),
-    )
+    h = pack_hidden_states(model, pack)
     src, tgt_pos, seg = pair_logit_index(pack.triples)
     targets = pack.input_ids.reshape(-1)[tgt_pos]
     sums = segment_sums(gather_logps(model, h, src, targets), seg, 2 * len(pack.triples))
@@ -121,15 +115,7 @@ class DPORecipe(Recipe):
         self.eval_pairs = self.tokenize(self.cfg.eval_records or [])
         self.lengths = answer_lengths(self.pairs)
         self.pad_id = int(self.tokenizer.pad_token_id)
-        self.schedule = dpo_schedule(
-            [len(p) for p in self.pairs],
-            packing=self.cfg.packing,
-            capacity=self.cfg.max_tokens_per_pack,
-            seed=self.hp.seed,
-            epochs=self.hp.n_epochs,
-            per_step=self.hp.packs_per_step if self.cfg.packing else self.hp.batch_size,
-        )
-        self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
+        self.schedule = self.step_schedule(dpo_schedule, [len(p) for p in self.pairs])
         self.needs_ref = self.cfg.kind == "dpo"
         self.ref = (
             self.reference("reference_logps", lambda: self.all_logps(self.pairs)) if self.needs_ref else None

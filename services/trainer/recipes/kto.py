@@ -25,7 +25,7 @@ import torch
 from services.trainer.data.packing import PromptGroup, group_logit_index, pack_groups
 from services.trainer.data.tokenize import KTOSample, tokenize_kto
 from services.trainer.losses import kto_kl, kto_loss, kto_stats, segment_sums
-from services.trainer.modeling import gather_logps, hidden_states
+from services.trainer.modeling import gather_logps, hidden_states, pack_hidden_states
 from services.trainer.recipes.base import Recipe
 from services.trainer.recipes.dpo import dpo_schedule
 
@@ -67,13 +67,7 @@ def prompt_groups(
 
 def pack_answer_logps(model: Any, pack: Any) -> torch.Tensor:
     """Summed log-probs of every answer of a group pack, pack order."""
-    device = next(model.parameters()).device
-    h = hidden_states(
-        model,
-        pack.input_ids.to(device),
-        position_ids=pack.position_ids.to(device),
-        startend_row_indices=pack.mask().to(device),
-    )
+    h = pack_hidden_states(model, pack)
     src, tgt_pos, seg = group_logit_index(pack.groups)
     targets = pack.input_ids.reshape(-1)[tgt_pos]
     n = sum(len(a) for _, a in pack.groups)
@@ -118,15 +112,7 @@ class KTORecipe(Recipe):
         cap = self.cfg.max_tokens_per_pack
         self.data = KTOData(self.tokenizer, self.cfg.records, self.hp.seed, cap)
         self.eval_data = KTOData(self.tokenizer, self.cfg.eval_records or [], self.hp.seed, cap)
-        self.schedule = dpo_schedule(
-            [len(g) for g in self.data.groups],
-            packing=self.cfg.packing,
-            capacity=self.cfg.max_tokens_per_pack,
-            seed=self.hp.seed,
-            epochs=self.hp.n_epochs,
-            per_step=self.hp.packs_per_step if self.cfg.packing else self.hp.batch_size,
-        )
-        self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
+        self.schedule = self.step_schedule(dpo_schedule, [len(g) for g in self.data.groups])
         self.ref = self.reference("reference_logps", lambda: self.all_logps(self.data))
         self.make_optimizer()
         n_good = int(self.data.labels.sum())
