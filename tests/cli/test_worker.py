@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from services.cli import stack
-from tests.helpers.servers import wait_for
+from tests.helpers.waiting import wait_until
 
 TANDEM = [sys.executable, "-m", "services.cli.main"]
 
@@ -47,7 +47,9 @@ def test_worker_joins_the_stack_and_other_storage_is_refused(redis_url: str, tmp
             stderr=subprocess.STDOUT,
         )
     try:
-        wait_for(lambda: stack.worker_ready(redis_url, "cpu", timeout=2.0)[0], 120, "the joined worker", log)
+        wait_until(
+            lambda: stack.worker_ready(redis_url, "cpu", timeout=2.0)[0], 120, "the joined worker", log
+        )
         assert (shared / "storage-id").read_text().strip() == redis.Redis.from_url(redis_url).get(
             stack.STORAGE_ID_KEY
         ).decode()

@@ -26,7 +26,8 @@ from services.agent.clients import InferenceClient
 from services.common.errors import UpstreamError
 from services.common.replicas import ReplicaPool
 from tests.conftest import REPO_ROOT
-from tests.helpers.servers import free_port, wait_for
+from tests.helpers.servers import free_port
+from tests.helpers.waiting import wait_until
 
 BATCH = 2  # sequences each replica decodes at once: the rest of its requests wait in its queue
 TOKENS = 24
@@ -76,7 +77,7 @@ def replicas(
             )
         for i, (url, proc) in enumerate(started):
             log = tmp_path / f"replica{i}.log"
-            wait_for(lambda u=url, p=proc: ready(u) or p.poll() is not None, 180, f"replica {i} ready", log)
+            wait_until(lambda u=url, p=proc: ready(u) or p.poll() is not None, 180, f"replica {i} ready", log)
             assert proc.poll() is None, log.read_text()[-3000:]
         yield started
     finally:

@@ -31,7 +31,8 @@ from services.common.config import CommonSettings
 from services.trainer.app import create_app
 from services.trainer.config import TrainerSettings
 from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import celery_worker, serve_app, wait_for
+from tests.helpers.servers import celery_worker, serve_app
+from tests.helpers.waiting import wait_until
 from tests.trainer.conftest import jsonl
 from tests.trainer.dist_probe import probe
 from tests.trainer.test_api import ROWS, Harness, harness, job_body, upload  # noqa: F401 (fixture)
@@ -206,7 +207,7 @@ class Api:
         return [x["message"] for x in self.get(f"/jobs/{jid}/logs")["data"]]
 
     def finished(self, jid: str, log: Path) -> dict[str, Any]:
-        done: dict[str, Any] = wait_for(
+        done: dict[str, Any] = wait_until(
             lambda: (j := self.get(f"/jobs/{jid}"))["status"] in ("succeeded", "failed") and j,
             600,
             "the job",
@@ -255,7 +256,7 @@ def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_che
     with serve_app(api_app) as base, celery_worker(env, log, "w1") as w1:
         api = Api(base, api_key)
         jid = api.submit(body)
-        wait_for(lambda: api.get(f"/jobs/{jid}")["progress"]["step"] >= 3, 600, "step 3", log)
+        wait_until(lambda: api.get(f"/jobs/{jid}")["progress"]["step"] >= 3, 600, "step 3", log)
         ranks = next(m for m in api.logs(jid) if m.startswith("torchrun: 2 ranks"))
         pid = int(re.search(r"1=[^:,]+:(\d+)", ranks).group(1))  # type: ignore[union-attr]
         os.kill(pid, signal.SIGKILL)  # rank 1 dies mid-job
