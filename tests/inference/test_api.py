@@ -284,7 +284,9 @@ def test_queue_full_is_429_with_retry_after(
     app = create_app(_common(home, redis_url), settings)
     with serve_app(app) as url:
         out: dict[str, Any] = {}
-        t = threading.Thread(target=_stream_chat, args=(url, key, "occupy the slot", 150, out))
+        # Long enough (the tiny model holds 2048 positions) that the slot is still taken when
+        # the second request arrives, however fast this machine decodes.
+        t = threading.Thread(target=_stream_chat, args=(url, key, "occupy the slot", 1800, out))
         t.start()
         engine = app.state.registry.primary
         wait_until(lambda: engine.scheduler.load()["running"], 30, "the slot is taken", interval=0.01)
@@ -294,7 +296,7 @@ def test_queue_full_is_429_with_retry_after(
                 model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
             )
         assert int(exc.value.response.headers["Retry-After"]) >= 1
-        t.join(60)
+        t.join(180)
         ok = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
         )
