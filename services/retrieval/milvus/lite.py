@@ -11,10 +11,13 @@ Milvus engine itself (3.x is a pure-Python re-implementation).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +30,16 @@ def binary() -> Path:
     if not path.exists():
         raise RuntimeError(f"milvus-lite has no server binary at {path} (install milvus-lite==2.5.1)")
     return path
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: Linux sends it SIGTERM when the process that started it dies,
+    so a killed test run or launcher leaves no server behind."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _listening(port: int) -> bool:
@@ -48,6 +61,7 @@ def start(db_file: Path, port: int, timeout: float = 60.0) -> subprocess.Popen[b
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
     log.close()
     deadline = time.monotonic() + timeout
@@ -63,12 +77,18 @@ def start(db_file: Path, port: int, timeout: float = 60.0) -> subprocess.Popen[b
     return proc
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("db_file", type=Path)
     ap.add_argument("--port", type=int, default=19530)
     args = ap.parse_args()
     proc = start(args.db_file.absolute(), args.port)
+    # SIGTERM (what supervisors and tests send) stops the server too, like Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
     print(f"Milvus Lite on http://127.0.0.1:{args.port} (data {args.db_file})", flush=True)
     try:
         proc.wait()
