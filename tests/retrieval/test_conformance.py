@@ -83,6 +83,8 @@ def test_ingest_search_replace_delete(manager: CollectionManager, tenant: str) -
         )
         assert mode in h.scores
     assert col.search("mailman bark", mode="sparse")[0].document_id == "dogs"
+    assert col.search("the of and", mode="sparse") == []  # stopwords only: nothing to match
+    assert col.search("zyxwvut", mode="sparse") == []  # a word no document has
     # replacement: the old text is gone from every index
     res = col.ingest([InputDocument("dogs", "Dogs sleep on the sofa all afternoon.", "Dogs", {"lang": "en"})])
     assert (res.chunks_added, res.chunks_removed) == (1, 1)
