@@ -19,6 +19,22 @@ class RetrievalSettings(TenantLimitSettings, TenantQuotaSettings):
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_RETRIEVAL_", extra="ignore")
 
+    backend: Literal["embedded", "milvus"] = Field(
+        "embedded",
+        description="Where collections live: 'embedded' (SQLite, FAISS and BM25 files under "
+        "TANDEM_HOME, one process) or 'milvus' (a Milvus server at TANDEM_RETRIEVAL_MILVUS_URI, "
+        "so several retrieval replicas serve the same collections).",
+    )
+    milvus_uri: str = Field(
+        "http://localhost:19530",
+        description="Milvus server of the 'milvus' backend (http://host:port; a Milvus Lite server works).",
+    )
+    milvus_token: str = Field(
+        "", description="Milvus credentials ('user:password' or an API key); empty: none."
+    )
+    milvus_timeout: float = Field(
+        10.0, gt=0, description="Seconds to wait for the Milvus server when the service starts."
+    )
     embedding_model: str = Field(
         DEFAULT_EMBEDDING_MODEL,
         description="Default embedding model of new collections: 'all-MiniLM-L6-v2' (from the "

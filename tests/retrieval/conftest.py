@@ -109,3 +109,19 @@ def client(service: str, api_key: str) -> Iterator[httpx.Client]:
 def other_client(service: str, other_key: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=service, headers=auth(other_key), timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def milvus_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Milvus Lite server (the real engine from milvus-lite 2.5.1) on a free port, for the
+    session; tests keep apart by tenant."""
+    from services.retrieval.milvus import lite
+    from tests.helpers.servers import free_port
+
+    port = free_port()
+    proc = lite.start(tmp_path_factory.mktemp("milvus") / "lite.db", port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -182,8 +182,8 @@ def test_torn_or_stale_checkpoints_are_repaired(tmp_path: Path, tiny_embedder: P
 
     col = _manager(tmp_path, tiny_embedder).get("t", "c")
     assert col.stats()["indexed"] == {"dense": 39, "sparse": 39}
-    assert col.search("unique35", mode="sparse")[0]["document_id"] == "d35"
-    assert all(h["document_id"] != "d3" for h in col.search("unique3", mode="sparse", top_k=50))
+    assert col.search("unique35", mode="sparse")[0].document_id == "d35"
+    assert all(h.document_id != "d3" for h in col.search("unique3", mode="sparse", top_k=50))
     col.checkpoint()
     col.close(checkpoint=False)
 
@@ -203,7 +203,7 @@ def test_torn_or_stale_checkpoints_are_repaired(tmp_path: Path, tiny_embedder: P
     (index_dir / ".dense-99.npz.abc.tmp").write_bytes(b"partial")
     col.close()
     col = _manager(tmp_path, tiny_embedder).get("t", "c")
-    assert col.search("unique20", mode="sparse")[0]["document_id"] == "d20"
+    assert col.search("unique20", mode="sparse")[0].document_id == "d20"
     col.close()
 
 
@@ -238,10 +238,10 @@ def test_concurrent_ingestion_into_one_collection(tmp_path: Path, tiny_embedder:
     assert not errors, errors
     for handle in (col, other):
         stats = handle.stats()
-        assert stats["documents"] == len(handle.store.list_documents(1000, 0)[0])
+        assert stats["documents"] == len(handle.list_documents(1000, 0)[0])
         assert stats["indexed"] == {"dense": stats["chunks"], "sparse": stats["chunks"]}
         hits = handle.search("item", mode="hybrid", top_k=100)
-        assert len({h["chunk_id"] for h in hits}) == len(hits)
-        assert len({h["document_id"] for h in hits}) == len(hits)  # one chunk per document here
+        assert len({h.chunk_id for h in hits}) == len(hits)
+        assert len({h.document_id for h in hits}) == len(hits)  # one chunk per document here
     other.close(checkpoint=False)
     m.close_all()

@@ -186,9 +186,7 @@ def test_search_reranks_through_the_rerank_server_as_in_process(
         manager.create("t", "c")
         col = manager.get("t", "c")
         col.ingest(docs)
-        hits[where] = [
-            (h["chunk_id"], h["scores"]["rerank"]) for h in col.search("rivers", top_k=5, rerank=True)
-        ]
+        hits[where] = [(h.chunk_id, h.scores["rerank"]) for h in col.search("rivers", top_k=5, rerank=True)]
         manager.close_all()
     assert [c for c, _ in hits["remote"]] == [c for c, _ in hits["local"]]
     np.testing.assert_allclose([s for _, s in hits["remote"]], [s for _, s in hits["local"]], atol=1e-5)

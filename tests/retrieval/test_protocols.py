@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from services.retrieval.core.embedder import Embedder, SentenceTransformerEmbedder
+from services.retrieval.core.filters import parse_filter
 from services.retrieval.core.reranker import CrossEncoderReranker, Reranker
 from services.retrieval.core.sparse import MERGE_MIN_POSTINGS, Bm25Tokenizer, IncrementalBM25
 from services.retrieval.core.store import (
@@ -130,11 +131,20 @@ def test_document_store_conformance(document_store: DocumentStore) -> None:
         document_store.write([_doc("b", ["q"])], {})
     assert exc.value.chunk_ids == {"b-q"} and document_store.counts() == (1, 2)
     doc = document_store.get_document("a")
-    assert doc and doc["text"] == "x z" and [c["chunk_id"] for c in doc["chunk_list"]] == ["a-x", "a-z"]
+    assert doc and doc.text == "x z" and [c.chunk_id for c in doc.chunk_list or []] == ["a-x", "a-z"]
     page, total = document_store.list_documents(10, 0)
-    assert total == 1 and page[0]["id"] == "a"
-    vids = document_store.vids_where("json_extract(d.metadata, '$.\"k\"') = ?", [1])
-    assert len(vids) == 0  # metadata was replaced by the later writes ({} )
+    assert total == 1 and page[0].id == "a" and page[0].text is None
+    assert len(document_store.vids_matching(parse_filter({"k": 1}))) == 0  # metadata replaced by {}
+    assert len(document_store.vids_matching(parse_filter({"k": {"$ne": 1}}))) == 0  # no k: unknown
+    snap = document_store.snapshot()
+    assert snap.seq == document_store.last_seq() and [r.index_text for r in snap.rows] == ["ctx\nx", "ctx\nz"]
+    version = document_store.data_version()
+    other = SQLiteDocumentStore(document_store.path)  # type: ignore[attr-defined]
+    other.write([_doc("c", ["w"], {"k": 2})], {"c-w": np.zeros(DIM, dtype=np.float32)})
+    other.close()
+    assert document_store.data_version() != version  # another connection's commit shows
+    assert len(document_store.vids_matching(parse_filter({"k": {"$gte": 2}}))) == 1
+    assert document_store.delete_document("c")
     live = [o.vid for o in ops if o.embedding is not None]
     got = document_store.chunks_by_vid(live)
     assert {c.chunk_id for c in got.values()} == {"a-x", "a-z"}

@@ -29,12 +29,12 @@ def test_search_with_rerank(tmp_path: Path, tiny_embedder: Path, model_root: Pat
     )
     hits = col.search("rivers", top_k=5, mode="hybrid", rerank=True)
     assert len(hits) == 5
-    assert all(set(h["scores"]) >= {"hybrid", "rerank"} for h in hits)
-    rr = [h["scores"]["rerank"] for h in hits]
-    assert rr == sorted(rr, reverse=True) and [h["score"] for h in hits] == rr
+    assert all(set(h.scores) >= {"hybrid", "rerank"} for h in hits)
+    rr = [h.scores["rerank"] for h in hits]
+    assert rr == sorted(rr, reverse=True) and [h.score for h in hits] == rr
     # the reranker saw the first-stage candidates, not only the top 5
     plain = col.search("rivers", top_k=15, mode="hybrid")
-    assert {h["chunk_id"] for h in hits} <= {h["chunk_id"] for h in plain}
+    assert {h.chunk_id for h in hits} <= {h.chunk_id for h in plain}
     m.close_all()
 
 

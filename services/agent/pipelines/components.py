@@ -35,7 +35,11 @@ NO_CONTEXT_ANSWER = "I don't know: nothing in the collection {collection!r} is r
 
 
 class Retriever(Protocol):
-    async def retrieve(self, ctx: RunContext, collection: str, query: str) -> list[Chunk]: ...
+    async def retrieve(
+        self, ctx: RunContext, collection: str, query: str, top_k: int | None = None
+    ) -> list[Chunk]:
+        """Up to ``top_k`` chunks (None: the retriever's own default)."""
+        ...
 
 
 class Reranker(Protocol):
@@ -71,9 +75,15 @@ class ServiceRetriever:
         self.mode = mode
         self.rerank = rerank
 
-    async def retrieve(self, ctx: RunContext, collection: str, query: str) -> list[Chunk]:
+    async def retrieve(
+        self, ctx: RunContext, collection: str, query: str, top_k: int | None = None
+    ) -> list[Chunk]:
         return await ctx.retrieval.search(
-            collection, query, top_k=self.top_k or ctx.settings.top_k, mode=self.mode, rerank=self.rerank
+            collection,
+            query,
+            top_k=top_k or self.top_k or ctx.settings.top_k,
+            mode=self.mode,
+            rerank=self.rerank,
         )
 
 
@@ -177,12 +187,10 @@ class RetrieveNode:
             raise InvalidRequest("this pipeline needs a 'collection'", param="collection")
         query = state.search_query or state.question
         top_k = state.options.get("top_k")
-        if isinstance(top_k, int) and isinstance(self.retriever, ServiceRetriever):
-            state.chunks = await ctx.retrieval.search(
-                state.collection, query, top_k=top_k, mode=self.p.mode, rerank=self.p.rerank
-            )
-        else:
-            state.chunks = await self.retriever.retrieve(ctx, state.collection, query)
+        # A per-request top_k reaches any retriever through the protocol.
+        state.chunks = await self.retriever.retrieve(
+            ctx, state.collection, query, top_k=top_k if isinstance(top_k, int) else None
+        )
         if self.p.fetch_titles:
             missing = [c.document_id for c in state.chunks if not c.title]
             if missing:

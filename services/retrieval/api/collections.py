@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from services.common.idempotency import idempotent
-from services.retrieval.api.deps import manager, tenant
+from services.retrieval.api.deps import CollectionDep, CollectionName, ManagerDep, TenantDep
 from services.retrieval.core.collection import CollectionConfig
 from services.retrieval.protocol import Chunking, CollectionInfo, CollectionList, CreateCollection
 
@@ -39,13 +39,14 @@ def _info(config: CollectionConfig, stats: dict[str, object] | None = None) -> C
         },
     },
 )
-async def create_collection(body: CreateCollection, request: Request) -> Any:
+async def create_collection(
+    body: CreateCollection, request: Request, who: TenantDep, collections: ManagerDep
+) -> Any:
     """Create a collection; with an ``Idempotency-Key`` header a retry returns the first answer
     (not a 409 for the collection the first request made)."""
-    who = tenant(request)
 
     def make() -> CollectionInfo:
-        config = manager(request).create(
+        config = collections.create(
             who,
             body.name,
             embedding_model=body.embedding_model,
@@ -62,17 +63,16 @@ async def create_collection(body: CreateCollection, request: Request) -> Any:
 
 
 @router.get("", response_model=CollectionList)
-def list_collections(request: Request) -> CollectionList:
-    return CollectionList(collections=[_info(c) for c in manager(request).list(tenant(request))])
+def list_collections(who: TenantDep, collections: ManagerDep) -> CollectionList:
+    return CollectionList(collections=[_info(c) for c in collections.list(who)])
 
 
 @router.get("/{name}", response_model=CollectionInfo)
-def get_collection(name: str, request: Request) -> CollectionInfo:
-    col = manager(request).get(tenant(request), name)
+def get_collection(col: CollectionDep) -> CollectionInfo:
     return _info(col.config, col.stats())
 
 
 @router.delete("/{name}", status_code=204)
-def delete_collection(name: str, request: Request) -> Response:
-    manager(request).delete(tenant(request), name)
+def delete_collection(name: CollectionName, who: TenantDep, collections: ManagerDep) -> Response:
+    collections.delete(who, name)
     return Response(status_code=204)

@@ -1,11 +1,15 @@
-"""What every router needs: the caller's tenant and the collection manager."""
+"""What every router needs, as ``Annotated`` dependencies (the FastAPI full-stack template's
+style): the caller's tenant, the collection manager, the settings and the named collection."""
 
 from __future__ import annotations
 
-from fastapi import Request
+from typing import Annotated
+
+from fastapi import Depends, Path, Request
 
 from services.common.auth import principal_of
-from services.retrieval.core.collection import Collection
+from services.retrieval.config import RetrievalSettings
+from services.retrieval.core.collection import ChunkedCollection
 from services.retrieval.core.registry import CollectionManager
 
 
@@ -17,6 +21,24 @@ def tenant(request: Request) -> str:
     return principal_of(request).tenant
 
 
-def collection(request: Request, name: str) -> Collection:
+def settings(request: Request) -> RetrievalSettings:
+    return request.app.state.settings  # type: ignore[no-any-return]
+
+
+def collection(request: Request, name: str) -> ChunkedCollection:
     """The caller's collection ``name``; another tenant's is not visible (404)."""
     return manager(request).get(tenant(request), name)
+
+
+ManagerDep = Annotated[CollectionManager, Depends(manager)]
+TenantDep = Annotated[str, Depends(tenant)]
+SettingsDep = Annotated[RetrievalSettings, Depends(settings)]
+CollectionName = Annotated[str, Path(description="Collection name (1-64 letters, digits, '_', '.', '-')")]
+
+
+def _named_collection(request: Request, name: CollectionName) -> ChunkedCollection:
+    return collection(request, name)
+
+
+# Opening a collection reads files or asks the backend: a sync dependency runs in the threadpool.
+CollectionDep = Annotated[ChunkedCollection, Depends(_named_collection)]

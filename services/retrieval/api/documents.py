@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Query, Request, Response, UploadFile
 from fastapi.concurrency import run_in_threadpool
@@ -15,7 +15,7 @@ from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import file_fingerprint, idempotent
 from services.common.paths import safe_filename
 from services.common.quota import check_quota, folder_bytes
-from services.retrieval.api.deps import collection, manager, tenant
+from services.retrieval.api.deps import CollectionDep, CollectionName, collection, manager, tenant
 from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.parsing import (
     UNTRUSTED,
@@ -231,16 +231,14 @@ def _read_spooled(up: UploadFile) -> bytes:
 
 @router.get("/{name}/documents", response_model=DocumentPage)
 def list_documents(
-    name: str,
-    request: Request,
-    limit: int = Query(20, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    col: CollectionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+    offset: Annotated[int, Query(ge=0)] = 0,
 ) -> DocumentPage:
-    col = collection(request, name)
-    docs, total = col.store.list_documents(limit, offset)
+    docs, total = col.list_documents(limit, offset)
     nxt = offset + len(docs)
     return DocumentPage(
-        documents=[Document(**d) for d in docs],
+        documents=docs,
         total=total,
         limit=limit,
         offset=offset,
@@ -249,16 +247,16 @@ def list_documents(
 
 
 @router.get("/{name}/documents/{doc_id:path}", response_model=Document)
-def get_document(name: str, doc_id: str, request: Request) -> Document:
-    doc = collection(request, name).store.get_document(doc_id)
+def get_document(name: CollectionName, doc_id: str, col: CollectionDep) -> Document:
+    doc = col.get_document(doc_id)
     if doc is None:
         raise NotFound(f"document {doc_id!r} not found in collection {name!r}", param="id")
-    return Document(**doc)
+    return doc
 
 
 @router.delete("/{name}/documents/{doc_id:path}", status_code=204)
-def delete_document(name: str, doc_id: str, request: Request) -> Response:
-    if not collection(request, name).delete_document(doc_id):
+def delete_document(name: CollectionName, doc_id: str, col: CollectionDep) -> Response:
+    if not col.delete_document(doc_id):
         raise NotFound(f"document {doc_id!r} not found in collection {name!r}", param="id")
     return Response(status_code=204)
 

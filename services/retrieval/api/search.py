@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
 from services.common.errors import InvalidRequest
-from services.retrieval.api.deps import collection
-from services.retrieval.protocol import SearchRequest, SearchResponse, SearchResult
+from services.retrieval.api.deps import CollectionDep
+from services.retrieval.protocol import SearchRequest, SearchResponse
 
 router = APIRouter(prefix="/v1/collections", tags=["search"])
 
 
 @router.post("/{name}/search", response_model=SearchResponse)
-def search(name: str, body: SearchRequest, request: Request) -> SearchResponse:
+def search(body: SearchRequest, col: CollectionDep) -> SearchResponse:
     t0 = time.perf_counter()
     if not body.query.strip():
         raise InvalidRequest(
             f"query must not be empty (got {body.query!r})", param="query", code="empty_query"
         )
-    col = collection(request, name)
     hits = col.search(
         body.query,
         top_k=body.top_k,
@@ -30,7 +29,7 @@ def search(name: str, body: SearchRequest, request: Request) -> SearchResponse:
         weights={str(k): v for k, v in body.weights.items()} if body.weights else None,
     )
     return SearchResponse(
-        results=[SearchResult(**h) for h in hits],
+        results=hits,
         mode=body.mode,
         took_ms=round((time.perf_counter() - t0) * 1000, 3),
     )

@@ -1,12 +1,17 @@
-"""One collection: its store, its indexes, ingestion and search.
+"""One collection: ingestion and search over a store and indexes it is given.
 
-Durability and recovery
------------------------
+``ChunkedCollection`` holds what every backend shares: chunking, embedding only the chunks
+not stored yet, reranking and the typed ``SearchHit``. ``Collection`` is the embedded backend
+(SQLite + FAISS + BM25, built by ``backend.EmbeddedBackend`` and injected here);
+``services/retrieval/milvus`` is the other.
+
+Durability and recovery (embedded)
+----------------------------------
 * Writes go to SQLite first (``store.py``): documents, chunks with embeddings, and one
   ``ops`` row per chunk added or removed, in one transaction per batch. That commit is
   the acknowledgement.
 * The FAISS and BM25 indexes in memory are derived from the op log: after a write (or,
-  for another process's writes, when SQLite's ``data_version`` moves) the collection
+  for another process's writes, when the store's ``data_version`` moves) the collection
   applies ops past ``applied_seq``.
 * Every ``checkpoint_every`` ops the indexes are written as a checkpoint: both index files
   with the seq in their names, then ``checkpoint.json`` naming them, each written
@@ -27,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -35,12 +40,19 @@ from services.common.errors import InvalidRequest, ServiceUnavailable
 from services.retrieval.core.atomic import atomic_write
 from services.retrieval.core.chunking import make_chunks
 from services.retrieval.core.embedder import Embedder
-from services.retrieval.core.filters import compile_filter
+from services.retrieval.core.filters import Filter, parse_filter
 from services.retrieval.core.fusion import rrf
 from services.retrieval.core.reranker import Reranker
-from services.retrieval.core.sparse import Bm25Tokenizer, IncrementalBM25
-from services.retrieval.core.store import DocumentRecord, MissingEmbeddings, SQLiteDocumentStore
-from services.retrieval.core.vector_index import FaissIndex, IndexParams
+from services.retrieval.core.store import (
+    ChunkStore,
+    DocumentRecord,
+    DocumentStore,
+    MissingEmbeddings,
+    StoredChunk,
+    WriteResult,
+)
+from services.retrieval.core.vector_index import IndexParams, VectorIndex
+from services.retrieval.protocol import Document, SearchResult
 
 log = logging.getLogger("tandem.retrieval")
 
@@ -57,6 +69,8 @@ class CollectionConfig:
     chunk_overlap: int
     index: str
     created_at: float
+    # Which backend holds the collection (files before this field existed are embedded ones).
+    backend: str = "embedded"
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, indent=2).encode()
@@ -96,27 +110,218 @@ class IngestResult:
     chunks_unchanged: int
 
 
-class Collection:
-    def __init__(
+# One search result: a chunk, its document, and the score of each stage that saw it (``dense``
+# cosine, ``sparse`` BM25, ``hybrid`` RRF, ``rerank``). The wire model itself, so the route
+# returns hits as they are.
+SearchHit = SearchResult
+
+
+@dataclass
+class Ranked:
+    """First-stage candidates, best first: (chunk, score) pairs and every stage's scores."""
+
+    hits: list[tuple[StoredChunk, float]]
+    stages: dict[str, dict[str, float]]  # chunk_id -> stage -> score
+
+
+@dataclass(frozen=True)
+class CollectionParts:
+    """What every backend's collection is built from."""
+
+    root: Path  # local folder: uploads waiting for a job (and everything, on the embedded backend)
+    config: CollectionConfig
+    embedder: Embedder
+    options: SearchOptions
+    reranker: Reranker | None = None
+
+
+class ChunkedCollection:
+    """A collection as the API and the ingestion worker use it, on every backend. This half is
+    backend-independent: chunking, embedding what is new, committing through a ``ChunkStore``
+    with retries, reranking and building hits. A backend supplies ``_first_stage``, ``stats``
+    and ``close`` (and may extend ``_after_write``)."""
+
+    def __init__(self, parts: CollectionParts, store: ChunkStore) -> None:
+        self.root = parts.root
+        self.config = parts.config
+        self.embedder = parts.embedder
+        self.options = parts.options
+        self.reranker = parts.reranker
+        self.store = store
+
+    # -- writes -------------------------------------------------------------
+    def prepare(self, docs: Sequence[InputDocument]) -> list[DocumentRecord]:
+        """Chunk documents (the last of several with one id wins)."""
+        by_id: dict[str, InputDocument] = {}
+        for d in docs:
+            by_id.pop(d.id, None)
+            by_id[d.id] = d
+        records = []
+        for d in by_id.values():
+            chunks = make_chunks(
+                d.id,
+                d.text,
+                title=d.title,
+                size=self.config.chunk_size,
+                overlap=self.config.chunk_overlap,
+                offsets=self.embedder.token_offsets,
+            )
+            if not chunks:
+                raise InvalidRequest(f"document {d.id!r} has no text to index", param="documents")
+            digest = hashlib.sha256(f"{d.title}\x00{d.text}".encode("utf-8", "surrogatepass")).hexdigest()
+            records.append(DocumentRecord(d.id, d.text, d.title, d.metadata, digest, chunks))
+        return records
+
+    def write(self, records: Sequence[DocumentRecord], progress: Progress | None = None) -> IngestResult:
+        """Embed what is new and commit ``records`` (one transaction on the embedded store)."""
+        all_chunks = {c.chunk_id: c for r in records for c in r.chunks}
+        known = self.store.existing_chunk_ids(all_chunks)
+        todo = [c for cid, c in all_chunks.items() if cid not in known]
+        embeddings: dict[str, np.ndarray] = {}
+        step = 256
+        for s in range(0, len(todo), step):
+            part = todo[s : s + step]
+            vecs = self.embedder.embed_documents([c.index_text for c in part])
+            embeddings.update({c.chunk_id: v for c, v in zip(part, vecs, strict=True)})
+            if progress:
+                progress(min(s + step, len(todo)), len(todo))
+        res: WriteResult | None = None
+        for _attempt in range(5):
+            try:
+                res = self.store.write(records, embeddings)
+                break
+            except MissingEmbeddings as exc:
+                # Another writer removed chunks we meant to keep: embed them too and retry.
+                part = [all_chunks[c] for c in exc.chunk_ids]
+                vecs = self.embedder.embed_documents([c.index_text for c in part])
+                embeddings.update({c.chunk_id: v for c, v in zip(part, vecs, strict=True)})
+        if res is None:
+            raise ServiceUnavailable("collection is changing too fast; retry", code="write_conflict")
+        self._after_write()
+        return IngestResult(len(records), res.added, res.removed, res.unchanged)
+
+    def _after_write(self) -> None:
+        """Hook: make a committed write visible to this process's searches."""
+
+    def ingest(self, docs: Sequence[InputDocument], progress: Progress | None = None) -> IngestResult:
+        return self.write(self.prepare(docs), progress)
+
+    def delete_document(self, doc_id: str) -> bool:
+        found = self.store.delete_document(doc_id)
+        if found:
+            self._after_write()
+        return found
+
+    def get_document(self, doc_id: str) -> Document | None:
+        return self.store.get_document(doc_id)
+
+    def list_documents(self, limit: int, offset: int) -> tuple[list[Document], int]:
+        return self.store.list_documents(limit, offset)
+
+    # -- reads --------------------------------------------------------------
+    def _first_stage(
+        self, query: str, mode: str, where: Filter | None, depth: int, want: int, weights: dict[str, float]
+    ) -> Ranked:
+        """The backend's ranking of up to ``want`` chunks (``depth`` candidates per ranker)."""
+        raise NotImplementedError
+
+    def search(
         self,
-        root: Path,
-        config: CollectionConfig,
-        embedder: Embedder,
-        options: SearchOptions,
-        reranker: Reranker | None = None,
-    ) -> None:
-        self.root = root
-        self.config = config
-        self.embedder = embedder
-        self.options = options
-        self.reranker = reranker
-        self.store = SQLiteDocumentStore(root / "chunks.sqlite3")
-        self.index_dir = root / "index"
+        query: str,
+        *,
+        top_k: int = 10,
+        mode: str = "hybrid",
+        filters: dict[str, Any] | None = None,
+        rerank: bool = False,
+        weights: dict[str, float] | None = None,
+    ) -> list[SearchResult]:
+        where = parse_filter(filters) if filters else None
+        if rerank and self.reranker is None:
+            raise InvalidRequest(
+                "rerank was requested but no reranker is configured (set TANDEM_RETRIEVAL_RERANKER_MODEL)",
+                param="rerank",
+                code="reranker_not_configured",
+            )
+        want = max(top_k, self.options.rerank_depth) if rerank else top_k
+        depth = max(want, self.options.hybrid_depth) if mode == "hybrid" else want
+        w = {"dense": self.options.dense_weight, "sparse": self.options.sparse_weight, **(weights or {})}
+        ranked = self._first_stage(query, mode, where, depth, want, w)
+        hits = ranked.hits[:want]
+        if rerank and self.reranker is not None and hits:
+            rs = self.reranker.score(query, [c.text for c, _ in hits]).tolist()
+            for (c, _), s in zip(hits, rs, strict=True):
+                ranked.stages[c.chunk_id]["rerank"] = float(s)
+            order = sorted(range(len(hits)), key=lambda i: (-rs[i], hits[i][0].vid))
+            hits = [(hits[i][0], float(rs[i])) for i in order]
+        return [
+            SearchResult(
+                chunk_id=c.chunk_id,
+                document_id=c.doc_id,
+                text=c.text,
+                score=float(s),
+                scores=ranked.stages[c.chunk_id],
+                metadata=c.metadata,
+                title=c.title,
+                start=c.start,
+                end=c.end,
+            )
+            for c, s in hits[:top_k]
+        ]
+
+    def stats(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self, checkpoint: bool = True) -> None:
+        raise NotImplementedError
+
+
+class IndexFactory(Protocol):
+    """Makes (or loads from a checkpoint) the derived indexes of an embedded collection."""
+
+    def dense(self) -> VectorIndex: ...
+
+    def sparse(self) -> SparseIndex: ...
+
+    def dense_from(self, raw: bytes) -> VectorIndex: ...
+
+    def sparse_from(self, raw: bytes) -> SparseIndex: ...
+
+
+class SparseIndex(Protocol):
+    """A lexical index over chunk vids (``sparse.IncrementalBM25``)."""
+
+    n_live: int
+
+    def add(self, vids: Sequence[int], texts: Sequence[str]) -> None: ...
+
+    def remove(self, vids: Sequence[int]) -> None: ...
+
+    def live(self, vids: np.ndarray) -> np.ndarray: ...
+
+    def search(
+        self, query: str, k: int, allowed: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def needs_merge(self) -> bool: ...
+
+    def merge(self) -> None: ...
+
+    def to_bytes(self) -> bytes: ...
+
+
+class Collection(ChunkedCollection):
+    """The embedded backend: a ``DocumentStore`` (the source of truth and op log) and the dense
+    and sparse indexes derived from it, all injected."""
+
+    def __init__(self, parts: CollectionParts, store: DocumentStore, indexes: IndexFactory) -> None:
+        super().__init__(parts, store)
+        self.store: DocumentStore = store
+        self.indexes = indexes
+        self.index_dir = parts.root / "index"
         self._lock = threading.RLock()
         self._ckpt_lock = threading.Lock()
-        self._tokenizer = Bm25Tokenizer(options.language)
-        self.dense = FaissIndex(config.dim, options.index)
-        self.sparse = IncrementalBM25(self._tokenizer, options.k1, options.b)
+        self.dense = indexes.dense()
+        self.sparse = indexes.sparse()
         self.applied_seq = 0
         self.checkpoint_seq = 0
         self._data_version = -1
@@ -164,10 +369,8 @@ class Collection:
                 raise ValueError("dense index checksum mismatch")
             if hashlib.sha256(sparse_raw).hexdigest() != meta["sparse_sha256"]:
                 raise ValueError("sparse index checksum mismatch")
-            self.dense = FaissIndex.from_bytes(dense_raw, self.config.dim, self.options.index)
-            self.sparse = IncrementalBM25.from_bytes(
-                sparse_raw, self._tokenizer, self.options.k1, self.options.b
-            )
+            self.dense = self.indexes.dense_from(dense_raw)
+            self.sparse = self.indexes.sparse_from(sparse_raw)
             self.applied_seq = self.checkpoint_seq = seq
             return True
         except Exception as exc:  # any damage means: ignore it, rebuild from the source of truth
@@ -175,18 +378,17 @@ class Collection:
             return False
 
     def _rebuild(self) -> None:
-        seq, rows = self.store.snapshot()
-        dense = FaissIndex(self.config.dim, self.options.index)
-        sparse = IncrementalBM25(self._tokenizer, self.options.k1, self.options.b)
-        for s in range(0, len(rows), 4096):
-            part = rows[s : s + 4096]
-            vids = np.array([r[0] for r in part], dtype=np.int64)
-            dense.add(vids, np.stack([r[1] for r in part]))
-            sparse.add(vids.tolist(), [r[2] for r in part])
+        snap = self.store.snapshot()
+        dense, sparse = self.indexes.dense(), self.indexes.sparse()
+        for s in range(0, len(snap.rows), 4096):
+            part = snap.rows[s : s + 4096]
+            vids = np.array([r.vid for r in part], dtype=np.int64)
+            dense.add(vids, np.stack([r.embedding for r in part]))
+            sparse.add(vids.tolist(), [r.index_text for r in part])
         sparse.merge()
         with self._lock:
             self.dense, self.sparse = dense, sparse
-            self.applied_seq = seq
+            self.applied_seq = snap.seq
             self.checkpoint_seq = 0
 
     def catch_up(self) -> int:
@@ -212,8 +414,7 @@ class Collection:
                             self.sparse.add(vids.tolist(), [o.index_text or "" for o in live])
                     else:
                         vids = np.array([o.vid for o in run], dtype=np.int64)
-                        present = vids[vids < self.sparse.n_rows]
-                        present = present[self.sparse.alive.buf[present]] if len(present) else present
+                        present = self.sparse.live(vids)
                         self.dense.remove(present)
                         self.sparse.remove(present.tolist())
                     i = j
@@ -231,6 +432,9 @@ class Collection:
             self.checkpoint()
         except Exception:
             log.exception("collection %s: checkpoint failed", self.config.name)
+
+    def _after_write(self) -> None:
+        self.catch_up()
 
     def refresh(self) -> None:
         """Catch up if another connection (e.g. the ingestion worker) committed meanwhile."""
@@ -267,85 +471,16 @@ class Collection:
         finally:
             self._ckpt_lock.release()
 
-    # -- writes -------------------------------------------------------------
-    def prepare(self, docs: Sequence[InputDocument]) -> list[DocumentRecord]:
-        """Chunk documents (the last of several with one id wins)."""
-        by_id: dict[str, InputDocument] = {}
-        for d in docs:
-            by_id.pop(d.id, None)
-            by_id[d.id] = d
-        records = []
-        for d in by_id.values():
-            chunks = make_chunks(
-                d.id,
-                d.text,
-                title=d.title,
-                size=self.config.chunk_size,
-                overlap=self.config.chunk_overlap,
-                offsets=self.embedder.token_offsets,
-            )
-            if not chunks:
-                raise InvalidRequest(f"document {d.id!r} has no text to index", param="documents")
-            digest = hashlib.sha256(f"{d.title}\x00{d.text}".encode("utf-8", "surrogatepass")).hexdigest()
-            records.append(DocumentRecord(d.id, d.text, d.title, d.metadata, digest, chunks))
-        return records
-
-    def write(self, records: Sequence[DocumentRecord], progress: Progress | None = None) -> IngestResult:
-        """Embed what is new and commit ``records`` in one transaction."""
-        all_chunks = {c.chunk_id: c for r in records for c in r.chunks}
-        known = self.store.existing_chunk_ids(all_chunks)
-        todo = [c for cid, c in all_chunks.items() if cid not in known]
-        embeddings: dict[str, np.ndarray] = {}
-        step = 256
-        for s in range(0, len(todo), step):
-            part = todo[s : s + step]
-            vecs = self.embedder.embed_documents([c.index_text for c in part])
-            embeddings.update({c.chunk_id: v for c, v in zip(part, vecs, strict=True)})
-            if progress:
-                progress(min(s + step, len(todo)), len(todo))
-        for _attempt in range(5):
-            try:
-                res = self.store.write(records, embeddings)
-                break
-            except MissingEmbeddings as exc:
-                # Another writer removed chunks we meant to keep: embed them too and retry.
-                part = [all_chunks[c] for c in exc.chunk_ids]
-                vecs = self.embedder.embed_documents([c.index_text for c in part])
-                embeddings.update({c.chunk_id: v for c, v in zip(part, vecs, strict=True)})
-        else:
-            raise ServiceUnavailable("collection is changing too fast; retry", code="write_conflict")
-        self.catch_up()
-        return IngestResult(len(records), res.added, res.removed, res.unchanged)
-
-    def ingest(self, docs: Sequence[InputDocument], progress: Progress | None = None) -> IngestResult:
-        return self.write(self.prepare(docs), progress)
-
-    def delete_document(self, doc_id: str) -> bool:
-        found = self.store.delete_document(doc_id)
-        if found:
-            self.catch_up()
-        return found
-
     # -- reads --------------------------------------------------------------
-    def search(
-        self,
-        query: str,
-        *,
-        top_k: int = 10,
-        mode: str = "hybrid",
-        filters: dict[str, Any] | None = None,
-        rerank: bool = False,
-        weights: dict[str, float] | None = None,
-    ) -> list[dict[str, Any]]:
+    def _first_stage(
+        self, query: str, mode: str, where: Filter | None, depth: int, want: int, weights: dict[str, float]
+    ) -> Ranked:
         self.refresh()
         allowed = None
-        if filters:
-            sql, params = compile_filter(filters)
-            allowed = np.sort(self.store.vids_where(sql, params))
+        if where is not None:
+            allowed = np.sort(self.store.vids_matching(where))
             if not len(allowed):
-                return []
-        want = max(top_k, self.options.rerank_depth) if rerank else top_k
-        depth = max(want, self.options.hybrid_depth) if mode == "hybrid" else want
+                return Ranked([], {})
         stage: dict[int, dict[str, float]] = {}
         rankings: dict[str, np.ndarray] = {}
         if mode in ("dense", "hybrid"):
@@ -362,46 +497,18 @@ class Collection:
             for v, s in zip(ids.tolist(), scores.tolist(), strict=True):
                 stage.setdefault(v, {})["sparse"] = s
         if mode == "hybrid":
-            w = {"dense": self.options.dense_weight, "sparse": self.options.sparse_weight, **(weights or {})}
-            ranked = rrf(rankings, w, self.options.rrf_k)
+            ranked = rrf(rankings, weights, self.options.rrf_k)
             for v, s in ranked:
                 stage[v]["hybrid"] = s
         else:
             ranked = [(int(v), stage[int(v)][mode]) for v in rankings[mode].tolist()]
         ranked = ranked[:want]
         chunks = self.store.chunks_by_vid([v for v, _ in ranked])
-        ranked = [(v, s) for v, s in ranked if v in chunks]  # deleted since the index search
-        if rerank:
-            if self.reranker is None:
-                raise InvalidRequest(
-                    "rerank was requested but no reranker is configured (set TANDEM_RETRIEVAL_RERANKER_MODEL)",
-                    param="rerank",
-                    code="reranker_not_configured",
-                )
-            rs = self.reranker.score(query, [chunks[v].text for v, _ in ranked])
-            for (v, _), s in zip(ranked, rs.tolist(), strict=True):
-                stage[v]["rerank"] = float(s)
-            ranked = sorted(
-                ((v, float(s)) for (v, _), s in zip(ranked, rs.tolist(), strict=True)),
-                key=lambda x: (-x[1], x[0]),
-            )
-        out = []
-        for v, s in ranked[:top_k]:
-            c = chunks[v]
-            out.append(
-                {
-                    "chunk_id": c.chunk_id,
-                    "document_id": c.doc_id,
-                    "text": c.text,
-                    "score": float(s),
-                    "scores": stage[v],
-                    "metadata": c.metadata,
-                    "title": c.title,
-                    "start": c.start,
-                    "end": c.end,
-                }
-            )
-        return out
+        # a chunk missing from the store was deleted since the index search
+        return Ranked(
+            [(chunks[v], s) for v, s in ranked if v in chunks],
+            {chunks[v].chunk_id: stage[v] for v, _ in ranked if v in chunks},
+        )
 
     def stats(self) -> dict[str, Any]:
         self.refresh()

@@ -1,26 +1,28 @@
-"""Collections per tenant under ``$TANDEM_HOME/retrieval/<tenant>/<collection>/``.
+"""Collections per tenant: names, models and settings here; where they live is the
+backend's business (``backend.py``).
 
-Each collection folder holds ``collection.json`` (its settings), ``chunks.sqlite3`` (the
-store and op log), ``index/`` (checkpoints) and ``uploads/`` (files waiting for a job).
-A collection is created in a hidden temp folder and renamed into place, so a crash never
-leaves a half-made one; deletion renames it away first for the same reason. Another
-tenant's collection is simply not in the caller's folder: a 404.
+Every collection has a local folder ``$TANDEM_HOME/retrieval/<tenant>/<collection>/``: the
+embedded backend keeps everything in it, and on any backend ``uploads/`` holds files waiting
+for an ingestion job. Another tenant's collection is simply not among the caller's: a 404.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from services.common.embedding_models import resolve_model_path
-from services.common.errors import Conflict, InvalidRequest, NotFound
+from services.common.errors import Conflict, InvalidRequest
 from services.retrieval.config import RetrievalSettings
-from services.retrieval.core.atomic import atomic_write, fsync_dir
-from services.retrieval.core.collection import Collection, CollectionConfig, SearchOptions
+from services.retrieval.core.backend import CollectionBackend, make_backend
+from services.retrieval.core.collection import (
+    ChunkedCollection,
+    CollectionConfig,
+    CollectionParts,
+    SearchOptions,
+)
 from services.retrieval.core.embedder import Embedder, get_embedder, get_http_embedder
 from services.retrieval.core.reranker import Reranker, get_http_reranker, get_reranker
 from services.retrieval.core.vector_index import IndexParams
@@ -44,13 +46,19 @@ REMOTE_MODEL = "remote:"
 
 class CollectionManager:
     def __init__(
-        self, home: Path, settings: RetrievalSettings, model_roots: list[Path], service_api_key: str = ""
+        self,
+        home: Path,
+        settings: RetrievalSettings,
+        model_roots: list[Path],
+        service_api_key: str = "",
+        backend: CollectionBackend | None = None,
     ) -> None:
         self.base = home / "retrieval"
         self.settings = settings
         self.model_roots = model_roots
         self.service_api_key = service_api_key
-        self._open: dict[tuple[str, str], Collection] = {}
+        self.backend = backend or make_backend(settings, self.base)
+        self._open: dict[tuple[str, str], ChunkedCollection] = {}
         self._lock = threading.Lock()
 
     def options(self, index: str) -> SearchOptions:
@@ -121,8 +129,8 @@ class CollectionManager:
         chunk_overlap: int | None = None,
         index: str | None = None,
     ) -> CollectionConfig:
-        final = self.path_of(tenant, name)
-        if final.exists():
+        validate_name(name)
+        if self.backend.exists(tenant, name):
             raise Conflict(f"collection {name!r} already exists", param="name", code="collection_exists")
         model = embedding_model or self.settings.embedding_model
         embedder, model_path = self.embedder_named(model)
@@ -142,46 +150,22 @@ class CollectionManager:
             chunk_overlap=overlap,
             index=index or self.settings.index,
             created_at=time.time(),
+            backend=self.backend.name,
         )
-        tenant_dir = self.tenant_dir(tenant)
-        tenant_dir.mkdir(parents=True, exist_ok=True)
-        tmp = tenant_dir / f".creating-{name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        atomic_write(tmp / "collection.json", config.to_json())
-        try:
-            tmp.rename(final)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise Conflict(
-                f"collection {name!r} already exists", param="name", code="collection_exists"
-            ) from None
-        fsync_dir(tenant_dir)
+        self.backend.create(tenant, config)
         return config
 
     def config(self, tenant: str, name: str) -> CollectionConfig:
-        path = self.path_of(tenant, name) / "collection.json"
-        try:
-            return CollectionConfig.from_json(path.read_bytes())
-        except FileNotFoundError:
-            raise NotFound(
-                f"collection {name!r} not found", param="name", code="collection_not_found"
-            ) from None
+        return self.backend.load_config(tenant, validate_name(name))
 
     def list(self, tenant: str) -> list[CollectionConfig]:
-        out = []
-        d = self.tenant_dir(tenant)
-        if d.is_dir():
-            for child in sorted(d.iterdir()):
-                if child.name.startswith(".") or not (child / "collection.json").exists():
-                    continue
-                out.append(CollectionConfig.from_json((child / "collection.json").read_bytes()))
-        return out
+        return self.backend.list_configs(tenant)
 
-    def get(self, tenant: str, name: str) -> Collection:
+    def get(self, tenant: str, name: str) -> ChunkedCollection:
         key = (tenant, name)
         with self._lock:
             col = self._open.get(key)
-            if col is not None and (col.root / "collection.json").exists():
+            if col is not None and self.backend.exists(tenant, name):
                 return col
             if col is not None:  # deleted by another process
                 self._open.pop(key).close(checkpoint=False)
@@ -196,30 +180,20 @@ class CollectionManager:
                     param="embedding_model",
                     code="embedding_dimension_mismatch",
                 )
-            col = Collection(
-                self.path_of(tenant, name),
-                config,
-                embedder,
-                self.options(config.index),
-                self.reranker(),
+            parts = CollectionParts(
+                self.path_of(tenant, name), config, embedder, self.options(config.index), self.reranker()
             )
+            col = self.backend.open(tenant, parts)
             self._open[key] = col
             return col
 
     def delete(self, tenant: str, name: str) -> None:
-        path = self.path_of(tenant, name)
         self.config(tenant, name)  # 404 if missing
         with self._lock:
             col = self._open.pop((tenant, name), None)
         if col is not None:
             col.close(checkpoint=False)
-        trash = path.parent / f".deleted-{name}-{uuid.uuid4().hex[:8]}"
-        try:
-            path.rename(trash)
-        except FileNotFoundError:
-            raise NotFound(f"collection {name!r} not found", param="name") from None
-        fsync_dir(path.parent)
-        shutil.rmtree(trash, ignore_errors=True)
+        self.backend.delete(tenant, name)
 
     def close_all(self) -> None:
         with self._lock:
@@ -227,3 +201,4 @@ class CollectionManager:
             self._open.clear()
         for col in cols:
             col.close()
+        self.backend.close()

@@ -166,6 +166,11 @@ class IncrementalBM25:
             self.n_live -= 1
             self.total_len -= float(self.doc_len.buf[vid])
 
+    def live(self, vids: np.ndarray) -> np.ndarray:
+        """Those of ``vids`` this index holds (added and not removed)."""
+        present = vids[vids < self.n_rows]
+        return present[self.alive.buf[present]] if len(present) else present
+
     def tail_postings(self) -> int:
         return int(self.fwd_terms.n - self.fwd_ptr.buf[self.merged_upto])
 

@@ -27,6 +27,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from services.retrieval.core.filters import Filter, to_sql
+from services.retrieval.protocol import ChunkSpan, Document
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS documents (
     doc_id TEXT PRIMARY KEY,
@@ -127,18 +130,59 @@ class MissingEmbeddings(Exception):
         self.chunk_ids = chunk_ids
 
 
-class DocumentStore(Protocol):
-    """Durable store of one collection's documents and chunks, with the op log."""
+@dataclass(frozen=True)
+class SnapshotRow:
+    vid: int
+    embedding: np.ndarray
+    index_text: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every stored chunk (in vid order) and the log position they reflect: the input of a
+    full index rebuild."""
+
+    seq: int
+    rows: list[SnapshotRow]
+
+
+class ChunkStore(Protocol):
+    """Documents and their chunks (with embeddings): what every backend stores. ``write``
+    replaces documents by id; chunks keep their content-derived ids, so an unchanged chunk is
+    neither re-embedded nor rewritten."""
 
     def existing_chunk_ids(self, chunk_ids: Iterable[str]) -> set[str]: ...
 
-    def write(self, docs: Sequence[DocumentRecord], embeddings: dict[str, np.ndarray]) -> WriteResult: ...
+    def write(self, docs: Sequence[DocumentRecord], embeddings: dict[str, np.ndarray]) -> WriteResult:
+        """Raises ``MissingEmbeddings`` (and writes nothing) when a chunk not stored yet has no
+        embedding in ``embeddings``."""
+        ...
 
     def delete_document(self, doc_id: str) -> bool: ...
 
-    def get_document(self, doc_id: str) -> dict[str, Any] | None: ...
+    def get_document(self, doc_id: str) -> Document | None: ...
 
-    def list_documents(self, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]: ...
+    def list_documents(self, limit: int, offset: int) -> tuple[list[Document], int]:
+        """A page of documents ordered by id (without text), and the total."""
+        ...
+
+    def counts(self) -> tuple[int, int]:
+        """(documents, chunks)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class DocumentStore(ChunkStore, Protocol):
+    """The embedded backend's store: a ``ChunkStore`` that is also the op log the in-process
+    indexes replay. Metadata filters arrive parsed (``filters.Filter``); the store compiles
+    them to its own query language."""
+
+    def data_version(self) -> int:
+        """A number that changes whenever another connection (thread or process) commits."""
+        ...
+
+    def snapshot(self) -> Snapshot: ...
 
     def chunks_by_vid(self, vids: Sequence[int]) -> dict[int, StoredChunk]: ...
 
@@ -146,11 +190,9 @@ class DocumentStore(Protocol):
 
     def last_seq(self) -> int: ...
 
-    def counts(self) -> tuple[int, int]: ...
-
-    def vids_where(self, where_sql: str, params: Sequence[Any]) -> np.ndarray: ...
-
-    def close(self) -> None: ...
+    def vids_matching(self, where: Filter) -> np.ndarray:
+        """vids of the chunks whose document's metadata matches ``where``."""
+        ...
 
 
 class SQLiteDocumentStore:
@@ -277,34 +319,32 @@ class SQLiteDocumentStore:
         return True
 
     @staticmethod
-    def _doc_dict(r: sqlite3.Row, with_text: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": r["doc_id"],
-            "title": r["title"],
-            "metadata": json.loads(r["metadata"]),
-            "chunks": int(r["n_chunks"]),
-            "created_at": float(r["created_at"]),
-            "updated_at": float(r["updated_at"]),
-        }
-        if with_text:
-            out["text"] = r["text"]
-        return out
+    def _doc(r: sqlite3.Row, with_text: bool) -> Document:
+        return Document(
+            id=r["doc_id"],
+            title=r["title"],
+            metadata=json.loads(r["metadata"]),
+            chunks=int(r["n_chunks"]),
+            created_at=float(r["created_at"]),
+            updated_at=float(r["updated_at"]),
+            text=r["text"] if with_text else None,
+        )
 
-    def get_document(self, doc_id: str) -> dict[str, Any] | None:
+    def get_document(self, doc_id: str) -> Document | None:
         with self._lock:
             r = self._conn.execute("SELECT * FROM documents WHERE doc_id=?", (doc_id,)).fetchone()
             if r is None:
                 return None
-            doc = self._doc_dict(r, with_text=True)
-            doc["chunk_list"] = [
-                {"chunk_id": c["chunk_id"], "start": int(c["start"]), "end": int(c["end"])}
+            doc = self._doc(r, with_text=True)
+            doc.chunk_list = [
+                ChunkSpan(chunk_id=c["chunk_id"], start=int(c["start"]), end=int(c["end"]))
                 for c in self._conn.execute(
                     'SELECT chunk_id, start, "end" FROM chunks WHERE doc_id=? ORDER BY ord', (doc_id,)
                 )
             ]
         return doc
 
-    def list_documents(self, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
+    def list_documents(self, limit: int, offset: int) -> tuple[list[Document], int]:
         with self._lock:
             total = int(self._conn.execute("SELECT COUNT(*) FROM documents").fetchone()[0])
             rows = self._conn.execute(
@@ -312,7 +352,7 @@ class SQLiteDocumentStore:
                 " ORDER BY doc_id LIMIT ? OFFSET ?",
                 (limit, offset),
             ).fetchall()
-        return [self._doc_dict(r, with_text=False) for r in rows], total
+        return [self._doc(r, with_text=False) for r in rows], total
 
     def chunks_by_vid(self, vids: Sequence[int]) -> dict[int, StoredChunk]:
         out: dict[int, StoredChunk] = {}
@@ -365,9 +405,8 @@ class SQLiteDocumentStore:
             chunks = int(self._conn.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
         return docs, chunks
 
-    def snapshot(self) -> tuple[int, list[tuple[int, np.ndarray, str]]]:
-        """(last seq, every stored chunk as (vid, embedding, index text) in vid order), read in
-        one transaction so the two agree: the input of a full index rebuild."""
+    def snapshot(self) -> Snapshot:
+        """Read in one transaction, so the seq and the chunks agree."""
         with self._lock:
             self._conn.execute("BEGIN")
             try:
@@ -377,13 +416,18 @@ class SQLiteDocumentStore:
                 ).fetchall()
             finally:
                 self._conn.execute("COMMIT")
-        return seq, [
-            (int(r[0]), np.frombuffer(r[1], dtype=np.float32), f"{r[2]}\n{r[3]}" if r[2] else r[3])
-            for r in rows
-        ]
+        return Snapshot(
+            seq,
+            [
+                SnapshotRow(
+                    int(r[0]), np.frombuffer(r[1], dtype=np.float32), f"{r[2]}\n{r[3]}" if r[2] else r[3]
+                )
+                for r in rows
+            ],
+        )
 
-    def vids_where(self, where_sql: str, params: Sequence[Any]) -> np.ndarray:
-        """vids of chunks whose document matches a compiled metadata filter (see filters.py)."""
+    def vids_matching(self, where: Filter) -> np.ndarray:
+        where_sql, params = to_sql(where)
         with self._lock:
             rows = self._conn.execute(
                 f"SELECT c.vid FROM chunks c JOIN documents d ON d.doc_id = c.doc_id WHERE {where_sql}",
