@@ -17,9 +17,10 @@ from fastapi.responses import StreamingResponse
 from services.agent.api.common import caller, error_event, runtime_of, sse
 from services.agent.protocol import ChatCompletionRequest
 from services.agent.runtime import Turn, TurnResult, collect, peek
+from services.common.app_factory import JSON_OR_SSE
 from services.common.errors import InvalidRequest, TandemError
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], responses={404: {"description": "no such model or collection"}})
 
 
 @router.get("/v1/models")
@@ -59,7 +60,7 @@ def _citations(result: TurnResult) -> list[dict[str, Any]]:
     ]
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, responses=JSON_OR_SSE)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     runtime = runtime_of(request)
     principal, key = caller(request)

@@ -11,8 +11,9 @@ from fastapi.responses import StreamingResponse
 from services.agent.api.common import caller, guarded, runtime_of, sse
 from services.agent.protocol import PipelineRunRequest
 from services.agent.runtime import Turn, TurnResult, collect, peek
+from services.common.app_factory import JSON_OR_SSE
 
-router = APIRouter(tags=["pipelines"])
+router = APIRouter(tags=["pipelines"], responses={404: {"description": "no such pipeline, or collection"}})
 
 
 @router.get("/v1/pipelines")
@@ -20,7 +21,7 @@ async def list_pipelines(request: Request) -> dict[str, Any]:
     return {"data": runtime_of(request).catalog()}
 
 
-@router.post("/v1/pipelines/{name}/run", response_model=None)
+@router.post("/v1/pipelines/{name}/run", response_model=None, responses=JSON_OR_SSE)
 async def run_pipeline(name: str, body: PipelineRunRequest, request: Request) -> Any:
     runtime = runtime_of(request)
     principal, key = caller(request)

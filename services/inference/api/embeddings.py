@@ -15,7 +15,13 @@ from services.inference.protocol_embeddings import (
     RerankResponse,
 )
 
-router = APIRouter(tags=["embeddings"])
+router = APIRouter(
+    tags=["embeddings"],
+    responses={
+        404: {"description": "no such embedding or rerank model"},
+        503: {"description": "the server is starting, or the model could not be loaded"},
+    },
+)
 
 
 def _service(request: Request) -> EmbeddingService:

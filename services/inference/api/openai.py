@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.common.app_factory import JSON_OR_SSE
 from services.common.auth import principal_of, require_operator
 from services.common.errors import Conflict, InvalidRequest, NotFound
 from services.common.paths import resolve_under_roots
@@ -33,7 +34,15 @@ from services.inference.protocol import (
 from services.inference.registry import ModelRegistry
 from services.inference.serving import OpenAIServing, http_error
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(
+    tags=["openai"],
+    responses={
+        403: {"description": "an operator route called without an operator key, or another tenant's model"},
+        404: {"description": "no such model or adapter"},
+        409: {"description": "a model or adapter of that name is already served"},
+        503: {"description": "the model is still loading, or could not be loaded"},
+    },
+)
 _STARTED = int(time.time())
 
 
@@ -114,12 +123,12 @@ def _not_found(exc: EngineError, param: str) -> Exception:
     return err
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, responses=JSON_OR_SSE)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     return await OpenAIServing(_registry(request)).chat(body, request)
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses=JSON_OR_SSE)
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     return await OpenAIServing(_registry(request)).completions(body, request)
 

@@ -23,7 +23,7 @@ from services.trainer.protocol import FileObject
 from services.trainer.runner import dataset_path
 from services.trainer.store import new_id
 
-router = APIRouter(prefix="/v1", tags=["files"])
+router = APIRouter(prefix="/v1", tags=["files"], responses={404: {"description": "no such file"}})
 
 
 def file_object(data: dict[str, str]) -> FileObject:

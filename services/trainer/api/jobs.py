@@ -12,6 +12,7 @@ from typing import Any
 import redis.exceptions
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, StreamingResponse
+from services.common.app_factory import SSE
 from starlette.concurrency import run_in_threadpool
 
 from services.common.auth import Principal, principal_of
@@ -25,7 +26,14 @@ from services.trainer.publish import check_publishable
 from services.trainer.runner import artifact_dir, dataset_path, job_dir
 from services.trainer.store import events_key, job_key, new_id
 
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = APIRouter(
+    prefix="/v1",
+    tags=["jobs"],
+    responses={
+        404: {"description": "no such job, dataset file or artifact"},
+        409: {"description": "the job has already ended (cancel), or the Idempotency-Key was reused"},
+    },
+)
 
 
 def job_object(job_id: str, data: dict[str, str]) -> Job:
@@ -254,7 +262,7 @@ async def job_events(
                     return
 
 
-@router.get("/jobs/{job_id}/events")
+@router.get("/jobs/{job_id}/events", response_class=StreamingResponse, responses=SSE)
 async def stream_events(job_id: str, request: Request) -> StreamingResponse:
     """Server-sent events: ``status``, ``progress`` (step, total, metrics) and ``log``."""
     tenant = principal_of(request).tenant
