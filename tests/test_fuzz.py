@@ -43,12 +43,28 @@ def _common(home: Path, redis_url: str, **extra: Any) -> CommonSettings:
 # -- inference ---------------------------------------------------------------------------------
 
 
-def _inference_app(common: CommonSettings, model: str = "unloaded") -> Any:
+@pytest.fixture(scope="module")
+def tiny_embedder() -> Path:
+    """The retrieval tests' 1-layer random sentence-transformer (built once, cached)."""
+    from tests.conftest import TEST_CACHE
+    from tests.retrieval.conftest import make_tiny_embedder
+
+    root = TEST_CACHE / "retrieval-models"
+    root.mkdir(parents=True, exist_ok=True)
+    return make_tiny_embedder(root / "tiny-embedder")
+
+
+def _inference_app(common: CommonSettings, model: str = "unloaded", embedder: str = "unloaded") -> Any:
     from services.inference.app import create_app
     from services.inference.config import InferenceSettings
 
     settings = InferenceSettings(
-        model=model, served_model_name="tiny", max_model_len=128, max_batch_size=4, max_queue=16
+        model=model,
+        served_model_name="tiny",
+        max_model_len=128,
+        max_batch_size=4,
+        max_queue=16,
+        embedding_models=f"mini={embedder}",
     )
     return create_app(common, settings)
 
@@ -62,10 +78,18 @@ INFERENCE = fuzz_schema(
 
 @pytest.fixture(scope="module")
 def inference_url(
-    tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model_path: Path, operator_key: str
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_url: str,
+    tiny_model_path: Path,
+    tiny_embedder: Path,
+    operator_key: str,
 ) -> Iterator[str]:
-    home = tmp_path_factory.mktemp("fuzz-inference")
-    app = _inference_app(_common(home, redis_url, model_roots=str(home / "models")), str(tiny_model_path))
+    """The tiny chat model as ``tiny`` and the tiny embedder as ``mini`` (no rerank model: the
+    rerank routes' validation and their 404 are what is fuzzed there)."""
+    common = _common(
+        tmp_path_factory.mktemp("fuzz-inference"), redis_url, model_roots=str(tiny_embedder.parent)
+    )
+    app = _inference_app(common, str(tiny_model_path), str(tiny_embedder))
     with serve_app(app) as url:
         wait_ready(url, operator_key, INFERENCE)
         yield url

@@ -10,8 +10,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from services.common.app_factory import SSE
 
+from services.common.app_factory import SSE
 from services.common.errors import NotFound
 from services.retrieval.api.deps import tenant
 from services.retrieval.core.jobs import decode_job, job_key

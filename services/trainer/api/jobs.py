@@ -12,9 +12,9 @@ from typing import Any
 import redis.exceptions
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, StreamingResponse
-from services.common.app_factory import SSE
 from starlette.concurrency import run_in_threadpool
 
+from services.common.app_factory import SSE
 from services.common.auth import Principal, principal_of
 from services.common.errors import InvalidRequest, NotFound
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES

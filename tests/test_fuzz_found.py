@@ -1,0 +1,53 @@
+"""What the API fuzzer (tests/test_fuzz.py) found, kept as plain regression tests: each was a
+500 or an answer the OpenAPI schema did not declare, and is now a 4xx naming the field and
+the value, in the one error shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.common.config import CommonSettings
+from services.common.errors import InvalidRequest
+from services.common.paths import resolve_under_roots
+from tests.conftest import auth
+from tests.helpers.servers import serve_app
+
+
+@pytest.fixture()
+def trainer(tandem_env: Path, tiny_model_path: Path, api_key: str) -> Iterator[tuple[httpx.Client, str]]:
+    """The trainer over real HTTP (jobs are queued, not run) and an uploaded dataset's id."""
+    from services.trainer.app import create_app
+    from services.trainer.config import TrainerSettings
+
+    common = CommonSettings(model_roots=str(tiny_model_path.parent))
+    app = create_app(common, TrainerSettings())
+    app.state.trainer.dispatch = lambda job_id, queue: None
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
+    with serve_app(app) as url, httpx.Client(base_url=url, headers=auth(api_key), timeout=60) as client:
+        data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        up = client.post("/v1/files", files={"file": ("train.jsonl", data)})
+        assert up.status_code == 201, up.text
+        yield client, up.json()["id"]
+
+
+@pytest.mark.parametrize("value", ["~nosuchuser-fuzz/model", "/models/\ud829\udfc9"])
+def test_a_path_the_file_system_cannot_take_is_a_400_naming_it(tmp_path: Path, value: str) -> None:
+    """``~user`` with no such user made expanduser raise RuntimeError, a lone surrogate made
+    the file system calls raise UnicodeEncodeError: both were 500s."""
+    with pytest.raises(InvalidRequest) as caught:
+        resolve_under_roots(value, [tmp_path], param="path")
+    assert caught.value.param == "path" and repr(value) in caught.value.message
+
+
+def test_a_job_whose_base_model_is_under_an_unknown_home_is_a_400(trainer: tuple[httpx.Client, str]) -> None:
+    client, file_id = trainer
+    spec = {"type": "sft", "base_model": "~nosuchuser-fuzz/model", "dataset": file_id}
+    resp = client.post("/v1/jobs", json=spec)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "base_model" and "~nosuchuser-fuzz/model" in error["message"]
