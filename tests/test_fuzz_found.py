@@ -51,3 +51,21 @@ def test_a_job_whose_base_model_is_under_an_unknown_home_is_a_400(trainer: tuple
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == "base_model" and "~nosuchuser-fuzz/model" in error["message"]
+
+
+@pytest.fixture()
+def agent(redis_url: str, tmp_path: Path, api_key: str) -> Iterator[httpx.Client]:
+    from tests.agent.stack import agent_stack
+
+    with agent_stack(redis_url, tmp_path / "home") as stack:
+        with httpx.Client(base_url=stack.url, headers=auth(api_key), timeout=60) as client:
+            yield client
+
+
+def test_a_feedback_offset_beyond_64_bits_is_a_400_naming_it(agent: httpx.Client) -> None:
+    """SQLite's integers are 64-bit: binding a larger offset raised OverflowError (a 500)."""
+    resp = agent.get("/v1/feedback", params={"offset": 2**64})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "offset" and str(2**64) in error["message"]
+    assert agent.get("/v1/feedback", params={"offset": 2**63 - 1}).json()["data"] == []
