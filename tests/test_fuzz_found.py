@@ -57,9 +57,11 @@ def test_a_job_whose_base_model_is_under_an_unknown_home_is_a_400(trainer: tuple
 def agent(redis_url: str, tmp_path: Path, api_key: str) -> Iterator[httpx.Client]:
     from tests.agent.stack import agent_stack
 
-    with agent_stack(redis_url, tmp_path / "home") as stack:
-        with httpx.Client(base_url=stack.url, headers=auth(api_key), timeout=60) as client:
-            yield client
+    with (
+        agent_stack(redis_url, tmp_path / "home") as stack,
+        httpx.Client(base_url=stack.url, headers=auth(api_key), timeout=60) as client,
+    ):
+        yield client
 
 
 def test_a_feedback_offset_beyond_64_bits_is_a_400_naming_it(agent: httpx.Client) -> None:
