@@ -120,32 +120,36 @@ RETRIEVAL = fuzz_schema(
 
 @pytest.fixture(scope="module")
 def retrieval_url(
-    tmp_path_factory: pytest.TempPathFactory, redis_url: str, operator_key: str
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_embedder: Path, operator_key: str
 ) -> Iterator[str]:
     """The service with the tiny embedder and a collection ``kb`` holding two documents."""
-    from tests.conftest import TEST_CACHE
-    from tests.retrieval.conftest import make_tiny_embedder
-
-    root = TEST_CACHE / "retrieval-models"
-    root.mkdir(parents=True, exist_ok=True)
-    embedder = make_tiny_embedder(root / "tiny-embedder")
-    common = _common(tmp_path_factory.mktemp("fuzz-retrieval"), redis_url, model_roots=str(root))
-    with serve_app(_retrieval_app(common, str(embedder))) as url:
+    common = _common(
+        tmp_path_factory.mktemp("fuzz-retrieval"), redis_url, model_roots=str(tiny_embedder.parent)
+    )
+    with serve_app(_retrieval_app(common, str(tiny_embedder))) as url:
         wait_ready(url, operator_key, RETRIEVAL)
-        headers = {"Authorization": f"Bearer {operator_key}"}
-        assert httpx.post(f"{url}/v1/collections", json={"name": "kb"}, headers=headers).status_code == 201
-        docs = [
-            {"id": "cats", "text": "Cats purr and chase mice.", "metadata": {"year": 2020}},
-            {"id": "dogs", "text": "Dogs bark at the mail carrier.", "metadata": {"year": 2018}},
-        ]
-        added = httpx.post(f"{url}/v1/collections/kb/documents", json={"documents": docs}, headers=headers)
-        assert added.status_code == 201, added.text
+        _seed_kb(url, operator_key)
         yield url
+
+
+def _seed_kb(url: str, key: str) -> None:
+    headers = {"Authorization": f"Bearer {key}"}
+    made = httpx.post(f"{url}/v1/collections", json={"name": "kb"}, headers=headers)
+    assert made.status_code in (201, 409), made.text
+    docs = [
+        {"id": "cats", "text": "Cats purr and chase mice.", "metadata": {"year": 2020}},
+        {"id": "dogs", "text": "Dogs bark at the mail carrier.", "metadata": {"year": 2018}},
+    ]
+    added = httpx.post(f"{url}/v1/collections/kb/documents", json={"documents": docs}, headers=headers)
+    assert added.status_code == 201, added.text
 
 
 @RETRIEVAL.parametrize()
 def test_retrieval(case: Any, retrieval_url: str, operator_key: str) -> None:
     check(case, retrieval_url, operator_key)
+    if case.method == "DELETE":
+        # The fuzzer deletes kb or its documents now and then: put them back for the next cases.
+        _seed_kb(retrieval_url, operator_key)
 
 
 # -- trainer -----------------------------------------------------------------------------------
@@ -227,16 +231,31 @@ AGENT = fuzz_schema(
 
 
 @pytest.fixture(scope="module")
-def agent_url(tmp_path_factory: pytest.TempPathFactory, redis_url: str, operator_key: str) -> Iterator[str]:
-    """The agent over real HTTP with doubles of retrieval, inference and trainer (their real
-    versions are fuzzed above)."""
+def agent_ids(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, operator_key: str
+) -> Iterator[tuple[str, str, str]]:
+    """(URL, a remembered answer's message id, its conversation id): the agent over real HTTP
+    with doubles of retrieval, inference and trainer (their real versions are fuzzed above)."""
     from tests.agent.stack import agent_stack
 
     with agent_stack(redis_url, tmp_path_factory.mktemp("fuzz-agent"), tenant_requests_per_minute=0) as stack:
         wait_ready(stack.url, operator_key, AGENT)
-        yield stack.url
+        answer = httpx.post(
+            f"{stack.url}/v1/pipelines/chat-documents/run",
+            json={"query": "What is the capital of France?", "collection": "geo", "remember": True},
+            headers={"Authorization": f"Bearer {operator_key}"},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        yield stack.url, answer.json()["message_id"], answer.json()["conversation_id"]
 
 
 @AGENT.parametrize()
-def test_agent(case: Any, agent_url: str, operator_key: str) -> None:
-    check(case, agent_url, operator_key)
+def test_agent(case: Any, agent_ids: tuple[str, str, str], operator_key: str) -> None:
+    url, message_id, conversation_id = agent_ids
+    use_real_values(
+        case,
+        path={"message_id": message_id, "conversation_id": conversation_id},
+        body={"message_id": message_id, "conversation_id": conversation_id},
+    )
+    check(case, url, operator_key)
