@@ -259,3 +259,28 @@ def test_agent(case: Any, agent_ids: tuple[str, str, str], operator_key: str) ->
         body={"message_id": message_id, "conversation_id": conversation_id},
     )
     check(case, url, operator_key)
+
+
+# -- the schemas themselves --------------------------------------------------------------------
+
+PUBLIC = {"/healthz", "/readyz", "/metrics"}
+
+
+@pytest.mark.parametrize(
+    "schema", [INFERENCE, RETRIEVAL, TRAINER, AGENT], ids=["inference", "retrieval", "trainer", "agent"]
+)
+def test_every_operation_declares_the_errors_it_answers_in_the_one_error_shape(schema: Any) -> None:
+    """No FastAPI 422 (invalid input is a 400), and every route behind a key declares the
+    guard's 400, 401, 413 and 429, each error with the one error shape."""
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    document = schema.raw_schema
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            assert "422" not in responses, (method, path)
+            if path not in PUBLIC:
+                assert {"400", "401", "413", "429"} <= set(responses), (method, path)
+            for status, response in responses.items():
+                if status.startswith("4"):
+                    assert response["content"] == error, (method, path, status)

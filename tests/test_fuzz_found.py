@@ -71,3 +71,23 @@ def test_a_feedback_offset_beyond_64_bits_is_a_400_naming_it(agent: httpx.Client
     error = resp.json()["error"]
     assert error["param"] == "offset" and str(2**64) in error["message"]
     assert agent.get("/v1/feedback", params={"offset": 2**63 - 1}).json()["data"] == []
+
+
+def test_a_document_list_offset_beyond_64_bits_is_a_400_naming_it(tandem_env: Path, api_key: str) -> None:
+    """The same in retrieval's document list: OverflowError from SQLite was a 500."""
+    from services.retrieval.app import create_app
+    from services.retrieval.config import RetrievalSettings
+    from tests.conftest import TEST_CACHE
+    from tests.retrieval.conftest import make_tiny_embedder
+
+    (TEST_CACHE / "retrieval-models").mkdir(parents=True, exist_ok=True)
+    embedder = make_tiny_embedder(TEST_CACHE / "retrieval-models" / "tiny-embedder")
+    common = CommonSettings(model_roots=str(embedder.parent))
+    app = create_app(common, RetrievalSettings(embedding_model=str(embedder)))
+    with serve_app(app) as url, httpx.Client(base_url=url, headers=auth(api_key), timeout=60) as c:
+        assert c.post("/v1/collections", json={"name": "kb"}).status_code == 201
+        resp = c.get("/v1/collections/kb/documents", params={"offset": 2**64})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "offset" and str(2**64) in error["message"]
+        assert c.get("/v1/collections/kb/documents", params={"offset": 2**63 - 1}).json()["documents"] == []

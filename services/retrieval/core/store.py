@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from services.common.errors import InvalidRequest
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS documents (
     doc_id TEXT PRIMARY KEY,
@@ -305,6 +307,9 @@ class SQLiteDocumentStore:
         return doc
 
     def list_documents(self, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
+        if offset > 2**63 - 1:
+            # SQLite's integers are 64-bit: a larger one would not bind (OverflowError, a 500).
+            raise InvalidRequest(f"offset: at most {2**63 - 1} (got {offset})", param="offset")
         with self._lock:
             total = int(self._conn.execute("SELECT COUNT(*) FROM documents").fetchone()[0])
             rows = self._conn.execute(
