@@ -11,6 +11,7 @@ found is kept as plain regression tests in tests/test_fuzz_found.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,6 @@ def trainer_ids(
 ) -> Iterator[tuple[str, str, str]]:
     """(URL, a dataset's file id, a queued job's id). Jobs are queued, never run: job launch
     (torch) is the end-to-end tests' business; what is fuzzed here is everything up to it."""
-    import json
-
     common = _common(
         tmp_path_factory.mktemp("fuzz-trainer"), redis_url, model_roots=str(tiny_model_path.parent)
     )
