@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from services.agent.protocol import TurnRecord
+from services.common.errors import InvalidRequest
 
 T = TypeVar("T")
 
@@ -120,6 +121,9 @@ CREATE TABLE IF NOT EXISTS preferences (
     PRIMARY KEY (tenant, chosen, rejected)
 );
 """
+
+
+SQLITE_MAX_INT = 2**63 - 1
 
 
 def _record(row: sqlite3.Row | tuple[Any, ...], offset: int = 0) -> TurnRecord:
@@ -257,6 +261,9 @@ class SqliteTurnStore:
     async def list_feedback(
         self, tenant: str, filt: FeedbackFilter, limit: int | None = None, offset: int = 0
     ) -> tuple[list[tuple[FeedbackRow, TurnRecord]], int]:
+        if offset > SQLITE_MAX_INT:
+            # SQLite's integers are 64-bit: a larger one would not bind (OverflowError, a 500).
+            raise InvalidRequest(f"offset: at most {SQLITE_MAX_INT} (got {offset})", param="offset")
         where, args = _filter_sql(tenant, filt, tenant_col="f.tenant", since_col="f.updated_at", turn="t")
         if filt.rating is not None:
             where.append("f.rating = ?")

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from starlette.routing import BaseRoute
 
 from services.common.auth import Principal, require_principal
 from services.common.config import CommonSettings
-from services.common.errors import install_error_handlers
+from services.common.errors import ErrorResponse, install_error_handlers
 from services.common.guard import DOCS_PATHS, MIB, GuardMiddleware
 from services.common.logs import configure_logging
 from services.common.observability import Readiness, ReadinessCheck, install_observability
@@ -23,14 +24,32 @@ from services.common.ratelimit import TenantLimiter, TenantLimits
 from services.common.redis_conn import async_redis
 
 # What the guard answers on any route that needs a key, declared so the OpenAPI schema tells the truth.
-GUARD_RESPONSES: dict[int | str, dict[str, object]] = {
+GUARD_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {
-        "description": "invalid request: the message names the field and value (JSON nested too deep, NaN, ...)"
+        "model": ErrorResponse,
+        "description": "invalid request: the message names the field and value (JSON nested too deep, NaN, ...)",
     },
-    401: {"description": "missing, unknown or revoked API key"},
-    413: {"description": "request body larger than the route's limit"},
-    429: {"description": "the tenant is over its concurrency or rate limit (Retry-After says when to retry)"},
+    401: {"model": ErrorResponse, "description": "missing, unknown or revoked API key"},
+    413: {"model": ErrorResponse, "description": "request body larger than the route's limit"},
+    429: {
+        "model": ErrorResponse,
+        "description": "the tenant is over its concurrency or rate limit (Retry-After says when to retry)",
+    },
 }
+# Routes that answer JSON, or a server-sent event stream when the request asks for one.
+JSON_OR_SSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "JSON, or a server-sent event stream when the request has stream: true",
+        "content": {"text/event-stream": {}},
+    }
+}
+# Routes that answer only with a server-sent event stream (with response_class=StreamingResponse,
+# which declares no JSON of its own).
+SSE: dict[int | str, dict[str, Any]] = {
+    200: {"description": "a server-sent event stream", "content": {"text/event-stream": {}}}
+}
+_ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorResponse"}
+
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -44,6 +63,29 @@ def whoami_router(service: str) -> APIRouter:
         return {"tenant": principal.tenant, "key_id": principal.key_id, "service": service}
 
     return router
+
+
+def _declare_errors(app: FastAPI) -> None:
+    """Make the OpenAPI schema say what the service answers: invalid input is a 400 in the
+    one error shape (install_error_handlers), never FastAPI's 422, so its 422s go; and an
+    error a router declares with a description only (``{404: {"description": ...}}``) gets
+    the error shape, so routers list their errors without repeating the model."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()  # cached by FastAPI until routes change; the edits below are idempotent
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                responses = operation.get("responses", {})
+                responses.pop("422", None)
+                for status, response in responses.items():
+                    if status[0] in "45" and "content" not in response:
+                        response["content"] = {"application/json": {"schema": dict(_ERROR_SCHEMA)}}
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_service_app(
@@ -82,6 +124,7 @@ def create_service_app(
             await redis_client.aclose()
 
     app = FastAPI(title=f"Tandem {service}", version=version, lifespan=_lifespan)
+    _declare_errors(app)
     # (route, needs a key?) as the routers declare them: the guard matches requests against
     # these itself, before FastAPI's router (which, since 0.165, nests included routers).
     guarded: list[tuple[BaseRoute, bool]] = []

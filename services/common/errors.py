@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("tandem.errors")
@@ -99,6 +100,19 @@ class UpstreamError(TandemError):
 
     status_code = 502
     type = "upstream_error"
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The one error shape, for the OpenAPI schema (``error_body`` builds it)."""
+
+    error: ErrorDetail
 
 
 def error_body(type_: str, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

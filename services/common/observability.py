@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -132,7 +132,16 @@ def health_router(readiness: Readiness, metrics: Metrics, service: str) -> APIRo
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "service": service}
 
-    @router.get("/readyz")
+    @router.get(
+        "/readyz",
+        responses={
+            200: {"description": "every check passes"},
+            503: {
+                "description": "a check fails (same body, status not_ready)",
+                "content": {"application/json": {}},
+            },
+        },
+    )
     async def readyz(request: Request) -> JSONResponse:
         ok, checks = await readiness.run()
         if not await _known_caller(request):
@@ -143,7 +152,7 @@ def health_router(readiness: Readiness, metrics: Metrics, service: str) -> APIRo
             status_code=200 if ok else 503,
         )
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
     async def prometheus(_: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -21,8 +21,13 @@ def resolve_under_roots(value: str, roots: list[Path], *, param: str) -> Path:
         raise InvalidRequest(
             f"{param}: no allowed model roots are configured (TANDEM_MODEL_ROOTS)", param=param
         )
-    raw = Path(value).expanduser()
-    candidate = (raw if raw.is_absolute() else roots[0] / raw).resolve()
+    try:
+        raw = Path(value).expanduser()
+        candidate = (raw if raw.is_absolute() else roots[0] / raw).resolve()
+    except (RuntimeError, ValueError, OSError) as exc:
+        # "~nosuchuser/x" (no such home), a lone surrogate the file system can't encode, a
+        # name too long: the client's value, so a 400 and not a 500.
+        raise InvalidRequest(f"{param}: unusable path {value!r} ({exc})", param=param) from None
     for root in roots:
         if candidate == root.resolve() or candidate.is_relative_to(root.resolve()):
             return candidate

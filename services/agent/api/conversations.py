@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.agent.api.deps import PrincipalDep, RuntimeDep
 from services.common.errors import NotFound
 
-router = APIRouter(tags=["conversations"])
+router = APIRouter(tags=["conversations"], responses={404: {"description": "no such conversation"}})
 
 
 @router.get("/v1/conversations")

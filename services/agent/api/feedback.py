@@ -32,12 +32,13 @@ from services.agent.protocol import (
 )
 from services.agent.runtime import AgentRuntime, TurnResult, collect, peek
 from services.agent.turns import FeedbackFilter, FeedbackRow
+from services.common.app_factory import JSON_OR_SSE
 from services.common.auth import Principal
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import idempotent
 
-router = APIRouter(tags=["feedback"])
+router = APIRouter(tags=["feedback"], responses={404: {"description": "no such message or feedback"}})
 
 
 def feedback_object(fb: FeedbackRow, rec: TurnRecord) -> Feedback:
@@ -163,7 +164,7 @@ async def get_message(message_id: str, runtime: RuntimeDep, principal: Principal
     return await turn_of(runtime, principal, message_id, "message_id")
 
 
-@router.post("/v1/messages/{message_id}/regenerate", response_model=None)
+@router.post("/v1/messages/{message_id}/regenerate", response_model=None, responses=JSON_OR_SSE)
 async def regenerate(
     message_id: str, runtime: RuntimeDep, who: CallerDep, body: RegenerateRequest | None = None
 ) -> Any:

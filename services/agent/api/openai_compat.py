@@ -19,9 +19,10 @@ from services.agent.api.deps import CallerDep, RuntimeDep
 from services.agent.events import ErrorEvent, Event, ResetEvent, TokenEvent
 from services.agent.protocol import ChatCompletionRequest
 from services.agent.runtime import Turn, TurnResult, collect, peek
+from services.common.app_factory import JSON_OR_SSE
 from services.common.errors import InvalidRequest, TandemError
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], responses={404: {"description": "no such model or collection"}})
 
 
 @router.get("/v1/models")
@@ -60,7 +61,7 @@ def _citations(result: TurnResult) -> list[dict[str, Any]]:
     ]
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, responses=JSON_OR_SSE)
 async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who: CallerDep) -> Any:
     principal, key = who
     if body.messages[-1].role != "user":

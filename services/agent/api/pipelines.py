@@ -11,8 +11,9 @@ from services.agent.api.deps import CallerDep, RuntimeDep
 from services.agent.events import ErrorEvent
 from services.agent.protocol import PipelineRunRequest
 from services.agent.runtime import Turn, TurnResult, collect, peek
+from services.common.app_factory import JSON_OR_SSE
 
-router = APIRouter(tags=["pipelines"])
+router = APIRouter(tags=["pipelines"], responses={404: {"description": "no such pipeline, or collection"}})
 
 
 @router.get("/v1/pipelines")
@@ -20,7 +21,7 @@ async def list_pipelines(runtime: RuntimeDep) -> dict[str, Any]:
     return {"data": runtime.catalog()}
 
 
-@router.post("/v1/pipelines/{name}/run", response_model=None)
+@router.post("/v1/pipelines/{name}/run", response_model=None, responses=JSON_OR_SSE)
 async def run_pipeline(name: str, body: PipelineRunRequest, runtime: RuntimeDep, who: CallerDep) -> Any:
     principal, key = who
     turn = Turn(

@@ -14,7 +14,13 @@ from services.inference.protocol_embeddings import (
     RerankResponse,
 )
 
-router = APIRouter(tags=["embeddings"])
+router = APIRouter(
+    tags=["embeddings"],
+    responses={
+        404: {"description": "no such embedding or rerank model"},
+        503: {"description": "the server is starting, or the model could not be loaded"},
+    },
+)
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, response_model_exclude_none=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.common.app_factory import JSON_OR_SSE
 from services.inference.api.deps import CallerDep, ModelAdminDep, OperatorDep, ServingDep
 from services.inference.protocol import (
     AdapterLoaded,
@@ -31,7 +32,15 @@ from services.inference.protocol import (
     UnregisterModelRequest,
 )
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(
+    tags=["openai"],
+    responses={
+        403: {"description": "an operator route called without an operator key, or another tenant's model"},
+        404: {"description": "no such model or adapter"},
+        409: {"description": "a model or adapter of that name is already served"},
+        503: {"description": "the model is still loading, or could not be loaded"},
+    },
+)
 
 
 @router.get("/v1/models", response_model=ModelList)
@@ -59,14 +68,22 @@ async def delete_model(model_id: str, admin: ModelAdminDep, caller: CallerDep) -
 
 
 # Not response models (a route returns either JSON or an SSE stream): documented as responses.
-@router.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletion}})
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={**JSON_OR_SSE, 200: {**JSON_OR_SSE[200], "model": ChatCompletion}},
+)
 async def chat_completions(
     body: ChatCompletionRequest, serving: ServingDep, request: Request
 ) -> JSONResponse | StreamingResponse:
     return await serving.chat(body, request)
 
 
-@router.post("/v1/completions", response_model=None, responses={200: {"model": TextCompletion}})
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={**JSON_OR_SSE, 200: {**JSON_OR_SSE[200], "model": TextCompletion}},
+)
 async def completions(
     body: CompletionRequest, serving: ServingDep, request: Request
 ) -> JSONResponse | StreamingResponse:

@@ -12,7 +12,9 @@ from services.retrieval.api.deps import CollectionDep, CollectionName, ManagerDe
 from services.retrieval.core.collection import CollectionConfig
 from services.retrieval.protocol import Chunking, CollectionInfo, CollectionList, CreateCollection
 
-router = APIRouter(prefix="/v1/collections", tags=["collections"])
+router = APIRouter(
+    prefix="/v1/collections", tags=["collections"], responses={404: {"description": "no such collection"}}
+)
 
 
 def _info(config: CollectionConfig, stats: dict[str, object] | None = None) -> CollectionInfo:

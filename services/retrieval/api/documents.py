@@ -27,7 +27,11 @@ from services.retrieval.core.parsing import (
 from services.retrieval.ingest import enqueue_files_job, enqueue_job
 from services.retrieval.protocol import AddDocuments, Document, DocumentPage, IngestResponse
 
-router = APIRouter(prefix="/v1/collections", tags=["documents"])
+router = APIRouter(
+    prefix="/v1/collections",
+    tags=["documents"],
+    responses={404: {"description": "no such collection or document"}},
+)
 
 
 def _limit_bytes(request: Request) -> int:

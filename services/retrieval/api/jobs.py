@@ -10,13 +10,14 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from services.common.app_factory import SSE
 from services.common.errors import NotFound
 from services.common.jobs import TERMINAL
 from services.retrieval.api.deps import tenant
 from services.retrieval.core.jobs import decode_job, job_key
 from services.retrieval.protocol import Job
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={404: {"description": "no such job"}})
 
 
 async def _load(request: Request, job_id: str) -> Job:
@@ -32,7 +33,7 @@ async def get_job(job_id: str, request: Request) -> Job:
     return await _load(request, job_id)
 
 
-@router.get("/{job_id}/events")
+@router.get("/{job_id}/events", response_class=StreamingResponse, responses=SSE)
 async def job_events(job_id: str, request: Request) -> StreamingResponse:
     """``event: progress`` whenever the job changes, then one ``event: done`` (or ``failed``)."""
     first = await _load(request, job_id)

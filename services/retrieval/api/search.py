@@ -10,7 +10,9 @@ from services.common.errors import InvalidRequest
 from services.retrieval.api.deps import CollectionDep
 from services.retrieval.protocol import SearchRequest, SearchResponse
 
-router = APIRouter(prefix="/v1/collections", tags=["search"])
+router = APIRouter(
+    prefix="/v1/collections", tags=["search"], responses={404: {"description": "no such collection"}}
+)
 
 
 @router.post("/{name}/search", response_model=SearchResponse)

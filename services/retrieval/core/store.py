@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from services.common.errors import InvalidRequest
 from services.retrieval.core.filters import Filter, to_sql
 from services.retrieval.protocol import ChunkSpan, Document
 
@@ -345,6 +346,9 @@ class SQLiteDocumentStore:
         return doc
 
     def list_documents(self, limit: int, offset: int) -> tuple[list[Document], int]:
+        if offset > 2**63 - 1:
+            # SQLite's integers are 64-bit: a larger one would not bind (OverflowError, a 500).
+            raise InvalidRequest(f"offset: at most {2**63 - 1} (got {offset})", param="offset")
         with self._lock:
             total = int(self._conn.execute("SELECT COUNT(*) FROM documents").fetchone()[0])
             rows = self._conn.execute(

@@ -16,7 +16,7 @@ from services.trainer import service
 from services.trainer.api.deps import TenantDep, TrainerDep
 from services.trainer.protocol import FileObject
 
-router = APIRouter(prefix="/v1", tags=["files"])
+router = APIRouter(prefix="/v1", tags=["files"], responses={404: {"description": "no such file"}})
 
 
 def file_object(data: dict[str, str]) -> FileObject:

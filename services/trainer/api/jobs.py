@@ -13,6 +13,7 @@ from fastapi import APIRouter, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from services.common.app_factory import SSE
 from services.common.auth import Principal
 from services.common.errors import NotFound
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
@@ -22,7 +23,14 @@ from services.trainer.api.deps import JobDep, TenantDep, TrainerDep
 from services.trainer.protocol import TERMINAL, ArtifactList, Job, JobCreate, JobList
 from services.trainer.store import events_key, job_key
 
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = APIRouter(
+    prefix="/v1",
+    tags=["jobs"],
+    responses={
+        404: {"description": "no such job, dataset file or artifact"},
+        409: {"description": "the job has already ended (cancel), or the Idempotency-Key was reused"},
+    },
+)
 
 
 CREATE_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -126,7 +134,7 @@ async def job_events(
                     return
 
 
-@router.get("/jobs/{job_id}/events")
+@router.get("/jobs/{job_id}/events", response_class=StreamingResponse, responses=SSE)
 async def stream_events(job_id: str, request: Request, tenant: TenantDep) -> StreamingResponse:
     """Server-sent events: ``status``, ``progress`` (step, total, metrics) and ``log``."""
     await _owned(request.app, tenant, job_id)
