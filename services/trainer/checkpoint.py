@@ -4,8 +4,11 @@ A checkpoint folder ``step-<N>/`` holds the trainable weights (the LoRA adapter,
 the whole model for a full fine-tune, plus a PPO value head) as safetensors, and
 ``state.pt`` with the optimizer, the scheduler, the step (which fixes the data
 position: the batch schedule is a pure function of the seed) and the RNG states
-of torch, Python and numpy. It is written into a temp folder and renamed into
-place, so a worker killed mid-write never leaves a half checkpoint behind.
+of torch, Python and numpy. It is written into a temp folder, its files and the folder
+fsynced, and renamed into place (the parent fsynced too), so neither a worker killed
+mid-write nor a machine losing power leaves a half checkpoint under a ``step-<N>`` name.
+A checkpoint that cannot be read all the same (a disk error, a file damaged later) is
+skipped on resume for the one before it: ``keep`` checkpoints are kept for that.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +49,13 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a folder's entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(
@@ -78,8 +86,11 @@ def save_checkpoint(
         },
         tmp / "state.pt",
     )
+    for f in (tmp / "trainable.safetensors", tmp / "state.pt", tmp):
+        _fsync(f)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    _fsync(root)  # the rename itself
     for _, old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -89,3 +100,26 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     weights = load_file(str(path / "trainable.safetensors"))
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     return weights, state
+
+
+Loaded = tuple[int, Path, dict[str, torch.Tensor], dict[str, Any]]
+_STATE_KEYS = ("step", "optimizer", "scheduler", "rng", "extra")
+
+
+def load_latest(root: Path, log: Callable[[str], object] = print) -> Loaded | None:
+    """The newest checkpoint under ``root`` that reads whole: (step, folder, weights, state).
+    One that does not (truncated, corrupt, missing a part) is logged and the one before it
+    tried; None when there is none to resume from."""
+    for step, path in reversed(list_checkpoints(root)):
+        try:
+            weights, state = load_checkpoint(path)
+            missing = [k for k in _STATE_KEYS if k not in state]
+            if missing:
+                raise ValueError(f"state.pt lacks {missing}")
+        # Whatever the damage (safetensors, pickle, zip or OS errors), the answer is the same:
+        # this checkpoint cannot be resumed from, and the previous one may.
+        except Exception as exc:
+            log(f"checkpoint {path.name} is unreadable ({type(exc).__name__}: {exc}); trying the one before")
+            continue
+        return step, path, weights, state
+    return None

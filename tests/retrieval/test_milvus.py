@@ -19,7 +19,8 @@ from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.milvus import lite
 from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import free_port, wait_for
+from tests.helpers.servers import free_port
+from tests.helpers.waiting import wait_until
 from tests.retrieval.test_durability import start_service, wait_ready
 
 
@@ -137,4 +138,4 @@ def test_the_lite_launcher_runs_as_a_command(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(30)
     # the engine went with the launcher (a stale server would hold the port and the data file)
-    wait_for(lambda: not lite._listening(port), 30, "Milvus Lite to stop")
+    wait_until(lambda: not lite._listening(port), 30, "Milvus Lite to stop")

@@ -77,6 +77,66 @@ def test_killed_run_resumes_to_the_same_final_loss(tiny_model_path: Path, tmp_pa
     assert resumed_hooks.history[0]["loss"] == pytest.approx(full.history[4]["loss"], abs=1e-5)
 
 
+class Logged(NullHooks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.logs: list[str] = []
+
+    def log(self, message: str) -> None:
+        self.logs.append(message)
+
+
+@pytest.mark.parametrize("damage", ["truncated state", "corrupt weights"])
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(
+    tiny_model_path: Path, tmp_path: Path, damage: str
+) -> None:
+    full = NullHooks()
+    assert run(
+        SFTRecipe(sft_config(tiny_model_path, tmp_path / "a"), hooks=full), tmp_path / "a" / "ckpt"
+    ) == ("succeeded")
+    root = tmp_path / "b" / "ckpt"
+    with pytest.raises(KeyboardInterrupt):
+        run(SFTRecipe(sft_config(tiny_model_path, tmp_path / "b"), hooks=KillAt(5)), root)
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4"]
+    if damage == "truncated state":
+        state = root / "step-4" / "state.pt"
+        state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    else:
+        (root / "step-4" / "trainable.safetensors").write_bytes(b"\x00" * 64)
+    hooks = Logged()
+    assert run(SFTRecipe(sft_config(tiny_model_path, tmp_path / "b"), hooks=hooks), root) == "succeeded"
+    # step 4 is skipped for step 2: steps 3 to 6 run again and end where an uninterrupted run does
+    assert [h["step"] for h in hooks.history] == [3, 4, 5, 6]
+    assert hooks.history[-1]["loss"] == pytest.approx(full.history[-1]["loss"], abs=1e-5)
+    assert any("step-4 is unreadable" in m for m in hooks.logs), hooks.logs
+    assert any(m.startswith("resumed from checkpoint step 2") for m in hooks.logs)
+
+
+def test_checkpoints_are_fsynced_before_and_after_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from services.trainer import checkpoint as ckpt
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    param = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    final = ckpt.save_checkpoint(tmp_path, 2, weights={"w": param.detach()}, optimizer=opt, scheduler=sched)
+    tmp_names = [Path(p).name for p in synced[:3]]
+    assert tmp_names == ["trainable.safetensors", "state.pt", ".tmp-step-2-" + str(os.getpid())]
+    assert synced[3] == str(tmp_path)  # the rename is durable too
+    assert ckpt.load_latest(final.parent)[0] == 2  # type: ignore[index]
+
+
 class CancelAfter(NullHooks):
     def __init__(self, n: int) -> None:
         super().__init__()

@@ -363,12 +363,15 @@ def run(recipe: Recipe, checkpoint_root: Path | None = None) -> str:
     recipe.setup()
     start = 0
     if checkpoint_root is not None:
-        found = ckpt.latest_checkpoint(checkpoint_root)
+        loaded = ckpt.load_latest(checkpoint_root, recipe.hooks.log)
         if recipe.dist is not None:  # rank 0's view of the folder decides for all
-            found = recipe.dist.agree(found)
-        if found is not None:
-            step, path = found
-            weights, state = ckpt.load_checkpoint(path)
+            agreed = recipe.dist.agree(loaded[:2] if loaded else None)
+            if agreed is None:
+                loaded = None
+            elif loaded is None or loaded[1] != agreed[1]:
+                loaded = (*agreed, *ckpt.load_checkpoint(agreed[1]))
+        if loaded is not None:
+            step, path, weights, state = loaded
             recipe.load_weights(weights)
             assert recipe.optimizer is not None
             recipe.load_optimizer_state(state["optimizer"])
@@ -379,7 +382,7 @@ def run(recipe: Recipe, checkpoint_root: Path | None = None) -> str:
             ckpt.set_rng_state(state["rng"])
             start = step
             recipe.hooks.resumed(step)
-            recipe.hooks.log(f"resumed from checkpoint step {step}")
+            recipe.hooks.log(f"resumed from checkpoint step {step} ({path})")
     if start == 0:
         # Held-out metrics before the first update (a resumed job kept them in its checkpoint).
         recipe.eval_before = {f"eval_{k}_before": v for k, v in recipe.run_eval().items()}
