@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.common.config import CommonSettings
+from services.common.leases import Heartbeat
 from services.trainer.config import TrainerSettings
 from services.trainer.jobspec import PAD_MULTIPLE, JobOwner, validate_job
 from services.trainer.protocol import TERMINAL, JobCreate
@@ -90,38 +91,6 @@ class JobHooks:
         )
 
 
-class Heartbeat:
-    def __init__(self, store: TrainerStore, job_id: str, owner: str, settings: TrainerSettings) -> None:
-        self.store, self.job_id, self.owner, self.settings = store, job_id, owner, settings
-        self.stop = threading.Event()
-        self.lost = threading.Event()
-        self.thread = threading.Thread(target=self._beat, name=f"heartbeat-{job_id}", daemon=True)
-
-    def _beat(self) -> None:
-        while not self.stop.wait(self.settings.heartbeat_interval_s):
-            try:
-                if not self.store.renew_lease(self.job_id, self.owner, self.settings.stale_after_s):
-                    # Expired (a long stall) but nobody took over: take it back. Held by
-                    # someone else: a recovered copy runs it now, so this one must stop.
-                    if not self.store.acquire_lease(self.job_id, self.owner, self.settings.stale_after_s):
-                        self.lost.set()
-                        return
-                    log.warning("job %s: heartbeat lease had expired; re-acquired", self.job_id)
-                    if self.store.job(self.job_id).get("status") == "queued":
-                        self.store.set_status(self.job_id, "running")
-                self.store.update(self.job_id, heartbeat=time.time())
-            except Exception:  # a Redis blip: try again next beat; the TTL covers a few misses
-                log.warning("heartbeat of %s failed", self.job_id, exc_info=True)
-
-    def __enter__(self) -> Heartbeat:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(5)
-
-
 def recipe_for(kind: str) -> type[Recipe]:
     from services.trainer.recipes.dpo import DPORecipe
     from services.trainer.recipes.kto import KTORecipe
@@ -171,8 +140,17 @@ def execute(
             owner=owner,
             heartbeat=time.time(),
         )
-        with Heartbeat(store, job_id, owner, settings) as beat:
-            outcome = _train(job_id, data, store, common, settings, beat.lost, publish, owner, attempts)
+
+        def beat(reacquired: bool) -> None:
+            if reacquired and store.job(job_id).get("status") == "queued":
+                store.set_status(job_id, "running")
+            store.update(job_id, heartbeat=time.time())
+
+        heart = Heartbeat(
+            store.leases, job_id, owner, settings.stale_after_s, settings.heartbeat_interval_s, beat
+        )
+        with heart as running:
+            outcome = _train(job_id, data, store, common, settings, running.lost, publish, owner, attempts)
         return outcome
     except LeaseLost:
         log.warning("job %s: lease lost, another worker continues it", job_id)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis
 
 from services.common.errors import Conflict, NotFound
+from services.common.leases import Clock, Leases
 from services.trainer.protocol import TERMINAL, Job, JobStatus, JobType, Progress
 
 P = "tandem:trainer:"
@@ -53,39 +53,6 @@ def lease_key(job_id: str) -> str:
 
 
 ACTIVE = f"{P}active"
-
-# A lease expires at ``expires`` on the store's clock (not by Redis' own TTL), so a test moves the
-# clock instead of sleeping past it. Redis still drops a dead lease's key an hour later.
-LEASE_GC_MS = 3_600_000
-# ARGV: owner, now (ms), ttl (ms), gc (ms). Taken only when nobody holds a live lease.
-_ACQUIRE = """
-local expires = tonumber(redis.call('hget', KEYS[1], 'expires') or '0')
-if expires > tonumber(ARGV[2]) then return 0 end
-redis.call('hset', KEYS[1], 'owner', ARGV[1], 'expires', tonumber(ARGV[2]) + tonumber(ARGV[3]))
-redis.call('pexpire', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[4]))
-return 1
-"""
-# Refresh the lease only while we still own it and it has not expired (a recovered job may have a
-# new owner).
-_RENEW = """
-if redis.call('hget', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
-if tonumber(redis.call('hget', KEYS[1], 'expires') or '0') <= tonumber(ARGV[2]) then return 0 end
-redis.call('hset', KEYS[1], 'expires', tonumber(ARGV[2]) + tonumber(ARGV[3]))
-redis.call('pexpire', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[4]))
-return 1
-"""
-
-Clock = Callable[[], float]  # seconds
-
-
-def redis_clock(client: redis.Redis) -> Clock:
-    """The Redis server's time: one clock for every worker, whatever their own clocks say."""
-
-    def now() -> float:
-        sec, usec = cast(tuple[int, int], client.time())
-        return sec + usec / 1e6
-
-    return now
 
 
 def new_id(prefix: str) -> str:
@@ -168,8 +135,16 @@ class JobRecord:
 class TrainerStore:
     def __init__(self, client: redis.Redis, clock: Clock | None = None) -> None:
         self.r = client
-        # What leases are timed by; tests pass a clock they move by hand.
-        self.clock: Clock = clock or redis_clock(client)
+        # What leases are timed by (the Redis server's time); tests pass a clock they move by hand.
+        self.leases = Leases(client, P, clock)
+
+    @property
+    def clock(self) -> Clock:
+        return self.leases.clock
+
+    @clock.setter
+    def clock(self, clock: Clock) -> None:
+        self.leases.clock = clock
 
     # ---- files
     def add_file(self, tenant: str, record: dict[str, Any]) -> None:
@@ -327,34 +302,23 @@ class TrainerStore:
             approximate=True,
         )
 
-    # ---- leases (heartbeats)
-    def _now_ms(self) -> int:
-        return int(self.clock() * 1000)
-
+    # ---- leases (heartbeats: services/common/leases.py)
     def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> bool:
-        return bool(
-            self.r.eval(_ACQUIRE, 1, lease_key(job_id), owner, self._now_ms(), int(ttl_s * 1000), LEASE_GC_MS)
-        )
+        return self.leases.acquire(job_id, owner, ttl_s)
 
     def renew_lease(self, job_id: str, owner: str, ttl_s: float) -> bool:
-        return bool(
-            self.r.eval(_RENEW, 1, lease_key(job_id), owner, self._now_ms(), int(ttl_s * 1000), LEASE_GC_MS)
-        )
+        return self.leases.renew(job_id, owner, ttl_s)
 
     def release_lease(self, job_id: str, owner: str) -> None:
-        if self.r.hget(lease_key(job_id), "owner") == owner:
-            self.r.delete(lease_key(job_id))
+        self.leases.release(job_id, owner)
 
     def lease_owner(self, job_id: str) -> str | None:
         """Who holds a live lease on the job, or None when nobody does (or it expired)."""
-        owner, expires = self.r.hmget(lease_key(job_id), ["owner", "expires"])  # type: ignore[misc]
-        if owner is None or int(expires or 0) <= self._now_ms():
-            return None
-        return str(owner)
+        return self.leases.owner(job_id)
 
     def active_jobs(self) -> list[str]:
         return sorted(str(x) for x in self.r.smembers(ACTIVE))  # type: ignore[union-attr]
 
     def claim_requeue(self, job_id: str, attempt: int) -> bool:
         """Only one worker requeues a given orphaned attempt."""
-        return bool(self.r.set(f"{P}job:{job_id}:requeue:{attempt}", "1", nx=True, ex=24 * 3600))
+        return self.leases.claim_requeue(job_id, attempt)
