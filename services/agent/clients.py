@@ -101,6 +101,17 @@ class RetrievalClient:
             raise upstream_error("retrieval", resp, param="collection")
         return [Chunk.from_result(item) for item in resp.json().get("results", [])]
 
+    async def embedding_model(self, collection: str) -> str:
+        """The embedding model ``collection`` was built with (as the inference service names it)."""
+        try:
+            async with self._client() as client:
+                resp = await client.get(f"/v1/collections/{collection}")
+        except httpx.HTTPError as exc:
+            raise unreachable("retrieval", exc) from exc
+        if resp.status_code >= 400:
+            raise upstream_error("retrieval", resp, param="collection")
+        return str(resp.json()["embedding_model"])
+
     async def document_titles(self, collection: str, document_ids: list[str]) -> dict[str, str]:
         """Titles of documents (best effort: search hits may not carry them)."""
         out: dict[str, str] = {}
@@ -149,6 +160,18 @@ class InferenceClient:
         if resp.status_code >= 400:
             raise upstream_error("inference", resp)
         return dict(resp.json())
+
+    async def embed(self, model: str, texts: list[str]) -> list[list[float]]:
+        """``/v1/embeddings``: one vector per text, in order (L2-normalised by the service)."""
+        try:
+            async with self._client() as client:
+                resp = await client.post("/v1/embeddings", json={"model": model, "input": texts})
+        except httpx.HTTPError as exc:
+            raise unreachable("inference", exc) from exc
+        if resp.status_code >= 400:
+            raise upstream_error("inference", resp, param="model")
+        data = sorted(resp.json()["data"], key=lambda d: d["index"])
+        return [list(map(float, d["embedding"])) for d in data]
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Yields the chunk objects of an SSE stream; leaving early closes the connection,
