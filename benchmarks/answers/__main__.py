@@ -111,6 +111,10 @@ def run(
                 progress=show,
                 **where,
             )
+            # The guard judges on word overlap alone when embedding fails: say so, it changes
+            # what the variants measure.
+            fallbacks = (stack.home / "agent.log").read_text(errors="replace").count("embedding failed")
+            print(f"guard: {fallbacks} answer(s) judged on word overlap only because embedding failed")
     summaries = {}
     for v in variants:
         answers = outcomes[f"v-{v}".lower()]
