@@ -7,6 +7,8 @@ embeds through it, over real HTTP."""
 from __future__ import annotations
 
 import logging
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ async def guard(
     question: str = QUESTION,
     collection: str = "geo",
     upstreams: tuple[RetrievalClient, InferenceClient] | None = None,
+    params: dict[str, Any] | None = None,
 ) -> tuple[RunState, list[dict[str, Any]]]:
     """Runs the guard node; without ``upstreams`` on word overlap only (the embedder setting off)."""
     state = RunState(question=question, collection=collection)
@@ -56,7 +59,9 @@ async def guard(
     settings = AgentSettings(grounding_embedder=upstreams is not None)
     retrieval, inference = upstreams or (None, None)
     ctx = RunContext(settings=settings, retrieval=retrieval, inference=inference, counter=None, model="m")  # type: ignore[arg-type]
-    node = GuardNode(GuardNode.P.model_validate({} if enabled is None else {"enabled": enabled}))
+    node = GuardNode(
+        GuardNode.P.model_validate({**(params or {}), **({} if enabled is None else {"enabled": enabled})})
+    )
     events = [e async for e in node.run(state, ctx)]
     return state, events
 
@@ -273,6 +278,30 @@ async def test_when_embedding_fails_the_guard_falls_back_to_word_overlap_and_log
         assert state.grounding == "unsupported" and state.answer_kind == "extractive"
         assert states(state.answer, TOWN.answer) and not any(e["type"] == "error" for e in events)
         assert any("embedding failed" in r.getMessage() for r in caplog.records), upstreams
+
+
+async def test_a_stuck_embedding_service_does_not_hold_the_answer(
+    services: tuple[str, str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    r_url, _, key = services
+    with socket.socket() as stuck:  # accepts connections (the kernel's backlog), never answers
+        stuck.bind(("127.0.0.1", 0))
+        stuck.listen(8)
+        inference = InferenceClient(f"http://127.0.0.1:{stuck.getsockname()[1]}", key, timeout=120)
+        with caplog.at_level(logging.WARNING, logger="tandem.agent.guard"):
+            started = time.monotonic()
+            state, _ = await guard(
+                PARAPHRASE,
+                chunks=TOWN_CHUNKS,
+                question=TOWN.question,
+                collection="towns",
+                upstreams=(RetrievalClient(r_url, key), inference),
+                params={"embed_timeout_s": 0.5},
+            )
+            waited = time.monotonic() - started
+    assert state.grounding == "unsupported" and state.answer_kind == "extractive"
+    assert waited < 60, waited  # the guard's own limit, not the client's 120 s
+    assert any("no answer in 0.5 s" in r.getMessage() for r in caplog.records)
 
 
 async def test_an_answer_the_overlap_supports_needs_no_embedding(services: tuple[str, str, str]) -> None:

@@ -8,6 +8,7 @@ events it produces (tokens, citations) as they happen.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import re
@@ -392,6 +393,9 @@ class GuardNode:
         # inference's /v1/embeddings). None: the agent's ``grounding_embedder`` setting.
         embedder: bool | None = None
         min_similarity: float = Field(MIN_SIMILARITY, ge=-1.0, le=1.0)
+        # Embedding a few sentences takes well under a second; a stuck service must not hold the
+        # answer for the client's whole timeout.
+        embed_timeout_s: float = Field(10.0, gt=0.0, le=300.0)
         max_sentences: int = Field(2, ge=1, le=10)
 
     def __init__(self, p: P) -> None:
@@ -411,10 +415,16 @@ class GuardNode:
             return await ctx.inference.embed(model, texts)
 
         try:
-            return await with_embeddings(report, state.answer, sources, embed, self.p.min_similarity)
+            async with asyncio.timeout(self.p.embed_timeout_s):
+                return await with_embeddings(report, state.answer, sources, embed, self.p.min_similarity)
+        except TimeoutError:
+            log.warning(
+                "groundedness guard: lexical overlap only, embedding failed: no answer in %s s",
+                self.p.embed_timeout_s,
+            )
         except (TandemError, ValueError, KeyError, TypeError) as exc:
             log.warning("groundedness guard: lexical overlap only, embedding failed: %s", exc)
-            return report
+        return report
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         enabled = ctx.settings.grounding_guard if self.p.enabled is None else self.p.enabled
