@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from benchmarks.agent.stack import cpu_stack
@@ -103,6 +104,13 @@ def run(
             # not timed.
             for v in variants:
                 run_facts_eval(1, seed + 1000, collection="warm-up", pipeline=f"v-{v}".lower(), **where)
+            # The inference service loads an embedding model on its first use (seconds): the guard's
+            # first call would pay for it, in whichever variant asked first.
+            headers = {"Authorization": f"Bearer {stack.key}"}
+            with httpx.Client(headers=headers, timeout=600) as client:
+                info = client.get(f"{urls['retrieval']}/v1/collections/warm-up").raise_for_status().json()
+                body = {"model": info["embedding_model"], "input": ["warm-up"]}
+                client.post(f"{urls['inference']}/v1/embeddings", json=body).raise_for_status()
             outcomes = run_facts_evals(
                 count,
                 seed,
