@@ -1,6 +1,7 @@
 """Benchmark: first-token and full-answer latency of ``chat-documents`` over websockets.
 
 ``python -m benchmarks.agent [--sessions 1,8] [--questions 2] [--docs 300] [--max-tokens 64]``
+``python -m benchmarks.agent --facts 50 [--seed 2] [--lexical]``: the answers instead (below).
 
 Starts the CPU stack as separate processes (an embedded Valkey, then the
 retrieval, inference and agent services under uvicorn, as ``tandem up`` does),
@@ -15,6 +16,13 @@ ingests a slice of SciFact, and asks SciFact claims:
 
 Prints medians and p95 and the ratios of websocket first-token latency to the
 baseline's full-answer latency (what streaming buys the user).
+
+With ``--facts N`` it asks N questions about invented facts (services/cli/factset.py, seed
+``--seed``) through ``chat-documents`` as shipped, at the agent's default settings, and reports
+per answer what ``tandem eval rag --facts`` does: the expected fact stated, the right document
+cited, a valid citation, a repeated sentence, the groundedness share, first token and full answer
+times (benchmarks/answers/__main__.py runs it; ``--lexical`` adds the guard on word overlap only,
+interleaved, to compare).
 """
 
 from __future__ import annotations
@@ -22,66 +30,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import websockets
 
-REPO = Path(__file__).resolve().parents[2]
+from benchmarks.agent.stack import REPO, cpu_stack, free_port
+
+__all__ = ["free_port", "main", "pct"]  # free_port: benchmarks.loop takes it from here
+
 SCIFACT = REPO.parent / "shared" / "data" / "scifact"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_service(name: str, port: int, env: dict[str, str], log_dir: Path) -> subprocess.Popen[bytes]:
-    log = (log_dir / f"{name}.log").open("wb")
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            f"services.{name}.app:create_app",
-            "--factory",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout} s")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -154,41 +117,34 @@ def main(argv: list[str] | None = None) -> int:
         "--max-tokens", type=int, default=64, help="answer tokens (TANDEM_AGENT_MAX_ANSWER_TOKENS)"
     )
     ap.add_argument("--top-k", type=int, default=3, help="chunks retrieved per question")
+    ap.add_argument(
+        "--facts",
+        type=int,
+        default=0,
+        help="instead: ask this many invented-fact questions with expected answers through the shipped "
+        "chat-documents (agent defaults) and report the per-answer metrics (as benchmarks.answers does)",
+    )
+    ap.add_argument("--seed", type=int, default=2, help="--facts: seed of the set (1: tuning, 2: held out)")
+    ap.add_argument(
+        "--lexical", action="store_true", help="--facts: also through the guard on word overlap only"
+    )
+    ap.add_argument("--out", type=Path, default=Path("/tmp/agent-bench"), help="--facts: JSON per variant")
     args = ap.parse_args(argv)
+    if args.facts:
+        from benchmarks.answers.__main__ import run
+
+        run(args.facts, args.seed, ["after", *(["after-lexical"] if args.lexical else [])], args.out)
+        return 0
     sessions = [int(s) for s in args.sessions.split(",")]
 
-    from services.common.auth import KeyStore
-    from services.common.redis_conn import sync_redis
-    from tests.helpers.models import smollm2_dir
-    from tests.helpers.servers import valkey_server
-
-    model_dir = smollm2_dir()
     docs, questions = load_scifact(args.docs)
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        home = Path(tmp)
-        redis_url = stack.enter_context(valkey_server(home / "valkey"))
-        key = KeyStore(sync_redis(redis_url)).create("bench")[0]
-        ports = {s: free_port() for s in ("retrieval", "inference", "agent")}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-        env.update(
-            TANDEM_HOME=str(home),
-            TANDEM_REDIS_URL=redis_url,
-            TANDEM_LOG_JSON="false",
-            HF_HUB_OFFLINE="1",
-            TANDEM_MODEL_ROOTS=f"{home}:{model_dir.parent}",
-            TANDEM_INFERENCE_MODEL=str(model_dir),
-            TANDEM_AGENT_TOKENIZER=str(model_dir),
-            TANDEM_AGENT_MAX_ANSWER_TOKENS=str(args.max_tokens),
-            TANDEM_AGENT_TOP_K=str(args.top_k),
-            **{f"TANDEM_{s.upper()}_PORT": str(p) for s, p in ports.items()},
-        )
-        procs = {}
-        for name in ("retrieval", "inference", "agent"):
-            procs[name] = start_service(name, ports[name], env, home)
-            stack.callback(procs[name].terminate)
-        urls = {s: f"http://127.0.0.1:{p}" for s, p in ports.items()}
-        for name, proc in procs.items():
-            wait_ready(urls[name], proc)
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        cpu_stack(
+            Path(tmp), TANDEM_AGENT_MAX_ANSWER_TOKENS=str(args.max_tokens), TANDEM_AGENT_TOP_K=str(args.top_k)
+        ) as stack,
+    ):
+        home, key, urls = stack.home, stack.key, stack.urls
         headers = {"Authorization": f"Bearer {key}"}
         t0 = time.perf_counter()
         with httpx.Client(base_url=urls["retrieval"], headers=headers, timeout=600) as rc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import tempfile
@@ -31,20 +32,8 @@ CALC_TASKS = [
     ("What is 25 times 25?", "625"),
 ]
 
-DOCS = [
-    {"id": "eiffel", "title": "The Eiffel Tower", "text": "The Eiffel Tower is a wrought-iron lattice tower "
-     "in Paris, France. It was completed in 1889 for the World's Fair. The tower is 330 metres tall."},
-    {"id": "jupiter", "title": "Jupiter", "text": "Jupiter is the fifth planet from the Sun and the largest "
-     "planet in the Solar System. Its Great Red Spot is a storm larger than Earth."},
-    {"id": "honey", "title": "Honey bees", "text": "Honey bees make honey from the nectar of flowers. A colony "
-     "has one queen. Worker bees communicate the location of food with a waggle dance."},
-    {"id": "nile", "title": "The Nile", "text": "The Nile is a river in Africa, about 6650 kilometres long. "
-     "It flows north into the Mediterranean Sea."},
-    {"id": "everest", "title": "Mount Everest", "text": "Mount Everest is the highest mountain on Earth, "
-     "8849 metres above sea level, in the Himalayas on the border of Nepal and China."},
-    {"id": "python", "title": "Python", "text": "Python is a programming language created by Guido van "
-     "Rossum and first released in 1991."},
-]  # fmt: skip
+# The collection the search tasks ask (six short encyclopedia-style documents).
+DOCS = json.loads((Path(__file__).with_name("tool_docs.json")).read_text())
 
 # 20 tool tasks: 12 calculator, 8 collection search; expected answers matched as strings.
 TOOL_TASKS = [

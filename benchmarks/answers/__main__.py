@@ -2,19 +2,22 @@
 
 ``python -m benchmarks.answers [--count 50] [--seed 1] [--variants before,after] [--show]``
 
-Starts the CPU stack as separate processes (as ``benchmarks.agent`` does: an embedded Valkey,
+Starts the CPU stack as separate processes (benchmarks/agent/stack.py: an embedded Valkey,
 then retrieval, inference with the default model, agent), ingests ``--count`` invented facts
 of ``--seed`` (services/cli/factset.py) and asks each question through one pipeline per
 variant: the variants are pipeline definitions written into the agent's pipelines folder, so
-one running stack compares prompts and sampling settings. Each answer is judged as
-``tandem eval rag --facts`` judges it (services/cli/eval_rag.py) and a summary table is printed
-per variant, with a JSON file per variant under ``--out``.
+one running stack compares prompts and sampling settings. The variants take turns question by
+question (``run_facts_evals``), so the machine's load falls on all of them alike. Each answer
+is judged as ``tandem eval rag --facts`` judges it (services/cli/eval_rag.py) and a summary
+table is printed per variant, with a JSON file per variant under ``--out``.
+``python -m benchmarks.agent --facts N`` runs the same for the shipped pipeline.
 
 Variants (``--variants`` names, comma-separated):
 
 - ``before``: the pipeline as it was before issue 20 (its old prompt, greedy, no guard);
 - ``after``: the built-in ``chat-documents`` as shipped (prompt, sampling, guard);
 - ``after-noguard``: the shipped prompt and sampling without the guard (what the model alone does);
+- ``after-lexical``: the guard on word overlap only (without the collection's embedder);
 - ``t<T>``, ``p<P>``: suffixes to ``after``/``after-noguard`` such as ``after-noguard-t0.3-p0.9``.
 """
 
@@ -22,15 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
-from benchmarks.agent.__main__ import free_port, start_service, wait_ready
+from benchmarks.agent.stack import cpu_stack
 
 OLD_INSTRUCTIONS = (
     "Answer the question using only the numbered sources. After each fact, cite its source number in "
@@ -62,6 +64,8 @@ def variant_definition(name: str) -> dict[str, Any]:
     for part in parts[1:]:
         if part == "noguard":
             comps["guard"]["params"] = {"enabled": False}
+        elif part == "lexical":
+            comps["guard"].setdefault("params", {})["embedder"] = False
         elif part.startswith("t"):
             gen["temperature"] = float(part[1:])
         elif part.startswith("p"):
@@ -80,6 +84,60 @@ def variant_definition(name: str) -> dict[str, Any]:
     return spec
 
 
+def run(
+    count: int, seed: int, variants: list[str], out: Path, show: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Asks the ``count`` questions of ``seed`` through each variant on a fresh stack; prints and
+    writes (``out/<variant>-seed<seed>.json``) each variant's summary; returns the summaries."""
+    from services.cli.eval_rag import facts_summary, print_facts_summary, run_facts_eval, run_facts_evals
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        pipelines = Path(tmp) / "pipelines"
+        pipelines.mkdir()
+        for v in variants:
+            (pipelines / f"v-{v}.yaml").write_text(yaml.safe_dump(variant_definition(v)))
+        with cpu_stack(Path(tmp), TANDEM_AGENT_PIPELINES_DIR=str(pipelines)) as stack:
+            urls = stack.urls
+            where = {"agent_url": urls["agent"], "retrieval_url": urls["retrieval"], "api_key": stack.key}
+            # Warm-up (lazily loaded tokenizer, kernels, the embedder), on a collection of its own:
+            # not timed.
+            for v in variants:
+                run_facts_eval(1, seed + 1000, collection="warm-up", pipeline=f"v-{v}".lower(), **where)
+            # The inference service loads an embedding model on its first use (seconds): the guard's
+            # first call would pay for it, in whichever variant asked first.
+            headers = {"Authorization": f"Bearer {stack.key}"}
+            with httpx.Client(headers=headers, timeout=600) as client:
+                info = client.get(f"{urls['retrieval']}/v1/collections/warm-up").raise_for_status().json()
+                body = {"model": info["embedding_model"], "input": ["warm-up"]}
+                client.post(f"{urls['inference']}/v1/embeddings", json=body).raise_for_status()
+            outcomes = run_facts_evals(
+                count,
+                seed,
+                [f"v-{v}".lower() for v in variants],
+                collection=f"facts-{seed}-{count}",
+                progress=show,
+                **where,
+            )
+            # The guard judges on word overlap alone when embedding fails: say so, it changes
+            # what the variants measure.
+            fallbacks = (stack.home / "agent.log").read_text(errors="replace").count("embedding failed")
+            print(f"guard: {fallbacks} answer(s) judged on word overlap only because embedding failed")
+    summaries = {}
+    for v in variants:
+        answers = outcomes[f"v-{v}".lower()]
+        summaries[v] = summary = facts_summary(answers)
+        print_facts_summary(summary, f"{v}: {count} invented facts, seed {seed}")
+        (out / f"{v}-seed{seed}.json").write_text(
+            json.dumps({"summary": summary, "answers": [o.__dict__ for o in answers]}, indent=2)
+        )
+    first = variants[0]
+    for v in variants[1:]:
+        a, b = summaries[v]["total_p50_s"], summaries[first]["total_p50_s"]
+        print(f"full answer p50, {v} / {first}: {a:.2f} s / {b:.2f} s = {a / b:.2f}x (same run, interleaved)")
+    return summaries
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--count", type=int, default=50, help="questions (one invented fact each)")
@@ -88,71 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/answers-bench"))
     ap.add_argument("--show", action="store_true", help="print each answer")
     args = ap.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-
-    from services.cli.eval_rag import facts_summary, print_facts_summary, run_facts_eval
-    from services.common.auth import KeyStore
-    from services.common.redis_conn import sync_redis
-    from tests.helpers.models import smollm2_dir
-    from tests.helpers.servers import valkey_server
-
-    model_dir = smollm2_dir()
-    args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        home = Path(tmp)
-        pipelines = home / "pipelines"
-        pipelines.mkdir()
-        for v in variants:
-            (pipelines / f"v-{v}.yaml").write_text(yaml.safe_dump(variant_definition(v)))
-        redis_url = stack.enter_context(valkey_server(home / "valkey"))
-        key = KeyStore(sync_redis(redis_url)).create("bench")[0]
-        ports = {s: free_port() for s in ("retrieval", "inference", "agent")}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-        env.update(
-            TANDEM_HOME=str(home),
-            TANDEM_REDIS_URL=redis_url,
-            TANDEM_LOG_JSON="false",
-            HF_HUB_OFFLINE="1",
-            TANDEM_MODEL_ROOTS=f"{home}:{model_dir.parent}",
-            TANDEM_INFERENCE_MODEL=str(model_dir),
-            TANDEM_AGENT_TOKENIZER=str(model_dir),
-            TANDEM_AGENT_PIPELINES_DIR=str(pipelines),
-            **{f"TANDEM_{s.upper()}_PORT": str(p) for s, p in ports.items()},
-        )
-        procs = {}
-        for name in ("retrieval", "inference", "agent"):
-            procs[name] = start_service(name, ports[name], env, home)
-            stack.callback(procs[name].terminate)
-        urls = {s: f"http://127.0.0.1:{p}" for s, p in ports.items()}
-        for name, proc in procs.items():
-            wait_ready(urls[name], proc)
-        collection = f"facts-{args.seed}-{args.count}"
-        # Warm-up (lazily loaded tokenizer, kernels), on a collection of its own: not timed.
-        run_facts_eval(
-            1,
-            args.seed + 1000,
-            agent_url=urls["agent"],
-            retrieval_url=urls["retrieval"],
-            api_key=key,
-            collection="warm-up",
-            pipeline=f"v-{variants[0]}".lower(),
-        )
-        for v in variants:
-            outcomes = run_facts_eval(
-                args.count,
-                args.seed,
-                agent_url=urls["agent"],
-                retrieval_url=urls["retrieval"],
-                api_key=key,
-                collection=collection,
-                pipeline=f"v-{v}".lower(),
-                progress=args.show,
-            )
-            summary = facts_summary(outcomes)
-            print_facts_summary(summary, f"{v}: {args.count} invented facts, seed {args.seed}")
-            (args.out / f"{v}-seed{args.seed}.json").write_text(
-                json.dumps({"summary": summary, "answers": [o.__dict__ for o in outcomes]}, indent=2)
-            )
+    run(args.count, args.seed, [v for v in args.variants.split(",") if v], args.out, args.show)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import subprocess
 import sys
 import tempfile
@@ -254,14 +253,12 @@ def start_server(
     prefix_cache_mb: float = 64.0,
     extra_env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    from tests.helpers.servers import free_port
+    from benchmarks.agent.stack import free_port, service_env, uvicorn_command
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(
-        TANDEM_HOME=str(home),
-        TANDEM_REDIS_URL=redis_url,
-        TANDEM_LOG_JSON="false",
+    env = service_env(
+        home,
+        redis_url,
         TANDEM_LOG_LEVEL="WARNING",
         TANDEM_DEVICE=device,
         TANDEM_INFERENCE_MODEL=str(model_dir),
@@ -274,20 +271,7 @@ def start_server(
         TANDEM_INFERENCE_PREFIX_CACHE_MB=str(prefix_cache_mb),
     )
     env.update(extra_env or {})
-    cmd = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "services.inference.app:create_app",
-        "--factory",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+    proc = subprocess.Popen(uvicorn_command("inference", port), env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

@@ -18,7 +18,13 @@ from services.agent.chunks import Chunk
 from services.common.errors import NotFound
 from services.common.http import service_client
 from services.common.openai_client import OpenAIClient
-from services.common.openai_stream import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList
+from services.common.openai_stream import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    EmbeddingList,
+    ModelCard,
+    ModelList,
+)
 from services.common.replicas import ReplicaPool
 from services.common.upstream import (
     UpstreamFailed,
@@ -78,6 +84,17 @@ class RetrievalClient(_ServiceClient):
             raise NotFound(f"unknown collection {collection!r}", param="collection") from None
         return [Chunk.from_result(item) for item in found.get("results", [])]
 
+    async def embedding_model(self, collection: str) -> str:
+        """The embedding model ``collection`` was built with (as the inference service names it)."""
+        try:
+            async with self._client() as client:
+                resp = await client.get(f"/v1/collections/{collection}")
+        except httpx.HTTPError as exc:
+            raise unreachable(self.service, exc) from exc
+        if resp.status_code >= 400:
+            raise upstream_error(UpstreamReply.of(self.service, resp), param="collection")
+        return str(resp.json()["embedding_model"])
+
     async def document_titles(self, collection: str, document_ids: list[str]) -> dict[str, str]:
         """Titles of documents (best effort: search hits may not carry them)."""
         out: dict[str, str] = {}
@@ -114,6 +131,14 @@ class InferenceClient:
             return await self.api.request_as(
                 ChatCompletion, "POST", "/chat/completions", {**body, "stream": False}
             )
+        except (UpstreamFailed, httpx.HTTPError) as exc:
+            raise tandem_error("inference", exc) from exc
+
+    async def embed(self, model: str, texts: list[str]) -> list[list[float]]:
+        """``/v1/embeddings``: one vector per text, in order (L2-normalised by the service)."""
+        try:
+            body = {"model": model, "input": texts}
+            return (await self.api.request_as(EmbeddingList, "POST", "/embeddings", body)).vectors()
         except (UpstreamFailed, httpx.HTTPError) as exc:
             raise tandem_error("inference", exc) from exc
 

@@ -42,6 +42,14 @@ class AgentSettings(TenantLimitSettings):
             "unsupported sentences of the rest are flagged."
         ),
     )
+    grounding_embedder: bool = Field(
+        True,
+        description=(
+            "The groundedness guard also judges the sentences word overlap misses with the "
+            "collection's embedding model (inference's /v1/embeddings); off, or when that fails: "
+            "word overlap only."
+        ),
+    )
     top_k: int = Field(5, ge=1, le=100, description="Chunks retrieved for chat-documents.")
     min_relevance: float = Field(
         0.25,

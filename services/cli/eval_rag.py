@@ -364,7 +364,7 @@ def rag_command(
         )
 
 
-__all__ = ["rag_command", "run_facts_eval", "run_rag_eval"]
+__all__ = ["rag_command", "run_facts_eval", "run_facts_evals", "run_rag_eval"]
 
 
 # -- the invented-facts question set ------------------------------------------------------------
@@ -450,19 +450,29 @@ def facts_summary(outcomes: list[FactOutcome]) -> dict[str, Any]:
 
 
 def run_facts_eval(
+    count: int, seed: int, *, pipeline: str = "chat-documents", **where: Any
+) -> list[FactOutcome]:
+    """Ingests ``count`` invented facts of ``seed`` (unless the collection exists) and asks each
+    through ``pipeline``; ``where``: the keyword arguments of ``run_facts_evals``."""
+    return run_facts_evals(count, seed, [pipeline], **where)[pipeline]
+
+
+def run_facts_evals(
     count: int,
     seed: int,
+    pipelines: list[str],
     *,
     agent_url: str,
     retrieval_url: str,
     api_key: str,
     collection: str,
-    pipeline: str = "chat-documents",
     llm: str | None = None,
     timeout: float = 300.0,
     progress: bool = False,
-) -> list[FactOutcome]:
-    """Ingests ``count`` invented facts of ``seed`` (unless the collection exists) and asks each."""
+) -> dict[str, list[FactOutcome]]:
+    """``run_facts_eval`` through several pipelines, interleaved: each question is asked through
+    every pipeline before the next question (the first pipeline in turn), so a load that comes and
+    goes on the machine falls on all of them alike and their timings compare."""
     from services.cli.factset import make_facts
 
     facts = make_facts(count, seed)
@@ -471,16 +481,19 @@ def run_facts_eval(
     with httpx.Client(base_url=retrieval_url, headers=headers, timeout=timeout) as rc:
         ingest(rc, collection, BeirSet(corpus, {}, {}))
     documents = [f.text for f in facts]
-    outcomes = []
+    outcomes: dict[str, list[FactOutcome]] = {p: [] for p in pipelines}
     with httpx.Client(base_url=agent_url, headers=headers, timeout=timeout) as ac:
         for i, fact in enumerate(facts):
-            outcome = judge_fact(fact, ask(ac, pipeline, collection, fact.question, llm), documents)
-            outcomes.append(outcome)
-            if progress:
-                mark = ("F" if outcome.stated else "-") + ("D" if outcome.right_doc else "-")
-                mark += ("M" if outcome.model_marker else "-") + ("X " if outcome.extractive else "- ")
-                line = f"{i + 1:>3} {mark}{fact.question!r} -> {outcome.answer.strip()[:140]!r}"
-                console.print(line, markup=False, highlight=False, soft_wrap=True)
+            turn = i % len(pipelines)
+            for pipeline in pipelines[turn:] + pipelines[:turn]:
+                outcome = judge_fact(fact, ask(ac, pipeline, collection, fact.question, llm), documents)
+                outcomes[pipeline].append(outcome)
+                if progress:
+                    mark = ("F" if outcome.stated else "-") + ("D" if outcome.right_doc else "-")
+                    mark += ("M" if outcome.model_marker else "-") + ("X " if outcome.extractive else "- ")
+                    which = f"{pipeline} " if len(pipelines) > 1 else ""
+                    line = f"{i + 1:>3} {which}{mark}{fact.question!r} -> {outcome.answer.strip()[:140]!r}"
+                    console.print(line, markup=False, highlight=False, soft_wrap=True)
     return outcomes
 
 

@@ -220,6 +220,21 @@ class ModelList(_Open):
     data: list[ModelCard] = []
 
 
+class Embedding(_Open):
+    index: int
+    embedding: list[float]
+
+
+class EmbeddingList(_Open):
+    """``/v1/embeddings``'s answer (float vectors)."""
+
+    data: list[Embedding] = []
+
+    def vectors(self) -> list[list[float]]:
+        """One vector per input, in the inputs' order."""
+        return [e.embedding for e in sorted(self.data, key=lambda e: e.index)]
+
+
 Chunk = TypeVar("Chunk", ChatCompletionChunk, CompletionChunk)
 
 

@@ -1,20 +1,32 @@
 """The groundedness guard: degenerate answers are replaced by cited source sentences, partly
 supported ones are flagged, and the setting turns it off. Run as a pipeline node over a real
-RunState (the services it would call are not needed: the guard only reads the sources)."""
+RunState. Word overlap needs no service; the embedding side runs against a real inference
+service (all-MiniLM-L6-v2 on /v1/embeddings) and a real retrieval service whose collection
+embeds through it, over real HTTP."""
 
 from __future__ import annotations
 
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from services.agent.chunks import Chunk
 from services.agent.citations import CitationTracker
+from services.agent.clients import InferenceClient, RetrievalClient
 from services.agent.config import AgentSettings
 from services.agent.grounding import check, extractive_answer, repeats_sentence
 from services.agent.pipelines.components import GuardNode
 from services.agent.pipelines.state import RunContext, RunState
 from services.cli.factset import make_facts, states
+from services.common.config import CommonSettings
+from tests.conftest import auth
+from tests.helpers.servers import free_port, serve_app
 
 pytestmark = pytest.mark.anyio
 
@@ -28,16 +40,28 @@ QUESTION = "What is the capital of Germany?"
 
 
 async def guard(
-    answer: str, *, enabled: bool | None = None, finish_reason: str = "stop"
+    answer: str,
+    *,
+    enabled: bool | None = None,
+    finish_reason: str = "stop",
+    chunks: list[Chunk] = CHUNKS,
+    question: str = QUESTION,
+    collection: str = "geo",
+    upstreams: tuple[RetrievalClient, InferenceClient] | None = None,
+    params: dict[str, Any] | None = None,
 ) -> tuple[RunState, list[dict[str, Any]]]:
-    state = RunState(question=QUESTION, collection="geo")
-    state.chunks = list(CHUNKS)
-    state.tracker = CitationTracker(list(CHUNKS))
+    """Runs the guard node; without ``upstreams`` on word overlap only (the embedder setting off)."""
+    state = RunState(question=question, collection=collection)
+    state.chunks = list(chunks)
+    state.tracker = CitationTracker(list(chunks))
     state.answer = state.completion = answer
     state.finish_reason = finish_reason
-    settings = AgentSettings()
-    ctx = RunContext(settings=settings, retrieval=None, inference=None, counter=None, model="m")  # type: ignore[arg-type]
-    node = GuardNode(GuardNode.P.model_validate({} if enabled is None else {"enabled": enabled}))
+    settings = AgentSettings(grounding_embedder=upstreams is not None)
+    retrieval, inference = upstreams or (None, None)
+    ctx = RunContext(settings=settings, retrieval=retrieval, inference=inference, counter=None, model="m")  # type: ignore[arg-type]
+    node = GuardNode(
+        GuardNode.P.model_validate({**(params or {}), **({} if enabled is None else {"enabled": enabled})})
+    )
     events = [e async for e in node.run(state, ctx)]
     return state, events
 
@@ -141,3 +165,151 @@ def test_a_sentence_is_supported_only_by_a_source_holding_its_names_and_numbers(
         ).verdict
         == "ok"
     )
+
+
+# -- the embedding side: the collection's embedder, through real services ------------------------
+
+[TOWN] = [f for f in make_facts(2, seed=1) if f.question.startswith("On which river")]
+# "The town of Bonddros lies on the river Nondrath." among two distractor sentences.
+TOWN_CHUNKS = [Chunk(TOWN.fact_id, TOWN.fact_id, TOWN.text, title=TOWN.title), *CHUNKS]
+# Says what the source says in other words: overlap finds "flows right through" nowhere.
+PARAPHRASE = "The river Nondrath flows right through the town of Bonddros."
+UNSUPPORTED = "The town is famous for its yearly cheese market."
+
+
+@pytest.fixture(scope="module")
+def services(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model_path: Path
+) -> Iterator[tuple[str, str, str]]:
+    """(retrieval URL, inference URL, key): inference serves all-MiniLM-L6-v2 on /v1/embeddings and
+    the retrieval service embeds through it; one collection, ``towns``, built with that model."""
+    import redis
+
+    from services.common.auth import KeyStore
+    from services.inference.app import create_app as inference_app
+    from services.inference.config import InferenceSettings
+    from services.retrieval.app import create_app as retrieval_app
+    from services.retrieval.config import RetrievalSettings
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    key = KeyStore(client).create("acme")[0]
+    client.close()
+    home = tmp_path_factory.mktemp("guard-home")
+
+    def common(name: str) -> CommonSettings:
+        (home / name).mkdir()
+        return CommonSettings(home=home / name, redis_url=redis_url, log_json=False, service_api_key=key)
+
+    inference = inference_app(
+        common("inference"),
+        InferenceSettings(model=str(tiny_model_path), max_model_len=128, embedding_dtype="float32"),
+    )
+    with serve_app(inference) as i_url:
+        retrieval = retrieval_app(common("retrieval"), RetrievalSettings(embedder_url=f"{i_url}/v1"))
+        with serve_app(retrieval) as r_url:
+            r = httpx.post(f"{r_url}/v1/collections", json={"name": "towns"}, headers=auth(key), timeout=120)
+            assert r.status_code == 201, r.text
+            assert r.json()["embedding_model"] == "all-MiniLM-L6-v2"
+            yield r_url, i_url, key
+
+
+async def test_a_paraphrase_the_overlap_misses_is_kept_with_the_collections_embedder(
+    services: tuple[str, str, str],
+) -> None:
+    r_url, i_url, key = services
+    upstreams = (RetrievalClient(r_url, key), InferenceClient(i_url, key))
+    # Word overlap alone finds the paraphrase unsupported and replaces it.
+    lexical, events = await guard(PARAPHRASE, chunks=TOWN_CHUNKS, question=TOWN.question)
+    assert lexical.grounding == "unsupported" and lexical.answer_kind == "extractive"
+    assert states(lexical.answer, TOWN.answer) and events[0]["type"] == "reset"
+    # With the collection's embedder it is supported and shown as written.
+    state, events = await guard(
+        PARAPHRASE, chunks=TOWN_CHUNKS, question=TOWN.question, collection="towns", upstreams=upstreams
+    )
+    assert events == [] and state.answer == PARAPHRASE and state.answer_kind == "generated"
+    assert state.grounding == "ok" and state.groundedness == 1.0 and state.unsupported == []
+    # An unsupported sentence next to it is still flagged (and the answer kept, partly supported).
+    answer = f"{PARAPHRASE} {UNSUPPORTED}"
+    state, events = await guard(
+        answer, chunks=TOWN_CHUNKS, question=TOWN.question, collection="towns", upstreams=upstreams
+    )
+    assert events == [] and state.answer == answer and state.grounding == "partial"
+    assert [u["text"] for u in state.unsupported] == [UNSUPPORTED]
+    assert state.groundedness == 0.5
+
+
+async def test_a_wrong_fact_about_the_right_entity_is_not_supported_by_similarity(
+    services: tuple[str, str, str],
+) -> None:
+    r_url, i_url, key = services
+    upstreams = (RetrievalClient(r_url, key), InferenceClient(i_url, key))
+    # Close in meaning to the source sentence (same town, same shape), but the source never says it.
+    state, events = await guard(
+        "The town of Bonddros lies in a wide valley full of farms.",
+        chunks=TOWN_CHUNKS,
+        question=TOWN.question,
+        collection="towns",
+        upstreams=upstreams,
+    )
+    assert state.grounding == "unsupported" and state.answer_kind == "extractive"
+    assert states(state.answer, TOWN.answer) and events[0] == {"type": "reset", "reason": "unsupported"}
+
+
+async def test_when_embedding_fails_the_guard_falls_back_to_word_overlap_and_logs_it(
+    services: tuple[str, str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    r_url, _, key = services
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the inference service is down
+    for upstreams in [
+        (RetrievalClient(r_url, key), InferenceClient(down, key)),
+        (RetrievalClient(r_url, key), InferenceClient(r_url, key)),  # a service without /v1/embeddings
+        (RetrievalClient(down, key), InferenceClient(down, key)),
+    ]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tandem.agent.guard"):
+            state, events = await guard(
+                PARAPHRASE,
+                chunks=TOWN_CHUNKS,
+                question=TOWN.question,
+                collection="towns",
+                upstreams=upstreams,
+            )
+        # The lexical verdict, as with the embedder off: replaced, never an error.
+        assert state.grounding == "unsupported" and state.answer_kind == "extractive"
+        assert states(state.answer, TOWN.answer) and not any(e["type"] == "error" for e in events)
+        assert any("embedding failed" in r.getMessage() for r in caplog.records), upstreams
+
+
+async def test_a_stuck_embedding_service_does_not_hold_the_answer(
+    services: tuple[str, str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    r_url, _, key = services
+    with socket.socket() as stuck:  # accepts connections (the kernel's backlog), never answers
+        stuck.bind(("127.0.0.1", 0))
+        stuck.listen(8)
+        inference = InferenceClient(f"http://127.0.0.1:{stuck.getsockname()[1]}", key, timeout=120)
+        with caplog.at_level(logging.WARNING, logger="tandem.agent.guard"):
+            started = time.monotonic()
+            state, _ = await guard(
+                PARAPHRASE,
+                chunks=TOWN_CHUNKS,
+                question=TOWN.question,
+                collection="towns",
+                upstreams=(RetrievalClient(r_url, key), inference),
+                params={"embed_timeout_s": 0.5},
+            )
+            waited = time.monotonic() - started
+    assert state.grounding == "unsupported" and state.answer_kind == "extractive"
+    assert waited < 60, waited  # the guard's own limit, not the client's 120 s
+    assert any("no answer in 0.5 s" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_answer_the_overlap_supports_needs_no_embedding(services: tuple[str, str, str]) -> None:
+    _, _, key = services
+    down = f"http://127.0.0.1:{free_port()}"
+    # Both services down, yet no warning and no cost: nothing was left for the embedder to judge.
+    state, events = await guard(
+        "Berlin is the capital of Germany [2].",
+        upstreams=(RetrievalClient(down, key), InferenceClient(down, key)),
+    )
+    assert events == [] and state.grounding == "ok"

@@ -8,7 +8,9 @@ events it produces (tokens, citations) as they happen.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, Protocol
@@ -18,15 +20,23 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.agent.chunks import Chunk, Citation
 from services.agent.citations import CitationTracker, attribute
 from services.agent.events import CitationEvent, ResetEvent, TokenEvent
-from services.agent.grounding import check, extractive_answer
+from services.agent.grounding import (
+    MIN_SIMILARITY,
+    GroundingReport,
+    check,
+    extractive_answer,
+    with_embeddings,
+)
 from services.agent.highlight import highlight
 from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
 from services.agent.repetition import RepetitionGuard
 from services.agent.rewrite import HistoryRewriter, QueryRewriter
 from services.agent.text import content_terms, overlap
-from services.common.errors import InvalidRequest
+from services.common.errors import InvalidRequest, TandemError
 
 from .state import EventStream, RunContext, RunState
+
+log = logging.getLogger("tandem.agent.guard")
 
 NO_CONTEXT_ANSWER = "I don't know: nothing in the collection {collection!r} is relevant to this question."
 
@@ -388,10 +398,42 @@ class GuardNode:
     class P(Params):
         enabled: bool | None = None  # None: the agent's ``grounding_guard`` setting
         min_support: float = Field(0.5, ge=0.0, le=1.0)
+        # Sentences the overlap misses are judged again with the collection's embedder (through
+        # inference's /v1/embeddings). None: the agent's ``grounding_embedder`` setting.
+        embedder: bool | None = None
+        min_similarity: float = Field(MIN_SIMILARITY, ge=-1.0, le=1.0)
+        # Embedding a few sentences takes well under a second; a stuck service must not hold the
+        # answer for the client's whole timeout.
+        embed_timeout_s: float = Field(10.0, gt=0.0, le=300.0)
         max_sentences: int = Field(2, ge=1, le=10)
 
     def __init__(self, p: P) -> None:
         self.p = p
+
+    async def _with_embeddings(
+        self, report: GroundingReport, state: RunState, ctx: RunContext, sources: list[str]
+    ) -> GroundingReport:
+        """The embedding side of the check; on any failure (a service down, a model inference does
+        not serve) the lexical verdict stands: the answer must never fail for it."""
+        collection = state.collection
+        if collection is None:
+            return report
+
+        async def embed(texts: list[str]) -> list[list[float]]:
+            model = await ctx.retrieval.embedding_model(collection)
+            return await ctx.inference.embed(model, texts)
+
+        try:
+            async with asyncio.timeout(self.p.embed_timeout_s):
+                return await with_embeddings(report, state.answer, sources, embed, self.p.min_similarity)
+        except TimeoutError:
+            log.warning(
+                "groundedness guard: lexical overlap only, embedding failed: no answer in %s s",
+                self.p.embed_timeout_s,
+            )
+        except (TandemError, ValueError, KeyError, TypeError) as exc:
+            log.warning("groundedness guard: lexical overlap only, embedding failed: %s", exc)
+        return report
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         enabled = ctx.settings.grounding_guard if self.p.enabled is None else self.p.enabled
@@ -409,6 +451,9 @@ class GuardNode:
             self.p.min_support,
             repeated=state.finish_reason == "repetition",
         )
+        embedder = ctx.settings.grounding_embedder if self.p.embedder is None else self.p.embedder
+        if embedder:
+            report = await self._with_embeddings(report, state, ctx, [c.text for c in chunks])
         state.grounding = report.verdict
         state.groundedness = report.share
         if not report.degenerate:
