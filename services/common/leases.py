@@ -21,8 +21,31 @@ from collections.abc import Callable
 from typing import cast
 
 import redis
+from pydantic import Field
+
+from services.common.config import ServiceSettings
 
 log = logging.getLogger("tandem.leases")
+
+
+class JobLeaseSettings(ServiceSettings):
+    """How a service's workers keep their jobs' leases (``TANDEM_<SERVICE>_HEARTBEAT_INTERVAL_S``...)."""
+
+    heartbeat_interval_s: float = Field(
+        5.0, gt=0, description="How often a running job renews its lease (heartbeat) in Redis."
+    )
+    stale_after_s: float = Field(
+        30.0,
+        gt=0,
+        description="A running job whose lease was not renewed for this long is taken as orphaned (its worker died) and requeued.",
+    )
+    recovery_interval_s: float = Field(
+        15.0, gt=0, description="How often each worker scans for orphaned jobs to requeue."
+    )
+    max_recoveries: int = Field(
+        3, ge=0, description="How many times a job is requeued after its worker died before it is failed."
+    )
+
 
 LEASE_GC_MS = 3_600_000
 # ARGV: owner, now (ms), ttl (ms), gc (ms). Taken only when nobody holds a live lease.
@@ -140,3 +163,17 @@ class Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.thread.join(5)
+
+
+def recovery_loop(scan: Callable[[], list[str]], interval_s: float, stop: threading.Event, what: str) -> None:
+    """Run ``scan`` (which requeues orphaned jobs and returns their ids) now and then every
+    ``interval_s`` until ``stop`` is set: the body of a worker's recovery thread."""
+    while True:
+        try:
+            found = scan()
+            if found:
+                log.warning("requeued orphaned %s: %s", what, ", ".join(found))
+        except Exception:  # Redis away for a moment: the next scan tries again
+            log.exception("orphan recovery of %s failed", what)
+        if stop.wait(interval_s):
+            return

@@ -8,13 +8,14 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ModelDType, TenantQuotaSettings
+from services.common.leases import JobLeaseSettings
 from services.common.ratelimit import TenantLimitSettings
 
 IndexKind = Literal["auto", "flat", "hnsw", "ivf"]
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 
-class RetrievalSettings(TenantLimitSettings, TenantQuotaSettings):
+class RetrievalSettings(TenantLimitSettings, TenantQuotaSettings, JobLeaseSettings):
     """(Parse limits apply in the ingestion worker, where PDF, DOCX and HTML files are parsed.)"""
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_RETRIEVAL_", extra="ignore")

@@ -8,6 +8,11 @@ process with limits (core/sandbox.py), and a file that fails is a per-file error
 job's ``file_errors`` while the other files are ingested. The task carries only ids. The worker commits documents in batches, so everything
 committed is acknowledged even if the job dies later; re-running a job is idempotent
 (content-derived chunk ids make re-ingested chunks no-ops).
+
+A worker runs a job under its lease (``run_leased``: services/common/leases.py). A worker
+killed mid-job stops renewing it; every io worker scans now and then (``recover_orphans``)
+and puts such a job back on the queue within ``TANDEM_RETRIEVAL_STALE_AFTER_S`` plus a
+scan interval, rather than after the broker's visibility timeout (a week).
 """
 
 from __future__ import annotations
@@ -16,12 +21,18 @@ import json
 import logging
 import os
 import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from celery import Celery
 
 from services.common.errors import InvalidRequest, TandemError
+from services.common.jobs import TERMINAL
+from services.common.leases import Heartbeat, JobLeaseSettings
 from services.retrieval.core.atomic import atomic_write, fsync_dir
 from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.jobs import JobStore, new_job_id
@@ -190,3 +201,66 @@ def run_job(
         log.exception("ingestion job %s failed", job_id)
         jobs.update(job_id, status="failed", error=f"{type(exc).__name__}: {exc}")
         raise
+
+
+Dispatch = Callable[[str, str, str], None]  # (tenant, collection, job_id): queue the task again
+
+
+def run_leased(
+    manager: CollectionManager,
+    jobs: JobStore,
+    settings: JobLeaseSettings,
+    tenant: str,
+    collection: str,
+    job_id: str,
+    owner: str | None = None,
+) -> dict[str, Any]:
+    """``run_job`` under the job's lease: a job another live worker holds, or one already
+    finished (a redelivered message), is left alone."""
+    owner = owner or f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{time.time_ns()}"
+    raw = jobs.raw(job_id)
+    if raw.get("status") in TERMINAL:
+        return {"skipped": f"job {job_id} is {raw['status']}"}
+    if not jobs.leases.acquire(job_id, owner, settings.stale_after_s):
+        log.info("ingestion job %s is held by %s; not running it twice", job_id, jobs.leases.owner(job_id))
+        return {"skipped": f"job {job_id} is running elsewhere"}
+    try:
+        jobs.update(job_id, attempts=int(raw.get("attempts") or 0) + 1)
+
+        def beat(_reacquired: bool) -> None:
+            jobs.update(job_id, heartbeat=time.time())
+
+        with Heartbeat(
+            jobs.leases, job_id, owner, settings.stale_after_s, settings.heartbeat_interval_s, beat
+        ):
+            return run_job(manager, jobs, tenant, collection, job_id)
+    finally:
+        jobs.leases.release(job_id, owner)
+
+
+def recover_orphans(jobs: JobStore, settings: JobLeaseSettings, dispatch: Dispatch) -> list[str]:
+    """Requeue running ingestion jobs whose lease expired (their worker died); fail those
+    requeued ``max_recoveries`` times already."""
+    requeued = []
+    for job_id in jobs.active_jobs():
+        raw = jobs.raw(job_id)
+        if not raw or raw.get("status") in TERMINAL:
+            jobs.forget_active(job_id)
+            continue
+        # Queued: waiting for a worker, or taken by one that died before its lease (a moment's
+        # window); running with a live lease: its worker is alive.
+        if raw.get("status") != "running" or jobs.leases.owner(job_id) is not None:
+            continue
+        attempts = int(raw.get("attempts") or 0)
+        if not jobs.leases.claim_requeue(job_id, attempts):
+            continue  # another worker requeued this attempt
+        if attempts > settings.max_recoveries:
+            jobs.update(job_id, status="failed", error=f"ingestion worker lost {attempts} times; giving up")
+            continue
+        log.warning(
+            "ingestion job %s: worker of attempt %d stopped renewing its lease; requeued", job_id, attempts
+        )
+        jobs.update(job_id, status="queued")
+        dispatch(raw["tenant"], raw["collection"], job_id)
+        requeued.append(job_id)
+    return requeued

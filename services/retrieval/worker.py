@@ -2,31 +2,42 @@
 
 It runs ingestion jobs: the embedding model is loaded once per worker process and
 shared by its threads (``--pool threads``); the collection's SQLite log is how the API
-process learns about the new chunks.
+process learns about the new chunks. Each job runs under a lease; every worker scans at
+start-up and every ``TANDEM_RETRIEVAL_RECOVERY_INTERVAL_S`` for jobs whose worker died
+(``ingest.recover_orphans``) and requeues them.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
+
+from celery.signals import worker_ready, worker_shutdown
 
 from services.common.celery_app import make_celery
 from services.common.config import CommonSettings, load_settings
+from services.common.leases import recovery_loop
 from services.common.redis_conn import sync_redis
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.jobs import JobStore
 from services.retrieval.core.registry import CollectionManager
-from services.retrieval.ingest import TASK_NAME, run_job
+from services.retrieval.ingest import TASK_NAME, recover_orphans, run_leased
 
 common = load_settings(CommonSettings, check_unknown=False)
 celery_app = make_celery("retrieval", common.redis_url, default_queue="io")
+_stop = threading.Event()
+
+
+@functools.cache
+def _settings() -> RetrievalSettings:
+    return load_settings(RetrievalSettings, check_unknown=False)
 
 
 @functools.cache
 def _manager() -> CollectionManager:
-    settings = load_settings(RetrievalSettings, check_unknown=False)
     return CollectionManager(
-        common.home_dir, settings, common.allowed_model_roots, service_api_key=common.service_api_key
+        common.home_dir, _settings(), common.allowed_model_roots, service_api_key=common.service_api_key
     )
 
 
@@ -37,4 +48,26 @@ def _jobs() -> JobStore:
 
 @celery_app.task(name=TASK_NAME, bind=True)
 def ingest(self: Any, tenant: str, collection: str, job_id: str) -> dict[str, Any]:
-    return run_job(_manager(), _jobs(), tenant, collection, job_id)
+    return run_leased(_manager(), _jobs(), _settings(), tenant, collection, job_id)
+
+
+def dispatch(tenant: str, collection: str, job_id: str) -> None:
+    celery_app.send_task(TASK_NAME, args=[tenant, collection, job_id], queue="io")
+
+
+@worker_ready.connect
+def _on_ready(**_: Any) -> None:
+    def scan() -> list[str]:
+        return recover_orphans(_jobs(), _settings(), dispatch)
+
+    threading.Thread(
+        target=recovery_loop,
+        args=(scan, _settings().recovery_interval_s, _stop, "ingestion jobs"),
+        name="ingestion-recovery",
+        daemon=True,
+    ).start()
+
+
+@worker_shutdown.connect
+def _on_shutdown(**_: Any) -> None:
+    _stop.set()

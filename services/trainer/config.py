@@ -6,10 +6,11 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import TenantQuotaSettings
+from services.common.leases import JobLeaseSettings
 from services.common.ratelimit import TenantLimitSettings
 
 
-class TrainerSettings(TenantLimitSettings, TenantQuotaSettings):
+class TrainerSettings(TenantLimitSettings, TenantQuotaSettings, JobLeaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_TRAINER_", extra="ignore")
 
     max_dataset_mb: int = Field(200, ge=1, description="Largest dataset file POST /v1/files accepts, in MiB.")
@@ -27,20 +28,6 @@ class TrainerSettings(TenantLimitSettings, TenantQuotaSettings):
     )
     keep_checkpoints: int = Field(
         2, ge=1, description="How many most recent checkpoints a job keeps on disk."
-    )
-    heartbeat_interval_s: float = Field(
-        5.0, gt=0, description="How often a running job refreshes its heartbeat in Redis."
-    )
-    stale_after_s: float = Field(
-        30.0,
-        gt=0,
-        description="A running job whose heartbeat is older than this is taken as orphaned (its worker died) and requeued.",
-    )
-    recovery_interval_s: float = Field(
-        15.0, gt=0, description="How often each worker scans for orphaned jobs to requeue."
-    )
-    max_recoveries: int = Field(
-        3, ge=0, description="How many times a job is requeued after its worker died before it is failed."
     )
     default_queue: str = Field(
         "cpu",

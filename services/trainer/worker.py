@@ -18,6 +18,7 @@ from celery.signals import worker_ready, worker_shutdown
 
 from services.common.celery_app import make_celery
 from services.common.config import CommonSettings, load_settings
+from services.common.leases import recovery_loop
 from services.common.redis_conn import sync_redis
 from services.trainer.config import TrainerSettings
 
@@ -91,15 +92,12 @@ def _recovery_loop() -> None:
 
     settings = load_settings(TrainerSettings, check_unknown=False)
     store = _store()
-    while True:
-        try:
-            found = recover_orphans(store, settings, dispatch)
-            if found:
-                log.warning("requeued orphaned jobs: %s", ", ".join(found))
-        except Exception:
-            log.exception("orphan recovery failed")
-        if _stop.wait(settings.recovery_interval_s):
-            return
+    recovery_loop(
+        lambda: recover_orphans(store, settings, dispatch),
+        settings.recovery_interval_s,
+        _stop,
+        "training jobs",
+    )
 
 
 @worker_ready.connect

@@ -2,7 +2,11 @@
 
 ``tandem:retrieval:job:<id>`` holds tenant, collection, status (queued, running,
 succeeded, failed: services/common/jobs.py's names), progress (chunks done / total, documents done / total), the error
-if any, and timestamps. Jobs expire a week after they finish.
+if any, attempts, and timestamps. Jobs expire a week after they finish.
+
+``tandem:retrieval:active`` holds the ids of jobs not yet finished, and
+``tandem:retrieval:job:<id>:lease`` the lease of the worker running one (services/common/leases.py):
+a worker killed mid-job stops renewing it, and a recovery scan requeues the job.
 """
 
 from __future__ import annotations
@@ -14,14 +18,17 @@ from typing import Any
 
 import redis
 
-from services.common.jobs import JobStatus
+from services.common.jobs import TERMINAL, JobStatus
+from services.common.leases import Clock, Leases
 from services.retrieval.protocol import Job
 
 JOB_TTL_S = 7 * 24 * 3600
+PREFIX = "tandem:retrieval:"
+ACTIVE = f"{PREFIX}active"
 
 
 def job_key(job_id: str) -> str:
-    return f"tandem:retrieval:job:{job_id}"
+    return f"{PREFIX}job:{job_id}"
 
 
 def new_job_id() -> str:
@@ -55,8 +62,9 @@ def decode_job(job_id: str, raw: dict[str, str]) -> Job:
 class JobStore:
     """Synchronous (worker side and tests)."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, clock: Clock | None = None) -> None:
         self.r = client
+        self.leases = Leases(client, PREFIX, clock)
 
     def create(
         self, job_id: str, tenant: str, collection: str, *, filename: str = "", documents: int = 0
@@ -78,6 +86,7 @@ class JobStore:
             },
         )
         self.r.expire(job_key(job_id), JOB_TTL_S)
+        self.r.sadd(ACTIVE, job_id)
 
     def update(self, job_id: str, *, status: JobStatus | None = None, **fields: Any) -> None:
         if status is not None:
@@ -89,7 +98,19 @@ class JobStore:
         }
         mapping["updated_at"] = time.time()
         self.r.hset(job_key(job_id), mapping=mapping)  # type: ignore[arg-type]
+        if status in TERMINAL:
+            self.r.srem(ACTIVE, job_id)
 
     def get(self, job_id: str) -> Job | None:
         raw = self.r.hgetall(job_key(job_id))
         return decode_job(job_id, raw) if raw else None  # type: ignore[arg-type]
+
+    def raw(self, job_id: str) -> dict[str, str]:
+        """The job's hash as stored (tenant, collection, attempts...); empty when there is none."""
+        return dict(self.r.hgetall(job_key(job_id)))  # type: ignore[arg-type]
+
+    def active_jobs(self) -> list[str]:
+        return sorted(str(x) for x in self.r.smembers(ACTIVE))  # type: ignore[union-attr]
+
+    def forget_active(self, job_id: str) -> None:
+        self.r.srem(ACTIVE, job_id)
