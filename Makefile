@@ -52,7 +52,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check services kernels tests benchmarks
 	$(VENV)/bin/mypy
 	# the shared layer and the inference wire types are held to --strict (issue 18)
-	$(VENV)/bin/mypy --strict services/common services/inference/protocol.py services/inference/protocol_embeddings.py
+	$(VENV)/bin/mypy --strict services/common services/inference/protocol.py services/inference/protocol_embeddings.py services/agent/events.py services/retrieval/core/filters.py
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format services kernels tests benchmarks

@@ -73,7 +73,7 @@ def redis_clock(client: redis.Redis) -> Clock:
     """The Redis server's time: one clock for every worker, whatever their own clocks say."""
 
     def now() -> float:
-        sec, usec = cast(tuple[int, int], client.time())
+        sec, usec = client.time()
         return sec + usec / 1e6
 
     return now

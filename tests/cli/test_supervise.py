@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from services.cli.stack import pid_alive
 from services.cli.supervise import Backoff, Child, Supervisor, read_state
+from tests.helpers.waiting import wait_until
 
 
 def test_backoff_doubles_up_to_its_maximum_and_resets_after_a_long_run() -> None:
@@ -68,16 +68,6 @@ def test_a_crashing_component_is_restarted_with_growing_delays(tmp_path: Path) -
     assert state.last_exit_text() == "exit 3"
 
 
-def _wait_for(predicate, timeout: float = 60.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not true within {timeout}s: {predicate}")
-
-
 def test_kill_9_of_the_component_restarts_it_and_sigterm_stops_everything(tmp_path: Path) -> None:
     state_file = tmp_path / "svc.state.json"
     sup = subprocess.Popen(
@@ -97,16 +87,16 @@ def test_kill_9_of_the_component_restarts_it_and_sigterm_stops_everything(tmp_pa
         start_new_session=True,  # as tandem up starts it: the supervisor leads the group
     )
     try:
-        first = _wait_for(lambda: (s := read_state(state_file)) and s.pid and s)
+        first = wait_until(lambda: (s := read_state(state_file)) and s.pid and s)
         assert first.supervisor_pid == sup.pid and first.restarts == 0
         os.kill(first.pid, signal.SIGKILL)
-        second = _wait_for(lambda: (s := read_state(state_file)) and s.pid and s.restarts == 1 and s)
+        second = wait_until(lambda: (s := read_state(state_file)) and s.pid and s.restarts == 1 and s)
         assert second.pid != first.pid and pid_alive(second.pid)
         assert second.last_exit == -signal.SIGKILL
         assert second.last_exit_text() == "killed by SIGKILL"
         os.killpg(sup.pid, signal.SIGTERM)  # what `tandem down` does
         assert sup.wait(30) == 0
-        _wait_for(lambda: not pid_alive(second.pid))
+        wait_until(lambda: not pid_alive(second.pid))
         final = read_state(state_file)
         assert final is not None and final.stopping and final.restarts == 1
     finally:

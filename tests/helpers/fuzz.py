@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from schemathesis.specs.openapi.checks import (
 from schemathesis.specs.openapi.schemas import OpenApiSchema
 
 from services.common.config import CommonSettings
+from tests.helpers.waiting import wait_until
 
 # No 5xx; the status code is one the operation declares; the Content-Type and the body match
 # what the schema declares for that status.
@@ -98,10 +98,12 @@ def wait_ready(url: str, key: str, schema: OpenApiSchema, timeout: float = 120) 
     """Wait for /readyz (a 503 before then is the truth, not what the fuzzer tests), and check
     that the served schema is the one the tests were generated from."""
     headers = {"Authorization": f"Bearer {key}"}
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{url}/readyz", headers=headers, timeout=30).status_code != 200:
-        assert time.monotonic() < deadline, httpx.get(f"{url}/readyz", headers=headers).text
-        time.sleep(0.2)
+    wait_until(
+        lambda: httpx.get(f"{url}/readyz", headers=headers, timeout=30).status_code == 200,
+        timeout,
+        f"{url}/readyz to answer 200",
+        interval=0.2,
+    )
     served = httpx.get(f"{url}/openapi.json", headers=headers, timeout=30)
     assert served.status_code == 200, served.text
     assert served.json()["paths"] == schema.raw_schema["paths"]
