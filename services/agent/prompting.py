@@ -48,22 +48,14 @@ class PromptPlan:
     truncated: list[str] = field(default_factory=list)
 
 
+@dataclass
 class BudgetPromptBuilder:
-    def __init__(
-        self,
-        counter: TokenCounter,
-        context_tokens: int,
-        answer_tokens: int,
-        instructions: str = DEFAULT_INSTRUCTIONS,
-        max_history_messages: int = 6,
-        example: bool = False,
-    ) -> None:
-        self.counter = counter
-        self.context_tokens = context_tokens
-        self.answer_tokens = answer_tokens
-        self.instructions = instructions
-        self.max_history_messages = max_history_messages
-        self.example = example
+    counter: TokenCounter
+    context_tokens: int
+    answer_tokens: int
+    instructions: str = DEFAULT_INSTRUCTIONS
+    max_history_messages: int = 6
+    example: bool = False
 
     @property
     def budget(self) -> int:

@@ -43,6 +43,13 @@ JSON_OR_SSE: dict[int | str, dict[str, Any]] = {
         "content": {"text/event-stream": {}},
     }
 }
+
+
+def json_or_sse(model: type[Any]) -> dict[int | str, dict[str, Any]]:
+    """``JSON_OR_SSE`` with the JSON answer's schema: ``model``."""
+    return {**JSON_OR_SSE, 200: {**JSON_OR_SSE[200], "model": model}}
+
+
 # Routes that answer only with a server-sent event stream (with response_class=StreamingResponse,
 # which declares no JSON of its own).
 SSE: dict[int | str, dict[str, Any]] = {

@@ -231,30 +231,28 @@ class EmbeddingService:
         with self._load_lock:
             model = self._loaded.get(name)
             if model is None:
-                s = self.settings
-                if kind == "embedding":
-                    spec = self.embedding_specs[name]
-                    path = _resolve(spec.source, self.roots, "TANDEM_INFERENCE_EMBEDDING_MODELS")
-                    model = EmbeddingModel(
-                        spec,
-                        path,
-                        platform=current_platform(self.device),
-                        batch_size=s.embedding_batch_size,
-                        dtype=s.embedding_dtype,
-                        max_texts=s.embedding_max_inputs,
-                    )
-                else:
-                    spec = self.rerank_specs[name]
-                    path = _resolve(spec.source, self.roots, "TANDEM_INFERENCE_RERANK_MODELS")
-                    model = RerankModel(
-                        spec,
-                        path,
-                        platform=current_platform(self.device),
-                        batch_size=s.embedding_batch_size,
-                        dtype=s.embedding_dtype,
-                    )
-                self._loaded[name] = model
+                model = self._loaded[name] = self._build(name, kind)
             return model
+
+    def _build(self, name: str, kind: str) -> EmbeddingModel | RerankModel:
+        s = self.settings
+        platform = current_platform(self.device)
+        if kind == "embedding":
+            spec = self.embedding_specs[name]
+            path = _resolve(spec.source, self.roots, "TANDEM_INFERENCE_EMBEDDING_MODELS")
+            return EmbeddingModel(
+                spec,
+                path,
+                platform=platform,
+                batch_size=s.embedding_batch_size,
+                dtype=s.embedding_dtype,
+                max_texts=s.embedding_max_inputs,
+            )
+        spec = self.rerank_specs[name]
+        path = _resolve(spec.source, self.roots, "TANDEM_INFERENCE_RERANK_MODELS")
+        return RerankModel(
+            spec, path, platform=platform, batch_size=s.embedding_batch_size, dtype=s.embedding_dtype
+        )
 
     async def _served(self, name: str, kind: Literal["embedding", "rerank"]) -> Any:
         """The loaded model ``name`` of ``kind``; 404 naming the other route for the other kind."""

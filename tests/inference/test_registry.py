@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,17 +83,28 @@ def refs(adapters: dict[str, Path], lively_tiny_path: Path) -> dict[str, str]:
     return out
 
 
-def _app(home: Path, db_url: str, model: Path, **extra: Any) -> Any:
-    common = CommonSettings(home=home, redis_url=db_url, log_json=False)
-    settings = InferenceSettings(
-        model=str(model), served_model_name="tiny", max_model_len=256, max_batch_size=4, **extra
-    )
-    return create_app(common, settings)
+@pytest.fixture(scope="module")
+def replica(home: Path, db_url: str, lively_tiny_path: Path) -> Callable[..., Any]:
+    """Makes an inference app over the module's Redis database and storage: each call a new
+    replica (or a restarted one) of the same deployment; keyword arguments are settings."""
+
+    def make(**extra: Any) -> Any:
+        common = CommonSettings(home=home, redis_url=db_url, log_json=False)
+        settings = InferenceSettings(
+            model=str(lively_tiny_path),
+            served_model_name="tiny",
+            max_model_len=256,
+            max_batch_size=4,
+            **extra,
+        )
+        return create_app(common, settings)
+
+    return make
 
 
 @pytest.fixture(scope="module")
-def server(home: Path, db_url: str, lively_tiny_path: Path) -> Iterator[tuple[str, Any]]:
-    app = _app(home, db_url, lively_tiny_path)
+def server(replica: Callable[..., Any]) -> Iterator[tuple[str, Any]]:
+    app = replica()
     with serve_app(app) as url:
         yield url, app
 
@@ -212,15 +223,15 @@ def test_tenant_adapter_is_listed_used_and_deleted_by_its_tenant_only(
 
 def test_published_adapter_survives_restart_and_serves_on_a_second_replica(
     home: Path,
-    db_url: str,
     lively_tiny_path: Path,
+    replica: Callable[..., Any],
     keys: dict[str, str],
     adapters: dict[str, Path],
     refs: dict[str, str],
 ) -> None:
     full = home / "models" / "full-copy"
     shutil.copytree(lively_tiny_path, full, dirs_exist_ok=True)
-    first = _app(home, db_url, lively_tiny_path)
+    first = replica()
     with serve_app(first) as url:
         assert _publish(url, keys["operator"], "ft-durable", adapters["a2"], tenant="acme").status_code == 200
         r = httpx.post(
@@ -232,7 +243,7 @@ def test_published_adapter_survives_restart_and_serves_on_a_second_replica(
         assert r.status_code == 200, r.text
         assert _complete(url, keys["acme"], "ft-durable") == refs["a2"]
         # a second replica over the same Redis and storage, started after the publish
-        second = _app(home, db_url, lively_tiny_path)
+        second = replica()
         with serve_app(second) as url2:
             assert "ft-durable" in _models(url2, keys["acme"])
             assert "ft-durable" not in _models(url2, keys["globex"])
@@ -268,7 +279,7 @@ def test_published_adapter_survives_restart_and_serves_on_a_second_replica(
             _publish(url, keys["operator"], "ft-durable2", adapters["a1"], tenant="acme").status_code == 200
         )
     # the first replica restarted: a new process over the same Redis and storage
-    restarted = _app(home, db_url, lively_tiny_path)
+    restarted = replica()
     with serve_app(restarted) as url:
         assert _models(url, keys["acme"])["ft-durable2"]["kind"] == "adapter"
         assert _complete(url, keys["acme"], "ft-durable2") == refs["a1"]
@@ -276,14 +287,9 @@ def test_published_adapter_survives_restart_and_serves_on_a_second_replica(
 
 
 def test_lru_cap_of_one_still_answers_every_adapter(
-    home: Path,
-    db_url: str,
-    lively_tiny_path: Path,
-    keys: dict[str, str],
-    adapters: dict[str, Path],
-    refs: dict[str, str],
+    replica: Callable[..., Any], keys: dict[str, str], adapters: dict[str, Path], refs: dict[str, str]
 ) -> None:
-    app = _app(home, db_url, lively_tiny_path, max_adapters=1, max_lora_rank=8)
+    app = replica(max_adapters=1, max_lora_rank=8)
     with serve_app(app) as url:
         caps = httpx.get(url + "/v1/capabilities", headers=_h(keys["acme"])).json()
         assert caps == {"engine": "torch", "adapters": True, "max_lora_rank": 8, "register_models": True}

@@ -170,12 +170,15 @@ def parse_react(text: str, tools: list[str]) -> ReactStep:
     )
 
 
-def format_instructions(tools: dict[str, str]) -> str:
+def tools_preamble(tools: dict[str, str]) -> str:
+    """The start of every protocol's system message: the task and the tools, one a line."""
     listing = "\n".join(f"- {name}: {desc}" for name, desc in tools.items())
+    return f"You answer questions by using tools. Tools:\n{listing}\n\n"
+
+
+def format_instructions(tools: dict[str, str]) -> str:
     return (
-        "You answer questions by using tools. Tools:\n"
-        f"{listing}\n\n"
-        "Reply with these lines:\n"
+        tools_preamble(tools) + "Reply with these lines:\n"
         "Thought: what to do next\n"
         f"Action: the tool to use, one of [{', '.join(tools)}]\n"
         "Action Input: the input of the tool\n"
@@ -277,11 +280,9 @@ def json_step_as_text(text: str) -> str | None:
 
 
 def json_instructions(tools: dict[str, str]) -> str:
-    listing = "\n".join(f"- {name}: {desc}" for name, desc in tools.items())
     return (
-        "You answer questions by using tools. Tools:\n"
-        f"{listing}\n\n"
-        'Reply with one JSON object: {"thought": "...", "action": "<tool>", "action_input": "<input>"}.\n'
+        tools_preamble(tools)
+        + 'Reply with one JSON object: {"thought": "...", "action": "<tool>", "action_input": "<input>"}.\n'
         "You then get 'Observation: <result>'. The observation is the source of your answer: when it "
         'answers the question, reply {"thought": "I know the answer.", "final_answer": "<the result>"}.'
     )

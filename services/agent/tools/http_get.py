@@ -13,6 +13,7 @@ import asyncio
 import ipaddress
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
@@ -66,24 +67,18 @@ async def check_url(url: str, resolver: Resolver) -> tuple[str, str]:
     return host, addresses[0]
 
 
+@dataclass
 class HttpGet:
+    # not annotated: class attributes of the tool, not dataclass fields
     name = "http_get"
     description = "Fetches a public web page by URL and returns the start of its text. Input: the URL."
     parameters = single_string_schema("url", "an http(s) URL on the public internet")
 
-    def __init__(
-        self,
-        max_bytes: int = 200_000,
-        timeout: float = 10.0,
-        resolver: Resolver = system_resolver,
-        transport: httpx.AsyncBaseTransport | None = None,
-        max_chars: int = 2000,
-    ) -> None:
-        self.max_bytes = max_bytes
-        self.timeout = timeout
-        self.resolver = resolver
-        self.transport = transport
-        self.max_chars = max_chars
+    max_bytes: int = 200_000
+    timeout: float = 10.0
+    resolver: Resolver = system_resolver
+    transport: httpx.AsyncBaseTransport | None = None
+    max_chars: int = 2000
 
     async def fetch(self, url: str) -> httpx.Response:
         async with httpx.AsyncClient(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.common.app_factory import JSON_OR_SSE
+from services.common.app_factory import json_or_sse
 from services.inference.api.deps import CallerDep, ModelAdminDep, OperatorDep, ServingDep
 from services.inference.protocol import (
     AdapterLoaded,
@@ -68,22 +68,14 @@ async def delete_model(model_id: str, admin: ModelAdminDep, caller: CallerDep) -
 
 
 # Not response models (a route returns either JSON or an SSE stream): documented as responses.
-@router.post(
-    "/v1/chat/completions",
-    response_model=None,
-    responses={**JSON_OR_SSE, 200: {**JSON_OR_SSE[200], "model": ChatCompletion}},
-)
+@router.post("/v1/chat/completions", response_model=None, responses=json_or_sse(ChatCompletion))
 async def chat_completions(
     body: ChatCompletionRequest, serving: ServingDep, request: Request
 ) -> JSONResponse | StreamingResponse:
     return await serving.chat(body, request)
 
 
-@router.post(
-    "/v1/completions",
-    response_model=None,
-    responses={**JSON_OR_SSE, 200: {**JSON_OR_SSE[200], "model": TextCompletion}},
-)
+@router.post("/v1/completions", response_model=None, responses=json_or_sse(TextCompletion))
 async def completions(
     body: CompletionRequest, serving: ServingDep, request: Request
 ) -> JSONResponse | StreamingResponse:

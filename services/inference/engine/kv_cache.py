@@ -18,34 +18,28 @@ ragged attention (``ragged.py``) reads what each token attends.
 
 from __future__ import annotations
 
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import torch
 
 
+# eq=False: a cache is one object (compared and hashed by identity), not a value
+@dataclass(kw_only=True, eq=False)
 class SlabKVCache:
-    def __init__(
-        self,
-        *,
-        num_layers: int,
-        max_slots: int,
-        kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        initial_capacity: int = 256,
-    ) -> None:
-        self.num_layers = num_layers
-        self.max_slots = max_slots
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
-        self.max_len = max_len
-        self.dtype = dtype
-        self.device = device
-        self.capacity = min(max_len, initial_capacity)
-        self.k = [self._alloc(self.capacity) for _ in range(num_layers)]
-        self.v = [self._alloc(self.capacity) for _ in range(num_layers)]
+    num_layers: int
+    max_slots: int
+    kv_heads: int
+    head_dim: int
+    max_len: int
+    dtype: torch.dtype
+    device: torch.device
+    initial_capacity: InitVar[int] = 256
+
+    def __post_init__(self, initial_capacity: int) -> None:
+        self.capacity = min(self.max_len, initial_capacity)
+        self.k = [self._alloc(self.capacity) for _ in range(self.num_layers)]
+        self.v = [self._alloc(self.capacity) for _ in range(self.num_layers)]
         # where the forward about to run writes its keys/values (set by plan_writes)
         self._slots: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None

@@ -16,10 +16,9 @@ from services.common.idempotency import file_fingerprint, idempotent
 from services.common.paths import safe_filename
 from services.common.quota import check_quota, folder_bytes
 from services.retrieval.api.deps import CollectionDep, CollectionName, collection, manager, tenant
-from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.parsing import (
     UNTRUSTED,
-    ParsedDocument,
+    InputDocument,
     check_supported,
     extension_of,
     parse_file,
@@ -218,7 +217,7 @@ async def _upload_files(
             events_url=f"/v1/jobs/{job_id}/events",
         )
         return JSONResponse(body.model_dump(), status_code=202)
-    parsed: list[ParsedDocument] = []
+    parsed: list[InputDocument] = []
     for up, fname in zip(file, names, strict=True):
         data = await run_in_threadpool(_read_spooled, up)
         parsed.extend(await run_in_threadpool(parse_file, fname, data))

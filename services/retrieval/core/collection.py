@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ from services.retrieval.core.chunking import make_chunks
 from services.retrieval.core.embedder import Embedder
 from services.retrieval.core.filters import Filter, parse_filter
 from services.retrieval.core.fusion import rrf
+from services.retrieval.core.parsing import InputDocument
 from services.retrieval.core.reranker import Reranker
 from services.retrieval.core.store import (
     ChunkStore,
@@ -92,14 +93,6 @@ class SearchOptions:
     hybrid_depth: int = 100
     rerank_depth: int = 50
     checkpoint_every: int = 2000
-
-
-@dataclass
-class InputDocument:
-    id: str
-    text: str
-    title: str = ""
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from services.common.embedding_models import pick_dtype
-from services.common.errors import InvalidRequest
 from services.common.platforms import current_platform
 
 
@@ -159,43 +158,18 @@ class HttpEmbedder:
     def __init__(
         self, url: str, api_key: str, model: str, *, batch_size: int = 64, timeout: float = 120.0
     ) -> None:
-        import httpx
+        from services.retrieval.core.inference_client import InferenceClient
 
-        base = url.rstrip("/")
-        base = base[: -len("/v1")] if base.endswith("/v1") else base
-        self.url = base
+        self._client = InferenceClient(
+            url, api_key, model, role="embedding server", param="embedding_model", timeout=timeout
+        )
+        self.url = self._client.url
         self.name = model
         self.batch_size = batch_size
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base, headers=headers, timeout=timeout)
         self._meta_lock = threading.Lock()
         self._dim: int | None = None
         self._max_tokens = 0
         self._fast: Any = None
-
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        import httpx
-
-        from services.common.errors import UpstreamError
-
-        try:
-            resp = self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise UpstreamError(
-                f"embedding server {self.url} unreachable: {type(exc).__name__}: {exc}"
-            ) from None
-        if resp.status_code == 404:
-            raise InvalidRequest(
-                f"embedding_model: {self.name!r} is not served by the embedding server {self.url}",
-                param="embedding_model",
-            )
-        if resp.status_code >= 400:
-            try:
-                message = resp.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = resp.text[:300]
-            raise UpstreamError(f"embedding server {self.url} answered {resp.status_code}: {message}")
-        return resp.json()
 
     def _meta(self) -> None:
         if self._dim is not None:
@@ -205,7 +179,7 @@ class HttpEmbedder:
                 return
             from tokenizers import Tokenizer
 
-            body = self._request("GET", f"/v1/embeddings/tokenizer/{self.name}")
+            body = self._client.request("GET", f"/v1/embeddings/tokenizer/{self.name}")
             fast = Tokenizer.from_str(body["tokenizer"])
             fast.no_truncation()
             fast.no_padding()
@@ -228,7 +202,7 @@ class HttpEmbedder:
 
         from services.common.errors import UpstreamError
 
-        body = self._request(
+        body = self._client.request(
             "POST",
             "/v1/embeddings",
             # truncate_prompt_tokens=-1: cut at the model's limit, as the in-process embedder does.

@@ -38,7 +38,9 @@ class ParseLimitError(InvalidRequest):
 
 
 @dataclass
-class ParsedDocument:
+class InputDocument:
+    """A document to ingest: what a parser makes of a file, or what a client sends as JSON."""
+
     id: str
     text: str
     title: str = ""
@@ -249,7 +251,7 @@ def _docx_to_text(data: bytes) -> tuple[str, str]:
     return _tidy("\n".join(lines)), title
 
 
-def jsonl_documents(filename: str, text: str) -> list[ParsedDocument]:
+def jsonl_documents(filename: str, text: str) -> list[InputDocument]:
     """One document per line: ``{"id", "text", "title"?, "metadata"?}`` (BEIR's ``_id`` also works)."""
     docs = []
     for n, line in enumerate(text.split("\n"), start=1):
@@ -272,7 +274,7 @@ def jsonl_documents(filename: str, text: str) -> list[ParsedDocument]:
         meta = obj.get("metadata") or {}
         if not isinstance(meta, dict):
             raise InvalidRequest(f"file {filename!r} line {n}: 'metadata' must be an object", param="file")
-        docs.append(ParsedDocument(str(doc_id), body, str(obj.get("title") or ""), meta))
+        docs.append(InputDocument(str(doc_id), body, str(obj.get("title") or ""), meta))
     if not docs:
         raise InvalidRequest(f"file {filename!r} has no documents", param="file", code="empty_file")
     return docs
@@ -280,7 +282,7 @@ def jsonl_documents(filename: str, text: str) -> list[ParsedDocument]:
 
 def parse_file(
     filename: str, data: bytes, *, doc_id: str | None = None, limits: ParseLimits = ParseLimits()
-) -> list[ParsedDocument]:
+) -> list[InputDocument]:
     """Documents in an uploaded file (one, or one per line for .jsonl).
 
     PDF, DOCX and HTML are parsed this way only inside the sandbox's child process."""
@@ -304,4 +306,4 @@ def parse_file(
         raise InvalidRequest(
             f"file {filename!r} contains no extractable text", param="file", code="empty_file"
         )
-    return [ParsedDocument(doc_id or filename, text, title or filename, {"source": filename})]
+    return [InputDocument(doc_id or filename, text, title or filename, {"source": filename})]

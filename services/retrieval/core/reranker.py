@@ -62,37 +62,22 @@ class HttpReranker:
     retrieval replicas share one cross-encoder server."""
 
     def __init__(self, url: str, api_key: str, model: str, *, timeout: float = 120.0) -> None:
-        import httpx
+        from services.retrieval.core.inference_client import InferenceClient
 
-        base = url.rstrip("/")
-        self.url = base[: -len("/v1")] if base.endswith("/v1") else base
+        self._client = InferenceClient(
+            url, api_key, model, role="rerank server", param="reranker_model", timeout=timeout
+        )
+        self.url = self._client.url
         self.name = model
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
     def score(self, query: str, texts: Sequence[str]) -> np.ndarray:
-        import httpx
-
-        from services.common.errors import InvalidRequest, UpstreamError
+        from services.common.errors import UpstreamError
 
         if not texts:
             return np.zeros(0, dtype=np.float32)
         body = {"model": self.name, "query": query, "documents": list(texts), "return_documents": False}
-        try:
-            resp = self._http.post("/v1/rerank", json=body)
-        except httpx.HTTPError as exc:
-            raise UpstreamError(
-                f"rerank server {self.url} unreachable: {type(exc).__name__}: {exc}"
-            ) from None
-        if resp.status_code == 404:
-            raise InvalidRequest(
-                f"reranker_model: {self.name!r} is not served by the rerank server {self.url}",
-                param="reranker_model",
-            )
-        if resp.status_code >= 400:
-            raise UpstreamError(f"rerank server {self.url} answered {resp.status_code}: {resp.text[:300]}")
+        results = self._client.request("POST", "/v1/rerank", json=body)["results"]
         out = np.zeros(len(texts), dtype=np.float32)
-        results = resp.json()["results"]
         if sorted(r["index"] for r in results) != list(range(len(texts))):
             raise UpstreamError(f"rerank server {self.url} did not score each of the {len(texts)} texts once")
         for r in results:

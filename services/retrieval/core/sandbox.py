@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from services.common.errors import InvalidRequest, TandemError
-from services.retrieval.core.parsing import MIB, ParsedDocument, ParseLimitError, ParseLimits, parse_file
+from services.retrieval.core.parsing import MIB, InputDocument, ParseLimitError, ParseLimits, parse_file
 
 # Interpreter, parsers and their working sets besides the decompressed content itself.
 BASE_MEMORY = 768 * MIB
@@ -34,7 +34,7 @@ def _limit_memory(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def parse_isolated(path: Path, filename: str, limits: ParseLimits) -> list[ParsedDocument]:
+def parse_isolated(path: Path, filename: str, limits: ParseLimits) -> list[InputDocument]:
     """Documents of the file at ``path``, or an InvalidRequest naming the file and the problem."""
     memory = BASE_MEMORY + 4 * limits.max_decompressed_bytes
     with tempfile.TemporaryDirectory(prefix="tandem-parse-") as tmp:
@@ -76,7 +76,7 @@ def parse_isolated(path: Path, filename: str, limits: ParseLimits) -> list[Parse
     if "error" in result:
         cls = ParseLimitError if result.get("code") == "parse_limit_exceeded" else InvalidRequest
         raise cls(result["error"], param="file", code=result.get("code"))
-    return [ParsedDocument(**d) for d in result["documents"]]
+    return [InputDocument(**d) for d in result["documents"]]
 
 
 def _child() -> None:

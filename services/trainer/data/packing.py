@@ -134,6 +134,16 @@ def _round_up(n: int, multiple: int) -> int:
     return n if multiple <= 1 else -(-n // multiple) * multiple
 
 
+def _padded(
+    ids: list[int], labels: list[int], pos: list[int], pad_id: int, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pack's ``[1, S]`` input ids, labels and positions, padded up to a multiple of ``multiple``
+    (pad tokens are ``pad_id``, have no label, and count positions from 0)."""
+    pad = _round_up(len(ids), multiple) - len(ids)
+    t = torch.tensor
+    return t([ids + [pad_id] * pad]), t([labels + [IGNORE] * pad]), t([pos + list(range(pad))])
+
+
 @dataclass
 class Pack:
     """One packed sequence (``[1, S]`` tensors) and the lengths that define its mask."""
@@ -186,13 +196,7 @@ def pack_sft(
         labels += [*s.labels[1:], IGNORE]
         pos += list(range(n))
         lens.append(n)
-    total = _round_up(len(ids), pad_to_multiple_of)
-    pad = total - len(ids)
-    ids += [pad_id] * pad
-    labels += [IGNORE] * pad
-    pos += list(range(pad))
-    t = torch.tensor
-    return Pack(t([ids]), t([labels]), t([pos]), lens, sample_ids=list(indices))
+    return Pack(*_padded(ids, labels, pos, pad_id, pad_to_multiple_of), lens, sample_ids=list(indices))
 
 
 def pack_pairs(
@@ -217,14 +221,11 @@ def pack_pairs(
         triples.append((p, c, r))
         labels += [IGNORE] * len(s.prompt) + [IGNORE] * (c + r)
     # Labels are placed by `pair_label_positions`; DPO sums log-probs per answer.
-    total = _round_up(len(ids), pad_to_multiple_of)
-    pad = total - len(ids)
-    ids += [pad_id] * pad
-    labels += [IGNORE] * pad
-    pos += list(range(pad))
-    t = torch.tensor
     return Pack(
-        t([ids]), t([labels]), t([pos]), [sum(x) for x in triples], triples=triples, sample_ids=list(indices)
+        *_padded(ids, labels, pos, pad_id, pad_to_multiple_of),
+        [sum(x) for x in triples],
+        triples=triples,
+        sample_ids=list(indices),
     )
 
 
@@ -276,15 +277,9 @@ def pack_groups(
             ids += a
             pos += list(range(p, p + len(a)))
         shapes.append((p, tuple(len(a) for a in g.answers)))
-    used = len(ids)
-    total = _round_up(used, pad_to_multiple_of)
-    ids += [pad_id] * (total - used)
-    pos += list(range(total - used))
-    t = torch.tensor
+    # no labels: log-probs are read at the answers' positions (group_logit_index)
     return Pack(
-        t([ids]),
-        t([[IGNORE] * total]),
-        t([pos]),
+        *_padded(ids, [IGNORE] * len(ids), pos, pad_id, pad_to_multiple_of),
         [p + sum(a) for p, a in shapes],
         sample_ids=list(indices),
         groups=shapes,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -106,7 +106,44 @@ def answer_lengths(pairs: Sequence[PairSample]) -> torch.Tensor:
     return torch.tensor([[len(p.chosen), len(p.rejected)] for p in pairs], dtype=torch.float32)
 
 
-class DPORecipe(Recipe):
+class PreferenceRecipe(Recipe):
+    """What the preference recipes (DPO and its kin, KTO) share: no-grad passes over every sample
+    batched as training batches them, the eval metrics, and the step's micro-batch accumulation."""
+
+    def single_pass(self, lengths: list[int]) -> Iterator[list[int]]:
+        """The micro-batches of one pass over samples of ``lengths`` (reference and eval log-probs)."""
+        for step in dpo_schedule(
+            lengths,
+            packing=self.cfg.packing,
+            capacity=self.cfg.max_tokens_per_pack,
+            seed=self.hp.seed,
+            epochs=1,
+            per_step=self.hp.batch_size,
+        ):
+            yield from step
+
+    @staticmethod
+    def eval_metrics(losses: torch.Tensor, stats: dict[str, float]) -> dict[str, float]:
+        return {
+            "loss": float(losses.mean()),
+            "accuracy": stats["reward_accuracy"],
+            "margin": stats["reward_margin"],
+        }
+
+    @staticmethod
+    def backward_part(
+        losses: torch.Tensor, stats: dict[str, float], part: int, whole: int, stats_acc: dict[str, float]
+    ) -> float:
+        """Backward a micro-batch of ``part`` of the step's ``whole`` samples (its share of their
+        mean loss), add its stats weighted alike to ``stats_acc``; its loss."""
+        loss = losses.sum() / whole
+        loss.backward()
+        for k, v in stats.items():
+            stats_acc[k] = stats_acc.get(k, 0.0) + v * part / whole
+        return float(loss.detach())
+
+
+class DPORecipe(PreferenceRecipe):
     """dpo, simpo and orpo jobs (``cfg.kind``)."""
 
     def setup(self) -> None:
@@ -131,19 +168,10 @@ class DPORecipe(Recipe):
     def all_logps(self, pairs: Sequence[PairSample]) -> torch.Tensor:
         """``[n_pairs, 2]`` summed (chosen, rejected) log-probs of the current model, no grad."""
         out = torch.zeros(len(pairs), 2)
-        groups = dpo_schedule(
-            [len(p) for p in pairs],
-            packing=self.cfg.packing,
-            capacity=self.cfg.max_tokens_per_pack,
-            seed=self.hp.seed,
-            epochs=1,
-            per_step=self.hp.batch_size,
-        )
         with torch.no_grad():
-            for step in groups:
-                for idx in step:
-                    c, r = self._logps(pairs, idx)
-                    out[idx, 0], out[idx, 1] = c.float().cpu(), r.float().cpu()
+            for idx in self.single_pass([len(p) for p in pairs]):
+                c, r = self._logps(pairs, idx)
+                out[idx, 0], out[idx, 1] = c.float().cpu(), r.float().cpu()
         return out
 
     def _logps(self, pairs: Sequence[PairSample], idx: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,11 +191,7 @@ class DPORecipe(Recipe):
         losses, stats = pair_losses(
             self.cfg.kind, self.hp, logps[:, 0], logps[:, 1], answer_lengths(self.eval_pairs), eval_ref
         )
-        return {
-            "loss": float(losses.mean()),
-            "accuracy": stats["reward_accuracy"],
-            "margin": stats["reward_margin"],
-        }
+        return self.eval_metrics(losses, stats)
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -196,9 +220,5 @@ class DPORecipe(Recipe):
             losses, stats = pair_losses(
                 self.cfg.kind, self.hp, pc.float(), pr.float(), self.lengths[rows].to(pc.device), ref
             )
-            loss = losses.sum() / n_pairs
-            loss.backward()
-            loss_total += float(loss.detach())
-            for k, v in stats.items():
-                stats_acc[k] = stats_acc.get(k, 0.0) + v * len(idx) / n_pairs
+            loss_total += self.backward_part(losses, stats, len(idx), n_pairs, stats_acc)
         return self.finish_step(t0, loss_total, real, processed, stats_acc)

@@ -26,8 +26,7 @@ from services.trainer.data.packing import PromptGroup, group_logit_index, pack_g
 from services.trainer.data.tokenize import KTOSample, tokenize_kto
 from services.trainer.losses import kto_kl, kto_loss, kto_stats, segment_sums
 from services.trainer.modeling import gather_logps, hidden_states, pack_hidden_states
-from services.trainer.recipes.base import Recipe
-from services.trainer.recipes.dpo import dpo_schedule
+from services.trainer.recipes.dpo import PreferenceRecipe, dpo_schedule
 
 
 def kl_partners(n: int, seed: int) -> list[int]:
@@ -105,7 +104,7 @@ class KTOData:
         return [r for g in group_idx for r in self.rows[g]]
 
 
-class KTORecipe(Recipe):
+class KTORecipe(PreferenceRecipe):
     def setup(self) -> None:
         self.load_model(attn="flashmask" if self.cfg.packing else "sdpa")
         self.pad_id = int(self.tokenizer.pad_token_id)
@@ -146,18 +145,9 @@ class KTORecipe(Recipe):
 
     def all_logps(self, data: KTOData) -> torch.Tensor:
         out = torch.zeros(len(data.samples), 2)
-        plan = dpo_schedule(
-            [len(g) for g in data.groups],
-            packing=self.cfg.packing,
-            capacity=self.cfg.max_tokens_per_pack,
-            seed=self.hp.seed,
-            epochs=1,
-            per_step=self.hp.batch_size,
-        )
         with torch.no_grad():
-            for step in plan:
-                for idx in step:
-                    out[data.rows_of(idx)] = self.logps(data, idx)[0].float().cpu()
+            for idx in self.single_pass([len(g) for g in data.groups]):
+                out[data.rows_of(idx)] = self.logps(data, idx)[0].float().cpu()
         return out
 
     def losses(
@@ -174,11 +164,7 @@ class KTORecipe(Recipe):
         rows = list(range(len(self.eval_data.samples)))
         losses, _ = self.losses(self.eval_data, rows, pol, ref)
         stats = kto_stats(self.hp.beta * (pol[:, 0] - ref[:, 0]), self.eval_data.labels, torch.zeros(()))
-        return {
-            "loss": float(losses.mean()),
-            "accuracy": stats["reward_accuracy"],
-            "margin": stats["reward_margin"],
-        }
+        return self.eval_metrics(losses, stats)
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -192,9 +178,5 @@ class KTORecipe(Recipe):
             pol, r, p = self.logps(self.data, idx)
             real, processed = real + r, processed + p
             losses, stats = self.losses(self.data, rows, pol.float(), self.ref[rows].to(pol.device))
-            loss = losses.sum() / n_rows
-            loss.backward()
-            loss_total += float(loss.detach())
-            for k, v in stats.items():
-                stats_acc[k] = stats_acc.get(k, 0.0) + v * len(rows) / n_rows
+            loss_total += self.backward_part(losses, stats, len(rows), n_rows, stats_acc)
         return self.finish_step(t0, loss_total, real, processed, stats_acc)
