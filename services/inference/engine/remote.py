@@ -39,6 +39,31 @@ from services.inference.engine.types import (
 _OWN = {"stream", "stream_options"}
 
 
+def _from_request(request: EngineRequest) -> dict[str, Any]:
+    """The OpenAI request body of ``request``'s own fields (the defaults left out)."""
+    p = request.params
+    body: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p}
+    if request.messages is not None:
+        body["messages"] = request.messages
+    elif request.prompt is not None:
+        body["prompt"] = request.prompt
+    optional: dict[str, Any] = {
+        "max_tokens": p.max_tokens,
+        "top_k": p.top_k or None,
+        "stop": p.stop or None,
+        "stop_token_ids": p.stop_token_ids or None,
+        "ignore_eos": p.ignore_eos or None,
+        "seed": p.seed,
+        "n": p.n if p.n != 1 else None,
+        "presence_penalty": p.presence_penalty or None,
+        "frequency_penalty": p.frequency_penalty or None,
+        "repetition_penalty": p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+        "min_p": p.min_p or None,
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    return body
+
+
 class RemoteEngine:
     kind = "remote"
 
@@ -132,7 +157,10 @@ class RemoteEngine:
                 "(TANDEM_INFERENCE_REMOTE_STRUCTURED_OUTPUTS=false)",
                 guided.param,
             )
-        body = {k: v for k, v in request.extra.items() if k not in _OWN}
+        # The client's own body (request.extra) is forwarded as sent, so fields this engine does
+        # not model reach the upstream; a request built without one (a rollout, a benchmark)
+        # still carries its prompt and sampling parameters.
+        body = {**_from_request(request), **{k: v for k, v in request.extra.items() if k not in _OWN}}
         body.update(stream=True, stream_options={"include_usage": True})
         if request.model:
             body["model"] = request.model
