@@ -126,6 +126,7 @@ class ErrorEvent(_Event):
     code: str | None = None
     status: int | None = None  # the HTTP status the error would have had (SSE only)
     param: str | None = None  # the field at fault (websocket quick writes only)
+    retry_after: int | None = None  # seconds, with code rate_limit_exceeded (websocket)
 
 
 class DoneEvent(_Event):

@@ -140,6 +140,9 @@ def create_service_app(
     app.state.redis = redis_client
     app.state.readiness = Readiness(checks)
     install_error_handlers(app)
+    # One limiter per process: the guard asks it per HTTP request, the agent's websocket per turn.
+    limiter = TenantLimiter(tenant_limits, service) if tenant_limits is not None else None
+    app.state.limiter = limiter
     # Added before observability so that the access log and metrics also see the guard's 401s and 413s.
     app.add_middleware(
         GuardMiddleware,
@@ -148,7 +151,7 @@ def create_service_app(
         redis_client=redis_client,
         default_limit=common.max_body_mb * MIB,
         limits=body_limits or {},
-        limiter=TenantLimiter(tenant_limits, service) if tenant_limits is not None else None,
+        limiter=limiter,
     )
     app.state.metrics = install_observability(app, service, app.state.readiness)
     for router in (whoami_router(service), *routers):

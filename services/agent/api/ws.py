@@ -34,6 +34,7 @@ from services.agent.runtime import Turn, TurnResult
 from services.common import jsonsafe
 from services.common.auth import WS_PROTOCOL
 from services.common.errors import TandemError
+from services.common.ratelimit import TenantLimiter
 
 router = APIRouter(tags=["websocket"])
 log = logging.getLogger("tandem.agent.ws")
@@ -77,6 +78,23 @@ async def ws_chat(websocket: WebSocket) -> None:
     current: asyncio.Task[None] | None = None
     current_result: TurnResult | None = None
 
+    limiter: TenantLimiter | None = getattr(websocket.app.state, "limiter", None)
+    if limiter is not None and not limiter.enabled:
+        limiter = None
+
+    async def admitted() -> bool:
+        """Each turn or write counts against the tenant's limits as an HTTP request does (the
+        connection's upgrade alone would let one socket send without end)."""
+        if limiter is None:
+            return True
+        refusal = limiter.acquire(principal.tenant)
+        if refusal is None:
+            return True
+        await conn.send(
+            ErrorEvent(message=refusal.message, code="rate_limit_exceeded", retry_after=refusal.retry_after)
+        )
+        return False
+
     async def run_turn(turn: Turn | str, result: TurnResult) -> None:
         """A chat turn, or (a message id) a regenerated draft of a recorded answer."""
         try:
@@ -95,6 +113,9 @@ async def ws_chat(websocket: WebSocket) -> None:
                 log.exception("websocket turn failed")
             # No HTTP status on a websocket.
             await conn.send(ErrorEvent(message=event.message, code=event.code))
+        finally:
+            if limiter is not None:
+                limiter.release(principal.tenant)
 
     try:
         while True:
@@ -139,6 +160,8 @@ async def ws_chat(websocket: WebSocket) -> None:
                 continue
             if isinstance(parsed, WsFeedbackFrame | WsChooseFrame):
                 # Quick writes: answered at once, even while an answer is streaming.
+                if not await admitted():
+                    continue
                 try:
                     if isinstance(parsed, WsFeedbackFrame):
                         body = FeedbackCreate.model_validate(parsed.model_dump(exclude={"type"}))
@@ -150,12 +173,17 @@ async def ws_chat(websocket: WebSocket) -> None:
                 except TandemError as exc:
                     event = error_event(exc)
                     await conn.send(ErrorEvent(message=event.message, code=event.code, param=exc.param))
+                finally:
+                    if limiter is not None:
+                        limiter.release(principal.tenant)
                 continue
             if isinstance(parsed, WsRegenerateFrame):
                 if current is not None and not current.done():
                     await conn.error(
                         "a message is still being answered: wait for 'done' or send {'type': 'stop'}", "busy"
                     )
+                    continue
+                if not await admitted():
                     continue
                 current_result = TurnResult()
                 current = asyncio.create_task(run_turn(parsed.message_id, current_result))
@@ -195,6 +223,8 @@ async def ws_chat(websocket: WebSocket) -> None:
                 conversation_id=frame.conversation_id,
                 llm=frame.llm,
             )
+            if not await admitted():
+                continue
             current_result = TurnResult()
             current = asyncio.create_task(run_turn(turn, current_result))
     except WebSocketDisconnect:
