@@ -48,6 +48,21 @@ COUNT_ROWS = [
     }
     for n in range(1, 25)
 ]
+# preference pairs and KTO rows on the same task; KTO's prompts come twice (a good and a bad
+# completion), so prompt groups hold two rows and every row has a KL mismatch from another
+PAIR_ROWS = [
+    {
+        "prompt": f"Count to {n}.",
+        "chosen": " ".join(str(i) for i in range(1, n + 1)),
+        "rejected": " ".join(str(i) for i in range(n, 0, -1)) + " go",
+    }
+    for n in range(1, 15)
+]
+KTO_ROWS = [
+    {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+    for r in PAIR_ROWS
+    for side in ("chosen", "rejected")
+]
 
 
 def test_resources_are_checked_before_queueing(harness: Harness, api_key: str, tiny_model_path: Path) -> None:  # noqa: F811
@@ -132,7 +147,9 @@ def assert_same(one: dict[str, Any], two: dict[str, Any], *, grads: bool = True)
     for a, b in zip(one["history"], two["history"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=TOL)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=TOL)
-        assert a["label_tokens"] == b["label_tokens"]
+        assert a.get("label_tokens") == b.get("label_tokens")
+        for k in ("reward_accuracy", "kl"):  # the preference recipes' stats, summed over the ranks
+            assert a.get(k) == pytest.approx(b.get(k), abs=TOL)
     if grads:
         assert one["grads"].keys() == two["grads"].keys() and one["grads"]
         for k in one["grads"]:
@@ -159,6 +176,28 @@ def test_two_ddp_ranks_give_the_loss_and_gradients_of_one_process(
     probe(tmp_path / "one.pt", tiny_model_path, count_data, packing, "ddp", mode, 1, None)
     torchrun(tmp_path / "two.pt", tiny_model_path, count_data, packing, "ddp", mode, 1)
     assert_same(load(tmp_path / "one.pt"), load(tmp_path / "two.pt"))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("kind", "packing", "mode"),
+    [("dpo", "packed", "lora"), ("kto", "padded", "full"), ("kto", "packed", "lora")],
+)
+def test_two_ddp_ranks_give_the_preference_loss_and_gradients_of_one_process(
+    tiny_model_path: Path, tmp_path: Path, kind: str, packing: str, mode: str
+) -> None:
+    # dpo packed: 3 packs of pairs a step (one rank runs a filler pass), the reference log-probs
+    # computed by every rank; kto padded: a batch of 5 prompt groups split 3 + 2, whose KL
+    # reference point (a mean over the whole batch's mismatched rows) is all-reduced
+    data = tmp_path / f"{kind}.jsonl"
+    data.write_bytes(jsonl(PAIR_ROWS if kind == "dpo" else KTO_ROWS))
+    probe(tmp_path / "one.pt", tiny_model_path, data, packing, "ddp", mode, 3, None, kind)
+    torchrun(tmp_path / "two.pt", tiny_model_path, data, packing, "ddp", mode, 3, "-", kind)
+    one, two = load(tmp_path / "one.pt"), load(tmp_path / "two.pt")
+    assert len(one["history"]) == 3
+    if kind == "kto":  # the KL term is in play (not clamped to 0 on every step)
+        assert any(h["kl"] > 0 for h in one["history"]), one["history"]
+    assert_same(one, two)
 
 
 @pytest.mark.e2e
