@@ -86,7 +86,7 @@ def test_resources_are_checked_before_queueing(harness: Harness, api_key: str, t
         )
         assert resp.status_code in (400, 422), (resources, resp.text)
         assert field in resp.json()["error"]["message"] or resp.json()["error"]["param"] == field, resp.text
-    # a job type that does not run distributed yet says so, naming the field
+    # ppo/grpo (rollouts on the inference service) stay one process: a 400 naming the field
     grpo = httpx.post(
         f"{harness.base}/v1/jobs",
         json=job_body(m, fid, type="grpo", reward="gsm8k_exact_match", resources={"procs_per_node": 2}),
@@ -94,6 +94,7 @@ def test_resources_are_checked_before_queueing(harness: Harness, api_key: str, t
         timeout=60,
     )
     assert grpo.status_code == 400 and grpo.json()["error"]["param"] == "resources", grpo.text
+    assert "rollouts" in grpo.json()["error"]["message"], grpo.text  # says why
     assert harness.dispatched == []
     ok = httpx.post(
         f"{harness.base}/v1/jobs",
@@ -233,8 +234,8 @@ class Api:
     def get(self, path: str) -> Any:
         return httpx.get(f"{self.base}/v1{path}", headers=auth(self.key), timeout=30).json()
 
-    def submit(self, body: dict[str, Any]) -> str:
-        files = {"file": ("c.jsonl", jsonl(COUNT_ROWS))}
+    def submit(self, body: dict[str, Any], rows: list[dict[str, Any]] = COUNT_ROWS) -> str:
+        files = {"file": ("c.jsonl", jsonl(rows))}
         body["dataset"] = httpx.post(f"{self.base}/v1/files", files=files, headers=auth(self.key)).json()[
             "id"
         ]
@@ -250,7 +251,7 @@ class Api:
             lambda: (j := self.get(f"/jobs/{jid}"))["status"] in ("succeeded", "failed") and j,
             600,
             "the job",
-            log,
+            log=log,
         )
         assert done["status"] == "succeeded", done["error"]
         total = done["progress"]["total"]
@@ -295,7 +296,7 @@ def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_che
     with serve_app(api_app) as base, celery_worker(env, log, "w1") as w1:
         api = Api(base, api_key)
         jid = api.submit(body)
-        wait_until(lambda: api.get(f"/jobs/{jid}")["progress"]["step"] >= 3, 600, "step 3", log)
+        wait_until(lambda: api.get(f"/jobs/{jid}")["progress"]["step"] >= 3, 600, "step 3", log=log)
         ranks = next(m for m in api.logs(jid) if m.startswith("torchrun: 2 ranks"))
         pid = int(re.search(r"1=[^:,]+:(\d+)", ranks).group(1))  # type: ignore[union-attr]
         os.kill(pid, signal.SIGKILL)  # rank 1 dies mid-job
@@ -329,3 +330,28 @@ def test_a_two_node_job_meets_a_second_worker_at_the_rendezvous(
         api.finished(jid, log)
         messages = api.logs(jid)
     assert any(m.startswith("torchrun: 2 ranks (ddp, restart 0)") for m in messages), messages
+
+
+@pytest.mark.e2e
+def test_a_dpo_job_with_resources_trains_on_two_ranks_and_succeeds(
+    api_app: Any, tandem_env: Path, tiny_model_path: Path, api_key: str, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    log = tmp_path / "worker.log"
+    body = {
+        **dist_job({"nodes": 1, "procs_per_node": 2, "strategy": "ddp"}, 4),
+        "type": "dpo",
+        "eval_fraction": 0.2,  # the held-out metrics are computed by both ranks, each its share
+        "base_model": str(tiny_model_path),
+    }
+    with serve_app(api_app) as base, celery_worker(env, log, "w1"):
+        api = Api(base, api_key)
+        jid = api.submit(body, PAIR_ROWS)
+        done = api.finished(jid, log)
+        messages = api.logs(jid)
+    assert any(m.startswith("torchrun: 2 ranks (ddp, restart 0)") for m in messages), messages
+    assert any(m.startswith("held-out eval after:") for m in messages), messages
+    assert {"reward_accuracy", "reward_margin"} <= done["metrics"].keys(), done["metrics"]
+    artifact = tandem_env / "models" / "trainer" / jid  # rank 0 saved the adapter
+    assert json.loads((artifact / "tandem_training.json").read_text())["type"] == "dpo"
+    assert (artifact / "adapter_model.safetensors").is_file()
