@@ -202,6 +202,23 @@ def test_two_ddp_ranks_give_the_preference_loss_and_gradients_of_one_process(
 
 
 @pytest.mark.e2e
+def test_a_dpo_checkpoint_of_two_ranks_resumes_on_one(tiny_model_path: Path, tmp_path: Path) -> None:
+    data = tmp_path / "dpo.jsonl"
+    data.write_bytes(jsonl(PAIR_ROWS))
+    args = (tiny_model_path, data, "packed", "fsdp", "lora", 3)  # the data's 3 steps; FSDP this time
+    probe(tmp_path / "one.pt", *args, None, "dpo")  # type: ignore[arg-type]
+    two_ck = tmp_path / "ck-two"
+    torchrun(tmp_path / "two.pt", *args, two_ck, "dpo")
+    one = load(tmp_path / "one.pt")
+    assert_same(one, load(tmp_path / "two.pt"))
+    assert sorted(p.name for p in two_ck.iterdir()) == ["step-2"]
+    probe(tmp_path / "2to1.pt", *args, two_ck, "dpo")  # type: ignore[arg-type]
+    resumed = load(tmp_path / "2to1.pt")
+    assert [h["step"] for h in resumed["history"]] == [3]
+    assert_same({**one, "history": one["history"][2:]}, resumed, grads=False)
+
+
+@pytest.mark.e2e
 def test_fsdp_matches_one_process_and_checkpoints_resume_on_another_world_size(
     tiny_model_path: Path, count_data: Path, tmp_path: Path
 ) -> None:
