@@ -96,29 +96,21 @@ def label_logps(
     input_ids: torch.Tensor,
     src: torch.Tensor,
     targets: torch.Tensor,
-    *,
-    position_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    startend_row_indices: torch.Tensor | None = None,
+    **masks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Log-probs of ``targets`` at flat positions ``src``. ``model`` is a causal LM, or under
+    """Log-probs of ``targets`` at flat positions ``src`` (``masks``: ``PackForward``'s
+    position_ids, attention_mask, startend_row_indices). ``model`` is a causal LM, or under
     torchrun the data-parallel wrapper (``DistContext.dp``), so the recipes' forwards are the
     same code in one process and on every rank; the inputs go to the model's device."""
     fwd = (
         model if isinstance(model, PackForward | nn.parallel.DistributedDataParallel) else PackForward(model)
     )
     dev = next(fwd.parameters()).device
-
-    def on(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(dev)
-
     out: torch.Tensor = fwd(
         input_ids.to(dev),
         src.to(dev),
         targets.to(dev),
-        position_ids=on(position_ids),
-        attention_mask=on(attention_mask),
-        startend_row_indices=on(startend_row_indices),
+        **{k: None if v is None else v.to(dev) for k, v in masks.items()},
     )
     return out
 

@@ -36,6 +36,7 @@ from tests.helpers.waiting import wait_until
 from tests.trainer.conftest import jsonl
 from tests.trainer.dist_probe import probe
 from tests.trainer.test_api import ROWS, Harness, harness, job_body, upload  # noqa: F401 (fixture)
+from tests.trainer.test_e2e import worker_env
 
 TOL = 1e-4
 PROBE = Path(__file__).with_name("dist_probe.py")
@@ -277,9 +278,10 @@ class Api:
         return done
 
 
-def dist_job(resources: dict[str, Any], max_steps: int) -> dict[str, Any]:
+def dist_job(resources: dict[str, Any], max_steps: int, model: Path, **extra: Any) -> dict[str, Any]:
     return {
         "type": "sft",
+        "base_model": str(model),
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
         "max_tokens_per_pack": 128,
         "resources": resources,
@@ -291,7 +293,14 @@ def dist_job(resources: dict[str, Any], max_steps: int) -> dict[str, Any]:
             "checkpoint_every": 2,
             "seed": 7,
         },
+        **extra,
     }
+
+
+@pytest.fixture()
+def log(tmp_path: Path) -> Path:
+    """The workers' output (shown when a wait times out)."""
+    return tmp_path / "workers.log"
 
 
 @pytest.fixture()
@@ -302,15 +311,10 @@ def api_app(tandem_env: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.e2e
 def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_checkpoint(
-    api_app: Any, tandem_env: Path, tiny_model_path: Path, api_key: str, tmp_path: Path
+    api_app: Any, tandem_env: Path, tiny_model_path: Path, api_key: str, log: Path
 ) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    log = tmp_path / "worker.log"
-    body = {
-        **dist_job({"nodes": 1, "procs_per_node": 2, "strategy": "fsdp"}, 16),
-        "base_model": str(tiny_model_path),
-    }
-    with serve_app(api_app) as base, celery_worker(env, log, "w1") as w1:
+    body = dist_job({"nodes": 1, "procs_per_node": 2, "strategy": "fsdp"}, 16, tiny_model_path)
+    with serve_app(api_app) as base, celery_worker(worker_env({}), log, "w1") as w1:
         api = Api(base, api_key)
         jid = api.submit(body)
         wait_until(lambda: api.get(f"/jobs/{jid}")["progress"]["step"] >= 3, 600, "step 3", log=log)
@@ -323,7 +327,8 @@ def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_che
     # the step count of an uninterrupted run, in one attempt of the same worker
     assert done["progress"]["total"] == 16 and done["attempts"] == 1
     assert any("(fsdp, restart 1)" in m for m in messages), messages
-    resumed = [int(m.rsplit(" ", 1)[1]) for m in messages if m.startswith("resumed from checkpoint step")]
+    # "resumed from checkpoint step N (PATH)"
+    resumed = [int(m.split()[4]) for m in messages if m.startswith("resumed from checkpoint step")]
     assert resumed and resumed[0] >= 2 and resumed[0] % 2 == 0, messages
     artifact = tandem_env / "models" / "trainer" / jid  # rank 0 gathered the shards and saved the adapter
     assert json.loads((artifact / "adapter_config.json").read_text())["r"] == 4
@@ -332,15 +337,11 @@ def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_che
 
 @pytest.mark.e2e
 def test_a_two_node_job_meets_a_second_worker_at_the_rendezvous(
-    api_app: Any, tiny_model_path: Path, api_key: str, tmp_path: Path
+    api_app: Any, tiny_model_path: Path, api_key: str, log: Path
 ) -> None:
     # two workers of the cpu queue stand for two machines (one process each)
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    log = tmp_path / "workers.log"
-    body = {
-        **dist_job({"nodes": 2, "procs_per_node": 1, "strategy": "ddp"}, 4),
-        "base_model": str(tiny_model_path),
-    }
+    env = worker_env({})
+    body = dist_job({"nodes": 2, "procs_per_node": 1, "strategy": "ddp"}, 4, tiny_model_path)
     with serve_app(api_app) as base, celery_worker(env, log, "a"), celery_worker(env, log, "b"):
         api = Api(base, api_key)
         jid = api.submit(body)
@@ -351,17 +352,17 @@ def test_a_two_node_job_meets_a_second_worker_at_the_rendezvous(
 
 @pytest.mark.e2e
 def test_a_dpo_job_with_resources_trains_on_two_ranks_and_succeeds(
-    api_app: Any, tandem_env: Path, tiny_model_path: Path, api_key: str, tmp_path: Path
+    api_app: Any, tandem_env: Path, tiny_model_path: Path, api_key: str, log: Path
 ) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    log = tmp_path / "worker.log"
-    body = {
-        **dist_job({"nodes": 1, "procs_per_node": 2, "strategy": "ddp"}, 4),
-        "type": "dpo",
-        "eval_fraction": 0.2,  # the held-out metrics are computed by both ranks, each its share
-        "base_model": str(tiny_model_path),
-    }
-    with serve_app(api_app) as base, celery_worker(env, log, "w1"):
+    # the held-out metrics (eval_fraction) are computed by both ranks, each its share
+    body = dist_job(
+        {"nodes": 1, "procs_per_node": 2, "strategy": "ddp"},
+        4,
+        tiny_model_path,
+        type="dpo",
+        eval_fraction=0.2,
+    )
+    with serve_app(api_app) as base, celery_worker(worker_env({}), log, "w1"):
         api = Api(base, api_key)
         jid = api.submit(body, PAIR_ROWS)
         done = api.finished(jid, log)
