@@ -91,6 +91,30 @@ class PackForward(nn.Module):
         return gather_logps(self.model, h, src, targets)
 
 
+def label_logps(
+    model: Any,
+    input_ids: torch.Tensor,
+    src: torch.Tensor,
+    targets: torch.Tensor,
+    **masks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Log-probs of ``targets`` at flat positions ``src`` (``masks``: ``PackForward``'s
+    position_ids, attention_mask, startend_row_indices). ``model`` is a causal LM, or under
+    torchrun the data-parallel wrapper (``DistContext.dp``), so the recipes' forwards are the
+    same code in one process and on every rank; the inputs go to the model's device."""
+    fwd = (
+        model if isinstance(model, PackForward | nn.parallel.DistributedDataParallel) else PackForward(model)
+    )
+    dev = next(fwd.parameters()).device
+    out: torch.Tensor = fwd(
+        input_ids.to(dev),
+        src.to(dev),
+        targets.to(dev),
+        **{k: None if v is None else v.to(dev) for k, v in masks.items()},
+    )
+    return out
+
+
 class DistContext:
     """This rank's place in the job and the collectives the recipes need."""
 
@@ -123,6 +147,28 @@ class DistContext:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return [float(v) for v in t.tolist()]
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks (each filled its own rows of it), on the CPU."""
+        out = t.to(self.device, torch.float64)
+        dist.all_reduce(out)
+        return out.to(t.dtype).cpu()
+
+    def sum_stats(self, stats: dict[str, float]) -> dict[str, float]:
+        """Per-key sums of the ranks' metrics (a rank with filler passes only has none)."""
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, stats)
+        keys = sorted({k for d in every for k in d})
+        return {k: sum(float(d.get(k, 0.0)) for d in every) for k in keys}
+
+    def filler(self, pad_id: int) -> torch.Tensor:
+        """A one-token pass through the wrapper, for a rank short of data (every rank makes
+        as many forward calls: DDP's and FSDP's collectives need them all); the caller
+        multiplies it by zero."""
+        ids = torch.tensor([[pad_id]], device=self.device)
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        out: torch.Tensor = self.dp(ids, zero, ids.reshape(-1), position_ids=zero.reshape(1, 1))
+        return out
 
     def barrier(self) -> None:
         dist.barrier()

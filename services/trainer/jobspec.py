@@ -232,16 +232,23 @@ def pack_capacity(spec: JobCreate, settings: TrainerSettings) -> int:
     return cap
 
 
+# the job types whose recipes train data-parallel under torchrun (``resources``)
+DISTRIBUTED_TYPES = ("sft", "dpo", "simpo", "orpo", "kto")
+
+
 def check_resources(spec: JobCreate, settings: TrainerSettings) -> None:
     """What the API can know about a distributed job before queueing it. The devices of the
     worker that will run it are only known there, so the launcher checks those (see launch.py)."""
     res = spec.resources
     if res is None:
         return
-    if spec.type != "sft":
+    if spec.type not in DISTRIBUTED_TYPES:
+        # PPO/GRPO generate their rollouts on the inference service, one sampler for the job:
+        # ranks would contend for it rather than split work, so they stay one process
         raise InvalidRequest(
-            f"resources: distributed training runs sft jobs; a {spec.type} job runs in the worker's "
-            "process (leave 'resources' out)",
+            f"resources: a {spec.type} job cannot run distributed (its rollouts are generated on the "
+            f"inference service, not split over ranks); distributed training runs "
+            f"{', '.join(DISTRIBUTED_TYPES)} jobs (leave 'resources' out)",
             param="resources",
         )
     if res.nodes > settings.max_nodes:

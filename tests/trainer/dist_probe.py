@@ -1,13 +1,12 @@
-"""One SFT step's loss and gradients, in one process or (under torchrun) on every rank.
+"""One step's loss and gradients (SFT, DPO and kin, KTO), in one process or (under torchrun) on every rank.
 
-``python tests/trainer/dist_probe.py OUT MODEL DATA packed|padded ddp|fsdp lora|full [STEPS CKPT]`` writes
+``python tests/trainer/dist_probe.py OUT MODEL DATA packed|padded ddp|fsdp lora|full [STEPS CKPT|- KIND]`` writes
 rank 0's view to OUT (torch.save): the loss of each step and the whole gradients
 (gathered from the shards under FSDP) of the first one. Run by tests/trainer/test_distributed.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -15,12 +14,15 @@ from typing import Any
 
 import torch
 
+from services.trainer.jobspec import KIND_OF, load_records
 from services.trainer.protocol import Hyperparameters, LoraSpec
-from services.trainer.recipes.base import TrainConfig, run
-from services.trainer.recipes.sft import SFTRecipe
+from services.trainer.recipes.base import Recipe, TrainConfig, run
+from services.trainer.runner import recipe_for
 
 
-class Probe(SFTRecipe):
+class Probe(Recipe):
+    """Keeps the whole gradients of the first step (mixed in before the job type's recipe)."""
+
     grads: dict[str, torch.Tensor] | None = None
 
     def optimizer_step(self, *, advance_schedule: bool = True) -> float:
@@ -34,9 +36,17 @@ class Probe(SFTRecipe):
 
 
 def probe(
-    out: Path, model: Path, data: Path, packing: str, strategy: str, mode: str, steps: int, ckpt: Path | None
+    out: Path,
+    model: Path,
+    data: Path,
+    packing: str,
+    strategy: str,
+    mode: str,
+    steps: int,
+    ckpt: Path | None,
+    kind: str = "sft",
 ) -> None:
-    records = [json.loads(line) for line in data.read_text().splitlines()]
+    records = load_records(data, KIND_OF[kind])  # rows as the worker gets them (messages)
     hp = Hyperparameters.model_validate(
         {"packs_per_step": 3, "batch_size": 5, "max_steps": steps, "learning_rate": 1e-2, "seed": 3}
     )
@@ -46,7 +56,7 @@ def probe(
 
         ctx = init_rank(strategy)  # type: ignore[arg-type]
     cfg = TrainConfig(
-        kind="sft",
+        kind=kind,
         model_path=model,
         records=records,
         hp=hp,
@@ -58,7 +68,7 @@ def probe(
         keep_checkpoints=10,
         dist=ctx,
     )
-    recipe = Probe(cfg)
+    recipe = type("KindProbe", (Probe, recipe_for(kind)), {})(cfg)
     run(recipe, ckpt)
     hist: list[dict[str, Any]] = recipe.hooks.history  # type: ignore[attr-defined]
     weights = recipe.weights()  # every rank: gathering FSDP shards is collective
@@ -73,8 +83,9 @@ def probe(
 def main() -> None:
     out, model, data, packing, strategy, mode = sys.argv[1:7]
     steps = int(sys.argv[7]) if len(sys.argv) > 7 else 1
-    ckpt = Path(sys.argv[8]) if len(sys.argv) > 8 else None
-    probe(Path(out), Path(model), Path(data), packing, strategy, mode, steps, ckpt)
+    ckpt = Path(sys.argv[8]) if len(sys.argv) > 8 and sys.argv[8] != "-" else None
+    kind = sys.argv[9] if len(sys.argv) > 9 else "sft"
+    probe(Path(out), Path(model), Path(data), packing, strategy, mode, steps, ckpt, kind)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from tests.helpers.waiting import wait_until
 from tests.trainer.conftest import jsonl
 from tests.trainer.dist_probe import probe
 from tests.trainer.test_api import ROWS, Harness, harness, job_body, upload  # noqa: F401 (fixture)
+from tests.trainer.test_e2e import worker_env
 
 TOL = 1e-4
 PROBE = Path(__file__).with_name("dist_probe.py")
@@ -47,6 +48,21 @@ COUNT_ROWS = [
         ]
     }
     for n in range(1, 25)
+]
+# preference pairs and KTO rows on the same task; KTO's prompts come twice (a good and a bad
+# completion), so prompt groups hold two rows and every row has a KL mismatch from another
+PAIR_ROWS = [
+    {
+        "prompt": f"Count to {n}.",
+        "chosen": " ".join(str(i) for i in range(1, n + 1)),
+        "rejected": " ".join(str(i) for i in range(n, 0, -1)) + " go",
+    }
+    for n in range(1, 15)
+]
+KTO_ROWS = [
+    {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+    for r in PAIR_ROWS
+    for side in ("chosen", "rejected")
 ]
 
 
@@ -71,7 +87,7 @@ def test_resources_are_checked_before_queueing(harness: Harness, api_key: str, t
         )
         assert resp.status_code in (400, 422), (resources, resp.text)
         assert field in resp.json()["error"]["message"] or resp.json()["error"]["param"] == field, resp.text
-    # a job type that does not run distributed yet says so, naming the field
+    # ppo/grpo (rollouts on the inference service) stay one process: a 400 naming the field
     grpo = httpx.post(
         f"{harness.base}/v1/jobs",
         json=job_body(m, fid, type="grpo", reward="gsm8k_exact_match", resources={"procs_per_node": 2}),
@@ -79,6 +95,7 @@ def test_resources_are_checked_before_queueing(harness: Harness, api_key: str, t
         timeout=60,
     )
     assert grpo.status_code == 400 and grpo.json()["error"]["param"] == "resources", grpo.text
+    assert "rollouts" in grpo.json()["error"]["message"], grpo.text  # says why
     assert harness.dispatched == []
     ok = httpx.post(
         f"{harness.base}/v1/jobs",
@@ -132,7 +149,9 @@ def assert_same(one: dict[str, Any], two: dict[str, Any], *, grads: bool = True)
     for a, b in zip(one["history"], two["history"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=TOL)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=TOL)
-        assert a["label_tokens"] == b["label_tokens"]
+        assert a.get("label_tokens") == b.get("label_tokens")
+        for k in ("reward_accuracy", "kl"):  # the preference recipes' stats, summed over the ranks
+            assert a.get(k) == pytest.approx(b.get(k), abs=TOL)
     if grads:
         assert one["grads"].keys() == two["grads"].keys() and one["grads"]
         for k in one["grads"]:
@@ -159,6 +178,45 @@ def test_two_ddp_ranks_give_the_loss_and_gradients_of_one_process(
     probe(tmp_path / "one.pt", tiny_model_path, count_data, packing, "ddp", mode, 1, None)
     torchrun(tmp_path / "two.pt", tiny_model_path, count_data, packing, "ddp", mode, 1)
     assert_same(load(tmp_path / "one.pt"), load(tmp_path / "two.pt"))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("kind", "packing", "mode"),
+    [("dpo", "packed", "lora"), ("kto", "padded", "full"), ("kto", "packed", "lora")],
+)
+def test_two_ddp_ranks_give_the_preference_loss_and_gradients_of_one_process(
+    tiny_model_path: Path, tmp_path: Path, kind: str, packing: str, mode: str
+) -> None:
+    # dpo packed: 3 packs of pairs a step (one rank runs a filler pass), the reference log-probs
+    # computed by every rank; kto padded: a batch of 5 prompt groups split 3 + 2, whose KL
+    # reference point (a mean over the whole batch's mismatched rows) is all-reduced
+    data = tmp_path / f"{kind}.jsonl"
+    data.write_bytes(jsonl(PAIR_ROWS if kind == "dpo" else KTO_ROWS))
+    probe(tmp_path / "one.pt", tiny_model_path, data, packing, "ddp", mode, 3, None, kind)
+    torchrun(tmp_path / "two.pt", tiny_model_path, data, packing, "ddp", mode, 3, "-", kind)
+    one, two = load(tmp_path / "one.pt"), load(tmp_path / "two.pt")
+    assert len(one["history"]) == 3
+    if kind == "kto":  # the KL term is in play (not clamped to 0 on every step)
+        assert any(h["kl"] > 0 for h in one["history"]), one["history"]
+    assert_same(one, two)
+
+
+@pytest.mark.e2e
+def test_a_dpo_checkpoint_of_two_ranks_resumes_on_one(tiny_model_path: Path, tmp_path: Path) -> None:
+    data = tmp_path / "dpo.jsonl"
+    data.write_bytes(jsonl(PAIR_ROWS))
+    args = (tiny_model_path, data, "packed", "fsdp", "lora", 3)  # the data's 3 steps; FSDP this time
+    probe(tmp_path / "one.pt", *args, None, "dpo")  # type: ignore[arg-type]
+    two_ck = tmp_path / "ck-two"
+    torchrun(tmp_path / "two.pt", *args, two_ck, "dpo")
+    one = load(tmp_path / "one.pt")
+    assert_same(one, load(tmp_path / "two.pt"))
+    assert sorted(p.name for p in two_ck.iterdir()) == ["step-2"]
+    probe(tmp_path / "2to1.pt", *args, two_ck, "dpo")  # type: ignore[arg-type]
+    resumed = load(tmp_path / "2to1.pt")
+    assert [h["step"] for h in resumed["history"]] == [3]
+    assert_same({**one, "history": one["history"][2:]}, resumed, grads=False)
 
 
 @pytest.mark.e2e
@@ -194,8 +252,8 @@ class Api:
     def get(self, path: str) -> Any:
         return httpx.get(f"{self.base}/v1{path}", headers=auth(self.key), timeout=30).json()
 
-    def submit(self, body: dict[str, Any]) -> str:
-        files = {"file": ("c.jsonl", jsonl(COUNT_ROWS))}
+    def submit(self, body: dict[str, Any], rows: list[dict[str, Any]] = COUNT_ROWS) -> str:
+        files = {"file": ("c.jsonl", jsonl(rows))}
         body["dataset"] = httpx.post(f"{self.base}/v1/files", files=files, headers=auth(self.key)).json()[
             "id"
         ]
@@ -211,7 +269,7 @@ class Api:
             lambda: (j := self.get(f"/jobs/{jid}"))["status"] in ("succeeded", "failed") and j,
             600,
             "the job",
-            log,
+            log=log,
         )
         assert done["status"] == "succeeded", done["error"]
         total = done["progress"]["total"]
@@ -220,9 +278,10 @@ class Api:
         return done
 
 
-def dist_job(resources: dict[str, Any], max_steps: int) -> dict[str, Any]:
+def dist_job(resources: dict[str, Any], max_steps: int, model: Path, **extra: Any) -> dict[str, Any]:
     return {
         "type": "sft",
+        "base_model": str(model),
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
         "max_tokens_per_pack": 128,
         "resources": resources,
@@ -234,7 +293,14 @@ def dist_job(resources: dict[str, Any], max_steps: int) -> dict[str, Any]:
             "checkpoint_every": 2,
             "seed": 7,
         },
+        **extra,
     }
+
+
+@pytest.fixture()
+def log(tmp_path: Path) -> Path:
+    """The workers' output (shown when a wait times out)."""
+    return tmp_path / "workers.log"
 
 
 @pytest.fixture()
@@ -245,18 +311,13 @@ def api_app(tandem_env: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.e2e
 def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_checkpoint(
-    api_app: Any, tandem_env: Path, tiny_model_path: Path, api_key: str, tmp_path: Path
+    api_app: Any, tandem_env: Path, tiny_model_path: Path, api_key: str, log: Path
 ) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    log = tmp_path / "worker.log"
-    body = {
-        **dist_job({"nodes": 1, "procs_per_node": 2, "strategy": "fsdp"}, 16),
-        "base_model": str(tiny_model_path),
-    }
-    with serve_app(api_app) as base, celery_worker(env, log, "w1") as w1:
+    body = dist_job({"nodes": 1, "procs_per_node": 2, "strategy": "fsdp"}, 16, tiny_model_path)
+    with serve_app(api_app) as base, celery_worker(worker_env({}), log, "w1") as w1:
         api = Api(base, api_key)
         jid = api.submit(body)
-        wait_until(lambda: api.get(f"/jobs/{jid}")["progress"]["step"] >= 3, 600, "step 3", log)
+        wait_until(lambda: api.get(f"/jobs/{jid}")["progress"]["step"] >= 3, 600, "step 3", log=log)
         ranks = next(m for m in api.logs(jid) if m.startswith("torchrun: 2 ranks"))
         pid = int(re.search(r"1=[^:,]+:(\d+)", ranks).group(1))  # type: ignore[union-attr]
         os.kill(pid, signal.SIGKILL)  # rank 1 dies mid-job
@@ -266,7 +327,8 @@ def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_che
     # the step count of an uninterrupted run, in one attempt of the same worker
     assert done["progress"]["total"] == 16 and done["attempts"] == 1
     assert any("(fsdp, restart 1)" in m for m in messages), messages
-    resumed = [int(m.rsplit(" ", 1)[1]) for m in messages if m.startswith("resumed from checkpoint step")]
+    # "resumed from checkpoint step N (PATH)"
+    resumed = [int(m.split()[4]) for m in messages if m.startswith("resumed from checkpoint step")]
     assert resumed and resumed[0] >= 2 and resumed[0] % 2 == 0, messages
     artifact = tandem_env / "models" / "trainer" / jid  # rank 0 gathered the shards and saved the adapter
     assert json.loads((artifact / "adapter_config.json").read_text())["r"] == 4
@@ -275,18 +337,39 @@ def test_a_rank_killed_with_kill_9_is_restarted_and_the_job_resumes_from_its_che
 
 @pytest.mark.e2e
 def test_a_two_node_job_meets_a_second_worker_at_the_rendezvous(
-    api_app: Any, tiny_model_path: Path, api_key: str, tmp_path: Path
+    api_app: Any, tiny_model_path: Path, api_key: str, log: Path
 ) -> None:
     # two workers of the cpu queue stand for two machines (one process each)
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    log = tmp_path / "workers.log"
-    body = {
-        **dist_job({"nodes": 2, "procs_per_node": 1, "strategy": "ddp"}, 4),
-        "base_model": str(tiny_model_path),
-    }
+    env = worker_env({})
+    body = dist_job({"nodes": 2, "procs_per_node": 1, "strategy": "ddp"}, 4, tiny_model_path)
     with serve_app(api_app) as base, celery_worker(env, log, "a"), celery_worker(env, log, "b"):
         api = Api(base, api_key)
         jid = api.submit(body)
         api.finished(jid, log)
         messages = api.logs(jid)
     assert any(m.startswith("torchrun: 2 ranks (ddp, restart 0)") for m in messages), messages
+
+
+@pytest.mark.e2e
+def test_a_dpo_job_with_resources_trains_on_two_ranks_and_succeeds(
+    api_app: Any, tandem_env: Path, tiny_model_path: Path, api_key: str, log: Path
+) -> None:
+    # the held-out metrics (eval_fraction) are computed by both ranks, each its share
+    body = dist_job(
+        {"nodes": 1, "procs_per_node": 2, "strategy": "ddp"},
+        4,
+        tiny_model_path,
+        type="dpo",
+        eval_fraction=0.2,
+    )
+    with serve_app(api_app) as base, celery_worker(worker_env({}), log, "w1"):
+        api = Api(base, api_key)
+        jid = api.submit(body, PAIR_ROWS)
+        done = api.finished(jid, log)
+        messages = api.logs(jid)
+    assert any(m.startswith("torchrun: 2 ranks (ddp, restart 0)") for m in messages), messages
+    assert any(m.startswith("held-out eval after:") for m in messages), messages
+    assert {"reward_accuracy", "reward_margin"} <= done["metrics"].keys(), done["metrics"]
+    artifact = tandem_env / "models" / "trainer" / jid  # rank 0 saved the adapter
+    assert json.loads((artifact / "tandem_training.json").read_text())["type"] == "dpo"
+    assert (artifact / "adapter_model.safetensors").is_file()

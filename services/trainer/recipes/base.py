@@ -156,6 +156,14 @@ class Recipe:
         trainable, total = count_params(model)
         self.hooks.log(f"model {self.cfg.model_path.name}: {trainable:,} trainable of {total:,} parameters")
 
+    @property
+    def lm(self) -> Any:
+        """What the recipes' forwards call: the model, or under torchrun once wrapped the
+        data-parallel wrapper (``distributed.label_logps`` takes either)."""
+        if self.dist is not None and self.dist.dp is not None:
+            return self.dist.dp
+        return self.model
+
     def trainable_modules(self) -> list[torch.nn.Module]:
         return [self.model]
 
@@ -226,7 +234,7 @@ class Recipe:
         with torch.no_grad(), ctx:
             ref = compute()
         self.model.train(was_training)
-        if cache is not None:
+        if cache is not None and self.is_main:  # under torchrun every rank computed the same
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_suffix(".tmp")
             torch.save(ref, tmp)

@@ -12,24 +12,28 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 from services.trainer.data.packing import Pack, pack_pairs, pair_logit_index, plan_packs
 from services.trainer.data.tokenize import PairSample, tokenize_pair
+from services.trainer.distributed import label_logps
 from services.trainer.losses import dpo_loss, orpo_loss, segment_sums, simpo_loss
-from services.trainer.modeling import gather_logps, hidden_states, pack_hidden_states
 from services.trainer.recipes.base import Recipe
 
 
 def pack_pair_logps(model: Any, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed answer log-probs (chosen, rejected), one per pair of the pack, pack order."""
-    h = pack_hidden_states(model, pack)
+    """Summed answer log-probs (chosen, rejected), one per pair of the pack, pack order
+    (``model``: the LM or the data-parallel wrapper, see ``distributed.label_logps``)."""
     src, tgt_pos, seg = pair_logit_index(pack.triples)
     targets = pack.input_ids.reshape(-1)[tgt_pos]
-    sums = segment_sums(gather_logps(model, h, src, targets), seg, 2 * len(pack.triples))
+    logps = label_logps(
+        model, pack.input_ids, src, targets, position_ids=pack.position_ids, startend_row_indices=pack.mask()
+    )
+    sums = segment_sums(logps, seg, 2 * len(pack.triples))
     return sums[0::2], sums[1::2]
 
 
@@ -53,12 +57,11 @@ def padded_pair_batch(
 
 
 def padded_pair_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    device = next(model.parameters()).device
-    h = hidden_states(model, batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
     flat = batch["labels"].reshape(-1)
     pos = (flat != -100).nonzero().squeeze(-1)
     rows = pos // batch["labels"].shape[1]
-    sums = segment_sums(gather_logps(model, h, pos, flat[pos]), rows, batch["labels"].shape[0])
+    logps = label_logps(model, batch["input_ids"], pos, flat[pos], attention_mask=batch["attention_mask"])
+    sums = segment_sums(logps, rows, batch["labels"].shape[0])
     half = sums.shape[0] // 2
     return sums[:half], sums[half:]
 
@@ -110,6 +113,8 @@ class PreferenceRecipe(Recipe):
     """What the preference recipes (DPO and its kin, KTO) share: no-grad passes over every sample
     batched as training batches them, the eval metrics, and the step's micro-batch accumulation."""
 
+    pad_id: int  # set by the recipe's setup
+
     def single_pass(self, lengths: list[int]) -> Iterator[list[int]]:
         """The micro-batches of one pass over samples of ``lengths`` (reference and eval log-probs)."""
         for step in dpo_schedule(
@@ -130,17 +135,79 @@ class PreferenceRecipe(Recipe):
             "margin": stats["reward_margin"],
         }
 
-    @staticmethod
     def backward_part(
-        losses: torch.Tensor, stats: dict[str, float], part: int, whole: int, stats_acc: dict[str, float]
+        self,
+        losses: torch.Tensor,
+        stats: dict[str, float],
+        part: int,
+        whole: int,
+        stats_acc: dict[str, float],
     ) -> float:
         """Backward a micro-batch of ``part`` of the step's ``whole`` samples (its share of their
-        mean loss), add its stats weighted alike to ``stats_acc``; its loss."""
+        mean loss), add its stats weighted alike to ``stats_acc``; its loss. Under torchrun the
+        backward is scaled by the world size: DDP and FSDP average the ranks' gradients, so the
+        average is their sum, the gradient of one process on the step's whole batch."""
         loss = losses.sum() / whole
-        loss.backward()
+        (loss * (1 if self.dist is None else self.dist.world)).backward()
         for k, v in stats.items():
             stats_acc[k] = stats_acc.get(k, 0.0) + v * part / whole
         return float(loss.detach())
+
+    # ---- data parallel (cfg.dist): each rank its share of a step's micro-batches
+    def my_micro(self, micro: list[list[int]]) -> list[list[int] | None]:
+        """This rank's micro-batches of a step: all of them in one process; under torchrun the
+        packs dealt round-robin, or the rows of the unpacked batch split round-robin, padded
+        with ``None`` (a filler pass) so every rank makes as many passes."""
+        if self.dist is None:
+            return list(micro)
+        if self.cfg.packing:
+            return list(self.dist.share(micro))
+        mine = micro[0][self.dist.rank :: self.dist.world]
+        return [mine or None]
+
+    def sync_grads(self, k: int, n: int) -> AbstractContextManager[Any]:
+        """Gradients are all-reduced on the rank's last micro-batch of the step only."""
+        return nullcontext() if self.dist is None else self.dist.sync_grads(last=k == n - 1)
+
+    def backward_filler(self) -> None:
+        assert self.dist is not None
+        with self.autocast():
+            logps = self.dist.filler(self.pad_id)
+        (logps.sum() * 0.0).backward()
+
+    def finish_pref_step(
+        self, t0: float, loss: float, real: int, processed: int, stats: dict[str, float]
+    ) -> dict[str, float]:
+        """The step's metrics: under torchrun the ranks' shares summed (each stat is already
+        weighted by its rows' share of the step)."""
+        if self.dist is not None:
+            loss, real_f, processed_f = self.dist.sum(loss, real, processed)
+            real, processed = int(real_f), int(processed_f)
+            stats = self.dist.sum_stats(stats)
+        return self.finish_step(t0, loss, real, processed, stats)
+
+    def no_grad_pass(
+        self,
+        n_rows: int,
+        lengths: list[int],
+        rows_of: Callable[[list[int]], list[int]],
+        logps_of: Callable[[list[int]], torch.Tensor],
+    ) -> torch.Tensor:
+        """``[n_rows, 2]`` log-prob sums of one no-grad pass (micro-batches as ``single_pass``).
+        Once wrapped under torchrun, each rank computes its share of the micro-batches (the
+        forwards of a sharded model are collective) and the rows are summed over the ranks;
+        before wrapping (the reference, in ``setup``) every rank computes all of them."""
+        out = torch.zeros(n_rows, 2)
+        batches = list(self.single_pass(lengths))
+        sharded = self.dist is not None and self.dist.dp is not None
+        with torch.no_grad():
+            for idx in self.dist.share(batches) if sharded else batches:
+                if idx is None:
+                    with self.autocast():
+                        self.dist.filler(self.pad_id)
+                    continue
+                out[rows_of(idx)] = logps_of(idx).float().cpu()
+        return self.dist.sum_tensor(out) if sharded else out
 
 
 class DPORecipe(PreferenceRecipe):
@@ -167,12 +234,9 @@ class DPORecipe(PreferenceRecipe):
 
     def all_logps(self, pairs: Sequence[PairSample]) -> torch.Tensor:
         """``[n_pairs, 2]`` summed (chosen, rejected) log-probs of the current model, no grad."""
-        out = torch.zeros(len(pairs), 2)
-        with torch.no_grad():
-            for idx in self.single_pass([len(p) for p in pairs]):
-                c, r = self._logps(pairs, idx)
-                out[idx, 0], out[idx, 1] = c.float().cpu(), r.float().cpu()
-        return out
+        return self.no_grad_pass(
+            len(pairs), [len(p) for p in pairs], list, lambda idx: torch.stack(self._logps(pairs, idx), dim=1)
+        )
 
     def _logps(self, pairs: Sequence[PairSample], idx: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         with self.autocast():
@@ -180,8 +244,8 @@ class DPORecipe(PreferenceRecipe):
                 pack = pack_pairs(
                     pairs, idx, pad_id=self.pad_id, pad_to_multiple_of=self.cfg.pad_to_multiple_of
                 )
-                return pack_pair_logps(self.model, pack)
-            return padded_pair_logps(self.model, padded_pair_batch(pairs, idx, self.pad_id))
+                return pack_pair_logps(self.lm, pack)
+            return padded_pair_logps(self.lm, padded_pair_batch(pairs, idx, self.pad_id))
 
     def evaluate(self) -> dict[str, float]:
         eval_ref = None
@@ -200,25 +264,30 @@ class DPORecipe(PreferenceRecipe):
         real = processed = 0
         loss_total = 0.0
         stats_acc: dict[str, float] = {}
-        for idx in micro:
-            if self.cfg.packing:
-                pack = pack_pairs(
-                    self.pairs, idx, pad_id=self.pad_id, pad_to_multiple_of=self.cfg.pad_to_multiple_of
+        mine = self.my_micro(micro)
+        for k, idx in enumerate(mine):
+            with self.sync_grads(k, len(mine)):
+                if idx is None:
+                    self.backward_filler()
+                    continue
+                if self.cfg.packing:
+                    pack = pack_pairs(
+                        self.pairs, idx, pad_id=self.pad_id, pad_to_multiple_of=self.cfg.pad_to_multiple_of
+                    )
+                    real += pack.real_tokens
+                    processed += pack.total_tokens
+                    with self.autocast():
+                        pc, pr = pack_pair_logps(self.lm, pack)
+                else:
+                    batch = padded_pair_batch(self.pairs, idx, self.pad_id)
+                    real += sum(len(self.pairs[i]) for i in idx)
+                    processed += int(batch["attention_mask"].numel())
+                    with self.autocast():
+                        pc, pr = padded_pair_logps(self.lm, batch)
+                rows = list(idx)
+                ref = None if self.ref is None else self.ref[rows].to(pc.device)
+                losses, stats = pair_losses(
+                    self.cfg.kind, self.hp, pc.float(), pr.float(), self.lengths[rows].to(pc.device), ref
                 )
-                real += pack.real_tokens
-                processed += pack.total_tokens
-                with self.autocast():
-                    pc, pr = pack_pair_logps(self.model, pack)
-            else:
-                batch = padded_pair_batch(self.pairs, idx, self.pad_id)
-                real += sum(len(self.pairs[i]) for i in idx)
-                processed += int(batch["attention_mask"].numel())
-                with self.autocast():
-                    pc, pr = padded_pair_logps(self.model, batch)
-            rows = list(idx)
-            ref = None if self.ref is None else self.ref[rows].to(pc.device)
-            losses, stats = pair_losses(
-                self.cfg.kind, self.hp, pc.float(), pr.float(), self.lengths[rows].to(pc.device), ref
-            )
-            loss_total += self.backward_part(losses, stats, len(idx), n_pairs, stats_acc)
-        return self.finish_step(t0, loss_total, real, processed, stats_acc)
+                loss_total += self.backward_part(losses, stats, len(idx), n_pairs, stats_acc)
+        return self.finish_pref_step(t0, loss_total, real, processed, stats_acc)

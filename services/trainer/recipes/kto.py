@@ -24,8 +24,8 @@ import torch
 
 from services.trainer.data.packing import PromptGroup, group_logit_index, pack_groups
 from services.trainer.data.tokenize import KTOSample, tokenize_kto
+from services.trainer.distributed import label_logps
 from services.trainer.losses import kto_kl, kto_loss, kto_stats, segment_sums
-from services.trainer.modeling import gather_logps, hidden_states, pack_hidden_states
 from services.trainer.recipes.dpo import PreferenceRecipe, dpo_schedule
 
 
@@ -65,12 +65,15 @@ def prompt_groups(
 
 
 def pack_answer_logps(model: Any, pack: Any) -> torch.Tensor:
-    """Summed log-probs of every answer of a group pack, pack order."""
-    h = pack_hidden_states(model, pack)
+    """Summed log-probs of every answer of a group pack, pack order (``model``: the LM or the
+    data-parallel wrapper, see ``distributed.label_logps``)."""
     src, tgt_pos, seg = group_logit_index(pack.groups)
     targets = pack.input_ids.reshape(-1)[tgt_pos]
     n = sum(len(a) for _, a in pack.groups)
-    return segment_sums(gather_logps(model, h, src, targets), seg, n)
+    logps = label_logps(
+        model, pack.input_ids, src, targets, position_ids=pack.position_ids, startend_row_indices=pack.mask()
+    )
+    return segment_sums(logps, seg, n)
 
 
 def padded_answer_logps(model: Any, seqs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> torch.Tensor:
@@ -84,11 +87,11 @@ def padded_answer_logps(model: Any, seqs: Sequence[tuple[list[int], list[int]]],
         ids[k, : len(row)] = torch.tensor(row)
         mask[k, : len(row)] = 1
         labels[k, len(p) - 1 : len(row) - 1] = torch.tensor(a)
-    device = next(model.parameters()).device
-    h = hidden_states(model, ids.to(device), attention_mask=mask.to(device))
     flat = labels.reshape(-1)
     pos = (flat != -100).nonzero().squeeze(-1)
-    return segment_sums(gather_logps(model, h, pos, flat[pos]), pos // longest, len(seqs))
+    return segment_sums(
+        label_logps(model, ids, pos, flat[pos], attention_mask=mask), pos // longest, len(seqs)
+    )
 
 
 class KTOData:
@@ -136,24 +139,42 @@ class KTORecipe(PreferenceRecipe):
                 pack = pack_groups(
                     data.groups, group_idx, pad_id=self.pad_id, pad_to_multiple_of=self.cfg.pad_to_multiple_of
                 )
-                sums = pack_answer_logps(self.model, pack)
+                sums = pack_answer_logps(self.lm, pack)
                 return sums.view(-1, 2), pack.real_tokens, pack.total_tokens
             seqs = [(data.groups[g].prompt, a) for g in group_idx for a in data.groups[g].answers]
-            sums = padded_answer_logps(self.model, seqs, self.pad_id)
+            sums = padded_answer_logps(self.lm, seqs, self.pad_id)
             real = sum(len(p) + len(a) for p, a in seqs)
             return sums.view(-1, 2), real, len(seqs) * max(len(p) + len(a) for p, a in seqs)
 
     def all_logps(self, data: KTOData) -> torch.Tensor:
-        out = torch.zeros(len(data.samples), 2)
-        with torch.no_grad():
-            for idx in self.single_pass([len(g) for g in data.groups]):
-                out[data.rows_of(idx)] = self.logps(data, idx)[0].float().cpu()
-        return out
+        return self.no_grad_pass(
+            len(data.samples),
+            [len(g) for g in data.groups],
+            data.rows_of,
+            lambda idx: self.logps(data, idx)[0],
+        )
+
+    def step_kl(self, pol_kl: torch.Tensor, ref_kl: torch.Tensor) -> torch.Tensor:
+        """KTO's reference point over the whole micro-batch. Under torchrun an unpacked batch's
+        rows are split over the ranks, so the mean log-ratio is all-reduced (its sum and its
+        count; it is detached, so nothing else changes); packed, a micro-batch lies whole on
+        one rank and its own rows give the single-process value."""
+        if self.dist is None or self.cfg.packing:
+            return kto_kl(pol_kl, ref_kl)
+        total, count = self.dist.sum(
+            float((pol_kl.detach().double() - ref_kl.double()).sum()), pol_kl.numel()
+        )
+        return pol_kl.new_tensor(max(total / count, 0.0) if count else 0.0)
 
     def losses(
-        self, data: KTOData, rows: list[int], pol: torch.Tensor, ref: torch.Tensor
+        self,
+        data: KTOData,
+        rows: list[int],
+        pol: torch.Tensor,
+        ref: torch.Tensor,
+        kl: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        kl = kto_kl(pol[:, 1].detach(), ref[:, 1])
+        kl = kto_kl(pol[:, 1].detach(), ref[:, 1]) if kl is None else kl
         hp = self.hp
         labels = data.labels[rows].to(pol.device)
         return kto_loss(pol[:, 0], ref[:, 0], labels, kl, hp.beta, hp.desirable_weight, hp.undesirable_weight)
@@ -173,10 +194,19 @@ class KTORecipe(PreferenceRecipe):
         real = processed = 0
         loss_total = 0.0
         stats_acc: dict[str, float] = {}
-        for idx in micro:
-            rows = self.data.rows_of(idx)
-            pol, r, p = self.logps(self.data, idx)
-            real, processed = real + r, processed + p
-            losses, stats = self.losses(self.data, rows, pol.float(), self.ref[rows].to(pol.device))
-            loss_total += self.backward_part(losses, stats, len(rows), n_rows, stats_acc)
-        return self.finish_step(t0, loss_total, real, processed, stats_acc)
+        mine = self.my_micro(micro)
+        for k, idx in enumerate(mine):
+            with self.sync_grads(k, len(mine)):
+                if idx is None:
+                    self.step_kl(torch.zeros(0), torch.zeros(0))  # the KL all-reduce needs every rank
+                    self.backward_filler()
+                    continue
+                rows = self.data.rows_of(idx)
+                pol, r, p = self.logps(self.data, idx)
+                real, processed = real + r, processed + p
+                pol = pol.float()
+                ref = self.ref[rows].to(pol.device)
+                kl = self.step_kl(pol[:, 1], ref[:, 1])
+                losses, stats = self.losses(self.data, rows, pol, ref, kl)
+                loss_total += self.backward_part(losses, stats, len(rows), n_rows, stats_acc)
+        return self.finish_pref_step(t0, loss_total, real, processed, stats_acc)

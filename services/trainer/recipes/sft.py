@@ -87,9 +87,7 @@ class SFTRecipe(Recipe):
         assert self.dist is not None
         dev = self.dist.device
         if batch is None:
-            ids = torch.tensor([[self.pad_id]], device=dev)
-            zero = torch.zeros(1, dtype=torch.long, device=dev)
-            return self.dist.dp(ids, zero, ids.reshape(-1), position_ids=zero.reshape(1, 1)), 0
+            return self.dist.filler(self.pad_id), 0
         if isinstance(batch, Pack):
             pos, tgt = label_positions(batch.labels)
             logps = self.dist.dp(
