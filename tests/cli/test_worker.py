@@ -48,7 +48,7 @@ def test_worker_joins_the_stack_and_other_storage_is_refused(redis_url: str, tmp
         )
     try:
         wait_until(
-            lambda: stack.worker_ready(redis_url, "cpu", timeout=2.0)[0], 120, "the joined worker", log
+            lambda: stack.worker_ready(redis_url, "cpu", timeout=2.0)[0], 120, "the joined worker", log=log
         )
         assert (shared / "storage-id").read_text().strip() == redis.Redis.from_url(redis_url).get(
             stack.STORAGE_ID_KEY

@@ -77,7 +77,9 @@ def replicas(
             )
         for i, (url, proc) in enumerate(started):
             log = tmp_path / f"replica{i}.log"
-            wait_until(lambda u=url, p=proc: ready(u) or p.poll() is not None, 180, f"replica {i} ready", log)
+            wait_until(
+                lambda u=url, p=proc: ready(u) or p.poll() is not None, 180, f"replica {i} ready", log=log
+            )
             assert proc.poll() is None, log.read_text()[-3000:]
         yield started
     finally:
