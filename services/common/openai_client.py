@@ -101,15 +101,24 @@ class OpenAIClient:
                     if resp.status_code >= 400:
                         await resp.aread()
                         raise self._status(resp)
-                    async for chunk in openai_chunks(resp.aiter_lines(), kind):
+                    try:
+                        async for chunk in openai_chunks(resp.aiter_lines(), kind):
+                            if not attempt.committed:
+                                if not chunk.has_output():
+                                    held.append(chunk)
+                                    continue
+                                attempt.commit()
+                                for early in held:
+                                    yield early
+                            yield chunk
+                    except httpx.HTTPError as exc:
                         if not attempt.committed:
-                            if not chunk.has_output():
-                                held.append(chunk)
-                                continue
-                            attempt.commit()
-                            for early in held:
-                                yield early
-                        yield chunk
+                            raise  # nothing was seen: the attempt goes to another replica
+                        # Tokens went out already: the stream is cut, not the replica unreachable
+                        # (the same error as a stream that ends without [DONE]).
+                        raise UpstreamBroken(
+                            f"{self.service}'s stream was cut after its first tokens ({type(exc).__name__})"
+                        ) from exc
                 if not attempt.committed:  # a complete stream without output (no tokens asked for)
                     for early in held:
                         yield early

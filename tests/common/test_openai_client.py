@@ -257,8 +257,10 @@ def test_after_the_first_token_a_death_is_the_callers_error_not_a_retry(
         async for c in client.stream("/chat/completions", body, ChatCompletionChunk):
             got.extend(ch.text for ch in c.choices)
 
-    with pytest.raises(httpx.RemoteProtocolError):
+    # a cut stream, the same error as one that ends without [DONE] (not "unreachable")
+    with pytest.raises(UpstreamBroken, match="cut after its first tokens") as cut:
         asyncio.run(run())
+    assert isinstance(cut.value.__cause__, httpx.RemoteProtocolError)
     assert "".join(got) == "after-token" and good_seen == [] and client.pool.retries == 0
 
 
