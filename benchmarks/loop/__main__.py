@@ -31,9 +31,7 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,11 +39,10 @@ from typing import Any
 
 import httpx
 
+from benchmarks.stack import embedded_stack
 from services.agent.citations import marker_numbers
 from services.cli.factset import Fact, make_facts, states
-from tests.helpers.stack import isolated_stack_env
 
-REPO = Path(__file__).resolve().parents[2]
 COLLECTION = "facts"
 
 
@@ -291,24 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="leave the stack running (prints its home)")
     args = ap.parse_args(argv)
 
-    home = Path(tempfile.mkdtemp(prefix="tandem-loop-")) / "home"
-    env = isolated_stack_env(home)
-    tandem = [sys.executable, "-m", "services.cli.main"]
-    print(f"starting the stack in {home} ...", flush=True)
-    up = subprocess.run(
-        [*tandem, "up", "--timeout", "900"], env=env, cwd=REPO, capture_output=True, text=True
-    )
-    if up.returncode != 0:
-        print(up.stdout + up.stderr, file=sys.stderr)
-        return 1
     try:
-        key = (home / "api-key").read_text().strip()
-        report = asyncio.run(run(args, env, key))
-    finally:
-        if args.keep:
-            print(f"stack left running: TANDEM_HOME={home}")
-        else:
-            subprocess.run([*tandem, "down"], env=env, cwd=REPO, capture_output=True, text=True)
+        with embedded_stack("tandem-loop-", keep=args.keep) as stack:
+            report = asyncio.run(run(args, stack.env, stack.key))
+    except RuntimeError as exc:  # tandem up failed: its output says why
+        print(exc, file=sys.stderr)
+        return 1
     print()
     print(table(report))
     if args.out:

@@ -30,10 +30,10 @@ from typing import Any, BinaryIO
 
 from celery import Celery
 
+from services.common.atomic import atomic_write, fsync_path
 from services.common.errors import InvalidRequest, TandemError
 from services.common.jobs import TERMINAL
 from services.common.leases import Heartbeat, JobLeaseSettings
-from services.retrieval.core.atomic import atomic_write, fsync_dir
 from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.jobs import JobStore, new_job_id
 from services.retrieval.core.parsing import MIB, UNTRUSTED, ParseLimits, extension_of, parse_file
@@ -93,7 +93,7 @@ def enqueue_files_job(
         stored.append({"name": name, "path": local})
     atomic_write(staging / MANIFEST, json.dumps({"files": stored, "metadata": metadata}).encode())
     os.replace(staging, uploads / job_id)
-    fsync_dir(uploads)
+    fsync_path(uploads)
     jobs.create(job_id, tenant, collection, filename=",".join(f["name"] for f in stored), documents=0)
     celery.send_task(TASK_NAME, args=[tenant, collection, job_id], queue="io")
     return job_id

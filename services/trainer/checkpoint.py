@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.common.atomic import fsync_path
+
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -47,15 +49,6 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
         if m and (child / "state.pt").is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
-
-
-def _fsync(path: Path) -> None:
-    """Flush ``path`` (a file, or a folder's entries) to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(
@@ -87,10 +80,10 @@ def save_checkpoint(
         tmp / "state.pt",
     )
     for f in (tmp / "trainable.safetensors", tmp / "state.pt", tmp):
-        _fsync(f)
+        fsync_path(f)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _fsync(root)  # the rename itself
+    fsync_path(root)  # the rename itself
     for _, old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

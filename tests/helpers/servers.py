@@ -133,11 +133,18 @@ def serve_app(app: Any, port: int | None = None) -> Iterator[str]:
 # A real trainer Celery worker (subprocess) on the cpu queue: shared by the end-to-end tests
 # that train (wait_until(..., log=) shows its log's tail when they time out).
 @contextmanager
-def celery_worker(env: dict[str, str], log: Path, name: str) -> Iterator[subprocess.Popen[bytes]]:
+def celery_worker(
+    env: dict[str, str],
+    log: Path,
+    name: str,
+    app: str = "services.trainer.worker:celery_app",
+    queue: str = "cpu",
+    pool: tuple[str, ...] = ("--pool", "solo"),
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A real Celery worker of ``app`` on ``queue`` (the trainer's cpu worker by default)."""
     cmd = [
         str(Path(sys.executable).parent / "celery"),
-        "-A", "services.trainer.worker:celery_app", "worker",
-        "-Q", "cpu", "--pool", "solo", "-n", f"{name}@%h",
+        "-A", app, "worker", "-Q", queue, *pool, "-n", f"{name}@%h",
         "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel", "INFO",
     ]  # fmt: skip
     with log.open("ab") as out:

@@ -1,5 +1,5 @@
 """The environment of a whole `tandem up` stack of its own: a fresh home and free ports, so it
-runs beside any other stack (the CLI tests and `python -m benchmarks.loop`)."""
+runs beside any other stack (the CLI tests, and benchmarks/stack.py for the loop and chaos benchmarks)."""
 
 from __future__ import annotations
 

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -19,8 +15,8 @@ import redis
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.jobs import JobStore
 from services.retrieval.ingest import recover_orphans, run_leased
-from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import serve_app, stop_process
+from tests.conftest import auth
+from tests.helpers.servers import celery_worker, serve_app
 from tests.helpers.waiting import wait_until
 
 
@@ -84,39 +80,8 @@ def test_a_held_or_finished_job_is_not_run_again(redis_client: redis.Redis) -> N
     assert done not in store.active_jobs()
 
 
-@contextmanager
-def io_worker(name: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "services.retrieval.worker:celery_app",
-            "worker",
-            "-Q",
-            "io",
-            "--pool",
-            "threads",
-            "--concurrency",
-            "1",
-            "-n",
-            f"{name}-{os.getpid()}@%h",
-            "--loglevel",
-            "INFO",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-        ],
-        cwd=REPO_ROOT,
-        env=dict(os.environ),
-        stdout=log.open("ab"),
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        yield proc
-    finally:
-        stop_process(proc)
+IO = "services.retrieval.worker:celery_app"
+ONE_THREAD = ("--pool", "threads", "--concurrency", "1")
 
 
 @pytest.mark.e2e
@@ -150,7 +115,7 @@ def test_an_ingestion_worker_killed_mid_job_is_replaced_and_the_job_ends_once(
         def job() -> dict:
             return dict(c.get(f"/v1/jobs/{job_id}").json())
 
-        with io_worker("first", log) as first:
+        with celery_worker(dict(os.environ), log, f"first-{os.getpid()}", IO, "io", ONE_THREAD) as first:
             wait_until(
                 lambda: job()["status"] == "running" and job()["chunks_done"] > 0,
                 300,
@@ -160,7 +125,7 @@ def test_an_ingestion_worker_killed_mid_job_is_replaced_and_the_job_ends_once(
             os.kill(first.pid, signal.SIGKILL)  # mid-job, without acking its message
             first.wait()
         assert job()["status"] == "running"
-        with io_worker("second", log):
+        with celery_worker(dict(os.environ), log, f"second-{os.getpid()}", IO, "io", ONE_THREAD):
             final = wait_until(
                 lambda: (j := job())["status"] in ("succeeded", "failed") and j,
                 300,

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +16,8 @@ import redis
 
 from services.retrieval.core.jobs import JobStore
 from services.retrieval.ingest import run_job
-from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import serve_app, stop_process
+from tests.conftest import auth
+from tests.helpers.servers import celery_worker, serve_app
 from tests.helpers.sse import named_events
 from tests.helpers.waiting import wait_until
 
@@ -93,87 +91,65 @@ def test_celery_worker_runs_jobs_with_progress(
     job_service: tuple[str, object], api_key: str, tmp_path: Path
 ) -> None:
     url, _ = job_service
-    log = (tmp_path / "worker.log").open("wb")
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "services.retrieval.worker:celery_app",
-            "worker",
-            "-Q",
-            "io",
-            "--pool",
-            "threads",
-            "--concurrency",
-            "2",
-            "-n",
-            f"io-test-{os.getpid()}@%h",
-            "--loglevel",
-            "WARNING",
-        ],
-        cwd=REPO_ROOT,
-        env=dict(os.environ),
-        stdout=log,
-        stderr=subprocess.STDOUT,
+    log = tmp_path / "worker.log"
+    worker = celery_worker(
+        dict(os.environ),
+        log,
+        f"io-test-{os.getpid()}",
+        "services.retrieval.worker:celery_app",
+        "io",
+        ("--pool", "threads", "--concurrency", "2"),
     )
-    try:
-        with httpx.Client(base_url=url, headers=auth(api_key), timeout=60) as c:
-            assert (
-                c.post(
-                    "/v1/collections", json={"name": "kb", "chunking": {"size": 32, "overlap": 4}}
-                ).status_code
-                == 201
-            )
-            lines = [
-                json.dumps({"id": f"p{i}", "text": f"passage {i} " + "lorem ipsum dolor sit amet " * 20})
-                for i in range(60)
-            ]
-            r = c.post("/v1/collections/kb/files", files={"file": ("set.jsonl", "\n".join(lines).encode())})
-            assert r.status_code == 202, r.text
-            job_id = r.json()["job_id"]
-            events = sse_events(c, f"/v1/jobs/{job_id}/events")
-            kinds = [e[0] for e in events]
-            assert kinds[-1] == "done", (events[-1], (tmp_path / "worker.log").read_text()[-3000:])
-            final = events[-1][1]
-            assert final["documents_done"] == 60 and final["chunks_done"] == final["chunks_total"] > 60
-            # progress never goes backwards
-            done = [e[1]["chunks_done"] for e in events]
-            assert done == sorted(done)
-            # the API process sees the worker's writes (via the shared SQLite log)
-            info = c.get("/v1/collections/kb").json()
-            assert info["documents"] == 60 and info["indexed"]["dense"] == info["chunks"]
-            hits = c.post("/v1/collections/kb/search", json={"query": "passage 42", "mode": "hybrid"}).json()[
-                "results"
-            ]
-            assert "p42" in [h["document_id"] for h in hits]
-            # the job input file is removed after success
-            assert not list(
-                (Path(os.environ["TANDEM_HOME"]) / "retrieval" / "acme" / "kb" / "uploads").glob("*.jsonl")
-            )
-            # PDF and DOCX: parsed by the real worker in its sandboxed child; a broken file is a
-            # per-file error and the good one is searchable
-            from tests.retrieval.test_files import make_docx, make_pdf
+    with worker, httpx.Client(base_url=url, headers=auth(api_key), timeout=60) as c:
+        assert (
+            c.post("/v1/collections", json={"name": "kb", "chunking": {"size": 32, "overlap": 4}}).status_code
+            == 201
+        )
+        lines = [
+            json.dumps({"id": f"p{i}", "text": f"passage {i} " + "lorem ipsum dolor sit amet " * 20})
+            for i in range(60)
+        ]
+        r = c.post("/v1/collections/kb/files", files={"file": ("set.jsonl", "\n".join(lines).encode())})
+        assert r.status_code == 202, r.text
+        job_id = r.json()["job_id"]
+        events = sse_events(c, f"/v1/jobs/{job_id}/events")
+        kinds = [e[0] for e in events]
+        assert kinds[-1] == "done", (events[-1], (tmp_path / "worker.log").read_text()[-3000:])
+        final = events[-1][1]
+        assert final["documents_done"] == 60 and final["chunks_done"] == final["chunks_total"] > 60
+        # progress never goes backwards
+        done = [e[1]["chunks_done"] for e in events]
+        assert done == sorted(done)
+        # the API process sees the worker's writes (via the shared SQLite log)
+        info = c.get("/v1/collections/kb").json()
+        assert info["documents"] == 60 and info["indexed"]["dense"] == info["chunks"]
+        hits = c.post("/v1/collections/kb/search", json={"query": "passage 42", "mode": "hybrid"}).json()[
+            "results"
+        ]
+        assert "p42" in [h["document_id"] for h in hits]
+        # the job input file is removed after success
+        assert not list(
+            (Path(os.environ["TANDEM_HOME"]) / "retrieval" / "acme" / "kb" / "uploads").glob("*.jsonl")
+        )
+        # PDF and DOCX: parsed by the real worker in its sandboxed child; a broken file is a
+        # per-file error and the good one is searchable
+        from tests.retrieval.test_files import make_docx, make_pdf
 
-            r = c.post(
-                "/v1/collections/kb/files",
-                files=[
-                    ("file", ("paper.pdf", make_pdf(["Mitochondria produce ATP for the cell."]))),
-                    ("file", ("guide.docx", make_docx())),
-                    ("file", ("broken.docx", b"PK\x03\x04 not a zip")),
-                ],
-            )
-            assert r.status_code == 202, r.text
-            events = sse_events(c, f"/v1/jobs/{r.json()['job_id']}/events")
-            final = events[-1][1]
-            assert events[-1][0] == "done", (final, (tmp_path / "worker.log").read_text()[-3000:])
-            assert [e["filename"] for e in final["file_errors"]] == ["broken.docx"]
-            assert final["documents_done"] == 2
-            assert c.get("/v1/collections/kb/documents/guide.docx").json()["title"] == "Field Guide"
-    finally:
-        stop_process(worker)
-        log.close()
+        r = c.post(
+            "/v1/collections/kb/files",
+            files=[
+                ("file", ("paper.pdf", make_pdf(["Mitochondria produce ATP for the cell."]))),
+                ("file", ("guide.docx", make_docx())),
+                ("file", ("broken.docx", b"PK\x03\x04 not a zip")),
+            ],
+        )
+        assert r.status_code == 202, r.text
+        events = sse_events(c, f"/v1/jobs/{r.json()['job_id']}/events")
+        final = events[-1][1]
+        assert events[-1][0] == "done", (final, (tmp_path / "worker.log").read_text()[-3000:])
+        assert [e["filename"] for e in final["file_errors"]] == ["broken.docx"]
+        assert final["documents_done"] == 2
+        assert c.get("/v1/collections/kb/documents/guide.docx").json()["title"] == "Field Guide"
 
 
 def test_readiness_waits_for_the_embedder(

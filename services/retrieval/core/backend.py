@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from services.common.atomic import atomic_write, fsync_path
 from services.common.config import SettingsError
 from services.common.errors import Conflict, NotFound
 from services.retrieval.config import RetrievalSettings
-from services.retrieval.core.atomic import atomic_write, fsync_dir
 from services.retrieval.core.collection import (
     ChunkedCollection,
     Collection,
@@ -157,7 +157,7 @@ class EmbeddedBackend:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
             raise exists_error(config.name) from None
-        fsync_dir(tenant_dir)
+        fsync_path(tenant_dir)
 
     def load_config(self, tenant: str, name: str) -> CollectionConfig:
         try:
@@ -193,7 +193,7 @@ class EmbeddedBackend:
             path.rename(trash)
         except FileNotFoundError:
             raise not_found(name) from None
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
         shutil.rmtree(trash, ignore_errors=True)
 
     def close(self) -> None:

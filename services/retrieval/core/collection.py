@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from services.common.atomic import atomic_write
 from services.common.errors import InvalidRequest, ServiceUnavailable
-from services.retrieval.core.atomic import atomic_write
 from services.retrieval.core.chunking import make_chunks
 from services.retrieval.core.embedder import Embedder
 from services.retrieval.core.filters import Filter, parse_filter

@@ -10,7 +10,8 @@ import tempfile
 from pathlib import Path
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush ``path`` to the disk: a file's data, or a folder's entries (a rename in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -31,4 +32,4 @@ def atomic_write(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
