@@ -33,6 +33,8 @@ import pickle
 import signal
 import socket
 import sys
+import time
+import traceback
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,6 +369,33 @@ def run_rank(launch: Launch) -> str:
         dist.destroy_process_group()
 
 
+def error_handler() -> Any:
+    """torch's error handler, but writing the error file whole or not at all.
+
+    torch's own opens the file (empty) and then writes the JSON; when a rank dies and another
+    fails on the broken collective, torchrun can read that empty file in between and crash
+    on the ``JSONDecodeError`` instead of restarting the ranks (seen in CI).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from services.common.atomic import atomic_write
+
+    class AtomicErrorHandler(ErrorHandler):
+        def record_exception(self, e: BaseException) -> None:
+            file = self._get_error_file_path()
+            if not file:
+                return
+            data = {
+                "message": {
+                    "message": f"{type(e).__name__}: {e}",
+                    "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
+                }
+            }
+            atomic_write(Path(file), json.dumps(data).encode())
+
+    return AtomicErrorHandler()
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -376,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         launch: Launch = pickle.load(f)  # written by our own worker under the job's folder
 
     # record: a rank's exception lands in torchrun's error file and its summary
-    record(run_rank)(launch)
+    record(run_rank, error_handler())(launch)
     return 0
 
 

@@ -242,6 +242,29 @@ def test_fsdp_matches_one_process_and_checkpoints_resume_on_another_world_size(
         assert_same(tail, resumed, grads=False)
 
 
+def test_a_rank_error_file_is_replaced_whole_so_torchrun_never_reads_it_half_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torchrun parses a failed rank's error file as it finds it; torch's own handler truncates
+    # it first, so a torchrun looking in between crashed on the empty file instead of restarting
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from services.trainer.distributed import error_handler
+
+    path = tmp_path / "error.json"
+    path.write_text("{}")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    with path.open() as before:  # the file a reader had open (or was about to parse)
+        try:
+            raise RuntimeError("Connection closed by peer")
+        except RuntimeError as e:
+            error_handler().record_exception(e)
+        assert before.read() == "{}"  # a new file took its place; the old one was never truncated
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert failure.message["message"] == "RuntimeError: Connection closed by peer"  # type: ignore[index]
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # no temp file left behind
+
+
 # ---- through the API and real workers
 
 
