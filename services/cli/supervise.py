@@ -164,17 +164,28 @@ class Supervisor:
         os.replace(tmp, self.state_file)
 
 
+def backoff_of(maximum: float | None) -> Backoff:
+    """The backoff with ``maximum`` when given, else TANDEM_SUPERVISE_BACKOFF_MAX_S's."""
+    if maximum is None:
+        from services.common.config import CommonSettings
+
+        maximum = CommonSettings().supervise_backoff_max_s
+    return Backoff(maximum=maximum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--name", required=True)
     parser.add_argument("--state", required=True, type=Path, help="the JSON state file")
-    parser.add_argument("--backoff-max", type=float, default=Backoff.maximum)
+    parser.add_argument(
+        "--backoff-max", type=float, default=None, help="seconds (default: TANDEM_SUPERVISE_BACKOFF_MAX_S)"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- ARGV of the component")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command to supervise (put it after --)")
-    sup = Supervisor(args.name, command, args.state, Backoff(maximum=args.backoff_max))
+    sup = Supervisor(args.name, command, args.state, backoff_of(args.backoff_max))
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         sup.stop()

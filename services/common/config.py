@@ -76,6 +76,9 @@ class CommonSettings(BaseSettings):
     max_body_mb: int = Field(16, ge=1)
     # Serve /docs and /openapi.json without an API key (with a key they are always served).
     public_docs: bool = False
+    # Longest wait, in seconds, before `tandem up`'s supervisor restarts a component that keeps
+    # exiting (the wait doubles from 1 s while it dies within a minute of starting).
+    supervise_backoff_max_s: float = Field(30.0, ge=0)
     # Password of the Redis server when TANDEM_REDIS_URL carries none (compose sets it).
     redis_password: str = ""
 

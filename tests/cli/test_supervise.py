@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.stack import pid_alive
-from services.cli.supervise import Backoff, Child, Supervisor, read_state
+from services.cli.supervise import Backoff, Child, Supervisor, backoff_of, read_state
 from tests.helpers.waiting import wait_until
 
 
@@ -25,6 +25,16 @@ def test_backoff_doubles_up_to_its_maximum_and_resets_after_a_long_run() -> None
         delays.append(d)
     assert delays == [1, 2, 4, 5, 5]
     assert b.delay(5, ran_for=61) == 1  # a run that lasted is a fresh start
+
+
+def test_the_longest_backoff_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert backoff_of(None).maximum == 30.0  # the default, as compose's restart policy roughly waits
+    monkeypatch.setenv("TANDEM_SUPERVISE_BACKOFF_MAX_S", "2.5")
+    assert backoff_of(None).maximum == 2.5
+    assert backoff_of(7.0).maximum == 7.0  # --backoff-max wins
+    monkeypatch.setenv("TANDEM_SUPERVISE_BACKOFF_MAX_S", "-1")
+    with pytest.raises(ValueError, match="supervise_backoff_max_s"):
+        backoff_of(None)
 
 
 class FakeClock:
