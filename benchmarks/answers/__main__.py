@@ -18,7 +18,10 @@ Variants (``--variants`` names, comma-separated):
 - ``after``: the built-in ``chat-documents`` as shipped (prompt, sampling, guard);
 - ``after-noguard``: the shipped prompt and sampling without the guard (what the model alone does);
 - ``after-lexical``: the guard on word overlap only (without the collection's embedder);
-- ``t<T>``, ``p<P>``: suffixes to ``after``/``after-noguard`` such as ``after-noguard-t0.3-p0.9``.
+- ``t<T>``, ``p<P>``: suffixes to ``after``/``after-noguard`` such as ``after-noguard-t0.3-p0.9``;
+- ``rp<R>``, ``fp<F>``, ``pp<P>``: the inference API's ``repetition_penalty``,
+  ``frequency_penalty`` and ``presence_penalty`` (``after-noguard-rp1.1``), and ``sp0`` for none
+  of the shipped ones (the model's plain greedy output).
 """
 
 from __future__ import annotations
@@ -61,8 +64,13 @@ def variant_definition(name: str) -> dict[str, Any]:
         comps["guard"]["params"] = {"enabled": False}
         return spec
     gen: dict[str, Any] = dict(comps["generate"].get("params") or {})
+    penalties = {"rp": "repetition_penalty", "fp": "frequency_penalty", "pp": "presence_penalty"}
     for part in parts[1:]:
-        if part == "noguard":
+        if part[:2] in penalties and part[2:3].isdigit():
+            gen.setdefault("sampling", {})[penalties[part[:2]]] = float(part[2:])
+        elif part == "sp0":
+            gen["sampling"] = {}
+        elif part == "noguard":
             comps["guard"]["params"] = {"enabled": False}
         elif part == "lexical":
             comps["guard"].setdefault("params", {})["embedder"] = False
