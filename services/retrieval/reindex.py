@@ -70,7 +70,7 @@ def start_reindex(
     target = col.store.begin_build(
         lambda n: IndexVersion(n, embedder, path, emb.dim, job_id, time.time()), job_busy(jobs)
     )
-    jobs.create(job_id, tenant, name, filename=embedder, kind=KIND)
+    jobs.create(job_id, tenant, name, kind=KIND)
     dispatch(tenant, name, job_id)
     return ReindexResponse(
         job_id=job_id,

@@ -582,10 +582,13 @@ class Collection(ChunkedCollection):
                 return Ranked([], {})
         stage: dict[int, dict[str, float]] = {}
         rankings: dict[str, np.ndarray] = {}
+        with self._lock:
+            # One version's embedder and dense index together (a switch may swap both meanwhile).
+            embedder, dense = self.embedder, self.dense
         if mode in ("dense", "hybrid"):
-            qv = self.embedder.embed_query(query)
+            qv = embedder.embed_query(query)
             with self._lock:
-                ids, scores = self.dense.search(qv, depth, allowed)
+                ids, scores = dense.search(qv, depth, allowed)
             rankings["dense"] = ids
             for v, s in zip(ids.tolist(), scores.tolist(), strict=True):
                 stage.setdefault(v, {})["dense"] = s
@@ -651,7 +654,10 @@ class Collection(ChunkedCollection):
             try:
                 return super().write(records, progress)
             except IndexVersionChanged:
-                # Switched while these were embedded: adopt the new version, embed with its model.
+                # Switched while these were embedded: adopt the new version (once another
+                # thread's adoption, if one runs, has ended) and embed with its model.
+                with self._switch_lock:
+                    pass
                 self.catch_up()
         raise ServiceUnavailable("collection is switching index versions; retry", code="index_switching")
 
