@@ -324,7 +324,7 @@ def test_an_io_worker_killed_mid_reindex_is_replaced_and_the_switch_happens_once
     from services.retrieval.app import create_app
 
     log = tmp_path / "workers.log"
-    n = 150
+    n = 80
     with serve_app(create_app()) as url, httpx.Client(base_url=url, headers=auth(api_key), timeout=60) as c:
         body = {"name": "kb", "chunking": {"size": 32, "overlap": 0}}
         assert c.post("/v1/collections", json=body).status_code == 201
