@@ -174,6 +174,7 @@ def test_bad_reindex_requests_are_4xx_naming_the_problem(
     e = err(client.patch("/v1/collections/kb", json={"embedding": "x"}), 400)
     assert "embedding" in e["message"]
     err(client.patch("/v1/collections/kb", json={"embedder": ""}), 400)
+    err(client.patch("/v1/collections/kb", json={"embedder": "0" * 256}), 400)  # no file has that name (fuzz)
     own = client.get("/v1/collections/kb").json()["embedder"]
     assert (
         err(client.patch("/v1/collections/kb", json={"embedder": own}), 400)["code"] == "embedder_unchanged"

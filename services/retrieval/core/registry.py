@@ -132,10 +132,10 @@ class CollectionManager:
             return emb, str(folder)
         try:
             return self.embedder_named(name)
-        except InvalidRequest as exc:
+        except (InvalidRequest, OSError) as exc:  # OSError: a name no file system could hold
+            why = exc.message if isinstance(exc, InvalidRequest) else (exc.strerror or str(exc))
             raise InvalidRequest(
-                f"embedder {name!r} is neither a fine-tuned embedder of this tenant nor a base model: "
-                f"{exc.message}",
+                f"embedder {name!r} is neither a fine-tuned embedder of this tenant nor a base model: {why}",
                 param="embedder",
                 code="embedder_not_found",
             ) from None
