@@ -109,6 +109,13 @@ class RetrievalSettings(TenantLimitSettings, TenantQuotaSettings, JobLeaseSettin
     async_documents: int = Field(
         500, ge=1, description="Requests with more documents than this become an ingestion job."
     )
+    reindex_batch: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="Chunks a reindex job (a switch of embedder) embeds and commits per step: the "
+        "unit of its progress, and the most a restarted job embeds again.",
+    )
     parse_max_decompressed_mb: int = Field(
         256, ge=1, description="Most bytes (MiB) a DOCX may inflate to, and of text a PDF may yield."
     )

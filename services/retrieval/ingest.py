@@ -24,7 +24,6 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -35,14 +34,15 @@ from services.common.errors import InvalidRequest, TandemError
 from services.common.jobs import TERMINAL
 from services.common.leases import Heartbeat, JobLeaseSettings
 from services.retrieval.core.collection import InputDocument
-from services.retrieval.core.jobs import JobStore, new_job_id
+from services.retrieval.core.jobs import TASK_NAME, Dispatch, JobStore, new_job_id
 from services.retrieval.core.parsing import MIB, UNTRUSTED, ParseLimits, extension_of, parse_file
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.core.sandbox import parse_isolated
+from services.retrieval.reindex import KIND as REINDEX
+from services.retrieval.reindex import run_reindex
 
 log = logging.getLogger("tandem.retrieval.jobs")
 
-TASK_NAME = "tandem.retrieval.ingest"
 BATCH_DOCS = 32
 MANIFEST = "manifest.json"
 
@@ -203,9 +203,6 @@ def run_job(
         raise
 
 
-Dispatch = Callable[[str, str, str], None]  # (tenant, collection, job_id): queue the task again
-
-
 def run_leased(
     manager: CollectionManager,
     jobs: JobStore,
@@ -230,16 +227,18 @@ def run_leased(
         def beat(_reacquired: bool) -> None:
             jobs.update(job_id, heartbeat=time.time())
 
+        # The io task runs both kinds of retrieval job, so recovery requeues either the same way.
+        run = run_reindex if raw.get("kind") == REINDEX else run_job
         with Heartbeat(
             jobs.leases, job_id, owner, settings.stale_after_s, settings.heartbeat_interval_s, beat
         ):
-            return run_job(manager, jobs, tenant, collection, job_id)
+            return run(manager, jobs, tenant, collection, job_id)
     finally:
         jobs.leases.release(job_id, owner)
 
 
 def recover_orphans(jobs: JobStore, settings: JobLeaseSettings, dispatch: Dispatch) -> list[str]:
-    """Requeue running ingestion jobs whose lease expired (their worker died); fail those
+    """Requeue running ingestion (and reindex) jobs whose lease expired (their worker died); fail those
     requeued ``max_recoveries`` times already."""
     requeued = []
     for job_id in jobs.active_jobs():

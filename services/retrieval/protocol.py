@@ -26,6 +26,12 @@ class CreateCollection(BaseModel):
     index: IndexKind | None = None
 
 
+class ReindexInfo(BaseModel):
+    job_id: str
+    embedder: str
+    index_version: int
+
+
 class CollectionInfo(BaseModel):
     name: str
     embedding_model: str
@@ -37,6 +43,38 @@ class CollectionInfo(BaseModel):
     chunks: int | None = None
     indexed: dict[str, int] | None = Field(None, description="Chunks in the dense and sparse indexes.")
     created_at: float
+    # Index versions (shown by GET /v1/collections/{name} on the embedded backend).
+    embedder: str | None = Field(
+        None, description="The embedder of the active index version (embedding_model until a switch)."
+    )
+    index_version: int | None = Field(None, description="The active index version (1 as created).")
+    previous_version: int | None = Field(None, description="The version a rollback returns to.")
+    previous_embedder: str | None = None
+    reindexing: ReindexInfo | None = Field(None, description="The reindex under way, if any.")
+
+
+class UpdateCollection(BaseModel):
+    """``PATCH /v1/collections/{name}``: what to change (the embedder, for now)."""
+
+    model_config = ConfigDict(extra="forbid")
+    embedder: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="A base model name (as embedding_model) or one of the tenant's fine-tuned "
+        "embedders (ft-emb-...): the collection is re-embedded into a new index version.",
+    )
+
+
+class ReindexResponse(BaseModel):
+    """202: the reindex job; the collection switches when it succeeds."""
+
+    job_id: str
+    collection: str
+    embedder: str
+    index_version: int = Field(description="The version being built.")
+    status_url: str
+    events_url: str
 
 
 class CollectionList(BaseModel):
@@ -136,6 +174,7 @@ class FileError(BaseModel):
 class Job(BaseModel):
     id: str
     collection: str
+    kind: Literal["ingest", "reindex"] = "ingest"
     status: JobStatus
     chunks_done: int
     chunks_total: int

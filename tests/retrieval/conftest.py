@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -125,3 +125,42 @@ def milvus_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# The retrieval io worker as the worker-kill tests run it (tests.helpers.servers.celery_worker).
+IO_WORKER = "services.retrieval.worker:celery_app"
+ONE_THREAD = ("--pool", "threads", "--concurrency", "1")
+
+
+@pytest.fixture()
+def fast_leases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leases that a killed worker loses within seconds, for the worker-kill tests."""
+    for k, v in {
+        "TANDEM_RETRIEVAL_HEARTBEAT_INTERVAL_S": "0.3",
+        "TANDEM_RETRIEVAL_STALE_AFTER_S": "2",
+        "TANDEM_RETRIEVAL_RECOVERY_INTERVAL_S": "0.5",
+    }.items():
+        monkeypatch.setenv(k, v)
+
+
+def second_worker_finishes(job: Callable[[], dict], job_id: str, log: Path, timeout: float = 300) -> dict:
+    """After the first io worker was killed mid-job: a second one (its recovery scan requeues
+    the job once the lease lapses) finishes it, on the second attempt. Returns the job."""
+    import redis
+
+    from services.retrieval.core.jobs import JobStore
+    from tests.helpers.servers import celery_worker
+    from tests.helpers.waiting import wait_until
+
+    with celery_worker(dict(os.environ), log, f"second-{os.getpid()}", IO_WORKER, "io", ONE_THREAD):
+        final = wait_until(
+            lambda: (j := job())["status"] in ("succeeded", "failed") and j,
+            timeout,
+            "the requeued job",
+            log=log,
+        )
+    assert final["status"] == "succeeded", (final.get("error"), log.read_text(errors="replace")[-3000:])
+    raw = JobStore(redis.Redis.from_url(os.environ["TANDEM_REDIS_URL"], decode_responses=True)).raw(job_id)
+    assert raw["attempts"] == "2"
+    assert "requeued" in log.read_text()
+    return final

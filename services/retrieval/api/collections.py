@@ -7,10 +7,20 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from services.common.errors import InvalidRequest
 from services.common.idempotency import idempotent
 from services.retrieval.api.deps import CollectionDep, CollectionName, ManagerDep, TenantDep
 from services.retrieval.core.collection import CollectionConfig
-from services.retrieval.protocol import Chunking, CollectionInfo, CollectionList, CreateCollection
+from services.retrieval.core.jobs import TASK_NAME
+from services.retrieval.protocol import (
+    Chunking,
+    CollectionInfo,
+    CollectionList,
+    CreateCollection,
+    ReindexResponse,
+    UpdateCollection,
+)
+from services.retrieval.reindex import rollback, start_reindex
 
 router = APIRouter(
     prefix="/v1/collections", tags=["collections"], responses={404: {"description": "no such collection"}}
@@ -18,14 +28,15 @@ router = APIRouter(
 
 
 def _info(config: CollectionConfig, stats: dict[str, object] | None = None) -> CollectionInfo:
+    # ``stats`` may carry the active index version's dimension (after a switch of embedder).
+    fields: dict[str, object] = {"dimension": config.dim, **(stats or {})}
     return CollectionInfo(
         name=config.name,
         embedding_model=config.embedding_model,
-        dimension=config.dim,
         chunking=Chunking(size=config.chunk_size, overlap=config.chunk_overlap),
         index=config.index,
         created_at=config.created_at,
-        **(stats or {}),  # type: ignore[arg-type]
+        **fields,  # type: ignore[arg-type]
     )
 
 
@@ -71,6 +82,50 @@ def list_collections(who: TenantDep, collections: ManagerDep) -> CollectionList:
 
 @router.get("/{name}", response_model=CollectionInfo)
 def get_collection(col: CollectionDep) -> CollectionInfo:
+    return _info(col.config, col.stats())
+
+
+VERSION_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "no or an unknown field, or an embedder that is no base model"},
+    401: {"description": "missing or unknown API key"},
+    404: {"description": "no such collection, or no such fine-tuned embedder of this tenant"},
+    409: {
+        "description": "a reindex is running, no previous version to roll back to, or an embedder's "
+        "dimension differs from its index version's"
+    },
+    501: {"description": "the backend (milvus) has no index versions yet"},
+}
+
+
+@router.patch("/{name}", status_code=202, response_model=ReindexResponse, responses=VERSION_ERRORS)
+def update_collection(
+    name: CollectionName, body: UpdateCollection, request: Request, who: TenantDep, collections: ManagerDep
+) -> ReindexResponse:
+    """Switch the collection to another embedder (a base model, or one of the tenant's
+    fine-tuned ``ft-emb-...``): a job re-embeds every chunk into a new index version while
+    searches answer from the current one, then switches atomically; the version left is kept
+    for ``POST /v1/collections/{name}/rollback``."""
+    if body.embedder is None:
+        raise InvalidRequest(
+            "nothing to change: give 'embedder' (the name of a base model or fine-tuned embedder)",
+            param="embedder",
+        )
+    celery = request.app.state.celery
+
+    def dispatch(tenant: str, collection: str, job_id: str) -> None:
+        celery.send_task(TASK_NAME, args=[tenant, collection, job_id], queue="io")
+
+    return start_reindex(collections, request.app.state.jobs, who, name, body.embedder, dispatch)
+
+
+@router.post("/{name}/rollback", response_model=CollectionInfo, responses=VERSION_ERRORS)
+def rollback_collection(
+    name: CollectionName, request: Request, who: TenantDep, collections: ManagerDep
+) -> CollectionInfo:
+    """Switch back to the previous index version, atomically (chunks ingested since the switch
+    are embedded with its embedder first). The version left becomes the previous one."""
+    rollback(collections, request.app.state.jobs, who, name)
+    col = collections.get(who, name)
     return _info(col.config, col.stats())
 
 

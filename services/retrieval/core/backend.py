@@ -13,6 +13,7 @@ would silently vanish otherwise. The folder records the backend holding its coll
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -119,6 +120,9 @@ class FaissBm25Indexes:
 
     def sparse_from(self, raw: bytes) -> SparseIndex:
         return IncrementalBM25.from_bytes(raw, self.tokenizer, self.k1, self.b)
+
+    def for_dim(self, dim: int) -> FaissBm25Indexes:
+        return dataclasses.replace(self, dim=dim)
 
 
 class EmbeddedBackend:

@@ -49,10 +49,18 @@ from services.retrieval.core.store import (
     DocumentRecord,
     DocumentStore,
     MissingEmbeddings,
+    Snapshot,
     StoredChunk,
     WriteResult,
 )
 from services.retrieval.core.vector_index import IndexParams, VectorIndex
+from services.retrieval.core.versions import (
+    IndexState,
+    IndexVersion,
+    IndexVersionChanged,
+    NotSupported,
+    check_dim,
+)
 from services.retrieval.protocol import Document, SearchResult
 
 log = logging.getLogger("tandem.retrieval")
@@ -126,6 +134,9 @@ class CollectionParts:
     embedder: Embedder
     options: SearchOptions
     reranker: Reranker | None = None
+    # The embedder of an index version (after a switch to another embedder); None: only the
+    # collection's own ``embedding_model`` (``embedder``) is available.
+    embedders: Callable[[IndexVersion], Embedder] | None = None
 
 
 class ChunkedCollection:
@@ -138,6 +149,9 @@ class ChunkedCollection:
         self.root = parts.root
         self.config = parts.config
         self.embedder = parts.embedder
+        # Chunks are cut with the tokenizer of the collection's own embedding_model, whichever
+        # embedder its index uses now: a switch re-embeds chunks, it never re-chunks them.
+        self.chunker = parts.embedder
         self.options = parts.options
         self.reranker = parts.reranker
         self.store = store
@@ -157,7 +171,7 @@ class ChunkedCollection:
                 title=d.title,
                 size=self.config.chunk_size,
                 overlap=self.config.chunk_overlap,
-                offsets=self.embedder.token_offsets,
+                offsets=self.chunker.token_offsets,
             )
             if not chunks:
                 raise InvalidRequest(f"document {d.id!r} has no text to index", param="documents")
@@ -167,6 +181,7 @@ class ChunkedCollection:
 
     def write(self, records: Sequence[DocumentRecord], progress: Progress | None = None) -> IngestResult:
         """Embed what is new and commit ``records`` (one transaction on the embedded store)."""
+        embedder, version = self._writer()
         all_chunks = {c.chunk_id: c for r in records for c in r.chunks}
         known = self.store.existing_chunk_ids(all_chunks)
         todo = [c for cid, c in all_chunks.items() if cid not in known]
@@ -174,27 +189,47 @@ class ChunkedCollection:
         step = 256
         for s in range(0, len(todo), step):
             part = todo[s : s + step]
-            vecs = self.embedder.embed_documents([c.index_text for c in part])
+            vecs = embedder.embed_documents([c.index_text for c in part])
             embeddings.update({c.chunk_id: v for c, v in zip(part, vecs, strict=True)})
             if progress:
                 progress(min(s + step, len(todo)), len(todo))
         res: WriteResult | None = None
         for _attempt in range(5):
             try:
-                res = self.store.write(records, embeddings)
+                res = self._commit(records, embeddings, version)
                 break
             except MissingEmbeddings as exc:
                 # Another writer removed chunks we meant to keep: embed them too and retry.
                 part = [all_chunks[c] for c in exc.chunk_ids]
-                vecs = self.embedder.embed_documents([c.index_text for c in part])
+                vecs = embedder.embed_documents([c.index_text for c in part])
                 embeddings.update({c.chunk_id: v for c, v in zip(part, vecs, strict=True)})
         if res is None:
             raise ServiceUnavailable("collection is changing too fast; retry", code="write_conflict")
         self._after_write()
         return IngestResult(len(records), res.added, res.removed, res.unchanged)
 
+    def _writer(self) -> tuple[Embedder, int | None]:
+        """The embedder of new chunks, and the index version its vectors belong to (None: the
+        backend has one version)."""
+        return self.embedder, None
+
+    def _commit(
+        self, records: Sequence[DocumentRecord], embeddings: dict[str, np.ndarray], version: int | None
+    ) -> WriteResult:
+        return self.store.write(records, embeddings)
+
     def _after_write(self) -> None:
         """Hook: make a committed write visible to this process's searches."""
+
+    # -- index versions (embedded backend only, for now) ---------------------
+    def versions(self) -> IndexState:
+        """The active, previous and building index versions (501 where the backend has none)."""
+        raise NotSupported(
+            f"switching the embedder of a collection is not supported on the {self.config.backend} "
+            "backend yet (TANDEM_RETRIEVAL_BACKEND=embedded supports it)",
+            param="embedder",
+            code="reindex_not_supported",
+        )
 
     def ingest(self, docs: Sequence[InputDocument], progress: Progress | None = None) -> IngestResult:
         return self.write(self.prepare(docs), progress)
@@ -279,6 +314,10 @@ class IndexFactory(Protocol):
 
     def sparse_from(self, raw: bytes) -> SparseIndex: ...
 
+    def for_dim(self, dim: int) -> IndexFactory:
+        """The same indexes for vectors of ``dim`` (an index version of another embedder)."""
+        ...
+
 
 class SparseIndex(Protocol):
     """A lexical index over chunk vids (``sparse.IncrementalBM25``)."""
@@ -313,12 +352,32 @@ class Collection(ChunkedCollection):
         self.index_dir = parts.root / "index"
         self._lock = threading.RLock()
         self._ckpt_lock = threading.Lock()
-        self.dense = indexes.dense()
-        self.sparse = indexes.sparse()
+        self.embedders = parts.embedders
+        # The index version the in-memory indexes (and ``embedder``) are of.
+        self.version = self.store.init_versions(
+            IndexVersion(1, self.config.embedding_model, self.config.model_path, self.config.dim)
+        ).active
+        self.embedder = self._embedder_of(self.version)
+        self.indexes = indexes.for_dim(self.version.dim)
+        # One switch of this process's indexes to another version at a time.
+        self._switch_lock = threading.Lock()
+        self.dense = self.indexes.dense()
+        self.sparse = self.indexes.sparse()
         self.applied_seq = 0
         self.checkpoint_seq = 0
         self._data_version = -1
         self._load()
+
+    def _embedder_of(self, version: IndexVersion) -> Embedder:
+        if version.model_path == self.config.model_path and version.dim == self.config.dim:
+            return self.chunker  # the collection's own model
+        if self.embedders is None:
+            raise NotSupported(
+                f"collection {self.config.name!r} uses embedder {version.embedder!r}, which this "
+                "process cannot load",
+                param="embedder",
+            )
+        return self.embedders(version)
 
     # -- recovery -----------------------------------------------------------
     def _load(self) -> None:
@@ -354,6 +413,11 @@ class Collection(ChunkedCollection):
         try:
             meta = json.loads(manifest.read_bytes())
             seq = int(meta["seq"])
+            # A checkpoint of before the version field is of version 1, the only one then.
+            if int(meta.get("version", 1)) != self.version.version:
+                raise ValueError(
+                    f"checkpoint of index version {meta.get('version', 1)}, active is {self.version.version}"
+                )
             if seq > self.store.last_seq():
                 raise ValueError(f"checkpoint seq {seq} is ahead of the log ({self.store.last_seq()})")
             dense_raw = (self.index_dir / meta["dense"]).read_bytes()
@@ -371,26 +435,58 @@ class Collection(ChunkedCollection):
             return False
 
     def _rebuild(self) -> None:
-        snap = self.store.snapshot()
-        dense, sparse = self.indexes.dense(), self.indexes.sparse()
+        """Build both indexes from the store, of the active version (adopting it, and its
+        embedder, when another process switched the collection)."""
+        for _attempt in range(5):
+            state = self.store.index_state()
+            if state.active.version == self.version.version:
+                version, embedder, indexes = self.version, self.embedder, self.indexes
+            else:
+                version, embedder = state.active, self._embedder_of(state.active)
+                indexes = self.indexes.for_dim(version.dim)
+            snap = self.store.snapshot()
+            if snap.version != version.version:
+                continue  # switched again between the two reads
+            dense, sparse = self._build(snap, indexes)
+            with self._lock:
+                if version.version != self.version.version:
+                    log.info(
+                        "collection %s: index version %d (%s) is active now",
+                        self.config.name,
+                        version.version,
+                        version.embedder,
+                    )
+                self.version, self.embedder, self.indexes = version, embedder, indexes
+                self.dense, self.sparse = dense, sparse
+                self.applied_seq = snap.seq
+                self.checkpoint_seq = 0
+            return
+        raise ServiceUnavailable("collection is switching index versions; retry", code="index_switching")
+
+    @staticmethod
+    def _build(snap: Snapshot, indexes: IndexFactory) -> tuple[VectorIndex, SparseIndex]:
+        dense, sparse = indexes.dense(), indexes.sparse()
         for s in range(0, len(snap.rows), 4096):
             part = snap.rows[s : s + 4096]
             vids = np.array([r.vid for r in part], dtype=np.int64)
             dense.add(vids, np.stack([r.embedding for r in part]))
             sparse.add(vids.tolist(), [r.index_text for r in part])
         sparse.merge()
-        with self._lock:
-            self.dense, self.sparse = dense, sparse
-            self.applied_seq = snap.seq
-            self.checkpoint_seq = 0
+        return dense, sparse
 
     def catch_up(self) -> int:
         """Apply logged ops past ``applied_seq`` (this process's writes or another's)."""
         applied = 0
+        switched = False
         with self._lock:
             self._data_version = self.store.data_version()
             while True:
-                ops = self.store.ops_after(self.applied_seq)
+                version, ops = self.store.versioned_ops_after(self.applied_seq)
+                if version != self.version.version:
+                    # Another version's vectors: these indexes cannot take them. Rebuilt below,
+                    # outside the lock, so searches keep answering from these meanwhile.
+                    switched = True
+                    break
                 if not ops:
                     break
                 i = 0
@@ -415,6 +511,14 @@ class Collection(ChunkedCollection):
                 applied += len(ops)
             if self.sparse.needs_merge():
                 self.sparse.merge()
+        if switched:
+            if not self._switch_lock.acquire(blocking=False):
+                return applied  # another thread is switching; the old version answers meanwhile
+            try:
+                self._rebuild()
+            finally:
+                self._switch_lock.release()
+            return applied + self.catch_up()
         if self.applied_seq - self.checkpoint_seq >= self.options.checkpoint_every:
             # Off the request path; at most one runs at a time (checkpoint() returns if busy).
             threading.Thread(target=self._checkpoint_quietly, daemon=True).start()
@@ -443,6 +547,7 @@ class Collection(ChunkedCollection):
                 seq = self.applied_seq
                 if seq == self.checkpoint_seq:
                     return
+                version = self.version.version
                 dense_raw = self.dense.to_bytes()
                 sparse_raw = self.sparse.to_bytes()
             dense_name, sparse_name = f"dense-{seq}.npz", f"sparse-{seq}.npz"
@@ -450,6 +555,7 @@ class Collection(ChunkedCollection):
             atomic_write(self.index_dir / sparse_name, sparse_raw)
             manifest = {
                 "seq": seq,
+                "version": version,
                 "dense": dense_name,
                 "sparse": sparse_name,
                 "dense_sha256": hashlib.sha256(dense_raw).hexdigest(),
@@ -476,10 +582,13 @@ class Collection(ChunkedCollection):
                 return Ranked([], {})
         stage: dict[int, dict[str, float]] = {}
         rankings: dict[str, np.ndarray] = {}
+        with self._lock:
+            # One version's embedder and dense index together (a switch may swap both meanwhile).
+            embedder, dense = self.embedder, self.dense
         if mode in ("dense", "hybrid"):
-            qv = self.embedder.embed_query(query)
+            qv = embedder.embed_query(query)
             with self._lock:
-                ids, scores = self.dense.search(qv, depth, allowed)
+                ids, scores = dense.search(qv, depth, allowed)
             rankings["dense"] = ids
             for v, s in zip(ids.tolist(), scores.tolist(), strict=True):
                 stage.setdefault(v, {})["dense"] = s
@@ -508,12 +617,72 @@ class Collection(ChunkedCollection):
         docs, chunks = self.store.counts()
         with self._lock:
             dense, sparse = len(self.dense), self.sparse.n_live
+        state = self.versions()
         return {
             "documents": docs,
             "chunks": chunks,
             "index_type": self.dense.kind,
             "indexed": {"dense": dense, "sparse": sparse},
+            "dimension": state.active.dim,
+            "embedder": state.active.embedder,
+            "index_version": state.active.version,
+            "previous_version": state.previous.version if state.previous else None,
+            "previous_embedder": state.previous.embedder if state.previous else None,
+            "reindexing": (
+                {
+                    "job_id": state.building.job_id,
+                    "embedder": state.building.embedder,
+                    "index_version": state.building.version,
+                }
+                if state.building
+                else None
+            ),
         }
+
+    # -- writes under index versions -----------------------------------------
+    def _writer(self) -> tuple[Embedder, int | None]:
+        with self._lock:
+            return self.embedder, self.version.version
+
+    def _commit(
+        self, records: Sequence[DocumentRecord], embeddings: dict[str, np.ndarray], version: int | None
+    ) -> WriteResult:
+        return self.store.write(records, embeddings, version)
+
+    def write(self, records: Sequence[DocumentRecord], progress: Progress | None = None) -> IngestResult:
+        for _attempt in range(3):
+            try:
+                return super().write(records, progress)
+            except IndexVersionChanged:
+                # Switched while these were embedded: adopt the new version (once another
+                # thread's adoption, if one runs, has ended) and embed with its model.
+                with self._switch_lock:
+                    pass
+                self.catch_up()
+        raise ServiceUnavailable("collection is switching index versions; retry", code="index_switching")
+
+    # -- index versions ---------------------------------------------------------
+    def versions(self) -> IndexState:
+        return self.store.index_state()
+
+    def switch_to(
+        self,
+        target: IndexVersion,
+        embedder: Embedder,
+        busy: Callable[[IndexVersion], bool],
+        hook: Callable[[str], None] | None = None,
+    ) -> IndexState:
+        """Make ``target`` active (``store.switch_to``) and this process's indexes follow it."""
+        check_dim(target.embedder, embedder.dim, target.dim, f"index version {target.version}")
+
+        def embed(rows: list[tuple[int, str]]) -> np.ndarray:
+            if hook is not None:
+                hook("in_switch")  # inside the switch's transaction
+            return embedder.embed_documents([t for _, t in rows])
+
+        state = self.store.switch_to(target, embed, busy)
+        self.catch_up()
+        return state
 
     def close(self, checkpoint: bool = True) -> None:
         if checkpoint:

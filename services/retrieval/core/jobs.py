@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -25,6 +26,10 @@ from services.retrieval.protocol import Job
 JOB_TTL_S = 7 * 24 * 3600
 PREFIX = "tandem:retrieval:"
 ACTIVE = f"{PREFIX}active"
+# The io worker's one task: it runs ingestion and reindex jobs alike (by the job's ``kind``).
+TASK_NAME = "tandem.retrieval.ingest"
+
+Dispatch = Callable[[str, str, str], None]  # (tenant, collection, job_id): queue the task
 
 
 def job_key(job_id: str) -> str:
@@ -44,6 +49,7 @@ def decode_job(job_id: str, raw: dict[str, str]) -> Job:
     return Job(
         id=job_id,
         collection=raw.get("collection", ""),
+        kind=raw.get("kind") or "ingest",  # type: ignore[arg-type]
         # "state": what a worker of an older release wrote (its jobs may still be running).
         status=raw.get("status") or raw.get("state") or "queued",  # type: ignore[arg-type]
         chunks_done=num("chunks_done"),
@@ -67,7 +73,14 @@ class JobStore:
         self.leases = Leases(client, PREFIX, clock)
 
     def create(
-        self, job_id: str, tenant: str, collection: str, *, filename: str = "", documents: int = 0
+        self,
+        job_id: str,
+        tenant: str,
+        collection: str,
+        *,
+        filename: str = "",
+        documents: int = 0,
+        kind: str = "ingest",
     ) -> None:
         now = time.time()
         self.r.hset(
@@ -75,6 +88,7 @@ class JobStore:
             mapping={
                 "tenant": tenant,
                 "collection": collection,
+                "kind": kind,
                 "status": "queued",
                 "filename": filename,
                 "chunks_done": 0,

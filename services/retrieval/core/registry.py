@@ -8,13 +8,15 @@ for an ingestion job. Another tenant's collection is simply not among the caller
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
 from pathlib import Path
 
+from services.common.embedders import find_embedder, is_embedder_name
 from services.common.embedding_models import resolve_model_path
-from services.common.errors import Conflict, InvalidRequest
+from services.common.errors import Conflict, InvalidRequest, NotFound
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.backend import CollectionBackend, make_backend
 from services.retrieval.core.collection import (
@@ -26,6 +28,7 @@ from services.retrieval.core.collection import (
 from services.retrieval.core.embedder import Embedder, get_embedder, get_http_embedder
 from services.retrieval.core.reranker import Reranker, get_http_reranker, get_reranker
 from services.retrieval.core.vector_index import IndexParams
+from services.retrieval.core.versions import IndexVersion, check_dim
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -53,6 +56,7 @@ class CollectionManager:
         service_api_key: str = "",
         backend: CollectionBackend | None = None,
     ) -> None:
+        self.home = home
         self.base = home / "retrieval"
         self.settings = settings
         self.model_roots = model_roots
@@ -108,6 +112,42 @@ class CollectionManager:
         else:
             path = self.model_path(model)
         return self.embedder_for(path), str(path)
+
+    def resolve_embedder(self, tenant: str, name: str) -> tuple[Embedder, str]:
+        """The embedder a client names (``PATCH /v1/collections/{name}``'s ``embedder``) and
+        the path to record: one of the tenant's fine-tuned embedders (``ft-emb-...``, published
+        under ``$TANDEM_HOME/models/embedders/<tenant>/``; another tenant's is not found), or a
+        base model as ``embedding_model`` resolves it."""
+        if is_embedder_name(name):
+            found = find_embedder(self.home, tenant, name)
+            if found is None:
+                raise NotFound(
+                    f"embedder {name!r} not found (none of this tenant's published embedders has that name)",
+                    param="embedder",
+                    code="embedder_not_found",
+                )
+            folder, manifest = found
+            emb = self.embedder_for(folder)
+            check_dim(name, emb.dim, manifest.dim, "its manifest (tandem_embedder.json)")
+            return emb, str(folder)
+        try:
+            return self.embedder_named(name)
+        except (InvalidRequest, OSError) as exc:  # OSError: a name no file system could hold
+            why = exc.message if isinstance(exc, InvalidRequest) else (exc.strerror or str(exc))
+            raise InvalidRequest(
+                f"embedder {name!r} is neither a fine-tuned embedder of this tenant nor a base model: {why}",
+                param="embedder",
+                code="embedder_not_found",
+            ) from None
+
+    def version_embedder(self, tenant: str, version: IndexVersion) -> Embedder:
+        """The embedder of an index version, checked against the dimension it was built with."""
+        if is_embedder_name(version.embedder):
+            emb, _ = self.resolve_embedder(tenant, version.embedder)
+        else:
+            emb, _ = self.embedder_named(version.embedder, version.model_path)
+        check_dim(version.embedder, emb.dim, version.dim, f"index version {version.version}")
+        return emb
 
     def reranker(self) -> Reranker | None:
         if not self.settings.reranker_model:
@@ -181,7 +221,12 @@ class CollectionManager:
                     code="embedding_dimension_mismatch",
                 )
             parts = CollectionParts(
-                self.path_of(tenant, name), config, embedder, self.options(config.index), self.reranker()
+                self.path_of(tenant, name),
+                config,
+                embedder,
+                self.options(config.index),
+                self.reranker(),
+                embedders=functools.partial(self.version_embedder, tenant),
             )
             col = self.backend.open(tenant, parts)
             self._open[key] = col

@@ -19,7 +19,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +27,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from services.common.errors import InvalidRequest
+from services.common.errors import Conflict, InvalidRequest
 from services.retrieval.core.filters import Filter, to_sql
+from services.retrieval.core.versions import (
+    ACTIVE,
+    BUILDING,
+    PREVIOUS,
+    IndexState,
+    IndexVersion,
+    IndexVersionChanged,
+    VersionSuperseded,
+)
 from services.retrieval.protocol import ChunkSpan, Document
 
 SCHEMA = """
@@ -60,6 +69,14 @@ CREATE TABLE IF NOT EXISTS ops (
     vid INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- Vectors of index versions other than the active one (see versions.py): the one a reindex
+-- builds and the previous one kept for a rollback.
+CREATE TABLE IF NOT EXISTS staged (
+    version INTEGER NOT NULL,
+    vid INTEGER NOT NULL,
+    embedding BLOB NOT NULL,
+    PRIMARY KEY (version, vid)
+) WITHOUT ROWID;
 """
 
 
@@ -141,10 +158,15 @@ class SnapshotRow:
 @dataclass(frozen=True)
 class Snapshot:
     """Every stored chunk (in vid order) and the log position they reflect: the input of a
-    full index rebuild."""
+    full index rebuild. ``version``: the index version whose vectors the rows hold."""
 
     seq: int
     rows: list[SnapshotRow]
+    version: int = 1
+
+
+# (vid, index text) of chunks to embed -> their vectors, float32 [n, dim]
+EmbedMissing = Callable[[list[tuple[int, str]]], np.ndarray]
 
 
 class ChunkStore(Protocol):
@@ -195,6 +217,33 @@ class DocumentStore(ChunkStore, Protocol):
         """vids of the chunks whose document's metadata matches ``where``."""
         ...
 
+    # Index versions (versions.py): see SQLiteDocumentStore for what each does.
+    def write(
+        self, docs: Sequence[DocumentRecord], embeddings: dict[str, np.ndarray], version: int | None = None
+    ) -> WriteResult: ...
+
+    def versioned_ops_after(self, seq: int, limit: int = 4096) -> tuple[int, list[LoggedOp]]: ...
+
+    def init_versions(self, first: IndexVersion) -> IndexState: ...
+
+    def index_state(self) -> IndexState: ...
+
+    def begin_build(
+        self, make: Callable[[int], IndexVersion], busy: Callable[[IndexVersion], bool]
+    ) -> IndexVersion: ...
+
+    def abandon_build(self, version: int) -> None: ...
+
+    def unstaged(self, version: int, limit: int = 256) -> list[tuple[int, str]]: ...
+
+    def staged_count(self, version: int) -> int: ...
+
+    def stage(self, version: int, vids: Sequence[int], vecs: np.ndarray) -> None: ...
+
+    def switch_to(
+        self, target: IndexVersion, embed_missing: EmbedMissing, busy: Callable[[IndexVersion], bool]
+    ) -> IndexState: ...
+
 
 class SQLiteDocumentStore:
     """``DocumentStore`` over one SQLite file in WAL mode. Safe for threads (one lock per
@@ -242,13 +291,19 @@ class SQLiteDocumentStore:
                 found.update(r[0] for r in rows)
         return found
 
-    def write(self, docs: Sequence[DocumentRecord], embeddings: dict[str, np.ndarray]) -> WriteResult:
+    def write(
+        self, docs: Sequence[DocumentRecord], embeddings: dict[str, np.ndarray], version: int | None = None
+    ) -> WriteResult:
         """Insert or replace ``docs`` in one transaction. Chunks whose content-derived id already
         exists are kept as they are (re-ingesting the same text changes nothing); chunks no
-        longer produced are removed. ``embeddings`` must cover every chunk not yet stored."""
+        longer produced are removed. ``embeddings`` must cover every chunk not yet stored.
+        With ``version``, the vectors are that index version's: if another is active now
+        (switched meanwhile), nothing is written (``IndexVersionChanged``)."""
         added = removed = unchanged = 0
         now = time.time()
         with self._tx() as c:
+            if version is not None and self._state(c).active.version != version:
+                raise IndexVersionChanged(f"index version {version} is no longer active")
             missing: set[str] = set()
             for doc in docs:
                 rows = c.execute("SELECT vid, chunk_id FROM chunks WHERE doc_id=?", (doc.doc_id,)).fetchall()
@@ -384,8 +439,14 @@ class SQLiteDocumentStore:
         return out
 
     def ops_after(self, seq: int, limit: int = 4096) -> list[LoggedOp]:
-        with self._lock:
-            rows = self._conn.execute(
+        return self.versioned_ops_after(seq, limit)[1]
+
+    def versioned_ops_after(self, seq: int, limit: int = 4096) -> tuple[int, list[LoggedOp]]:
+        """(the active index version, the ops after ``seq``), read together: an op's vector is
+        read from ``chunks`` now, so it is the vector of the version read with it."""
+        with self._read() as c:
+            version = self._active_number(c)
+            rows = c.execute(
                 "SELECT o.seq, o.kind, o.vid, c.embedding, c.context, c.text FROM ops o"
                 " LEFT JOIN chunks c ON c.vid = o.vid AND o.kind = 'add'"
                 " WHERE o.seq > ? ORDER BY o.seq LIMIT ?",
@@ -396,7 +457,7 @@ class SQLiteDocumentStore:
             emb = np.frombuffer(r[3], dtype=np.float32) if r[3] is not None else None
             text = None if r[5] is None else (f"{r[4]}\n{r[5]}" if r[4] else r[5])
             out.append(LoggedOp(int(r[0]), r[1], int(r[2]), emb, text))
-        return out
+        return version, out
 
     def last_seq(self) -> int:
         with self._lock:
@@ -411,15 +472,10 @@ class SQLiteDocumentStore:
 
     def snapshot(self) -> Snapshot:
         """Read in one transaction, so the seq and the chunks agree."""
-        with self._lock:
-            self._conn.execute("BEGIN")
-            try:
-                seq = int(self._conn.execute("SELECT COALESCE(MAX(seq), 0) FROM ops").fetchone()[0])
-                rows = self._conn.execute(
-                    "SELECT vid, embedding, context, text FROM chunks ORDER BY vid"
-                ).fetchall()
-            finally:
-                self._conn.execute("COMMIT")
+        with self._read() as c:
+            seq = int(c.execute("SELECT COALESCE(MAX(seq), 0) FROM ops").fetchone()[0])
+            rows = c.execute("SELECT vid, embedding, context, text FROM chunks ORDER BY vid").fetchall()
+            version = self._active_number(c)
         return Snapshot(
             seq,
             [
@@ -428,7 +484,18 @@ class SQLiteDocumentStore:
                 )
                 for r in rows
             ],
+            version,
         )
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: what is read inside it is one consistent state."""
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                yield self._conn
+            finally:
+                self._conn.execute("COMMIT")
 
     def vids_matching(self, where: Filter) -> np.ndarray:
         where_sql, params = to_sql(where)
@@ -451,6 +518,168 @@ class SQLiteDocumentStore:
                 (key, value),
             )
 
+    # -- index versions (versions.py) ----------------------------------------------
+    @staticmethod
+    def _version_row(c: sqlite3.Connection, key: str) -> IndexVersion | None:
+        r = c.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if r is None else IndexVersion.from_json(r[0])
+
+    def _state(self, c: sqlite3.Connection) -> IndexState:
+        active = self._version_row(c, ACTIVE)
+        if active is None:
+            raise RuntimeError(f"{self.path}: no active index version (init_versions was not called)")
+        return IndexState(active, self._version_row(c, PREVIOUS), self._version_row(c, BUILDING))
+
+    def _active_number(self, c: sqlite3.Connection) -> int:
+        active = self._version_row(c, ACTIVE)
+        return 1 if active is None else active.version
+
+    @staticmethod
+    def _put(c: sqlite3.Connection, key: str, v: IndexVersion | None) -> None:
+        if v is None:
+            c.execute("DELETE FROM meta WHERE key=?", (key,))
+        else:
+            c.execute(
+                "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                (key, v.to_json()),
+            )
+
+    def init_versions(self, first: IndexVersion) -> IndexState:
+        """The collection's index versions; ``first`` becomes the active one of a store that has
+        none yet (a new collection, or one made before versions existed)."""
+        with self._read() as c:
+            if self._version_row(c, ACTIVE) is not None:
+                return self._state(c)
+        with self._tx() as c:
+            if self._version_row(c, ACTIVE) is None:
+                self._put(c, ACTIVE, first)
+            return self._state(c)
+
+    def index_state(self) -> IndexState:
+        with self._read() as c:
+            return self._state(c)
+
+    def begin_build(
+        self, make: Callable[[int], IndexVersion], busy: Callable[[IndexVersion], bool]
+    ) -> IndexVersion:
+        """Record the version a reindex will build (numbered after every version known) and
+        return it. One whose job still runs (``busy``) is a 409; an abandoned one (its job failed
+        or vanished) is dropped with its staged vectors."""
+        with self._tx() as c:
+            state = self._state(c)
+            if state.building is not None:
+                if busy(state.building):
+                    raise _reindex_running(state.building)
+                c.execute("DELETE FROM staged WHERE version=?", (state.building.version,))
+            target = make(state.top() + 1)
+            self._put(c, BUILDING, target)
+        return target
+
+    def abandon_build(self, version: int) -> None:
+        """Drop the build of ``version`` (its job failed for good) and its staged vectors."""
+        with self._tx() as c:
+            building = self._version_row(c, BUILDING)
+            if building is not None and building.version == version:
+                c.execute("DELETE FROM staged WHERE version=?", (version,))
+                self._put(c, BUILDING, None)
+
+    def unstaged(self, version: int, limit: int = 256) -> list[tuple[int, str]]:
+        """(vid, index text) of up to ``limit`` chunks with no vector of ``version`` yet."""
+        with self._lock:
+            return self._unstaged(self._conn, version, limit)
+
+    @staticmethod
+    def _unstaged(c: sqlite3.Connection, version: int, limit: int = -1) -> list[tuple[int, str]]:
+        rows = c.execute(
+            "SELECT vid, context, text FROM chunks c WHERE NOT EXISTS"
+            " (SELECT 1 FROM staged s WHERE s.version=? AND s.vid=c.vid) ORDER BY vid LIMIT ?",
+            (version, limit),
+        ).fetchall()
+        return [(int(r[0]), f"{r[1]}\n{r[2]}" if r[1] else r[2]) for r in rows]
+
+    def staged_count(self, version: int) -> int:
+        """Chunks that have a vector of ``version`` (staged for a chunk since deleted not counted)."""
+        with self._lock:
+            return int(
+                self._conn.execute(
+                    "SELECT COUNT(*) FROM staged s JOIN chunks c ON c.vid = s.vid WHERE s.version=?",
+                    (version,),
+                ).fetchone()[0]
+            )
+
+    @staticmethod
+    def _insert_staged(c: sqlite3.Connection, version: int, vids: Sequence[int], vecs: np.ndarray) -> None:
+        c.executemany(
+            "INSERT OR REPLACE INTO staged(version, vid, embedding) VALUES (?,?,?)",
+            [
+                (version, int(v), np.ascontiguousarray(e, dtype=np.float32).tobytes())
+                for v, e in zip(vids, vecs, strict=True)
+            ],
+        )
+
+    def stage(self, version: int, vids: Sequence[int], vecs: np.ndarray) -> None:
+        """Store vectors of ``version`` (being built, or the previous one) for chunks."""
+        with self._tx() as c:
+            state = self._state(c)
+            wanted = {v.version for v in (state.building, state.previous) if v is not None}
+            if version not in wanted:
+                raise VersionSuperseded(f"index version {version} is not being built")
+            self._insert_staged(c, version, vids, vecs)
+
+    def switch_to(
+        self,
+        target: IndexVersion,
+        embed_missing: EmbedMissing,
+        busy: Callable[[IndexVersion], bool],
+    ) -> IndexState:
+        """Make ``target`` (the version being built, or the previous one) active in one
+        transaction: chunks still without its vector (written since they were staged) are
+        embedded here, under the write lock, so none is missed; the active vectors become the
+        previous version (the one previous before is dropped). Returns the new state."""
+        with self._tx() as c:
+            state = self._state(c)
+            if target.version == state.active.version:
+                return state
+            is_build = state.building is not None and state.building.version == target.version
+            is_previous = state.previous is not None and state.previous.version == target.version
+            if not (is_build or is_previous):
+                raise VersionSuperseded(f"index version {target.version} is neither being built nor previous")
+            if not is_build and state.building is not None and busy(state.building):
+                raise _reindex_running(state.building)
+            missing = self._unstaged(c, target.version)
+            vecs = embed_missing(missing)  # called even with none missing: a test's crash point
+            if missing:
+                self._insert_staged(c, target.version, [v for v, _ in missing], vecs)
+            if state.previous is not None and not is_previous:
+                c.execute("DELETE FROM staged WHERE version=?", (state.previous.version,))
+            old = state.active.version
+            c.execute("DELETE FROM staged WHERE version=?", (old,))
+            c.execute(
+                "INSERT INTO staged(version, vid, embedding) SELECT ?, vid, embedding FROM chunks", (old,)
+            )
+            c.execute(
+                "UPDATE chunks SET embedding = (SELECT s.embedding FROM staged s"
+                " WHERE s.version=? AND s.vid=chunks.vid)",
+                (target.version,),
+            )
+            c.execute("DELETE FROM staged WHERE version=?", (target.version,))
+            # A staged vector of a chunk deleted since is never needed again.
+            c.execute("DELETE FROM staged WHERE vid NOT IN (SELECT vid FROM chunks)")
+            self._put(c, ACTIVE, target)
+            self._put(c, PREVIOUS, state.active)
+            if is_build:
+                self._put(c, BUILDING, None)
+            return self._state(c)
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+def _reindex_running(building: IndexVersion) -> Conflict:
+    return Conflict(
+        f"a reindex to embedder {building.embedder!r} (job {building.job_id}, index version "
+        f"{building.version}) is running; wait for it to end",
+        param="embedder",
+        code="reindex_running",
+    )
