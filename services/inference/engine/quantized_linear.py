@@ -1,0 +1,139 @@
+"""Weight-only int8 / int4 linear layers for the CPU engine (``TANDEM_INFERENCE_QUANTIZE``).
+
+A decode step on a CPU is bound by reading the weights: at one to a few rows per product,
+each weight element is used once per row. Quantised weights read 4x (int8) or 8x (int4)
+fewer bytes than fp32. The products run through torch's own CPU kernels for weight-only
+quantisation, ``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu`` (what
+torchao's CPU weight-only layouts call), with bf16 activations: their fp32 paths are
+slower than fp32 itself. Measured on 2 Zen 4 cores, one thread, the 211 products of one
+SmolLM2-135M step (30 layers and the output head), median of 5 interleaved rounds:
+
+    rows   fp32 packed   bf16 packed   int8 (bf16 act.)   int4 g32 (bf16 act.)
+    1         54 ms         31 ms          25 ms               14 ms
+    4         52            28             27                  20
+    16        90            54             79                  65
+
+So int4 wins where serving spends its time (few rows per step), and int8 gains little.
+
+**Why int4 with groups of 32 and a minimum** (asymmetric, ``w = (q - 8) * scale + zero``):
+it is GGUF's Q4_1 block format. The default model ships as a Q4_1 GGUF, so its decoder
+weights *are* 4-bit values in blocks of 32 with a scale and a minimum: re-quantising the
+de-quantised fp32 weights this way gives them back exactly (relative error 0 with fp32
+scales; 0.2% from the kernel's bf16 scales). The output head (tied to the token
+embeddings, stored at higher precision in the file: int4 would be a 9% error, int8 1.2%)
+runs in bf16, oneDNN-packed (0.4%; see ``layer_kernels`` for its timings).
+
+The model keeps its fp32 weights and stays fp32 everywhere else (norms, residual stream,
+attention, KV cache): only the layers' products change, inside the engine's forwards
+(``packed_linear.PackedLinears`` swaps the forwards in and out), so PEFT's LoRA layers
+(their A/B matrices stay fp32), the trainer, ``state_dict`` and deep copies see plain
+modules, and a weight the trainer changed in place is quantised again. Greedy output is
+deterministic and independent of the batch: each row's product is computed the same way
+whatever the number of rows (``test_quantized_engine.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from services.inference.engine.packed_linear import KernelChoice, LinearKernel, OneDNNPacked
+
+Quantize = Literal["none", "int8", "int4"]
+MODES: tuple[Quantize, ...] = ("none", "int8", "int4")
+
+# GGUF's Q4_0/Q4_1 block size; torch's CPU int4 kernel takes 32, 64, 128 or 256
+INT4_GROUP = 32
+# the kernels' activation dtype (their fp32 paths are 4-10x slower than fp32 itself)
+COMPUTE_DTYPE = torch.bfloat16
+
+
+class Int8WeightOnly:
+    """Symmetric int8 per output channel."""
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return q.contiguous(), scale.to(COMPUTE_DTYPE)
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        q, scale = prepared
+        x = input.reshape(-1, input.shape[-1]).to(COMPUTE_DTYPE)
+        out = torch.ops.aten._weight_int8pack_mm(x, q, scale).to(input.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*input.shape[:-1], -1)
+
+
+class Int4WeightOnly:
+    """Asymmetric int4 in groups of ``INT4_GROUP`` input features (GGUF's Q4_1 format)."""
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = weight.float()
+        out_f, in_f = w.shape
+        groups = w.view(out_f, in_f // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_f, in_f), 1)
+        # the kernel computes (q - 8) * scale + zero, so zero is the value of q = 8
+        zero = low + 8 * scale
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
+        return packed, scales_zeros.to(COMPUTE_DTYPE)
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        packed, scales_zeros = prepared
+        x = input.reshape(-1, input.shape[-1]).to(COMPUTE_DTYPE)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros).to(input.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*input.shape[:-1], -1)
+
+
+class BF16Packed(OneDNNPacked):
+    """The weight in bf16, oneDNN-packed (native bf16 products on CPUs with AVX512-BF16/AMX)."""
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return super().prepare(weight.to(COMPUTE_DTYPE))
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        out = super().apply(input.to(COMPUTE_DTYPE), prepared, None).to(input.dtype)
+        return out if bias is None else out + bias
+
+
+def available(mode: Quantize, device: torch.device) -> str | None:
+    """Why ``mode`` cannot run on ``device`` in this torch build (None: it can)."""
+    if mode == "none":
+        return None
+    if device.type != "cpu":
+        return f"weight-only {mode} is a CPU kernel; the model runs on {device.type}"
+    kernel: Int8WeightOnly | Int4WeightOnly = Int8WeightOnly() if mode == "int8" else Int4WeightOnly()
+    try:
+        weight = torch.ones(32, 2 * INT4_GROUP)
+        out = kernel.apply(torch.ones(1, 2 * INT4_GROUP), kernel.prepare(weight), None)
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return f"this torch build has no CPU weight-only {mode} kernel ({exc})"
+    if not torch.allclose(out, torch.full((1, 32), 2.0 * INT4_GROUP), rtol=1e-2):
+        return f"this torch build's CPU weight-only {mode} kernel gives wrong results"
+    return None
+
+
+def layer_kernels(mode: Quantize, output_head: torch.nn.Module | None, batch_hint: int = 16) -> KernelChoice:
+    """The kernel of each base linear layer under ``mode``. int8: every layer. int4: every layer
+    whose input size is a multiple of the group; the output head (and any other layer) in bf16,
+    oneDNN-packed: measured alone at 1 / 16 rows, SmolLM2's 49K x 576 head took 6.5 / 10 ms in
+    bf16, 5.9 / 23 ms in int8 (whose kernel scales badly with rows), 12 / 22 ms in fp32."""
+    int8, int4, bf16 = Int8WeightOnly(), Int4WeightOnly(), BF16Packed(batch_hint)
+
+    def choose(_name: str, module: torch.nn.Linear) -> LinearKernel | None:
+        if mode == "none":
+            return None
+        if mode == "int8":
+            return int8
+        if module is not output_head and module.in_features % INT4_GROUP == 0:
+            return int4
+        return bf16
+
+    return choose
