@@ -22,7 +22,7 @@ from services.inference.config import InferenceSettings
 from services.inference.engine import SamplingParams, TorchEngine, quantized_linear
 from services.inference.engine.packed_linear import PackedLinears
 from services.inference.engine.quantized_linear import INT4_GROUP, Int4WeightOnly, Int8WeightOnly
-from services.inference.engine.ragged import PrefillRow
+from services.inference.engine.ragged import DecodeRow, PrefillRow
 from services.inference.engine.types import EngineRequest
 from services.inference.engines import quantize_mode
 from tests.helpers.models import make_lora_adapter
@@ -92,7 +92,7 @@ def test_greedy_is_the_same_alone_and_in_a_full_batch(lively: tuple[Any, Any], m
     prompts = [_chat(tok, q) for q in QUESTIONS] + [list(range(300, 340)), list(range(900, 917))]
     engine = TorchEngine.from_model(model, tok, max_batch_size=4, prefill_chunk=32, quantize=mode)  # type: ignore[arg-type]
     assert engine.runner.packed is not None
-    kinds = {type(p.kernel).__name__ for p in engine.runner.packed.layers}
+    kinds = {type(p.kernel.decode).__name__ for p in engine.runner.packed.layers}  # type: ignore[attr-defined]
     assert kinds == ({"Int4WeightOnly", "BF16Packed"} if mode == "int4" else {"Int8WeightOnly"})
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     batch = engine.generate_batch(prompts, greedy)  # 6 prompts in 4 slots: they join as others leave
@@ -122,7 +122,11 @@ def test_quantised_engine_follows_weight_updates(lively_tiny_path: Path) -> None
 
 
 def _logits(engine: TorchEngine, prompt: list[int], adapter: str | None) -> torch.Tensor:
-    return engine.runner.forward([], [PrefillRow(slot=0, token_ids=prompt, start=0, adapter=adapter)])[0]
+    """The logits after ``prompt`` with its last token as a decode token (prompt tokens use the
+    unquantised weights; decode tokens the quantised ones)."""
+    *head, last = prompt
+    engine.runner.forward([], [PrefillRow(slot=0, token_ids=head, start=0, adapter=adapter)])
+    return engine.runner.forward([DecodeRow(slot=0, token=last, position=len(head), adapter=adapter)], [])[0]
 
 
 def test_lora_adapter_on_a_quantised_base(lively_tiny_path: Path, tmp_path: Path) -> None:

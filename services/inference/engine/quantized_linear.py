@@ -27,7 +27,12 @@ The model keeps its fp32 weights and stays fp32 everywhere else (norms, residual
 attention, KV cache): only the layers' products change, inside the engine's forwards
 (``packed_linear.PackedLinears`` swaps the forwards in and out), so PEFT's LoRA layers
 (their A/B matrices stay fp32), the trainer, ``state_dict`` and deep copies see plain
-modules, and a weight the trainer changed in place is quantised again. Greedy output is
+modules, and a weight the trainer changed in place is quantised again. Only decode tokens
+use the quantised weights; prompt tokens multiply with the packed fp32 ones (``ByTokenKind``:
+faster for many rows, and the prompt's keys/values and the first token stay the fp32
+model's: SmolLM2 answers "What is the capital of France?" with "The capital of France is
+Paris." in fp32 and "L'Étoile, la Marseillaise, ..." when its prompt runs in bf16, as
+llama.cpp's Q4_1 does). Greedy output is
 deterministic and independent of the batch: each row's product is computed the same way
 whatever the number of rows (``test_quantized_engine.py``).
 """
@@ -38,6 +43,7 @@ from typing import Any, Literal
 
 import torch
 
+from services.inference.engine import ragged
 from services.inference.engine.packed_linear import KernelChoice, LinearKernel, OneDNNPacked
 
 Quantize = Literal["none", "int8", "int4"]
@@ -103,6 +109,37 @@ class BF16Packed(OneDNNPacked):
         return out if bias is None else out + bias
 
 
+class ByTokenKind:
+    """One kernel for decode tokens, another for prompt tokens, in the same layer. A decode step
+    multiplies a few rows, where reading quantised weights wins; a prompt chunk many rows, where
+    the weight-only kernels are about 2x slower than oneDNN's (64 rows: int4 271 ms vs bf16 124,
+    fp32 239 for a step's products, measured as in the module doc). Choosing by the kind of
+    token, never by the size of the batch, keeps each token's numbers the same whatever else
+    shares its forward (greedy output alone = in a batch): every kernel computes each row on
+    its own."""
+
+    def __init__(self, decode: LinearKernel, prompt: LinearKernel) -> None:
+        self.decode = decode
+        self.prompt = prompt
+
+    def prepare(self, weight: torch.Tensor) -> tuple[Any, Any]:
+        return self.decode.prepare(weight), self.prompt.prepare(weight)
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        decode = ragged.decode_token_count()
+        rows = input.shape[0]
+        if decode is None or decode >= rows:
+            return self.decode.apply(input, prepared[0], bias)
+        if decode == 0:
+            return self.prompt.apply(input, prepared[1], bias)
+        return torch.cat(
+            [
+                self.decode.apply(input[:decode], prepared[0], bias),
+                self.prompt.apply(input[decode:], prepared[1], bias),
+            ]
+        )
+
+
 def available(mode: Quantize, device: torch.device) -> str | None:
     """Why ``mode`` cannot run on ``device`` in this torch build (None: it can)."""
     if mode == "none":
@@ -121,11 +158,17 @@ def available(mode: Quantize, device: torch.device) -> str | None:
 
 
 def layer_kernels(mode: Quantize, output_head: torch.nn.Module | None, batch_hint: int = 16) -> KernelChoice:
-    """The kernel of each base linear layer under ``mode``. int8: every layer. int4: every layer
-    whose input size is a multiple of the group; the output head (and any other layer) in bf16,
-    oneDNN-packed: measured alone at 1 / 16 rows, SmolLM2's 49K x 576 head took 6.5 / 10 ms in
-    bf16, 5.9 / 23 ms in int8 (whose kernel scales badly with rows), 12 / 22 ms in fp32."""
-    int8, int4, bf16 = Int8WeightOnly(), Int4WeightOnly(), BF16Packed(batch_hint)
+    """The kernel of each base linear layer under ``mode``. Prompt tokens always multiply with
+    the model's own weights, oneDNN-packed (as with quantisation off): the prompt's keys/values
+    and the first token's logits are the unquantised model's. Decode tokens: int8 in every
+    layer; or int4 in every layer whose input size is a multiple of the group, the output head
+    (and any other layer) in bf16, oneDNN-packed. The head alone at 1 / 16 rows (SmolLM2's
+    49K x 576): 6.5 / 10 ms in bf16, 5.9 / 23 ms in int8 (its kernel scales badly with rows),
+    12 / 22 ms in fp32."""
+    prompt = OneDNNPacked(batch_hint)
+    int8 = ByTokenKind(Int8WeightOnly(), prompt)
+    int4 = ByTokenKind(Int4WeightOnly(), prompt)
+    bf16 = ByTokenKind(BF16Packed(batch_hint), prompt)
 
     def choose(_name: str, module: torch.nn.Linear) -> LinearKernel | None:
         if mode == "none":
