@@ -186,13 +186,7 @@ def test_lora_adapter_on_a_quantised_base(lively_tiny_path: Path, tmp_path: Path
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, lively_tiny_path: Path) -> Iterator[str]:
     home = tmp_path_factory.mktemp("quant-home")
     common = CommonSettings(home=home, redis_url=redis_url, model_roots=str(home / "models"), log_json=False)
-    settings = InferenceSettings(
-        model=str(lively_tiny_path),
-        served_model_name="tiny",
-        max_model_len=256,
-        max_batch_size=4,
-        quantize="int4",
-    )
+    settings = InferenceSettings(model=str(lively_tiny_path), served_model_name="tiny", quantize="int4")
     with serve_app(create_app(common, settings)) as url:
         yield url
 
