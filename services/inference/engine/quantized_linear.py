@@ -6,7 +6,8 @@ fewer bytes than fp32. The products run through torch's own CPU kernels for weig
 quantisation, ``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu`` (what
 torchao's CPU weight-only layouts call), with bf16 activations: their fp32 paths are
 slower than fp32 itself. Measured on 2 Zen 4 cores, one thread, the 211 products of one
-SmolLM2-135M step (30 layers and the output head), median of 5 interleaved rounds:
+SmolLM2-135M step (30 layers and the output head), median of 5 interleaved rounds on a
+shared, loaded machine (ratios, not absolute times, are the point):
 
     rows   fp32 packed   bf16 packed   int8 (bf16 act.)   int4 g32 (bf16 act.)
     1         54 ms         31 ms          25 ms               14 ms
@@ -32,9 +33,9 @@ use the quantised weights; prompt tokens multiply with the packed fp32 ones (``B
 faster for many rows, and the prompt's keys/values and the first token stay the fp32
 model's: SmolLM2 answers "What is the capital of France?" with "The capital of France is
 Paris." in fp32 and "L'Étoile, la Marseillaise, ..." when its prompt runs in bf16, as
-llama.cpp's Q4_1 does). Greedy output is
-deterministic and independent of the batch: each row's product is computed the same way
-whatever the number of rows (``test_quantized_engine.py``).
+llama.cpp's Q4_1 does). Greedy output is deterministic and independent of the batch: each
+row's product is computed the same way whatever the number of rows
+(``test_quantized_engine.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from services.inference.engine import ragged
 from services.inference.engine.packed_linear import KernelChoice, LinearKernel, OneDNNPacked
 
 Quantize = Literal["none", "int8", "int4"]
-MODES: tuple[Quantize, ...] = ("none", "int8", "int4")
 
 # GGUF's Q4_0/Q4_1 block size; torch's CPU int4 kernel takes 32, 64, 128 or 256
 INT4_GROUP = 32
