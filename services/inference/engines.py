@@ -39,15 +39,11 @@ def _dtype(settings: InferenceSettings, common: CommonSettings) -> Any:
 
 
 def quantize_mode(settings: InferenceSettings, device: Any) -> Quantize:
-    """The weight quantisation the torch engine runs with on ``device``; a mode that cannot run
-    there stops start-up naming the setting."""
+    """The weight quantisation the torch engine is asked for on ``device``; a mode that cannot
+    run there stops start-up naming the setting (``auto`` is resolved by the engine, which sees
+    the weights: ``quantized_linear.resolve``)."""
     from services.inference.engine import quantized_linear
 
-    if settings.quantize == "auto":
-        # measured (docs/inference.md): int4 serves one CPU stream ~2x faster than fp32
-        if device.type == "cpu" and quantized_linear.available("int4", device) is None:
-            return "int4"
-        return "none"
     problem = quantized_linear.available(settings.quantize, device)
     if problem is not None:
         raise ValueError(f"TANDEM_INFERENCE_QUANTIZE={settings.quantize}: {problem}")

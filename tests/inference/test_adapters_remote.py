@@ -66,13 +66,8 @@ def adapters(home: Path, lively_tiny_path: Path) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(home: Path, redis_url: str, lively_tiny_path: Path) -> Iterator[tuple[str, Any]]:
     common = CommonSettings(home=home, redis_url=redis_url, log_json=False)
-    # fp32 products (no quantisation): answers are compared with transformers' generate
     settings = InferenceSettings(
-        model=str(lively_tiny_path),
-        served_model_name="tiny",
-        max_model_len=256,
-        max_batch_size=4,
-        quantize="none",
+        model=str(lively_tiny_path), served_model_name="tiny", max_model_len=256, max_batch_size=4
     )
     app = create_app(common, settings)
     with serve_app(app) as url:

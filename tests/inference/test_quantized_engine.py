@@ -216,8 +216,29 @@ def test_settings_name_a_quantisation_that_cannot_run(monkeypatch: pytest.Monkey
         InferenceSettings()
     monkeypatch.delenv("TANDEM_INFERENCE_QUANTIZE")
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert quantize_mode(InferenceSettings(), cpu) == "int4"  # measured the faster CPU default
-    assert quantize_mode(InferenceSettings(), gpu) == "none"
+    assert quantize_mode(InferenceSettings(), gpu) == "auto"
     assert quantize_mode(InferenceSettings(quantize="int8"), cpu) == "int8"
     with pytest.raises(ValueError, match=r"TANDEM_INFERENCE_QUANTIZE=int4: .*CPU kernel.*cuda"):
         quantize_mode(InferenceSettings(quantize="int4"), gpu)
+
+
+def test_auto_quantises_only_weights_that_are_4_bit_already(
+    lively: tuple[Any, Any], smollm2_path: Path
+) -> None:
+    model, tok = lively
+    cpu = torch.device("cpu")
+    head = model.get_output_embeddings()
+    # random fp32 weights would lose ~8%: auto keeps them as they are
+    assert quantized_linear.resolve("auto", model, head, cpu) == "none"
+    assert TorchEngine.from_model(model, tok, quantize="auto").runner.quantize == "none"
+    assert quantized_linear.resolve("int4", model, head, cpu) == "int4"  # asked for: given
+    q4 = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in q4.modules():
+            if type(m) is torch.nn.Linear and m is not q4.get_output_embeddings():
+                m.weight.copy_(_q4_1_weight(*m.weight.shape))
+    assert quantized_linear.resolve("auto", q4, q4.get_output_embeddings(), cpu) == "int4"
+    assert quantized_linear.resolve("auto", q4, q4.get_output_embeddings(), torch.device("cuda")) == "none"
+    # the default model comes from a Q4_1 GGUF: auto serves it in int4
+    smol, _ = _load(smollm2_path)
+    assert quantized_linear.resolve("auto", smol, smol.get_output_embeddings(), cpu) == "int4"

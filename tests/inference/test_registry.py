@@ -95,7 +95,6 @@ def replica(home: Path, db_url: str, lively_tiny_path: Path) -> Callable[..., An
             served_model_name="tiny",
             max_model_len=256,
             max_batch_size=4,
-            quantize="none",  # answers are compared with transformers' generate
             **extra,
         )
         return create_app(common, settings)

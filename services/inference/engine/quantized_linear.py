@@ -47,7 +47,11 @@ import torch
 from services.inference.engine import ragged
 from services.inference.engine.packed_linear import KernelChoice, LinearKernel, OneDNNPacked
 
-Quantize = Literal["none", "int8", "int4"]
+Quantize = Literal["auto", "none", "int8", "int4"]
+
+# auto picks int4 when re-quantising loses at most this (relative, per layer): weights that
+# came from a 4-bit GGUF (Q4_0/Q4_1) come back with 0; other weights lose ~8% (SmolLM2 fp32)
+LOSSLESS_INT4 = 1e-3
 
 # GGUF's Q4_0/Q4_1 block size; torch's CPU int4 kernel takes 32, 64, 128 or 256
 INT4_GROUP = 32
@@ -140,9 +144,45 @@ class ByTokenKind:
         )
 
 
+def int4_round_trip_error(weight: torch.Tensor) -> float:
+    """Relative error of ``weight`` quantised as ``Int4WeightOnly`` does (in fp32, before the
+    kernel's bf16 scales)."""
+    w = weight.detach().float()
+    out_f, in_f = w.shape
+    groups = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    back = torch.round((groups - low) / scale).clamp(0, 15) * scale + low
+    return float((back - groups).norm() / groups.norm().clamp(min=1e-12))
+
+
+def resolve(
+    mode: Quantize, model: torch.nn.Module, output_head: torch.nn.Module | None, device: torch.device
+) -> Quantize:
+    """``auto``: int4 on a CPU when every layer int4 would quantise holds 4-bit values already
+    (a model de-quantised from a Q4_0/Q4_1 GGUF, such as the default one), so quantising loses
+    nothing; otherwise none (an fp32/bf16 checkpoint or a full fine-tune keeps its own numbers;
+    ask for int4 or int8 explicitly). Other modes are returned as they are."""
+    if mode != "auto":
+        return mode
+    if device.type != "cpu" or available("int4", device) is not None:
+        return "none"
+    layers = [
+        m
+        for name, m in model.named_modules()
+        if type(m) is torch.nn.Linear
+        and ".lora_" not in f".{name}"
+        and m is not output_head
+        and m.in_features % INT4_GROUP == 0
+    ]
+    with torch.no_grad():
+        exact = bool(layers) and all(int4_round_trip_error(m.weight) <= LOSSLESS_INT4 for m in layers)
+    return "int4" if exact else "none"
+
+
 def available(mode: Quantize, device: torch.device) -> str | None:
     """Why ``mode`` cannot run on ``device`` in this torch build (None: it can)."""
-    if mode == "none":
+    if mode in ("none", "auto"):
         return None
     if device.type != "cpu":
         return f"weight-only {mode} is a CPU kernel; the model runs on {device.type}"
@@ -171,7 +211,7 @@ def layer_kernels(mode: Quantize, output_head: torch.nn.Module | None, batch_hin
     bf16 = ByTokenKind(BF16Packed(batch_hint), prompt)
 
     def choose(_name: str, module: torch.nn.Linear) -> LinearKernel | None:
-        if mode == "none":
+        if mode in ("none", "auto"):
             return None
         if mode == "int8":
             return int8

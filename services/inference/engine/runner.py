@@ -95,6 +95,7 @@ class ModelRunner:
         # a 4-D mask is passed through by transformers as is; ours attends by the plan instead
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.packed: PackedLinears | None = None
+        self.quantize = quantize = quantized_linear.resolve(quantize, model, self.lm_head, self.device)
         if quantize != "none":
             problem = quantized_linear.available(quantize, self.device)
             if problem is not None:
