@@ -345,6 +345,15 @@ def main() -> int:
         metavar="NAME=VALUE",
         help="extra server setting for an A/B run, e.g. TANDEM_INFERENCE_ADMIT_WINDOW_MS=0 (repeatable)",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=[TANDEM_INFERENCE_X=V,...]",
+        help="compare server configurations instead of the transformers baseline (repeatable; "
+        "see benchmarks/inference/variants.py), e.g. int4=TANDEM_INFERENCE_QUANTIZE=int4",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="--variant runs: interleaved rounds (medians)")
     args = ap.parse_args()
     bad = [e for e in args.server_env if "=" not in e or not e.startswith("TANDEM_INFERENCE_")]
     if bad:
@@ -371,6 +380,10 @@ def main() -> int:
             f"model {model_dir.name} on {args.device} ({dtype}), {args.max_tokens} tokens per request",
             flush=True,
         )
+        if args.variant:
+            from benchmarks.inference.variants import compare
+
+            return compare(args, model_dir, tmpdir, dtype, levels, extra_env)
         base_model = Baseline(model_dir, args.device, dtype, args.threads)
         base_model.run(QUESTIONS[:1], 4)  # warm-up
         with valkey_server(tmpdir / "valkey") as redis_url:

@@ -81,6 +81,14 @@ class InferenceSettings(ServiceSettings):
         "(fp32/bf16; about 2x faster decode steps, one more copy of the weights in memory); false: plain "
         "torch linear.",
     )
+    quantize: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="CPU engine: weight-only quantised products for the linear layers (the model stays "
+        "fp32 otherwise; LoRA adapters stay fp32 on top). int4: groups of 32 with a minimum (GGUF's Q4_1, "
+        "exact for the default model's weights), the output head in bf16; int8: per channel, every layer; "
+        "none: fp32 (greedy output equals transformers'). auto: int4 on a CPU when the weights are 4-bit "
+        "already (a model from a Q4_0/Q4_1 GGUF, such as the default one: quantising loses nothing), else none.",
+    )
     threads: int = Field(
         0, ge=0, description="torch intra-op threads for the CPU engine; 0 keeps torch's default."
     )

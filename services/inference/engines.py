@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.config import CommonSettings
 from services.inference.config import InferenceSettings
 from services.inference.engine.base import Engine
 from services.inference.engine.loader import DEFAULT_MODEL_NAME, resolve_model
+
+if TYPE_CHECKING:
+    from services.inference.engine.quantized_linear import Quantize
 
 
 def cache_root(common: CommonSettings) -> Path:
@@ -35,6 +38,18 @@ def _dtype(settings: InferenceSettings, common: CommonSettings) -> Any:
     return getattr(torch, settings.dtype)
 
 
+def quantize_mode(settings: InferenceSettings, device: Any) -> Quantize:
+    """The weight quantisation the torch engine is asked for on ``device``; a mode that cannot
+    run there stops start-up naming the setting (``auto`` is resolved by the engine, which sees
+    the weights: ``quantized_linear.resolve``)."""
+    from services.inference.engine import quantized_linear
+
+    problem = quantized_linear.available(settings.quantize, device)
+    if problem is not None:
+        raise ValueError(f"TANDEM_INFERENCE_QUANTIZE={settings.quantize}: {problem}")
+    return settings.quantize
+
+
 def build_torch_engine(
     settings: InferenceSettings,
     common: CommonSettings,
@@ -49,11 +64,13 @@ def build_torch_engine(
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    device = torch.device(current_platform(common.device).device())
+    quantize = quantize_mode(settings, device)
     path = resolve_model(model or None, cache_root(common))
     return TorchEngine.from_pretrained(
         path,
         name=name,
-        device=current_platform(common.device).device(),
+        device=device,
         dtype=_dtype(settings, common),
         max_batch_size=settings.max_batch_size,
         max_queue=settings.max_queue,
@@ -66,6 +83,7 @@ def build_torch_engine(
         tokenizer_fallback=tokenizer_fallback,
         num_threads=settings.threads,
         packed_weights=settings.packed_weights,
+        quantize=quantize,
     )
 
 

@@ -21,9 +21,9 @@ copies cost one more copy of the linear weights in memory.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,21 +50,53 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(torch.allclose(out.float(), torch.full((1, 8), 8.0)))
 
 
-class _Packed:
-    """One layer's packed weight and the weight state it was packed from."""
+class LinearKernel(Protocol):
+    """How a layer multiplies inside the engine's forwards: a weight prepared once (packed,
+    quantised) and the product with it. ``prepare`` runs again when the weight changes."""
 
-    def __init__(self, module: torch.nn.Linear, batch_hint: int) -> None:
-        self.module = module
+    def prepare(self, weight: torch.Tensor) -> Any: ...
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class OneDNNPacked:
+    """The weight in oneDNN's prepacked layout, same dtype (see the module doc)."""
+
+    def __init__(self, batch_hint: int = 16) -> None:
         self.batch_hint = batch_hint
-        self.key: tuple[int, int] | None = None
-        self.weight: torch.Tensor | None = None
 
-    def current(self) -> torch.Tensor:
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(input, prepared, bias, "none", [], "")
+
+
+# picks the kernel of one layer (qualified name, module), or None to leave it plain
+KernelChoice = Callable[[str, torch.nn.Linear], "LinearKernel | None"]
+
+
+def packed_layers(batch_hint: int) -> KernelChoice:
+    """oneDNN packing for every large layer (LoRA's own small A/B matrices gain nothing)."""
+    kernel = OneDNNPacked(batch_hint)
+    return lambda _name, module: kernel if module.weight.numel() >= MIN_PACKED_ELEMENTS else None
+
+
+class _Packed:
+    """One layer's prepared weight and the weight state it was prepared from."""
+
+    def __init__(self, module: torch.nn.Linear, kernel: LinearKernel) -> None:
+        self.module = module
+        self.kernel = kernel
+        self.key: tuple[int, int] | None = None
+        self.weight: Any = None
+
+    def current(self) -> Any:
         w = self.module.weight
         key = (w.data_ptr(), w._version)
         if key != self.key or self.weight is None:
             with torch.no_grad():
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint)
+                self.weight = self.kernel.prepare(w.detach())
             self.key = key
         return self.weight
 
@@ -72,29 +104,35 @@ class _Packed:
         module = self.module
         if torch.is_grad_enabled() or input.dtype != module.weight.dtype:
             return F.linear(input, module.weight, module.bias)
-        return torch.ops.mkldnn._linear_pointwise(input, self.current(), module.bias, "none", [], "")
+        return self.kernel.apply(input, self.current(), module.bias)
 
 
 class PackedLinears:
-    """Packed-weight forwards for a model's large ``nn.Linear`` layers (see the module doc)."""
+    """Prepared-weight forwards for a model's ``nn.Linear`` layers (see the module doc):
+    oneDNN-packed by default, or whatever ``choose`` picks per layer (quantised kernels)."""
 
-    def __init__(self, model: Any, batch_hint: int = 16) -> None:
-        self.batch_hint = batch_hint
+    def __init__(self, model: Any, batch_hint: int = 16, choose: KernelChoice | None = None) -> None:
+        self.choose = choose or packed_layers(batch_hint)
         self.layers: list[_Packed] = []
         self.refresh(model)
 
     def refresh(self, model: Any) -> None:
-        """Track the large plain ``nn.Linear`` layers ``model`` has now (after a LoRA adapter
-        was loaded or unloaded), keeping the packed copies of those it had."""
+        """Track the plain ``nn.Linear`` layers ``model`` has now (after a LoRA adapter was
+        loaded or unloaded), keeping the prepared copies of those it had. PEFT's own LoRA
+        matrices (``lora_A``/``lora_B``) stay plain: they are the adapter, not the base."""
         known = {id(p.module): p for p in self.layers}
-        self.layers = [
-            known.get(id(m)) or _Packed(m, self.batch_hint)
-            for m in model.modules()
-            if type(m) is torch.nn.Linear and m.weight.numel() >= MIN_PACKED_ELEMENTS
-        ]
+        layers = []
+        for name, module in model.named_modules():
+            if type(module) is not torch.nn.Linear or ".lora_" in f".{name}":
+                continue
+            if id(module) in known:
+                layers.append(known[id(module)])
+            elif (kernel := self.choose(name, module)) is not None:
+                layers.append(_Packed(module, kernel))
+        self.layers = layers
 
     def pack_all(self) -> None:
-        """Pack every weight now (at start-up, so the first request does not pay for it)."""
+        """Prepare every weight now (at start-up, so the first request does not pay for it)."""
         for packed in self.layers:
             packed.current()
 

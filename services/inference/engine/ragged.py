@@ -200,6 +200,13 @@ def ragged_attention(
     return out.unsqueeze(1), None
 
 
+def decode_token_count() -> int | None:
+    """How many of this forward's first tokens are decode tokens (None outside a forward):
+    a layer may compute them differently from prompt tokens, the same way in every batch."""
+    plan = _ACTIVE_PLAN.get()
+    return None if plan is None else plan.n_decode
+
+
 def register() -> str:
     """Make ``tandem_ragged`` known to transformers (idempotent); returns its name."""
     from transformers import AttentionInterface

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from services.inference.engine import packed_linear, ragged
+from services.inference.engine import packed_linear, quantized_linear, ragged
 from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.packed_linear import PackedLinears
+from services.inference.engine.quantized_linear import Quantize
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 
 __all__ = ["DecodeRow", "ModelRunner", "PrefillRow", "base_model_of", "sliding_window"]
@@ -49,7 +50,14 @@ def base_model_of(model: Any) -> Any:
 
 class ModelRunner:
     def __init__(
-        self, model: Any, *, max_slots: int, max_len: int, device: Any = None, packed_weights: bool = True
+        self,
+        model: Any,
+        *,
+        max_slots: int,
+        max_len: int,
+        device: Any = None,
+        packed_weights: bool = True,
+        quantize: Quantize = "none",
     ) -> None:
         self.model = model
         base = base_model_of(model)
@@ -87,7 +95,15 @@ class ModelRunner:
         # a 4-D mask is passed through by transformers as is; ours attends by the plan instead
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.packed: PackedLinears | None = None
-        if packed_weights and packed_linear.available(self.device, self.dtype):
+        self.quantize = quantize = quantized_linear.resolve(quantize, model, self.lm_head, self.device)
+        if quantize != "none":
+            problem = quantized_linear.available(quantize, self.device)
+            if problem is not None:
+                raise ValueError(f"quantize={quantize!r}: {problem}")
+            # quantised products replace the packed ones (layers left out stay plain)
+            choose = quantized_linear.layer_kernels(quantize, self.lm_head, max_slots)
+            self.packed = PackedLinears(model, choose=choose)
+        elif packed_weights and packed_linear.available(self.device, self.dtype):
             self.packed = PackedLinears(model, batch_hint=max_slots)
 
     # --- LoRA: per-row adapters through PEFT's mixed-batch path -------------------------

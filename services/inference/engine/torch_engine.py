@@ -25,6 +25,7 @@ from services.inference.engine.base import AdapterHost
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.guided import GuidedCompiler
 from services.inference.engine.prefix_cache import PrefixCache
+from services.inference.engine.quantized_linear import Quantize
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import DEFAULT_TENANT, Scheduler, Sequence
@@ -91,6 +92,7 @@ class TorchEngine(AdapterHost):
         prefix_cache_mb: float = 64.0,
         admit_window: float = 0.0,
         packed_weights: bool = True,
+        quantize: Quantize = "none",
         tenant_max_queued: int | None = None,
     ) -> None:
         self.model = model
@@ -105,6 +107,7 @@ class TorchEngine(AdapterHost):
             max_len=max_model_len or 1 << 30,
             device=device,
             packed_weights=packed_weights,
+            quantize=quantize,
         )
         self.max_model_len = self.runner.max_len
         self.device = self.runner.device
@@ -365,7 +368,7 @@ class TorchEngine(AdapterHost):
     # --- the server's face (Engine protocol) ------------------------------------------------------
     async def start(self) -> None:
         if self.runner.packed is not None:
-            # pack the weights before serving, so the first request does not pay for it
+            # pack (or quantise) the weights before serving, so the first request does not pay for it
             await asyncio.to_thread(self.runner.packed.pack_all)
         self.scheduler.start()
 

@@ -1,0 +1,222 @@
+"""Weight-only int8 / int4 linear layers for the CPU engine (``TANDEM_INFERENCE_QUANTIZE``).
+
+A decode step on a CPU is bound by reading the weights: at one to a few rows per product,
+each weight element is used once per row. Quantised weights read 4x (int8) or 8x (int4)
+fewer bytes than fp32. The products run through torch's own CPU kernels for weight-only
+quantisation, ``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu`` (what
+torchao's CPU weight-only layouts call), with bf16 activations: their fp32 paths are
+slower than fp32 itself. Measured on 2 Zen 4 cores, one thread, the 211 products of one
+SmolLM2-135M step (30 layers and the output head), median of 5 interleaved rounds on a
+shared, loaded machine (ratios, not absolute times, are the point):
+
+    rows   fp32 packed   bf16 packed   int8 (bf16 act.)   int4 g32 (bf16 act.)
+    1         54 ms         31 ms          25 ms               14 ms
+    4         52            28             27                  20
+    16        90            54             79                  65
+
+So int4 wins where serving spends its time (few rows per step), and int8 gains little.
+
+**Why int4 with groups of 32 and a minimum** (asymmetric, ``w = (q - 8) * scale + zero``):
+it is GGUF's Q4_1 block format. The default model ships as a Q4_1 GGUF, so its decoder
+weights *are* 4-bit values in blocks of 32 with a scale and a minimum: re-quantising the
+de-quantised fp32 weights this way gives them back exactly (relative error 0 with fp32
+scales; 0.2% from the kernel's bf16 scales). The output head (tied to the token
+embeddings, stored at higher precision in the file: int4 would be a 9% error, int8 1.2%)
+runs in bf16, oneDNN-packed (0.4%; see ``layer_kernels`` for its timings).
+
+The model keeps its fp32 weights and stays fp32 everywhere else (norms, residual stream,
+attention, KV cache): only the layers' products change, inside the engine's forwards
+(``packed_linear.PackedLinears`` swaps the forwards in and out), so PEFT's LoRA layers
+(their A/B matrices stay fp32), the trainer, ``state_dict`` and deep copies see plain
+modules, and a weight the trainer changed in place is quantised again. Only decode tokens
+use the quantised weights; prompt tokens multiply with the packed fp32 ones (``ByTokenKind``:
+faster for many rows, and the prompt's keys/values and the first token stay the fp32
+model's: SmolLM2 answers "What is the capital of France?" with "The capital of France is
+Paris." in fp32 and "L'Étoile, la Marseillaise, ..." when its prompt runs in bf16, as
+llama.cpp's Q4_1 does). Greedy output is deterministic and independent of the batch: each
+row's product is computed the same way whatever the number of rows
+(``test_quantized_engine.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from services.inference.engine import ragged
+from services.inference.engine.packed_linear import KernelChoice, LinearKernel, OneDNNPacked
+
+Quantize = Literal["auto", "none", "int8", "int4"]
+
+# auto picks int4 when re-quantising loses at most this (relative, per layer): weights that
+# came from a 4-bit GGUF (Q4_0/Q4_1) come back with 0; other weights lose ~8% (SmolLM2 fp32)
+LOSSLESS_INT4 = 1e-3
+
+# GGUF's Q4_0/Q4_1 block size; torch's CPU int4 kernel takes 32, 64, 128 or 256
+INT4_GROUP = 32
+# the kernels' activation dtype (their fp32 paths are 4-10x slower than fp32 itself)
+COMPUTE_DTYPE = torch.bfloat16
+
+
+class Int8WeightOnly:
+    """Symmetric int8 per output channel."""
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return q.contiguous(), scale.to(COMPUTE_DTYPE)
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        q, scale = prepared
+        x = input.reshape(-1, input.shape[-1]).to(COMPUTE_DTYPE)
+        out = torch.ops.aten._weight_int8pack_mm(x, q, scale).to(input.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*input.shape[:-1], -1)
+
+
+class Int4WeightOnly:
+    """Asymmetric int4 in groups of ``INT4_GROUP`` input features (GGUF's Q4_1 format)."""
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = weight.float()
+        out_f, in_f = w.shape
+        groups = w.view(out_f, in_f // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_f, in_f), 1)
+        # the kernel computes (q - 8) * scale + zero, so zero is the value of q = 8
+        zero = low + 8 * scale
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
+        return packed, scales_zeros.to(COMPUTE_DTYPE)
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        packed, scales_zeros = prepared
+        x = input.reshape(-1, input.shape[-1]).to(COMPUTE_DTYPE)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros).to(input.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*input.shape[:-1], -1)
+
+
+class BF16Packed(OneDNNPacked):
+    """The weight in bf16, oneDNN-packed (native bf16 products on CPUs with AVX512-BF16/AMX)."""
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return super().prepare(weight.to(COMPUTE_DTYPE))
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        out = super().apply(input.to(COMPUTE_DTYPE), prepared, None).to(input.dtype)
+        return out if bias is None else out + bias
+
+
+class ByTokenKind:
+    """One kernel for decode tokens, another for prompt tokens, in the same layer. A decode step
+    multiplies a few rows, where reading quantised weights wins; a prompt chunk many rows, where
+    the weight-only kernels are about 2x slower than oneDNN's (64 rows: int4 271 ms vs bf16 124,
+    fp32 239 for a step's products, measured as in the module doc). Choosing by the kind of
+    token, never by the size of the batch, keeps each token's numbers the same whatever else
+    shares its forward (greedy output alone = in a batch): every kernel computes each row on
+    its own."""
+
+    def __init__(self, decode: LinearKernel, prompt: LinearKernel) -> None:
+        self.decode = decode
+        self.prompt = prompt
+
+    def prepare(self, weight: torch.Tensor) -> tuple[Any, Any]:
+        return self.decode.prepare(weight), self.prompt.prepare(weight)
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        decode = ragged.decode_token_count()
+        rows = input.shape[0]
+        if decode is None or decode >= rows:
+            return self.decode.apply(input, prepared[0], bias)
+        if decode == 0:
+            return self.prompt.apply(input, prepared[1], bias)
+        return torch.cat(
+            [
+                self.decode.apply(input[:decode], prepared[0], bias),
+                self.prompt.apply(input[decode:], prepared[1], bias),
+            ]
+        )
+
+
+def int4_round_trip_error(weight: torch.Tensor) -> float:
+    """Relative error of ``weight`` quantised as ``Int4WeightOnly`` does (in fp32, before the
+    kernel's bf16 scales)."""
+    w = weight.detach().float()
+    out_f, in_f = w.shape
+    groups = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    back = torch.round((groups - low) / scale).clamp(0, 15) * scale + low
+    return float((back - groups).norm() / groups.norm().clamp(min=1e-12))
+
+
+def resolve(
+    mode: Quantize, model: torch.nn.Module, output_head: torch.nn.Module | None, device: torch.device
+) -> Quantize:
+    """``auto``: int4 on a CPU when every layer int4 would quantise holds 4-bit values already
+    (a model de-quantised from a Q4_0/Q4_1 GGUF, such as the default one), so quantising loses
+    nothing; otherwise none (an fp32/bf16 checkpoint or a full fine-tune keeps its own numbers;
+    ask for int4 or int8 explicitly). Other modes are returned as they are."""
+    if mode != "auto":
+        return mode
+    if device.type != "cpu" or available("int4", device) is not None:
+        return "none"
+    layers = [
+        m
+        for name, m in model.named_modules()
+        if type(m) is torch.nn.Linear
+        and ".lora_" not in f".{name}"
+        and m is not output_head
+        and m.in_features % INT4_GROUP == 0
+    ]
+    with torch.no_grad():
+        exact = bool(layers) and all(int4_round_trip_error(m.weight) <= LOSSLESS_INT4 for m in layers)
+    return "int4" if exact else "none"
+
+
+def available(mode: Quantize, device: torch.device) -> str | None:
+    """Why ``mode`` cannot run on ``device`` in this torch build (None: it can)."""
+    if mode in ("none", "auto"):
+        return None
+    if device.type != "cpu":
+        return f"weight-only {mode} is a CPU kernel; the model runs on {device.type}"
+    kernel: Int8WeightOnly | Int4WeightOnly = Int8WeightOnly() if mode == "int8" else Int4WeightOnly()
+    try:
+        weight = torch.ones(32, 2 * INT4_GROUP)
+        out = kernel.apply(torch.ones(1, 2 * INT4_GROUP), kernel.prepare(weight), None)
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return f"this torch build has no CPU weight-only {mode} kernel ({exc})"
+    if not torch.allclose(out, torch.full((1, 32), 2.0 * INT4_GROUP), rtol=1e-2):
+        return f"this torch build's CPU weight-only {mode} kernel gives wrong results"
+    return None
+
+
+def layer_kernels(mode: Quantize, output_head: torch.nn.Module | None, batch_hint: int = 16) -> KernelChoice:
+    """The kernel of each base linear layer under ``mode``. Prompt tokens always multiply with
+    the model's own weights, oneDNN-packed (as with quantisation off): the prompt's keys/values
+    and the first token's logits are the unquantised model's. Decode tokens: int8 in every
+    layer; or int4 in every layer whose input size is a multiple of the group, the output head
+    (and any other layer) in bf16, oneDNN-packed. The head alone at 1 / 16 rows (SmolLM2's
+    49K x 576): 6.5 / 10 ms in bf16, 5.9 / 23 ms in int8 (its kernel scales badly with rows),
+    12 / 22 ms in fp32."""
+    prompt = OneDNNPacked(batch_hint)
+    int8 = ByTokenKind(Int8WeightOnly(), prompt)
+    int4 = ByTokenKind(Int4WeightOnly(), prompt)
+    bf16 = ByTokenKind(BF16Packed(batch_hint), prompt)
+
+    def choose(_name: str, module: torch.nn.Linear) -> LinearKernel | None:
+        if mode in ("none", "auto"):
+            return None
+        if mode == "int8":
+            return int8
+        if module is not output_head and module.in_features % INT4_GROUP == 0:
+            return int4
+        return bf16
+
+    return choose
