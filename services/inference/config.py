@@ -25,9 +25,11 @@ class InferenceSettings(ServiceSettings):
         "",
         description="Name clients use in `model`; empty means the folder/file name (SmolLM2-135M-Instruct).",
     )
-    engine: Literal["torch", "vllm", "remote"] = Field(
+    engine: Literal["torch", "vllm", "remote", "llamacpp"] = Field(
         "torch",
-        description="torch (built in), vllm (in process, GPU images) or remote (an OpenAI-compatible server).",
+        description="torch (built in), vllm (in process, GPU images), remote (an OpenAI-compatible server) "
+        "or llamacpp (GGUF models on llama.cpp; needs the llamacpp extra, llama-cpp-python, which has no "
+        "wheel for every platform).",
     )
     remote_url: str = Field(
         "",
@@ -82,7 +84,10 @@ class InferenceSettings(ServiceSettings):
         "torch linear.",
     )
     threads: int = Field(
-        0, ge=0, description="torch intra-op threads for the CPU engine; 0 keeps torch's default."
+        0,
+        ge=0,
+        description="torch intra-op threads for the CPU engine (llama.cpp threads for the llamacpp engine); "
+        "0 keeps torch's default (all cores for llama.cpp).",
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM engine: GPU memory fraction.")
     max_adapters: int = Field(
