@@ -52,6 +52,9 @@ INSTALL_HINT = (
 )
 
 
+_log_callback: Any = None
+
+
 class LlamaCppMissing(RuntimeError):
     """``llama_cpp`` cannot be imported."""
 
@@ -63,6 +66,21 @@ def import_llama_cpp() -> Any:
         raise LlamaCppMissing(
             f"TANDEM_INFERENCE_ENGINE=llamacpp needs the llama_cpp module ({exc}): {INSTALL_HINT}"
         ) from None
+    global _log_callback
+    if _log_callback is None:
+        # llama.cpp prints every log line to stderr (model loading: hundreds); its warnings and
+        # errors go to our log instead, the rest nowhere
+        @llama_cpp.llama_log_callback
+        def forward_log(level: int, text: bytes, _: ctypes.c_void_p) -> None:
+            if level in (3, 4):  # ggml.h: GGML_LOG_LEVEL_WARN = 3, GGML_LOG_LEVEL_ERROR = 4
+                log.log(
+                    logging.WARNING if level == 3 else logging.ERROR,
+                    "%s",
+                    text.decode(errors="replace").rstrip(),
+                )
+
+        _log_callback = forward_log  # kept referenced: llama.cpp holds only the C pointer
+        llama_cpp.llama_log_set(forward_log, ctypes.c_void_p(0))
     return llama_cpp
 
 
