@@ -525,9 +525,11 @@ def main() -> int:
                 )
                 try:
                     asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up
+                    # the registry is durable and shared by the servers of this run: a name each
+                    lora = f"bench-lora-{engine}"
                     if adapter is not None:
-                        load_adapter(url, key, "bench-lora", adapter)
-                        asyncio.run(load(url, key, "bench-lora", 1, 1, 8))
+                        load_adapter(url, key, lora, adapter)
+                        asyncio.run(load(url, key, lora, 1, 1, 8))
                     for i, c in enumerate(levels):
                         base = reference
                         if base is None and base_model is not None:
@@ -544,7 +546,7 @@ def main() -> int:
                         res = asyncio.run(load(url, key, "bench", c, per_level[c], args.max_tokens))
                         results.append((f"tandem {engine} engine, {c} streams", res, base))
                         if adapter is not None:
-                            models = ["bench", "bench-lora"] if c > 1 else ["bench-lora"]
+                            models = ["bench", lora] if c > 1 else [lora]
                             label = "LoRA on half the streams" if c > 1 else "LoRA"
                             print(f"{engine} server: {c} streams, {label} ...", flush=True)
                             res = asyncio.run(load(url, key, models, c, per_level[c], args.max_tokens))
