@@ -130,6 +130,7 @@ def build_llamacpp_engine(settings: InferenceSettings, common: CommonSettings, n
         name=name,
         threads=settings.threads,
         cache_root=cache_root(common),
+        requantize=settings.llamacpp_requantize,
         **scheduler_settings(settings),
     )
 
