@@ -412,6 +412,13 @@ def main() -> int:
         help="the server's prefix cache (TANDEM_INFERENCE_PREFIX_CACHE_MB); 0 turns it off for an A/B run",
     )
     ap.add_argument(
+        "--raw-requantize",
+        default="none",
+        choices=["none", "q8_0", "q4_0"],
+        help="llamacpp-raw also runs the file re-quantised so (what the llamacpp engine serves by default: "
+        "q8_0); the reference stays the file as it is",
+    )
+    ap.add_argument(
         "--lora-half",
         action="store_true",
         help="Tandem engines also run every level with a (random) LoRA adapter on half the streams",
@@ -479,15 +486,23 @@ def main() -> int:
 
             assert gguf is not None
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            raw = LlamaCppRaw(gguf, threads=args.threads or os.cpu_count() or 1, max_seqs=max(levels))
-            raw.run(raw_prompts(tokenizer, 1, 1, 10_000), 4)  # warm-up
-            for c in sorted(levels):
-                print(f"llama.cpp: {c} streams x {per_level[c]} requests ...", flush=True)
-                res = raw.run(raw_prompts(tokenizer, c, per_level[c], 20_000 + 100 * c), args.max_tokens)
-                if c == 1:
-                    reference = res
-                results.append((f"llama.cpp (llama-cpp-python), {c} streams", res, reference))
-            raw.close()
+            files = [("", gguf)]
+            if args.raw_requantize != "none":
+                from services.inference.engine.llamacpp_engine import requantized
+
+                # what the llamacpp engine serves by default: the same file re-quantised
+                kind = args.raw_requantize
+                files.append((f", the file re-quantised to {kind}", requantized(gguf, kind, MODEL_CACHE)))
+            for what, path in files:
+                raw = LlamaCppRaw(path, threads=args.threads or os.cpu_count() or 1, max_seqs=max(levels))
+                raw.run(raw_prompts(tokenizer, 1, 1, 10_000), 4)  # warm-up
+                for c in sorted(levels):
+                    print(f"llama.cpp{what}: {c} streams x {per_level[c]} requests ...", flush=True)
+                    res = raw.run(raw_prompts(tokenizer, c, per_level[c], 20_000 + 100 * c), args.max_tokens)
+                    if c == 1 and reference is None:
+                        reference = res
+                    results.append((f"llama.cpp (llama-cpp-python){what}, {c} streams", res, reference))
+                raw.close()
         base_model = Baseline(model_dir, args.device, dtype, args.threads) if "generate" in engines else None
         servers = [e for e in engines if e in ("torch", "llamacpp")]
         if base_model is not None:

@@ -90,11 +90,12 @@ class InferenceSettings(ServiceSettings):
         "0 keeps torch's default (all cores for llama.cpp).",
     )
     llamacpp_requantize: Literal["none", "q8_0", "q4_0"] = Field(
-        "q8_0",
+        "none",
         description="llamacpp engine: re-quantise the GGUF once at start-up (cached under the models "
         "cache) to a type llama.cpp's CPU kernels batch well (they do not repack Q4_1, the default "
-        "model's). q8_0: the file's logits within rounding; q4_0: faster, lossy from other 4-bit types; "
-        "none: serve the file as it is.",
+        "model's): q8_0 (the file's logits within rounding) or q4_0 (faster, lossy). Both make a "
+        "sequence's numerics depend on its batch (greedy outputs may then differ alone vs in a batch); "
+        "none, the default, serves the file as it is.",
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM engine: GPU memory fraction.")
     max_adapters: int = Field(

@@ -139,7 +139,9 @@ def requantized(gguf: Path, kind: str, cache_root: Path) -> Path:
     products: on this 2-core machine the default Q4_1 file decodes 16 streams barely faster
     than one. Q8_0 holds Q4_1's 16 levels per block on a grid 8x finer: logits correlate
     0.998-0.999 with the file's (three prompts; near ties may flip, as between any two
-    kernels). Q4_0 is faster still but lossy from Q4_1 (0.93-0.96)."""
+    kernels). Q4_0 is faster still but lossy from Q4_1 (0.93-0.96). Not the default: with
+    repacked weights a row's numerics depend on how many rows share its product (GEMM vs GEMV
+    kernels), and greedy outputs alone and in a batch were seen to differ on near ties."""
     if kind not in REQUANTIZE_TYPES:
         raise ValueError(f"unknown re-quantisation {kind!r}; one of {', '.join(REQUANTIZE_TYPES)}")
     target = cache_root / f"{gguf_cache_dir(gguf, cache_root).name}-{kind}.gguf"
@@ -365,7 +367,7 @@ class LlamaCppEngine(TorchEngine):
         admit_window: float = 0.0,
         tenant_max_queued: int | None = None,
         cache_root: Path | None = None,
-        requantize: str = "q8_0",
+        requantize: str = "none",
     ) -> None:
         # TorchEngine.__init__ builds a torch model runner: not called, the attributes its
         # request handling reads are set here instead
