@@ -1,15 +1,26 @@
-"""Inference throughput and latency: the server under 1, 4 and 16 concurrent streams vs
-sequential ``transformers`` ``generate`` of the same kind of requests, in the same run.
+"""Inference throughput and latency: Tandem's engines (as servers) under 1, 4 and 16
+concurrent streams, llama.cpp itself on the same GGUF file, and sequential ``transformers``
+``generate``, in the same run.
 
-    python -m benchmarks.inference                      # SmolLM2-135M fp32 on the CPU (~5 min on 2 cores)
+    python -m benchmarks.inference                      # SmolLM2-135M on the CPU, every engine
+    python -m benchmarks.inference --engines llamacpp-raw,llamacpp,torch --concurrency 1,16 --threads 2
+    python -m benchmarks.inference --engines llamacpp-raw,llamacpp --lora-half   # + LoRA on half the streams
     python -m benchmarks.inference --device cuda        # random-init Llama-3.2-1B-sized model, bf16
 
-The server runs as its own process (uvicorn, as deployed) with a real Valkey for API
-keys; each of C client streams sends its requests one after another (closed loop),
-every request a chat completion streamed over SSE with ``max_tokens`` tokens exactly
-(``ignore_eos``) and greedy decoding, so every run generates the same token counts.
-The baseline runs ``model.generate`` (greedy, ``min_new_tokens = max_new_tokens``) on
-the same prompts one at a time in this process while the server idles.
+Engines (``--engines``, comma-separated): ``generate`` (the baseline: ``model.generate`` of
+the fp32 model in this process, one request at a time), ``llamacpp-raw`` (the contender:
+llama.cpp through ``llama-cpp-python``'s low-level API in this process, one stream, and
+several streams through its own batched decoding; see ``llamacpp_raw.py``), and Tandem's
+``torch`` and ``llamacpp`` engines (``TANDEM_INFERENCE_ENGINE``). The llama.cpp ones need
+``llama-cpp-python`` (the ``llamacpp`` extra) and the default model or a ``--model`` .gguf;
+left out of the default run (with a note) where it is not installed.
+
+Each Tandem server runs as its own process (uvicorn, as deployed), one at a time, with a
+real Valkey for API keys; each of C client streams sends its requests one after another
+(closed loop), every request a chat completion streamed over SSE with ``max_tokens``
+tokens exactly (``ignore_eos``) and greedy decoding, so every run generates the same
+token counts. Ratios are against llama.cpp's single stream when it ran, else against the
+``generate`` segment run just before that level.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import subprocess
 import sys
 import tempfile
@@ -218,15 +230,18 @@ async def one_request(
 
 
 async def load(
-    url: str, key: str, model: str, concurrency: int, per_stream: int, max_tokens: int
+    url: str, key: str, model: str | list[str], concurrency: int, per_stream: int, max_tokens: int
 ) -> dict[str, Any]:
+    """``model`` may list several names: stream w uses ``model[w % len(model)]``."""
+    models = [model] if isinstance(model, str) else model
     results: list[dict[str, Any]] = []
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def worker(w: int) -> None:
             for r in range(per_stream):
                 q = unique_question(w * per_stream + r)
-                results.append(await one_request(client, url, key, model, q, max_tokens))
+                name = models[w % len(models)]
+                results.append(await one_request(client, url, key, name, q, max_tokens))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
@@ -287,14 +302,65 @@ def start_server(
     raise RuntimeError("the inference server did not become ready")
 
 
-def row(name: str, res: dict[str, Any], base_tps: float | None) -> str:
+def row(name: str, res: dict[str, Any], base: dict[str, Any] | None) -> str:
+    """A table row; with ``base`` (a reference run) the tokens/s and TTFT p50 ratios to it."""
     tps = res["tokens"] / res["wall"]
-    ratio = f"{tps / base_tps:.2f}x" if base_tps else "1.00x"
+    ratio = ttft_ratio = "1.00x"
+    if base is not None:
+        ratio = f"{tps / (base['tokens'] / base['wall']):.2f}x"
+        ttft_ratio = f"{pct(res['ttft'], 0.5) / pct(base['ttft'], 0.5):.2f}x"
     ms = lambda v: f"{v * 1000:.0f}"  # noqa: E731
     return (
         f"| {name} | {res['requests']} | {res['tokens']} | {tps:.1f} | {ratio} | "
-        f"{ms(pct(res['ttft'], 0.5))} / {ms(pct(res['ttft'], 0.95))} | {ms(pct(res['itl'], 0.5))} / {ms(pct(res['itl'], 0.95))} |"
+        f"{ms(pct(res['ttft'], 0.5))} / {ms(pct(res['ttft'], 0.95))} | {ttft_ratio} | "
+        f"{ms(pct(res['itl'], 0.5))} / {ms(pct(res['itl'], 0.95))} |"
     )
+
+
+ENGINES = ("generate", "llamacpp-raw", "torch", "llamacpp")
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def make_lora(model_dir: Path, target: Path) -> Path:
+    """A random rank-8 PEFT LoRA adapter on the trainer's default targets (random B too, so it
+    changes the outputs as a trained one does)."""
+    from tests.helpers.models import make_lora_adapter
+
+    if (target / "adapter_config.json").is_file():
+        return target
+    return make_lora_adapter(
+        model_dir, target, 0, modules=["q_proj", "k_proj", "v_proj", "o_proj"], b_std=0.02
+    )
+
+
+def load_adapter(url: str, key: str, name: str, path: Path) -> None:
+    resp = httpx.post(
+        url + "/v1/load_lora_adapter",
+        json={"lora_name": name, "lora_path": str(path)},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=600,
+    )
+    resp.raise_for_status()
+
+
+def raw_prompts(tokenizer: Any, streams: int, per_stream: int, offset: int) -> list[list[list[int]]]:
+    """The same kind of chat prompts the server gets, as token ids, per stream."""
+    out = []
+    for w in range(streams):
+        prompts = []
+        for r in range(per_stream):
+            q = unique_question(offset + w * per_stream + r)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+            )
+            prompts.append([int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+        out.append(prompts)
+    return out
 
 
 def main() -> int:
@@ -306,6 +372,12 @@ def main() -> int:
         help="HF folder or .gguf (default: SmolLM2-135M-Instruct on cpu, a random Llama-3.2-1B shape on cuda)",
     )
     ap.add_argument(
+        "--engines",
+        default="",
+        help=f"comma-separated, from {', '.join(ENGINES)} (default: all; the llama.cpp ones where "
+        "llama-cpp-python is installed and the model is a GGUF file)",
+    )
+    ap.add_argument(
         "--concurrency",
         default="",
         help="comma-separated stream counts (default 1,4,16 on cpu; 1,16,64 on cuda)",
@@ -314,7 +386,7 @@ def main() -> int:
         "--dtype",
         default="",
         choices=["", "float32", "bfloat16"],
-        help="weights of both the server and the baseline (default: float32 on cpu, bfloat16 on cuda)",
+        help="weights of the torch server and the baseline (default: float32 on cpu, bfloat16 on cuda)",
     )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
@@ -329,14 +401,27 @@ def main() -> int:
         "--threads",
         type=int,
         default=0,
-        help="torch CPU threads for both the baseline and the server (0: torch's default); "
-        "on a machine shared with other jobs, 1 gives stable figures",
+        help="CPU threads of every engine: torch's (baseline and torch server) and llama.cpp's "
+        "(0: torch's default, all cores for llama.cpp); on a machine shared with other jobs, 1 gives "
+        "stable figures",
     )
     ap.add_argument(
         "--prefix-cache-mb",
         type=float,
         default=64.0,
         help="the server's prefix cache (TANDEM_INFERENCE_PREFIX_CACHE_MB); 0 turns it off for an A/B run",
+    )
+    ap.add_argument(
+        "--raw-requantize",
+        default="none",
+        choices=["none", "q8_0", "q4_0"],
+        help="llamacpp-raw also runs the file re-quantised so (what the llamacpp engine serves by default: "
+        "q8_0); the reference stays the file as it is",
+    )
+    ap.add_argument(
+        "--lora-half",
+        action="store_true",
+        help="Tandem engines also run every level with a (random) LoRA adapter on half the streams",
     )
     ap.add_argument(
         "--server-env",
@@ -359,15 +444,36 @@ def main() -> int:
     if bad:
         ap.error(f"--server-env wants TANDEM_INFERENCE_NAME=VALUE, got {bad[0]!r}")
     extra_env = dict(e.split("=", 1) for e in args.server_env)
+    engines = [e for e in (args.engines or ",".join(ENGINES)).split(",") if e]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        ap.error(f"--engines: unknown {unknown[0]!r}; choose from {', '.join(ENGINES)}")
 
-    from services.inference.engine.loader import resolve_model
+    from services.inference.engine.loader import default_gguf_path, resolve_model
     from tests.helpers.models import MODEL_CACHE, smollm2_dir
     from tests.helpers.servers import valkey_server
+
+    gguf: Path | None = None
+    if args.model.endswith(".gguf"):
+        gguf = Path(args.model)
+    elif not args.model and args.device == "cpu":
+        gguf = default_gguf_path()
+    llama_ones = [e for e in engines if e.startswith("llamacpp")]
+    missing = "llama-cpp-python is not installed" if not llama_cpp_available() else None
+    missing = missing or ("the model is not a GGUF file" if gguf is None else None)
+    if llama_ones and missing:
+        if args.engines:
+            ap.error(f"--engines {','.join(llama_ones)}: {missing} (pip install -e '.[llamacpp]')")
+        print(f"note: leaving out {', '.join(llama_ones)}: {missing}", flush=True)
+        engines = [e for e in engines if not e.startswith("llamacpp")]
 
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     levels = [
         int(x) for x in (args.concurrency or ("1,4,16" if args.device == "cpu" else "1,16,64")).split(",")
     ]
+    per_level = {c: args.per_stream or (4 if c == 1 else 3 if c <= 4 else 2) for c in levels}
+    # (label, result, reference label); the reference is llama.cpp's single stream when it ran
+    results: list[tuple[str, dict[str, Any], dict[str, Any] | None]] = []
     with tempfile.TemporaryDirectory() as tmp:
         tmpdir = Path(tmp)
         if args.model:
@@ -377,59 +483,114 @@ def main() -> int:
         else:
             model_dir = smollm2_dir()
         print(
-            f"model {model_dir.name} on {args.device} ({dtype}), {args.max_tokens} tokens per request",
+            f"model {model_dir.name} on {args.device} ({dtype}), {args.max_tokens} tokens per request, "
+            f"engines {', '.join(engines)}",
             flush=True,
         )
         if args.variant:
             from benchmarks.inference.variants import compare
 
             return compare(args, model_dir, tmpdir, dtype, levels, extra_env)
-        base_model = Baseline(model_dir, args.device, dtype, args.threads)
-        base_model.run(QUESTIONS[:1], 4)  # warm-up
+        reference: dict[str, Any] | None = None
+        if "llamacpp-raw" in engines:
+            from transformers import AutoTokenizer
+
+            from benchmarks.inference.llamacpp_raw import LlamaCppRaw
+
+            assert gguf is not None
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            files = [("", gguf)]
+            if args.raw_requantize != "none":
+                from services.inference.engine.llamacpp_engine import requantized
+
+                # what the llamacpp engine serves by default: the same file re-quantised
+                kind = args.raw_requantize
+                files.append((f", the file re-quantised to {kind}", requantized(gguf, kind, MODEL_CACHE)))
+            for what, path in files:
+                raw = LlamaCppRaw(path, threads=args.threads or os.cpu_count() or 1, max_seqs=max(levels))
+                raw.run(raw_prompts(tokenizer, 1, 1, 10_000), 4)  # warm-up
+                for c in sorted(levels):
+                    print(f"llama.cpp{what}: {c} streams x {per_level[c]} requests ...", flush=True)
+                    res = raw.run(raw_prompts(tokenizer, c, per_level[c], 20_000 + 100 * c), args.max_tokens)
+                    if c == 1 and reference is None:
+                        reference = res
+                    results.append((f"llama.cpp (llama-cpp-python){what}, {c} streams", res, reference))
+                raw.close()
+        base_model = Baseline(model_dir, args.device, dtype, args.threads) if "generate" in engines else None
+        servers = [e for e in engines if e in ("torch", "llamacpp")]
+        if base_model is not None:
+            base_model.run(QUESTIONS[:1], 4)  # warm-up
+            if reference is not None or not servers:
+                prompts = [unique_question(50_000 + j) for j in range(args.baseline_requests)]
+                print(f"baseline: sequential generate of {len(prompts)} requests ...", flush=True)
+                base = base_model.run(prompts, args.max_tokens)
+                results.append(("transformers generate, sequential", base, reference))
         with valkey_server(tmpdir / "valkey") as redis_url:
             import redis
 
             from services.common.auth import KeyStore
 
             rc = redis.Redis.from_url(redis_url, decode_responses=True)
-            key = KeyStore(rc).create("bench")[0]
-            proc, url = start_server(
-                model_dir,
-                tmpdir / "home",
-                redis_url,
-                args.device,
-                dtype,
-                max(levels),
-                args.prefill_chunk,
-                args.threads,
-                args.prefix_cache_mb,
-                extra_env,
+            key = KeyStore(rc).create("bench", operator=True)[0]
+            adapter = (
+                make_lora(model_dir, tmpdir / "home" / "models" / "bench-lora") if args.lora_half else None
             )
-            try:
-                asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up
-                results = []
-                for i, c in enumerate(levels):
-                    # the baseline runs right before each level: on a shared machine the load
-                    # drifts, so each ratio compares figures taken a minute or so apart
-                    prompts = [unique_question(i * 5 + j) for j in range(args.baseline_requests)]
-                    print(f"baseline: sequential generate of {len(prompts)} requests ...", flush=True)
-                    base = base_model.run(prompts, args.max_tokens)
-                    per = args.per_stream or (4 if c == 1 else 3 if c <= 4 else 2)
-                    print(f"server: {c} concurrent streams x {per} requests ...", flush=True)
-                    results.append((c, base, asyncio.run(load(url, key, "bench", c, per, args.max_tokens))))
-            finally:
-                proc.terminate()
-                proc.wait(30)
+            for engine in servers:
+                env = {**extra_env, "TANDEM_INFERENCE_ENGINE": engine}
+                served = model_dir if engine == "torch" else gguf
+                assert served is not None
+                proc, url = start_server(
+                    served,
+                    tmpdir / "home",
+                    redis_url,
+                    args.device,
+                    dtype,
+                    max(levels),
+                    args.prefill_chunk,
+                    args.threads,
+                    args.prefix_cache_mb,
+                    env,
+                )
+                try:
+                    asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up
+                    # the registry is durable and shared by the servers of this run: a name each
+                    lora = f"bench-lora-{engine}"
+                    if adapter is not None:
+                        load_adapter(url, key, lora, adapter)
+                        asyncio.run(load(url, key, lora, 1, 1, 8))
+                    for i, c in enumerate(levels):
+                        base = reference
+                        if base is None and base_model is not None:
+                            # the baseline runs right before each level: on a shared machine the
+                            # load drifts, so each ratio compares figures taken a minute apart
+                            prompts = [unique_question(i * 5 + j) for j in range(args.baseline_requests)]
+                            print(f"baseline: sequential generate of {len(prompts)} requests ...", flush=True)
+                            base = base_model.run(prompts, args.max_tokens)
+                            results.append((f"transformers generate, sequential (before {c})", base, None))
+                        print(
+                            f"{engine} server: {c} concurrent streams x {per_level[c]} requests ...",
+                            flush=True,
+                        )
+                        res = asyncio.run(load(url, key, "bench", c, per_level[c], args.max_tokens))
+                        results.append((f"tandem {engine} engine, {c} streams", res, base))
+                        if adapter is not None:
+                            models = ["bench", lora] if c > 1 else [lora]
+                            label = "LoRA on half the streams" if c > 1 else "LoRA"
+                            print(f"{engine} server: {c} streams, {label} ...", flush=True)
+                            res = asyncio.run(load(url, key, models, c, per_level[c], args.max_tokens))
+                            results.append((f"tandem {engine} engine, {c} streams, {label}", res, base))
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+    what = "llama.cpp 1 stream" if reference is not None else "generate"
     print()
-    print("| run | requests | tokens | tokens/s | vs generate | TTFT p50 / p95 ms | ITL p50 / p95 ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(row("transformers generate, sequential (all segments)", merge([b for _, b, _ in results]), None))
-    for c, base, res in results:
-        print(row(f"tandem torch engine, {c} streams", res, base["tokens"] / base["wall"]))
-    print()
-    print("each ratio is against the baseline segment run just before that level:")
-    for c, base, _ in results:
-        print(f"  before {c} streams: generate {base['tokens'] / base['wall']:.1f} tokens/s")
+    print(
+        f"| run | requests | tokens | tokens/s | vs {what} | TTFT p50 / p95 ms | TTFT p50 vs {what} | "
+        "ITL p50 / p95 ms |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, res, base in results:
+        print(row(label, res, base))
     return 0
 
 

@@ -25,9 +25,11 @@ class InferenceSettings(ServiceSettings):
         "",
         description="Name clients use in `model`; empty means the folder/file name (SmolLM2-135M-Instruct).",
     )
-    engine: Literal["torch", "vllm", "remote"] = Field(
+    engine: Literal["torch", "vllm", "remote", "llamacpp"] = Field(
         "torch",
-        description="torch (built in), vllm (in process, GPU images) or remote (an OpenAI-compatible server).",
+        description="torch (built in), vllm (in process, GPU images), remote (an OpenAI-compatible server) "
+        "or llamacpp (GGUF models on llama.cpp; needs the llamacpp extra, llama-cpp-python, which has no "
+        "wheel for every platform).",
     )
     remote_url: str = Field(
         "",
@@ -90,7 +92,18 @@ class InferenceSettings(ServiceSettings):
         "already (a model from a Q4_0/Q4_1 GGUF, such as the default one: quantising loses nothing), else none.",
     )
     threads: int = Field(
-        0, ge=0, description="torch intra-op threads for the CPU engine; 0 keeps torch's default."
+        0,
+        ge=0,
+        description="torch intra-op threads for the CPU engine (llama.cpp threads for the llamacpp engine); "
+        "0 keeps torch's default (all cores for llama.cpp).",
+    )
+    llamacpp_requantize: Literal["none", "q8_0", "q4_0"] = Field(
+        "none",
+        description="llamacpp engine: re-quantise the GGUF once at start-up (cached under the models "
+        "cache) to a type llama.cpp's CPU kernels batch well (they do not repack Q4_1, the default "
+        "model's): q8_0 (the file's logits within rounding) or q4_0 (faster, lossy). Both make a "
+        "sequence's numerics depend on its batch (greedy outputs may then differ alone vs in a batch); "
+        "none, the default, serves the file as it is.",
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM engine: GPU memory fraction.")
     max_adapters: int = Field(

@@ -1,4 +1,4 @@
-"""Builds the engine the settings ask for (torch, vllm or remote) and full models registered later."""
+"""Builds the engine the settings ask for (torch, vllm, remote or llamacpp) and full models registered later."""
 
 from __future__ import annotations
 
@@ -50,6 +50,19 @@ def quantize_mode(settings: InferenceSettings, device: Any) -> Quantize:
     return settings.quantize
 
 
+def scheduler_settings(settings: InferenceSettings) -> dict[str, Any]:
+    """The scheduler's settings, alike for every engine that runs it (torch, llamacpp)."""
+    return {
+        "max_batch_size": settings.max_batch_size,
+        "max_queue": settings.max_queue,
+        "tenant_max_queued": settings.tenant_max_queued,
+        "prefill_chunk": settings.prefill_chunk,
+        "admit_window": settings.admit_window_ms / 1000,
+        "max_model_len": settings.max_model_len,
+        "request_timeout": settings.request_timeout,
+    }
+
+
 def build_torch_engine(
     settings: InferenceSettings,
     common: CommonSettings,
@@ -72,18 +85,12 @@ def build_torch_engine(
         name=name,
         device=device,
         dtype=_dtype(settings, common),
-        max_batch_size=settings.max_batch_size,
-        max_queue=settings.max_queue,
-        tenant_max_queued=settings.tenant_max_queued,
-        prefill_chunk=settings.prefill_chunk,
         prefix_cache_mb=settings.prefix_cache_mb,
-        admit_window=settings.admit_window_ms / 1000,
-        max_model_len=settings.max_model_len,
-        request_timeout=settings.request_timeout,
         tokenizer_fallback=tokenizer_fallback,
         num_threads=settings.threads,
         packed_weights=settings.packed_weights,
         quantize=quantize,
+        **scheduler_settings(settings),
     )
 
 
@@ -114,7 +121,36 @@ async def build_engine(settings: InferenceSettings, common: CommonSettings) -> E
             max_lora_rank=settings.max_lora_rank or 64,
             max_loras=min(settings.max_adapters, 64) if settings.max_adapters else 8,
         )
+    if settings.engine == "llamacpp":
+        return await asyncio.to_thread(build_llamacpp_engine, settings, common, name)
     return await asyncio.to_thread(build_torch_engine, settings, common, name, settings.model)
+
+
+def build_llamacpp_engine(settings: InferenceSettings, common: CommonSettings, name: str) -> Engine:
+    """The llama.cpp engine on the GGUF file itself (no de-quantising): the default model's
+    file, or ``TANDEM_INFERENCE_MODEL`` when it names a .gguf file."""
+    from services.inference.engine.llamacpp_engine import LlamaCppEngine, check_gguf, import_llama_cpp
+    from services.inference.engine.loader import default_gguf_path
+
+    if not settings.model or settings.model == DEFAULT_MODEL_NAME:
+        path = default_gguf_path()
+    else:
+        path = Path(settings.model).expanduser()
+        if path.suffix != ".gguf":
+            raise ValueError(
+                f"TANDEM_INFERENCE_ENGINE=llamacpp serves GGUF files; TANDEM_INFERENCE_MODEL={settings.model!r} "
+                "is not a .gguf file"
+            )
+    check_gguf(path)
+    import_llama_cpp()  # a missing module stops start-up with how to install it
+    return LlamaCppEngine(
+        path,
+        name=name,
+        threads=settings.threads,
+        cache_root=cache_root(common),
+        requantize=settings.llamacpp_requantize,
+        **scheduler_settings(settings),
+    )
 
 
 def torch_builder(settings: InferenceSettings, common: CommonSettings) -> Any:

@@ -236,7 +236,7 @@ class ModelRegistry:
 
     def capabilities(self) -> dict[str, Any]:
         kind = self.primary.kind
-        adapters = kind in ("torch", "vllm")
+        adapters = kind in ("torch", "vllm", "llamacpp")
         rank: int | None = None
         if kind == "vllm":
             rank = getattr(self.primary, "max_lora_rank", None)

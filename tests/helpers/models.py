@@ -64,10 +64,17 @@ def make_tiny_llama(
 
 
 def make_lora_adapter(
-    base: Path, target: Path, seed: int, *, r: int = 8, modules: list[str] | None = None
+    base: Path,
+    target: Path,
+    seed: int,
+    *,
+    r: int = 8,
+    modules: list[str] | None = None,
+    b_std: float = 0.3,
 ) -> Path:
-    """A PEFT LoRA adapter for ``base`` whose B matrices are random (not zero), so it changes the
-    model's output: adapters made with different seeds answer differently."""
+    """A PEFT LoRA adapter for ``base`` whose B matrices are random (not zero, standard deviation
+    ``b_std``), so it changes the model's output: adapters made with different seeds answer
+    differently."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -84,7 +91,7 @@ def make_lora_adapter(
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.3)
+                p.normal_(0, b_std)
     peft_model.save_pretrained(target)
     return target
 
