@@ -66,7 +66,9 @@ def top_ids(client: httpx.Client, name: str, query: str) -> list[str]:
     return [h["document_id"] for h in r.json()["results"]]
 
 
-def test_onnx_and_int8_collections_ingest_search_and_match_torch(minilm_env: Path, client: httpx.Client) -> None:
+def test_onnx_and_int8_collections_ingest_search_and_match_torch(
+    minilm_env: Path, client: httpx.Client
+) -> None:
     for name, backend in (("t", None), ("o", "onnx"), ("q", "onnx-int8")):
         info = make(client, name, backend)
         assert info["embedding_backend"] == (backend or "torch")
@@ -117,7 +119,10 @@ def test_default_backend_comes_from_the_setting(
 
 
 def test_without_onnxruntime_a_collection_warns_and_uses_torch(
-    retrieval_env: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, client: httpx.Client
+    retrieval_env: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    client: httpx.Client,
 ) -> None:
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # `import onnxruntime` raises ImportError
     with caplog.at_level(logging.WARNING, logger="tandem.retrieval"):
@@ -162,3 +167,16 @@ def test_export_is_cached_whole_and_reused(
     embedder_mod.get_embedder(model, backend="onnx", cache_root=cache)
     assert onnx_export.exports_made == before + 3
     assert not list(cache.rglob("*.tmp"))
+
+
+def test_onnx_backend_with_a_remote_embedder_is_a_400(tmp_path: Path) -> None:
+    from services.common.errors import InvalidRequest
+    from services.retrieval.config import RetrievalSettings
+    from services.retrieval.core.registry import CollectionManager
+
+    settings = RetrievalSettings(embedder_url="http://127.0.0.1:9")  # type: ignore[call-arg]
+    manager = CollectionManager(tmp_path, settings, [])
+    with pytest.raises(InvalidRequest) as err:
+        manager.create("acme", "r", embedding_backend="onnx")  # refused before the server is asked
+    assert err.value.param == "embedding_backend" and "'onnx'" in str(err.value)
+    manager.close_all()
