@@ -1,6 +1,11 @@
 """Retrieval benchmark: ingestion throughput and query latency against a LangChain baseline.
 
     python -m benchmarks.retrieval [--docs 1000|all] [--queries 300] [--with-fp32]
+    python -m benchmarks.retrieval --backends torch,onnx,onnx-int8 [--docs all] [--repeat 3]
+
+Without ``--backends`` the run ends with the embedding-backend comparison of
+``benchmarks/retrieval/embedding.py`` (torch fp32, ONNX, ONNX int8: documents per second and
+nDCG@10 on the whole of SciFact); with it, that comparison runs alone.
 
 Both sides get the same SciFact documents cut into the same chunks (Tandem's chunker):
 
@@ -55,12 +60,29 @@ def load(docs_arg: str, n_queries: int) -> tuple[list[dict[str, str]], list[str]
 
 
 def main() -> None:
+    from benchmarks.retrieval.embedding import add_arguments
+    from benchmarks.retrieval.embedding import compare_from_args as compare
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--docs", default="1000", help="SciFact documents to ingest, or 'all' (5183)")
+    ap.add_argument(
+        "--docs",
+        help="SciFact documents to ingest, or 'all' (5183); default 1000, and 'all' for --backends",
+    )
     ap.add_argument("--queries", type=int, default=300, help="test queries timed per mode")
     ap.add_argument("--with-fp32", action="store_true", help="also time Tandem with a float32 model")
     ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument(
+        "--backends",
+        help="only compare these embedding backends (e.g. torch,onnx,onnx-int8; first is the baseline)",
+    )
+    add_arguments(ap)
     args = ap.parse_args()
+    if args.backends:
+        figures = compare(args, args.backends, args.docs or "all")
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2))
+        return
+    args.docs = args.docs or "1000"
 
     import torch
 
@@ -151,7 +173,8 @@ def main() -> None:
         b = float(base)
         ratio = ours / b if unit == "chunks/s" else b / ours
         print(f"| {name} | {unit} | {ours:.2f} | {base} | {ratio:.2f}x |")
-    print("\n(query baselines are LangChain's dense similarity_search for every mode)")
+    print("\n(query baselines are LangChain's dense similarity_search for every mode)\n")
+    figures.update(compare(args, "torch,onnx,onnx-int8", "all"))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

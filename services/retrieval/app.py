@@ -35,7 +35,8 @@ class EmbedderWarmup:
     def _run(self, manager: CollectionManager, model: str) -> None:
         try:
             if not manager.settings.embedder_url:  # a remote embedder is fetched on first use
-                manager.embedder_named(model)
+                # With an ONNX default this also makes (or loads) the export before the first create.
+                manager.embedder_named(model, backend=manager.settings.embedding_backend)
         except Exception as exc:
             log.exception("loading the embedding model %s failed", model)
             self.error = f"{type(exc).__name__}: {exc}"

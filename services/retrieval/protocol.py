@@ -10,6 +10,7 @@ from services.common.jobs import JobStatus
 
 SearchMode = Literal["dense", "sparse", "hybrid"]
 IndexKind = Literal["auto", "flat", "hnsw", "ivf"]
+EmbeddingBackendName = Literal["torch", "onnx", "onnx-int8"]
 
 
 class Chunking(BaseModel):
@@ -24,6 +25,12 @@ class CreateCollection(BaseModel):
     embedding_model: str | None = None
     chunking: Chunking | None = None
     index: IndexKind | None = None
+    embedding_backend: EmbeddingBackendName | None = Field(
+        None,
+        description="How the collection's documents and queries are embedded: 'torch', 'onnx' "
+        "(ONNX Runtime fp32) or 'onnx-int8' (dynamic int8, faster on CPU); fixed at creation. "
+        "Default: TANDEM_RETRIEVAL_EMBEDDING_BACKEND.",
+    )
 
 
 class ReindexInfo(BaseModel):
@@ -35,6 +42,7 @@ class ReindexInfo(BaseModel):
 class CollectionInfo(BaseModel):
     name: str
     embedding_model: str
+    embedding_backend: str = "torch"
     dimension: int
     chunking: Chunking
     index: str

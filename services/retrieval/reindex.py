@@ -25,6 +25,7 @@ from services.common.jobs import TERMINAL
 from services.retrieval.core.collection import ChunkedCollection, Collection
 from services.retrieval.core.embedder import Embedder
 from services.retrieval.core.jobs import Dispatch, JobStore, new_job_id
+from services.retrieval.core.onnx_export import EmbeddingBackend
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.core.versions import IndexState, IndexVersion, VersionSuperseded
 from services.retrieval.protocol import ReindexResponse
@@ -54,11 +55,16 @@ def job_busy(jobs: JobStore) -> Callable[[IndexVersion], bool]:
     return busy
 
 
+def backend(col: ChunkedCollection) -> EmbeddingBackend:
+    """The collection's embedding backend: a new version is embedded as its documents were."""
+    return col.config.embedding_backend  # type: ignore[return-value]
+
+
 def start_reindex(
     manager: CollectionManager, jobs: JobStore, tenant: str, name: str, embedder: str, dispatch: Dispatch
 ) -> ReindexResponse:
     col = embedded(manager.get(tenant, name))
-    emb, path = manager.resolve_embedder(tenant, embedder)
+    emb, path = manager.resolve_embedder(tenant, embedder, backend(col))
     active = col.versions().active
     if embedder == active.embedder and path == active.model_path:
         raise InvalidRequest(
@@ -111,7 +117,7 @@ def rollback(manager: CollectionManager, jobs: JobStore, tenant: str, name: str)
             code="reindex_running",
         )
     target = state.previous
-    emb = manager.version_embedder(tenant, target)
+    emb = manager.version_embedder(tenant, target, backend(col))
     stage_all(col, target.version, emb, manager.settings.reindex_batch, lambda _n: None)
     return col.switch_to(target, emb, busy)
 
@@ -139,7 +145,7 @@ def run_reindex(
             )
         target = state.building
         jobs.update(job_id, status="running")
-        embedder = manager.version_embedder(tenant, target)
+        embedder = manager.version_embedder(tenant, target, backend(col))
         done = col.store.staged_count(target.version)
         jobs.update(job_id, chunks_done=done, chunks_total=col.store.counts()[1])
 

@@ -33,6 +33,7 @@ def _info(config: CollectionConfig, stats: dict[str, object] | None = None) -> C
     return CollectionInfo(
         name=config.name,
         embedding_model=config.embedding_model,
+        embedding_backend=config.embedding_backend,
         chunking=Chunking(size=config.chunk_size, overlap=config.chunk_overlap),
         index=config.index,
         created_at=config.created_at,
@@ -45,7 +46,9 @@ def _info(config: CollectionConfig, stats: dict[str, object] | None = None) -> C
     status_code=201,
     response_model=CollectionInfo,
     responses={
-        400: {"description": "invalid name, model or chunking (the message names the field and value)"},
+        400: {
+            "description": "invalid name, model, chunking or embedding_backend (the message names the field and value)"
+        },
         401: {"description": "missing or unknown API key"},
         409: {
             "description": "the collection exists, or the Idempotency-Key was used with a different request"
@@ -66,6 +69,7 @@ async def create_collection(
             chunk_size=body.chunking.size if body.chunking else None,
             chunk_overlap=body.chunking.overlap if body.chunking else None,
             index=body.index,
+            embedding_backend=body.embedding_backend,
         )
         return _info(config, {"documents": 0, "chunks": 0})
 

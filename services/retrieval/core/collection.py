@@ -80,6 +80,9 @@ class CollectionConfig:
     created_at: float
     # Which backend holds the collection (files before this field existed are embedded ones).
     backend: str = "embedded"
+    # How documents and queries are embedded ("torch", "onnx", "onnx-int8"): the one that
+    # embedded the stored vectors, so queries use it too (files before this field: torch).
+    embedding_backend: str = "torch"
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, indent=2).encode()

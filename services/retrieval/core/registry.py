@@ -26,6 +26,7 @@ from services.retrieval.core.collection import (
     SearchOptions,
 )
 from services.retrieval.core.embedder import Embedder, get_embedder, get_http_embedder
+from services.retrieval.core.onnx_export import EmbeddingBackend, QuantConfig
 from services.retrieval.core.reranker import Reranker, get_http_reranker, get_reranker
 from services.retrieval.core.vector_index import IndexParams
 from services.retrieval.core.versions import IndexVersion, check_dim
@@ -58,6 +59,8 @@ class CollectionManager:
     ) -> None:
         self.home = home
         self.base = home / "retrieval"
+        # ONNX exports of local models (written here, never next to an installed package).
+        self.onnx_cache = home / "models" / "onnx"
         self.settings = settings
         self.model_roots = model_roots
         self.service_api_key = service_api_key
@@ -89,17 +92,26 @@ class CollectionManager:
     def model_path(self, name: str) -> Path:
         return resolve_model_path(name, self.model_roots)
 
-    def embedder_for(self, model_path: Path):  # type: ignore[no-untyped-def]
+    def embedder_for(self, model_path: Path, backend: EmbeddingBackend = "torch"):  # type: ignore[no-untyped-def]
+        s = self.settings
         return get_embedder(
             model_path,
-            batch_size=self.settings.embedding_batch_size,
-            dtype=self.settings.embedding_dtype,
-            workers=self.settings.embedding_workers,
+            batch_size=s.embedding_batch_size,
+            dtype=s.embedding_dtype,
+            workers=s.embedding_workers,
+            backend=backend,
+            cache_root=self.onnx_cache,
+            quant=QuantConfig(
+                per_channel=s.onnx_int8_per_channel, fp32_ffn_output=s.onnx_int8_fp32_ffn_output
+            ),
         )
 
-    def embedder_named(self, model: str, model_path: str | None = None) -> tuple[Embedder, str]:
+    def embedder_named(
+        self, model: str, model_path: str | None = None, backend: EmbeddingBackend = "torch"
+    ) -> tuple[Embedder, str]:
         """The embedder of ``model`` (a collection's ``embedding_model``) and the path to record:
-        the embedding server's when TANDEM_RETRIEVAL_EMBEDDER_URL is set, else the local model."""
+        the embedding server's when TANDEM_RETRIEVAL_EMBEDDER_URL is set, else the local model
+        run by ``backend`` (torch when the ONNX packages are missing: see ``embedding_backend``)."""
         s = self.settings
         if s.embedder_url:
             key = s.embedder_api_key or self.service_api_key
@@ -111,9 +123,11 @@ class CollectionManager:
             path = Path(model_path)
         else:
             path = self.model_path(model)
-        return self.embedder_for(path), str(path)
+        return self.embedder_for(path, backend), str(path)
 
-    def resolve_embedder(self, tenant: str, name: str) -> tuple[Embedder, str]:
+    def resolve_embedder(
+        self, tenant: str, name: str, backend: EmbeddingBackend = "torch"
+    ) -> tuple[Embedder, str]:
         """The embedder a client names (``PATCH /v1/collections/{name}``'s ``embedder``) and
         the path to record: one of the tenant's fine-tuned embedders (``ft-emb-...``, published
         under ``$TANDEM_HOME/models/embedders/<tenant>/``; another tenant's is not found), or a
@@ -127,11 +141,11 @@ class CollectionManager:
                     code="embedder_not_found",
                 )
             folder, manifest = found
-            emb = self.embedder_for(folder)
+            emb = self.embedder_for(folder, backend)
             check_dim(name, emb.dim, manifest.dim, "its manifest (tandem_embedder.json)")
             return emb, str(folder)
         try:
-            return self.embedder_named(name)
+            return self.embedder_named(name, backend=backend)
         except (InvalidRequest, OSError) as exc:  # OSError: a name no file system could hold
             why = exc.message if isinstance(exc, InvalidRequest) else (exc.strerror or str(exc))
             raise InvalidRequest(
@@ -140,12 +154,15 @@ class CollectionManager:
                 code="embedder_not_found",
             ) from None
 
-    def version_embedder(self, tenant: str, version: IndexVersion) -> Embedder:
-        """The embedder of an index version, checked against the dimension it was built with."""
+    def version_embedder(
+        self, tenant: str, version: IndexVersion, backend: EmbeddingBackend = "torch"
+    ) -> Embedder:
+        """The embedder of an index version (run by the collection's ``backend``), checked
+        against the dimension it was built with."""
         if is_embedder_name(version.embedder):
-            emb, _ = self.resolve_embedder(tenant, version.embedder)
+            emb, _ = self.resolve_embedder(tenant, version.embedder, backend)
         else:
-            emb, _ = self.embedder_named(version.embedder, version.model_path)
+            emb, _ = self.embedder_named(version.embedder, version.model_path, backend)
         check_dim(version.embedder, emb.dim, version.dim, f"index version {version.version}")
         return emb
 
@@ -168,12 +185,21 @@ class CollectionManager:
         chunk_size: int | None = None,
         chunk_overlap: int | None = None,
         index: str | None = None,
+        embedding_backend: EmbeddingBackend | None = None,
     ) -> CollectionConfig:
         validate_name(name)
         if self.backend.exists(tenant, name):
             raise Conflict(f"collection {name!r} already exists", param="name", code="collection_exists")
         model = embedding_model or self.settings.embedding_model
-        embedder, model_path = self.embedder_named(model)
+        if self.settings.embedder_url and embedding_backend not in (None, "torch"):
+            raise InvalidRequest(
+                f"embedding_backend {embedding_backend!r} needs the model in this service, but it "
+                "embeds through TANDEM_RETRIEVAL_EMBEDDER_URL",
+                param="embedding_backend",
+            )
+        embedder, model_path = self.embedder_named(
+            model, backend=embedding_backend or self.settings.embedding_backend
+        )
         size = chunk_size or self.settings.chunk_size
         overlap = self.settings.chunk_overlap if chunk_overlap is None else chunk_overlap
         if overlap >= size:
@@ -191,6 +217,8 @@ class CollectionManager:
             index=index or self.settings.index,
             created_at=time.time(),
             backend=self.backend.name,
+            # What actually embeds (torch when the ONNX packages are missing), not what was asked.
+            embedding_backend=getattr(embedder, "backend", "torch"),
         )
         self.backend.create(tenant, config)
         return config
@@ -210,7 +238,11 @@ class CollectionManager:
             if col is not None:  # deleted by another process
                 self._open.pop(key).close(checkpoint=False)
             config = self.config(tenant, name)
-            embedder, _ = self.embedder_named(config.embedding_model, config.model_path)
+            embedder, _ = self.embedder_named(
+                config.embedding_model,
+                config.model_path,
+                config.embedding_backend,  # type: ignore[arg-type]
+            )
             if embedder.dim != config.dim:
                 # Another model now answers to this name (here or on the embedding server):
                 # its vectors would not fit the collection's index.
@@ -226,7 +258,12 @@ class CollectionManager:
                 embedder,
                 self.options(config.index),
                 self.reranker(),
-                embedders=functools.partial(self.version_embedder, tenant),
+                # every version of the collection runs on its backend (torch, onnx, onnx-int8)
+                embedders=functools.partial(
+                    self.version_embedder,
+                    tenant,
+                    backend=config.embedding_backend,  # type: ignore[arg-type]
+                ),
             )
             col = self.backend.open(tenant, parts)
             self._open[key] = col
