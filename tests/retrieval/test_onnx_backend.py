@@ -180,3 +180,17 @@ def test_onnx_backend_with_a_remote_embedder_is_a_400(tmp_path: Path) -> None:
         manager.create("acme", "r", embedding_backend="onnx")  # refused before the server is asked
     assert err.value.param == "embedding_backend" and "'onnx'" in str(err.value)
     manager.close_all()
+
+
+def test_every_index_version_of_a_collection_runs_on_its_backend(
+    minilm_env: Path, client: httpx.Client
+) -> None:
+    # a reindex (PATCH embedder) or a rollback embeds with the collection's backend: an int8
+    # collection's new version must not be embedded by torch while its config says onnx-int8
+    make(client, "q", "onnx-int8")
+    mgr, tenant = manager(client), "acme"  # the api_key fixture's tenant
+    col = mgr.get(tenant, "q")
+    assert col.embedder.backend == "onnx-int8"
+    assert col.embedders(col.versions().active).backend == "onnx-int8"
+    emb, _ = mgr.resolve_embedder(tenant, "all-MiniLM-L6-v2", "onnx-int8")
+    assert emb.backend == "onnx-int8"
