@@ -314,3 +314,58 @@ def test_embedder_job_through_a_real_worker_publishes(
     hit = find_embedder(tandem_env, "acme", embedder_name(jid))
     assert hit is not None and json.loads((hit[0] / "tandem_training.json").read_text())["dim"] == 32
     assert done["metrics"]["eval_ndcg@10_after"] > done["metrics"]["eval_ndcg@10_before"]
+
+
+def test_eval_retrieval_compares_embedders(
+    tiny_st: Path, tandem_env: Path, api_key: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``tandem eval retrieval --embedder A --embedder B``: one collection per embedder, the
+    same queries through each, the figures of both (a fine-tune ranks its queries better)."""
+    from typer.testing import CliRunner
+
+    from services.cli.main import app as cli
+    from services.retrieval.app import create_app as retrieval_app
+
+    models = tandem_env / "models"
+    trained = models / "tiny-trained"
+    recipe = EmbedderRecipe(config(tiny_st, None))
+    assert run(recipe) == "succeeded"
+    recipe.save_final(trained)
+    beir = tmp_path / "tinyset"
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "corpus.jsonl").write_text(
+        "".join(json.dumps({"_id": f"d{i}", "text": p["positive"]}) + "\n" for i, p in enumerate(PAIRS))
+    )
+    (beir / "queries.jsonl").write_text(
+        "".join(json.dumps({"_id": f"q{i}", "text": p["query"]}) + "\n" for i, p in enumerate(PAIRS))
+    )
+    (beir / "qrels" / "test.tsv").write_text(
+        "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(len(PAIRS)))
+    )
+    monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{tiny_st.parent}:{models}")
+    monkeypatch.setenv("TANDEM_RETRIEVAL_EMBEDDING_MODEL", str(tiny_st))
+    out = tmp_path / "figures.json"
+    with serve_app(retrieval_app()) as url:
+        args = [
+            "eval",
+            "retrieval",
+            "--beir",
+            str(beir),
+            "--mode",
+            "dense",
+            "--url",
+            url,
+            "--api-key",
+            api_key,
+        ]
+        args += ["--embedder", str(tiny_st), "--embedder", str(trained), "--json", str(out)]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+        names = {
+            c["name"] for c in httpx.get(f"{url}/v1/collections", headers=auth(api_key)).json()["collections"]
+        }
+    assert names == {"beir-tinyset-tiny-embedder", "beir-tinyset-tiny-trained"}
+    figures = {f["embedder"]: f for f in json.loads(out.read_text())}
+    assert set(figures) == {str(tiny_st), str(trained)}
+    assert all(f["queries"] == len(PAIRS) for f in figures.values())
+    assert figures[str(trained)]["ndcg10"] > figures[str(tiny_st)]["ndcg10"]
