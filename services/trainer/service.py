@@ -140,21 +140,28 @@ def create_job(st: TrainerState, tenant: str, spec: JobCreate, key: str = "") ->
         # the job trains the parent adapter further: record the rank it really has
         spec = spec.model_copy(update={"lora": spec.lora.model_copy(update={"r": lineage.parent_rank})})
     check_publishable(st.common, spec, spec.lora.r if spec.lora else None)
+    return _queue(st, tenant, spec, resolved.model_path, f"{len(resolved.records)} rows")
+
+
+def _queue(
+    st: TrainerState,
+    tenant: str,
+    spec: JobCreate,
+    model_path: Path,
+    what: str,
+    extra: dict[str, str] | None = None,
+) -> JobRecord:
+    """Record the checked job and put it on its queue."""
     job_id = new_id("ftjob")
     queue = spec.queue or st.settings.default_queue
-    st.store.create_job(
-        tenant,
-        job_id,
-        {
-            "type": spec.type,
-            "spec": spec.model_dump_json(),
-            "queue": queue,
-            "model_path": str(resolved.model_path),
-        },
-    )
-    st.store.log(
-        job_id, f"queued on {queue!r}: {len(resolved.records)} rows, base model {resolved.model_path}"
-    )
+    fields = {
+        "type": spec.type,
+        "spec": spec.model_dump_json(),
+        "queue": queue,
+        "model_path": str(model_path),
+    }
+    st.store.create_job(tenant, job_id, {**fields, **(extra or {})})
+    st.store.log(job_id, f"queued on {queue!r}: {what}, base model {model_path}")
     st.dispatch(job_id, queue)
     return st.store.record(job_id)
 
@@ -176,26 +183,10 @@ def _create_embedder_job(
         spec = spec.model_copy(update={"dataset": snapshot})
     elif snapshot:
         extra["collection_file"] = snapshot
-    job_id = new_id("ftjob")
-    queue = spec.queue or st.settings.default_queue
-    st.store.create_job(
-        tenant,
-        job_id,
-        {
-            "type": spec.type,
-            "spec": spec.model_dump_json(),
-            "queue": queue,
-            "model_path": str(resolved.model_path),
-            **extra,
-        },
-    )
     held = len(resolved.eval_records or [])
-    st.store.log(
-        job_id,
-        f"queued on {queue!r}: {len(resolved.records)} pairs ({held} held out), base model {resolved.model_path}",
+    return _queue(
+        st, tenant, spec, resolved.model_path, f"{len(resolved.records)} pairs ({held} held out)", extra
     )
-    st.dispatch(job_id, queue)
-    return st.store.record(job_id)
 
 
 def store_upload(st: TrainerState, tenant: str, src: BinaryIO, name: str) -> dict[str, Any]:

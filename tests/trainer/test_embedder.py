@@ -29,7 +29,7 @@ from tests.conftest import TEST_CACHE, auth
 from tests.helpers.servers import celery_worker, serve_app
 from tests.retrieval.conftest import make_tiny_embedder
 from tests.trainer.conftest import jsonl
-from tests.trainer.test_api import Harness, upload
+from tests.trainer.test_api import Harness, serving, upload
 from tests.trainer.test_recipes import CancelAfter, KillAt
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -177,10 +177,8 @@ def test_embedder_cancel_stops_within_one_step(tiny_st: Path) -> None:
 # ---- through the API
 @pytest.fixture()
 def harness(tandem_env: Path, tiny_st: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
-    monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{tiny_st.parent}:{tandem_env / 'models'}")
-    app = create_app(CommonSettings(), TrainerSettings(heartbeat_interval_s=0.2, stale_after_s=10.0))
-    with serve_app(app) as base:
-        yield Harness(base, app)
+    with serving(tiny_st, tandem_env, monkeypatch) as h:
+        yield h
 
 
 def post_job(h: Harness, key: str, body: dict[str, Any]) -> httpx.Response:

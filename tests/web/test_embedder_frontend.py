@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.web.test_frontend import BASE_ROUTES, double_api, serve_site, sign_in
-from tests.web.test_loop_frontend import MODELS, body_of, chat_double
+from tests.web.test_frontend import serve_site, sign_in
+from tests.web.test_loop_frontend import chat_double, double_training_api, eval_rows
 
 
 @pytest.fixture(scope="module")
@@ -21,50 +21,23 @@ def site() -> Iterator[str]:
 
 
 def test_embedder_job_shows_retrieval_figures_and_starts_from_a_collection(page: Any, site: str) -> None:
-    job = {
-        "id": "ftjob-e1",
-        "type": "embedder",
-        "base_model": "all-MiniLM-L6-v2",
-        "status": "succeeded",
-        "progress": {"step": 40, "total": 40},
-        "fine_tuned_model": "ft-emb-e1",
-        "published": True,
-        "metrics": {
-            "loss": 0.4,
-            "eval_ndcg@10_before": 0.6521,
-            "eval_ndcg@10_after": 0.7013,
-            "eval_recall@100_before": 0.91,
-            "eval_recall@100_after": 0.94,
-        },
+    figures = {"ndcg@10": (0.6521, 0.7013), "recall@100": (0.91, 0.94)}
+    metrics = {
+        f"eval_{k}_{phase}": v[n] for k, v in figures.items() for n, phase in enumerate(("before", "after"))
     }
-    posted: list[Any] = []
-
-    def create(req: Any) -> tuple[int, Any]:
-        posted.append(body_of(req))
-        return 201, {**job, "id": "ftjob-new", "status": "queued"}
-
-    double_api(
-        page,
-        {
-            **BASE_ROUTES,
-            r"GET /api/trainer/v1/jobs": lambda r: (200, {"data": [job]}),
-            r"GET /api/trainer/v1/jobs/ftjob-e1": lambda r: (200, job),
-            r"GET /api/trainer/v1/jobs/ftjob-new": lambda r: (200, {**job, "id": "ftjob-new"}),
-            r"GET /api/trainer/v1/jobs/[\w-]+/metrics": lambda r: (200, {"data": [{"step": 1, "loss": 0.9}]}),
-            r"GET /api/trainer/v1/files": lambda r: (200, {"data": []}),
-            r"POST /api/trainer/v1/jobs": create,
-            r"GET /api/inference/v1/models": lambda r: (200, MODELS),
-        },
+    job = dict(
+        id="ftjob-e1",
+        type="embedder",
+        base_model="all-MiniLM-L6-v2",
+        status="succeeded",
+        progress={"step": 40, "total": 40},
+        fine_tuned_model="ft-emb-e1",
+        published=True,
+        metrics={"loss": 0.4, **metrics},
     )
+    posted = double_training_api(page, [job], [], {**job, "id": "ftjob-new"})
     sign_in(page, site)
-    page.goto(f"{site}/#/training/ftjob-e1")
-    table = page.locator("#eval-metrics .eval-table")
-    table.wait_for()
-    rows = {
-        r.get_attribute("data-metric"): [r.locator(c).inner_text() for c in (".before", ".after", ".trend")]
-        for r in table.locator("tbody tr").all()
-    }
-    assert rows == {
+    assert eval_rows(page, f"{site}/#/training/ftjob-e1") == {
         "ndcg@10": ["0.6521", "0.7013", "better"],
         "recall@100": ["91.0%", "94.0%", "better"],
     }
