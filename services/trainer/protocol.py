@@ -188,7 +188,9 @@ class JobCreate(Strict):
             raise ValueError(f"a {self.type} job needs 'dataset' (a file id from POST /v1/files)")
         if self.collection is not None:
             raise ValueError(f"'collection' only applies to embedder jobs, not {self.type}")
-        wrong = [k for k in EMBEDDER_ONLY if k in self.hyperparameters.model_fields_set]
+        # by value, not by fields set: a stored spec, read back, has every field set
+        hp = self.hyperparameters
+        wrong = [k for k in EMBEDDER_ONLY if getattr(hp, k) != Hyperparameters.model_fields[k].default]
         if wrong:
             raise ValueError(f"hyperparameters.{wrong[0]} only applies to embedder jobs, not {self.type}")
         return self

@@ -207,6 +207,8 @@ def test_embedder_job_publishes_for_its_tenant_only(
         assert needle in resp.json()["error"]["message"], (needle, resp.json())
         if param:
             assert resp.json()["error"]["param"] == param
+    knob = post_job(harness, api_key, {**body, "type": "sft", "hyperparameters": {"loss": "cached_mnrl"}})
+    assert knob.status_code == 400 and "only applies to embedder jobs" in knob.json()["error"]["message"]
     sft = post_job(harness, api_key, {**body, "type": "sft", "base_model": "x"})
     assert sft.status_code == 400 and "suits embedder jobs, not sft" in sft.json()["error"]["message"]
     assert harness.dispatched == []
