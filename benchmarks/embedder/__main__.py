@@ -14,7 +14,11 @@ Runs (each from all-MiniLM-L6-v2, the job's defaults: MNRL, batch 32, lr 2e-5, 1
 
 - ``supervised``: the training queries' qrels as pairs (a ``beir`` dataset), plus the corpus's
   title -> abstract pairs (no labels), as a job with both ``dataset`` and ``collection`` trains;
+- ``labelled``: the training queries' qrels alone;
 - ``corpus``: title -> abstract pairs alone (``collection`` mode: no labels at all).
+
+``--skip-base`` leaves out the base model's evaluation (one pass over the corpus) when it is
+known from an earlier run of the same split.
 
 ``--title-pairs N`` trains on the title pairs of N documents only (the first N by id order after
 a seeded shuffle) when the full corpus would take too long on a loaded machine.
@@ -79,6 +83,7 @@ def main() -> None:
     ap.add_argument("--title-pairs", default="all", help="documents whose title pair trains, or 'all'")
     ap.add_argument("--max-seq-length", type=int, default=None, help="training and eval tokens per text")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--skip-base", action="store_true", help="do not evaluate the base model")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
 
@@ -129,11 +134,12 @@ def main() -> None:
         return r
 
     figures: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-    t0 = time.perf_counter()
-    base = recipe(train.pairs).run_eval()
-    figures["base"] = base | {"eval_s": time.perf_counter() - t0}
-    print(f"base: {base} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    runs = {"supervised": train.pairs + titles, "corpus": titles}
+    if not args.skip_base:
+        t0 = time.perf_counter()
+        base = recipe(train.pairs).run_eval()
+        figures["base"] = base | {"eval_s": time.perf_counter() - t0}
+        print(f"base: {base} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    runs = {"supervised": train.pairs + titles, "labelled": train.pairs, "corpus": titles}
     for name in args.runs.split(","):
         t0 = time.perf_counter()
         r = recipe(runs[name])
