@@ -83,6 +83,13 @@ def main() -> None:
     ap.add_argument("--title-pairs", default="all", help="documents whose title pair trains, or 'all'")
     ap.add_argument("--max-seq-length", type=int, default=None, help="training and eval tokens per text")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--corpus-sample",
+        type=int,
+        default=0,
+        help="rank against the held-out queries' relevant documents plus this many others (seeded) "
+        "instead of the whole corpus: a quicker, easier, not comparable figure (0: whole corpus)",
+    )
     ap.add_argument("--skip-base", action="store_true", help="do not evaluate the base model")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
@@ -102,11 +109,18 @@ def main() -> None:
     test = parsed(beir_rows(args.beir, held_out))
     docs = [json.loads(line) for line in (args.beir / "corpus.jsonl").open() if line.strip()]
     random.Random(0).shuffle(docs)
+    corpus = test.corpus
+    if args.corpus_sample:
+        relevant = {p["corpus_id"] for p in test.pairs}
+        others = sorted(set(corpus) - relevant)
+        random.Random(1).shuffle(others)
+        keep = relevant | set(others[: args.corpus_sample])
+        corpus = {cid: text for cid, text in corpus.items() if cid in keep}
     if args.title_pairs != "all":
         docs = docs[: int(args.title_pairs)]
     titles = title_pairs([(d.get("title") or "", d["text"]) for d in docs])
     print(
-        f"SciFact: {len(test.corpus)} documents; {len({p['query'] for p in train.pairs})} training queries "
+        f"SciFact: {len(corpus)} of {len(test.corpus)} documents ranked; {len({p['query'] for p in train.pairs})} training queries "
         f"({len(train.pairs)} pairs), {len({p['query'] for p in test.pairs})} held-out queries; "
         f"{len(titles)} title pairs; torch threads {torch.get_num_threads()}"
     )
@@ -127,7 +141,7 @@ def main() -> None:
             records=records,
             eval_records=test.pairs,
             hp=hp,
-            corpus=test.corpus,
+            corpus=corpus,
         )
         r = EmbedderRecipe(cfg, hooks=NullHooks())
         r.setup()
