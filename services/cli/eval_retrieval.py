@@ -5,9 +5,10 @@ every test query is searched in each mode, and the ranking (chunks collapsed to 
 documents, best first) is scored against ``qrels/test.tsv``: nDCG@10, Recall@100, MRR@10.
 
 ``--embedder NAME_OR_PATH`` (repeatable) compares embedders: one collection per embedder
-(``beir-<folder>-<embedder>``) created with it as its ``embedding_model`` (a fine-tuned
-``ft-emb-...`` name, or a model folder under the service's model roots), the same queries
-through each, one table. ``--queries FILE`` keeps only the query ids listed in FILE (one a
+(``beir-<folder>-<embedder>``): a model folder under the service's model roots (or a base
+model name) is its ``embedding_model``; a fine-tuned ``ft-emb-...`` is switched to with
+``PATCH /v1/collections/{name}`` while the collection is empty. The same queries go through
+each, one table. ``--queries FILE`` keeps only the query ids listed in FILE (one a
 line): the held-out half of a fine-tune's split, say.
 """
 
@@ -125,11 +126,31 @@ class RetrievalClient:
             self._check(self.http.delete(f"/v1/collections/{name}"))
         elif r.status_code == 200:
             return int(r.json().get("documents") or 0)
+        from services.common.embedders import is_embedder_name
+
         body: dict[str, str] = {"name": name}
-        if embedder:
+        fine_tuned = bool(embedder) and is_embedder_name(embedder or "")
+        if embedder and not fine_tuned:
             body["embedding_model"] = embedder
         self._check(self.http.post("/v1/collections", json=body))
+        if fine_tuned:
+            # a tenant's fine-tuned embedder is reached by switching to it (PATCH), here while
+            # the collection is still empty, so the switch is quick and ingestion embeds with it
+            job = self._check(self.http.patch(f"/v1/collections/{name}", json={"embedder": embedder})).json()
+            self.wait_job(str(job["job_id"]))
         return 0
+
+    def wait_job(self, job_id: str, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self._check(self.http.get(f"/v1/jobs/{job_id}")).json()
+            if job.get("status") == "succeeded":
+                return
+            if job.get("status") == "failed" or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"job {job_id} did not succeed: {job.get('status')} {job.get('error') or ''}"
+                )
+            time.sleep(0.5)  # polled: the job's own events stream would need an SSE client here
 
     def ingest(self, name: str, docs: list[dict[str, object]]) -> dict[str, object]:
         return dict(
