@@ -3,6 +3,13 @@
 The corpus is ingested over the HTTP API (``POST /v1/collections/{name}/documents``),
 every test query is searched in each mode, and the ranking (chunks collapsed to their
 documents, best first) is scored against ``qrels/test.tsv``: nDCG@10, Recall@100, MRR@10.
+
+``--embedder NAME_OR_PATH`` (repeatable) compares embedders: one collection per embedder
+(``beir-<folder>-<embedder>``): a model folder under the service's model roots (or a base
+model name) is its ``embedding_model``; a fine-tuned ``ft-emb-...`` is switched to with
+``PATCH /v1/collections/{name}`` while the collection is empty. The same queries go through
+each, one table. ``--queries FILE`` keeps only the query ids listed in FILE (one a
+line): the held-out half of a fine-tune's split, say.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -110,15 +118,39 @@ class RetrievalClient:
             raise RuntimeError(f"{r.request.method} {r.request.url.path} -> {r.status_code}: {msg}")
         return r
 
-    def ensure_collection(self, name: str, recreate: bool) -> int:
-        """Creates the collection (dropping an old one if ``recreate``); returns its document count."""
+    def ensure_collection(self, name: str, recreate: bool, embedder: str | None = None) -> int:
+        """Creates the collection (dropping an old one if ``recreate``), with ``embedder`` as its
+        embedding model when given; returns its document count."""
         r = self.http.get(f"/v1/collections/{name}")
         if r.status_code == 200 and recreate:
             self._check(self.http.delete(f"/v1/collections/{name}"))
         elif r.status_code == 200:
             return int(r.json().get("documents") or 0)
-        self._check(self.http.post("/v1/collections", json={"name": name}))
+        from services.common.embedders import is_embedder_name
+
+        body: dict[str, str] = {"name": name}
+        fine_tuned = bool(embedder) and is_embedder_name(embedder or "")
+        if embedder and not fine_tuned:
+            body["embedding_model"] = embedder
+        self._check(self.http.post("/v1/collections", json=body))
+        if fine_tuned:
+            # a tenant's fine-tuned embedder is reached by switching to it (PATCH), here while
+            # the collection is still empty, so the switch is quick and ingestion embeds with it
+            job = self._check(self.http.patch(f"/v1/collections/{name}", json={"embedder": embedder})).json()
+            self.wait_job(str(job["job_id"]))
         return 0
+
+    def wait_job(self, job_id: str, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self._check(self.http.get(f"/v1/jobs/{job_id}")).json()
+            if job.get("status") == "succeeded":
+                return
+            if job.get("status") == "failed" or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"job {job_id} did not succeed: {job.get('status')} {job.get('error') or ''}"
+                )
+            time.sleep(0.5)  # polled: the job's own events stream would need an SSE client here
 
     def ingest(self, name: str, docs: list[dict[str, object]]) -> dict[str, object]:
         return dict(
@@ -206,8 +238,18 @@ def retrieval_command(
     batch: int = typer.Option(128, "--batch", help="Documents per ingestion request."),
     top_k: int = typer.Option(100, "--top-k", help="Results fetched per query (Recall@100 needs 100)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the figures as JSON here."),
+    embedders: list[str] = typer.Option(
+        [],
+        "--embedder",
+        help="Embedder to compare (repeatable): a fine-tuned ft-emb-... name or a model folder; "
+        "each gets its own collection. Default: the service's embedding model.",
+    ),
+    only_queries: Path | None = typer.Option(
+        None, "--queries", help="File of query ids (one a line) to evaluate; default: every test query."
+    ),
 ) -> None:
-    """Run a BEIR data set through the retrieval service: nDCG@10, Recall@100 and MRR@10 per mode."""
+    """Run a BEIR data set through the retrieval service: nDCG@10, Recall@100 and MRR@10 per mode
+    (per embedder with --embedder)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -221,7 +263,9 @@ def retrieval_command(
         raise typer.Exit(2)
     try:
         data = load_beir(beir)
-    except FileNotFoundError as exc:
+        if only_queries is not None:
+            data = keep_queries(data, only_queries.read_text().split())
+    except (FileNotFoundError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     common = load_settings(CommonSettings, check_unknown=False)
@@ -232,33 +276,38 @@ def retrieval_command(
             console.print(f"[red]error:[/] no --api-key and no key file at {key_file}; run `tandem up` first")
             raise typer.Exit(2)
         key = key_file.read_text().strip()
-    name = collection or f"beir-{beir.resolve().name}"[:64]
+    base_name = collection or f"beir-{beir.resolve().name}"
     client = RetrievalClient(url or common.url_of("retrieval"), key)
+    results: list[tuple[str, ModeScores]] = []
     try:
-        have = client.ensure_collection(name, recreate=not reuse)
-        if not have:
-            t0 = time.perf_counter()
-            docs = chunks = 0
-            for part in corpus_batches(data.corpus, batch):
-                res = client.ingest(name, part)
-                docs += len(part)
-                chunks += int(res.get("chunks_added", 0)) + int(res.get("chunks_unchanged", 0))  # type: ignore[call-overload]
-                console.print(f"  ingested {docs} documents ({chunks} chunks)", end="\r")
-            dt = time.perf_counter() - t0
-            console.print(
-                f"ingested {docs} documents, {chunks} chunks in {dt:.1f}s ({chunks / dt:.1f} chunks/s)"
-            )
-        scores = evaluate(client, name, data, modes, top_k)
+        choices: list[str | None] = [*embedders] or [None]
+        for embedder in choices:
+            name = collection_name(base_name, embedder)
+            have = client.ensure_collection(name, recreate=not reuse, embedder=embedder)
+            if not have:
+                t0 = time.perf_counter()
+                docs = chunks = 0
+                for part in corpus_batches(data.corpus, batch):
+                    res = client.ingest(name, part)
+                    docs += len(part)
+                    chunks += int(res.get("chunks_added", 0)) + int(res.get("chunks_unchanged", 0))  # type: ignore[call-overload]
+                    console.print(f"  ingested {docs} documents ({chunks} chunks)", end="\r")
+                dt = time.perf_counter() - t0
+                console.print(
+                    f"{name}: ingested {docs} documents, {chunks} chunks in {dt:.1f}s ({chunks / dt:.1f} chunks/s)"
+                )
+            results += [(embedder or "(default)", s) for s in evaluate(client, name, data, modes, top_k)]
     except (RuntimeError, httpx.HTTPError) as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None
     finally:
         client.close()
-    table = Table(title=f"{beir.name}: {len(data.queries)} queries, collection {name}")
-    for col in ("mode", "nDCG@10", "Recall@100", "MRR@10", "p50 ms", "p95 ms"):
-        table.add_column(col, justify="right" if col != "mode" else "left")
-    for s in scores:
+    table = Table(title=f"{beir.name}: {len(data.queries)} queries, collection {base_name}")
+    for col in ("embedder", "mode", "nDCG@10", "Recall@100", "MRR@10", "p50 ms", "p95 ms"):
+        table.add_column(col, justify="right" if col not in ("mode", "embedder") else "left")
+    for embedder, s in results:
         table.add_row(
+            embedder,
             s.mode,
             f"{s.ndcg10:.4f}",
             f"{s.recall100:.4f}",
@@ -268,4 +317,21 @@ def retrieval_command(
         )
     console.print(table)
     if json_out:
-        json_out.write_text(json.dumps([s.__dict__ for s in scores], indent=2))
+        json_out.write_text(json.dumps([{"embedder": e, **s.__dict__} for e, s in results], indent=2))
+
+
+def collection_name(base: str, embedder: str | None) -> str:
+    """``base`` for the service's default model, ``base-<embedder>`` (a safe slug, at most 64
+    characters) for another, so each embedder's collection is its own."""
+    if not embedder:
+        return base[:64]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(embedder).name).strip("-.") or "embedder"
+    return f"{base[: 63 - min(len(slug), 40)]}-{slug[:40]}"
+
+
+def keep_queries(data: BeirSet, ids: list[str]) -> BeirSet:
+    wanted = set(ids)
+    unknown = sorted(wanted - set(data.queries))
+    if unknown:
+        raise ValueError(f"--queries names {len(unknown)} query id(s) without qrels, e.g. {unknown[0]!r}")
+    return BeirSet(data.corpus, {q: t for q, t in data.queries.items() if q in wanted}, data.qrels)

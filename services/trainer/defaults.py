@@ -41,6 +41,8 @@ TYPE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "ppo": {"lora": {"learning_rate": 1e-4}, "full": {"learning_rate": 1e-5}},
     "grpo": {"lora": {"learning_rate": 1e-4}, "full": {"learning_rate": 1e-5}},
+    # sentence-transformers' usual MNRL fine-tune: the batch is the pool of in-batch negatives
+    "embedder": {"full": {"learning_rate": 2e-5, "n_epochs": 1, "batch_size": 32, "warmup_steps": 10}},
 }
 
 

@@ -31,6 +31,7 @@ KIND_OF: dict[str, Kind] = {
     "kto": "kto",
     "ppo": "rl",
     "grpo": "rl",
+    "embedder": "embedder",
 }
 PAD_MULTIPLE = 64  # packs are padded to a multiple of this (kernel block friendly); counted as padding
 
@@ -305,7 +306,8 @@ def check_lengths(
 
 
 def prompt_key(rec: dict[str, Any]) -> str:
-    return json.dumps(rec.get("prompt", rec.get("messages")), sort_keys=True)
+    # an embedder pair's query plays the prompt: a held-out query is never trained on
+    return json.dumps(rec.get("prompt", rec.get("messages", rec.get("query"))), sort_keys=True)
 
 
 def split_eval(
@@ -343,6 +345,90 @@ class ResolvedJob:
     capacity: int
     reward: Any
     lineage: Lineage | None = None
+    corpus: dict[str, str] | None = None  # embedder jobs: what held-out queries are ranked against
+
+
+def resolve_embedder_base(name: str, common: CommonSettings, owner: JobOwner | None) -> Path:
+    """The sentence-transformers folder an embedder job starts from: all-MiniLM-L6-v2 (the
+    packaged one), one of the owner's published embedders (``ft-emb-...``), or a folder under
+    the allowed model roots that is neither another tenant's embedder nor its job weights."""
+    from services.common.embedders import embedders_root, find_embedder, is_embedder_name
+    from services.common.embedding_models import DEFAULT_ALIASES, resolve_model_path
+
+    if is_embedder_name(name):
+        hit = find_embedder(common.home_dir, owner.tenant, name) if owner is not None else None
+        if hit is None:
+            raise NotFound(f"base_model {name!r}: no such embedder among yours", param="base_model")
+        return hit[0]
+    if name in DEFAULT_ALIASES:
+        return resolve_model_path(name, common.allowed_model_roots, param="base_model")
+    check_own_artifact(name, common, owner, "base_model")
+    path = resolve_under_roots(name, common.allowed_model_roots, param="base_model")
+    root = embedders_root(common.home_dir).resolve()
+    if path.is_relative_to(root):
+        parts = path.relative_to(root).parts
+        if owner is None or not parts or parts[0] != owner.tenant:
+            raise NotFound(f"base_model {name!r}: no such embedder among yours", param="base_model")
+    return resolve_model_path(str(path), common.allowed_model_roots, param="base_model")
+
+
+def _embedder_dim(path: Path) -> int | None:
+    """The embedding size a model folder declares (its pooling, else its hidden size)."""
+    for f, key in (
+        (path / "1_Pooling" / "config.json", "word_embedding_dimension"),
+        (path / "config.json", "hidden_size"),
+    ):
+        try:
+            value = json.loads(f.read_text()).get(key)
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def validate_embedder_job(
+    spec: JobCreate,
+    dataset_path: Path | None,
+    eval_path: Path | None,
+    common: CommonSettings,
+    owner: JobOwner | None,
+    collection_path: Path | None = None,
+) -> ResolvedJob:
+    """An embedder job's pairs (its file, its collection's snapshot, or both), held-out
+    pairs and corpus, and base model."""
+    from services.trainer.data.pairs import EmbedderData, embedder_data
+
+    if spec.resources is not None:
+        raise InvalidRequest(
+            "resources: embedder jobs run in one process (a sentence-transformers encoder trains in minutes "
+            "on one device); leave 'resources' out",
+            param="resources",
+        )
+    parts: list[EmbedderData] = []
+    for path, param in ((dataset_path, "dataset"), (collection_path, "collection")):
+        if path is not None:
+            parts.append(embedder_data(load_records(path, "embedder", param=param)))
+    pairs = [p for part in parts for p in part.pairs]
+    corpus = {cid: text for part in parts for cid, text in part.corpus.items()}
+    eval_records = None
+    if eval_path is not None:
+        held = embedder_data(load_records(eval_path, "embedder", param="eval_dataset"))
+        eval_records = held.pairs
+        corpus.update(held.corpus)
+    elif spec.eval_fraction is not None:
+        pairs, eval_records = split_eval(pairs, spec.eval_fraction, spec.hyperparameters.seed)
+    if not pairs:
+        raise InvalidRequest("dataset: no training pairs (no qrel with a score above 0)", param="dataset")
+    model_path = resolve_embedder_base(spec.base_model, common, owner)
+    dims = spec.hyperparameters.matryoshka_dims
+    dim = _embedder_dim(model_path)
+    if dims and dim is not None and max(dims) > dim:
+        raise InvalidRequest(
+            f"hyperparameters.matryoshka_dims {dims}: {max(dims)} is more than the model's {dim} dimensions",
+            param="hyperparameters.matryoshka_dims",
+        )
+    return ResolvedJob(model_path, pairs, eval_records, 0, None, corpus=corpus)
 
 
 def validate_job(

@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from services.common.jobs import TERMINAL as TERMINAL
 from services.common.jobs import JobStatus as JobStatus
 
-JobType = Literal["sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo"]
+JobType = Literal["sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "embedder"]
+EmbedderLoss = Literal["mnrl", "cached_mnrl"]
 DpoLossType = Literal["sigmoid", "ipo", "hinge"]
 PREFERENCE_TYPES: tuple[str, ...] = ("dpo", "simpo", "orpo", "kto")  # jobs with held-out accuracy/margin
 
@@ -67,6 +68,29 @@ class Hyperparameters(Strict):
     gamma: float = Field(1.0, gt=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
     ppo_epochs: int = Field(1, ge=1, le=16)
+    # embedder jobs (sentence-transformers losses; batch_size is the in-batch negatives' pool)
+    loss: EmbedderLoss = Field(
+        "mnrl",
+        description="embedder jobs: mnrl (MultipleNegativesRankingLoss) or cached_mnrl (its GradCache "
+        "variant: large batches in mini_batch_size pieces of memory)",
+    )
+    mini_batch_size: int = Field(32, ge=1, le=4096, description="embedder jobs with loss cached_mnrl")
+    matryoshka_dims: list[int] | None = Field(
+        None,
+        min_length=1,
+        max_length=16,
+        description="embedder jobs: also train these truncated dimensions (MatryoshkaLoss), e.g. [384, 128, 64]",
+    )
+    max_seq_length: int | None = Field(
+        None, ge=8, le=8192, description="embedder jobs: tokens read per text (default: the model's own)"
+    )
+
+    @field_validator("matryoshka_dims")
+    @classmethod
+    def _dims(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(d < 1 for d in value):
+            raise ValueError("matryoshka_dims must be positive dimensions")
+        return value
 
 
 class RewardSpec(Strict):
@@ -99,10 +123,24 @@ class ResourcesSpec(Strict):
         return self.nodes * self.procs_per_node
 
 
+EMBEDDER_ONLY = ("loss", "mini_batch_size", "matryoshka_dims", "max_seq_length")
+
+
 class JobCreate(Strict):
     type: JobType
     base_model: str = Field(min_length=1)
-    dataset: str = Field(min_length=1, description="file id from POST /v1/files")
+    dataset: str | None = Field(
+        None,
+        min_length=1,
+        description="file id from POST /v1/files (an embedder job may name a 'collection' instead)",
+    )
+    collection: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="embedder jobs: a retrieval collection of yours whose titles and headings are paired "
+        "with their passages (no labels needed); with 'dataset' too, both sets of pairs train",
+    )
     eval_dataset: str | None = None
     lora: LoraSpec | None = None
     packing: bool = True
@@ -134,6 +172,27 @@ class JobCreate(Strict):
             )
         if self.type not in ("ppo", "grpo") and self.reward is not None:
             raise ValueError(f"'reward' only applies to ppo and grpo jobs, not {self.type}")
+        return self
+
+    @model_validator(mode="after")
+    def _embedder_fields(self) -> JobCreate:
+        if self.type == "embedder":
+            if self.dataset is None and self.collection is None:
+                raise ValueError(
+                    "an embedder job needs 'dataset' (pairs or beir rows), 'collection', or both"
+                )
+            if self.lora is not None:
+                raise ValueError("'lora' does not apply to embedder jobs (they fine-tune the whole encoder)")
+            return self
+        if self.dataset is None:
+            raise ValueError(f"a {self.type} job needs 'dataset' (a file id from POST /v1/files)")
+        if self.collection is not None:
+            raise ValueError(f"'collection' only applies to embedder jobs, not {self.type}")
+        # by value, not by fields set: a stored spec, read back, has every field set
+        hp = self.hyperparameters
+        wrong = [k for k in EMBEDDER_ONLY if getattr(hp, k) != Hyperparameters.model_fields[k].default]
+        if wrong:
+            raise ValueError(f"hyperparameters.{wrong[0]} only applies to embedder jobs, not {self.type}")
         return self
 
     @model_validator(mode="after")
@@ -190,8 +249,9 @@ class Job(BaseModel):
     type: JobType
     status: JobStatus
     base_model: str
-    dataset: str
+    dataset: str  # an embedder job from a collection alone: the file its pairs were snapshotted to
     eval_dataset: str | None = None
+    collection: str | None = None
     queue: str
     progress: Progress
     metrics: dict[str, float] = Field(default_factory=dict)

@@ -14,6 +14,7 @@ what it can serve, so a job it could not serve is refused before it trains.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,7 @@ def capabilities(common: CommonSettings, timeout: float = 10.0) -> dict[str, Any
 
 def check_publishable(common: CommonSettings, spec: JobCreate, lora_rank: int | None) -> None:
     """Refuse (400) a ``publish: true`` job the inference engine could not serve."""
-    if not spec.publish:
+    if not spec.publish or spec.type == "embedder":  # embedders are published to retrieval's models folder
         return
     caps = capabilities(common)
     engine = caps.get("engine", "?")
@@ -153,3 +154,29 @@ def check_publishable(common: CommonSettings, spec: JobCreate, lora_rank: int | 
             "train a LoRA adapter instead, or publish: false",
             param="publish",
         )
+
+
+def publish_embedder_job(
+    common: CommonSettings, tenant: str, job_id: str, spec: JobCreate, path: Path
+) -> str:
+    """An embedder job's model folder, published as the tenant's ``ft-emb-<job>`` with its
+    dimension and held-out figures in the manifest (``ndcg@10_before``, ``ndcg@10``, ...):
+    the retrieval service finds it there by name when a collection switches to it."""
+    from services.common.embedders import EmbedderManifest, embedder_name, publish_embedder
+
+    info = json.loads((path / "tandem_training.json").read_text())
+    metrics = {}
+    for key, value in (info.get("final_metrics") or {}).items():
+        # eval_ndcg@10_before -> ndcg@10_before, eval_ndcg@10_after -> ndcg@10
+        if key.startswith("eval_") and isinstance(value, int | float):
+            metrics[key.removeprefix("eval_").removesuffix("_after")] = float(value)
+    manifest = EmbedderManifest(
+        name=embedder_name(job_id),
+        tenant=tenant,
+        base_model=spec.base_model,
+        dim=int(info["dim"]),
+        job_id=job_id,
+        metrics=metrics,
+    )
+    publish_embedder(common.home_dir, path, manifest)
+    return manifest.name

@@ -31,7 +31,7 @@ from pathlib import Path
 from services.common.config import CommonSettings
 from services.common.leases import Heartbeat
 from services.trainer.config import TrainerSettings
-from services.trainer.jobspec import PAD_MULTIPLE, JobOwner, validate_job
+from services.trainer.jobspec import PAD_MULTIPLE, JobOwner, ResolvedJob, validate_embedder_job, validate_job
 from services.trainer.protocol import TERMINAL, JobCreate
 from services.trainer.recipes.base import Recipe, TrainConfig, run
 from services.trainer.store import TrainerStore
@@ -93,6 +93,7 @@ class JobHooks:
 
 def recipe_for(kind: str) -> type[Recipe]:
     from services.trainer.recipes.dpo import DPORecipe
+    from services.trainer.recipes.embedder import EmbedderRecipe
     from services.trainer.recipes.kto import KTORecipe
     from services.trainer.recipes.rl import GRPORecipe, PPORecipe
     from services.trainer.recipes.sft import SFTRecipe
@@ -105,6 +106,7 @@ def recipe_for(kind: str) -> type[Recipe]:
         "kto": KTORecipe,
         "ppo": PPORecipe,
         "grpo": GRPORecipe,
+        "embedder": EmbedderRecipe,
     }[kind]
 
 
@@ -173,14 +175,7 @@ def _train(
     tenant = data["tenant"]
     try:
         spec = JobCreate.model_validate_json(data["spec"])
-        resolved = validate_job(
-            spec,
-            dataset_path(common, tenant, spec.dataset),
-            dataset_path(common, tenant, spec.eval_dataset) if spec.eval_dataset else None,
-            common,
-            settings,
-            JobOwner(tenant, store),
-        )
+        resolved = _resolve(spec, data, common, settings, JobOwner(tenant, store))
         reward = resolved.reward
         if isinstance(reward, Path):
             from services.trainer.rewards import RewardModel
@@ -202,6 +197,7 @@ def _train(
             keep_checkpoints=settings.keep_checkpoints,
             work_dir=work,
             init_adapter=resolved.lineage.init_adapter if resolved.lineage else None,
+            corpus=resolved.corpus,
         )
         out = artifact_dir(common, job_id)
         tmp = out.with_name(out.name + ".tmp")
@@ -236,7 +232,13 @@ def _train(
         os.replace(tmp, out)
         store.log(job_id, f"saved {'adapter' if spec.lora else 'model'} to {out}")
         name = None
-        if spec.publish and publish is not None:
+        if spec.publish and spec.type == "embedder":
+            # a file copy under $TANDEM_HOME/models/embedders/<tenant>/: no service to call
+            from services.trainer.publish import publish_embedder_job
+
+            name = publish_embedder_job(common, tenant, job_id, spec, out)
+            store.log(job_id, f"published as {name!r}")
+        elif spec.publish and publish is not None:
             name = publish(job_id, spec, out)
             store.log(job_id, f"published as {name!r}")
         store.set_status(
@@ -254,6 +256,25 @@ def _train(
         store.log(job_id, "failed:\n" + traceback.format_exc(limit=8), level="error")
         store.set_status(job_id, "failed", error=f"{type(exc).__name__}: {message}")
         return "failed"
+
+
+def _resolve(
+    spec: JobCreate, data: dict[str, str], common: CommonSettings, settings: TrainerSettings, owner: JobOwner
+) -> ResolvedJob:
+    tenant = owner.tenant
+    eval_path = dataset_path(common, tenant, spec.eval_dataset) if spec.eval_dataset else None
+    assert spec.dataset is not None  # filled in at submission (a collection's snapshot)
+    if spec.type == "embedder":
+        snapshot = data.get("collection_file")
+        return validate_embedder_job(
+            spec,
+            dataset_path(common, tenant, spec.dataset),
+            eval_path,
+            common,
+            owner,
+            dataset_path(common, tenant, snapshot) if snapshot else None,
+        )
+    return validate_job(spec, dataset_path(common, tenant, spec.dataset), eval_path, common, settings, owner)
 
 
 def recover_orphans(store: TrainerStore, settings: TrainerSettings, dispatch: Dispatch) -> list[str]:

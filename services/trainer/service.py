@@ -6,6 +6,7 @@ checked here too.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -15,12 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import httpx
+
 from services.common.config import CommonSettings
-from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
+from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from services.common.quota import check_quota
+from services.common.replicas import replica_pool, request_sync
+from services.common.upstream import UpstreamReply
 from services.trainer.config import TrainerSettings
 from services.trainer.data.formats import DatasetError, parse_dataset
-from services.trainer.jobspec import KIND_OF, JobOwner, check_own_artifact, validate_job
+from services.trainer.jobspec import (
+    KIND_OF,
+    JobOwner,
+    check_own_artifact,
+    validate_embedder_job,
+    validate_job,
+)
 from services.trainer.protocol import Artifact, JobCreate
 from services.trainer.publish import check_publishable
 from services.trainer.runner import artifact_dir, dataset_path, job_dir
@@ -35,7 +46,7 @@ class TrainerState:
     dispatch: Callable[[str, str], None]  # (job_id, queue): put the job on a Celery queue
 
 
-def check_files(st: TrainerState, tenant: str, spec: JobCreate) -> tuple[Path, Path | None]:
+def check_files(st: TrainerState, tenant: str, spec: JobCreate) -> tuple[Path | None, Path | None]:
     kind = KIND_OF[spec.type]
     paths: list[Path | None] = []
     for param, fid in (("dataset", spec.dataset), ("eval_dataset", spec.eval_dataset)):
@@ -50,14 +61,76 @@ def check_files(st: TrainerState, tenant: str, spec: JobCreate) -> tuple[Path, P
                 param=param,
             )
         paths.append(dataset_path(st.common, tenant, fid))
-    assert paths[0] is not None
     return paths[0], paths[1]
 
 
-def create_job(st: TrainerState, tenant: str, spec: JobCreate) -> JobRecord:
+def _retrieval(st: TrainerState, key: str, path: str, param: str) -> dict[str, Any]:
+    pool = replica_pool([st.common.url_of("retrieval")], "retrieval")
+    try:
+        resp = request_sync(pool, "GET", path, headers={"Authorization": f"Bearer {key}"}, timeout=60.0)
+    except httpx.HTTPError as exc:
+        raise ServiceUnavailable(
+            f"{param}: the retrieval service at {', '.join(pool.urls)} is unreachable ({exc})", param=param
+        ) from None
+    if resp.status_code == 404:
+        raise NotFound(f"{param}: {UpstreamReply.of('retrieval', resp).message}", param=param)
+    if resp.status_code >= 400:
+        reply = UpstreamReply.of("retrieval", resp)
+        raise ServiceUnavailable(
+            f"{param}: the retrieval service answered {resp.status_code}: {reply.message}", param=param
+        )
+    data: dict[str, Any] = resp.json()
+    return data
+
+
+def snapshot_collection(st: TrainerState, tenant: str, key: str, name: str) -> str:
+    """The label-free pairs of collection ``name`` (titles and headings with their passages),
+    saved as one of the tenant's dataset files; its id.
+
+    The documents are read over the retrieval service's API with the caller's own key, so the
+    retrieval service decides what the caller may read (another tenant's collection is its
+    404), and the job trains on this fixed snapshot: a resumed job sees the same pairs however
+    the collection has changed meanwhile."""
+    from urllib.parse import quote
+
+    from services.trainer.data.pairs import title_pairs
+
+    base = f"/v1/collections/{quote(name, safe='')}/documents"
+    docs: list[tuple[str, str]] = []
+    offset: int | None = 0
+    while offset is not None:
+        page = _retrieval(st, key, f"{base}?limit=1000&offset={offset}", "collection")
+        for doc in page["documents"]:
+            text = doc.get("text")
+            if text is None:  # the listing leaves the text out: one read per document
+                text = _retrieval(st, key, f"{base}/{quote(str(doc['id']), safe='')}", "collection")["text"]
+            docs.append((str(doc.get("title") or ""), str(text or "")))
+            if len(docs) > st.settings.max_dataset_rows:
+                raise InvalidRequest(
+                    f"collection {name!r} has more than {st.settings.max_dataset_rows} documents "
+                    "(TANDEM_TRAINER_MAX_DATASET_ROWS)",
+                    param="collection",
+                )
+        offset = page.get("next_offset")
+    pairs = title_pairs(docs)
+    if len(pairs) < 2:
+        raise InvalidRequest(
+            f"collection {name!r}: {len(docs)} documents give {len(pairs)} title/heading-passage pair(s); "
+            "label-free training needs at least 2 (documents with a title, or Markdown headings)",
+            param="collection",
+        )
+    data = b"".join(json.dumps(p).encode() + b"\n" for p in pairs)
+    record = store_upload(st, tenant, io.BytesIO(data), f"collection-{name}.jsonl")
+    return str(record["id"])
+
+
+def create_job(st: TrainerState, tenant: str, spec: JobCreate, key: str = "") -> JobRecord:
     """Validate everything (files, model, LoRA targets, lengths, reward), then queue the job."""
     dataset, eval_ds = check_files(st, tenant, spec)
     owner = JobOwner(tenant, st.store)
+    if spec.type == "embedder":
+        return _create_embedder_job(st, tenant, spec, key, dataset, eval_ds, owner)
+    assert dataset is not None  # JobCreate requires it for every other type
     if spec.reward is not None and spec.reward.model is not None:
         check_own_artifact(spec.reward.model, st.common, owner, "reward.model")
     resolved = validate_job(spec, dataset, eval_ds, st.common, st.settings, owner)
@@ -67,23 +140,53 @@ def create_job(st: TrainerState, tenant: str, spec: JobCreate) -> JobRecord:
         # the job trains the parent adapter further: record the rank it really has
         spec = spec.model_copy(update={"lora": spec.lora.model_copy(update={"r": lineage.parent_rank})})
     check_publishable(st.common, spec, spec.lora.r if spec.lora else None)
+    return _queue(st, tenant, spec, resolved.model_path, f"{len(resolved.records)} rows")
+
+
+def _queue(
+    st: TrainerState,
+    tenant: str,
+    spec: JobCreate,
+    model_path: Path,
+    what: str,
+    extra: dict[str, str] | None = None,
+) -> JobRecord:
+    """Record the checked job and put it on its queue."""
     job_id = new_id("ftjob")
     queue = spec.queue or st.settings.default_queue
-    st.store.create_job(
-        tenant,
-        job_id,
-        {
-            "type": spec.type,
-            "spec": spec.model_dump_json(),
-            "queue": queue,
-            "model_path": str(resolved.model_path),
-        },
-    )
-    st.store.log(
-        job_id, f"queued on {queue!r}: {len(resolved.records)} rows, base model {resolved.model_path}"
-    )
+    fields = {
+        "type": spec.type,
+        "spec": spec.model_dump_json(),
+        "queue": queue,
+        "model_path": str(model_path),
+    }
+    st.store.create_job(tenant, job_id, {**fields, **(extra or {})})
+    st.store.log(job_id, f"queued on {queue!r}: {what}, base model {model_path}")
     st.dispatch(job_id, queue)
     return st.store.record(job_id)
+
+
+def _create_embedder_job(
+    st: TrainerState,
+    tenant: str,
+    spec: JobCreate,
+    key: str,
+    dataset: Path | None,
+    eval_ds: Path | None,
+    owner: JobOwner,
+) -> JobRecord:
+    snapshot = snapshot_collection(st, tenant, key, spec.collection) if spec.collection else None
+    snap_path = dataset_path(st.common, tenant, snapshot) if snapshot else None
+    resolved = validate_embedder_job(spec, dataset, eval_ds, st.common, owner, snap_path)
+    extra: dict[str, str] = {}
+    if spec.dataset is None:  # a collection alone: its snapshot is the job's dataset
+        spec = spec.model_copy(update={"dataset": snapshot})
+    elif snapshot:
+        extra["collection_file"] = snapshot
+    held = len(resolved.eval_records or [])
+    return _queue(
+        st, tenant, spec, resolved.model_path, f"{len(resolved.records)} pairs ({held} held out)", extra
+    )
 
 
 def store_upload(st: TrainerState, tenant: str, src: BinaryIO, name: str) -> dict[str, Any]:

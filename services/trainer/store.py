@@ -118,6 +118,7 @@ class JobRecord:
             base_model=self.spec["base_model"],
             dataset=self.spec["dataset"],
             eval_dataset=self.spec.get("eval_dataset"),
+            collection=self.spec.get("collection"),
             queue=self.queue,
             progress=Progress(step=self.step, total=self.total),
             metrics=self.metrics,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,23 @@ class Harness:
         return execute(job_id, store=self.st.store, common=self.st.common, settings=self.st.settings)
 
 
-@pytest.fixture()
-def harness(tandem_env: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
-    monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{tiny_model_path.parent}:{tandem_env / 'models'}")
-    common = CommonSettings()
-    settings = TrainerSettings(heartbeat_interval_s=0.2, stale_after_s=10.0)
-    app = create_app(common, settings)
+@contextmanager
+def serving(
+    model: Path, home: Path, monkeypatch: pytest.MonkeyPatch, settings: TrainerSettings | None = None
+) -> Iterator[Harness]:
+    """The trainer API over HTTP, ``model``'s folder and the home's models allowed as roots."""
+    monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{model.parent}:{home / 'models'}")
+    app = create_app(
+        CommonSettings(), settings or TrainerSettings(heartbeat_interval_s=0.2, stale_after_s=10.0)
+    )
     with serve_app(app) as base:
         yield Harness(base, app)
+
+
+@pytest.fixture()
+def harness(tandem_env: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
+    with serving(tiny_model_path, tandem_env, monkeypatch) as h:
+        yield h
 
 
 def upload(h: Harness, key: str, data: bytes, name: str = "train.jsonl") -> httpx.Response:

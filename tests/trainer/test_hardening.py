@@ -12,21 +12,17 @@ import httpx
 import pytest
 
 from services.common.auth import KeyStore
-from services.common.config import CommonSettings
-from services.trainer.app import create_app
 from services.trainer.config import TrainerSettings
 from tests.conftest import auth
-from tests.helpers.servers import serve_app
 from tests.trainer.conftest import jsonl
-from tests.trainer.test_api import ROWS, Harness, job_body, upload
+from tests.trainer.test_api import ROWS, Harness, job_body, serving, upload
 
 
 @pytest.fixture()
 def harness(tandem_env: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
-    monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{tiny_model_path.parent}:{tandem_env / 'models'}")
-    app = create_app(CommonSettings(), TrainerSettings(max_dataset_mb=1, tenant_quota_mb=2))
-    with serve_app(app) as base:
-        yield Harness(base, app)
+    settings = TrainerSettings(max_dataset_mb=1, tenant_quota_mb=2)
+    with serving(tiny_model_path, tandem_env, monkeypatch, settings) as h:
+        yield h
 
 
 def test_deeply_nested_and_nan_rows_are_400s_naming_the_line(harness: Harness, api_key: str) -> None:

@@ -498,6 +498,47 @@ def test_train_on_feedback_shows_a_400_and_a_failed_job(page: Any, site: str) ->
     assert err.inner_text() == ""
 
 
+def double_training_api(
+    page: Any, jobs: list[dict[str, Any]], files: list[dict[str, Any]], created: dict[str, Any]
+) -> list[Any]:
+    """The trainer's API as the training page sees it: ``jobs`` listed and readable, ``files``
+    listed, a POST answered with ``created`` (queued, then readable); returns the POSTed bodies."""
+    posted: list[Any] = []
+
+    def create(req: Any) -> tuple[int, Any]:
+        posted.append(body_of(req))
+        return 201, {**created, "status": "queued"}
+
+    by_id = {j["id"]: j for j in [*jobs, created]}
+    double_api(
+        page,
+        {
+            **BASE_ROUTES,
+            r"GET /api/trainer/v1/jobs": lambda r: (200, {"data": jobs}),
+            r"GET /api/trainer/v1/jobs/[\w-]+/metrics": lambda r: (200, {"data": [{"step": 1, "loss": 0.5}]}),
+            r"GET /api/trainer/v1/jobs/[\w-]+": lambda r: (
+                200,
+                by_id[urlsplit(r.url).path.rsplit("/", 1)[1]],
+            ),
+            r"GET /api/trainer/v1/files": lambda r: (200, {"data": files}),
+            r"POST /api/trainer/v1/jobs": create,
+            r"GET /api/inference/v1/models": lambda r: (200, MODELS),
+        },
+    )
+    return posted
+
+
+def eval_rows(page: Any, url: str) -> dict[str, list[str]]:
+    """The held-out evaluation table of the job page at ``url``: metric -> [before, after, trend]."""
+    page.goto(url)
+    table = page.locator("#eval-metrics .eval-table")
+    table.wait_for()
+    return {
+        r.get_attribute("data-metric"): [r.locator(c).inner_text() for c in (".before", ".after", ".trend")]
+        for r in table.locator("tbody tr").all()
+    }
+
+
 def test_training_page_shows_eval_metrics_beside_the_chart_and_new_job_types(page: Any, site: str) -> None:
     job = {
         "id": "job-e",
@@ -516,48 +557,10 @@ def test_training_page_shows_eval_metrics_beside_the_chart_and_new_job_types(pag
         },
     }
     plain = {**job, "id": "job-p", "type": "sft", "metrics": {"loss": 0.2}}
-    posted: list[Any] = []
-
-    def create(req: Any) -> tuple[int, Any]:
-        posted.append(body_of(req))
-        return 201, {**plain, "id": "job-new", "status": "queued"}
-
-    double_api(
-        page,
-        {
-            **BASE_ROUTES,
-            r"GET /api/trainer/v1/jobs": lambda r: (200, {"data": [job, plain]}),
-            r"GET /api/trainer/v1/jobs/job-e": lambda r: (200, job),
-            r"GET /api/trainer/v1/jobs/job-p": lambda r: (200, plain),
-            r"GET /api/trainer/v1/jobs/job-new": lambda r: (200, {**plain, "id": "job-new"}),
-            r"GET /api/trainer/v1/jobs/[\w-]+/metrics": lambda r: (200, {"data": [{"step": 1, "loss": 0.5}]}),
-            r"GET /api/trainer/v1/files": lambda r: (
-                200,
-                {
-                    "data": [
-                        {
-                            "id": "file-k",
-                            "filename": "fb.jsonl",
-                            "rows": 30,
-                            "format": "kto",
-                            "kinds": ["kto"],
-                        }
-                    ]
-                },
-            ),
-            r"POST /api/trainer/v1/jobs": create,
-            r"GET /api/inference/v1/models": lambda r: (200, MODELS),
-        },
-    )
+    files = [{"id": "file-k", "filename": "fb.jsonl", "rows": 30, "format": "kto", "kinds": ["kto"]}]
+    posted = double_training_api(page, [job, plain], files, {**plain, "id": "job-new"})
     sign_in(page, site)
-    page.goto(f"{site}/#/training/job-e")
-    table = page.locator("#eval-metrics .eval-table")
-    table.wait_for()
-    rows = {
-        r.get_attribute("data-metric"): [r.locator(c).inner_text() for c in (".before", ".after", ".trend")]
-        for r in table.locator("tbody tr").all()
-    }
-    assert rows == {
+    assert eval_rows(page, f"{site}/#/training/job-e") == {
         "loss": ["0.6931", "0.7204", "worse"],
         "accuracy": ["50.0%", "81.3%", "better"],
         "margin": ["0.0000", "0.3311", "better"],

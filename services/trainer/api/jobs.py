@@ -14,7 +14,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from services.common.app_factory import SSE
-from services.common.auth import Principal
+from services.common.auth import Principal, bearer_token
 from services.common.errors import NotFound
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import idempotent
@@ -47,8 +47,11 @@ async def create_job(spec: JobCreate, request: Request, st: TrainerDep, tenant: 
 
     With an ``Idempotency-Key`` header a retry returns the first job instead of queueing a second."""
 
+    # an embedder job from a collection reads its documents with the caller's own key
+    key = bearer_token(request) or ""
+
     async def create() -> tuple[int, Any]:
-        job = await run_in_threadpool(service.create_job, st, tenant, spec)
+        job = await run_in_threadpool(service.create_job, st, tenant, spec, key)
         return 201, job.to_job().model_dump(mode="json")
 
     return await idempotent(request, tenant, create)

@@ -17,7 +17,16 @@ preference    ``prompt``, ``chosen``, ``rejected`` (str or messages) dpo
 kto           ``prompt`` (str or messages), ``completion``, ``label``  kto
 hh-rlhf       ``chosen``, ``rejected`` (whole ``Human:/Assistant:``) dpo
 prompt        ``prompt`` (str or messages), ``answer``?              rl
+pairs         ``query``, ``positive``, ``negatives``? (list of str)  embedder
+beir          corpus ``corpus_id``, ``text``, ``title``?;            embedder
+              query ``query_id``, ``text``;
+              qrel ``query_id``, ``corpus_id``, ``score``? (1)
 ============  =====================================================  ===========
+
+A ``beir`` file is BEIR's corpus, queries and qrels in one JSONL file (rows of the three
+shapes in any order): every qrel with a score above 0 makes a training pair of its query and
+document, and the whole corpus is what held-out queries are ranked against. A qrel naming a
+query or document the file lacks is refused with its line and field.
 
 Normalised records (what the tokenizer side sees):
 
@@ -27,7 +36,9 @@ Normalised records (what the tokenizer side sees):
 - kto: ``{"prompt": [...], "completion": [...], "label": bool}``: the prompt messages,
   the assistant continuation, and whether it is desirable;
 - rl:  ``{"prompt": [...], "answer": str | None}``: the reference answer is what
-  a verifiable reward (GSM8K exact match) checks against.
+  a verifiable reward (GSM8K exact match) checks against;
+- embedder: ``{"query": str, "positive": str, "negatives": [str]}`` (pairs), or a beir row
+  ``{"beir": "doc"|"query"|"qrel", ...}`` that ``services/trainer/data/pairs.py`` resolves.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ from typing import Any, Literal
 
 from services.common import jsonsafe
 
-Kind = Literal["sft", "dpo", "kto", "rl"]
+Kind = Literal["sft", "dpo", "kto", "rl", "embedder"]
 Message = dict[str, str]
 
 FORMAT_KINDS: dict[str, tuple[Kind, ...]] = {
@@ -53,6 +64,8 @@ FORMAT_KINDS: dict[str, tuple[Kind, ...]] = {
     "kto": ("kto",),
     "hh-rlhf": ("dpo",),
     "prompt": ("rl",),
+    "pairs": ("embedder",),
+    "beir": ("embedder",),
 }
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
@@ -84,6 +97,10 @@ class ParsedDataset:
 
 def detect_format(row: dict[str, Any]) -> str | None:
     keys = set(row)
+    if "query" in keys or "positive" in keys:
+        return "pairs"
+    if "query_id" in keys or "corpus_id" in keys:
+        return "beir"
     if "conversations" in keys:
         return "sharegpt"
     if "chosen" in keys or "rejected" in keys:
@@ -297,7 +314,91 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
             "prompt": _prompt_messages(row["prompt"], line),
             "answer": None if answer is None else str(answer),
         }
+    if fmt == "pairs":
+        return _pair_row(row, line)
+    if fmt == "beir":
+        return _beir_row(row, line)
     raise DatasetError(f"unknown format {fmt!r}")
+
+
+def _pair_row(row: dict[str, Any], line: int) -> dict[str, Any]:
+    query = _text(row, "query", line, fmt="pairs")
+    positive = _text(row, "positive", line, fmt="pairs")
+    negatives = row.get("negatives") or []
+    if not isinstance(negatives, list):
+        raise DatasetError("field 'negatives' must be a list of strings", line=line, field="negatives")
+    for i, neg in enumerate(negatives):
+        if not isinstance(neg, str) or not neg.strip():
+            raise DatasetError(
+                f"field 'negatives[{i}]' must be a non-empty string", line=line, field=f"negatives[{i}]"
+            )
+    return {"query": query, "positive": positive, "negatives": list(negatives)}
+
+
+def _beir_id(row: dict[str, Any], key: str, line: int) -> str:
+    value = row[key]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise DatasetError(f"field {key!r} must be a non-empty string or integer", line=line, field=key)
+    return value
+
+
+def _beir_row(row: dict[str, Any], line: int) -> dict[str, Any]:
+    has_q, has_c = "query_id" in row, "corpus_id" in row
+    if has_q and has_c:
+        score = row.get("score", 1)
+        if isinstance(score, bool) or not isinstance(score, int | float):
+            raise DatasetError(f"field 'score' must be a number, got {score!r}", line=line, field="score")
+        return {
+            "beir": "qrel",
+            "query_id": _beir_id(row, "query_id", line),
+            "corpus_id": _beir_id(row, "corpus_id", line),
+            "score": float(score),
+        }
+    if has_c:
+        title = _text(row, "title", line, required=False)
+        return {
+            "beir": "doc",
+            "corpus_id": _beir_id(row, "corpus_id", line),
+            "text": _text(row, "text", line, fmt="beir corpus"),
+            "title": title,
+        }
+    if has_q:
+        return {
+            "beir": "query",
+            "query_id": _beir_id(row, "query_id", line),
+            "text": _text(row, "text", line, fmt="beir query"),
+        }
+    raise DatasetError(
+        "a beir row needs 'corpus_id' (a document), 'query_id' (a query) or both (a qrel)", line=line
+    )
+
+
+def check_beir(records: list[dict[str, Any]]) -> None:
+    """Every qrel must name a query and a document of the file, and some qrel must be positive."""
+    docs = {r["corpus_id"] for r in records if r["beir"] == "doc"}
+    queries = {r["query_id"] for r in records if r["beir"] == "query"}
+    positive = 0
+    for r in records:
+        if r["beir"] != "qrel":
+            continue
+        line = int(r["_line"])
+        if r["query_id"] not in queries:
+            raise DatasetError(
+                f"qrel names query_id {r['query_id']!r}, which no query row of the file has",
+                line=line,
+                field="query_id",
+            )
+        if r["corpus_id"] not in docs:
+            raise DatasetError(
+                f"qrel names corpus_id {r['corpus_id']!r}, which no document row of the file has",
+                line=line,
+                field="corpus_id",
+            )
+        positive += r["score"] > 0
+    if not positive:
+        raise DatasetError("a beir file needs at least one qrel row with a score above 0", field="score")
 
 
 def check_kind(record: dict[str, Any], kind: Kind, line: int) -> None:
@@ -351,7 +452,8 @@ def parse_dataset(
                     if fmt is None:
                         raise DatasetError(
                             "unrecognised row: expected one of the fields messages, conversations, instruction/output, "
-                            f"prompt/completion, question/answer, prompt/chosen/rejected, prompt/completion/label, chosen/rejected (got {sorted(row)})",
+                            f"prompt/completion, question/answer, prompt/chosen/rejected, prompt/completion/label, chosen/rejected, "
+                            f"query/positive, corpus_id/query_id (got {sorted(row)})",
                             line=number,
                         )
                     if kind is not None and kind not in FORMAT_KINDS[fmt]:
@@ -376,6 +478,8 @@ def parse_dataset(
         raise DatasetError(message, line=first.line, field=first.field) from None
     if fmt is None or not records:
         raise DatasetError("the file is empty (no JSON lines)")
+    if fmt == "beir":
+        check_beir(records)
     return ParsedDataset(fmt, FORMAT_KINDS[fmt], records)
 
 

@@ -32,7 +32,7 @@ log = logging.getLogger("tandem.trainer.recipes")
 
 @dataclass
 class TrainConfig:
-    kind: str  # sft | dpo | simpo | orpo | kto | ppo | grpo
+    kind: str  # sft | dpo | simpo | orpo | kto | ppo | grpo | embedder
     model_path: Path
     records: list[dict[str, Any]]
     eval_records: list[dict[str, Any]] | None = None
@@ -51,6 +51,8 @@ class TrainConfig:
     init_adapter: Path | None = None
     # inside torchrun: this rank's services.trainer.distributed.DistContext (None: one process)
     dist: Any = None
+    # embedder jobs: the texts held-out queries are ranked against (id -> text; see data/pairs.py)
+    corpus: dict[str, str] | None = None
 
     @property
     def learning_rate(self) -> float:

@@ -80,6 +80,11 @@ const EVAL_ROWS: { key: string; label: string; better: "lower" | "higher"; perce
   { key: "loss", label: "Loss", better: "lower" },
   { key: "accuracy", label: "Accuracy", better: "higher", percent: true },
   { key: "margin", label: "Margin", better: "higher" },
+  // embedder jobs: the held-out queries ranked against the corpus
+  { key: "ndcg@10", label: "nDCG@10", better: "higher" },
+  { key: "recall@100", label: "Recall@100", better: "higher", percent: true },
+  { key: "recall@10", label: "Recall@10", better: "higher", percent: true },
+  { key: "mrr@10", label: "MRR@10", better: "higher" },
 ];
 
 export function hasEvalMetrics(metrics: Record<string, unknown> | undefined | null): boolean {

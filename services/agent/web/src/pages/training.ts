@@ -29,6 +29,7 @@ interface Job extends JobState {
 }
 
 const DEFAULT_MODEL = "SmolLM2-135M-Instruct";
+const DEFAULT_EMBEDDER = "all-MiniLM-L6-v2";
 
 export { seriesFrom };
 
@@ -62,6 +63,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     h("option", { value: "orpo" }, "ORPO (preference pairs, no reference)"),
     h("option", { value: "grpo" }, "GRPO (reward, no critic)"),
     h("option", { value: "ppo" }, "PPO (reward, actor-critic)"),
+    h("option", { value: "embedder" }, "Embedder (retrieval: query/passage pairs or a collection)"),
   );
   const baseModel = h("input", { type: "text", id: "job-base-model", value: DEFAULT_MODEL, list: "model-names", required: true });
   const modelNames = h("datalist", { id: "model-names" });
@@ -76,8 +78,12 @@ export function trainingPage(root: HTMLElement, args: string[]) {
   const publish = h("input", { type: "checkbox", id: "job-publish", checked: true });
   const evalFraction = h("input", { type: "text", id: "job-eval-fraction", inputmode: "decimal", placeholder: "none (e.g. 0.1)" });
   const reward = h("input", { type: "text", id: "job-reward", placeholder: "e.g. gsm8k_exact_match" });
+  // embedder jobs: a collection's titles and headings paired with their passages (no labels)
+  const collection = h("input", { type: "text", id: "job-collection", placeholder: "none (e.g. docs)" });
   const rewardField = field("Reward function", reward, "A registered reward function name (PPO/GRPO only).");
   rewardField.hidden = true;
+  const collectionField = field("Collection", collection, "Embedder jobs: one of your retrieval collections; its titles and headings train, paired with their passages (with or without a dataset).");
+  collectionField.hidden = true;
   const formErr = h("p", { class: "error", role: "alert" });
   const start = h("button", { type: "submit", class: "primary", id: "job-start" }, "Start training");
   const jobForm = h(
@@ -86,6 +92,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     h("h2", { id: "job-form-title" }, "2. Job"),
     h("div", { class: "grid" }, field("Type", type), field("Base model", baseModel), modelNames, field("Dataset", dataset), field("Epochs", epochs), field("Max steps", maxSteps), field("Learning rate", lr), field("Batch size", batch), field("LoRA rank", loraR), field("Held-out share", evalFraction)),
     rewardField,
+    collectionField,
     h("div", { class: "checks" }, h("label", { class: "check" }, useLora, " LoRA adapter"), h("label", { class: "check" }, packing, " zero-padding packing"), h("label", { class: "check" }, publish, " publish to the inference service when done")),
     formErr,
     start,
@@ -106,6 +113,14 @@ export function trainingPage(root: HTMLElement, args: string[]) {
   type.addEventListener("change", () => {
     rewardField.hidden = !["ppo", "grpo"].includes(type.value);
     reward.required = !rewardField.hidden;
+    const embedder = type.value === "embedder";
+    collectionField.hidden = !embedder;
+    dataset.required = !embedder; // a collection alone will do
+    // an embedder fine-tunes the whole encoder, unpacked; its base is a sentence-transformers model
+    useLora.disabled = packing.disabled = embedder;
+    if (embedder) useLora.checked = false;
+    if (embedder && baseModel.value === DEFAULT_MODEL) baseModel.value = DEFAULT_EMBEDDER;
+    if (!embedder && baseModel.value === DEFAULT_EMBEDDER) baseModel.value = DEFAULT_MODEL;
   });
 
   function fillDatasets(selectId?: string): void {
@@ -144,6 +159,8 @@ export function trainingPage(root: HTMLElement, args: string[]) {
       fillDatasets(obj.id);
       if (obj.kinds?.includes("dpo") && !obj.kinds.includes("sft")) type.value = "dpo";
       if (obj.kinds?.includes("kto") && !obj.kinds.includes("sft")) type.value = "kto";
+      if (obj.kinds?.includes("embedder")) type.value = "embedder";
+      type.dispatchEvent(new Event("change"));
     } catch (exc) {
       upProgress.hidden = true;
       upMsg.className = "small error";
@@ -154,8 +171,10 @@ export function trainingPage(root: HTMLElement, args: string[]) {
   jobForm.addEventListener("submit", async (ev) => {
     ev.preventDefault();
     formErr.textContent = "";
-    if (!dataset.value) {
-      formErr.textContent = "Upload a dataset first.";
+    const embedderJob = type.value === "embedder";
+    const fromCollection = embedderJob ? collection.value.trim() : "";
+    if (!dataset.value && !fromCollection) {
+      formErr.textContent = embedderJob ? "Upload pairs or name a collection first." : "Upload a dataset first.";
       picker.focus();
       return;
     }
@@ -184,12 +203,13 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     const body: Record<string, unknown> = {
       type: type.value,
       base_model: baseModel.value.trim(),
-      dataset: dataset.value,
-      packing: packing.checked,
       publish: publish.checked,
       hyperparameters: hp,
     };
-    if (useLora.checked) body.lora = { r: Number(loraR.value) || 8, alpha: 2 * (Number(loraR.value) || 8) };
+    if (dataset.value) body.dataset = dataset.value;
+    if (fromCollection) body.collection = fromCollection;
+    if (!embedderJob) body.packing = packing.checked;
+    if (useLora.checked && !embedderJob) body.lora = { r: Number(loraR.value) || 8, alpha: 2 * (Number(loraR.value) || 8) };
     if (heldOut !== null) body.eval_fraction = heldOut;
     if (["ppo", "grpo"].includes(type.value)) body.reward = reward.value.trim();
     start.disabled = true;
@@ -309,7 +329,13 @@ export function trainingPage(root: HTMLElement, args: string[]) {
         lastStatus = jobStatus(job);
         void loadJobs();
       }
-      if (!chatShown && job.status === "succeeded" && job.fine_tuned_model) {
+      if (!chatShown && job.status === "succeeded" && job.fine_tuned_model && job.type === "embedder") {
+        // an embedder is not chatted with: a collection switches to it
+        chatShown = true;
+        chatBox.append(
+          h("p", { class: "small", id: "embedder-published" }, `Published as embedder ${job.fine_tuned_model}: switch a collection to it with PATCH /v1/collections/{name} {"embedder": "${job.fine_tuned_model}"}.`),
+        );
+      } else if (!chatShown && job.status === "succeeded" && job.fine_tuned_model) {
         chatShown = true;
         chatBox.append(modelChat(job.fine_tuned_model, Boolean(job.published)));
       }

@@ -1,0 +1,122 @@
+"""Training pairs and held-out retrieval sets of ``embedder`` jobs.
+
+Three sources give ``(query, positive, negatives)`` pairs:
+
+- ``pairs`` files: a row is a pair;
+- ``beir`` files: corpus, queries and qrels in one file; each qrel with a score above 0 is a
+  pair of its query and document (the document's title, when it has one, opens its text, as
+  the retrieval service embeds a chunk with its title), and the corpus is kept;
+- a retrieval collection, with no labels (:func:`title_pairs`): a document's title, and each
+  Markdown heading, is paired with the passage under it.
+
+Held-out evaluation ranks the held-out queries against a corpus: the files' own corpora
+(a beir file's documents) when there are any, else every text the pairs hold (positives and
+negatives, training and held-out alike), so the held-out queries compete with all of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+PASSAGE_CHARS = 4000  # a passage is cut here: the model reads at most max_seq_length tokens of it
+_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
+
+
+@dataclass
+class EmbedderData:
+    """A file's pairs (``{"query", "positive", "negatives", "_line", "corpus_id"?}``) and its own
+    corpus (``corpus_id -> text``; empty for pairs files)."""
+
+    pairs: list[dict[str, Any]]
+    corpus: dict[str, str] = field(default_factory=dict)
+
+
+def doc_text(title: str, text: str) -> str:
+    return f"{title}\n{text}" if title.strip() else text
+
+
+def embedder_data(records: list[dict[str, Any]]) -> EmbedderData:
+    """Pairs of a parsed ``pairs`` or ``beir`` file (its records, already checked)."""
+    if not records or "beir" not in records[0]:
+        return EmbedderData([dict(r) for r in records])
+    docs = {r["corpus_id"]: doc_text(r["title"], r["text"]) for r in records if r["beir"] == "doc"}
+    queries = {r["query_id"]: r["text"] for r in records if r["beir"] == "query"}
+    pairs = [
+        {
+            "query": queries[r["query_id"]],
+            "positive": docs[r["corpus_id"]],
+            "negatives": [],
+            "corpus_id": r["corpus_id"],
+            "query_id": r["query_id"],
+            "_line": r["_line"],
+        }
+        for r in records
+        if r["beir"] == "qrel" and r["score"] > 0
+    ]
+    return EmbedderData(pairs, docs)
+
+
+def title_pairs(documents: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Label-free pairs from ``(title, text)`` documents: the title with the document's text,
+    and each Markdown heading with its section. A heading that several sections share
+    ("Introduction") says nothing about any one of them, and would pair one query with
+    passages that are each other's in-batch negatives: such headings are left out."""
+    candidates: list[tuple[str, str]] = []
+    for title, text in documents:
+        if title.strip() and text.strip():
+            candidates.append((title.strip(), text.strip()[:PASSAGE_CHARS]))
+        heads = list(_HEADING.finditer(text))
+        for i, m in enumerate(heads):
+            end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+            body = text[m.end() : end].strip()
+            if body and m.group(1).strip() != title.strip():
+                candidates.append((m.group(1).strip(), body[:PASSAGE_CHARS]))
+    seen: dict[str, int] = {}
+    for query, _ in candidates:
+        seen[query] = seen.get(query, 0) + 1
+    return [{"query": q, "positive": p, "negatives": []} for q, p in candidates if seen[q] == 1 and q != p]
+
+
+def _cid(text: str) -> str:
+    return "t" + hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class RetrievalSet:
+    """What held-out evaluation ranks: query id -> text, corpus id -> text, query id -> relevant ids."""
+
+    queries: dict[str, str]
+    corpus: dict[str, str]
+    relevant: dict[str, set[str]]
+
+
+def retrieval_set(
+    train: list[dict[str, Any]], held_out: list[dict[str, Any]], corpus: dict[str, str]
+) -> RetrievalSet:
+    """The held-out pairs as a retrieval task over ``corpus`` (the files' own corpora) plus the
+    held-out texts, or, when there is no corpus, over every text of ``train`` and ``held_out``."""
+    docs = dict(corpus)
+    by_text = {text: cid for cid, text in docs.items()}
+
+    def add(text: str) -> str:
+        if text not in by_text:
+            by_text[text] = _cid(text)
+            docs[by_text[text]] = text
+        return by_text[text]
+
+    for rec in [*held_out, *([] if corpus else train)]:
+        add(rec["positive"])
+        for neg in rec.get("negatives") or []:
+            add(neg)
+    queries: dict[str, str] = {}
+    relevant: dict[str, set[str]] = {}
+    qid_of: dict[str, str] = {}
+    for rec in held_out:
+        qid = qid_of.setdefault(rec["query"], f"q{len(qid_of)}")
+        queries[qid] = rec["query"]
+        cid = rec.get("corpus_id")
+        relevant.setdefault(qid, set()).add(cid if cid in docs else by_text[rec["positive"]])
+    return RetrievalSet(queries, docs, relevant)

@@ -1,0 +1,171 @@
+"""Embedder jobs: fine-tune a sentence-transformers encoder on (query, positive, negatives) pairs.
+
+The loss is sentence-transformers' own: ``MultipleNegativesRankingLoss`` (every other positive
+and negative of the batch is a negative of each query), its GradCache variant
+``CachedMultipleNegativesRankingLoss`` (``loss: cached_mnrl``: batches far larger than memory
+holds, embedded in ``mini_batch_size`` pieces), optionally wrapped in ``MatryoshkaLoss``.
+The step loop is the trainer's (``base.run``), not ``SentenceTransformerTrainer``, so an
+embedder job checkpoints, resumes at the exact step, cancels and reports like every other
+job: the loss module is called on the batch's tokenised columns and backpropagated here.
+
+Batches are a pure function of the seed: each epoch a seeded shuffle, cut into batches in
+which no text appears twice (a duplicate would be one query's positive and also its
+in-batch negative, like sentence-transformers' ``NO_DUPLICATES`` sampler).
+
+Held-out evaluation is sentence-transformers' ``InformationRetrievalEvaluator``: the
+held-out queries ranked against the corpus (see ``data/pairs.py``), nDCG@10, Recall@100,
+Recall@10 and MRR@10 by cosine similarity.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.trainer.data.pairs import RetrievalSet, retrieval_set
+from services.trainer.modeling import count_params
+from services.trainer.recipes.base import Recipe, seed_everything
+
+EVAL_METRICS = ("ndcg@10", "recall@100", "recall@10", "mrr@10")
+MAX_NEGATIVES = 4  # hard negatives used per row (every row of a batch must give as many)
+
+
+def batch_schedule(pairs: list[dict[str, Any]], batch_size: int, epochs: int, seed: int) -> list[list[int]]:
+    """Batches of pair indices, every epoch reshuffled (seeded) and no text twice in a batch."""
+    out: list[list[int]] = []
+    for epoch in range(epochs):
+        pending = list(range(len(pairs)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(pending)
+        while pending:
+            batch: list[int] = []
+            texts: set[str] = set()
+            rest: list[int] = []
+            for i in pending:
+                row = pairs[i]
+                mine = {row["query"], row["positive"], *row.get("negatives", [])}
+                if len(batch) < batch_size and not (mine & texts):
+                    batch.append(i)
+                    texts |= mine
+                else:
+                    rest.append(i)
+            out.append(batch)
+            pending = rest
+    return out
+
+
+class EmbedderRecipe(Recipe):
+    def load_model(self, attn: str = "") -> None:
+        from sentence_transformers import SentenceTransformer
+
+        seed_everything(self.hp.seed)
+        model = SentenceTransformer(str(self.cfg.model_path), device=str(self.device))
+        if self.hp.max_seq_length is not None:
+            model.max_seq_length = self.hp.max_seq_length
+        model.train()
+        self.model = model
+        self.tokenizer = model.tokenizer
+        trainable, total = count_params(model)
+        self.hooks.log(
+            f"embedder {self.cfg.model_path.name}: {trainable:,} trainable of {total:,} parameters, "
+            f"{model.get_embedding_dimension()} dimensions, max_seq_length {model.max_seq_length}"
+        )
+
+    def _loss(self) -> torch.nn.Module:
+        from sentence_transformers.sentence_transformer import losses
+
+        hp = self.hp
+        loss: torch.nn.Module
+        if hp.loss == "cached_mnrl":
+            loss = losses.CachedMultipleNegativesRankingLoss(self.model, mini_batch_size=hp.mini_batch_size)
+        else:
+            loss = losses.MultipleNegativesRankingLoss(self.model)
+        if hp.matryoshka_dims:
+            loss = losses.MatryoshkaLoss(self.model, loss, hp.matryoshka_dims)
+        return loss
+
+    def setup(self) -> None:
+        self.load_model()
+        self.pairs = self.cfg.records
+        self.schedule = batch_schedule(self.pairs, self.hp.batch_size, self.hp.n_epochs, self.hp.seed)
+        self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
+        self.loss_fn = self._loss()
+        self.retrieval: RetrievalSet | None = (
+            retrieval_set(self.pairs, self.cfg.eval_records, self.cfg.corpus or {})
+            if self.cfg.eval_records
+            else None
+        )
+        self.make_optimizer()
+        self.hooks.log(
+            f"{len(self.pairs)} pairs, batches of {self.hp.batch_size} ({self.hp.loss}), "
+            f"{self.total_steps} steps"
+            + (
+                f"; held out: {len(self.retrieval.queries)} queries over {len(self.retrieval.corpus)} texts"
+                if self.retrieval
+                else ""
+            )
+        )
+
+    def _features(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        feats = self.model.preprocess(texts)
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in feats.items()}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        rows = [self.pairs[i] for i in self.schedule[step - 1]]
+        k = min(MAX_NEGATIVES, *(len(r.get("negatives") or []) for r in rows))
+        columns = [[r["query"] for r in rows], [r["positive"] for r in rows]]
+        columns += [[r["negatives"][j] for r in rows] for j in range(k)]
+        features = [self._features(col) for col in columns]
+        with self.autocast():
+            loss = self.loss_fn(features, None)
+        loss.backward()
+        real = sum(int(f["attention_mask"].sum()) for f in features)
+        processed = sum(int(f["attention_mask"].numel()) for f in features)
+        return self.finish_step(t0, float(loss.detach()), real, processed, {"batch_size": float(len(rows))})
+
+    def evaluate(self) -> dict[str, float]:
+        from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+        rs = self.retrieval
+        if rs is None:
+            return {}
+        queries: dict[str, Any] = dict(rs.queries)  # the evaluator takes any modality's inputs
+        corpus: dict[str, Any] = dict(rs.corpus)
+        evaluator = InformationRetrievalEvaluator(
+            queries,
+            corpus,
+            rs.relevant,
+            mrr_at_k=[10],
+            ndcg_at_k=[10],
+            accuracy_at_k=[1],
+            precision_recall_at_k=[10, 100],
+            map_at_k=[100],
+            batch_size=64,
+            write_csv=False,
+        )
+        scores = evaluator(self.model)
+        # keys are "<name>_<score function>_<metric>": the model's similarity (cosine)
+        return {m: float(v) for key, v in scores.items() for m in EVAL_METRICS if key.endswith("_" + m)}
+
+    def save_final(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save(str(out))
+        (out / "tandem_training.json").write_text(
+            json.dumps(
+                {
+                    "type": self.cfg.kind,
+                    "base_model": str(self.cfg.model_path),
+                    "dim": self.model.get_embedding_dimension(),
+                    "hyperparameters": self.hp.model_dump(),
+                    "steps": self.total_steps,
+                    "pairs": len(self.pairs),
+                    "final_metrics": self.last_metrics,
+                },
+                indent=2,
+            )
+        )
