@@ -167,9 +167,9 @@ class Supervisor:
 def backoff_of(maximum: float | None) -> Backoff:
     """The backoff with ``maximum`` when given, else TANDEM_SUPERVISE_BACKOFF_MAX_S's."""
     if maximum is None:
-        from services.common.config import CommonSettings
+        from services.common.config import CommonSettings, load_settings
 
-        maximum = CommonSettings().supervise_backoff_max_s
+        maximum = load_settings(CommonSettings, check_unknown=False).supervise_backoff_max_s
     return Backoff(maximum=maximum)
 
 

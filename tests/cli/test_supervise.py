@@ -13,6 +13,7 @@ import pytest
 
 from services.cli.stack import pid_alive
 from services.cli.supervise import Backoff, Child, Supervisor, backoff_of, read_state
+from services.common.config import SettingsError
 from tests.helpers.waiting import wait_until
 
 
@@ -33,7 +34,7 @@ def test_the_longest_backoff_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> No
     assert backoff_of(None).maximum == 2.5
     assert backoff_of(7.0).maximum == 7.0  # --backoff-max wins
     monkeypatch.setenv("TANDEM_SUPERVISE_BACKOFF_MAX_S", "-1")
-    with pytest.raises(ValueError, match="supervise_backoff_max_s"):
+    with pytest.raises(SettingsError, match="SUPERVISE_BACKOFF_MAX_S"):
         backoff_of(None)
 
 
