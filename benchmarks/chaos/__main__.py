@@ -78,8 +78,9 @@ class Report:
 
 
 class Chaos:
-    def __init__(self, stack: Stack, rng: random.Random, wait_s: float) -> None:
+    def __init__(self, stack: Stack, rng: random.Random, wait_s: float, train_model: str = "served") -> None:
         self.stack = stack
+        self.train_model = train_model
         self.rng = rng
         self.wait_s = wait_s
         self.http = httpx.Client(headers={"Authorization": f"Bearer {stack.key}"}, timeout=120)
@@ -243,14 +244,23 @@ class Chaos:
             self._dataset = self.http.post(
                 f"{trainer}/v1/files", files={"file": ("chaos.jsonl", data)}
             ).json()["id"]
-            self._model = self.http.get(f"{self.stack.url('inference')}/v1/models").json()["data"][0]["id"]
+            if self.train_model == "tiny":
+                from tests.helpers.models import make_tiny_llama
+
+                self._model = str(make_tiny_llama(self.stack.home / "models" / "chaos-tiny"))
+            else:
+                self._model = self.http.get(f"{self.stack.url('inference')}/v1/models").json()["data"][0][
+                    "id"
+                ]
+        # a tiny model's step takes milliseconds: more steps, and the kill waits for a random one
+        steps = 40 if self.train_model == "tiny" else 8
         body = {
             "type": "sft",
             "base_model": self._model,
             "dataset": self._dataset,
             "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
             "max_tokens_per_pack": 256,
-            "hyperparameters": {"n_epochs": 4, "max_steps": 8, "checkpoint_every": 2, "seed": 7},
+            "hyperparameters": {"n_epochs": 40, "max_steps": steps, "checkpoint_every": 2, "seed": 7},
         }
         r = self.http.post(f"{trainer}/v1/jobs", json=body)
         r.raise_for_status()
@@ -262,7 +272,11 @@ class Chaos:
         if not self.until(lambda: job()["status"] == "running", self.wait_s):
             trial.stuck, trial.note = 1, "job never started"
             return
-        time.sleep(self.rng.uniform(0.0, 3.0))
+        if self.train_model == "tiny":
+            at = self.rng.randint(1, steps // 2)
+            self.until(lambda: (job().get("progress") or {}).get("step", 0) >= at, self.wait_s)
+        else:
+            time.sleep(self.rng.uniform(0.0, 3.0))
         old = self.kill("worker-cpu")
         trial.recovery_s = self.wait_back("worker-cpu", old)
         done = self.until(
@@ -366,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="append every trial as a JSON line here, as it ends")
     ap.add_argument("--tally", type=Path, nargs="+", help="print the table of these --out files and stop")
     ap.add_argument("--keep", action="store_true", help="leave the stack running")
+    ap.add_argument(
+        "--train-model",
+        choices=("served", "tiny"),
+        default="served",
+        help="worker-cpu's jobs train the served model (SmolLM2), or a 2-layer random Llama: the "
+        "same job machinery (leases, checkpoints, resume) at a hundredth of the time per trial",
+    )
     args = ap.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = [t for t in targets if t not in TARGETS]
@@ -377,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report = Report()
     with embedded_stack("tandem-chaos-", FAST_RECOVERY, keep=args.keep) as stack:
-        chaos = Chaos(stack, random.Random(args.seed), args.wait)
+        chaos = Chaos(stack, random.Random(args.seed), args.wait, args.train_model)
         for target in targets:
             for i in range(args.trials):
                 trial = chaos.run(target)
