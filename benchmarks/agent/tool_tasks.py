@@ -5,8 +5,8 @@
 Starts, in this process over real HTTP, an embedded Valkey, the retrieval service (with a small
 collection of facts) and the inference service on SmolLM2-135M-Instruct (the default model), then runs
 the agent loop (``AgentRunner``, as the agent service runs it) on each task. A task is solved when the
-expected answer is the final answer's first number (without thousands separators), or a whole
-word of it for a text answer.
+expected number is stated once in the final answer with no number other than the question's
+(``solved``), or for a text answer, the expected word appears in it as a whole word.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from services.agent.config import AgentSettings
+
 # The four calculator tasks the agent's real-model test uses (tests/agent/test_integration.py).
 CALC_TASKS = [
     ("What is 17 times 23?", "391"),
@@ -35,7 +37,7 @@ CALC_TASKS = [
 # The collection the search tasks ask (six short encyclopedia-style documents).
 DOCS = json.loads((Path(__file__).with_name("tool_docs.json")).read_text())
 
-# 20 tool tasks: 12 calculator, 8 collection search; expected answers matched as strings.
+# 20 tool tasks: 12 calculator, 8 collection search (scored by ``solved``).
 TOOL_TASKS = [
     ("What is 12 times 12?", "144"),
     ("What is 345 plus 655?", "1000"),
@@ -60,18 +62,33 @@ TOOL_TASKS = [
 ]
 
 
-def solved(answer: str, expected: str) -> bool:
-    """A number must be the answer's first number ('1000 - 999' does not answer 999); a word must
-    appear as a whole word."""
-    text = answer.replace(",", "")
+def _numbers(text: str) -> list[float]:
+    return [float(n) for n in re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))]
+
+
+def solved(answer: str, expected: str, question: str = "") -> bool:
+    """A number must be stated once, with no other number than the question's ('1000 + 1000' does
+    not answer 345 plus 655, '99 - 54' does not answer 99 minus 45, '17 * 23 = 391' answers 17
+    times 23); a word must appear as a whole word."""
     if re.fullmatch(r"-?\d+(?:\.\d+)?", expected):
-        first = re.search(r"-?\d+(?:\.\d+)?", text)
-        return first is not None and float(first.group()) == float(expected)
-    return re.search(rf"\b{re.escape(expected)}\b", text, re.IGNORECASE) is not None
+        want, nums, asked = float(expected), _numbers(answer), _numbers(question)
+        others = [n for n in nums if n != want and n not in asked]
+        # an expression in the answer counts only when it ends '= <the expected number>'
+        expression = re.search(r"\d\s*[-+*/×÷^]\s*-?\d", answer)
+        if expression and not re.search(rf"=\s*{re.escape(expected)}(?![\d.])", answer.replace(",", "")):
+            return False
+        return want in nums and not others and (nums.count(want) == 1 or want in asked)
+    return re.search(rf"\b{re.escape(expected)}\b", answer, re.IGNORECASE) is not None
 
 
 async def run_tasks(
-    tasks: list[tuple[str, str]], inference: str, retrieval: str, key: str, mode: str, max_steps: int
+    tasks: list[tuple[str, str]],
+    inference: str,
+    retrieval: str,
+    key: str,
+    mode: str,
+    max_steps: int,
+    search_top_k: int = 3,
 ) -> list[dict[str, Any]]:
     from services.agent.agents.runner import AgentRunner
     from services.agent.clients import InferenceClient, RetrievalClient
@@ -87,7 +104,7 @@ async def run_tasks(
         runner = AgentRunner(
             client,
             model,
-            {"calculator": Calculator(), "document_search": DocumentSearch()},
+            {"calculator": Calculator(), "document_search": DocumentSearch(top_k=search_top_k)},
             ToolContext(retrieval=RetrievalClient(retrieval, key), collection="facts"),
             max_steps=max_steps,
             time_budget_s=120,
@@ -101,7 +118,7 @@ async def run_tasks(
             "question": question,
             "expected": expected,
             "answer": r.answer,
-            "solved": solved(r.answer, expected),
+            "solved": solved(r.answer, expected, question),
             "calls": calls,
             "steps": r.steps,
             "finish": r.finish_reason,
@@ -109,6 +126,8 @@ async def run_tasks(
         }
         print(f"  [{'x' if row['solved'] else ' '}] {question} -> {r.answer!r} calls={calls} "
               f"steps={r.steps} {row['seconds']}s", flush=True)  # fmt: skip
+        if os.environ.get("TOOL_TASKS_VERBOSE"):  # the last model call, for prompt work
+            print(json.dumps({"prompt": r.prompt[-3:], "completion": r.completion}, indent=1)[:3000])
         out.append(row)
     return out
 
@@ -118,7 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-tasks", action="store_true")
     ap.add_argument("--mode", choices=["react", "openai", "both"], default="both")
     ap.add_argument("--only-calc", action="store_true", help="only the 4 calculator tasks")
+    ap.add_argument("--only-search", action="store_true", help="only the 8 search tasks of the 20")
     ap.add_argument("--max-steps", type=int, default=4)
+    ap.add_argument(
+        "--search-top-k",
+        type=int,
+        default=AgentSettings.model_fields["search_tool_top_k"].default,
+        help="passages the search tool returns (default: the agent service's)",
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -154,10 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         sets = [("calculator (4)", CALC_TASKS)] + (
             [] if args.only_calc else [("tool tasks (20)", TOOL_TASKS)]
         )
+        if args.only_search:
+            sets = [("search tasks (8)", TOOL_TASKS[12:])]
         for mode in modes:
             for name, tasks in sets:
                 print(f"{mode} / {name}:", flush=True)
-                rows = asyncio.run(run_tasks(tasks, i_url, r_url, key, mode, args.max_steps))
+                rows = asyncio.run(
+                    run_tasks(tasks, i_url, r_url, key, mode, args.max_steps, args.search_top_k)
+                )
                 n = sum(r["solved"] for r in rows)
                 print(f"{mode} / {name}: solved {n}/{len(rows)}", flush=True)
     return 0

@@ -70,6 +70,13 @@ class AgentSettings(TenantLimitSettings):
         "react",
         description="How agents call tools: the strict ReAct text protocol, or OpenAI tool calls (models that support them).",
     )
+    search_tool_top_k: int = Field(
+        1,
+        ge=1,
+        le=20,
+        description="Passages the agents' document_search tool returns. One by default: SmolLM2-135M "
+        "answers from the best passage far more often than from three (python -m benchmarks.agent --tool-tasks).",
+    )
     http_tool_enabled: bool = Field(
         False, description="Offer the HTTP GET tool to agents (it refuses private and loopback addresses)."
     )

@@ -162,7 +162,7 @@ async def test_openai_tool_calling(scripted: tuple[ScriptedModel, str]) -> None:
     assert [e["text"] for e in events if e.get("kind") == "observation"] == ["1024"]
     assert r.result.answer == "The answer is 1024."
     assert model.requests[0]["tools"][0]["function"]["name"] == "calculator"
-    assert model.requests[1]["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "1024"}
+    assert model.requests[1]["messages"][-2] == {"role": "tool", "tool_call_id": "c1", "content": "1024"}
 
 
 def _step(body: dict[str, Any]) -> dict[str, Any]:
@@ -194,8 +194,12 @@ async def test_react_steps_are_constrained_and_the_last_is_a_forced_final(
     ]  # fmt: skip
     assert r.result.answer == "2" and r.result.finish_reason == "stop" and r.result.steps == 3
     free, forced = _step(model.requests[0]), _step(model.requests[2])
-    action = next(s for s in free["anyOf"] if "action" in s["properties"])
-    assert action["properties"]["action"]["enum"] == ["calculator", "explode", "hang", "synchang"]
+    actions = [s for s in free["anyOf"] if "action" in s["properties"]]
+    # the tools with a free string input share one action; the calculator's input follows its pattern
+    assert actions[0]["properties"]["action"]["enum"] == ["explode", "hang", "synchang"]
+    calc = actions[1]["properties"]
+    assert calc["action"] == {"const": "calculator"} and "pattern" in calc["action_input"]
+    assert list(calc) == ["action", "action_input", "thought"]  # the action before the thought
     assert set(forced["required"]) == {"thought", "final_answer"} and "action" not in forced["properties"]
     assert all("stop" not in b for b in model.requests)
     # The model saw its step as JSON and the tool result presented as the answer's source.
@@ -206,37 +210,91 @@ async def test_react_steps_are_constrained_and_the_last_is_a_forced_final(
     )
 
 
+def _call_reply(name: str, args: dict[str, Any], call_id: str) -> dict[str, Any]:
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+@pytest.mark.parametrize("copy_answer", [True, False])
 async def test_tool_calling_mode_requires_a_tool_then_forces_final_answer(
-    scripted: tuple[ScriptedModel, str],
+    scripted: tuple[ScriptedModel, str], copy_answer: bool
 ) -> None:
+    """Step 1 must call a tool (one call, arguments constrained); after a good result the step may
+    only finish: with copy_answer its answer is a span of the result (a final_answer call's JSON as
+    the response format, listing no tools), otherwise a forced final_answer call."""
     model, url = scripted
     model.requests.clear()
 
-    def reply(body: dict[str, Any]) -> dict[str, Any]:
-        choice = body["tool_choice"]
-        name, args = (
-            ("calculator", {"expression": "17*23"})
-            if choice == "required"
-            else ("final_answer", {"answer": "391"})
-        )
-        call = {
-            "id": f"c{len(model.requests)}",
-            "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args)},
-        }
-        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    def reply(body: dict[str, Any]) -> str | dict[str, Any]:
+        if body.get("tool_choice") == "required":
+            return _call_reply("calculator", {"expression": "17*23"}, "c1")
+        if "response_format" in body:
+            return json.dumps({"name": "final_answer", "arguments": {"answer": "391"}})
+        return _call_reply("final_answer", {"answer": "391"}, "c2")
 
     model.replies = reply
-    r = runner(url, max_steps=2)
+    r = runner(url, max_steps=2, copy_answer=copy_answer)
     events = await events_of(r, "What is 17 times 23?", mode="openai")
     assert [e["text"] for e in events if e.get("kind") == "observation"] == ["391"]
     assert r.result.answer == "391" and events[-1] == {"type": "token", "text": "391"}
+    first, forced = model.requests
+    assert first["tool_choice"] == "required"
+    assert "final_answer" in [t["function"]["name"] for t in first["tools"]]
+    # one call a step, its arguments closed and the calculator's held to arithmetic
+    assert first["parallel_tool_calls"] is False
+    calc = next(t["function"]["parameters"] for t in first["tools"] if t["function"]["name"] == "calculator")
+    assert calc["additionalProperties"] is False and "pattern" in calc["properties"]["expression"]
+    if copy_answer:
+        assert "tools" not in forced and "tool_choice" not in forced
+        schema = forced["response_format"]["json_schema"]["schema"]
+        assert schema["properties"]["name"] == {"const": "final_answer"}
+        assert schema["properties"]["arguments"]["properties"]["answer"]["enum"] == ["391"]
+    else:
+        assert forced["tool_choice"] == {"type": "function", "function": {"name": "final_answer"}}
+        # only final_answer listed: no other call to imitate
+        assert [t["function"]["name"] for t in forced["tools"]] == ["final_answer"]
+        assert forced["parallel_tool_calls"] is False and "response_format" not in forced
+    # the result is shown as the answer's source, last
+    tool_msg, source = forced["messages"][-2:]
+    assert tool_msg == {"role": "tool", "tool_call_id": "c1", "content": "391"}
+    assert source["role"] == "user" and "answered: 391" in source["content"]
+    assert "final_answer" in source["content"] and "17 times 23" in source["content"]
+    # a worked exchange precedes the question, as chat turns the model can imitate
+    shown = first["messages"]
+    assert shown[-1] == {"role": "user", "content": "What is 17 times 23?"}
+    example = [m for m in shown[:-1] if m.get("tool_calls")]
+    assert [m["tool_calls"][0]["function"]["name"] for m in example] == ["calculator", "final_answer"]
+
+
+async def test_tool_calling_mode_after_a_failed_tool_the_next_step_is_free(
+    scripted: tuple[ScriptedModel, str],
+) -> None:
+    """A failed tool is not the answer's source: the next step may call another tool."""
+    model, url = scripted
+    model.requests.clear()
+    calls = iter(
+        [
+            ("explode", {"input": "now"}),
+            ("calculator", {"expression": "6*7"}),
+            ("final_answer", {"answer": "42"}),
+        ]
+    )
+
+    def reply(body: dict[str, Any]) -> dict[str, Any]:
+        name, args = next(calls)
+        return _call_reply(name, args, name)
+
+    model.replies = reply
+    r = runner(url, max_steps=4, copy_answer=False)
+    await events_of(r, "What is 6 times 7?", mode="openai")
+    assert r.result.answer == "42" and r.result.steps == 3
     assert [b["tool_choice"] for b in model.requests] == [
+        "required",
         "required",
         {"type": "function", "function": {"name": "final_answer"}},
     ]
-    assert "final_answer" in [t["function"]["name"] for t in model.requests[0]["tools"]]
-    assert model.requests[1]["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "391"}
+    failed = model.requests[1]["messages"][-1]["content"]
+    assert "failed" in failed and "kaboom" in failed and "answered" not in failed
 
 
 async def test_final_answer_call_ends_the_run_before_budget(scripted: tuple[ScriptedModel, str]) -> None:
@@ -268,4 +326,6 @@ async def test_a_tool_result_is_followed_by_a_forced_final_step(scripted: tuple[
     assert r.result.answer == "391" and r.result.steps == 3
     schemas = [_step(b) for b in model.requests]
     assert ["anyOf" in s for s in schemas] == [True, True, False]
+    # the forced final answer is a span of the good result (the failed tool's is not offered)
+    assert schemas[2]["properties"]["final_answer"]["enum"] == ["391"]
     assert "Observation: 391" in model.requests[2]["messages"][-1]["content"]

@@ -337,3 +337,19 @@ def test_suffix_builds_a_fill_in_the_middle_prompt(tiny_model_path: Path) -> Non
         assert isinstance(asyncio.run(run()), str)
     finally:
         engine.scheduler.stop()
+
+
+def test_forced_call_arguments_are_closed_unless_the_function_allows_more() -> None:
+    """A forced call's arguments may not carry keys outside the function's properties (SmolLM2
+    copied schema keywords in as arguments), unless the function's schema allows them."""
+    open_fn = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+    }
+    loose = {"type": "object", "properties": {}, "additionalProperties": True}
+    free_fn = {"type": "function", "function": {"name": "g", "parameters": loose}}
+    schema = call_schema([open_fn, free_fn], None, parallel=False)
+    f_args, g_args = (v["properties"]["arguments"] for v in schema["anyOf"])
+    assert f_args["additionalProperties"] is False and f_args["properties"] == {"x": {"type": "integer"}}
+    assert g_args == loose
+    assert "additionalProperties" not in open_fn["function"]["parameters"]  # the request is not changed

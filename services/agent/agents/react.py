@@ -226,37 +226,64 @@ _INPUT_MAX = 40
 _ANSWER_MAX = 80
 
 
-def step_schema(tools: list[str], final_only: bool = False) -> dict[str, object]:
+def step_schema(
+    tools: list[str],
+    final_only: bool = False,
+    answers: list[str] | None = None,
+    inputs: dict[str, dict[str, object]] | None = None,
+) -> dict[str, object]:
+    """``answers``: what the final answer may be (spans of a tool result), or None for any text;
+    ``inputs``: a tool's own schema of its input (the calculator's arithmetic pattern), which its
+    action then follows; the other tools share one action with a bounded string input."""
+    answer: dict[str, object] = (
+        {"type": "string", "enum": answers}
+        if answers
+        else {"type": "string", "minLength": 1, "maxLength": _ANSWER_MAX}
+    )
     final = {
         "type": "object",
-        "properties": {
-            "thought": {"type": "string", "maxLength": _THOUGHT_MAX},
-            "final_answer": {"type": "string", "minLength": 1, "maxLength": _ANSWER_MAX},
-        },
+        "properties": {"thought": {"type": "string", "maxLength": _THOUGHT_MAX}, "final_answer": answer},
         "required": ["thought", "final_answer"],
         "additionalProperties": False,
     }
     if final_only:
         return final
-    action = {
-        "type": "object",
-        "properties": {
-            "thought": {"type": "string", "maxLength": _THOUGHT_MAX},
-            "action": {"type": "string", "enum": tools},
-            "action_input": {"type": "string", "minLength": 1, "maxLength": _INPUT_MAX},
-        },
-        "required": ["thought", "action", "action_input"],
-        "additionalProperties": False,
-    }
-    return {"anyOf": [action, final]}
+    inputs = inputs or {}
+
+    def action(name: dict[str, object], argument: dict[str, object]) -> dict[str, object]:
+        return {
+            "type": "object",
+            # the action before the thought: with the thought first SmolLM2-135M copies the latest
+            # example's thought ("I should search the documents.") and then that example's tool
+            # (first steps of the 24 tool tasks: right tool and input in 18 this way, 15 the other)
+            "properties": {
+                "action": name,
+                "action_input": argument,
+                "thought": {"type": "string", "maxLength": _THOUGHT_MAX},
+            },
+            "required": ["action", "action_input", "thought"],
+            "additionalProperties": False,
+        }
+
+    plain = [t for t in tools if t not in inputs]
+    actions = [action({"const": t}, inputs[t]) for t in tools if t in inputs]
+    if plain:
+        free_input = {"type": "string", "minLength": 1, "maxLength": _INPUT_MAX}
+        actions.insert(0, action({"type": "string", "enum": plain}, free_input))
+    return {"anyOf": [*actions, final]}
 
 
-def step_response_format(tools: list[str], final_only: bool = False) -> dict[str, object]:
+def step_response_format(
+    tools: list[str],
+    final_only: bool = False,
+    answers: list[str] | None = None,
+    inputs: dict[str, dict[str, object]] | None = None,
+) -> dict[str, object]:
     return {
         "type": "json_schema",
         "json_schema": {
             "name": "final_step" if final_only else "react_step",
-            "schema": step_schema(tools, final_only),
+            "schema": step_schema(tools, final_only, answers, inputs),
             "strict": True,
         },
     }
@@ -282,7 +309,7 @@ def json_step_as_text(text: str) -> str | None:
 def json_instructions(tools: dict[str, str]) -> str:
     return (
         tools_preamble(tools)
-        + 'Reply with one JSON object: {"thought": "...", "action": "<tool>", "action_input": "<input>"}.\n'
+        + 'Reply with one JSON object: {"action": "<tool>", "action_input": "<input>", "thought": "..."}.\n'
         "You then get 'Observation: <result>'. The observation is the source of your answer: when it "
         'answers the question, reply {"thought": "I know the answer.", "final_answer": "<the result>"}.'
     )
@@ -302,13 +329,24 @@ JSON_FAILED_PROMPT = (
 def json_step(thought: str, tool: str = "", argument: str = "", answer: str | None = None) -> str:
     if answer is not None:
         return json.dumps({"thought": thought, "final_answer": answer})
-    return json.dumps({"thought": thought, "action": tool, "action_input": argument})
+    return json.dumps({"action": tool, "action_input": argument, "thought": thought})
 
 
 def json_example_turns(tools: dict[str, str]) -> list[dict[str, str]]:
     turns: list[dict[str, str]] = []
+    if "calculator" in tools:
+        turns += [
+            {"role": "user", "content": "Question: What is 6 times 7?"},
+            {
+                "role": "assistant",
+                "content": json_step("I should multiply with the calculator.", "calculator", "6 * 7"),
+            },
+            {"role": "user", "content": JSON_OBSERVATION_PROMPT.format(observation="42")},
+            {"role": "assistant", "content": json_step("I know the answer.", answer="42")},
+        ]
     if "document_search" in tools:
         # A worked search, so the model sees that facts come from the documents, not the calculator.
+        # Last: SmolLM2-135M leans to the tool of the latest example (as in tool_mode.example_turns).
         turns += [
             {"role": "user", "content": "Question: What colour is the Moon?"},
             {
@@ -321,15 +359,4 @@ def json_example_turns(tools: dict[str, str]) -> list[dict[str, str]]:
             },
             {"role": "assistant", "content": json_step("I know the answer.", answer="grey")},
         ]
-    if "calculator" not in tools:
-        return turns
-    return [
-        *turns,
-        {"role": "user", "content": "Question: What is 6 times 7?"},
-        {
-            "role": "assistant",
-            "content": json_step("I should multiply with the calculator.", "calculator", "6 * 7"),
-        },
-        {"role": "user", "content": JSON_OBSERVATION_PROMPT.format(observation="42")},
-        {"role": "assistant", "content": json_step("I know the answer.", answer="42")},
-    ]
+    return turns

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.agent.agents import tool_mode
+from services.agent.agents.answer_spans import answer_spans
 from services.agent.agents.react import (
     JSON_FAILED_PROMPT,
     JSON_OBSERVATION_PROMPT,
@@ -30,6 +32,7 @@ from services.agent.agents.react import (
     parse_react,
     step_response_format,
 )
+from services.agent.agents.tool_mode import FINAL_TOOL
 from services.agent.clients import InferenceClient
 from services.agent.events import (
     ErrorEvent,
@@ -40,11 +43,10 @@ from services.agent.events import (
     TokenEvent,
     ToolCallStep,
 )
-from services.agent.tools.base import Tool, ToolContext, call_tool
+from services.agent.tools.base import Tool, ToolContext, call_tool, constrained_input
 from services.common.errors import InvalidRequest
 
 STOP = ["\nObservation:", "Observation:"]
-FINAL_TOOL = "final_answer"
 CONSTRAINED_MIN_TOKENS = 128
 
 
@@ -88,6 +90,9 @@ class AgentRunner:
     # final-answer form). Small models (SmolLM2-135M) otherwise feed the result back into the tool
     # ("625 * 625") until the budget runs out; multi-hop agents on larger models turn it off.
     finish_after_result: bool = True
+    # That forced final answer is a span copied from the tool result (answer_spans.py): the result is
+    # then the answer's source by construction. Off for models that should compose their answer.
+    copy_answer: bool = True
     result: AgentRun = field(default_factory=AgentRun)
 
     async def run(
@@ -135,6 +140,12 @@ class AgentRunner:
         self.result.sampling = dict(sampling)
         self.result.completion = ""
 
+    def _answer_spans(self) -> list[str] | None:
+        """What a forced final answer may be: spans of the last good tool result, or None (free)."""
+        if not (self.copy_answer and self._last_ok):
+            return None
+        return answer_spans(self._last_observation) or None
+
     def _final(self, answer: str) -> list[Event]:
         self.result.answer = answer
         return [FinalStep(text=answer), TokenEvent(text=answer)]
@@ -145,6 +156,7 @@ class AgentRunner:
         instructions = json_instructions(described) if self.constrained else format_instructions(described)
         examples = json_example_turns(described) if self.constrained else example_turns(described)
         observation_prompt = JSON_OBSERVATION_PROMPT if self.constrained else OBSERVATION_PROMPT
+        inputs = {n: s for n, t in self.tools.items() if (s := constrained_input(t.parameters)) is not None}
         messages: list[dict[str, str]] = [
             {"role": "system", "content": instructions},
             *examples,
@@ -162,7 +174,9 @@ class AgentRunner:
                 # the JSON step must be able to close: its bounded strings plus the keys need this many tokens
                 sampling["max_tokens"] = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
                 # no stop strings: the grammar ends the step, and a stop inside a JSON string would break it
-                sampling["response_format"] = step_response_format(names, final_only=forced)
+                sampling["response_format"] = step_response_format(
+                    names, final_only=forced, answers=self._answer_spans() if forced else None, inputs=inputs
+                )
             else:
                 sampling["stop"] = STOP
             self._record_call(messages, sampling)
@@ -238,62 +252,50 @@ class AgentRunner:
         yield self._step_budget_exceeded()
 
     async def _openai(self, question: str, history: list[dict[str, str]]) -> AsyncIterator[Event]:
-        tools = [
-            {
-                "type": "function",
-                "function": {"name": n, "description": t.description, "parameters": t.parameters},
-            }
-            for n, t in self.tools.items()
-        ]
+        tools = tool_mode.functions(self.tools)
         if self.constrained:
             # Finishing is itself a (constrained) call, so tool_choice "required" never traps the model.
-            tools.append(
-                {
-                    "type": "function",
-                    "function": {
-                        "name": FINAL_TOOL,
-                        "description": "Give the final answer to the question, taken from the tool results.",
-                        "parameters": {
-                            "type": "object",
-                            "properties": {"answer": {"type": "string", "minLength": 1, "maxLength": 200}},
-                            "required": ["answer"],
-                            "additionalProperties": False,
-                        },
-                    },
-                }
-            )
+            tools.append(tool_mode.FINAL_FUNCTION)
         messages: list[dict[str, Any]] = [
-            {
-                "role": "system",
-                "content": "Use the tools when they help, then answer the question. A tool result is the "
-                f"source of your answer: give it with {FINAL_TOOL}.",
-            },
+            {"role": "system", "content": tool_mode.SYSTEM_PROMPT},
+            *(tool_mode.example_turns(self.tools) if self.constrained else []),
             *history,
             {"role": "user", "content": question},
         ]
         for step in range(1, self.max_steps + 1):
             self.result.steps = step
-            sampling: dict[str, Any] = {"max_tokens": self.max_tokens}
+            sampling: dict[str, Any] = {"max_tokens": self.max_tokens, "tools": tools}
+            spans = None
             if self.constrained:
                 sampling["temperature"] = 0.0
+                sampling["max_tokens"] = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
                 forced = step > 1 and (step == self.max_steps or (self.finish_after_result and self._last_ok))
-                sampling["tool_choice"] = (
-                    {"type": "function", "function": {"name": FINAL_TOOL}} if forced else "required"
-                )
+                spans = self._answer_spans() if forced else None
+                if spans:
+                    # The answer copied from the result: the final_answer call's shape as the response
+                    # format, without tools (a listed enum of spans would fill the prompt).
+                    del sampling["tools"]
+                    sampling["response_format"] = tool_mode.final_call_format(spans)
+                elif forced:
+                    sampling["tool_choice"] = {"type": "function", "function": {"name": FINAL_TOOL}}
+                    # only final_answer listed: the prompt then shows no other call to imitate
+                    sampling["tools"] = [tool_mode.FINAL_FUNCTION]
+                else:
+                    sampling["tool_choice"] = "required"
+                if "tools" in sampling:
+                    # one call a step: an array of calls lets a small model run on with invented calls
+                    # until max_tokens cuts the JSON (the engine then returns it as plain content)
+                    sampling["parallel_tool_calls"] = False
             self._record_call(messages, sampling)
-            resp = await self.inference.complete(
-                {"model": self.model, "messages": messages, "tools": tools, **sampling}
-            )
+            resp = await self.inference.complete({"model": self.model, "messages": messages, **sampling})
             message = resp.message
             self.result.completion = message.content or ""
             calls = message.tool_calls or []
             final_call = next((c for c in calls if c.function.name == FINAL_TOOL), None)
+            answer = tool_mode.final_call_answer(message.content) if spans else None
             if final_call is not None:
-                try:
-                    args = json.loads(final_call.function.arguments or "{}")
-                except json.JSONDecodeError:
-                    args = {}
-                answer = str(args.get("answer", "") if isinstance(args, dict) else args).strip()
+                answer = tool_mode.call_answer(final_call.function.arguments)
+            if answer is not None:
                 for event in self._final(answer or self._last_observation):
                     yield event
                 return
@@ -318,6 +320,7 @@ class AgentRunner:
                     args = call.function.arguments
                 yield ToolCallStep(step=step, tool=name, input=args)
                 if name not in self.tools:
+                    self._last_ok = False
                     self._last_observation = f"error: unknown tool {name!r}"
                     yield ObservationStep(tool=name, text=self._last_observation, ok=False)
                 else:
@@ -325,6 +328,16 @@ class AgentRunner:
                         yield event
                 messages.append(
                     {"role": "tool", "tool_call_id": call.id or name, "content": self._last_observation}
+                )
+            if self.constrained:
+                # The result as the answer's source, right before the (forced) final_answer call.
+                messages.append(
+                    {
+                        "role": "user",
+                        "content": tool_mode.result_prompt(
+                            calls[-1].function.name, self._last_observation, question, self._last_ok
+                        ),
+                    }
                 )
         self.result.finish_reason = "step_budget"
         yield self._step_budget_exceeded()

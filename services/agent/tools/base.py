@@ -31,12 +31,33 @@ class Tool(Protocol):
     def run(self, argument: Any, ctx: ToolContext) -> Any: ...
 
 
-def single_string_schema(field: str, description: str) -> dict[str, Any]:
+def single_string_schema(
+    field: str, description: str, max_length: int = 200, pattern: str | None = None
+) -> dict[str, Any]:
+    """One required string argument and nothing else. Bounded, and closed to other keys, because
+    forced calls are constrained to this schema: a small model then cannot copy the schema's own
+    keys into its arguments or run on inside the string until ``max_tokens`` cuts the call."""
+    prop: dict[str, Any] = {"type": "string", "description": description}
+    # a pattern carries its own bounds (xgrammar ignores min/maxLength next to one, with a warning)
+    prop.update({"pattern": pattern} if pattern is not None else {"minLength": 1, "maxLength": max_length})
     return {
         "type": "object",
-        "properties": {field: {"type": "string", "description": description}},
+        "properties": {field: prop},
         "required": [field],
+        "additionalProperties": False,
     }
+
+
+def constrained_input(parameters: dict[str, Any]) -> dict[str, Any] | None:
+    """The schema of a one-string-argument tool's input when it constrains more than length (a
+    pattern or an enum), so a text protocol's single input can follow it; otherwise None."""
+    props = parameters.get("properties") or {}
+    if len(props) != 1:
+        return None
+    (prop,) = props.values()
+    if not isinstance(prop, dict) or prop.get("type") != "string" or not ({"pattern", "enum"} & set(prop)):
+        return None
+    return {k: v for k, v in prop.items() if k != "description"}
 
 
 def argument_text(argument: Any, field: str) -> str:

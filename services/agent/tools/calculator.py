@@ -47,6 +47,15 @@ _FUNCS: dict[str, Callable[..., Any]] = {
     "ceil": math.ceil,
 }
 _CONSTS = {"pi": math.pi, "e": math.e, "tau": math.tau}
+# What a forced calculator call may write (its JSON schema's pattern), so constrained decoding keeps a
+# small model to arithmetic: without it SmolLM2-135M writes '}}, {' or 'twenty five' as the
+# expression, with bare names allowed '10.81minesineloge', with any first character '.1234 + 4321'.
+# Terms (a number of at most 12 digits and 6 decimals, pi or tau, behind signs, parentheses or a
+# function's name and parenthesis) joined by operators; bounded by the pattern itself, as xgrammar
+# ignores maxLength next to a pattern. The calculator itself accepts more (normalize, evaluate).
+_FUNC_NAMES = "|".join(sorted(_FUNCS, key=len, reverse=True))  # log10 before log: longest first
+_TERM = rf"(-|\(|({_FUNC_NAMES})\(){{0,4}}([0-9]{{1,12}}(\.[0-9]{{1,6}})?|pi|tau)\){{0,4}}"
+EXPRESSION_PATTERN = rf"^{_TERM}( ?([-+*/%^,]|\*\*) ?{_TERM}){{0,8}}$"
 
 
 class CalculatorError(ValueError):
@@ -128,7 +137,7 @@ def evaluate(expression: str) -> int | float:
 class Calculator:
     name = "calculator"
     description = "Evaluates an arithmetic expression, e.g. (12 + 30) * 2 or sqrt(16). Input: the expression."
-    parameters = single_string_schema("expression", "the arithmetic expression")
+    parameters = single_string_schema("expression", "the arithmetic expression", pattern=EXPRESSION_PATTERN)
 
     def run(self, argument: Any, ctx: ToolContext) -> str:
         try:

@@ -55,7 +55,10 @@ def load_entry_point_tools(group: str = ENTRY_POINT_GROUP) -> tuple[dict[str, To
 
 
 def default_tools(settings: AgentSettings) -> tuple[dict[str, Tool], dict[str, str]]:
-    tools: dict[str, Tool] = {"document_search": DocumentSearch(), "calculator": Calculator()}
+    tools: dict[str, Tool] = {
+        "document_search": DocumentSearch(top_k=settings.search_tool_top_k),
+        "calculator": Calculator(),
+    }
     if settings.http_tool_enabled:
         tools["http_get"] = HttpGet(max_bytes=settings.http_tool_max_bytes, timeout=settings.tool_timeout_s)
     extra, errors = load_entry_point_tools()

@@ -10,7 +10,7 @@ from services.agent.tools.base import ToolContext, argument_text, single_string_
 class DocumentSearch:
     name = "document_search"
     description = "Searches the documents of the current collection. Input: what to look for."
-    parameters = single_string_schema("query", "what to search for")
+    parameters = single_string_schema("query", "what to search for", max_length=80)
 
     def __init__(self, top_k: int = 3, max_chars: int = 400) -> None:
         self.top_k = top_k

@@ -119,6 +119,15 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
     return out
 
 
+def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters with no arguments beyond its properties unless it allows them: an
+    open object let SmolLM2 append keys copied from the schema ("exclusiveMaximumNonNegativeIntegers")
+    until max_tokens cut the call. Output valid here is valid against the function's own schema."""
+    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
+
+
 def call_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> dict[str, Any]:
     """JSON Schema of the output when a call is forced: one call of ``name`` (or of any tool),
     or with ``parallel`` a non-empty array of calls; arguments follow each function's schema."""
@@ -128,7 +137,7 @@ def call_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool) -
             "type": "object",
             "properties": {
                 "name": {"const": _function(t)["name"]},
-                "arguments": _function(t).get("parameters") or {"type": "object"},
+                "arguments": _closed(_function(t).get("parameters") or {"type": "object"}),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
