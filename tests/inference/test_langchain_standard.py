@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
+from langchain_core.exceptions import OutputParserException
 from langchain_openai import ChatOpenAI
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
@@ -30,7 +32,14 @@ SERVED = "smollm2"
 
 # What SmolLM2-135M says, not the protocol: every call here parses and validates against its
 # schema, and the same tests pass on the protocol checks before these assertions. strict=False:
-# greedy output of a 135M model on a shared CPU machine is not a contract either way.
+# greedy output of a 135M model is not a contract either way. Its near-ties flip with the batch a
+# request shares (GEMM shapes), the int4 path and the CPU's vector width, so one clean-clone run
+# passes what the next fails. Only the model's failures are expected (``MODEL_FAILURES``): a reply
+# that does not parse or validate (OutputParserException, pydantic's ValidationError), an HTTP
+# error or anything else still fails the test.
+MODEL_FAILURES: tuple[type[BaseException], ...] = (AssertionError, openai.LengthFinishReasonError)
+# json_object carries no schema, so a reply without 'punchline' fails the client's own parse
+JSON_MODE_FAILURES = (*MODEL_FAILURES, OutputParserException)
 _FORCED = (
     "SmolLM2-135M forced to call (tool_choice 'required', parallel calls allowed as the suite "
     "sends) writes two or more valid calls where the test expects exactly one, or input 22 for 3"
@@ -52,6 +61,9 @@ XFAIL = {
     "max_tokens cuts the call, which then comes back as content (no tool_calls)",
     "test_structured_output": _LOOPING_STRING,
     "test_structured_output_async": _LOOPING_STRING,
+    "test_structured_output_optional_param": _LOOPING_STRING,
+    "test_structured_few_shot_examples": _LOOPING_STRING,
+    "test_bind_runnables_as_tools": _FORCED,
     "test_structured_output_pydantic_2_v1": "a non-strict json_schema allows extra keys (JSON Schema's "
     "default); SmolLM2-135M writes one (')Jaisa') beside 'setup' instead of 'punchline'",
     "test_unicode_tool_call_integration": "SmolLM2-135M writes katakana, not the Japanese text the "
@@ -83,7 +95,8 @@ class TestInferenceChatOpenAI(ChatModelIntegrationTests):
         type(self).base_url, type(self).api_key = inference_url + "/v1", key
         reason = XFAIL.get(request.node.originalname)
         if reason:
-            request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
+            raises = JSON_MODE_FAILURES if request.node.originalname == "test_json_mode" else MODEL_FAILURES
+            request.applymarker(pytest.mark.xfail(reason=reason, strict=False, raises=raises))
 
     @property
     def chat_model_class(self) -> type[ChatOpenAI]:
