@@ -78,7 +78,7 @@ class ChatCompletionRequest(BaseModel):
     # Passed to the pipeline's generation step as sent; the inference service validates them
     # (its 400 names the field). Agents refuse them.
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Any = None  # none, auto, required or a named function: checked by the inference
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     max_tokens: int | None = Field(None, ge=1, description="At most the pipeline's own answer budget.")
