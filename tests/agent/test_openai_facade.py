@@ -237,6 +237,7 @@ def test_bad_input_is_an_openai_shaped_400_naming_the_parameter(client: openai.O
     assert "call_9" in _bad(lambda: chat(messages=orphan, tools=TOOLS), "messages[1].tool_call_id")
     _bad(lambda: chat(messages=[*ASK, {"role": "assistant", "content": "hm"}]), "messages")
     _bad(lambda: chat(tool_choice=3), "tool_choice")
+    _bad(lambda: chat(stream_options={"include_usage": True}), "stream_options")
     # agents run their own tools; a search pipeline writes no answer; a conversation keeps text only
     message = _bad(lambda: chat(model="tools-agent", tools=TOOLS), "tools")
     assert "agent 'tools-agent'" in message and "use a pipeline" in message

@@ -126,6 +126,11 @@ def _form(body: ChatCompletionRequest, tail: list[dict[str, Any]]) -> AnswerForm
     return form if form.body() or tail else None
 
 
+def _usage(result: TurnResult) -> dict[str, int]:
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    return {k: result.usage.get(k, 0) for k in keys}
+
+
 def _finish_reason(result: TurnResult) -> str:
     if result.tool_calls:
         return "tool_calls"
@@ -157,6 +162,9 @@ def _tool_call_delta(event: ToolCallDeltaEvent) -> dict[str, Any]:
 @router.post("/v1/chat/completions", response_model=None, responses=JSON_OR_SSE)
 async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who: CallerDep) -> Any:
     principal, key = who
+    if body.stream_options is not None and not body.stream:
+        # as OpenAI, vLLM and the inference service answer
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     history, question, tail = _split(body.messages)
     options: dict[str, Any] = {}
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -195,11 +203,7 @@ async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who
             "created": created,
             "model": body.model,
             "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(result)}],
-            "usage": {
-                "prompt_tokens": result.usage.get("prompt_tokens", 0),
-                "completion_tokens": result.usage.get("completion_tokens", 0),
-                "total_tokens": result.usage.get("total_tokens", 0),
-            },
+            "usage": _usage(result),
             "citations": _citations(result),
             "message_id": result.message_id,
             "conversation_id": result.conversation_id,
@@ -251,8 +255,9 @@ async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who
         }
         if result.grounding is not None:
             extra["kind"] = result.answer_kind
-        if result.usage and (body.stream_options or {}).get("include_usage"):
-            extra["usage"] = result.usage
+        if (body.stream_options or {}).get("include_usage"):
+            # asked for, it is always there (zeros when no model was called, as for a search)
+            extra["usage"] = _usage(result)
         yield chunk({}, _finish_reason(result), **extra)
         yield b"data: [DONE]\n\n"
 

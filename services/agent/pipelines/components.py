@@ -356,8 +356,8 @@ class GenerateNode:
         state.prompt = [dict(m) for m in state.plan.messages]
         state.model = ctx.model
         state.sampling = gen.sampling(ctx) if isinstance(gen, InferenceGenerator) else {}
-        # A JSON answer (response_format) is constrained by the inference's grammar: cutting it at a
-        # repeat, or reading "[1]" in a JSON array as a citation marker, would break it.
+        # A JSON answer (response_format, a forced call) is constrained by the inference's grammar:
+        # cutting it at a repeat, or reading "[1]" in a JSON array as a citation marker, would break it.
         text_answer = state.form is None or not state.form.json_answer
         guard = RepetitionGuard()
         stream = gen.generate(ctx, state.plan.messages)

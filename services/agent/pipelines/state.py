@@ -56,8 +56,11 @@ class AnswerForm:
 
     @property
     def json_answer(self) -> bool:
-        """The answer's text is JSON (response_format json_object / json_schema)."""
-        return (self.response_format or {}).get("type") in ("json_object", "json_schema")
+        """The answer is JSON: response_format json_object / json_schema, or a call that
+        ``tool_choice`` forces ("required" or a named function; cut short by max_tokens, the
+        inference returns the call's JSON as content)."""
+        forced = bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+        return forced or (self.response_format or {}).get("type") in ("json_object", "json_schema")
 
 
 @dataclass
