@@ -252,17 +252,18 @@ class AgentRuntime:
         )
         if needs_collection and not turn.collection:
             raise InvalidRequest(f"pipeline {turn.target!r} needs a 'collection'", param="collection")
-        if turn.form is not None:
-            self._check_form(turn, turn.form, pipeline)
+        tool_turns = any(m.get("role") == "tool" or m.get("tool_calls") for m in turn.history or [])
+        if turn.form is not None or tool_turns:
+            self._check_form(turn, turn.form or AnswerForm(), pipeline, tool_turns)
 
-    def _check_form(self, turn: Turn, form: AnswerForm, pipeline: Pipeline | None) -> None:
+    def _check_form(self, turn: Turn, form: AnswerForm, pipeline: Pipeline | None, tool_turns: bool) -> None:
         """Tools and response_format reach a pipeline's generator; an agent runs its own tools and
         writes its own answer, and a search pipeline writes none: both refuse them (a 400 naming the
         field), rather than answer in a form the caller did not ask for."""
         given = [name for name in ("tools", "tool_choice") if form.body().get(name)]
         if form.response_format and form.response_format.get("type") != "text":
             given.append("response_format")
-        if form.tail:
+        if form.tail or tool_turns:
             given.append("messages")
         if not given:
             return
@@ -279,7 +280,7 @@ class AgentRuntime:
                 "pipeline (e.g. chat-documents)",
                 param=given[0],
             )
-        if turn.remember and turn.conversation_id and (form.tools or form.tail):
+        if turn.remember and turn.conversation_id and (form.tools or form.tail or tool_turns):
             raise InvalidRequest(
                 "a conversation remembers text turns only: with tools, send the history (tool calls "
                 "and results included) in messages instead of a conversation_id",

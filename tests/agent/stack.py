@@ -102,6 +102,14 @@ class RealStack:
     ws = property(lambda self: chat_socket(self.agent))
 
 
+def new_key(redis_url: str, tenant: str) -> str:
+    """A new API key of ``tenant``."""
+    from services.common.auth import KeyStore
+    from services.common.redis_conn import sync_redis
+
+    return str(KeyStore(sync_redis(redis_url)).create(tenant)[0])
+
+
 @contextmanager
 def real_services(
     redis_url: str,

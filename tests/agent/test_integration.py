@@ -13,7 +13,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from tests.agent.stack import RealStack, real_services
+from tests.agent.stack import RealStack, new_key, real_services
 from tests.conftest import auth
 
 pytestmark = pytest.mark.e2e
@@ -52,11 +52,8 @@ DOCS = [
 def real_stack(
     redis_url: str, tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
 ) -> Iterator[RealStack]:
-    from services.common.auth import KeyStore
-    from services.common.redis_conn import sync_redis
-
     home = tmp_path_factory.mktemp("agent-e2e")
-    key = KeyStore(sync_redis(redis_url)).create("acme-e2e")[0]
+    key = new_key(redis_url, "acme-e2e")
     settings = {
         "tokenizer": str(smollm2_path),
         "max_answer_tokens": 48,

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.agent.stack import RealStack, real_services
+from tests.agent.stack import RealStack, new_key, real_services
 from tests.conftest import auth
 from tests.inference.schemas import THING_SCHEMA
 from tests.inference.test_openai_client import SCHEMAS, TOOLS
@@ -35,15 +35,11 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "argumen
 def stack(
     redis_url: str, tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
 ) -> Iterator[RealStack]:
-    from services.common.auth import KeyStore
-    from services.common.redis_conn import sync_redis
-
-    key = KeyStore(sync_redis(redis_url)).create("acme-facade")[0]
     with real_services(
         redis_url,
         tmp_path_factory.mktemp("facade"),
         tiny_model_path,
-        key,
+        new_key(redis_url, "acme-facade"),
         DOCS,
         inference={"served_model_name": "tiny", "max_batch_size": 4},
         tokenizer=str(tiny_model_path),
@@ -242,6 +238,13 @@ def test_bad_input_is_an_openai_shaped_400_naming_the_parameter(client: openai.O
     message = _bad(lambda: chat(model="tools-agent", tools=TOOLS), "tools")
     assert "agent 'tools-agent'" in message and "use a pipeline" in message
     _bad(lambda: chat(model="tools-agent", response_format=THING), "response_format")
+    few_shot = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+        *ASK,
+    ]
+    _bad(lambda: chat(model="tools-agent", messages=few_shot), "messages")
     _bad(lambda: chat(model="semantic-search", tools=TOOLS), "tools")
     _bad(lambda: chat(tools=TOOLS, extra_body={**FACTS, "conversation_id": "c1"}), "conversation_id")
     # and the service keeps answering
