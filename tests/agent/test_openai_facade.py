@@ -220,6 +220,7 @@ def test_bad_input_is_an_openai_shaped_400_naming_the_parameter(client: openai.O
     # the inference service's own validation, forwarded with its parameter
     nameless = [{"type": "function", "function": {"parameters": {}}}]
     _bad(lambda: chat(tools=nameless), "tools[0].function.name")
+    _bad(lambda: chat(tools=nameless, stream=True), "tools[0].function.name")  # before the stream starts
     message = _bad(
         lambda: chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
         "tool_choice",
