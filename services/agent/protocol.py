@@ -33,7 +33,8 @@ class ToolCall(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "tool"]
+    # "developer": OpenAI's newer name for system (the facade leaves both out of the prompt)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="assistant: the calls it made")

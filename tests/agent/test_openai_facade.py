@@ -168,7 +168,11 @@ def test_json_schema_strict_answers_parse_and_validate(client: openai.OpenAI) ->
 def test_tool_results_in_the_history_are_accepted(client: openai.OpenAI, stack: RealStack) -> None:
     """A tool result as the last message (the model continues after it), and a whole exchange
     before a new question (few-shot): both reach the model after the prompt the pipeline built."""
-    called = [*ASK, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
+    called = [
+        {"role": "developer", "content": "Be brief."},
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    ]
     result = {"role": "tool", "tool_call_id": "call_1", "content": "5"}
     out = client.chat.completions.create(
         model="chat-documents",

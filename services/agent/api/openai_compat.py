@@ -110,7 +110,7 @@ def _split(messages: list[Message]) -> tuple[list[dict[str, Any]], Message, list
                     "assistant message",
                     param=f"messages[{i}].tool_call_id",
                 )
-    # The pipeline writes its own instructions: the caller's system messages are not sent.
+    # The pipeline writes its own instructions: the caller's system (developer) messages are not sent.
     history = [_wire(m) for m in messages[:last] if m.role in ("user", "assistant", "tool")]
     return history, messages[last], [_wire(m) for m in after]
 
