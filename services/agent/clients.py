@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from services.agent.chunks import Chunk
-from services.common.errors import NotFound
+from services.common.errors import InvalidRequest, NotFound
 from services.common.http import service_client
 from services.common.openai_client import OpenAIClient
 from services.common.openai_stream import (
@@ -29,6 +29,7 @@ from services.common.replicas import ReplicaPool
 from services.common.upstream import (
     UpstreamFailed,
     UpstreamReply,
+    UpstreamStatus,
     tandem_error,
     unreachable,
     upstream_error,
@@ -113,6 +114,20 @@ class RetrievalClient(_ServiceClient):
         return out
 
 
+# OpenAI fields a caller's request passes to the inference service as sent (the facade's tools and
+# response_format): an inference 400 naming one of them keeps its ``param``, the caller's own.
+CALLER_PARAMS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+
+
+def _failed(exc: UpstreamFailed | httpx.HTTPError) -> Exception:
+    if isinstance(exc, UpstreamStatus) and exc.reply.status_code == 400:
+        param = exc.reply.param
+        if param is not None and param.split(".")[0].split("[")[0] in CALLER_PARAMS:
+            # the caller's own field, refused by the inference's validation: its 400 as it is
+            return InvalidRequest(exc.reply.message, param=param)
+    return tandem_error("inference", exc)
+
+
 class InferenceClient:
     """OpenAI-style chat completions over the inference replicas, as typed objects; a replica
     that dies before answering is replaced by another (see services.common.replicas)."""
@@ -132,7 +147,7 @@ class InferenceClient:
                 ChatCompletion, "POST", "/chat/completions", {**body, "stream": False}
             )
         except (UpstreamFailed, httpx.HTTPError) as exc:
-            raise tandem_error("inference", exc) from exc
+            raise _failed(exc) from exc
 
     async def embed(self, model: str, texts: list[str]) -> list[list[float]]:
         """``/v1/embeddings``: one vector per text, in order (L2-normalised by the service)."""
@@ -149,7 +164,7 @@ class InferenceClient:
             async for chunk in self.api.stream("/chat/completions", body, ChatCompletionChunk):
                 yield chunk
         except (UpstreamFailed, httpx.HTTPError) as exc:
-            raise tandem_error("inference", exc) from exc
+            raise _failed(exc) from exc
 
 
 class TrainerClient(_ServiceClient):

@@ -63,6 +63,18 @@ class TokenEvent(_Event):
     text: str
 
 
+class ToolCallDeltaEvent(_Event):
+    """A streamed piece of a tool call the model made (only when the caller sent ``tools``, the
+    OpenAI facade): the first piece of call ``index`` carries ``id`` and ``name``, the next ones
+    argument text, as OpenAI's ``delta.tool_calls`` does."""
+
+    type: Literal["tool_call_delta"] = "tool_call_delta"
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
 class CitationEvent(_Event, Citation):
     """``[index]`` in the answer resolved to a chunk (``kind``: cited, attributed, extractive)."""
 
@@ -165,7 +177,16 @@ class ChoiceEvent(_Event):
 
 
 # What a turn streams.
-Event = ConversationEvent | TokenEvent | CitationEvent | ResetEvent | StepEvent | ErrorEvent | DoneEvent
+Event = (
+    ConversationEvent
+    | TokenEvent
+    | ToolCallDeltaEvent
+    | CitationEvent
+    | ResetEvent
+    | StepEvent
+    | ErrorEvent
+    | DoneEvent
+)
 # What the websocket sends: a turn's events and the answers to quick writes.
 WsEvent = Event | FeedbackAck | ChoiceEvent
 

@@ -9,7 +9,10 @@ refused upstream when it alone does not fit).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.agent.chunks import Chunk
 from services.agent.tokens import TokenCounter
@@ -30,6 +33,9 @@ EXAMPLE_QUESTION = "Who lit the lamp of the Quenby lighthouse?"
 EXAMPLE_ANSWER = "The lamp of the Quenby lighthouse was lit by Ada Lowe [2]."
 # Chat templates wrap each message in a few special tokens ("<|im_start|>user\n ... <|im_end|>\n").
 TEMPLATE_TOKENS_PER_MESSAGE = 8
+Msg = dict[str, Any]  # a chat message as the inference service takes it
+# What a history message keeps in the prompt (memory adds citations, message ids, steps).
+_MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 MIN_SOURCE_TOKENS = 24
 
 
@@ -37,9 +43,17 @@ class PromptTooLong(ValueError):
     """The question alone does not fit the context budget."""
 
 
+def message_text(msg: dict[str, Any]) -> str:
+    """What a message costs in the prompt: its text and, for an assistant's tool calls, their JSON."""
+    text = str(msg.get("content") or "")
+    if msg.get("tool_calls"):
+        text += json.dumps(msg["tool_calls"])
+    return text
+
+
 @dataclass
 class PromptPlan:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     sources: list[Chunk]
     prompt_tokens: int
     budget: int
@@ -94,10 +108,18 @@ class BudgetPromptBuilder:
     def _user(self, blocks: str, question: str) -> str:
         return self.instructions + "\n\nSources:\n" + blocks + f"\nQuestion: {question}"
 
-    def build(self, question: str, history: list[dict[str, str]], chunks: list[Chunk]) -> PromptPlan:
+    def build(
+        self,
+        question: str,
+        history: list[dict[str, Any]],
+        chunks: list[Chunk],
+        tail: Sequence[dict[str, Any]] = (),
+    ) -> PromptPlan:
+        """``tail``: messages after the question (a caller's tool calls and their results), always
+        kept, after the question they continue."""
         header = self.instructions + "\n\nSources:\n"
         footer = f"\nQuestion: {question}"
-        used = self._cost(header + footer)
+        used = self._cost(header + footer) + sum(self._cost(message_text(m)) for m in tail)
         if used > self.budget:
             raise PromptTooLong(
                 f"the question needs {used} tokens but the prompt budget is {self.budget} "
@@ -132,15 +154,19 @@ class BudgetPromptBuilder:
             if used + cost <= self.budget:
                 example = self.example_messages()
                 used += cost
-        kept: list[dict[str, str]] = []
+        kept: list[dict[str, Any]] = []
         for msg in reversed(history[-self.max_history_messages :]):
-            cost = self._cost(msg["content"])
+            cost = self._cost(message_text(msg))
             if used + cost > self.budget:
                 break
-            kept.insert(0, {"role": msg["role"], "content": msg["content"]})
+            # an assistant's tool calls and a tool result keep their ids (the template pairs them)
+            kept.insert(0, {k: v for k, v in msg.items() if k in _MESSAGE_FIELDS})
             used += cost
+        while kept and kept[0]["role"] == "tool":
+            # a result whose call was left out (budget, or the message limit) answers nothing
+            used -= self._cost(message_text(kept.pop(0)))
         return PromptPlan(
-            messages=[*example, *kept, {"role": "user", "content": user}],
+            messages=[*example, *kept, {"role": "user", "content": user}, *tail],
             sources=sources,
             prompt_tokens=used,
             budget=self.budget,

@@ -17,11 +17,28 @@ def _llm_field() -> Any:
     )
 
 
+class FunctionCall(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(description="The arguments as JSON text, as the model wrote them.")
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (OpenAI's shape), sent back in the history."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "tool"]
+    # "developer": OpenAI's newer name for system (the facade leaves both out of the prompt)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool: the call this is the result of")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -59,6 +76,14 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
+    # Passed to the pipeline's generation step as sent; the inference service validates them
+    # (its 400 names the field). Agents refuse them.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # none, auto, required or a named function: checked by the inference
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, ge=1, description="At most the pipeline's own answer budget.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name.")
 
 
 class WsChatFrame(BaseModel):
@@ -92,6 +117,8 @@ class TurnRecord(BaseModel):
     chunk_ids: list[str] = Field(default_factory=list)
     completion: str = ""
     citations: list[dict[str, Any]] = Field(default_factory=list)
+    # The calls the model made instead of (or beside) ``completion``, when the caller offered tools.
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
     created_at: float
     draft_of: str | None = None
     # Beyond the contract: what the user asked and saw, and what regenerating needs.

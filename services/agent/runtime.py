@@ -34,7 +34,7 @@ from services.agent.events import (
 from services.agent.memory import ConversationStore, MemoryLimits
 from services.agent.pipelines.components import CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
-from services.agent.pipelines.state import AnswerKind, Event, RunContext, RunState
+from services.agent.pipelines.state import AnswerForm, AnswerKind, Event, RunContext, RunState
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import TurnRecord
 from services.agent.tokens import load_counter
@@ -44,11 +44,12 @@ from services.agent.turns import SqliteTurnStore, TurnStore, new_message_id
 from services.common.auth import Principal
 from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from services.common.openai_stream import ToolCall
 from services.common.replicas import replica_pool
 
 log = logging.getLogger("tandem.agent")
 # Events that mean the answer has started (or ended): interfaces can commit to a streamed response then.
-FIRST_OUTPUT = frozenset({"token", "citation", "step", "done", "error"})
+FIRST_OUTPUT = frozenset({"token", "tool_call_delta", "citation", "step", "done", "error"})
 
 
 @dataclass
@@ -59,10 +60,11 @@ class Turn:
     message: str
     collection: str | None = None
     conversation_id: str | None = None
-    history: list[dict[str, str]] | None = None  # given by the caller (OpenAI facade) instead of memory
+    history: list[dict[str, Any]] | None = None  # given by the caller (OpenAI facade) instead of memory
     remember: bool = True
     options: dict[str, Any] = field(default_factory=dict)
     llm: str | None = None  # the model that generates; None: the conversation's, else the default
+    form: AnswerForm | None = None  # the caller's tools / response_format (OpenAI facade)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class TurnResult:
     citations: list[dict[str, Any]] = field(default_factory=list)
     invalid_citations: list[int] = field(default_factory=list)
     results: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the model's calls (the caller's tools)
     steps: list[dict[str, Any]] = field(default_factory=list)  # the agent's step events, as sent
     usage: dict[str, int] = field(default_factory=dict)
     finish_reason: str = "stop"
@@ -94,6 +97,7 @@ class TurnResult:
         self.invalid_citations = state.invalid_citations
         self.usage = state.usage
         self.finish_reason = state.finish_reason
+        self.tool_calls = state.tool_calls
 
     def pipeline_answer(self, pipeline: str, query: str, error: ErrorEvent | None) -> dict[str, Any]:
         """The JSON answer of POST /v1/pipelines/{name}/run: results (search) or the answer (chat)."""
@@ -144,7 +148,7 @@ class _Run:
     api_key: str
     turn: Turn
     llm: str | None
-    history: list[dict[str, str]]
+    history: list[dict[str, Any]]
     result: TurnResult
 
 
@@ -161,7 +165,7 @@ class AgentRuntime:
         self.agents: dict[str, AgentSpec] = {
             "tools-agent": AgentSpec(
                 name="tools-agent",
-                description="A ReAct agent with document search, a calculator"
+                description="An agent (OpenAI tool calls, or ReAct) with document search, a calculator"
                 + (", HTTP GET" if "http_get" in self.tools else "")
                 + " and any installed tools.",
                 tools=list(self.tools),
@@ -248,6 +252,40 @@ class AgentRuntime:
         )
         if needs_collection and not turn.collection:
             raise InvalidRequest(f"pipeline {turn.target!r} needs a 'collection'", param="collection")
+        tool_turns = any(m.get("role") == "tool" or m.get("tool_calls") for m in turn.history or [])
+        if turn.form is not None or tool_turns:
+            self._check_form(turn, turn.form or AnswerForm(), pipeline, tool_turns)
+
+    def _check_form(self, turn: Turn, form: AnswerForm, pipeline: Pipeline | None, tool_turns: bool) -> None:
+        """Tools and response_format reach a pipeline's generator; an agent runs its own tools and
+        writes its own answer, and a search pipeline writes none: both refuse them (a 400 naming the
+        field), rather than answer in a form the caller did not ask for."""
+        given = [name for name in ("tools", "tool_choice") if form.body().get(name)]
+        if form.response_format and form.response_format.get("type") != "text":
+            given.append("response_format")
+        if form.tail or tool_turns:
+            given.append("messages")
+        if not given:
+            return
+        if pipeline is None:
+            what = "tool results in messages" if given[0] == "messages" else given[0]
+            raise InvalidRequest(
+                f"{what} are not supported by agent {turn.target!r}, which runs its own tools; "
+                "use a pipeline (e.g. chat-documents)",
+                param=given[0],
+            )
+        if not any(n.type == "generator" for n in pipeline.spec.components.values()):
+            raise InvalidRequest(
+                f"pipeline {turn.target!r} searches and generates nothing: {given[0]} needs a chat "
+                "pipeline (e.g. chat-documents)",
+                param=given[0],
+            )
+        if turn.remember and turn.conversation_id and (form.tools or form.tail or tool_turns):
+            raise InvalidRequest(
+                "a conversation remembers text turns only: with tools, send the history (tool calls "
+                "and results included) in messages instead of a conversation_id",
+                param="conversation_id",
+            )
 
     async def turn(
         self, principal: Principal, api_key: str, turn: Turn, result: TurnResult
@@ -363,6 +401,7 @@ class AgentRuntime:
             completion=answer,
             citations=result.citations,
             finish_reason=finish_reason,
+            tool_calls=[c.model_dump() for c in result.tool_calls],
         )
         if result.state is not None:
             state: RunState = result.state
@@ -472,7 +511,11 @@ class AgentRuntime:
             model=(llm or await self.model(inference)) if uses_model else "",
         )
         state = RunState(
-            question=turn.message, collection=turn.collection, history=run.history, options=turn.options
+            question=turn.message,
+            collection=turn.collection,
+            history=run.history,
+            options=turn.options,
+            form=turn.form,
         )
         result.state = state
         async for event in pipeline.run(state, ctx):

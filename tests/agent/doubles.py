@@ -66,7 +66,17 @@ def retrieval_double(corpus: FakeCorpus) -> FastAPI:
     return app
 
 
-Script = Callable[[dict[str, Any]], str | dict[str, Any]]
+@dataclass
+class Refusal:
+    """A scripted reply that is an error status in OpenAI's shape (an engine refusing a field)."""
+
+    message: str
+    param: str | None = None
+    status: int = 400
+
+
+Reply = str | dict[str, Any] | Refusal
+Script = Callable[[dict[str, Any]], Reply]
 
 
 @dataclass
@@ -74,7 +84,7 @@ class ScriptedModel:
     """An OpenAI-compatible chat model that answers from a script (a list of replies, or a function
     of the request). A reply is text, or a dict message (for tool calls). ``delay`` is per token."""
 
-    replies: list[str | dict[str, Any]] | Script = field(default_factory=list)
+    replies: list[Reply] | Script = field(default_factory=list)
     delay: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -85,7 +95,7 @@ class ScriptedModel:
     # Embedding models listed beside the chat models, as the inference service lists them.
     embedding: list[str] = field(default_factory=lambda: ["all-MiniLM-L6-v2"])
 
-    def next_reply(self, body: dict[str, Any]) -> str | dict[str, Any]:
+    def next_reply(self, body: dict[str, Any]) -> Reply:
         if callable(self.replies):
             return self.replies(body)
         return self.replies.pop(0) if self.replies else "Final Answer: (script exhausted)"
@@ -113,6 +123,14 @@ def inference_double(model: ScriptedModel) -> FastAPI:
         model.requests.append(body)
         model.headers.append(dict(request.headers))
         reply = model.next_reply(body)
+        if isinstance(reply, Refusal):
+            error = {
+                "type": "invalid_request_error",
+                "message": reply.message,
+                "param": reply.param,
+                "code": None,
+            }
+            return JSONResponse({"error": error}, status_code=reply.status)
         message = reply if isinstance(reply, dict) else {"role": "assistant", "content": reply}
         text = str(message.get("content") or "")
         for stop in body.get("stop") or []:

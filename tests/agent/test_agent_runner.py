@@ -12,7 +12,8 @@ from services.agent.agents.runner import AgentRunner
 from services.agent.clients import InferenceClient
 from services.agent.tools.base import ToolContext
 from services.agent.tools.calculator import Calculator
-from tests.agent.doubles import FailingTool, ScriptedModel, inference_double
+from services.common.errors import InvalidRequest
+from tests.agent.doubles import FailingTool, Refusal, ScriptedModel, inference_double
 from tests.helpers.servers import serve_app
 
 pytestmark = pytest.mark.anyio
@@ -163,6 +164,29 @@ async def test_openai_tool_calling(scripted: tuple[ScriptedModel, str]) -> None:
     assert r.result.answer == "The answer is 1024."
     assert model.requests[0]["tools"][0]["function"]["name"] == "calculator"
     assert model.requests[1]["messages"][-2] == {"role": "tool", "tool_call_id": "c1", "content": "1024"}
+
+
+async def test_tool_calling_falls_back_to_react_when_the_engine_refuses_tools(
+    scripted: tuple[ScriptedModel, str],
+) -> None:
+    """The default mode is OpenAI tool calls; an engine that refuses them on the first step (a
+    remote upstream without tool calling) gets the same run in ReAct; any other 400 still fails."""
+    model, url = scripted
+    model.requests.clear()
+    model.replies = [
+        Refusal("tools are not supported by this server", param=None),
+        json.dumps({"thought": "add", "action": "calculator", "action_input": "2 + 3"}),
+        json.dumps({"thought": "done", "final_answer": "5"}),
+    ]
+    r = runner(url)
+    events = await events_of(r, "What is 2 plus 3?", mode="openai")
+    assert "tools" in model.requests[0] and "tools" not in model.requests[1]
+    assert "response_format" in model.requests[1]  # the ReAct step, constrained
+    assert [e["kind"] for e in events if e["type"] == "step"][-1] == "final"
+    assert r.result.answer == "5" and r.result.steps == 2
+    model.replies = [Refusal("the prompt is too long", param="messages")]
+    with pytest.raises(InvalidRequest, match="the prompt is too long"):
+        await events_of(runner(url), "What is 2 plus 3?", mode="openai")
 
 
 def _step(body: dict[str, Any]) -> dict[str, Any]:

@@ -54,6 +54,8 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         tmp_path_factory.mktemp("home"),
         model=model,
         feedback_max_correction_chars=200,
+        # the records of a ReAct agent's raw reply are checked below ("...Final Answer: ...")
+        tool_calling="react",
         **SETTINGS,
     ) as s:
         yield s

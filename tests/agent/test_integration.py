@@ -4,11 +4,8 @@ HTTP) with the real SmolLM2-135M-Instruct. Marked e2e (slow)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +13,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from services.agent.app import create_app as create_agent
-from services.agent.config import AgentSettings
-from services.common.config import CommonSettings
+from tests.agent.stack import RealStack, new_key, real_services
 from tests.conftest import auth
-from tests.helpers.servers import serve_app, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -54,66 +48,20 @@ DOCS = [
 ]
 
 
-@dataclass
-class RealStack:
-    agent: str
-    retrieval: str
-    inference: str
-    key: str
-    collection: str = "facts"
-
-    def run(self, pipeline: str, body: dict[str, Any]) -> httpx.Response:
-        """A pipeline run through the agent's JSON route; fails the test on anything but 200."""
-        resp = httpx.post(
-            f"{self.agent}/v1/pipelines/{pipeline}/run", json=body, headers=auth(self.key), timeout=300
-        )
-        assert resp.status_code == 200, resp.text
-        return resp
-
-    @property
-    def ws(self) -> str:
-        return self.agent.replace("http://", "ws://") + "/v1/ws/chat"
-
-
-def _inference_app(common: CommonSettings, model: Path) -> Any:
-    from services.inference.app import create_app
-    from services.inference.config import InferenceSettings
-
-    return create_app(common, InferenceSettings(model=str(model)))
-
-
 @pytest.fixture(scope="module")
 def real_stack(
     redis_url: str, tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
 ) -> Iterator[RealStack]:
-    from services.common.auth import KeyStore
-    from services.common.redis_conn import sync_redis
-    from services.retrieval.app import create_app as create_retrieval
-    from services.retrieval.config import RetrievalSettings
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     home = tmp_path_factory.mktemp("agent-e2e")
-    key = KeyStore(sync_redis(redis_url)).create("acme-e2e")[0]
-    with ExitStack() as stack:
-        base = CommonSettings(
-            home=home, redis_url=redis_url, log_json=False, model_roots=f"{home}:{smollm2_path.parent}"
-        )
-        r_url = stack.enter_context(serve_app(create_retrieval(base, RetrievalSettings())))
-        # transformers' lazy imports are not thread-safe: let the embedder finish loading in its
-        # thread before the inference app loads the model in another.
-        wait_ready(r_url)
-        inference = _inference_app(base, smollm2_path)
-        i_url = stack.enter_context(serve_app(inference))
-        common = base.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})
-        settings = AgentSettings(
-            tokenizer=str(smollm2_path), max_answer_tokens=48, agent_max_steps=4, agent_time_budget_s=90
-        )
-        a_url = stack.enter_context(serve_app(create_agent(common, settings)))
-        with httpx.Client(base_url=r_url, headers=auth(key), timeout=300) as client:
-            assert client.post("/v1/collections", json={"name": "facts"}).status_code == 201
-            resp = client.post("/v1/collections/facts/documents", json={"documents": DOCS})
-            assert resp.status_code == 201, resp.text
-        yield RealStack(a_url, r_url, i_url, key)
+    key = new_key(redis_url, "acme-e2e")
+    settings = {
+        "tokenizer": str(smollm2_path),
+        "max_answer_tokens": 48,
+        "agent_max_steps": 4,
+        "agent_time_budget_s": 90,
+    }
+    with real_services(redis_url, home, smollm2_path, key, DOCS, **settings) as stack:
+        yield stack
 
 
 def test_semantic_search_highlights_the_right_passage(real_stack: RealStack) -> None:
@@ -186,7 +134,7 @@ CALC_TASKS = [
 
 
 def test_agent_calculator_with_the_real_model(real_stack: RealStack) -> None:
-    """SmolLM2-135M drives the ReAct loop with constrained steps (response_format json_schema) and a
+    """SmolLM2-135M drives the agent (the default mode: constrained OpenAI tool calls) and a
     forced final answer after the tool result: it solves at least 3 of the 4 tasks (greedy, so the
     figure is reproducible; benchmarks/agent/tool_tasks.py measures the 20-task set)."""
     solved = 0

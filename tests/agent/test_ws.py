@@ -215,14 +215,22 @@ def test_browser_subprotocol_auth_and_refusals(stack: Stack, api_key: str) -> No
 
 
 def test_agent_steps_stream_over_the_websocket(stack: Stack, api_key: str) -> None:
+    """The default agent mode: OpenAI tool calls, then the forced final_answer call's JSON."""
+    call = {"name": "calculator", "arguments": json.dumps({"expression": "1234 + 4321"})}
     stack.model.replies = [
-        "Thought: add them\nAction: calculator\nAction Input: 1234 + 4321",
-        "Final Answer: 5555",
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": call}],
+        },
+        json.dumps({"name": "final_answer", "arguments": {"answer": "5555"}}),
     ]
     with ws(stack, api_key) as conn:
         conn.send(json.dumps({"agent": "tools-agent", "message": "What is 1234 + 4321?"}))
         events = until_done(conn)
     kinds = [e.get("kind") for e in events if e["type"] == "step"]
-    assert kinds == ["thought", "tool_call", "observation", "final"]
+    assert kinds == ["tool_call", "observation", "final"]
+    assert stack.model.requests[-2]["tool_choice"] == "required"
+    assert next(e for e in events if e.get("kind") == "final")["text"] == "5555"
     assert next(e for e in events if e.get("kind") == "observation")["text"] == "5555"
     assert events[-1]["type"] == "done"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from services.agent.events import (
 from services.agent.tools.base import Tool, ToolContext, call_tool, constrained_input
 from services.common.errors import InvalidRequest
 
+log = logging.getLogger("tandem.agent.runner")
 STOP = ["\nObservation:", "Observation:"]
 CONSTRAINED_MIN_TOKENS = 128
 
@@ -103,9 +105,19 @@ class AgentRunner:
         async def produce() -> None:
             try:
                 async with asyncio.timeout(self.time_budget_s):
-                    loop = self._openai if mode == "openai" else self._react
-                    async for event in loop(question, history):
-                        await queue.put(event)
+                    try:
+                        loop = self._openai if mode == "openai" else self._react
+                        async for event in loop(question, history):
+                            await queue.put(event)
+                    except InvalidRequest as exc:
+                        if not (mode == "openai" and self._tools_refused(exc)):
+                            raise
+                        # The engine (a remote upstream without tool calling) refused the first
+                        # step's tools: the same run in ReAct, which needs plain chat only.
+                        log.warning("tool calls refused by the inference service (%s): ReAct instead", exc)
+                        self.result = AgentRun()
+                        async for event in self._react(question, history):
+                            await queue.put(event)
             except TimeoutError:
                 self.result.finish_reason = "time_budget"
                 await queue.put(
@@ -124,6 +136,14 @@ class AgentRunner:
             await task  # re-raises errors of the loop (bad input, upstream failures)
         finally:
             task.cancel()
+
+    def _tools_refused(self, exc: InvalidRequest) -> bool:
+        """Whether a 400 is the engine refusing tool calls on the first step (nothing streamed
+        yet): it names a tool parameter, or (an upstream's own words, no parameter) tools."""
+        first = self.result.steps <= 1 and self.result.tool_calls == 0
+        if exc.param is not None:
+            return first and exc.param.startswith(("tools", "tool_choice", "parallel_tool_calls"))
+        return first and "tool" in exc.message.lower()
 
     async def _tool(self, name: str, argument: Any) -> AsyncIterator[Event]:
         self.result.tool_calls += 1

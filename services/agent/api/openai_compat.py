@@ -2,6 +2,13 @@
 
 Any OpenAI client can chat with documents. Citations ride in a top-level
 ``citations`` list of the response, and of the last chunk of a stream.
+
+``tools``, ``tool_choice``, ``parallel_tool_calls`` and ``response_format`` go to the chat
+pipeline's generation step as sent (the inference service validates and enforces them), with the
+retrieved sources still in the prompt; assistant tool calls and tool results in ``messages`` are
+kept in the history, and those after the last user message follow the prompt the pipeline builds.
+The model's calls come back in OpenAI's shape (``message.tool_calls``, ``delta.tool_calls``,
+``finish_reason: "tool_calls"``). Agents run their own tools and refuse the caller's.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ from fastapi.responses import StreamingResponse
 
 from services.agent.api.common import error_event, sse
 from services.agent.api.deps import CallerDep, RuntimeDep
-from services.agent.events import ErrorEvent, Event, ResetEvent, TokenEvent
-from services.agent.protocol import ChatCompletionRequest
+from services.agent.events import ErrorEvent, Event, ResetEvent, TokenEvent, ToolCallDeltaEvent
+from services.agent.pipelines.state import AnswerForm
+from services.agent.protocol import ChatCompletionRequest, Message
 from services.agent.runtime import Turn, TurnResult, collect, peek
 from services.common.app_factory import JSON_OR_SSE
 from services.common.errors import InvalidRequest, TandemError
@@ -61,22 +69,117 @@ def _citations(result: TurnResult) -> list[dict[str, Any]]:
     ]
 
 
+def _wire(m: Message) -> dict[str, Any]:
+    """A history message as the prompt takes it: text content, and the tool fields it has."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None and m.role == "tool":
+        out["name"] = m.name
+    return out
+
+
+def _split(messages: list[Message]) -> tuple[list[dict[str, Any]], Message, list[dict[str, Any]]]:
+    """The history, the question (the last user message) and what follows it: the assistant's
+    tool calls and their results, which the model continues from. A tool result must answer a
+    call made before it (a 400 naming the message otherwise, as OpenAI does)."""
+    asked = [i for i, m in enumerate(messages) if m.role == "user"]
+    if not asked:
+        raise InvalidRequest("messages need a user message", param="messages")
+    last = asked[-1]
+    after = messages[last + 1 :]
+    if after and (after[-1].role != "tool" or any(m.role not in ("assistant", "tool") for m in after)):
+        raise InvalidRequest(
+            "the last message must come from the user, or be a tool result after the last user message",
+            param="messages",
+        )
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            calls.update(c.id for c in m.tool_calls or [])
+        elif m.role == "tool":
+            if not m.tool_call_id:
+                raise InvalidRequest(
+                    f"messages[{i}]: a tool message needs tool_call_id", param=f"messages[{i}].tool_call_id"
+                )
+            if m.tool_call_id not in calls:
+                raise InvalidRequest(
+                    f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no tool call of an earlier "
+                    "assistant message",
+                    param=f"messages[{i}].tool_call_id",
+                )
+    # The pipeline writes its own instructions: the caller's system (developer) messages are not sent.
+    history = [_wire(m) for m in messages[:last] if m.role in ("user", "assistant", "tool")]
+    return history, messages[last], [_wire(m) for m in after]
+
+
+def _form(body: ChatCompletionRequest, tail: list[dict[str, Any]]) -> AnswerForm | None:
+    form = AnswerForm(
+        tools=body.tools,
+        tool_choice=body.tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=body.response_format,
+        tail=tail,
+    )
+    return form if form.body() or tail else None
+
+
+def _usage(result: TurnResult) -> dict[str, int]:
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    return {k: result.usage.get(k, 0) for k in keys}
+
+
+def _finish_reason(result: TurnResult) -> str:
+    if result.tool_calls:
+        return "tool_calls"
+    if result.error is not None or result.finish_reason == "length":
+        return "length"
+    return "stop"
+
+
+def _tool_calls(result: TurnResult) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": c.function.model_dump()} for c in result.tool_calls]
+
+
+def _tool_call_delta(event: ToolCallDeltaEvent) -> dict[str, Any]:
+    """OpenAI's ``delta.tool_calls`` entry: index, then id/type/name on a call's first piece, and
+    argument text (only what the inference's own delta had)."""
+    out: dict[str, Any] = {"index": event.index}
+    if event.id is not None:
+        out.update(id=event.id, type="function")
+    function: dict[str, str] = {}
+    if event.name is not None:
+        function["name"] = event.name
+    if event.arguments is not None:
+        function["arguments"] = event.arguments
+    if function:
+        out["function"] = function
+    return out
+
+
 @router.post("/v1/chat/completions", response_model=None, responses=JSON_OR_SSE)
 async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who: CallerDep) -> Any:
     principal, key = who
-    if body.messages[-1].role != "user":
-        raise InvalidRequest("the last message must come from the user", param="messages")
-    history = [
-        {"role": m.role, "content": m.text()} for m in body.messages[:-1] if m.role in ("user", "assistant")
-    ]
+    if body.stream_options is not None and not body.stream:
+        # as OpenAI, vLLM and the inference service answer
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    history, question, tail = _split(body.messages)
+    options: dict[str, Any] = {}
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
     turn = Turn(
         target=body.model,
-        message=body.messages[-1].text(),
+        message=question.text(),
         collection=body.collection,
         conversation_id=body.conversation_id,
         history=history,
         remember=body.conversation_id is not None,
+        options=options,
         llm=body.llm,
+        form=_form(body, tail),
     )
     try:
         runtime.validate(turn)
@@ -90,24 +193,17 @@ async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who
     created = int(time.time())
     if not body.stream:
         await collect(events)
-        content = result.answer if result.results is None else _render_results(result.results)
+        content: str | None = result.answer if result.results is None else _render_results(result.results)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if result.tool_calls:
+            message.update(content=result.answer or None, tool_calls=_tool_calls(result))
         return {
             "id": completion_id,
             "object": "chat.completion",
             "created": created,
             "model": body.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content},
-                    "finish_reason": "stop" if result.error is None else "length",
-                }
-            ],
-            "usage": {
-                "prompt_tokens": result.usage.get("prompt_tokens", 0),
-                "completion_tokens": result.usage.get("completion_tokens", 0),
-                "total_tokens": result.usage.get("total_tokens", 0),
-            },
+            "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(result)}],
+            "usage": _usage(result),
             "citations": _citations(result),
             "message_id": result.message_id,
             "conversation_id": result.conversation_id,
@@ -139,6 +235,8 @@ async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who
             async for event in all_events():
                 if isinstance(event, TokenEvent):
                     yield chunk({"content": event.text})
+                elif isinstance(event, ToolCallDeltaEvent):
+                    yield chunk({"tool_calls": [_tool_call_delta(event)]})
                 elif isinstance(event, ResetEvent):
                     # An OpenAI stream cannot take text back: the guard's answer follows on its own
                     # paragraph, and the last chunk says kind "extractive".
@@ -157,9 +255,10 @@ async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who
         }
         if result.grounding is not None:
             extra["kind"] = result.answer_kind
-        if result.usage and (body.stream_options or {}).get("include_usage"):
-            extra["usage"] = result.usage
-        yield chunk({}, "stop", **extra)
+        if (body.stream_options or {}).get("include_usage"):
+            # asked for, it is always there (zeros when no model was called, as for a search)
+            extra["usage"] = _usage(result)
+        yield chunk({}, _finish_reason(result), **extra)
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

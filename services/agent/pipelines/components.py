@@ -12,14 +12,14 @@ import asyncio
 import importlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.agent.chunks import Chunk, Citation
 from services.agent.citations import CitationTracker, attribute
-from services.agent.events import CitationEvent, ResetEvent, TokenEvent
+from services.agent.events import CitationEvent, ResetEvent, TokenEvent, ToolCallDeltaEvent
 from services.agent.grounding import (
     MIN_SIMILARITY,
     GroundingReport,
@@ -28,11 +28,12 @@ from services.agent.grounding import (
     with_embeddings,
 )
 from services.agent.highlight import highlight
-from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
+from services.agent.prompting import BudgetPromptBuilder, Msg, PromptPlan, PromptTooLong
 from services.agent.repetition import RepetitionGuard
 from services.agent.rewrite import HistoryRewriter, QueryRewriter
 from services.agent.text import content_terms, overlap
 from services.common.errors import InvalidRequest, TandemError
+from services.common.openai_stream import ToolCallDelta
 
 from .state import EventStream, RunContext, RunState
 
@@ -57,11 +58,17 @@ class Reranker(Protocol):
 
 
 class PromptBuilder(Protocol):
-    def build(self, question: str, history: list[dict[str, str]], chunks: list[Chunk]) -> PromptPlan: ...
+    def build(
+        self, question: str, history: list[Msg], chunks: list[Chunk], tail: Sequence[Msg] = ()
+    ) -> PromptPlan:
+        """``tail``: messages after the question (the caller's tool calls and results)."""
+        ...
 
 
 class Generator(Protocol):
-    def generate(self, ctx: RunContext, messages: list[dict[str, str]]) -> AsyncIterator[str]: ...
+    def generate(self, ctx: RunContext, messages: list[dict[str, Any]]) -> AsyncIterator[str | ToolCallDelta]:
+        """Answer text as it streams; a piece of a tool call when the caller offered tools."""
+        ...
 
 
 class Component(Protocol):
@@ -148,7 +155,9 @@ class InferenceGenerator:
         out.update(self.extra)
         return out
 
-    async def generate(self, ctx: RunContext, messages: list[dict[str, str]]) -> AsyncIterator[str]:
+    async def generate(
+        self, ctx: RunContext, messages: list[dict[str, Any]]
+    ) -> AsyncIterator[str | ToolCallDelta]:
         body: dict[str, Any] = {
             "model": ctx.model,
             "messages": messages,
@@ -163,6 +172,8 @@ class InferenceGenerator:
                     self.finish_reason = choice.finish_reason
                 if choice.text:
                     yield choice.text
+                for delta in choice.delta.tool_calls or []:
+                    yield delta
 
 
 # -- nodes ---------------------------------------------------------------------------------------
@@ -294,13 +305,17 @@ class PromptNode:
         )
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
-        if not state.chunks:
+        if not state.chunks and state.form is None:
             state.no_context = True
             return
+        # With the caller's tools or response_format the model answers even when nothing relevant
+        # was found (the prompt is then the question alone): a canned "I don't know" is neither the
+        # JSON asked for nor a tool call, and a tool may be how the caller gets the answer.
+        tail = state.form.tail if state.form is not None else []
         try:
-            state.plan = self.builder(ctx).build(state.question, state.history, state.chunks)
+            state.plan = self.builder(ctx).build(state.question, state.history, state.chunks, tail)
         except PromptTooLong as exc:
-            raise InvalidRequest(str(exc), param="message") from exc
+            raise InvalidRequest(str(exc), param="messages" if tail else "message") from exc
         state.chunks = state.plan.sources
         state.no_context = not state.plan.sources
         state.tracker = CitationTracker(state.plan.sources)
@@ -322,30 +337,52 @@ class GenerateNode:
         self.generator = generator
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
-        if state.no_context or state.plan is None:
+        if state.plan is None or (state.no_context and state.form is None):
             state.answer = NO_CONTEXT_ANSWER.format(collection=state.collection)
             yield TokenEvent(text=state.answer)
             return
         # A regenerated draft samples at its own temperature (state.options), so it can differ.
         temperature = state.options.get("temperature", self.p.temperature)
+        max_tokens = self.p.max_tokens
+        asked = state.options.get("max_tokens")
+        if isinstance(asked, int):
+            # the prompt's budget reserved the pipeline's answer tokens: a caller may ask fewer
+            max_tokens = min(asked, self.p.max_tokens or ctx.settings.max_answer_tokens)
+        form = state.form.body() if state.form is not None else {}
         gen = self.generator or InferenceGenerator(
-            self.p.max_tokens, temperature, self.p.top_p, self.p.sampling
+            max_tokens, temperature, self.p.top_p, {**self.p.sampling, **form}
         )
         # The exact messages and sampling the model gets: the turn record keeps them for training.
         state.prompt = [dict(m) for m in state.plan.messages]
         state.model = ctx.model
         state.sampling = gen.sampling(ctx) if isinstance(gen, InferenceGenerator) else {}
+        # A JSON answer (response_format, a forced call) is constrained by the inference's grammar:
+        # cutting it at a repeat, or reading "[1]" in a JSON array as a citation marker, would break it.
+        text_answer = state.form is None or not state.form.json_answer
         guard = RepetitionGuard()
         stream = gen.generate(ctx, state.plan.messages)
         looped = False
         try:
-            async for text in stream:
-                state.answer += text
-                yield TokenEvent(text=text)
+            async for piece in stream:
+                if isinstance(piece, ToolCallDelta):
+                    # a tool call is the caller's to run: passed on as it streams, never rewritten
+                    state.add_tool_delta(piece)
+                    fn = piece.function
+                    yield ToolCallDeltaEvent(
+                        index=piece.index,
+                        id=piece.id,
+                        name=fn.name if fn is not None else None,
+                        arguments=fn.arguments if fn is not None else None,
+                    )
+                    continue
+                state.answer += piece
+                yield TokenEvent(text=piece)
+                if not text_answer:
+                    continue
                 if state.tracker is not None:
-                    for citation in state.tracker.feed(text):
+                    for citation in state.tracker.feed(piece):
                         yield CitationEvent.from_citation(citation)
-                if guard.feed(text):
+                if guard.feed(piece):
                     looped = True
                     break
         finally:
@@ -373,6 +410,15 @@ class CiteNode:
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         if state.tracker is None:
+            return
+        if state.structured:
+            # JSON or tool calls carry no markers to resolve (a JSON array "[1]" is not one): the
+            # citations are the sources the model was shown (kind "source").
+            state.citations = [
+                Citation.of(n, c, kind="source") for n, c in enumerate(state.tracker.chunks, 1)
+            ]
+            for citation in state.citations:
+                yield CitationEvent.from_citation(citation)
             return
         if not state.tracker.text and state.answer:
             state.tracker.feed(state.answer)
@@ -438,6 +484,10 @@ class GuardNode:
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         enabled = ctx.settings.grounding_guard if self.p.enabled is None else self.p.enabled
         if not enabled or state.tracker is None or state.no_context or not state.tracker.chunks:
+            return
+        if state.structured:
+            # A JSON answer or tool calls are the form the caller asked for: an extractive answer
+            # would replace them with text, and sentence support means nothing for them.
             return
         chunks = state.tracker.chunks
         # A follow-up ("and its capital?") is judged with what the rewriter made of it too.

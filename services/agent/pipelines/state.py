@@ -13,8 +13,9 @@ from services.agent.config import AgentSettings
 from services.agent.events import AnswerKind, Event
 from services.agent.prompting import PromptPlan
 from services.agent.tokens import TokenCounter
+from services.common.openai_stream import ToolCall, ToolCallDelta
 
-__all__ = ["AnswerKind", "Event", "EventStream", "RunContext", "RunState"]
+__all__ = ["AnswerForm", "AnswerKind", "Event", "EventStream", "RunContext", "RunState"]
 
 EventStream = AsyncIterator[Event]
 
@@ -31,10 +32,42 @@ class RunContext:
 
 
 @dataclass
+class AnswerForm:
+    """What a caller asked of the answer's form beyond text (the OpenAI facade): ``tools``,
+    ``tool_choice``, ``parallel_tool_calls`` and ``response_format``, sent to the inference service
+    as given (it validates them and constrains the output), and the assistant tool calls and tool
+    results that follow the question, sent after the prompt the pipeline builds."""
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    tail: list[dict[str, Any]] = field(default_factory=list)
+
+    def body(self) -> dict[str, Any]:
+        """The fields of the inference request, those given only."""
+        fields = {
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "response_format": self.response_format,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
+    @property
+    def json_answer(self) -> bool:
+        """The answer is JSON: response_format json_object / json_schema, or a call that
+        ``tool_choice`` forces ("required" or a named function; cut short by max_tokens, the
+        inference returns the call's JSON as content)."""
+        forced = bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+        return forced or (self.response_format or {}).get("type") in ("json_object", "json_schema")
+
+
+@dataclass
 class RunState:
     question: str
     collection: str | None
-    history: list[dict[str, str]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
     search_query: str = ""
     chunks: list[Chunk] = field(default_factory=list)
@@ -48,7 +81,7 @@ class RunState:
     usage: dict[str, int] = field(default_factory=dict)
     finish_reason: str = "stop"
     # What the generator sent, exactly (the turn record keeps it): None when no model was called.
-    prompt: list[dict[str, str]] | None = None
+    prompt: list[dict[str, Any]] | None = None
     model: str = ""
     sampling: dict[str, Any] = field(default_factory=dict)
     # The model's own text (``answer`` is what is shown: the groundedness guard may replace it).
@@ -57,6 +90,25 @@ class RunState:
     grounding: str | None = None  # the guard's verdict (services/agent/grounding.py)
     groundedness: float | None = None
     unsupported: list[dict[str, Any]] = field(default_factory=list)
+    # The caller's tools / response_format (None: a text answer, the pipeline's own way).
+    form: AnswerForm | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # what the model called, in order
+
+    @property
+    def structured(self) -> bool:
+        """A JSON answer (response_format) or tool calls: what rewrites answer text (citation
+        markers, the repetition cut, the groundedness guard) must leave it alone."""
+        return bool(self.tool_calls) or (self.form is not None and self.form.json_answer)
+
+    def add_tool_delta(self, delta: ToolCallDelta) -> None:
+        """One streamed piece of a call: the first names it, the next add to its arguments."""
+        while len(self.tool_calls) <= delta.index:
+            self.tool_calls.append(ToolCall())
+        call = self.tool_calls[delta.index]
+        call.id = delta.id or call.id
+        if delta.function is not None:
+            call.function.name = delta.function.name or call.function.name
+            call.function.arguments += delta.function.arguments or ""
 
     def view(self) -> dict[str, Any]:
         """A plain-dict view for foreign components (LangChain runnables)."""

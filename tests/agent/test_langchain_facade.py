@@ -1,0 +1,89 @@
+"""LangChain's standard integration tests (``langchain-tests``) against the agent's OpenAI facade.
+
+``ChatOpenAI`` is pointed at the agent service, whose chat pipeline (``chat-documents`` over a small
+collection, the ``collection`` riding in ``extra_body``) generates through the real inference
+service on the real SmolLM2-135M-Instruct: tools, ``tool_choice``, structured output and usage pass
+through the pipeline's generation step. The pattern of tests/inference/test_langchain_standard.py:
+what the protocol must do passes; a test that asserts what a 135M model says is a non-strict xfail
+limited to the model's failures (``MODEL_FAILURES``), with the reason (that module's: here a
+looping string meets ``MAX_TOKENS``, not the full context). About 2 minutes on the shared 2-core
+machine (33 passed, 6 xfailed or xpassed as greedy near-ties go, 11 skipped): e2e, run in CI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.agent.stack import RealStack, new_key, real_services
+from tests.helpers.models import smollm2_dir
+from tests.inference.test_langchain_standard import JSON_MODE_FAILURES, MODEL_FAILURES, XFAIL
+
+# under a name pytest does not collect: only its subclass below runs here
+from tests.inference.test_langchain_standard import TestInferenceChatOpenAI as InferenceSuite
+
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
+
+# The pipeline's answer budget (the facade never raises it): long enough for the suite's JSON
+# answers and calls to close, short enough that a looping one ends in seconds.
+MAX_TOKENS = 256
+DOCS = [
+    {
+        "id": "weather",
+        "title": "Weather in San Francisco",
+        "text": "San Francisco is often foggy in summer. Its weather is mild all year.",
+    },
+    {
+        "id": "jokes",
+        "title": "Jokes about cats",
+        "text": "A joke has a setup and a punchline. Cats are a favourite subject of jokes.",
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def facade(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[RealStack]:
+    model = smollm2_dir()
+    with real_services(
+        redis_url,
+        tmp_path_factory.mktemp("langchain-facade"),
+        model,
+        new_key(redis_url, "acme-langchain"),
+        DOCS,
+        inference={"max_batch_size": 8},
+        tokenizer=str(model),
+        max_answer_tokens=MAX_TOKENS,
+        grounding_embedder=False,
+    ) as stack:
+        yield stack
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class TestFacadeChatOpenAI(InferenceSuite):
+    """The inference suite's class (its declared features and ``tool_choice_value``) against the
+    facade: ``model`` names the pipeline, the collection rides in ``extra_body``."""
+
+    @pytest.fixture(autouse=True)
+    def _server(self, facade: RealStack, request: pytest.FixtureRequest) -> None:
+        type(self).base_url, type(self).api_key = facade.agent + "/v1", facade.key
+        reason = XFAIL.get(request.node.originalname)
+        if reason:
+            raises = JSON_MODE_FAILURES if request.node.originalname == "test_json_mode" else MODEL_FAILURES
+            request.applymarker(pytest.mark.xfail(reason=reason, strict=False, raises=raises))
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {
+            **super().chat_model_params,
+            "model": "chat-documents",
+            "extra_body": {"collection": "facts"},
+            "max_tokens": MAX_TOKENS,
+            "http_async_client": httpx.AsyncClient(timeout=300),
+        }
