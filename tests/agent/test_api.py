@@ -307,3 +307,38 @@ def test_a_partly_supported_answer_flags_its_unsupported_sentence(stack: Stack, 
     assert (body["answer"], body["kind"], body["grounding"]) == (answer, "generated", "partial")
     assert [u["text"] for u in body["unsupported"]] == ["Its mayor rides a purple dragon."]
     assert [(c["document_id"], c["kind"]) for c in body["citations"]] == [("de", "cited")]
+
+
+def test_an_agent_turn_that_fails_is_an_openai_error_not_a_200(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory, api_key: str
+) -> None:
+    """An agent that never gives a final answer within its steps: the facade answers the run's
+    error in OpenAI's shape (500 with the code), where it used to be a 200 with ``length``; a
+    stream, already 200, carries the error as a data event before its end."""
+
+    def never_final(body: dict[str, Any]) -> str:
+        return "Thought: more arithmetic.\nAction: calculator\nAction Input: 1 + 1"
+
+    with agent_stack(
+        redis_url, tmp_path_factory.mktemp("home"), agent_max_steps=1, tool_calling="react"
+    ) as s:
+        s.model.replies = never_final
+        request = {"model": "tools-agent", "messages": [{"role": "user", "content": "Count forever."}]}
+        resp = httpx.post(f"{s.url}/v1/chat/completions", json=request, headers=auth(api_key), timeout=60)
+        assert resp.status_code == 500, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "step_budget_exceeded" and error["type"] == "server_error"
+        assert "1 steps" in error["message"]
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=api_key, max_retries=0)
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(**request)
+        with httpx.stream(
+            "POST",
+            f"{s.url}/v1/chat/completions",
+            json={**request, "stream": True},
+            headers=auth(api_key),
+            timeout=60,
+        ) as streamed:
+            assert streamed.status_code == 200
+            events = sse_events(streamed)
+        assert any(e.get("error", {}).get("code") == "step_budget_exceeded" for e in events), events

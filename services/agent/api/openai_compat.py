@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.agent.api.common import error_event, sse
 from services.agent.api.deps import CallerDep, RuntimeDep
@@ -28,7 +28,7 @@ from services.agent.pipelines.state import AnswerForm
 from services.agent.protocol import ChatCompletionRequest, Message
 from services.agent.runtime import Turn, TurnResult, collect, peek
 from services.common.app_factory import JSON_OR_SSE
-from services.common.errors import InvalidRequest, TandemError
+from services.common.errors import InvalidRequest, TandemError, error_body
 
 router = APIRouter(tags=["openai"], responses={404: {"description": "no such model or collection"}})
 
@@ -139,6 +139,19 @@ def _finish_reason(result: TurnResult) -> str:
     return "stop"
 
 
+# HTTP status of a turn that ended in an error event rather than an exception (whose status the
+# event carries): the agent's budgets. A 5xx, as OpenAI answers a generation it could not finish;
+# the `openai` client retries those (max_retries), which may help where sampling is on.
+_FAILED_TURN_STATUS = {"time_budget_exceeded": 504, "step_budget_exceeded": 500}
+
+
+def _failed_turn(error: ErrorEvent) -> JSONResponse:
+    """A turn that failed is an error in OpenAI's shape, never a 200 with a cut answer."""
+    status = error.status or _FAILED_TURN_STATUS.get(error.code or "", 500)
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(error_body(type_, error.message, error.param, error.code), status_code=status)
+
+
 def _tool_calls(result: TurnResult) -> list[dict[str, Any]]:
     return [{"id": c.id, "type": "function", "function": c.function.model_dump()} for c in result.tool_calls]
 
@@ -193,6 +206,8 @@ async def chat_completions(body: ChatCompletionRequest, runtime: RuntimeDep, who
     created = int(time.time())
     if not body.stream:
         await collect(events)
+        if result.error is not None:
+            return _failed_turn(result.error)
         content: str | None = result.answer if result.results is None else _render_results(result.results)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if result.tool_calls:
