@@ -84,6 +84,27 @@ class Hyperparameters(Strict):
     max_seq_length: int | None = Field(
         None, ge=8, le=8192, description="embedder jobs: tokens read per text (default: the model's own)"
     )
+    hard_negatives: int = Field(
+        0,
+        ge=0,
+        le=32,
+        description="embedder jobs: negatives mined per pair with the base model over the job's corpus "
+        "(sentence-transformers' mine_hard_negatives: the texts nearest the query that are not its "
+        "positives); 0: in-batch negatives only",
+    )
+    hard_negatives_margin: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="embedder jobs with hard_negatives: a candidate scoring above the query's positive "
+        "less this share of it is skipped as a likely unlabelled positive (relative_margin)",
+    )
+    hard_negatives_skip: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="embedder jobs with hard_negatives: also skip this many of the nearest candidates (range_min)",
+    )
 
     @field_validator("matryoshka_dims")
     @classmethod
@@ -123,7 +144,15 @@ class ResourcesSpec(Strict):
         return self.nodes * self.procs_per_node
 
 
-EMBEDDER_ONLY = ("loss", "mini_batch_size", "matryoshka_dims", "max_seq_length")
+EMBEDDER_ONLY = (
+    "loss",
+    "mini_batch_size",
+    "matryoshka_dims",
+    "max_seq_length",
+    "hard_negatives",
+    "hard_negatives_margin",
+    "hard_negatives_skip",
+)
 
 
 class JobCreate(Strict):

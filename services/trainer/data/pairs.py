@@ -9,6 +9,11 @@ Three sources give ``(query, positive, negatives)`` pairs:
 - a retrieval collection, with no labels (:func:`title_pairs`): a document's title, and each
   Markdown heading, is paired with the passage under it.
 
+Hard negatives (:func:`mine_negatives`, the ``hard_negatives`` hyperparameter) are mined with
+sentence-transformers' own ``mine_hard_negatives`` over the job's corpus: the files' corpora
+plus every text of the training pairs (a collection's documents and sections, for a job that
+names one).
+
 Held-out evaluation ranks the held-out queries against a corpus: the files' own corpora
 (a beir file's documents) when there are any, else every text the pairs hold (positives and
 negatives, training and held-out alike), so the held-out queries compete with all of them.
@@ -17,6 +22,7 @@ negatives, training and held-out alike), so the held-out queries compete with al
 from __future__ import annotations
 
 import hashlib
+import random
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,3 +126,91 @@ def retrieval_set(
         cid = rec.get("corpus_id")
         relevant.setdefault(qid, set()).add(cid if cid in docs else by_text[rec["positive"]])
     return RetrievalSet(queries, docs, relevant)
+
+
+@dataclass
+class MinedNegatives:
+    """Pairs with their mined negatives appended, and what mining found."""
+
+    pairs: list[dict[str, Any]]
+    mined: int  # negatives mine_hard_negatives found
+    padded: int  # negatives filled with random corpus texts where it found too few
+
+
+def _overlaps(a: str, b: str) -> bool:
+    # a section and the document holding it (a collection's title and heading pairs): the
+    # one answers whatever the other does, so neither is a negative of the other's query
+    return a in b or b in a
+
+
+def _fits(text: str, chosen: list[str], own: list[str], positives: set[str]) -> bool:
+    return text not in chosen and text not in own and not any(_overlaps(text, pos) for pos in positives)
+
+
+def mine_negatives(
+    model: Any,
+    pairs: list[dict[str, Any]],
+    corpus: list[str],
+    *,
+    count: int,
+    margin: float,
+    skip: int,
+    seed: int,
+    batch_size: int = 64,
+) -> MinedNegatives:
+    """``count`` negatives for each pair, mined by ``model`` (the base encoder) over
+    ``corpus`` plus the pairs' own texts with sentence-transformers' ``mine_hard_negatives``:
+    the nearest texts that are not a positive of the query (every pair of a query counts), none
+    within ``margin`` (a share of the positive's score) of the positive and none of the ``skip``
+    nearest, which are most likely unlabelled positives. A candidate that contains a positive
+    or lies inside one is dropped too. A pair keeps the negatives it came with, first; where
+    too few survive, seeded random corpus texts that pass the same checks fill up to ``count``,
+    so the rows of a batch give as many negatives each."""
+    from datasets import Dataset
+    from sentence_transformers.util import mine_hard_negatives
+
+    positives: dict[str, set[str]] = {}
+    for p in pairs:
+        positives.setdefault(p["query"], set()).add(p["positive"])
+    texts = list(
+        dict.fromkeys([*corpus, *(t for p in pairs for t in (p["positive"], *p.get("negatives", [])))])
+    )
+    unique = list(dict.fromkeys((p["query"], p["positive"]) for p in pairs))
+    slack = 4  # candidates beyond count, for those the overlap check drops
+    mined = mine_hard_negatives(
+        Dataset.from_dict({"query": [q for q, _ in unique], "positive": [d for _, d in unique]}),
+        model,
+        corpus=texts,
+        range_min=skip,
+        relative_margin=margin,
+        num_negatives=count + slack,
+        sampling_strategy="top",
+        output_format="triplet",  # one row per negative found: a pair short of them keeps those it has
+        batch_size=batch_size,
+        verbose=False,
+    )
+    found: dict[str, list[str]] = {}
+    for q, neg in zip(mined["query"], mined["negative"], strict=True):
+        have = found.setdefault(q, [])
+        if neg not in have:
+            have.append(neg)
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    n_mined = n_padded = 0
+    for p in pairs:
+        own = list(p.get("negatives") or [])
+
+        chosen: list[str] = []
+        for neg in found.get(p["query"], []):
+            if len(chosen) < count and _fits(neg, chosen, own, positives[p["query"]]):
+                chosen.append(neg)
+        n_mined += len(chosen)
+        tries = 0
+        while len(chosen) < count and tries < 20 * count and len(texts) > 1:
+            tries += 1
+            neg = texts[rng.randrange(len(texts))]
+            if _fits(neg, chosen, own, positives[p["query"]]):
+                chosen.append(neg)
+                n_padded += 1
+        out.append({**p, "negatives": own + chosen})
+    return MinedNegatives(out, n_mined, n_padded)

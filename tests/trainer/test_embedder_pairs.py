@@ -1,0 +1,149 @@
+"""Where an embedder job's pairs come from (issue 17, item 1): hard negatives mined by the base
+model over the job's corpus, BEIR qrels uploaded as TSV, pairs from the loop's feedback. On the
+tiny random sentence-transformer of test_embedder.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.trainer.data.formats import parse_dataset
+from services.trainer.data.pairs import embedder_data, mine_negatives
+from services.trainer.protocol import Hyperparameters, JobCreate
+from services.trainer.recipes.base import NullHooks, TrainConfig, run
+from services.trainer.recipes.embedder import EmbedderRecipe
+from tests.trainer.conftest import jsonl
+from tests.trainer.test_embedder import PAIRS, TOPICS, config, tiny_st
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+__all__ = ["tiny_st"]  # the session fixture, used here by name
+
+
+def load(path: Path) -> Any:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device="cpu")
+
+
+# ---- hard negatives
+def test_mined_negatives_are_never_a_positive_of_their_query(tiny_st: Path) -> None:
+    """A query with several positives, a document holding another pair's section, a pair that
+    brings its own negative: every mined negative is a corpus text, none is (or holds, or lies
+    in) a positive of its query, the own negative comes first, and each row gets the count."""
+    pairs = [dict(p, negatives=[]) for p in PAIRS]
+    # "apple number 0" has both apple passages as positives: its sibling is no negative of it
+    pairs.append({"query": PAIRS[0]["query"], "positive": PAIRS[1]["positive"], "negatives": []})
+    guide = "Guide to the river.\n" + PAIRS[2]["positive"]  # holds river part 0's passage
+    pairs.append({"query": "the river guide", "positive": guide, "negatives": []})
+    pairs.append({"query": "river part 0 alone", "positive": PAIRS[2]["positive"], "negatives": ["own"]})
+    corpus = [f"An unrelated note {i} on {t}." for i, t in enumerate(TOPICS.split())]
+    got = mine_negatives(load(tiny_st), pairs, corpus, count=3, margin=0.0, skip=0, seed=0)
+    texts = set(corpus) | {p["positive"] for p in pairs} | {"own"}
+    positives: dict[str, set[str]] = {}
+    for p in pairs:
+        positives.setdefault(p["query"], set()).add(p["positive"])
+    assert len(got.pairs) == len(pairs) and got.mined > 0
+    for before, row in zip(pairs, got.pairs, strict=True):
+        assert (row["query"], row["positive"]) == (before["query"], before["positive"])
+        negs = row["negatives"]
+        assert negs[: len(before["negatives"])] == before["negatives"]
+        assert len(negs) == len(before["negatives"]) + 3 == len(set(negs)), negs
+        assert set(negs) <= texts
+        for neg in negs:
+            for pos in positives[row["query"]]:
+                assert neg != pos and neg not in pos and pos not in neg, (row["query"], neg)
+    # mined, not drawn: each row's first mined negative is the text nearest its query that
+    # passes the checks and scores no higher than its positives (margin 0) (brute-force cosine over every text as the oracle)
+    model = load(tiny_st)
+    pool = sorted(texts - {"own"})
+    emb = dict(zip(pool, model.encode(pool, normalize_embeddings=True), strict=True))
+
+    def score(query: str, text: str) -> float:
+        return float(model.encode(query, normalize_embeddings=True) @ emb[text])
+
+    for before, row in zip(pairs, got.pairs, strict=True):
+        q, own = row["query"], before["negatives"]
+        floor = min(score(q, pos) for pos in positives[q])  # margin 0: never above a positive
+        eligible = [t for t in pool if not any(t in pos or pos in t for pos in positives[q]) and t not in own]
+        best = max(s for s in (score(q, t) for t in eligible) if s <= floor + 1e-6)
+        assert score(q, row["negatives"][len(own)]) == pytest.approx(best, abs=1e-5), q
+    # a margin skips candidates scoring within that share of the positive: only random
+    # filling (counted as padded) may come that close
+    wide = mine_negatives(model, pairs, corpus, count=3, margin=0.2, skip=0, seed=0)
+    assert wide.mined < got.mined
+    close = 0
+    for before, row in zip(pairs, wide.pairs, strict=True):
+        floor = min(score(row["query"], pos) for pos in positives[row["query"]])
+        close += sum(
+            score(row["query"], n) > floor - 0.2 * abs(floor) + 1e-5
+            for n in row["negatives"][len(before["negatives"]) :]
+        )
+    assert close <= wide.padded
+
+
+def test_hard_negatives_train_through_the_loss_and_resume_on_the_same_ones(
+    tiny_st: Path, tmp_path: Path
+) -> None:
+    hooks = NullHooks()
+    recipe = EmbedderRecipe(config(tiny_st, tmp_path, hard_negatives=2, max_steps=3), hooks=hooks)
+    assert run(recipe) == "succeeded"
+    assert all(len(p["negatives"]) == 2 for p in recipe.pairs)
+    assert [h["negatives"] for h in hooks.history] == [2.0, 2.0, 2.0]
+    assert all(h["loss"] > 0 for h in hooks.history)
+    # the same job set up again (a resume) reads them back from its work folder, not mining
+    # again: a negative marked there is what it trains on
+    cache = tmp_path / "hard_negatives.json"
+    saved = json.loads(cache.read_text())
+    saved["pairs"][0]["negatives"][0] = "marked in the work folder"
+    cache.write_text(json.dumps(saved))
+    again = EmbedderRecipe(config(tiny_st, tmp_path, hard_negatives=2, max_steps=3), hooks=NullHooks())
+    again.setup()
+    assert again.pairs[0]["negatives"][0] == "marked in the work folder"
+    assert again.pairs[1:] == recipe.pairs[1:]
+    # another setting is another mining
+    other = EmbedderRecipe(config(tiny_st, tmp_path, hard_negatives=1, max_steps=3), hooks=NullHooks())
+    other.setup()
+    assert all(len(p["negatives"]) == 1 for p in other.pairs)
+    # the records themselves are untouched (a benchmark reuses them across runs)
+    assert all(not p["negatives"] for p in recipe.cfg.records)
+    # with the option off, no mining and the plain (anchor, positive) columns
+    plain = NullHooks()
+    assert run(EmbedderRecipe(config(tiny_st, None, max_steps=2), hooks=plain)) == "succeeded"
+    assert [h["negatives"] for h in plain.history] == [0.0, 0.0]
+
+
+def test_hard_negatives_are_embedder_hyperparameters_only() -> None:
+    hp = Hyperparameters.model_validate({"hard_negatives": 4, "hard_negatives_margin": 0.1})
+    assert (hp.hard_negatives, hp.hard_negatives_margin, hp.hard_negatives_skip) == (4, 0.1, 0)
+    with pytest.raises(ValueError, match="hard_negatives only applies to embedder jobs"):
+        JobCreate.model_validate(
+            {"type": "sft", "base_model": "x", "dataset": "f", "hyperparameters": {"hard_negatives": 2}}
+        )
+    with pytest.raises(ValueError, match="less than or equal to 32"):
+        Hyperparameters.model_validate({"hard_negatives": 33})
+
+
+def test_beir_pairs_mine_over_the_files_corpus(tiny_st: Path) -> None:
+    rows: list[dict[str, Any]] = [{"corpus_id": f"d{i}", "text": p["positive"]} for i, p in enumerate(PAIRS)]
+    rows += [{"corpus_id": "extra", "text": "A passage on apple: the apple is discussed, part 9."}]
+    rows += [{"query_id": f"q{i}", "text": p["query"]} for i, p in enumerate(PAIRS[:4])]
+    rows += [{"query_id": f"q{i}", "corpus_id": f"d{i}"} for i in range(4)]
+    data = embedder_data(parse_dataset(jsonl(rows)).records)
+    cfg = TrainConfig(
+        kind="embedder",
+        model_path=tiny_st,
+        records=data.pairs,
+        corpus=data.corpus,
+        hp=Hyperparameters.model_validate(
+            {"hard_negatives": 1, "hard_negatives_margin": 0.0, "batch_size": 4}
+        ),
+    )
+    recipe = EmbedderRecipe(cfg)
+    recipe.setup()
+    # the negatives come from the whole corpus, not only the four pairs' own passages
+    negs = {n for p in recipe.pairs for n in p["negatives"]}
+    assert negs <= set(data.corpus.values()) and negs - {p["positive"] for p in data.pairs}
