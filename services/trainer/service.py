@@ -24,7 +24,7 @@ from services.common.quota import check_quota
 from services.common.replicas import replica_pool, request_sync
 from services.common.upstream import UpstreamReply
 from services.trainer.config import TrainerSettings
-from services.trainer.data.formats import DatasetError, parse_dataset
+from services.trainer.data.formats import BeirPartError, DatasetError, beir_upload, parse_dataset
 from services.trainer.jobspec import (
     KIND_OF,
     JobOwner,
@@ -236,6 +236,36 @@ def store_upload(st: TrainerState, tenant: str, src: BinaryIO, name: str) -> dic
     }
     st.store.add_file(tenant, record)
     return record
+
+
+def store_beir_upload(
+    st: TrainerState,
+    tenant: str,
+    qrels: BinaryIO,
+    corpus: tuple[str, BinaryIO] | None,
+    queries: tuple[str, BinaryIO] | None,
+    name: str,
+) -> dict[str, Any]:
+    """BEIR's qrels TSV with its corpus and queries JSONL, checked and stored as one ``beir`` file
+    (see ``formats.beir_upload``); a bad row is a 400 naming the part and its line."""
+    missing = [p for p, f in (("corpus", corpus), ("queries", queries)) if f is None]
+    if missing:
+        raise InvalidRequest(
+            f"{missing[0]}: a BEIR upload is the qrels TSV as 'file' with BEIR's corpus.jsonl as 'corpus' "
+            "and queries.jsonl as 'queries'; give both",
+            param=missing[0],
+        )
+    assert corpus is not None and queries is not None
+    try:
+        data = beir_upload(qrels.read(), corpus[1].read(), queries[1].read())
+    except BeirPartError as exc:
+        label = {"file": name, "corpus": corpus[0], "queries": queries[0]}[exc.part]
+        raise InvalidRequest(
+            f"{exc.part} {label!r}: {exc.error}",
+            param=exc.part if exc.error.field is None else f"{exc.part}.{exc.error.field}",
+            code="invalid_dataset",
+        ) from None
+    return store_upload(st, tenant, io.BytesIO(data), name)
 
 
 def _artifact_roots(st: TrainerState, job_id: str) -> dict[str, Path]:

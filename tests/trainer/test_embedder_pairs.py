@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from services.trainer.data.formats import parse_dataset
@@ -16,11 +17,13 @@ from services.trainer.data.pairs import embedder_data, mine_negatives
 from services.trainer.protocol import Hyperparameters, JobCreate
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
 from services.trainer.recipes.embedder import EmbedderRecipe
+from tests.conftest import auth
 from tests.trainer.conftest import jsonl
-from tests.trainer.test_embedder import PAIRS, TOPICS, config, tiny_st
+from tests.trainer.test_api import Harness
+from tests.trainer.test_embedder import PAIRS, TOPICS, config, harness, post_job, tiny_st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-__all__ = ["tiny_st"]  # the session fixture, used here by name
+__all__ = ["harness", "tiny_st"]  # fixtures, used here by name
 
 
 def load(path: Path) -> Any:
@@ -147,3 +150,124 @@ def test_beir_pairs_mine_over_the_files_corpus(tiny_st: Path) -> None:
     # the negatives come from the whole corpus, not only the four pairs' own passages
     negs = {n for p in recipe.pairs for n in p["negatives"]}
     assert negs <= set(data.corpus.values()) and negs - {p["positive"] for p in data.pairs}
+
+
+# ---- BEIR's own files as one upload
+def beir_files(header: bool = True) -> dict[str, tuple[str, bytes]]:
+    corpus = [{"_id": f"d{i}", "title": "", "text": p["positive"]} for i, p in enumerate(PAIRS)]
+    corpus[0]["title"] = "Apples"
+    queries = [{"_id": f"q{i}", "text": p["query"]} for i, p in enumerate(PAIRS)]
+    queries.append({"_id": "unjudged", "text": "a query no qrel names"})
+    tsv = "query-id\tcorpus-id\tscore\n" if header else ""
+    tsv += "".join(f"q{i}\td{i}\t1\n" for i in range(len(PAIRS))) + "q0\td1\t0\n"
+    return {
+        "file": ("test.tsv", tsv.encode()),
+        "corpus": ("corpus.jsonl", jsonl(corpus)),
+        "queries": ("queries.jsonl", jsonl(queries)),
+    }
+
+
+def post_files(h: Harness, key: str, parts: dict[str, tuple[str, bytes]]) -> httpx.Response:
+    return httpx.post(f"{h.base}/v1/files", files=parts, headers=auth(key), timeout=60)
+
+
+def test_beir_qrels_tsv_uploads_with_its_corpus_and_queries(
+    harness: Harness, api_key: str, tiny_st: Path
+) -> None:
+    from services.trainer.runner import dataset_path
+
+    up = post_files(harness, api_key, beir_files())
+    assert up.status_code == 201, up.text
+    got = up.json()
+    assert got["format"] == "beir" and got["kinds"] == ["embedder"] and got["filename"] == "test.tsv"
+    # every document, the queries the qrels name (not the unjudged one), every qrel
+    assert got["rows"] == len(PAIRS) + len(PAIRS) + len(PAIRS) + 1
+    stored = dataset_path(harness.st.common, "acme", got["id"]).read_bytes()
+    data = embedder_data(parse_dataset(stored).records)
+    assert [(p["query"], p["positive"]) for p in data.pairs][:2] == [
+        (PAIRS[0]["query"], "Apples\n" + PAIRS[0]["positive"]),
+        (PAIRS[1]["query"], PAIRS[1]["positive"]),
+    ]
+    assert len(data.pairs) == len(PAIRS) and len(data.corpus) == len(PAIRS)  # the score-0 qrel is no pair
+    # the header line is optional
+    bare = post_files(harness, api_key, beir_files(header=False))
+    assert bare.status_code == 201 and bare.json()["rows"] == got["rows"]
+    # and the file trains an embedder job like a beir JSONL file
+    job = post_job(
+        harness,
+        api_key,
+        {"type": "embedder", "base_model": str(tiny_st), "dataset": got["id"], "eval_fraction": 0.25},
+    )
+    assert job.status_code == 201, job.text
+
+
+@pytest.mark.parametrize(
+    ("part", "content", "needle", "param"),
+    [
+        ("file", b"q0\td0\n", "file 'test.tsv': line 1: a qrels row has 3 tab-separated fields", "file"),
+        (
+            "file",
+            b"query-id\tcorpus-id\tscore\nq0\td0\tone\n",
+            "line 2: score 'one' is not a number",
+            "file.score",
+        ),
+        (
+            "file",
+            b"q0\td0\t1\nq1\tnope\t1\n",
+            "line 2: corpus-id 'nope' is not in the corpus file",
+            "file.corpus-id",
+        ),
+        (
+            "file",
+            b"q0\td0\t1\nzz\td1\t1\n",
+            "line 2: query-id 'zz' is not in the queries file",
+            "file.query-id",
+        ),
+        ("file", b"q0\td0\t0\n", "no qrels row with a score above 0", "file.score"),
+        (
+            "corpus",
+            b'{"_id": "d0", "text": "x"}\n{"_id": "d1", "text": " "}\n',
+            "corpus 'corpus.jsonl': line 2: field 'text' is empty",
+            "corpus.text",
+        ),
+        (
+            "corpus",
+            b'{"_id": "d0", "text": "x"}\n{"text": "y"}\n',
+            "line 2: field '_id' is missing",
+            "corpus._id",
+        ),
+        (
+            "queries",
+            b'{"_id": "q0", "text": "x"}\nnot json\n',
+            "queries 'queries.jsonl': line 2: malformed JSON",
+            "queries",
+        ),
+    ],
+)
+def test_bad_beir_rows_are_a_400_naming_the_part_and_line(
+    harness: Harness, api_key: str, part: str, content: bytes, needle: str, param: str
+) -> None:
+    parts = beir_files()
+    parts[part] = (parts[part][0], content)
+    resp = post_files(harness, api_key, parts)
+    assert resp.status_code == 400, resp.text
+    assert needle in resp.json()["error"]["message"], resp.json()
+    assert resp.json()["error"]["param"] == param
+
+
+def test_a_qrels_tsv_needs_its_corpus_and_queries(harness: Harness, api_key: str) -> None:
+    def files() -> int:
+        return len(httpx.get(f"{harness.base}/v1/files", headers=auth(api_key)).json()["data"])
+
+    before = files()
+    for drop in (["queries"], ["corpus", "queries"]):
+        parts = beir_files()
+        for p in drop:
+            del parts[p]
+        resp = post_files(harness, api_key, parts)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == drop[0], resp.text
+        assert (
+            "BEIR's corpus.jsonl as 'corpus' and queries.jsonl as 'queries'"
+            in resp.json()["error"]["message"]
+        )
+    assert files() == before
