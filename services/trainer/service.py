@@ -83,20 +83,14 @@ def _retrieval(st: TrainerState, key: str, path: str, param: str) -> dict[str, A
     return data
 
 
-def snapshot_collection(st: TrainerState, tenant: str, key: str, name: str) -> str:
-    """The label-free pairs of collection ``name`` (titles and headings with their passages),
-    saved as one of the tenant's dataset files; its id.
-
-    The documents are read over the retrieval service's API with the caller's own key, so the
-    retrieval service decides what the caller may read (another tenant's collection is its
-    404), and the job trains on this fixed snapshot: a resumed job sees the same pairs however
-    the collection has changed meanwhile."""
+def collection_documents(st: TrainerState, key: str, name: str) -> dict[str, tuple[str, str]]:
+    """Collection ``name``'s documents (id -> (title, text)), read over the retrieval service's
+    API with the caller's own key, so the retrieval service decides what the caller may read
+    (another tenant's collection is its 404)."""
     from urllib.parse import quote
 
-    from services.trainer.data.pairs import title_pairs
-
     base = f"/v1/collections/{quote(name, safe='')}/documents"
-    docs: list[tuple[str, str]] = []
+    docs: dict[str, tuple[str, str]] = {}
     offset: int | None = 0
     while offset is not None:
         page = _retrieval(st, key, f"{base}?limit=1000&offset={offset}", "collection")
@@ -104,7 +98,7 @@ def snapshot_collection(st: TrainerState, tenant: str, key: str, name: str) -> s
             text = doc.get("text")
             if text is None:  # the listing leaves the text out: one read per document
                 text = _retrieval(st, key, f"{base}/{quote(str(doc['id']), safe='')}", "collection")["text"]
-            docs.append((str(doc.get("title") or ""), str(text or "")))
+            docs[str(doc["id"])] = (str(doc.get("title") or ""), str(text or ""))
             if len(docs) > st.settings.max_dataset_rows:
                 raise InvalidRequest(
                     f"collection {name!r} has more than {st.settings.max_dataset_rows} documents "
@@ -112,7 +106,16 @@ def snapshot_collection(st: TrainerState, tenant: str, key: str, name: str) -> s
                     param="collection",
                 )
         offset = page.get("next_offset")
-    pairs = title_pairs(docs)
+    return docs
+
+
+def snapshot_collection(st: TrainerState, tenant: str, name: str, docs: dict[str, tuple[str, str]]) -> str:
+    """The label-free pairs of collection ``name`` (titles and headings with their passages),
+    saved as one of the tenant's dataset files; its id. The job trains on this fixed snapshot:
+    a resumed job sees the same pairs however the collection has changed meanwhile."""
+    from services.trainer.data.pairs import title_pairs
+
+    pairs = title_pairs(list(docs.values()))
     if len(pairs) < 2:
         raise InvalidRequest(
             f"collection {name!r}: {len(docs)} documents give {len(pairs)} title/heading-passage pair(s); "
@@ -122,6 +125,24 @@ def snapshot_collection(st: TrainerState, tenant: str, key: str, name: str) -> s
     data = b"".join(json.dumps(p).encode() + b"\n" for p in pairs)
     record = store_upload(st, tenant, io.BytesIO(data), f"collection-{name}.jsonl")
     return str(record["id"])
+
+
+def check_documents(paths: dict[str, Path | None], name: str, docs: dict[str, tuple[str, str]]) -> None:
+    """A pair naming a ``document_id`` (the feedback export's usage pairs do) must name a
+    document of the job's collection: one deleted since is a 400 naming its file and line."""
+    from services.trainer.jobspec import load_records
+
+    for param, path in paths.items():
+        if path is None:
+            continue
+        for rec in load_records(path, "embedder", param=param):
+            doc = rec.get("document_id")
+            if doc is not None and doc not in docs:
+                raise InvalidRequest(
+                    f"{param}: line {rec['_line']}: the positive's document_id {doc!r} is not a document of "
+                    f"collection {name!r} (deleted since?); drop the row or name another collection",
+                    param=param,
+                )
 
 
 def create_job(st: TrainerState, tenant: str, spec: JobCreate, key: str = "") -> JobRecord:
@@ -175,7 +196,11 @@ def _create_embedder_job(
     eval_ds: Path | None,
     owner: JobOwner,
 ) -> JobRecord:
-    snapshot = snapshot_collection(st, tenant, key, spec.collection) if spec.collection else None
+    snapshot = None
+    if spec.collection:
+        docs = collection_documents(st, key, spec.collection)
+        check_documents({"dataset": dataset, "eval_dataset": eval_ds}, spec.collection, docs)
+        snapshot = snapshot_collection(st, tenant, spec.collection, docs)
     snap_path = dataset_path(st.common, tenant, snapshot) if snapshot else None
     resolved = validate_embedder_job(spec, dataset, eval_ds, st.common, owner, snap_path)
     extra: dict[str, str] = {}

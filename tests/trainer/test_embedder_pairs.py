@@ -192,13 +192,19 @@ def test_beir_qrels_tsv_uploads_with_its_corpus_and_queries(
     # the header line is optional
     bare = post_files(harness, api_key, beir_files(header=False))
     assert bare.status_code == 201 and bare.json()["rows"] == got["rows"]
-    # and the file trains an embedder job like a beir JSONL file
-    job = post_job(
-        harness,
-        api_key,
-        {"type": "embedder", "base_model": str(tiny_st), "dataset": got["id"], "eval_fraction": 0.25},
-    )
+    # and the file trains an embedder job like a beir JSONL file, here with mined negatives
+    body = {
+        "type": "embedder",
+        "base_model": str(tiny_st),
+        "dataset": got["id"],
+        "eval_fraction": 0.25,
+        "hyperparameters": {"hard_negatives": 2, "max_steps": 2, "batch_size": 4},
+    }
+    job = post_job(harness, api_key, body)
     assert job.status_code == 201, job.text
+    assert harness.run_worker(job.json()["id"]) == "succeeded"
+    done = httpx.get(f"{harness.base}/v1/jobs/{job.json()['id']}", headers=auth(api_key)).json()
+    assert done["metrics"]["negatives"] == 2.0 and "eval_ndcg@10_after" in done["metrics"], done["metrics"]
 
 
 @pytest.mark.parametrize(
@@ -271,3 +277,130 @@ def test_a_qrels_tsv_needs_its_corpus_and_queries(harness: Harness, api_key: str
             in resp.json()["error"]["message"]
         )
     assert files() == before
+
+
+# ---- usage pairs from the loop's feedback
+def test_thumbs_up_answers_become_pairs_of_question_and_cited_chunk(
+    tandem_env: Path,
+    tiny_st: Path,
+    redis_url: str,
+    api_key: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real retrieval (the tiny embedder), agent and trainer over HTTP; the LLM is the agent
+    tests' scripted double, which answers from its first source and cites it [1]. Thumbs-up
+    answers give (question, cited chunk) pairs; a thumbs down gives none; an embedder job on the
+    collection accepts them, and refuses them once a cited document is deleted."""
+    from services.agent.app import create_app as agent_app
+    from services.agent.config import AgentSettings
+    from services.common.config import CommonSettings
+    from services.retrieval.app import create_app as retrieval_app
+    from services.trainer.app import create_app as trainer_app
+    from services.trainer.config import TrainerSettings
+    from tests.agent.doubles import ScriptedModel, inference_double
+    from tests.agent.test_api import cite_first
+    from tests.helpers.servers import serve_app
+
+    monkeypatch.setenv("TANDEM_RETRIEVAL_EMBEDDING_MODEL", str(tiny_st))
+    monkeypatch.setenv("TANDEM_MODEL_ROOTS", str(tiny_st.parent))
+    docs = [
+        {"id": "leave", "title": "Leave policy", "text": "Staff get 30 days of paid leave a year."},
+        {
+            "id": "bikes",
+            "title": "Bike scheme",
+            "text": "The bike scheme pays up to 900 euros for a new bike.",
+        },
+        {"id": "lunch", "title": "Canteen", "text": "Lunch in the canteen costs four euros."},
+    ]
+    queued: list[str] = []
+    trainer = trainer_app(CommonSettings(), TrainerSettings())
+    trainer.state.trainer.dispatch = lambda job_id, queue: queued.append(job_id)
+    with (
+        serve_app(retrieval_app()) as r_url,
+        serve_app(inference_double(ScriptedModel(replies=cite_first))) as i_url,
+        serve_app(trainer) as t_url,
+    ):
+        trainer.state.trainer.common = trainer.state.trainer.common.model_copy(
+            update={"retrieval_url": r_url}
+        )
+        common = CommonSettings(
+            home=tandem_env / "agent-home",
+            redis_url=redis_url,
+            retrieval_url=r_url,
+            inference_url=i_url,
+            trainer_url=t_url,
+            log_json=False,
+        )
+        with (
+            serve_app(agent_app(common, AgentSettings())) as a_url,
+            httpx.Client(headers=auth(api_key), timeout=60) as c,
+        ):
+            assert c.post(f"{r_url}/v1/collections", json={"name": "hr"}).status_code == 201
+            assert c.post(f"{r_url}/v1/collections/hr/documents", json={"documents": docs}).status_code == 201
+            answers = {}
+            for q in (
+                "How many days of leave do staff get?",
+                "What does the bike scheme pay?",
+                "Lunch price?",
+            ):
+                resp = c.post(
+                    f"{a_url}/v1/pipelines/chat-documents/run", json={"query": q, "collection": "hr"}
+                )
+                assert resp.status_code == 200, resp.text
+                answers[q] = resp.json()
+            up = list(answers)[:2]
+            for q, a in answers.items():
+                rating = 1 if q in up else -1
+                assert c.post(
+                    f"{a_url}/v1/feedback", json={"message_id": a["message_id"], "rating": rating}
+                ).is_success
+            built = c.post(f"{a_url}/v1/feedback/datasets", json={"format": "pairs"})
+            assert built.status_code == 200, built.text
+            out = built.json()
+            # the rows are each thumbs-up answer's question with the chunks its answer cites
+            expected = []
+            for q in up:
+                for cite in c.get(f"{a_url}/v1/messages/{answers[q]['message_id']}").json()["citations"]:
+                    expected.append(
+                        {
+                            "query": q,
+                            "positive": f"{cite['title']}\n{cite['text']}",
+                            "document_id": cite["document_id"],
+                        }
+                    )
+            assert expected and out["rows"] == len(expected)
+            assert out["counts"] == {"thumbs_up": 2, "pairs": len(expected)}
+            stored = c.get(f"{t_url}/v1/files/{out['file_id']}").json()
+            assert (stored["format"], stored["kinds"], stored["rows"]) == (
+                "pairs",
+                ["embedder"],
+                len(expected),
+            )
+            from services.trainer.runner import dataset_path
+
+            rows = parse_dataset(
+                dataset_path(trainer.state.trainer.common, "acme", out["file_id"]).read_bytes()
+            )
+            assert [{k: r[k] for k in ("query", "positive", "document_id")} for r in rows.records] == expected
+            # the train shortcut names an LLM job: for pairs it says where to go instead
+            refused = c.post(f"{a_url}/v1/feedback/train", json={"format": "pairs"})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "format"
+
+            job = {
+                "type": "embedder",
+                "base_model": str(tiny_st),
+                "dataset": out["file_id"],
+                "collection": "hr",
+                "hyperparameters": {"hard_negatives": 1},
+            }
+            created = c.post(f"{t_url}/v1/jobs", json=job)
+            assert created.status_code == 201, created.text
+            gone = expected[0]["document_id"]
+            assert c.delete(f"{r_url}/v1/collections/hr/documents/{gone}").is_success
+            refused = c.post(f"{t_url}/v1/jobs", json=job)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "dataset", refused.text
+            message = refused.json()["error"]["message"]
+            assert (
+                f"line 1: the positive's document_id {gone!r} is not a document of collection 'hr'" in message
+            )
+    assert queued == [created.json()["id"]]

@@ -17,7 +17,8 @@ preference    ``prompt``, ``chosen``, ``rejected`` (str or messages) dpo
 kto           ``prompt`` (str or messages), ``completion``, ``label``  kto
 hh-rlhf       ``chosen``, ``rejected`` (whole ``Human:/Assistant:``) dpo
 prompt        ``prompt`` (str or messages), ``answer``?              rl
-pairs         ``query``, ``positive``, ``negatives``? (list of str)  embedder
+pairs         ``query``, ``positive``, ``negatives``? (list of str),  embedder
+              ``document_id``? (the collection's document)
 beir          corpus ``corpus_id``, ``text``, ``title``?;            embedder
               query ``query_id``, ``text``;
               qrel ``query_id``, ``corpus_id``, ``score``? (1)
@@ -332,7 +333,11 @@ def _pair_row(row: dict[str, Any], line: int) -> dict[str, Any]:
             raise DatasetError(
                 f"field 'negatives[{i}]' must be a non-empty string", line=line, field=f"negatives[{i}]"
             )
-    return {"query": query, "positive": positive, "negatives": list(negatives)}
+    rec: dict[str, Any] = {"query": query, "positive": positive, "negatives": list(negatives)}
+    if row.get("document_id") is not None:
+        # the collection document the positive comes from: checked against a job's collection
+        rec["document_id"] = _beir_id(row, "document_id", line)
+    return rec
 
 
 def _beir_id(row: dict[str, Any], key: str, line: int) -> str:
