@@ -144,6 +144,24 @@ class ResourcesSpec(Strict):
         return self.nodes * self.procs_per_node
 
 
+class QueryGeneration(Strict):
+    """Embedder jobs: label-free pairs of passages sampled from the job's corpus (its collection's
+    documents and its beir file's corpus, cut as the retrieval service chunks them) and the one
+    short question a chat model of the inference service writes for each."""
+
+    model: str = Field(min_length=1, description="a chat model the inference service serves to the caller")
+    passages: int = Field(
+        200, ge=1, le=100_000, description="passages sampled (seeded by hyperparameters.seed)"
+    )
+    max_tokens: int = Field(48, ge=4, le=512, description="tokens a question may take")
+    temperature: float = Field(
+        0.7,
+        ge=0.0,
+        le=2.0,
+        description="sampling temperature (each passage seeded: the same job writes the same)",
+    )
+
+
 EMBEDDER_ONLY = (
     "loss",
     "mini_batch_size",
@@ -169,6 +187,12 @@ class JobCreate(Strict):
         max_length=128,
         description="embedder jobs: a retrieval collection of yours whose titles and headings are paired "
         "with their passages (no labels needed); with 'dataset' too, both sets of pairs train",
+    )
+    generate_queries: QueryGeneration | None = Field(
+        None,
+        description="embedder jobs: also train on questions the inference service writes for sampled "
+        "passages of the collection (and of a beir dataset's corpus); written when the job is created "
+        "and saved as one of your files",
     )
     eval_dataset: str | None = None
     lora: LoraSpec | None = None
@@ -217,6 +241,8 @@ class JobCreate(Strict):
             raise ValueError(f"a {self.type} job needs 'dataset' (a file id from POST /v1/files)")
         if self.collection is not None:
             raise ValueError(f"'collection' only applies to embedder jobs, not {self.type}")
+        if self.generate_queries is not None:
+            raise ValueError(f"'generate_queries' only applies to embedder jobs, not {self.type}")
         # by value, not by fields set: a stored spec, read back, has every field set
         hp = self.hyperparameters
         wrong = [k for k in EMBEDDER_ONLY if getattr(hp, k) != Hyperparameters.model_fields[k].default]

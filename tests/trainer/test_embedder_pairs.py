@@ -404,3 +404,104 @@ def test_thumbs_up_answers_become_pairs_of_question_and_cited_chunk(
                 f"line 1: the positive's document_id {gone!r} is not a document of collection 'hr'" in message
             )
     assert queued == [created.json()["id"]]
+
+
+# ---- questions the inference service writes for sampled passages
+def test_generated_queries_pair_sampled_passages_with_what_a_real_inference_service_writes(
+    tandem_env: Path,
+    tiny_st: Path,
+    tiny_model_path: Path,
+    api_key: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real retrieval and inference services (a tiny random Llama: what it writes is noise,
+    the path is what is checked): passages sampled from the collection and the beir dataset's
+    corpus, one chat completion each with the caller's key, the usable replies saved as a pairs
+    file the job trains on, and the job runs."""
+    from services.common.config import CommonSettings
+    from services.inference.app import create_app as inference_app
+    from services.inference.config import InferenceSettings
+    from services.retrieval.app import create_app as retrieval_app
+    from services.trainer.data.queries import passages
+    from services.trainer.runner import dataset_path
+    from tests.helpers.servers import serve_app
+    from tests.trainer.test_api import serving, upload
+
+    monkeypatch.setenv("TANDEM_RETRIEVAL_EMBEDDING_MODEL", str(tiny_st))
+    # retrieval and inference read the roots when created (the trainer's harness sets its own)
+    monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{tiny_st.parent}:{tiny_model_path.parent}")
+    docs = [
+        {"id": f"d{i}", "title": f"All about the {t}", "text": f"The {t} has many properties. " * 3}
+        for i, t in enumerate(TOPICS.split()[:6])
+    ]
+    docs.append(
+        {"id": "long", "title": "", "text": "# Part one\n" + "word " * 300 + "\n# Part two\nThe end."}
+    )
+    inference = inference_app(
+        CommonSettings(), InferenceSettings(model=str(tiny_model_path), max_batch_size=4)
+    )
+    with (
+        serve_app(retrieval_app()) as r_url,
+        serve_app(inference) as i_url,
+        serving(tiny_st, tandem_env, monkeypatch) as h,
+        httpx.Client(headers=auth(api_key), timeout=120) as c,
+    ):
+        h.st.common = h.st.common.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})
+        assert c.post(f"{r_url}/v1/collections", json={"name": "kb"}).status_code == 201
+        assert c.post(f"{r_url}/v1/collections/kb/documents", json={"documents": docs}).status_code == 201
+        chat_model = c.get(f"{i_url}/v1/models").json()["data"][0]["id"]
+        beir = [{"corpus_id": "c1", "title": "Copper", "text": "Copper conducts heat well."}]
+        beir += [
+            {"query_id": "q1", "text": "does copper conduct heat"},
+            {"query_id": "q1", "corpus_id": "c1"},
+        ]
+        fid = upload(h, api_key, jsonl(beir)).json()["id"]
+        gen = {"model": chat_model, "passages": 6, "max_tokens": 12}
+        body = {
+            "type": "embedder",
+            "base_model": str(tiny_st),
+            "collection": "kb",
+            "dataset": fid,
+            "generate_queries": gen,
+            "hyperparameters": {"max_steps": 2, "batch_size": 4},
+        }
+        for bad, param, status in [
+            ({"model": "no-such-model"}, "generate_queries.model", 404),
+            ({"passages": 10**5}, "generate_queries.passages", 400),
+        ]:
+            resp = c.post(f"{h.base}/v1/jobs", json={**body, "generate_queries": {**gen, **bad}})
+            assert resp.status_code == status and resp.json()["error"]["param"] == param, resp.text
+        refused = c.post(f"{h.base}/v1/jobs", json={**body, "type": "sft", "base_model": "x"})
+        assert refused.status_code in (400, 422) and "generate_queries" in refused.text
+        created = c.post(f"{h.base}/v1/jobs", json=body)
+        assert created.status_code == 201, created.text
+        job = created.json()
+        files = {f["filename"]: f for f in c.get(f"{h.base}/v1/files").json()["data"]}
+        made = files["generated-queries.jsonl"]
+        assert made["format"] == "pairs" and 2 <= made["rows"] <= 6
+        rows = parse_dataset(dataset_path(h.st.common, "acme", made["id"]).read_bytes()).records
+        # every positive is a passage of the collection (with its document) or of the beir corpus
+        pool = passages([(d["id"], d["title"], d["text"]) for d in docs])
+        by_text = {p.text: p.document for p in pool}
+        corpus_passages = {p.text for p in passages([("c1", "", "Copper\nCopper conducts heat well.")])}
+        for r in rows:
+            assert r["query"].strip() and len(r["query"]) <= 300
+            assert r["positive"] in by_text or r["positive"] in corpus_passages, r["positive"]
+            assert r.get("document_id") == by_text.get(r["positive"])
+        # the long document's sections are passages of their own, as the retrieval service cuts them
+        assert sum(p.document == "long" for p in pool) >= 3
+        assert h.run_worker(job["id"]) == "succeeded"
+        done = c.get(f"{h.base}/v1/jobs/{job['id']}").json()
+        assert done["progress"]["step"] == 2
+
+
+def test_a_reply_gives_its_first_line_as_the_question_or_nothing() -> None:
+    from services.trainer.data.queries import query_of
+
+    passage = "Cats sleep sixteen hours a day, more than most other animals of their size do."
+    assert query_of('Question: "How long do cats sleep?"\nBecause...', passage) == "How long do cats sleep?"
+    assert query_of("\n\n1. Query: cats sleep hours", passage) == "cats sleep hours"
+    assert query_of("cats sleep", passage) == "cats sleep"  # a few of its words: a keyword query
+    assert query_of(passage, passage) is None  # a copied sentence
+    assert query_of("   \n ", passage) is None
+    assert query_of("why " * 100, passage) is None
