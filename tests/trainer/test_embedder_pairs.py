@@ -44,29 +44,36 @@ def test_mined_negatives_are_never_a_positive_of_their_query(tiny_st: Path) -> N
     pairs.append({"query": "the river guide", "positive": guide, "negatives": []})
     pairs.append({"query": "river part 0 alone", "positive": PAIRS[2]["positive"], "negatives": ["own"]})
     corpus = [f"An unrelated note {i} on {t}." for i, t in enumerate(TOPICS.split())]
-    got = mine_negatives(load(tiny_st), pairs, corpus, count=3, margin=0.0, skip=0, seed=0)
+    got = mine_negatives(load(tiny_st), pairs, corpus, count=3, margin=0.0, skip=0)
     texts = set(corpus) | {p["positive"] for p in pairs} | {"own"}
     positives: dict[str, set[str]] = {}
     for p in pairs:
         positives.setdefault(p["query"], set()).add(p["positive"])
-    assert len(got.pairs) == len(pairs) and got.mined > 0
+    assert len(got.pairs) == len(pairs) and got.mined > 0 and got.short == 0
+    repeats = 0
     for before, row in zip(pairs, got.pairs, strict=True):
         assert (row["query"], row["positive"]) == (before["query"], before["positive"])
         negs = row["negatives"]
         assert negs[: len(before["negatives"])] == before["negatives"]
-        assert len(negs) == len(before["negatives"]) + 3 == len(set(negs)), negs
+        assert len(negs) == len(before["negatives"]) + 3, negs
+        repeats += 3 - len(set(negs[len(before["negatives"]) :]))
         assert set(negs) <= texts
         for neg in negs:
             for pos in positives[row["query"]]:
                 assert neg != pos and neg not in pos and pos not in neg, (row["query"], neg)
+    assert repeats == got.repeated  # a row short of candidates repeats its own, and says so
     # mined, not drawn: each row's first mined negative is the text nearest its query that
-    # passes the checks and scores no higher than its positives (margin 0) (brute-force cosine over every text as the oracle)
+    # passes the checks and scores no higher than its positives (margin 0); brute-force cosine
+    # over every text is the oracle
     model = load(tiny_st)
-    pool = sorted(texts - {"own"})
+    pool = sorted(texts)  # a pair's own negative is a corpus text for the other queries
     emb = dict(zip(pool, model.encode(pool, normalize_embeddings=True), strict=True))
 
+    queries = sorted(positives)
+    q_emb = dict(zip(queries, model.encode(queries, normalize_embeddings=True), strict=True))
+
     def score(query: str, text: str) -> float:
-        return float(model.encode(query, normalize_embeddings=True) @ emb[text])
+        return float(q_emb[query] @ emb[text])
 
     for before, row in zip(pairs, got.pairs, strict=True):
         q, own = row["query"], before["negatives"]
@@ -74,25 +81,40 @@ def test_mined_negatives_are_never_a_positive_of_their_query(tiny_st: Path) -> N
         eligible = [t for t in pool if not any(t in pos or pos in t for pos in positives[q]) and t not in own]
         best = max(s for s in (score(q, t) for t in eligible) if s <= floor + 1e-6)
         assert score(q, row["negatives"][len(own)]) == pytest.approx(best, abs=1e-5), q
-    # a margin skips candidates scoring within that share of the positive: only random
-    # filling (counted as padded) may come that close
-    wide = mine_negatives(model, pairs, corpus, count=3, margin=0.2, skip=0, seed=0)
-    assert wide.mined < got.mined
+    # a margin skips every candidate scoring within that share of the positive (the random
+    # encoder scores every text close: with 0.05 some rows keep none, and say so)
+    wide = mine_negatives(model, pairs, corpus, count=3, margin=0.05, skip=0)
+    assert wide.mined < got.mined and wide.short > 0
     close = 0
     for before, row in zip(pairs, wide.pairs, strict=True):
         floor = min(score(row["query"], pos) for pos in positives[row["query"]])
         close += sum(
-            score(row["query"], n) > floor - 0.2 * abs(floor) + 1e-5
+            score(row["query"], n) > floor - 0.05 * abs(floor) + 1e-5
             for n in row["negatives"][len(before["negatives"]) :]
         )
-    assert close <= wide.padded
+    assert close == 0
+
+
+def test_a_query_short_of_candidates_near_the_top_looks_down_the_whole_ranking(tiny_st: Path) -> None:
+    """120 texts nearer the query than its positive (the margin drops them all) fill the first
+    pass's window; the second pass finds a negative further down."""
+    pairs = [
+        {"query": "filler text", "positive": "Copper wiring carries current in old houses.", "negatives": []}
+    ]
+    fillers = [f"filler text number {i}" for i in range(120)]
+    notes = [f"An unrelated note {i} on {t}." for i, t in enumerate(TOPICS.split())]
+    got = mine_negatives(load(tiny_st), pairs, fillers + notes, count=1, margin=0.0, skip=0)
+    assert (got.widened, got.mined, got.short) == (1, 1, 0)
+    assert got.pairs[0]["negatives"][0] in notes
 
 
 def test_hard_negatives_train_through_the_loss_and_resume_on_the_same_ones(
     tiny_st: Path, tmp_path: Path
 ) -> None:
     hooks = NullHooks()
-    recipe = EmbedderRecipe(config(tiny_st, tmp_path, hard_negatives=2, max_steps=3), hooks=hooks)
+    recipe = EmbedderRecipe(
+        config(tiny_st, tmp_path, hard_negatives=2, hard_negatives_margin=0.0, max_steps=3), hooks=hooks
+    )
     assert run(recipe) == "succeeded"
     assert all(len(p["negatives"]) == 2 for p in recipe.pairs)
     assert [h["negatives"] for h in hooks.history] == [2.0, 2.0, 2.0]
@@ -103,12 +125,16 @@ def test_hard_negatives_train_through_the_loss_and_resume_on_the_same_ones(
     saved = json.loads(cache.read_text())
     saved["pairs"][0]["negatives"][0] = "marked in the work folder"
     cache.write_text(json.dumps(saved))
-    again = EmbedderRecipe(config(tiny_st, tmp_path, hard_negatives=2, max_steps=3), hooks=NullHooks())
+    again = EmbedderRecipe(
+        config(tiny_st, tmp_path, hard_negatives=2, hard_negatives_margin=0.0, max_steps=3), hooks=NullHooks()
+    )
     again.setup()
     assert again.pairs[0]["negatives"][0] == "marked in the work folder"
     assert again.pairs[1:] == recipe.pairs[1:]
     # another setting is another mining
-    other = EmbedderRecipe(config(tiny_st, tmp_path, hard_negatives=1, max_steps=3), hooks=NullHooks())
+    other = EmbedderRecipe(
+        config(tiny_st, tmp_path, hard_negatives=1, hard_negatives_margin=0.0, max_steps=3), hooks=NullHooks()
+    )
     other.setup()
     assert all(len(p["negatives"]) == 1 for p in other.pairs)
     # the records themselves are untouched (a benchmark reuses them across runs)
@@ -198,7 +224,7 @@ def test_beir_qrels_tsv_uploads_with_its_corpus_and_queries(
         "base_model": str(tiny_st),
         "dataset": got["id"],
         "eval_fraction": 0.25,
-        "hyperparameters": {"hard_negatives": 2, "max_steps": 2, "batch_size": 4},
+        "hyperparameters": {"hard_negatives": 2, "hard_negatives_margin": 0, "max_steps": 2, "batch_size": 4},
     }
     job = post_job(harness, api_key, body)
     assert job.status_code == 201, job.text

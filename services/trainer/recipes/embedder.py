@@ -103,7 +103,7 @@ class EmbedderRecipe(Recipe):
         texts = [*(self.cfg.corpus or {}).values()]
         key = hashlib.sha256(
             json.dumps(
-                [hp.hard_negatives, hp.hard_negatives_margin, hp.hard_negatives_skip, hp.seed, pairs, texts],
+                [hp.hard_negatives, hp.hard_negatives_margin, hp.hard_negatives_skip, pairs, texts],
                 sort_keys=True,
             ).encode()
         ).hexdigest()
@@ -121,13 +121,14 @@ class EmbedderRecipe(Recipe):
             count=hp.hard_negatives,
             margin=hp.hard_negatives_margin,
             skip=hp.hard_negatives_skip,
-            seed=hp.seed,
         )
         self.model.train()  # encoding left it in eval mode
         self.hooks.log(
             f"hard negatives: {got.mined} mined for {len(pairs)} pairs over {len(texts)} corpus texts "
-            f"(margin {hp.hard_negatives_margin}, skip {hp.hard_negatives_skip}), {got.padded} filled "
-            f"with random texts where too few passed; {time.perf_counter() - t0:.1f} s"
+            f"(margin {hp.hard_negatives_margin}, skip {hp.hard_negatives_skip}); {got.repeated} places "
+            f"repeat a row's own where too few passed, {got.short} rows have none, {got.widened} queries "
+            "looked down the whole ranking; "
+            f"{time.perf_counter() - t0:.1f} s"
         )
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
