@@ -307,6 +307,7 @@ class Job(BaseModel):
     dataset: str  # an embedder job from a collection alone: the file its pairs were snapshotted to
     eval_dataset: str | None = None
     collection: str | None = None
+    generated_dataset: str | None = None  # embedder jobs with generate_queries: the file of the questions
     queue: str
     progress: Progress
     metrics: dict[str, float] = Field(default_factory=dict)

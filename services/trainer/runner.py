@@ -266,6 +266,8 @@ def _resolve(
     assert spec.dataset is not None  # filled in at submission (a collection's snapshot)
     if spec.type == "embedder":
         snapshot, generated = data.get("collection_file"), data.get("generated_file")
+        if generated == spec.dataset:  # a collection without titles: the questions are the dataset
+            generated = None
         return validate_embedder_job(
             spec,
             dataset_path(common, tenant, spec.dataset),

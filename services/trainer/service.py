@@ -328,15 +328,12 @@ def _create_embedder_job(
     gen_path = dataset_path(st.common, tenant, generated) if generated else None
     resolved = validate_embedder_job(spec, dataset, eval_ds, st.common, owner, snap_path, gen_path)
     extra: dict[str, str] = {}
+    if generated:  # shown as the job's generated_dataset (the worker reads it unless it is the dataset)
+        extra["generated_file"] = generated
     if spec.dataset is None:  # a collection alone: its snapshot (or the questions) is the job's dataset
         spec = spec.model_copy(update={"dataset": snapshot or generated})
-        if snapshot and generated:
-            extra["generated_file"] = generated
-    else:
-        if snapshot:
-            extra["collection_file"] = snapshot
-        if generated:
-            extra["generated_file"] = generated
+    elif snapshot:
+        extra["collection_file"] = snapshot
     held = len(resolved.eval_records or [])
     what = f"{len(resolved.records)} pairs ({held} held out)" + (f"; {what}" if what else "")
     return _queue(st, tenant, spec, resolved.model_path, what, extra)

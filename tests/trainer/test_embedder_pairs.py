@@ -505,6 +505,7 @@ def test_generated_queries_pair_sampled_passages_with_what_a_real_inference_serv
         files = {f["filename"]: f for f in c.get(f"{h.base}/v1/files").json()["data"]}
         made = files["generated-queries.jsonl"]
         assert made["format"] == "pairs" and 2 <= made["rows"] <= 6
+        assert job["generated_dataset"] == made["id"] and job["dataset"] == fid
         rows = parse_dataset(dataset_path(h.st.common, "acme", made["id"]).read_bytes()).records
         # every positive is a passage of the collection (with its document) or of the beir corpus
         pool = passages([(d["id"], d["title"], d["text"]) for d in docs])
@@ -519,6 +520,23 @@ def test_generated_queries_pair_sampled_passages_with_what_a_real_inference_serv
         assert h.run_worker(job["id"]) == "succeeded"
         done = c.get(f"{h.base}/v1/jobs/{job['id']}").json()
         assert done["progress"]["step"] == 2
+        # a collection with no titles or headings: no label-free pairs of its own, but the
+        # questions train it (they are the job's dataset)
+        plain = [
+            {"id": f"p{i}", "text": f"Plain note {i} about the {t}."}
+            for i, t in enumerate(TOPICS.split()[:5])
+        ]
+        assert c.post(f"{r_url}/v1/collections", json={"name": "plain"}).status_code == 201
+        assert c.post(f"{r_url}/v1/collections/plain/documents", json={"documents": plain}).status_code == 201
+        alone = {k: v for k, v in body.items() if k != "dataset"} | {"collection": "plain"}
+        without = c.post(
+            f"{h.base}/v1/jobs", json={k: v for k, v in alone.items() if k != "generate_queries"}
+        )
+        assert without.status_code == 400 and without.json()["error"]["param"] == "collection", without.text
+        created = c.post(f"{h.base}/v1/jobs", json=alone)
+        assert created.status_code == 201, created.text
+        assert created.json()["dataset"] == created.json()["generated_dataset"]
+        assert h.run_worker(created.json()["id"]) == "succeeded"
 
 
 def test_a_reply_gives_its_first_line_as_the_question_or_nothing() -> None:
