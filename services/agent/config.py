@@ -118,3 +118,8 @@ class AgentSettings(TenantLimitSettings):
     dataset_min_rows_sft: int = Field(
         2, ge=1, description="Fewest rows an SFT dataset built from feedback may have."
     )
+    dataset_min_rows_pairs: int = Field(
+        2,
+        ge=1,
+        description="Fewest (question, cited chunk) pairs an embedder dataset built from feedback may have.",
+    )

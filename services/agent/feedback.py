@@ -11,7 +11,10 @@ Every row's prompt is the exact list of messages the model saw when it answered
   corrections (chosen = the correction, rejected = the original answer) and
   chosen drafts (chosen over the other draft of the same prompt);
 - ``sft`` (``messages``): ``{"messages": [...prompt, {"role": "assistant", ...}]}``:
-  thumbs-up answers and corrections.
+  thumbs-up answers and corrections;
+- ``pairs`` (an embedder job's, issue 17): ``{"query": str, "positive": str, "document_id": str}``:
+  the question of each thumbs-up answer with each chunk the answer cites (its title opening its
+  text, as the retrieval service embeds a chunk), and the document it comes from.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from services.agent.turns import FeedbackFilter, FeedbackRow, PreferenceRow
 from services.common.errors import InvalidRequest
 
 # The trainer job type of each dataset format.
-JOB_TYPE: dict[str, str] = {"kto": "kto", "dpo": "dpo", "sft": "sft"}
+JOB_TYPE: dict[str, str] = {"kto": "kto", "dpo": "dpo", "sft": "sft", "pairs": "embedder"}
 
 
 @dataclass
@@ -81,6 +84,9 @@ def build_dataset(
     counts = dict.fromkeys(_COUNT_NAMES[fmt], 0)
     rated = sorted(feedback, key=lambda pair: pair[1].created_at)
     for fb, rec in rated:
+        if fmt == "pairs":
+            _add_pairs(out, counts, fb, rec)
+            continue
         if not _usable(rec):
             continue
         correction = (fb.correction or "").strip()
@@ -139,10 +145,38 @@ def build_dataset(
     return out
 
 
+def _add_pairs(out: BuiltDataset, counts: dict[str, int], fb: FeedbackRow, rec: TurnRecord) -> None:
+    """A thumbs up says the cited chunks answered the question: each is a positive of it. A
+    thumbs down says nothing about which chunk failed (the model may have misread a good one),
+    so it gives no pair."""
+    query = rec.question.strip()
+    if fb.rating != 1 or not query:
+        return
+    seen: set[str] = set()
+    added = 0
+    for cite in rec.citations:
+        text = str(cite.get("text") or "").strip()
+        chunk = str(cite.get("chunk_id") or text)
+        if not text or chunk in seen:
+            continue
+        seen.add(chunk)
+        title = str(cite.get("title") or "").strip()
+        row = {"query": query, "positive": f"{title}\n{text}" if title else text}
+        if cite.get("document_id"):
+            row["document_id"] = str(cite["document_id"])
+        out.rows.append(row)
+        added += 1
+    if added:
+        counts["thumbs_up"] += 1
+        counts["pairs"] += added
+        out.models.add(rec.model)
+
+
 _COUNT_NAMES: dict[str, tuple[str, ...]] = {
     "kto": ("desirable", "undesirable", "corrections"),
     "dpo": ("corrections", "preferences"),
     "sft": ("thumbs_up", "corrections"),
+    "pairs": ("thumbs_up", "pairs"),
 }
 
 

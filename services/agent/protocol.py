@@ -194,7 +194,8 @@ class Choice(BaseModel):
     rejected: str
 
 
-DatasetFormat = Literal["kto", "dpo", "sft"]
+# pairs: (question, cited chunk) rows of thumbs-up answers, for an embedder job (issue 17)
+DatasetFormat = Literal["kto", "dpo", "sft", "pairs"]
 
 
 class DatasetRequest(BaseModel):

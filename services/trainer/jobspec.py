@@ -387,6 +387,13 @@ def _embedder_dim(path: Path) -> int | None:
     return None
 
 
+def embedder_corpus(path: Path) -> dict[str, str]:
+    """A beir file's documents (corpus id -> title and text); none for a pairs file."""
+    from services.trainer.data.pairs import embedder_data
+
+    return embedder_data(load_records(path, "embedder")).corpus
+
+
 def validate_embedder_job(
     spec: JobCreate,
     dataset_path: Path | None,
@@ -394,9 +401,10 @@ def validate_embedder_job(
     common: CommonSettings,
     owner: JobOwner | None,
     collection_path: Path | None = None,
+    generated_path: Path | None = None,
 ) -> ResolvedJob:
-    """An embedder job's pairs (its file, its collection's snapshot, or both), held-out
-    pairs and corpus, and base model."""
+    """An embedder job's pairs (its file, its collection's snapshot, its generated questions,
+    or several), held-out pairs and corpus, and base model."""
     from services.trainer.data.pairs import EmbedderData, embedder_data
 
     if spec.resources is not None:
@@ -406,7 +414,11 @@ def validate_embedder_job(
             param="resources",
         )
     parts: list[EmbedderData] = []
-    for path, param in ((dataset_path, "dataset"), (collection_path, "collection")):
+    for path, param in (
+        (dataset_path, "dataset"),
+        (collection_path, "collection"),
+        (generated_path, "generate_queries"),
+    ):
         if path is not None:
             parts.append(embedder_data(load_records(path, "embedder", param=param)))
     pairs = [p for part in parts for p in part.pairs]

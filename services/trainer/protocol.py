@@ -84,6 +84,27 @@ class Hyperparameters(Strict):
     max_seq_length: int | None = Field(
         None, ge=8, le=8192, description="embedder jobs: tokens read per text (default: the model's own)"
     )
+    hard_negatives: int = Field(
+        0,
+        ge=0,
+        le=32,
+        description="embedder jobs: negatives mined per pair with the base model over the job's corpus "
+        "(sentence-transformers' mine_hard_negatives: the texts nearest the query that are not its "
+        "positives); 0: in-batch negatives only",
+    )
+    hard_negatives_margin: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="embedder jobs with hard_negatives: a candidate scoring above the query's positive "
+        "less this share of it is skipped as a likely unlabelled positive (relative_margin)",
+    )
+    hard_negatives_skip: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="embedder jobs with hard_negatives: also skip this many of the nearest candidates (range_min)",
+    )
 
     @field_validator("matryoshka_dims")
     @classmethod
@@ -123,7 +144,33 @@ class ResourcesSpec(Strict):
         return self.nodes * self.procs_per_node
 
 
-EMBEDDER_ONLY = ("loss", "mini_batch_size", "matryoshka_dims", "max_seq_length")
+class QueryGeneration(Strict):
+    """Embedder jobs: label-free pairs of passages sampled from the job's corpus (its collection's
+    documents and its beir file's corpus, cut as the retrieval service chunks them) and the one
+    short question a chat model of the inference service writes for each."""
+
+    model: str = Field(min_length=1, description="a chat model the inference service serves to the caller")
+    passages: int = Field(
+        200, ge=1, le=100_000, description="passages sampled (seeded by hyperparameters.seed)"
+    )
+    max_tokens: int = Field(48, ge=4, le=512, description="tokens a question may take")
+    temperature: float = Field(
+        0.7,
+        ge=0.0,
+        le=2.0,
+        description="sampling temperature (each passage seeded: the same job writes the same)",
+    )
+
+
+EMBEDDER_ONLY = (
+    "loss",
+    "mini_batch_size",
+    "matryoshka_dims",
+    "max_seq_length",
+    "hard_negatives",
+    "hard_negatives_margin",
+    "hard_negatives_skip",
+)
 
 
 class JobCreate(Strict):
@@ -140,6 +187,12 @@ class JobCreate(Strict):
         max_length=128,
         description="embedder jobs: a retrieval collection of yours whose titles and headings are paired "
         "with their passages (no labels needed); with 'dataset' too, both sets of pairs train",
+    )
+    generate_queries: QueryGeneration | None = Field(
+        None,
+        description="embedder jobs: also train on questions the inference service writes for sampled "
+        "passages of the collection (and of a beir dataset's corpus); written when the job is created "
+        "and saved as one of your files",
     )
     eval_dataset: str | None = None
     lora: LoraSpec | None = None
@@ -188,6 +241,8 @@ class JobCreate(Strict):
             raise ValueError(f"a {self.type} job needs 'dataset' (a file id from POST /v1/files)")
         if self.collection is not None:
             raise ValueError(f"'collection' only applies to embedder jobs, not {self.type}")
+        if self.generate_queries is not None:
+            raise ValueError(f"'generate_queries' only applies to embedder jobs, not {self.type}")
         # by value, not by fields set: a stored spec, read back, has every field set
         hp = self.hyperparameters
         wrong = [k for k in EMBEDDER_ONLY if getattr(hp, k) != Hyperparameters.model_fields[k].default]
@@ -252,6 +307,7 @@ class Job(BaseModel):
     dataset: str  # an embedder job from a collection alone: the file its pairs were snapshotted to
     eval_dataset: str | None = None
     collection: str | None = None
+    generated_dataset: str | None = None  # embedder jobs with generate_queries: the file of the questions
     queue: str
     progress: Progress
     metrics: dict[str, float] = Field(default_factory=dict)

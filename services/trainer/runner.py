@@ -265,7 +265,9 @@ def _resolve(
     eval_path = dataset_path(common, tenant, spec.eval_dataset) if spec.eval_dataset else None
     assert spec.dataset is not None  # filled in at submission (a collection's snapshot)
     if spec.type == "embedder":
-        snapshot = data.get("collection_file")
+        snapshot, generated = data.get("collection_file"), data.get("generated_file")
+        if generated == spec.dataset:  # a collection without titles: the questions are the dataset
+            generated = None
         return validate_embedder_job(
             spec,
             dataset_path(common, tenant, spec.dataset),
@@ -273,6 +275,7 @@ def _resolve(
             common,
             owner,
             dataset_path(common, tenant, snapshot) if snapshot else None,
+            dataset_path(common, tenant, generated) if generated else None,
         )
     return validate_job(spec, dataset_path(common, tenant, spec.dataset), eval_path, common, settings, owner)
 

@@ -24,11 +24,13 @@ from services.common.quota import check_quota
 from services.common.replicas import replica_pool, request_sync
 from services.common.upstream import UpstreamReply
 from services.trainer.config import TrainerSettings
-from services.trainer.data.formats import DatasetError, parse_dataset
+from services.trainer.data.formats import BeirPartError, DatasetError, beir_upload, parse_dataset
 from services.trainer.jobspec import (
     KIND_OF,
     JobOwner,
     check_own_artifact,
+    embedder_corpus,
+    resolve_embedder_base,
     validate_embedder_job,
     validate_job,
 )
@@ -83,20 +85,14 @@ def _retrieval(st: TrainerState, key: str, path: str, param: str) -> dict[str, A
     return data
 
 
-def snapshot_collection(st: TrainerState, tenant: str, key: str, name: str) -> str:
-    """The label-free pairs of collection ``name`` (titles and headings with their passages),
-    saved as one of the tenant's dataset files; its id.
-
-    The documents are read over the retrieval service's API with the caller's own key, so the
-    retrieval service decides what the caller may read (another tenant's collection is its
-    404), and the job trains on this fixed snapshot: a resumed job sees the same pairs however
-    the collection has changed meanwhile."""
+def collection_documents(st: TrainerState, key: str, name: str) -> dict[str, tuple[str, str]]:
+    """Collection ``name``'s documents (id -> (title, text)), read over the retrieval service's
+    API with the caller's own key, so the retrieval service decides what the caller may read
+    (another tenant's collection is its 404)."""
     from urllib.parse import quote
 
-    from services.trainer.data.pairs import title_pairs
-
     base = f"/v1/collections/{quote(name, safe='')}/documents"
-    docs: list[tuple[str, str]] = []
+    docs: dict[str, tuple[str, str]] = {}
     offset: int | None = 0
     while offset is not None:
         page = _retrieval(st, key, f"{base}?limit=1000&offset={offset}", "collection")
@@ -104,7 +100,7 @@ def snapshot_collection(st: TrainerState, tenant: str, key: str, name: str) -> s
             text = doc.get("text")
             if text is None:  # the listing leaves the text out: one read per document
                 text = _retrieval(st, key, f"{base}/{quote(str(doc['id']), safe='')}", "collection")["text"]
-            docs.append((str(doc.get("title") or ""), str(text or "")))
+            docs[str(doc["id"])] = (str(doc.get("title") or ""), str(text or ""))
             if len(docs) > st.settings.max_dataset_rows:
                 raise InvalidRequest(
                     f"collection {name!r} has more than {st.settings.max_dataset_rows} documents "
@@ -112,8 +108,22 @@ def snapshot_collection(st: TrainerState, tenant: str, key: str, name: str) -> s
                     param="collection",
                 )
         offset = page.get("next_offset")
-    pairs = title_pairs(docs)
-    if len(pairs) < 2:
+    return docs
+
+
+def snapshot_collection(
+    st: TrainerState, tenant: str, name: str, docs: dict[str, tuple[str, str]], *, required: bool = True
+) -> str | None:
+    """The label-free pairs of collection ``name`` (titles and headings with their passages),
+    saved as one of the tenant's dataset files; its id (``None`` when it has none and they are
+    not ``required``). The job trains on this fixed snapshot: a resumed job sees the same pairs
+    however the collection has changed meanwhile."""
+    from services.trainer.data.pairs import title_pairs
+
+    pairs = title_pairs(list(docs.values()))
+    if not pairs and not required:
+        return None
+    if len(pairs) < 2 and required:
         raise InvalidRequest(
             f"collection {name!r}: {len(docs)} documents give {len(pairs)} title/heading-passage pair(s); "
             "label-free training needs at least 2 (documents with a title, or Markdown headings)",
@@ -122,6 +132,128 @@ def snapshot_collection(st: TrainerState, tenant: str, key: str, name: str) -> s
     data = b"".join(json.dumps(p).encode() + b"\n" for p in pairs)
     record = store_upload(st, tenant, io.BytesIO(data), f"collection-{name}.jsonl")
     return str(record["id"])
+
+
+def _question(st: TrainerState, key: str, spec: JobCreate, passage: str, seed: int) -> str:
+    """One question the inference service writes for ``passage`` (its raw reply), asked with
+    the caller's own key: the model must be one the caller may use."""
+    from services.trainer.data.pairs import PASSAGE_CHARS
+    from services.trainer.data.queries import PROMPT
+
+    gen = spec.generate_queries
+    assert gen is not None
+    body = {
+        "model": gen.model,
+        "messages": [{"role": "user", "content": PROMPT.format(passage=passage[:PASSAGE_CHARS])}],
+        "max_tokens": gen.max_tokens,
+        "temperature": gen.temperature,
+        "seed": seed,
+    }
+    pool = replica_pool(st.common.inference_replicas())
+    try:
+        resp = request_sync(
+            pool,
+            "POST",
+            "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=300.0,
+        )
+    except httpx.HTTPError as exc:
+        raise ServiceUnavailable(
+            f"generate_queries: the inference service at {', '.join(pool.urls)} is unreachable ({exc})",
+            param="generate_queries",
+        ) from None
+    if resp.status_code >= 400:
+        reply = UpstreamReply.of("inference", resp)
+        param = "generate_queries.model" if resp.status_code in (400, 404) else "generate_queries"
+        error = (
+            NotFound
+            if resp.status_code == 404
+            else InvalidRequest
+            if resp.status_code < 500
+            else ServiceUnavailable
+        )
+        raise error(
+            f"generate_queries: the inference service answered {resp.status_code} for model {gen.model!r}: "
+            f"{reply.message}",
+            param=param,
+        )
+    return str(resp.json()["choices"][0]["message"].get("content") or "")
+
+
+def generate_query_file(
+    st: TrainerState,
+    tenant: str,
+    key: str,
+    spec: JobCreate,
+    documents: list[tuple[str, str, str]],
+    collection_ids: set[str],
+) -> tuple[str, str]:
+    """Questions the inference service writes for passages sampled from ``documents``
+    (``(id, title, text)``), as pairs saved to one of the tenant's files: (file id, a summary).
+    The first passage is asked alone, so a model the caller may not use fails at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.trainer.data.queries import passages, query_of, sample
+
+    gen = spec.generate_queries
+    assert gen is not None
+    if gen.passages > st.settings.max_generated_queries:
+        raise InvalidRequest(
+            f"generate_queries.passages {gen.passages} is more than this server writes while a job is created "
+            f"(TANDEM_TRAINER_MAX_GENERATED_QUERIES={st.settings.max_generated_queries})",
+            param="generate_queries.passages",
+        )
+    picked = sample(passages(documents), gen.passages, spec.hyperparameters.seed)
+    if not picked:
+        raise InvalidRequest(
+            "generate_queries: no passages to write questions for; name a 'collection' with documents, or a "
+            "beir 'dataset' (its corpus)",
+            param="generate_queries",
+        )
+    seed = spec.hyperparameters.seed * 1_000_003
+    first = _question(st, key, spec, picked[0].text, seed)
+    with ThreadPoolExecutor(st.settings.query_generation_concurrency) as pool:
+        rest = list(
+            pool.map(lambda i: _question(st, key, spec, picked[i].text, seed + i), range(1, len(picked)))
+        )
+    rows: list[dict[str, Any]] = []
+    for p, reply in zip(picked, [first, *rest], strict=True):
+        query = query_of(reply, p.text)
+        if query is not None:
+            row: dict[str, Any] = {"query": query, "positive": p.text}
+            if p.document in collection_ids:
+                row["document_id"] = p.document
+            rows.append(row)
+    summary = f"{len(rows)} generated questions for {len(picked)} passages ({gen.model})"
+    if len(rows) < 2:
+        raise InvalidRequest(
+            f"generate_queries: {summary}; at least 2 are needed (the rest of the replies were empty, "
+            "longer than a question, or copied the passage)",
+            param="generate_queries.model",
+        )
+    data = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows)
+    record = store_upload(st, tenant, io.BytesIO(data), "generated-queries.jsonl")
+    return str(record["id"]), summary
+
+
+def check_documents(paths: dict[str, Path | None], name: str, docs: dict[str, tuple[str, str]]) -> None:
+    """A pair naming a ``document_id`` (the feedback export's usage pairs do) must name a
+    document of the job's collection: one deleted since is a 400 naming its file and line."""
+    from services.trainer.jobspec import load_records
+
+    for param, path in paths.items():
+        if path is None:
+            continue
+        for rec in load_records(path, "embedder", param=param):
+            doc = rec.get("document_id")
+            if doc is not None and doc not in docs:
+                raise InvalidRequest(
+                    f"{param}: line {rec['_line']}: the positive's document_id {doc!r} is not a document of "
+                    f"collection {name!r} (deleted since?); drop the row or name another collection",
+                    param=param,
+                )
 
 
 def create_job(st: TrainerState, tenant: str, spec: JobCreate, key: str = "") -> JobRecord:
@@ -175,18 +307,36 @@ def _create_embedder_job(
     eval_ds: Path | None,
     owner: JobOwner,
 ) -> JobRecord:
-    snapshot = snapshot_collection(st, tenant, key, spec.collection) if spec.collection else None
+    snapshot = generated = None
+    docs: dict[str, tuple[str, str]] = {}
+    if spec.collection:
+        docs = collection_documents(st, key, spec.collection)
+        check_documents({"dataset": dataset, "eval_dataset": eval_ds}, spec.collection, docs)
+        # with generated questions too, a collection without titles or headings still trains
+        snapshot = snapshot_collection(
+            st, tenant, spec.collection, docs, required=spec.generate_queries is None
+        )
+    what = ""
+    if spec.generate_queries is not None:
+        resolve_embedder_base(
+            spec.base_model, st.common, owner
+        )  # a bad base model fails before minutes of writing
+        corpus = embedder_corpus(dataset) if dataset is not None else {}
+        documents = [(i, t, x) for i, (t, x) in docs.items()] + [(i, "", x) for i, x in corpus.items()]
+        generated, what = generate_query_file(st, tenant, key, spec, documents, set(docs))
     snap_path = dataset_path(st.common, tenant, snapshot) if snapshot else None
-    resolved = validate_embedder_job(spec, dataset, eval_ds, st.common, owner, snap_path)
+    gen_path = dataset_path(st.common, tenant, generated) if generated else None
+    resolved = validate_embedder_job(spec, dataset, eval_ds, st.common, owner, snap_path, gen_path)
     extra: dict[str, str] = {}
-    if spec.dataset is None:  # a collection alone: its snapshot is the job's dataset
-        spec = spec.model_copy(update={"dataset": snapshot})
+    if generated:  # shown as the job's generated_dataset (the worker reads it unless it is the dataset)
+        extra["generated_file"] = generated
+    if spec.dataset is None:  # a collection alone: its snapshot (or the questions) is the job's dataset
+        spec = spec.model_copy(update={"dataset": snapshot or generated})
     elif snapshot:
         extra["collection_file"] = snapshot
     held = len(resolved.eval_records or [])
-    return _queue(
-        st, tenant, spec, resolved.model_path, f"{len(resolved.records)} pairs ({held} held out)", extra
-    )
+    what = f"{len(resolved.records)} pairs ({held} held out)" + (f"; {what}" if what else "")
+    return _queue(st, tenant, spec, resolved.model_path, what, extra)
 
 
 def store_upload(st: TrainerState, tenant: str, src: BinaryIO, name: str) -> dict[str, Any]:
@@ -236,6 +386,36 @@ def store_upload(st: TrainerState, tenant: str, src: BinaryIO, name: str) -> dic
     }
     st.store.add_file(tenant, record)
     return record
+
+
+def store_beir_upload(
+    st: TrainerState,
+    tenant: str,
+    qrels: BinaryIO,
+    corpus: tuple[str, BinaryIO] | None,
+    queries: tuple[str, BinaryIO] | None,
+    name: str,
+) -> dict[str, Any]:
+    """BEIR's qrels TSV with its corpus and queries JSONL, checked and stored as one ``beir`` file
+    (see ``formats.beir_upload``); a bad row is a 400 naming the part and its line."""
+    missing = [p for p, f in (("corpus", corpus), ("queries", queries)) if f is None]
+    if missing:
+        raise InvalidRequest(
+            f"{missing[0]}: a BEIR upload is the qrels TSV as 'file' with BEIR's corpus.jsonl as 'corpus' "
+            "and queries.jsonl as 'queries'; give both",
+            param=missing[0],
+        )
+    assert corpus is not None and queries is not None
+    try:
+        data = beir_upload(qrels.read(), corpus[1].read(), queries[1].read())
+    except BeirPartError as exc:
+        label = {"file": name, "corpus": corpus[0], "queries": queries[0]}[exc.part]
+        raise InvalidRequest(
+            f"{exc.part} {label!r}: {exc.error}",
+            param=exc.part if exc.error.field is None else f"{exc.part}.{exc.error.field}",
+            code="invalid_dataset",
+        ) from None
+    return store_upload(st, tenant, io.BytesIO(data), name)
 
 
 def _artifact_roots(st: TrainerState, job_id: str) -> dict[str, Path]:

@@ -85,6 +85,7 @@ class JobRecord:
     fine_tuned_model: str | None = None
     published: bool = False
     model_path: str | None = None
+    generated_dataset: str | None = None  # embedder jobs' generate_queries: the file they were saved to
 
     @classmethod
     def from_hash(cls, job_id: str, data: dict[str, str]) -> JobRecord:
@@ -107,6 +108,7 @@ class JobRecord:
             fine_tuned_model=data.get("fine_tuned_model") or None,
             published=data.get("published") == "1",
             model_path=data.get("model_path") or None,
+            generated_dataset=data.get("generated_file") or None,
         )
 
     def to_job(self) -> Job:
@@ -119,6 +121,7 @@ class JobRecord:
             dataset=self.spec["dataset"],
             eval_dataset=self.spec.get("eval_dataset"),
             collection=self.spec.get("collection"),
+            generated_dataset=self.generated_dataset,
             queue=self.queue,
             progress=Progress(step=self.step, total=self.total),
             metrics=self.metrics,

@@ -227,6 +227,13 @@ async def build_feedback_dataset(body: DatasetRequest, runtime: RuntimeDep, who:
 async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: CallerDep) -> dict[str, Any]:
     """Builds the dataset and starts a LoRA job (defaults, published) on the model that wrote the answers."""
     principal, key = who
+    if body.format == "pairs":
+        # an embedder job starts from an embedder, which the answers do not name
+        raise InvalidRequest(
+            "format: 'pairs' builds an embedder dataset; build it with POST /v1/feedback/datasets and start "
+            "an embedder job on the trainer with its file_id (and the collection, to check its documents)",
+            param="format",
+        )
     built = await _build(runtime, principal, body)
     if len(built.models) > 1:
         raise InvalidRequest(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, BinaryIO
 
 from fastapi import APIRouter, File, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
@@ -42,20 +42,55 @@ UPLOAD_ERRORS: dict[int | str, dict[str, Any]] = {
 
 @router.post("/files", status_code=201, response_model=FileObject, responses=UPLOAD_ERRORS)
 async def upload_file(
-    request: Request, st: TrainerDep, tenant: TenantDep, file: UploadFile = File(...)
+    request: Request,
+    st: TrainerDep,
+    tenant: TenantDep,
+    file: UploadFile = File(
+        ..., description="a JSONL dataset, or BEIR's qrels TSV with 'corpus' and 'queries'"
+    ),
+    corpus: UploadFile | None = File(
+        None, description="with a qrels TSV as 'file': BEIR's corpus.jsonl ({_id, title?, text} rows)"
+    ),
+    queries: UploadFile | None = File(
+        None, description="with a qrels TSV as 'file': BEIR's queries.jsonl ({_id, text} rows)"
+    ),
 ) -> Any:
     """Upload a JSONL dataset; every line is parsed and checked before it is stored.
+
+    BEIR's own files are accepted too: the qrels TSV (``query-id<TAB>corpus-id<TAB>score``,
+    header optional) as ``file`` with ``corpus`` and ``queries``; they are stored as one
+    ``beir`` file (every document, the queries the qrels name, the qrels), and a bad row is a
+    400 naming the part (``param``) and its line.
 
     The body streams to disk under the guard's limit (TANDEM_TRAINER_MAX_DATASET_MB); an
     ``Idempotency-Key`` header makes a retry return the first upload's file."""
     name = safe_filename(file.filename or "dataset.jsonl", param="file")
+    # a .tsv is BEIR's qrels: alone it is refused for want of its corpus and queries
+    tsv = corpus is not None or queries is not None or name.lower().endswith(".tsv")
+    beir = (corpus, queries) if tsv else None
+
+    def part(upload: UploadFile | None, default: str) -> tuple[str, BinaryIO] | None:
+        return None if upload is None else (upload.filename or default, upload.file)
 
     async def create() -> tuple[int, Any]:
-        record = await run_in_threadpool(service.store_upload, st, tenant, file.file, name)
+        if beir is None:
+            record = await run_in_threadpool(service.store_upload, st, tenant, file.file, name)
+        else:
+            record = await run_in_threadpool(
+                service.store_beir_upload,
+                st,
+                tenant,
+                file.file,
+                part(beir[0], "corpus.jsonl"),
+                part(beir[1], "queries.jsonl"),
+                name,
+            )
         obj = file_object({k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in record.items()})
         return 201, obj.model_dump()
 
-    return await idempotent(request, tenant, create, fingerprint=f"{name}:{_spooled_digest(file)}")
+    parts = [file, *(p for p in beir or () if p is not None)]
+    fingerprint = f"{name}:" + ":".join(_spooled_digest(p) for p in parts)
+    return await idempotent(request, tenant, create, fingerprint=fingerprint)
 
 
 def _spooled_digest(upload: UploadFile) -> str:

@@ -17,7 +17,8 @@ preference    ``prompt``, ``chosen``, ``rejected`` (str or messages) dpo
 kto           ``prompt`` (str or messages), ``completion``, ``label``  kto
 hh-rlhf       ``chosen``, ``rejected`` (whole ``Human:/Assistant:``) dpo
 prompt        ``prompt`` (str or messages), ``answer``?              rl
-pairs         ``query``, ``positive``, ``negatives``? (list of str)  embedder
+pairs         ``query``, ``positive``, ``negatives``? (list of str),  embedder
+              ``document_id``? (the collection's document)
 beir          corpus ``corpus_id``, ``text``, ``title``?;            embedder
               query ``query_id``, ``text``;
               qrel ``query_id``, ``corpus_id``, ``score``? (1)
@@ -332,7 +333,11 @@ def _pair_row(row: dict[str, Any], line: int) -> dict[str, Any]:
             raise DatasetError(
                 f"field 'negatives[{i}]' must be a non-empty string", line=line, field=f"negatives[{i}]"
             )
-    return {"query": query, "positive": positive, "negatives": list(negatives)}
+    rec: dict[str, Any] = {"query": query, "positive": positive, "negatives": list(negatives)}
+    if row.get("document_id") is not None:
+        # the collection document the positive comes from: checked against a job's collection
+        rec["document_id"] = _beir_id(row, "document_id", line)
+    return rec
 
 
 def _beir_id(row: dict[str, Any], key: str, line: int) -> str:
@@ -399,6 +404,92 @@ def check_beir(records: list[dict[str, Any]]) -> None:
         positive += r["score"] > 0
     if not positive:
         raise DatasetError("a beir file needs at least one qrel row with a score above 0", field="score")
+
+
+@dataclass
+class BeirPartError(ValueError):
+    """A row of one part of a BEIR upload (``file``: the qrels, ``corpus``, ``queries``) is bad."""
+
+    part: str
+    error: DatasetError
+
+    def __str__(self) -> str:
+        return f"{self.part}: {self.error}"
+
+
+def _beir_jsonl(data: bytes, part: str, key: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """BEIR's corpus.jsonl (``_id``, ``title``?, ``text``) or queries.jsonl (``_id``, ``text``)
+    rows as this module's beir rows (``corpus_id`` / ``query_id``), each checked like them."""
+    try:
+        lines = list(iter_lines(data))
+    except DatasetError as exc:
+        raise BeirPartError(part, exc) from None
+    for number, raw in lines:
+        try:
+            try:
+                row = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"malformed JSON ({exc.msg} at column {exc.colno})", line=number) from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"each line must be a JSON object, got {type(row).__name__}", line=number)
+            if "_id" not in row:
+                raise DatasetError(f"field '_id' is missing ({part} rows need it)", line=number, field="_id")
+            fields = {key: _beir_id(row, "_id", number), "text": row.get("text")}
+            if key == "corpus_id":
+                fields["title"] = row.get("title")
+            rec = _beir_row(fields, number)
+        except DatasetError as exc:
+            raise BeirPartError(part, exc) from None
+        yield number, rec
+
+
+def beir_upload(qrels: bytes, corpus: bytes, queries: bytes) -> bytes:
+    """BEIR's own files (a qrels TSV ``query-id<TAB>corpus-id<TAB>score``, its header line
+    optional, with ``corpus.jsonl`` and ``queries.jsonl``) as one ``beir`` JSONL file: every
+    document, the queries the qrels name, and the qrels. A bad row raises
+    :class:`BeirPartError` naming the part and its line; a qrel naming a query or document the
+    other files lack is refused with its qrels line."""
+    docs = [rec for _, rec in _beir_jsonl(corpus, "corpus", "corpus_id")]
+    doc_ids = {r["corpus_id"] for r in docs}
+    query_rows = {rec["query_id"]: rec for _, rec in _beir_jsonl(queries, "queries", "query_id")}
+    try:
+        lines = list(iter_lines(qrels))
+    except DatasetError as exc:
+        raise BeirPartError("file", exc) from None
+    rels: list[dict[str, Any]] = []
+    for number, raw in lines:
+        cols = raw.rstrip("\r").split("\t")
+
+        def bad(message: str, field: str | None = None, line: int = number) -> BeirPartError:
+            return BeirPartError("file", DatasetError(message, line=line, field=field))
+
+        if len(cols) != 3:
+            raise bad(
+                f"a qrels row has 3 tab-separated fields (query-id, corpus-id, score), got {len(cols)}: {raw[:80]!r}"
+            )
+        qid, cid, score_text = (c.strip() for c in cols)
+        try:
+            score = float(score_text)
+        except ValueError:
+            if number == lines[0][0] and not rels:
+                continue  # the header line (query-id, corpus-id, score)
+            raise bad(f"score {score_text[:40]!r} is not a number", "score") from None
+        if not qid or not cid:
+            raise bad("query-id and corpus-id must not be empty", "query-id" if not qid else "corpus-id")
+        if qid not in query_rows:
+            raise bad(f"query-id {qid!r} is not in the queries file", "query-id")
+        if cid not in doc_ids:
+            raise bad(f"corpus-id {cid!r} is not in the corpus file", "corpus-id")
+        rels.append({"query_id": qid, "corpus_id": cid, "score": score})
+    if not any(r["score"] > 0 for r in rels):
+        raise BeirPartError("file", DatasetError("no qrels row with a score above 0", field="score"))
+    named = dict.fromkeys(r["query_id"] for r in rels)
+    rows: list[dict[str, Any]] = [
+        {"corpus_id": d["corpus_id"], "title": d["title"], "text": d["text"]} for d in docs
+    ]
+    rows += [{"query_id": q, "text": query_rows[q]["text"]} for q in named]
+    rows += rels
+    return b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows)
 
 
 def check_kind(record: dict[str, Any], kind: Kind, line: int) -> None:

@@ -9,6 +9,11 @@ Three sources give ``(query, positive, negatives)`` pairs:
 - a retrieval collection, with no labels (:func:`title_pairs`): a document's title, and each
   Markdown heading, is paired with the passage under it.
 
+Hard negatives (:func:`mine_negatives`, the ``hard_negatives`` hyperparameter) are mined with
+sentence-transformers' own ``mine_hard_negatives`` over the job's corpus: the files' corpora
+plus every text of the training pairs (a collection's documents and sections, for a job that
+names one).
+
 Held-out evaluation ranks the held-out queries against a corpus: the files' own corpora
 (a beir file's documents) when there are any, else every text the pairs hold (positives and
 negatives, training and held-out alike), so the held-out queries compete with all of them.
@@ -120,3 +125,137 @@ def retrieval_set(
         cid = rec.get("corpus_id")
         relevant.setdefault(qid, set()).add(cid if cid in docs else by_text[rec["positive"]])
     return RetrievalSet(queries, docs, relevant)
+
+
+@dataclass
+class MinedNegatives:
+    """Pairs with their mined negatives appended, and what mining found."""
+
+    pairs: list[dict[str, Any]]
+    mined: int  # negatives mine_hard_negatives found
+    repeated: int  # places filled by repeating a row's mined negatives, where too few passed
+    short: int  # rows left with fewer than asked (no candidate passed at all)
+    widened: int = 0  # queries the second pass looked at again
+
+
+def _overlaps(a: str, b: str) -> bool:
+    # a section and the document holding it (a collection's title and heading pairs): the
+    # one answers whatever the other does, so neither is a negative of the other's query
+    return a in b or b in a
+
+
+def _fits(text: str, chosen: list[str], own: list[str], positives: set[str]) -> bool:
+    return text not in chosen and text not in own and not any(_overlaps(text, pos) for pos in positives)
+
+
+def _mine(
+    model: Any,
+    pairs: list[tuple[str, str]],
+    texts: list[str],
+    cache: str,
+    *,
+    num: int,
+    skip: int,
+    margin: float,
+    batch_size: int,
+    range_max: int | None = None,
+) -> dict[str, list[str]]:
+    """Query -> its candidates nearest first, by sentence-transformers' ``mine_hard_negatives``
+    (which never returns a positive of the query: every pair of a query counts)."""
+    from datasets import Dataset
+    from sentence_transformers.util import mine_hard_negatives
+
+    mined = mine_hard_negatives(
+        Dataset.from_dict({"query": [q for q, _ in pairs], "positive": [d for _, d in pairs]}),
+        model,
+        corpus=texts,
+        range_min=skip,
+        range_max=range_max,
+        relative_margin=margin,
+        num_negatives=num,
+        sampling_strategy="top",
+        output_format="triplet",  # one row per negative found: a pair short of them keeps those it has
+        batch_size=batch_size,
+        cache_folder=cache,  # the second pass reuses the corpus embeddings
+        verbose=False,
+    )
+    found: dict[str, list[str]] = {}
+    for q, neg in zip(mined["query"], mined["negative"], strict=True):
+        have = found.setdefault(q, [])
+        if neg not in have:
+            have.append(neg)
+    return found
+
+
+def mine_negatives(
+    model: Any,
+    pairs: list[dict[str, Any]],
+    corpus: list[str],
+    *,
+    count: int,
+    margin: float,
+    skip: int,
+    batch_size: int = 64,
+) -> MinedNegatives:
+    """``count`` negatives for each pair, mined by ``model`` (the base encoder) over
+    ``corpus`` plus the pairs' own texts with sentence-transformers' ``mine_hard_negatives``:
+    the nearest texts that are not a positive of the query (every pair of a query counts), none
+    scoring above the positive less ``margin`` of it and none of the ``skip`` nearest (the
+    likeliest unlabelled positives). A candidate that contains a positive or lies inside one is
+    dropped too. A pair keeps the negatives it came with, first.
+
+    The first pass looks among the nearest ``skip + 10 × count`` or so; a pair left short looks
+    again over the whole ranking for ten times as many. One still short (a corpus with no text far enough from its
+    positive) repeats the negatives it has, so the rows of a batch give as many each; one with
+    none stays short (the batch then uses the fewest any row has)."""
+    import tempfile
+
+    positives: dict[str, set[str]] = {}
+    for p in pairs:
+        positives.setdefault(p["query"], set()).add(p["positive"])
+    texts = list(
+        dict.fromkeys([*corpus, *(t for p in pairs for t in (p["positive"], *p.get("negatives", [])))])
+    )
+    unique = list(dict.fromkeys((p["query"], p["positive"]) for p in pairs))
+    want = count + 4  # candidates beyond count, for those the overlap check drops
+
+    def pick(p: dict[str, Any], found: dict[str, list[str]]) -> list[str]:
+        own = list(p.get("negatives") or [])
+        chosen: list[str] = []
+        for neg in found.get(p["query"], []):
+            if len(chosen) < count and _fits(neg, chosen, own, positives[p["query"]]):
+                chosen.append(neg)
+        return chosen
+
+    with tempfile.TemporaryDirectory(prefix="tandem-mine-") as cache:
+        found = _mine(model, unique, texts, cache, num=want, skip=skip, margin=margin, batch_size=batch_size)
+        short = {p["query"] for p in pairs if len(pick(p, found)) < count}
+        # ten times the candidates, from the whole ranking: a document's own sections can fill
+        # the top of its title query's list, and all overlap it
+        wide = min(10 * want, len(texts) - skip)
+        if short and wide >= 1:
+            again = _mine(
+                model,
+                [u for u in unique if u[0] in short],
+                texts,
+                cache,
+                num=wide,
+                range_max=len(texts),
+                skip=skip,
+                margin=margin,
+                batch_size=batch_size,
+            )
+            for q in short:
+                found[q] = list(dict.fromkeys([*found.get(q, []), *again.get(q, [])]))
+    out: list[dict[str, Any]] = []
+    n_mined = n_repeated = n_short = 0
+    widened = len(short) if wide >= 1 else 0
+    for p in pairs:
+        chosen = pick(p, found)
+        n_mined += len(chosen)
+        if chosen and len(chosen) < count:
+            n_repeated += count - len(chosen)
+            chosen = [chosen[i % len(chosen)] for i in range(count)]
+        n_short += len(chosen) < count
+        out.append({**p, "negatives": list(p.get("negatives") or []) + chosen})
+    return MinedNegatives(out, n_mined, n_repeated, n_short, widened)

@@ -8,6 +8,11 @@ The step loop is the trainer's (``base.run``), not ``SentenceTransformerTrainer`
 embedder job checkpoints, resumes at the exact step, cancels and reports like every other
 job: the loss module is called on the batch's tokenised columns and backpropagated here.
 
+With ``hard_negatives`` set, each pair also gets that many negatives mined by the base model
+over the job's corpus before the first step (sentence-transformers' ``mine_hard_negatives``,
+see ``data/pairs.py``): the loss then sees (anchor, positive, negative_1..n) columns, each
+query's mined negatives beside every other row's texts.
+
 Batches are a pure function of the seed: each epoch a seeded shuffle, cut into batches in
 which no text appears twice (a duplicate would be one query's positive and also its
 in-batch negative, like sentence-transformers' ``NO_DUPLICATES`` sampler).
@@ -19,6 +24,7 @@ Recall@10 and MRR@10 by cosine similarity.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -27,12 +33,12 @@ from typing import Any
 
 import torch
 
-from services.trainer.data.pairs import RetrievalSet, retrieval_set
+from services.trainer.data.pairs import RetrievalSet, mine_negatives, retrieval_set
 from services.trainer.modeling import count_params
 from services.trainer.recipes.base import Recipe, seed_everything
 
 EVAL_METRICS = ("ndcg@10", "recall@100", "recall@10", "mrr@10")
-MAX_NEGATIVES = 4  # hard negatives used per row (every row of a batch must give as many)
+MAX_NEGATIVES = 4  # a row's own negatives used (every row of a batch must give as many), plus the mined
 
 
 def batch_schedule(pairs: list[dict[str, Any]], batch_size: int, epochs: int, seed: int) -> list[list[int]]:
@@ -88,14 +94,60 @@ class EmbedderRecipe(Recipe):
             loss = losses.MatryoshkaLoss(self.model, loss, hp.matryoshka_dims)
         return loss
 
+    def _hard_negatives(self, pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The pairs with ``hard_negatives`` mined negatives each (see ``data/pairs.py``), by the
+        base model before any update. Kept in the work folder, so a resumed job trains on the
+        very negatives it started with (mining again after a crash is minutes, and a different
+        device could rank near-ties the other way)."""
+        hp = self.hp
+        texts = [*(self.cfg.corpus or {}).values()]
+        key = hashlib.sha256(
+            json.dumps(
+                [hp.hard_negatives, hp.hard_negatives_margin, hp.hard_negatives_skip, pairs, texts],
+                sort_keys=True,
+            ).encode()
+        ).hexdigest()
+        cache = self.cfg.work_dir / "hard_negatives.json" if self.cfg.work_dir is not None else None
+        if cache is not None and cache.is_file():
+            saved = json.loads(cache.read_text())
+            if saved.get("key") == key:
+                self.hooks.log(f"hard negatives: the {len(saved['pairs'])} pairs mined before ({cache})")
+                return list(saved["pairs"])
+        t0 = time.perf_counter()
+        got = mine_negatives(
+            self.model,
+            pairs,
+            texts,
+            count=hp.hard_negatives,
+            margin=hp.hard_negatives_margin,
+            skip=hp.hard_negatives_skip,
+        )
+        self.model.train()  # encoding left it in eval mode
+        self.hooks.log(
+            f"hard negatives: {got.mined} mined for {len(pairs)} pairs over {len(texts)} corpus texts "
+            f"(margin {hp.hard_negatives_margin}, skip {hp.hard_negatives_skip}); {got.repeated} places "
+            f"repeat a row's own where too few passed, {got.short} rows have none, {got.widened} queries "
+            "looked down the whole ranking; "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"key": key, "pairs": got.pairs}))
+            tmp.replace(cache)
+        return got.pairs
+
     def setup(self) -> None:
         self.load_model()
         self.pairs = self.cfg.records
+        if self.hp.hard_negatives:
+            self.pairs = self._hard_negatives(self.pairs)
         self.schedule = batch_schedule(self.pairs, self.hp.batch_size, self.hp.n_epochs, self.hp.seed)
         self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
         self.loss_fn = self._loss()
         self.retrieval: RetrievalSet | None = (
-            retrieval_set(self.pairs, self.cfg.eval_records, self.cfg.corpus or {})
+            # the pairs as given: mined negatives must not change what held-out queries rank
+            retrieval_set(self.cfg.records, self.cfg.eval_records, self.cfg.corpus or {})
             if self.cfg.eval_records
             else None
         )
@@ -117,7 +169,8 @@ class EmbedderRecipe(Recipe):
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         rows = [self.pairs[i] for i in self.schedule[step - 1]]
-        k = min(MAX_NEGATIVES, *(len(r.get("negatives") or []) for r in rows))
+        # a row's own negatives first, then its mined ones (hard_negatives): every row gives k
+        k = min(MAX_NEGATIVES + self.hp.hard_negatives, *(len(r.get("negatives") or []) for r in rows))
         columns = [[r["query"] for r in rows], [r["positive"] for r in rows]]
         columns += [[r["negatives"][j] for r in rows] for j in range(k)]
         features = [self._features(col) for col in columns]
@@ -126,7 +179,9 @@ class EmbedderRecipe(Recipe):
         loss.backward()
         real = sum(int(f["attention_mask"].sum()) for f in features)
         processed = sum(int(f["attention_mask"].numel()) for f in features)
-        return self.finish_step(t0, float(loss.detach()), real, processed, {"batch_size": float(len(rows))})
+        return self.finish_step(
+            t0, float(loss.detach()), real, processed, {"batch_size": float(len(rows)), "negatives": float(k)}
+        )
 
     def evaluate(self) -> dict[str, float]:
         from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
