@@ -161,3 +161,27 @@ def test_compile_setting() -> None:
     assert InferenceSettings(compile="decode").compile == "decode"
     with pytest.raises(ValidationError, match="compile"):
         InferenceSettings(compile="always")  # type: ignore[arg-type]
+
+
+def test_batch_sizes_and_a_growing_cache_compile_nothing_more(lively_tiny_path: Path) -> None:
+    from services.inference.engine.ragged import DecodeRow, PrefillRow
+
+    model, tok = _load(lively_tiny_path)
+    engine = TorchEngine.from_model(model, tok, max_batch_size=4, quantize="int4", compile="decode")
+    eager = TorchEngine.from_model(model, tok, max_batch_size=4, quantize="int4")
+    _compiled(engine).warm_up()
+    entries = _cache_entries()
+    for runner in (engine.runner, eager.runner):
+        for slot in range(4):
+            runner.forward([], [PrefillRow(slot=slot, token_ids=list(range(100 + slot, 140)), start=0)])
+    capacity = engine.runner.cache.capacity
+    # every batch size up to the slots, then positions past the slab's capacity (it grows)
+    for rows, position in ((4, 40), (3, 41), (1, 42), (2, capacity + 5), (4, capacity + 6)):
+        decode = [DecodeRow(slot=s, token=7 + s, position=position) for s in range(rows)]
+        got, want = engine.runner.forward(decode, []), eager.runner.forward(decode, [])
+        # the same greedy tokens; logits within bf16 rounding (the head multiplies in bf16, and
+        # inductor's fused norms may round an activation's last bit differently)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert float((got - want).abs().max()) < 0.5
+    assert engine.runner.cache.capacity > capacity
+    assert _cache_entries() == entries, "no batch size or cache growth should compile again"

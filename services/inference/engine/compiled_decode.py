@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from services.inference.engine.quantized_linear import ByTokenKind
+from services.inference.engine.quantized_linear import ByTokenKind, Int4WeightOnly, Int8WeightOnly
 
 if TYPE_CHECKING:
     from services.inference.engine.packed_linear import _Packed
@@ -96,10 +96,11 @@ def _prepared_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
 class CompiledDecode:
     """The compiled decode step of one ``ModelRunner`` (see the module doc)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, *, trace_weight_only: bool = True) -> None:
         import torch._dynamo
 
         self.runner = runner
+        self.trace_weight_only = trace_weight_only
         self._forwards: dict[int, tuple[weakref.ref[_Packed], Callable[[torch.Tensor], torch.Tensor]]] = {}
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self._compiled = torch.compile(self._step, dynamic=True, fullgraph=True)
@@ -120,11 +121,23 @@ class CompiledDecode:
         known = self._forwards.get(id(packed))
         if known is not None and known[0]() is packed:
             return known[1]
-        handle = next(_handles)
-        _PRODUCTS[handle] = (weakref.ref(packed), packed.module.out_features)
+        kernel = packed.kernel
+        by_kind = isinstance(kernel, ByTokenKind)
+        decode = kernel.decode if isinstance(kernel, ByTokenKind) else kernel
+        forward: Callable[[torch.Tensor], torch.Tensor]
+        if self.trace_weight_only and isinstance(decode, (Int4WeightOnly, Int8WeightOnly)):
+            # a plain ATen op on plain tensors: in the graph, called from C++ (``_active``
+            # prepares the weight before each step, so a changed weight is quantised again)
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                prepared = packed.weight[0] if by_kind else packed.weight
+                return decode.apply(x, prepared, packed.module.bias)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            return torch.ops.tandem.prepared_linear(x, handle)
+        else:
+            handle = next(_handles)
+            _PRODUCTS[handle] = (weakref.ref(packed), packed.module.out_features)
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                return torch.ops.tandem.prepared_linear(x, handle)
 
         self._forwards[id(packed)] = (weakref.ref(packed), forward)
         return forward
@@ -134,6 +147,7 @@ class CompiledDecode:
         runner = self.runner
         layers = runner.packed.layers if runner.packed is not None else []
         for packed in layers:
+            packed.current()
             packed.module.forward = self._forward_of(packed)  # type: ignore[method-assign,assignment]
         try:
             with runner._ragged_attention():
