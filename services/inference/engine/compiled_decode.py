@@ -49,6 +49,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from services.inference.engine.quantized_linear import ByTokenKind, Int4WeightOnly, Int8WeightOnly
 
@@ -185,7 +186,10 @@ class CompiledDecode:
         # row r attends its keys up to its own position (the eager decode mask, same shape)
         mask = (keys.unsqueeze(0) <= positions.unsqueeze(1)).view(len(decode), 1, 1, length)
         input_ids = torch.tensor([[r.token] for r in decode], dtype=torch.long, device=device)
-        with self._active():
+        # no duck sizing: a size met at tracing that equals another (an attended length of 3
+        # and SmolLM2's 3 key/value heads) would otherwise become one symbol, and the next
+        # step, where they differ, would compile again
+        with self._active(), fx_config.patch(use_duck_shape=False):
             return self._compiled(input_ids, positions.unsqueeze(1), mask)
 
     @torch.inference_mode()
