@@ -189,7 +189,7 @@ class CompiledDecode:
         # no duck sizing: a size met at tracing that equals another (an attended length of 3
         # and SmolLM2's 3 key/value heads) would otherwise become one symbol, and the next
         # step, where they differ, would compile again
-        with self._active(), fx_config.patch(use_duck_shape=False):
+        with self._active(), fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
             return self._compiled(input_ids, positions.unsqueeze(1), mask)
 
     @torch.inference_mode()
