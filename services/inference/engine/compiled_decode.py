@@ -13,12 +13,14 @@ What is compiled, and what is not:
   and no LoRA layer is in the model. A step with prompt chunks (an arrival), or with LoRA
   layers loaded, runs the eager forward as before: those steps are rarer and their shapes
   (chunk lengths, the adapters' per-row routing) would recompile without end.
-- The linear layers' products are *opaque* to inductor: each calls the engine's own
-  prepared kernel (oneDNN-packed fp32, or int4/int8/bf16 of ``TANDEM_INFERENCE_QUANTIZE``)
-  through the custom op ``tandem::prepared_linear``. So the products are the very kernels
-  the eager engine runs, with the same numbers (inductor would otherwise substitute its own
-  int4 kernel, whose bf16 sums differ, and cannot take oneDNN's packed tensors), and a
-  weight the trainer changed in place is prepared again as in eager mode.
+- The linear layers' products are the engine's own prepared kernels, as in eager mode (a
+  weight the trainer changed in place is prepared again before the step). Weight-only
+  int4/int8 products (``TANDEM_INFERENCE_QUANTIZE``) are plain ATen ops on plain tensors and
+  are traced into the graph (inductor calls the same kernel from C++). oneDNN-packed
+  products (fp32 layers, the bf16 output head) go through the opaque custom op
+  ``tandem::prepared_linear``: inductor cannot take oneDNN's packed tensors. (Making every
+  product opaque was measured: the op's Python dispatch, ~210 times a step, ate the gain:
+  16.6 ms a step at one row vs 13.5 eager and 11.6 traced.)
 - Attention (``ragged.ragged_attention``) reads the step's mask from the forward's keyword
   arguments (``tandem_decode_mask``, which transformers hands down to the attention
   function) instead of the plan's context variable, so dynamo traces it; it is the same
@@ -35,7 +37,13 @@ engines of a process share); past it dynamo runs the step eagerly.
 Numbers: the products are the eager kernels; inductor's fused elementwise code (RMSNorm,
 RoPE, SiLU) may round differently in the last bit from ATen's, as between any two CPU
 builds. Greedy output equals the eager engine's on the tests' models
-(``tests/inference/test_compiled_decode.py``).
+(``tests/inference/test_compiled_decode.py``); on SmolLM2 with int4 decode, where activations
+are rounded to bf16 before each product, a last-bit difference can move a logit by one bf16
+step and flip a near tie (1 of 3 prompts differed at token 19 of 48). And since a step runs
+compiled or eager by what shares it (an arrival makes it a mixed, eager step; one row and
+several rows are different graphs), a request's greedy tokens alone and in a batch can then
+differ at such a tie too, which the eager engine never does: one reason this is not the
+default.
 """
 
 from __future__ import annotations
@@ -205,6 +213,10 @@ class CompiledDecode:
         saved = [store[:slots, :, position].clone() for store in (*cache.k, *cache.v)]
         try:
             self._compile(slots, position)
+        except Exception as exc:  # a graph break (fullgraph) or a failing compiler: name the setting
+            raise RuntimeError(
+                f"TANDEM_INFERENCE_COMPILE=decode: compiling the decode step failed: {exc}"
+            ) from exc
         finally:
             for store, kept in zip((*cache.k, *cache.v), saved, strict=True):
                 store[:slots, :, position] = kept
