@@ -91,6 +91,13 @@ class InferenceSettings(ServiceSettings):
         "none: fp32 (greedy output equals transformers'). auto: int4 on a CPU when the weights are 4-bit "
         "already (a model from a Q4_0/Q4_1 GGUF, such as the default one: quantising loses nothing), else none.",
     )
+    compile: Literal["off", "decode"] = Field(
+        "off",
+        description="torch engine: decode: compile the pure decode steps of the base model with torch.compile "
+        "(inductor; the linear products stay the engine's own kernels), at start-up (about 1-3 minutes on 2 "
+        "cores, less with inductor's on-disk cache); steps with prompt chunks or LoRA layers stay eager. off: "
+        "eager only (see benchmarks/RESULTS.md, issue 19, for why it is not the default).",
+    )
     threads: int = Field(
         0,
         ge=0,

@@ -90,6 +90,7 @@ def build_torch_engine(
         num_threads=settings.threads,
         packed_weights=settings.packed_weights,
         quantize=quantize,
+        compile=settings.compile,
         **scheduler_settings(settings),
     )
 

@@ -45,7 +45,14 @@ class SlabKVCache:
         self._positions: torch.Tensor | None = None
 
     def _alloc(self, capacity: int) -> torch.Tensor:
-        # zeros, not empty: masked positions must hold finite numbers (0 * NaN is NaN)
+        # zeros, not empty: masked positions must hold finite numbers (0 * NaN is NaN).
+        # Normal tensors even when grown inside a forward (inference mode): every slab is then
+        # the same kind of tensor, which a compiled decode step guards on (it would compile
+        # again at the first growth), and code outside inference mode may still write to it.
+        with torch.inference_mode(False):
+            return self._zeros(capacity)
+
+    def _zeros(self, capacity: int) -> torch.Tensor:
         return torch.zeros(
             self.max_slots, self.kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device
         )

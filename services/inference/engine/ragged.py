@@ -164,11 +164,22 @@ def ragged_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    tandem_decode_mask: torch.Tensor | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """``query`` ``[T, H, 1, d]``; ``key``/``value``: the layer's whole slab ``[slots, Hkv, cap, d]``.
 
-    Returns ``[T, 1, H, d]`` (the layout transformers' attention functions return)."""
+    Returns ``[T, 1, H, d]`` (the layout transformers' attention functions return).
+    ``tandem_decode_mask`` (``[T, 1, 1, L]``, handed down the forward's keyword arguments):
+    a pure decode step, token ``t`` in slab row ``t`` (the compiled step: no context variable
+    for dynamo to trace); the same SDPA call as the decode branch below."""
+    if tandem_decode_mask is not None:
+        rows, length = tandem_decode_mask.shape[0], tandem_decode_mask.shape[-1]
+        k, v = key[:rows, :, :length], value[:rows, :, :length]
+        out = F.scaled_dot_product_attention(
+            query, k, v, attn_mask=tandem_decode_mask, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2), None
     plan = _ACTIVE_PLAN.get()
     if plan is None:
         raise RuntimeError("tandem_ragged attention runs only inside a ModelRunner forward")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from services.inference.engine import packed_linear, quantized_linear, ragged
+from services.inference.engine.compiled_decode import Compile, CompiledDecode
 from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.packed_linear import PackedLinears
 from services.inference.engine.quantized_linear import Quantize
@@ -58,6 +59,7 @@ class ModelRunner:
         device: Any = None,
         packed_weights: bool = True,
         quantize: Quantize = "none",
+        compile: Compile = "off",
     ) -> None:
         self.model = model
         base = base_model_of(model)
@@ -105,6 +107,8 @@ class ModelRunner:
             self.packed = PackedLinears(model, choose=choose)
         elif packed_weights and packed_linear.available(self.device, self.dtype):
             self.packed = PackedLinears(model, batch_hint=max_slots)
+        # pure decode steps of the base model through torch.compile (compiled_decode.py)
+        self.compiled = CompiledDecode(self) if compile == "decode" else None
 
     # --- LoRA: per-row adapters through PEFT's mixed-batch path -------------------------
     def refresh_adapter_hooks(self) -> None:
@@ -151,6 +155,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, decode: list[DecodeRow], prefill: list[PrefillRow]) -> torch.Tensor:
         """Logits ``[D + P, V]``: one row per decode token, then one at each chunk's last token."""
+        if self.compiled is not None and not prefill and self.compiled.accepts(decode, bool(self._hooks)):
+            return self.compiled(decode)
         plan = ragged.build_plan(decode, prefill, self.device)
         self.cache.ensure_capacity(plan.max_position + 1)
         self.cache.plan_writes(plan.write_slots, plan.write_positions)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from services.inference.engine.base import AdapterHost
+from services.inference.engine.compiled_decode import Compile
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.guided import GuidedCompiler
 from services.inference.engine.prefix_cache import PrefixCache
@@ -93,6 +94,7 @@ class TorchEngine(AdapterHost):
         admit_window: float = 0.0,
         packed_weights: bool = True,
         quantize: Quantize = "none",
+        compile: Compile = "off",
         tenant_max_queued: int | None = None,
     ) -> None:
         self.model = model
@@ -108,6 +110,7 @@ class TorchEngine(AdapterHost):
             device=device,
             packed_weights=packed_weights,
             quantize=quantize,
+            compile=compile,
         )
         self.max_model_len = self.runner.max_len
         self.device = self.runner.device
@@ -370,7 +373,18 @@ class TorchEngine(AdapterHost):
         if self.runner.packed is not None:
             # pack (or quantise) the weights before serving, so the first request does not pay for it
             await asyncio.to_thread(self.runner.packed.pack_all)
+        if self.runner.compiled is not None:
+            # compile the decode step's graphs before serving: never inside a request's first token
+            await asyncio.to_thread(self._warm_up)
         self.scheduler.start()
+
+    def _warm_up(self) -> None:
+        assert self.runner.compiled is not None
+        if self.scheduler.num_threads:
+            # inductor's C++ loops take the thread count this thread has when they are generated
+            torch.set_num_threads(self.scheduler.num_threads)
+        with self.model_lock:
+            self.runner.compiled.warm_up()
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.scheduler.stop)
