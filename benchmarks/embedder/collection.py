@@ -134,7 +134,10 @@ def main() -> None:
             for s in range(0, len(records), 64):
                 col.write(records[s : s + 64])
             write_s = time.perf_counter() - t0
-            print(f"{name}: {len(texts)} chunks embedded in {embed_s:.0f}s, written in {write_s:.0f}s", flush=True)
+            print(
+                f"{name}: {len(texts)} chunks embedded in {embed_s:.0f}s, written in {write_s:.0f}s",
+                flush=True,
+            )
             return col, embed_s + write_s
 
         base, base_s = index("base", None, "base:" + str(get_model_path()), args.cache)
@@ -162,7 +165,12 @@ def main() -> None:
         for name in args.runs.split(","):
             epochs = args.corpus_epochs if name == "corpus" else args.epochs
             hp = Hyperparameters.model_validate(
-                {"learning_rate": args.lr, "n_epochs": epochs, "batch_size": args.batch_size, "warmup_steps": 5}
+                {
+                    "learning_rate": args.lr,
+                    "n_epochs": epochs,
+                    "batch_size": args.batch_size,
+                    "warmup_steps": 5,
+                }
             )
             t0 = time.perf_counter()
             cfg = TrainConfig(
