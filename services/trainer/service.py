@@ -22,7 +22,7 @@ from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from services.common.quota import check_quota
 from services.common.replicas import replica_pool, request_sync
-from services.common.upstream import UpstreamReply
+from services.common.upstream import UpstreamReply, unreachable, upstream_error
 from services.trainer.config import TrainerSettings
 from services.trainer.data.formats import BeirPartError, DatasetError, beir_upload, parse_dataset
 from services.trainer.jobspec import (
@@ -160,25 +160,11 @@ def _question(st: TrainerState, key: str, spec: JobCreate, passage: str, seed: i
             timeout=300.0,
         )
     except httpx.HTTPError as exc:
-        raise ServiceUnavailable(
-            f"generate_queries: the inference service at {', '.join(pool.urls)} is unreachable ({exc})",
-            param="generate_queries",
-        ) from None
+        raise unreachable("inference", exc) from None
     if resp.status_code >= 400:
-        reply = UpstreamReply.of("inference", resp)
+        # the mapping every service uses for an upstream's answer (404 stays 404, 429 stays 429)
         param = "generate_queries.model" if resp.status_code in (400, 404) else "generate_queries"
-        error = (
-            NotFound
-            if resp.status_code == 404
-            else InvalidRequest
-            if resp.status_code < 500
-            else ServiceUnavailable
-        )
-        raise error(
-            f"generate_queries: the inference service answered {resp.status_code} for model {gen.model!r}: "
-            f"{reply.message}",
-            param=param,
-        )
+        raise upstream_error(UpstreamReply.of("inference", resp), param)
     return str(resp.json()["choices"][0]["message"].get("content") or "")
 
 
