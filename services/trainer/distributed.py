@@ -38,7 +38,7 @@ import traceback
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -396,7 +396,7 @@ def error_handler() -> Any:
     return AtomicErrorHandler()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     _die_with_parent()
@@ -406,8 +406,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # record: a rank's exception lands in torchrun's error file and its summary
     record(run_rank, error_handler())(launch)
-    return 0
+    # A finished rank skips interpreter teardown. gloo's threads can still hold work objects
+    # whose tensors are freed while the interpreter is being torn down, which aborts the rank
+    # ("terminate called without an active exception", SIGABRT) after it has done everything:
+    # torchrun then fails a job that succeeded (seen once in CI). By now the weights and the
+    # outcome file are written and closed, and the process group is destroyed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
