@@ -49,6 +49,7 @@ async def guard(
     collection: str = "geo",
     upstreams: tuple[RetrievalClient, InferenceClient] | None = None,
     params: dict[str, Any] | None = None,
+    settings: AgentSettings | None = None,
 ) -> tuple[RunState, list[dict[str, Any]]]:
     """Runs the guard node; without ``upstreams`` on word overlap only (the embedder setting off)."""
     state = RunState(question=question, collection=collection)
@@ -56,7 +57,7 @@ async def guard(
     state.tracker = CitationTracker(list(chunks))
     state.answer = state.completion = answer
     state.finish_reason = finish_reason
-    settings = AgentSettings(grounding_embedder=upstreams is not None)
+    settings = (settings or AgentSettings()).model_copy(update={"grounding_embedder": upstreams is not None})
     retrieval, inference = upstreams or (None, None)
     ctx = RunContext(settings=settings, retrieval=retrieval, inference=inference, counter=None, model="m")  # type: ignore[arg-type]
     node = GuardNode(
@@ -116,6 +117,18 @@ async def test_guard_off_leaves_every_answer_unchanged(answer: str) -> None:
         and state.grounding is None
         and state.answer_kind == "generated"
     )
+
+
+async def test_the_agent_setting_turns_the_guard_off_unless_a_pipeline_turns_it_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TANDEM_AGENT_GROUNDING_GUARD", "false")
+    off = AgentSettings()
+    state, events = await guard("The answer is: The answer is:", settings=off)
+    assert events == [] and state.grounding is None and state.answer == "The answer is: The answer is:"
+    # A pipeline's own ``enabled: true`` wins over the setting.
+    state, events = await guard("The answer is: The answer is:", settings=off, enabled=True)
+    assert state.answer_kind == "extractive" and state.answer == "Berlin is the capital of Germany [2]."
 
 
 def test_a_misspelt_name_is_not_supported() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -154,12 +155,23 @@ def test_bad_setting_stops_start_up(tmp_path: Path) -> None:
 
 
 def test_demo_searches_and_answers_from_the_docs_collection(stack_env: dict[str, str]) -> None:
-    demo = subprocess.run([*TANDEM, "demo"], env=stack_env, capture_output=True, text=True, timeout=600)
+    # Wide enough that rich does not wrap the answer's line.
+    env = {**stack_env, "COLUMNS": "400"}
+    demo = subprocess.run([*TANDEM, "demo"], env=env, capture_output=True, text=True, timeout=600)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     out = demo.stdout
     assert out.count("answers for tenant default") == 4
     assert "README.md" in out  # the docs collection made by the first `tandem up`
-    assert "chat-documents" in out
+    # The first impression (issue 20): the default model's answer, or the groundedness guard's,
+    # states how to start the stack and where the key is kept, citing a document of the collection.
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("chat-documents '"))
+    citation = re.compile(r"\s+\[\d+\] .+ \(\S+, (cited|attributed|extractive)\)$")
+    cited = [i for i in range(start + 1, len(lines)) if citation.match(lines[i])]
+    assert cited, out
+    answer = " ".join(lines[start + 1 : cited[0]])
+    assert "make up" in answer or "tandem up" in answer, out
+    assert "api-key" in answer, out
 
 
 def test_a_killed_component_is_restarted_and_status_shows_it(stack_env: dict[str, str]) -> None:
