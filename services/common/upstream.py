@@ -97,8 +97,11 @@ def upstream_error(reply: UpstreamReply, param: str | None = None) -> TandemErro
     return errors.UpstreamError(message)
 
 
-def unreachable(service: str, exc: Exception) -> TandemError:
-    return errors.ServiceUnavailable(f"{service} service unreachable: {type(exc).__name__}: {exc}")
+def unreachable(service: str, exc: Exception, param: str | None = None) -> TandemError:
+    """``param``: the request field that made the call (a collection to read, say), if one did."""
+    return errors.ServiceUnavailable(
+        f"{service} service unreachable: {type(exc).__name__}: {exc}", param=param
+    )
 
 
 def tandem_error(

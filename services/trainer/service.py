@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import httpx
 
 from services.common.config import CommonSettings
-from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
 from services.common.quota import check_quota
 from services.common.replicas import replica_pool, request_sync
 from services.common.upstream import UpstreamReply, unreachable, upstream_error
@@ -71,16 +71,11 @@ def _retrieval(st: TrainerState, key: str, path: str, param: str) -> dict[str, A
     try:
         resp = request_sync(pool, "GET", path, headers={"Authorization": f"Bearer {key}"}, timeout=60.0)
     except httpx.HTTPError as exc:
-        raise ServiceUnavailable(
-            f"{param}: the retrieval service at {', '.join(pool.urls)} is unreachable ({exc})", param=param
-        ) from None
-    if resp.status_code == 404:
-        raise NotFound(f"{param}: {UpstreamReply.of('retrieval', resp).message}", param=param)
+        raise unreachable("retrieval", exc, param) from None
     if resp.status_code >= 400:
-        reply = UpstreamReply.of("retrieval", resp)
-        raise ServiceUnavailable(
-            f"{param}: the retrieval service answered {resp.status_code}: {reply.message}", param=param
-        )
+        # the mapping every service uses for an upstream's answer: 404 stays 404 (another tenant's
+        # collection), a 429 keeps its Retry-After, a 5xx is the upstream's (502)
+        raise upstream_error(UpstreamReply.of("retrieval", resp), param)
     data: dict[str, Any] = resp.json()
     return data
 

@@ -56,3 +56,37 @@ def test_files_yaml_json_and_broken(tmp_path: Path) -> None:
         load_definition_file(tmp_path / "broken.yaml")
     with pytest.raises(PipelineDefinitionError, match="does not exist"):
         load_pipelines(tmp_path / "missing")
+
+
+def test_a_per_request_top_k_reaches_any_retriever_through_the_protocol() -> None:
+    """The retrieve node hands the request's ``top_k`` to whatever ``Retriever`` it was built
+    with (not only the retrieval service's client), and None when the request names none."""
+    import asyncio
+    from typing import cast
+
+    from services.agent.chunks import Chunk
+    from services.agent.pipelines.components import RetrieveNode
+    from services.agent.pipelines.state import RunContext, RunState
+
+    class Recording:
+        def __init__(self) -> None:
+            self.asked: list[int | None] = []
+
+        async def retrieve(
+            self, ctx: RunContext, collection: str, query: str, top_k: int | None = None
+        ) -> list[Chunk]:
+            self.asked.append(top_k)
+            return [Chunk(chunk_id=f"c{i}", document_id="d", text="t", title="T") for i in range(top_k or 10)]
+
+    retriever = Recording()
+    node = RetrieveNode(RetrieveNode.P(fetch_titles=False), retriever)
+
+    async def run(options: dict[str, int]) -> RunState:
+        state = RunState(question="q", collection="kb", options=options)
+        async for _ in node.run(state, cast(RunContext, None)):  # this retriever needs no context
+            pass
+        return state
+
+    assert len(asyncio.run(run({"top_k": 3})).chunks) == 3
+    assert len(asyncio.run(run({})).chunks) == 10
+    assert retriever.asked == [3, None]

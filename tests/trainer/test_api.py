@@ -145,6 +145,8 @@ def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
     assert all(
         j["id"] != jid for j in httpx.get(f"{harness.base}/v1/jobs", headers=auth(other_key)).json()["data"]
     )
+    theirs = httpx.get(f"{harness.base}/v1/jobs/{jid}/events", headers=auth(other_key))
+    assert theirs.status_code == 404 and theirs.json()["error"]["param"] == "job_id", theirs.text
 
     events: list[tuple[str, dict[str, Any]]] = []
 
@@ -193,6 +195,11 @@ def test_job_runs_reports_progress_over_sse_and_serves_artifacts(
     with connect(ws_url, subprotocols=["tandem.bearer", api_key]) as ws:  # type: ignore[list-item]
         assert ws.subprotocol == "tandem.bearer"
         got = [json.loads(m) for m in ws]
+    # another tenant's socket is refused before it opens (closed unaccepted: the handshake's 403)
+    from websockets.exceptions import InvalidStatus
+
+    with pytest.raises(InvalidStatus, match="403"):
+        connect(ws_url, subprotocols=["tandem.bearer", other_key])  # type: ignore[list-item]
     assert [e["step"] for e in got if e["type"] == "progress"] == [1, 2, 3]
     assert got[-1] == {**got[-1], "type": "status", "status": "succeeded"}
     again = httpx.post(f"{harness.base}/v1/jobs/{jid}/cancel", headers=auth(api_key))

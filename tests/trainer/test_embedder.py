@@ -26,7 +26,7 @@ from services.trainer.protocol import Hyperparameters
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
 from services.trainer.recipes.embedder import EmbedderRecipe, batch_schedule
 from tests.conftest import TEST_CACHE, auth
-from tests.helpers.servers import celery_worker, serve_app
+from tests.helpers.servers import celery_worker, free_port, serve_app
 from tests.retrieval.conftest import make_tiny_embedder
 from tests.trainer.conftest import jsonl
 from tests.trainer.test_api import Harness, serving, upload
@@ -280,6 +280,33 @@ def test_a_collection_trains_without_labels_and_another_tenants_is_not_found(
     assert harness.run_worker(job["id"]) == "succeeded"
     done = httpx.get(f"{harness.base}/v1/jobs/{job['id']}", headers=auth(api_key)).json()
     assert "eval_ndcg@10_after" in done["metrics"] and done["fine_tuned_model"] is None
+
+
+def test_a_retrieval_refusal_keeps_its_status_and_an_unreachable_one_names_the_collection(
+    harness: Harness, api_key: str, tiny_st: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer reads a collection with the shared upstream mapping: the retrieval service's
+    429 (the tenant's rate limit, one request a minute) reaches the caller as a 429 with its
+    Retry-After, not a 503, and a retrieval service that is down is a 503 naming ``collection``."""
+    from services.retrieval.app import create_app as retrieval_app
+
+    monkeypatch.setenv("TANDEM_RETRIEVAL_EMBEDDING_MODEL", str(tiny_st))
+    monkeypatch.setenv("TANDEM_RETRIEVAL_TENANT_REQUESTS_PER_MINUTE", "1")
+    monkeypatch.setenv("TANDEM_RETRIEVAL_TENANT_BURST", "1")
+    body = {"type": "embedder", "base_model": str(tiny_st), "collection": "kb", "eval_fraction": 0.25}
+    with serve_app(retrieval_app()) as retrieval:
+        harness.st.common = harness.st.common.model_copy(update={"retrieval_url": retrieval})
+        # the tenant's one request of the minute: the trainer's read, with the same key, is over it
+        assert httpx.get(f"{retrieval}/v1/whoami", headers=auth(api_key)).status_code == 200
+        limited = post_job(harness, api_key, body)
+    assert limited.status_code == 429, limited.text
+    assert 1 <= int(limited.headers["Retry-After"]) <= 60
+    assert "retrieval" in limited.json()["error"]["message"]
+    harness.st.common = harness.st.common.model_copy(
+        update={"retrieval_url": f"http://127.0.0.1:{free_port()}"}
+    )
+    down = post_job(harness, api_key, body)
+    assert down.status_code == 503 and down.json()["error"]["param"] == "collection", down.text
 
 
 @pytest.mark.e2e

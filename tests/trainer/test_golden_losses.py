@@ -26,10 +26,12 @@ from typing import Any
 import pytest
 
 from services.trainer.data.formats import parse_dataset
+from services.trainer.data.pairs import embedder_data
 from services.trainer.protocol import Hyperparameters, LoraSpec
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
 from services.trainer.runner import recipe_for
 from tests.helpers.models import make_tiny_llama
+from tests.retrieval.conftest import make_tiny_embedder
 from tests.trainer.conftest import HH, count_to_rows, jsonl
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_losses.json"
@@ -45,6 +47,12 @@ def golden_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def golden_embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # built here, not taken from the test cache: a cached model of older code must not move it
+    return make_tiny_embedder(tmp_path_factory.mktemp("golden-embedder") / "st", hidden=32)
+
+
 def letter_e(records: Sequence[dict[str, Any]], completions: Sequence[str]) -> list[float]:
     """A reward that a random model's completions already vary in: their share of 'e'."""
     return [c.count("e") / (len(c) + 1) for c in completions]
@@ -56,6 +64,31 @@ def _kto_rows() -> list[dict[str, Any]]:
         rows.append({"prompt": r["prompt"], "completion": r["chosen"][0]["content"], "label": True})
         rows.append({"prompt": r["prompt"], "completion": r["rejected"][0]["content"], "label": False})
     return rows
+
+
+def _pair_rows() -> list[dict[str, Any]]:
+    topics = [
+        "apple",
+        "river",
+        "engine",
+        "violin",
+        "planet",
+        "bread",
+        "winter",
+        "copper",
+        "falcon",
+        "garden",
+        "laser",
+        "ocean",
+    ]
+    return [
+        {
+            "query": f"what about {t} number {i}?",
+            "positive": f"A passage on {t}: the {t} is discussed, part {i}.",
+        }
+        for t in topics
+        for i in range(2)
+    ]
 
 
 def _rl_rows() -> list[dict[str, Any]]:
@@ -76,6 +109,8 @@ RECIPES: dict[str, tuple[Any, dict[str, Any], LoraSpec | None]] = {
     "kto": (_kto_rows, {"learning_rate": 1e-3, "beta": 0.5}, None),
     "grpo": (_rl_rows, {"learning_rate": 1e-3, "prompts_per_step": 2, "group_size": 4}, None),
     "ppo": (_rl_rows, {"learning_rate": 1e-3, "prompts_per_step": 4}, None),
+    # sentence-transformers' MNRL on a tiny random BERT (its own model: see ``golden_embedder``)
+    "embedder": (_pair_rows, {"learning_rate": 1e-3, "batch_size": 6}, None),
 }
 
 
@@ -83,10 +118,11 @@ def losses_of(kind: str, model: Path) -> list[float]:
     data, hp, lora = RECIPES[kind]
     source = data()
     raw = source.read_bytes() if isinstance(source, Path) else jsonl(source)
+    records = parse_dataset(raw).records
     cfg = TrainConfig(
         kind=kind,
         model_path=model,
-        records=parse_dataset(raw).records,
+        records=embedder_data(records).pairs if kind == "embedder" else records,
         hp=Hyperparameters(
             **{
                 "max_steps": STEPS,
@@ -112,8 +148,9 @@ def losses_of(kind: str, model: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("kind", list(RECIPES))
-def test_first_losses_match_the_golden_curve(kind: str, golden_model: Path) -> None:
-    got = losses_of(kind, golden_model)
+def test_first_losses_match_the_golden_curve(kind: str, request: pytest.FixtureRequest) -> None:
+    model = request.getfixturevalue("golden_embedder" if kind == "embedder" else "golden_model")
+    got = losses_of(kind, model)
     if os.environ.get("GOLDEN_REGEN"):
         golden = json.loads(GOLDEN.read_text()) if GOLDEN.is_file() else {}
         golden[kind] = got

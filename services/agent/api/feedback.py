@@ -28,6 +28,7 @@ from services.agent.protocol import (
     ModelStats,
     RegenerateRequest,
     TrainRequest,
+    TrainResult,
     TurnRecord,
 )
 from services.agent.runtime import AgentRuntime, TurnResult, collect, peek
@@ -223,8 +224,8 @@ async def build_feedback_dataset(body: DatasetRequest, runtime: RuntimeDep, who:
     return await _upload(runtime, who.key, await _build(runtime, who.principal, body))
 
 
-@router.post("/v1/feedback/train")
-async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: CallerDep) -> dict[str, Any]:
+@router.post("/v1/feedback/train", response_model=TrainResult)
+async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: CallerDep) -> TrainResult:
     """Builds the dataset and starts a LoRA job (defaults, published) on the model that wrote the answers."""
     principal, key = who
     if body.format == "pairs":
@@ -255,4 +256,4 @@ async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: Caller
     if body.hyperparameters:
         job_body["hyperparameters"] = body.hyperparameters
     job = await runtime.trainer(key).create_job(job_body)
-    return {"dataset": dataset.model_dump(), "job": job}
+    return TrainResult(dataset=dataset, job=job)

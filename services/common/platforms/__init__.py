@@ -11,7 +11,6 @@ objects (``CommonSettings.device``): callers that hold them pass it in. No code 
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -78,9 +77,6 @@ class Platform:
         if self.device_type != "cpu" and mod is not None and hasattr(mod, "max_memory_allocated"):
             return int(mod.max_memory_allocated())
         return None
-
-    def supports_triton(self) -> bool:
-        return self.device_type in ("cuda", "xpu") or os.environ.get("TRITON_INTERPRET") == "1"
 
     def default_dtype(self) -> Any:
         """bf16 where the hardware does it well, fp32 on the CPU (bf16 matmuls are slow there)."""

@@ -506,18 +506,6 @@ class SQLiteDocumentStore:
             ).fetchall()
         return np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
 
-    def get_meta(self, key: str) -> str | None:
-        with self._lock:
-            r = self._conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return None if r is None else str(r[0])
-
-    def set_meta(self, key: str, value: str) -> None:
-        with self._tx() as c:
-            c.execute(
-                "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                (key, value),
-            )
-
     # -- index versions (versions.py) ----------------------------------------------
     @staticmethod
     def _version_row(c: sqlite3.Connection, key: str) -> IndexVersion | None:

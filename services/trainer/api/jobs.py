@@ -95,13 +95,6 @@ def download_artifact(job: JobDep, path: str, st: TrainerDep) -> FileResponse:
 
 
 # ---- live events (SSE and websocket), both read the job's Redis stream
-async def _owned(request_app: Any, tenant: str, job_id: str) -> dict[str, str]:
-    data: dict[str, str] = await request_app.state.redis.hgetall(job_key(job_id))
-    if not data or data.get("tenant") != tenant:
-        raise NotFound(f"no job with id {job_id!r}", param="job_id")
-    return data
-
-
 async def job_events(
     app: Any, job_id: str, last_id: str = "0", block_ms: int = 2_000
 ) -> AsyncIterator[tuple[str, str, dict[str, Any]]]:
@@ -138,13 +131,12 @@ async def job_events(
 
 
 @router.get("/jobs/{job_id}/events", response_class=StreamingResponse, responses=SSE)
-async def stream_events(job_id: str, request: Request, tenant: TenantDep) -> StreamingResponse:
+async def stream_events(job: JobDep, request: Request) -> StreamingResponse:
     """Server-sent events: ``status``, ``progress`` (step, total, metrics) and ``log``."""
-    await _owned(request.app, tenant, job_id)
     last = request.headers.get("last-event-id") or "0"
 
     async def body() -> AsyncIterator[bytes]:
-        async for eid, type_, data in job_events(request.app, job_id, last):
+        async for eid, type_, data in job_events(request.app, job.id, last):
             head = f"id: {eid}\n" if eid else ""
             yield f"{head}event: {type_}\ndata: {json.dumps(data)}\n\n".encode()
             if await request.is_disconnected():
@@ -165,7 +157,8 @@ async def ws_job(websocket: WebSocket, job_id: str) -> None:
         p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()
     ]
     try:
-        await _owned(websocket.app, principal.tenant, job_id)
+        # the store's own check (another tenant's job is as missing as one that never existed)
+        await run_in_threadpool(websocket.app.state.trainer.store.get_job, principal.tenant, job_id)
     except NotFound as exc:
         await websocket.close(code=4404, reason=exc.message)
         return

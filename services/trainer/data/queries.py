@@ -1,7 +1,7 @@
 """Generated queries (embedder jobs' ``generate_queries``): passages sampled from the job's
 corpus, and the one short question a chat model writes for each, as training pairs.
 
-A passage is a chunk as the retrieval service cuts it (``services/retrieval/core/chunking.py``:
+A passage is a chunk as the retrieval service cuts it (``services/common/chunking.py``:
 Markdown sections, then windows of ``CHUNK_WORDS`` word tokens with ``CHUNK_OVERLAP`` overlap),
 its heading path (the title, then the headings) opening its text as a collection indexes it.
 This module is the pure part (sampling, the prompt, reading the reply); the trainer's service
@@ -34,7 +34,7 @@ class Passage:
 
 def passages(documents: list[tuple[str, str, str]]) -> list[Passage]:
     """Every chunk of ``(id, title, text)`` documents, in order."""
-    from services.retrieval.core.chunking import chunk_text
+    from services.common.chunking import chunk_text
 
     out: list[Passage] = []
     for doc, title, text in documents:
