@@ -218,3 +218,24 @@ def test_scale_profile() -> None:
         assert svc["command"][svc["command"].index("--port") + 1] == str(port)
         assert str(port) in svc["healthcheck"]["test"][-1]
     assert services["retrieval-replica"]["depends_on"]["milvus"]["condition"] == "service_healthy"
+
+
+@pytest.mark.parametrize(
+    ("profile", "backend"), [("cpu", "embedded"), ("gpu", "embedded"), ("scale", "milvus")]
+)
+def test_the_retrieval_api_and_its_io_worker_share_one_backend(profile: str, backend: str) -> None:
+    # The API queues ingestion jobs (many documents, uploads) that the io worker writes: a worker
+    # on another backend than the API's fails every job (tests/retrieval/test_milvus.py).
+    retrieval = {
+        name: svc
+        for name, svc in _active({profile}).items()
+        if "services.retrieval." in " ".join(svc.get("command", []))
+    }
+    assert {svc["command"][0] for svc in retrieval.values()} == {"uvicorn", "celery"}, retrieval.keys()
+    for name, svc in retrieval.items():
+        env = svc["environment"]
+        assert env.get("TANDEM_RETRIEVAL_BACKEND", "embedded") == backend, (profile, name)
+        if backend == "milvus":
+            assert env["TANDEM_RETRIEVAL_MILVUS_URI"] == "http://milvus:19530", name
+            assert svc["depends_on"]["milvus"]["condition"] == "service_healthy", name
+            assert "retrieval-data:/data/retrieval" in svc["volumes"], name  # uploads pass through it

@@ -16,13 +16,14 @@ from typing import Any
 from celery.signals import worker_ready, worker_shutdown
 
 from services.common.celery_app import make_celery
-from services.common.config import CommonSettings, load_settings
+from services.common.config import CommonSettings, SettingsError, load_settings
+from services.common.jobs import TERMINAL
 from services.common.leases import recovery_loop
 from services.common.redis_conn import sync_redis
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.jobs import JobStore
 from services.retrieval.core.registry import CollectionManager
-from services.retrieval.ingest import TASK_NAME, recover_orphans, run_leased
+from services.retrieval.ingest import TASK_NAME, log, recover_orphans, run_leased
 
 common = load_settings(CommonSettings, check_unknown=False)
 celery_app = make_celery("retrieval", common.redis_url, default_queue="io")
@@ -48,7 +49,17 @@ def _jobs() -> JobStore:
 
 @celery_app.task(name=TASK_NAME, bind=True)
 def ingest(self: Any, tenant: str, collection: str, job_id: str) -> dict[str, Any]:
-    return run_leased(_manager(), _jobs(), _settings(), tenant, collection, job_id)
+    try:
+        manager = _manager()
+    except SettingsError as exc:
+        # This worker's backend settings do not match the collections (an io worker left on the
+        # embedded backend beside Milvus replicas): the message is acknowledged here, so the job
+        # would stay queued for ever with the reason only in this log. Fail it, naming the setting.
+        log.error("ingestion job %s: %s", job_id, exc)
+        if _jobs().raw(job_id).get("status") not in TERMINAL:
+            _jobs().update(job_id, status="failed", error=str(exc))
+        return {"error": str(exc)}
+    return run_leased(manager, _jobs(), _settings(), tenant, collection, job_id)
 
 
 def dispatch(tenant: str, collection: str, job_id: str) -> None:

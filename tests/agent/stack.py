@@ -60,9 +60,11 @@ def agent_stack(
     home: Path,
     model: ScriptedModel | None = None,
     trainer_url: str | None = None,
+    inference_urls: str = "",
     **settings: Any,
 ) -> Iterator[Stack]:
-    """``trainer_url``: a real trainer to use instead of the recording double."""
+    """``trainer_url``: a real trainer to use instead of the recording double; ``inference_urls``:
+    TANDEM_INFERENCE_URLS (replicas used instead of the double)."""
     corpus = FakeCorpus({k: dict(v) for k, v in CORPUS.items()})
     model = model or ScriptedModel()
     trainer = RecordingTrainer()
@@ -75,6 +77,7 @@ def agent_stack(
             redis_url=redis_url,
             retrieval_url=r_url,
             inference_url=i_url,
+            inference_urls=inference_urls,
             trainer_url=t_url,
             log_json=False,
         )

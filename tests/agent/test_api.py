@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from fastapi.responses import JSONResponse
 
+from services.common.replicas import replica_pool
+from tests.agent.doubles import ScriptedModel, inference_double
 from tests.agent.stack import Stack, agent_stack
 from tests.conftest import auth
+from tests.helpers.servers import free_port, serve_app
+from tests.helpers.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -342,3 +348,38 @@ def test_an_agent_turn_that_fails_is_an_openai_error_not_a_200(
             assert streamed.status_code == 200
             events = sse_events(streamed)
         assert any(e.get("error", {}).get("code") == "step_budget_exceeded" for e in events), events
+
+
+def test_the_agent_spreads_over_the_ready_inference_replicas(
+    redis_url: str, tmp_path: Path, api_key: str
+) -> None:
+    # TANDEM_INFERENCE_URLS: a replica that refuses connections, one whose /readyz says 503, two ready
+    models = [ScriptedModel(replies=cite_first) for _ in range(3)]
+    apps = [inference_double(m) for m in models]
+    for app, status in zip(apps, (200, 200, 503), strict=True):
+        app.add_api_route("/readyz", lambda status=status: JSONResponse({}, status_code=status))
+    with ExitStack() as replicas:
+        ready_a, ready_b, not_ready = (replicas.enter_context(serve_app(a)) for a in apps)
+        urls = [f"http://127.0.0.1:{free_port()}", ready_a, ready_b, not_ready]
+        with agent_stack(redis_url, tmp_path, inference_urls=",".join(urls)) as stack:
+
+            def ask() -> None:
+                resp = httpx.post(
+                    f"{stack.url}/v1/pipelines/chat-documents/run",
+                    json={"query": "What is the capital of Germany?", "collection": "geo"},
+                    headers=auth(api_key),
+                    timeout=30,
+                )
+                assert resp.status_code == 200 and "Berlin" in resp.json()["answer"], resp.text
+
+            ask()  # the dead replica may take it first: refused, marked down, sent to another
+            pool = replica_pool(urls)  # the agent's pool (the service runs in this process)
+            wait_until(
+                lambda: [r.healthy for r in pool.replicas] == [False, True, True, False], 30, "the probes"
+            )
+            before = [len(m.requests) for m in models]
+            for _ in range(8):
+                ask()
+            served = [len(m.requests) - b for m, b in zip(models, before, strict=True)]
+    assert stack.model.requests == []  # the single TANDEM_INFERENCE_URL is not used
+    assert served[0] > 0 and served[1] > 0 and served[2] == 0, served

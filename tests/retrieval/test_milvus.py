@@ -19,8 +19,9 @@ from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.milvus import lite
 from tests.conftest import REPO_ROOT, auth
-from tests.helpers.servers import free_port
+from tests.helpers.servers import celery_worker, free_port, serve_app
 from tests.helpers.waiting import wait_until
+from tests.retrieval.conftest import IO_WORKER, ONE_THREAD
 from tests.retrieval.test_durability import start_service, wait_ready
 
 
@@ -70,6 +71,64 @@ def test_two_processes_serve_one_milvus(
         for proc in procs:
             proc.terminate()
             proc.wait(30)
+
+
+@pytest.mark.e2e
+def test_ingestion_jobs_run_on_an_io_worker_over_milvus(
+    retrieval_env: Path, milvus_uri: str, api_key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many documents become a job, which the io worker (a Celery process, as compose's
+    ``scale`` profile runs beside the replicas) writes to Milvus with the same backend settings;
+    the API finds them. A worker left on the embedded backend fails the job naming the setting."""
+    from services.retrieval.app import create_app
+
+    for k, v in {
+        "TANDEM_RETRIEVAL_BACKEND": "milvus",
+        "TANDEM_RETRIEVAL_MILVUS_URI": milvus_uri,
+        "TANDEM_RETRIEVAL_ASYNC_DOCUMENTS": "5",
+    }.items():
+        monkeypatch.setenv(k, v)
+    name = f"jobs-{os.getpid()}"
+    docs = [{"id": f"d{i}", "text": f"document {i} about subject{i}"} for i in range(12)]
+    log = tmp_path / "worker.log"
+
+    def finished(c: httpx.Client, job_id: str) -> dict:
+        job: dict = wait_until(
+            lambda: (j := c.get(f"/v1/jobs/{job_id}").json())["status"] in ("succeeded", "failed") and j,
+            300,
+            "the ingestion job",
+            log=log,
+        )
+        return job
+
+    with (
+        serve_app(create_app()) as url,
+        httpx.Client(base_url=url, headers=auth(api_key), timeout=60) as c,
+    ):
+        assert c.post("/v1/collections", json={"name": name}).status_code == 201
+        try:
+            with celery_worker(
+                dict(os.environ), log, f"io-milvus-{os.getpid()}", IO_WORKER, "io", ONE_THREAD
+            ):
+                r = c.post(f"/v1/collections/{name}/documents", json={"documents": docs})
+                assert r.status_code == 202, r.text
+                job = finished(c, r.json()["job_id"])
+                assert job["status"] == "succeeded", (job, log.read_text()[-3000:])
+            assert c.get(f"/v1/collections/{name}").json()["documents"] == 12
+            for mode in ("dense", "sparse", "hybrid"):
+                hits = c.post(
+                    f"/v1/collections/{name}/search", json={"query": "subject7", "mode": mode}
+                ).json()
+                assert "d7" in [h["document_id"] for h in hits["results"]], (mode, hits)
+            # the io worker of the embedded backend over the same home: the job fails, naming why
+            embedded = {**os.environ, "TANDEM_RETRIEVAL_BACKEND": "embedded"}
+            with celery_worker(embedded, log, f"io-embedded-{os.getpid()}", IO_WORKER, "io", ONE_THREAD):
+                r = c.post(f"/v1/collections/{name}/documents", json={"documents": docs[:6]})
+                assert r.status_code == 202, r.text
+                job = finished(c, r.json()["job_id"])
+            assert job["status"] == "failed" and "TANDEM_RETRIEVAL_BACKEND=milvus" in job["error"], job
+        finally:
+            assert c.delete(f"/v1/collections/{name}").status_code == 204
 
 
 def test_an_unknown_backend_stops_start_up(retrieval_env: Path, tmp_path: Path) -> None:

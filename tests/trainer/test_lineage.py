@@ -193,7 +193,12 @@ def test_publish_is_checked_against_the_inference_capabilities(
     assert "max_lora_rank 8" in r.json()["error"]["message"]
     # the same rank without publishing is fine: the limit is the server's, not training's
     assert stack.create(api_key, str(tiny_model_path), lora={"r": 16}).status_code == 201
-    stack.st.common = stack.st.common.model_copy(update={"inference_url": f"http://127.0.0.1:{free_port()}"})
+    # TANDEM_INFERENCE_URLS (used instead of TANDEM_INFERENCE_URL): a dead replica is passed over
+    dead = f"http://127.0.0.1:{free_port()}"
+    both = {"inference_urls": f"{stack.inference},{dead}", "inference_url": dead}
+    stack.st.common = stack.st.common.model_copy(update=both)
+    assert stack.create(api_key, str(tiny_model_path), publish=True).status_code == 201
+    stack.st.common = stack.st.common.model_copy(update={"inference_urls": ""})
     r = stack.create(api_key, str(tiny_model_path), publish=True)
     assert r.status_code == 503 and r.json()["error"]["param"] == "publish"
     assert "unreachable" in r.json()["error"]["message"]
