@@ -153,8 +153,22 @@ def inference_double(model: ScriptedModel) -> FastAPI:
                         await asyncio.sleep(model.delay)
                     chunk = {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
+                # a reply's tool calls, in OpenAI's pieces: the id, type and name, then the arguments
+                calls = message.get("tool_calls") or []
+                for i, call in enumerate(calls):
+                    head = {"index": i, "id": call["id"], "type": "function"}
+                    pieces = [
+                        {**head, "function": {"name": call["function"]["name"], "arguments": ""}},
+                        {"index": i, "function": {"arguments": call["function"]["arguments"]}},
+                    ]
+                    for piece in pieces:
+                        delta = {"tool_calls": [piece]}
+                        chunk = {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+                        yield f"data: {json.dumps(chunk)}\n\n".encode()
                 last = {
-                    "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                    "choices": [
+                        {"index": 0, "delta": {}, "finish_reason": "tool_calls" if calls else "stop"}
+                    ],
                     "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
                 }
                 yield f"data: {json.dumps(last)}\n\n".encode()

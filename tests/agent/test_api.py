@@ -4,7 +4,7 @@ HTTP, with doubles for retrieval and inference (their real versions run in test_
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -36,10 +36,12 @@ def cite_first(body: dict[str, Any]) -> str:
 
 
 def sse_events(resp: httpx.Response) -> list[dict[str, Any]]:
+    return data_events(resp.iter_lines())
+
+
+def data_events(lines: Iterable[str]) -> list[dict[str, Any]]:
     return [
-        json.loads(line[5:])
-        for line in resp.iter_lines()
-        if line.startswith("data:") and line[5:].strip() != "[DONE]"
+        json.loads(line[5:]) for line in lines if line.startswith("data:") and line[5:].strip() != "[DONE]"
     ]
 
 
@@ -201,6 +203,154 @@ def test_openai_client_chats_with_documents(stack: Stack, api_key: str) -> None:
     assert chunks[-1].model_extra and chunks[-1].model_extra["citations"][0]["document_id"] == "de"
     with pytest.raises(openai.NotFoundError, match="unknown pipeline or agent 'gpt-4'"):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+
+
+FRANCE = {
+    "index": 1,
+    "chunk_id": "fr#0",
+    "document_id": "fr",
+    "title": "France",
+    "text": "Paris is the capital of France. France is known for wine and cheese.",
+    "start": 0,
+    "end": 68,
+}
+GERMANY = {
+    "index": 2,
+    "chunk_id": "de#0",
+    "document_id": "de",
+    "title": "Germany",
+    "text": "Berlin is the capital of Germany. Germany has many forests.",
+    "start": 0,
+    "end": 59,
+}
+ADD = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+
+
+def _facade(stack: Stack, api_key: str, body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The facade's answer to ``body``, and its chunks when streamed (with usage), with the
+    values that change from call to call (ids, times) replaced by their kind."""
+
+    def masked(out: dict[str, Any]) -> dict[str, Any]:
+        assert out["id"].startswith("chatcmpl-") and isinstance(out["created"], int)
+        out.update(id="chatcmpl-*", created=0)
+        if "message_id" in out:
+            assert out["message_id"].startswith("msg_")
+            out["message_id"] = "msg_*"
+        return out
+
+    url = f"{stack.url}/v1/chat/completions"
+    resp = httpx.post(url, json=body, headers=auth(api_key), timeout=60)
+    assert resp.status_code == 200, resp.text
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=streamed, headers=auth(api_key), timeout=60) as chunks:
+        assert chunks.status_code == 200
+        lines = [line for line in chunks.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return masked(resp.json()), [masked(c) for c in data_events(lines)]
+
+
+def _chunk(model: str, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    head = {"id": "chatcmpl-*", "object": "chat.completion.chunk", "created": 0, "model": model}
+    return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+
+
+def test_the_openai_facade_keeps_its_wire_shape(stack: Stack, api_key: str) -> None:
+    """The exact JSON of the facade's answers and stream chunks (the contract its typed models
+    must keep): a cited answer, a search's rendered results, and the model's tool calls."""
+    usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+    stack.model.replies = lambda body: "Paris is the capital [1]."
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    answer, chunks = _facade(
+        stack, api_key, {"model": "chat-documents", "messages": ask, "collection": "geo"}
+    )
+    cited = {**FRANCE, "kind": "cited"}
+    assert answer == {
+        "id": "chatcmpl-*",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "chat-documents",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Paris is the capital [1]."},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": usage,
+        "citations": [cited],
+        "message_id": "msg_*",
+        "conversation_id": None,
+    }
+    ends = {
+        "citations": [cited],
+        "message_id": "msg_*",
+        "conversation_id": None,
+        "kind": "generated",
+        "usage": usage,
+    }
+    assert chunks == [
+        _chunk("chat-documents", {"role": "assistant", "content": ""}),
+        *[
+            _chunk("chat-documents", {"content": piece})
+            for piece in ("Paris ", "is ", "the ", "capital ", "[1].")
+        ],
+        _chunk("chat-documents", {}, "stop", **ends),
+    ]
+    assert list(chunks[-1]) == ["id", "object", "created", "model", "choices", *ends]
+
+    listed = "[1] France: Paris is the capital of France.\n[2] Germany: Berlin is the capital of Germany."
+    search_for = [{"role": "user", "content": "capital of France"}]
+    search = {"model": "semantic-search", "messages": search_for, "collection": "geo"}
+    answer, chunks = _facade(stack, api_key, search)
+    assert answer["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": listed}, "finish_reason": "stop"}
+    ]
+    nothing = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    assert (answer["usage"], answer["citations"]) == (nothing, [FRANCE, GERMANY])
+    ends = {"citations": [FRANCE, GERMANY], "message_id": "msg_*", "conversation_id": None, "usage": nothing}
+    assert chunks == [
+        _chunk("semantic-search", {"role": "assistant", "content": ""}),
+        _chunk("semantic-search", {"content": listed}),
+        _chunk("semantic-search", {}, "stop", **ends),
+    ]
+
+    stack.model.replies = lambda body: {"role": "assistant", "content": None, "tool_calls": [ADD]}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    body = {"model": "chat-documents", "messages": ask, "collection": "geo", "tools": tools}
+    answer, chunks = _facade(stack, api_key, body)
+    message = {"role": "assistant", "content": None, "tool_calls": [ADD]}
+    assert answer["choices"] == [{"index": 0, "message": message, "finish_reason": "tool_calls"}]
+    # the sources the model was given, none cited
+    sources = [{**FRANCE, "kind": "source"}, {**GERMANY, "kind": "source"}]
+    assert (answer["usage"], answer["citations"]) == (usage, sources)
+    first = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "add", "arguments": ""}}
+    ends = {
+        "citations": sources,
+        "message_id": "msg_*",
+        "conversation_id": None,
+        "usage": usage,  # calls are not checked for groundedness: no "kind"
+    }
+    assert chunks == [
+        _chunk("chat-documents", {"role": "assistant", "content": ""}),
+        _chunk("chat-documents", {"tool_calls": [first]}),
+        _chunk("chat-documents", {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}),
+        _chunk("chat-documents", {}, "tool_calls", **ends),
+    ]
+    # and the official client reads both
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=api_key, max_retries=0)
+    parsed = client.chat.completions.create(
+        model="chat-documents", messages=ask, tools=tools, extra_body={"collection": "geo"}
+    )
+    [call] = parsed.choices[0].message.tool_calls or []
+    assert (call.id, call.function.name, call.function.arguments) == ("call_1", "add", '{"a": 1}')
+    streamed = list(
+        client.chat.completions.create(
+            model="chat-documents", messages=ask, tools=tools, extra_body={"collection": "geo"}, stream=True
+        )
+    )
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    [first_piece] = streamed[1].choices[0].delta.tool_calls or []
+    assert (first_piece.id, first_piece.function and first_piece.function.name) == ("call_1", "add")
 
 
 def test_proxy_forwards_auth_request_id_and_streams_sse(stack: Stack, api_key: str) -> None:
