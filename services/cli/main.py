@@ -86,9 +86,8 @@ def up(
         return
     try:
         platform = detect_platform(common.device)
-        embedded = "TANDEM_REDIS_URL" not in os.environ
-        password = stack.ensure_redis_password(layout) if embedded else ""
-        redis_url, embedded = stack.redis_url_for(common, dict(os.environ), password)
+        password = "" if common.redis_url_given else stack.ensure_redis_password(layout)
+        redis_url, embedded = stack.redis_url_for(common, password)
         if not embedded:  # a Redis other machines may share: their TANDEM_HOME must be this one
             stack.check_shared_home(redis_url, layout.home)
         comps = stack.plan(common, embedded, platform.queue, layout.redis_conf if embedded else None)

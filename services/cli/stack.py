@@ -409,10 +409,10 @@ def worker_ready(redis_url: str, queue: str, timeout: float = 3.0) -> tuple[bool
         app.close()
 
 
-def redis_url_for(common: CommonSettings, environ: dict[str, str], password: str = "") -> tuple[str, bool]:
+def redis_url_for(common: CommonSettings, password: str = "") -> tuple[str, bool]:
     """(url, embedded?): use TANDEM_REDIS_URL when it is set (it must answer), else embedded Valkey
     (on loopback, with ``password``)."""
-    if "TANDEM_REDIS_URL" in environ:
+    if common.redis_url_given:
         if not redis_reachable(common.redis_url):
             raise StackError(
                 f"TANDEM_REDIS_URL={redacted(common.redis_url)!r} is set but does not answer PING "

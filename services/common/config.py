@@ -93,8 +93,17 @@ class CommonSettings(BaseSettings):
     def _redis_password_in_url(self) -> CommonSettings:
         # Every client (Celery's included) is built from redis_url: put the password there once.
         if self.redis_password:
+            given = self.redis_url_given
             self.redis_url = with_password(self.redis_url, self.redis_password)
+            if not given:  # the default with a password is still the default: see redis_url_given
+                self.model_fields_set.discard("redis_url")
         return self
+
+    @property
+    def redis_url_given(self) -> bool:
+        """Whether TANDEM_REDIS_URL (or the caller) named a Redis: without one, `tandem up`
+        starts its embedded Valkey."""
+        return "redis_url" in self.model_fields_set
 
     @field_validator("inference_urls")
     @classmethod

@@ -25,7 +25,7 @@ def test_embedded_valkey_refuses_clients_without_the_password(tmp_path: Path) ->
     assert stack.ensure_redis_password(layout) == password  # made once, then kept
     for secret in (layout.redis_password_file, layout.redis_conf):
         assert stat.S_IMODE(secret.stat().st_mode) == 0o600, secret
-    url, embedded = stack.redis_url_for(common, {}, password)
+    url, embedded = stack.redis_url_for(common, password)
     assert embedded and password in url and "127.0.0.1" in url
     [valkey] = [c for c in stack.plan(common, True, "cpu", layout.redis_conf) if c.name == "redis"]
     assert password not in " ".join(valkey.argv)  # not on the command line, where ps shows it

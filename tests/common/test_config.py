@@ -77,6 +77,19 @@ def test_defaults_and_derived_values(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert "TANDEM_REDIS_URL" in env_names(CommonSettings)
 
 
+def test_a_given_redis_url_is_told_from_the_default_even_with_a_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tandem up` starts its embedded Valkey only when no TANDEM_REDIS_URL is set: the password
+    setting, which rewrites the URL, must not make the default look given."""
+    monkeypatch.setenv("TANDEM_REDIS_PASSWORD", "s3cret")
+    default = load_settings(CommonSettings)
+    assert default.redis_url == "redis://:s3cret@127.0.0.1:6379/0" and not default.redis_url_given
+    monkeypatch.setenv("TANDEM_REDIS_URL", "redis://cache:6379/0")
+    given = load_settings(CommonSettings)
+    assert given.redis_url == "redis://:s3cret@cache:6379/0" and given.redis_url_given
+
+
 def test_redis_url_scheme_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_REDIS_URL", "localhost:6379")
     with pytest.raises(SettingsError, match="TANDEM_REDIS_URL"):
