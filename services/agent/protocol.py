@@ -6,6 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common.openai_wire import ChatDelta, SparseModel, Usage, WireModel
+from services.common.openai_wire import ToolCall as WireToolCall
+
 
 def _llm_field() -> Any:
     return Field(
@@ -84,6 +87,86 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     max_tokens: int | None = Field(None, ge=1, description="At most the pipeline's own answer budget.")
     max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name.")
+
+
+# -- the facade's answers: OpenAI's envelope, with the turn's citations and ids beside it -----------
+
+
+class OpenAIModel(BaseModel):
+    """A pipeline or agent, as ``/v1/models`` lists it (``kind``: ``pipeline:<kind>`` or ``agent``)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "tandem"
+    kind: str
+
+
+class OpenAIModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[OpenAIModel]
+
+
+class CompletionMessage(SparseModel):
+    """The answer: ``content`` is null when it is only tool calls; ``tool_calls`` only when made."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[WireToolCall] | None = None
+    _omit_unset = frozenset({"tool_calls"})
+
+
+class CompletionChoice(WireModel):
+    index: int = 0
+    message: CompletionMessage
+    finish_reason: str
+
+
+class ChatCompletion(WireModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    citations: list[dict[str, Any]]
+    message_id: str
+    conversation_id: str | None
+
+
+class ChunkChoice(WireModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(SparseModel):
+    """A piece of a streamed answer. The last (``finish_reason`` set) alone carries the turn's
+    citations and ids, its answer ``kind`` when a groundedness guard ran, and ``usage`` when
+    ``stream_options.include_usage`` asked for it."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    citations: list[dict[str, Any]] | None = None
+    message_id: str | None = None
+    conversation_id: str | None = None
+    kind: Literal["generated", "extractive"] | None = None
+    usage: Usage | None = None
+    _omit_unset = frozenset({"citations", "message_id", "conversation_id", "kind", "usage"})
+
+
+class StreamErrorDetail(BaseModel):
+    message: str
+    code: str | None
+
+
+class StreamError(BaseModel):
+    """An error after the stream began (its status was already 200): a data event of its own."""
+
+    error: StreamErrorDetail
 
 
 class WsChatFrame(BaseModel):

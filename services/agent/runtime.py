@@ -43,7 +43,7 @@ from services.agent.tools.registry import default_tools
 from services.agent.turns import SqliteTurnStore, TurnStore, new_message_id
 from services.common.auth import Principal
 from services.common.config import CommonSettings
-from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable, TandemError
 from services.common.openai_stream import ToolCall
 from services.common.replicas import replica_pool
 
@@ -560,3 +560,21 @@ async def peek(events: AsyncIterator[Event]) -> tuple[list[Event], AsyncIterator
 
 async def collect(events: AsyncIterator[Event]) -> list[Event]:
     return [event async for event in events]
+
+
+def error_event(exc: BaseException) -> ErrorEvent:
+    """The ``error`` event of an exception raised during a turn (with the HTTP status it maps to)."""
+    if isinstance(exc, TandemError):
+        return ErrorEvent(message=exc.message, code=exc.code or exc.type, status=exc.status_code)
+    return ErrorEvent(message=f"internal error: {type(exc).__name__}", code="internal_error")
+
+
+async def guarded(buffered: list[Event], rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """Buffered events, then the rest; an error raised mid-stream becomes a final error event."""
+    for event in buffered:
+        yield event
+    try:
+        async for event in rest:
+            yield event
+    except Exception as exc:
+        yield error_event(exc)

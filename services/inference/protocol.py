@@ -3,9 +3,19 @@ responses and stream chunks) plus vLLM's adapter routes and Tandem's model regis
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
+
+# the pieces shared with the agent's facade, under the names this module has always had
+from services.common.openai_wire import ChatDelta as ChatDelta
+from services.common.openai_wire import FunctionCall as FunctionCall
+from services.common.openai_wire import FunctionDelta as FunctionDelta
+from services.common.openai_wire import SparseModel as _Sparse
+from services.common.openai_wire import ToolCall as ToolCall
+from services.common.openai_wire import ToolCallDelta as ToolCallDelta
+from services.common.openai_wire import Usage as Usage
+from services.common.openai_wire import WireModel as _Wire
 
 
 class _Open(BaseModel):
@@ -144,32 +154,6 @@ class ModelList(BaseModel):
 # --- responses and stream chunks (OpenAI's exact shapes) -----------------------------------------
 
 
-class _Wire(BaseModel):
-    """A response model: every field is in the JSON, ``null`` included, as OpenAI sends it."""
-
-
-class _Sparse(_Wire):
-    """A response model whose fields named in ``_omit_unset`` stay out of the JSON unless they
-    were given: a stream delta carries only what changed, and ``usage`` is in every chunk only
-    with ``stream_options.include_usage``. (A serializer of its own costs a Python call per
-    instance, so only these models have one, not the many logprob entries.)"""
-
-    _omit_unset: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _omit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        for name in self._omit_unset - self.model_fields_set:
-            data.pop(name, None)
-        return data
-
-
-class Usage(_Wire):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
 class TopLogprob(_Wire):
     token: str
     logprob: float
@@ -190,17 +174,6 @@ class CompletionLogprobs(_Wire):
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]]
     text_offset: list[int]
-
-
-class FunctionCall(_Wire):
-    name: str
-    arguments: str
-
-
-class ToolCall(_Wire):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class ChatCompletionMessage(_Wire):
@@ -234,35 +207,6 @@ class ChatCompletion(_Completion):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
-
-
-class FunctionDelta(_Sparse):
-    # an upstream's own fields pass through (remote engine)
-    model_config = ConfigDict(extra="allow")
-    name: str | None = None
-    arguments: str | None = None
-    _omit_unset = frozenset({"name", "arguments"})
-
-
-class ToolCallDelta(_Sparse):
-    """One streamed piece of a tool call: the first carries ``id``, ``type`` and the name,
-    the later ones argument fragments (OpenAI's chunk shape)."""
-
-    model_config = ConfigDict(extra="allow")
-    index: int = 0
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionDelta | None = None
-    _omit_unset = frozenset({"index", "id", "type", "function"})
-
-
-class ChatDelta(_Sparse):
-    """What one chunk adds to a choice: the role first, then content or tool-call pieces."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-    _omit_unset = frozenset({"role", "content", "tool_calls"})
 
 
 class ChatChunkChoice(_Wire):

@@ -1,4 +1,4 @@
-"""Helpers shared by the routers: SSE framing, error events, streamed answers.
+"""Helpers shared by the routers: SSE framing and streamed answers.
 
 (The runtime and the caller are dependencies: services/agent/api/deps.py.)"""
 
@@ -11,8 +11,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from services.agent.events import ErrorEvent, Event
-from services.common.errors import TandemError
+from services.agent.events import Event
+from services.agent.runtime import guarded
 
 
 def sse(data: Any) -> bytes:
@@ -22,22 +22,13 @@ def sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, default=str)}\n\n".encode()
 
 
-def error_event(exc: BaseException) -> ErrorEvent:
-    """The ``error`` event of an exception raised during a turn (with the HTTP status it maps to)."""
-    if isinstance(exc, TandemError):
-        return ErrorEvent(message=exc.message, code=exc.code or exc.type, status=exc.status_code)
-    return ErrorEvent(message=f"internal error: {type(exc).__name__}", code="internal_error")
-
-
-async def guarded(buffered: list[Event], rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    """Buffered events, then the rest; an error raised mid-stream becomes a final error event."""
-    for event in buffered:
-        yield event
-    try:
-        async for event in rest:
-            yield event
-    except Exception as exc:
-        yield error_event(exc)
+def sse_response(frames: AsyncIterator[bytes]) -> StreamingResponse:
+    """A stream of SSE frames, unbuffered by proxies on the way."""
+    return StreamingResponse(
+        frames,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 def event_stream(buffered: list[Event], rest: AsyncIterator[Event]) -> StreamingResponse:
@@ -47,8 +38,4 @@ def event_stream(buffered: list[Event], rest: AsyncIterator[Event]) -> Streaming
         async for event in guarded(buffered, rest):
             yield sse(event)
 
-    return StreamingResponse(
-        body(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return sse_response(body())

@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from services.agent.api.common import error_event
 from services.agent.api.deps import caller, runtime_of
 from services.agent.api.feedback import choose, give_feedback
 from services.agent.events import ChoiceEvent, DoneEvent, ErrorEvent, FeedbackAck, WsEvent
@@ -30,7 +29,7 @@ from services.agent.protocol import (
     WsFeedbackFrame,
     WsRegenerateFrame,
 )
-from services.agent.runtime import Turn, TurnResult
+from services.agent.runtime import Turn, TurnResult, error_event
 from services.common import jsonsafe
 from services.common.auth import WS_PROTOCOL
 from services.common.errors import TandemError
