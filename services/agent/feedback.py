@@ -21,14 +21,85 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.agent.protocol import DatasetFormat, TurnRecord
+from services.agent.protocol import Choice, DatasetFormat, Feedback, FeedbackCreate, TurnRecord
 from services.agent.turns import FeedbackFilter, FeedbackRow, PreferenceRow
-from services.common.errors import InvalidRequest
+from services.common.auth import Principal
+from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
+
+if TYPE_CHECKING:
+    from services.agent.runtime import AgentRuntime
 
 # The trainer job type of each dataset format.
 JOB_TYPE: dict[str, str] = {"kto": "kto", "dpo": "dpo", "sft": "sft", "pairs": "embedder"}
+
+
+# -- feedback and preferences (the HTTP routes and the websocket both write them) ------------------
+
+
+def feedback_object(fb: FeedbackRow, rec: TurnRecord) -> Feedback:
+    return Feedback(
+        message_id=fb.message_id,
+        rating=fb.rating,
+        correction=fb.correction,
+        comment=fb.comment,
+        pipeline=rec.pipeline,
+        model=rec.model,
+        collection=rec.collection,
+        question=rec.question,
+        answer=rec.answer,
+        conversation_id=rec.conversation_id,
+        draft_of=rec.draft_of,
+        created_at=fb.created_at,
+        updated_at=fb.updated_at,
+    )
+
+
+async def turn_of(runtime: AgentRuntime, principal: Principal, message_id: str, param: str) -> TurnRecord:
+    record = await runtime.turns.get_turn(principal.tenant, message_id)
+    if record is None:
+        raise NotFound(f"no message {message_id!r}", param=param)
+    return record
+
+
+async def give_feedback(runtime: AgentRuntime, principal: Principal, body: FeedbackCreate) -> Feedback:
+    """Records or replaces the caller's feedback on one of its tenant's messages."""
+    limit = runtime.settings.feedback_max_correction_chars
+    if body.correction is not None and len(body.correction) > limit:
+        raise PayloadTooLarge(
+            f"correction has {len(body.correction)} characters; the limit is {limit}", param="correction"
+        )
+    if body.correction is not None and not body.correction.strip():
+        raise InvalidRequest(
+            "correction is empty: leave it out, or write the answer it should have been", param="correction"
+        )
+    record = await turn_of(runtime, principal, body.message_id, "message_id")
+    fb = await runtime.turns.set_feedback(
+        principal.tenant, body.message_id, body.rating, body.correction, body.comment
+    )
+    return feedback_object(fb, record)
+
+
+async def choose(runtime: AgentRuntime, principal: Principal, message_id: str, over: str) -> Choice:
+    """Records a preference pair: ``message_id`` chosen over ``over``, two drafts of one prompt."""
+    chosen = await turn_of(runtime, principal, message_id, "message_id")
+    if over == message_id:
+        raise InvalidRequest(
+            f"over: {over!r} is the chosen message itself; name the other draft", param="over"
+        )
+    rejected = await turn_of(runtime, principal, over, "over")
+    if (chosen.draft_of or chosen.message_id) != (rejected.draft_of or rejected.message_id):
+        raise InvalidRequest(
+            f"over: {over!r} is not a draft of the same prompt as {message_id!r} "
+            "(regenerate an answer to get drafts to choose from)",
+            param="over",
+        )
+    await runtime.turns.add_preference(principal.tenant, message_id, over)
+    return Choice(chosen=message_id, rejected=over)
+
+
+# -- datasets ------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -15,7 +15,16 @@ from fastapi import APIRouter, Query, Request
 
 from services.agent.api.common import event_stream
 from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
-from services.agent.feedback import JOB_TYPE, BuiltDataset, build_dataset, check_enough
+from services.agent.feedback import (
+    JOB_TYPE,
+    BuiltDataset,
+    build_dataset,
+    check_enough,
+    choose,
+    feedback_object,
+    give_feedback,
+    turn_of,
+)
 from services.agent.protocol import (
     Choice,
     ChooseRequest,
@@ -32,75 +41,14 @@ from services.agent.protocol import (
     TurnRecord,
 )
 from services.agent.runtime import AgentRuntime, TurnResult, collect, peek
-from services.agent.turns import FeedbackFilter, FeedbackRow
+from services.agent.turns import FeedbackFilter
 from services.common.app_factory import JSON_OR_SSE
 from services.common.auth import Principal
-from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
+from services.common.errors import InvalidRequest, NotFound
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import idempotent
 
 router = APIRouter(tags=["feedback"], responses={404: {"description": "no such message or feedback"}})
-
-
-def feedback_object(fb: FeedbackRow, rec: TurnRecord) -> Feedback:
-    return Feedback(
-        message_id=fb.message_id,
-        rating=fb.rating,
-        correction=fb.correction,
-        comment=fb.comment,
-        pipeline=rec.pipeline,
-        model=rec.model,
-        collection=rec.collection,
-        question=rec.question,
-        answer=rec.answer,
-        conversation_id=rec.conversation_id,
-        draft_of=rec.draft_of,
-        created_at=fb.created_at,
-        updated_at=fb.updated_at,
-    )
-
-
-async def turn_of(runtime: AgentRuntime, principal: Principal, message_id: str, param: str) -> TurnRecord:
-    record = await runtime.turns.get_turn(principal.tenant, message_id)
-    if record is None:
-        raise NotFound(f"no message {message_id!r}", param=param)
-    return record
-
-
-async def give_feedback(runtime: AgentRuntime, principal: Principal, body: FeedbackCreate) -> Feedback:
-    """Records or replaces the caller's feedback on one of its tenant's messages."""
-    limit = runtime.settings.feedback_max_correction_chars
-    if body.correction is not None and len(body.correction) > limit:
-        raise PayloadTooLarge(
-            f"correction has {len(body.correction)} characters; the limit is {limit}", param="correction"
-        )
-    if body.correction is not None and not body.correction.strip():
-        raise InvalidRequest(
-            "correction is empty: leave it out, or write the answer it should have been", param="correction"
-        )
-    record = await turn_of(runtime, principal, body.message_id, "message_id")
-    fb = await runtime.turns.set_feedback(
-        principal.tenant, body.message_id, body.rating, body.correction, body.comment
-    )
-    return feedback_object(fb, record)
-
-
-async def choose(runtime: AgentRuntime, principal: Principal, message_id: str, over: str) -> Choice:
-    """Records a preference pair: ``message_id`` chosen over ``over``, two drafts of one prompt."""
-    chosen = await turn_of(runtime, principal, message_id, "message_id")
-    if over == message_id:
-        raise InvalidRequest(
-            f"over: {over!r} is the chosen message itself; name the other draft", param="over"
-        )
-    rejected = await turn_of(runtime, principal, over, "over")
-    if (chosen.draft_of or chosen.message_id) != (rejected.draft_of or rejected.message_id):
-        raise InvalidRequest(
-            f"over: {over!r} is not a draft of the same prompt as {message_id!r} "
-            "(regenerate an answer to get drafts to choose from)",
-            param="over",
-        )
-    await runtime.turns.add_preference(principal.tenant, message_id, over)
-    return Choice(chosen=message_id, rejected=over)
 
 
 @router.post(
