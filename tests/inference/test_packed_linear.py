@@ -88,14 +88,11 @@ def _plain(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x)
 
 
-def test_engine_with_every_layer_packed_equals_generate(
-    lively_tiny_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The tiny model's layers are below the packing size; pack them all, and check greedy
-    equality alone and in a batch, and after an in-place weight update (the trainer's case)."""
+def test_engine_with_every_layer_packed_equals_generate(lively_tiny_path: Path) -> None:
+    """Every layer of the tiny model is packed, small ones too: greedy equality alone and in a
+    batch, and after an in-place weight update (the trainer's case)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)
     tok = AutoTokenizer.from_pretrained(lively_tiny_path)
     model = AutoModelForCausalLM.from_pretrained(lively_tiny_path, dtype=torch.float32).eval()
     engine = TorchEngine.from_model(model, tok, max_batch_size=4, prefix_cache_mb=0)

@@ -30,9 +30,6 @@ import torch.nn.functional as F
 
 log = logging.getLogger("tandem.engine.packed_linear")
 
-# LoRA's own A/B matrices and other small layers gain nothing from packing
-MIN_PACKED_ELEMENTS = 1 << 16
-
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN packing exists for CPU fp32 and bf16 weights in this torch build."""
@@ -69,6 +66,13 @@ class OneDNNPacked:
         return torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
 
     def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        if input.numel() == input.shape[-1]:
+            # oneDNN computes a lone row another way than 2 or more rows, which all agree row for
+            # row (its last bits differ, e.g. SmolLM2's 1536 -> 576 down projection): a lone row is
+            # computed as the first of two, so its result does not depend on what shares the batch
+            pair = torch.cat([input.reshape(1, -1)] * 2)
+            out = torch.ops.mkldnn._linear_pointwise(pair, prepared, bias, "none", [], "")[:1]
+            return out.view(*input.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(input, prepared, bias, "none", [], "")
 
 
@@ -77,9 +81,12 @@ KernelChoice = Callable[[str, torch.nn.Linear], "LinearKernel | None"]
 
 
 def packed_layers(batch_hint: int) -> KernelChoice:
-    """oneDNN packing for every large layer (LoRA's own small A/B matrices gain nothing)."""
+    """oneDNN packing for every base layer, small ones too: small layers gain no speed, but MKL's
+    product (``F.linear``) computes a row differently by the number of rows, and oneDNN's does
+    not (see ``OneDNNPacked.apply``), so a token's numbers do not depend on what shares its batch.
+    (LoRA's own A/B matrices are left out by ``PackedLinears.refresh``.)"""
     kernel = OneDNNPacked(batch_hint)
-    return lambda _name, module: kernel if module.weight.numel() >= MIN_PACKED_ELEMENTS else None
+    return lambda _name, _module: kernel
 
 
 class _Packed:
