@@ -14,6 +14,7 @@ from services.inference.engine.ragged import (
     MIN_QUERY_ROWS,
     DecodeRow,
     PrefillRow,
+    attention_bias,
     invariant_attention,
     round_up,
 )
@@ -112,7 +113,7 @@ def test_invariant_attention_reduces_each_query_alike_in_any_batch(threads: int)
         n = len(lengths)
         mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).view(n, 1, 1, width)
         q = torch.stack([queries[r, :, lengths[r] - 1 : lengths[r]] for r in range(n)])
-        out = invariant_attention(q, keys[:n, :, :width], values[:n, :, :width], mask, None)
+        out = invariant_attention(q, keys[:n, :, :width], values[:n], attention_bias(mask), None)
         for r in range(n):
             check(r, lengths[r] - 1, out[r, :, 0])
     seen.clear()
@@ -128,7 +129,9 @@ def test_invariant_attention_reduces_each_query_alike_in_any_batch(threads: int)
         positions = torch.tensor([start for _, start, _ in chunks]).unsqueeze(1) + torch.arange(width)
         mask = (torch.arange(length).view(1, 1, -1) <= positions.unsqueeze(2)).unsqueeze(1)
         index = torch.tensor([s for s, _, _ in chunks])
-        out = invariant_attention(q, keys[index, :, :length], values[index, :, :length], mask, None)
+        out = invariant_attention(
+            q, keys[index, :, :length], values[index, :, :length], attention_bias(mask), None
+        )
         for c, (s, start, n) in enumerate(chunks):
             for i in range(n):
                 check(s, start + i, out[c, :, i])

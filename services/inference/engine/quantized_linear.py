@@ -108,7 +108,7 @@ class Int4WeightOnly:
 class BF16Packed(OneDNNPacked):
     """The weight in bf16, oneDNN-packed (native bf16 products on CPUs with AVX512-BF16/AMX)."""
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
         return super().prepare(weight.to(COMPUTE_DTYPE))
 
     def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:

@@ -105,14 +105,14 @@ class RaggedPlan:
     decode_view: int = 0
     decode_rows: torch.Tensor | None = None  # slab row of each decode token; None: rows 0..D-1
     decode_len: int = 0
-    decode_mask: torch.Tensor | None = None  # [decode_view, 1, 1, decode_len]
+    decode_bias: torch.Tensor | None = None  # [decode_view, 1, 1, decode_len] (attention_bias)
     # prompt chunks (the other tokens, chunk after chunk)
     prefill_slots: torch.Tensor | None = None  # [P]
     width: int = 0  # S, the longest chunk
     gather: torch.Tensor | None = None  # [P * S] token index of each padded query
     valid: torch.Tensor | None = None  # [sum L] index into P * S of the real queries
     prefill_len: int = 0
-    prefill_mask: torch.Tensor | None = None  # [P, 1, S, prefill_len]
+    prefill_bias: torch.Tensor | None = None  # [P, 1, S, prefill_len] (attention_bias)
 
 
 _ACTIVE_PLAN: ContextVar[RaggedPlan | None] = ContextVar("tandem_ragged_plan", default=None)
@@ -165,7 +165,9 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
         plan.decode_rows = None if rows == list(range(n_dec)) else tensor(rows)
         plan.decode_len = round_up(max(row_pos) + 1)
         keys = torch.arange(plan.decode_len, device=device)
-        plan.decode_mask = (keys.unsqueeze(0) <= tensor(row_pos).unsqueeze(1)).view(view, 1, 1, -1)
+        plan.decode_bias = attention_bias(
+            (keys.unsqueeze(0) <= tensor(row_pos).unsqueeze(1)).view(view, 1, 1, -1)
+        )
     if prefill:
         width = max(MIN_QUERY_ROWS, *(len(r.token_ids) for r in prefill))
         gather: list[int] = []
@@ -184,7 +186,7 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
         plan.width = width
         plan.gather = tensor(gather)
         plan.valid = tensor(valid)
-        plan.prefill_mask = (keys.view(1, 1, -1) <= query_pos.unsqueeze(2)).unsqueeze(1)
+        plan.prefill_bias = attention_bias((keys.view(1, 1, -1) <= query_pos.unsqueeze(2)).unsqueeze(1))
     return plan
 
 
@@ -219,49 +221,65 @@ def ragged_attention(
     heads, dim = q.shape[1], q.shape[2]
     parts = []
     if plan.n_decode:
-        assert plan.decode_mask is not None
+        assert plan.decode_bias is not None
         qd = q[: plan.n_decode]
         if plan.decode_rows is not None:
             qd = q.new_zeros(plan.decode_view, heads, dim).index_copy_(0, plan.decode_rows, qd)
         k = key[: plan.decode_view, :, : plan.decode_len]
-        v = value[: plan.decode_view, :, : plan.decode_len]
-        out = invariant_attention(qd.unsqueeze(2), k, v, plan.decode_mask, scaling)[:, :, 0]
+        # the values' whole rows: their blocks are a view (a slice of them would be copied)
+        v = value[: plan.decode_view]
+        out = invariant_attention(qd.unsqueeze(2), k, v, plan.decode_bias, scaling)[:, :, 0]
         parts.append(out if plan.decode_rows is None else out.index_select(0, plan.decode_rows))
     if plan.prefill_slots is not None:
-        assert plan.gather is not None and plan.valid is not None and plan.prefill_mask is not None
+        assert plan.gather is not None and plan.valid is not None and plan.prefill_bias is not None
         chunks = len(plan.prefill_slots)
         qp = q.index_select(0, plan.gather).view(chunks, plan.width, heads, dim).transpose(1, 2)
         # slice before gathering: only the attended positions are copied, not the capacity
         k = key[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
         v = value[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
-        out = invariant_attention(qp, k, v, plan.prefill_mask, scaling)  # [P, H, S, d]
+        out = invariant_attention(qp, k, v, plan.prefill_bias, scaling)  # [P, H, S, d]
         parts.append(out.transpose(1, 2).reshape(chunks * plan.width, heads, dim).index_select(0, plan.valid))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(1), None
 
 
+def attention_bias(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as the additive bias ``invariant_attention``
+    takes: 0 where a query attends a key, -inf where it does not."""
+    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def invariant_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
     """Attention whose result for a query depends only on that query and the keys it attends
-    (see the module doc). ``query`` ``[B, H, S, d]``; ``key``/``value`` ``[B, Hkv, L, d]`` (views
-    of the slab are fine) with ``L`` a multiple of ``KEY_BLOCK``; ``mask`` ``[B, 1, S, L]``,
-    True where a query attends a key (every query attends key 0 at least). Returns
-    ``[B, H, S, d]``."""
+    (see the module doc). ``query`` ``[B, H, S, d]``; ``key`` ``[B, Hkv, L, d]`` (a view of the
+    slab is fine) with ``L`` a multiple of ``KEY_BLOCK``; ``bias`` ``[B, 1, S, L]``
+    (``attention_bias``: every query attends key 0 at least); ``value`` ``[B, Hkv, V, d]``,
+    ``V >= L`` also a multiple of ``KEY_BLOCK``, contiguous in its last two axes (the slab's
+    rows, whole: a view of all their blocks needs no copy; keys past ``L`` get weight 0).
+    Returns ``[B, H, S, d]``."""
     batch, heads, width, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
+    kv_heads, length, stored = key.shape[1], key.shape[2], value.shape[2]
     group = heads // kv_heads  # query heads sharing a key/value head (GQA): one product's rows
-    blocks = length // KEY_BLOCK
-    q = query * (dim**-0.5 if scale is None else scale)
-    scores = torch.matmul(q.reshape(batch, kv_heads, group * width, dim), key.transpose(-1, -2))
-    scores = scores.view(batch, kv_heads, group, width, length)
-    scores = torch.where(mask.view(batch, 1, 1, width, length), scores, float("-inf"))
+    pairs, rows, blocks = batch * kv_heads, group * width, length // KEY_BLOCK
+    # scores, scaled and masked, in one product: bias + scale * q.k (-inf where masked)
+    bias = bias.view(batch, 1, 1, width, length).expand(batch, kv_heads, group, width, length)
+    scores = torch.baddbmm(
+        bias.reshape(pairs, rows, length),
+        query.reshape(pairs, rows, dim),
+        key.reshape(pairs, length, dim).transpose(1, 2),
+        alpha=dim**-0.5 if scale is None else scale,
+    )
     # softmax sums a whole number of vector widths: masked keys past the query add exact zeros
-    weights = torch.softmax(scores, -1).view(batch, kv_heads, group * width, blocks, KEY_BLOCK)
+    weights = torch.softmax(scores, -1).view(pairs, rows, blocks, KEY_BLOCK).transpose(1, 2)
     # the product with the values block by block, over KEY_BLOCK keys each (a BLAS product
     # over all keys splits that sum by its length), the blocks then added in order
-    out = torch.matmul(weights.transpose(2, 3), value.reshape(batch, kv_heads, blocks, KEY_BLOCK, dim))
-    return out.sum(2).view(batch, heads, width, dim)
+    blocked = weights.new_empty(pairs, stored // KEY_BLOCK, rows, KEY_BLOCK)
+    blocked[:, :blocks] = weights
+    blocked[:, blocks:] = 0
+    out = torch.matmul(blocked, value.reshape(pairs, stored // KEY_BLOCK, KEY_BLOCK, dim))
+    return out.sum(1).view(batch, heads, width, dim)
 
 
 def decode_token_count() -> int | None:
