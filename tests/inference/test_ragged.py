@@ -113,7 +113,7 @@ def test_invariant_attention_reduces_each_query_alike_in_any_batch(threads: int)
         n = len(lengths)
         mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).view(n, 1, 1, width)
         q = torch.stack([queries[r, :, lengths[r] - 1 : lengths[r]] for r in range(n)])
-        out = invariant_attention(q, keys[:n, :, :width], values[:n], attention_bias(mask), None)
+        out = invariant_attention(q, keys[:n, :, :width], values[:n, :, :width], attention_bias(mask), None)
         for r in range(n):
             check(r, lengths[r] - 1, out[r, :, 0])
     seen.clear()

@@ -35,8 +35,8 @@ model's: SmolLM2 answers "What is the capital of France?" with "The capital of F
 Paris." in fp32 and "L'Étoile, la Marseillaise, ..." when its prompt runs in bf16, as
 llama.cpp's Q4_1 does). Greedy output is deterministic and independent of the batch, bit
 for bit: each row's product is computed the same way whatever the number of rows (the int4
-kernel and oneDNN's for 2 or more rows, measured; a lone row goes through oneDNN as the first
-of two), and so is each token's attention (``ragged.invariant_attention``); the bf16
+kernel, measured, and oneDNN's: ``OneDNNPacked`` pairs a lone row in the layers where
+oneDNN's lone-row path differs), and so is each token's attention (``ragged.invariant_attention``); the bf16
 activations would otherwise turn a last-bit difference into another token
 (``test_quantized_engine.py``, ``test_ragged.py``).
 """

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -113,6 +113,9 @@ class RaggedPlan:
     valid: torch.Tensor | None = None  # [sum L] index into P * S of the real queries
     prefill_len: int = 0
     prefill_bias: torch.Tensor | None = None  # [P, 1, S, prefill_len] (attention_bias)
+    # the biases expanded to every key/value head's rows (``expand_bias``), made at the first
+    # layer and shared by the others
+    expanded: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 _ACTIVE_PLAN: ContextVar[RaggedPlan | None] = ContextVar("tandem_ragged_plan", default=None)
@@ -226,9 +229,9 @@ def ragged_attention(
         if plan.decode_rows is not None:
             qd = q.new_zeros(plan.decode_view, heads, dim).index_copy_(0, plan.decode_rows, qd)
         k = key[: plan.decode_view, :, : plan.decode_len]
-        # the values' whole rows: their blocks are a view (a slice of them would be copied)
-        v = value[: plan.decode_view]
-        out = invariant_attention(qd.unsqueeze(2), k, v, plan.decode_bias, scaling)[:, :, 0]
+        v = value[: plan.decode_view, :, : plan.decode_len]
+        bias = _expanded(plan, "decode", plan.decode_bias, k.shape[1], heads // k.shape[1])
+        out = invariant_attention(qd.unsqueeze(2), k, v, bias, scaling)[:, :, 0]
         parts.append(out if plan.decode_rows is None else out.index_select(0, plan.decode_rows))
     if plan.prefill_slots is not None:
         assert plan.gather is not None and plan.valid is not None and plan.prefill_bias is not None
@@ -237,7 +240,8 @@ def ragged_attention(
         # slice before gathering: only the attended positions are copied, not the capacity
         k = key[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
         v = value[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
-        out = invariant_attention(qp, k, v, plan.prefill_bias, scaling)  # [P, H, S, d]
+        bias = _expanded(plan, "prefill", plan.prefill_bias, k.shape[1], heads // k.shape[1])
+        out = invariant_attention(qp, k, v, bias, scaling)  # [P, H, S, d]
         parts.append(out.transpose(1, 2).reshape(chunks * plan.width, heads, dim).index_select(0, plan.valid))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(1), None
@@ -249,37 +253,50 @@ def attention_bias(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
+def expand_bias(bias: torch.Tensor, kv_heads: int, group: int) -> torch.Tensor:
+    """``bias`` ``[B, 1, S, L]`` as ``invariant_attention``'s product adds it: one row per
+    (sequence, key/value head) pair and query head of the group, ``[B * Hkv, group * S, L]``."""
+    batch, _, width, length = bias.shape
+    expanded = bias.view(batch, 1, 1, width, length).expand(batch, kv_heads, group, width, length)
+    return expanded.reshape(batch * kv_heads, group * width, length)
+
+
 def invariant_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
     """Attention whose result for a query depends only on that query and the keys it attends
-    (see the module doc). ``query`` ``[B, H, S, d]``; ``key`` ``[B, Hkv, L, d]`` (a view of the
-    slab is fine) with ``L`` a multiple of ``KEY_BLOCK``; ``bias`` ``[B, 1, S, L]``
-    (``attention_bias``: every query attends key 0 at least); ``value`` ``[B, Hkv, V, d]``,
-    ``V >= L`` also a multiple of ``KEY_BLOCK``, contiguous in its last two axes (the slab's
-    rows, whole: a view of all their blocks needs no copy; keys past ``L`` get weight 0).
-    Returns ``[B, H, S, d]``."""
+    (see the module doc). ``query`` ``[B, H, S, d]``; ``key``/``value`` ``[B, Hkv, L, d]``
+    (views of the slab are fine) with ``L`` a multiple of ``KEY_BLOCK``; ``bias``
+    ``[B, 1, S, L]`` (``attention_bias``: every query attends key 0 at least), or that
+    through ``expand_bias`` already. Returns ``[B, H, S, d]``."""
     batch, heads, width, dim = query.shape
-    kv_heads, length, stored = key.shape[1], key.shape[2], value.shape[2]
+    kv_heads, length = key.shape[1], key.shape[2]
     group = heads // kv_heads  # query heads sharing a key/value head (GQA): one product's rows
-    pairs, rows, blocks = batch * kv_heads, group * width, length // KEY_BLOCK
+    pairs, rows = batch * kv_heads, group * width
     # scores, scaled and masked, in one product: bias + scale * q.k (-inf where masked)
-    bias = bias.view(batch, 1, 1, width, length).expand(batch, kv_heads, group, width, length)
     scores = torch.baddbmm(
-        bias.reshape(pairs, rows, length),
+        bias if bias.dim() == 3 else expand_bias(bias, kv_heads, group),
         query.reshape(pairs, rows, dim),
         key.reshape(pairs, length, dim).transpose(1, 2),
         alpha=dim**-0.5 if scale is None else scale,
     )
     # softmax sums a whole number of vector widths: masked keys past the query add exact zeros
-    weights = torch.softmax(scores, -1).view(pairs, rows, blocks, KEY_BLOCK).transpose(1, 2)
+    weights = torch.softmax(scores, -1)
     # the product with the values block by block, over KEY_BLOCK keys each (a BLAS product
-    # over all keys splits that sum by its length), the blocks then added in order
-    blocked = weights.new_empty(pairs, stored // KEY_BLOCK, rows, KEY_BLOCK)
-    blocked[:, :blocks] = weights
-    blocked[:, blocks:] = 0
-    out = torch.matmul(blocked, value.reshape(pairs, stored // KEY_BLOCK, KEY_BLOCK, dim))
-    return out.sum(1).view(batch, heads, width, dim)
+    # over all keys splits that sum by its length), each block added to the sum of those
+    # before it (a block past the query adds zero); views of the slab, no copies
+    values = value.reshape(pairs, length, dim)
+    out = torch.bmm(weights[:, :, :KEY_BLOCK], values[:, :KEY_BLOCK])
+    for start in range(KEY_BLOCK, length, KEY_BLOCK):
+        block = slice(start, start + KEY_BLOCK)
+        out = torch.baddbmm(out, weights[:, :, block], values[:, block])
+    return out.view(batch, heads, width, dim)
+
+
+def _expanded(plan: RaggedPlan, kind: str, bias: torch.Tensor, kv_heads: int, group: int) -> torch.Tensor:
+    if kind not in plan.expanded:
+        plan.expanded[kind] = expand_bias(bias, kv_heads, group)
+    return plan.expanded[kind]
 
 
 def decode_token_count() -> int | None:
