@@ -32,10 +32,12 @@ by ``tests/inference/test_ragged.py``, bit for bit, at 1 and 2 threads):
 
 - the attended length is a whole number of ``KEY_BLOCK`` keys, so softmax's vectorised sum
   has no ragged tail, and keys masked past a query add exact zeros at the end of it;
+- the scores are one product over the head dimension (its length is fixed), scaled and
+  masked inside it (``baddbmm`` with an additive bias);
 - the product with the values runs block by block (a BLAS product over all keys splits its
-  sum by the length), and the blocks are added by ``sum`` over the block axis (an outer
-  reduction: block after block, a block past the query adding zero);
-- the two products have a row count that is the same for every decode step (the query heads
+  sum by the length), each block added to the sum of the blocks before it (``baddbmm``), so
+  a block past the query adds zero; blocks are views of the slab, nothing is copied;
+- the products have a row count that is the same for every decode step (the query heads
   of one key/value head) or at least ``MIN_QUERY_ROWS`` (prompt chunks): MKL computes a row
   of a product of 1-3 rows another way than of 4 or more, which all agree row for row.
 """
@@ -289,7 +291,7 @@ def invariant_attention(
     out = torch.bmm(weights[:, :, :KEY_BLOCK], values[:, :KEY_BLOCK])
     for start in range(KEY_BLOCK, length, KEY_BLOCK):
         block = slice(start, start + KEY_BLOCK)
-        out = torch.baddbmm(out, weights[:, :, block], values[:, block])
+        out.baddbmm_(weights[:, :, block], values[:, block])
     return out.view(batch, heads, width, dim)
 
 
