@@ -63,6 +63,7 @@ def test_greedy_equals_generate_alone_and_in_full_batch(lively: tuple[Any, Any])
         assert all(lp <= 0 for lp in out.logprobs)
     alone = engine.generate_batch([prompts[1]], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     assert alone[0].token_ids == refs[1]
+    assert alone[0].logprobs == outs[1].logprobs, "a row's numbers must not depend on the others"
 
 
 @pytest.mark.e2e

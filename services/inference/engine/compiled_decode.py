@@ -42,8 +42,10 @@ are rounded to bf16 before each product, a last-bit difference can move a logit 
 step and flip a near tie (1 of 3 prompts differed at token 19 of 48). A step runs compiled
 or eager by what shares it (an arrival makes it a mixed, eager step), so a request's greedy
 tokens alone and in a batch can differ at such a tie; measured on 10 SmolLM2 prompts (48
-tokens, 4 slots): 4 differ compiled, and 5 already with the eager int4 engine (0 in fp32),
-whose bf16 activations amplify the last-bit differences of fp32 prompt chunks of other shapes.
+tokens, 4 slots): 4 differ compiled. The eager engine is batch-invariant bit for bit
+(``ragged.invariant_attention``); the compiled step keeps SDPA (whose result for a row depends
+on the attended length and the row count) and inductor's own fused code, so compiling trades
+that invariance for its speed.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ from typing import Any
 
 import torch
 
+# the capacity is a multiple of this many positions: the ragged attention reads keys in whole
+# blocks of it (``ragged.KEY_BLOCK``)
+CAPACITY_BLOCK = 64
+
 
 # eq=False: a cache is one object (compared and hashed by identity), not a value
 @dataclass(kw_only=True, eq=False)
@@ -37,7 +41,9 @@ class SlabKVCache:
     initial_capacity: InitVar[int] = 256
 
     def __post_init__(self, initial_capacity: int) -> None:
-        self.capacity = min(self.max_len, initial_capacity)
+        # the context rounded up to whole blocks (the positions past it are never written)
+        self._max_capacity = -(-self.max_len // CAPACITY_BLOCK) * CAPACITY_BLOCK
+        self.capacity = min(self._max_capacity, -(-initial_capacity // CAPACITY_BLOCK) * CAPACITY_BLOCK)
         self.k = [self._alloc(self.capacity) for _ in range(self.num_layers)]
         self.v = [self._alloc(self.capacity) for _ in range(self.num_layers)]
         # where the forward about to run writes its keys/values (set by plan_writes)
@@ -69,7 +75,7 @@ class SlabKVCache:
         new = self.capacity
         while new < needed:
             new *= 2
-        new = min(new, self.max_len)
+        new = min(new, self._max_capacity)
         for layer in range(self.num_layers):
             for store in (self.k, self.v):
                 grown = self._alloc(new)

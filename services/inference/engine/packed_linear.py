@@ -30,9 +30,6 @@ import torch.nn.functional as F
 
 log = logging.getLogger("tandem.engine.packed_linear")
 
-# LoRA's own A/B matrices and other small layers gain nothing from packing
-MIN_PACKED_ELEMENTS = 1 << 16
-
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN packing exists for CPU fp32 and bf16 weights in this torch build."""
@@ -65,11 +62,32 @@ class OneDNNPacked:
     def __init__(self, batch_hint: int = 16) -> None:
         self.batch_hint = batch_hint
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+        return packed, _lone_row_differs(packed, weight.shape[1], weight.dtype)
 
     def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(input, prepared, bias, "none", [], "")
+        packed, as_pair = prepared
+        if as_pair and input.numel() == input.shape[-1]:
+            # a lone row, where oneDNN's own lone-row path gives other last bits than its path
+            # for 2 or more rows: computed as the first of two, so its result does not depend
+            # on what shares the batch
+            pair = torch.cat([input.reshape(1, -1)] * 2)
+            out = torch.ops.mkldnn._linear_pointwise(pair, packed, bias, "none", [], "")[:1]
+            return out.view(*input.shape[:-1], -1)
+        return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [], "")
+
+
+def _lone_row_differs(packed: torch.Tensor, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes one row of this layer differently alone than among others.
+    Measured: rows 2..64 always agree with each other; a lone row does too, except in some
+    shapes (SmolLM2's 1536 -> 576 down projection in fp32, not in bf16), so each layer is
+    probed once when its weight is prepared (different arithmetic matching bit for bit on
+    random rows would be a coincidence)."""
+    rows = torch.randn(3, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    alone = torch.ops.mkldnn._linear_pointwise(rows[:1], packed, None, "none", [], "")
+    among = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")[:1]
+    return not torch.equal(alone, among)
 
 
 # picks the kernel of one layer (qualified name, module), or None to leave it plain
@@ -77,9 +95,12 @@ KernelChoice = Callable[[str, torch.nn.Linear], "LinearKernel | None"]
 
 
 def packed_layers(batch_hint: int) -> KernelChoice:
-    """oneDNN packing for every large layer (LoRA's own small A/B matrices gain nothing)."""
+    """oneDNN packing for every base layer, small ones too: small layers gain no speed, but MKL's
+    product (``F.linear``) computes a row differently by the number of rows, and oneDNN's does
+    not (see ``OneDNNPacked.apply``), so a token's numbers do not depend on what shares its batch.
+    (LoRA's own A/B matrices are left out by ``PackedLinears.refresh``.)"""
     kernel = OneDNNPacked(batch_hint)
-    return lambda _name, module: kernel if module.weight.numel() >= MIN_PACKED_ELEMENTS else None
+    return lambda _name, _module: kernel
 
 
 class _Packed:

@@ -33,9 +33,12 @@ use the quantised weights; prompt tokens multiply with the packed fp32 ones (``B
 faster for many rows, and the prompt's keys/values and the first token stay the fp32
 model's: SmolLM2 answers "What is the capital of France?" with "The capital of France is
 Paris." in fp32 and "L'Étoile, la Marseillaise, ..." when its prompt runs in bf16, as
-llama.cpp's Q4_1 does). Greedy output is deterministic and independent of the batch: each
-row's product is computed the same way whatever the number of rows
-(``test_quantized_engine.py``).
+llama.cpp's Q4_1 does). Greedy output is deterministic and independent of the batch, bit
+for bit: each row's product is computed the same way whatever the number of rows (the int4
+kernel, measured, and oneDNN's: ``OneDNNPacked`` pairs a lone row in the layers where
+oneDNN's lone-row path differs), and so is each token's attention (``ragged.invariant_attention``); the bf16
+activations would otherwise turn a last-bit difference into another token
+(``test_quantized_engine.py``, ``test_ragged.py``).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ class Int4WeightOnly:
 class BF16Packed(OneDNNPacked):
     """The weight in bf16, oneDNN-packed (native bf16 products on CPUs with AVX512-BF16/AMX)."""
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
         return super().prepare(weight.to(COMPUTE_DTYPE))
 
     def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:

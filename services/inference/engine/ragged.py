@@ -18,6 +18,28 @@ key and value at its (slot, position):
 Mixing both in one forward is what makes continuous batching cheap on a CPU: a forward
 re-reads every weight (~55 ms for SmolLM2-135M in fp32 on 2 cores), so a separate
 prefill forward for each arrival would stall every running stream by that much.
+
+**Batch invariance.** A token's numbers must not depend on what else shares its forward
+(greedy output alone = in a batch, bit for bit). SDPA on a CPU does depend on it: the
+attended length is the longest row's (decode) or the longest chunk's end (prompts), its
+reductions group their terms by that length, its query blocks by the chunk's width, and with
+2 threads it differs by the number of rows as well; so a row's last bits changed with the others
+(SmolLM2 with int4 decode, whose bf16 activations amplify such bits into another token:
+3 of 16 prompts' greedy tokens, and every prompt's logprobs, differed alone vs in a batch of
+16). ``invariant_attention`` is attention written so that each query is reduced the same way
+whatever shares its forward, from operations measured to behave so (every one of them checked
+by ``tests/inference/test_ragged.py``, bit for bit, at 1 and 2 threads):
+
+- the attended length is a whole number of ``KEY_BLOCK`` keys, so softmax's vectorised sum
+  has no ragged tail, and keys masked past a query add exact zeros at the end of it;
+- the scores are one product over the head dimension (its length is fixed), scaled and
+  masked inside it (``baddbmm`` with an additive bias);
+- the product with the values runs block by block (a BLAS product over all keys splits its
+  sum by the length), each block added to the sum of the blocks before it (``baddbmm``), so
+  a block past the query adds zero; blocks are views of the slab, nothing is copied;
+- the products have a row count that is the same for every decode step (the query heads
+  of one key/value head) or at least ``MIN_QUERY_ROWS`` (prompt chunks): MKL computes a row
+  of a product of 1-3 rows another way than of 4 or more, which all agree row for row.
 """
 
 from __future__ import annotations
@@ -25,13 +47,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from services.inference.engine.kv_cache import CAPACITY_BLOCK
+
 ATTENTION_NAME = "tandem_ragged"
+# keys are reduced in blocks of this many positions (the attended lengths are rounded up to
+# it; the slab's capacity is a multiple of it)
+KEY_BLOCK = CAPACITY_BLOCK
+# a prompt chunk's padded query block has at least this many rows: CPU BLAS (MKL) computes a
+# product of 1-3 rows another way than one of 4 or more, which all agree row for row
+MIN_QUERY_ROWS = 4
+
+
+def round_up(n: int, block: int = KEY_BLOCK) -> int:
+    return -(-n // block) * block
 
 
 def adapter_key(adapter: str | None) -> str:
@@ -73,14 +107,17 @@ class RaggedPlan:
     decode_view: int = 0
     decode_rows: torch.Tensor | None = None  # slab row of each decode token; None: rows 0..D-1
     decode_len: int = 0
-    decode_mask: torch.Tensor | None = None  # [decode_view, 1, 1, decode_len]
+    decode_bias: torch.Tensor | None = None  # [decode_view, 1, 1, decode_len] (attention_bias)
     # prompt chunks (the other tokens, chunk after chunk)
     prefill_slots: torch.Tensor | None = None  # [P]
     width: int = 0  # S, the longest chunk
     gather: torch.Tensor | None = None  # [P * S] token index of each padded query
     valid: torch.Tensor | None = None  # [sum L] index into P * S of the real queries
     prefill_len: int = 0
-    prefill_mask: torch.Tensor | None = None  # [P, 1, S, prefill_len]
+    prefill_bias: torch.Tensor | None = None  # [P, 1, S, prefill_len] (attention_bias)
+    # the biases expanded to every key/value head's rows (``expand_bias``), made at the first
+    # layer and shared by the others
+    expanded: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 _ACTIVE_PLAN: ContextVar[RaggedPlan | None] = ContextVar("tandem_ragged_plan", default=None)
@@ -131,11 +168,13 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
         plan.n_decode = n_dec
         plan.decode_view = view
         plan.decode_rows = None if rows == list(range(n_dec)) else tensor(rows)
-        plan.decode_len = max(row_pos) + 1
+        plan.decode_len = round_up(max(row_pos) + 1)
         keys = torch.arange(plan.decode_len, device=device)
-        plan.decode_mask = (keys.unsqueeze(0) <= tensor(row_pos).unsqueeze(1)).view(view, 1, 1, -1)
+        plan.decode_bias = attention_bias(
+            (keys.unsqueeze(0) <= tensor(row_pos).unsqueeze(1)).view(view, 1, 1, -1)
+        )
     if prefill:
-        width = max(len(r.token_ids) for r in prefill)
+        width = max(MIN_QUERY_ROWS, *(len(r.token_ids) for r in prefill))
         gather: list[int] = []
         valid: list[int] = []
         for p, (chunk, off) in enumerate(zip(prefill, offsets, strict=True)):
@@ -146,13 +185,13 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
         query_pos = starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)  # [P, S]
         # Keys up to the longest chunk's real end: a shorter chunk's padded queries (s >= n, dropped
         # by ``valid``) would otherwise reach past it, and past the slab's capacity.
-        plan.prefill_len = max(r.start + len(r.token_ids) for r in prefill)
+        plan.prefill_len = round_up(max(r.start + len(r.token_ids) for r in prefill))
         keys = torch.arange(plan.prefill_len, device=device)
         plan.prefill_slots = tensor([r.slot for r in prefill])
         plan.width = width
         plan.gather = tensor(gather)
         plan.valid = tensor(valid)
-        plan.prefill_mask = (keys.view(1, 1, -1) <= query_pos.unsqueeze(2)).unsqueeze(1)
+        plan.prefill_bias = attention_bias((keys.view(1, 1, -1) <= query_pos.unsqueeze(2)).unsqueeze(1))
     return plan
 
 
@@ -187,28 +226,79 @@ def ragged_attention(
     heads, dim = q.shape[1], q.shape[2]
     parts = []
     if plan.n_decode:
+        assert plan.decode_bias is not None
         qd = q[: plan.n_decode]
         if plan.decode_rows is not None:
             qd = q.new_zeros(plan.decode_view, heads, dim).index_copy_(0, plan.decode_rows, qd)
         k = key[: plan.decode_view, :, : plan.decode_len]
         v = value[: plan.decode_view, :, : plan.decode_len]
-        out = F.scaled_dot_product_attention(
-            qd.unsqueeze(2), k, v, attn_mask=plan.decode_mask, scale=scaling, enable_gqa=True
-        )[:, :, 0]
+        bias = _expanded(plan, "decode", plan.decode_bias, k.shape[1], heads // k.shape[1])
+        out = invariant_attention(qd.unsqueeze(2), k, v, bias, scaling)[:, :, 0]
         parts.append(out if plan.decode_rows is None else out.index_select(0, plan.decode_rows))
     if plan.prefill_slots is not None:
-        assert plan.gather is not None and plan.valid is not None
+        assert plan.gather is not None and plan.valid is not None and plan.prefill_bias is not None
         chunks = len(plan.prefill_slots)
         qp = q.index_select(0, plan.gather).view(chunks, plan.width, heads, dim).transpose(1, 2)
         # slice before gathering: only the attended positions are copied, not the capacity
         k = key[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
         v = value[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
-        out = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=plan.prefill_mask, scale=scaling, enable_gqa=True
-        )  # [P, H, S, d]
+        bias = _expanded(plan, "prefill", plan.prefill_bias, k.shape[1], heads // k.shape[1])
+        out = invariant_attention(qp, k, v, bias, scaling)  # [P, H, S, d]
         parts.append(out.transpose(1, 2).reshape(chunks * plan.width, heads, dim).index_select(0, plan.valid))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(1), None
+
+
+def attention_bias(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as the additive bias ``invariant_attention``
+    takes: 0 where a query attends a key, -inf where it does not."""
+    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def expand_bias(bias: torch.Tensor, kv_heads: int, group: int) -> torch.Tensor:
+    """``bias`` ``[B, 1, S, L]`` as ``invariant_attention``'s product adds it: one row per
+    (sequence, key/value head) pair and query head of the group, ``[B * Hkv, group * S, L]``."""
+    batch, _, width, length = bias.shape
+    expanded = bias.view(batch, 1, 1, width, length).expand(batch, kv_heads, group, width, length)
+    return expanded.reshape(batch * kv_heads, group * width, length)
+
+
+def invariant_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Attention whose result for a query depends only on that query and the keys it attends
+    (see the module doc). ``query`` ``[B, H, S, d]``; ``key``/``value`` ``[B, Hkv, L, d]``
+    (views of the slab are fine) with ``L`` a multiple of ``KEY_BLOCK``; ``bias``
+    ``[B, 1, S, L]`` (``attention_bias``: every query attends key 0 at least), or that
+    through ``expand_bias`` already. Returns ``[B, H, S, d]``."""
+    batch, heads, width, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads  # query heads sharing a key/value head (GQA): one product's rows
+    pairs, rows = batch * kv_heads, group * width
+    # scores, scaled and masked, in one product: bias + scale * q.k (-inf where masked)
+    scores = torch.baddbmm(
+        bias if bias.dim() == 3 else expand_bias(bias, kv_heads, group),
+        query.reshape(pairs, rows, dim),
+        key.reshape(pairs, length, dim).transpose(1, 2),
+        alpha=dim**-0.5 if scale is None else scale,
+    )
+    # softmax sums a whole number of vector widths: masked keys past the query add exact zeros
+    weights = torch.softmax(scores, -1)
+    # the product with the values block by block, over KEY_BLOCK keys each (a BLAS product
+    # over all keys splits that sum by its length), each block added to the sum of those
+    # before it (a block past the query adds zero); views of the slab, no copies
+    values = value.reshape(pairs, length, dim)
+    out = torch.bmm(weights[:, :, :KEY_BLOCK], values[:, :KEY_BLOCK])
+    for start in range(KEY_BLOCK, length, KEY_BLOCK):
+        block = slice(start, start + KEY_BLOCK)
+        out.baddbmm_(weights[:, :, block], values[:, block])
+    return out.view(batch, heads, width, dim)
+
+
+def _expanded(plan: RaggedPlan, kind: str, bias: torch.Tensor, kv_heads: int, group: int) -> torch.Tensor:
+    if kind not in plan.expanded:
+        plan.expanded[kind] = expand_bias(bias, kv_heads, group)
+    return plan.expanded[kind]
 
 
 def decode_token_count() -> int | None:
