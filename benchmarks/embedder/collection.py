@@ -17,10 +17,18 @@ in each mode with the scorer of ``tandem eval retrieval``. Each run:
    - ``supervised``: both;
    - ``staged``: the labelled pairs, trained from the ``corpus`` run's model (list ``corpus``
      first): what a tenant gets by starting a labelled job from its own corpus-only fine-tune;
+   - ``generated``: no labels either: ``--generated-passages`` passages sampled from the corpus
+     and the one question the default chat model (SmolLM2-135M-Instruct, built as the inference
+     service builds it) writes for each, as ``{query, positive: passage}`` pairs (``--corpus-epochs``).
+     The same sampling (``passages``, ``sample``, seed 0), prompt (``PROMPT``, passage cut at
+     ``PASSAGE_CHARS``), sampling (``QueryGeneration``'s defaults, passage ``i`` seeded ``i``) and
+     parsing (``query_of``) as an embedder job's ``generate_queries``; only the calls differ (the
+     engine in process, batched, rather than the inference service over HTTP);
 2. embeds every chunk with the new model into a second collection (what a reindex does) and
    searches it.
 
-``--cache`` keeps the base model's chunk vectors between runs of this command.
+``--cache`` keeps the base model's chunk vectors (and the generated run's questions, keyed by
+the passages, model and sampling) between runs of this command.
 """
 
 from __future__ import annotations
@@ -62,11 +70,76 @@ def cached_vectors(embedder: Any, texts: list[str], cache: Path | None, tag: str
     return vecs, took
 
 
+GENERATE_CHUNK = 16  # prompts per generate_batch call: the inference service's default max_batch_size
+
+
+def generated_questions(
+    documents: list[tuple[str, str, str]], count: int, cache: Path | None
+) -> tuple[list[dict[str, Any]], int, float]:
+    """An embedder job's ``generate_queries`` pairs for ``documents`` (``(id, title, text)``):
+    (the pairs, the passages asked, the seconds generation took; 0 when the replies were cached)."""
+    from services.inference.engine.loader import DEFAULT_MODEL_NAME
+    from services.trainer.data.pairs import PASSAGE_CHARS
+    from services.trainer.data.queries import PROMPT, passages, query_of, sample
+    from services.trainer.protocol import Hyperparameters, QueryGeneration
+
+    seed = Hyperparameters.model_validate({}).seed  # a job at its defaults, as generate_query_file seeds it
+    gen = QueryGeneration.model_validate({"model": DEFAULT_MODEL_NAME, "passages": count})
+    picked = sample(passages(documents), gen.passages, seed)
+    prompts = [PROMPT.format(passage=p.text[:PASSAGE_CHARS]) for p in picked]
+    tag = json.dumps([gen.model_dump(), seed, prompts])
+    file = cache / f"questions-{hashlib.sha1(tag.encode()).hexdigest()[:16]}.json" if cache else None
+    took = 0.0
+    if file is not None and file.exists():
+        replies = json.loads(file.read_text())
+    else:
+        from services.common.config import CommonSettings
+        from services.inference.config import InferenceSettings
+        from services.inference.engine.types import SamplingParams
+        from services.inference.engines import build_torch_engine
+
+        home = (cache or Path(tempfile.gettempdir())) / "tandem-home"  # the de-quantised model, once
+        # the engine the inference service serves the default model with (its default settings)
+        settings = InferenceSettings()  # type: ignore[call-arg]
+        common = CommonSettings(home=home)  # type: ignore[call-arg]
+        engine: Any = build_torch_engine(settings, common, gen.model, None)
+        # the replies so far, kept after each call: a stopped run resumes where it was
+        partial = file.with_suffix(".partial") if file is not None else None
+        replies = json.loads(partial.read_text()) if partial is not None and partial.exists() else []
+        t0 = time.perf_counter()
+        for s in range(len(replies), len(prompts), GENERATE_CHUNK):
+            ids = [
+                engine.encode_chat([{"role": "user", "content": t}]) for t in prompts[s : s + GENERATE_CHUNK]
+            ]
+            # prompt i of a call is seeded seed + i: passage s + i gets the job's own seed
+            params = SamplingParams(
+                temperature=gen.temperature, max_tokens=gen.max_tokens, seed=seed * 1_000_003 + s
+            )
+            replies += [o.text for o in engine.generate_batch(ids, params)]
+            if partial is not None:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps(replies))
+            print(f"  generated {len(replies)}/{len(prompts)} in {time.perf_counter() - t0:.0f}s", flush=True)
+        took = time.perf_counter() - t0
+        if file is not None:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_text(json.dumps(replies))
+            partial.unlink(missing_ok=True)  # type: ignore[union-attr]
+    rows = []
+    for p, reply in zip(picked, replies, strict=True):
+        query = query_of(reply, p.text)
+        if query is not None:
+            rows.append({"query": query, "positive": p.text})
+    return rows, len(picked), took
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--beir", type=Path, default=SCIFACT, help="the SciFact BEIR folder")
     ap.add_argument(
-        "--runs", default="labelled,corpus", help="comma-separated: labelled, corpus, supervised, staged"
+        "--runs",
+        default="labelled,corpus",
+        help="comma-separated: labelled, corpus, supervised, staged, generated",
     )
     ap.add_argument("--epochs", type=int, default=4, help="epochs of the labelled and supervised runs")
     ap.add_argument("--corpus-epochs", type=int, default=1, help="epochs of the corpus run")
@@ -76,6 +149,9 @@ def main() -> None:
     ap.add_argument("--negatives-from", type=int, default=5, help="first hybrid rank mined (from 0)")
     ap.add_argument("--negatives-to", type=int, default=50, help="last hybrid rank mined")
     ap.add_argument("--title-pairs", type=int, default=2000, help="documents whose title pair trains")
+    ap.add_argument(
+        "--generated-passages", type=int, default=600, help="passages the generated run writes a question for"
+    )
     ap.add_argument("--cache", type=Path, default=Path(".cache/bench-embedder"), help="base vectors")
     ap.add_argument("--docs", type=int, default=0, help="index only the first N documents (a smoke run)")
     ap.add_argument("--json", type=Path, help="write the figures here too")
@@ -165,10 +241,24 @@ def main() -> None:
         random.Random(0).shuffle(shuffled)
         titles = title_pairs([(d.get("title") or "", d["text"]) for d in shuffled[: args.title_pairs]])
         runs = {"labelled": labelled, "corpus": titles, "supervised": labelled + titles, "staged": labelled}
+        generated: dict[str, Any] = {}
+        if "generated" in args.runs.split(","):
+            runs["generated"], asked, gen_s = generated_questions(
+                [(str(d["_id"]), d.get("title") or "", d["text"]) for d in docs],
+                args.generated_passages,
+                args.cache,
+            )
+            generated = {"questions": len(runs["generated"]), "passages": asked, "generate_s": gen_s}
+            print(
+                f"generated: {len(runs['generated'])} usable questions of {asked} passages in {gen_s:.0f}s",
+                flush=True,
+            )
+            for row in runs["generated"][:5]:
+                print(f"  {row['query']!r} <- {row['positive'][:80]!r}", flush=True)
         trained: dict[str, Path] = {}
 
         for name in args.runs.split(","):
-            epochs = args.corpus_epochs if name == "corpus" else args.epochs
+            epochs = args.corpus_epochs if name in ("corpus", "generated") else args.epochs
             hp = Hyperparameters.model_validate(
                 {
                     "learning_rate": args.lr,
@@ -205,19 +295,29 @@ def main() -> None:
                 "train_s": train_s,
                 "index_s": index_s,
             }
+            if name == "generated":
+                figures[name] |= generated | {"examples": [r["query"] for r in runs[name][:5]]}
             print(f"{name}: {figures[name]}", flush=True)
             if args.json:
                 args.json.write_text(json.dumps(figures, indent=2))
         manager.close_all()
 
-    print("\n| run | pairs | dense nDCG@10 | sparse | hybrid | dense R@100 | train s | re-embed + index s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "\n| run | pairs | dense nDCG@10 | sparse | hybrid | dense R@100 | train s | re-embed + index s "
+        "| questions of passages | generate s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, f in figures.items():
         if name == "args":
             continue
         print(
             f"| {name} | {f.get('pairs', '-')} | {f['dense_ndcg10']:.4f} | {f['sparse_ndcg10']:.4f} | "
-            f"{f['hybrid_ndcg10']:.4f} | {f['dense_recall100']:.3f} | {f.get('train_s', 0):.0f} | {f['index_s']:.0f} |"
+            f"{f['hybrid_ndcg10']:.4f} | {f['dense_recall100']:.3f} | {f.get('train_s', 0):.0f} | {f['index_s']:.0f} | "
+            + (
+                f"{f['questions']} of {f['passages']} | {f['generate_s']:.0f} |"
+                if "questions" in f
+                else "- | - |"
+            )
         )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
