@@ -22,7 +22,7 @@ in each mode with the scorer of ``tandem eval retrieval``. Each run:
      service builds it) writes for each, as ``{query, positive: passage}`` pairs (``--corpus-epochs``).
      The same sampling (``passages``, ``sample``, seed 0), prompt (``PROMPT``, passage cut at
      ``PASSAGE_CHARS``), sampling (``QueryGeneration``'s defaults, passage ``i`` seeded ``i``) and
-     parsing (``query_of``) as an embedder job's ``generate_queries``; only the calls differ (the
+     parsing (``questions``: ``query_of`` per reply, repeats dropped) as an embedder job's ``generate_queries``; only the calls differ (the
      engine in process, batched, rather than the inference service over HTTP);
 2. embeds every chunk with the new model into a second collection (what a reindex does) and
    searches it.
@@ -80,7 +80,7 @@ def generated_questions(
     (the pairs, the passages asked, the seconds generation took; 0 when the replies were cached)."""
     from services.inference.engine.loader import DEFAULT_MODEL_NAME
     from services.trainer.data.pairs import PASSAGE_CHARS
-    from services.trainer.data.queries import PROMPT, passages, query_of, sample
+    from services.trainer.data.queries import PROMPT, passages, questions, sample
     from services.trainer.protocol import Hyperparameters, QueryGeneration
 
     seed = Hyperparameters.model_validate({}).seed  # a job at its defaults, as generate_query_file seeds it
@@ -125,11 +125,7 @@ def generated_questions(
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(json.dumps(replies))
             partial.unlink(missing_ok=True)  # type: ignore[union-attr]
-    rows = []
-    for p, reply in zip(picked, replies, strict=True):
-        query = query_of(reply, p.text)
-        if query is not None:
-            rows.append({"query": query, "positive": p.text})
+    rows = [{"query": query, "positive": p.text} for p, query in questions(picked, replies)]
     return rows, len(picked), took
 
 

@@ -176,7 +176,7 @@ def generate_query_file(
     The first passage is asked alone, so a model the caller may not use fails at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from services.trainer.data.queries import passages, query_of, sample
+    from services.trainer.data.queries import passages, questions, sample
 
     gen = spec.generate_queries
     assert gen is not None
@@ -200,13 +200,11 @@ def generate_query_file(
             pool.map(lambda i: _question(st, key, spec, picked[i].text, seed + i), range(1, len(picked)))
         )
     rows: list[dict[str, Any]] = []
-    for p, reply in zip(picked, [first, *rest], strict=True):
-        query = query_of(reply, p.text)
-        if query is not None:
-            row: dict[str, Any] = {"query": query, "positive": p.text}
-            if p.document in collection_ids:
-                row["document_id"] = p.document
-            rows.append(row)
+    for p, query in questions(picked, [first, *rest]):
+        row: dict[str, Any] = {"query": query, "positive": p.text}
+        if p.document in collection_ids:
+            row["document_id"] = p.document
+        rows.append(row)
     summary = f"{len(rows)} generated questions for {len(picked)} passages ({gen.model})"
     if len(rows) < 2:
         raise InvalidRequest(

@@ -549,3 +549,19 @@ def test_a_reply_gives_its_first_line_as_the_question_or_nothing() -> None:
     assert query_of(passage, passage) is None  # a copied sentence
     assert query_of("   \n ", passage) is None
     assert query_of("why " * 100, passage) is None
+    # a preamble line is skipped (the question may follow it); a bare preamble or a summary is none
+    assert query_of("A person might type:\nHow long do cats sleep?", passage) == "How long do cats sleep?"
+    assert query_of("Passage:", passage) is None
+    assert query_of("This study investigates the sleep of cats.", passage) is None
+    assert query_of("The passage says cats sleep a lot", passage) is None
+
+
+def test_a_question_asked_twice_is_kept_once() -> None:
+    from services.trainer.data.queries import Passage, questions
+
+    picked = [Passage("a", "Cats sleep."), Passage("b", "Dogs bark."), Passage("c", "Owls hoot.")]
+    kept = questions(picked, ["How long do cats sleep?", "how long do cats sleep?", "Why do owls hoot?"])
+    assert [(p.document, q) for p, q in kept] == [
+        ("a", "How long do cats sleep?"),
+        ("c", "Why do owls hoot?"),
+    ]

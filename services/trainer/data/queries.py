@@ -24,6 +24,9 @@ PROMPT = (
     "below answers. Reply with the question only, on one line.\n\nPassage:\n{passage}"
 )
 _LABEL = re.compile(r"^\s*(?:[-*\d.)\s]+)?(?:question|query|q)\s*[:.)-]\s*", re.IGNORECASE)
+# A reply about the passage rather than a question for it (small models write these often:
+# 44 of 235 kept replies of SmolLM2-135M on SciFact began so; benchmarks/RESULTS.md).
+_SUMMARY = re.compile(r"^(?:the|this)\s+(?:passage|study|article|text|paper|abstract)\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,30 @@ def sample(all_passages: list[Passage], count: int, seed: int) -> list[Passage]:
 
 
 def query_of(reply: str, passage: str) -> str | None:
-    """The question in a model's reply: its first non-empty line, without a "Question:" label
-    or quotes; ``None`` when nothing usable is left (empty, too long, or a sentence copied from
-    the passage: a few words of it are a fair keyword query, a copied sentence is not)."""
-    line = next((ln.strip() for ln in reply.splitlines() if ln.strip()), "")
-    line = _LABEL.sub("", line).strip().strip("\"'“”").strip()
+    """The question in a model's reply: its first non-empty line that is not a preamble ending in
+    ":", without a "Question:" label or quotes; ``None`` when nothing usable is left (empty, too
+    long, a sentence copied from the passage: a few words of it are a fair keyword query, a copied
+    sentence is not; or a summary of the passage: "This study shows ...")."""
+    # a line ending in ":" is a preamble ("Passage:", "A person might type:"): the question, if
+    # any, is on a later line
+    lines = (_LABEL.sub("", ln.strip()).strip().strip("\"'“”").strip() for ln in reply.splitlines())
+    line = next((ln for ln in lines if ln and not ln.endswith(":")), "")
     if not line or len(line) > MAX_QUERY_CHARS or (len(line) > COPIED_CHARS and line in passage):
         return None
+    if _SUMMARY.match(line):
+        return None
     return line
+
+
+def questions(picked: list[Passage], replies: list[str]) -> list[tuple[Passage, str]]:
+    """Each passage with the question its reply gives, in order; a passage whose reply gives
+    none is left out, and so is a question asked before (compared case-blind): the same text
+    twice in a batch is no negative for itself, and small models repeat stock questions."""
+    out: list[tuple[Passage, str]] = []
+    seen: set[str] = set()
+    for p, reply in zip(picked, replies, strict=True):
+        query = query_of(reply, p.text)
+        if query is not None and query.casefold() not in seen:
+            seen.add(query.casefold())
+            out.append((p, query))
+    return out
