@@ -30,7 +30,8 @@ def imports(path: Path) -> list[str]:
         if isinstance(node, ast.Import):
             out += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append(node.module)
+            # `from services import retrieval` imports services.retrieval: name each one
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
     return out
 
 

@@ -55,9 +55,12 @@ def ingest(self: Any, tenant: str, collection: str, job_id: str) -> dict[str, An
         # This worker's backend settings do not match the collections (an io worker left on the
         # embedded backend beside Milvus replicas): the message is acknowledged here, so the job
         # would stay queued for ever with the reason only in this log. Fail it, naming the setting.
+        # A job that is gone (expired), ended, or leased by a healthy worker is left alone.
         log.error("ingestion job %s: %s", job_id, exc)
-        if _jobs().raw(job_id).get("status") not in TERMINAL:
-            _jobs().update(job_id, status="failed", error=str(exc))
+        jobs = _jobs()
+        raw = jobs.raw(job_id)
+        if raw and raw.get("status") not in TERMINAL and jobs.leases.owner(job_id) is None:
+            jobs.update(job_id, status="failed", error=str(exc))
         return {"error": str(exc)}
     return run_leased(manager, _jobs(), _settings(), tenant, collection, job_id)
 

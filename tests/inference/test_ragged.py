@@ -37,6 +37,23 @@ def test_a_short_chunk_after_a_long_one_attends_only_its_real_positions(tiny_mod
     torch.testing.assert_close(both[1], alone[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_attends_like_its_fp32_self(tiny_model_path: Path, dtype: torch.dtype) -> None:
+    """A bf16 or fp16 model (the default dtype on GPUs) runs through the same attention: the
+    mask's bias takes the model's dtype (an fp32 bias in a bf16 product raised before)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = PrefillRow(slot=0, token_ids=list(range(10, 40)), start=0)
+    logits = {}
+    for dt in (torch.float32, dtype):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=dt).eval()
+        runner = ModelRunner(model, max_slots=2, max_len=128, packed_weights=False)
+        first = runner.forward([], [prompt])[0]
+        step = runner.forward([DecodeRow(slot=0, token=int(first.argmax()), position=30)], [])[0]
+        logits[dt] = torch.stack([first.float(), step.float()])
+    torch.testing.assert_close(logits[dtype], logits[torch.float32], rtol=0.05, atol=0.05)
+
+
 def _runner(model: torch.nn.Module, quantize: str) -> ModelRunner:
     return ModelRunner(model, max_slots=16, max_len=1024, quantize=quantize)  # type: ignore[arg-type]
 

@@ -68,10 +68,11 @@ class SlabKVCache:
 
     @torch.inference_mode()
     def ensure_capacity(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
+        # the context first: the capacity is rounded up past it to whole blocks
         if needed > self.max_len:
             raise ValueError(f"KV cache needs {needed} positions but the context is {self.max_len}")
+        if needed <= self.capacity:
+            return
         new = self.capacity
         while new < needed:
             new *= 2

@@ -211,7 +211,7 @@ def ragged_attention(
     Returns ``[T, 1, H, d]`` (the layout transformers' attention functions return).
     ``tandem_decode_mask`` (``[T, 1, 1, L]``, handed down the forward's keyword arguments):
     a pure decode step, token ``t`` in slab row ``t`` (the compiled step: no context variable
-    for dynamo to trace); the same SDPA call as the decode branch below."""
+    for dynamo to trace), through SDPA: the compiled step is not batch-invariant (see the module doc)."""
     if tandem_decode_mask is not None:
         rows, length = tandem_decode_mask.shape[0], tandem_decode_mask.shape[-1]
         k, v = key[:rows, :, :length], value[:rows, :, :length]
@@ -232,8 +232,7 @@ def ragged_attention(
             qd = q.new_zeros(plan.decode_view, heads, dim).index_copy_(0, plan.decode_rows, qd)
         k = key[: plan.decode_view, :, : plan.decode_len]
         v = value[: plan.decode_view, :, : plan.decode_len]
-        bias = _expanded(plan, "decode", plan.decode_bias, k.shape[1], heads // k.shape[1])
-        out = invariant_attention(qd.unsqueeze(2), k, v, bias, scaling)[:, :, 0]
+        out = _attend(plan, "decode", plan.decode_bias, qd.unsqueeze(2), k, v, scaling)[:, :, 0]
         parts.append(out if plan.decode_rows is None else out.index_select(0, plan.decode_rows))
     if plan.prefill_slots is not None:
         assert plan.gather is not None and plan.valid is not None and plan.prefill_bias is not None
@@ -242,8 +241,7 @@ def ragged_attention(
         # slice before gathering: only the attended positions are copied, not the capacity
         k = key[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
         v = value[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
-        bias = _expanded(plan, "prefill", plan.prefill_bias, k.shape[1], heads // k.shape[1])
-        out = invariant_attention(qp, k, v, bias, scaling)  # [P, H, S, d]
+        out = _attend(plan, "prefill", plan.prefill_bias, qp, k, v, scaling)  # [P, H, S, d]
         parts.append(out.transpose(1, 2).reshape(chunks * plan.width, heads, dim).index_select(0, plan.valid))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(1), None
@@ -295,10 +293,29 @@ def invariant_attention(
     return out.view(batch, heads, width, dim)
 
 
-def _expanded(plan: RaggedPlan, kind: str, bias: torch.Tensor, kv_heads: int, group: int) -> torch.Tensor:
+def _attend(
+    plan: RaggedPlan,
+    kind: str,
+    bias: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """One branch's attention, its bias in the query's dtype (a bf16 or fp16 model's products
+    take no fp32 operand), made once per forward and reused by every layer. On the CPU the
+    batch-invariant product; on an accelerator SDPA's fused kernels (the block loop would cost a
+    kernel launch per 64 keys per layer), where greedy output may depend on the batch."""
     if kind not in plan.expanded:
-        plan.expanded[kind] = expand_bias(bias, kv_heads, group)
-    return plan.expanded[kind]
+        cast = bias.to(query.dtype)
+        if query.device.type == "cpu":
+            cast = expand_bias(cast, key.shape[1], query.shape[1] // key.shape[1])
+        plan.expanded[kind] = cast
+    if query.device.type == "cpu":
+        return invariant_attention(query, key, value, plan.expanded[kind], scale)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=plan.expanded[kind], scale=scale, enable_gqa=True
+    )
 
 
 def decode_token_count() -> int | None:
