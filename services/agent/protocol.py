@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.agent.events import AnswerKind
 from services.common.openai_wire import ChatDelta, SparseModel, Usage, WireModel
 from services.common.openai_wire import ToolCall as WireToolCall
 
@@ -153,7 +154,7 @@ class ChatCompletionChunk(SparseModel):
     citations: list[dict[str, Any]] | None = None
     message_id: str | None = None
     conversation_id: str | None = None
-    kind: Literal["generated", "extractive"] | None = None
+    kind: AnswerKind | None = None
     usage: Usage | None = None
     _omit_unset = frozenset({"citations", "message_id", "conversation_id", "kind", "usage"})
 
@@ -210,7 +211,7 @@ class TurnRecord(BaseModel):
     kind: Literal["pipeline", "agent"] = "pipeline"
     finish_reason: str = "stop"
     # "extractive" when the groundedness guard showed source sentences instead of ``completion``.
-    answer_kind: Literal["generated", "extractive"] = "generated"
+    answer_kind: AnswerKind = "generated"
     sources: list[dict[str, Any]] = Field(default_factory=list, exclude=True)
     tenant: str = Field(default="", exclude=True)
     user: str = Field(default="", exclude=True)
