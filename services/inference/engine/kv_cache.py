@@ -28,6 +28,11 @@ import torch
 CAPACITY_BLOCK = 64
 
 
+def round_up(n: int, block: int = CAPACITY_BLOCK) -> int:
+    """``n`` rounded up to a whole number of ``block``s."""
+    return -(-n // block) * block
+
+
 # eq=False: a cache is one object (compared and hashed by identity), not a value
 @dataclass(kw_only=True, eq=False)
 class SlabKVCache:
@@ -42,8 +47,8 @@ class SlabKVCache:
 
     def __post_init__(self, initial_capacity: int) -> None:
         # the context rounded up to whole blocks (the positions past it are never written)
-        self._max_capacity = -(-self.max_len // CAPACITY_BLOCK) * CAPACITY_BLOCK
-        self.capacity = min(self._max_capacity, -(-initial_capacity // CAPACITY_BLOCK) * CAPACITY_BLOCK)
+        self._max_capacity = round_up(self.max_len)
+        self.capacity = min(self._max_capacity, round_up(initial_capacity))
         self.k = [self._alloc(self.capacity) for _ in range(self.num_layers)]
         self.v = [self._alloc(self.capacity) for _ in range(self.num_layers)]
         # where the forward about to run writes its keys/values (set by plan_writes)

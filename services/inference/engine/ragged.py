@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.inference.engine.kv_cache import CAPACITY_BLOCK
+from services.inference.engine.kv_cache import CAPACITY_BLOCK, round_up
 
 ATTENTION_NAME = "tandem_ragged"
 # keys are reduced in blocks of this many positions (the attended lengths are rounded up to
@@ -62,10 +62,6 @@ KEY_BLOCK = CAPACITY_BLOCK
 # a prompt chunk's padded query block has at least this many rows: CPU BLAS (MKL) computes a
 # product of 1-3 rows another way than one of 4 or more, which all agree row for row
 MIN_QUERY_ROWS = 4
-
-
-def round_up(n: int, block: int = KEY_BLOCK) -> int:
-    return -(-n // block) * block
 
 
 def adapter_key(adapter: str | None) -> str:
