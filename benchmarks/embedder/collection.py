@@ -156,6 +156,12 @@ def main() -> None:
     ap.add_argument("--hard-negatives", type=int, default=2, help="mined negatives per labelled pair")
     ap.add_argument("--negatives-from", type=int, default=5, help="first hybrid rank mined (from 0)")
     ap.add_argument("--negatives-to", type=int, default=50, help="last hybrid rank mined")
+    ap.add_argument(
+        "--chunk-pairs",
+        action="store_true",
+        help="labelled positives and mined negatives as the collection's chunks (the positive "
+        "document's chunk nearest the query by the base model) rather than whole documents",
+    )
     ap.add_argument("--title-pairs", type=int, default=2000, help="documents whose title pair trains")
     ap.add_argument(
         "--generated-passages", type=int, default=600, help="passages the generated run writes a question for"
@@ -226,9 +232,12 @@ def main() -> None:
                 f"{name}: {len(texts)} chunks embedded in {embed_s:.0f}s, written in {write_s:.0f}s",
                 flush=True,
             )
+            chunk_texts.update({r.doc_id: [c.index_text for c in r.chunks] for r in records})
             return col, embed_s + write_s
 
+        chunk_texts: dict[str, list[str]] = {}  # the last indexed collection's chunks of each document
         base, base_s = index("base", None, "base:" + str(get_model_path()), args.cache)
+        base_chunks = dict(chunk_texts)
         figures["base"] = evaluate(base) | {"index_s": base_s}
         print(f"base: {figures['base']}", flush=True)
 
@@ -239,12 +248,23 @@ def main() -> None:
         labelled: list[dict[str, Any]] = []
         for p in train.pairs:
             negatives: list[str] = []
+            positive = p["positive"]
+            if args.chunk_pairs:  # the positive document's chunk nearest the query, as indexed
+                chunks = base_chunks[p["corpus_id"]]
+                scores = base.embedder.embed_documents(chunks) @ base.embedder.embed_query(p["query"])
+                positive = chunks[int(np.argmax(scores))]
             if args.hard_negatives:
                 hits = base.search(p["query"], top_k=args.negatives_to, mode="hybrid")
                 ranked = documents_in_order([{"document_id": h.document_id} for h in hits])
                 pool = [d for d in ranked[args.negatives_from :] if d not in positives[p["query"]]]
-                negatives = [train.corpus[d] for d in pool[: args.hard_negatives]]
-            labelled.append({"query": p["query"], "positive": p["positive"], "negatives": negatives})
+                if args.chunk_pairs:  # each negative document's best-ranked chunk, as indexed
+                    best = {}
+                    for h in hits:
+                        best.setdefault(h.document_id, f"{h.title}\n{h.text}" if h.title else h.text)
+                    negatives = [best[d] for d in pool[: args.hard_negatives]]
+                else:
+                    negatives = [train.corpus[d] for d in pool[: args.hard_negatives]]
+            labelled.append({"query": p["query"], "positive": positive, "negatives": negatives})
         shuffled = list(docs)
         random.Random(0).shuffle(shuffled)
         titles = title_pairs([(d.get("title") or "", d["text"]) for d in shuffled[: args.title_pairs]])
@@ -291,12 +311,12 @@ def main() -> None:
             key = hashlib.sha1(
                 json.dumps([str(start), hp.model_dump(), runs[name]], sort_keys=True).encode()
             ).hexdigest()[:16]
-            kept = args.cache / "models" / f"{name}-{key}" if args.cache else None
-            if kept is not None and (kept / "train_s.json").exists():
-                out = kept
-                train_s = json.loads((kept / "train_s.json").read_text())["train_s"]
-                steps = json.loads((kept / "train_s.json").read_text())["steps"]
-                print(f"{name}: the model trained earlier ({train_s:.0f}s), from {kept}", flush=True)
+            saved = args.cache / "models" / f"{name}-{key}" if args.cache else None
+            if saved is not None and (saved / "train_s.json").exists():
+                out = saved
+                train_s = json.loads((saved / "train_s.json").read_text())["train_s"]
+                steps = json.loads((saved / "train_s.json").read_text())["steps"]
+                print(f"{name}: the model trained earlier ({train_s:.0f}s), from {saved}", flush=True)
             else:
                 cfg = TrainConfig(
                     kind="embedder", model_path=start, records=runs[name], eval_records=[], hp=hp
@@ -307,11 +327,11 @@ def main() -> None:
                     m = recipe.train_step(step)
                     if step % 10 == 0 or step == recipe.total_steps:
                         print(f"  {name} step {step}/{recipe.total_steps} loss {m['loss']:.4f}", flush=True)
-                out = kept or Path(tmp) / "models" / name
+                out = saved or Path(tmp) / "models" / name
                 recipe.save_final(out)
                 train_s, steps = time.perf_counter() - t0, recipe.total_steps
-                if kept is not None:
-                    (kept / "train_s.json").write_text(json.dumps({"train_s": train_s, "steps": steps}))
+                if saved is not None:
+                    (saved / "train_s.json").write_text(json.dumps({"train_s": train_s, "steps": steps}))
             trained[name] = out
             if name == "staged":  # both stages count towards what a tenant waits for
                 train_s += train_seconds["corpus"]
