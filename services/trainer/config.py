@@ -29,6 +29,14 @@ class TrainerSettings(TenantLimitSettings, TenantQuotaSettings, JobLeaseSettings
         description="Requests in flight to the inference service while a worker writes generate_queries (also "
         "the batch between which it keeps the replies, reports progress and honours cancel).",
     )
+    query_generation_retries: int = Field(
+        4,
+        ge=0,
+        le=20,
+        description="How often a worker writing generate_queries asks again when the inference service is busy "
+        "(429), unavailable (502-504) or unreachable, after its Retry-After or 1, 2, 4 ... seconds (at most "
+        "30), before the job fails.",
+    )
     default_max_tokens_per_pack: int = Field(
         4096, ge=64, description="Pack size used when a job does not set max_tokens_per_pack."
     )

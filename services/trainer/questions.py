@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from services.trainer.protocol import QueryGeneration
 from services.trainer.store import TrainerStore
 
 GENERATED_NAME = "generated-queries.jsonl"
+TRANSIENT = frozenset({429, 502, 503, 504})  # asked again by the worker (``ask``'s retries)
+MAX_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,19 @@ def seed_of(hp_seed: int, index: int) -> int:
 
 
 def ask(
-    common: CommonSettings, gen: QueryGeneration, passage: str, seed: int, headers: dict[str, str]
+    common: CommonSettings,
+    gen: QueryGeneration,
+    passage: str,
+    seed: int,
+    headers: dict[str, str],
+    *,
+    retries: int = 0,
 ) -> str:
     """The raw reply of the inference service's chat model ``gen.model`` to the prompt for
-    ``passage``; its refusal is the error every service maps an upstream's answer to."""
+    ``passage``; its refusal is the error every service maps an upstream's answer to.
+    ``retries``: how often a busy (429), unavailable (502-504) or unreachable service is asked
+    again, after its Retry-After or 1, 2, 4 ... seconds (at most 30): the worker's questions
+    outlast a restart or a burst; the API's one question fails at once."""
     from services.trainer.data.pairs import PASSAGE_CHARS
     from services.trainer.data.queries import PROMPT
 
@@ -72,15 +84,34 @@ def ask(
         "seed": seed,
     }
     pool = replica_pool(common.inference_replicas())
+    for attempt in range(retries + 1):
+        last = attempt == retries
+        try:
+            resp = request_sync(
+                pool, "POST", "/v1/chat/completions", json=body, headers=headers, timeout=300.0
+            )
+        except httpx.HTTPError as exc:
+            if last:
+                raise unreachable("inference", exc) from None
+            time.sleep(min(2.0**attempt, MAX_WAIT_S))
+            continue
+        if resp.status_code in TRANSIENT and not last:
+            reply = UpstreamReply.of("inference", resp)
+            time.sleep(min(_seconds(reply.retry_after, 2.0**attempt), MAX_WAIT_S))
+            continue
+        if resp.status_code >= 400:
+            # the mapping every service uses for an upstream's answer (404 stays 404, 429 stays 429)
+            param = "generate_queries.model" if resp.status_code in (400, 404) else "generate_queries"
+            raise upstream_error(UpstreamReply.of("inference", resp), param)
+        return str(resp.json()["choices"][0]["message"].get("content") or "")
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _seconds(value: str | None, default: float) -> float:
     try:
-        resp = request_sync(pool, "POST", "/v1/chat/completions", json=body, headers=headers, timeout=300.0)
-    except httpx.HTTPError as exc:
-        raise unreachable("inference", exc) from None
-    if resp.status_code >= 400:
-        # the mapping every service uses for an upstream's answer (404 stays 404, 429 stays 429)
-        param = "generate_queries.model" if resp.status_code in (400, 404) else "generate_queries"
-        raise upstream_error(UpstreamReply.of("inference", resp), param)
-    return str(resp.json()["choices"][0]["message"].get("content") or "")
+        return max(0.0, float(value)) if value is not None else default
+    except ValueError:  # an HTTP date: not worth parsing for a 30 s cap
+        return default
 
 
 def acting_headers(common: CommonSettings, tenant: str) -> dict[str, str]:
@@ -178,7 +209,15 @@ def write_questions(
                 return None
             part = todo[start : start + batch]
             answers = pool.map(
-                lambda i: ask(common, gen, picked[i].passage.text, seed_of(hp_seed, i), headers), part
+                lambda i: ask(
+                    common,
+                    gen,
+                    picked[i].passage.text,
+                    seed_of(hp_seed, i),
+                    headers,
+                    retries=settings.query_generation_retries,
+                ),
+                part,
             )
             got = dict(zip(part, answers, strict=True))
             save_replies(root, got)

@@ -444,12 +444,15 @@ QUESTION_DOCS = [
 
 class ChatRequests:
     """An ASGI wrapper of the real inference app that notes who asked each chat completion
-    ((bearer key, X-Tandem-Tenant)) and runs ``on_chat`` first: a test's hook at a known point."""
+    ((bearer key, X-Tandem-Tenant)) and runs ``on_chat`` first: a test's hook at a known point.
+    While ``refuse`` holds statuses, a request acting for a tenant (the worker's) is answered
+    the next of them (Retry-After: 0) instead, as a busy or restarting service would."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.seen: list[tuple[str, str | None]] = []
         self.on_chat: Any = None
+        self.refuse: list[int] = []
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
@@ -459,6 +462,13 @@ class ChatRequests:
             )
             if self.on_chat is not None:
                 self.on_chat()
+            if self.refuse and "x-tandem-tenant" in headers:
+                status = self.refuse.pop(0)
+                body = json.dumps({"error": {"message": f"refused with {status}", "type": "busy"}}).encode()
+                head = [(b"content-type", b"application/json"), (b"retry-after", b"0")]
+                await send({"type": "http.response.start", "status": status, "headers": head})
+                await send({"type": "http.response.body", "body": body})
+                return
         await self.app(scope, receive, send)
 
 
@@ -584,9 +594,10 @@ def test_generated_queries_pair_sampled_passages_with_what_a_real_inference_serv
     assert asked == [(api_key, None)] and not generated_files(rig)
     assert list(kept_replies(h, job["id"])) == [0]
 
+    rig.inference.refuse = [429, 503]  # a busy, then a restarting service: asked again
     assert h.run_worker(job["id"]) == "succeeded"
-    # the other five passages, asked by the worker as the operator acting for tenant acme
-    assert asked[1:] == [(rig.operator, "acme")] * 5
+    # the other five passages (two asked twice), by the worker as the operator acting for acme
+    assert asked[1:] == [(rig.operator, "acme")] * 7 and not rig.inference.refuse
     assert sorted(kept_replies(h, job["id"])) == list(range(6))
     done = c.get(f"{h.base}/v1/jobs/{job['id']}").json()
     assert done["progress"]["step"] == 2 and done["status"] == "succeeded"
@@ -686,6 +697,14 @@ def test_question_phase_stops_on_cancel_and_resumes_without_asking_again(
     assert sorted(kept_replies(h, job_id)) == list(range(6))
     done = c.get(f"{h.base}/v1/jobs/{job_id}").json()
     assert done["attempts"] == 2 and done["generated_dataset"] == generated_files(rig)[0]["id"]
+
+    # a service that stays unavailable past the retries (4 each) fails the job, saying why
+    created = c.post(f"{h.base}/v1/jobs", json=rig.body)
+    assert created.status_code == 201, created.text
+    rig.inference.refuse = [503] * 10  # the first batch's two questions, five tries each
+    assert h.run_worker(created.json()["id"]) == "failed"
+    failed = c.get(f"{h.base}/v1/jobs/{created.json()['id']}").json()
+    assert not rig.inference.refuse and "inference: refused with 503" in failed["error"], failed["error"]
 
 
 def test_a_reply_gives_its_first_line_as_the_question_or_nothing() -> None:
