@@ -114,16 +114,21 @@ def _seconds(value: str | None, default: float) -> float:
         return default
 
 
-def acting_headers(common: CommonSettings, tenant: str) -> dict[str, str]:
-    """The worker's credentials: the operator key, acting for the job's tenant (no caller key
-    is kept anywhere)."""
+def service_key(common: CommonSettings) -> str:
+    """The key the worker asks with (no caller key is kept anywhere); a job that would need it
+    is refused without it (503) rather than failing after it starts."""
     if not common.service_api_key:
         raise ServiceUnavailable(
             "generate_queries: TANDEM_SERVICE_API_KEY is not set, so the trainer's worker cannot ask the "
             "inference service for the questions; set it, or start the job without generate_queries",
             param="generate_queries",
         )
-    return {"Authorization": f"Bearer {common.service_api_key}", ACT_FOR_HEADER: tenant}
+    return common.service_api_key
+
+
+def acting_headers(common: CommonSettings, tenant: str) -> dict[str, str]:
+    """The worker's credentials: the operator key, acting for the job's tenant."""
+    return {"Authorization": f"Bearer {service_key(common)}", ACT_FOR_HEADER: tenant}
 
 
 def save_passages(root: Path, picked: list[Sampled]) -> None:

@@ -140,7 +140,7 @@ def prepare_questions(
     writes questions for, and the first one's reply, asked now with the caller's own key: a
     model the caller may not use fails the request, not the job minutes later."""
     from services.trainer.data.queries import passages, sample
-    from services.trainer.questions import acting_headers, ask, seed_of
+    from services.trainer.questions import ask, seed_of, service_key
 
     gen = spec.generate_queries
     assert gen is not None
@@ -157,7 +157,7 @@ def prepare_questions(
             "beir 'dataset' (its corpus)",
             param="generate_queries",
         )
-    acting_headers(st.common, "")  # the worker asks the rest with the service key: refuse now without it
+    service_key(st.common)  # the worker asks the rest with it: refused now without it
     first = ask(
         st.common,
         gen,
