@@ -82,8 +82,9 @@ def generated_questions(
     from services.trainer.data.pairs import PASSAGE_CHARS
     from services.trainer.data.queries import PROMPT, passages, questions, sample
     from services.trainer.protocol import Hyperparameters, QueryGeneration
+    from services.trainer.questions import seed_of
 
-    seed = Hyperparameters.model_validate({}).seed  # a job at its defaults, as generate_query_file seeds it
+    seed = Hyperparameters.model_validate({}).seed  # a job at its defaults, as its worker seeds it
     gen = QueryGeneration.model_validate({"model": DEFAULT_MODEL_NAME, "passages": count})
     picked = sample(passages(documents), gen.passages, seed)
     prompts = [PROMPT.format(passage=p.text[:PASSAGE_CHARS]) for p in picked]
@@ -113,7 +114,7 @@ def generated_questions(
             ]
             # prompt i of a call is seeded seed + i: passage s + i gets the job's own seed
             params = SamplingParams(
-                temperature=gen.temperature, max_tokens=gen.max_tokens, seed=seed * 1_000_003 + s
+                temperature=gen.temperature, max_tokens=gen.max_tokens, seed=seed_of(seed, s)
             )
             replies += [o.text for o in engine.generate_batch(ids, params)]
             if partial is not None:

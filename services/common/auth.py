@@ -36,6 +36,9 @@ TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KEY_PREFIX = "tdm_"
 WS_PROTOCOL = "tandem.bearer"
 OPERATOR = "operator"
+# Tandem extension: an operator key acting for one tenant (the trainer's worker writing a job's
+# questions with the model that job's tenant named) sends the tenant here; see ``acting_principal``.
+ACT_FOR_HEADER = "X-Tandem-Tenant"
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,28 @@ def principal_of(request: Request) -> Principal:
     if not isinstance(principal, Principal):
         raise Unauthorized("not authenticated")
     return principal
+
+
+def acting_principal(request: Request) -> Principal:
+    """The caller; or, for an operator key sending ``X-Tandem-Tenant: <tenant>``, that tenant as
+    a plain tenant principal: it sees and uses exactly that tenant's models (its own and the
+    shared ones) and nothing the operator could reach beyond them. A tenant key sending the
+    header is a 403 (a tenant never acts for another)."""
+    principal = principal_of(request)
+    tenant = request.headers.get(ACT_FOR_HEADER)
+    if tenant is None:
+        return principal
+    if not principal.operator:
+        raise Forbidden(
+            f"{ACT_FOR_HEADER}: only an operator key may act for a tenant",
+            param=ACT_FOR_HEADER,
+            code="forbidden",
+        )
+    try:
+        validate_tenant(tenant)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{ACT_FOR_HEADER}: {exc.message}", param=ACT_FOR_HEADER) from None
+    return Principal(tenant=tenant, key_id=principal.key_id, operator=False)
 
 
 def require_operator(request: Request) -> Principal:

@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from services.common.auth import principal_of
+from services.common.auth import acting_principal
 from services.common.errors import (
     Conflict,
     Forbidden,
@@ -500,7 +500,8 @@ class OpenAIServing:
         self, requests: list[EngineRequest], model: str, n: int, raw: Request
     ) -> AsyncIterator[StreamEvent]:
         try:
-            principal = principal_of(raw)
+            # an operator acting for a tenant (the trainer's worker) is that tenant here
+            principal = acting_principal(raw)
             lease = await self.registry.acquire(model, principal)
             streams: list[tuple[int, AsyncIterator[StreamEvent]]] = []
             try:

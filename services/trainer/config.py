@@ -16,16 +16,26 @@ class TrainerSettings(TenantLimitSettings, TenantQuotaSettings, JobLeaseSettings
     max_dataset_mb: int = Field(200, ge=1, description="Largest dataset file POST /v1/files accepts, in MiB.")
     max_dataset_rows: int = Field(1_000_000, ge=1, description="Most rows a dataset file may hold.")
     max_generated_queries: int = Field(
-        2000,
+        20_000,
         ge=1,
-        description="Most passages an embedder job's generate_queries may ask questions for (they are "
-        "written while POST /v1/jobs waits).",
+        description="Most passages an embedder job's generate_queries may ask questions for: a sanity bound "
+        "(the job's worker writes them, one chat completion each, before it trains; POST /v1/jobs only "
+        "samples them and asks the first).",
     )
     query_generation_concurrency: int = Field(
         4,
         ge=1,
         le=256,
-        description="Requests in flight to the inference service while writing generate_queries.",
+        description="Requests in flight to the inference service while a worker writes generate_queries (also "
+        "the batch between which it keeps the replies, reports progress and honours cancel).",
+    )
+    query_generation_retries: int = Field(
+        4,
+        ge=0,
+        le=20,
+        description="How often a worker writing generate_queries asks again when the inference service is busy "
+        "(429), unavailable (502-504) or unreachable, after its Retry-After or 1, 2, 4 ... seconds (at most "
+        "30), before the job fails.",
     )
     default_max_tokens_per_pack: int = Field(
         4096, ge=64, description="Pack size used when a job does not set max_tokens_per_pack."

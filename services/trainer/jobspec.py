@@ -402,9 +402,13 @@ def validate_embedder_job(
     owner: JobOwner | None,
     collection_path: Path | None = None,
     generated_path: Path | None = None,
+    *,
+    questions_pending: bool = False,
 ) -> ResolvedJob:
     """An embedder job's pairs (its file, its collection's snapshot, its generated questions,
-    or several), held-out pairs and corpus, and base model."""
+    or several), held-out pairs and corpus, and base model. ``questions_pending``: the job's
+    generated questions are still to be written (at submission), so it may have no pairs yet
+    (the worker checks again with them)."""
     from services.trainer.data.pairs import EmbedderData, embedder_data
 
     if spec.resources is not None:
@@ -428,9 +432,9 @@ def validate_embedder_job(
         held = embedder_data(load_records(eval_path, "embedder", param="eval_dataset"))
         eval_records = held.pairs
         corpus.update(held.corpus)
-    elif spec.eval_fraction is not None:
+    elif spec.eval_fraction is not None and (pairs or not questions_pending):
         pairs, eval_records = split_eval(pairs, spec.eval_fraction, spec.hyperparameters.seed)
-    if not pairs:
+    if not pairs and not questions_pending:
         raise InvalidRequest("dataset: no training pairs (no qrel with a score above 0)", param="dataset")
     model_path = resolve_embedder_base(spec.base_model, common, owner)
     dims = spec.hyperparameters.matryoshka_dims

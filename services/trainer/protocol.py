@@ -191,8 +191,8 @@ class JobCreate(Strict):
     generate_queries: QueryGeneration | None = Field(
         None,
         description="embedder jobs: also train on questions the inference service writes for sampled "
-        "passages of the collection (and of a beir dataset's corpus); written when the job is created "
-        "and saved as one of your files",
+        "passages of the collection (and of a beir dataset's corpus); written by the job's worker before "
+        "it trains and saved as one of your files (the job's generated_dataset)",
     )
     eval_dataset: str | None = None
     lora: LoraSpec | None = None
@@ -307,7 +307,9 @@ class Job(BaseModel):
     dataset: str  # an embedder job from a collection alone: the file its pairs were snapshotted to
     eval_dataset: str | None = None
     collection: str | None = None
-    generated_dataset: str | None = None  # embedder jobs with generate_queries: the file of the questions
+    # embedder jobs with generate_queries: the file of the questions, null until the worker has
+    # written them (a job from a collection alone names that file as its dataset from the start)
+    generated_dataset: str | None = None
     queue: str
     progress: Progress
     metrics: dict[str, float] = Field(default_factory=dict)

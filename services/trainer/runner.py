@@ -8,6 +8,9 @@ worker holds, is left alone. Training always resumes from the job's latest
 checkpoint, so a re-run after a crash continues instead of starting over and ends
 at the same step count.
 
+An embedder job with ``generate_queries`` first writes its questions (``questions``), with
+progress, cancel and resume of its own, then trains on them.
+
 Recovery (``recover_orphans``): a worker killed with ``kill -9`` leaves its job
 ``running`` with a lease that nobody renews. When the lease has expired, any worker
 (at start-up and then periodically) puts the job back on its queue; exactly one of
@@ -175,6 +178,27 @@ def _train(
     tenant = data["tenant"]
     try:
         spec = JobCreate.model_validate_json(data["spec"])
+        target = data.get("generated_target")
+        if spec.generate_queries is not None and target and not data.get("generated_file"):
+            # the job's first phase: the questions (a resumed job asks only what is not kept)
+            from services.trainer.questions import questions_dir, write_questions
+
+            made = write_questions(
+                job_id,
+                tenant,
+                spec.generate_queries,
+                spec.hyperparameters.seed,
+                target,
+                root=questions_dir(job_dir(common, job_id)),
+                store=store,
+                common=common,
+                settings=settings,
+                should_stop=JobHooks(store, job_id, lost).should_stop,
+            )
+            if made is None:
+                store.set_status(job_id, "cancelled")
+                return "cancelled"
+            data = {**data, "generated_file": made}
         resolved = _resolve(spec, data, common, settings, JobOwner(tenant, store))
         reward = resolved.reward
         if isinstance(reward, Path):

@@ -30,12 +30,12 @@ from services.trainer.jobspec import (
     JobOwner,
     check_own_artifact,
     embedder_corpus,
-    resolve_embedder_base,
     validate_embedder_job,
     validate_job,
 )
 from services.trainer.protocol import Artifact, JobCreate
 from services.trainer.publish import check_publishable
+from services.trainer.questions import Sampled
 from services.trainer.runner import artifact_dir, dataset_path, job_dir
 from services.trainer.store import JobRecord, TrainerStore, new_id
 
@@ -129,60 +129,24 @@ def snapshot_collection(
     return str(record["id"])
 
 
-def _question(st: TrainerState, key: str, spec: JobCreate, passage: str, seed: int) -> str:
-    """One question the inference service writes for ``passage`` (its raw reply), asked with
-    the caller's own key: the model must be one the caller may use."""
-    from services.trainer.data.pairs import PASSAGE_CHARS
-    from services.trainer.data.queries import PROMPT
-
-    gen = spec.generate_queries
-    assert gen is not None
-    body = {
-        "model": gen.model,
-        "messages": [{"role": "user", "content": PROMPT.format(passage=passage[:PASSAGE_CHARS])}],
-        "max_tokens": gen.max_tokens,
-        "temperature": gen.temperature,
-        "seed": seed,
-    }
-    pool = replica_pool(st.common.inference_replicas())
-    try:
-        resp = request_sync(
-            pool,
-            "POST",
-            "/v1/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=300.0,
-        )
-    except httpx.HTTPError as exc:
-        raise unreachable("inference", exc) from None
-    if resp.status_code >= 400:
-        # the mapping every service uses for an upstream's answer (404 stays 404, 429 stays 429)
-        param = "generate_queries.model" if resp.status_code in (400, 404) else "generate_queries"
-        raise upstream_error(UpstreamReply.of("inference", resp), param)
-    return str(resp.json()["choices"][0]["message"].get("content") or "")
-
-
-def generate_query_file(
+def prepare_questions(
     st: TrainerState,
-    tenant: str,
     key: str,
     spec: JobCreate,
     documents: list[tuple[str, str, str]],
     collection_ids: set[str],
-) -> tuple[str, str]:
-    """Questions the inference service writes for passages sampled from ``documents``
-    (``(id, title, text)``), as pairs saved to one of the tenant's files: (file id, a summary).
-    The first passage is asked alone, so a model the caller may not use fails at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from services.trainer.data.queries import passages, questions, sample
+) -> tuple[list[Sampled], str]:
+    """The passages sampled from ``documents`` (``(id, title, text)``) that the job's worker
+    writes questions for, and the first one's reply, asked now with the caller's own key: a
+    model the caller may not use fails the request, not the job minutes later."""
+    from services.trainer.data.queries import passages, sample
+    from services.trainer.questions import ask, seed_of, service_key
 
     gen = spec.generate_queries
     assert gen is not None
     if gen.passages > st.settings.max_generated_queries:
         raise InvalidRequest(
-            f"generate_queries.passages {gen.passages} is more than this server writes while a job is created "
+            f"generate_queries.passages {gen.passages} is more than this server writes for one job "
             f"(TANDEM_TRAINER_MAX_GENERATED_QUERIES={st.settings.max_generated_queries})",
             param="generate_queries.passages",
         )
@@ -193,28 +157,15 @@ def generate_query_file(
             "beir 'dataset' (its corpus)",
             param="generate_queries",
         )
-    seed = spec.hyperparameters.seed * 1_000_003
-    first = _question(st, key, spec, picked[0].text, seed)
-    with ThreadPoolExecutor(st.settings.query_generation_concurrency) as pool:
-        rest = list(
-            pool.map(lambda i: _question(st, key, spec, picked[i].text, seed + i), range(1, len(picked)))
-        )
-    rows: list[dict[str, Any]] = []
-    for p, query in questions(picked, [first, *rest]):
-        row: dict[str, Any] = {"query": query, "positive": p.text}
-        if p.document in collection_ids:
-            row["document_id"] = p.document
-        rows.append(row)
-    summary = f"{len(rows)} generated questions for {len(picked)} passages ({gen.model})"
-    if len(rows) < 2:
-        raise InvalidRequest(
-            f"generate_queries: {summary}; at least 2 are needed (the rest of the replies were empty, "
-            "longer than a question, or copied the passage)",
-            param="generate_queries.model",
-        )
-    data = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows)
-    record = store_upload(st, tenant, io.BytesIO(data), "generated-queries.jsonl")
-    return str(record["id"]), summary
+    service_key(st.common)  # the worker asks the rest with it: refused now without it
+    first = ask(
+        st.common,
+        gen,
+        picked[0].text,
+        seed_of(spec.hyperparameters.seed, 0),
+        {"Authorization": f"Bearer {key}"},
+    )
+    return [Sampled(p, p.document in collection_ids) for p in picked], first
 
 
 def check_documents(paths: dict[str, Path | None], name: str, docs: dict[str, tuple[str, str]]) -> None:
@@ -261,9 +212,10 @@ def _queue(
     model_path: Path,
     what: str,
     extra: dict[str, str] | None = None,
+    job_id: str | None = None,
 ) -> JobRecord:
     """Record the checked job and put it on its queue."""
-    job_id = new_id("ftjob")
+    job_id = job_id or new_id("ftjob")
     queue = spec.queue or st.settings.default_queue
     fields = {
         "type": spec.type,
@@ -286,7 +238,7 @@ def _create_embedder_job(
     eval_ds: Path | None,
     owner: JobOwner,
 ) -> JobRecord:
-    snapshot = generated = None
+    snapshot = None
     docs: dict[str, tuple[str, str]] = {}
     if spec.collection:
         docs = collection_documents(st, key, spec.collection)
@@ -295,31 +247,41 @@ def _create_embedder_job(
         snapshot = snapshot_collection(
             st, tenant, spec.collection, docs, required=spec.generate_queries is None
         )
+    snap_path = dataset_path(st.common, tenant, snapshot) if snapshot else None
+    pending = spec.generate_queries is not None
+    # with questions to write, pairs may come from them alone: the worker checks again after
+    resolved = validate_embedder_job(
+        spec, dataset, eval_ds, st.common, owner, snap_path, None, questions_pending=pending
+    )
+    job_id = new_id("ftjob")
+    extra: dict[str, str] = {}
     what = ""
     if spec.generate_queries is not None:
-        resolve_embedder_base(
-            spec.base_model, st.common, owner
-        )  # a bad base model fails before minutes of writing
+        from services.trainer.questions import questions_dir, save_passages, save_replies
+
         corpus = embedder_corpus(dataset) if dataset is not None else {}
         documents = [(i, t, x) for i, (t, x) in docs.items()] + [(i, "", x) for i, x in corpus.items()]
-        generated, what = generate_query_file(st, tenant, key, spec, documents, set(docs))
-    snap_path = dataset_path(st.common, tenant, snapshot) if snapshot else None
-    gen_path = dataset_path(st.common, tenant, generated) if generated else None
-    resolved = validate_embedder_job(spec, dataset, eval_ds, st.common, owner, snap_path, gen_path)
-    extra: dict[str, str] = {}
-    if generated:  # shown as the job's generated_dataset (the worker reads it unless it is the dataset)
-        extra["generated_file"] = generated
-    if spec.dataset is None:  # a collection alone: its snapshot (or the questions) is the job's dataset
-        spec = spec.model_copy(update={"dataset": snapshot or generated})
+        picked, first = prepare_questions(st, key, spec, documents, set(docs))
+        root = questions_dir(job_dir(st.common, job_id))
+        save_passages(root, picked)
+        save_replies(root, {0: first})
+        # the file the worker saves the questions to (the job's generated_dataset once written)
+        extra["generated_target"] = new_id("file")
+        what = f"questions for {len(picked)} passages to write ({spec.generate_queries.model})"
+    if spec.dataset is None:  # a collection alone: its snapshot (or the questions' file) is the job's dataset
+        spec = spec.model_copy(update={"dataset": snapshot or extra["generated_target"]})
     elif snapshot:
         extra["collection_file"] = snapshot
     held = len(resolved.eval_records or [])
     what = f"{len(resolved.records)} pairs ({held} held out)" + (f"; {what}" if what else "")
-    return _queue(st, tenant, spec, resolved.model_path, what, extra)
+    return _queue(st, tenant, spec, resolved.model_path, what, extra, job_id)
 
 
-def store_upload(st: TrainerState, tenant: str, src: BinaryIO, name: str) -> dict[str, Any]:
-    """Check, copy and parse a spooled upload (in a thread: file I/O and parsing stay off the loop)."""
+def store_upload(
+    st: TrainerState, tenant: str, src: BinaryIO, name: str, *, file_id: str | None = None
+) -> dict[str, Any]:
+    """Check, copy and parse a spooled upload (in a thread: file I/O and parsing stay off the loop);
+    ``file_id``: the id to save it as (the worker saving a job's questions where the job said)."""
     limit = st.settings.max_dataset_mb * 1024 * 1024
     src.seek(0, os.SEEK_END)
     size = src.tell()
@@ -332,7 +294,7 @@ def store_upload(st: TrainerState, tenant: str, src: BinaryIO, name: str) -> dic
         )
     used = sum(int(f.get("bytes", 0) or 0) for f in st.store.list_files(tenant))
     check_quota(tenant, used, size, st.settings.tenant_quota_mb, "TANDEM_TRAINER_TENANT_QUOTA_MB")
-    fid = new_id("file")
+    fid = file_id or new_id("file")
     path = dataset_path(st.common, tenant, fid)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -7,11 +7,13 @@ Layout (prefix ``tandem:trainer:``)::
     job:<id>             hash  tenant, type, status, spec (JSON), queue, step, total, metrics (JSON),
                                error, created_at, started_at, finished_at, attempts, cancel,
                                fine_tuned_model, published, owner, eval (JSON: held-out metrics,
-                               merged into metrics)
+                               merged into metrics), generated_target (embedder jobs' generate_queries:
+                               the file id the questions go to), generated_file (that id, once written)
     jobs:<tenant>        zset  job ids by creation time
     job:<id>:metrics     list  JSON metric points, one per step
     job:<id>:logs        list  JSON log lines
     job:<id>:events      stream of {type, data}: status / progress / log / eval, read by SSE and websockets
+                         (a progress event of a phase before training names it: {phase, step, total})
     job:<id>:lease       hash  owner, expires (ms on the store's clock): the heartbeat of the worker
                                running it; Redis drops the key an hour after it expires
     active               set   ids of jobs marked running (scanned for dead workers)
@@ -262,6 +264,13 @@ class TrainerStore:
         pipe.rpush(f"{P}job:{job_id}:metrics", json.dumps(point))
         pipe.execute()
         self.event(job_id, "progress", {"step": step, "total": total, "metrics": metrics})
+
+    def phase_progress(self, job_id: str, phase: str, done: int, total: int) -> None:
+        """Progress of a phase before training (``generate_queries``): the job's ``progress``
+        counts it until the first training step replaces it, and a ``progress`` event names the
+        phase; no metric point (the metrics series is the training's)."""
+        self.r.hset(job_key(job_id), mapping={"step": str(done), "total": str(total)})
+        self.event(job_id, "progress", {"phase": phase, "step": done, "total": total, "metrics": {}})
 
     def evaluation(self, job_id: str, phase: str, metrics: dict[str, float]) -> None:
         """Held-out metrics (``eval_*_before`` / ``eval_*_after``): kept in the job's ``metrics``

@@ -113,8 +113,10 @@ def _h(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def _complete(url: str, key: str, model: str) -> str:
-    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+def _complete(url: str, key: str, model: str, headers: dict[str, str] | None = None) -> str:
+    client = openai.OpenAI(
+        base_url=url + "/v1", api_key=key, max_retries=0, timeout=120, default_headers=headers
+    )
     r = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"ignore_eos": True}
     )
@@ -219,6 +221,43 @@ def test_tenant_adapter_is_listed_used_and_deleted_by_its_tenant_only(
     assert _publish(url, keys["operator"], "ft-acme2", adapters["a2"], tenant="acme").status_code == 200
     assert httpx.delete(url + "/v1/models/ft-acme2", headers=_h(keys["operator"])).status_code == 200
     assert "ft-acme2" not in _models(url, keys["acme"])
+
+
+def test_an_operator_acting_for_a_tenant_uses_that_tenants_models_and_no_more(
+    server: tuple[str, Any], keys: dict[str, str], adapters: dict[str, Path], refs: dict[str, str]
+) -> None:
+    """X-Tandem-Tenant (the trainer's worker writing a job's questions with the model its tenant
+    named): an operator key sending it is that tenant for the request (its fine-tunes and the
+    shared models, nothing else); a tenant key sending it is refused."""
+    url, _ = server
+    assert _publish(url, keys["operator"], "ft-acme-act", adapters["a1"], tenant="acme").status_code == 200
+    acting = {"X-Tandem-Tenant": "acme"}
+    try:
+        assert _complete(url, keys["operator"], "ft-acme-act", acting) == refs["a1"]
+        assert _complete(url, keys["operator"], "tiny", acting) == refs["tiny"]
+        # the operator's own tenant, or acting for another tenant: acme's model does not exist
+        for headers in (None, {"X-Tandem-Tenant": "globex"}):
+            with pytest.raises(openai.NotFoundError) as err:
+                _complete(url, keys["operator"], "ft-acme-act", headers)
+            assert err.value.code == "model_not_found"
+        # a tenant key never acts for anyone, its own tenant included
+        for tenant in ("acme", "globex"):
+            chat = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                headers={**_h(keys[tenant]), "X-Tandem-Tenant": "acme"},
+            )
+            assert chat.status_code == 403, chat.text
+            assert chat.json()["error"]["code"] == "forbidden"
+            assert chat.json()["error"]["param"] == "X-Tandem-Tenant"
+        bad = httpx.post(
+            url + "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+            headers={**_h(keys["operator"]), "X-Tandem-Tenant": "not a tenant!"},
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Tandem-Tenant", bad.text
+    finally:
+        assert httpx.delete(url + "/v1/models/ft-acme-act", headers=_h(keys["operator"])).status_code == 200
 
 
 def test_published_adapter_survives_restart_and_serves_on_a_second_replica(

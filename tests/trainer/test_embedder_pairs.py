@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from services.common.auth import KeyStore
 from services.trainer.data.formats import parse_dataset
 from services.trainer.data.pairs import embedder_data, mine_negatives
 from services.trainer.protocol import Hyperparameters, JobCreate
@@ -433,110 +436,275 @@ def test_thumbs_up_answers_become_pairs_of_question_and_cited_chunk(
 
 
 # ---- questions the inference service writes for sampled passages
-def test_generated_queries_pair_sampled_passages_with_what_a_real_inference_service_writes(
+QUESTION_DOCS = [
+    {"id": f"d{i}", "title": f"All about the {t}", "text": f"The {t} has many properties. " * 3}
+    for i, t in enumerate(TOPICS.split()[:6])
+] + [{"id": "long", "title": "", "text": "# Part one\n" + "word " * 300 + "\n# Part two\nThe end."}]
+
+
+class ChatRequests:
+    """An ASGI wrapper of the real inference app that notes who asked each chat completion
+    ((bearer key, X-Tandem-Tenant)) and runs ``on_chat`` first: a test's hook at a known point.
+    While ``refuse`` holds statuses, a request acting for a tenant (the worker's) is answered
+    the next of them (Retry-After: 0) instead, as a busy or restarting service would."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.seen: list[tuple[str, str | None]] = []
+        self.on_chat: Any = None
+        self.refuse: list[int] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":
+            headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+            self.seen.append(
+                (headers["authorization"].removeprefix("Bearer "), headers.get("x-tandem-tenant"))
+            )
+            if self.on_chat is not None:
+                self.on_chat()
+            if self.refuse and "x-tandem-tenant" in headers:
+                status = self.refuse.pop(0)
+                body = json.dumps({"error": {"message": f"refused with {status}", "type": "busy"}}).encode()
+                head = [(b"content-type", b"application/json"), (b"retry-after", b"0")]
+                await send({"type": "http.response.start", "status": status, "headers": head})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+@dataclass
+class QuestionRig:
+    h: Harness
+    c: httpx.Client
+    retrieval: str
+    inference: ChatRequests
+    operator: str
+    body: dict[str, Any]  # an embedder job on collection kb and a beir file, with generate_queries
+    earlier: set[str]  # the tenant's files before (the session's Valkey keeps other tests' files)
+
+
+@pytest.fixture()
+def rig(
     tandem_env: Path,
     tiny_st: Path,
     tiny_model_path: Path,
     api_key: str,
+    key_store: KeyStore,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> Iterator[QuestionRig]:
     """The real retrieval and inference services (a tiny random Llama: what it writes is noise,
-    the path is what is checked): passages sampled from the collection and the beir dataset's
-    corpus, one chat completion each with the caller's key, the usable replies saved as a pairs
-    file the job trains on, and the job runs."""
+    the path is what is checked) and the trainer over HTTP, its worker run in process with an
+    operator key as TANDEM_SERVICE_API_KEY; collection kb holds QUESTION_DOCS."""
     from services.common.config import CommonSettings
     from services.inference.app import create_app as inference_app
     from services.inference.config import InferenceSettings
     from services.retrieval.app import create_app as retrieval_app
-    from services.trainer.data.queries import passages
-    from services.trainer.runner import dataset_path
+    from services.trainer.config import TrainerSettings
     from tests.helpers.servers import serve_app
     from tests.trainer.test_api import serving, upload
 
     monkeypatch.setenv("TANDEM_RETRIEVAL_EMBEDDING_MODEL", str(tiny_st))
     # retrieval and inference read the roots when created (the trainer's harness sets its own)
     monkeypatch.setenv("TANDEM_MODEL_ROOTS", f"{tiny_st.parent}:{tiny_model_path.parent}")
-    docs = [
-        {"id": f"d{i}", "title": f"All about the {t}", "text": f"The {t} has many properties. " * 3}
-        for i, t in enumerate(TOPICS.split()[:6])
-    ]
-    docs.append(
-        {"id": "long", "title": "", "text": "# Part one\n" + "word " * 300 + "\n# Part two\nThe end."}
+    inference = ChatRequests(
+        inference_app(CommonSettings(), InferenceSettings(model=str(tiny_model_path), max_batch_size=4))
     )
-    inference = inference_app(
-        CommonSettings(), InferenceSettings(model=str(tiny_model_path), max_batch_size=4)
-    )
+    settings = TrainerSettings(heartbeat_interval_s=0.2, stale_after_s=10.0, query_generation_concurrency=2)
+    operator = key_store.create("system", operator=True)[0]
     with (
         serve_app(retrieval_app()) as r_url,
         serve_app(inference) as i_url,
-        serving(tiny_st, tandem_env, monkeypatch) as h,
+        serving(tiny_st, tandem_env, monkeypatch, settings) as h,
         httpx.Client(headers=auth(api_key), timeout=120) as c,
     ):
-        h.st.common = h.st.common.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})
+        h.st.common = h.st.common.model_copy(
+            update={"retrieval_url": r_url, "inference_url": i_url, "service_api_key": operator}
+        )
         assert c.post(f"{r_url}/v1/collections", json={"name": "kb"}).status_code == 201
-        assert c.post(f"{r_url}/v1/collections/kb/documents", json={"documents": docs}).status_code == 201
+        added = c.post(f"{r_url}/v1/collections/kb/documents", json={"documents": QUESTION_DOCS})
+        assert added.status_code == 201, added.text
         chat_model = c.get(f"{i_url}/v1/models").json()["data"][0]["id"]
         beir = [{"corpus_id": "c1", "title": "Copper", "text": "Copper conducts heat well."}]
         beir += [
             {"query_id": "q1", "text": "does copper conduct heat"},
             {"query_id": "q1", "corpus_id": "c1"},
         ]
+        earlier = {f["id"] for f in c.get(f"{h.base}/v1/files").json()["data"]}
         fid = upload(h, api_key, jsonl(beir)).json()["id"]
-        gen = {"model": chat_model, "passages": 6, "max_tokens": 12}
         body = {
             "type": "embedder",
             "base_model": str(tiny_st),
             "collection": "kb",
             "dataset": fid,
-            "generate_queries": gen,
+            "generate_queries": {"model": chat_model, "passages": 6, "max_tokens": 12},
             "hyperparameters": {"max_steps": 2, "batch_size": 4},
         }
-        for bad, param, status in [
-            ({"model": "no-such-model"}, "generate_queries.model", 404),
-            ({"passages": 10**5}, "generate_queries.passages", 400),
-        ]:
-            resp = c.post(f"{h.base}/v1/jobs", json={**body, "generate_queries": {**gen, **bad}})
-            assert resp.status_code == status and resp.json()["error"]["param"] == param, resp.text
-        refused = c.post(f"{h.base}/v1/jobs", json={**body, "type": "sft", "base_model": "x"})
-        assert refused.status_code in (400, 422) and "generate_queries" in refused.text
-        created = c.post(f"{h.base}/v1/jobs", json=body)
-        assert created.status_code == 201, created.text
-        job = created.json()
-        files = {f["filename"]: f for f in c.get(f"{h.base}/v1/files").json()["data"]}
-        made = files["generated-queries.jsonl"]
-        assert made["format"] == "pairs" and 2 <= made["rows"] <= 6
-        assert job["generated_dataset"] == made["id"] and job["dataset"] == fid
-        rows = parse_dataset(dataset_path(h.st.common, "acme", made["id"]).read_bytes()).records
-        # every positive is a passage of the collection (with its document) or of the beir corpus
-        pool = passages([(d["id"], d["title"], d["text"]) for d in docs])
-        by_text = {p.text: p.document for p in pool}
-        corpus_passages = {p.text for p in passages([("c1", "", "Copper\nCopper conducts heat well.")])}
-        for r in rows:
-            assert r["query"].strip() and len(r["query"]) <= 300
-            assert r["positive"] in by_text or r["positive"] in corpus_passages, r["positive"]
-            assert r.get("document_id") == by_text.get(r["positive"])
-        # the long document's sections are passages of their own, as the retrieval service cuts them
-        assert sum(p.document == "long" for p in pool) >= 3
-        assert h.run_worker(job["id"]) == "succeeded"
-        done = c.get(f"{h.base}/v1/jobs/{job['id']}").json()
-        assert done["progress"]["step"] == 2
-        # a collection with no titles or headings: no label-free pairs of its own, but the
-        # questions train it (they are the job's dataset)
-        plain = [
-            {"id": f"p{i}", "text": f"Plain note {i} about the {t}."}
-            for i, t in enumerate(TOPICS.split()[:5])
-        ]
-        assert c.post(f"{r_url}/v1/collections", json={"name": "plain"}).status_code == 201
-        assert c.post(f"{r_url}/v1/collections/plain/documents", json={"documents": plain}).status_code == 201
-        alone = {k: v for k, v in body.items() if k != "dataset"} | {"collection": "plain"}
-        without = c.post(
-            f"{h.base}/v1/jobs", json={k: v for k, v in alone.items() if k != "generate_queries"}
-        )
-        assert without.status_code == 400 and without.json()["error"]["param"] == "collection", without.text
-        created = c.post(f"{h.base}/v1/jobs", json=alone)
-        assert created.status_code == 201, created.text
-        assert created.json()["dataset"] == created.json()["generated_dataset"]
-        assert h.run_worker(created.json()["id"]) == "succeeded"
+        yield QuestionRig(h, c, r_url, inference, operator, body, earlier)
+
+
+def kept_replies(h: Harness, job_id: str) -> dict[int, str]:
+    from services.trainer.questions import load_replies, questions_dir
+    from services.trainer.runner import job_dir
+
+    return load_replies(questions_dir(job_dir(h.st.common, job_id)))
+
+
+def generated_files(rig: QuestionRig) -> list[dict[str, Any]]:
+    files = rig.c.get(f"{rig.h.base}/v1/files").json()["data"]
+    return [f for f in files if f["filename"] == "generated-queries.jsonl" and f["id"] not in rig.earlier]
+
+
+def test_generated_queries_pair_sampled_passages_with_what_a_real_inference_service_writes(
+    rig: QuestionRig, api_key: str
+) -> None:
+    """POST /v1/jobs samples the passages (the collection's and the beir dataset's corpus), asks
+    the first one's question with the caller's key and queues the job at once; the worker asks
+    the rest with the operator key acting for the job's tenant, with progress events, saves the
+    usable replies as a pairs file (the job's generated_dataset) and trains on them."""
+    from services.trainer.data.queries import passages
+    from services.trainer.runner import dataset_path
+
+    h, c, body, asked = rig.h, rig.c, rig.body, rig.inference.seen
+    gen = body["generate_queries"]
+    for bad, param, status in [
+        ({"generate_queries": {**gen, "model": "no-such-model"}}, "generate_queries.model", 404),
+        ({"generate_queries": {**gen, "passages": 10**5}}, "generate_queries.passages", 400),
+        ({"base_model": "no-such-embedder"}, "base_model", 400),
+    ]:
+        resp = c.post(f"{h.base}/v1/jobs", json={**body, **bad})
+        assert resp.status_code == status and resp.json()["error"]["param"] == param, resp.text
+    assert asked == [(api_key, None)]  # the unknown model, asked with the caller's key; nothing else
+    refused = c.post(f"{h.base}/v1/jobs", json={**body, "type": "sft", "base_model": "x"})
+    assert refused.status_code in (400, 422) and "generate_queries" in refused.text
+    # without a service key the worker could not ask: refused now, not after the job starts
+    h.st.common = h.st.common.model_copy(update={"service_api_key": ""})
+    refused = c.post(f"{h.base}/v1/jobs", json=body)
+    assert refused.status_code == 503 and refused.json()["error"]["param"] == "generate_queries"
+    h.st.common = h.st.common.model_copy(update={"service_api_key": rig.operator})
+    asked.clear()
+
+    created = c.post(f"{h.base}/v1/jobs", json=body)
+    assert created.status_code == 201, created.text
+    job = created.json()
+    # queued at once: one question asked (with the caller's key), none saved as a file yet
+    assert (
+        job["status"] == "queued" and job["generated_dataset"] is None and job["dataset"] == body["dataset"]
+    )
+    assert h.dispatched[-1][0] == job["id"]
+    assert asked == [(api_key, None)] and not generated_files(rig)
+    assert list(kept_replies(h, job["id"])) == [0]
+
+    rig.inference.refuse = [429, 503]  # a busy, then a restarting service: asked again
+    assert h.run_worker(job["id"]) == "succeeded"
+    # the other five passages (two asked twice), by the worker as the operator acting for acme
+    assert asked[1:] == [(rig.operator, "acme")] * 7 and not rig.inference.refuse
+    assert sorted(kept_replies(h, job["id"])) == list(range(6))
+    done = c.get(f"{h.base}/v1/jobs/{job['id']}").json()
+    assert done["progress"]["step"] == 2 and done["status"] == "succeeded"
+    (made,) = generated_files(rig)
+    assert made["format"] == "pairs" and 2 <= made["rows"] <= 6
+    assert done["generated_dataset"] == made["id"] and done["dataset"] == body["dataset"]
+    # the question phase's progress, as the job's events tell it (the batches of 2)
+    events = c.get(f"{h.base}/v1/jobs/{job['id']}/events").text
+    phase = [
+        json.loads(block.split("data: ", 1)[1])
+        for block in events.split("\n\n")
+        if "event: progress" in block and '"phase"' in block
+    ]
+    assert [(e["phase"], e["step"], e["total"]) for e in phase] == [
+        ("generate_queries", n, 6) for n in (3, 5, 6)
+    ]
+    rows = parse_dataset(dataset_path(h.st.common, "acme", made["id"]).read_bytes()).records
+    # every positive is a passage of the collection (with its document) or of the beir corpus
+    pool = passages([(d["id"], d["title"], d["text"]) for d in QUESTION_DOCS])
+    by_text = {p.text: p.document for p in pool}
+    corpus_passages = {p.text for p in passages([("c1", "", "Copper\nCopper conducts heat well.")])}
+    for r in rows:
+        assert r["query"].strip() and len(r["query"]) <= 300
+        assert r["positive"] in by_text or r["positive"] in corpus_passages, r["positive"]
+        assert r.get("document_id") == by_text.get(r["positive"])
+    # the long document's sections are passages of their own, as the retrieval service cuts them
+    assert sum(p.document == "long" for p in pool) >= 3
+
+    # a collection with no titles or headings: no label-free pairs of its own, but the
+    # questions train it (their file, named from the start, is the job's dataset)
+    plain = [
+        {"id": f"p{i}", "text": f"Plain note {i} about the {t}."} for i, t in enumerate(TOPICS.split()[:5])
+    ]
+    assert c.post(f"{rig.retrieval}/v1/collections", json={"name": "plain"}).status_code == 201
+    assert (
+        c.post(f"{rig.retrieval}/v1/collections/plain/documents", json={"documents": plain}).status_code
+        == 201
+    )
+    alone = {k: v for k, v in body.items() if k != "dataset"} | {"collection": "plain"}
+    without = c.post(f"{h.base}/v1/jobs", json={k: v for k, v in alone.items() if k != "generate_queries"})
+    assert without.status_code == 400 and without.json()["error"]["param"] == "collection", without.text
+    created = c.post(f"{h.base}/v1/jobs", json=alone)
+    assert created.status_code == 201, created.text
+    assert created.json()["generated_dataset"] is None
+    assert h.run_worker(created.json()["id"]) == "succeeded"
+    done = c.get(f"{h.base}/v1/jobs/{created.json()['id']}").json()
+    assert done["dataset"] == done["generated_dataset"] == created.json()["dataset"]
+
+
+def test_question_phase_stops_on_cancel_and_resumes_without_asking_again(
+    rig: QuestionRig, api_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancel, requested while the worker's first batch of questions is being answered, stops
+    the job before the next batch; a worker that loses the job after its first batch (as one
+    killed would) leaves those replies kept, and the job resumed asks only for the rest."""
+    from services.trainer.runner import JobHooks, LeaseLost
+
+    h, c, asked = rig.h, rig.c, rig.inference.seen
+    created = c.post(f"{h.base}/v1/jobs", json=rig.body)
+    assert created.status_code == 201, created.text
+    job_id = created.json()["id"]
+
+    def cancel_on_the_workers_first_question() -> None:
+        if asked[-1][1] == "acme" and asked.count(asked[-1]) == 1:
+            assert h.st.store.request_cancel("acme", job_id).cancel_requested
+
+    rig.inference.on_chat = cancel_on_the_workers_first_question
+    assert h.run_worker(job_id) == "cancelled"
+    rig.inference.on_chat = None
+    # the batch in flight (2 questions) finished and was kept; no further batch was asked
+    assert asked[1:] == [(rig.operator, "acme")] * 2
+    assert sorted(kept_replies(h, job_id)) == [0, 1, 2]
+    job = c.get(f"{h.base}/v1/jobs/{job_id}").json()
+    assert job["status"] == "cancelled" and job["generated_dataset"] is None
+    assert not generated_files(rig)
+
+    # a worker lost after its first batch; the job resumed asks for the passages not kept
+    asked.clear()
+    created = c.post(f"{h.base}/v1/jobs", json=rig.body)
+    assert created.status_code == 201, created.text
+    job_id = created.json()["id"]
+    real = JobHooks.should_stop
+    checks = iter(range(1000))
+
+    def lost_before_the_second_batch(self: JobHooks) -> bool:
+        if next(checks) == 1:
+            raise LeaseLost(self.job_id)
+        return real(self)
+
+    monkeypatch.setattr(JobHooks, "should_stop", lost_before_the_second_batch)
+    assert h.run_worker(job_id) == "lease-lost"
+    assert len(asked) == 3 and sorted(kept_replies(h, job_id)) == [0, 1, 2]
+    assert c.get(f"{h.base}/v1/jobs/{job_id}").json()["status"] == "running"
+    assert h.run_worker(job_id) == "succeeded"
+    # passages 3, 4 and 5 only: nothing answered before is asked again
+    assert asked[3:] == [(rig.operator, "acme")] * 3
+    assert sorted(kept_replies(h, job_id)) == list(range(6))
+    done = c.get(f"{h.base}/v1/jobs/{job_id}").json()
+    assert done["attempts"] == 2 and done["generated_dataset"] == generated_files(rig)[0]["id"]
+
+    # a service that stays unavailable past the retries (4 each) fails the job, saying why
+    created = c.post(f"{h.base}/v1/jobs", json=rig.body)
+    assert created.status_code == 201, created.text
+    rig.inference.refuse = [503] * 10  # the first batch's two questions, five tries each
+    assert h.run_worker(created.json()["id"]) == "failed"
+    failed = c.get(f"{h.base}/v1/jobs/{created.json()['id']}").json()
+    assert not rig.inference.refuse and "inference: refused with 503" in failed["error"], failed["error"]
 
 
 def test_a_reply_gives_its_first_line_as_the_question_or_nothing() -> None:

@@ -4,8 +4,8 @@ corpus, and the one short question a chat model writes for each, as training pai
 A passage is a chunk as the retrieval service cuts it (``services/common/chunking.py``:
 Markdown sections, then windows of ``CHUNK_WORDS`` word tokens with ``CHUNK_OVERLAP`` overlap),
 its heading path (the title, then the headings) opening its text as a collection indexes it.
-This module is the pure part (sampling, the prompt, reading the reply); the trainer's service
-makes the calls to the inference service.
+This module is the pure part (sampling, the prompt, reading the reply);
+``services/trainer/questions.py`` makes the calls to the inference service (the job's worker).
 """
 
 from __future__ import annotations
