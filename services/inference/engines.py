@@ -91,6 +91,7 @@ def build_torch_engine(
         packed_weights=settings.packed_weights,
         quantize=quantize,
         compile=settings.compile,
+        prompt_dtype=settings.prompt_dtype,
         **scheduler_settings(settings),
     )
 

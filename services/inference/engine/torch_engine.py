@@ -26,7 +26,7 @@ from services.inference.engine.compiled_decode import Compile
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.guided import GuidedCompiler
 from services.inference.engine.prefix_cache import PrefixCache
-from services.inference.engine.quantized_linear import Quantize
+from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import DEFAULT_TENANT, Scheduler, Sequence
@@ -96,6 +96,7 @@ class TorchEngine(AdapterHost):
         quantize: Quantize = "none",
         compile: Compile = "off",
         tenant_max_queued: int | None = None,
+        prompt_dtype: PromptDType = "auto",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -111,6 +112,7 @@ class TorchEngine(AdapterHost):
             packed_weights=packed_weights,
             quantize=quantize,
             compile=compile,
+            prompt_dtype=prompt_dtype,
         )
         self.max_model_len = self.runner.max_len
         self.device = self.runner.device
