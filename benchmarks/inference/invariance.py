@@ -8,6 +8,7 @@ A batch-invariant engine prints 0 for every mode.
 
     python -m benchmarks.inference.invariance                      # SmolLM2 Q4_1, int4 and none
     python -m benchmarks.inference.invariance --modes int4 --prompts 16 --max-tokens 48
+    python -m benchmarks.inference.invariance --modes none --prompt-dtype bfloat16  # bf16 prompt products
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def measure(
     max_tokens: int,
     threads: int,
     prefix_cache_mb: float,
+    prompt_dtype: str = "auto",
 ) -> ModeResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,6 +100,7 @@ def measure(
         quantize=mode,  # type: ignore[arg-type]
         prefix_cache_mb=prefix_cache_mb,
         num_threads=threads,
+        prompt_dtype=prompt_dtype,  # type: ignore[arg-type]
     )
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -132,6 +135,12 @@ def main() -> int:
         default=64.0,
         help="the engine's prefix cache (64: the default; 0: off, every run computes its own prompt)",
     )
+    ap.add_argument(
+        "--prompt-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="TANDEM_INFERENCE_PROMPT_DTYPE: the dtype prompt tokens multiply in",
+    )
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -147,10 +156,19 @@ def main() -> int:
     print(
         f"{model_dir.name}: {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
         f"{args.max_tokens} greedy tokens, alone vs in a batch of {args.batch}, {args.threads} thread(s), "
-        f"prefix cache {args.prefix_cache_mb:g} MB"
+        f"prefix cache {args.prefix_cache_mb:g} MB, prompt dtype {args.prompt_dtype}"
     )
     for mode in args.modes.split(","):
-        r = measure(model_dir, mode, prompts, args.batch, args.max_tokens, args.threads, args.prefix_cache_mb)
+        r = measure(
+            model_dir,
+            mode,
+            prompts,
+            args.batch,
+            args.max_tokens,
+            args.threads,
+            args.prefix_cache_mb,
+            args.prompt_dtype,
+        )
         print(
             f"quantize={r.mode}: {r.differing} of {r.prompts} prompts' tokens differ "
             f"(first differing token per prompt: {r.first_difference}); "

@@ -91,6 +91,14 @@ class InferenceSettings(ServiceSettings):
         "none: fp32 (greedy output equals transformers'). auto: int4 on a CPU when the weights are 4-bit "
         "already (a model from a Q4_0/Q4_1 GGUF, such as the default one: quantising loses nothing), else none.",
     )
+    prompt_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="CPU torch engine, fp32 models: the dtype prompt tokens multiply in, in the decoder layers "
+        "(the output head's prompt rows stay fp32). bfloat16: oneDNN's bf16 products, about 1.7x faster prompt "
+        "forwards on CPUs with AVX512-BF16 or AMX (sooner first tokens under a burst), at bf16 rounding of the "
+        "prompt's keys/values; float32: the fp32 model's. auto: bfloat16 where decode tokens already run with "
+        "bf16 activations (quantize int4/int8) on a CPU with native bf16, else float32.",
+    )
     compile: Literal["off", "decode"] = Field(
         "off",
         description="torch engine: decode: compile the pure decode steps of the base model with torch.compile "

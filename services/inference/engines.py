@@ -91,6 +91,7 @@ def build_torch_engine(
         packed_weights=settings.packed_weights,
         quantize=quantize,
         compile=settings.compile,
+        prompt_dtype=settings.prompt_dtype,
         **scheduler_settings(settings),
     )
 
@@ -124,7 +125,10 @@ async def build_engine(settings: InferenceSettings, common: CommonSettings) -> E
         )
     if settings.engine == "llamacpp":
         return await asyncio.to_thread(build_llamacpp_engine, settings, common, name)
-    return await asyncio.to_thread(build_torch_engine, settings, common, name, settings.model)
+    from services.inference.engine.torch_engine import in_own_thread
+
+    # a thread that ends: see in_own_thread (the scheduler thread's forwards)
+    return await in_own_thread(build_torch_engine, settings, common, name, settings.model)
 
 
 def build_llamacpp_engine(settings: InferenceSettings, common: CommonSettings, name: str) -> Engine:
@@ -158,6 +162,8 @@ def torch_builder(settings: InferenceSettings, common: CommonSettings) -> Any:
     async def build(name: str, path: Path) -> Engine:
         # a registered fine-tune without tokenizer files borrows the served base model's
         base = await asyncio.to_thread(resolve_model, settings.model or None, cache_root(common))
-        return await asyncio.to_thread(build_torch_engine, settings, common, name, str(path), base)
+        from services.inference.engine.torch_engine import in_own_thread
+
+        return await in_own_thread(build_torch_engine, settings, common, name, str(path), base)
 
     return build

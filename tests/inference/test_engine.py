@@ -3,6 +3,8 @@ full batch; seeds; stop; n; the trainer's generate_batch contract on a changing 
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from services.inference.engine import SamplingParams, TorchEngine
+from services.inference.engine.torch_engine import in_own_thread
 from tests.helpers.waiting import ManualClock
 
 QUESTIONS = [
@@ -348,3 +351,29 @@ def test_sliding_window_detection() -> None:
     assert sliding_window(Qwen2Config()) is None  # its window is off unless use_sliding_window
     assert sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=100)) == 100
     assert sliding_window(MistralConfig(sliding_window=4096)) == 4096
+
+
+def test_torch_setup_work_runs_on_a_thread_that_ends() -> None:
+    """``in_own_thread`` (engine build, packing, adapter loads): the result or the exception comes
+    back to the awaiting task, and the thread that ran the torch work (and holds its OpenMP pool,
+    which would slow the scheduler thread's forwards) is gone afterwards, unlike an executor
+    thread of ``asyncio.to_thread``."""
+    ran_on: list[threading.Thread] = []
+
+    def work(x: float) -> float:
+        ran_on.append(threading.current_thread())
+        return float(torch.ones(64, 64).mm(torch.ones(64, 64))[0, 0]) + x
+
+    def fail() -> None:
+        raise ValueError("adapter 'a': no adapter_config.json")
+
+    async def run() -> float:
+        result = await in_own_thread(work, 1.0)
+        with pytest.raises(ValueError, match=r"no adapter_config\.json"):
+            await in_own_thread(fail)
+        return result
+
+    assert asyncio.run(run()) == 65.0
+    assert ran_on[0] is not threading.main_thread()
+    ran_on[0].join(10)
+    assert not ran_on[0].is_alive()

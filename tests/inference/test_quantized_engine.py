@@ -1,7 +1,8 @@
 """Weight-only int8/int4 quantised products in the torch engine (``TANDEM_INFERENCE_QUANTIZE``):
-int4 gives GGUF Q4_1 weights back exactly, greedy output is the same alone and in a full batch,
-LoRA adapters apply on the quantised base, a server serves chat and streams with it, and a
-setting that cannot run stops start-up naming it."""
+int4 gives GGUF Q4_1 weights back exactly, greedy output is the same alone and in a full batch
+(prompt tokens in fp32 or bf16, ``TANDEM_INFERENCE_PROMPT_DTYPE``), LoRA adapters apply on the
+quantised base, a server serves chat and streams with it, and a setting that cannot run stops
+start-up naming it."""
 
 from __future__ import annotations
 
@@ -17,14 +18,21 @@ import torch
 from pydantic import ValidationError
 
 from services.common.config import CommonSettings
+from services.common.embedding_models import cpu_has_native_bf16
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
 from services.inference.engine import SamplingParams, TorchEngine, quantized_linear
-from services.inference.engine.packed_linear import PackedLinears
-from services.inference.engine.quantized_linear import INT4_GROUP, Int4WeightOnly, Int8WeightOnly
+from services.inference.engine.packed_linear import OneDNNPacked, PackedLinears
+from services.inference.engine.quantized_linear import (
+    INT4_GROUP,
+    BF16Packed,
+    ByTokenKind,
+    Int4WeightOnly,
+    Int8WeightOnly,
+)
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from services.inference.engine.types import EngineRequest
-from services.inference.engines import quantize_mode
+from services.inference.engines import build_torch_engine, quantize_mode
 from tests.helpers.models import make_lora_adapter
 from tests.helpers.servers import serve_app
 
@@ -86,11 +94,16 @@ def lively(lively_tiny_path: Path) -> tuple[Any, Any]:
     return _load(lively_tiny_path)
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_greedy_is_the_same_alone_and_in_a_full_batch(lively: tuple[Any, Any], mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "prompt_dtype"), [("int4", "bfloat16"), ("int4", "float32"), ("int8", "auto")]
+)
+def test_greedy_is_the_same_alone_and_in_a_full_batch(
+    lively: tuple[Any, Any], mode: str, prompt_dtype: str
+) -> None:
     model, tok = lively
     prompts = [_chat(tok, q) for q in QUESTIONS] + [list(range(300, 340)), list(range(900, 917))]
-    engine = TorchEngine.from_model(model, tok, max_batch_size=4, prefill_chunk=32, quantize=mode)  # type: ignore[arg-type]
+    settings: dict[str, Any] = {"quantize": mode, "prompt_dtype": prompt_dtype}
+    engine = TorchEngine.from_model(model, tok, max_batch_size=4, prefill_chunk=32, **settings)
     assert engine.runner.packed is not None
     kinds = {type(p.kernel.decode).__name__ for p in engine.runner.packed.layers}  # type: ignore[attr-defined]
     assert kinds == ({"Int4WeightOnly", "BF16Packed"} if mode == "int4" else {"Int8WeightOnly"})
@@ -129,6 +142,68 @@ def test_smollm2_default_decodes_alike_alone_and_in_a_full_batch(smollm2_path: P
     for prompt, out in zip(prompts[:6], batch[:6], strict=True):
         alone = engine.generate_batch([prompt], greedy)[0]
         assert (alone.token_ids, alone.logprobs) == (out.token_ids, out.logprobs)
+
+
+def test_prompt_dtype_multiplies_prompt_tokens_in_bf16_and_the_head_in_fp32(lively: tuple[Any, Any]) -> None:
+    """``TANDEM_INFERENCE_PROMPT_DTYPE``: ``bfloat16`` multiplies prompt tokens in the decoder
+    layers in bf16 (the head's prompt rows and every decode token as before); the first token's
+    logits then move a little from the fp32 prompt's, which equal the unquantised engine's.
+    ``auto`` takes bf16 only where decode is quantised on a CPU with native bf16."""
+    model, tok = lively
+    resolve = quantized_linear.resolve_prompt_dtype
+    native = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert resolve("auto", "int4", torch.float32) == native
+    assert resolve("auto", "int8", torch.float32) == native
+    assert resolve("auto", "none", torch.float32) == "float32"  # fp32 serving stays fp32
+    assert resolve("float32", "int4", torch.float32) == "float32"
+    assert resolve("bfloat16", "none", torch.float32) == "bfloat16"
+    assert resolve("bfloat16", "int4", torch.bfloat16) == "auto"  # a bf16 model: its own dtype
+    head = model.get_output_embeddings()
+    prompt = _chat(tok, QUESTIONS[1])
+    first: dict[str, torch.Tensor] = {}
+    for quantize, dtype in [
+        ("none", "float32"),
+        ("int4", "float32"),
+        ("int4", "bfloat16"),
+        ("none", "bfloat16"),
+    ]:
+        engine = TorchEngine.from_model(
+            copy.deepcopy(model),
+            tok,
+            quantize=quantize,  # type: ignore[arg-type]
+            prompt_dtype=dtype,  # type: ignore[arg-type]
+        )
+        assert engine.runner.prompt_dtype == dtype
+        if quantize == "int4" or dtype == "bfloat16":
+            assert engine.runner.packed is not None
+            for packed in engine.runner.packed.layers:
+                is_head = packed.module is engine.runner.lm_head
+                kernel = packed.kernel
+                prompt_kernel = kernel.prompt if isinstance(kernel, ByTokenKind) else kernel
+                want = BF16Packed if dtype == "bfloat16" and not is_head else OneDNNPacked
+                assert type(prompt_kernel) is want, (packed.module, kernel)
+        first[f"{quantize}/{dtype}"] = engine.runner.forward([], [PrefillRow(0, prompt, 0)])[0]
+    assert head is model.get_output_embeddings()
+    fp32 = first["none/float32"]
+    # fp32 prompt tokens: the unquantised engine's logits exactly (quantisation is decode-only)
+    assert torch.equal(first["int4/float32"], fp32)
+    for key in ("int4/bfloat16", "none/bfloat16"):
+        moved = float((first[key] - fp32).norm() / fp32.norm())
+        assert 0 < moved < 0.05, (key, moved)
+    assert torch.equal(first["int4/bfloat16"], first["none/bfloat16"])
+
+
+def test_prompt_dtype_setting(
+    monkeypatch: pytest.MonkeyPatch, lively_tiny_path: Path, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TANDEM_INFERENCE_PROMPT_DTYPE", "fp16")
+    with pytest.raises(ValidationError, match="prompt_dtype"):
+        InferenceSettings()
+    monkeypatch.setenv("TANDEM_INFERENCE_PROMPT_DTYPE", "float32")
+    settings = InferenceSettings(model=str(lively_tiny_path), quantize="int4")
+    engine = build_torch_engine(settings, CommonSettings(home=tmp_path), "tiny", str(lively_tiny_path))
+    assert isinstance(engine, TorchEngine)
+    assert (engine.runner.quantize, engine.runner.prompt_dtype) == ("int4", "float32")
 
 
 def test_quantised_engine_follows_weight_updates(lively_tiny_path: Path) -> None:

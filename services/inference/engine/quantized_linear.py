@@ -29,12 +29,16 @@ attention, KV cache): only the layers' products change, inside the engine's forw
 (``packed_linear.PackedLinears`` swaps the forwards in and out), so PEFT's LoRA layers
 (their A/B matrices stay fp32), the trainer, ``state_dict`` and deep copies see plain
 modules, and a weight the trainer changed in place is quantised again. Only decode tokens
-use the quantised weights; prompt tokens multiply with the packed fp32 ones (``ByTokenKind``:
-faster for many rows, and the prompt's keys/values and the first token stay the fp32
-model's: SmolLM2 answers "What is the capital of France?" with "The capital of France is
-Paris." in fp32 and "L'Étoile, la Marseillaise, ..." when its prompt runs in bf16, as
-llama.cpp's Q4_1 does). Greedy output is deterministic and independent of the batch, bit
-for bit: each row's product is computed the same way whatever the number of rows (the int4
+use the quantised weights; prompt tokens multiply with packed unquantised ones (``ByTokenKind``:
+faster for many rows), in the decoder layers in bf16 by default where the CPU has native bf16
+products (``resolve_prompt_dtype``: a prompt forward about 1.7x faster), the output head's
+prompt rows in fp32. The head matters most for the first token: with it in bf16 too, SmolLM2
+answered "What is the capital of France?" with "L'Étoile, la Marseillaise, ..." (as llama.cpp's
+Q4_1 does) instead of "The capital of France is Paris."; with it in fp32, 24 of 24 test prompts
+keep the fp32 prompt's first token (``TANDEM_INFERENCE_PROMPT_DTYPE=float32`` keeps the
+prompt's keys/values and first token exactly the fp32 model's).
+
+Greedy output is deterministic and independent of the batch, bit for bit: each row's product is computed the same way whatever the number of rows (the int4
 kernel, measured, and oneDNN's: ``OneDNNPacked`` pairs a lone row in the layers where
 oneDNN's lone-row path differs), and so is each token's attention (``ragged.invariant_attention``); the bf16
 activations would otherwise turn a last-bit difference into another token
@@ -51,6 +55,8 @@ from services.inference.engine import ragged
 from services.inference.engine.packed_linear import KernelChoice, LinearKernel, OneDNNPacked
 
 Quantize = Literal["auto", "none", "int8", "int4"]
+# the dtype prompt tokens multiply in (``TANDEM_INFERENCE_PROMPT_DTYPE``; see ``resolve_prompt_dtype``)
+PromptDType = Literal["auto", "float32", "bfloat16"]
 
 # auto picks int4 when re-quantising loses at most this (relative, per layer): weights that
 # came from a 4-bit GGUF (Q4_0/Q4_1) come back with 0; other weights lose ~8% (SmolLM2 fp32)
@@ -200,26 +206,65 @@ def available(mode: Quantize, device: torch.device) -> str | None:
     return None
 
 
-def layer_kernels(mode: Quantize, output_head: torch.nn.Module | None, batch_hint: int = 16) -> KernelChoice:
-    """The kernel of each base linear layer under ``mode``. Prompt tokens always multiply with
-    the model's own weights, oneDNN-packed (as with quantisation off): the prompt's keys/values
-    and the first token's logits are the unquantised model's. Decode tokens: int8 in every
-    layer; or int4 in every layer whose input size is a multiple of the group, the output head
-    (and any other layer) in bf16, oneDNN-packed. The head alone at 1 / 16 rows (SmolLM2's
-    49K x 576): 6.5 / 10 ms in bf16, 5.9 / 23 ms in int8 (its kernel scales badly with rows),
-    12 / 22 ms in fp32."""
-    prompt = OneDNNPacked(batch_hint)
-    int8 = ByTokenKind(Int8WeightOnly(), prompt)
-    int4 = ByTokenKind(Int4WeightOnly(), prompt)
-    bf16 = ByTokenKind(BF16Packed(batch_hint), prompt)
+def resolve_prompt_dtype(setting: PromptDType, quantize: Quantize, model_dtype: torch.dtype) -> PromptDType:
+    """The dtype prompt tokens multiply in. ``auto``: bfloat16 where decode tokens already run
+    with bf16 activations (int4/int8 decode of an fp32 model) on a CPU with native bf16 products
+    (AVX512-BF16 or AMX), else the model's own. A prompt forward is ~85% products, and oneDNN's
+    bf16 ones (bf16 operands, fp32 sums) take about half the time of its fp32 ones on such a
+    CPU, so a burst's first tokens come sooner (benchmarks/RESULTS.md, "Prompt tokens in bf16").
+    The prompt's keys/values and first token then carry bf16 rounding, as the decode tokens'
+    products do already; ``float32`` keeps them the fp32 model's. An explicit ``bfloat16`` is
+    honoured whatever the quantisation (emulated, and slow, on a CPU without native bf16)."""
+    from services.common.embedding_models import cpu_has_native_bf16
+
+    if model_dtype != torch.float32:
+        return "auto"  # a bf16/fp16 model's prompt products are in its own dtype already
+    if setting != "auto":
+        return setting
+    return "bfloat16" if quantize in ("int4", "int8") and cpu_has_native_bf16() else "float32"
+
+
+def prompt_kernel(prompt_dtype: PromptDType, batch_hint: int = 16) -> LinearKernel:
+    """The kernel prompt tokens multiply with: oneDNN-packed in the model's dtype, or in bf16.
+    A lone bf16 prompt row (a one-token chunk: the rest of its prompt came from the prefix
+    cache) is always computed as the first of two: oneDNN's lone-row path gives other last bits
+    in some layers, which its probe does not always catch in bf16 (``_lone_row_differs``), and
+    the prompt's first token would then differ alone and in a batch."""
+    return (
+        BF16Packed(batch_hint, always_pair=True) if prompt_dtype == "bfloat16" else OneDNNPacked(batch_hint)
+    )
+
+
+def layer_kernels(
+    mode: Quantize,
+    output_head: torch.nn.Module | None,
+    batch_hint: int = 16,
+    prompt_dtype: PromptDType = "float32",
+) -> KernelChoice:
+    """The kernel of each base linear layer under ``mode``. Prompt tokens multiply with the
+    model's own weights, oneDNN-packed, never quantised (int4/int8 kernels are slower than
+    oneDNN's at a prompt's many rows): in the model's dtype, or in the decoder layers in bf16
+    (``prompt_dtype``, resolved by ``resolve_prompt_dtype``). The output head's prompt rows (a
+    prompt's last token: its first generated token's logits) stay in the model's dtype: at 1 row
+    per prompt they cost little, and a bf16 head moved SmolLM2's first-token logits most of all
+    the layers (benchmarks/RESULTS.md). Decode tokens: int8 in every layer; or int4 in every layer
+    whose input size is a multiple of the group, the output head (and any other layer) in bf16,
+    oneDNN-packed. The head alone at 1 / 16 rows (SmolLM2's 49K x 576): 6.5 / 10 ms in bf16,
+    5.9 / 23 ms in int8 (its kernel scales badly with rows), 12 / 22 ms in fp32."""
+    own = OneDNNPacked(batch_hint)
+    prompt = prompt_kernel(prompt_dtype, batch_hint)
+    int8, int4, bf16 = Int8WeightOnly(), Int4WeightOnly(), BF16Packed(batch_hint)
 
     def choose(_name: str, module: torch.nn.Linear) -> LinearKernel | None:
+        head = module is output_head
+        prompt_side = own if head else prompt
         if mode in ("none", "auto"):
-            return None
+            # quantisation off: decode tokens in the model's dtype; prompt tokens in bf16 if asked
+            return own if prompt_side is own else ByTokenKind(own, prompt_side)
         if mode == "int8":
-            return int8
-        if module is not output_head and module.in_features % INT4_GROUP == 0:
-            return int4
-        return bf16
+            return ByTokenKind(int8, prompt_side)
+        if not head and module.in_features % INT4_GROUP == 0:
+            return ByTokenKind(int4, prompt_side)
+        return ByTokenKind(bf16, prompt_side)
 
     return choose

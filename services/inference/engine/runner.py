@@ -26,7 +26,7 @@ from services.inference.engine import packed_linear, quantized_linear, ragged
 from services.inference.engine.compiled_decode import Compile, CompiledDecode
 from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.packed_linear import PackedLinears
-from services.inference.engine.quantized_linear import Quantize
+from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 
 __all__ = ["DecodeRow", "ModelRunner", "PrefillRow", "base_model_of", "sliding_window"]
@@ -60,6 +60,7 @@ class ModelRunner:
         packed_weights: bool = True,
         quantize: Quantize = "none",
         compile: Compile = "off",
+        prompt_dtype: PromptDType = "auto",
     ) -> None:
         self.model = model
         base = base_model_of(model)
@@ -98,12 +99,18 @@ class ModelRunner:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.packed: PackedLinears | None = None
         self.quantize = quantize = quantized_linear.resolve(quantize, model, self.lm_head, self.device)
-        if quantize != "none":
+        # "auto" when the model's own dtype is not fp32 (its prompt products are in it already)
+        self.prompt_dtype = prompt = quantized_linear.resolve_prompt_dtype(prompt_dtype, quantize, self.dtype)
+        if prompt == "bfloat16" and not packed_linear.available(self.device, torch.bfloat16):
+            raise ValueError(
+                f"prompt_dtype='bfloat16': this torch build has no oneDNN bf16 products on {self.device}"
+            )
+        if quantize != "none" or prompt == "bfloat16":
             problem = quantized_linear.available(quantize, self.device)
             if problem is not None:
                 raise ValueError(f"quantize={quantize!r}: {problem}")
-            # quantised products replace the packed ones (layers left out stay plain)
-            choose = quantized_linear.layer_kernels(quantize, self.lm_head, max_slots)
+            # quantised (or bf16 prompt) products replace the packed ones (layers left out stay plain)
+            choose = quantized_linear.layer_kernels(quantize, self.lm_head, max_slots, prompt)
             self.packed = PackedLinears(model, choose=choose)
         elif packed_weights and packed_linear.available(self.device, self.dtype):
             self.packed = PackedLinears(model, batch_hint=max_slots)

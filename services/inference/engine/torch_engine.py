@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,7 +26,7 @@ from services.inference.engine.compiled_decode import Compile
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.guided import GuidedCompiler
 from services.inference.engine.prefix_cache import PrefixCache
-from services.inference.engine.quantized_linear import Quantize
+from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import DEFAULT_TENANT, Scheduler, Sequence
@@ -41,6 +41,39 @@ from services.inference.engine.types import (
     SamplingParams,
     StreamEvent,
 )
+
+T = TypeVar("T")
+
+
+async def in_own_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a thread of its own that ends with it, for torch CPU work off the event
+    loop (where ``asyncio.to_thread`` would use an executor thread that lives on). Each thread that
+    runs torch's parallel CPU work keeps an OpenMP (libgomp) thread pool as long as it lives; with
+    more pooled threads than cores, libgomp stops spinning between parallel regions and wakes its
+    threads through the kernel each time, and the scheduler thread's forwards ran ~1.9x slower than
+    the same forward on a process's only pool (2 cores; benchmarks/RESULTS.md, "Prompt tokens in
+    bf16"). A thread that ends frees its pool."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():  # the awaiting task was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name=f"tandem-{getattr(fn, '__name__', 'torch')}", daemon=True).start()
+    return await future
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -96,6 +129,7 @@ class TorchEngine(AdapterHost):
         quantize: Quantize = "none",
         compile: Compile = "off",
         tenant_max_queued: int | None = None,
+        prompt_dtype: PromptDType = "auto",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -111,6 +145,7 @@ class TorchEngine(AdapterHost):
             packed_weights=packed_weights,
             quantize=quantize,
             compile=compile,
+            prompt_dtype=prompt_dtype,
         )
         self.max_model_len = self.runner.max_len
         self.device = self.runner.device
@@ -372,10 +407,10 @@ class TorchEngine(AdapterHost):
     async def start(self) -> None:
         if self.runner.packed is not None:
             # pack (or quantise) the weights before serving, so the first request does not pay for it
-            await asyncio.to_thread(self.runner.packed.pack_all)
+            await in_own_thread(self.runner.packed.pack_all)
         if self.runner.compiled is not None:
             # compile the decode step's graphs before serving: never inside a request's first token
-            await asyncio.to_thread(self._warm_up)
+            await in_own_thread(self._warm_up)
         self.scheduler.start()
 
     def _warm_up(self) -> None:
@@ -451,10 +486,10 @@ class TorchEngine(AdapterHost):
 
     # --- LoRA adapters ------------------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str) -> None:
-        await asyncio.to_thread(self.load_adapter_sync, name, path)
+        await in_own_thread(self.load_adapter_sync, name, path)
 
     async def unload_adapter(self, name: str) -> None:
-        await asyncio.to_thread(self.unload_adapter_sync, name)
+        await in_own_thread(self.unload_adapter_sync, name)
 
     def load_adapter_sync(self, name: str, path: str) -> None:
         folder = Path(path)
