@@ -59,15 +59,12 @@ class LinearKernel(Protocol):
 class OneDNNPacked:
     """The weight in oneDNN's prepacked layout, same dtype (see the module doc)."""
 
-    def __init__(self, batch_hint: int = 16, *, always_pair: bool = False) -> None:
+    def __init__(self, batch_hint: int = 16) -> None:
         self.batch_hint = batch_hint
-        # pair every lone row without probing the layer (``_lone_row_differs`` may miss a bf16
-        # layer's difference: see there)
-        self.always_pair = always_pair
 
     def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
-        return packed, self.always_pair or _lone_row_differs(packed, weight.shape[1], weight.dtype)
+        return packed, _lone_row_differs(packed, weight.shape[1], weight.dtype)
 
     def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
         packed, as_pair = prepared
@@ -89,7 +86,9 @@ def _lone_row_differs(packed: torch.Tensor, in_features: int, dtype: torch.dtype
     random rows would be a coincidence). In bf16 the probe is weak: a product's fp32 sum is
     rounded to bf16, which hides most differences in its last bits (SmolLM2's down projection
     in bf16: 30 of 172,800 values differ alone vs among others, so 3 rows rarely show one);
-    kernels whose rows must not depend on their batch pass ``always_pair`` instead."""
+    so a bf16 weight always pairs its lone rows, unprobed."""
+    if dtype == torch.bfloat16:
+        return True
     rows = torch.randn(3, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     alone = torch.ops.mkldnn._linear_pointwise(rows[:1], packed, None, "none", [], "")
     among = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")[:1]

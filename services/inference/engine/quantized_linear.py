@@ -228,11 +228,9 @@ def prompt_kernel(prompt_dtype: PromptDType, batch_hint: int = 16) -> LinearKern
     """The kernel prompt tokens multiply with: oneDNN-packed in the model's dtype, or in bf16.
     A lone bf16 prompt row (a one-token chunk: the rest of its prompt came from the prefix
     cache) is always computed as the first of two: oneDNN's lone-row path gives other last bits
-    in some layers, which its probe does not always catch in bf16 (``_lone_row_differs``), and
+    in some layers, which its probe does not always catch in bf16 (so ``_lone_row_differs`` pairs every bf16 weight's lone rows), and
     the prompt's first token would then differ alone and in a batch."""
-    return (
-        BF16Packed(batch_hint, always_pair=True) if prompt_dtype == "bfloat16" else OneDNNPacked(batch_hint)
-    )
+    return BF16Packed(batch_hint) if prompt_dtype == "bfloat16" else OneDNNPacked(batch_hint)
 
 
 def layer_kernels(
