@@ -179,7 +179,7 @@ def main() -> None:
     from services.retrieval.config import RetrievalSettings
     from services.retrieval.core.collection import InputDocument
     from services.retrieval.core.registry import CollectionManager
-    from services.trainer.data.pairs import title_pairs
+    from services.trainer.data.pairs import ranked_negatives, title_pairs
     from services.trainer.protocol import Hyperparameters
     from services.trainer.recipes.base import NullHooks, TrainConfig
     from services.trainer.recipes.embedder import EmbedderRecipe
@@ -234,38 +234,54 @@ def main() -> None:
                 flush=True,
             )
             chunk_texts.update({r.doc_id: [c.index_text for c in r.chunks] for r in records})
+            index_texts.update({c.chunk_id: c.index_text for r in records for c in r.chunks})
             return col, embed_s + write_s
 
         chunk_texts: dict[str, list[str]] = {}  # the last indexed collection's chunks of each document
+        index_texts: dict[str, str] = {}  # and each chunk's indexed text, by chunk id
         base, base_s = index("base", None, "base:" + str(get_model_path()), args.cache)
-        base_chunks = dict(chunk_texts)
+        base_chunks, base_index_text = dict(chunk_texts), dict(index_texts)
         figures["base"] = evaluate(base) | {"index_s": base_s}
         print(f"base: {figures['base']}", flush=True)
 
-        # hard negatives from the base collection's own index, never a labelled positive
+        # hard negatives from the base collection's own index, never a labelled positive: what a
+        # job with hard_negatives_from "collection" takes (services/trainer/chunk_pairs.py)
         positives: dict[str, set[str]] = {}
         for p in train.pairs:
             positives.setdefault(p["query"], set()).add(p["corpus_id"])
         labelled: list[dict[str, Any]] = []
         for p in train.pairs:
             negatives: list[str] = []
-            positive = p["positive"]
-            if args.chunk_pairs:  # the positive document's chunk nearest the query, as indexed
-                chunks = base_chunks[p["corpus_id"]]
-                scores = base.embedder.embed_documents(chunks) @ base.embedder.embed_query(p["query"])
-                positive = chunks[int(np.argmax(scores))]
             if args.hard_negatives:
                 hits = base.search(p["query"], top_k=args.negatives_to, mode="hybrid")
-                ranked = documents_in_order([{"document_id": h.document_id} for h in hits])
-                pool = [d for d in ranked[args.negatives_from :] if d not in positives[p["query"]]]
-                if args.chunk_pairs:  # each negative document's best-ranked chunk, as indexed
-                    best = {}
-                    for h in hits:
-                        best.setdefault(h.document_id, f"{h.title}\n{h.text}" if h.title else h.text)
-                    negatives = [best[d] for d in pool[: args.hard_negatives]]
-                else:
-                    negatives = [train.corpus[d] for d in pool[: args.hard_negatives]]
-            labelled.append({"query": p["query"], "positive": positive, "negatives": negatives})
+                ranked = [
+                    # each negative document's best-ranked chunk as indexed, or the whole document
+                    (
+                        h.document_id,
+                        base_index_text[h.chunk_id] if args.chunk_pairs else train.corpus[h.document_id],
+                    )
+                    for h in hits
+                ]
+                negatives = ranked_negatives(
+                    ranked,
+                    positives[p["query"]],
+                    p["positive"],
+                    skip=args.negatives_from,
+                    count=args.hard_negatives,
+                )
+            labelled.append(
+                {
+                    "query": p["query"],
+                    "positive": p["positive"],
+                    "corpus_id": p["corpus_id"],
+                    "negatives": negatives,
+                }
+            )
+        # positives "chunks": the recipe trains each pair on its document's chunk nearest the query
+        # by the run's start model, as a job does
+        labelled_chunks = (
+            {p["corpus_id"]: base_chunks[p["corpus_id"]] for p in train.pairs} if args.chunk_pairs else None
+        )
         shuffled = list(docs)
         random.Random(0).shuffle(shuffled)
         titles = title_pairs([(d.get("title") or "", d["text"]) for d in shuffled[: args.title_pairs]])
@@ -309,8 +325,14 @@ def main() -> None:
             t0 = time.perf_counter()
             # a run's model is kept in --cache, keyed by what it was trained from and on: a
             # staged experiment then trains only its labelled stage
+            chunks = labelled_chunks if name in ("labelled", "supervised", "staged") else None
+            dump = hp.model_dump()
+            if dump["hard_negatives_from"] == "model":  # the models kept before this field existed
+                del dump["hard_negatives_from"]
             key = hashlib.sha1(
-                json.dumps([str(start), hp.model_dump(), runs[name]], sort_keys=True).encode()
+                json.dumps(
+                    [str(start), dump, runs[name], *([chunks] if chunks else [])], sort_keys=True
+                ).encode()
             ).hexdigest()[:16]
             saved = args.cache / "models" / f"{name}-{key}" if args.cache else None
             if saved is not None and (saved / "train_s.json").exists():
@@ -320,7 +342,12 @@ def main() -> None:
                 print(f"{name}: the model trained earlier ({train_s:.0f}s), from {saved}", flush=True)
             else:
                 cfg = TrainConfig(
-                    kind="embedder", model_path=start, records=runs[name], eval_records=[], hp=hp
+                    kind="embedder",
+                    model_path=start,
+                    records=runs[name],
+                    eval_records=[],
+                    hp=hp,
+                    chunks=chunks,
                 )
                 recipe = EmbedderRecipe(cfg, hooks=NullHooks())
                 recipe.setup()

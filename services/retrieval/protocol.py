@@ -119,6 +119,9 @@ class ChunkSpan(BaseModel):
     chunk_id: str
     start: int
     end: int
+    # the title and section headings indexed with the chunk's text ("<context>\n<text>" is what
+    # is embedded and BM25-indexed; empty for a document without either)
+    context: str = ""
 
 
 class Document(BaseModel):

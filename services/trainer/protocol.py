@@ -12,6 +12,8 @@ from services.common.jobs import JobStatus as JobStatus
 
 JobType = Literal["sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "embedder"]
 EmbedderLoss = Literal["mnrl", "cached_mnrl"]
+NegativesFrom = Literal["model", "collection"]
+PositivesAs = Literal["documents", "chunks"]
 DpoLossType = Literal["sigmoid", "ipo", "hinge"]
 PREFERENCE_TYPES: tuple[str, ...] = ("dpo", "simpo", "orpo", "kto")  # jobs with held-out accuracy/margin
 
@@ -105,6 +107,14 @@ class Hyperparameters(Strict):
         le=1000,
         description="embedder jobs with hard_negatives: also skip this many of the nearest candidates (range_min)",
     )
+    hard_negatives_from: NegativesFrom = Field(
+        "model",
+        description="embedder jobs with hard_negatives: 'model' mines with the base model over the job's "
+        "corpus; 'collection' (needs the job's 'collection') takes them from the collection's own hybrid "
+        "search as it ranks today: each training query's documents from rank hard_negatives_skip on that "
+        "are not its labelled positives, each as its best-ranked chunk (hard_negatives_margin does not "
+        "apply)",
+    )
 
     @field_validator("matryoshka_dims")
     @classmethod
@@ -170,6 +180,7 @@ EMBEDDER_ONLY = (
     "hard_negatives",
     "hard_negatives_margin",
     "hard_negatives_skip",
+    "hard_negatives_from",
 )
 
 
@@ -187,6 +198,19 @@ class JobCreate(Strict):
         max_length=128,
         description="embedder jobs: a retrieval collection of yours whose titles and headings are paired "
         "with their passages (no labels needed); with 'dataset' too, both sets of pairs train",
+    )
+    positives: PositivesAs = Field(
+        "documents",
+        description="embedder jobs: 'chunks' (needs 'collection') trains each labelled pair on the chunk "
+        "of its document (a beir qrel's corpus id, a pair's document_id) nearest its query by the base "
+        "model, as the collection indexes it (title and headings, then the chunk), rather than on the "
+        "whole document",
+    )
+    title_pairs: bool = Field(
+        True,
+        description="embedder jobs with a 'collection': also train on its titles and headings paired with "
+        "their passages; false: the collection only maps labelled positives to chunks and gives hard "
+        "negatives (a labelled job started from the tenant's own title fine-tune)",
     )
     generate_queries: QueryGeneration | None = Field(
         None,
@@ -236,6 +260,32 @@ class JobCreate(Strict):
                 )
             if self.lora is not None:
                 raise ValueError("'lora' does not apply to embedder jobs (they fine-tune the whole encoder)")
+            hp = self.hyperparameters
+            if hp.hard_negatives_from == "collection" and hp.hard_negatives == 0:
+                raise ValueError(
+                    "hyperparameters.hard_negatives_from 'collection' takes hard_negatives negatives per pair "
+                    "from the collection's ranking: set hyperparameters.hard_negatives above 0"
+                )
+            if self.collection is None:
+                needs = [
+                    f"{name} {value!r}"
+                    for name, value, default in (
+                        ("positives", self.positives, "documents"),
+                        (
+                            "hyperparameters.hard_negatives_from",
+                            self.hyperparameters.hard_negatives_from,
+                            "model",
+                        ),
+                    )
+                    if value != default
+                ]
+                if needs:
+                    raise ValueError(f"{needs[0]} needs the job's 'collection' (the collection it maps to)")
+            elif not self.title_pairs and self.dataset is None and self.generate_queries is None:
+                raise ValueError(
+                    "title_pairs false leaves a job with only a 'collection' no pairs: give a 'dataset' "
+                    "or 'generate_queries', or keep title_pairs"
+                )
             return self
         if self.dataset is None:
             raise ValueError(f"a {self.type} job needs 'dataset' (a file id from POST /v1/files)")
@@ -243,6 +293,9 @@ class JobCreate(Strict):
             raise ValueError(f"'collection' only applies to embedder jobs, not {self.type}")
         if self.generate_queries is not None:
             raise ValueError(f"'generate_queries' only applies to embedder jobs, not {self.type}")
+        if self.positives != "documents" or not self.title_pairs:
+            field = "positives" if self.positives != "documents" else "title_pairs"
+            raise ValueError(f"'{field}' only applies to embedder jobs, not {self.type}")
         # by value, not by fields set: a stored spec, read back, has every field set
         hp = self.hyperparameters
         wrong = [k for k in EMBEDDER_ONLY if getattr(hp, k) != Hyperparameters.model_fields[k].default]

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from services.common.config import CommonSettings
 from services.common.leases import Heartbeat
+from services.trainer import chunk_pairs
 from services.trainer.config import TrainerSettings
 from services.trainer.jobspec import PAD_MULTIPLE, JobOwner, ResolvedJob, validate_embedder_job, validate_job
 from services.trainer.protocol import TERMINAL, JobCreate
@@ -206,10 +207,16 @@ def _train(
 
             reward = RewardModel(reward)
         work = job_dir(common, job_id)
+        records, chunks = resolved.records, None
+        if spec.type == "embedder" and chunk_pairs.wanted(spec):
+            # prepared at submission from the collection (services/trainer/chunk_pairs.py)
+            prepared = chunk_pairs.load(work)
+            records = chunk_pairs.with_negatives(records, prepared)
+            chunks = prepared.chunks if spec.positives == "chunks" else None
         cfg = TrainConfig(
             kind=spec.type,
             model_path=resolved.model_path,
-            records=resolved.records,
+            records=records,
             eval_records=resolved.eval_records,
             hp=spec.hyperparameters,
             lora=spec.lora,
@@ -222,6 +229,7 @@ def _train(
             work_dir=work,
             init_adapter=resolved.lineage.init_adapter if resolved.lineage else None,
             corpus=resolved.corpus,
+            chunks=chunks,
         )
         out = artifact_dir(common, job_id)
         tmp = out.with_name(out.name + ".tmp")

@@ -16,13 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import httpx
-
 from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
 from services.common.quota import check_quota
-from services.common.replicas import replica_pool, request_sync
-from services.common.upstream import UpstreamReply, unreachable, upstream_error
+from services.trainer import chunk_pairs
+from services.trainer.collection import CollectionDoc, collection_documents
 from services.trainer.config import TrainerSettings
 from services.trainer.data.formats import BeirPartError, DatasetError, beir_upload, parse_dataset
 from services.trainer.jobspec import (
@@ -66,48 +64,8 @@ def check_files(st: TrainerState, tenant: str, spec: JobCreate) -> tuple[Path | 
     return paths[0], paths[1]
 
 
-def _retrieval(st: TrainerState, key: str, path: str, param: str) -> dict[str, Any]:
-    pool = replica_pool([st.common.url_of("retrieval")], "retrieval")
-    try:
-        resp = request_sync(pool, "GET", path, headers={"Authorization": f"Bearer {key}"}, timeout=60.0)
-    except httpx.HTTPError as exc:
-        raise unreachable("retrieval", exc, param) from None
-    if resp.status_code >= 400:
-        # the mapping every service uses for an upstream's answer: 404 stays 404 (another tenant's
-        # collection), a 429 keeps its Retry-After, a 5xx is the upstream's (502)
-        raise upstream_error(UpstreamReply.of("retrieval", resp), param)
-    data: dict[str, Any] = resp.json()
-    return data
-
-
-def collection_documents(st: TrainerState, key: str, name: str) -> dict[str, tuple[str, str]]:
-    """Collection ``name``'s documents (id -> (title, text)), read over the retrieval service's
-    API with the caller's own key, so the retrieval service decides what the caller may read
-    (another tenant's collection is its 404)."""
-    from urllib.parse import quote
-
-    base = f"/v1/collections/{quote(name, safe='')}/documents"
-    docs: dict[str, tuple[str, str]] = {}
-    offset: int | None = 0
-    while offset is not None:
-        page = _retrieval(st, key, f"{base}?limit=1000&offset={offset}", "collection")
-        for doc in page["documents"]:
-            text = doc.get("text")
-            if text is None:  # the listing leaves the text out: one read per document
-                text = _retrieval(st, key, f"{base}/{quote(str(doc['id']), safe='')}", "collection")["text"]
-            docs[str(doc["id"])] = (str(doc.get("title") or ""), str(text or ""))
-            if len(docs) > st.settings.max_dataset_rows:
-                raise InvalidRequest(
-                    f"collection {name!r} has more than {st.settings.max_dataset_rows} documents "
-                    "(TANDEM_TRAINER_MAX_DATASET_ROWS)",
-                    param="collection",
-                )
-        offset = page.get("next_offset")
-    return docs
-
-
 def snapshot_collection(
-    st: TrainerState, tenant: str, name: str, docs: dict[str, tuple[str, str]], *, required: bool = True
+    st: TrainerState, tenant: str, name: str, docs: dict[str, CollectionDoc], *, required: bool = True
 ) -> str | None:
     """The label-free pairs of collection ``name`` (titles and headings with their passages),
     saved as one of the tenant's dataset files; its id (``None`` when it has none and they are
@@ -115,7 +73,7 @@ def snapshot_collection(
     however the collection has changed meanwhile."""
     from services.trainer.data.pairs import title_pairs
 
-    pairs = title_pairs(list(docs.values()))
+    pairs = title_pairs([(d.title, d.text) for d in docs.values()])
     if not pairs and not required:
         return None
     if len(pairs) < 2 and required:
@@ -168,7 +126,7 @@ def prepare_questions(
     return [Sampled(p, p.document in collection_ids) for p in picked], first
 
 
-def check_documents(paths: dict[str, Path | None], name: str, docs: dict[str, tuple[str, str]]) -> None:
+def check_documents(paths: dict[str, Path | None], name: str, docs: dict[str, CollectionDoc]) -> None:
     """A pair naming a ``document_id`` (the feedback export's usage pairs do) must name a
     document of the job's collection: one deleted since is a 400 naming its file and line."""
     from services.trainer.jobspec import load_records
@@ -239,14 +197,15 @@ def _create_embedder_job(
     owner: JobOwner,
 ) -> JobRecord:
     snapshot = None
-    docs: dict[str, tuple[str, str]] = {}
+    docs: dict[str, CollectionDoc] = {}
     if spec.collection:
         docs = collection_documents(st, key, spec.collection)
         check_documents({"dataset": dataset, "eval_dataset": eval_ds}, spec.collection, docs)
-        # with generated questions too, a collection without titles or headings still trains
-        snapshot = snapshot_collection(
-            st, tenant, spec.collection, docs, required=spec.generate_queries is None
-        )
+        if spec.title_pairs:
+            # with generated questions too, a collection without titles or headings still trains
+            snapshot = snapshot_collection(
+                st, tenant, spec.collection, docs, required=spec.generate_queries is None
+            )
     snap_path = dataset_path(st.common, tenant, snapshot) if snapshot else None
     pending = spec.generate_queries is not None
     # with questions to write, pairs may come from them alone: the worker checks again after
@@ -256,18 +215,31 @@ def _create_embedder_job(
     job_id = new_id("ftjob")
     extra: dict[str, str] = {}
     what = ""
+    if chunk_pairs.wanted(spec):
+        from services.trainer.data.pairs import embedder_data
+        from services.trainer.jobspec import load_records
+
+        labelled = embedder_data(load_records(dataset, "embedder")).pairs if dataset is not None else []
+        prepared = chunk_pairs.prepare(st, key, spec, labelled, resolved.records, docs)
+        chunk_pairs.save(job_dir(st.common, job_id), prepared)
+        what = (
+            f"{len(prepared.chunks)} documents' chunks, "
+            f"{sum(map(len, prepared.negatives.values()))} negatives from collection {spec.collection!r}"
+        )
     if spec.generate_queries is not None:
         from services.trainer.questions import questions_dir, save_passages, save_replies
 
         corpus = embedder_corpus(dataset) if dataset is not None else {}
-        documents = [(i, t, x) for i, (t, x) in docs.items()] + [(i, "", x) for i, x in corpus.items()]
+        documents = [(i, d.title, d.text) for i, d in docs.items()] + [(i, "", x) for i, x in corpus.items()]
         picked, first = prepare_questions(st, key, spec, documents, set(docs))
         root = questions_dir(job_dir(st.common, job_id))
         save_passages(root, picked)
         save_replies(root, {0: first})
         # the file the worker saves the questions to (the job's generated_dataset once written)
         extra["generated_target"] = new_id("file")
-        what = f"questions for {len(picked)} passages to write ({spec.generate_queries.model})"
+        what = (
+            what + "; " if what else ""
+        ) + f"questions for {len(picked)} passages to write ({spec.generate_queries.model})"
     if spec.dataset is None:  # a collection alone: its snapshot (or the questions' file) is the job's dataset
         spec = spec.model_copy(update={"dataset": snapshot or extra["generated_target"]})
     elif snapshot:

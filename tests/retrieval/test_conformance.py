@@ -118,6 +118,23 @@ def test_long_document_round_trips(manager: CollectionManager, tenant: str) -> N
     assert doc is not None and doc.text == text
     assert doc.chunk_list and all(doc.text[c.start : c.end] for c in doc.chunk_list)
     assert col.search("wörd14999", mode="sparse")[0].document_id == "big"
+    assert {c.context for c in doc.chunk_list} == {""}  # no title, no headings
+
+
+def test_a_documents_chunks_carry_the_context_indexed_with_them(manager: CollectionManager, tenant: str) -> None:
+    """Each chunk of ``get_document`` names the title and headings indexed with its text, so a
+    reader (an embedder job mapping its pairs to chunks) rebuilds exactly what was embedded."""
+    manager.create(tenant, "ctx", chunk_size=64, chunk_overlap=0)
+    col = manager.get(tenant, "ctx")
+    text = "# Setup\nInstall the package with pip first.\n# Use\nRun the command and read its output."
+    col.ingest([InputDocument("guide", text, "Guide", {})])
+    doc = col.get_document("guide")
+    assert doc is not None and doc.chunk_list and len(doc.chunk_list) >= 2
+    contexts = [c.context for c in doc.chunk_list]
+    assert all(c.startswith("Guide") for c in contexts) and contexts[-1] == "Guide > Use", contexts
+    hit = col.search("read its output", mode="sparse")[0]
+    last = doc.chunk_list[-1]
+    assert hit.chunk_id == last.chunk_id and hit.text == doc.text[last.start : last.end]
 
 
 FILTERS: list[tuple[dict, set[str]]] = [

@@ -393,9 +393,11 @@ class SQLiteDocumentStore:
                 return None
             doc = self._doc(r, with_text=True)
             doc.chunk_list = [
-                ChunkSpan(chunk_id=c["chunk_id"], start=int(c["start"]), end=int(c["end"]))
+                ChunkSpan(
+                    chunk_id=c["chunk_id"], start=int(c["start"]), end=int(c["end"]), context=c["context"]
+                )
                 for c in self._conn.execute(
-                    'SELECT chunk_id, start, "end" FROM chunks WHERE doc_id=? ORDER BY ord', (doc_id,)
+                    'SELECT chunk_id, start, "end", context FROM chunks WHERE doc_id=? ORDER BY ord', (doc_id,)
                 )
             ]
         return doc

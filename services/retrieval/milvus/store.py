@@ -319,10 +319,18 @@ class MilvusChunkStore:
             return None
         doc = self._document(rows[0], "".join(r["text"] for r in rows))
         spans = self._query(
-            self.chunks, f"doc_key == {string_literal(k)}", ["chunk_id", "ord", "start", "end"]
+            self.chunks,
+            f"doc_key == {string_literal(k)}",
+            ["chunk_id", "ord", "start", "end", "text", "index_text"],
         )
         doc.chunk_list = [
-            ChunkSpan(chunk_id=r["chunk_id"], start=int(r["start"]), end=int(r["end"]))
+            ChunkSpan(
+                chunk_id=r["chunk_id"],
+                start=int(r["start"]),
+                end=int(r["end"]),
+                # index_text is "<context>\n<text>" (or the text alone): the context is its head
+                context=r["index_text"][: -len(r["text"]) - 1] if r["index_text"] != r["text"] else "",
+            )
             for r in sorted(spans, key=lambda r: r["ord"])
         ]
         return doc

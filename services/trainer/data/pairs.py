@@ -259,3 +259,60 @@ def mine_negatives(
         n_short += len(chosen) < count
         out.append({**p, "negatives": list(p.get("negatives") or []) + chosen})
     return MinedNegatives(out, n_mined, n_repeated, n_short, widened)
+
+
+def doc_ref(pair: dict[str, Any]) -> str | None:
+    """The collection document a pair's positive is (a usage pair's ``document_id``, a beir
+    qrel's corpus id), if it names one."""
+    ref = pair.get("document_id") or pair.get("corpus_id")
+    return str(ref) if ref is not None else None
+
+
+def ranked_negatives(
+    ranked: list[tuple[str, str]], positives: set[str], positive_text: str, *, skip: int, count: int
+) -> list[str]:
+    """A query's hard negatives from a collection's ranking of it (``(document id, chunk text)``
+    best first, as its hybrid search returned them): the documents from rank ``skip`` on (ranks
+    counted over distinct documents) that are none of ``positives`` (the documents its pairs
+    name) and whose chunk neither lies inside ``positive_text`` nor holds it (a pair that names
+    no document), ``count`` at most, each as its best-ranked chunk."""
+    best: dict[str, str] = {}
+    for doc, text in ranked:
+        best.setdefault(doc, text)
+    out: list[str] = []
+    for doc, text in list(best.items())[skip:]:
+        if len(out) == count:
+            break
+        if doc not in positives and not _overlaps(text, positive_text):
+            out.append(text)
+    return out
+
+
+def chunk_positives(
+    model: Any, pairs: list[dict[str, Any]], chunks: dict[str, list[str]], batch_size: int = 64
+) -> tuple[list[dict[str, Any]], int]:
+    """``pairs`` with each positive that names a document of ``chunks`` (id -> the texts its
+    collection indexes for it) replaced by that document's chunk nearest the query by ``model``
+    (cosine), and how many were replaced. A pair naming no such document keeps its text."""
+    import numpy as np
+
+    mapped = [p for p in pairs if (ref := doc_ref(p)) is not None and chunks.get(ref)]
+    if not mapped:
+        return list(pairs), 0
+    queries = list(dict.fromkeys(p["query"] for p in mapped))
+    texts = list(dict.fromkeys(t for p in mapped for t in chunks[str(doc_ref(p))]))
+
+    def encode(items: list[str]) -> dict[str, Any]:
+        vecs = model.encode(items, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True)
+        return dict(zip(items, vecs, strict=True))
+
+    q_vec, t_vec = encode(queries), encode(texts)
+    out: list[dict[str, Any]] = []
+    for p in pairs:
+        own = chunks.get(doc_ref(p) or "") if doc_ref(p) is not None else None
+        if not own:
+            out.append(p)
+            continue
+        scores = np.stack([t_vec[t] for t in own]) @ q_vec[p["query"]]
+        out.append({**p, "positive": own[int(np.argmax(scores))]})
+    return out, len(mapped)

@@ -53,6 +53,8 @@ class TrainConfig:
     dist: Any = None
     # embedder jobs: the texts held-out queries are ranked against (id -> text; see data/pairs.py)
     corpus: dict[str, str] | None = None
+    # embedder jobs with positives "chunks": document id -> the texts its collection indexes for it
+    chunks: dict[str, list[str]] | None = None
 
     @property
     def learning_rate(self) -> float:

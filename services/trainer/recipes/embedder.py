@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from services.trainer.data.pairs import RetrievalSet, mine_negatives, retrieval_set
+from services.trainer.data.pairs import RetrievalSet, chunk_positives, mine_negatives, retrieval_set
 from services.trainer.modeling import count_params
 from services.trainer.recipes.base import Recipe, seed_everything
 
@@ -140,7 +140,12 @@ class EmbedderRecipe(Recipe):
     def setup(self) -> None:
         self.load_model()
         self.pairs = self.cfg.records
-        if self.hp.hard_negatives:
+        if self.cfg.chunks:
+            # before any update, so a resumed job picks the same chunks
+            self.pairs, mapped = chunk_positives(self.model, self.pairs, self.cfg.chunks)
+            self.model.train()  # encoding left it in eval mode
+            self.hooks.log(f"positives: {mapped} pairs train on their document's chunk nearest the query")
+        if self.hp.hard_negatives and self.hp.hard_negatives_from == "model":
             self.pairs = self._hard_negatives(self.pairs)
         self.schedule = batch_schedule(self.pairs, self.hp.batch_size, self.hp.n_epochs, self.hp.seed)
         self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))

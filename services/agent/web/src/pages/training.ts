@@ -84,6 +84,15 @@ export function trainingPage(root: HTMLElement, args: string[]) {
   rewardField.hidden = true;
   const collectionField = field("Collection", collection, "Embedder jobs: one of your retrieval collections; its titles and headings train, paired with their passages (with or without a dataset).");
   collectionField.hidden = true;
+  // embedder jobs with a collection and labelled pairs: train on what a query meets there
+  const asChunks = h("input", { type: "checkbox", id: "job-chunks" });
+  const titlePairs = h("input", { type: "checkbox", id: "job-title-pairs", checked: true });
+  const chunkChecks = h(
+    "div",
+    { class: "checks", id: "job-chunk-checks", hidden: true },
+    h("label", { class: "check", title: "Each labelled pair trains on its document's chunk nearest the query, with 3 hard negatives from the collection's own hybrid search (ranks 5 on)" }, asChunks, " labelled pairs as the collection's chunks, hard negatives from its search"),
+    h("label", { class: "check" }, titlePairs, " also train on the collection's titles and headings"),
+  );
   const formErr = h("p", { class: "error", role: "alert" });
   const start = h("button", { type: "submit", class: "primary", id: "job-start" }, "Start training");
   const jobForm = h(
@@ -93,6 +102,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     h("div", { class: "grid" }, field("Type", type), field("Base model", baseModel), modelNames, field("Dataset", dataset), field("Epochs", epochs), field("Max steps", maxSteps), field("Learning rate", lr), field("Batch size", batch), field("LoRA rank", loraR), field("Held-out share", evalFraction)),
     rewardField,
     collectionField,
+    chunkChecks,
     h("div", { class: "checks" }, h("label", { class: "check" }, useLora, " LoRA adapter"), h("label", { class: "check" }, packing, " zero-padding packing"), h("label", { class: "check" }, publish, " publish to the inference service when done")),
     formErr,
     start,
@@ -114,7 +124,7 @@ export function trainingPage(root: HTMLElement, args: string[]) {
     rewardField.hidden = !["ppo", "grpo"].includes(type.value);
     reward.required = !rewardField.hidden;
     const embedder = type.value === "embedder";
-    collectionField.hidden = !embedder;
+    collectionField.hidden = chunkChecks.hidden = !embedder;
     dataset.required = !embedder; // a collection alone will do
     // an embedder fine-tunes the whole encoder, unpacked; its base is a sentence-transformers model
     useLora.disabled = packing.disabled = embedder;
@@ -207,7 +217,18 @@ export function trainingPage(root: HTMLElement, args: string[]) {
       hyperparameters: hp,
     };
     if (dataset.value) body.dataset = dataset.value;
-    if (fromCollection) body.collection = fromCollection;
+    if (fromCollection) {
+      body.collection = fromCollection;
+      if (asChunks.checked) {
+        body.positives = "chunks";
+        Object.assign(hp, { hard_negatives: 3, hard_negatives_from: "collection", hard_negatives_skip: 5 });
+      }
+      if (!titlePairs.checked) body.title_pairs = false;
+    } else if (asChunks.checked) {
+      formErr.textContent = "Name the collection whose chunks the pairs train on.";
+      collection.focus();
+      return;
+    }
     if (!embedderJob) body.packing = packing.checked;
     if (useLora.checked && !embedderJob) body.lora = { r: Number(loraR.value) || 8, alpha: 2 * (Number(loraR.value) || 8) };
     if (heldOut !== null) body.eval_fraction = heldOut;
