@@ -149,6 +149,13 @@ def main() -> None:
     )
     ap.add_argument("--mini-batch-size", type=int, default=32, help="pieces of a cached_mnrl batch")
     ap.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="the training steps' matrix products (a job's hyperparameters.precision; auto: bf16 on a "
+        "CPU with native bf16)",
+    )
+    ap.add_argument(
         "--skip-eval",
         default="",
         help="comma-separated runs trained (e.g. corpus before staged) but not re-embedded",
@@ -313,6 +320,7 @@ def main() -> None:
                     "warmup_steps": 5,
                     "loss": args.loss,
                     "mini_batch_size": args.mini_batch_size,
+                    "precision": args.precision,
                 }
             )
             start = Path(get_model_path())
@@ -327,8 +335,10 @@ def main() -> None:
             # staged experiment then trains only its labelled stage
             chunks = labelled_chunks if name in ("labelled", "supervised", "staged") else None
             dump = hp.model_dump()
-            if dump["hard_negatives_from"] == "model":  # the models kept before this field existed
-                del dump["hard_negatives_from"]
+            # models kept before these fields existed were trained as their values say
+            for field, before in (("hard_negatives_from", "model"), ("precision", "fp32")):
+                if dump[field] == before:
+                    del dump[field]
             key = hashlib.sha1(
                 json.dumps(
                     [str(start), dump, runs[name], *([chunks] if chunks else [])], sort_keys=True

@@ -13,6 +13,7 @@ from services.common.jobs import JobStatus as JobStatus
 JobType = Literal["sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "embedder"]
 EmbedderLoss = Literal["mnrl", "cached_mnrl"]
 NegativesFrom = Literal["model", "collection"]
+EmbedderPrecision = Literal["auto", "fp32", "bf16"]
 PositivesAs = Literal["documents", "chunks"]
 DpoLossType = Literal["sigmoid", "ipo", "hinge"]
 PREFERENCE_TYPES: tuple[str, ...] = ("dpo", "simpo", "orpo", "kto")  # jobs with held-out accuracy/margin
@@ -107,6 +108,12 @@ class Hyperparameters(Strict):
         le=1000,
         description="embedder jobs with hard_negatives: also skip this many of the nearest candidates (range_min)",
     )
+    precision: EmbedderPrecision = Field(
+        "auto",
+        description="embedder jobs: the matrix products of training (autocast; weights and optimizer "
+        "stay fp32): bf16, fp32, or auto (bf16 on an accelerator's default and on a CPU with native "
+        "bf16, AVX512-BF16 or AMX; fp32 elsewhere)",
+    )
     hard_negatives_from: NegativesFrom = Field(
         "model",
         description="embedder jobs with hard_negatives: 'model' mines with the base model over the job's "
@@ -181,6 +188,7 @@ EMBEDDER_ONLY = (
     "hard_negatives_margin",
     "hard_negatives_skip",
     "hard_negatives_from",
+    "precision",
 )
 
 

@@ -7,6 +7,7 @@ recipes, and the real Celery worker end to end."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from services.common.config import CommonSettings
 from services.common.embedders import embedder_name, find_embedder, list_embedders
@@ -139,6 +141,24 @@ def test_training_raises_held_out_ndcg_and_reports_both(tiny_st: Path) -> None:
     assert m["eval_ndcg@10_after"] > m["eval_ndcg@10_before"] + 0.05, m
     assert set(hooks.evals) == {"before", "after"}
     assert hooks.history[-1]["loss"] < hooks.history[0]["loss"]
+
+
+@pytest.mark.parametrize("precision", ["auto", "bf16", "fp32"])
+def test_precision_sets_the_dtype_of_the_steps_matrix_products(tiny_st: Path, precision: str) -> None:
+    """bf16 (and auto on a CPU with native bf16: AMX or AVX512-BF16) runs the encoder's
+    products in bf16 while its weights stay fp32; fp32 keeps them fp32; both train."""
+    from services.common.embedding_models import cpu_has_native_bf16
+
+    seen: list[torch.dtype] = []
+    recipe = EmbedderRecipe(config(tiny_st, None, precision=precision, max_steps=2))
+    recipe.setup()
+    first = next(m for m in recipe.model.modules() if isinstance(m, torch.nn.Linear))
+    hook = first.register_forward_hook(lambda _m, _inp, out: seen.append(out.dtype))
+    metrics = recipe.train_step(1)
+    hook.remove()
+    bf16 = precision == "bf16" or (precision == "auto" and cpu_has_native_bf16())
+    assert seen and set(seen) == {torch.bfloat16 if bf16 else torch.float32}
+    assert first.weight.dtype == torch.float32 and math.isfinite(metrics["loss"])
 
 
 def test_cached_loss_with_matryoshka_trains_too(tiny_st: Path) -> None:

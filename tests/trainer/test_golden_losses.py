@@ -110,7 +110,7 @@ RECIPES: dict[str, tuple[Any, dict[str, Any], LoraSpec | None]] = {
     "grpo": (_rl_rows, {"learning_rate": 1e-3, "prompts_per_step": 2, "group_size": 4}, None),
     "ppo": (_rl_rows, {"learning_rate": 1e-3, "prompts_per_step": 4}, None),
     # sentence-transformers' MNRL on a tiny random BERT (its own model: see ``golden_embedder``)
-    "embedder": (_pair_rows, {"learning_rate": 1e-3, "batch_size": 6}, None),
+    "embedder": (_pair_rows, {"learning_rate": 1e-3, "batch_size": 6, "precision": "fp32"}, None),
 }
 
 
