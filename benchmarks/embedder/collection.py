@@ -152,8 +152,7 @@ def main() -> None:
         "--precision",
         default="auto",
         choices=["auto", "fp32", "bf16"],
-        help="the training steps' matrix products (a job's hyperparameters.precision; auto: bf16 on a "
-        "CPU with native bf16)",
+        help="the training steps' matrix products (a job's hyperparameters.precision; auto: fp32 on a CPU)",
     )
     ap.add_argument(
         "--skip-eval",
@@ -336,7 +335,7 @@ def main() -> None:
             chunks = labelled_chunks if name in ("labelled", "supervised", "staged") else None
             dump = hp.model_dump()
             # models kept before these fields existed were trained as their values say
-            for field, before in (("hard_negatives_from", "model"), ("precision", "fp32")):
+            for field, before in (("hard_negatives_from", "model"), ("precision", "auto")):
                 if dump[field] == before:
                     del dump[field]
             key = hashlib.sha1(

@@ -121,7 +121,9 @@ def test_long_document_round_trips(manager: CollectionManager, tenant: str) -> N
     assert {c.context for c in doc.chunk_list} == {""}  # no title, no headings
 
 
-def test_a_documents_chunks_carry_the_context_indexed_with_them(manager: CollectionManager, tenant: str) -> None:
+def test_a_documents_chunks_carry_the_context_indexed_with_them(
+    manager: CollectionManager, tenant: str
+) -> None:
     """Each chunk of ``get_document`` names the title and headings indexed with its text, so a
     reader (an embedder job mapping its pairs to chunks) rebuilds exactly what was embedded."""
     manager.create(tenant, "ctx", chunk_size=64, chunk_overlap=0)

@@ -145,10 +145,8 @@ def test_training_raises_held_out_ndcg_and_reports_both(tiny_st: Path) -> None:
 
 @pytest.mark.parametrize("precision", ["auto", "bf16", "fp32"])
 def test_precision_sets_the_dtype_of_the_steps_matrix_products(tiny_st: Path, precision: str) -> None:
-    """bf16 (and auto on a CPU with native bf16: AMX or AVX512-BF16) runs the encoder's
-    products in bf16 while its weights stay fp32; fp32 keeps them fp32; both train."""
-    from services.common.embedding_models import cpu_has_native_bf16
-
+    """bf16 runs the encoder's products in bf16 while its weights stay fp32; fp32, and auto on
+    a CPU, keep them fp32; both train."""
     seen: list[torch.dtype] = []
     recipe = EmbedderRecipe(config(tiny_st, None, precision=precision, max_steps=2))
     recipe.setup()
@@ -156,7 +154,7 @@ def test_precision_sets_the_dtype_of_the_steps_matrix_products(tiny_st: Path, pr
     hook = first.register_forward_hook(lambda _m, _inp, out: seen.append(out.dtype))
     metrics = recipe.train_step(1)
     hook.remove()
-    bf16 = precision == "bf16" or (precision == "auto" and cpu_has_native_bf16())
+    bf16 = precision == "bf16"
     assert seen and set(seen) == {torch.bfloat16 if bf16 else torch.float32}
     assert first.weight.dtype == torch.float32 and math.isfinite(metrics["loss"])
 

@@ -397,7 +397,8 @@ class SQLiteDocumentStore:
                     chunk_id=c["chunk_id"], start=int(c["start"]), end=int(c["end"]), context=c["context"]
                 )
                 for c in self._conn.execute(
-                    'SELECT chunk_id, start, "end", context FROM chunks WHERE doc_id=? ORDER BY ord', (doc_id,)
+                    'SELECT chunk_id, start, "end", context FROM chunks WHERE doc_id=? ORDER BY ord',
+                    (doc_id,),
                 )
             ]
         return doc

@@ -82,15 +82,13 @@ class EmbedderRecipe(Recipe):
         )
 
     def autocast(self) -> Any:
-        from services.common.embedding_models import cpu_has_native_bf16
-
         precision = self.hp.precision
         if precision == "fp32":
             return torch.autocast(self.device.type, enabled=False)
-        # auto: a CPU with native bf16 (AMX, AVX512-BF16) trains MiniLM's steps faster in it
-        # (benchmarks/RESULTS.md); an accelerator autocasts to its platform's dtype (the base's)
-        if precision == "bf16" or (self.device.type == "cpu" and cpu_has_native_bf16()):
+        if precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        # auto: an accelerator autocasts to its platform's dtype, a CPU stays fp32 (bf16 autocast
+        # was only ~5% faster on an AMX CPU: benchmarks/RESULTS.md, "fine-tuned embedders")
         return super().autocast()
 
     def _loss(self) -> torch.nn.Module:
