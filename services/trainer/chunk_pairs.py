@@ -4,7 +4,7 @@
 The retrieval service ranks chunks, not documents: a query lands on one chunk of its document
 (the title and headings, then the chunk's text), among the chunks its hybrid search ranks high.
 Trained on exactly those texts, the SciFact fine-tune's held-out dense nDCG@10 rose from 0.6846
-(whole documents) to 0.6960 (``benchmarks/RESULTS.md``, "fine-tuned embedders").
+(whole documents) to 0.7066 (``benchmarks/RESULTS.md``, "fine-tuned embedders").
 
 ``POST /v1/jobs`` prepares both, since it reads the collection with the caller's key (which the
 worker does not have), and keeps them in the job's work dir (``collection-pairs.json``, written
