@@ -39,6 +39,15 @@ def cpu_has_native_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
+@functools.cache
+def cpu_has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags
+
+
 def pick_dtype(setting: str, platform: Platform | None = None) -> Any:
     import torch
 

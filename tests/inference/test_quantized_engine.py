@@ -18,7 +18,7 @@ import torch
 from pydantic import ValidationError
 
 from services.common.config import CommonSettings
-from services.common.embedding_models import cpu_has_native_bf16
+from services.common.embedding_models import cpu_has_amx, cpu_has_native_bf16
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
 from services.inference.engine import SamplingParams, TorchEngine, quantized_linear
@@ -148,10 +148,11 @@ def test_prompt_dtype_multiplies_prompt_tokens_in_bf16_and_the_head_in_fp32(live
     """``TANDEM_INFERENCE_PROMPT_DTYPE``: ``bfloat16`` multiplies prompt tokens in the decoder
     layers in bf16 (the head's prompt rows and every decode token as before); the first token's
     logits then move a little from the fp32 prompt's, which equal the unquantised engine's.
-    ``auto`` takes bf16 only where decode is quantised on a CPU with native bf16."""
+    ``auto`` takes bf16 only where decode is quantised on a CPU with native bf16 and no AMX
+    (whose bf16 products depend on the batch: see ``resolve_prompt_dtype``)."""
     model, tok = lively
     resolve = quantized_linear.resolve_prompt_dtype
-    native = "bfloat16" if cpu_has_native_bf16() else "float32"
+    native = "bfloat16" if cpu_has_native_bf16() and not cpu_has_amx() else "float32"
     assert resolve("auto", "int4", torch.float32) == native
     assert resolve("auto", "int8", torch.float32) == native
     assert resolve("auto", "none", torch.float32) == "float32"  # fp32 serving stays fp32

@@ -148,14 +148,16 @@ def assert_same(one: dict[str, Any], two: dict[str, Any], *, grads: bool = True)
     assert [h["step"] for h in one["history"]] == [h["step"] for h in two["history"]]
     for a, b in zip(one["history"], two["history"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=TOL)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=TOL)
+        # a norm of ~14 sums many products: relative (FSDP's reduce-scatter adds in another
+        # order; an AMX Xeon's fp32 products differed from one process's by 2.4e-5 of it)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=TOL, abs=TOL)
         assert a.get("label_tokens") == b.get("label_tokens")
         for k in ("reward_accuracy", "kl"):  # the preference recipes' stats, summed over the ranks
             assert a.get(k) == pytest.approx(b.get(k), abs=TOL)
     if grads:
         assert one["grads"].keys() == two["grads"].keys() and one["grads"]
         for k in one["grads"]:
-            torch.testing.assert_close(one["grads"][k], two["grads"][k], atol=TOL, rtol=0)
+            torch.testing.assert_close(one["grads"][k], two["grads"][k], atol=TOL, rtol=TOL)
         # the gradients are not all zero (the filler passes of a short rank add nothing)
         assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3
     for k in one["weights"]:

@@ -214,14 +214,20 @@ def resolve_prompt_dtype(setting: PromptDType, quantize: Quantize, model_dtype: 
     CPU, so a burst's first tokens come sooner (benchmarks/RESULTS.md, "Prompt tokens in bf16").
     The prompt's keys/values and first token then carry bf16 rounding, as the decode tokens'
     products do already; ``float32`` keeps them the fp32 model's. An explicit ``bfloat16`` is
-    honoured whatever the quantisation (emulated, and slow, on a CPU without native bf16)."""
-    from services.common.embedding_models import cpu_has_native_bf16
+    honoured whatever the quantisation (emulated, and slow, on a CPU without native bf16).
+
+    Not on a CPU with AMX: there oneDNN's bf16 products of a prompt row depend on how many rows
+    share the product (the default SmolLM2's greedy tokens and logprobs differed alone and in a
+    batch of 16 on an AMX Xeon, and agree with float32 prompts), and greedy decoding must not
+    depend on the batch, so ``auto`` keeps float32 prompts there."""
+    from services.common.embedding_models import cpu_has_amx, cpu_has_native_bf16
 
     if model_dtype != torch.float32:
         return "auto"  # a bf16/fp16 model's prompt products are in its own dtype already
     if setting != "auto":
         return setting
-    return "bfloat16" if quantize in ("int4", "int8") and cpu_has_native_bf16() else "float32"
+    native = cpu_has_native_bf16() and not cpu_has_amx()
+    return "bfloat16" if quantize in ("int4", "int8") and native else "float32"
 
 
 def prompt_kernel(prompt_dtype: PromptDType, batch_hint: int = 16) -> LinearKernel:
