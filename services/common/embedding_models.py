@@ -31,21 +31,19 @@ def resolve_model_path(name: str, roots: list[Path], *, param: str = "embedding_
 
 
 @functools.cache
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    return " avx512_bf16" in _cpu_flags() or " amx_bf16" in _cpu_flags()
 
 
-@functools.cache
 def cpu_has_amx() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " amx_bf16" in flags
+    return " amx_bf16" in _cpu_flags()
 
 
 def pick_dtype(setting: str, platform: Platform | None = None) -> Any:

@@ -309,7 +309,7 @@ def chunk_positives(
     q_vec, t_vec = encode(queries), encode(texts)
     out: list[dict[str, Any]] = []
     for p in pairs:
-        own = chunks.get(doc_ref(p) or "") if doc_ref(p) is not None else None
+        own = chunks.get(doc_ref(p) or "")
         if not own:
             out.append(p)
             continue
