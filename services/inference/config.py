@@ -99,6 +99,12 @@ class InferenceSettings(ServiceSettings):
         "prompt's keys/values; float32: the fp32 model's. auto: bfloat16 where decode tokens already run with "
         "bf16 activations (quantize int4/int8) on a CPU with native bf16, else float32.",
     )
+    fused_decode: bool = Field(
+        True,
+        description="CPU torch engine, int4 decode of a Llama-family model (the default): decode tokens run "
+        "through a lean forward (q/k/v and gate/up as one product each, no per-module plumbing) that gives "
+        "the eager forward's numbers bit for bit, faster; false: the Hugging Face modules' forward.",
+    )
     compile: Literal["off", "decode"] = Field(
         "off",
         description="torch engine: decode: compile the pure decode steps of the base model with torch.compile "

@@ -92,6 +92,7 @@ def build_torch_engine(
         quantize=quantize,
         compile=settings.compile,
         prompt_dtype=settings.prompt_dtype,
+        fused_decode=settings.fused_decode,
         **scheduler_settings(settings),
     )
 

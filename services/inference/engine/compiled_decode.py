@@ -86,7 +86,7 @@ def _decode_product(packed: _Packed, x: torch.Tensor) -> torch.Tensor:
     if isinstance(kernel, ByTokenKind):
         # every token of a compiled step is a decode token: the decode-side kernel of a layer
         # that multiplies prompt and decode tokens differently (quantised decode, fp32 prompts)
-        return kernel.decode.apply(x, prepared[0], packed.module.bias)
+        return kernel.decode.apply(x, kernel.decode_side(prepared), packed.module.bias)
     return kernel.apply(x, prepared, packed.module.bias)
 
 
@@ -140,7 +140,7 @@ class CompiledDecode:
             # a plain ATen op on plain tensors: in the graph, called from C++ (``_active``
             # prepares the weight before each step, so a changed weight is quantised again)
             def forward(x: torch.Tensor) -> torch.Tensor:
-                prepared = packed.weight[0] if by_kind else packed.weight
+                prepared = packed.weight.decode if by_kind else packed.weight
                 return decode.apply(x, prepared, packed.module.bias)
 
         else:
@@ -158,7 +158,9 @@ class CompiledDecode:
         runner = self.runner
         layers = runner.packed.layers if runner.packed is not None else []
         for packed in layers:
-            packed.current()
+            prepared = packed.current()
+            if isinstance(packed.kernel, ByTokenKind):
+                packed.kernel.decode_side(prepared)  # the traced forward reads it
             packed.module.forward = self._forward_of(packed)  # type: ignore[method-assign,assignment]
         try:
             with runner._ragged_attention():

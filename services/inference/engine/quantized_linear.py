@@ -122,6 +122,19 @@ class BF16Packed(OneDNNPacked):
         return out if bias is None else out + bias
 
 
+class TwoSides:
+    """A layer's weight prepared for prompt tokens at once, and for decode tokens when first
+    asked (``ByTokenKind.decode_side``): where the lean decode forward multiplies the decode
+    tokens with weights of its own (``fused_decode.py``), this layer's decode copy is never made."""
+
+    __slots__ = ("decode", "prompt", "weight")
+
+    def __init__(self, weight: torch.Tensor, prompt: Any) -> None:
+        self.weight = weight  # the layer's own weight (an alias, not a copy), for the decode side
+        self.prompt = prompt
+        self.decode: Any = None
+
+
 class ByTokenKind:
     """One kernel for decode tokens, another for prompt tokens, in the same layer. A decode step
     multiplies a few rows, where reading quantised weights wins; a prompt chunk many rows, where
@@ -135,20 +148,27 @@ class ByTokenKind:
         self.decode = decode
         self.prompt = prompt
 
-    def prepare(self, weight: torch.Tensor) -> tuple[Any, Any]:
-        return self.decode.prepare(weight), self.prompt.prepare(weight)
+    def prepare(self, weight: torch.Tensor) -> TwoSides:
+        return TwoSides(weight, self.prompt.prepare(weight))
 
-    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    def decode_side(self, prepared: TwoSides) -> Any:
+        """The weight prepared for decode tokens (made on the first call)."""
+        if prepared.decode is None:
+            with torch.no_grad():
+                prepared.decode = self.decode.prepare(prepared.weight)
+        return prepared.decode
+
+    def apply(self, input: torch.Tensor, prepared: TwoSides, bias: torch.Tensor | None) -> torch.Tensor:
         decode = ragged.decode_token_count()
         rows = input.shape[0]
         if decode is None or decode >= rows:
-            return self.decode.apply(input, prepared[0], bias)
+            return self.decode.apply(input, self.decode_side(prepared), bias)
         if decode == 0:
-            return self.prompt.apply(input, prepared[1], bias)
+            return self.prompt.apply(input, prepared.prompt, bias)
         return torch.cat(
             [
-                self.decode.apply(input[:decode], prepared[0], bias),
-                self.prompt.apply(input[decode:], prepared[1], bias),
+                self.decode.apply(input[:decode], self.decode_side(prepared), bias),
+                self.prompt.apply(input[decode:], prepared.prompt, bias),
             ]
         )
 

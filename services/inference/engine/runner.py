@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from services.inference.engine import packed_linear, quantized_linear, ragged
+from services.inference.engine import fused_decode, packed_linear, quantized_linear, ragged
 from services.inference.engine.compiled_decode import Compile, CompiledDecode
+from services.inference.engine.fused_decode import FusedDecode
 from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.packed_linear import PackedLinears
 from services.inference.engine.quantized_linear import PromptDType, Quantize
@@ -61,6 +62,7 @@ class ModelRunner:
         quantize: Quantize = "none",
         compile: Compile = "off",
         prompt_dtype: PromptDType = "auto",
+        fused: bool = True,
     ) -> None:
         self.model = model
         base = base_model_of(model)
@@ -116,6 +118,25 @@ class ModelRunner:
             self.packed = PackedLinears(model, batch_hint=max_slots)
         # pure decode steps of the base model through torch.compile (compiled_decode.py)
         self.compiled = CompiledDecode(self) if compile == "decode" else None
+        # decode tokens of a Llama-family model with int4 decode through the lean forward
+        # (fused_decode.py: the eager forward's numbers, without the modules' plumbing)
+        self.fused: FusedDecode | None = None
+        if fused and self.compiled is None:
+            problem = fused_decode.unsupported(self)
+            if problem is None:
+                self.fused = FusedDecode(self)
+                self.fused.refresh()
+            else:
+                log.info("decode tokens take the eager forward: %s", problem)
+
+    def prepare_weights(self) -> None:
+        """Pack/quantise every weight the forwards will use now (start-up), not in a request."""
+        if self.packed is not None:
+            # the lean decode forward has its own decode weights: the layers' decode sides would
+            # be a second copy that nothing multiplies with (made when first asked, if ever)
+            self.packed.pack_all(self.fused.multiplied() if self.fused is not None else frozenset())
+        if self.fused is not None:
+            self.fused.prepare()
 
     # --- LoRA: per-row adapters through PEFT's mixed-batch path -------------------------
     def refresh_adapter_hooks(self) -> None:
@@ -123,6 +144,11 @@ class ModelRunner:
         the linear layers an adapter added or took away)."""
         if self.packed is not None:
             self.packed.refresh(self.model)
+        self._attach_adapter_hooks()
+        if self.fused is not None:
+            self.fused.refresh()
+
+    def _attach_adapter_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -164,9 +190,24 @@ class ModelRunner:
         """Logits ``[D + P, V]``: one row per decode token, then one at each chunk's last token."""
         if self.compiled is not None and not prefill and self.compiled.accepts(decode, bool(self._hooks)):
             return self.compiled(decode)
+        if self.fused is not None and decode and self.fused.lora_problem is None:
+            # decode tokens and prompt chunks in two forwards (disjoint slots): the decode
+            # tokens' numbers never depend on whether a prompt shares their step
+            logits = self._forward(decode, [], self.fused)
+            return logits if not prefill else torch.cat([logits, self._forward([], prefill, None)])
+        return self._forward(decode, prefill, None)
+
+    def _forward(
+        self, decode: list[DecodeRow], prefill: list[PrefillRow], fused: FusedDecode | None
+    ) -> torch.Tensor:
         plan = ragged.build_plan(decode, prefill, self.device)
         self.cache.ensure_capacity(plan.max_position + 1)
         self.cache.plan_writes(plan.write_slots, plan.write_positions)
+        if fused is not None:
+            # the lean forward multiplies its layers itself: only the others (the head) swap in
+            packed = self.packed.active(fused.multiplied()) if self.packed is not None else nullcontext()
+            with ragged.active(plan), self._adapters(plan.adapters), packed:
+                return fused(plan)
         packed = self.packed.active() if self.packed is not None else nullcontext()
         with ragged.active(plan), self._ragged_attention(), self._adapters(plan.adapters), packed:
             out = self.decoder(

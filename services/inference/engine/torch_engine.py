@@ -130,6 +130,7 @@ class TorchEngine(AdapterHost):
         compile: Compile = "off",
         tenant_max_queued: int | None = None,
         prompt_dtype: PromptDType = "auto",
+        fused_decode: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -146,6 +147,7 @@ class TorchEngine(AdapterHost):
             quantize=quantize,
             compile=compile,
             prompt_dtype=prompt_dtype,
+            fused=fused_decode,
         )
         self.max_model_len = self.runner.max_len
         self.device = self.runner.device
@@ -405,9 +407,8 @@ class TorchEngine(AdapterHost):
 
     # --- the server's face (Engine protocol) ------------------------------------------------------
     async def start(self) -> None:
-        if self.runner.packed is not None:
-            # pack (or quantise) the weights before serving, so the first request does not pay for it
-            await in_own_thread(self.runner.packed.pack_all)
+        # pack (or quantise) the weights before serving, so the first request does not pay for it
+        await in_own_thread(self.runner.prepare_weights)
         if self.runner.compiled is not None:
             # compile the decode step's graphs before serving: never inside a request's first token
             await in_own_thread(self._warm_up)
@@ -505,6 +506,11 @@ class TorchEngine(AdapterHost):
         if str(config.get("peft_type", "LORA")).upper() != "LORA":
             raise AdapterError(
                 f"lora_path {path!r} holds a {config.get('peft_type')} adapter; only LoRA is served"
+            )
+        if config.get("use_dora"):
+            # PEFT's mixed batch cannot route DoRA per row (its magnitude vector scales the base too)
+            raise AdapterError(
+                f"lora_path {path!r} holds a DoRA adapter (use_dora); only plain LoRA is served"
             )
         from peft import PeftModel
 

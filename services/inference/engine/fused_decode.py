@@ -1,0 +1,299 @@
+"""The decode tokens of a Llama-family model through one lean forward (int4 decode, the default).
+
+A decode step of a small model on a CPU spends more time around its products than in them:
+SmolLM2-135M at one row ran 210 int4 products and ~4,800 other ATen calls a step through the
+Hugging Face modules (casts to bf16 and back for every product, RoPE's slices and cats, views,
+module and hook dispatch), and the products were under a third of the step. This forward
+computes the same decoder layers with the same operations on the same values, without the
+modules' plumbing:
+
+- q/k/v are one int4 product and gate/up another (their weights side by side, so a layer
+  multiplies 4 times, not 7), each layer's input cast to bf16 once, not once per product;
+- RoPE, the KV writes and the attention are the engine's own (``SlabKVCache.update``,
+  ``ragged.ragged_attention``: the batch-invariant attention of the eager forward);
+- the embeddings, the final norm and the output head are the model's modules, called as the
+  eager forward calls them (a LoRA adapter on them applies through the runner's hooks).
+
+**The same numbers as the eager forward, bit for bit**, for every decode token: each
+operation is the one the Hugging Face modules run on the same values (an int4 product's output
+column depends only on its own weight row, so multiplying q, k and v side by side gives each
+the values it gets alone; ``test_fused_decode.py`` checks logits and KV writes bit for bit
+against the eager forward, with and without LoRA rows). So greedy output, batch invariance
+and the first wave's tests hold unchanged; only the time goes.
+
+LoRA rows: each adapter's delta is added to its rows' slice of the fused products exactly as
+PEFT's mixed batch does (``lora_B(lora_A(x[rows])) * scaling`` added to the base result in
+its dtype). Adapters of another kind (DoRA and PEFT's other variants), LoRA layers on other
+modules of a decoder layer, a model whose adapters are not routed per row (the trainer's
+in-process engine uses its model's active adapter), or a layer whose decode kernel is not
+int4 make ``unsupported`` name the reason, and decode steps run the eager forward.
+
+Prompt chunks keep the eager forward (their products are fp32 or bf16 oneDNN ones, faster at
+many rows): a step with prompt chunks and decode tokens runs the chunks eagerly and the decode
+tokens here, two forwards over disjoint slots, so a decode token's numbers never depend on
+what shares its step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from services.inference.engine import ragged
+from services.inference.engine.quantized_linear import ByTokenKind, Int4WeightOnly
+
+if TYPE_CHECKING:
+    from services.inference.engine.runner import ModelRunner
+
+# model types whose decoder layers are Llama's (RMSNorm, RoPE, GQA attention, SiLU-gated MLP)
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
+ATTENTION = ("q_proj", "k_proj", "v_proj")
+MLP_IN = ("gate_proj", "up_proj")
+PROJECTIONS = (*ATTENTION, "o_proj", *MLP_IN, "down_proj")
+_INT4 = Int4WeightOnly()
+
+
+def _base(module: Any) -> torch.nn.Linear:
+    """The plain linear layer under a PEFT LoRA wrapper (or the layer itself)."""
+    return getattr(module, "base_layer", module)
+
+
+def _lora(module: Any) -> Any | None:
+    """The PEFT LoRA layer wrapping a projection, if any."""
+    return module if hasattr(module, "lora_A") and hasattr(module, "base_layer") else None
+
+
+class _SideBySide:
+    """Several projections of one input as one int4 product: their weights stacked by output
+    rows (their biases too), prepared again when any weight changes in place (the trainer)."""
+
+    def __init__(self, modules: list[Any]) -> None:
+        self.modules = modules
+        self.sizes = [_base(m).out_features for m in modules]
+        self.key: tuple[tuple[int, int], ...] | None = None
+        self.prepared: Any = None
+        self.bias: torch.Tensor | None = None
+
+    def current(self) -> tuple[Any, torch.Tensor | None]:
+        linears = [_base(m) for m in self.modules]
+        key = tuple((lin.weight.data_ptr(), lin.weight._version) for lin in linears)
+        if key != self.key:
+            with torch.no_grad():
+                self.prepared = _INT4.prepare(torch.cat([lin.weight.detach() for lin in linears]))
+                biases = [lin.bias for lin in linears]
+                self.bias = (
+                    None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+                )
+            self.key = key
+        return self.prepared, self.bias
+
+    def __call__(self, x: torch.Tensor, x_bf16: torch.Tensor, lora: _LoraRows | None) -> torch.Tensor:
+        prepared, bias = self.current()
+        packed, scales_zeros = prepared
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16, packed, 32, scales_zeros).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        if lora is not None:
+            start = 0
+            for module, size in zip(self.modules, self.sizes, strict=True):
+                layer = _lora(module)
+                if layer is not None:
+                    lora.add(layer, x, out[:, start : start + size])
+                start += size
+        return out
+
+
+@dataclass
+class _LoraRows:
+    """The rows of one forward by adapter (the base model's rows left out)."""
+
+    rows: dict[str, torch.Tensor]
+
+    def add(self, layer: Any, x: torch.Tensor, result: torch.Tensor) -> None:
+        # PEFT's mixed batch (lora.Linear._mixed_batch_forward), on this layer's slice of the product
+        for name, rows in self.rows.items():
+            if name not in layer.lora_A:
+                continue
+            lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+            sub = x[rows].to(lora_a.weight.dtype)
+            delta = lora_b(lora_a(layer.lora_dropout[name](sub))) * layer.scaling[name]
+            result[rows] += delta.to(result.dtype)
+
+
+@dataclass
+class _Layer:
+    module: Any
+    qkv: _SideBySide
+    o: _SideBySide
+    gate_up: _SideBySide
+    down: _SideBySide
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    # one fused kernel, the same values as LlamaRMSNorm's five operations on fp32 rows (checked
+    # bit for bit by the tests against the eager forward)
+    return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def unsupported(runner: ModelRunner) -> str | None:
+    """Why this runner's decode tokens cannot take the lean forward (None: they can)."""
+    config = runner.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in LLAMA_FAMILY:
+        return f"model type {model_type!r} is not one of {sorted(LLAMA_FAMILY)}"
+    if runner.quantize != "int4" or runner.device.type != "cpu" or runner.dtype != torch.float32:
+        return "decode is not int4 on an fp32 CPU model"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    kernels = {}
+    if runner.packed is not None:
+        kernels = {id(p.module): p.kernel for p in runner.packed.layers}
+    for layer in runner.decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "q_norm", None) is not None or not hasattr(layer, "post_attention_layernorm"):
+            return "the decoder layers are not Llama's"
+        for name in PROJECTIONS:
+            module = getattr(attn if name in (*ATTENTION, "o_proj") else mlp, name, None)
+            if module is None:
+                return f"a decoder layer has no {name}"
+            kernel = kernels.get(id(_base(module)))
+            if not (isinstance(kernel, ByTokenKind) and isinstance(kernel.decode, Int4WeightOnly)):
+                return f"{name} does not decode in int4"
+    return None
+
+
+def lora_unsupported(runner: ModelRunner) -> str | None:
+    """Why the adapters loaded now keep decode steps on the eager forward (None: they don't)."""
+    projections = {
+        id(getattr(layer.self_attn if n in (*ATTENTION, "o_proj") else layer.mlp, n))
+        for layer in runner.decoder.layers
+        for n in PROJECTIONS
+    }
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return None
+    decoder_layers = set(map(id, runner.decoder.layers.modules()))
+    for name, module in runner.model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if not runner._hooks:
+            return "the model's adapters are not routed per row"
+        if getattr(module, "lora_variant", None):
+            return f"{name}: an adapter of another kind than plain LoRA ({sorted(module.lora_variant)})"
+        if id(module) in decoder_layers and id(module) not in projections:
+            return f"{name}: a LoRA layer on a module the lean forward does not call"
+    return None
+
+
+class FusedDecode:
+    """Decode tokens through the lean forward (see the module doc)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        decoder = runner.decoder
+        self.decoder = decoder
+        config = runner.config
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                _Layer(
+                    module=layer,
+                    qkv=_SideBySide([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    o=_SideBySide([attn.o_proj]),
+                    gate_up=_SideBySide([mlp.gate_proj, mlp.up_proj]),
+                    down=_SideBySide([mlp.down_proj]),
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    head_dim=head_dim,
+                    scaling=float(attn.scaling),
+                )
+            )
+        self.lora_problem: str | None = None
+        self._multiplied: frozenset[int] | None = None
+
+    def refresh(self) -> None:
+        """Re-read the projections after an adapter was loaded or unloaded (PEFT wraps and
+        unwraps them) and whether the adapters loaded now can decode here."""
+        for fused, layer in zip(self.layers, self.decoder.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            fused.qkv.modules = [attn.q_proj, attn.k_proj, attn.v_proj]
+            fused.o.modules = [attn.o_proj]
+            fused.gate_up.modules = [mlp.gate_proj, mlp.up_proj]
+            fused.down.modules = [mlp.down_proj]
+        self.lora_problem = lora_unsupported(self.runner)
+        self._multiplied = None
+
+    def multiplied(self) -> frozenset[int]:
+        """The ids of the linear layers whose decode products this forward computes itself."""
+        if self._multiplied is None:
+            self._multiplied = frozenset(
+                id(_base(m))
+                for layer in self.layers
+                for product in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                for m in product.modules
+            )
+        return self._multiplied
+
+    def prepare(self) -> None:
+        """Prepare every side-by-side weight now (start-up, not the first request)."""
+        for layer in self.layers:
+            for product in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                product.current()
+
+    def __call__(self, plan: ragged.RaggedPlan) -> torch.Tensor:
+        """Logits ``[D, V]`` of a plan of decode tokens only, inside ``ragged.active(plan)``,
+        the runner's adapter routing and its packed products (for the embeddings and head)."""
+        runner = self.runner
+        cache = runner.cache
+        ids = plan.input_ids.view(-1)
+        tokens = ids.shape[0]
+        by_adapter: dict[str, list[int]] = {}
+        for row, name in enumerate(plan.adapters):
+            if name != ragged.adapter_key(None):
+                by_adapter.setdefault(name, []).append(row)
+        lora = None
+        if by_adapter:
+            lora = _LoraRows({n: torch.tensor(r, device=ids.device) for n, r in by_adapter.items()})
+        x = self.decoder.embed_tokens(ids)
+        cos, sin = self.decoder.rotary_emb(x, plan.positions)  # [T, 1, d]
+        for index, layer in enumerate(self.layers):
+            module = layer.module
+            residual = x
+            h = _rms_norm(module.input_layernorm, x)
+            qkv = layer.qkv(h, h.to(torch.bfloat16), lora)
+            nq, nk = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
+            # RoPE on the query and key heads together (elementwise: each head's values as alone)
+            qk = qkv[:, : nq + nk].view(tokens, layer.heads + layer.kv_heads, layer.head_dim)
+            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            q, k = qk[:, : layer.heads], qk[:, layer.heads :]
+            v = qkv[:, nq + nk :].view(tokens, layer.kv_heads, layer.head_dim)
+            k_slab, v_slab = cache.update(k.unsqueeze(2), v.unsqueeze(2), index)
+            attn, _ = ragged.ragged_attention(
+                module.self_attn, q.unsqueeze(2), k_slab, v_slab, None, layer.scaling
+            )
+            attn = attn.reshape(tokens, nq)
+            x = residual + layer.o(attn, attn.to(torch.bfloat16), lora)
+            residual = x
+            h = _rms_norm(module.post_attention_layernorm, x)
+            gate_up = layer.gate_up(h, h.to(torch.bfloat16), lora)
+            size = layer.gate_up.sizes[0]
+            act = F.silu(gate_up[:, :size]) * gate_up[:, size:]
+            x = residual + layer.down(act, act.to(torch.bfloat16), lora)
+        return runner.lm_head(self.decoder.norm(x))

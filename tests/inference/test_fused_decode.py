@@ -1,0 +1,177 @@
+"""The lean decode forward (``engine/fused_decode.py``): the eager forward's logits and keys/values
+bit for bit (decode steps of one and several rows, slots out of order, a step shared with a
+prompt chunk, LoRA rows beside base rows), and the eager forward wherever it does not apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.inference.engine import TorchEngine, fused_decode, quantized_linear
+from services.inference.engine.ragged import DecodeRow, PrefillRow
+from services.inference.engine.types import AdapterError
+from tests.helpers.models import make_lora_adapter
+
+pytestmark = pytest.mark.skipif(
+    quantized_linear.available("int4", torch.device("cpu")) is not None,
+    reason="this torch build has no CPU weight-only int4 kernel",
+)
+
+
+def _load(path: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def _engines(path: Path, adapter: Path | None = None) -> tuple[TorchEngine, TorchEngine]:
+    engines = []
+    for fused in (False, True):
+        model, tok = _load(path)
+        engine = TorchEngine.from_model(model, tok, max_batch_size=6, quantize="int4", fused_decode=fused)
+        if adapter is not None:
+            engine.load_adapter_sync("a", str(adapter))
+        engines.append(engine)
+    eager, lean = engines
+    assert eager.runner.fused is None and lean.runner.fused is not None
+    return eager, lean
+
+
+def _steps(adapter: str | None) -> list[tuple[list[DecodeRow], list[PrefillRow]]]:
+    prompts = [list(range(300 + 7 * s, 330 + 5 * s)) for s in range(5)]
+    steps: list[tuple[list[DecodeRow], list[PrefillRow]]] = [
+        ([], [PrefillRow(slot=s, token_ids=p, start=0, adapter=adapter if s % 2 else None)])
+        for s, p in enumerate(prompts[:4])
+    ]
+    position = [len(p) for p in prompts]
+    for i in range(3):
+        rows = [DecodeRow(slot=s, token=400 + 11 * s + i, position=position[s] + i) for s in range(4)]
+        for row in rows:
+            row.adapter = adapter if row.slot % 2 else None
+        steps.append((rows, []))
+    # one row alone, rows out of slot order, and decode tokens beside a prompt chunk
+    steps.append(([DecodeRow(slot=2, token=5, position=position[2] + 3)], []))
+    steps.append(
+        (
+            [
+                DecodeRow(slot=3, token=9, position=position[3] + 3, adapter=adapter),
+                DecodeRow(slot=0, token=8, position=position[0] + 3),
+            ],
+            [],
+        )
+    )
+    steps.append(
+        (
+            [DecodeRow(slot=1, token=6, position=position[1] + 3, adapter=adapter)],
+            [PrefillRow(slot=4, token_ids=prompts[4], start=0)],
+        )
+    )
+    return steps
+
+
+def _assert_same_steps(eager: TorchEngine, lean: TorchEngine, adapter: str | None) -> None:
+    calls = []
+    original = fused_decode.FusedDecode.__call__
+
+    def counting(self: fused_decode.FusedDecode, plan: Any) -> torch.Tensor:
+        calls.append(plan.n_decode)
+        return original(self, plan)
+
+    fused_decode.FusedDecode.__call__ = counting  # type: ignore[method-assign]
+    try:
+        for decode, prefill in _steps(adapter):
+            ref = eager.runner.forward(decode, prefill)
+            out = lean.runner.forward(decode, prefill)
+            assert torch.equal(ref, out), (decode, prefill, float((ref - out).abs().max()))
+    finally:
+        fused_decode.FusedDecode.__call__ = original  # type: ignore[method-assign]
+    # every step with decode tokens took the lean forward, and only their tokens
+    assert calls == [4, 4, 4, 1, 2, 1]
+    for ref_store, store in zip(
+        eager.runner.cache.k + eager.runner.cache.v, lean.runner.cache.k + lean.runner.cache.v, strict=True
+    ):
+        assert torch.equal(ref_store[:5], store[:5])
+
+
+def test_the_lean_forward_gives_the_eager_forwards_numbers_bit_for_bit(lively_tiny_path: Path) -> None:
+    eager, lean = _engines(lively_tiny_path)
+    for engine in (eager, lean):
+        engine.runner.prepare_weights()
+    _assert_same_steps(eager, lean, None)
+    # one int4 copy of each projection: the lean forward's; the layers' own decode sides are
+    # never made (the output head, which the lean forward calls as a module, keeps its own)
+    assert lean.runner.packed is not None and lean.runner.fused is not None
+    multiplied = lean.runner.fused.multiplied()
+    sides = {id(p.module) in multiplied: p.weight.decode is None for p in lean.runner.packed.layers}
+    assert len(multiplied) == 7 * len(lean.runner.decoder.layers)
+    assert sides == {True: True, False: False}
+    assert eager.runner.packed is not None
+    assert all(p.weight.decode is not None for p in eager.runner.packed.layers)
+
+
+def test_lora_rows_beside_base_rows_give_the_eager_forwards_numbers(
+    lively_tiny_path: Path, tmp_path: Path
+) -> None:
+    # an adapter on every projection the lean forward multiplies side by side
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=5, modules=modules)
+    eager, lean = _engines(lively_tiny_path, adapter)
+    assert lean.runner.fused is not None and lean.runner.fused.lora_problem is None
+    _assert_same_steps(eager, lean, "a")
+    # the adapter changes its rows' decode logits (the comparison above is not of two base models)
+    prompt = list(range(500, 520))
+    logits = {}
+    for slot, name in ((4, "a"), (5, None)):
+        lean.runner.forward([], [PrefillRow(slot=slot, token_ids=prompt, start=0, adapter=name)])
+        logits[name] = lean.runner.forward(
+            [DecodeRow(slot=slot, token=3, position=len(prompt), adapter=name)], []
+        )
+    assert float((logits["a"] - logits[None]).norm()) > 1.0
+    lean.unload_adapter_sync("a")
+    assert lean.runner.fused is not None and lean.runner.fused.lora_problem is None
+
+
+def test_decode_takes_the_eager_forward_where_the_lean_one_does_not_apply(
+    lively_tiny_path: Path, tmp_path: Path
+) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = _load(lively_tiny_path)
+    # no int4 decode: nothing to fuse
+    assert TorchEngine.from_model(model, tok, quantize="none").runner.fused is None
+    runner = TorchEngine.from_model(model, tok, quantize="int4", fused_decode=False).runner
+    assert runner.fused is None
+    # a PEFT model whose adapter is not routed per row (the trainer's in-process engine)
+    peft_model = get_peft_model(_load(lively_tiny_path)[0], LoraConfig(r=4, target_modules=["q_proj"]))
+    trainer_runner = TorchEngine.from_model(peft_model, tok, quantize="int4").runner
+    assert trainer_runner.fused is not None
+    assert trainer_runner.fused.lora_problem == "the model's adapters are not routed per row"
+    # a DoRA adapter is refused at loading, naming it (PEFT cannot route it per row)
+    dora = tmp_path / "dora"
+    dora_model = get_peft_model(
+        _load(lively_tiny_path)[0],
+        LoraConfig(r=4, target_modules=["q_proj"], use_dora=True, init_lora_weights=False),
+    )
+    dora_model.save_pretrained(dora)
+    engine = TorchEngine.from_model(_load(lively_tiny_path)[0], tok, quantize="int4")
+    with pytest.raises(AdapterError, match="DoRA"):
+        engine.load_adapter_sync("d", str(dora))
+    assert engine.runner.fused is not None and engine.runner.fused.lora_problem is None
+
+
+def test_unsupported_names_the_model_type(lively_tiny_path: Path) -> None:
+    model, tok = _load(lively_tiny_path)
+    runner = TorchEngine.from_model(model, tok, quantize="int4", fused_decode=False).runner
+    assert fused_decode.unsupported(runner) is None
+    runner.config.model_type = "gpt2"
+    try:
+        assert (
+            fused_decode.unsupported(runner)
+            == "model type 'gpt2' is not one of ['llama', 'mistral', 'qwen2']"
+        )
+    finally:
+        runner.config.model_type = "llama"
