@@ -42,10 +42,6 @@ def cpu_has_native_bf16() -> bool:
     return " avx512_bf16" in _cpu_flags() or " amx_bf16" in _cpu_flags()
 
 
-def cpu_has_amx() -> bool:
-    return " amx_bf16" in _cpu_flags()
-
-
 def pick_dtype(setting: str, platform: Platform | None = None) -> Any:
     import torch
 

@@ -18,14 +18,15 @@ import torch
 from pydantic import ValidationError
 
 from services.common.config import CommonSettings
-from services.common.embedding_models import cpu_has_amx, cpu_has_native_bf16
+from services.common.embedding_models import cpu_has_native_bf16
 from services.inference.app import create_app
 from services.inference.config import InferenceSettings
-from services.inference.engine import SamplingParams, TorchEngine, quantized_linear
+from services.inference.engine import SamplingParams, TorchEngine, packed_linear, quantized_linear
 from services.inference.engine.packed_linear import OneDNNPacked, PackedLinears
 from services.inference.engine.quantized_linear import (
     INT4_GROUP,
-    BF16Packed,
+    PROMPT_BLOCK,
+    BlockedBF16,
     ByTokenKind,
     Int4WeightOnly,
     Int8WeightOnly,
@@ -148,11 +149,10 @@ def test_prompt_dtype_multiplies_prompt_tokens_in_bf16_and_the_head_in_fp32(live
     """``TANDEM_INFERENCE_PROMPT_DTYPE``: ``bfloat16`` multiplies prompt tokens in the decoder
     layers in bf16 (the head's prompt rows and every decode token as before); the first token's
     logits then move a little from the fp32 prompt's, which equal the unquantised engine's.
-    ``auto`` takes bf16 only where decode is quantised on a CPU with native bf16 and no AMX
-    (whose bf16 products depend on the batch: see ``resolve_prompt_dtype``)."""
+    ``auto`` takes bf16 only where decode is quantised on a CPU with native bf16."""
     model, tok = lively
     resolve = quantized_linear.resolve_prompt_dtype
-    native = "bfloat16" if cpu_has_native_bf16() and not cpu_has_amx() else "float32"
+    native = "bfloat16" if cpu_has_native_bf16() else "float32"
     assert resolve("auto", "int4", torch.float32) == native
     assert resolve("auto", "int8", torch.float32) == native
     assert resolve("auto", "none", torch.float32) == "float32"  # fp32 serving stays fp32
@@ -181,7 +181,7 @@ def test_prompt_dtype_multiplies_prompt_tokens_in_bf16_and_the_head_in_fp32(live
                 is_head = packed.module is engine.runner.lm_head
                 kernel = packed.kernel
                 prompt_kernel = kernel.prompt if isinstance(kernel, ByTokenKind) else kernel
-                want = BF16Packed if dtype == "bfloat16" and not is_head else OneDNNPacked
+                want = BlockedBF16 if dtype == "bfloat16" and not is_head else OneDNNPacked
                 assert type(prompt_kernel) is want, (packed.module, kernel)
         first[f"{quantize}/{dtype}"] = engine.runner.forward([], [PrefillRow(0, prompt, 0)])[0]
     assert head is model.get_output_embeddings()
@@ -192,6 +192,35 @@ def test_prompt_dtype_multiplies_prompt_tokens_in_bf16_and_the_head_in_fp32(live
         moved = float((first[key] - fp32).norm() / fp32.norm())
         assert 0 < moved < 0.05, (key, moved)
     assert torch.equal(first["int4/bfloat16"], first["none/bfloat16"])
+
+
+@pytest.mark.skipif(
+    not packed_linear.available(torch.device("cpu"), torch.bfloat16),
+    reason="no oneDNN bf16 products in this build",
+)
+def test_a_bf16_prompt_rows_product_does_not_depend_on_the_rows_beside_it() -> None:
+    """``BlockedBF16``: a row's result is the same in a forward of 1 prompt row or 300, at any
+    place among them (oneDNN's bf16 products over all rows at once do not promise that)."""
+    gen = torch.Generator().manual_seed(0)
+    kernel = BlockedBF16()
+    for out_f, in_f in ((576, 1536), (1536, 576), (960, 576)):  # SmolLM2's shapes
+        weight = torch.randn(out_f, in_f, generator=gen) * 0.05
+        prepared = kernel.prepare(weight)
+        rows = torch.randn(3 * PROMPT_BLOCK + 7, in_f, generator=gen)
+        every = kernel.apply(rows, prepared, None)
+        assert every.dtype == torch.float32 and every.shape == (rows.shape[0], out_f)
+        for start, count in (
+            (0, 1),
+            (5, 1),
+            (0, PROMPT_BLOCK),
+            (3, PROMPT_BLOCK + 1),
+            (11, 2 * PROMPT_BLOCK - 9),
+        ):
+            part = kernel.apply(rows[start : start + count], prepared, None)
+            assert torch.equal(part, every[start : start + count]), (out_f, in_f, start, count)
+        # and it is the bf16 product of the rows, within bf16 rounding
+        ref = torch.nn.functional.linear(rows.bfloat16().float(), weight.bfloat16().float())
+        assert float((every - ref).norm() / ref.norm()) < 0.01
 
 
 def test_prompt_dtype_setting(

@@ -47,12 +47,15 @@ activations would otherwise turn a last-bit difference into another token
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import torch
 
 from services.inference.engine import ragged
 from services.inference.engine.packed_linear import KernelChoice, LinearKernel, OneDNNPacked
+
+log = logging.getLogger("tandem.engine.quantized_linear")
 
 Quantize = Literal["auto", "none", "int8", "int4"]
 # the dtype prompt tokens multiply in (``TANDEM_INFERENCE_PROMPT_DTYPE``; see ``resolve_prompt_dtype``)
@@ -120,6 +123,61 @@ class BF16Packed(OneDNNPacked):
     def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
         out = super().apply(input.to(COMPUTE_DTYPE), prepared, None).to(input.dtype)
         return out if bias is None else out + bias
+
+
+# bf16 prompt products run in blocks of exactly this many rows (``BlockedBF16``)
+PROMPT_BLOCK = 64
+
+
+class BlockedBF16(BF16Packed):
+    """Prompt tokens' products in bf16, in blocks of exactly ``PROMPT_BLOCK`` rows (the last one
+    padded with zeros), one oneDNN product per block. oneDNN's bf16 kernels pick their blocking
+    by the row count, and a row's result moves with it (an AMX/AVX512-BF16 Xeon: SmolLM2's
+    1536 -> 576 product of the same row differed between 240 rows and 32, and a prompt's greedy
+    tokens alone and in a batch of 16 with it); at a fixed row count each row's result depends
+    on that row alone, neither on the other rows nor on its place among them (measured on every
+    SmolLM2 shape, and probed for each layer when its weight is prepared). So a prompt token's
+    numbers do not depend on what shares its forward. Cost: at 256 rows, 64-row blocks took
+    1.1-1.4x one product's time, still 2.7-3x faster than fp32 (benchmarks/RESULTS.md)."""
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        packed, _ = super().prepare(weight)
+        if not _rows_independent(packed, weight.shape[1]):
+            log.warning(
+                "bf16 prompt products of a %s layer depend on the other rows of their block: "
+                "greedy output may depend on the batch (TANDEM_INFERENCE_PROMPT_DTYPE=float32 avoids it)",
+                tuple(weight.shape),
+            )
+        return packed, False
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        packed, _ = prepared
+        rows = input.reshape(-1, input.shape[-1]).to(COMPUTE_DTYPE)
+        count = rows.shape[0]
+        padded = -(-count // PROMPT_BLOCK) * PROMPT_BLOCK
+        if padded != count:
+            rows = torch.cat([rows, rows.new_zeros(padded - count, rows.shape[1])])
+        blocks = [
+            torch.ops.mkldnn._linear_pointwise(
+                rows[start : start + PROMPT_BLOCK], packed, None, "none", [], ""
+            )
+            for start in range(0, padded, PROMPT_BLOCK)
+        ]
+        out = (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[:count].to(input.dtype)
+        out = out.view(*input.shape[:-1], -1)
+        return out if bias is None else out + bias
+
+
+def _rows_independent(packed: torch.Tensor, in_features: int) -> bool:
+    """Whether a row's bf16 product in a block of ``PROMPT_BLOCK`` rows is the same with other
+    rows beside it and at another place in the block."""
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randn(PROMPT_BLOCK, in_features, generator=gen).to(COMPUTE_DTYPE)
+    second = torch.randn(PROMPT_BLOCK, in_features, generator=gen).to(COMPUTE_DTYPE)
+    second[PROMPT_BLOCK - 1] = first[0]
+    a = torch.ops.mkldnn._linear_pointwise(first, packed, None, "none", [], "")[0]
+    b = torch.ops.mkldnn._linear_pointwise(second, packed, None, "none", [], "")[PROMPT_BLOCK - 1]
+    return torch.equal(a, b)
 
 
 class TwoSides:
@@ -236,27 +294,23 @@ def resolve_prompt_dtype(setting: PromptDType, quantize: Quantize, model_dtype: 
     products do already; ``float32`` keeps them the fp32 model's. An explicit ``bfloat16`` is
     honoured whatever the quantisation (emulated, and slow, on a CPU without native bf16).
 
-    Not on a CPU with AMX: there oneDNN's bf16 products of a prompt row depend on how many rows
-    share the product (the default SmolLM2's greedy tokens and logprobs differed alone and in a
-    batch of 16 on an AMX Xeon, and agree with float32 prompts), and greedy decoding must not
-    depend on the batch, so ``auto`` keeps float32 prompts there."""
-    from services.common.embedding_models import cpu_has_amx, cpu_has_native_bf16
+    The bf16 products run in blocks of a fixed row count (``BlockedBF16``): oneDNN's bf16 result
+    for a row moves with the row count on some CPUs (an AMX Xeon's greedy SmolLM2 tokens differed
+    alone and in a batch of 16 with one product over all prompt rows), not at a fixed one."""
+    from services.common.embedding_models import cpu_has_native_bf16
 
     if model_dtype != torch.float32:
         return "auto"  # a bf16/fp16 model's prompt products are in its own dtype already
     if setting != "auto":
         return setting
-    native = cpu_has_native_bf16() and not cpu_has_amx()
-    return "bfloat16" if quantize in ("int4", "int8") and native else "float32"
+    return "bfloat16" if quantize in ("int4", "int8") and cpu_has_native_bf16() else "float32"
 
 
 def prompt_kernel(prompt_dtype: PromptDType, batch_hint: int = 16) -> LinearKernel:
-    """The kernel prompt tokens multiply with: oneDNN-packed in the model's dtype, or in bf16.
-    A lone bf16 prompt row (a one-token chunk: the rest of its prompt came from the prefix
-    cache) is always computed as the first of two: oneDNN's lone-row path gives other last bits
-    in some layers, which its probe does not always catch in bf16 (so ``_lone_row_differs`` pairs every bf16 weight's lone rows), and
-    the prompt's first token would then differ alone and in a batch."""
-    return BF16Packed(batch_hint) if prompt_dtype == "bfloat16" else OneDNNPacked(batch_hint)
+    """The kernel prompt tokens multiply with: oneDNN-packed in the model's dtype, or in bf16 in
+    blocks of ``PROMPT_BLOCK`` rows (``BlockedBF16``: each row's result independent of the batch,
+    a one-token chunk's lone row included)."""
+    return BlockedBF16(batch_hint) if prompt_dtype == "bfloat16" else OneDNNPacked(batch_hint)
 
 
 def layer_kernels(
