@@ -90,10 +90,18 @@ class _SideBySide:
             self.key = key
         return self.prepared, self.bias
 
-    def __call__(self, x: torch.Tensor, x_bf16: torch.Tensor, lora: _LoraRows | None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, x_bf16: torch.Tensor, lora: _LoraRows | None, *, bf16_ok: bool = False
+    ) -> torch.Tensor:
+        """The product, in ``x``'s dtype; or, with ``bf16_ok`` and nothing to add to it, as the
+        kernel's bf16 (a caller adding it to an fp32 tensor gets the same sums: type promotion
+        widens it exactly, and one cast a layer is saved)."""
         prepared, bias = self.current()
         packed, scales_zeros = prepared
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16, packed, 32, scales_zeros).to(x.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16, packed, 32, scales_zeros)
+        if bf16_ok and bias is None and lora is None:
+            return out
+        out = out.to(x.dtype)
         if bias is not None:
             out = out + bias
         if lora is not None:
@@ -289,11 +297,11 @@ class FusedDecode:
                 module.self_attn, q.unsqueeze(2), k_slab, v_slab, None, layer.scaling
             )
             attn = attn.reshape(tokens, nq)
-            x = residual + layer.o(attn, attn.to(torch.bfloat16), lora)
+            x = residual + layer.o(attn, attn.to(torch.bfloat16), lora, bf16_ok=True)
             residual = x
             h = _rms_norm(module.post_attention_layernorm, x)
             gate_up = layer.gate_up(h, h.to(torch.bfloat16), lora)
             size = layer.gate_up.sizes[0]
             act = F.silu(gate_up[:, :size]) * gate_up[:, size:]
-            x = residual + layer.down(act, act.to(torch.bfloat16), lora)
+            x = residual + layer.down(act, act.to(torch.bfloat16), lora, bf16_ok=True)
         return runner.lm_head(self.decoder.norm(x))
