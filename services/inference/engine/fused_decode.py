@@ -116,19 +116,28 @@ class _SideBySide:
 
 @dataclass
 class _LoraRows:
-    """The rows of one forward by adapter (the base model's rows left out)."""
+    """The rows of one forward by adapter (the base model's rows left out); ``None`` where an
+    adapter has every row of the forward (nothing to gather or scatter)."""
 
-    rows: dict[str, torch.Tensor]
+    rows: dict[str, torch.Tensor | None]
 
     def add(self, layer: Any, x: torch.Tensor, result: torch.Tensor) -> None:
-        # PEFT's mixed batch (lora.Linear._mixed_batch_forward), on this layer's slice of the product
+        # PEFT's mixed batch (lora.Linear._mixed_batch_forward) on this layer's slice of the
+        # product, its modules' own operations called directly: nn.Linear is F.linear, and the
+        # dropout of a model in eval mode returns its input
         for name, rows in self.rows.items():
             if name not in layer.lora_A:
                 continue
             lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-            sub = x[rows].to(lora_a.weight.dtype)
-            delta = lora_b(lora_a(layer.lora_dropout[name](sub))) * layer.scaling[name]
-            result[rows] += delta.to(result.dtype)
+            sub = (x if rows is None else x[rows]).to(lora_a.weight.dtype)
+            if layer.training:
+                sub = layer.lora_dropout[name](sub)
+            delta = F.linear(F.linear(sub, lora_a.weight, lora_a.bias), lora_b.weight, lora_b.bias)
+            delta = (delta * layer.scaling[name]).to(result.dtype)
+            if rows is None:
+                result += delta
+            else:
+                result[rows] += delta
 
 
 @dataclass
@@ -278,7 +287,12 @@ class FusedDecode:
                 by_adapter.setdefault(name, []).append(row)
         lora = None
         if by_adapter:
-            lora = _LoraRows({n: torch.tensor(r, device=ids.device) for n, r in by_adapter.items()})
+            lora = _LoraRows(
+                {
+                    n: None if len(r) == tokens else torch.tensor(r, device=ids.device)
+                    for n, r in by_adapter.items()
+                }
+            )
         x = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(x, plan.positions)  # [T, 1, d]
         for index, layer in enumerate(self.layers):
