@@ -93,10 +93,16 @@ def variant_definition(name: str) -> dict[str, Any]:
 
 
 def run(
-    count: int, seed: int, variants: list[str], out: Path, show: bool = False
+    count: int,
+    seed: int,
+    variants: list[str],
+    out: Path,
+    show: bool = False,
+    inference_env: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Asks the ``count`` questions of ``seed`` through each variant on a fresh stack; prints and
-    writes (``out/<variant>-seed<seed>.json``) each variant's summary; returns the summaries."""
+    """Asks the ``count`` questions of ``seed`` through each variant on a fresh stack (its
+    inference service with ``inference_env``'s settings on top); prints and writes
+    (``out/<variant>-seed<seed>.json``) each variant's summary; returns the summaries."""
     from services.cli.eval_rag import facts_summary, print_facts_summary, run_facts_eval, run_facts_evals
 
     out.mkdir(parents=True, exist_ok=True)
@@ -105,7 +111,9 @@ def run(
         pipelines.mkdir()
         for v in variants:
             (pipelines / f"v-{v}.yaml").write_text(yaml.safe_dump(variant_definition(v)))
-        with cpu_stack(Path(tmp), TANDEM_AGENT_PIPELINES_DIR=str(pipelines)) as stack:
+        with cpu_stack(
+            Path(tmp), TANDEM_AGENT_PIPELINES_DIR=str(pipelines), **(inference_env or {})
+        ) as stack:
             urls = stack.urls
             where = {"agent_url": urls["agent"], "retrieval_url": urls["retrieval"], "api_key": stack.key}
             # Warm-up (lazily loaded tokenizer, kernels, the embedder), on a collection of its own:
@@ -153,8 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="before,after")
     ap.add_argument("--out", type=Path, default=Path("/tmp/answers-bench"))
     ap.add_argument("--show", action="store_true", help="print each answer")
+    ap.add_argument(
+        "--inference-env",
+        action="append",
+        default=[],
+        metavar="TANDEM_INFERENCE_X=V",
+        help="an inference setting for the stack (repeatable), e.g. TANDEM_INFERENCE_PROMPT_DTYPE=float32 to "
+        "compare engine settings on the same facts",
+    )
     args = ap.parse_args(argv)
-    run(args.count, args.seed, [v for v in args.variants.split(",") if v], args.out, args.show)
+    bad = [i for i in args.inference_env if "=" not in i or not i.startswith("TANDEM_INFERENCE_")]
+    if bad:
+        ap.error(f"--inference-env wants TANDEM_INFERENCE_NAME=VALUE, got {bad[0]!r}")
+    env = dict(item.split("=", 1) for item in args.inference_env)
+    run(args.count, args.seed, [v for v in args.variants.split(",") if v], args.out, args.show, env)
     return 0
 
 
