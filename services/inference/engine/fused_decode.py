@@ -61,6 +61,11 @@ def _base(module: Any) -> torch.nn.Linear:
     return getattr(module, "base_layer", module)
 
 
+def _projection(layer: Any, name: str) -> Any:
+    """A decoder layer's projection ``name`` (its attention's or its MLP's), or None."""
+    return getattr(layer.self_attn if name in (*ATTENTION, "o_proj") else layer.mlp, name, None)
+
+
 def _lora(module: Any) -> Any | None:
     """The PEFT LoRA layer wrapping a projection, if any."""
     return module if hasattr(module, "lora_A") and hasattr(module, "base_layer") else None
@@ -70,15 +75,21 @@ class _SideBySide:
     """Several projections of one input as one int4 product: their weights stacked by output
     rows (their biases too), prepared again when any weight changes in place (the trainer)."""
 
-    def __init__(self, modules: list[Any]) -> None:
-        self.modules = modules
-        self.sizes = [_base(m).out_features for m in modules]
+    def __init__(self, layer: Any, names: tuple[str, ...]) -> None:
+        self.names = names
         self.key: tuple[tuple[int, int], ...] | None = None
         self.prepared: Any = None
         self.bias: torch.Tensor | None = None
+        self.use(layer)
+
+    def use(self, layer: Any) -> None:
+        """Read the projections from ``layer`` again (PEFT wraps and unwraps them)."""
+        self.modules = [_projection(layer, name) for name in self.names]
+        self.linears = [_base(m) for m in self.modules]
+        self.sizes = [lin.out_features for lin in self.linears]
 
     def current(self) -> tuple[Any, torch.Tensor | None]:
-        linears = [_base(m) for m in self.modules]
+        linears = self.linears
         key = tuple((lin.weight.data_ptr(), lin.weight._version) for lin in linears)
         if key != self.key:
             with torch.no_grad():
@@ -152,6 +163,9 @@ class _Layer:
     head_dim: int
     scaling: float
 
+    def products(self) -> tuple[_SideBySide, ...]:
+        return (self.qkv, self.o, self.gate_up, self.down)
+
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     # one fused kernel, the same values as LlamaRMSNorm's five operations on fp32 rows (checked
@@ -173,11 +187,12 @@ def unsupported(runner: ModelRunner) -> str | None:
     if runner.packed is not None:
         kernels = {id(p.module): p.kernel for p in runner.packed.layers}
     for layer in runner.decoder.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, "q_norm", None) is not None or not hasattr(layer, "post_attention_layernorm"):
+        if getattr(layer.self_attn, "q_norm", None) is not None or not hasattr(
+            layer, "post_attention_layernorm"
+        ):
             return "the decoder layers are not Llama's"
         for name in PROJECTIONS:
-            module = getattr(attn if name in (*ATTENTION, "o_proj") else mlp, name, None)
+            module = _projection(layer, name)
             if module is None:
                 return f"a decoder layer has no {name}"
             kernel = kernels.get(id(_base(module)))
@@ -188,11 +203,7 @@ def unsupported(runner: ModelRunner) -> str | None:
 
 def lora_unsupported(runner: ModelRunner) -> str | None:
     """Why the adapters loaded now keep decode steps on the eager forward (None: they don't)."""
-    projections = {
-        id(getattr(layer.self_attn if n in (*ATTENTION, "o_proj") else layer.mlp, n))
-        for layer in runner.decoder.layers
-        for n in PROJECTIONS
-    }
+    projections = {id(_projection(layer, n)) for layer in runner.decoder.layers for n in PROJECTIONS}
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # pragma: no cover - peft is a dependency
@@ -223,18 +234,17 @@ class FusedDecode:
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         self.layers = []
         for layer in decoder.layers:
-            attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 _Layer(
                     module=layer,
-                    qkv=_SideBySide([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    o=_SideBySide([attn.o_proj]),
-                    gate_up=_SideBySide([mlp.gate_proj, mlp.up_proj]),
-                    down=_SideBySide([mlp.down_proj]),
+                    qkv=_SideBySide(layer, ATTENTION),
+                    o=_SideBySide(layer, ("o_proj",)),
+                    gate_up=_SideBySide(layer, MLP_IN),
+                    down=_SideBySide(layer, ("down_proj",)),
                     heads=heads,
                     kv_heads=kv_heads,
                     head_dim=head_dim,
-                    scaling=float(attn.scaling),
+                    scaling=float(layer.self_attn.scaling),
                 )
             )
         self.lora_problem: str | None = None
@@ -243,12 +253,9 @@ class FusedDecode:
     def refresh(self) -> None:
         """Re-read the projections after an adapter was loaded or unloaded (PEFT wraps and
         unwraps them) and whether the adapters loaded now can decode here."""
-        for fused, layer in zip(self.layers, self.decoder.layers, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            fused.qkv.modules = [attn.q_proj, attn.k_proj, attn.v_proj]
-            fused.o.modules = [attn.o_proj]
-            fused.gate_up.modules = [mlp.gate_proj, mlp.up_proj]
-            fused.down.modules = [mlp.down_proj]
+        for fused in self.layers:
+            for product in fused.products():
+                product.use(fused.module)
         self.lora_problem = lora_unsupported(self.runner)
         self._multiplied = None
 
@@ -256,17 +263,14 @@ class FusedDecode:
         """The ids of the linear layers whose decode products this forward computes itself."""
         if self._multiplied is None:
             self._multiplied = frozenset(
-                id(_base(m))
-                for layer in self.layers
-                for product in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                for m in product.modules
+                id(lin) for layer in self.layers for product in layer.products() for lin in product.linears
             )
         return self._multiplied
 
     def prepare(self) -> None:
         """Prepare every side-by-side weight now (start-up, not the first request)."""
         for layer in self.layers:
-            for product in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for product in layer.products():
                 product.current()
 
     def __call__(self, plan: ragged.RaggedPlan) -> torch.Tensor:
