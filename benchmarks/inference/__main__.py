@@ -284,6 +284,9 @@ def start_server(
         TANDEM_INFERENCE_MAX_QUEUE="256",
         TANDEM_INFERENCE_THREADS=str(threads),
         TANDEM_INFERENCE_PREFIX_CACHE_MB=str(prefix_cache_mb),
+        # the C++ decode loop built (or loaded from torch's extension cache) before serving: auto,
+        # the default, would serve the first requests with the Python loop while it builds
+        TANDEM_INFERENCE_NATIVE_DECODE="on",
     )
     env.update(extra_env or {})
     proc = subprocess.Popen(uvicorn_command("inference", port), env=env, cwd=REPO)
@@ -438,7 +441,13 @@ def main() -> int:
         help="compare server configurations instead of the transformers baseline (repeatable; "
         "see benchmarks/inference/variants.py), e.g. int4=TANDEM_INFERENCE_QUANTIZE=int4",
     )
-    ap.add_argument("--rounds", type=int, default=3, help="--variant runs: interleaved rounds (medians)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds (medians): of --variant runs; and, with llamacpp-raw beside one Tandem "
+        "server, llama.cpp's levels then the server's, this many times (the machine's drift falls on both)",
+    )
     args = ap.parse_args()
     bad = [e for e in args.server_env if "=" not in e or not e.startswith("TANDEM_INFERENCE_")]
     if bad:
@@ -492,6 +501,12 @@ def main() -> int:
 
             return compare(args, model_dir, tmpdir, dtype, levels, extra_env)
         reference: dict[str, Any] | None = None
+        raws: list[tuple[str, Any]] = []
+        servers = [e for e in engines if e in ("torch", "llamacpp")]
+        # llama.cpp's levels between the server's rounds (see --rounds): one server only, so
+        # every round compares the two a minute apart
+        contender_rounds = args.rounds if "llamacpp-raw" in engines and len(servers) == 1 else 1
+        tokenizer = None
         if "llamacpp-raw" in engines:
             from transformers import AutoTokenizer
 
@@ -509,15 +524,23 @@ def main() -> int:
             for what, path in files:
                 raw = LlamaCppRaw(path, threads=args.threads or os.cpu_count() or 1, max_seqs=max(levels))
                 raw.run(raw_prompts(tokenizer, 1, 1, 10_000), 4)  # warm-up
+                raws.append((what, raw))
+
+        def run_raw(tag: str) -> dict[str, Any] | None:
+            """llama.cpp's levels; returns this round's single stream (the reference)."""
+            first: dict[str, Any] | None = None
+            for what, raw in raws:
                 for c in sorted(levels):
-                    print(f"llama.cpp{what}: {c} streams x {per_level[c]} requests ...", flush=True)
+                    print(f"llama.cpp{what}{tag}: {c} streams x {per_level[c]} requests ...", flush=True)
                     res = raw.run(raw_prompts(tokenizer, c, per_level[c], 20_000 + 100 * c), args.max_tokens)
-                    if c == 1 and reference is None:
-                        reference = res
-                    results.append((f"llama.cpp (llama-cpp-python){what}, {c} streams", res, reference))
-                raw.close()
+                    if c == 1 and first is None:
+                        first = res
+                    results.append((f"llama.cpp (llama-cpp-python){what}, {c} streams{tag}", res, first))
+            return first
+
+        if raws and contender_rounds == 1:
+            reference = run_raw("")
         base_model = Baseline(model_dir, args.device, dtype, args.threads) if "generate" in engines else None
-        servers = [e for e in engines if e in ("torch", "llamacpp")]
         if base_model is not None:
             base_model.run(QUESTIONS[:1], 4)  # warm-up
             if reference is not None or not servers:
@@ -558,27 +581,38 @@ def main() -> int:
                     if adapter is not None:
                         load_adapter(url, key, lora, adapter)
                         asyncio.run(load(url, key, lora, 1, 1, 8))
-                    for i, c in enumerate(levels):
-                        base = reference
-                        if base is None and base_model is not None:
-                            # the baseline runs right before each level: on a shared machine the
-                            # load drifts, so each ratio compares figures taken a minute apart
-                            prompts = [unique_question(i * 5 + j) for j in range(args.baseline_requests)]
-                            print(f"baseline: sequential generate of {len(prompts)} requests ...", flush=True)
-                            base = base_model.run(prompts, args.max_tokens)
-                            results.append((f"transformers generate, sequential (before {c})", base, None))
-                        print(
-                            f"{engine} server: {c} concurrent streams x {per_level[c]} requests ...",
-                            flush=True,
-                        )
-                        res = asyncio.run(load(url, key, "bench", c, per_level[c], args.max_tokens))
-                        results.append((f"tandem {engine} engine, {c} streams", res, base))
-                        if adapter is not None:
-                            models = ["bench", lora] if c > 1 else [lora]
-                            label = "LoRA on half the streams" if c > 1 else "LoRA"
-                            print(f"{engine} server: {c} streams, {label} ...", flush=True)
-                            res = asyncio.run(load(url, key, models, c, per_level[c], args.max_tokens))
-                            results.append((f"tandem {engine} engine, {c} streams, {label}", res, base))
+                    for r in range(contender_rounds):
+                        tag = f", round {r + 1}" if contender_rounds > 1 else ""
+                        if contender_rounds > 1:
+                            reference = run_raw(tag)
+                        for i, c in enumerate(levels):
+                            base = reference
+                            if base is None and base_model is not None:
+                                # the baseline runs right before each level: on a shared machine the
+                                # load drifts, so each ratio compares figures taken a minute apart
+                                prompts = [unique_question(i * 5 + j) for j in range(args.baseline_requests)]
+                                print(
+                                    f"baseline: sequential generate of {len(prompts)} requests ...",
+                                    flush=True,
+                                )
+                                base = base_model.run(prompts, args.max_tokens)
+                                results.append(
+                                    (f"transformers generate, sequential (before {c})", base, None)
+                                )
+                            print(
+                                f"{engine} server{tag}: {c} concurrent streams x {per_level[c]} requests ...",
+                                flush=True,
+                            )
+                            res = asyncio.run(load(url, key, "bench", c, per_level[c], args.max_tokens))
+                            results.append((f"tandem {engine} engine, {c} streams{tag}", res, base))
+                            if adapter is not None:
+                                models = ["bench", lora] if c > 1 else [lora]
+                                label = "LoRA on half the streams" if c > 1 else "LoRA"
+                                print(f"{engine} server{tag}: {c} streams, {label} ...", flush=True)
+                                res = asyncio.run(load(url, key, models, c, per_level[c], args.max_tokens))
+                                results.append(
+                                    (f"tandem {engine} engine, {c} streams, {label}{tag}", res, base)
+                                )
                 finally:
                     proc.terminate()
                     proc.wait(30)
@@ -591,7 +625,40 @@ def main() -> int:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for label, res, base in results:
         print(row(label, res, base))
+    if contender_rounds > 1:
+        print_round_medians(results, contender_rounds)
+    for _, raw in raws:
+        raw.close()
     return 0
+
+
+def print_round_medians(
+    results: list[tuple[str, dict[str, Any], dict[str, Any] | None]], rounds: int
+) -> None:
+    """Per run (label without its round): the median over the rounds of its tokens/s ratio and
+    TTFT p50 ratio, each round's ratio against that round's llama.cpp single stream."""
+    import statistics
+
+    by_run: dict[str, list[tuple[float, float, float]]] = {}
+    for label, res, base in results:
+        if base is None or ", round " not in label:
+            continue
+        run = label.rsplit(", round ", 1)[0]
+        tps = res["tokens"] / res["wall"]
+        ratio = tps / (base["tokens"] / base["wall"])
+        ttft = pct(res["ttft"], 0.5)
+        by_run.setdefault(run, []).append((ratio, ttft, ttft / pct(base["ttft"], 0.5)))
+    print()
+    print(f"Medians over {rounds} rounds (each against its own round's llama.cpp single stream):")
+    print()
+    print("| run | tokens/s vs llama.cpp 1 stream | rounds | TTFT p50 ms | TTFT p50 vs llama.cpp |")
+    print("| --- | ---: | --- | ---: | ---: |")
+    for run, vals in by_run.items():
+        ratios = [v[0] for v in vals]
+        print(
+            f"| {run} | {statistics.median(ratios):.2f}x | {' / '.join(f'{x:.2f}' for x in ratios)} | "
+            f"{statistics.median(v[1] for v in vals) * 1000:.0f} | {statistics.median(v[2] for v in vals):.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -105,6 +105,15 @@ class InferenceSettings(ServiceSettings):
         "through a lean forward (q/k/v and gate/up as one product each, no per-module plumbing) that gives "
         "the eager forward's numbers bit for bit, faster; false: the Hugging Face modules' forward.",
     )
+    native_decode: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="CPU torch engine, with the lean decode forward: its loop over the decoder layers in C++ "
+        "(the same ATen operations, the same numbers bit for bit, without Python's per-call cost), compiled "
+        "with the machine's C++ compiler into torch's extension directory (~/.cache/torch_extensions or "
+        "TORCH_EXTENSIONS_DIR; ~25 s once, ~1 s on later starts). auto: "
+        "built in the background at start-up, used once ready (a failed build is logged and the Python loop "
+        "stays); on: built before serving, a failed build stops start-up; off: the Python loop.",
+    )
     compile: Literal["off", "decode"] = Field(
         "off",
         description="torch engine: decode: compile the pure decode steps of the base model with torch.compile "

@@ -93,6 +93,7 @@ def build_torch_engine(
         compile=settings.compile,
         prompt_dtype=settings.prompt_dtype,
         fused_decode=settings.fused_decode,
+        native_decode=settings.native_decode,
         **scheduler_settings(settings),
     )
 

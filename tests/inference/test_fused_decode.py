@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.inference.engine import TorchEngine, fused_decode, quantized_linear
+from services.inference.engine import TorchEngine, fused_decode, native, quantized_linear
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from services.inference.engine.types import AdapterError
 from tests.helpers.models import make_lora_adapter
@@ -28,11 +28,20 @@ def _load(path: Path) -> tuple[Any, Any]:
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def _engines(path: Path, adapter: Path | None = None) -> tuple[TorchEngine, TorchEngine]:
+def _engines(
+    path: Path, adapter: Path | None = None, native: bool = False
+) -> tuple[TorchEngine, TorchEngine]:
     engines = []
     for fused in (False, True):
         model, tok = _load(path)
-        engine = TorchEngine.from_model(model, tok, max_batch_size=6, quantize="int4", fused_decode=fused)
+        engine = TorchEngine.from_model(
+            model,
+            tok,
+            max_batch_size=6,
+            quantize="int4",
+            fused_decode=fused,
+            native_decode="on" if native else "off",
+        )
         if adapter is not None:
             engine.load_adapter_sync("a", str(adapter))
         engines.append(engine)
@@ -111,6 +120,64 @@ def test_the_lean_forward_gives_the_eager_forwards_numbers_bit_for_bit(lively_ti
     assert sides == {True: True, False: False}
     assert eager.runner.packed is not None
     assert all(p.weight.decode is not None for p in eager.runner.packed.layers)
+
+
+@pytest.fixture(scope="module")
+def native_loop() -> Any:
+    """The C++ loop, built once (into torch's extension directory: later runs load it)."""
+    native.start("on")
+    return native.decode_layers()
+
+
+def test_the_native_loop_gives_the_eager_forwards_numbers_bit_for_bit(
+    lively_tiny_path: Path, native_loop: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eager, lean = _engines(lively_tiny_path, native=True)
+    for engine in (eager, lean):
+        engine.runner.prepare_weights()
+    assert lean.runner.fused is not None and lean.runner.fused.native
+    calls = []
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return native_loop(*args)
+
+    monkeypatch.setattr(native._BUILD, "function", counting)
+    _assert_same_steps(eager, lean, None)
+    # every decode step's layers ran in C++
+    assert calls == [4, 4, 4, 1, 2, 1]
+
+
+def test_a_weight_changed_in_place_is_multiplied_as_it_is_now(
+    lively_tiny_path: Path, native_loop: Any
+) -> None:
+    # the trainer's in-process engine: an optimizer step changes the weights between rollouts
+    eager, lean = _engines(lively_tiny_path, native=True)
+    prompt = list(range(300, 320))
+    before = []
+    for engine in (eager, lean):
+        engine.runner.forward([], [PrefillRow(slot=0, token_ids=prompt, start=0)])
+        before.append(engine.runner.forward([DecodeRow(slot=0, token=7, position=len(prompt))], []))
+    assert torch.equal(before[0], before[1])
+    for engine in (eager, lean):
+        with torch.no_grad():
+            engine.runner.decoder.layers[1].mlp.down_proj.weight.mul_(-2.0)
+            engine.runner.decoder.layers[0].self_attn.k_proj.weight.add_(0.05)
+    after = [e.runner.forward([DecodeRow(slot=0, token=7, position=len(prompt))], []) for e in (eager, lean)]
+    assert torch.equal(after[0], after[1])
+    assert float((after[1] - before[1]).abs().max()) > 1e-3
+
+
+def test_a_native_loop_that_cannot_be_built_names_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_BUILD", native._Build())
+    monkeypatch.setattr(native.shutil, "which", lambda _name: None)
+    with pytest.raises(native.NativeBuildError, match="no C\\+\\+ compiler"):
+        native.start("on")
+    # auto: serving goes on with the Python loop, the reason kept
+    native.start("auto")
+    assert not native.wait(30)
+    assert native.decode_layers() is None
+    assert native.problem() is not None and "no C++ compiler" in native.problem()
 
 
 def test_lora_rows_beside_base_rows_give_the_eager_forwards_numbers(

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from services.inference.engine import ragged
-from services.inference.engine.quantized_linear import ByTokenKind, Int4WeightOnly
+from services.inference.engine import native, ragged
+from services.inference.engine.quantized_linear import INT4_GROUP, ByTokenKind, Int4WeightOnly
 
 if TYPE_CHECKING:
     from services.inference.engine.runner import ModelRunner
@@ -89,6 +89,7 @@ class _SideBySide:
         self.sizes = [lin.out_features for lin in self.linears]
 
     def current(self) -> tuple[Any, torch.Tensor | None]:
+        """The prepared weight and bias, prepared again if a weight changed since."""
         linears = self.linears
         key = tuple((lin.weight.data_ptr(), lin.weight._version) for lin in linears)
         if key != self.key:
@@ -107,9 +108,8 @@ class _SideBySide:
         """The product, in ``x``'s dtype; or, with ``bf16_ok`` and nothing to add to it, as the
         kernel's bf16 (a caller adding it to an fp32 tensor gets the same sums: type promotion
         widens it exactly, and one cast a layer is saved)."""
-        prepared, bias = self.current()
-        packed, scales_zeros = prepared
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16, packed, 32, scales_zeros)
+        (packed, scales_zeros), bias = self.prepared, self.bias
+        out = torch._weight_int4pack_mm_for_cpu(x_bf16, packed, INT4_GROUP, scales_zeros)
         if bf16_ok and bias is None and lora is None:
             return out
         out = out.to(x.dtype)
@@ -224,7 +224,7 @@ def lora_unsupported(runner: ModelRunner) -> str | None:
 class FusedDecode:
     """Decode tokens through the lean forward (see the module doc)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, *, native: bool = False) -> None:
         self.runner = runner
         decoder = runner.decoder
         self.decoder = decoder
@@ -248,7 +248,13 @@ class FusedDecode:
                 )
             )
         self.lora_problem: str | None = None
+        # the layers' loop in C++ once ``native.start`` has built it (``native.py``), else in Python
+        self.native = native
         self._multiplied: frozenset[int] | None = None
+        # the state of every weight the products were prepared from (``fingerprint``), and
+        # the per-layer arguments of the native loop made from them
+        self._fingerprint: tuple[int, int] | None = None
+        self._native_args: tuple[list[Any], ...] | None = None
 
     def refresh(self) -> None:
         """Re-read the projections after an adapter was loaded or unloaded (PEFT wraps and
@@ -258,6 +264,20 @@ class FusedDecode:
                 product.use(fused.module)
         self.lora_problem = lora_unsupported(self.runner)
         self._multiplied = None
+        self._fingerprint = None
+
+    def _fresh(self) -> None:
+        """Every product prepared from its weights as they are now. One pass over the weights a
+        forward, not one check a product: versions only grow, so an update in place (the
+        trainer's in-process engine) changes their sum, and a replaced tensor its pointer."""
+        weights = [lin.weight for layer in self.layers for p in layer.products() for lin in p.linears]
+        fingerprint = (sum(w._version for w in weights), sum(w.data_ptr() for w in weights))
+        if fingerprint != self._fingerprint:
+            for layer in self.layers:
+                for product in layer.products():
+                    product.current()
+            self._native_args = None
+            self._fingerprint = fingerprint
 
     def multiplied(self) -> frozenset[int]:
         """The ids of the linear layers whose decode products this forward computes itself."""
@@ -292,12 +312,17 @@ class FusedDecode:
                     for n, r in by_adapter.items()
                 }
             )
+        self._fresh()
         x = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(x, plan.positions)  # [T, 1, d]
         # RoPE's rotate_half(x) * sin as roll(x, d/2) * (sin with its first half negated): the
         # same products (a negation is exact), two operations a layer instead of five
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        loop = native.decode_layers() if lora is None and self.native else None
+        if loop is not None:
+            x = self._native(loop, plan, x, cos, sin)
+            return runner.lm_head(self.decoder.norm(x))
         for index, layer in enumerate(self.layers):
             module = layer.module
             residual = x
@@ -310,10 +335,7 @@ class FusedDecode:
             q, k = qk[:, : layer.heads], qk[:, layer.heads :]
             v = qkv[:, nq + nk :].view(tokens, layer.kv_heads, layer.head_dim)
             k_slab, v_slab = cache.update(k.unsqueeze(2), v.unsqueeze(2), index)
-            attn, _ = ragged.ragged_attention(
-                module.self_attn, q.unsqueeze(2), k_slab, v_slab, None, layer.scaling
-            )
-            attn = attn.reshape(tokens, nq)
+            attn = ragged.decode_attention(plan, q, k_slab, v_slab, layer.scaling).reshape(tokens, nq)
             x = residual + layer.o(attn, attn.to(torch.bfloat16), lora, bf16_ok=True)
             residual = x
             h = _rms_norm(module.post_attention_layernorm, x)
@@ -322,3 +344,47 @@ class FusedDecode:
             act = F.silu(gate_up[:, :size]) * gate_up[:, size:]
             x = residual + layer.down(act, act.to(torch.bfloat16), lora, bf16_ok=True)
         return runner.lm_head(self.decoder.norm(x))
+
+    def _native(
+        self, loop: Any, plan: ragged.RaggedPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """The layers' loop in C++ (``native.py``): the Python loop's operations, bit for bit."""
+        if self._native_args is None:
+            norms, packed, scales, biases = [], [], [], []
+            for layer in self.layers:
+                norms += [layer.module.input_layernorm.weight, layer.module.post_attention_layernorm.weight]
+                for product in layer.products():
+                    (weight, scale), bias = product.prepared, product.bias
+                    packed.append(weight)
+                    scales.append(scale)
+                    biases.append(bias)
+            self._native_args = (norms, packed, scales, biases)
+        norms, packed, scales, biases = self._native_args
+        first = self.layers[0]
+        cache = self.runner.cache
+        bias = ragged.decode_bias_for(plan, x.dtype, first.kv_heads, first.heads // first.kv_heads)
+        return loop(
+            x,
+            cos,
+            sin,
+            norms,
+            packed,
+            scales,
+            biases,
+            cache.k,
+            cache.v,
+            plan.write_slots,
+            plan.write_positions,
+            bias,
+            plan.decode_view,
+            plan.decode_len,
+            plan.decode_rows,
+            first.heads,
+            first.kv_heads,
+            first.head_dim,
+            first.gate_up.sizes[0],
+            float(first.module.input_layernorm.variance_epsilon),
+            first.scaling,
+            INT4_GROUP,
+            ragged.KEY_BLOCK,
+        )

@@ -222,14 +222,7 @@ def ragged_attention(
     heads, dim = q.shape[1], q.shape[2]
     parts = []
     if plan.n_decode:
-        assert plan.decode_bias is not None
-        qd = q[: plan.n_decode]
-        if plan.decode_rows is not None:
-            qd = q.new_zeros(plan.decode_view, heads, dim).index_copy_(0, plan.decode_rows, qd)
-        k = key[: plan.decode_view, :, : plan.decode_len]
-        v = value[: plan.decode_view, :, : plan.decode_len]
-        out = _attend(plan, "decode", plan.decode_bias, qd.unsqueeze(2), k, v, scaling)[:, :, 0]
-        parts.append(out if plan.decode_rows is None else out.index_select(0, plan.decode_rows))
+        parts.append(decode_attention(plan, q[: plan.n_decode], key, value, scaling))
     if plan.prefill_slots is not None:
         assert plan.gather is not None and plan.valid is not None and plan.prefill_bias is not None
         chunks = len(plan.prefill_slots)
@@ -241,6 +234,20 @@ def ragged_attention(
         parts.append(out.transpose(1, 2).reshape(chunks * plan.width, heads, dim).index_select(0, plan.valid))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(1), None
+
+
+def decode_attention(
+    plan: RaggedPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """The attention of a plan's decode tokens: ``query`` ``[D, H, d]`` (token ``t`` of slab row
+    ``plan.decode_rows[t]``, or ``t``), ``key``/``value`` the layer's whole slab. Returns ``[D, H, d]``."""
+    assert plan.decode_bias is not None
+    if plan.decode_rows is not None:
+        query = query.new_zeros(plan.decode_view, *query.shape[1:]).index_copy_(0, plan.decode_rows, query)
+    k = key[: plan.decode_view, :, : plan.decode_len]
+    v = value[: plan.decode_view, :, : plan.decode_len]
+    out = _attend(plan, "decode", plan.decode_bias, query.unsqueeze(2), k, v, scaling)[:, :, 0]
+    return out if plan.decode_rows is None else out.index_select(0, plan.decode_rows)
 
 
 def attention_bias(mask: torch.Tensor) -> torch.Tensor:
@@ -289,6 +296,24 @@ def invariant_attention(
     return out.view(batch, heads, width, dim)
 
 
+def decode_bias_for(plan: RaggedPlan, dtype: torch.dtype, kv_heads: int, group: int) -> torch.Tensor:
+    """The decode tokens' bias as the CPU's ``invariant_attention`` takes it (made once a forward)."""
+    assert plan.decode_bias is not None
+    return _expanded(plan, "decode", plan.decode_bias, dtype, kv_heads, group)
+
+
+def _expanded(
+    plan: RaggedPlan, kind: str, bias: torch.Tensor, dtype: torch.dtype, kv_heads: int, group: int | None
+) -> torch.Tensor:
+    # the bias in the query's dtype (a bf16 or fp16 model's products take no fp32 operand), on
+    # the CPU expanded to every key/value head's rows (group None: as is, for SDPA); made at the
+    # first layer and reused by the others
+    if kind not in plan.expanded:
+        cast = bias.to(dtype)
+        plan.expanded[kind] = cast if group is None else expand_bias(cast, kv_heads, group)
+    return plan.expanded[kind]
+
+
 def _attend(
     plan: RaggedPlan,
     kind: str,
@@ -298,20 +323,15 @@ def _attend(
     value: torch.Tensor,
     scale: float | None,
 ) -> torch.Tensor:
-    """One branch's attention, its bias in the query's dtype (a bf16 or fp16 model's products
-    take no fp32 operand), made once per forward and reused by every layer. On the CPU the
-    batch-invariant product; on an accelerator SDPA's fused kernels (the block loop would cost a
-    kernel launch per 64 keys per layer), where greedy output may depend on the batch."""
-    if kind not in plan.expanded:
-        cast = bias.to(query.dtype)
-        if query.device.type == "cpu":
-            cast = expand_bias(cast, key.shape[1], query.shape[1] // key.shape[1])
-        plan.expanded[kind] = cast
-    if query.device.type == "cpu":
-        return invariant_attention(query, key, value, plan.expanded[kind], scale)
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=plan.expanded[kind], scale=scale, enable_gqa=True
-    )
+    """One branch's attention. On the CPU the batch-invariant product; on an accelerator SDPA's
+    fused kernels (the block loop would cost a kernel launch per 64 keys per layer), where greedy
+    output may depend on the batch."""
+    cpu = query.device.type == "cpu"
+    group = query.shape[1] // key.shape[1] if cpu else None
+    expanded = _expanded(plan, kind, bias, query.dtype, key.shape[1], group)
+    if cpu:
+        return invariant_attention(query, key, value, expanded, scale)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=expanded, scale=scale, enable_gqa=True)
 
 
 def decode_token_count() -> int | None:

@@ -63,6 +63,7 @@ class ModelRunner:
         compile: Compile = "off",
         prompt_dtype: PromptDType = "auto",
         fused: bool = True,
+        native: bool = False,
     ) -> None:
         self.model = model
         base = base_model_of(model)
@@ -124,7 +125,7 @@ class ModelRunner:
         if fused and self.compiled is None:
             problem = fused_decode.unsupported(self)
             if problem is None:
-                self.fused = FusedDecode(self)
+                self.fused = FusedDecode(self, native=native)
                 self.fused.refresh()
             else:
                 log.info("decode tokens take the eager forward: %s", problem)

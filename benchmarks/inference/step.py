@@ -1,0 +1,127 @@
+"""One decode step of the torch engine's model runner, in process (no HTTP, no scheduler).
+
+Times ``ModelRunner.forward`` on decode rows only, at several row counts, for each variant of
+the runner's settings, the variants interleaved round by round (the machine's drift falls on
+all of them alike). Prints the median step per variant and row count, and its ratio against the
+first variant.
+
+    python -m benchmarks.inference.step                                  # lean vs eager decode
+    python -m benchmarks.inference.step --rows 1,4,16 --rounds 5 --threads 2
+    python -m benchmarks.inference.step --profile lean                   # top ATen ops of a 1-row step
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+# lean: the lean decode forward with its C++ loop; python: its Python loop; eager: HF's modules
+VARIANTS: dict[str, dict[str, bool]] = {
+    "lean": {"fused": True, "native": True},
+    "python": {"fused": True, "native": False},
+    "eager": {"fused": False, "native": False},
+}
+
+
+def load(model: str | None, threads: int) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.common.config import CommonSettings
+    from services.inference.engine.loader import resolve_model
+    from services.inference.engines import cache_root
+
+    torch.set_num_threads(threads)
+    path = resolve_model(model, cache_root(CommonSettings()))  # type: ignore[call-arg]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, AutoTokenizer.from_pretrained(path)
+
+
+def runner_for(model: Any, name: str, slots: int) -> Any:
+    from services.inference.engine.runner import ModelRunner
+
+    variant = VARIANTS[name]
+    runner = ModelRunner(
+        model, max_slots=slots, max_len=512, quantize="int4", fused=variant["fused"], native=variant["native"]
+    )
+    runner.prepare_weights()
+    if runner.fused is not None and runner.fused.native:
+        from services.inference.engine import native
+
+        native.start("on")
+    return runner
+
+
+def fill(runner: Any, slots: int, prompt: list[int]) -> None:
+    from services.inference.engine.ragged import PrefillRow
+
+    for slot in range(slots):
+        runner.forward([], [PrefillRow(slot=slot, token_ids=prompt, start=0)])
+
+
+def step_ms(runner: Any, rows: int, position: int, steps: int) -> float:
+    from services.inference.engine.ragged import DecodeRow
+
+    times = []
+    for i in range(steps):
+        decode = [DecodeRow(slot=s, token=100 + s, position=position + i) for s in range(rows)]
+        start = time.perf_counter()
+        runner.forward(decode, [])
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a model folder or .gguf (default: the default model)")
+    ap.add_argument("--variants", default="lean,eager", help=f"of {sorted(VARIANTS)}")
+    ap.add_argument("--rows", default="1,16", help="decode rows a step")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=16, help="timed steps a round (their median)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", default=None, help="a variant: print its 1-row step's top ops")
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    names = args.variants.split(",")
+    model, tokenizer = load(args.model, args.threads)
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][:64]
+    slots = max(rows)
+    runners = {name: runner_for(model, name, slots) for name in names}
+    with torch.inference_mode():
+        for runner in runners.values():
+            fill(runner, slots, prompt)
+            step_ms(runner, max(rows), len(prompt), 2)  # warm-up
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step_ms(runners[args.profile], 1, len(prompt) + 100, 4)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+            return 0
+        results: dict[tuple[str, int], list[float]] = {}
+        for round_ in range(args.rounds):
+            for name, runner in runners.items():
+                for r in rows:
+                    ms = step_ms(runner, r, len(prompt) + 8 + round_ * args.steps, args.steps)
+                    results.setdefault((name, r), []).append(ms)
+    print(
+        f"| variant | {' | '.join(f'{r} rows ms' for r in rows)} | {' | '.join(f'{r} rows vs {names[0]}' for r in rows)} |"
+    )
+    print(f"| --- | {' | '.join('---:' for _ in rows * 2)} |")
+    for name in names:
+        med = [statistics.median(results[name, r]) for r in rows]
+        base = [statistics.median(results[names[0], r]) for r in rows]
+        cells = [
+            f"{m:.2f} ({' / '.join(f'{x:.1f}' for x in results[name, r])})"
+            for m, r in zip(med, rows, strict=True)
+        ]
+        ratios = [f"{b / m:.2f}x" for m, b in zip(med, base, strict=True)]
+        print(f"| {name} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

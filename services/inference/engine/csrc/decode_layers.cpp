@@ -1,0 +1,109 @@
+// The decoder layers of one decode step of the lean forward (fused_decode.py), in C++.
+//
+// The same ATen operations on the same values, in the same order, as FusedDecode.__call__'s
+// loop over the layers: so the same numbers, bit for bit. What goes is the Python around them
+// (argument parsing, torch-function checks, tensor wrappers): at one row a step is ~1,800
+// small ATen calls, and on a CPU that plumbing cost more than the int4 products did.
+// LoRA rows, the embeddings, RoPE's tables, the final norm and the head stay in Python.
+
+#include <torch/extension.h>
+
+#include <vector>
+
+using at::Tensor;
+using torch::indexing::Slice;
+
+namespace {
+
+// one projection's int4 product of the bf16 input (aten._weight_int4pack_mm_for_cpu); as fp32
+// plus its bias, or (bf16_ok, no bias) as the kernel's bf16 for a caller that adds it to fp32
+Tensor product(const Tensor& x_bf16, const Tensor& packed, const Tensor& scales, const c10::optional<Tensor>& bias,
+               int64_t group, bool bf16_ok) {
+  Tensor out = at::_weight_int4pack_mm_for_cpu(x_bf16, packed, group, scales);
+  if (bf16_ok && !bias.has_value()) {
+    return out;
+  }
+  out = out.to(at::kFloat);
+  if (bias.has_value()) {
+    out = out + *bias;
+  }
+  return out;
+}
+
+// ragged.invariant_attention for decode queries [B, H, 1, d] over key/value views [B, Hkv, L, d]
+Tensor attention(const Tensor& query, const Tensor& key, const Tensor& value, const Tensor& bias, double scale,
+                 int64_t key_block) {
+  const int64_t batch = query.size(0), heads = query.size(1), width = query.size(2), dim = query.size(3);
+  const int64_t kv_heads = key.size(1), length = key.size(2);
+  const int64_t group = heads / kv_heads;
+  const int64_t pairs = batch * kv_heads, rows = group * width;
+  Tensor scores = at::baddbmm(bias, query.reshape({pairs, rows, dim}), key.reshape({pairs, length, dim}).transpose(1, 2),
+                              1, scale);
+  Tensor weights = at::softmax(scores, -1);
+  Tensor values = value.reshape({pairs, length, dim});
+  Tensor out = at::bmm(weights.index({Slice(), Slice(), Slice(0, key_block)}), values.index({Slice(), Slice(0, key_block)}));
+  for (int64_t start = key_block; start < length; start += key_block) {
+    out.baddbmm_(weights.index({Slice(), Slice(), Slice(start, start + key_block)}),
+                 values.index({Slice(), Slice(start, start + key_block)}));
+  }
+  return out.view({batch, heads, width, dim});
+}
+
+}  // namespace
+
+// x [T, hidden] fp32 through every decoder layer. Per layer i: norms[2i], norms[2i+1] (input and
+// post-attention RMSNorm weights); packed[4i..4i+3], scales[4i..4i+3], biases[4i..4i+3] for
+// qkv, o, gate/up, down; k_slabs[i], v_slabs[i]. cos/sin [T, 1, d] (sin's first half negated).
+Tensor decode_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
+                     const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
+                     const std::vector<c10::optional<Tensor>>& biases, std::vector<Tensor> k_slabs,
+                     std::vector<Tensor> v_slabs, const Tensor& write_slots, const Tensor& write_positions,
+                     const Tensor& bias, int64_t decode_view, int64_t decode_len,
+                     const c10::optional<Tensor>& decode_rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t intermediate, double eps, double scaling, int64_t group, int64_t key_block) {
+  const int64_t tokens = x.size(0);
+  const int64_t hidden = x.size(1);
+  const int64_t nq = heads * head_dim, nk = kv_heads * head_dim;
+  const int64_t half = head_dim / 2;
+  const std::vector<int64_t> shape{hidden};
+  const size_t layers = k_slabs.size();
+  for (size_t i = 0; i < layers; ++i) {
+    Tensor residual = x;
+    Tensor h = at::rms_norm(x, shape, norms[2 * i], eps);
+    Tensor qkv = product(h.to(at::kBFloat16), packed[4 * i], scales[4 * i], biases[4 * i], group, false);
+    Tensor qk = qkv.index({Slice(), Slice(0, nq + nk)}).view({tokens, heads + kv_heads, head_dim});
+    qk = (qk * cos) + (at::roll(qk, {half}, {-1}) * sin);
+    Tensor q = qk.index({Slice(), Slice(0, heads)});
+    Tensor k = qk.index({Slice(), Slice(heads)});
+    Tensor v = qkv.index({Slice(), Slice(nq + nk)}).view({tokens, kv_heads, head_dim});
+    // SlabKVCache.update: the slab rows and positions of this forward's tokens
+    k_slabs[i].index_put_({write_slots, Slice(), write_positions}, k);
+    v_slabs[i].index_put_({write_slots, Slice(), write_positions}, v);
+    // ragged.decode_attention
+    Tensor query = q;
+    if (decode_rows.has_value()) {
+      query = q.new_zeros({decode_view, heads, head_dim}).index_copy_(0, *decode_rows, q);
+    }
+    Tensor keys = k_slabs[i].index({Slice(0, decode_view), Slice(), Slice(0, decode_len)});
+    Tensor values = v_slabs[i].index({Slice(0, decode_view), Slice(), Slice(0, decode_len)});
+    Tensor attn = attention(query.unsqueeze(2), keys, values, bias, scaling, key_block).select(2, 0);
+    if (decode_rows.has_value()) {
+      attn = attn.index_select(0, *decode_rows);
+    }
+    attn = attn.reshape({tokens, nq});
+    x = residual + product(attn.to(at::kBFloat16), packed[4 * i + 1], scales[4 * i + 1], biases[4 * i + 1], group, true);
+    residual = x;
+    h = at::rms_norm(x, shape, norms[2 * i + 1], eps);
+    Tensor gate_up = product(h.to(at::kBFloat16), packed[4 * i + 2], scales[4 * i + 2], biases[4 * i + 2], group, false);
+    Tensor act = at::silu(gate_up.index({Slice(), Slice(0, intermediate)})) * gate_up.index({Slice(), Slice(intermediate)});
+    x = residual + product(act.to(at::kBFloat16), packed[4 * i + 3], scales[4 * i + 3], biases[4 * i + 3], group, true);
+  }
+  return x;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // without the GIL: the server's event loop (streaming the last step's tokens) runs beside it,
+  // as it ran beside each ATen call of the Python loop
+  m.def("decode_layers", &decode_layers, "the lean forward's decoder layers of one decode step",
+        py::call_guard<py::gil_scoped_release>());
+}
