@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ VARIANTS: dict[str, dict[str, bool]] = {
 }
 
 
-def load(model: str | None, threads: int) -> tuple[Any, Any]:
+def load(model: str | None, threads: int) -> tuple[Any, Any, Path]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.common.config import CommonSettings
@@ -37,22 +38,33 @@ def load(model: str | None, threads: int) -> tuple[Any, Any]:
     torch.set_num_threads(threads)
     path = resolve_model(model, cache_root(CommonSettings()))  # type: ignore[call-arg]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return hf, AutoTokenizer.from_pretrained(path)
+    return hf, AutoTokenizer.from_pretrained(path), path
 
 
-def runner_for(model: Any, name: str, slots: int) -> Any:
-    from services.inference.engine.runner import ModelRunner
+def runner_for(path: Path, name: str, slots: int, adapter: Path | None) -> Any:
+    """A runner of its own model (a loaded adapter wraps the model it is loaded into)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.inference.engine import TorchEngine
 
     variant = VARIANTS[name]
-    runner = ModelRunner(
-        model, max_slots=slots, max_len=512, quantize="int4", fused=variant["fused"], native=variant["native"]
+    engine = TorchEngine.from_model(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+        AutoTokenizer.from_pretrained(path),
+        max_batch_size=slots,
+        max_model_len=512,
+        quantize="int4",
+        fused_decode=variant["fused"],
+        native_decode="on" if variant["native"] else "off",
     )
-    runner.prepare_weights()
-    if runner.fused is not None and runner.fused.native:
+    if adapter is not None:
+        engine.load_adapter_sync("lora", str(adapter))
+    engine.runner.prepare_weights()
+    if variant["native"]:
         from services.inference.engine import native
 
         native.start("on")
-    return runner
+    return engine.runner
 
 
 def fill(runner: Any, slots: int, prompt: list[int]) -> None:
@@ -62,12 +74,19 @@ def fill(runner: Any, slots: int, prompt: list[int]) -> None:
         runner.forward([], [PrefillRow(slot=slot, token_ids=prompt, start=0)])
 
 
-def step_ms(runner: Any, rows: int, position: int, steps: int) -> float:
+def step_ms(runner: Any, rows: int, position: int, steps: int, lora: bool = False) -> float:
+    """Median ms of ``steps`` decode steps of ``rows`` rows (with ``lora``, odd slots' rows
+    through the adapter)."""
     from services.inference.engine.ragged import DecodeRow
 
     times = []
     for i in range(steps):
-        decode = [DecodeRow(slot=s, token=100 + s, position=position + i) for s in range(rows)]
+        decode = [
+            DecodeRow(
+                slot=s, token=100 + s, position=position + i, adapter="lora" if lora and s % 2 else None
+            )
+            for s in range(rows)
+        ]
         start = time.perf_counter()
         runner.forward(decode, [])
         times.append((time.perf_counter() - start) * 1000)
@@ -83,13 +102,29 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16, help="timed steps a round (their median)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", default=None, help="a variant: print its 1-row step's top ops")
+    ap.add_argument(
+        "--lora",
+        action="store_true",
+        help="each row count also with a random rank-8 adapter (q/k/v/o) on half the rows (the odd slots; "
+        "at 1 row, on that row)",
+    )
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     names = args.variants.split(",")
-    model, tokenizer = load(args.model, args.threads)
+    model, tokenizer, path = load(args.model, args.threads)
+    del model
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][:64]
     slots = max(rows)
-    runners = {name: runner_for(model, name, slots) for name in names}
+    adapter = None
+    if args.lora:
+        import tempfile
+
+        from benchmarks.inference.__main__ import make_lora
+
+        adapter = make_lora(path, Path(tempfile.mkdtemp()) / "lora")
+    runners = {name: runner_for(path, name, slots, adapter) for name in names}
+    # (label, rows, lora)
+    cases = [(f"{r}", r, False) for r in rows] + ([(f"{r} LoRA", r, True) for r in rows] if args.lora else [])
     with torch.inference_mode():
         for runner in runners.values():
             fill(runner, slots, prompt)
@@ -101,22 +136,24 @@ def main() -> int:
                 step_ms(runners[args.profile], 1, len(prompt) + 100, 4)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
             return 0
-        results: dict[tuple[str, int], list[float]] = {}
+        results: dict[tuple[str, str], list[float]] = {}
         for round_ in range(args.rounds):
             for name, runner in runners.items():
-                for r in rows:
-                    ms = step_ms(runner, r, len(prompt) + 8 + round_ * args.steps, args.steps)
-                    results.setdefault((name, r), []).append(ms)
+                for label, r, lora in cases:
+                    ms = step_ms(runner, r, len(prompt) + 8 + round_ * args.steps, args.steps, lora)
+                    results.setdefault((name, label), []).append(ms)
+    labels = [c[0] for c in cases]
     print(
-        f"| variant | {' | '.join(f'{r} rows ms' for r in rows)} | {' | '.join(f'{r} rows vs {names[0]}' for r in rows)} |"
+        f"| variant | {' | '.join(f'{c} rows ms' for c in labels)} | "
+        f"{' | '.join(f'{c} rows vs {names[0]}' for c in labels)} |"
     )
-    print(f"| --- | {' | '.join('---:' for _ in rows * 2)} |")
+    print(f"| --- | {' | '.join('---:' for _ in labels * 2)} |")
     for name in names:
-        med = [statistics.median(results[name, r]) for r in rows]
-        base = [statistics.median(results[names[0], r]) for r in rows]
+        med = [statistics.median(results[name, c]) for c in labels]
+        base = [statistics.median(results[names[0], c]) for c in labels]
         cells = [
-            f"{m:.2f} ({' / '.join(f'{x:.1f}' for x in results[name, r])})"
-            for m, r in zip(med, rows, strict=True)
+            f"{m:.2f} ({' / '.join(f'{x:.1f}' for x in results[name, c])})"
+            for m, c in zip(med, labels, strict=True)
         ]
         ratios = [f"{b / m:.2f}x" for m, b in zip(med, base, strict=True)]
         print(f"| {name} | {' | '.join(cells)} | {' | '.join(ratios)} |")

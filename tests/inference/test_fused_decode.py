@@ -180,15 +180,35 @@ def test_a_native_loop_that_cannot_be_built_names_why(monkeypatch: pytest.Monkey
     assert native.problem() is not None and "no C++ compiler" in native.problem()
 
 
+@pytest.mark.parametrize("loop", ["python", "native"])
 def test_lora_rows_beside_base_rows_give_the_eager_forwards_numbers(
-    lively_tiny_path: Path, tmp_path: Path
+    lively_tiny_path: Path,
+    tmp_path: Path,
+    loop: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # an adapter on every projection the lean forward multiplies side by side
     modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     adapter = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=5, modules=modules)
-    eager, lean = _engines(lively_tiny_path, adapter)
+    calls = []
+    if loop == "native":
+        built = request.getfixturevalue("native_loop")
+
+        def counting(*args: Any) -> torch.Tensor:
+            calls.append(len(args[-1]))  # the LoRA entries of the step
+            return built(*args)
+
+        monkeypatch.setattr(native._BUILD, "function", counting)
+    eager, lean = _engines(lively_tiny_path, adapter, native=loop == "native")
     assert lean.runner.fused is not None and lean.runner.fused.lora_problem is None
+    assert lean.runner.fused.native == (loop == "native")
     _assert_same_steps(eager, lean, "a")
+    if loop == "native":
+        # every decode step in C++, its adapter rows' deltas too (7 modules a layer; the lone
+        # row of slot 2 is a base row)
+        layers = len(lean.runner.decoder.layers)
+        assert calls == [7 * layers, 7 * layers, 7 * layers, 0, 7 * layers, 7 * layers], calls
     # the adapter changes its rows' decode logits (the comparison above is not of two base models)
     prompt = list(range(500, 520))
     logits = {}

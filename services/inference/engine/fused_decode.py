@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from services.inference.engine import native, ragged
+from services.inference.engine.lora_rows import LoraRows
 from services.inference.engine.quantized_linear import INT4_GROUP, ByTokenKind, Int4WeightOnly
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class _SideBySide:
         return self.prepared, self.bias
 
     def __call__(
-        self, x: torch.Tensor, x_bf16: torch.Tensor, lora: _LoraRows | None, *, bf16_ok: bool = False
+        self, x: torch.Tensor, x_bf16: torch.Tensor, lora: LoraRows | None, *, bf16_ok: bool = False
     ) -> torch.Tensor:
         """The product, in ``x``'s dtype; or, with ``bf16_ok`` and nothing to add to it, as the
         kernel's bf16 (a caller adding it to an fp32 tensor gets the same sums: type promotion
@@ -123,32 +124,6 @@ class _SideBySide:
                     lora.add(layer, x, out[:, start : start + size])
                 start += size
         return out
-
-
-@dataclass
-class _LoraRows:
-    """The rows of one forward by adapter (the base model's rows left out); ``None`` where an
-    adapter has every row of the forward (nothing to gather or scatter)."""
-
-    rows: dict[str, torch.Tensor | None]
-
-    def add(self, layer: Any, x: torch.Tensor, result: torch.Tensor) -> None:
-        # PEFT's mixed batch (lora.Linear._mixed_batch_forward) on this layer's slice of the
-        # product, its modules' own operations called directly: nn.Linear is F.linear, and the
-        # dropout of a model in eval mode returns its input
-        for name, rows in self.rows.items():
-            if name not in layer.lora_A:
-                continue
-            lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-            sub = (x if rows is None else x[rows]).to(lora_a.weight.dtype)
-            if layer.training:
-                sub = layer.lora_dropout[name](sub)
-            delta = F.linear(F.linear(sub, lora_a.weight, lora_a.bias), lora_b.weight, lora_b.bias)
-            delta = (delta * layer.scaling[name]).to(result.dtype)
-            if rows is None:
-                result += delta
-            else:
-                result[rows] += delta
 
 
 @dataclass
@@ -255,6 +230,7 @@ class FusedDecode:
         # the per-layer arguments of the native loop made from them
         self._fingerprint: tuple[int, int] | None = None
         self._native_args: tuple[list[Any], ...] | None = None
+        self._native_lora: dict[str, list[tuple[Any, ...]]] = {}
 
     def refresh(self) -> None:
         """Re-read the projections after an adapter was loaded or unloaded (PEFT wraps and
@@ -265,6 +241,7 @@ class FusedDecode:
         self.lora_problem = lora_unsupported(self.runner)
         self._multiplied = None
         self._fingerprint = None
+        self._native_lora: dict[str, list[tuple[Any, ...]]] = {}
 
     def _fresh(self) -> None:
         """Every product prepared from its weights as they are now. One pass over the weights a
@@ -300,18 +277,7 @@ class FusedDecode:
         cache = runner.cache
         ids = plan.input_ids.view(-1)
         tokens = ids.shape[0]
-        by_adapter: dict[str, list[int]] = {}
-        for row, name in enumerate(plan.adapters):
-            if name != ragged.adapter_key(None):
-                by_adapter.setdefault(name, []).append(row)
-        lora = None
-        if by_adapter:
-            lora = _LoraRows(
-                {
-                    n: None if len(r) == tokens else torch.tensor(r, device=ids.device)
-                    for n, r in by_adapter.items()
-                }
-            )
+        lora = LoraRows.of(plan.adapters, ragged.adapter_key(None), ids.device, whole=True)
         self._fresh()
         x = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(x, plan.positions)  # [T, 1, d]
@@ -319,9 +285,9 @@ class FusedDecode:
         # same products (a negation is exact), two operations a layer instead of five
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        loop = native.decode_layers() if lora is None and self.native else None
+        loop = native.decode_layers() if self.native and not self.decoder.training else None
         if loop is not None:
-            x = self._native(loop, plan, x, cos, sin)
+            x = self._native(loop, plan, x, cos, sin, lora)
             return runner.lm_head(self.decoder.norm(x))
         for index, layer in enumerate(self.layers):
             module = layer.module
@@ -345,8 +311,34 @@ class FusedDecode:
             x = residual + layer.down(act, act.to(torch.bfloat16), lora, bf16_ok=True)
         return runner.lm_head(self.decoder.norm(x))
 
+    def _lora_entries(self, name: str) -> list[tuple[Any, ...]]:
+        """Adapter ``name``'s deltas as the C++ loop takes them: per LoRA module of a product
+        (in product order), its product's index, its columns there, A, B and scaling."""
+        if name not in self._native_lora:
+            entries = []
+            for index, layer in enumerate(self.layers):
+                for k, product in enumerate(layer.products()):
+                    start = 0
+                    for module, size in zip(product.modules, product.sizes, strict=True):
+                        lora = _lora(module)
+                        if lora is not None and name in lora.lora_A:
+                            a, b = lora.lora_A[name], lora.lora_B[name]
+                            scale = float(lora.scaling[name])
+                            entries.append(
+                                (4 * index + k, start, size, a.weight, a.bias, b.weight, b.bias, scale)
+                            )
+                        start += size
+            self._native_lora[name] = entries
+        return self._native_lora[name]
+
     def _native(
-        self, loop: Any, plan: ragged.RaggedPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        loop: Any,
+        plan: ragged.RaggedPlan,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: LoraRows | None,
     ) -> torch.Tensor:
         """The layers' loop in C++ (``native.py``): the Python loop's operations, bit for bit."""
         if self._native_args is None:
@@ -360,6 +352,15 @@ class FusedDecode:
                     biases.append(bias)
             self._native_args = (norms, packed, scales, biases)
         norms, packed, scales, biases = self._native_args
+        # LoRA entries in product order (adapters' rows are disjoint: their order within a
+        # product changes no number), each with its adapter's rows
+        entries: list[tuple[Any, ...]] = []
+        for name, rows in lora.rows.items() if lora is not None else ():
+            entries += [(*entry, rows) for entry in self._lora_entries(name)]
+        entries.sort(key=lambda e: e[0])
+        columns: list[Any] = (
+            [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(9)]
+        )
         first = self.layers[0]
         cache = self.runner.cache
         bias = ragged.decode_bias_for(plan, x.dtype, first.kv_heads, first.heads // first.kv_heads)
@@ -387,4 +388,5 @@ class FusedDecode:
             first.scaling,
             INT4_GROUP,
             ragged.KEY_BLOCK,
+            *columns,
         )

@@ -14,6 +14,7 @@ logits for each decode token and at each chunk's last token.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from services.inference.engine import fused_decode, packed_linear, quantized_linear, ragged
+from services.inference.engine import fused_decode, lora_rows, packed_linear, quantized_linear, ragged
 from services.inference.engine.compiled_decode import Compile, CompiledDecode
 from services.inference.engine.fused_decode import FusedDecode
 from services.inference.engine.kv_cache import SlabKVCache
@@ -97,6 +98,7 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._adapter_names: list[str] | None = None
         self._hooks: list[Any] = []
+        self._routed: list[Any] = []  # the LoRA linear layers whose rows _adapters routes
         self._attention_name = ragged.register()
         # a 4-D mask is passed through by transformers as is; ours attends by the plan instead
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -166,14 +168,27 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, LoraLayer) and isinstance(module, torch.nn.Module):
                 self._hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        self._routed = [m for m in self.model.modules() if lora_rows.routable(m)]
 
     @contextmanager
     def _adapters(self, names: list[str] | None) -> Iterator[None]:
+        """Each row of this forward through its adapter: PEFT's linear LoRA layers through
+        ``lora_rows.routed_forward`` (their rows found once, not scanned in every layer), any
+        other LoRA layer (embeddings) through PEFT's own mixed batch."""
         self._adapter_names = names if self._hooks else None
+        rows = None
+        if self._hooks and names is not None:
+            rows = lora_rows.LoraRows.of(names, ragged.adapter_key(None), self.device, whole=False)
+        if rows is not None:
+            for module in self._routed:
+                vars(module)["forward"] = functools.partial(lora_rows.routed_forward, module, rows)
         try:
             yield
         finally:
             self._adapter_names = None
+            if rows is not None:
+                for module in self._routed:
+                    vars(module).pop("forward", None)
 
     @contextmanager
     def _ragged_attention(self) -> Iterator[None]:

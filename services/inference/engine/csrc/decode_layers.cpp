@@ -4,7 +4,8 @@
 // loop over the layers: so the same numbers, bit for bit. What goes is the Python around them
 // (argument parsing, torch-function checks, tensor wrappers): at one row a step is ~1,800
 // small ATen calls, and on a CPU that plumbing cost more than the int4 products did.
-// LoRA rows, the embeddings, RoPE's tables, the final norm and the head stay in Python.
+// LoRA rows get PEFT's mixed-batch deltas, as the Python loop adds them. The embeddings, RoPE's
+// tables, the final norm and the head stay in Python.
 
 #include <torch/extension.h>
 
@@ -15,18 +16,55 @@ using torch::indexing::Slice;
 
 namespace {
 
-// one projection's int4 product of the bf16 input (aten._weight_int4pack_mm_for_cpu); as fp32
-// plus its bias, or (bf16_ok, no bias) as the kernel's bf16 for a caller that adds it to fp32
-Tensor product(const Tensor& x_bf16, const Tensor& packed, const Tensor& scales, const c10::optional<Tensor>& bias,
-               int64_t group, bool bf16_ok) {
+// The LoRA deltas of one forward, in the order of the products they add to (see decode_layers).
+struct Lora {
+  const std::vector<int64_t>& slot;
+  const std::vector<int64_t>& offset;
+  const std::vector<int64_t>& size;
+  const std::vector<Tensor>& a;
+  const std::vector<c10::optional<Tensor>>& a_bias;
+  const std::vector<Tensor>& b;
+  const std::vector<c10::optional<Tensor>>& b_bias;
+  const std::vector<double>& scale;
+  const std::vector<c10::optional<Tensor>>& rows;
+  size_t next = 0;
+
+  bool adds_to(int64_t product) const { return next < slot.size() && slot[next] == product; }
+
+  // PEFT's mixed batch on this module's slice of the product (fused_decode._LoraRows.add):
+  // lora_B(lora_A(x[rows])) * scaling, added to those rows of the slice
+  void add_all(int64_t product, const Tensor& x, Tensor& out) {
+    for (; adds_to(product); ++next) {
+      const auto& r = rows[next];
+      Tensor sub = (r.has_value() ? x.index({*r}) : x).to(a[next].scalar_type());
+      Tensor delta = at::linear(at::linear(sub, a[next], a_bias[next]), b[next], b_bias[next]);
+      delta = (delta * scale[next]).to(out.scalar_type());
+      Tensor part = out.index({Slice(), Slice(offset[next], offset[next] + size[next])});
+      if (r.has_value()) {
+        Tensor picked = part.index({*r});
+        picked.add_(delta);
+        part.index_put_({*r}, picked);
+      } else {
+        part.add_(delta);
+      }
+    }
+  }
+};
+
+// one projection's int4 product of the input (aten._weight_int4pack_mm_for_cpu on its bf16
+// copy); as fp32 plus its bias and LoRA deltas, or (bf16_ok, neither) as the kernel's bf16 for a
+// caller that adds it to fp32 (type promotion widens it exactly: the same sums)
+Tensor product(const Tensor& x, const Tensor& x_bf16, const Tensor& packed, const Tensor& scales,
+               const c10::optional<Tensor>& bias, int64_t group, bool bf16_ok, int64_t index, Lora& lora) {
   Tensor out = at::_weight_int4pack_mm_for_cpu(x_bf16, packed, group, scales);
-  if (bf16_ok && !bias.has_value()) {
+  if (bf16_ok && !bias.has_value() && !lora.adds_to(index)) {
     return out;
   }
   out = out.to(at::kFloat);
   if (bias.has_value()) {
     out = out + *bias;
   }
+  lora.add_all(index, x, out);
   return out;
 }
 
@@ -54,23 +92,32 @@ Tensor attention(const Tensor& query, const Tensor& key, const Tensor& value, co
 // x [T, hidden] fp32 through every decoder layer. Per layer i: norms[2i], norms[2i+1] (input and
 // post-attention RMSNorm weights); packed[4i..4i+3], scales[4i..4i+3], biases[4i..4i+3] for
 // qkv, o, gate/up, down; k_slabs[i], v_slabs[i]. cos/sin [T, 1, d] (sin's first half negated).
+// LoRA: entry e adds to product lora_slot[e] (4i + k, ascending), columns [lora_offset[e],
+// + lora_size[e]), rows lora_rows[e] (all rows where empty).
 Tensor decode_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
                      const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
                      const std::vector<c10::optional<Tensor>>& biases, std::vector<Tensor> k_slabs,
                      std::vector<Tensor> v_slabs, const Tensor& write_slots, const Tensor& write_positions,
                      const Tensor& bias, int64_t decode_view, int64_t decode_len,
                      const c10::optional<Tensor>& decode_rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                     int64_t intermediate, double eps, double scaling, int64_t group, int64_t key_block) {
+                     int64_t intermediate, double eps, double scaling, int64_t group, int64_t key_block,
+                     const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
+                     const std::vector<int64_t>& lora_size, const std::vector<Tensor>& lora_a,
+                     const std::vector<c10::optional<Tensor>>& lora_a_bias, const std::vector<Tensor>& lora_b,
+                     const std::vector<c10::optional<Tensor>>& lora_b_bias, const std::vector<double>& lora_scale,
+                     const std::vector<c10::optional<Tensor>>& lora_rows) {
+  Lora lora{lora_slot, lora_offset, lora_size, lora_a, lora_a_bias, lora_b, lora_b_bias, lora_scale, lora_rows};
   const int64_t tokens = x.size(0);
   const int64_t hidden = x.size(1);
   const int64_t nq = heads * head_dim, nk = kv_heads * head_dim;
   const int64_t half = head_dim / 2;
   const std::vector<int64_t> shape{hidden};
-  const size_t layers = k_slabs.size();
-  for (size_t i = 0; i < layers; ++i) {
+  const int64_t layers = static_cast<int64_t>(k_slabs.size());
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t p = 4 * i;
     Tensor residual = x;
     Tensor h = at::rms_norm(x, shape, norms[2 * i], eps);
-    Tensor qkv = product(h.to(at::kBFloat16), packed[4 * i], scales[4 * i], biases[4 * i], group, false);
+    Tensor qkv = product(h, h.to(at::kBFloat16), packed[p], scales[p], biases[p], group, false, p, lora);
     Tensor qk = qkv.index({Slice(), Slice(0, nq + nk)}).view({tokens, heads + kv_heads, head_dim});
     qk = (qk * cos) + (at::roll(qk, {half}, {-1}) * sin);
     Tensor q = qk.index({Slice(), Slice(0, heads)});
@@ -91,12 +138,15 @@ Tensor decode_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::
       attn = attn.index_select(0, *decode_rows);
     }
     attn = attn.reshape({tokens, nq});
-    x = residual + product(attn.to(at::kBFloat16), packed[4 * i + 1], scales[4 * i + 1], biases[4 * i + 1], group, true);
+    x = residual + product(attn, attn.to(at::kBFloat16), packed[p + 1], scales[p + 1], biases[p + 1], group, true,
+                           p + 1, lora);
     residual = x;
     h = at::rms_norm(x, shape, norms[2 * i + 1], eps);
-    Tensor gate_up = product(h.to(at::kBFloat16), packed[4 * i + 2], scales[4 * i + 2], biases[4 * i + 2], group, false);
+    Tensor gate_up = product(h, h.to(at::kBFloat16), packed[p + 2], scales[p + 2], biases[p + 2], group, false, p + 2,
+                             lora);
     Tensor act = at::silu(gate_up.index({Slice(), Slice(0, intermediate)})) * gate_up.index({Slice(), Slice(intermediate)});
-    x = residual + product(act.to(at::kBFloat16), packed[4 * i + 3], scales[4 * i + 3], biases[4 * i + 3], group, true);
+    x = residual + product(act, act.to(at::kBFloat16), packed[p + 3], scales[p + 3], biases[p + 3], group, true, p + 3,
+                           lora);
   }
   return x;
 }
