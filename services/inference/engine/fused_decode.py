@@ -241,7 +241,7 @@ class FusedDecode:
         self.lora_problem = lora_unsupported(self.runner)
         self._multiplied = None
         self._fingerprint = None
-        self._native_lora: dict[str, list[tuple[Any, ...]]] = {}
+        self._native_lora = {}
 
     def _fresh(self) -> None:
         """Every product prepared from its weights as they are now. One pass over the weights a
