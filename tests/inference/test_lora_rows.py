@@ -1,4 +1,5 @@
-"""``lora_rows``: each row through its own adapter, as PEFT's mixed batch computes it, bit for bit."""
+"""``lora_rows``: each row through its own adapter, as PEFT's mixed batch computes it (within
+rounding), and a row's numbers the same bit for bit alone as beside other rows."""
 
 from __future__ import annotations
 
@@ -31,13 +32,13 @@ def _two_adapter_layer() -> torch.nn.Module:
 @pytest.mark.parametrize(
     "names",
     [
-        ["default", BASE, "b", "default", "b", BASE, BASE],  # two adapters beside base rows
+        ["default", BASE, "b", "default", "b", BASE, BASE, "b", "b", "default"],  # two adapters, base rows
         ["b"] * 5,  # one adapter on every row
         [BASE, BASE, "default"],
     ],
 )
 @pytest.mark.parametrize("shape", [(), (1,)])  # decode rows [T, in], prompt tokens [T, 1, in]
-def test_routed_rows_get_peft_mixed_batch_numbers_bit_for_bit(
+def test_routed_rows_are_peft_mixed_batch_and_do_not_depend_on_their_batch(
     names: list[str], shape: tuple[int, ...]
 ) -> None:
     layer = _two_adapter_layer()
@@ -49,17 +50,28 @@ def test_routed_rows_get_peft_mixed_batch_numbers_bit_for_bit(
             rows = LoraRows.of(names, BASE, x.device, whole=whole)
             assert rows is not None
             got = routed_forward(layer, rows, x)
-            assert torch.equal(got, expected), (names, whole)
+            torch.testing.assert_close(got, expected)
+            # each row's delta alone: the same bits as among the others (PEFT's F.linear gives
+            # other last bits by the number of rows an adapter has; the base product, oneDNN's in
+            # the engine, is not this test's)
+            deltas = torch.zeros_like(expected)
+            rows.add(layer, x, deltas)
+            for i, name in enumerate(names):
+                alone = torch.zeros_like(expected[i : i + 1])
+                alone_rows = LoraRows.of([name], BASE, x.device, whole=whole)
+                if alone_rows is not None:
+                    alone_rows.add(layer, x[i : i + 1], alone)
+                assert torch.equal(alone, deltas[i : i + 1]), (names, whole, i)
         # through the module call, as the runner swaps it in (the hook's adapter_names dropped)
         rows = LoraRows.of(names, BASE, x.device, whole=False)
         assert rows is not None
         vars(layer)["forward"] = functools.partial(routed_forward, layer, rows)
         try:
-            assert torch.equal(layer(x, adapter_names=names), expected)
+            assert torch.equal(layer(x, adapter_names=names), routed_forward(layer, rows, x))
         finally:
             del vars(layer)["forward"]
     # the adapters did change their rows (the comparison is not of base products)
-    assert not torch.equal(expected, layer.base_layer(x))
+    assert not torch.allclose(expected, layer.base_layer(x))
 
 
 def test_no_adapter_rows_route_nothing() -> None:

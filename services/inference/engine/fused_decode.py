@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from services.inference.engine import native, ragged
-from services.inference.engine.lora_rows import LoraRows
+from services.inference.engine.lora_rows import LoraRows, prepared
 from services.inference.engine.quantized_linear import INT4_GROUP, ByTokenKind, Int4WeightOnly
 
 if TYPE_CHECKING:
@@ -230,7 +230,8 @@ class FusedDecode:
         # the per-layer arguments of the native loop made from them
         self._fingerprint: tuple[int, int] | None = None
         self._native_args: tuple[list[Any], ...] | None = None
-        self._native_lora: dict[str, list[tuple[Any, ...]]] = {}
+        self._native_lora: dict[str, tuple[tuple[int, int], list[tuple[Any, ...]]]] = {}
+        self._lora_modules: dict[str, list[tuple[Any, ...]]] = {}
 
     def refresh(self) -> None:
         """Re-read the projections after an adapter was loaded or unloaded (PEFT wraps and
@@ -242,6 +243,7 @@ class FusedDecode:
         self._multiplied = None
         self._fingerprint = None
         self._native_lora = {}
+        self._lora_modules = {}
 
     def _fresh(self) -> None:
         """Every product prepared from its weights as they are now. One pass over the weights a
@@ -313,23 +315,35 @@ class FusedDecode:
 
     def _lora_entries(self, name: str) -> list[tuple[Any, ...]]:
         """Adapter ``name``'s deltas as the C++ loop takes them: per LoRA module of a product
-        (in product order), its product's index, its columns there, A, B and scaling."""
-        if name not in self._native_lora:
-            entries = []
+        (in product order), its product's index, its columns there, A and B oneDNN-packed
+        (``lora_rows.prepared``), their biases and the scaling; made again when a weight of the
+        adapter changed."""
+        modules = self._lora_modules.get(name)
+        if modules is None:
+            modules = []
             for index, layer in enumerate(self.layers):
                 for k, product in enumerate(layer.products()):
                     start = 0
                     for module, size in zip(product.modules, product.sizes, strict=True):
                         lora = _lora(module)
                         if lora is not None and name in lora.lora_A:
-                            a, b = lora.lora_A[name], lora.lora_B[name]
-                            scale = float(lora.scaling[name])
-                            entries.append(
-                                (4 * index + k, start, size, a.weight, a.bias, b.weight, b.bias, scale)
+                            modules.append(
+                                (4 * index + k, start, size, lora, lora.lora_A[name], lora.lora_B[name])
                             )
                         start += size
-            self._native_lora[name] = entries
-        return self._native_lora[name]
+            self._lora_modules[name] = modules
+        weights = [m.weight for *_, a, b in modules for m in (a, b)]
+        key = (sum(w._version for w in weights), sum(w.data_ptr() for w in weights))
+        cached = self._native_lora.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        entries = []
+        for slot, start, size, lora, a, b in modules:
+            (a_packed, a_pair), (b_packed, b_pair) = prepared(a), prepared(b)
+            scale = float(lora.scaling[name])
+            entries.append((slot, start, size, a_packed, a_pair, a.bias, b_packed, b_pair, b.bias, scale))
+        self._native_lora[name] = (key, entries)
+        return entries
 
     def _native(
         self,
@@ -359,7 +373,7 @@ class FusedDecode:
             entries += [(*entry, rows) for entry in self._lora_entries(name)]
         entries.sort(key=lambda e: e[0])
         columns: list[Any] = (
-            [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(9)]
+            [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(11)]
         )
         first = self.layers[0]
         cache = self.runner.cache

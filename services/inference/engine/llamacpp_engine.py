@@ -183,8 +183,11 @@ class _SlotMap:
 class LlamaCppRunner:
     """The forward the scheduler drives, on a llama.cpp context (duck-types ``ModelRunner``)."""
 
-    # nothing to pack; the trainer's face (``generate_batch``) sees a model in eval mode
+    # nothing to pack, compile or fuse (the engine's start-up asks); the trainer's face
+    # (``generate_batch``) sees a model in eval mode
     packed = None
+    compiled = None
+    fused = None
     training = False
     device = torch.device("cpu")
 
@@ -206,6 +209,9 @@ class LlamaCppRunner:
         # name -> llama_adapter_lora pointer; the adapter set on the context now (None: none)
         self.adapters: dict[str, Any] = {}
         self._active: str | None = None
+
+    def prepare_weights(self) -> None:
+        """llama.cpp reads its weights from the file as they are."""
 
     # --- the model's facts ---------------------------------------------------------------
     def meta(self, key: str) -> str | None:

@@ -4,17 +4,49 @@ PEFT's ``lora.Linear`` takes per-row ``adapter_names`` and, in every layer, scan
 Python for each adapter's rows (``_mixed_batch_forward``): for a prompt forward of a few hundred
 tokens through 120 LoRA layers that scan cost more than the deltas (SmolLM2, 16 prompts of 23
 tokens, half through a rank-8 q/k/v/o adapter: +35 ms on a 230 ms forward). ``LoraRows`` finds
-the rows once a forward; ``routed_forward`` is the mixed batch's arithmetic on them, the same
-operations on the same values (bit for bit: ``test_fused_decode.py`` compares the lean forward,
-which adds its deltas this way, against PEFT's)."""
+the rows once a forward; ``routed_forward`` is the mixed batch's arithmetic on them, with A and B
+multiplied oneDNN-packed so that a row's delta does not depend on how many rows its adapter has
+in the forward (PEFT's ``F.linear`` does: greedy output of an adapter's request would then move
+with what shares its batch). Within rounding of PEFT's (``test_lora_rows.py``)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from services.inference.engine.packed_linear import OneDNNPacked, available
+
+# A and B multiply oneDNN-packed, like the base layers: MKL's product (F.linear) computes a row
+# differently by how many rows it multiplies at once (every LoRA shape of SmolLM2, measured), so
+# an adapter's request would get other last bits alone than beside other requests of that adapter
+_KERNEL = OneDNNPacked(batch_hint=16)
+_PREPARED: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[tuple[int, int], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def prepared(linear: torch.nn.Linear) -> Any:
+    """``linear``'s weight oneDNN-packed (again after an update in place)."""
+    weight = linear.weight
+    key = (weight.data_ptr(), weight._version)
+    entry = _PREPARED.get(linear)
+    if entry is None or entry[0] != key:
+        with torch.no_grad():
+            entry = (key, _KERNEL.prepare(weight.detach()))
+        _PREPARED[linear] = entry
+    return entry[1]
+
+
+def product(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``, each row's result independent of the other rows (oneDNN on a CPU)."""
+    weight = linear.weight
+    if torch.is_grad_enabled() or x.dtype != weight.dtype or not available(x.device, weight.dtype):
+        return F.linear(x, weight, linear.bias)
+    return _KERNEL.apply(x, prepared(linear), linear.bias)
 
 
 @dataclass
@@ -44,8 +76,8 @@ class LoraRows:
     def add(self, layer: Any, x: torch.Tensor, result: torch.Tensor) -> None:
         """Add ``layer``'s deltas of ``x`` to ``result`` (its base product, or a slice of a product
         of several layers side by side)."""
-        # PEFT's mixed batch (lora.Linear._mixed_batch_forward), its modules' own operations called
-        # directly: nn.Linear is F.linear, and the dropout of a model in eval mode returns its input
+        # PEFT's mixed batch (lora.Linear._mixed_batch_forward) with A and B as row-invariant
+        # products (``product``); the dropout of a model in eval mode returns its input
         for name, rows in self.rows.items():
             if name not in layer.lora_A:
                 continue
@@ -53,7 +85,7 @@ class LoraRows:
             sub = (x if rows is None else x[rows]).to(lora_a.weight.dtype)
             if layer.training:
                 sub = layer.lora_dropout[name](sub)
-            delta = F.linear(F.linear(sub, lora_a.weight, lora_a.bias), lora_b.weight, lora_b.bias)
+            delta = product(lora_b, product(lora_a, sub))
             delta = (delta * layer.scaling[name]).to(result.dtype)
             if rows is None:
                 result += delta

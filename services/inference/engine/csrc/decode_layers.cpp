@@ -16,14 +16,35 @@ using torch::indexing::Slice;
 
 namespace {
 
+// packed_linear.OneDNNPacked.apply: oneDNN's product with a prepacked weight (each row's result
+// independent of the other rows; a lone row as the first of two where its probe said so)
+Tensor onednn_linear(const Tensor& x, const Tensor& packed, bool as_pair, const c10::optional<Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const bool pair = as_pair && x.numel() == x.size(-1);
+  Tensor input = pair ? at::cat({x.reshape({1, -1}), x.reshape({1, -1})}) : x;
+  torch::jit::Stack stack{input, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
+                          c10::List<std::optional<c10::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  Tensor out = stack[0].toTensor();
+  if (!pair) {
+    return out;
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(-1);
+  return out.index({Slice(0, 1)}).view(shape);
+}
+
 // The LoRA deltas of one forward, in the order of the products they add to (see decode_layers).
 struct Lora {
   const std::vector<int64_t>& slot;
   const std::vector<int64_t>& offset;
   const std::vector<int64_t>& size;
   const std::vector<Tensor>& a;
+  const std::vector<bool>& a_pair;
   const std::vector<c10::optional<Tensor>>& a_bias;
   const std::vector<Tensor>& b;
+  const std::vector<bool>& b_pair;
   const std::vector<c10::optional<Tensor>>& b_bias;
   const std::vector<double>& scale;
   const std::vector<c10::optional<Tensor>>& rows;
@@ -31,13 +52,14 @@ struct Lora {
 
   bool adds_to(int64_t product) const { return next < slot.size() && slot[next] == product; }
 
-  // PEFT's mixed batch on this module's slice of the product (fused_decode._LoraRows.add):
+  // PEFT's mixed batch on this module's slice of the product (lora_rows.LoraRows.add):
   // lora_B(lora_A(x[rows])) * scaling, added to those rows of the slice
   void add_all(int64_t product, const Tensor& x, Tensor& out) {
     for (; adds_to(product); ++next) {
       const auto& r = rows[next];
       Tensor sub = (r.has_value() ? x.index({*r}) : x).to(a[next].scalar_type());
-      Tensor delta = at::linear(at::linear(sub, a[next], a_bias[next]), b[next], b_bias[next]);
+      Tensor delta = onednn_linear(onednn_linear(sub, a[next], a_pair[next], a_bias[next]), b[next], b_pair[next],
+                                   b_bias[next]);
       delta = (delta * scale[next]).to(out.scalar_type());
       Tensor part = out.index({Slice(), Slice(offset[next], offset[next] + size[next])});
       if (r.has_value()) {
@@ -93,7 +115,8 @@ Tensor attention(const Tensor& query, const Tensor& key, const Tensor& value, co
 // post-attention RMSNorm weights); packed[4i..4i+3], scales[4i..4i+3], biases[4i..4i+3] for
 // qkv, o, gate/up, down; k_slabs[i], v_slabs[i]. cos/sin [T, 1, d] (sin's first half negated).
 // LoRA: entry e adds to product lora_slot[e] (4i + k, ascending), columns [lora_offset[e],
-// + lora_size[e]), rows lora_rows[e] (all rows where empty).
+// + lora_size[e]), rows lora_rows[e] (all rows where empty); A and B oneDNN-packed
+// (lora_rows.prepared: the packed weight and whether a lone row goes as the first of two).
 Tensor decode_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
                      const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
                      const std::vector<c10::optional<Tensor>>& biases, std::vector<Tensor> k_slabs,
@@ -103,10 +126,12 @@ Tensor decode_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::
                      int64_t intermediate, double eps, double scaling, int64_t group, int64_t key_block,
                      const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
                      const std::vector<int64_t>& lora_size, const std::vector<Tensor>& lora_a,
-                     const std::vector<c10::optional<Tensor>>& lora_a_bias, const std::vector<Tensor>& lora_b,
+                     const std::vector<bool>& lora_a_pair, const std::vector<c10::optional<Tensor>>& lora_a_bias,
+                     const std::vector<Tensor>& lora_b, const std::vector<bool>& lora_b_pair,
                      const std::vector<c10::optional<Tensor>>& lora_b_bias, const std::vector<double>& lora_scale,
                      const std::vector<c10::optional<Tensor>>& lora_rows) {
-  Lora lora{lora_slot, lora_offset, lora_size, lora_a, lora_a_bias, lora_b, lora_b_bias, lora_scale, lora_rows};
+  Lora lora{lora_slot, lora_offset,  lora_size, lora_a,     lora_a_pair, lora_a_bias,
+            lora_b,    lora_b_pair, lora_b_bias, lora_scale, lora_rows};
   const int64_t tokens = x.size(0);
   const int64_t hidden = x.size(1);
   const int64_t nq = heads * head_dim, nk = kv_heads * head_dim;
