@@ -83,7 +83,10 @@ def step_ms(runner: Any, rows: int, position: int, steps: int, lora: bool = Fals
     for i in range(steps):
         decode = [
             DecodeRow(
-                slot=s, token=100 + s, position=position + i, adapter="lora" if lora and s % 2 else None
+                slot=s,
+                token=100 + s,
+                position=position + i,
+                adapter="lora" if lora and (s % 2 or rows == 1) else None,
             )
             for s in range(rows)
         ]

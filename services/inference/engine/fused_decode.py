@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from services.inference.engine import native, ragged
-from services.inference.engine.lora_rows import LoraRows, prepared
+from services.inference.engine.lora_rows import LoraRows
 from services.inference.engine.quantized_linear import INT4_GROUP, ByTokenKind, Int4WeightOnly
 
 if TYPE_CHECKING:
@@ -315,9 +315,8 @@ class FusedDecode:
 
     def _lora_entries(self, name: str) -> list[tuple[Any, ...]]:
         """Adapter ``name``'s deltas as the C++ loop takes them: per LoRA module of a product
-        (in product order), its product's index, its columns there, A and B oneDNN-packed
-        (``lora_rows.prepared``), their biases and the scaling; made again when a weight of the
-        adapter changed."""
+        (in product order), its product's index, its columns there, A and B, their biases and the
+        scaling; made again when a weight of the adapter was replaced or changed."""
         modules = self._lora_modules.get(name)
         if modules is None:
             modules = []
@@ -339,9 +338,7 @@ class FusedDecode:
             return cached[1]
         entries = []
         for slot, start, size, lora, a, b in modules:
-            (a_packed, a_pair), (b_packed, b_pair) = prepared(a), prepared(b)
-            scale = float(lora.scaling[name])
-            entries.append((slot, start, size, a_packed, a_pair, a.bias, b_packed, b_pair, b.bias, scale))
+            entries.append((slot, start, size, a.weight, a.bias, b.weight, b.bias, float(lora.scaling[name])))
         self._native_lora[name] = (key, entries)
         return entries
 
@@ -373,7 +370,7 @@ class FusedDecode:
             entries += [(*entry, rows) for entry in self._lora_entries(name)]
         entries.sort(key=lambda e: e[0])
         columns: list[Any] = (
-            [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(11)]
+            [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(9)]
         )
         first = self.layers[0]
         cache = self.runner.cache

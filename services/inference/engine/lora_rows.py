@@ -5,48 +5,42 @@ Python for each adapter's rows (``_mixed_batch_forward``): for a prompt forward 
 tokens through 120 LoRA layers that scan cost more than the deltas (SmolLM2, 16 prompts of 23
 tokens, half through a rank-8 q/k/v/o adapter: +35 ms on a 230 ms forward). ``LoraRows`` finds
 the rows once a forward; ``routed_forward`` is the mixed batch's arithmetic on them, with A and B
-multiplied oneDNN-packed so that a row's delta does not depend on how many rows its adapter has
-in the forward (PEFT's ``F.linear`` does: greedy output of an adapter's request would then move
+multiplied in fixed blocks of rows so that a row's delta does not depend on how many rows its
+adapter has in the forward (PEFT's ``F.linear`` does: greedy output of an adapter's request would then move
 with what shares its batch). Within rounding of PEFT's (``test_lora_rows.py``)."""
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from services.inference.engine.packed_linear import OneDNNPacked, available
-
-# A and B multiply oneDNN-packed, like the base layers: MKL's product (F.linear) computes a row
-# differently by how many rows it multiplies at once (every LoRA shape of SmolLM2, measured), so
-# an adapter's request would get other last bits alone than beside other requests of that adapter
-_KERNEL = OneDNNPacked(batch_hint=16)
-_PREPARED: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[tuple[int, int], Any]] = (
-    weakref.WeakKeyDictionary()
-)
+# A and B multiply in blocks of exactly this many rows (zero rows fill the last): MKL's product
+# (F.linear) computes a row differently by how many rows it multiplies at once (every LoRA shape
+# of SmolLM2, measured: 1 row, 2-3 rows and 4+ rows give three different last bits), but at a
+# fixed row count a row's result depends on that row alone, wherever it sits in the block. So an
+# adapter's request gets the same numbers alone as beside other requests of that adapter.
+BLOCK = 16
 
 
-def prepared(linear: torch.nn.Linear) -> Any:
-    """``linear``'s weight oneDNN-packed (again after an update in place)."""
-    weight = linear.weight
-    key = (weight.data_ptr(), weight._version)
-    entry = _PREPARED.get(linear)
-    if entry is None or entry[0] != key:
-        with torch.no_grad():
-            entry = (key, _KERNEL.prepare(weight.detach()))
-        _PREPARED[linear] = entry
-    return entry[1]
+def padded(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s rows as ``[n, in]``, zero rows added up to a multiple of ``BLOCK`` (on a CPU)."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    if x.device.type != "cpu" or rows % BLOCK == 0:
+        return flat
+    return torch.cat([flat, flat.new_zeros(BLOCK - rows % BLOCK, flat.shape[1])])
 
 
-def product(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)``, each row's result independent of the other rows (oneDNN on a CPU)."""
-    weight = linear.weight
-    if torch.is_grad_enabled() or x.dtype != weight.dtype or not available(x.device, weight.dtype):
-        return F.linear(x, weight, linear.bias)
-    return _KERNEL.apply(x, prepared(linear), linear.bias)
+def product(linear: torch.nn.Linear, flat: torch.Tensor) -> torch.Tensor:
+    """``linear`` of ``padded`` rows, block by block: each row's result independent of the
+    other rows (on a CPU)."""
+    weight, bias = linear.weight, linear.bias
+    if flat.device.type != "cpu" or flat.shape[0] == BLOCK:
+        return F.linear(flat, weight, bias)
+    return torch.cat([F.linear(flat[i : i + BLOCK], weight, bias) for i in range(0, flat.shape[0], BLOCK)])
 
 
 @dataclass
@@ -85,8 +79,9 @@ class LoraRows:
             sub = (x if rows is None else x[rows]).to(lora_a.weight.dtype)
             if layer.training:
                 sub = layer.lora_dropout[name](sub)
-            delta = product(lora_b, product(lora_a, sub))
-            delta = (delta * layer.scaling[name]).to(result.dtype)
+            # A then B on the padded rows (B's input is padded already), the padding dropped after
+            delta = product(lora_b, product(lora_a, padded(sub)))[: sub.numel() // sub.shape[-1]]
+            delta = (delta.view(*sub.shape[:-1], -1) * layer.scaling[name]).to(result.dtype)
             if rows is None:
                 result += delta
             else:

@@ -16,23 +16,29 @@ using torch::indexing::Slice;
 
 namespace {
 
-// packed_linear.OneDNNPacked.apply: oneDNN's product with a prepacked weight (each row's result
-// independent of the other rows; a lone row as the first of two where its probe said so)
-Tensor onednn_linear(const Tensor& x, const Tensor& packed, bool as_pair, const c10::optional<Tensor>& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  const bool pair = as_pair && x.numel() == x.size(-1);
-  Tensor input = pair ? at::cat({x.reshape({1, -1}), x.reshape({1, -1})}) : x;
-  torch::jit::Stack stack{input, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
-                          c10::List<std::optional<c10::Scalar>>(), c10::IValue()};
-  op.callBoxed(&stack);
-  Tensor out = stack[0].toTensor();
-  if (!pair) {
-    return out;
+constexpr int64_t LORA_BLOCK = 16;  // lora_rows.BLOCK
+
+// lora_rows.padded: x's rows as [n, in], zero rows added up to a multiple of LORA_BLOCK
+Tensor padded(const Tensor& x) {
+  Tensor flat = x.reshape({-1, x.size(-1)});
+  const int64_t rows = flat.size(0);
+  if (rows % LORA_BLOCK == 0) {
+    return flat;
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(-1);
-  return out.index({Slice(0, 1)}).view(shape);
+  return at::cat({flat, flat.new_zeros({LORA_BLOCK - rows % LORA_BLOCK, flat.size(1)})});
+}
+
+// lora_rows.product: padded rows times the weight block by block, so a row's result does not
+// depend on the other rows
+Tensor blocked_linear(const Tensor& flat, const Tensor& weight, const c10::optional<Tensor>& bias) {
+  if (flat.size(0) == LORA_BLOCK) {
+    return at::linear(flat, weight, bias);
+  }
+  std::vector<Tensor> parts;
+  for (int64_t i = 0; i < flat.size(0); i += LORA_BLOCK) {
+    parts.push_back(at::linear(flat.index({Slice(i, i + LORA_BLOCK)}), weight, bias));
+  }
+  return at::cat(parts);
 }
 
 // The LoRA deltas of one forward, in the order of the products they add to (see decode_layers).
@@ -41,10 +47,8 @@ struct Lora {
   const std::vector<int64_t>& offset;
   const std::vector<int64_t>& size;
   const std::vector<Tensor>& a;
-  const std::vector<bool>& a_pair;
   const std::vector<c10::optional<Tensor>>& a_bias;
   const std::vector<Tensor>& b;
-  const std::vector<bool>& b_pair;
   const std::vector<c10::optional<Tensor>>& b_bias;
   const std::vector<double>& scale;
   const std::vector<c10::optional<Tensor>>& rows;
@@ -53,23 +57,33 @@ struct Lora {
   bool adds_to(int64_t product) const { return next < slot.size() && slot[next] == product; }
 
   // PEFT's mixed batch on this module's slice of the product (lora_rows.LoraRows.add):
-  // lora_B(lora_A(x[rows])) * scaling, added to those rows of the slice
+  // lora_B(lora_A(x[rows])) * scaling, added to those rows of the slice. The modules of one
+  // product and adapter (q, k and v) share one gather of their rows and one scatter back: the
+  // same values as one gather and scatter each
   void add_all(int64_t product, const Tensor& x, Tensor& out) {
-    for (; adds_to(product); ++next) {
+    while (adds_to(product)) {
       const auto& r = rows[next];
       Tensor sub = (r.has_value() ? x.index({*r}) : x).to(a[next].scalar_type());
-      Tensor delta = onednn_linear(onednn_linear(sub, a[next], a_pair[next], a_bias[next]), b[next], b_pair[next],
-                                   b_bias[next]);
-      delta = (delta * scale[next]).to(out.scalar_type());
-      Tensor part = out.index({Slice(), Slice(offset[next], offset[next] + size[next])});
+      Tensor flat = padded(sub);
+      const int64_t count = sub.numel() / sub.size(-1);
+      std::vector<int64_t> shape(sub.sizes().begin(), sub.sizes().end() - 1);
+      shape.push_back(-1);
+      Tensor target = r.has_value() ? out.index({*r}) : out;
+      do {
+        Tensor delta = blocked_linear(blocked_linear(flat, a[next], a_bias[next]), b[next], b_bias[next])
+                           .index({Slice(0, count)});
+        delta = (delta.view(shape) * scale[next]).to(out.scalar_type());
+        target.index({Slice(), Slice(offset[next], offset[next] + size[next])}).add_(delta);
+        ++next;
+      } while (adds_to(product) && same_rows(r, rows[next]));
       if (r.has_value()) {
-        Tensor picked = part.index({*r});
-        picked.add_(delta);
-        part.index_put_({*r}, picked);
-      } else {
-        part.add_(delta);
+        out.index_put_({*r}, target);
       }
     }
+  }
+
+  static bool same_rows(const c10::optional<Tensor>& x, const c10::optional<Tensor>& y) {
+    return x.has_value() == y.has_value() && (!x.has_value() || x->is_same(*y));
   }
 };
 
@@ -115,8 +129,7 @@ Tensor attention(const Tensor& query, const Tensor& key, const Tensor& value, co
 // post-attention RMSNorm weights); packed[4i..4i+3], scales[4i..4i+3], biases[4i..4i+3] for
 // qkv, o, gate/up, down; k_slabs[i], v_slabs[i]. cos/sin [T, 1, d] (sin's first half negated).
 // LoRA: entry e adds to product lora_slot[e] (4i + k, ascending), columns [lora_offset[e],
-// + lora_size[e]), rows lora_rows[e] (all rows where empty); A and B oneDNN-packed
-// (lora_rows.prepared: the packed weight and whether a lone row goes as the first of two).
+// + lora_size[e]), rows lora_rows[e] (all rows where empty).
 Tensor decode_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
                      const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
                      const std::vector<c10::optional<Tensor>>& biases, std::vector<Tensor> k_slabs,
@@ -126,12 +139,10 @@ Tensor decode_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::
                      int64_t intermediate, double eps, double scaling, int64_t group, int64_t key_block,
                      const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
                      const std::vector<int64_t>& lora_size, const std::vector<Tensor>& lora_a,
-                     const std::vector<bool>& lora_a_pair, const std::vector<c10::optional<Tensor>>& lora_a_bias,
-                     const std::vector<Tensor>& lora_b, const std::vector<bool>& lora_b_pair,
+                     const std::vector<c10::optional<Tensor>>& lora_a_bias, const std::vector<Tensor>& lora_b,
                      const std::vector<c10::optional<Tensor>>& lora_b_bias, const std::vector<double>& lora_scale,
                      const std::vector<c10::optional<Tensor>>& lora_rows) {
-  Lora lora{lora_slot, lora_offset,  lora_size, lora_a,     lora_a_pair, lora_a_bias,
-            lora_b,    lora_b_pair, lora_b_bias, lora_scale, lora_rows};
+  Lora lora{lora_slot, lora_offset, lora_size, lora_a, lora_a_bias, lora_b, lora_b_bias, lora_scale, lora_rows};
   const int64_t tokens = x.size(0);
   const int64_t hidden = x.size(1);
   const int64_t nq = heads * head_dim, nk = kv_heads * head_dim;
