@@ -86,6 +86,7 @@ def measure(
     threads: int,
     prefix_cache_mb: float,
     prompt_dtype: str = "auto",
+    native_decode: str = "on",
 ) -> ModeResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -101,7 +102,12 @@ def measure(
         prefix_cache_mb=prefix_cache_mb,
         num_threads=threads,
         prompt_dtype=prompt_dtype,  # type: ignore[arg-type]
+        native_decode=native_decode,  # type: ignore[arg-type]
     )
+    if engine.runner.fused is not None and native_decode != "off":
+        from services.inference.engine import native
+
+        native.start("on")  # what the server's start-up does (auto: in the background)
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     fillers = [chat_ids(tokenizer, q) for q in questions(len(prompts) + batch)[len(prompts) :]]
@@ -141,6 +147,12 @@ def main() -> int:
         choices=["auto", "float32", "bfloat16"],
         help="TANDEM_INFERENCE_PROMPT_DTYPE: the dtype prompt tokens multiply in",
     )
+    ap.add_argument(
+        "--native-decode",
+        default="on",
+        choices=["on", "off"],
+        help="the lean forward's loop in C++ (on: the server's default once built) or in Python",
+    )
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -156,7 +168,8 @@ def main() -> int:
     print(
         f"{model_dir.name}: {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
         f"{args.max_tokens} greedy tokens, alone vs in a batch of {args.batch}, {args.threads} thread(s), "
-        f"prefix cache {args.prefix_cache_mb:g} MB, prompt dtype {args.prompt_dtype}"
+        f"prefix cache {args.prefix_cache_mb:g} MB, prompt dtype {args.prompt_dtype}, "
+        f"native decode {args.native_decode}"
     )
     for mode in args.modes.split(","):
         r = measure(
@@ -168,6 +181,7 @@ def main() -> int:
             args.threads,
             args.prefix_cache_mb,
             args.prompt_dtype,
+            args.native_decode,
         )
         print(
             f"quantize={r.mode}: {r.differing} of {r.prompts} prompts' tokens differ "
