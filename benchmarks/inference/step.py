@@ -28,8 +28,9 @@ VARIANTS: dict[str, dict[str, bool]] = {
 }
 
 
-def load(model: str | None, threads: int) -> tuple[Any, Any, Path]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load(model: str | None, threads: int) -> tuple[Any, Path]:
+    """The tokenizer and folder of ``model`` (the default model's, converted once)."""
+    from transformers import AutoTokenizer
 
     from services.common.config import CommonSettings
     from services.inference.engine.loader import resolve_model
@@ -37,8 +38,7 @@ def load(model: str | None, threads: int) -> tuple[Any, Any, Path]:
 
     torch.set_num_threads(threads)
     path = resolve_model(model, cache_root(CommonSettings()))  # type: ignore[call-arg]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return hf, AutoTokenizer.from_pretrained(path), path
+    return AutoTokenizer.from_pretrained(path), path
 
 
 def runner_for(path: Path, name: str, slots: int, adapter: Path | None) -> Any:
@@ -114,8 +114,7 @@ def main() -> int:
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     names = args.variants.split(",")
-    model, tokenizer, path = load(args.model, args.threads)
-    del model
+    tokenizer, path = load(args.model, args.threads)
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][:64]
     slots = max(rows)
     adapter = None

@@ -86,9 +86,9 @@ def _assert_same_steps(eager: TorchEngine, lean: TorchEngine, adapter: str | Non
     calls = []
     original = fused_decode.FusedDecode.__call__
 
-    def counting(self: fused_decode.FusedDecode, plan: Any) -> torch.Tensor:
+    def counting(self: fused_decode.FusedDecode, plan: Any, lora: Any = None) -> torch.Tensor:
         calls.append(plan.n_decode)
-        return original(self, plan)
+        return original(self, plan, lora)
 
     fused_decode.FusedDecode.__call__ = counting  # type: ignore[method-assign]
     try:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from services.inference.engine import native, ragged
 from services.inference.engine.lora_rows import LoraRows
+from services.inference.engine.prefix_cache import tensors_state
 from services.inference.engine.quantized_linear import INT4_GROUP, ByTokenKind, Int4WeightOnly
 
 if TYPE_CHECKING:
@@ -196,6 +197,10 @@ def lora_unsupported(runner: ModelRunner) -> str | None:
     return None
 
 
+# an entry of the C++ loop's LoRA columns: _lora_entries' eight fields and the adapter's rows
+_LORA_FIELDS = 9
+
+
 class FusedDecode:
     """Decode tokens through the lean forward (see the module doc)."""
 
@@ -246,11 +251,12 @@ class FusedDecode:
         self._lora_modules = {}
 
     def _fresh(self) -> None:
-        """Every product prepared from its weights as they are now. One pass over the weights a
-        forward, not one check a product: versions only grow, so an update in place (the
-        trainer's in-process engine) changes their sum, and a replaced tensor its pointer."""
-        weights = [lin.weight for layer in self.layers for p in layer.products() for lin in p.linears]
-        fingerprint = (sum(w._version for w in weights), sum(w.data_ptr() for w in weights))
+        """Every product prepared from its weights as they are now: one pass over the weights a
+        forward (an update in place by the trainer's in-process engine shows), not one check a
+        product."""
+        fingerprint = tensors_state(
+            [lin.weight for layer in self.layers for p in layer.products() for lin in p.linears]
+        )
         if fingerprint != self._fingerprint:
             for layer in self.layers:
                 for product in layer.products():
@@ -272,14 +278,14 @@ class FusedDecode:
             for product in layer.products():
                 product.current()
 
-    def __call__(self, plan: ragged.RaggedPlan) -> torch.Tensor:
+    def __call__(self, plan: ragged.RaggedPlan, lora: LoraRows | None = None) -> torch.Tensor:
         """Logits ``[D, V]`` of a plan of decode tokens only, inside ``ragged.active(plan)``,
-        the runner's adapter routing and its packed products (for the embeddings and head)."""
+        the runner's adapter routing and its packed products (for the embeddings and head);
+        ``lora``: the forward's rows by adapter (what the runner's routing yields)."""
         runner = self.runner
         cache = runner.cache
         ids = plan.input_ids.view(-1)
         tokens = ids.shape[0]
-        lora = LoraRows.of(plan.adapters, ragged.adapter_key(None), ids.device, whole=True)
         self._fresh()
         x = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(x, plan.positions)  # [T, 1, d]
@@ -331,8 +337,7 @@ class FusedDecode:
                             )
                         start += size
             self._lora_modules[name] = modules
-        weights = [m.weight for *_, a, b in modules for m in (a, b)]
-        key = (sum(w._version for w in weights), sum(w.data_ptr() for w in weights))
+        key = tensors_state([m.weight for *_, a, b in modules for m in (a, b)])
         cached = self._native_lora.get(name)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -370,7 +375,7 @@ class FusedDecode:
             entries += [(*entry, rows) for entry in self._lora_entries(name)]
         entries.sort(key=lambda e: e[0])
         columns: list[Any] = (
-            [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(9)]
+            [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(_LORA_FIELDS)]
         )
         first = self.layers[0]
         cache = self.runner.cache

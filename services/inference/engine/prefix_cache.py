@@ -41,13 +41,17 @@ def common_prefix_len(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[
     return i
 
 
+def tensors_state(tensors: list[Any]) -> tuple[int, int]:
+    """Changes whenever one of ``tensors`` is updated in place (versions only grow, so their sum
+    moves) or replaced by another tensor (its pointer)."""
+    return sum(t._version for t in tensors), sum(t.data_ptr() for t in tensors)
+
+
 def weights_fingerprint(model: Any) -> tuple[Any, ...]:
     """Changes whenever a parameter is updated in place, replaced, added or removed."""
     params = list(model.parameters())
-    versions = sum(p._version for p in params)
-    pointers = sum(p.data_ptr() for p in params)
     active = getattr(model, "active_adapter", None)
-    return (len(params), versions, pointers, str(active))
+    return (len(params), *tensors_state(params), str(active))
 
 
 class PrefixCache:

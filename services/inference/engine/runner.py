@@ -171,19 +171,20 @@ class ModelRunner:
         self._routed = [m for m in self.model.modules() if lora_rows.routable(m)]
 
     @contextmanager
-    def _adapters(self, names: list[str] | None) -> Iterator[None]:
+    def _adapters(self, names: list[str] | None) -> Iterator[lora_rows.LoraRows | None]:
         """Each row of this forward through its adapter: PEFT's linear LoRA layers through
         ``lora_rows.routed_forward`` (their rows found once, not scanned in every layer), any
-        other LoRA layer (embeddings) through PEFT's own mixed batch."""
+        other LoRA layer (embeddings) through PEFT's own mixed batch. Yields the rows by adapter
+        (None: no row has one), which the lean forward adds with too."""
         self._adapter_names = names if self._hooks else None
         rows = None
         if self._hooks and names is not None:
-            rows = lora_rows.LoraRows.of(names, ragged.adapter_key(None), self.device, whole=False)
+            rows = lora_rows.LoraRows.of(names, ragged.adapter_key(None), self.device, whole=True)
         if rows is not None:
             for module in self._routed:
                 vars(module)["forward"] = functools.partial(lora_rows.routed_forward, module, rows)
         try:
-            yield
+            yield rows
         finally:
             self._adapter_names = None
             if rows is not None:
@@ -222,8 +223,8 @@ class ModelRunner:
         if fused is not None:
             # the lean forward multiplies its layers itself: only the others (the head) swap in
             packed = self.packed.active(fused.multiplied()) if self.packed is not None else nullcontext()
-            with ragged.active(plan), self._adapters(plan.adapters), packed:
-                return fused(plan)
+            with ragged.active(plan), self._adapters(plan.adapters) as rows, packed:
+                return fused(plan, rows)
         packed = self.packed.active() if self.packed is not None else nullcontext()
         with ragged.active(plan), self._ragged_attention(), self._adapters(plan.adapters), packed:
             out = self.decoder(
