@@ -284,6 +284,11 @@ def available(mode: Quantize, device: torch.device) -> str | None:
     return None
 
 
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 products on this CPU (it refuses to pack them elsewhere)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def resolve_prompt_dtype(setting: PromptDType, quantize: Quantize, model_dtype: torch.dtype) -> PromptDType:
     """The dtype prompt tokens multiply in. ``auto``: bfloat16 where decode tokens already run
     with bf16 activations (int4/int8 decode of an fp32 model) on a CPU with native bf16 products
@@ -343,6 +348,8 @@ def layer_kernels(
             return ByTokenKind(int8, prompt_side)
         if not head and module.in_features % INT4_GROUP == 0:
             return ByTokenKind(int4, prompt_side)
-        return ByTokenKind(bf16, prompt_side)
+        # oneDNN packs bf16 weights only where the CPU has bf16 instructions (AVX512-BF16, AMX,
+        # AVX-NE-CONVERT, or AVX512BW/VL/DQ); an AVX2-only CPU keeps the model's dtype
+        return ByTokenKind(bf16 if onednn_bf16() else own, prompt_side)
 
     return choose
