@@ -52,7 +52,7 @@ from typing import Any, Literal
 
 import torch
 
-from services.inference.engine import ragged
+from services.inference.engine import packed_linear, ragged
 from services.inference.engine.packed_linear import KernelChoice, LinearKernel, OneDNNPacked
 
 log = logging.getLogger("tandem.engine.quantized_linear")
@@ -284,11 +284,6 @@ def available(mode: Quantize, device: torch.device) -> str | None:
     return None
 
 
-def onednn_bf16() -> bool:
-    """Whether oneDNN runs bf16 products on this CPU (it refuses to pack them elsewhere)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def resolve_prompt_dtype(setting: PromptDType, quantize: Quantize, model_dtype: torch.dtype) -> PromptDType:
     """The dtype prompt tokens multiply in. ``auto``: bfloat16 where decode tokens already run
     with bf16 activations (int4/int8 decode of an fp32 model) on a CPU with native bf16 products
@@ -332,11 +327,14 @@ def layer_kernels(
     per prompt they cost little, and a bf16 head moved SmolLM2's first-token logits most of all
     the layers (benchmarks/RESULTS.md). Decode tokens: int8 in every layer; or int4 in every layer
     whose input size is a multiple of the group, the output head (and any other layer) in bf16,
-    oneDNN-packed. The head alone at 1 / 16 rows (SmolLM2's 49K x 576): 6.5 / 10 ms in bf16,
-    5.9 / 23 ms in int8 (its kernel scales badly with rows), 12 / 22 ms in fp32."""
+    oneDNN-packed (in the model's dtype where oneDNN has no bf16: an AVX2-only CPU). The head
+    alone at 1 / 16 rows (SmolLM2's 49K x 576): 6.5 / 10 ms in bf16, 5.9 / 23 ms in int8 (its kernel scales badly with rows), 12 / 22 ms in fp32."""
     own = OneDNNPacked(batch_hint)
     prompt = prompt_kernel(prompt_dtype, batch_hint)
     int8, int4, bf16 = Int8WeightOnly(), Int4WeightOnly(), BF16Packed(batch_hint)
+    # oneDNN packs bf16 weights only where the CPU has bf16 instructions (AVX512-BF16, AMX,
+    # AVX-NE-CONVERT, or AVX512BW/VL/DQ): an AVX2-only CPU's head keeps the model's dtype
+    other = bf16 if mode == "int4" and packed_linear.available(torch.device("cpu"), COMPUTE_DTYPE) else own
 
     def choose(_name: str, module: torch.nn.Linear) -> LinearKernel | None:
         head = module is output_head
@@ -348,8 +346,6 @@ def layer_kernels(
             return ByTokenKind(int8, prompt_side)
         if not head and module.in_features % INT4_GROUP == 0:
             return ByTokenKind(int4, prompt_side)
-        # oneDNN packs bf16 weights only where the CPU has bf16 instructions (AVX512-BF16, AMX,
-        # AVX-NE-CONVERT, or AVX512BW/VL/DQ); an AVX2-only CPU keeps the model's dtype
-        return ByTokenKind(bf16 if onednn_bf16() else own, prompt_side)
+        return ByTokenKind(other, prompt_side)
 
     return choose
