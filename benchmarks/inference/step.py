@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 
-# lean: the lean decode forward with its C++ loop; python: its Python loop; eager: HF's modules
+# lean: the lean decode forward with its C++ loop and own operations; aten: that loop on ATen's
+# operations; python: its Python loop; eager: HF's modules
 VARIANTS: dict[str, dict[str, bool]] = {
-    "lean": {"fused": True, "native": True},
-    "python": {"fused": True, "native": False},
-    "eager": {"fused": False, "native": False},
+    "lean": {"fused": True, "native": True, "own": True},
+    "aten": {"fused": True, "native": True, "own": False},
+    "python": {"fused": True, "native": False, "own": False},
+    "eager": {"fused": False, "native": False, "own": False},
 }
 
 
@@ -56,6 +58,7 @@ def runner_for(path: Path, name: str, slots: int, adapter: Path | None) -> Any:
         quantize="int4",
         fused_decode=variant["fused"],
         native_decode="on" if variant["native"] else "off",
+        native_ops="own" if variant["own"] else "aten",
     )
     if adapter is not None:
         engine.load_adapter_sync("lora", str(adapter))

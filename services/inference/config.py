@@ -107,12 +107,19 @@ class InferenceSettings(ServiceSettings):
     )
     native_decode: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="CPU torch engine, with the lean decode forward: its loop over the decoder layers in C++ "
-        "(the same ATen operations, the same numbers bit for bit, without Python's per-call cost), compiled "
-        "with the machine's C++ compiler into torch's extension directory (~/.cache/torch_extensions or "
-        "TORCH_EXTENSIONS_DIR; ~25 s once, ~1 s on later starts). auto: "
-        "built in the background at start-up, used once ready (a failed build is logged and the Python loop "
-        "stays); on: built before serving, a failed build stops start-up; off: the Python loop.",
+        description="CPU torch engine, int4 decode: the engine's C++ decode kernels (the lean forward's loop "
+        "over the decoder layers, and on AVX2 CPUs the output head in Q8_0 blocks), compiled with the "
+        "machine's C++ compiler into torch's extension directory (~/.cache/torch_extensions or "
+        "TORCH_EXTENSIONS_DIR; ~30 s once, ~1 s on later starts) when the engine is made, before it serves. "
+        "auto: a failed build is logged and the engine keeps the Python loop and the bf16 head; on: a failed "
+        "build stops start-up; off: never built.",
+    )
+    native_ops: Literal["own", "aten"] = Field(
+        "own",
+        description="CPU torch engine, with the C++ decode loop: own (on AVX2 CPUs): the loop computes the "
+        "operations between the int4 products itself (norms, RoPE, attention, SiLU; each row on its own, the "
+        "same numbers alone as in any batch) and the output head's decode rows run in Q8_0 blocks; aten: the "
+        "Python loop's ATen operations, its numbers bit for bit, and the bf16 head.",
     )
     compile: Literal["off", "decode"] = Field(
         "off",

@@ -94,6 +94,7 @@ def build_torch_engine(
         prompt_dtype=settings.prompt_dtype,
         fused_decode=settings.fused_decode,
         native_decode=settings.native_decode,
+        native_ops=settings.native_ops,
         **scheduler_settings(settings),
     )
 

@@ -41,6 +41,9 @@ def _engines(
             quantize="int4",
             fused_decode=fused,
             native_decode="on" if native else "off",
+            # the C++ loop on ATen's operations: the eager forward's numbers bit for bit (the
+            # loop's own operations are test_native_own.py's)
+            native_ops="aten",
         )
         if adapter is not None:
             engine.load_adapter_sync("a", str(adapter))
@@ -142,7 +145,7 @@ def test_the_native_loop_gives_the_eager_forwards_numbers_bit_for_bit(
         calls.append(args[0].shape[0])
         return native_loop(*args)
 
-    monkeypatch.setattr(native._BUILD, "function", counting)
+    monkeypatch.setattr(native, "decode_layers", lambda: counting)
     _assert_same_steps(eager, lean, None)
     # every decode step's layers ran in C++
     assert calls == [4, 4, 4, 1, 2, 1]
@@ -173,11 +176,26 @@ def test_a_native_loop_that_cannot_be_built_names_why(monkeypatch: pytest.Monkey
     monkeypatch.setattr(native.shutil, "which", lambda _name: None)
     with pytest.raises(native.NativeBuildError, match="no C\\+\\+ compiler"):
         native.start("on")
-    # auto: serving goes on with the Python loop, the reason kept
-    native.start("auto")
-    assert not native.wait(30)
-    assert native.decode_layers() is None
+    # auto: serving goes on with the Python loop, the reason kept (and not tried again)
+    assert not native.start("auto")
+    assert native.decode_layers() is None and native.decode_own() is None and native.q8_linear() is None
     assert native.problem() is not None and "no C++ compiler" in native.problem()
+    assert not native.start("auto")
+
+
+def test_an_engine_whose_native_build_failed_keeps_the_python_loop_and_the_bf16_head(
+    lively_tiny_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native, "_BUILD", native._Build())
+    monkeypatch.setattr(native.shutil, "which", lambda _name: None)
+    model, tok = _load(lively_tiny_path)
+    engine = TorchEngine.from_model(model, tok, quantize="int4", native_decode="auto")
+    assert engine.runner.fused is not None and not engine.runner.fused.native
+    assert engine.runner.packed is not None
+    head = [p.kernel.decode for p in engine.runner.packed.layers if p.module is engine.runner.lm_head]
+    assert not isinstance(head[0], quantized_linear.Q8Blocks)
+    with pytest.raises(native.NativeBuildError, match="no C\\+\\+ compiler"):
+        TorchEngine.from_model(model, tok, quantize="int4", native_decode="on")
 
 
 @pytest.mark.parametrize("loop", ["python", "native"])
@@ -199,7 +217,7 @@ def test_lora_rows_beside_base_rows_give_the_eager_forwards_numbers(
             calls.append(len(args[-1]))  # the LoRA entries of the step
             return built(*args)
 
-        monkeypatch.setattr(native._BUILD, "function", counting)
+        monkeypatch.setattr(native, "decode_layers", lambda: counting)
     eager, lean = _engines(lively_tiny_path, adapter, native=loop == "native")
     assert lean.runner.fused is not None and lean.runner.fused.lora_problem is None
     assert lean.runner.fused.native == (loop == "native")

@@ -197,6 +197,28 @@ def lora_unsupported(runner: ModelRunner) -> str | None:
     return None
 
 
+# head sizes decode_own is compiled for; its vectors take widths in multiples of 16
+OWN_HEAD_DIMS = (16, 32, 64, 128)
+OWN_WIDTH = 16
+OWN_MAX_GROUP = 8
+
+
+def own_unsupported(runner: ModelRunner) -> str | None:
+    """Why the C++ loop's own operations (``decode_own``) do not fit this model (None: they do)."""
+    config = runner.config
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    if head_dim not in OWN_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {list(OWN_HEAD_DIMS)}"
+    if heads // kv_heads > OWN_MAX_GROUP:
+        return f"{heads // kv_heads} query heads a key/value head (at most {OWN_MAX_GROUP})"
+    for name in ("hidden_size", "intermediate_size"):
+        if int(getattr(config, name)) % OWN_WIDTH:
+            return f"{name} {getattr(config, name)} is not a multiple of {OWN_WIDTH}"
+    return None
+
+
 # an entry of the C++ loop's LoRA columns: _lora_entries' eight fields and the adapter's rows
 _LORA_FIELDS = 9
 
@@ -204,7 +226,7 @@ _LORA_FIELDS = 9
 class FusedDecode:
     """Decode tokens through the lean forward (see the module doc)."""
 
-    def __init__(self, runner: ModelRunner, *, native: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, *, native: bool = False, own_ops: bool = True) -> None:
         self.runner = runner
         decoder = runner.decoder
         self.decoder = decoder
@@ -230,6 +252,9 @@ class FusedDecode:
         self.lora_problem: str | None = None
         # the layers' loop in C++ once ``native.start`` has built it (``native.py``), else in Python
         self.native = native
+        # the C++ loop's own operations between the products (``decode_own``) where built and
+        # the model's sizes fit them
+        self.own_ops = own_ops and own_unsupported(runner) is None
         self._multiplied: frozenset[int] | None = None
         # the state of every weight the products were prepared from (``fingerprint``), and
         # the per-layer arguments of the native loop made from them
@@ -293,10 +318,12 @@ class FusedDecode:
         # same products (a negation is exact), two operations a layer instead of five
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        loop = native.decode_layers() if self.native and not self.decoder.training else None
-        if loop is not None:
-            x = self._native(loop, plan, x, cos, sin, lora)
-            return runner.lm_head(self.decoder.norm(x))
+        if self.native and not self.decoder.training:
+            own = native.decode_own() if self.own_ops else None
+            loop = own if own is not None else native.decode_layers()
+            if loop is not None:
+                x = self._native(loop, plan, x, cos, sin, lora, own=own is not None)
+                return runner.lm_head(self.decoder.norm(x))
         for index, layer in enumerate(self.layers):
             module = layer.module
             residual = x
@@ -355,8 +382,11 @@ class FusedDecode:
         cos: torch.Tensor,
         sin: torch.Tensor,
         lora: LoraRows | None,
+        *,
+        own: bool,
     ) -> torch.Tensor:
-        """The layers' loop in C++ (``native.py``): the Python loop's operations, bit for bit."""
+        """The layers' loop in C++ (``native.py``): the Python loop's operations, bit for bit,
+        or (``own``) with its own operations between the products."""
         if self._native_args is None:
             norms, packed, scales, biases = [], [], [], []
             for layer in self.layers:
@@ -379,6 +409,28 @@ class FusedDecode:
         )
         first = self.layers[0]
         cache = self.runner.cache
+        if own:
+            return loop(
+                x,
+                cos,
+                sin,
+                norms,
+                packed,
+                scales,
+                biases,
+                cache.k,
+                cache.v,
+                plan.write_slots,
+                plan.write_positions,
+                first.heads,
+                first.kv_heads,
+                first.head_dim,
+                first.gate_up.sizes[0],
+                float(first.module.input_layernorm.variance_epsilon),
+                first.scaling,
+                INT4_GROUP,
+                *columns,
+            )
         bias = ragged.decode_bias_for(plan, x.dtype, first.kv_heads, first.heads // first.kv_heads)
         return loop(
             x,

@@ -1,20 +1,31 @@
-"""The lean forward's loop over the decoder layers in C++ (``csrc/decode_layers.cpp``).
+"""The engine's C++ kernels for CPU decode (``csrc/decode_layers.cpp``), built on the machine.
 
-At one row, a SmolLM2 decode step is ~1,800 small ATen calls; from Python each costs its
-argument parsing, torch-function checks and tensor wrappers on top of the kernel. The C++ loop
-calls the same ATen operations on the same values in the same order, so its numbers are the
-Python loop's bit for bit (``test_fused_decode.py``), only without that plumbing (one step
-9.4 -> 8.3 ms on 2 EPYC cores; benchmarks/RESULTS.md).
+At one row, a SmolLM2 decode step through Python is ~1,800 small ATen calls, each paying its
+argument parsing, torch-function checks and tensor wrappers on top of the kernel. The module
+holds three things:
+
+- ``decode_layers``: the lean forward's loop over the decoder layers as the same ATen calls on
+  the same values in the same order as the Python loop, so its numbers are the Python loop's bit
+  for bit, only without that plumbing (``TANDEM_INFERENCE_NATIVE_OPS=aten``).
+- ``decode_own`` (CPUs with AVX2): the same layers with the operations between the int4
+  products computed by the loop itself (add + RMSNorm, RoPE and the KV write, each row's
+  attention over its own keys, SiLU * up): 4 ATen calls a layer instead of ~60. Its own sums, so
+  not the Python loop's last bits, but each row's numbers depend on that row alone (the same
+  alone as in any batch). The default (``TANDEM_INFERENCE_NATIVE_OPS=own``).
+- ``q8_linear`` (CPUs with AVX2): the output head's decode rows against int8 weights in blocks
+  of 32 with an fp32 scale each (GGUF's Q8_0, the default model file's own head format), fp32
+  activations: about half the bytes of the bf16 head, and the file's values exactly.
 
 There is no wheel to install: torch's ``cpp_extension`` compiles the one source file with the
 machine's C++ compiler (``c++``, and ``ninja`` from PyPI) into torch's extension directory
-(``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``; one build per torch version),
-~25 s once, then loads it in about a second on later starts. ``TANDEM_INFERENCE_NATIVE_DECODE``:
+(``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``; one build per torch version and
+instruction set), ~30 s once, then loads it in about a second on later starts.
+``TANDEM_INFERENCE_NATIVE_DECODE``:
 
-- ``auto`` (the default): built in a background thread at start-up; decode steps take the Python
-  loop until it is loaded, then the C++ one (the same numbers, so a stream never notices). A
-  failed build (no compiler) is logged once with its reason and the Python loop stays.
-- ``on``: built before the engine serves; a failed build stops start-up with its reason.
+- ``auto`` (the default): built (or loaded) when the engine is made, before it serves; a failed
+  build (no compiler) is logged once with its reason and the engine keeps the Python loop and
+  the bf16 head for its whole life (a stream's numbers never change kernels half-way).
+- ``on``: the same, but a failed build stops start-up with its reason.
 - ``off``: never built.
 """
 
@@ -32,11 +43,14 @@ from typing import Any, Literal
 log = logging.getLogger("tandem.engine.native")
 
 NativeDecode = Literal["auto", "on", "off"]
+# own: decode_own (its own operations between the int4 products, where the CPU has AVX2);
+# aten: decode_layers (the Python loop's ATen calls, its numbers bit for bit)
+NativeOps = Literal["own", "aten"]
 SOURCE = Path(__file__).parent / "csrc" / "decode_layers.cpp"
 
 
 class NativeBuildError(RuntimeError):
-    """The C++ loop could not be built or loaded (the message says why)."""
+    """The C++ module could not be built or loaded (the message says why)."""
 
 
 class _Build:
@@ -44,30 +58,28 @@ class _Build:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
-        self.function: Any = None
+        self.module: Any = None
         self.problem: str | None = None
-
-    def run(self) -> None:
-        try:
-            function = _compile()
-        except Exception as exc:  # a missing compiler or a failed build must not stop serving
-            self.problem = f"{type(exc).__name__}: {exc}"
-            log.warning(
-                "the native decode loop was not built (%s); decode steps keep the Python loop", self.problem
-            )
-            return
-        self.function = function
 
 
 _BUILD = _Build()
 
 
+def avx2() -> bool:
+    """Whether torch runs AVX2 (or AVX-512) kernels here: then ``decode_own`` and
+    ``q8_linear`` are built too."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def _module_name() -> str:
     import torch
 
-    # one build per torch version: an extension built against another torch must not load
-    return "tandem_decode_layers_" + re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
+    # one build per torch version and instruction set: an extension built against another torch,
+    # or with AVX2 for a CPU without it, must not load
+    kind = "avx2" if avx2() else "default"
+    return f"tandem_decode_layers_{kind}_" + re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
 
 
 def _compile() -> Any:
@@ -82,43 +94,57 @@ def _compile() -> Any:
     from torch.utils.cpp_extension import load
 
     start = time.monotonic()
-    module = load(_module_name(), [str(SOURCE)], extra_cflags=["-O2"], verbose=False)
-    log.info("native decode loop ready in %.1f s", time.monotonic() - start)
-    return module.decode_layers
+    # decode_own's and q8_linear's vectors are ATen's AVX2 ones (its headers pick them by
+    # CPU_CAPABILITY); no -fopenmp: the loops run on torch's own threads (at::parallel_for)
+    flags = (
+        ["-O3", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+        if avx2()
+        else []
+    )
+    module = load(_module_name(), [str(SOURCE)], extra_cflags=["-O2", *flags], verbose=False)
+    log.info("native decode kernels ready in %.1f s", time.monotonic() - start)
+    return module
 
 
-def start(mode: NativeDecode) -> None:
-    """Build (``on``: now, raising ``NativeBuildError``) or start building (``auto``) the loop."""
+def start(mode: NativeDecode) -> bool:
+    """Build (or load) the module now unless ``mode`` is off; True when it is loaded. A failed
+    build raises ``NativeBuildError`` under ``on`` and is logged once under ``auto``."""
     if mode == "off":
-        return
+        return False
     with _BUILD.lock:
-        if mode == "on":
-            if _BUILD.function is None:
-                try:
-                    _BUILD.function = _compile()
-                except Exception as exc:
+        if _BUILD.module is None and (_BUILD.problem is None or mode == "on"):
+            try:
+                _BUILD.module = _compile()
+                _BUILD.problem = None
+            except Exception as exc:  # a missing compiler or a failed build must not stop auto
+                _BUILD.problem = f"{type(exc).__name__}: {exc}"
+                if mode == "on":
                     raise NativeBuildError(
-                        f"TANDEM_INFERENCE_NATIVE_DECODE=on: the C++ decode loop could not be built: {exc}"
+                        f"TANDEM_INFERENCE_NATIVE_DECODE=on: the C++ decode kernels could not be built: {exc}"
                     ) from exc
-            return
-        if _BUILD.thread is None and _BUILD.function is None:
-            _BUILD.thread = threading.Thread(target=_BUILD.run, name="tandem-native-build", daemon=True)
-            _BUILD.thread.start()
-
-
-def wait(timeout: float | None = None) -> bool:
-    """Wait for a background build (tests, benchmarks); True when the loop is loaded."""
-    thread = _BUILD.thread
-    if thread is not None:
-        thread.join(timeout)
-    return _BUILD.function is not None
+                log.warning(
+                    "the native decode kernels were not built (%s); decode keeps the Python loop",
+                    _BUILD.problem,
+                )
+        return _BUILD.module is not None
 
 
 def decode_layers() -> Any:
-    """The C++ loop, or None while it is not (yet) built."""
-    return _BUILD.function
+    """The C++ loop on ATen's operations, or None while the module is not built."""
+    return getattr(_BUILD.module, "decode_layers", None)
+
+
+def decode_own() -> Any:
+    """The C++ loop with its own operations between the products, or None (not built, or a CPU
+    without AVX2)."""
+    return getattr(_BUILD.module, "decode_own", None)
+
+
+def q8_linear() -> Any:
+    """The Q8_0 block product, or None (not built, or a CPU without AVX2)."""
+    return getattr(_BUILD.module, "q8_linear", None)
 
 
 def problem() -> str | None:
-    """Why the loop is not loaded (None while building, or once loaded)."""
+    """Why the module is not loaded (None once loaded, or before any build was tried)."""
     return _BUILD.problem

@@ -114,6 +114,54 @@ class Int4WeightOnly:
         return out.view(*input.shape[:-1], -1)
 
 
+# GGUF's Q8_0 block size (Q8Blocks), and its output tiles (native.q8_linear's layout)
+Q8_BLOCK = 32
+Q8_TILE = 32
+
+
+class Q8Blocks:
+    """Symmetric int8 in blocks of ``Q8_BLOCK`` input features with an fp32 scale each (GGUF's
+    Q8_0), multiplied with fp32 activations by the native module's ``q8_linear`` (AVX2). For the
+    output head's decode rows: the default model file stores its head (the tied embeddings) as
+    Q8_0, so re-quantising the de-quantised weight gives the file's values back, where bf16
+    rounds them; and it reads about half a bf16 head's bytes (SmolLM2's 49K x 576 head at one row:
+    1.7-2.3 vs 4.7-5.7 ms on 2 Zen 4 cores; 16 rows 15-19 vs 7.5-9.3 ms). Each row is computed on
+    its own (the same logits alone as in any batch)."""
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        w = weight.float()
+        out_f, in_f = w.shape
+        if in_f % Q8_BLOCK:
+            raise ValueError(f"Q8Blocks: {in_f} input features are not a multiple of {Q8_BLOCK}")
+        tiles = -(-out_f // Q8_TILE)
+        if tiles * Q8_TILE != out_f:  # zero rows up to whole tiles (their outputs are dropped)
+            w = torch.cat([w, w.new_zeros(tiles * Q8_TILE - out_f, in_f)])
+        blocks = w.view(tiles * Q8_TILE, in_f // Q8_BLOCK, Q8_BLOCK)
+        scale = blocks.abs().amax(dim=-1) / 127
+        q = (
+            torch.round(blocks / torch.where(scale > 0, scale, 1.0)[..., None])
+            .clamp(-127, 127)
+            .to(torch.int8)
+        )
+        # tiles of Q8_TILE outputs: an input's weights in a tile are consecutive bytes
+        q_tiles = q.view(tiles, Q8_TILE, in_f).transpose(1, 2).contiguous()
+        scale_tiles = scale.view(tiles, Q8_TILE, in_f // Q8_BLOCK).transpose(1, 2).contiguous()
+        return q_tiles, scale_tiles, out_f
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        from services.inference.engine import native
+
+        q_tiles, scale_tiles, out_f = prepared
+        kernel = native.q8_linear()
+        if kernel is None:  # chosen only once the module is built (ModelRunner)
+            raise RuntimeError("Q8Blocks needs the native module's q8_linear (native.start)")
+        x = input.reshape(-1, input.shape[-1])
+        out = kernel(x, q_tiles, scale_tiles)[:, :out_f].to(input.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*input.shape[:-1], -1)
+
+
 class BF16Packed(OneDNNPacked):
     """The weight in bf16, oneDNN-packed (native bf16 products on CPUs with AVX512-BF16/AMX)."""
 
@@ -318,6 +366,8 @@ def layer_kernels(
     output_head: torch.nn.Module | None,
     batch_hint: int = 16,
     prompt_dtype: PromptDType = "float32",
+    *,
+    q8_head: bool = False,
 ) -> KernelChoice:
     """The kernel of each base linear layer under ``mode``. Prompt tokens multiply with the
     model's own weights, oneDNN-packed, never quantised (int4/int8 kernels are slower than
@@ -335,6 +385,8 @@ def layer_kernels(
     # oneDNN packs bf16 weights only where the CPU has bf16 instructions (AVX512-BF16, AMX,
     # AVX-NE-CONVERT, or AVX512BW/VL/DQ): an AVX2-only CPU's head keeps the model's dtype
     other = bf16 if mode == "int4" and packed_linear.available(torch.device("cpu"), COMPUTE_DTYPE) else own
+    # the head's decode rows in Q8_0 blocks where the native module is built (q8_head: ModelRunner)
+    head_decode = Q8Blocks() if mode == "int4" and q8_head else other
 
     def choose(_name: str, module: torch.nn.Linear) -> LinearKernel | None:
         head = module is output_head
@@ -346,6 +398,8 @@ def layer_kernels(
             return ByTokenKind(int8, prompt_side)
         if not head and module.in_features % INT4_GROUP == 0:
             return ByTokenKind(int4, prompt_side)
+        if head and module.in_features % Q8_BLOCK == 0:
+            return ByTokenKind(head_decode, prompt_side)
         return ByTokenKind(other, prompt_side)
 
     return choose

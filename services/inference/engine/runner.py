@@ -24,9 +24,11 @@ from typing import Any
 import torch
 
 from services.inference.engine import fused_decode, lora_rows, packed_linear, quantized_linear, ragged
+from services.inference.engine import native as native_module
 from services.inference.engine.compiled_decode import Compile, CompiledDecode
 from services.inference.engine.fused_decode import FusedDecode
 from services.inference.engine.kv_cache import SlabKVCache
+from services.inference.engine.native import NativeDecode, NativeOps
 from services.inference.engine.packed_linear import PackedLinears
 from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.ragged import DecodeRow, PrefillRow
@@ -64,7 +66,8 @@ class ModelRunner:
         compile: Compile = "off",
         prompt_dtype: PromptDType = "auto",
         fused: bool = True,
-        native: bool = False,
+        native: NativeDecode = "off",
+        native_ops: NativeOps = "own",
     ) -> None:
         self.model = model
         base = base_model_of(model)
@@ -110,12 +113,23 @@ class ModelRunner:
             raise ValueError(
                 f"prompt_dtype='bfloat16': this torch build has no oneDNN bf16 products on {self.device}"
             )
+        # the C++ decode kernels (native.py), built before any forward: an engine's decode never
+        # changes kernels during its life
+        built = (
+            quantize == "int4" and self.device.type == "cpu" and self.dtype == torch.float32
+        ) and native_module.start(native)
         if quantize != "none" or prompt == "bfloat16":
             problem = quantized_linear.available(quantize, self.device)
             if problem is not None:
                 raise ValueError(f"quantize={quantize!r}: {problem}")
             # quantised (or bf16 prompt) products replace the packed ones (layers left out stay plain)
-            choose = quantized_linear.layer_kernels(quantize, self.lm_head, max_slots, prompt)
+            choose = quantized_linear.layer_kernels(
+                quantize,
+                self.lm_head,
+                max_slots,
+                prompt,
+                q8_head=built and native_ops == "own" and native_module.q8_linear() is not None,
+            )
             self.packed = PackedLinears(model, choose=choose)
         elif packed_weights and packed_linear.available(self.device, self.dtype):
             self.packed = PackedLinears(model, batch_hint=max_slots)
@@ -127,7 +141,7 @@ class ModelRunner:
         if fused and self.compiled is None:
             problem = fused_decode.unsupported(self)
             if problem is None:
-                self.fused = FusedDecode(self, native=native)
+                self.fused = FusedDecode(self, native=built, own_ops=native_ops == "own")
                 self.fused.refresh()
             else:
                 log.info("decode tokens take the eager forward: %s", problem)

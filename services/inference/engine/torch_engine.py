@@ -21,12 +21,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from services.inference.engine import native
 from services.inference.engine.base import AdapterHost
 from services.inference.engine.compiled_decode import Compile
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.guided import GuidedCompiler
-from services.inference.engine.native import NativeDecode
+from services.inference.engine.native import NativeDecode, NativeOps
 from services.inference.engine.prefix_cache import PrefixCache
 from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.runner import ModelRunner
@@ -134,6 +133,7 @@ class TorchEngine(AdapterHost):
         prompt_dtype: PromptDType = "auto",
         fused_decode: bool = True,
         native_decode: NativeDecode = "off",
+        native_ops: NativeOps = "own",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -151,7 +151,8 @@ class TorchEngine(AdapterHost):
             compile=compile,
             prompt_dtype=prompt_dtype,
             fused=fused_decode,
-            native=native_decode != "off",
+            native=native_decode,
+            native_ops=native_ops,
         )
         self.native_decode: NativeDecode = native_decode
         self.max_model_len = self.runner.max_len
@@ -414,10 +415,6 @@ class TorchEngine(AdapterHost):
     async def start(self) -> None:
         # pack (or quantise) the weights before serving, so the first request does not pay for it
         await in_own_thread(self.runner.prepare_weights)
-        if self.runner.fused is not None and self.native_decode != "off":
-            # on: built (or loaded from torch's extension directory) before serving; auto: in the
-            # background, the Python loop serving meanwhile
-            await in_own_thread(native.start, self.native_decode)
         if self.runner.compiled is not None:
             # compile the decode step's graphs before serving: never inside a request's first token
             await in_own_thread(self._warm_up)

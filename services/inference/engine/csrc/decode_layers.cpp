@@ -9,7 +9,16 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <vector>
+
+#ifdef CPU_CAPABILITY_AVX2
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <immintrin.h>
+#endif
 
 using at::Tensor;
 using torch::indexing::Slice;
@@ -187,9 +196,419 @@ Tensor decode_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::
   return x;
 }
 
+#ifdef CPU_CAPABILITY_AVX2
+// ------------------------------------------------------------------------------------------------
+// decode_own: the same decoder layers with the operations between the int4 products computed
+// here (add + RMSNorm, RoPE + the KV write, each row's attention over its own keys, SiLU * up),
+// AVX2 vectors through ATen's Vectorized, rows in parallel through at::parallel_for (torch's own
+// thread pool: a second OpenMP runtime would spin beside torch's on the same cores). A layer is
+// then 4 ATen calls instead of ~60. Not the ATen loop's bits (its own sums; within ~1e-5 of
+// it), but every row's numbers depend only on that row: the same alone as in any batch.
+
+namespace own {
+
+using Vec = at::vec::Vectorized<float>;
+using VecB = at::vec::Vectorized<at::BFloat16>;
+constexpr int64_t W = Vec::size();  // 8 floats
+constexpr int64_t WB = VecB::size();  // 16 bf16: the widths below are multiples of it
+
+inline float hsum(const Vec& v) {
+  float lanes[W];
+  v.store(lanes);
+  float sum = 0.f;
+  for (int64_t i = 0; i < W; ++i) {
+    sum += lanes[i];
+  }
+  return sum;
+}
+
+inline void to_bf16(at::BFloat16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += WB) {
+    at::vec::convert_float_bfloat16(Vec::loadu(src + i), Vec::loadu(src + i + W)).store(dst + i);
+  }
+}
+
+inline void to_f32(float* dst, const at::BFloat16* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += WB) {
+    auto [lo, hi] = at::vec::convert_bfloat16_float(VecB::loadu(src + i));
+    lo.store(dst + i);
+    hi.store(dst + i + W);
+  }
+}
+
+// row t of a product's output (bf16 from the kernel, or fp32 once a bias or LoRA was added) as
+// fp32: a pointer into it, or into scratch
+inline const float* row_f32(const Tensor& out, int64_t t, float* scratch) {
+  const int64_t n = out.size(1);
+  if (out.scalar_type() == at::kFloat) {
+    return out.data_ptr<float>() + t * n;
+  }
+  to_f32(scratch, out.data_ptr<at::BFloat16>() + t * n, n);
+  return scratch;
+}
+
+// x += delta (a product's row); then h = RMSNorm(x) * weight, as fp32 and bf16
+inline void add_norm(float* x, const float* delta, const float* weight, int64_t n, float eps, float* h32,
+                     at::BFloat16* h16) {
+  Vec acc(0.f);
+  for (int64_t i = 0; i < n; i += W) {
+    Vec v = Vec::loadu(x + i);
+    if (delta != nullptr) {
+      v = v + Vec::loadu(delta + i);
+      v.store(x + i);
+    }
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  const Vec r(1.f / std::sqrt(hsum(acc) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += W) {
+    (Vec::loadu(x + i) * r * Vec::loadu(weight + i)).store(h32 + i);
+  }
+  to_bf16(h16, h32, n);
+}
+
+// RoPE of one head: out = x * cos + roll(x, d/2) * sin (sin's first half negated)
+template <int64_t D>
+inline void rope(const float* x, const float* cos, const float* sin, float* out) {
+  constexpr int64_t half = D / 2;
+  for (int64_t c = 0; c < D; c += W) {
+    const float* partner = c < half ? x + c + half : x + c - half;
+    at::vec::fmadd(Vec::loadu(x + c), Vec::loadu(cos + c), Vec::loadu(partner) * Vec::loadu(sin + c)).store(out + c);
+  }
+}
+
+// one (token, key/value head) of a decode step: RoPE of its key and query heads, the key and
+// value written at the token's position of its slab row, and each query head's softmax over
+// the row's keys 0..position times their values
+template <int64_t D>
+void attend(const float* qkv, const float* cos, const float* sin, float* k_row, float* v_row, int64_t length,
+            int64_t first_head, int64_t group, int64_t heads, int64_t kv_head, int64_t kv_heads, float scale,
+            float* out) {
+  // k_row/v_row: [capacity, D] of this slab row and head; the new key goes to length - 1
+  const float* k_in = qkv + (heads + kv_head) * D;
+  const float* v_in = qkv + (heads + kv_heads + kv_head) * D;
+  rope<D>(k_in, cos, sin, k_row + (length - 1) * D);
+  std::memcpy(v_row + (length - 1) * D, v_in, D * sizeof(float));
+  float q[8][D];
+  for (int64_t h = 0; h < group; ++h) {
+    rope<D>(qkv + (first_head + h) * D, cos, sin, q[h]);
+  }
+  std::vector<float> weights(group * length);
+  for (int64_t j = 0; j < length; ++j) {
+    const float* key = k_row + j * D;
+    Vec acc[8];
+    for (int64_t h = 0; h < group; ++h) {
+      acc[h] = Vec(0.f);
+    }
+    for (int64_t c = 0; c < D; c += W) {
+      const Vec k = Vec::loadu(key + c);
+      for (int64_t h = 0; h < group; ++h) {
+        acc[h] = at::vec::fmadd(Vec::loadu(q[h] + c), k, acc[h]);
+      }
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      weights[h * length + j] = hsum(acc[h]) * scale;
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    float* w = weights.data() + h * length;
+    float top = w[0];
+    for (int64_t j = 1; j < length; ++j) {
+      top = std::max(top, w[j]);
+    }
+    const Vec vtop(top);
+    Vec acc(0.f);
+    int64_t j = 0;
+    for (; j + W <= length; j += W) {
+      const Vec e = (Vec::loadu(w + j) - vtop).exp();
+      e.store(w + j);
+      acc = acc + e;
+    }
+    float total = hsum(acc);
+    if (j < length) {
+      const Vec e = (Vec::loadu(w + j, length - j) - vtop).exp();
+      float tail[W];
+      e.store(tail);
+      for (int64_t i = 0; i < length - j; ++i) {
+        w[j + i] = tail[i];
+        total += tail[i];
+      }
+    }
+    const float inv = 1.f / total;
+    float* o = out + (first_head + h) * D;
+    for (int64_t c = 0; c < D; c += W) {
+      Vec sum(0.f);
+      for (int64_t k = 0; k < length; ++k) {
+        sum = at::vec::fmadd(Vec(w[k]), Vec::loadu(v_row + k * D + c), sum);
+      }
+      (sum * Vec(inv)).store(o + c);
+    }
+  }
+}
+
+// one int4 product as product() above; h32 for LoRA's deltas (bf16 out unless something adds)
+Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const Tensor& scales,
+               const c10::optional<Tensor>& bias, int64_t group, int64_t index, Lora& lora) {
+  Tensor out = at::_weight_int4pack_mm_for_cpu(h16, packed, group, scales);
+  if (!bias.has_value() && !lora.adds_to(index)) {
+    return out;
+  }
+  out = out.to(at::kFloat);
+  if (bias.has_value()) {
+    out.add_(*bias);
+  }
+  lora.add_all(index, h32, out);
+  return out;
+}
+
+// rows [0, n) in parallel, a few at a time (one row runs on the calling thread)
+template <typename F>
+inline void rows(int64_t n, const F& f) {
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      f(t);
+    }
+  });
+}
+
+template <int64_t D>
+Tensor layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
+              const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
+              const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
+              const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions, int64_t heads,
+              int64_t kv_heads, int64_t intermediate, double eps, double scaling, int64_t group, Lora& lora) {
+  x = x.contiguous().clone();
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  const int64_t width = (heads + 2 * kv_heads) * D, nq = heads * D, per_kv = heads / kv_heads;
+  const auto f32 = x.options(), bf16 = x.options().dtype(at::kBFloat16);
+  Tensor h32 = at::empty({tokens, hidden}, f32), h16 = at::empty({tokens, hidden}, bf16);
+  Tensor a32 = at::empty({tokens, nq}, f32), a16 = at::empty({tokens, nq}, bf16);
+  Tensor m32 = at::empty({tokens, intermediate}, f32), m16 = at::empty({tokens, intermediate}, bf16);
+  const float* cos_p = cos.data_ptr<float>();
+  const float* sin_p = sin.data_ptr<float>();
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  const int64_t* pos_p = positions.data_ptr<int64_t>();
+  float* x_p = x.data_ptr<float>();
+  const float fe = static_cast<float>(eps);
+  const int64_t layers_n = static_cast<int64_t>(k_slabs.size());
+  rows(tokens, [&](int64_t t) {
+    add_norm(x_p + t * hidden, nullptr, norms[0].data_ptr<float>(), hidden, fe, h32.data_ptr<float>() + t * hidden,
+             h16.data_ptr<at::BFloat16>() + t * hidden);
+  });
+  for (int64_t i = 0; i < layers_n; ++i) {
+    const int64_t p = 4 * i;
+    Tensor qkv = own::product(h32, h16, packed[p], scales[p], biases[p], group, p, lora);
+    float* k_slab = k_slabs[i].data_ptr<float>();
+    float* v_slab = v_slabs[i].data_ptr<float>();
+    const int64_t capacity = k_slabs[i].size(2);
+    const int64_t slab_row = kv_heads * capacity * D;
+    at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(width);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t = task / kv_heads, g = task % kv_heads;
+        const int64_t offset = slot_p[t] * slab_row + g * capacity * D;
+        attend<D>(row_f32(qkv, t, scratch.data()), cos_p + t * D, sin_p + t * D, k_slab + offset, v_slab + offset,
+                  pos_p[t] + 1, g * per_kv, per_kv, heads, g, kv_heads, static_cast<float>(scaling),
+                  a32.data_ptr<float>() + t * nq);
+      }
+    });
+    rows(tokens, [&](int64_t t) { to_bf16(a16.data_ptr<at::BFloat16>() + t * nq, a32.data_ptr<float>() + t * nq, nq); });
+    Tensor o = own::product(a32, a16, packed[p + 1], scales[p + 1], biases[p + 1], group, p + 1, lora);
+    rows(tokens, [&](int64_t t) {
+      std::vector<float> scratch(hidden);
+      add_norm(x_p + t * hidden, row_f32(o, t, scratch.data()), norms[2 * i + 1].data_ptr<float>(), hidden, fe,
+               h32.data_ptr<float>() + t * hidden, h16.data_ptr<at::BFloat16>() + t * hidden);
+    });
+    Tensor gate_up = own::product(h32, h16, packed[p + 2], scales[p + 2], biases[p + 2], group, p + 2, lora);
+    rows(tokens, [&](int64_t t) {
+      std::vector<float> scratch(2 * intermediate);
+      const float* gu = row_f32(gate_up, t, scratch.data());
+      float* act = m32.data_ptr<float>() + t * intermediate;
+      for (int64_t c = 0; c < intermediate; c += W) {
+        const Vec g = Vec::loadu(gu + c);
+        // SiLU as torch computes it: x / (1 + exp(-x))
+        (g / (Vec(1.f) + g.neg().exp()) * Vec::loadu(gu + intermediate + c)).store(act + c);
+      }
+      to_bf16(m16.data_ptr<at::BFloat16>() + t * intermediate, act, intermediate);
+    });
+    Tensor down = own::product(m32, m16, packed[p + 3], scales[p + 3], biases[p + 3], group, p + 3, lora);
+    // the residual add, and the next layer's input norm (none after the last: the model's
+    // final norm is applied in Python)
+    const bool last = i + 1 == layers_n;
+    rows(tokens, [&](int64_t t) {
+      std::vector<float> scratch(hidden);
+      const float* d = row_f32(down, t, scratch.data());
+      float* xr = x_p + t * hidden;
+      if (last) {
+        for (int64_t c = 0; c < hidden; c += W) {
+          (Vec::loadu(xr + c) + Vec::loadu(d + c)).store(xr + c);
+        }
+      } else {
+        add_norm(xr, d, norms[2 * i + 2].data_ptr<float>(), hidden, fe, h32.data_ptr<float>() + t * hidden,
+                 h16.data_ptr<at::BFloat16>() + t * hidden);
+      }
+    });
+  }
+  return x;
+}
+
+// ---- the output head in Q8_0 blocks: int8 weights, one fp32 scale per 32 inputs of a row ----
+// Tiles of 32 outputs: q [N/32, K, 32] int8 and d [N/32, K/32, 32] fp32, so one input k of a tile
+// is 32 consecutive bytes and its outputs are the vector lanes (no horizontal sums).
+
+constexpr int64_t Q8_BLOCK = 32;
+
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// R rows, one block of 32 inputs, one tile: acc[r][v] += d[v] * sum_k q[k][v] * x[r][k], one FMA
+// chain per vector of 8 outputs and row. The weights widened here (FromBuffer false) or already
+// in wbuf (the same values): the same operations for a row whatever R is, so its logits are the
+// same whatever rows share the call
+template <int64_t R, bool FromBuffer>
+inline void q8_block(const int8_t* q, const float* wbuf, const float* x, int64_t x_stride, const float* d,
+                     __m256* acc) {
+  __m256 p[R][4];
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t v = 0; v < 4; ++v) {
+      p[r][v] = _mm256_setzero_ps();
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < Q8_BLOCK; ++k) {
+    __m256 w[4];
+    for (int64_t v = 0; v < 4; ++v) {
+      w[v] = FromBuffer ? _mm256_loadu_ps(wbuf + k * 32 + v * 8) : widen8(q + k * 32 + v * 8);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 bx = _mm256_broadcast_ss(x + r * x_stride + k);
+      for (int64_t v = 0; v < 4; ++v) {
+        p[r][v] = _mm256_fmadd_ps(w[v], bx, p[r][v]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t v = 0; v < 4; ++v) {
+      acc[r * 4 + v] = _mm256_fmadd_ps(_mm256_loadu_ps(d + v * 8), p[r][v], acc[r * 4 + v]);
+    }
+  }
+}
+
+}  // namespace own
+
+// x [T, K] fp32 times a weight [N, K] in Q8_0 blocks (the weight is q * d block by block), as fp32
+// [T, N]; q and d in tiles (above). Memory-bound at a few rows: about half the bytes of a bf16
+// weight, and GGUF's Q8_0 values exactly (bf16 rounds them).
+Tensor q8_linear(const Tensor& x_in, const Tensor& q, const Tensor& d) {
+  constexpr int64_t B = own::Q8_BLOCK;
+  TORCH_CHECK(x_in.dim() == 2 && q.dim() == 3 && d.dim() == 3 && q.size(2) == 32 && d.size(2) == 32,
+              "q8_linear: x [T, K], q [N/32, K, 32], d [N/32, K/32, 32]");
+  TORCH_CHECK(q.scalar_type() == at::kChar && d.scalar_type() == at::kFloat, "q8_linear: q int8, d fp32");
+  const Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t tokens = x.size(0), k_size = x.size(1), tiles = q.size(0), n_size = tiles * 32;
+  TORCH_CHECK(q.size(1) == k_size && k_size % B == 0 && d.size(1) == k_size / B && d.size(0) == tiles &&
+                  q.is_contiguous() && d.is_contiguous(),
+              "q8_linear: shapes x ", x.sizes(), " q ", q.sizes(), " d ", d.sizes());
+  Tensor out = at::empty({tokens, n_size}, x.options());
+  const float* x_p = x.data_ptr<float>();
+  const int8_t* q_p = q.data_ptr<int8_t>();
+  const float* d_p = d.data_ptr<float>();
+  float* o_p = out.data_ptr<float>();
+  const int64_t blocks = k_size / B;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> wbuf(B * 32);
+    std::vector<__m256> accbuf(tokens * 4);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int8_t* qt = q_p + tile * k_size * 32;
+      const float* dt = d_p + tile * blocks * 32;
+      if (tokens == 1) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t b = 0; b < blocks; ++b) {
+          own::q8_block<1, false>(qt + b * B * 32, nullptr, x_p + b * B, k_size, dt + b * 32, acc);
+        }
+        for (int64_t v = 0; v < 4; ++v) {
+          _mm256_storeu_ps(o_p + tile * 32 + v * 8, acc[v]);
+        }
+        continue;
+      }
+      std::fill(accbuf.begin(), accbuf.end(), _mm256_setzero_ps());
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t* qb = qt + b * B * 32;
+        for (int64_t i = 0; i < B * 32; i += 8) {
+          _mm256_storeu_ps(wbuf.data() + i, own::widen8(qb + i));
+        }
+        int64_t t = 0;
+        for (; t + 2 <= tokens; t += 2) {
+          own::q8_block<2, true>(nullptr, wbuf.data(), x_p + t * k_size + b * B, k_size, dt + b * 32,
+                                 accbuf.data() + t * 4);
+        }
+        if (t < tokens) {
+          own::q8_block<1, true>(nullptr, wbuf.data(), x_p + t * k_size + b * B, k_size, dt + b * 32,
+                                 accbuf.data() + t * 4);
+        }
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t v = 0; v < 4; ++v) {
+          _mm256_storeu_ps(o_p + t * n_size + tile * 32 + v * 8, accbuf[t * 4 + v]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// decode_layers' arguments without the attention's plan: each token t attends slab row
+// slots[t], keys 0..positions[t] (its own, written there first). cos/sin [T, 1, d] contiguous.
+Tensor decode_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
+                  const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
+                  const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
+                  const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions, int64_t heads,
+                  int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scaling, int64_t group,
+                  const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
+                  const std::vector<int64_t>& lora_size, const std::vector<Tensor>& lora_a,
+                  const std::vector<c10::optional<Tensor>>& lora_a_bias, const std::vector<Tensor>& lora_b,
+                  const std::vector<c10::optional<Tensor>>& lora_b_bias, const std::vector<double>& lora_scale,
+                  const std::vector<c10::optional<Tensor>>& lora_rows) {
+  Lora lora{lora_slot, lora_offset, lora_size, lora_a, lora_a_bias, lora_b, lora_b_bias, lora_scale, lora_rows};
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= 8, "decode_own: at most 8 query heads a key head");
+  TORCH_CHECK(x.size(1) % own::WB == 0 && intermediate % own::WB == 0, "decode_own: widths must be multiples of 16");
+  TORCH_CHECK(slots.size(0) == x.size(0) && positions.size(0) == x.size(0), "decode_own: a slot and position a token");
+  for (size_t i = 0; i < k_slabs.size(); ++i) {
+    TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous() && k_slabs[i].size(3) == head_dim,
+                "decode_own: the slabs must be contiguous [slots, kv_heads, capacity, head_dim]");
+  }
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  const int64_t* pos_p = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    TORCH_CHECK(slot_p[t] >= 0 && slot_p[t] < k_slabs[0].size(0) && pos_p[t] >= 0 && pos_p[t] < k_slabs[0].size(2),
+                "decode_own: token ", t, " at slot ", slot_p[t], " position ", pos_p[t], " is outside the slabs");
+  }
+  Tensor c = cos.contiguous(), s = sin.contiguous();
+  switch (head_dim) {
+#define TANDEM_HEAD_DIM(D)                                                                                      \
+  case D:                                                                                                      \
+    return own::layers<D>(x, c, s, norms, packed, scales, biases, k_slabs, v_slabs, slots, positions, heads,    \
+                          kv_heads, intermediate, eps, scaling, group, lora);
+    TANDEM_HEAD_DIM(16)
+    TANDEM_HEAD_DIM(32)
+    TANDEM_HEAD_DIM(64)
+    TANDEM_HEAD_DIM(128)
+#undef TANDEM_HEAD_DIM
+    default:
+      TORCH_CHECK(false, "decode_own: head_dim must be 16, 32, 64 or 128, not ", head_dim);
+  }
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL: the server's event loop (streaming the last step's tokens) runs beside it,
   // as it ran beside each ATen call of the Python loop
   m.def("decode_layers", &decode_layers, "the lean forward's decoder layers of one decode step",
         py::call_guard<py::gil_scoped_release>());
+#ifdef CPU_CAPABILITY_AVX2
+  m.def("q8_linear", &q8_linear, "x times a weight in Q8_0 blocks (int8, an fp32 scale per 32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_own", &decode_own, "the decoder layers of one decode step, the ops between the products its own",
+        py::call_guard<py::gil_scoped_release>());
+#endif
 }

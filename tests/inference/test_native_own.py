@@ -1,0 +1,217 @@
+"""The C++ decode kernels' own arithmetic (``engine/native.py``): ``decode_own`` (the decoder
+layers with norms, RoPE, attention and SiLU computed by the loop) and ``q8_linear`` (the output
+head's decode rows in Q8_0 blocks). Not the ATen loop's last bits, so they are checked against it
+within a tolerance, and for what greedy decoding needs exactly: a row's numbers are the same
+alone as in any batch, LoRA rows included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.inference.engine import TorchEngine, native, quantized_linear
+from services.inference.engine.quantized_linear import Q8Blocks
+from services.inference.engine.ragged import DecodeRow, PrefillRow
+from tests.helpers.models import make_lora_adapter
+
+pytestmark = pytest.mark.skipif(
+    quantized_linear.available("int4", torch.device("cpu")) is not None or not native.avx2(),
+    reason="needs torch's CPU int4 kernel and an AVX2 CPU",
+)
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    """The module, built once (into torch's extension directory: later runs load it)."""
+    assert native.start("on")
+
+
+def _q8_weight(out_f: int, in_f: int, seed: int) -> torch.Tensor:
+    """A weight whose blocks of 32 are Q8_0 values: int8 (one of them +-127) times a scale."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out_f, in_f // 32, 32), generator=gen)
+    q[..., 3] = 127 * torch.where(torch.rand(out_f, in_f // 32, generator=gen) < 0.5, -1, 1)
+    scale = torch.rand(out_f, in_f // 32, generator=gen) * 0.02 + 1e-3
+    return (q * scale[..., None]).reshape(out_f, in_f).float()
+
+
+def test_q8_blocks_multiply_the_q8_0_values_each_row_on_its_own(built: None) -> None:
+    weight = _q8_weight(100, 96, seed=0)  # 100 outputs: not whole tiles of 32
+    kernel = Q8Blocks()
+    prepared = kernel.prepare(weight)
+    q_tiles, scale_tiles, out_f = prepared
+    assert out_f == 100 and q_tiles.dtype == torch.int8 and q_tiles.shape == (4, 96, 32)
+    # the blocks come back as they were (the scale found again to within an fp32 rounding)
+    back = (q_tiles.float() * scale_tiles.repeat_interleave(32, dim=1)).transpose(1, 2).reshape(128, 96)
+    assert torch.allclose(back[:100], weight, rtol=1e-6, atol=0)
+    assert torch.equal(back[100:], torch.zeros(28, 96))
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(100)
+    out = kernel.apply(x, prepared, bias)
+    ref = x.double() @ weight.double().T + bias.double()
+    assert out.shape == (7, 100) and out.dtype == torch.float32
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    # a row's logits alone = among 2, 3 or 7 rows, at any place, bit for bit
+    for row in range(7):
+        alone = kernel.apply(x[row : row + 1], prepared, bias)[0]
+        assert torch.equal(alone, out[row]), row
+    assert torch.equal(kernel.apply(x[2:5], prepared, bias), out[2:5])
+    # a batch's leading dimensions are kept
+    assert torch.equal(kernel.apply(x[:6].view(2, 3, 96), prepared, bias).view(6, 100), out[:6])
+
+
+def test_q8_blocks_refuse_a_width_that_is_not_whole_blocks() -> None:
+    with pytest.raises(ValueError, match="40 input features"):
+        Q8Blocks().prepare(torch.randn(8, 40))
+
+
+def _load(path: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def _engine(path: Path, ops: str, adapter: Path | None = None) -> TorchEngine:
+    model, tok = _load(path)
+    engine = TorchEngine.from_model(
+        model,
+        tok,
+        max_batch_size=6,
+        quantize="int4",
+        native_decode="on",
+        native_ops=ops,  # type: ignore[arg-type]
+    )
+    if adapter is not None:
+        engine.load_adapter_sync("a", str(adapter))
+    engine.runner.prepare_weights()
+    return engine
+
+
+def _head_kernel(engine: TorchEngine) -> Any:
+    packed = engine.runner.packed
+    assert packed is not None
+    head = [p for p in packed.layers if p.module is engine.runner.lm_head]
+    return head[0].kernel.decode
+
+
+def _fill(engine: TorchEngine, adapter: str | None = None) -> list[int]:
+    positions = []
+    for slot in range(5):
+        prompt = list(range(300 + 7 * slot, 330 + 5 * slot))
+        name = adapter if slot % 2 else None
+        engine.runner.forward([], [PrefillRow(slot=slot, token_ids=prompt, start=0, adapter=name)])
+        positions.append(len(prompt))
+    return positions
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_own_operations_follow_the_aten_loop(
+    lively_tiny_path: Path, built: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    aten = _engine(lively_tiny_path, "aten")
+    # the own loop with the same bf16 head as the ATen loop's: only the layers differ
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "q8_linear", lambda: None)
+        own = _engine(lively_tiny_path, "own")
+    assert own.runner.fused is not None and own.runner.fused.own_ops
+    assert aten.runner.fused is not None and not aten.runner.fused.own_ops
+    assert type(_head_kernel(own)) is type(_head_kernel(aten))
+    calls = []
+    loop = native.decode_own()
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return loop(*args)
+
+    monkeypatch.setattr(native, "decode_own", lambda: counting)
+    positions = _fill(aten)
+    assert _fill(own) == positions
+    for step in range(4):
+        rows = [DecodeRow(slot=s, token=400 + 11 * s + step, position=positions[s] + step) for s in (3, 0, 4)]
+        ref, out = (e.runner.forward(rows, []) for e in (aten, own))
+        # the int4 products take bf16 inputs: a last-bit difference upstream moves a rounding
+        assert _relative(out, ref) < 2e-2, (step, _relative(out, ref))
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    assert calls == [3, 3, 3, 3]
+    # the keys and values written are the ATen loop's (to within those roundings)
+    for ref_store, store in zip(
+        aten.runner.cache.k + aten.runner.cache.v, own.runner.cache.k + own.runner.cache.v, strict=True
+    ):
+        assert _relative(store[:5], ref_store[:5]) < 2e-2
+
+
+def test_the_q8_head_follows_the_bf16_head(lively_tiny_path: Path, built: None) -> None:
+    aten, own = _engine(lively_tiny_path, "aten"), _engine(lively_tiny_path, "own")
+    assert isinstance(_head_kernel(own), Q8Blocks)
+    assert not isinstance(_head_kernel(aten), Q8Blocks)
+    positions = _fill(aten)
+    assert _fill(own) == positions
+    rows = [DecodeRow(slot=s, token=500 + s, position=positions[s]) for s in range(5)]
+    ref, out = (e.runner.forward(rows, []) for e in (aten, own))
+    assert _relative(out, ref) < 3e-2
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("with_adapter", [False, True])
+def test_a_rows_numbers_are_the_same_alone_and_in_any_batch(
+    lively_tiny_path: Path, tmp_path: Path, built: None, with_adapter: bool
+) -> None:
+    adapter = None
+    if with_adapter:
+        modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        adapter = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=5, modules=modules)
+    name = "a" if with_adapter else None
+    engines = [_engine(lively_tiny_path, "own", adapter) for _ in range(2)]
+    for engine in engines:
+        assert engine.runner.fused is not None and engine.runner.fused.own_ops
+        assert engine.runner.fused.lora_problem is None
+    positions = _fill(engines[0], name)
+    assert _fill(engines[1], name) == positions
+    alone, batched = engines
+    for step in range(3):
+        rows = {
+            s: DecodeRow(
+                slot=s,
+                token=600 + 13 * s + step,
+                position=positions[s] + step,
+                adapter=name if s % 2 else None,
+            )
+            for s in range(5)
+        }
+        together = batched.runner.forward([rows[s] for s in (4, 1, 0, 3, 2)], [])
+        for index, slot in enumerate((4, 1, 0, 3, 2)):
+            one = alone.runner.forward([rows[slot]], [])
+            assert torch.equal(one[0], together[index]), (step, slot)
+    for a, b in zip(
+        alone.runner.cache.k + alone.runner.cache.v,
+        batched.runner.cache.k + batched.runner.cache.v,
+        strict=True,
+    ):
+        assert torch.equal(a[:5], b[:5])
+    if with_adapter:
+        # the adapter's rows are not the base model's (the check above is not of two base rows)
+        base = alone.runner.forward([DecodeRow(slot=0, token=7, position=positions[0] + 3)], [])
+        lora = alone.runner.forward([DecodeRow(slot=1, token=7, position=positions[1] + 3, adapter="a")], [])
+        assert float((base - lora).norm()) > 1.0
+
+
+def test_own_operations_need_a_head_size_they_are_built_for(lively_tiny_path: Path, built: None) -> None:
+    from services.inference.engine import fused_decode
+
+    model, tok = _load(lively_tiny_path)
+    engine = TorchEngine.from_model(model, tok, quantize="int4", native_decode="on")
+    assert fused_decode.own_unsupported(engine.runner) is None
+    config = engine.runner.config
+    before = config.head_dim
+    config.head_dim = 24
+    try:
+        assert fused_decode.own_unsupported(engine.runner) == "head_dim 24 is not one of [16, 32, 64, 128]"
+    finally:
+        config.head_dim = before
