@@ -284,8 +284,8 @@ def start_server(
         TANDEM_INFERENCE_MAX_QUEUE="256",
         TANDEM_INFERENCE_THREADS=str(threads),
         TANDEM_INFERENCE_PREFIX_CACHE_MB=str(prefix_cache_mb),
-        # the C++ decode loop built (or loaded from torch's extension cache) before serving: auto,
-        # the default, would serve the first requests with the Python loop while it builds
+        # the C++ decode kernels, or a failed start-up: auto would log a failed build and measure
+        # the Python loop
         TANDEM_INFERENCE_NATIVE_DECODE="on",
     )
     env.update(extra_env or {})

@@ -104,10 +104,6 @@ def measure(
         prompt_dtype=prompt_dtype,  # type: ignore[arg-type]
         native_decode=native_decode,  # type: ignore[arg-type]
     )
-    if engine.runner.fused is not None and native_decode != "off":
-        from services.inference.engine import native
-
-        native.start("on")  # what the server's start-up does (auto: in the background)
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     fillers = [chat_ids(tokenizer, q) for q in questions(len(prompts) + batch)[len(prompts) :]]

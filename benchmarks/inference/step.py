@@ -63,10 +63,6 @@ def runner_for(path: Path, name: str, slots: int, adapter: Path | None) -> Any:
     if adapter is not None:
         engine.load_adapter_sync("lora", str(adapter))
     engine.runner.prepare_weights()
-    if variant["native"]:
-        from services.inference.engine import native
-
-        native.start("on")
     return engine.runner
 
 

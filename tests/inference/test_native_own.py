@@ -112,14 +112,20 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.parametrize("with_adapter", [False, True])
 def test_own_operations_follow_the_aten_loop(
-    lively_tiny_path: Path, built: None, monkeypatch: pytest.MonkeyPatch
+    lively_tiny_path: Path, tmp_path: Path, built: None, monkeypatch: pytest.MonkeyPatch, with_adapter: bool
 ) -> None:
-    aten = _engine(lively_tiny_path, "aten")
+    adapter, name = None, None
+    if with_adapter:
+        # LoRA rows (odd slots) beside base rows: decode_own adds their deltas row by row
+        modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        adapter, name = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=5, modules=modules), "a"
+    aten = _engine(lively_tiny_path, "aten", adapter)
     # the own loop with the same bf16 head as the ATen loop's: only the layers differ
     with monkeypatch.context() as patch:
         patch.setattr(native, "q8_linear", lambda: None)
-        own = _engine(lively_tiny_path, "own")
+        own = _engine(lively_tiny_path, "own", adapter)
     assert own.runner.fused is not None and own.runner.fused.own_ops
     assert aten.runner.fused is not None and not aten.runner.fused.own_ops
     assert type(_head_kernel(own)) is type(_head_kernel(aten))
@@ -131,10 +137,18 @@ def test_own_operations_follow_the_aten_loop(
         return loop(*args)
 
     monkeypatch.setattr(native, "decode_own", lambda: counting)
-    positions = _fill(aten)
-    assert _fill(own) == positions
+    positions = _fill(aten, name)
+    assert _fill(own, name) == positions
     for step in range(4):
-        rows = [DecodeRow(slot=s, token=400 + 11 * s + step, position=positions[s] + step) for s in (3, 0, 4)]
+        rows = [
+            DecodeRow(
+                slot=s,
+                token=400 + 11 * s + step,
+                position=positions[s] + step,
+                adapter=name if s % 2 else None,
+            )
+            for s in (3, 0, 4)
+        ]
         ref, out = (e.runner.forward(rows, []) for e in (aten, own))
         # the int4 products take bf16 inputs: a last-bit difference upstream moves a rounding
         assert _relative(out, ref) < 2e-2, (step, _relative(out, ref))

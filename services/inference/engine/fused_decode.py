@@ -28,6 +28,12 @@ modules of a decoder layer, a model whose adapters are not routed per row (the t
 in-process engine uses its model's active adapter), or a layer whose decode kernel is not
 int4 make ``unsupported`` name the reason, and decode steps run the eager forward.
 
+The loop over the layers runs in C++ where the native module is built (``native.py``): on ATen's
+operations (``TANDEM_INFERENCE_NATIVE_OPS=aten``), with the numbers above bit for bit; or, the
+default on AVX2 CPUs, with its own operations between the int4 products (``decode_own``), which
+are not the eager forward's last bits but keep each row's numbers independent of the batch
+(``test_native_own.py``).
+
 Prompt chunks keep the eager forward (their products are fp32 or bf16 oneDNN ones, faster at
 many rows): a step with prompt chunks and decode tokens runs the chunks eagerly and the decode
 tokens here, two forwards over disjoint slots, so a decode token's numbers never depend on
@@ -260,7 +266,7 @@ class FusedDecode:
         # the per-layer arguments of the native loop made from them
         self._fingerprint: tuple[int, int] | None = None
         self._native_args: tuple[list[Any], ...] | None = None
-        self._native_lora: dict[str, tuple[tuple[int, int], list[tuple[Any, ...]]]] = {}
+        self._native_lora: dict[tuple[str, bool], tuple[tuple[int, int], list[tuple[Any, ...]]]] = {}
         self._lora_modules: dict[str, list[tuple[Any, ...]]] = {}
 
     def refresh(self) -> None:
@@ -346,10 +352,11 @@ class FusedDecode:
             x = residual + layer.down(act, act.to(torch.bfloat16), lora, bf16_ok=True)
         return runner.lm_head(self.decoder.norm(x))
 
-    def _lora_entries(self, name: str) -> list[tuple[Any, ...]]:
+    def _lora_entries(self, name: str, own: bool) -> list[tuple[Any, ...]]:
         """Adapter ``name``'s deltas as the C++ loop takes them: per LoRA module of a product
         (in product order), its product's index, its columns there, A and B, their biases and the
-        scaling; made again when a weight of the adapter was replaced or changed."""
+        scaling (``own``: as ``decode_own`` reads them, fp32 and B transposed); made again when a
+        weight of the adapter was replaced or changed."""
         modules = self._lora_modules.get(name)
         if modules is None:
             modules = []
@@ -365,13 +372,19 @@ class FusedDecode:
                         start += size
             self._lora_modules[name] = modules
         key = tensors_state([m.weight for *_, a, b in modules for m in (a, b)])
-        cached = self._native_lora.get(name)
+        cached = self._native_lora.get((name, own))
         if cached is not None and cached[0] == key:
             return cached[1]
         entries = []
         for slot, start, size, lora, a, b in modules:
-            entries.append((slot, start, size, a.weight, a.bias, b.weight, b.bias, float(lora.scaling[name])))
-        self._native_lora[name] = (key, entries)
+            scaling = float(lora.scaling[name])
+            if own:
+                a_weight, b_weight = a.weight.float().contiguous(), b.weight.t().float().contiguous()
+                a_bias, b_bias = (None if m.bias is None else m.bias.float().contiguous() for m in (a, b))
+                entries.append((slot, start, size, a_weight, a_bias, b_weight, b_bias, scaling))
+            else:
+                entries.append((slot, start, size, a.weight, a.bias, b.weight, b.bias, scaling))
+        self._native_lora[(name, own)] = (key, entries)
         return entries
 
     def _native(
@@ -402,7 +415,7 @@ class FusedDecode:
         # product changes no number), each with its adapter's rows
         entries: list[tuple[Any, ...]] = []
         for name, rows in lora.rows.items() if lora is not None else ():
-            entries += [(*entry, rows) for entry in self._lora_entries(name)]
+            entries += [(*entry, rows) for entry in self._lora_entries(name, own)]
         entries.sort(key=lambda e: e[0])
         columns: list[Any] = (
             [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(_LORA_FIELDS)]

@@ -345,6 +345,71 @@ void attend(const float* qkv, const float* cos, const float* sin, float* k_row, 
   }
 }
 
+// rows [0, n) in parallel, a few at a time (one row runs on the calling thread)
+template <typename F>
+inline void rows(int64_t n, const F& f) {
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      f(t);
+    }
+  });
+}
+
+// The LoRA deltas that add to product `index`, row by row: out[t, offset:offset+size] +=
+// scale * (B (A x[t] + a_bias) + b_bias) for each row t of the entry's adapter. A is [rank, in];
+// B comes transposed, [rank, size] (fused_decode passes it so). Each row's delta is computed on
+// its own, so it is the same whatever rows share the step (no fixed-size row blocks needed).
+void add_lora(int64_t index, const Tensor& x, Tensor& out, Lora& lora) {
+  const int64_t in = x.size(1), width = out.size(1), tokens = x.size(0);
+  const float* x_p = x.data_ptr<float>();
+  float* o_p = out.data_ptr<float>();
+  while (lora.adds_to(index)) {
+    const size_t e = lora.next++;
+    const Tensor& a = lora.a[e];
+    const Tensor& bt = lora.b[e];
+    TORCH_CHECK(a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat && a.is_contiguous() &&
+                    bt.is_contiguous() && a.size(1) == in && bt.size(0) == a.size(0) && bt.size(1) == lora.size[e],
+                "decode_own: a LoRA entry's A [rank, in] and B transposed [rank, size] must be contiguous fp32");
+    const int64_t rank = a.size(0), offset = lora.offset[e], size = lora.size[e];
+    const float scale = static_cast<float>(lora.scale[e]);
+    const float* a_p = a.data_ptr<float>();
+    const float* bt_p = bt.data_ptr<float>();
+    const float* ab = lora.a_bias[e].has_value() ? lora.a_bias[e]->data_ptr<float>() : nullptr;
+    const float* bb = lora.b_bias[e].has_value() ? lora.b_bias[e]->data_ptr<float>() : nullptr;
+    const auto& r = lora.rows[e];
+    const int64_t count = r.has_value() ? r->size(0) : tokens;
+    const int64_t* rows_p = r.has_value() ? r->data_ptr<int64_t>() : nullptr;
+    rows(count, [&](int64_t i) {
+      const int64_t t = rows_p != nullptr ? rows_p[i] : i;
+      const float* xr = x_p + t * in;
+      std::vector<float> u(rank);
+      for (int64_t k = 0; k < rank; ++k) {
+        Vec acc(0.f);
+        for (int64_t c = 0; c < in; c += W) {
+          acc = at::vec::fmadd(Vec::loadu(a_p + k * in + c), Vec::loadu(xr + c), acc);
+        }
+        u[k] = hsum(acc) + (ab != nullptr ? ab[k] : 0.f);
+      }
+      float* o = o_p + t * width + offset;
+      int64_t c = 0;
+      for (; c + W <= size; c += W) {
+        Vec acc = bb != nullptr ? Vec::loadu(bb + c) : Vec(0.f);
+        for (int64_t k = 0; k < rank; ++k) {
+          acc = at::vec::fmadd(Vec(u[k]), Vec::loadu(bt_p + k * size + c), acc);
+        }
+        at::vec::fmadd(acc, Vec(scale), Vec::loadu(o + c)).store(o + c);
+      }
+      for (; c < size; ++c) {
+        float acc = bb != nullptr ? bb[c] : 0.f;
+        for (int64_t k = 0; k < rank; ++k) {
+          acc += u[k] * bt_p[k * size + c];
+        }
+        o[c] += acc * scale;
+      }
+    });
+  }
+}
+
 // one int4 product as product() above; h32 for LoRA's deltas (bf16 out unless something adds)
 Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const Tensor& scales,
                const c10::optional<Tensor>& bias, int64_t group, int64_t index, Lora& lora) {
@@ -356,18 +421,8 @@ Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const
   if (bias.has_value()) {
     out.add_(*bias);
   }
-  lora.add_all(index, h32, out);
+  add_lora(index, h32, out, lora);
   return out;
-}
-
-// rows [0, n) in parallel, a few at a time (one row runs on the calling thread)
-template <typename F>
-inline void rows(int64_t n, const F& f) {
-  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      f(t);
-    }
-  });
 }
 
 template <int64_t D>
