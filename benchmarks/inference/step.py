@@ -8,6 +8,7 @@ first variant.
     python -m benchmarks.inference.step                                  # lean vs eager decode
     python -m benchmarks.inference.step --rows 1,4,16 --rounds 5 --threads 2
     python -m benchmarks.inference.step --profile lean                   # top ATen ops of a 1-row step
+    python -m benchmarks.inference.step --head --rows 1,4,16             # the output head's kernels alone
 """
 
 from __future__ import annotations
@@ -95,6 +96,42 @@ def step_ms(runner: Any, rows: int, position: int, steps: int, lora: bool = Fals
     return statistics.median(times)
 
 
+def head(path: Path, rows: list[int], rounds: int, steps: int) -> int:
+    """The output head's decode product alone, per kernel and row count (medians over rounds)."""
+    from transformers import AutoModelForCausalLM
+
+    from services.inference.engine import native
+    from services.inference.engine.quantized_linear import BF16Packed, Q8Blocks
+
+    if not native.start("on") or native.q8_linear() is None:
+        raise SystemExit("the Q8_0 kernel needs the native module on an AVX2 CPU")
+    weight = (
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        .get_output_embeddings()
+        .weight.detach()
+    )
+    kernels = {"Q8_0 blocks (own)": Q8Blocks(), "bf16 oneDNN-packed": BF16Packed(max(rows))}
+    prepared = {name: k.prepare(weight) for name, k in kernels.items()}
+    times: dict[tuple[str, int], list[float]] = {}
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for r in rows:
+                x = torch.randn(r, weight.shape[1], generator=gen)
+                for name, kernel in kernels.items():
+                    samples = []
+                    for _ in range(steps):
+                        start = time.perf_counter()
+                        kernel.apply(x, prepared[name], None)
+                        samples.append((time.perf_counter() - start) * 1000)
+                    times.setdefault((name, r), []).append(statistics.median(samples))
+    print(f"| head kernel | {' | '.join(f'{r} rows ms' for r in rows)} |")
+    print(f"| --- | {' | '.join('---:' for _ in rows)} |")
+    for name in kernels:
+        print(f"| {name} | {' | '.join(f'{statistics.median(times[name, r]):.2f}' for r in rows)} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model folder or .gguf (default: the default model)")
@@ -110,10 +147,17 @@ def main() -> int:
         help="each row count also with a random rank-8 adapter (q/k/v/o) on half the rows (the odd slots; "
         "at 1 row, on that row)",
     )
+    ap.add_argument(
+        "--head",
+        action="store_true",
+        help="instead: the output head's decode kernels alone (Q8_0 blocks vs bf16 oneDNN-packed)",
+    )
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     names = args.variants.split(",")
     tokenizer, path = load(args.model, args.threads)
+    if args.head:
+        return head(path, rows, args.rounds, args.steps)
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][:64]
     slots = max(rows)
     adapter = None
