@@ -16,6 +16,7 @@ from services.inference.engine import TorchEngine, native, quantized_linear
 from services.inference.engine.quantized_linear import Q8Blocks
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from tests.helpers.models import make_lora_adapter
+from tests.inference.test_fused_decode import _load
 
 pytestmark = pytest.mark.skipif(
     quantized_linear.available("int4", torch.device("cpu")) is not None or not native.avx2(),
@@ -66,13 +67,6 @@ def test_q8_blocks_multiply_the_q8_0_values_each_row_on_its_own(built: None) -> 
 def test_q8_blocks_refuse_a_width_that_is_not_whole_blocks() -> None:
     with pytest.raises(ValueError, match="40 input features"):
         Q8Blocks().prepare(torch.randn(8, 40))
-
-
-def _load(path: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(path)
 
 
 def _engine(path: Path, ops: str, adapter: Path | None = None) -> TorchEngine:

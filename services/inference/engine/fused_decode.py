@@ -422,30 +422,7 @@ class FusedDecode:
         )
         first = self.layers[0]
         cache = self.runner.cache
-        if own:
-            return loop(
-                x,
-                cos,
-                sin,
-                norms,
-                packed,
-                scales,
-                biases,
-                cache.k,
-                cache.v,
-                plan.write_slots,
-                plan.write_positions,
-                first.heads,
-                first.kv_heads,
-                first.head_dim,
-                first.gate_up.sizes[0],
-                float(first.module.input_layernorm.variance_epsilon),
-                first.scaling,
-                INT4_GROUP,
-                *columns,
-            )
-        bias = ragged.decode_bias_for(plan, x.dtype, first.kv_heads, first.heads // first.kv_heads)
-        return loop(
+        weights = (
             x,
             cos,
             sin,
@@ -457,10 +434,8 @@ class FusedDecode:
             cache.v,
             plan.write_slots,
             plan.write_positions,
-            bias,
-            plan.decode_view,
-            plan.decode_len,
-            plan.decode_rows,
+        )
+        sizes = (
             first.heads,
             first.kv_heads,
             first.head_dim,
@@ -468,6 +443,10 @@ class FusedDecode:
             float(first.module.input_layernorm.variance_epsilon),
             first.scaling,
             INT4_GROUP,
-            ragged.KEY_BLOCK,
-            *columns,
         )
+        if own:
+            # each token attends its own slab row up to its position: no plan-wide bias or view
+            return loop(*weights, *sizes, *columns)
+        bias = ragged.decode_bias_for(plan, x.dtype, first.kv_heads, first.heads // first.kv_heads)
+        attention = (bias, plan.decode_view, plan.decode_len, plan.decode_rows)
+        return loop(*weights, *attention, *sizes, ragged.KEY_BLOCK, *columns)
