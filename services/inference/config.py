@@ -105,6 +105,13 @@ class InferenceSettings(ServiceSettings):
         "through a lean forward (q/k/v and gate/up as one product each, no per-module plumbing) that gives "
         "the eager forward's numbers bit for bit, faster; false: the Hugging Face modules' forward.",
     )
+    fused_prompt: bool = Field(
+        True,
+        description="CPU torch engine, Llama-family models: prompt chunks run through a lean forward (q/k/v and "
+        "gate/up as one product each, each product's input cast and padded once, no per-module plumbing): "
+        "sooner first tokens under a burst, each prompt token's numbers the same alone as in a batch; "
+        "false: the Hugging Face modules' forward.",
+    )
     native_decode: Literal["auto", "on", "off"] = Field(
         "auto",
         description="CPU torch engine, int4 decode: the engine's C++ decode kernels (the lean forward's loop "

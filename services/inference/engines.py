@@ -93,6 +93,7 @@ def build_torch_engine(
         compile=settings.compile,
         prompt_dtype=settings.prompt_dtype,
         fused_decode=settings.fused_decode,
+        fused_prompt=settings.fused_prompt,
         native_decode=settings.native_decode,
         native_ops=settings.native_ops,
         **scheduler_settings(settings),

@@ -40,6 +40,8 @@ def _engines(
             max_batch_size=6,
             quantize="int4",
             fused_decode=fused,
+            # prompt chunks through the eager forward in both (test_fused_prompt.py has the lean one)
+            fused_prompt=False,
             native_decode="on" if native else "off",
             # the C++ loop on ATen's operations: the eager forward's numbers bit for bit (the
             # loop's own operations are test_native_own.py's)

@@ -42,6 +42,7 @@ what shares its step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,9 @@ import torch
 import torch.nn.functional as F
 
 from services.inference.engine import native, ragged
+from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.lora_rows import LoraRows
+from services.inference.engine.packed_linear import RowKernel
 from services.inference.engine.prefix_cache import tensors_state
 from services.inference.engine.quantized_linear import INT4_GROUP, ByTokenKind, Int4WeightOnly
 
@@ -62,6 +65,10 @@ ATTENTION = ("q_proj", "k_proj", "v_proj")
 MLP_IN = ("gate_proj", "up_proj")
 PROJECTIONS = (*ATTENTION, "o_proj", *MLP_IN, "down_proj")
 _INT4 = Int4WeightOnly()
+# ragged's attention of one kind of token: (plan, queries [T, H, d], key slab, value slab, scaling)
+Attention = Callable[
+    [ragged.RaggedPlan, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor
+]
 
 
 def _base(module: Any) -> torch.nn.Linear:
@@ -80,11 +87,13 @@ def _lora(module: Any) -> Any | None:
 
 
 class _SideBySide:
-    """Several projections of one input as one int4 product: their weights stacked by output
-    rows (their biases too), prepared again when any weight changes in place (the trainer)."""
+    """Several projections of one input as one product: their weights stacked by output rows
+    (their biases too), prepared by ``kernel`` (int4 for decode tokens; the prompt kernel in
+    ``fused_prompt.py``) and prepared again when any weight changes in place (the trainer)."""
 
-    def __init__(self, layer: Any, names: tuple[str, ...]) -> None:
+    def __init__(self, layer: Any, names: tuple[str, ...], kernel: RowKernel = _INT4) -> None:
         self.names = names
+        self.kernel = kernel
         self.key: tuple[tuple[int, int], ...] | None = None
         self.prepared: Any = None
         self.bias: torch.Tensor | None = None
@@ -102,7 +111,7 @@ class _SideBySide:
         key = tuple((lin.weight.data_ptr(), lin.weight._version) for lin in linears)
         if key != self.key:
             with torch.no_grad():
-                self.prepared = _INT4.prepare(torch.cat([lin.weight.detach() for lin in linears]))
+                self.prepared = self.kernel.prepare(torch.cat([lin.weight.detach() for lin in linears]))
                 biases = [lin.bias for lin in linears]
                 self.bias = (
                     None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
@@ -111,14 +120,17 @@ class _SideBySide:
         return self.prepared, self.bias
 
     def __call__(
-        self, x: torch.Tensor, x_bf16: torch.Tensor, lora: LoraRows | None, *, bf16_ok: bool = False
+        self, x: torch.Tensor, rows: torch.Tensor, lora: LoraRows | None, *, keep: bool = False
     ) -> torch.Tensor:
-        """The product, in ``x``'s dtype; or, with ``bf16_ok`` and nothing to add to it, as the
-        kernel's bf16 (a caller adding it to an fp32 tensor gets the same sums: type promotion
-        widens it exactly, and one cast a layer is saved)."""
-        (packed, scales_zeros), bias = self.prepared, self.bias
-        out = torch._weight_int4pack_mm_for_cpu(x_bf16, packed, INT4_GROUP, scales_zeros)
-        if bf16_ok and bias is None and lora is None:
+        """The product of ``x`` ``[n, in]``, given as ``rows`` (``kernel.rows(x)``, made once by the
+        caller for every product of that input), in ``x``'s dtype; or, with ``keep`` and nothing to
+        add to it, as the kernel gives it (bf16: a caller adding it to an fp32 tensor gets the same
+        sums, as type promotion widens it exactly, and one cast a layer is saved)."""
+        out = self.kernel.product(rows, self.prepared)
+        if out.shape[0] != x.shape[0]:  # a kernel's padding rows
+            out = out[: x.shape[0]]
+        bias = self.bias
+        if keep and bias is None and lora is None:
             return out
         out = out.to(x.dtype)
         if bias is not None:
@@ -149,35 +161,96 @@ class _Layer:
         return (self.qkv, self.o, self.gate_up, self.down)
 
 
+def run_layers(
+    layers: list[_Layer],
+    plan: ragged.RaggedPlan,
+    attention: Attention,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lora: LoraRows | None,
+    cache: SlabKVCache,
+) -> torch.Tensor:
+    """The decoder layers on the residual stream ``x`` ``[T, hidden]`` (the lean forwards' Python
+    loop): ``attention`` is ``ragged``'s for the plan's kind of token, ``cos``/``sin``
+    ``rope_tables``'."""
+    tokens = x.shape[0]
+    half = sin.shape[-1] // 2
+    for index, layer in enumerate(layers):
+        module = layer.module
+        kernel = layer.qkv.kernel
+        residual = x
+        h = _rms_norm(module.input_layernorm, x)
+        qkv = layer.qkv(h, kernel.rows(h), lora)
+        nq, nk = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
+        # RoPE on the query and key heads together (elementwise: each head's values as alone)
+        qk = qkv[:, : nq + nk].view(tokens, layer.heads + layer.kv_heads, layer.head_dim)
+        qk = (qk * cos) + (torch.roll(qk, half, -1) * sin)
+        q, k = qk[:, : layer.heads], qk[:, layer.heads :]
+        v = qkv[:, nq + nk :].view(tokens, layer.kv_heads, layer.head_dim)
+        k_slab, v_slab = cache.update(k.unsqueeze(2), v.unsqueeze(2), index)
+        attn = attention(plan, q, k_slab, v_slab, layer.scaling).reshape(tokens, nq)
+        x = residual + layer.o(attn, kernel.rows(attn), lora, keep=True)
+        residual = x
+        h = _rms_norm(module.post_attention_layernorm, x)
+        gate_up = layer.gate_up(h, kernel.rows(h), lora)
+        size = layer.gate_up.sizes[0]
+        act = F.silu(gate_up[:, :size]) * gate_up[:, size:]
+        x = residual + layer.down(act, kernel.rows(act), lora, keep=True)
+    return x
+
+
+def rope_tables(decoder: Any, x: torch.Tensor, plan: ragged.RaggedPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin ``[T, 1, d]`` at the plan's positions, sin with its first half negated:
+    rotate_half(x) * sin is then roll(x, d/2) * sin, the same products (a negation is exact) in two
+    operations a layer instead of five."""
+    cos, sin = decoder.rotary_emb(x, plan.positions)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     # one fused kernel, the same values as LlamaRMSNorm's five operations on fp32 rows (checked
     # bit for bit by the tests against the eager forward)
     return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
 
 
-def unsupported(runner: ModelRunner) -> str | None:
-    """Why this runner's decode tokens cannot take the lean forward (None: they can)."""
+def llama_problem(runner: ModelRunner) -> str | None:
+    """Why this runner's decoder layers are not Llama's as the lean forwards compute them (None:
+    they are)."""
     config = runner.config
     model_type = getattr(config, "model_type", None)
     if model_type not in LLAMA_FAMILY:
         return f"model type {model_type!r} is not one of {sorted(LLAMA_FAMILY)}"
-    if runner.quantize != "int4" or runner.device.type != "cpu" or runner.dtype != torch.float32:
-        return "decode is not int4 on an fp32 CPU model"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} is not silu"
-    kernels = {}
-    if runner.packed is not None:
-        kernels = {id(p.module): p.kernel for p in runner.packed.layers}
     for layer in runner.decoder.layers:
         if getattr(layer.self_attn, "q_norm", None) is not None or not hasattr(
             layer, "post_attention_layernorm"
         ):
             return "the decoder layers are not Llama's"
         for name in PROJECTIONS:
-            module = _projection(layer, name)
-            if module is None:
+            if _projection(layer, name) is None:
                 return f"a decoder layer has no {name}"
-            kernel = kernels.get(id(_base(module)))
+    return None
+
+
+def layer_kernels(runner: ModelRunner) -> dict[int, Any]:
+    """The kernel each base linear layer of the runner's products has, by module id."""
+    return {id(p.module): p.kernel for p in runner.packed.layers} if runner.packed is not None else {}
+
+
+def unsupported(runner: ModelRunner) -> str | None:
+    """Why this runner's decode tokens cannot take the lean forward (None: they can)."""
+    problem = llama_problem(runner)
+    if problem is not None:
+        return problem
+    if runner.quantize != "int4" or runner.device.type != "cpu" or runner.dtype != torch.float32:
+        return "decode is not int4 on an fp32 CPU model"
+    kernels = layer_kernels(runner)
+    for layer in runner.decoder.layers:
+        for name in PROJECTIONS:
+            kernel = kernels.get(id(_base(_projection(layer, name))))
             if not (isinstance(kernel, ByTokenKind) and isinstance(kernel.decode, Int4WeightOnly)):
                 return f"{name} does not decode in int4"
     return None
@@ -316,40 +389,16 @@ class FusedDecode:
         runner = self.runner
         cache = runner.cache
         ids = plan.input_ids.view(-1)
-        tokens = ids.shape[0]
         self._fresh()
         x = self.decoder.embed_tokens(ids)
-        cos, sin = self.decoder.rotary_emb(x, plan.positions)  # [T, 1, d]
-        # RoPE's rotate_half(x) * sin as roll(x, d/2) * (sin with its first half negated): the
-        # same products (a negation is exact), two operations a layer instead of five
-        half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cos, sin = rope_tables(self.decoder, x, plan)
         if self.native and not self.decoder.training:
             own = native.decode_own() if self.own_ops else None
             loop = own if own is not None else native.decode_layers()
             if loop is not None:
                 x = self._native(loop, plan, x, cos, sin, lora, own=own is not None)
                 return runner.lm_head(self.decoder.norm(x))
-        for index, layer in enumerate(self.layers):
-            module = layer.module
-            residual = x
-            h = _rms_norm(module.input_layernorm, x)
-            qkv = layer.qkv(h, h.to(torch.bfloat16), lora)
-            nq, nk = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
-            # RoPE on the query and key heads together (elementwise: each head's values as alone)
-            qk = qkv[:, : nq + nk].view(tokens, layer.heads + layer.kv_heads, layer.head_dim)
-            qk = (qk * cos) + (torch.roll(qk, half, -1) * sin)
-            q, k = qk[:, : layer.heads], qk[:, layer.heads :]
-            v = qkv[:, nq + nk :].view(tokens, layer.kv_heads, layer.head_dim)
-            k_slab, v_slab = cache.update(k.unsqueeze(2), v.unsqueeze(2), index)
-            attn = ragged.decode_attention(plan, q, k_slab, v_slab, layer.scaling).reshape(tokens, nq)
-            x = residual + layer.o(attn, attn.to(torch.bfloat16), lora, bf16_ok=True)
-            residual = x
-            h = _rms_norm(module.post_attention_layernorm, x)
-            gate_up = layer.gate_up(h, h.to(torch.bfloat16), lora)
-            size = layer.gate_up.sizes[0]
-            act = F.silu(gate_up[:, :size]) * gate_up[:, size:]
-            x = residual + layer.down(act, act.to(torch.bfloat16), lora, bf16_ok=True)
+        x = run_layers(self.layers, plan, ragged.decode_attention, x, cos, sin, lora, cache)
         return runner.lm_head(self.decoder.norm(x))
 
     def _lora_entries(self, name: str, own: bool) -> list[tuple[Any, ...]]:

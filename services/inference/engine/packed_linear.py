@@ -77,6 +77,13 @@ class OneDNNPacked:
             return out.view(*input.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [], "")
 
+    # the lean forwards' two steps (``RowKernel``): the input as is, the product without bias
+    def rows(self, input: torch.Tensor) -> torch.Tensor:
+        return input
+
+    def product(self, rows: torch.Tensor, prepared: Any) -> torch.Tensor:
+        return self.apply(rows, prepared, None)
+
 
 def _lone_row_differs(packed: torch.Tensor, in_features: int, dtype: torch.dtype) -> bool:
     """Whether oneDNN computes one row of this layer differently alone than among others.
@@ -93,6 +100,18 @@ def _lone_row_differs(packed: torch.Tensor, in_features: int, dtype: torch.dtype
     alone = torch.ops.mkldnn._linear_pointwise(rows[:1], packed, None, "none", [], "")
     among = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")[:1]
     return not torch.equal(alone, among)
+
+
+class RowKernel(LinearKernel, Protocol):
+    """A kernel the lean forwards (``fused_decode.py``, ``fused_prompt.py``) multiply with in two
+    steps, so that an input several products share is made ready once: ``rows`` is a ``[n, in]``
+    input as the kernel takes it (cast, padded), ``product`` its product with a prepared weight,
+    without bias, in the kernel's output dtype and with at least ``n`` rows (the first ``n`` are
+    the input's)."""
+
+    def rows(self, input: torch.Tensor) -> torch.Tensor: ...
+
+    def product(self, rows: torch.Tensor, prepared: Any) -> torch.Tensor: ...
 
 
 # picks the kernel of one layer (qualified name, module), or None to leave it plain
@@ -156,23 +175,31 @@ class PackedLinears:
             elif (kernel := self.choose(name, module)) is not None:
                 layers.append(_Packed(module, kernel))
         self.layers = layers
-        self._filtered: tuple[frozenset[int], list[_Packed]] | None = None
+        # the layers left once a skip set is taken out, by the set's identity (the lean forwards
+        # pass the same sets every forward: filtered once each)
+        self._filtered: dict[int, tuple[frozenset[int], list[_Packed]]] = {}
 
     def _without(self, skip: frozenset[int]) -> list[_Packed]:
-        # the same set comes every forward (the lean decode forward's layers): filter once
-        if self._filtered is None or self._filtered[0] is not skip:
-            self._filtered = (skip, [p for p in self.layers if id(p.module) not in skip])
-        return self._filtered[1]
+        cached = self._filtered.get(id(skip))
+        if cached is None or cached[0] is not skip:
+            if len(self._filtered) >= 8:  # sets of an earlier adapter state
+                self._filtered.clear()
+            cached = self._filtered[id(skip)] = (skip, [p for p in self.layers if id(p.module) not in skip])
+        return cached[1]
 
-    def pack_all(self, no_decode_side: frozenset[int] = frozenset()) -> None:
+    def pack_all(
+        self, no_decode_side: frozenset[int] = frozenset(), no_prompt_side: frozenset[int] = frozenset()
+    ) -> None:
         """Prepare every weight now (at start-up, so the first request does not pay for it),
-        but the decode side of the layers in ``no_decode_side`` (module ids: layers whose decode
-        tokens the lean decode forward multiplies with copies of its own)."""
+        but the decode side of the layers in ``no_decode_side`` and the prompt side of those in
+        ``no_prompt_side`` (module ids: layers whose decode or prompt tokens a lean forward
+        multiplies with copies of its own; made when first asked, if ever)."""
         for packed in self.layers:
             prepared = packed.current()
-            decode_side = getattr(packed.kernel, "decode_side", None)
-            if decode_side is not None and id(packed.module) not in no_decode_side:
-                decode_side(prepared)
+            for side, skip in (("decode_side", no_decode_side), ("prompt_side", no_prompt_side)):
+                make = getattr(packed.kernel, side, None)
+                if make is not None and id(packed.module) not in skip:
+                    make(prepared)
 
     @contextmanager
     def active(self, skip: frozenset[int] = frozenset()) -> Iterator[None]:

@@ -106,12 +106,18 @@ class Int4WeightOnly:
         return packed, scales_zeros.to(COMPUTE_DTYPE)
 
     def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
-        packed, scales_zeros = prepared
-        x = input.reshape(-1, input.shape[-1]).to(COMPUTE_DTYPE)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros).to(input.dtype)
+        x = self.rows(input.reshape(-1, input.shape[-1]))
+        out = self.product(x, prepared).to(input.dtype)
         if bias is not None:
             out = out + bias
         return out.view(*input.shape[:-1], -1)
+
+    def rows(self, input: torch.Tensor) -> torch.Tensor:
+        return input.to(COMPUTE_DTYPE)
+
+    def product(self, rows: torch.Tensor, prepared: Any) -> torch.Tensor:
+        packed, scales_zeros = prepared
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_zeros)
 
 
 # GGUF's Q8_0 block size (Q8Blocks), and its output tiles (native.q8_linear's layout)
@@ -172,6 +178,12 @@ class BF16Packed(OneDNNPacked):
         out = super().apply(input.to(COMPUTE_DTYPE), prepared, None).to(input.dtype)
         return out if bias is None else out + bias
 
+    def rows(self, input: torch.Tensor) -> torch.Tensor:
+        return input.to(COMPUTE_DTYPE)
+
+    def product(self, rows: torch.Tensor, prepared: Any) -> torch.Tensor:
+        return OneDNNPacked.apply(self, rows, prepared, None)
+
 
 # bf16 prompt products run in blocks of exactly this many rows (``BlockedBF16``)
 PROMPT_BLOCK = 64
@@ -199,21 +211,33 @@ class BlockedBF16(BF16Packed):
         return packed, False
 
     def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
-        packed, _ = prepared
-        rows = input.reshape(-1, input.shape[-1]).to(COMPUTE_DTYPE)
-        count = rows.shape[0]
+        flat = input.reshape(-1, input.shape[-1])
+        out = self.product(self.rows(flat), prepared)[: flat.shape[0]].to(input.dtype)
+        out = out.view(*input.shape[:-1], -1)
+        return out if bias is None else out + bias
+
+    def rows(self, input: torch.Tensor) -> torch.Tensor:
+        """``[n, in]`` rows in bf16 with zero rows up to a whole number of blocks (one cast and
+        copy)."""
+        count = input.shape[0]
         padded = -(-count // PROMPT_BLOCK) * PROMPT_BLOCK
-        if padded != count:
-            rows = torch.cat([rows, rows.new_zeros(padded - count, rows.shape[1])])
+        if padded == count:
+            return input.to(COMPUTE_DTYPE)
+        rows = input.new_empty(padded, input.shape[1], dtype=COMPUTE_DTYPE)
+        rows[:count] = input
+        rows[count:] = 0
+        return rows
+
+    def product(self, rows: torch.Tensor, prepared: Any) -> torch.Tensor:
+        """The bf16 product of ``rows`` (``self.rows``), block by block: ``[padded, out]``."""
+        packed, _ = prepared
         blocks = [
             torch.ops.mkldnn._linear_pointwise(
                 rows[start : start + PROMPT_BLOCK], packed, None, "none", [], ""
             )
-            for start in range(0, padded, PROMPT_BLOCK)
+            for start in range(0, rows.shape[0], PROMPT_BLOCK)
         ]
-        out = (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[:count].to(input.dtype)
-        out = out.view(*input.shape[:-1], -1)
-        return out if bias is None else out + bias
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def _rows_independent(packed: torch.Tensor, in_features: int) -> bool:
@@ -229,15 +253,16 @@ def _rows_independent(packed: torch.Tensor, in_features: int) -> bool:
 
 
 class TwoSides:
-    """A layer's weight prepared for prompt tokens at once, and for decode tokens when first
-    asked (``ByTokenKind.decode_side``): where the lean decode forward multiplies the decode
-    tokens with weights of its own (``fused_decode.py``), this layer's decode copy is never made."""
+    """A layer's weight prepared for prompt tokens and for decode tokens, each side when first
+    asked (``ByTokenKind.decode_side`` / ``prompt_side``): where a lean forward multiplies one kind
+    of token with weights of its own (``fused_decode.py``, ``fused_prompt.py``), this layer's copy
+    for that kind is never made."""
 
     __slots__ = ("decode", "prompt", "weight")
 
-    def __init__(self, weight: torch.Tensor, prompt: Any) -> None:
-        self.weight = weight  # the layer's own weight (an alias, not a copy), for the decode side
-        self.prompt = prompt
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight  # the layer's own weight (an alias, not a copy)
+        self.prompt: Any = None
         self.decode: Any = None
 
 
@@ -255,7 +280,7 @@ class ByTokenKind:
         self.prompt = prompt
 
     def prepare(self, weight: torch.Tensor) -> TwoSides:
-        return TwoSides(weight, self.prompt.prepare(weight))
+        return TwoSides(weight)
 
     def decode_side(self, prepared: TwoSides) -> Any:
         """The weight prepared for decode tokens (made on the first call)."""
@@ -264,17 +289,24 @@ class ByTokenKind:
                 prepared.decode = self.decode.prepare(prepared.weight)
         return prepared.decode
 
+    def prompt_side(self, prepared: TwoSides) -> Any:
+        """The weight prepared for prompt tokens (made on the first call)."""
+        if prepared.prompt is None:
+            with torch.no_grad():
+                prepared.prompt = self.prompt.prepare(prepared.weight)
+        return prepared.prompt
+
     def apply(self, input: torch.Tensor, prepared: TwoSides, bias: torch.Tensor | None) -> torch.Tensor:
         decode = ragged.decode_token_count()
         rows = input.shape[0]
         if decode is None or decode >= rows:
             return self.decode.apply(input, self.decode_side(prepared), bias)
         if decode == 0:
-            return self.prompt.apply(input, prepared.prompt, bias)
+            return self.prompt.apply(input, self.prompt_side(prepared), bias)
         return torch.cat(
             [
                 self.decode.apply(input[:decode], self.decode_side(prepared), bias),
-                self.prompt.apply(input[decode:], prepared.prompt, bias),
+                self.prompt.apply(input[decode:], self.prompt_side(prepared), bias),
             ]
         )
 

@@ -107,7 +107,7 @@ class RaggedPlan:
     # prompt chunks (the other tokens, chunk after chunk)
     prefill_slots: torch.Tensor | None = None  # [P]
     width: int = 0  # S, the longest chunk
-    gather: torch.Tensor | None = None  # [P * S] token index of each padded query
+    gather: torch.Tensor | None = None  # [P * S] prompt token index (from the first) of each padded query
     valid: torch.Tensor | None = None  # [sum L] index into P * S of the real queries
     prefill_len: int = 0
     prefill_bias: torch.Tensor | None = None  # [P, 1, S, prefill_len] (attention_bias)
@@ -175,7 +175,7 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
         valid: list[int] = []
         for p, (chunk, off) in enumerate(zip(prefill, offsets, strict=True)):
             n = len(chunk.token_ids)
-            gather += [off + min(s, n - 1) for s in range(width)]
+            gather += [off - n_dec + min(s, n - 1) for s in range(width)]
             valid += range(p * width, p * width + n)
         starts = tensor([r.start for r in prefill])
         query_pos = starts.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)  # [P, S]
@@ -219,21 +219,30 @@ def ragged_attention(
     if plan is None:
         raise RuntimeError("tandem_ragged attention runs only inside a ModelRunner forward")
     q = query[:, :, 0]  # [T, H, d]
-    heads, dim = q.shape[1], q.shape[2]
     parts = []
     if plan.n_decode:
         parts.append(decode_attention(plan, q[: plan.n_decode], key, value, scaling))
     if plan.prefill_slots is not None:
-        assert plan.gather is not None and plan.valid is not None and plan.prefill_bias is not None
-        chunks = len(plan.prefill_slots)
-        qp = q.index_select(0, plan.gather).view(chunks, plan.width, heads, dim).transpose(1, 2)
-        # slice before gathering: only the attended positions are copied, not the capacity
-        k = key[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
-        v = value[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
-        out = _attend(plan, "prefill", plan.prefill_bias, qp, k, v, scaling)  # [P, H, S, d]
-        parts.append(out.transpose(1, 2).reshape(chunks * plan.width, heads, dim).index_select(0, plan.valid))
+        parts.append(prefill_attention(plan, q[plan.n_decode :], key, value, scaling))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(1), None
+
+
+def prefill_attention(
+    plan: RaggedPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """The attention of a plan's prompt tokens: ``query`` ``[sum L, H, d]`` (the chunks' tokens,
+    chunk after chunk), ``key``/``value`` the layer's whole slab. Returns ``[sum L, H, d]``."""
+    assert plan.prefill_slots is not None and plan.gather is not None and plan.valid is not None
+    assert plan.prefill_bias is not None
+    heads, dim = query.shape[1], query.shape[2]
+    chunks = len(plan.prefill_slots)
+    qp = query.index_select(0, plan.gather).view(chunks, plan.width, heads, dim).transpose(1, 2)
+    # slice before gathering: only the attended positions are copied, not the capacity
+    k = key[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
+    v = value[:, :, : plan.prefill_len].index_select(0, plan.prefill_slots)
+    out = _attend(plan, "prefill", plan.prefill_bias, qp, k, v, scaling)  # [P, H, S, d]
+    return out.transpose(1, 2).reshape(chunks * plan.width, heads, dim).index_select(0, plan.valid)
 
 
 def decode_attention(

@@ -24,9 +24,11 @@ from typing import Any
 import torch
 
 from services.inference.engine import fused_decode, lora_rows, packed_linear, quantized_linear, ragged
+from services.inference.engine import fused_prompt as fused_prompt_module
 from services.inference.engine import native as native_module
 from services.inference.engine.compiled_decode import Compile, CompiledDecode
 from services.inference.engine.fused_decode import FusedDecode
+from services.inference.engine.fused_prompt import FusedPrompt
 from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.native import NativeDecode, NativeOps
 from services.inference.engine.packed_linear import PackedLinears
@@ -66,6 +68,7 @@ class ModelRunner:
         compile: Compile = "off",
         prompt_dtype: PromptDType = "auto",
         fused: bool = True,
+        fused_prompt: bool = True,
         native: NativeDecode = "off",
         native_ops: NativeOps = "own",
     ) -> None:
@@ -145,15 +148,28 @@ class ModelRunner:
                 self.fused.refresh()
             else:
                 log.info("decode tokens take the eager forward: %s", problem)
+        # prompt chunks of a Llama-family model through their lean forward (fused_prompt.py)
+        self.fused_prompt: FusedPrompt | None = None
+        if fused_prompt:
+            problem = fused_prompt_module.unsupported(self)
+            if problem is None:
+                self.fused_prompt = FusedPrompt(self)
+                self.fused_prompt.refresh()
+            else:
+                log.info("prompt chunks take the eager forward: %s", problem)
 
     def prepare_weights(self) -> None:
         """Pack/quantise every weight the forwards will use now (start-up), not in a request."""
         if self.packed is not None:
-            # the lean decode forward has its own decode weights: the layers' decode sides would
-            # be a second copy that nothing multiplies with (made when first asked, if ever)
-            self.packed.pack_all(self.fused.multiplied() if self.fused is not None else frozenset())
-        if self.fused is not None:
-            self.fused.prepare()
+            # the lean forwards have their own weights: the layers' decode and prompt sides would
+            # be second copies that nothing multiplies with (made when first asked, if ever)
+            self.packed.pack_all(
+                self.fused.multiplied() if self.fused is not None else frozenset(),
+                self.fused_prompt.multiplied() if self.fused_prompt is not None else frozenset(),
+            )
+        for lean in (self.fused, self.fused_prompt):
+            if lean is not None:
+                lean.prepare()
 
     # --- LoRA: per-row adapters through PEFT's mixed-batch path -------------------------
     def refresh_adapter_hooks(self) -> None:
@@ -162,8 +178,9 @@ class ModelRunner:
         if self.packed is not None:
             self.packed.refresh(self.model)
         self._attach_adapter_hooks()
-        if self.fused is not None:
-            self.fused.refresh()
+        for lean in (self.fused, self.fused_prompt):
+            if lean is not None:
+                lean.refresh()
 
     def _attach_adapter_hooks(self) -> None:
         for handle in self._hooks:
@@ -221,15 +238,24 @@ class ModelRunner:
         """Logits ``[D + P, V]``: one row per decode token, then one at each chunk's last token."""
         if self.compiled is not None and not prefill and self.compiled.accepts(decode, bool(self._hooks)):
             return self.compiled(decode)
-        if self.fused is not None and decode and self.fused.lora_problem is None:
-            # decode tokens and prompt chunks in two forwards (disjoint slots): the decode
-            # tokens' numbers never depend on whether a prompt shares their step
-            logits = self._forward(decode, [], self.fused)
-            return logits if not prefill else torch.cat([logits, self._forward([], prefill, None)])
-        return self._forward(decode, prefill, None)
+        lean_decode = self.fused if self.fused is not None and self.fused.lora_problem is None else None
+        lean_prompt = (
+            self.fused_prompt
+            if self.fused_prompt is not None and self.fused_prompt.lora_problem is None
+            else None
+        )
+        if lean_decode is None and lean_prompt is None:
+            return self._forward(decode, prefill, None)
+        # decode tokens and prompt chunks in two forwards (disjoint slots), each kind of token
+        # always through the same one: a token's numbers never depend on what shares its step
+        if not prefill:
+            return self._forward(decode, [], lean_decode)
+        if not decode:
+            return self._forward([], prefill, lean_prompt)
+        return torch.cat([self._forward(decode, [], lean_decode), self._forward([], prefill, lean_prompt)])
 
     def _forward(
-        self, decode: list[DecodeRow], prefill: list[PrefillRow], fused: FusedDecode | None
+        self, decode: list[DecodeRow], prefill: list[PrefillRow], fused: FusedDecode | FusedPrompt | None
     ) -> torch.Tensor:
         plan = ragged.build_plan(decode, prefill, self.device)
         self.cache.ensure_capacity(plan.max_position + 1)

@@ -132,6 +132,7 @@ class TorchEngine(AdapterHost):
         tenant_max_queued: int | None = None,
         prompt_dtype: PromptDType = "auto",
         fused_decode: bool = True,
+        fused_prompt: bool = True,
         native_decode: NativeDecode = "off",
         native_ops: NativeOps = "own",
     ) -> None:
@@ -151,6 +152,7 @@ class TorchEngine(AdapterHost):
             compile=compile,
             prompt_dtype=prompt_dtype,
             fused=fused_decode,
+            fused_prompt=fused_prompt,
             native=native_decode,
             native_ops=native_ops,
         )

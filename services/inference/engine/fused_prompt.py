@@ -1,0 +1,173 @@
+"""The prompt chunks of a Llama-family model through one lean forward (the default on CPUs).
+
+Every first token waits for its prompt's forward: under a burst of 16 requests that is one
+forward of ~250 new tokens, and through the Hugging Face modules about a third of it went
+around the products (SmolLM2-135M on 2 Xeon cores with AMX, bf16 prompt products: 150 ms, of
+which the products 72 ms; the rest ~1,200 ATen calls: seven products a layer each cast to bf16,
+padded to whole 64-row blocks, cut back and cast to fp32; RoPE's slices and cats; module and
+hook dispatch). This forward computes the same layers the way the lean decode forward does
+(``fused_decode.run_layers``), with the prompt kernel of the layers (``BlockedBF16``, or
+``OneDNNPacked`` in the model's dtype):
+
+- q/k/v are one product and gate/up another (their weights side by side), so a layer multiplies
+  4 times, not 7, and each product's input is cast and padded once;
+- RoPE, the KV writes and the attention are the engine's own (``SlabKVCache.update``,
+  ``ragged.prefill_attention``: the eager forward's batch-invariant attention of prompt chunks);
+- the embeddings, the final norm and the output head are the model's modules (the head's prompt
+  rows in the model's dtype, as in the eager forward), LoRA on the embeddings through the
+  runner's hooks; LoRA rows on the projections get PEFT's mixed-batch deltas (``LoraRows.add``).
+
+Numbers: each operation is the eager forward's on the same values, except that q/k/v and
+gate/up multiply side by side. A product's output column depends on its own weight row only
+where the kernel's blocking does not change with the number of output columns: on an AMX Xeon
+the side-by-side bf16 products give the separate products' bits (and this forward the eager
+forward's logits and keys/values bit for bit, ``test_fused_prompt.py``); elsewhere they may
+differ in their last bits. Either way each prompt token's numbers depend on that token alone
+(the kernels compute each row on its own, in blocks of a fixed row count), so greedy output is
+the same alone as in a batch, and every prompt token takes this forward whatever shares its
+step: a prefix cached from one prompt is what another's forward would have computed.
+
+Where the model, its kernels or its adapters do not fit (``unsupported``, ``lora_unsupported``),
+prompt chunks keep the eager forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from services.inference.engine import ragged
+from services.inference.engine.fused_decode import (
+    ATTENTION,
+    MLP_IN,
+    PROJECTIONS,
+    _base,
+    _Layer,
+    _projection,
+    _SideBySide,
+    layer_kernels,
+    llama_problem,
+    lora_unsupported,
+    rope_tables,
+    run_layers,
+)
+from services.inference.engine.lora_rows import LoraRows
+from services.inference.engine.packed_linear import OneDNNPacked, RowKernel
+from services.inference.engine.prefix_cache import tensors_state
+from services.inference.engine.quantized_linear import BlockedBF16, ByTokenKind
+
+if TYPE_CHECKING:
+    from services.inference.engine.runner import ModelRunner
+
+
+def prompt_kernel_of(kernel: Any) -> RowKernel | None:
+    """A kernel of the kind a layer multiplies prompt tokens with (for weights side by side), where
+    the lean forward has it (a bf16 block kernel or oneDNN's packed product in the model's
+    dtype), else None."""
+    prompt = kernel.prompt if isinstance(kernel, ByTokenKind) else kernel
+    # exactly these classes (BF16Packed, a OneDNNPacked too, pairs lone rows unprobed)
+    if type(prompt) is BlockedBF16:
+        return BlockedBF16(prompt.batch_hint)
+    if type(prompt) is OneDNNPacked:
+        return OneDNNPacked(prompt.batch_hint)
+    return None
+
+
+def unsupported(runner: ModelRunner) -> str | None:
+    """Why this runner's prompt chunks cannot take the lean forward (None: they can)."""
+    problem = llama_problem(runner)
+    if problem is not None:
+        return problem
+    if runner.device.type != "cpu":
+        return f"prompt products are oneDNN's CPU kernels; the model runs on {runner.device.type}"
+    kernels = layer_kernels(runner)
+    kinds = set()
+    for layer in runner.decoder.layers:
+        for name in PROJECTIONS:
+            prompt = prompt_kernel_of(kernels.get(id(_base(_projection(layer, name)))))
+            if prompt is None:
+                return f"{name}'s prompt tokens do not multiply with a packed bf16 or model-dtype kernel"
+            kinds.add(type(prompt))
+    if len(kinds) > 1:
+        return "the layers' prompt kernels differ"
+    return None
+
+
+class FusedPrompt:
+    """Prompt chunks through the lean forward (see the module doc)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.decoder = runner.decoder
+        config = runner.config
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        kernels = layer_kernels(runner)
+        # a kernel of the layers' own kind for the side-by-side weights (BlockedBF16 probes each
+        # one's row independence when it prepares it)
+        kernel = prompt_kernel_of(kernels.get(id(_base(_projection(runner.decoder.layers[0], "q_proj")))))
+        assert kernel is not None, "FusedPrompt needs a runner that unsupported() accepts"
+        self.layers = [
+            _Layer(
+                module=layer,
+                qkv=_SideBySide(layer, ATTENTION, kernel),
+                o=_SideBySide(layer, ("o_proj",), kernel),
+                gate_up=_SideBySide(layer, MLP_IN, kernel),
+                down=_SideBySide(layer, ("down_proj",), kernel),
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                scaling=float(layer.self_attn.scaling),
+            )
+            for layer in runner.decoder.layers
+        ]
+        self.lora_problem: str | None = None
+        self._multiplied: frozenset[int] | None = None
+        self._fingerprint: tuple[int, int] | None = None
+
+    def refresh(self) -> None:
+        """Re-read the projections after an adapter was loaded or unloaded (PEFT wraps and
+        unwraps them) and whether the adapters loaded now can take this forward."""
+        for layer in self.layers:
+            for product in layer.products():
+                product.use(layer.module)
+        self.lora_problem = lora_unsupported(self.runner)
+        self._multiplied = None
+        self._fingerprint = None
+
+    def multiplied(self) -> frozenset[int]:
+        """The ids of the linear layers whose prompt products this forward computes itself."""
+        if self._multiplied is None:
+            self._multiplied = frozenset(
+                id(lin) for layer in self.layers for product in layer.products() for lin in product.linears
+            )
+        return self._multiplied
+
+    def prepare(self) -> None:
+        """Prepare every side-by-side weight now (start-up, not the first request)."""
+        self._fresh()
+
+    def _fresh(self) -> None:
+        # one pass over the weights a forward: a weight the trainer updated in place is prepared
+        # again (as FusedDecode._fresh)
+        fingerprint = tensors_state(
+            [lin.weight for layer in self.layers for p in layer.products() for lin in p.linears]
+        )
+        if fingerprint != self._fingerprint:
+            for layer in self.layers:
+                for product in layer.products():
+                    product.current()
+            self._fingerprint = fingerprint
+
+    def __call__(self, plan: ragged.RaggedPlan, lora: LoraRows | None = None) -> torch.Tensor:
+        """Logits ``[P, V]`` at each chunk's last token of a plan of prompt chunks only, inside
+        ``ragged.active(plan)``, the runner's adapter routing and its packed products (for the
+        embeddings and head)."""
+        runner = self.runner
+        self._fresh()
+        x = self.decoder.embed_tokens(plan.input_ids.view(-1))
+        cos, sin = rope_tables(self.decoder, x, plan)
+        x = run_layers(self.layers, plan, ragged.prefill_attention, x, cos, sin, lora, runner.cache)
+        return runner.lm_head(self.decoder.norm(x.index_select(0, plan.logit_rows)))
