@@ -96,6 +96,7 @@ def build_torch_engine(
         fused_prompt=settings.fused_prompt,
         native_decode=settings.native_decode,
         native_ops=settings.native_ops,
+        decode_head=settings.decode_head,
         **scheduler_settings(settings),
     )
 

@@ -69,7 +69,7 @@ def test_q8_blocks_refuse_a_width_that_is_not_whole_blocks() -> None:
         Q8Blocks().prepare(torch.randn(8, 40))
 
 
-def _engine(path: Path, ops: str, adapter: Path | None = None) -> TorchEngine:
+def _engine(path: Path, ops: str, adapter: Path | None = None, head: str = "auto") -> TorchEngine:
     model, tok = _load(path)
     engine = TorchEngine.from_model(
         model,
@@ -78,6 +78,7 @@ def _engine(path: Path, ops: str, adapter: Path | None = None) -> TorchEngine:
         quantize="int4",
         native_decode="on",
         native_ops=ops,  # type: ignore[arg-type]
+        decode_head=head,  # type: ignore[arg-type]
     )
     if adapter is not None:
         engine.load_adapter_sync("a", str(adapter))
@@ -156,7 +157,7 @@ def test_own_operations_follow_the_aten_loop(
 
 
 def test_the_q8_head_follows_the_bf16_head(lively_tiny_path: Path, built: None) -> None:
-    aten, own = _engine(lively_tiny_path, "aten"), _engine(lively_tiny_path, "own")
+    aten, own = _engine(lively_tiny_path, "aten"), _engine(lively_tiny_path, "own", head="q8_0")
     assert isinstance(_head_kernel(own), Q8Blocks)
     assert not isinstance(_head_kernel(aten), Q8Blocks)
     positions = _fill(aten)
@@ -176,7 +177,7 @@ def test_a_rows_numbers_are_the_same_alone_and_in_any_batch(
         modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         adapter = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=5, modules=modules)
     name = "a" if with_adapter else None
-    engines = [_engine(lively_tiny_path, "own", adapter) for _ in range(2)]
+    engines = [_engine(lively_tiny_path, "own", adapter, head="q8_0") for _ in range(2)]
     for engine in engines:
         assert engine.runner.fused is not None and engine.runner.fused.own_ops
         assert engine.runner.fused.lora_problem is None
@@ -223,3 +224,18 @@ def test_own_operations_need_a_head_size_they_are_built_for(lively_tiny_path: Pa
         assert fused_decode.own_unsupported(engine.runner) == "head_dim 24 is not one of [16, 32, 64, 128]"
     finally:
         config.head_dim = before
+
+
+def test_the_head_kernel_follows_the_setting_and_the_cpus_amx(
+    lively_tiny_path: Path, built: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.common import platforms
+
+    # auto: oneDNN's bf16 head where AMX is usable (faster at every row count there), else Q8_0
+    for amx, want in ((True, False), (False, True)):
+        monkeypatch.setattr(platforms, "cpu_amx_usable", lambda amx=amx: amx)
+        assert isinstance(_head_kernel(_engine(lively_tiny_path, "own")), Q8Blocks) == want, amx
+    assert not isinstance(_head_kernel(_engine(lively_tiny_path, "own", head="bf16")), Q8Blocks)
+    # Q8_0 asked for where it is not built: start-up stops, naming the setting
+    with pytest.raises(ValueError, match="decode_head='q8_0'"):
+        _engine(lively_tiny_path, "aten", head="q8_0")

@@ -112,3 +112,64 @@ def test_entries_are_keyed_per_adapter_and_bounded() -> None:
     small.store("a", list(range(100, 112)), slab, 0)
     assert len(small.entries) == 1 and small.nbytes <= small.max_bytes
     assert small.longest("a", [*tokens, 5])[0] is None
+
+
+def test_a_prefix_many_prompts_share_stays_while_unique_prompts_come_and_go() -> None:
+    """Where two stored prompts branch off each other their common prefix (a system prompt) is
+    kept as a shared entry, and every lookup refreshes the entries its prompt contains whole:
+    a flood of unique prompts (another adapter's here) evicts the unique prompts, not it."""
+    slab = SlabKVCache(
+        num_layers=1,
+        max_slots=2,
+        kv_heads=1,
+        head_dim=4,
+        max_len=64,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    slab.k[0][0, :, :12] = torch.arange(12.0).view(1, 12, 1)
+    entry_bytes = 2 * 4 * 4  # one token's keys and values
+    cache = PrefixCache(entry_bytes * 40)  # about three whole 12-token prompts
+    system = list(range(8))
+    cache.store("a", [*system, 100, 101, 102, 103], slab, 0)
+    cache.store("a", [*system, 200, 201, 202, 203], slab, 0)
+    shared = [e for e in cache.entries.values() if e.shared]
+    assert [e.tokens for e in shared] == [tuple(system)]
+    assert torch.equal(shared[0].k[0], slab.k[0][0, :, :8])
+    for i in range(20):
+        entry, n = cache.longest("a", [*system, 300 + i, 1, 2])
+        assert entry is not None and n == len(system), i
+        cache.store("b", list(range(1000 + 20 * i, 1012 + 20 * i)), slab, 0)
+        assert cache.nbytes <= cache.max_bytes
+    # the unique prompts of "a" went, its system prompt did not
+    assert [e.tokens for e in cache.entries.values() if e.adapter == "a"] == [tuple(system)]
+    # a longer prompt that starts with the shared prefix leaves it in place
+    cache.store("a", [*system, 7, 7, 7], slab, 0)
+    assert (("a", tuple(system))) in cache.entries
+
+
+def test_eviction_takes_whole_prompts_before_shared_prefixes_up_to_half_the_bytes() -> None:
+    slab = SlabKVCache(
+        num_layers=1,
+        max_slots=2,
+        kv_heads=1,
+        head_dim=4,
+        max_len=64,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    token_bytes = 2 * 4 * 4
+    cache = PrefixCache(token_bytes * 40)
+    cache.store("a", [*range(8), 100, 101, 102, 103], slab, 0)
+    cache.store("a", [*range(8), 200, 201, 202, 203], slab, 0)  # a shared entry for range(8)
+    # no lookups at all: unique prompts of another adapter push out "a"'s prompts, not its prefix
+    for i in range(6):
+        cache.store("b", list(range(1000 + 20 * i, 1012 + 20 * i)), slab, 0)
+    assert [e.tokens for e in cache.entries.values() if e.adapter == "a"] == [tuple(range(8))]
+    # shared prefixes beyond half the bytes go too, oldest first
+    for i in range(6):
+        cache.store("c", [500 + i, 1, 2, 3, 4, 5, 6, 7, 8, 9], slab, 0)
+        cache.store("c", [500 + i, 1, 2, 3, 4, 5, 6, 7, 70, 71], slab, 0)
+    shared = sum(e.nbytes for e in cache.entries.values() if e.shared)
+    assert cache.nbytes <= cache.max_bytes and shared <= cache.max_bytes // 2 + 8 * token_bytes
+    assert ("a", tuple(range(8))) not in cache.entries

@@ -26,6 +26,7 @@ from services.inference.engine.packed_linear import OneDNNPacked, PackedLinears
 from services.inference.engine.quantized_linear import (
     INT4_GROUP,
     PROMPT_BLOCK,
+    PROMPT_BLOCK_MAX,
     BlockedBF16,
     ByTokenKind,
     Int4WeightOnly,
@@ -218,7 +219,7 @@ def test_a_bf16_prompt_rows_product_does_not_depend_on_the_rows_beside_it() -> N
     place among them (oneDNN's bf16 products over all rows at once do not promise that)."""
     gen = torch.Generator().manual_seed(0)
     kernel = BlockedBF16()
-    for out_f, in_f in ((576, 1536), (1536, 576), (960, 576)):  # SmolLM2's shapes
+    for out_f, in_f in ((576, 1536), (1536, 576), (960, 576), (192, 576)):  # SmolLM2's shapes
         weight = torch.randn(out_f, in_f, generator=gen) * 0.05
         prepared = kernel.prepare(weight)
         rows = torch.randn(3 * PROMPT_BLOCK + 7, in_f, generator=gen)
@@ -233,6 +234,8 @@ def test_a_bf16_prompt_rows_product_does_not_depend_on_the_rows_beside_it() -> N
         ):
             part = kernel.apply(rows[start : start + count], prepared, None)
             assert torch.equal(part, every[start : start + count]), (out_f, in_f, start, count)
+        # blocks of a whole number of 64-row blocks, the probe's largest (192 on an AMX Xeon)
+        assert prepared[1] % PROMPT_BLOCK == 0 and PROMPT_BLOCK <= prepared[1] <= PROMPT_BLOCK_MAX
         # and it is the bf16 product of the rows, within bf16 rounding
         ref = torch.nn.functional.linear(rows.bfloat16().float(), weight.bfloat16().float())
         assert float((every - ref).norm() / ref.norm()) < 0.01

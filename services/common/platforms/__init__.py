@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 DEVICE_TYPES = ("cuda", "xpu", "npu", "mps", "cpu")
@@ -138,3 +139,21 @@ def current_platform(device: str | None = None) -> Platform:
 
         device = load_common().device
     return detect_platform(device)
+
+
+@lru_cache(maxsize=1)
+def cpu_amx_usable() -> bool:
+    """Whether this process can use the CPU's AMX tiles (Intel Sapphire Rapids and later): the CPU
+    lists ``amx_bf16`` and the Linux kernel grants the tile state (torch asks it, as oneDNN does
+    before its AMX kernels; a VM may list AMX yet refuse it). oneDNN's bf16 products run on AMX
+    there, and some kernel choices follow (the CPU engine's output head)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    if " amx_bf16" not in flags:
+        return False
+    import torch
+
+    init_amx = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    return bool(init_amx()) if callable(init_amx) else False

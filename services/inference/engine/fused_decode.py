@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +120,7 @@ class _SideBySide:
         return self.prepared, self.bias
 
     def __call__(
-        self, x: torch.Tensor, rows: torch.Tensor, lora: LoraRows | None, *, keep: bool = False
+        self, x: torch.Tensor, rows: torch.Tensor, lora: ProductDeltas | None, *, keep: bool = False
     ) -> torch.Tensor:
         """The product of ``x`` ``[n, in]``, given as ``rows`` (``kernel.rows(x)``, made once by the
         caller for every product of that input), in ``x``'s dtype; or, with ``keep`` and nothing to
@@ -136,13 +136,32 @@ class _SideBySide:
         if bias is not None:
             out = out + bias
         if lora is not None:
-            start = 0
-            for module, size in zip(self.modules, self.sizes, strict=True):
-                layer = _lora(module)
-                if layer is not None:
-                    lora.add(layer, x, out[:, start : start + size])
-                start += size
+            lora.add(self, x, out)
         return out
+
+
+class ProductDeltas(Protocol):
+    """How a lean forward adds the LoRA rows' deltas to a side-by-side product."""
+
+    def add(self, product: _SideBySide, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add the deltas of ``x`` ``[n, in]`` to ``out`` ``[n, product's columns]``."""
+        ...
+
+
+class ModuleDeltas:
+    """Each LoRA module's deltas added to its slice of the product as PEFT's mixed batch adds them
+    (``LoraRows.add``): the eager forward's numbers."""
+
+    def __init__(self, rows: LoraRows) -> None:
+        self.rows = rows
+
+    def add(self, product: _SideBySide, x: torch.Tensor, out: torch.Tensor) -> None:
+        start = 0
+        for module, size in zip(product.modules, product.sizes, strict=True):
+            layer = _lora(module)
+            if layer is not None:
+                self.rows.add(layer, x, out[:, start : start + size])
+            start += size
 
 
 @dataclass
@@ -168,7 +187,7 @@ def run_layers(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    lora: LoraRows | None,
+    lora: ProductDeltas | None,
     cache: SlabKVCache,
 ) -> torch.Tensor:
     """The decoder layers on the residual stream ``x`` ``[T, hidden]`` (the lean forwards' Python
@@ -181,21 +200,23 @@ def run_layers(
         kernel = layer.qkv.kernel
         residual = x
         h = _rms_norm(module.input_layernorm, x)
-        qkv = layer.qkv(h, kernel.rows(h), lora)
+        # the products kept as the kernel gives them (bf16) where nothing is added to them: the
+        # fp32 operations they meet widen them exactly, as the cast to fp32 would
+        qkv = layer.qkv(h, kernel.rows(h), lora, keep=True)
         nq, nk = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
         # RoPE on the query and key heads together (elementwise: each head's values as alone)
         qk = qkv[:, : nq + nk].view(tokens, layer.heads + layer.kv_heads, layer.head_dim)
         qk = (qk * cos) + (torch.roll(qk, half, -1) * sin)
         q, k = qk[:, : layer.heads], qk[:, layer.heads :]
-        v = qkv[:, nq + nk :].view(tokens, layer.kv_heads, layer.head_dim)
+        v = qkv[:, nq + nk :].view(tokens, layer.kv_heads, layer.head_dim).to(x.dtype)
         k_slab, v_slab = cache.update(k.unsqueeze(2), v.unsqueeze(2), index)
         attn = attention(plan, q, k_slab, v_slab, layer.scaling).reshape(tokens, nq)
         x = residual + layer.o(attn, kernel.rows(attn), lora, keep=True)
         residual = x
         h = _rms_norm(module.post_attention_layernorm, x)
-        gate_up = layer.gate_up(h, kernel.rows(h), lora)
+        gate_up = layer.gate_up(h, kernel.rows(h), lora, keep=True)
         size = layer.gate_up.sizes[0]
-        act = F.silu(gate_up[:, :size]) * gate_up[:, size:]
+        act = F.silu(gate_up[:, :size].to(x.dtype)) * gate_up[:, size:]
         x = residual + layer.down(act, kernel.rows(act), lora, keep=True)
     return x
 
@@ -398,7 +419,8 @@ class FusedDecode:
             if loop is not None:
                 x = self._native(loop, plan, x, cos, sin, lora, own=own is not None)
                 return runner.lm_head(self.decoder.norm(x))
-        x = run_layers(self.layers, plan, ragged.decode_attention, x, cos, sin, lora, cache)
+        deltas = None if lora is None else ModuleDeltas(lora)
+        x = run_layers(self.layers, plan, ragged.decode_attention, x, cos, sin, deltas, cache)
         return runner.lm_head(self.decoder.norm(x))
 
     def _lora_entries(self, name: str, own: bool) -> list[tuple[Any, ...]]:

@@ -11,6 +11,14 @@ Entries are keyed by adapter (a LoRA adapter changes the keys/values) and the wh
 is dropped when the weights change (the trainer updates them in place between rollouts:
 ``weights_fingerprint`` sums the parameters' version counters, which every in-place
 update bumps). Memory is bounded (LRU by bytes).
+
+Whole prompts are stored (a conversation's next turn extends its last prompt), and so is the
+prefix where a stored prompt branches off another one (the chat template's system prompt,
+an agent's instructions): a *shared* entry. Every lookup refreshes the entries its prompt
+contains whole, and eviction takes whole prompts before shared prefixes (while those hold at
+most half the bytes), so a prefix many requests share stays while the unique prompts stored
+after it go (without this, 16 streams of unique questions evicted one adapter's system prompt
+within two bursts of another's, and that adapter's next burst computed it again first).
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ class PrefixEntry:
     k: list[torch.Tensor]  # per layer [kv_heads, L, head_dim]
     v: list[torch.Tensor]
     nbytes: int
+    # where stored prompts branch off each other: kept when a longer prompt covers it
+    shared: bool = False
 
 
 def common_prefix_len(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
@@ -84,15 +94,21 @@ class PrefixCache:
         best: PrefixEntry | None = None
         best_len = 0
         cap = len(prompt) - 1  # the last prompt token must run through the model for its logits
+        contained = []
         for entry in self.entries.values():
             if entry.adapter != adapter:
                 continue
-            n = min(common_prefix_len(entry.tokens, prompt), cap)
+            n = common_prefix_len(entry.tokens, prompt)
+            if n == len(entry.tokens):
+                contained.append(entry)
+            n = min(n, cap)
             if n > best_len:
                 best, best_len = entry, n
         if best is None or best_len < self.min_tokens:
             return None, 0
-        self.entries.move_to_end((best.adapter, best.tokens))
+        # the prefixes this prompt shares whole stay (see the module doc), the match most of all
+        for entry in [*contained, best]:
+            self.entries.move_to_end((entry.adapter, entry.tokens))
         return best, best_len
 
     def load_into(self, entry: PrefixEntry, length: int, cache: SlabKVCache, slot: int) -> None:
@@ -109,19 +125,48 @@ class PrefixCache:
         if not self.enabled or length < self.min_tokens:
             return
         key = tuple(tokens[:length])
-        for a, t in self.entries:
-            if a == adapter and len(t) >= length and t[:length] == key:
+        branch = 0  # the longest prefix this prompt shares with another stored one, but neither whole
+        for (a, t), entry in self.entries.items():
+            if a != adapter:
+                continue
+            n = common_prefix_len(t, key)
+            if n == length:
                 return  # already covered by a longer (or equal) entry
-        # entries that are strict prefixes of this one are now redundant
-        for k in [k for k in self.entries if k[0] == adapter and key[: len(k[1])] == k[1]]:
-            self.nbytes -= self.entries.pop(k).nbytes
+            if n < len(t) or entry.shared:
+                branch = max(branch, n)
+        # entries that are strict prefixes of this one are now redundant (not the shared ones)
+        for k in [k for k, e in self.entries.items() if k[0] == adapter and key[: len(k[1])] == k[1]]:
+            if not self.entries[k].shared:
+                self.nbytes -= self.entries.pop(k).nbytes
+        if branch >= self.min_tokens and (adapter, key[:branch]) not in self.entries:
+            self._add(adapter, key[:branch], cache, slot, shared=True)
+        self._add(adapter, key, cache, slot, shared=False)
+
+    def _add(
+        self, adapter: str, key: tuple[int, ...], cache: SlabKVCache, slot: int, *, shared: bool
+    ) -> None:
+        length = len(key)
         ks = [cache.k[layer][slot, :, :length].clone() for layer in range(cache.num_layers)]
         vs = [cache.v[layer][slot, :, :length].clone() for layer in range(cache.num_layers)]
         nbytes = 2 * sum(t.numel() * t.element_size() for t in ks)
         if nbytes > self.max_bytes:
             return
-        self.entries[(adapter, key)] = PrefixEntry(adapter, key, ks, vs, nbytes)
+        self.entries[(adapter, key)] = PrefixEntry(adapter, key, ks, vs, nbytes, shared)
         self.nbytes += nbytes
+        self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used first, whole prompts before shared prefixes while the shared ones
+        hold at most half the bytes: a burst of unique prompts must not push out the prefix
+        every one of them starts with."""
+        shared = sum(e.nbytes for e in self.entries.values() if e.shared)
         while self.nbytes > self.max_bytes:
-            _, old = self.entries.popitem(last=False)
+            victim = None
+            if shared <= self.max_bytes // 2:
+                victim = next((k for k, e in self.entries.items() if not e.shared), None)
+            if victim is None:
+                victim = next(iter(self.entries))
+            old = self.entries.pop(victim)
             self.nbytes -= old.nbytes
+            if old.shared:
+                shared -= old.nbytes

@@ -60,6 +60,8 @@ log = logging.getLogger("tandem.engine.quantized_linear")
 Quantize = Literal["auto", "none", "int8", "int4"]
 # the dtype prompt tokens multiply in (``TANDEM_INFERENCE_PROMPT_DTYPE``; see ``resolve_prompt_dtype``)
 PromptDType = Literal["auto", "float32", "bfloat16"]
+# the output head's decode kernel under int4 (``TANDEM_INFERENCE_DECODE_HEAD``; see ``q8_head``)
+DecodeHead = Literal["auto", "q8_0", "bf16"]
 
 # auto picks int4 when re-quantising loses at most this (relative, per layer): weights that
 # came from a 4-bit GGUF (Q4_0/Q4_1) come back with 0; other weights lose ~8% (SmolLM2 fp32)
@@ -185,30 +187,40 @@ class BF16Packed(OneDNNPacked):
         return OneDNNPacked.apply(self, rows, prepared, None)
 
 
-# bf16 prompt products run in blocks of exactly this many rows (``BlockedBF16``)
+# bf16 prompt products run in blocks of a whole number of this many rows (``BlockedBF16``)
 PROMPT_BLOCK = 64
+# and of at most this many, where a layer's probe finds each row's bits the same in such blocks
+PROMPT_BLOCK_MAX = 192
 
 
 class BlockedBF16(BF16Packed):
-    """Prompt tokens' products in bf16, in blocks of exactly ``PROMPT_BLOCK`` rows (the last one
-    padded with zeros), one oneDNN product per block. oneDNN's bf16 kernels pick their blocking
-    by the row count, and a row's result moves with it (an AMX/AVX512-BF16 Xeon: SmolLM2's
-    1536 -> 576 product of the same row differed between 240 rows and 32, and a prompt's greedy
-    tokens alone and in a batch of 16 with it); at a fixed row count each row's result depends
-    on that row alone, neither on the other rows nor on its place among them (measured on every
-    SmolLM2 shape, and probed for each layer when its weight is prepared). So a prompt token's
-    numbers do not depend on what shares its forward. Cost: at 256 rows, 64-row blocks took
-    1.1-1.4x one product's time, still 2.7-3x faster than fp32 (benchmarks/RESULTS.md)."""
+    """Prompt tokens' products in bf16, in blocks of a whole number of ``PROMPT_BLOCK`` rows (the
+    last one padded with zeros), one oneDNN product per block. oneDNN's bf16 kernels pick their
+    blocking by the row count, and a row's result moves with it (an AMX/AVX512-BF16 Xeon:
+    SmolLM2's 1536 -> 576 product of the same row differed between 240 rows and 32, and a
+    prompt's greedy tokens alone and in a batch of 16 with it); in a block of ``PROMPT_BLOCK``
+    rows each row's result depends on that row alone, neither on the other rows nor on its place
+    among them (measured on every SmolLM2 shape, and probed for each layer when its weight is
+    prepared). So a prompt token's numbers do not depend on what shares its forward.
 
-    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    Larger blocks are faster (an AMX Xeon, SmolLM2's four side-by-side products of 256 rows: 46 ms
+    in 64-row blocks, 34 in 128 or 192 + 64, 30 in one block of 256, over 30 layers), and on such
+    a CPU blocks of 64, 128 and 192 rows gave every row the same bits (256 did not, for the
+    1536 -> 576 product). So each layer is probed when prepared (``_block_rows``): where blocks of
+    up to ``PROMPT_BLOCK_MAX`` rows give each row its 64-row block's bits at any place, its
+    products take blocks that large; elsewhere blocks of exactly ``PROMPT_BLOCK``. Either way a
+    row's numbers are the same in every block it can land in."""
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, Any]:  # (packed, rows a block)
         packed, _ = super().prepare(weight)
-        if not _rows_independent(packed, weight.shape[1]):
+        block = _block_rows(packed, weight.shape[1])
+        if not block:
             log.warning(
                 "bf16 prompt products of a %s layer depend on the other rows of their block: "
                 "greedy output may depend on the batch (TANDEM_INFERENCE_PROMPT_DTYPE=float32 avoids it)",
                 tuple(weight.shape),
             )
-        return packed, False
+        return packed, block or PROMPT_BLOCK
 
     def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
         flat = input.reshape(-1, input.shape[-1])
@@ -217,8 +229,8 @@ class BlockedBF16(BF16Packed):
         return out if bias is None else out + bias
 
     def rows(self, input: torch.Tensor) -> torch.Tensor:
-        """``[n, in]`` rows in bf16 with zero rows up to a whole number of blocks (one cast and
-        copy)."""
+        """``[n, in]`` rows in bf16 with zero rows up to a whole number of ``PROMPT_BLOCK``s (one
+        cast and copy)."""
         count = input.shape[0]
         padded = -(-count // PROMPT_BLOCK) * PROMPT_BLOCK
         if padded == count:
@@ -230,26 +242,39 @@ class BlockedBF16(BF16Packed):
 
     def product(self, rows: torch.Tensor, prepared: Any) -> torch.Tensor:
         """The bf16 product of ``rows`` (``self.rows``), block by block: ``[padded, out]``."""
-        packed, _ = prepared
+        packed, block = prepared
         blocks = [
-            torch.ops.mkldnn._linear_pointwise(
-                rows[start : start + PROMPT_BLOCK], packed, None, "none", [], ""
-            )
-            for start in range(0, rows.shape[0], PROMPT_BLOCK)
+            torch.ops.mkldnn._linear_pointwise(rows[start : start + block], packed, None, "none", [], "")
+            for start in range(0, rows.shape[0], block)
         ]
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
-def _rows_independent(packed: torch.Tensor, in_features: int) -> bool:
-    """Whether a row's bf16 product in a block of ``PROMPT_BLOCK`` rows is the same with other
-    rows beside it and at another place in the block."""
+def _block_rows(packed: torch.Tensor, in_features: int) -> int:
+    """The largest block (``PROMPT_BLOCK`` rows, or a multiple up to ``PROMPT_BLOCK_MAX``) in which
+    a row's bf16 product has the bits it has in any block of ``PROMPT_BLOCK`` rows, whatever rows
+    are beside it and at whatever place; 0 when even blocks of ``PROMPT_BLOCK`` rows do not give
+    a row its own bits (different arithmetic matching bit for bit on random rows would be a
+    coincidence)."""
     gen = torch.Generator().manual_seed(0)
-    first = torch.randn(PROMPT_BLOCK, in_features, generator=gen).to(COMPUTE_DTYPE)
-    second = torch.randn(PROMPT_BLOCK, in_features, generator=gen).to(COMPUTE_DTYPE)
-    second[PROMPT_BLOCK - 1] = first[0]
-    a = torch.ops.mkldnn._linear_pointwise(first, packed, None, "none", [], "")[0]
-    b = torch.ops.mkldnn._linear_pointwise(second, packed, None, "none", [], "")[PROMPT_BLOCK - 1]
-    return torch.equal(a, b)
+    rows = torch.randn(PROMPT_BLOCK_MAX + PROMPT_BLOCK, in_features, generator=gen).to(COMPUTE_DTYPE)
+
+    def product(block: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(block, packed, None, "none", [], "")
+
+    # every row in 64-row blocks; then rows shifted by half a block (other neighbours, other places)
+    reference = torch.cat(
+        [product(rows[s : s + PROMPT_BLOCK]) for s in range(0, rows.shape[0], PROMPT_BLOCK)]
+    )
+    shift = PROMPT_BLOCK // 2
+    if not torch.equal(product(rows[shift : shift + PROMPT_BLOCK]), reference[shift : shift + PROMPT_BLOCK]):
+        return 0
+    best = PROMPT_BLOCK
+    for size in range(2 * PROMPT_BLOCK, PROMPT_BLOCK_MAX + 1, PROMPT_BLOCK):
+        if not torch.equal(product(rows[shift : shift + size]), reference[shift : shift + size]):
+            break
+        best = size
+    return best
 
 
 class TwoSides:
@@ -384,6 +409,26 @@ def resolve_prompt_dtype(setting: PromptDType, quantize: Quantize, model_dtype: 
     if setting != "auto":
         return setting
     return "bfloat16" if quantize in ("int4", "int8") and cpu_has_native_bf16() else "float32"
+
+
+def q8_head(setting: DecodeHead, built: bool) -> bool:
+    """Whether the output head's decode rows take ``Q8Blocks`` (``built``: the native module's
+    ``q8_linear`` is there, with the own operations). ``auto``: where the CPU's AMX is not usable
+    by this process. With AMX, oneDNN's bf16 head is faster at every row count (SmolLM2's head on a
+    2-core Xeon: 1.33 / 1.36 / 1.73 ms at 1 / 4 / 16 rows, the Q8_0 blocks 1.55 / 5.28 / 12.1: a
+    16-stream decode step 52.9 -> 41.8 ms); without it the Q8_0 blocks win where streams are few
+    (a Zen 4: 1.8 vs 6.9 ms at one row). The choice is made once, when the engine is made: a
+    row's logits never change kernels with the batch."""
+    from services.common.platforms import cpu_amx_usable
+
+    if setting == "q8_0" and not built:
+        raise ValueError(
+            "decode_head='q8_0' needs the C++ decode kernels with their own operations "
+            "(TANDEM_INFERENCE_NATIVE_DECODE not off, TANDEM_INFERENCE_NATIVE_OPS=own, an AVX2 CPU)"
+        )
+    if setting == "auto":
+        return built and not cpu_amx_usable()
+    return setting == "q8_0"
 
 
 def prompt_kernel(prompt_dtype: PromptDType, batch_hint: int = 16) -> LinearKernel:

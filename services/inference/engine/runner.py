@@ -32,7 +32,7 @@ from services.inference.engine.fused_prompt import FusedPrompt
 from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.native import NativeDecode, NativeOps
 from services.inference.engine.packed_linear import PackedLinears
-from services.inference.engine.quantized_linear import PromptDType, Quantize
+from services.inference.engine.quantized_linear import DecodeHead, PromptDType, Quantize
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 
 __all__ = ["DecodeRow", "ModelRunner", "PrefillRow", "base_model_of", "sliding_window"]
@@ -71,6 +71,7 @@ class ModelRunner:
         fused_prompt: bool = True,
         native: NativeDecode = "off",
         native_ops: NativeOps = "own",
+        decode_head: DecodeHead = "auto",
     ) -> None:
         self.model = model
         base = base_model_of(model)
@@ -126,12 +127,13 @@ class ModelRunner:
             if problem is not None:
                 raise ValueError(f"quantize={quantize!r}: {problem}")
             # quantised (or bf16 prompt) products replace the packed ones (layers left out stay plain)
+            q8 = built and native_ops == "own" and native_module.q8_linear() is not None
             choose = quantized_linear.layer_kernels(
                 quantize,
                 self.lm_head,
                 max_slots,
                 prompt,
-                q8_head=built and native_ops == "own" and native_module.q8_linear() is not None,
+                q8_head=quantize == "int4" and quantized_linear.q8_head(decode_head, q8),
             )
             self.packed = PackedLinears(model, choose=choose)
         elif packed_weights and packed_linear.available(self.device, self.dtype):

@@ -27,7 +27,7 @@ from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.guided import GuidedCompiler
 from services.inference.engine.native import NativeDecode, NativeOps
 from services.inference.engine.prefix_cache import PrefixCache
-from services.inference.engine.quantized_linear import PromptDType, Quantize
+from services.inference.engine.quantized_linear import DecodeHead, PromptDType, Quantize
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import DEFAULT_TENANT, Scheduler, Sequence
@@ -135,6 +135,7 @@ class TorchEngine(AdapterHost):
         fused_prompt: bool = True,
         native_decode: NativeDecode = "off",
         native_ops: NativeOps = "own",
+        decode_head: DecodeHead = "auto",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -155,6 +156,7 @@ class TorchEngine(AdapterHost):
             fused_prompt=fused_prompt,
             native=native_decode,
             native_ops=native_ops,
+            decode_head=decode_head,
         )
         self.native_decode: NativeDecode = native_decode
         self.max_model_len = self.runner.max_len

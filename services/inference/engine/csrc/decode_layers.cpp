@@ -25,7 +25,7 @@ using torch::indexing::Slice;
 
 namespace {
 
-constexpr int64_t LORA_BLOCK = 16;  // lora_rows.BLOCK
+constexpr int64_t LORA_BLOCK = 64;  // lora_rows.BLOCK
 
 // lora_rows.padded: x's rows as [n, in], zero rows added up to a multiple of LORA_BLOCK
 Tensor padded(const Tensor& x) {
