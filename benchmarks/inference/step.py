@@ -9,6 +9,13 @@ first variant.
     python -m benchmarks.inference.step --rows 1,4,16 --rounds 5 --threads 2
     python -m benchmarks.inference.step --profile lean                   # top ATen ops of a 1-row step
     python -m benchmarks.inference.step --head --rows 1,4,16             # the output head's kernels alone
+    python -m benchmarks.inference.step --prompts 1,16 --lora            # prompt forwards: lean vs eager
+
+``--prompts N,..``: instead of decode steps, one prompt forward of N prompts of 16 new tokens each
+after a cached 26-token prefix (a burst of chat requests: SmolLM2's template shares 26 tokens), for
+the prompt paths ``PROMPT_VARIANTS`` (the lean prompt forward with the probe's blocks, with 64-row
+blocks only, and the eager forward), interleaved round by round; ``--lora`` adds the same burst with
+half its prompts (a lone prompt: it) on a random rank-8 q/k/v/o adapter.
 """
 
 from __future__ import annotations
@@ -28,6 +35,15 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "aten": {"fused": True, "native": True, "own": False},
     "python": {"fused": True, "native": False, "own": False},
     "eager": {"fused": False, "native": False, "own": False},
+}
+
+
+# prompt paths (--prompts): the lean prompt forward, with bf16 blocks of at most this many rows
+# (64: the blocks before the probe for larger ones), and the Hugging Face modules' forward
+PROMPT_VARIANTS: dict[str, tuple[bool, int]] = {
+    "lean": (True, 192),
+    "lean-64": (True, 64),
+    "eager": (False, 192),
 }
 
 
@@ -132,6 +148,83 @@ def head(path: Path, rows: list[int], rounds: int, steps: int) -> int:
     return 0
 
 
+def prompts(path: Path, tokenizer: Any, counts: list[int], rounds: int, steps: int, lora: bool) -> int:
+    """Prompt forwards of bursts (``--prompts``): the median per prompt path, burst size and
+    adapter split, and each path's ratio against the first."""
+    from transformers import AutoModelForCausalLM
+
+    from services.inference.engine import TorchEngine, quantized_linear
+    from services.inference.engine.ragged import PrefillRow
+
+    adapter = None
+    if lora:
+        import tempfile
+
+        from benchmarks.inference.__main__ import make_lora
+
+        adapter = make_lora(path, Path(tempfile.mkdtemp()) / "lora")
+    runners = {}
+    for name, (lean, block) in PROMPT_VARIANTS.items():
+        # the probe runs when the weights are prepared: each runner keeps the blocks it found
+        quantized_linear.PROMPT_BLOCK_MAX = block
+        engine = TorchEngine.from_model(
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+            tokenizer,
+            max_batch_size=max(counts),
+            max_model_len=512,
+            quantize="int4",
+            fused_prompt=lean,
+        )
+        if adapter is not None:
+            engine.load_adapter_sync("lora", str(adapter))
+        engine.runner.prepare_weights()
+        runners[name] = engine.runner
+    ids = [
+        tokenizer(f"Request {i}: what is the main finding about topic number {i} in the study?")["input_ids"][
+            :16
+        ]
+        for i in range(max(counts))
+    ]
+    cases = [(f"{n}", n, False) for n in counts] + (
+        [(f"{n} LoRA", n, True) for n in counts] if lora else []
+    )
+
+    def burst(n: int, half: bool) -> list[Any]:
+        return [
+            PrefillRow(
+                slot=s, token_ids=ids[s], start=26, adapter="lora" if half and (s % 2 or n == 1) else None
+            )
+            for s in range(n)
+        ]
+
+    results: dict[tuple[str, str], list[float]] = {}
+    with torch.inference_mode():
+        for runner in runners.values():
+            for _, n, half in cases:
+                runner.forward([], burst(n, half))  # warm-up
+        for _ in range(rounds):
+            for name, runner in runners.items():
+                for label, n, half in cases:
+                    samples = []
+                    for _ in range(steps):
+                        start = time.perf_counter()
+                        runner.forward([], burst(n, half))
+                        samples.append((time.perf_counter() - start) * 1000)
+                    results.setdefault((name, label), []).append(statistics.median(samples))
+    labels = [c[0] for c in cases]
+    first = next(iter(runners))
+    print(
+        f"| prompt path | {' | '.join(f'{c} prompts ms' for c in labels)} | {' | '.join(f'{c} vs {first}' for c in labels)} |"
+    )
+    print(f"| --- | {' | '.join('---:' for _ in labels * 2)} |")
+    for name in runners:
+        med = [statistics.median(results[name, c]) for c in labels]
+        base = [statistics.median(results[first, c]) for c in labels]
+        ratios = [f"{b / m:.2f}x" for m, b in zip(med, base, strict=True)]
+        print(f"| {name} | {' | '.join(f'{m:.1f}' for m in med)} | {' | '.join(ratios)} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model folder or .gguf (default: the default model)")
@@ -152,12 +245,20 @@ def main() -> int:
         action="store_true",
         help="instead: the output head's decode kernels alone (Q8_0 blocks vs bf16 oneDNN-packed)",
     )
+    ap.add_argument(
+        "--prompts",
+        default=None,
+        help="instead: prompt forwards of bursts of these many prompts (16 new tokens each), per prompt path",
+    )
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     names = args.variants.split(",")
     tokenizer, path = load(args.model, args.threads)
     if args.head:
         return head(path, rows, args.rounds, args.steps)
+    if args.prompts:
+        counts = [int(n) for n in args.prompts.split(",")]
+        return prompts(path, tokenizer, counts, args.rounds, min(args.steps, 8), args.lora)
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][:64]
     slots = max(rows)
     adapter = None
