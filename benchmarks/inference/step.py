@@ -185,9 +185,7 @@ def prompts(path: Path, tokenizer: Any, counts: list[int], rounds: int, steps: i
         ]
         for i in range(max(counts))
     ]
-    cases = [(f"{n}", n, False) for n in counts] + (
-        [(f"{n} LoRA", n, True) for n in counts] if lora else []
-    )
+    cases = [(f"{n}", n, False) for n in counts] + ([(f"{n} LoRA", n, True) for n in counts] if lora else [])
 
     def burst(n: int, half: bool) -> list[Any]:
         return [
