@@ -112,6 +112,12 @@ class InferenceSettings(ServiceSettings):
         "sooner first tokens under a burst, each prompt token's numbers the same alone as in a batch; "
         "false: the Hugging Face modules' forward.",
     )
+    native_prompt: bool = Field(
+        True,
+        description="CPU torch engine, with the lean prompt forward, bf16 prompt products and the C++ decode "
+        "kernels' own operations (native_ops=own, an AVX2 CPU): the prompt chunks' layers run in C++ too "
+        "(the operations between the products and the attention without Python); false: its Python loop.",
+    )
     native_decode: Literal["auto", "on", "off"] = Field(
         "auto",
         description="CPU torch engine, int4 decode: the engine's C++ decode kernels (the lean forward's loop "

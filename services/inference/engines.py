@@ -94,6 +94,7 @@ def build_torch_engine(
         prompt_dtype=settings.prompt_dtype,
         fused_decode=settings.fused_decode,
         fused_prompt=settings.fused_prompt,
+        native_prompt=settings.native_prompt,
         native_decode=settings.native_decode,
         native_ops=settings.native_ops,
         decode_head=settings.decode_head,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.inference.engine import TorchEngine, native, quantized_linear
+from services.inference.engine import TorchEngine, native, packed_linear, quantized_linear
 from services.inference.engine.quantized_linear import Q8Blocks
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from tests.helpers.models import make_lora_adapter
@@ -239,3 +239,95 @@ def test_the_head_kernel_follows_the_setting_and_the_cpus_amx(
     # Q8_0 asked for where it is not built: start-up stops, naming the setting
     with pytest.raises(ValueError, match="decode_head='q8_0'"):
         _engine(lively_tiny_path, "aten", head="q8_0")
+
+
+def _prompt_engine(path: Path, native_prompt: bool, adapter: Path | None = None) -> TorchEngine:
+    model, tok = _load(path)
+    engine = TorchEngine.from_model(
+        model,
+        tok,
+        max_batch_size=8,
+        quantize="int4",
+        prompt_dtype="bfloat16",
+        native_decode="on",
+        native_prompt=native_prompt,
+    )
+    if adapter is not None:
+        engine.load_adapter_sync("a", str(adapter))
+    engine.runner.prepare_weights()
+    fused = engine.runner.fused_prompt
+    assert fused is not None and fused.native == native_prompt
+    return engine
+
+
+ONEDNN_BF16 = packed_linear.available(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.skipif(
+    not ONEDNN_BF16, reason="the C++ prompt loop multiplies in bf16: no oneDNN bf16 products here"
+)
+@pytest.mark.parametrize("with_adapter", [False, True])
+def test_the_native_prompt_loop_follows_the_python_one_and_each_prompt_is_its_own(
+    lively_tiny_path: Path, tmp_path: Path, built: None, monkeypatch: pytest.MonkeyPatch, with_adapter: bool
+) -> None:
+    adapter, name = None, None
+    if with_adapter:
+        modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        adapter, name = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=9, modules=modules), "a"
+    python, own = (_prompt_engine(lively_tiny_path, flag, adapter) for flag in (False, True))
+    calls = []
+    loop = native.prompt_own()
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return loop(*args)
+
+    monkeypatch.setattr(native, "prompt_own", lambda: counting)
+    prompts = [list(range(300 + 11 * s, 340 + 9 * s)) for s in range(6)]
+    chunks = [
+        PrefillRow(slot=s, token_ids=p, start=0, adapter=name if s % 2 else None)
+        for s, p in enumerate(prompts)
+    ]
+    # six prompts together (more than one 64-row block), and one alone
+    ref, out = (e.runner.forward([], chunks[:5]) for e in (python, own))
+    assert _relative(out, ref) < 2e-2 and torch.equal(out.argmax(-1), ref.argmax(-1))
+    alone = [e.runner.forward([], [chunks[5]]) for e in (python, own)]
+    assert _relative(alone[1], alone[0]) < 2e-2
+    assert calls == [sum(len(p) for p in prompts[:5]), len(prompts[5])]
+    for ref_store, store in zip(
+        python.runner.cache.k + python.runner.cache.v, own.runner.cache.k + own.runner.cache.v, strict=True
+    ):
+        assert _relative(store[:6], ref_store[:6]) < 2e-2
+    # each prompt's numbers are its own: alone, beside others, and after a cached first part
+    runner = own.runner
+    mine = PrefillRow(slot=6, token_ids=prompts[3], start=0, adapter=name)
+    first = runner.forward([], [mine])
+    among = runner.forward(
+        [], [chunks[0], PrefillRow(slot=7, token_ids=prompts[3], start=0, adapter=name), chunks[2]]
+    )
+    assert torch.equal(among[1], first[0])
+    runner.forward([], [PrefillRow(slot=0, token_ids=prompts[3][:17], start=0, adapter=name)])
+    rest = runner.forward(
+        [], [PrefillRow(slot=0, token_ids=prompts[3][17:], start=17, adapter=name), chunks[4]]
+    )
+    assert torch.equal(rest[0], first[0])
+    # and their keys/values too
+    for store in runner.cache.k + runner.cache.v:
+        assert torch.equal(store[7, :, : len(prompts[3])], store[6, :, : len(prompts[3])])
+        assert torch.equal(store[0, :, : len(prompts[3])], store[6, :, : len(prompts[3])])
+
+
+@pytest.mark.skipif(
+    not ONEDNN_BF16, reason="the C++ prompt loop multiplies in bf16: no oneDNN bf16 products here"
+)
+def test_the_native_prompt_loop_follows_weights_changed_in_place(lively_tiny_path: Path, built: None) -> None:
+    engines = [_prompt_engine(lively_tiny_path, flag) for flag in (False, True)]
+    prompt = list(range(500, 545))
+    before = [e.runner.forward([], [PrefillRow(slot=0, token_ids=prompt, start=0)]) for e in engines]
+    for engine in engines:
+        with torch.no_grad():
+            engine.runner.decoder.layers[1].mlp.gate_proj.weight.mul_(-1.5)
+            engine.runner.decoder.layers[0].self_attn.o_proj.weight.add_(0.05)
+    after = [e.runner.forward([], [PrefillRow(slot=1, token_ids=prompt, start=0)]) for e in engines]
+    assert _relative(after[1], before[1]) > 1e-2
+    assert _relative(after[1], after[0]) < 2e-2

@@ -83,9 +83,10 @@ def test_in_place_weight_update_drops_the_cache(lively: tuple[Any, Any]) -> None
     assert after != before
 
 
-def test_entries_are_keyed_per_adapter_and_bounded() -> None:
-    slab = SlabKVCache(
-        num_layers=2,
+def _slab(layers: int) -> SlabKVCache:
+    """A small slab: 2 slots, one key/value head of 4 values, 64 positions."""
+    return SlabKVCache(
+        num_layers=layers,
         max_slots=2,
         kv_heads=1,
         head_dim=4,
@@ -93,6 +94,10 @@ def test_entries_are_keyed_per_adapter_and_bounded() -> None:
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
+
+
+def test_entries_are_keyed_per_adapter_and_bounded() -> None:
+    slab = _slab(layers=2)
     slab.k[0][0, :, :10] = 1.0
     cache = PrefixCache(10_000)
     tokens = list(range(10))
@@ -118,15 +123,7 @@ def test_a_prefix_many_prompts_share_stays_while_unique_prompts_come_and_go() ->
     """Where two stored prompts branch off each other their common prefix (a system prompt) is
     kept as a shared entry, and every lookup refreshes the entries its prompt contains whole:
     a flood of unique prompts (another adapter's here) evicts the unique prompts, not it."""
-    slab = SlabKVCache(
-        num_layers=1,
-        max_slots=2,
-        kv_heads=1,
-        head_dim=4,
-        max_len=64,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    slab = _slab(layers=1)
     slab.k[0][0, :, :12] = torch.arange(12.0).view(1, 12, 1)
     entry_bytes = 2 * 4 * 4  # one token's keys and values
     cache = PrefixCache(entry_bytes * 40)  # about three whole 12-token prompts
@@ -149,15 +146,7 @@ def test_a_prefix_many_prompts_share_stays_while_unique_prompts_come_and_go() ->
 
 
 def test_eviction_takes_whole_prompts_before_shared_prefixes_up_to_half_the_bytes() -> None:
-    slab = SlabKVCache(
-        num_layers=1,
-        max_slots=2,
-        kv_heads=1,
-        head_dim=4,
-        max_len=64,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    slab = _slab(layers=1)
     token_bytes = 2 * 4 * 4
     cache = PrefixCache(token_bytes * 40)
     cache.store("a", [*range(8), 100, 101, 102, 103], slab, 0)

@@ -319,61 +319,123 @@ def own_unsupported(runner: ModelRunner) -> str | None:
     return None
 
 
-# an entry of the C++ loop's LoRA columns: _lora_entries' eight fields and the adapter's rows
+def native_args(layers: list[_Layer]) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    """The layers' weights as the C++ loops take them: each layer's two norm weights, and each
+    product's prepared weight in its two parts (int4: packed and scales; bf16 blocks: packed and
+    block rows) and its bias."""
+    norms, first, second, biases = [], [], [], []
+    for layer in layers:
+        norms += [layer.module.input_layernorm.weight, layer.module.post_attention_layernorm.weight]
+        for product in layer.products():
+            (a, b), bias = product.prepared, product.bias
+            first.append(a)
+            second.append(b)
+            biases.append(bias)
+    return norms, first, second, biases
+
+
+# an entry of the C++ loops' LoRA columns: NativeLora.entries' eight fields and the adapter's rows
 _LORA_FIELDS = 9
 
 
-class FusedDecode:
-    """Decode tokens through the lean forward (see the module doc)."""
+class NativeLora:
+    """The LoRA modules on a lean forward's products as the C++ loops take them, made once per
+    adapter and again when a weight of it was replaced or changed in place."""
 
-    def __init__(self, runner: ModelRunner, *, native: bool = False, own_ops: bool = True) -> None:
+    def __init__(self, layers: list[_Layer]) -> None:
+        self.layers = layers
+        self._modules: dict[str, list[tuple[Any, ...]]] = {}
+        self._entries: dict[tuple[str, bool], tuple[tuple[int, int], list[tuple[Any, ...]]]] = {}
+
+    def entries(self, name: str, own: bool) -> list[tuple[Any, ...]]:
+        """Adapter ``name``'s deltas: per LoRA module of a product (in product order), its
+        product's index, its columns there, A and B, their biases and the scaling (``own``: as the
+        own loops read them, fp32 and B transposed)."""
+        modules = self._modules.get(name)
+        if modules is None:
+            modules = []
+            for index, layer in enumerate(self.layers):
+                for k, product in enumerate(layer.products()):
+                    start = 0
+                    for module, size in zip(product.modules, product.sizes, strict=True):
+                        lora = _lora(module)
+                        if lora is not None and name in lora.lora_A:
+                            modules.append(
+                                (4 * index + k, start, size, lora, lora.lora_A[name], lora.lora_B[name])
+                            )
+                        start += size
+            self._modules[name] = modules
+        key = tensors_state([m.weight for *_, a, b in modules for m in (a, b)])
+        cached = self._entries.get((name, own))
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        entries = []
+        for slot, start, size, lora, a, b in modules:
+            scaling = float(lora.scaling[name])
+            if own:
+                a_weight, b_weight = a.weight.float().contiguous(), b.weight.t().float().contiguous()
+                a_bias, b_bias = (None if m.bias is None else m.bias.float().contiguous() for m in (a, b))
+                entries.append((slot, start, size, a_weight, a_bias, b_weight, b_bias, scaling))
+            else:
+                entries.append((slot, start, size, a.weight, a.bias, b.weight, b.bias, scaling))
+        self._entries[(name, own)] = (key, entries)
+        return entries
+
+    def columns(self, lora: LoraRows | None, own: bool) -> list[Any]:
+        """The forward's LoRA entries as the C++ loops' nine argument columns: in product order
+        (adapters' rows are disjoint: their order within a product changes no number), each with
+        its adapter's rows."""
+        entries: list[tuple[Any, ...]] = []
+        for name, rows in lora.rows.items() if lora is not None else ():
+            entries += [(*entry, rows) for entry in self.entries(name, own)]
+        entries.sort(key=lambda e: e[0])
+        return [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(_LORA_FIELDS)]
+
+
+class LeanLayers:
+    """What the lean forwards share (decode tokens here, prompt chunks in ``fused_prompt.py``): the
+    decoder layers' projections multiplied side by side with one kernel, prepared again when a
+    weight changed in place, and the C++ loops' arguments made from them."""
+
+    def __init__(self, runner: ModelRunner, kernel: RowKernel) -> None:
         self.runner = runner
-        decoder = runner.decoder
-        self.decoder = decoder
+        self.decoder = runner.decoder
         config = runner.config
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        self.layers = []
-        for layer in decoder.layers:
-            self.layers.append(
-                _Layer(
-                    module=layer,
-                    qkv=_SideBySide(layer, ATTENTION),
-                    o=_SideBySide(layer, ("o_proj",)),
-                    gate_up=_SideBySide(layer, MLP_IN),
-                    down=_SideBySide(layer, ("down_proj",)),
-                    heads=heads,
-                    kv_heads=kv_heads,
-                    head_dim=head_dim,
-                    scaling=float(layer.self_attn.scaling),
-                )
+        self.layers = [
+            _Layer(
+                module=layer,
+                qkv=_SideBySide(layer, ATTENTION, kernel),
+                o=_SideBySide(layer, ("o_proj",), kernel),
+                gate_up=_SideBySide(layer, MLP_IN, kernel),
+                down=_SideBySide(layer, ("down_proj",), kernel),
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                scaling=float(layer.self_attn.scaling),
             )
+            for layer in self.decoder.layers
+        ]
         self.lora_problem: str | None = None
-        # the layers' loop in C++ once ``native.start`` has built it (``native.py``), else in Python
-        self.native = native
-        # the C++ loop's own operations between the products (``decode_own``) where built and
-        # the model's sizes fit them
-        self.own_ops = own_ops and own_unsupported(runner) is None
         self._multiplied: frozenset[int] | None = None
-        # the state of every weight the products were prepared from (``fingerprint``), and
-        # the per-layer arguments of the native loop made from them
+        # the state of every weight the products were prepared from (``_fresh``), and the C++
+        # loops' arguments made from them
         self._fingerprint: tuple[int, int] | None = None
         self._native_args: tuple[list[Any], ...] | None = None
-        self._native_lora: dict[tuple[str, bool], tuple[tuple[int, int], list[tuple[Any, ...]]]] = {}
-        self._lora_modules: dict[str, list[tuple[Any, ...]]] = {}
+        self._native_lora = NativeLora(self.layers)
 
     def refresh(self) -> None:
         """Re-read the projections after an adapter was loaded or unloaded (PEFT wraps and
-        unwraps them) and whether the adapters loaded now can decode here."""
+        unwraps them) and whether the adapters loaded now can take this forward."""
         for fused in self.layers:
             for product in fused.products():
                 product.use(fused.module)
         self.lora_problem = lora_unsupported(self.runner)
         self._multiplied = None
         self._fingerprint = None
-        self._native_lora = {}
-        self._lora_modules = {}
+        self._native_lora = NativeLora(self.layers)
 
     def _fresh(self) -> None:
         """Every product prepared from its weights as they are now: one pass over the weights a
@@ -390,7 +452,7 @@ class FusedDecode:
             self._fingerprint = fingerprint
 
     def multiplied(self) -> frozenset[int]:
-        """The ids of the linear layers whose decode products this forward computes itself."""
+        """The ids of the linear layers whose products this forward computes itself."""
         if self._multiplied is None:
             self._multiplied = frozenset(
                 id(lin) for layer in self.layers for product in layer.products() for lin in product.linears
@@ -399,9 +461,25 @@ class FusedDecode:
 
     def prepare(self) -> None:
         """Prepare every side-by-side weight now (start-up, not the first request)."""
-        for layer in self.layers:
-            for product in layer.products():
-                product.current()
+        self._fresh()
+
+    def native_args(self) -> tuple[list[Any], ...]:
+        """``native_args`` of the layers, made again after a weight changed (``_fresh``)."""
+        if self._native_args is None:
+            self._native_args = native_args(self.layers)
+        return self._native_args
+
+
+class FusedDecode(LeanLayers):
+    """Decode tokens through the lean forward (see the module doc)."""
+
+    def __init__(self, runner: ModelRunner, *, native: bool = False, own_ops: bool = True) -> None:
+        super().__init__(runner, _INT4)
+        # the layers' loop in C++ once ``native.start`` has built it (``native.py``), else in Python
+        self.native = native
+        # the C++ loop's own operations between the products (``decode_own``) where built and
+        # the model's sizes fit them
+        self.own_ops = own_ops and own_unsupported(runner) is None
 
     def __call__(self, plan: ragged.RaggedPlan, lora: LoraRows | None = None) -> torch.Tensor:
         """Logits ``[D, V]`` of a plan of decode tokens only, inside ``ragged.active(plan)``,
@@ -423,41 +501,6 @@ class FusedDecode:
         x = run_layers(self.layers, plan, ragged.decode_attention, x, cos, sin, deltas, cache)
         return runner.lm_head(self.decoder.norm(x))
 
-    def _lora_entries(self, name: str, own: bool) -> list[tuple[Any, ...]]:
-        """Adapter ``name``'s deltas as the C++ loop takes them: per LoRA module of a product
-        (in product order), its product's index, its columns there, A and B, their biases and the
-        scaling (``own``: as ``decode_own`` reads them, fp32 and B transposed); made again when a
-        weight of the adapter was replaced or changed."""
-        modules = self._lora_modules.get(name)
-        if modules is None:
-            modules = []
-            for index, layer in enumerate(self.layers):
-                for k, product in enumerate(layer.products()):
-                    start = 0
-                    for module, size in zip(product.modules, product.sizes, strict=True):
-                        lora = _lora(module)
-                        if lora is not None and name in lora.lora_A:
-                            modules.append(
-                                (4 * index + k, start, size, lora, lora.lora_A[name], lora.lora_B[name])
-                            )
-                        start += size
-            self._lora_modules[name] = modules
-        key = tensors_state([m.weight for *_, a, b in modules for m in (a, b)])
-        cached = self._native_lora.get((name, own))
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        entries = []
-        for slot, start, size, lora, a, b in modules:
-            scaling = float(lora.scaling[name])
-            if own:
-                a_weight, b_weight = a.weight.float().contiguous(), b.weight.t().float().contiguous()
-                a_bias, b_bias = (None if m.bias is None else m.bias.float().contiguous() for m in (a, b))
-                entries.append((slot, start, size, a_weight, a_bias, b_weight, b_bias, scaling))
-            else:
-                entries.append((slot, start, size, a.weight, a.bias, b.weight, b.bias, scaling))
-        self._native_lora[(name, own)] = (key, entries)
-        return entries
-
     def _native(
         self,
         loop: Any,
@@ -471,26 +514,8 @@ class FusedDecode:
     ) -> torch.Tensor:
         """The layers' loop in C++ (``native.py``): the Python loop's operations, bit for bit,
         or (``own``) with its own operations between the products."""
-        if self._native_args is None:
-            norms, packed, scales, biases = [], [], [], []
-            for layer in self.layers:
-                norms += [layer.module.input_layernorm.weight, layer.module.post_attention_layernorm.weight]
-                for product in layer.products():
-                    (weight, scale), bias = product.prepared, product.bias
-                    packed.append(weight)
-                    scales.append(scale)
-                    biases.append(bias)
-            self._native_args = (norms, packed, scales, biases)
-        norms, packed, scales, biases = self._native_args
-        # LoRA entries in product order (adapters' rows are disjoint: their order within a
-        # product changes no number), each with its adapter's rows
-        entries: list[tuple[Any, ...]] = []
-        for name, rows in lora.rows.items() if lora is not None else ():
-            entries += [(*entry, rows) for entry in self._lora_entries(name, own)]
-        entries.sort(key=lambda e: e[0])
-        columns: list[Any] = (
-            [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(_LORA_FIELDS)]
-        )
+        norms, packed, scales, biases = self.native_args()
+        columns = self._native_lora.columns(lora, own)
         first = self.layers[0]
         cache = self.runner.cache
         weights = (

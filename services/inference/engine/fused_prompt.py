@@ -37,20 +37,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.inference.engine import native as native_module
 from services.inference.engine import ragged
 from services.inference.engine.fused_decode import (
-    ATTENTION,
-    MLP_IN,
     PROJECTIONS,
+    LeanLayers,
     ModuleDeltas,
     _base,
-    _Layer,
     _lora,
     _projection,
     _SideBySide,
     layer_kernels,
     llama_problem,
-    lora_unsupported,
+    own_unsupported,
     rope_tables,
     run_layers,
 )
@@ -130,52 +129,32 @@ def _slices(layers: list[Any], sizes: list[int]) -> list[tuple[Any, int, int]]:
     return list(zip(layers, starts, sizes, strict=True))
 
 
-class FusedPrompt:
+class FusedPrompt(LeanLayers):
     """Prompt chunks through the lean forward (see the module doc)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.decoder = runner.decoder
-        config = runner.config
-        heads = int(config.num_attention_heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        kernels = layer_kernels(runner)
+    def __init__(self, runner: ModelRunner, *, native: bool = False) -> None:
         # a kernel of the layers' own kind for the side-by-side weights (BlockedBF16 probes each
-        # one's row independence when it prepares it)
-        kernel = prompt_kernel_of(kernels.get(id(_base(_projection(runner.decoder.layers[0], "q_proj")))))
+        # one's blocks when it prepares it)
+        kernel = prompt_kernel_of(
+            layer_kernels(runner).get(id(_base(_projection(runner.decoder.layers[0], "q_proj"))))
+        )
         assert kernel is not None, "FusedPrompt needs a runner that unsupported() accepts"
-        self.layers = [
-            _Layer(
-                module=layer,
-                qkv=_SideBySide(layer, ATTENTION, kernel),
-                o=_SideBySide(layer, ("o_proj",), kernel),
-                gate_up=_SideBySide(layer, MLP_IN, kernel),
-                down=_SideBySide(layer, ("down_proj",), kernel),
-                heads=heads,
-                kv_heads=kv_heads,
-                head_dim=head_dim,
-                scaling=float(layer.self_attn.scaling),
-            )
-            for layer in runner.decoder.layers
-        ]
-        self.lora_problem: str | None = None
-        self._multiplied: frozenset[int] | None = None
-        self._fingerprint: tuple[int, int] | None = None
+        super().__init__(runner, kernel)
+        # the layers in C++ (``native.prompt_own``: bf16 block products, decode_own's operations
+        # between them) where the native module is built with them and the model's sizes fit
+        self.native = (
+            native
+            and isinstance(kernel, BlockedBF16)
+            and own_unsupported(runner) is None
+            and native_module.prompt_own() is not None
+        )
         # the adapters' stacked matrices (StackedDeltas), and the state of each adapter's
         # weights they were made from
         self._stacks: dict[tuple[int, str], Stacked | None] = {}
         self._adapter_state: dict[str, tuple[int, int]] = {}
 
     def refresh(self) -> None:
-        """Re-read the projections after an adapter was loaded or unloaded (PEFT wraps and
-        unwraps them) and whether the adapters loaded now can take this forward."""
-        for layer in self.layers:
-            for product in layer.products():
-                product.use(layer.module)
-        self.lora_problem = lora_unsupported(self.runner)
-        self._multiplied = None
-        self._fingerprint = None
+        super().refresh()
         self._stacks = {}
         self._adapter_state = {}
 
@@ -197,30 +176,6 @@ class FusedPrompt:
                 self._adapter_state[name] = state
         return StackedDeltas(lora, self._stacks)
 
-    def multiplied(self) -> frozenset[int]:
-        """The ids of the linear layers whose prompt products this forward computes itself."""
-        if self._multiplied is None:
-            self._multiplied = frozenset(
-                id(lin) for layer in self.layers for product in layer.products() for lin in product.linears
-            )
-        return self._multiplied
-
-    def prepare(self) -> None:
-        """Prepare every side-by-side weight now (start-up, not the first request)."""
-        self._fresh()
-
-    def _fresh(self) -> None:
-        # one pass over the weights a forward: a weight the trainer updated in place is prepared
-        # again (as FusedDecode._fresh)
-        fingerprint = tensors_state(
-            [lin.weight for layer in self.layers for p in layer.products() for lin in p.linears]
-        )
-        if fingerprint != self._fingerprint:
-            for layer in self.layers:
-                for product in layer.products():
-                    product.current()
-            self._fingerprint = fingerprint
-
     def __call__(self, plan: ragged.RaggedPlan, lora: LoraRows | None = None) -> torch.Tensor:
         """Logits ``[P, V]`` at each chunk's last token of a plan of prompt chunks only, inside
         ``ragged.active(plan)``, the runner's adapter routing and its packed products (for the
@@ -229,6 +184,51 @@ class FusedPrompt:
         self._fresh()
         x = self.decoder.embed_tokens(plan.input_ids.view(-1))
         cos, sin = rope_tables(self.decoder, x, plan)
-        deltas = None if lora is None else self._deltas(lora)
-        x = run_layers(self.layers, plan, ragged.prefill_attention, x, cos, sin, deltas, runner.cache)
+        if self.native and not self.decoder.training:
+            x = self._native(plan, x, cos, sin, lora)
+        else:
+            deltas = None if lora is None else self._deltas(lora)
+            x = run_layers(self.layers, plan, ragged.prefill_attention, x, cos, sin, deltas, runner.cache)
         return runner.lm_head(self.decoder.norm(x.index_select(0, plan.logit_rows)))
+
+    def _native(
+        self,
+        plan: ragged.RaggedPlan,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: LoraRows | None,
+    ) -> torch.Tensor:
+        """The layers through ``native.prompt_own``."""
+        norms, packed, blocks, biases = self.native_args()
+        assert plan.prefill_slots is not None and plan.gather is not None and plan.valid is not None
+        first = self.layers[0]
+        cache = self.runner.cache
+        bias = ragged.prefill_bias_for(plan, x.dtype, first.kv_heads, first.heads // first.kv_heads)
+        return native_module.prompt_own()(
+            x,
+            cos,
+            sin,
+            norms,
+            packed,
+            blocks,
+            biases,
+            cache.k,
+            cache.v,
+            plan.write_slots,
+            plan.write_positions,
+            plan.prefill_slots,
+            plan.gather,
+            plan.valid,
+            bias,
+            plan.width,
+            plan.prefill_len,
+            ragged.KEY_BLOCK,
+            first.heads,
+            first.kv_heads,
+            first.head_dim,
+            first.gate_up.sizes[0],
+            float(first.module.input_layernorm.variance_epsilon),
+            first.scaling,
+            *self._native_lora.columns(lora, own=True),
+        )

@@ -15,6 +15,9 @@ holds three things:
 - ``q8_linear`` (CPUs with AVX2): the output head's decode rows against int8 weights in blocks
   of 32 with an fp32 scale each (GGUF's Q8_0, the default model file's own head format), fp32
   activations: about half the bytes of the bf16 head, and the file's values exactly.
+- ``prompt_own`` (CPUs with AVX2): the lean prompt forward's layers (``fused_prompt.py``), the
+  products oneDNN's bf16 ones in blocks, the attention ragged's prompt attention as ATen calls,
+  ``decode_own``'s operations between them.
 
 There is no wheel to install: torch's ``cpp_extension`` compiles the one source file with the
 machine's C++ compiler (``c++``, and ``ninja`` from PyPI) into torch's extension directory
@@ -138,6 +141,12 @@ def decode_own() -> Any:
     """The C++ loop with its own operations between the products, or None (not built, or a CPU
     without AVX2)."""
     return getattr(_BUILD.module, "decode_own", None)
+
+
+def prompt_own() -> Any:
+    """The prompt chunks' layers with bf16 block products and the own operations between them
+    (``fused_prompt.py``), or None (not built, or a CPU without AVX2)."""
+    return getattr(_BUILD.module, "prompt_own", None)
 
 
 def q8_linear() -> Any:

@@ -311,6 +311,12 @@ def decode_bias_for(plan: RaggedPlan, dtype: torch.dtype, kv_heads: int, group: 
     return _expanded(plan, "decode", plan.decode_bias, dtype, kv_heads, group)
 
 
+def prefill_bias_for(plan: RaggedPlan, dtype: torch.dtype, kv_heads: int, group: int) -> torch.Tensor:
+    """The prompt chunks' bias as the CPU's ``invariant_attention`` takes it (made once a forward)."""
+    assert plan.prefill_bias is not None
+    return _expanded(plan, "prefill", plan.prefill_bias, dtype, kv_heads, group)
+
+
 def _expanded(
     plan: RaggedPlan, kind: str, bias: torch.Tensor, dtype: torch.dtype, kv_heads: int, group: int | None
 ) -> torch.Tensor:

@@ -69,6 +69,7 @@ class ModelRunner:
         prompt_dtype: PromptDType = "auto",
         fused: bool = True,
         fused_prompt: bool = True,
+        native_prompt: bool = True,
         native: NativeDecode = "off",
         native_ops: NativeOps = "own",
         decode_head: DecodeHead = "auto",
@@ -155,7 +156,8 @@ class ModelRunner:
         if fused_prompt:
             problem = fused_prompt_module.unsupported(self)
             if problem is None:
-                self.fused_prompt = FusedPrompt(self)
+                # its layers in C++ with the decode loop's own operations, where those are built
+                self.fused_prompt = FusedPrompt(self, native=built and native_ops == "own" and native_prompt)
                 self.fused_prompt.refresh()
             else:
                 log.info("prompt chunks take the eager forward: %s", problem)

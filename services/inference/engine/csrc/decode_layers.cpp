@@ -425,6 +425,56 @@ Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const
   return out;
 }
 
+// the rows' steps between the products, alike in decode_own and prompt_own
+// x += the product's row (delta: none for the first layer's input); h = the next norm of x
+inline void residual_norm_rows(Tensor& x, const Tensor* delta, const Tensor& weight, float eps, Tensor& h32,
+                               Tensor& h16) {
+  const int64_t hidden = x.size(1);
+  float* x_p = x.data_ptr<float>();
+  rows(x.size(0), [&](int64_t t) {
+    std::vector<float> scratch(delta != nullptr ? hidden : 0);
+    const float* d = delta != nullptr ? row_f32(*delta, t, scratch.data()) : nullptr;
+    add_norm(x_p + t * hidden, d, weight.data_ptr<float>(), hidden, eps, h32.data_ptr<float>() + t * hidden,
+             h16.data_ptr<at::BFloat16>() + t * hidden);
+  });
+}
+
+// x += the last product's row (the model's final norm is applied in Python)
+inline void residual_rows(Tensor& x, const Tensor& delta) {
+  const int64_t hidden = x.size(1);
+  float* x_p = x.data_ptr<float>();
+  rows(x.size(0), [&](int64_t t) {
+    std::vector<float> scratch(hidden);
+    const float* d = row_f32(delta, t, scratch.data());
+    float* xr = x_p + t * hidden;
+    for (int64_t c = 0; c < hidden; c += W) {
+      (Vec::loadu(xr + c) + Vec::loadu(d + c)).store(xr + c);
+    }
+  });
+}
+
+// act = SiLU(gate) * up of gate/up's rows (SiLU as torch computes it: x / (1 + exp(-x))), as fp32
+// and bf16
+inline void silu_up_rows(const Tensor& gate_up, int64_t tokens, Tensor& m32, Tensor& m16) {
+  const int64_t intermediate = m32.size(1);
+  rows(tokens, [&](int64_t t) {
+    std::vector<float> scratch(2 * intermediate);
+    const float* gu = row_f32(gate_up, t, scratch.data());
+    float* act = m32.data_ptr<float>() + t * intermediate;
+    for (int64_t c = 0; c < intermediate; c += W) {
+      const Vec g = Vec::loadu(gu + c);
+      (g / (Vec(1.f) + g.neg().exp()) * Vec::loadu(gu + intermediate + c)).store(act + c);
+    }
+    to_bf16(m16.data_ptr<at::BFloat16>() + t * intermediate, act, intermediate);
+  });
+}
+
+// the rows of a32 [T, n] as bf16 into a16 (which may have padding rows after them)
+inline void to_bf16_rows(const Tensor& a32, Tensor& a16) {
+  const int64_t n = a32.size(1);
+  rows(a32.size(0), [&](int64_t t) { to_bf16(a16.data_ptr<at::BFloat16>() + t * n, a32.data_ptr<float>() + t * n, n); });
+}
+
 template <int64_t D>
 Tensor layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
               const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
@@ -442,13 +492,9 @@ Tensor layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<
   const float* sin_p = sin.data_ptr<float>();
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   const int64_t* pos_p = positions.data_ptr<int64_t>();
-  float* x_p = x.data_ptr<float>();
   const float fe = static_cast<float>(eps);
   const int64_t layers_n = static_cast<int64_t>(k_slabs.size());
-  rows(tokens, [&](int64_t t) {
-    add_norm(x_p + t * hidden, nullptr, norms[0].data_ptr<float>(), hidden, fe, h32.data_ptr<float>() + t * hidden,
-             h16.data_ptr<at::BFloat16>() + t * hidden);
-  });
+  residual_norm_rows(x, nullptr, norms[0], fe, h32, h16);
   for (int64_t i = 0; i < layers_n; ++i) {
     const int64_t p = 4 * i;
     Tensor qkv = own::product(h32, h16, packed[p], scales[p], biases[p], group, p, lora);
@@ -466,42 +512,131 @@ Tensor layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<
                   a32.data_ptr<float>() + t * nq);
       }
     });
-    rows(tokens, [&](int64_t t) { to_bf16(a16.data_ptr<at::BFloat16>() + t * nq, a32.data_ptr<float>() + t * nq, nq); });
+    to_bf16_rows(a32, a16);
     Tensor o = own::product(a32, a16, packed[p + 1], scales[p + 1], biases[p + 1], group, p + 1, lora);
-    rows(tokens, [&](int64_t t) {
-      std::vector<float> scratch(hidden);
-      add_norm(x_p + t * hidden, row_f32(o, t, scratch.data()), norms[2 * i + 1].data_ptr<float>(), hidden, fe,
-               h32.data_ptr<float>() + t * hidden, h16.data_ptr<at::BFloat16>() + t * hidden);
-    });
+    residual_norm_rows(x, &o, norms[2 * i + 1], fe, h32, h16);
     Tensor gate_up = own::product(h32, h16, packed[p + 2], scales[p + 2], biases[p + 2], group, p + 2, lora);
-    rows(tokens, [&](int64_t t) {
-      std::vector<float> scratch(2 * intermediate);
-      const float* gu = row_f32(gate_up, t, scratch.data());
-      float* act = m32.data_ptr<float>() + t * intermediate;
-      for (int64_t c = 0; c < intermediate; c += W) {
-        const Vec g = Vec::loadu(gu + c);
-        // SiLU as torch computes it: x / (1 + exp(-x))
-        (g / (Vec(1.f) + g.neg().exp()) * Vec::loadu(gu + intermediate + c)).store(act + c);
-      }
-      to_bf16(m16.data_ptr<at::BFloat16>() + t * intermediate, act, intermediate);
-    });
+    silu_up_rows(gate_up, tokens, m32, m16);
     Tensor down = own::product(m32, m16, packed[p + 3], scales[p + 3], biases[p + 3], group, p + 3, lora);
-    // the residual add, and the next layer's input norm (none after the last: the model's
-    // final norm is applied in Python)
-    const bool last = i + 1 == layers_n;
+    // the residual add, and the next layer's input norm (none after the last)
+    if (i + 1 == layers_n) {
+      residual_rows(x, down);
+    } else {
+      residual_norm_rows(x, &down, norms[2 * i + 2], fe, h32, h16);
+    }
+  }
+  return x;
+}
+
+// ---- prompt_own: prompt chunks (fused_prompt.py) through the same own operations ----------------
+// The products are oneDNN's bf16 ones in blocks (quantized_linear.BlockedBF16: each weight's
+// block rows, the rows padded with zeros to whole blocks of 64), the attention ragged's
+// prefill_attention as ATen calls (batched products: a prompt's rows attend many keys each);
+// between them decode_own's norms, RoPE with the key/value writes, SiLU * up and LoRA rows.
+
+constexpr int64_t PROMPT_BLOCK = 64;  // quantized_linear.PROMPT_BLOCK
+
+// rows16 [Tp, in] (bf16, Tp a whole number of PROMPT_BLOCKs) times a BlockedBF16 weight, block by
+// block as BlockedBF16.product does: bf16 [Tp, out]
+Tensor blocked_bf16(const Tensor& rows16, const Tensor& packed, int64_t block) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<Tensor> parts;
+  const int64_t n = rows16.size(0);
+  for (int64_t start = 0; start < n; start += block) {
+    torch::jit::Stack stack{rows16.narrow(0, start, std::min(block, n - start)),
+                            packed,
+                            c10::IValue(),
+                            c10::IValue(std::string("none")),
+                            c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                            c10::IValue(std::string(""))};
+    op.callBoxed(&stack);
+    parts.push_back(stack[0].toTensor());
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
+// one prompt product: bf16 [Tp, out] as the kernel gives it, or fp32 [T, out] with its bias and
+// LoRA rows' deltas (h32: the input's fp32 rows)
+Tensor prompt_product(const Tensor& h32, const Tensor& h16, const Tensor& packed, int64_t block,
+                      const c10::optional<Tensor>& bias, int64_t index, Lora& lora) {
+  Tensor out = blocked_bf16(h16, packed, block);
+  if (!bias.has_value() && !lora.adds_to(index)) {
+    return out;
+  }
+  out = out.narrow(0, 0, h32.size(0)).to(at::kFloat).contiguous();
+  if (bias.has_value()) {
+    out.add_(*bias);
+  }
+  add_lora(index, h32, out, lora);
+  return out;
+}
+
+template <int64_t D>
+Tensor prompt_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
+                     const std::vector<Tensor>& packed, const std::vector<int64_t>& blocks,
+                     const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
+                     const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions,
+                     const Tensor& prefill_slots, const Tensor& gather, const Tensor& valid,
+                     const Tensor& attention_bias, int64_t width, int64_t prefill_len, int64_t key_block,
+                     int64_t heads, int64_t kv_heads, int64_t intermediate, double eps, double scaling, Lora& lora) {
+  x = x.contiguous().clone();
+  const int64_t tokens = x.size(0), hidden = x.size(1), nq = heads * D;
+  const int64_t padded = (tokens + PROMPT_BLOCK - 1) / PROMPT_BLOCK * PROMPT_BLOCK;
+  const int64_t chunks = prefill_slots.size(0);
+  const auto f32 = x.options(), bf16 = x.options().dtype(at::kBFloat16);
+  // the bf16 inputs of the products, their padding rows zero once (the row loops write rows < T)
+  Tensor h32 = at::empty({tokens, hidden}, f32), h16 = at::zeros({padded, hidden}, bf16);
+  Tensor q32 = at::empty({tokens, nq}, f32), a16 = at::zeros({padded, nq}, bf16);
+  Tensor m32 = at::empty({tokens, intermediate}, f32), m16 = at::zeros({padded, intermediate}, bf16);
+  const float* cos_p = cos.data_ptr<float>();
+  const float* sin_p = sin.data_ptr<float>();
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  const int64_t* pos_p = positions.data_ptr<int64_t>();
+  const float fe = static_cast<float>(eps);
+  const int64_t layers_n = static_cast<int64_t>(k_slabs.size());
+  residual_norm_rows(x, nullptr, norms[0], fe, h32, h16);
+  for (int64_t i = 0; i < layers_n; ++i) {
+    const int64_t p = 4 * i;
+    Tensor qkv = prompt_product(h32, h16, packed[p], blocks[p], biases[p], p, lora);
+    float* k_slab = k_slabs[i].data_ptr<float>();
+    float* v_slab = v_slabs[i].data_ptr<float>();
+    const int64_t capacity = k_slabs[i].size(2);
+    // RoPE of each token's query heads (kept) and key heads, its key and value written at its
+    // slot and position: every key of the chunks is there before any query attends
     rows(tokens, [&](int64_t t) {
-      std::vector<float> scratch(hidden);
-      const float* d = row_f32(down, t, scratch.data());
-      float* xr = x_p + t * hidden;
-      if (last) {
-        for (int64_t c = 0; c < hidden; c += W) {
-          (Vec::loadu(xr + c) + Vec::loadu(d + c)).store(xr + c);
-        }
-      } else {
-        add_norm(xr, d, norms[2 * i + 2].data_ptr<float>(), hidden, fe, h32.data_ptr<float>() + t * hidden,
-                 h16.data_ptr<at::BFloat16>() + t * hidden);
+      std::vector<float> scratch((heads + 2 * kv_heads) * D);
+      const float* r = row_f32(qkv, t, scratch.data());
+      for (int64_t h = 0; h < heads; ++h) {
+        rope<D>(r + h * D, cos_p + t * D, sin_p + t * D, q32.data_ptr<float>() + t * nq + h * D);
+      }
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const int64_t at_ = ((slot_p[t] * kv_heads + g) * capacity + pos_p[t]) * D;
+        rope<D>(r + (heads + g) * D, cos_p + t * D, sin_p + t * D, k_slab + at_);
+        std::memcpy(v_slab + at_, r + (heads + kv_heads + g) * D, D * sizeof(float));
       }
     });
+    // ragged.prefill_attention
+    Tensor qp = q32.view({tokens, heads, D}).index_select(0, gather).view({chunks, width, heads, D}).transpose(1, 2);
+    Tensor keys = k_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots);
+    Tensor values = v_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots);
+    Tensor attn = attention(qp, keys, values, attention_bias, scaling, key_block)
+                      .transpose(1, 2)
+                      .reshape({chunks * width, heads, D})
+                      .index_select(0, valid)
+                      .reshape({tokens, nq})
+                      .contiguous();
+    to_bf16_rows(attn, a16);
+    Tensor o = prompt_product(attn, a16, packed[p + 1], blocks[p + 1], biases[p + 1], p + 1, lora);
+    residual_norm_rows(x, &o, norms[2 * i + 1], fe, h32, h16);
+    Tensor gate_up = prompt_product(h32, h16, packed[p + 2], blocks[p + 2], biases[p + 2], p + 2, lora);
+    silu_up_rows(gate_up, tokens, m32, m16);
+    Tensor down = prompt_product(m32, m16, packed[p + 3], blocks[p + 3], biases[p + 3], p + 3, lora);
+    if (i + 1 == layers_n) {
+      residual_rows(x, down);
+    } else {
+      residual_norm_rows(x, &down, norms[2 * i + 2], fe, h32, h16);
+    }
   }
   return x;
 }
@@ -653,6 +788,57 @@ Tensor decode_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vec
       TORCH_CHECK(false, "decode_own: head_dim must be 16, 32, 64 or 128, not ", head_dim);
   }
 }
+
+// The prompt chunks' decoder layers (fused_prompt.py): x [T, hidden] fp32, token t of slab row
+// slots[t] at positions[t]; packed/blocks: each product's BlockedBF16 weight and block rows;
+// the plan's prompt attention (prefill_slots, gather, valid, its bias expanded per key/value head,
+// width, prefill_len); LoRA as decode_own takes it.
+Tensor prompt_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
+                  const std::vector<Tensor>& packed, const std::vector<int64_t>& blocks,
+                  const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
+                  const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions,
+                  const Tensor& prefill_slots, const Tensor& gather, const Tensor& valid, const Tensor& attention_bias,
+                  int64_t width, int64_t prefill_len, int64_t key_block, int64_t heads, int64_t kv_heads,
+                  int64_t head_dim, int64_t intermediate, double eps, double scaling,
+                  const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
+                  const std::vector<int64_t>& lora_size, const std::vector<Tensor>& lora_a,
+                  const std::vector<c10::optional<Tensor>>& lora_a_bias, const std::vector<Tensor>& lora_b,
+                  const std::vector<c10::optional<Tensor>>& lora_b_bias, const std::vector<double>& lora_scale,
+                  const std::vector<c10::optional<Tensor>>& lora_rows) {
+  Lora lora{lora_slot, lora_offset, lora_size, lora_a, lora_a_bias, lora_b, lora_b_bias, lora_scale, lora_rows};
+  TORCH_CHECK(x.size(1) % own::WB == 0 && intermediate % own::WB == 0 && (heads * head_dim) % own::WB == 0,
+              "prompt_own: widths must be multiples of 16");
+  TORCH_CHECK(slots.size(0) == x.size(0) && positions.size(0) == x.size(0), "prompt_own: a slot and position a token");
+  TORCH_CHECK(packed.size() == blocks.size() && packed.size() == 4 * k_slabs.size(), "prompt_own: four products a layer");
+  for (int64_t b : blocks) {
+    TORCH_CHECK(b > 0 && b % own::PROMPT_BLOCK == 0, "prompt_own: blocks of a whole number of 64 rows, not ", b);
+  }
+  for (size_t i = 0; i < k_slabs.size(); ++i) {
+    TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous() && k_slabs[i].size(3) == head_dim,
+                "prompt_own: the slabs must be contiguous [slots, kv_heads, capacity, head_dim]");
+  }
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  const int64_t* pos_p = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    TORCH_CHECK(slot_p[t] >= 0 && slot_p[t] < k_slabs[0].size(0) && pos_p[t] >= 0 && pos_p[t] < k_slabs[0].size(2),
+                "prompt_own: token ", t, " at slot ", slot_p[t], " position ", pos_p[t], " is outside the slabs");
+  }
+  Tensor c = cos.contiguous(), s = sin.contiguous();
+  switch (head_dim) {
+#define TANDEM_HEAD_DIM(D)                                                                                      \
+  case D:                                                                                                      \
+    return own::prompt_layers<D>(x, c, s, norms, packed, blocks, biases, k_slabs, v_slabs, slots, positions,    \
+                                 prefill_slots, gather, valid, attention_bias, width, prefill_len, key_block,   \
+                                 heads, kv_heads, intermediate, eps, scaling, lora);
+    TANDEM_HEAD_DIM(16)
+    TANDEM_HEAD_DIM(32)
+    TANDEM_HEAD_DIM(64)
+    TANDEM_HEAD_DIM(128)
+#undef TANDEM_HEAD_DIM
+    default:
+      TORCH_CHECK(false, "prompt_own: head_dim must be 16, 32, 64 or 128, not ", head_dim);
+  }
+}
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -664,6 +850,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "x times a weight in Q8_0 blocks (int8, an fp32 scale per 32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_own", &decode_own, "the decoder layers of one decode step, the ops between the products its own",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("prompt_own", &prompt_own, "the decoder layers of prompt chunks, bf16 products, the ops between them its own",
         py::call_guard<py::gil_scoped_release>());
 #endif
 }
