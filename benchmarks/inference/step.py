@@ -13,8 +13,8 @@ first variant.
 
 ``--prompts N,..``: instead of decode steps, one prompt forward of N prompts of 16 new tokens each
 after a cached 26-token prefix (a burst of chat requests: SmolLM2's template shares 26 tokens), for
-the prompt paths ``PROMPT_VARIANTS`` (the lean prompt forward with the probe's blocks, with 64-row
-blocks only, and the eager forward), interleaved round by round; ``--lora`` adds the same burst with
+the prompt paths ``PROMPT_VARIANTS`` (the lean prompt forward in C++ and in Python with the probe's
+blocks, in Python with 64-row blocks only, and the eager forward), interleaved round by round; ``--lora`` adds the same burst with
 half its prompts (a lone prompt: it) on a random rank-8 q/k/v/o adapter.
 """
 
@@ -38,12 +38,14 @@ VARIANTS: dict[str, dict[str, bool]] = {
 }
 
 
-# prompt paths (--prompts): the lean prompt forward, with bf16 blocks of at most this many rows
-# (64: the blocks before the probe for larger ones), and the Hugging Face modules' forward
-PROMPT_VARIANTS: dict[str, tuple[bool, int]] = {
-    "lean": (True, 192),
-    "lean-64": (True, 64),
-    "eager": (False, 192),
+# prompt paths (--prompts): the lean prompt forward in C++ (native) or Python, with bf16 blocks of
+# at most this many rows (64: the blocks before the probe for larger ones), and the Hugging Face
+# modules' forward: (lean forward, its C++ loop, largest block)
+PROMPT_VARIANTS: dict[str, tuple[bool, bool, int]] = {
+    "native": (True, True, 192),
+    "lean": (True, False, 192),
+    "lean-64": (True, False, 64),
+    "eager": (False, False, 192),
 }
 
 
@@ -164,7 +166,7 @@ def prompts(path: Path, tokenizer: Any, counts: list[int], rounds: int, steps: i
 
         adapter = make_lora(path, Path(tempfile.mkdtemp()) / "lora")
     runners = {}
-    for name, (lean, block) in PROMPT_VARIANTS.items():
+    for name, (lean, in_cpp, block) in PROMPT_VARIANTS.items():
         # the probe runs when the weights are prepared: each runner keeps the blocks it found
         quantized_linear.PROMPT_BLOCK_MAX = block
         engine = TorchEngine.from_model(
@@ -174,6 +176,8 @@ def prompts(path: Path, tokenizer: Any, counts: list[int], rounds: int, steps: i
             max_model_len=512,
             quantize="int4",
             fused_prompt=lean,
+            native_decode="on",
+            native_prompt=in_cpp,
         )
         if adapter is not None:
             engine.load_adapter_sync("lora", str(adapter))

@@ -247,6 +247,17 @@ inline const float* row_f32(const Tensor& out, int64_t t, float* scratch) {
   return scratch;
 }
 
+// a product's output rows: one tensor (bf16 from the kernel, or fp32 with a bias or LoRA added), or
+// the bf16 blocks of a blocked product in order, `block` rows each (no copy into one tensor)
+struct ProductRows {
+  std::vector<Tensor> parts;
+  int64_t block;
+
+  static ProductRows of(const Tensor& out) { return {{out}, std::max<int64_t>(out.size(0), 1)}; }
+
+  const float* row(int64_t t, float* scratch) const { return row_f32(parts[t / block], t % block, scratch); }
+};
+
 // x += delta (a product's row); then h = RMSNorm(x) * weight, as fp32 and bf16
 inline void add_norm(float* x, const float* delta, const float* weight, int64_t n, float eps, float* h32,
                      at::BFloat16* h16) {
@@ -427,25 +438,25 @@ Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const
 
 // the rows' steps between the products, alike in decode_own and prompt_own
 // x += the product's row (delta: none for the first layer's input); h = the next norm of x
-inline void residual_norm_rows(Tensor& x, const Tensor* delta, const Tensor& weight, float eps, Tensor& h32,
+inline void residual_norm_rows(Tensor& x, const ProductRows* delta, const Tensor& weight, float eps, Tensor& h32,
                                Tensor& h16) {
   const int64_t hidden = x.size(1);
   float* x_p = x.data_ptr<float>();
   rows(x.size(0), [&](int64_t t) {
     std::vector<float> scratch(delta != nullptr ? hidden : 0);
-    const float* d = delta != nullptr ? row_f32(*delta, t, scratch.data()) : nullptr;
+    const float* d = delta != nullptr ? delta->row(t, scratch.data()) : nullptr;
     add_norm(x_p + t * hidden, d, weight.data_ptr<float>(), hidden, eps, h32.data_ptr<float>() + t * hidden,
              h16.data_ptr<at::BFloat16>() + t * hidden);
   });
 }
 
 // x += the last product's row (the model's final norm is applied in Python)
-inline void residual_rows(Tensor& x, const Tensor& delta) {
+inline void residual_rows(Tensor& x, const ProductRows& delta) {
   const int64_t hidden = x.size(1);
   float* x_p = x.data_ptr<float>();
   rows(x.size(0), [&](int64_t t) {
     std::vector<float> scratch(hidden);
-    const float* d = row_f32(delta, t, scratch.data());
+    const float* d = delta.row(t, scratch.data());
     float* xr = x_p + t * hidden;
     for (int64_t c = 0; c < hidden; c += W) {
       (Vec::loadu(xr + c) + Vec::loadu(d + c)).store(xr + c);
@@ -455,11 +466,11 @@ inline void residual_rows(Tensor& x, const Tensor& delta) {
 
 // act = SiLU(gate) * up of gate/up's rows (SiLU as torch computes it: x / (1 + exp(-x))), as fp32
 // and bf16
-inline void silu_up_rows(const Tensor& gate_up, int64_t tokens, Tensor& m32, Tensor& m16) {
+inline void silu_up_rows(const ProductRows& gate_up, int64_t tokens, Tensor& m32, Tensor& m16) {
   const int64_t intermediate = m32.size(1);
   rows(tokens, [&](int64_t t) {
     std::vector<float> scratch(2 * intermediate);
-    const float* gu = row_f32(gate_up, t, scratch.data());
+    const float* gu = gate_up.row(t, scratch.data());
     float* act = m32.data_ptr<float>() + t * intermediate;
     for (int64_t c = 0; c < intermediate; c += W) {
       const Vec g = Vec::loadu(gu + c);
@@ -497,7 +508,7 @@ Tensor layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<
   residual_norm_rows(x, nullptr, norms[0], fe, h32, h16);
   for (int64_t i = 0; i < layers_n; ++i) {
     const int64_t p = 4 * i;
-    Tensor qkv = own::product(h32, h16, packed[p], scales[p], biases[p], group, p, lora);
+    const ProductRows qkv = ProductRows::of(own::product(h32, h16, packed[p], scales[p], biases[p], group, p, lora));
     float* k_slab = k_slabs[i].data_ptr<float>();
     float* v_slab = v_slabs[i].data_ptr<float>();
     const int64_t capacity = k_slabs[i].size(2);
@@ -507,17 +518,20 @@ Tensor layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = task / kv_heads, g = task % kv_heads;
         const int64_t offset = slot_p[t] * slab_row + g * capacity * D;
-        attend<D>(row_f32(qkv, t, scratch.data()), cos_p + t * D, sin_p + t * D, k_slab + offset, v_slab + offset,
+        attend<D>(qkv.row(t, scratch.data()), cos_p + t * D, sin_p + t * D, k_slab + offset, v_slab + offset,
                   pos_p[t] + 1, g * per_kv, per_kv, heads, g, kv_heads, static_cast<float>(scaling),
                   a32.data_ptr<float>() + t * nq);
       }
     });
     to_bf16_rows(a32, a16);
-    Tensor o = own::product(a32, a16, packed[p + 1], scales[p + 1], biases[p + 1], group, p + 1, lora);
+    const ProductRows o =
+        ProductRows::of(own::product(a32, a16, packed[p + 1], scales[p + 1], biases[p + 1], group, p + 1, lora));
     residual_norm_rows(x, &o, norms[2 * i + 1], fe, h32, h16);
-    Tensor gate_up = own::product(h32, h16, packed[p + 2], scales[p + 2], biases[p + 2], group, p + 2, lora);
+    const ProductRows gate_up =
+        ProductRows::of(own::product(h32, h16, packed[p + 2], scales[p + 2], biases[p + 2], group, p + 2, lora));
     silu_up_rows(gate_up, tokens, m32, m16);
-    Tensor down = own::product(m32, m16, packed[p + 3], scales[p + 3], biases[p + 3], group, p + 3, lora);
+    const ProductRows down =
+        ProductRows::of(own::product(m32, m16, packed[p + 3], scales[p + 3], biases[p + 3], group, p + 3, lora));
     // the residual add, and the next layer's input norm (none after the last)
     if (i + 1 == layers_n) {
       residual_rows(x, down);
@@ -537,8 +551,9 @@ Tensor layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<
 constexpr int64_t PROMPT_BLOCK = 64;  // quantized_linear.PROMPT_BLOCK
 
 // rows16 [Tp, in] (bf16, Tp a whole number of PROMPT_BLOCKs) times a BlockedBF16 weight, block by
-// block as BlockedBF16.product does: bf16 [Tp, out]
-Tensor blocked_bf16(const Tensor& rows16, const Tensor& packed, int64_t block) {
+// block as BlockedBF16.product does: the blocks' bf16 outputs, in order (not joined: a copy of
+// every output cost ~14 ms a 256-token forward)
+ProductRows blocked_bf16(const Tensor& rows16, const Tensor& packed, int64_t block) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<Tensor> parts;
@@ -553,23 +568,31 @@ Tensor blocked_bf16(const Tensor& rows16, const Tensor& packed, int64_t block) {
     op.callBoxed(&stack);
     parts.push_back(stack[0].toTensor());
   }
-  return parts.size() == 1 ? parts[0] : at::cat(parts);
+  return {parts, block};
 }
 
-// one prompt product: bf16 [Tp, out] as the kernel gives it, or fp32 [T, out] with its bias and
-// LoRA rows' deltas (h32: the input's fp32 rows)
-Tensor prompt_product(const Tensor& h32, const Tensor& h16, const Tensor& packed, int64_t block,
-                      const c10::optional<Tensor>& bias, int64_t index, Lora& lora) {
-  Tensor out = blocked_bf16(h16, packed, block);
+// one prompt product: the kernel's bf16 blocks, or fp32 [T, out] with its bias and LoRA rows'
+// deltas (h32: the input's fp32 rows)
+ProductRows prompt_product(const Tensor& h32, const Tensor& h16, const Tensor& packed, int64_t block,
+                           const c10::optional<Tensor>& bias, int64_t index, Lora& lora) {
+  ProductRows blocks = blocked_bf16(h16, packed, block);
   if (!bias.has_value() && !lora.adds_to(index)) {
-    return out;
+    return blocks;
   }
-  out = out.narrow(0, 0, h32.size(0)).to(at::kFloat).contiguous();
+  const int64_t tokens = h32.size(0);
+  Tensor out = at::empty({tokens, blocks.parts[0].size(1)}, h32.options());
+  for (size_t b = 0; b < blocks.parts.size(); ++b) {
+    const int64_t start = static_cast<int64_t>(b) * block;
+    if (start < tokens) {
+      const int64_t n = std::min(block, tokens - start);
+      out.narrow(0, start, n).copy_(blocks.parts[b].narrow(0, 0, n));
+    }
+  }
   if (bias.has_value()) {
     out.add_(*bias);
   }
   add_lora(index, h32, out, lora);
-  return out;
+  return ProductRows::of(out);
 }
 
 template <int64_t D>
@@ -598,7 +621,7 @@ Tensor prompt_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::
   residual_norm_rows(x, nullptr, norms[0], fe, h32, h16);
   for (int64_t i = 0; i < layers_n; ++i) {
     const int64_t p = 4 * i;
-    Tensor qkv = prompt_product(h32, h16, packed[p], blocks[p], biases[p], p, lora);
+    const ProductRows qkv = prompt_product(h32, h16, packed[p], blocks[p], biases[p], p, lora);
     float* k_slab = k_slabs[i].data_ptr<float>();
     float* v_slab = v_slabs[i].data_ptr<float>();
     const int64_t capacity = k_slabs[i].size(2);
@@ -606,7 +629,7 @@ Tensor prompt_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::
     // slot and position: every key of the chunks is there before any query attends
     rows(tokens, [&](int64_t t) {
       std::vector<float> scratch((heads + 2 * kv_heads) * D);
-      const float* r = row_f32(qkv, t, scratch.data());
+      const float* r = qkv.row(t, scratch.data());
       for (int64_t h = 0; h < heads; ++h) {
         rope<D>(r + h * D, cos_p + t * D, sin_p + t * D, q32.data_ptr<float>() + t * nq + h * D);
       }
@@ -627,11 +650,11 @@ Tensor prompt_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::
                       .reshape({tokens, nq})
                       .contiguous();
     to_bf16_rows(attn, a16);
-    Tensor o = prompt_product(attn, a16, packed[p + 1], blocks[p + 1], biases[p + 1], p + 1, lora);
+    const ProductRows o = prompt_product(attn, a16, packed[p + 1], blocks[p + 1], biases[p + 1], p + 1, lora);
     residual_norm_rows(x, &o, norms[2 * i + 1], fe, h32, h16);
-    Tensor gate_up = prompt_product(h32, h16, packed[p + 2], blocks[p + 2], biases[p + 2], p + 2, lora);
+    const ProductRows gate_up = prompt_product(h32, h16, packed[p + 2], blocks[p + 2], biases[p + 2], p + 2, lora);
     silu_up_rows(gate_up, tokens, m32, m16);
-    Tensor down = prompt_product(m32, m16, packed[p + 3], blocks[p + 3], biases[p + 3], p + 3, lora);
+    const ProductRows down = prompt_product(m32, m16, packed[p + 3], blocks[p + 3], biases[p + 3], p + 3, lora);
     if (i + 1 == layers_n) {
       residual_rows(x, down);
     } else {
