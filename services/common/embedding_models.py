@@ -4,13 +4,12 @@ model" means the same files and the same numbers in both."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidRequest
 from services.common.paths import resolve_under_roots
-from services.common.platforms import Platform, current_platform
+from services.common.platforms import Platform, cpu_flags, current_platform
 
 DEFAULT_ALIASES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 
@@ -30,16 +29,8 @@ def resolve_model_path(name: str, roots: list[Path], *, param: str = "embedding_
     return path
 
 
-@functools.cache
-def _cpu_flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def cpu_has_native_bf16() -> bool:
-    return " avx512_bf16" in _cpu_flags() or " amx_bf16" in _cpu_flags()
+    return " avx512_bf16" in cpu_flags() or " amx_bf16" in cpu_flags()
 
 
 def pick_dtype(setting: str, platform: Platform | None = None) -> Any:

@@ -142,16 +142,21 @@ def current_platform(device: str | None = None) -> Platform:
 
 
 @lru_cache(maxsize=1)
+def cpu_flags() -> str:
+    """The CPU's flags as Linux lists them (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+@lru_cache(maxsize=1)
 def cpu_amx_usable() -> bool:
     """Whether this process can use the CPU's AMX tiles (Intel Sapphire Rapids and later): the CPU
     lists ``amx_bf16`` and the Linux kernel grants the tile state (torch asks it, as oneDNN does
     before its AMX kernels; a VM may list AMX yet refuse it). oneDNN's bf16 products run on AMX
     there, and some kernel choices follow (the CPU engine's output head)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    if " amx_bf16" not in flags:
+    if " amx_bf16" not in cpu_flags():
         return False
     import torch
 

@@ -347,10 +347,9 @@ class NativeLora:
         self._modules: dict[str, list[tuple[Any, ...]]] = {}
         self._entries: dict[tuple[str, bool], tuple[tuple[int, int], list[tuple[Any, ...]]]] = {}
 
-    def entries(self, name: str, own: bool) -> list[tuple[Any, ...]]:
-        """Adapter ``name``'s deltas: per LoRA module of a product (in product order), its
-        product's index, its columns there, A and B, their biases and the scaling (``own``: as the
-        own loops read them, fp32 and B transposed)."""
+    def _of(self, name: str) -> list[tuple[Any, ...]]:
+        """Adapter ``name``'s LoRA modules on the products, found once: (the product's index, the
+        module's columns there, its LoRA layer, A, B)."""
         modules = self._modules.get(name)
         if modules is None:
             modules = []
@@ -365,7 +364,18 @@ class NativeLora:
                             )
                         start += size
             self._modules[name] = modules
-        key = tensors_state([m.weight for *_, a, b in modules for m in (a, b)])
+        return modules
+
+    def state(self, name: str) -> tuple[int, int]:
+        """Changes when a weight of adapter ``name`` was replaced or changed in place."""
+        return tensors_state([m.weight for *_, a, b in self._of(name) for m in (a, b)])
+
+    def entries(self, name: str, own: bool) -> list[tuple[Any, ...]]:
+        """Adapter ``name``'s deltas: per LoRA module of a product (in product order), its
+        product's index, its columns there, A and B, their biases and the scaling (``own``: as the
+        own loops read them, fp32 and B transposed)."""
+        modules = self._of(name)
+        key = self.state(name)
         cached = self._entries.get((name, own))
         if cached is not None and cached[0] == key:
             return cached[1]

@@ -64,7 +64,6 @@ from services.inference.engine.fused_decode import (
 )
 from services.inference.engine.lora_rows import LoraRows, Stacked
 from services.inference.engine.packed_linear import OneDNNPacked, RowKernel
-from services.inference.engine.prefix_cache import tensors_state
 from services.inference.engine.quantized_linear import BlockedBF16, ByTokenKind
 
 if TYPE_CHECKING:
@@ -126,16 +125,8 @@ class StackedDeltas:
             stacked = self.stacks[key]
             if stacked is not None:
                 self.rows.add_stacked(name, stacked, x, out)
-            elif any(layer is not None and name in layer.lora_A for layer in layers):
-                # a module with biases: PEFT's way
-                for layer, start, size in _slices(layers, product.sizes):
-                    if layer is not None:
-                        LoraRows({name: self.rows.rows[name]}).add(layer, x, out[:, start : start + size])
-
-
-def _slices(layers: list[Any], sizes: list[int]) -> list[tuple[Any, int, int]]:
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return list(zip(layers, starts, sizes, strict=True))
+            else:  # no module of the adapter here, or one with biases: PEFT's way, module by module
+                ModuleDeltas(LoraRows({name: self.rows.rows[name]})).add(product, x, out)
 
 
 class FusedPrompt(LeanLayers):
@@ -171,15 +162,7 @@ class FusedPrompt(LeanLayers):
         """The deltas of this forward's adapters, their stacks made again for an adapter whose
         weights were replaced or changed in place since."""
         for name in lora.rows:
-            weights = [
-                m.weight
-                for layer in self.layers
-                for product in layer.products()
-                for module in product.modules
-                if (peft := _lora(module)) is not None and name in peft.lora_A
-                for m in (peft.lora_A[name], peft.lora_B[name])
-            ]
-            state = tensors_state(weights)
+            state = self._native_lora.state(name)
             if self._adapter_state.get(name) != state:
                 self._stacks = {k: v for k, v in self._stacks.items() if k[1] != name}
                 self._adapter_state[name] = state

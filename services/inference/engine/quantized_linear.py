@@ -309,17 +309,11 @@ class ByTokenKind:
 
     def decode_side(self, prepared: TwoSides) -> Any:
         """The weight prepared for decode tokens (made on the first call)."""
-        if prepared.decode is None:
-            with torch.no_grad():
-                prepared.decode = self.decode.prepare(prepared.weight)
-        return prepared.decode
+        return _side(prepared, "decode", self.decode)
 
     def prompt_side(self, prepared: TwoSides) -> Any:
         """The weight prepared for prompt tokens (made on the first call)."""
-        if prepared.prompt is None:
-            with torch.no_grad():
-                prepared.prompt = self.prompt.prepare(prepared.weight)
-        return prepared.prompt
+        return _side(prepared, "prompt", self.prompt)
 
     def apply(self, input: torch.Tensor, prepared: TwoSides, bias: torch.Tensor | None) -> torch.Tensor:
         decode = ragged.decode_token_count()
@@ -334,6 +328,16 @@ class ByTokenKind:
                 self.prompt.apply(input[decode:], self.prompt_side(prepared), bias),
             ]
         )
+
+
+def _side(prepared: TwoSides, kind: str, kernel: LinearKernel) -> Any:
+    """``prepared``'s side ``kind`` (decode or prompt), prepared by ``kernel`` when first asked."""
+    side = getattr(prepared, kind)
+    if side is None:
+        with torch.no_grad():
+            side = kernel.prepare(prepared.weight)
+        setattr(prepared, kind, side)
+    return side
 
 
 def int4_round_trip_error(weight: torch.Tensor) -> float:
