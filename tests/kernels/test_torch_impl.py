@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.flashmask.bounds import normalize_bounds
-from kernels.flashmask.reference import reference_attention
-from kernels.flashmask.torch_impl import torch_flashmask_attention
+import tandem_kernels
+from tandem_kernels.flashmask.bounds import normalize_bounds
+from tandem_kernels.flashmask.reference import reference_attention
+from tandem_kernels.flashmask.torch_impl import torch_flashmask_attention
 from tests.kernels.cases import cases, compare_with_reference, qkv
 
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
@@ -48,7 +48,7 @@ def test_small_tiles_fp32(case, hq, hk, engine) -> None:  # type: ignore[no-unty
 @pytest.mark.parametrize("case", cases(300, 4, seed=5), ids=lambda c: c.name)
 def test_public_api_default_tiles(case, dtype) -> None:  # type: ignore[no-untyped-def]
     q, k, v = qkv(1, 300, 4, 2, 32, dtype, seed=7)
-    out = kernels.flashmask_attention(q, k, v, case.mask, causal=case.causal, impl="torch")
+    out = tandem_kernels.flashmask_attention(q, k, v, case.mask, causal=case.causal, impl="torch")
     compare_with_reference(out, q, k, v, case, dtype)
 
 
@@ -68,7 +68,7 @@ def test_fully_masked_rows_are_zero_not_nan() -> None:
     mask = torch.tensor([0, s, 0, 0], dtype=torch.int32).expand(1, 1, s, 4).contiguous()
     q, k, v = qkv(1, s, 2, 2, 8, torch.float32)
     for impl in ("torch", "reference"):
-        out = kernels.flashmask_attention(q, k, v, mask, causal=False, impl=impl)
+        out = tandem_kernels.flashmask_attention(q, k, v, mask, causal=False, impl=impl)
         assert torch.equal(out, torch.zeros_like(out))
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
@@ -76,7 +76,7 @@ def test_fully_masked_rows_are_zero_not_nan() -> None:
 
 def test_one_token_and_unequal_lengths() -> None:
     q, k, v = qkv(1, 1, 2, 1, 8, torch.float32)
-    out = kernels.flashmask_attention(q, k, v, impl="torch")
+    out = tandem_kernels.flashmask_attention(q, k, v, impl="torch")
     torch.testing.assert_close(out, v.repeat_interleave(2, dim=2))  # the only key is itself
     # cross attention shapes (Sq != Sk), non-causal with a mask over the keys
     gen = torch.Generator().manual_seed(0)
@@ -84,16 +84,16 @@ def test_one_token_and_unequal_lengths() -> None:
     k = torch.randn(2, 20, 2, 8, generator=gen)
     v = torch.randn(2, 20, 2, 8, generator=gen)
     mask = torch.stack([torch.randint(0, 10, (2, 1, 20)), torch.randint(0, 10, (2, 1, 20))], -1).int()
-    out = kernels.flashmask_attention(q, k, v, mask, causal=False, impl="torch")
+    out = tandem_kernels.flashmask_attention(q, k, v, mask, causal=False, impl="torch")
     ref = reference_attention(q, k, v, mask, causal=False)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
 def test_softmax_scale_and_auto_on_cpu() -> None:
     q, k, v = qkv(1, 33, 2, 2, 8, torch.float32)
-    mask = kernels.document_mask([10, 23])
-    assert kernels.choose_impl(q) == "torch"
-    out = kernels.flashmask_attention(q, k, v, mask, softmax_scale=0.3)
+    mask = tandem_kernels.document_mask([10, 23])
+    assert tandem_kernels.choose_impl(q) == "torch"
+    out = tandem_kernels.flashmask_attention(q, k, v, mask, softmax_scale=0.3)
     ref = reference_attention(q, k, v, mask, softmax_scale=0.3)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
@@ -113,12 +113,12 @@ def test_bad_input_names_the_value(kwargs, message) -> None:  # type: ignore[no-
     q = torch.randn(1, 8, 6, 4)
     k = torch.randn(1, 8, kwargs.get("hk", 2), 4)
     with pytest.raises(ValueError, match=message):
-        kernels.flashmask_attention(q, k, k, kwargs["mask"], impl=kwargs.get("impl", "torch"))
+        tandem_kernels.flashmask_attention(q, k, k, kwargs["mask"], impl=kwargs.get("impl", "torch"))
 
 
 def test_fully_masked_tiles_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a document mask of 4 equal samples, the torch path multiplies only the diagonal blocks."""
-    import kernels.flashmask.torch_impl as ti
+    import tandem_kernels.flashmask.torch_impl as ti
 
     calls: list[tuple[int, ...]] = []
     real = torch.matmul
@@ -130,7 +130,7 @@ def test_fully_masked_tiles_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(ti.torch, "matmul", counting)
     q, k, v = qkv(1, 256, 1, 1, 8, torch.float32)
     bounds = normalize_bounds(
-        kernels.document_mask([64] * 4), causal=True, batch=1, sq=256, sk=256, device=q.device
+        tandem_kernels.document_mask([64] * 4), causal=True, batch=1, sq=256, sk=256, device=q.device
     )
     with torch.no_grad():
         ti.flashmask_forward(
@@ -154,7 +154,7 @@ SEGMENT_SHAPED = ["causal", "full", "document", "document-padded", "shared-quest
 @pytest.mark.parametrize("name", SEGMENT_SHAPED)
 def test_segment_plans_cover_packing_masks_exactly(name: str) -> None:
     """Packing masks run as dense calls per segment (no elementwise mask) and match the reference."""
-    from kernels.flashmask.segments import segment_plan
+    from tandem_kernels.flashmask.segments import segment_plan
 
     case = {c.name: c for c in cases(300, 4, seed=5)}[name]
     q, k, v = qkv(2, 300, 4, 2, 16, torch.float32, seed=11)
@@ -166,10 +166,10 @@ def test_segment_plans_cover_packing_masks_exactly(name: str) -> None:
 
 def test_segment_plans_per_batch_row_and_merged_causal_blocks() -> None:
     """Different packs per batch row; a DPO prompt and its chosen answer form one causal call."""
-    from kernels.flashmask.segments import segment_plan
+    from tandem_kernels.flashmask.segments import segment_plan
 
-    sq = kernels.shared_question_mask([(5, 3, 4), (2, 2, 2)], total_len=20)
-    doc = kernels.document_mask([7, 1, 12])
+    sq = tandem_kernels.shared_question_mask([(5, 3, 4), (2, 2, 2)], total_len=20)
+    doc = tandem_kernels.document_mask([7, 1, 12])
     mask = torch.cat([sq, doc])
     bounds = normalize_bounds(mask, causal=True, batch=2, sq=20, sk=20, device=torch.device("cpu"))
     plans = segment_plan(bounds, 20, 20)
@@ -178,7 +178,7 @@ def test_segment_plans_per_batch_row_and_merged_causal_blocks() -> None:
     assert runs[0][:2] == [(0, 8, [(0, 8, True)]), (8, 12, [(0, 5, False), (8, 12, True)])]
     assert runs[1] == [(0, 7, [(0, 7, True)]), (7, 8, [(7, 8, True)]), (8, 20, [(8, 20, True)])]
     q, k, v = qkv(2, 20, 2, 1, 8, torch.float32, seed=2)
-    out = kernels.flashmask_attention(q, k, v, mask, impl="torch")
+    out = tandem_kernels.flashmask_attention(q, k, v, mask, impl="torch")
     ref = reference_attention(q, k, v, mask)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
@@ -188,7 +188,7 @@ def test_segment_plans_per_batch_row_and_merged_causal_blocks() -> None:
 
 
 def test_unstructured_masks_fall_back_to_tiles() -> None:
-    from kernels.flashmask.segments import segment_plan
+    from tandem_kernels.flashmask.segments import segment_plan
 
     case = {c.name: c for c in cases(300, 4, seed=5)}["random-c4"]
     bounds = normalize_bounds(case.mask, causal=False, batch=1, sq=300, sk=300, device=torch.device("cpu"))
@@ -201,7 +201,7 @@ def test_unstructured_masks_fall_back_to_tiles() -> None:
 @pytest.mark.parametrize("name", SEGMENT_SHAPED)
 def test_long_segments_are_split_into_row_chunks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Segments longer than MAX_SEGMENT_ROWS run as row chunks (bounded buffers); still exact."""
-    import kernels.flashmask.segments as seg
+    import tandem_kernels.flashmask.segments as seg
 
     monkeypatch.setattr(seg, "MAX_SEGMENT_ROWS", 24)
     monkeypatch.setattr(seg, "MAX_RUN_KEYS", 40)

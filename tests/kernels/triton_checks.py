@@ -22,9 +22,9 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     )
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-import kernels  # noqa: E402
-import kernels.flashmask.triton_impl as triton_impl  # noqa: E402
-from kernels.flashmask.bounds import normalize_bounds  # noqa: E402
+import tandem_kernels  # noqa: E402
+import tandem_kernels.flashmask.triton_impl as triton_impl  # noqa: E402
+from tandem_kernels.flashmask.bounds import normalize_bounds  # noqa: E402
 from tests.kernels.cases import Case, cases, compare_with_reference, qkv  # noqa: E402
 
 DEVICE = "cpu" if triton_impl.INTERPRETED else "cuda"
@@ -83,7 +83,7 @@ def test_deterministic_backward_matches_and_repeats(name: str) -> None:
 
 
 def test_head_dim_128_and_odd_length() -> None:
-    case = Case("document", True, kernels.document_mask([1, 20, 16]))
+    case = Case("document", True, tandem_kernels.document_mask([1, 20, 16]))
     q, k, v = qkv(1, 37, 2, 2, 128, torch.float32, seed=6, device=DEVICE)
     compare_with_reference(_run(case, q, k, v, False), q, k, v, case, torch.float32)
 
@@ -106,9 +106,9 @@ def test_api_routes_triton_and_falls_back_for_other_head_dims(monkeypatch: pytes
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(triton_impl, "triton_flashmask_attention", spy)
-    mask = kernels.document_mask([10, 22]).to(DEVICE)
+    mask = tandem_kernels.document_mask([10, 22]).to(DEVICE)
     for d in (64, 32):
         q, k, v = qkv(1, 32, 2, 2, d, torch.float32, seed=d, device=DEVICE)
-        out = kernels.flashmask_attention(q, k, v, mask, impl="triton")
+        out = tandem_kernels.flashmask_attention(q, k, v, mask, impl="triton")
         compare_with_reference(out, q, k, v, Case("document", True, mask), torch.float32)
     assert called == [64]  # head dim 32 went to the torch path

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import kernels
+import tandem_kernels
 from services.common.errors import InvalidRequest
 from services.trainer.data.formats import DatasetError, parse_dataset, records_for
 from services.trainer.data.packing import group_mask, pack_groups, pack_pairs, shuffled_bfd
@@ -126,7 +126,7 @@ def test_eval_split_is_seeded_and_keeps_prompts_whole() -> None:
 def test_group_mask_generalises_the_shared_question_mask() -> None:
     shapes = [(3, (2, 4)), (2, (1, 1))]
     assert torch.equal(
-        group_mask(shapes, 20), kernels.shared_question_mask([(3, 2, 4), (2, 1, 1)], total_len=20)
+        group_mask(shapes, 20), tandem_kernels.shared_question_mask([(3, 2, 4), (2, 1, 1)], total_len=20)
     )
     # three answers: the prompt is seen to the group's end, each answer only to its own end
     assert group_mask([(2, (2, 1, 2))], 8)[0, 0, :, 0].tolist() == [7, 7, 4, 4, 5, 7, 7, 8]

@@ -27,11 +27,11 @@ A pack of three SFT samples A (3 tokens), B (2), C (2) and one pad token ``_``::
 
 (labels are shown already shifted: the label at a position is the next token, and
 the last token of each sample predicts nothing.) The mask is passed as FlashMask's
-column-wise ``startend_row_indices`` (``kernels.document_mask``), so the attention
+column-wise ``startend_row_indices`` (``tandem_kernels.document_mask``), so the attention
 kernel skips the masked blocks instead of materialising an ``S x S`` mask.
 
 A DPO pack holds each pair's prompt P once, then its chosen C and rejected R
-answers, with the shared-question mask (``kernels.shared_question_mask``)::
+answers, with the shared-question mask (``tandem_kernels.shared_question_mask``)::
 
     tokens        p0 p1 c0 c1 r0 r1
     position_ids   0  1  2  3  2  3        rejected continues from the prompt
@@ -168,13 +168,13 @@ class Pack:
 
     def mask(self) -> torch.Tensor:
         """FlashMask ``startend_row_indices`` for this pack ([1, 1, S, 1], int32)."""
-        import kernels
+        import tandem_kernels
 
         if self.groups:
             return group_mask(self.groups, self.total_tokens)
         if self.triples:
-            return kernels.shared_question_mask(self.triples, total_len=self.total_tokens)
-        return kernels.document_mask(self.seq_lens, total_len=self.total_tokens)
+            return tandem_kernels.shared_question_mask(self.triples, total_len=self.total_tokens)
+        return tandem_kernels.document_mask(self.seq_lens, total_len=self.total_tokens)
 
 
 def pack_sft(
@@ -288,7 +288,7 @@ def pack_groups(
 
 def group_mask(shapes: Sequence[tuple[int, tuple[int, ...]]], total_len: int) -> torch.Tensor:
     """FlashMask column-wise ``LTS`` (``C=1``, causal) of prompt groups; the generalisation
-    of ``kernels.shared_question_mask`` to any number of answers per prompt."""
+    of ``tandem_kernels.shared_question_mask`` to any number of answers per prompt."""
     lts: list[int] = []
     off = 0
     for p, answers in shapes:

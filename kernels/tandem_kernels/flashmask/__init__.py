@@ -5,9 +5,9 @@ Modules: ``masks`` (builders), ``bounds`` (the internal form and tile summaries)
 ``triton_impl`` (Triton kernels), ``api`` (``flashmask_attention``), ``hf`` (transformers).
 """
 
-from kernels.flashmask.api import choose_impl, flashmask_attention
-from kernels.flashmask.hf import register_hf_attention
-from kernels.flashmask.masks import (
+from tandem_kernels.flashmask.api import choose_impl, flashmask_attention
+from tandem_kernels.flashmask.hf import register_hf_attention
+from tandem_kernels.flashmask.masks import (
     document_mask,
     lengths_to_cu_seqlens,
     lengths_to_position_ids,

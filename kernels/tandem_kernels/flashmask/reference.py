@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.flashmask.bounds import masked_tile, normalize_bounds
+from tandem_kernels.flashmask.bounds import masked_tile, normalize_bounds
 
 
 def dense_mask(

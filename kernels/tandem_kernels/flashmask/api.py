@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.flashmask.bounds import normalize_bounds
-from kernels.flashmask.reference import reference_attention
-from kernels.flashmask.torch_impl import torch_flashmask_attention
+from tandem_kernels.flashmask.bounds import normalize_bounds
+from tandem_kernels.flashmask.reference import reference_attention
+from tandem_kernels.flashmask.torch_impl import torch_flashmask_attention
 
 IMPLS = ("auto", "torch", "triton", "reference")
 
@@ -51,7 +51,7 @@ def flashmask_attention(
     deterministic: bool = False,
     triton_ok: Callable[[torch.device], bool] = triton_usable,
 ) -> torch.Tensor:
-    """Attention with a FlashMask column-wise mask; see :mod:`kernels.flashmask.masks` for the format.
+    """Attention with a FlashMask column-wise mask; see :mod:`tandem_kernels.flashmask.masks` for the format.
 
     ``q [B, Sq, Hq, D]``, ``k``/``v`` ``[B, Sk, Hk, D]`` with ``Hq % Hk == 0``;
     ``startend_row_indices`` int32 ``[B or 1, Hm, Sk, C]`` with ``Hm`` 1 or ``Hq``, or None
@@ -86,7 +86,7 @@ def flashmask_attention(
         startend_row_indices, causal=causal, batch=b, sq=sq, sk=k.shape[1], device=q.device
     )
     if chosen == "triton":
-        from kernels.flashmask.triton_impl import supports, triton_flashmask_attention
+        from tandem_kernels.flashmask.triton_impl import supports, triton_flashmask_attention
 
         if supports(q, v):
             return triton_flashmask_attention(

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from kernels.flashmask.bounds import FULL, SKIP, masked_tile, shared_tile_classes
-from kernels.flashmask.segments import RowSegment, segment_plan
+from tandem_kernels.flashmask.bounds import FULL, SKIP, masked_tile, shared_tile_classes
+from tandem_kernels.flashmask.segments import RowSegment, segment_plan
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 128
@@ -601,7 +601,7 @@ def torch_flashmask_attention(
     budget: int | None = None,
     engine: str = "auto",
 ) -> torch.Tensor:
-    """``[B, S, H, D]`` in and out; ``bounds`` from :func:`kernels.flashmask.bounds.normalize_bounds`
+    """``[B, S, H, D]`` in and out; ``bounds`` from :func:`tandem_kernels.flashmask.bounds.normalize_bounds`
     (``causal`` as given there). Tile sizes default per engine."""
     out: torch.Tensor = FlashMaskTorchFunction.apply(
         q, k, v, bounds, scale, causal, block_q, block_k, budget, engine

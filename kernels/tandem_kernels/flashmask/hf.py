@@ -2,7 +2,7 @@
 
 Usage::
 
-    from kernels import register_hf_attention, document_mask, lengths_to_position_ids
+    from tandem_kernels import register_hf_attention, document_mask, lengths_to_position_ids
     name = register_hf_attention()                       # "flashmask"
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
     logits = model(input_ids=ids, position_ids=lengths_to_position_ids(lens),
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kernels.flashmask.api import flashmask_attention
+from tandem_kernels.flashmask.api import flashmask_attention
 
 NAME = "flashmask"
 

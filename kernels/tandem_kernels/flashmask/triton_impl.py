@@ -1,7 +1,7 @@
 """FlashMask attention in Triton: forward, backward (fused dK/dV with atomic dQ, or deterministic), GQA.
 
 The layout is the public one, ``[B, S, H, D]`` with any strides but a unit last stride.
-Before launching, :func:`kernels.flashmask.bounds.block_stats` summarises every key block
+Before launching, :func:`tandem_kernels.flashmask.bounds.block_stats` summarises every key block
 of ``BLOCK_N`` columns by the min and max of its four bounds; each program reads those
 eight numbers per tile and
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.flashmask.bounds import block_stats
+from tandem_kernels.flashmask.bounds import block_stats
 
 LOG2E = math.log2(math.e)
 # How the kernels below were built: under TRITON_INTERPRET=1 (read by @triton.jit when this module
@@ -592,7 +592,7 @@ def triton_flashmask_attention(
     causal_hint: bool = False,
     deterministic: bool = False,
 ) -> torch.Tensor:
-    """``[B, S, H, D]`` in and out; ``bounds`` from :func:`kernels.flashmask.bounds.normalize_bounds`.
+    """``[B, S, H, D]`` in and out; ``bounds`` from :func:`tandem_kernels.flashmask.bounds.normalize_bounds`.
 
     ``causal_hint`` only bounds the loops (the causal triangle is already in ``bounds``); pass
     it when the attention is causal so that blocks above the diagonal are not even visited.
