@@ -40,7 +40,7 @@ def test_own_names_are_the_installed_ones() -> None:
 def test_no_own_name_belongs_to_another_distribution() -> None:
     provided = importlib.metadata.packages_distributions()
     clashes = {
-        name: sorted(set(dists) - {"tandem"})
+        name: sorted(set(provided[name]) - {"tandem"})
         for name in own_top_level_names()
         if set(provided.get(name, [])) - {"tandem"}
     }
