@@ -187,7 +187,9 @@ def compile_locks() -> None:
         base = (t / "base.txt").read_text()
         _write("base.txt", base + nodeps, "The services' dependencies, every one pinned with its hashes.")
         _write("dev.txt", (t / "dev.txt").read_text() + nodeps, "base.txt plus the test and lint tools.")
-        _write("bench.txt", (t / "bench.txt").read_text() + nodeps, "dev.txt plus the benchmarks' contenders.")
+        _write(
+            "bench.txt", (t / "bench.txt").read_text() + nodeps, "dev.txt plus the benchmarks' contenders."
+        )
         _write(
             "gpu-constraints.txt",
             _drop(base, GPU_OWN),

@@ -20,6 +20,7 @@ from services.cli import stack
 from services.cli.eval_rag import rag_command
 from services.cli.eval_retrieval import retrieval_command
 from services.cli.supervise import SupervisedState, read_state
+from services.common import lockcheck
 from services.common.auth import KeyStore
 from services.common.config import SERVICE_NAMES, CommonSettings, SettingsError, load_settings
 from services.common.errors import TandemError
@@ -61,6 +62,17 @@ def _settings() -> CommonSettings:
     return common
 
 
+def _check_installed() -> None:
+    """Stop on a package the lock names that is missing; warn in one line on versions that differ."""
+    drift = lockcheck.check()
+    if drift is None:
+        return
+    if drift.error():
+        _fail(drift.error())
+    if drift.warning():
+        console.print(f"[yellow]warning:[/] {drift.warning()}")
+
+
 def _redis_url(layout: stack.Layout, common: CommonSettings) -> str:
     try:
         return str(json.loads(layout.state_file.read_text())["redis_url"])
@@ -74,6 +86,7 @@ def up(
     timeout: float = typer.Option(600.0, help="Seconds to wait for every component to be ready."),
 ) -> None:
     """Start Redis (embedded Valkey unless TANDEM_REDIS_URL is set), the four services and the workers."""
+    _check_installed()
     common = _settings()
     layout = stack.Layout(common.home_dir)
     layout.make()
@@ -266,6 +279,7 @@ def worker(
     checkpoints, models): both are checked before the worker starts."""
     if queue not in stack.CELERY_APP_OF:
         _fail(f"--queue {queue!r} is not a queue: use one of {', '.join(stack.CELERY_APP_OF)}")
+    _check_installed()
     common = _settings()
     layout = stack.Layout(common.home_dir)
     try:
