@@ -22,6 +22,7 @@ from services.common.logs import configure_logging
 from services.common.observability import Readiness, ReadinessCheck, install_observability
 from services.common.ratelimit import TenantLimiter, TenantLimits
 from services.common.redis_conn import async_redis
+from services.common.telemetry import instrument_app, shutdown
 
 # What the guard answers on any route that needs a key, declared so the OpenAPI schema tells the truth.
 GUARD_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -129,6 +130,7 @@ def create_service_app(
                     yield
         finally:
             await redis_client.aclose()
+            shutdown(app.state.tracing)  # the spans still buffered go out
 
     app = FastAPI(title=f"Tandem {service}", version=version, lifespan=_lifespan)
     _declare_errors(app)
@@ -154,6 +156,8 @@ def create_service_app(
         limiter=limiter,
     )
     app.state.metrics = install_observability(app, service, app.state.readiness)
+    # OpenTelemetry server spans (the caller's traceparent continued); OTLP export when configured
+    app.state.tracing = instrument_app(app, service, app.state.metrics.registry)
     for router in (whoami_router(service), *routers):
         app.include_router(router, dependencies=[Depends(require_principal)], responses=GUARD_RESPONSES)
         guarded.extend((r, True) for r in router.routes)

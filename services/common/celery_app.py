@@ -7,12 +7,15 @@ job state lives in Redis hashes owned by each service, not in the result backend
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
 from celery import Celery
+from celery.signals import worker_init, worker_shutdown
 from kombu.entity import Queue
 
+from services.common import telemetry
 from services.common.redis_conn import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S
 
 QUEUES = ("cpu", "gpu", "npu", "io")
@@ -66,9 +69,41 @@ def make_celery(
         task_track_started=True,
     )
 
+    _trace_workers(app)
+
     @app.task(name="tandem.ping")  # type: ignore[untyped-decorator]  # celery is untyped
     def ping(payload: Any = None) -> dict[str, Any]:
         """Round trip through the broker: proves a worker consumes its queue."""
         return {"pong": True, "app": name, "host": socket.gethostname(), "echo": payload}
 
     return app
+
+
+def worker_service_name(queues: list[str]) -> str:
+    """A worker's ``service.name``: ``OTEL_SERVICE_NAME`` when set (``tandem up`` sets it per
+    worker), else ``worker-`` and the queues it consumes (``worker-io``)."""
+    return os.environ.get("OTEL_SERVICE_NAME", "").strip() or "worker-" + "-".join(
+        sorted(queues) or ["default"]
+    )
+
+
+def _trace_workers(app: Celery) -> None:
+    """A worker of ``app`` traces its tasks as its own service: each task a span continuing the
+    trace of whoever queued it (Celery's instrumentation carries ``traceparent`` in the task
+    headers), its spans flushed when the worker stops."""
+    providers: list[Any] = []
+
+    def started(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not app:
+            return
+        queues = list(getattr(sender.app.amqp.queues, "consume_from", None) or {})
+        provider = telemetry.setup_process(worker_service_name(queues))
+        if provider is not None:
+            providers.append(provider)
+
+    def stopped(sender: Any = None, **_: Any) -> None:
+        while providers:
+            telemetry.shutdown(providers.pop())
+
+    worker_init.connect(started, weak=False)
+    worker_shutdown.connect(stopped, weak=False)

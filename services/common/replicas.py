@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from services.common.telemetry import with_trace_context
 from services.common.upstream import UpstreamBroken
 
 log = logging.getLogger("tandem.replicas")
@@ -242,9 +243,10 @@ def request_sync(
     pool: ReplicaPool, method: str, path: str, *, idempotent: bool = True, **kwargs: Any
 ) -> httpx.Response:
     """A synchronous request to ``{replica}{path}`` over the pool (httpx's keyword arguments)."""
+    headers = with_trace_context(kwargs.pop("headers", None))  # the caller's trace goes on
     for attempt in pool.attempts(idempotent=idempotent):
         with attempt:
-            return httpx.request(method, attempt.url + path, **kwargs)
+            return httpx.request(method, attempt.url + path, headers=headers, **kwargs)
     raise RuntimeError(f"{pool.service}: no replica was tried")  # attempts() always yields one
 
 

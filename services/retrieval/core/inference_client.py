@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from services.common.errors import InvalidRequest, UpstreamError
+from services.common.telemetry import instrument_client
 from services.common.upstream import UpstreamReply
 
 
@@ -26,6 +27,7 @@ class InferenceClient:
         self.param = param
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        instrument_client(self._http)  # traceparent on: the embedding call joins the caller's trace
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         """The JSON body of a successful answer."""
