@@ -16,6 +16,7 @@ from services.inference.config import InferenceSettings
 from services.inference.embeddings import EmbeddingService
 from services.inference.engine.base import Engine
 from services.inference.engines import build_engine, torch_builder
+from services.inference.metrics import install as install_engine_metrics
 from services.inference.registry import ModelRegistry, RecordStore
 
 
@@ -62,5 +63,6 @@ def create_app(
     )
     app.state.settings = settings
     app.state.registry = None
+    app.state.engine_metrics = install_engine_metrics(app)  # vllm:* on /metrics
     app.state.embeddings = EmbeddingService(settings, common.allowed_model_roots, common.device)
     return app

@@ -51,6 +51,7 @@ from services.inference.engine.types import (
     UnknownModel,
     UpstreamFailure,
 )
+from services.inference.metrics import observed
 from services.inference.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -523,7 +524,16 @@ class OpenAIServing:
         except EngineError as exc:
             raise http_error(exc) from None
         # the adapter counts as running until the merged stream ends or is closed
-        return lease.wrap(_merge(streams))
+        return lease.wrap(
+            observed(
+                _merge(streams),
+                getattr(raw.app.state, "engine_metrics", None),
+                model=model,
+                adapter="" if model == self.registry.base_name else model,
+                tenant=principal.tenant,
+                n=n,
+            )
+        )
 
     # --- chat ---------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:

@@ -73,6 +73,7 @@ class PrefixCache:
         self.nbytes = 0
         self.hits = 0
         self.hit_tokens = 0
+        self.query_tokens = 0  # prompt tokens looked up (the scheduler counts each prompt once)
         self._fingerprint: tuple[Any, ...] | None = None
 
     @property

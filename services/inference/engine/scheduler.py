@@ -98,6 +98,7 @@ class Sequence:
     prefix_checked: bool = False
     # time the sequence was submitted / got its first token (metrics)
     submitted: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # when it got a batch slot (metrics: the queue wait)
     # who the sequence is for: admission is fair between tenants, not between requests
     tenant: str = DEFAULT_TENANT
 
@@ -223,6 +224,7 @@ class Scheduler:
                     continue
                 seq = q.popleft()
                 seq.slot = len(self.slots)
+                seq.admitted = time.perf_counter()
                 self.slots.append(seq)
                 admitted.add(seq.seq_id)
                 running[tenant] = running.get(tenant, 0) + 1
@@ -444,6 +446,7 @@ class Scheduler:
         fresh = [s for s in pending if s.num_computed == 0 and not s.prefix_checked]
         if not fresh:
             return
+        cache.query_tokens += sum(len(s.prompt_ids) for s in fresh)  # once per prompt (metrics)
         misses = [s for s in fresh if not self._try_prefix_hit(s)]
         while len(misses) >= 2:
             leader, rest = misses[0], misses[1:]
@@ -515,6 +518,9 @@ class Scheduler:
                     finish_reason=reason,
                     prompt_tokens=len(seq.prompt_ids),
                     completion_tokens=len(seq.output_ids),
+                    queued_s=seq.admitted - seq.submitted
+                    if seq.admitted is not None and len(seq.output_ids) == 1
+                    else None,
                 )
             )
 

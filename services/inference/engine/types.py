@@ -201,6 +201,8 @@ class StreamEvent:
     error: str | None = None
     # tool-call deltas in OpenAI's chunk shape, from an upstream that parsed calls itself (remote)
     tool_calls: list[dict] | None = None
+    # on a sequence's first token, for engines that know it: seconds it waited for a batch slot
+    queued_s: float | None = None
 
     @property
     def finished(self) -> bool:
