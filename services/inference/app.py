@@ -12,6 +12,7 @@ from services.common.config import CommonSettings, load_settings
 from services.common.errors import ServiceUnavailable
 from services.inference.api.embeddings import router as embeddings_router
 from services.inference.api.openai import router
+from services.inference.api.responses import router as responses_router
 from services.inference.config import InferenceSettings
 from services.inference.embeddings import EmbeddingService
 from services.inference.engine.base import Engine
@@ -57,7 +58,7 @@ def create_app(
     app = create_service_app(
         "inference",
         common,
-        routers=[router, embeddings_router],
+        routers=[router, embeddings_router, responses_router],
         readiness={"engine": engine_ready},
         lifespan=lifespan,
     )
