@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from services.agent.api import conversations, feedback, openai_compat, pipelines, proxy, ws
+from services.agent.api import responses as responses_api
 from services.agent.config import AgentSettings
 from services.agent.runtime import AgentRuntime
 from services.agent.tokens import load_counter
@@ -38,7 +39,14 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
         "agent",
         common,
         tenant_limits=settings.tenant_limits(),
-        routers=[pipelines.router, conversations.router, feedback.router, openai_compat.router, ws.router],
+        routers=[
+            pipelines.router,
+            conversations.router,
+            feedback.router,
+            openai_compat.router,
+            responses_api.router,
+            ws.router,
+        ],
         public_routers=[proxy.router],
         lifespan=lifespan,
         # the proxy streams uploads on; the service behind it applies its own, lower, limit

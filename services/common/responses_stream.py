@@ -149,6 +149,10 @@ class ResponseAssembly:
         frames.append(self._event("response.output_item.done", output_index=index, item=_dump(message)))
         return frames
 
+    def close_text(self, finish_reason: str | None, citations: list[FileCitation]) -> list[str]:
+        """End the text with its citations now (items that follow it come after)."""
+        return self._close_message("incomplete" if finish_reason == "length" else "completed", citations)
+
     # --- calls ------------------------------------------------------------------------------------
 
     def call(self, index: int, call_id: str | None, name: str | None, arguments: str | None) -> list[str]:
