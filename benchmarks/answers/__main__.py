@@ -2,6 +2,10 @@
 
 ``python -m benchmarks.answers [--count 50] [--seed 1] [--variants before,after] [--show]``
 
+``python -m benchmarks.answers --set NAME[,NAME...|all] [--home DIR] [--no-peer] [--limit N]``
+scores a question set over real documents on a running stack, against the LangChain RAG
+tutorial chain in the same run (benchmarks/answers/real_documents.py, sets.py, README.md).
+
 Starts the CPU stack as separate processes (benchmarks/agent/stack.py: an embedded Valkey,
 then retrieval, inference with the default model, agent), ingests ``--count`` invented facts
 of ``--seed`` (services/cli/factset.py) and asks each question through one pipeline per
@@ -169,7 +173,31 @@ def main(argv: list[str] | None = None) -> int:
         help="an inference setting for the stack (repeatable), e.g. TANDEM_INFERENCE_PROMPT_DTYPE=float32 to "
         "compare engine settings on the same facts",
     )
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        default="",
+        help="question sets over real documents (tandem-docs, valgrind-html, libtasn1-pdf, or all), on the "
+        "running stack of --home",
+    )
+    ap.add_argument("--home", type=Path, default=None, help="--set: TANDEM_HOME of the running stack")
+    ap.add_argument("--pipeline", default="chat-documents", help="--set: the Tandem pipeline to ask")
+    ap.add_argument("--no-peer", action="store_true", help="--set: without the LangChain peer")
+    ap.add_argument("--limit", type=int, default=None, help="--set: the first N questions of each set")
     args = ap.parse_args(argv)
+    if args.sets:
+        from benchmarks.answers import real_documents
+
+        out = args.out if args.out != Path("/tmp/answers-bench") else Path("/tmp/answers-sets")
+        return real_documents.main(
+            args.sets,
+            home=args.home,
+            out=out,
+            pipeline=args.pipeline,
+            peer=not args.no_peer,
+            limit=args.limit,
+            show=args.show,
+        )
     bad = [i for i in args.inference_env if "=" not in i or not i.startswith("TANDEM_INFERENCE_")]
     if bad:
         ap.error(f"--inference-env wants TANDEM_INFERENCE_NAME=VALUE, got {bad[0]!r}")

@@ -274,6 +274,12 @@ def rag_command(
     beir: Path | None = typer.Option(
         None, "--beir", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/test.tsv."
     ),
+    questions: Path | None = typer.Option(
+        None,
+        "--questions",
+        help="Instead of --beir: a question set (JSONL, services/cli/eval_questions.py) asked over "
+        "--collection, an existing collection of its documents.",
+    ),
     facts: int | None = typer.Option(
         None,
         "--facts",
@@ -300,16 +306,29 @@ def rag_command(
     retrieval_url: str = typer.Option("", help="Retrieval service URL (default from settings)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the summary and answers here."),
 ) -> None:
-    """Ask questions through chat-documents (a BEIR set, or invented facts with expected answers);
-    report answer and citation quality and latency."""
+    """Ask questions through chat-documents (a BEIR set, invented facts with expected answers, or a
+    question set over a collection of real documents); report answer and citation quality and latency."""
     common = load_settings(CommonSettings, check_unknown=False)
     key = api_key or common.service_api_key
     if not key:
         console.print("[bold red]error:[/] give --api-key (or set TANDEM_SERVICE_API_KEY)")
         raise typer.Exit(1)
-    if (beir is None) == (facts is None):
-        console.print("[bold red]error:[/] give exactly one of --beir DIR and --facts N")
+    if sum(x is not None for x in (beir, facts, questions)) != 1:
+        console.print("[bold red]error:[/] give exactly one of --beir DIR, --facts N and --questions FILE")
         raise typer.Exit(2)
+    if questions is not None:
+        _questions_command(
+            questions,
+            collection,
+            agent_url=agent_url or common.url_of("agent"),
+            retrieval_url=retrieval_url or common.url_of("retrieval"),
+            api_key=key,
+            pipeline=pipeline,
+            llm=llm or None,
+            show=show,
+            json_out=json_out,
+        )
+        return
     if facts is not None:
         try:
             outcomes = run_facts_eval(
@@ -364,7 +383,7 @@ def rag_command(
         )
 
 
-__all__ = ["rag_command", "run_facts_eval", "run_facts_evals", "run_rag_eval"]
+__all__ = ["rag_command", "run_facts_eval", "run_facts_evals", "run_questions_eval", "run_rag_eval"]
 
 
 # -- the invented-facts question set ------------------------------------------------------------
@@ -525,3 +544,155 @@ def print_facts_summary(summary: dict[str, Any], title: str = "chat-documents on
     ]:
         table.add_row(label, value)
     console.print(table)
+
+
+# -- question sets over real documents (services/cli/eval_questions.py) -------------------------
+
+
+class CollectionNotFound(LookupError):
+    pass
+
+
+def collection_texts(client: httpx.Client, collection: str) -> list[str]:
+    """Every document text of ``collection`` (what groundedness is judged against);
+    ``CollectionNotFound`` naming it when the retrieval service has no such collection."""
+    resp = client.get(f"/v1/collections/{collection}")
+    if resp.status_code == 404:
+        raise CollectionNotFound(f"collection {collection!r} not found (HTTP 404)")
+    resp.raise_for_status()
+    texts: list[str] = []
+    offset: int | None = 0
+    while offset is not None:
+        page = client.get(f"/v1/collections/{collection}/documents", params={"limit": 100, "offset": offset})
+        page.raise_for_status()
+        body = page.json()
+        for doc in body.get("documents") or []:
+            text = doc.get("text")
+            if text is None:
+                one = client.get(f"/v1/collections/{collection}/documents/{doc['id']}")
+                text = one.json().get("text") if one.status_code == 200 else None
+            if text:
+                texts.append(str(text))
+        offset = body.get("next_offset")
+        if offset is None and body.get("documents") and len(texts) < int(body.get("total") or 0):
+            offset = int(body["offset"]) + len(body["documents"])
+    return texts
+
+
+def run_questions_eval(
+    questions: list[Any],
+    *,
+    agent_url: str,
+    retrieval_url: str,
+    api_key: str,
+    collection: str,
+    pipeline: str = "chat-documents",
+    llm: str | None = None,
+    timeout: float = 300.0,
+    progress: bool = False,
+) -> list[Any]:
+    """Asks each question of a set over ``collection`` through ``pipeline``; one judged
+    ``eval_questions.Outcome`` per question."""
+    from services.cli.eval_questions import judge
+
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with httpx.Client(base_url=retrieval_url, headers=headers, timeout=timeout) as rc:
+        documents = collection_texts(rc, collection)
+    outcomes = []
+    with httpx.Client(base_url=agent_url, headers=headers, timeout=timeout) as ac:
+        for i, q in enumerate(questions):
+            outcome = judge(q, ask(ac, pipeline, collection, q.question, llm), documents)
+            outcomes.append(outcome)
+            if progress:
+                console.print(progress_line(i, outcome), markup=False, highlight=False, soft_wrap=True)
+    return outcomes
+
+
+def progress_line(i: int, o: Any, who: str = "") -> str:
+    if o.answerable:
+        mark = ("S" if o.stated else "-") + ("D" if o.right_source else "-") + ("P" if o.right_place else "-")
+    else:
+        mark = "ok " if o.abstained else "ans"
+    mark += " A" if o.abstained else f" {o.answer_kind[0].upper()}"
+    return f"{i + 1:>3} {who}{o.id:<10} {mark} {o.question!r} -> {o.answer.strip()[:120]!r}"
+
+
+def print_questions_summary(
+    columns: dict[str, dict[str, Any]], title: str, ratio_to: str | None = None
+) -> None:
+    """One column per answerer (its ``eval_questions.summary``), and ``first / ratio_to`` ratios."""
+    from services.cli.eval_questions import METRICS, fmt, ratios
+
+    table = Table(title=title)
+    table.add_column("metric")
+    for name in columns:
+        table.add_column(name, justify="right")
+    first = next(iter(columns))
+    ratio = ratios(columns[first], columns[ratio_to]) if ratio_to and ratio_to in columns else None
+    if ratio is not None:
+        table.add_column(f"{first} / {ratio_to}", justify="right")
+    table.add_row(
+        "questions (answerable / unanswerable, errors)",
+        *[
+            f"{s['questions']} ({s['answerable']} / {s['unanswerable']}, {s['errors']})"
+            for s in columns.values()
+        ],
+        *([""] if ratio is not None else []),
+    )
+    for key, label, share in METRICS:
+        cells = [fmt(s.get(key), share) for s in columns.values()]
+        if ratio is not None:
+            r = ratio.get(key)
+            cells.append("n/a" if r is None else f"{r:.2f}x")
+        table.add_row(label, *cells)
+    # Wide enough for a column per answerer when the output is a file or a pipe.
+    out = console if console.is_terminal else Console(width=max(100, 40 + 24 * (len(columns) + 1)))
+    out.print(table)
+
+
+def _questions_command(
+    path: Path,
+    collection: str,
+    *,
+    agent_url: str,
+    retrieval_url: str,
+    api_key: str,
+    pipeline: str,
+    llm: str | None,
+    show: bool,
+    json_out: Path | None,
+) -> None:
+    from services.cli.eval_questions import QuestionSetError, load_questions, summary
+
+    if not collection:
+        console.print(
+            "[bold red]error:[/] --questions needs --collection NAME (a collection of its documents)"
+        )
+        raise typer.Exit(2)
+    try:
+        qs = load_questions(path)
+    except QuestionSetError as exc:
+        console.print(f"[bold red]error:[/] {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    try:
+        outcomes = run_questions_eval(
+            qs,
+            agent_url=agent_url,
+            retrieval_url=retrieval_url,
+            api_key=api_key,
+            collection=collection,
+            pipeline=pipeline,
+            llm=llm,
+            progress=show,
+        )
+    except CollectionNotFound as exc:
+        console.print(f"[bold red]error:[/] {exc}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    except httpx.HTTPError as exc:
+        console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+        raise typer.Exit(1) from None
+    result = summary(outcomes)
+    print_questions_summary({pipeline: result}, f"{pipeline} on {path.name} over collection {collection!r}")
+    if json_out:
+        payload = {"summary": result, "answers": [o.to_dict() for o in outcomes]}
+        json_out.write_text(json.dumps(payload, indent=2, default=str))

@@ -1,0 +1,400 @@
+"""Question sets over real documents: the file format, and how one answer is judged.
+
+A question set is a JSONL file, one ``Question`` per line (blank lines and lines starting
+with ``#`` are skipped)::
+
+    {"id": "vg-01", "question": "What option turns on Memcheck's leak detector?",
+     "answers": ["--leak-check"], "source": "quick-start.html",
+     "section": "Running your program under Memcheck", "answerable": true}
+    {"id": "vg-u1", "question": "What is the minimum RAM Valgrind needs?", "answerable": false}
+
+- ``answers``: key phrases, alternatives: the answer states the fact when it contains any one
+  of them (case, spacing and ``_``/space ignored, whole words); or ``reference``: a reference
+  answer, stated when the answer holds at least ``REFERENCE_RECALL`` of its content words.
+- ``source``: the document that states it: a path or file name (``docs/operations.md``,
+  ``faq.html``), matched against a citation's document id, title and metadata source/filename
+  with case, extension and separators ignored.
+- ``page`` (1-based page of the PDF, as a viewer counts it) and ``section`` (a heading, or a
+  distinctive part of one) where the fact is stated, when they are known.
+- ``answerable``: false for a question the documents do not answer (no answers, no source):
+  the right response is to abstain.
+
+``load_questions`` names the line of a malformed entry. ``judge`` scores one answer (from a
+pipeline's ``done`` event or any other answerer) and ``summary`` adds them up.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Share of a reference answer's content words an answer must hold to state it.
+REFERENCE_RECALL = 0.6
+
+
+class Question(BaseModel):
+    """One line of a question set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=200)
+    question: str = Field(min_length=1)
+    answers: list[str] | None = None
+    reference: str | None = None
+    source: str | None = None
+    page: int | None = Field(None, ge=1)
+    section: str | None = None
+    answerable: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Question:
+        if self.answers is not None and not [a for a in self.answers if a.strip()]:
+            raise ValueError("answers: give at least one non-blank key phrase")
+        if self.answerable:
+            if not self.answers and not (self.reference or "").strip():
+                raise ValueError("an answerable question needs answers (key phrases) or a reference")
+            if not (self.source or "").strip():
+                raise ValueError("an answerable question needs the source that states it")
+        elif self.answers or self.reference:
+            raise ValueError("an unanswerable question has no answers or reference")
+        return self
+
+
+class QuestionSetError(ValueError):
+    """A question set that cannot be read; ``line`` is 1-based (0: the file itself)."""
+
+    def __init__(self, path: Path | str, line: int, message: str) -> None:
+        where = f"{path} line {line}" if line else str(path)
+        super().__init__(f"{where}: {message}")
+        self.path = str(path)
+        self.line = line
+
+
+def parse_questions(lines: Iterable[str], path: Path | str = "<questions>") -> list[Question]:
+    out: list[Question] = []
+    seen: dict[str, int] = {}
+    for n, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise QuestionSetError(path, n, f"not JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(data, dict):
+            raise QuestionSetError(path, n, f"expected a JSON object, got {type(data).__name__}")
+        try:
+            q = Question.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"])
+            raise QuestionSetError(path, n, f"{loc + ': ' if loc else ''}{err['msg']}") from None
+        if q.id in seen:
+            raise QuestionSetError(path, n, f"id {q.id!r} already used on line {seen[q.id]}")
+        seen[q.id] = n
+        out.append(q)
+    if not out:
+        raise QuestionSetError(path, 0, "no questions")
+    return out
+
+
+def load_questions(path: Path) -> list[Question]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QuestionSetError(path, 0, f"cannot read it ({exc})") from None
+    return parse_questions(text.splitlines(), path)
+
+
+# -- judging --------------------------------------------------------------------------------
+
+_QUOTES = str.maketrans(
+    {"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-", "\u2014": "-"}
+)
+_MARKER = re.compile(r"\[\s*\d{1,3}(?:\s*[,;]\s*\d{1,3})*\s*\]")
+
+
+def _flat(text: str) -> str:
+    """Lower case, typographic quotes and dashes plain, ``_`` as a space (PDF text often loses
+    underscores), citation markers and runs of spaces as one space."""
+    text = _MARKER.sub(" ", text.translate(_QUOTES).lower()).replace("_", " ")
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def has_phrase(answer: str, phrase: str) -> bool:
+    """``phrase`` occurs in ``answer`` as whole words (``--check`` in "use --check", not "checks")."""
+    p = _flat(phrase)
+    if not p:
+        return False
+    pattern = (r"(?<![a-z0-9])" if p[0].isalnum() else "") + re.escape(p)
+    pattern += r"(?![a-z0-9])" if p[-1].isalnum() else ""
+    return re.search(pattern, _flat(answer)) is not None
+
+
+def states(answer: str, q: Question) -> bool:
+    if q.answers:
+        return any(has_phrase(answer, a) for a in q.answers)
+    from services.agent.text import content_terms
+
+    wanted = set(content_terms(q.reference or "")) - set(content_terms(q.question))
+    if not wanted:
+        wanted = set(content_terms(q.reference or ""))
+    got = set(content_terms(answer))
+    return bool(wanted) and len(wanted & got) / len(wanted) >= REFERENCE_RECALL
+
+
+# "I don't know", "the sources do not say", "no information about", "cannot find": a model's or
+# a pipeline's way of declining. Judged on the answer's text when the response carries no
+# ``answer_kind``.
+_ABSTAIN = re.compile(
+    r"\b(?:i\s+(?:do\s+not|don'?t|cannot|can'?t)\s+know"
+    r"|(?:do(?:es)?\s+not|don'?t|doesn'?t)\s+(?:say|mention|state|contain|provide|specify|answer|include|have)"
+    r"|(?:no|not\s+(?:enough|any))\s+(?:relevant\s+)?(?:information|mention|details?|answer|sources?)"
+    r"|(?:cannot|can'?t|could\s+not|couldn'?t|unable\s+to)\s+(?:find|answer|determine|tell|say|provide)"
+    r"|not\s+(?:mentioned|stated|specified|provided|covered|found)"
+    r"|(?:is|are)\s+unknown|unclear\s+from)",
+    re.IGNORECASE,
+)
+
+
+def abstains(answer: str, answer_kind: str | None = None) -> bool:
+    if answer_kind == "not_found":
+        return True
+    text = answer.translate(_QUOTES).strip()
+    return not text or _ABSTAIN.search(text) is not None
+
+
+def _key(name: str) -> str:
+    name = re.sub(r"\.(?:md|markdown|html?|pdf|txt|rst|docx|jsonl)$", "", name.lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def _names_of(cite: Mapping[str, Any]) -> list[str]:
+    meta = cite.get("metadata") if isinstance(cite.get("metadata"), Mapping) else {}
+    assert isinstance(meta, Mapping)
+    names = [cite.get("document_id"), cite.get("title"), cite.get("source")]
+    names += [meta.get(k) for k in ("source", "filename", "path", "file")]
+    return [str(n) for n in names if n]
+
+
+def source_matches(expected: str, cite: Mapping[str, Any]) -> bool:
+    """The citation names ``expected``: equal keys, or one ends with the other at a separator
+    (``docs/operations.md`` and the id ``docs-operations.md``; ``faq.html`` and ``valgrind-faq``)."""
+    want = _key(expected)
+    bare = _key(expected.rsplit("/", 1)[-1])
+    for name in _names_of(cite):
+        got = _key(name)
+        if not got:
+            continue
+        for w in {want, bare}:
+            if got == w or got.endswith("-" + w) or w.endswith("-" + got):
+                return True
+    return False
+
+
+def _words(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower().replace("_", " ")))
+
+
+def _field(cite: Mapping[str, Any], name: str) -> Any:
+    if cite.get(name) is not None:
+        return cite.get(name)
+    meta = cite.get("metadata")
+    return meta.get(name) if isinstance(meta, Mapping) else None
+
+
+def _pages(cite: Mapping[str, Any]) -> set[int]:
+    out: set[int] = set()
+    for key in ("page", "pages"):
+        value = _field(cite, key)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) or (isinstance(v, str) and v.isdigit()):
+                out.add(int(v))
+    start, end = _field(cite, "page_start"), _field(cite, "page_end")
+    if isinstance(start, int) and isinstance(end, int) and end >= start:
+        out.update(range(start, end + 1))
+    return out
+
+
+def locates(q: Question, cite: Mapping[str, Any]) -> bool | None:
+    """The citation names the question's page or section: None when neither can be told (the
+    question gives none, or the citation carries neither field)."""
+    judged = False
+    if q.page is not None:
+        pages = _pages(cite)
+        if pages:
+            judged = True
+            if q.page in pages:
+                return True
+    if q.section:
+        section = _field(cite, "section")
+        headings = section if isinstance(section, list) else [section]
+        more = _field(cite, "headings")
+        headings += more if isinstance(more, list) else []
+        cited = [_words(str(h)) for h in headings if h]
+        if cited:
+            judged = True
+            want = _words(q.section)
+            if any(want and (want in c or (len(c) > 3 and c in want)) for c in cited):
+                return True
+    return False if judged else None
+
+
+@dataclass
+class Outcome:
+    """One answer to one question, judged."""
+
+    id: str
+    question: str
+    answerable: bool
+    answer: str
+    answer_kind: str  # generated | extractive | not_found (from the response, else inferred)
+    stated: bool | None  # answerable only: the expected answer is in the answer
+    abstained: bool
+    right_source: bool | None  # answerable only: a citation names the source (None: no citations)
+    right_place: bool | None  # ... and the page or section (None: cannot be told)
+    groundedness: float | None  # supported share of the answer's substantive sentences
+    first_token_s: float | None
+    total_s: float
+    citations: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def answer_kind_of(done: Mapping[str, Any], answer: str) -> str:
+    kind = done.get("answer_kind") or done.get("kind")
+    if kind in ("generated", "extractive", "not_found"):
+        return str(kind)
+    return "not_found" if abstains(answer) else "generated"
+
+
+def judge(
+    q: Question,
+    out: Mapping[str, Any],
+    documents: list[str],
+    *,
+    cites_sources: bool = True,
+) -> Outcome:
+    """Scores one result of an answerer: ``out`` has ``answer``, ``done`` (the final event:
+    ``citations``, ``answer_kind`` or ``kind``), ``first`` and ``total`` seconds, ``error``.
+    ``documents``: the texts groundedness is judged against. ``cites_sources`` false: the
+    answerer cites nothing (its citation metrics are None, not 0)."""
+    from services.agent.grounding import check
+
+    done: Mapping[str, Any] = out.get("done") or {}
+    answer = str(out.get("answer") or "")
+    cites = [dict(c) for c in done.get("citations") or [] if isinstance(c, Mapping)]
+    kind = answer_kind_of(done, answer)
+    abstained = kind == "not_found" or (kind != "extractive" and abstains(answer))
+    right_source: bool | None = None
+    right_place: bool | None = None
+    if q.answerable and q.source and cites_sources:
+        matching = [c for c in cites if source_matches(q.source, c)]
+        right_source = bool(matching)
+        verdicts = [locates(q, c) for c in matching] if matching else [locates(q, c) for c in cites]
+        if any(v is True for v in verdicts) and matching:
+            right_place = True
+        elif any(v is not None for v in verdicts):
+            right_place = False
+    report = check(answer, q.question, documents) if answer.strip() and not abstained else None
+    return Outcome(
+        id=q.id,
+        question=q.question,
+        answerable=q.answerable,
+        answer=answer,
+        answer_kind=kind,
+        stated=states(answer, q) if q.answerable else None,
+        abstained=abstained,
+        right_source=right_source,
+        right_place=right_place,
+        groundedness=report.share if report else None,
+        first_token_s=out.get("first"),
+        total_s=float(out.get("total") or 0.0),
+        citations=[
+            {k: c.get(k) for k in ("document_id", "title", "page", "section", "kind") if k in c}
+            for c in cites
+        ],
+        error=str(out["error"]) if out.get("error") else None,
+    )
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def _share(flags: list[bool | None]) -> float | None:
+    judged = [f for f in flags if f is not None]
+    return sum(judged) / len(judged) if judged else None
+
+
+def summary(outcomes: list[Outcome]) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.error is None]
+    yes = [o for o in ok if o.answerable]
+    no = [o for o in ok if not o.answerable]
+    grounded = [o.groundedness for o in ok if o.groundedness is not None]
+    firsts = [o.first_token_s for o in ok if o.first_token_s is not None]
+    totals = [o.total_s for o in ok]
+    kinds = [o.answer_kind for o in ok]
+    return {
+        "questions": len(outcomes),
+        "answerable": sum(1 for o in outcomes if o.answerable),
+        "unanswerable": sum(1 for o in outcomes if not o.answerable),
+        "errors": len(outcomes) - len(ok),
+        "answer_stated": _share([o.stated for o in yes]),
+        "right_source_cited": _share([o.right_source for o in yes]),
+        "right_page_or_section_cited": _share([o.right_place for o in yes]),
+        "abstained_when_unanswerable": _share([o.abstained for o in no]),
+        "false_abstention": _share([o.abstained for o in yes]),
+        "groundedness_mean": sum(grounded) / len(grounded) if grounded else None,
+        "generated": kinds.count("generated") / len(kinds) if kinds else None,
+        "extractive": kinds.count("extractive") / len(kinds) if kinds else None,
+        "not_found": kinds.count("not_found") / len(kinds) if kinds else None,
+        "first_token_p50_s": percentile(firsts, 50),
+        "first_token_p95_s": percentile(firsts, 95),
+        "total_p50_s": percentile(totals, 50),
+        "total_p95_s": percentile(totals, 95),
+    }
+
+
+# The summary's metrics in table order: (key, label, is a share).
+METRICS: list[tuple[str, str, bool]] = [
+    ("answer_stated", "answer stated (answerable)", True),
+    ("right_source_cited", "right source cited", True),
+    ("right_page_or_section_cited", "right page or section cited", True),
+    ("abstained_when_unanswerable", "abstained when unanswerable", True),
+    ("false_abstention", "false abstention (answerable)", True),
+    ("groundedness_mean", "groundedness (mean supported share)", True),
+    ("generated", "model's own answer", True),
+    ("extractive", "extractive answer", True),
+    ("not_found", "not found / abstained", True),
+    ("first_token_p50_s", "first token p50 (s)", False),
+    ("first_token_p95_s", "first token p95 (s)", False),
+    ("total_p50_s", "full answer p50 (s)", False),
+    ("total_p95_s", "full answer p95 (s)", False),
+]
+
+
+def ratios(ours: Mapping[str, Any], peer: Mapping[str, Any]) -> dict[str, float | None]:
+    """``ours / peer`` per metric (None where either is unknown or the peer's is 0)."""
+    out: dict[str, float | None] = {}
+    for key, _label, _share in METRICS:
+        a, b = ours.get(key), peer.get(key)
+        out[key] = a / b if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+    return out
+
+
+def fmt(value: Any, share: bool) -> str:
+    if value is None:
+        return "n/a"
+    return f"{100 * value:.1f}%" if share else f"{value:.2f}"
