@@ -236,3 +236,83 @@ def test_langchain_chat_openai_on_the_responses_api(stack: Stack, key: str) -> N
     assert streamed == answer.text
     sent = stack.model.requests[-2]["messages"]
     assert json.dumps(sent).count("Hello.") == 1
+
+
+def _knowledge_server_url() -> Any:
+    """A real MCP server (the SDK's server API, Streamable HTTP on 127.0.0.1) with one tool."""
+    from mcp.server.mcpserver import MCPServer
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    from tests.helpers.servers import serve_app
+
+    mcp = MCPServer("kb")
+
+    @mcp.tool(description="The capital city of a country.")
+    def lookup_capital(country: str) -> str:
+        return f"The capital of {country} is Poseidonia."
+
+    app = mcp.streamable_http_app(
+        stateless_http=True,
+        json_response=True,
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    return serve_app(app)
+
+
+def test_mcp_tools_of_a_registered_server_come_back_as_mcp_calls(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from services.agent.protocol import ChatCompletionRequest
+
+    if "mcp_servers" not in ChatCompletionRequest.model_fields:
+        pytest.skip("this build has no registered MCP servers")
+    from services.agent.tools.mcp import agent_tool_name
+
+    tool = agent_tool_name("kb", "lookup_capital")
+
+    def reply(body: dict[str, Any]) -> dict[str, Any]:
+        called = any(m.get("role") == "tool" and m.get("tool_call_id") == "c1" for m in body["messages"])
+        name, args, call_id = (
+            ("final_answer", {"answer": "It is Poseidonia."}, "c2")
+            if called
+            else (tool, {"country": "Atlantis"}, "c1")
+        )
+        fn = {"name": name, "arguments": json.dumps(args)}
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": fn}],
+        }
+
+    key = new_key(redis_url, "acme-responses-mcp")
+    with (
+        _knowledge_server_url() as kb,
+        agent_stack(redis_url, tmp_path_factory.mktemp("responses-mcp"), mcp_allow_private=True) as stack,
+    ):
+        registered = httpx.post(
+            f"{stack.url}/v1/mcp/servers",
+            json={"name": "kb", "url": f"{kb}/mcp"},
+            headers=auth(key),
+            timeout=30,
+        )
+        assert registered.status_code in (200, 201), registered.text
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0, timeout=60)
+        mcp = {"type": "mcp", "server_label": "kb", "require_approval": "never"}
+        stack.model.replies = reply
+        out = client.responses.create(
+            model="tools-agent", input="What is the capital of Atlantis?", tools=[mcp]
+        )  # type: ignore[list-item]
+        kinds = [item.type for item in out.output]
+        assert kinds == ["mcp_call", "message"], kinds
+        call = out.output[0]
+        assert call.type == "mcp_call" and (call.server_label, call.name) == ("kb", "lookup_capital")
+        assert json.loads(call.arguments) == {"country": "Atlantis"}
+        assert "Poseidonia" in (call.output or "") and call.error is None
+        assert "Poseidonia" in out.output_text
+
+        stack.model.replies = reply
+        with client.responses.stream(model="tools-agent", input="And Atlantis?", tools=[mcp]) as stream:  # type: ignore[list-item]
+            for _ in stream:
+                pass
+            final = stream.get_final_response()
+        assert [item.type for item in final.output] == ["mcp_call", "message"]
