@@ -9,9 +9,10 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from services.agent.api import conversations, feedback, openai_compat, pipelines, proxy, ws
+from services.agent.api import conversations, feedback, mcp_servers, openai_compat, pipelines, proxy, ws
 from services.agent.api import responses as responses_api
 from services.agent.config import AgentSettings
+from services.agent.mcp_server import install_mcp, mcp_routers
 from services.agent.runtime import AgentRuntime
 from services.agent.tokens import load_counter
 from services.common.app_factory import create_service_app
@@ -30,11 +31,13 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
         # Load the tokenizer (if one is configured) now, not in the first user's first-token latency.
         warm = asyncio.create_task(asyncio.to_thread(load_counter, settings.tokenizer))
         try:
-            yield
+            async with app.state.mcp.session_manager.run():  # the MCP server at /mcp
+                yield
         finally:
             warm.cancel()
             app.state.runtime.turns.close()
 
+    mcp_keyed, mcp_public = mcp_routers()
     app = create_service_app(
         "agent",
         common,
@@ -46,8 +49,10 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
             openai_compat.router,
             responses_api.router,
             ws.router,
+            mcp_servers.router,
+            mcp_keyed,
         ],
-        public_routers=[proxy.router],
+        public_routers=[proxy.router, mcp_public],
         lifespan=lifespan,
         # the proxy streams uploads on; the service behind it applies its own, lower, limit
         body_limits={
@@ -56,6 +61,7 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
     )
     app.state.settings = settings
     app.state.runtime = AgentRuntime.create(common, settings, app.state.redis)
+    install_mcp(app, app.state.runtime)
     web = Path(settings.web_dist) if settings.web_dist else DEFAULT_WEB_DIST
     if web.is_dir():
         # Mounted last: every API route above wins over a file of the same path.

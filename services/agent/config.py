@@ -123,3 +123,20 @@ class AgentSettings(TenantLimitSettings):
         ge=1,
         description="Fewest (question, cited chunk) pairs an embedder dataset built from feedback may have.",
     )
+    mcp_allow_private: bool = Field(
+        False,
+        description="Let tenants register MCP servers on private, loopback or link-local addresses "
+        "(off: such a server URL is a 400, and is checked again before every call).",
+    )
+    mcp_timeout_s: float = Field(
+        10.0, gt=0, description="Longest one MCP call (connect, list or call) may take."
+    )
+    mcp_max_response_bytes: int = Field(
+        1 << 20, ge=1024, description="Largest answer read from an MCP server (one HTTP response)."
+    )
+    mcp_max_servers: int = Field(20, ge=1, description="MCP servers one tenant may register.")
+    mcp_secret_key: str = Field(
+        "",
+        description="Fernet key that encrypts registered MCP servers' header values; empty uses (and "
+        "creates) $TANDEM_HOME/agent/mcp-secret.key. Set the same key on every agent replica.",
+    )

@@ -145,6 +145,7 @@ def _turn(body: ChatCompletionRequest) -> Turn:
         options=options,
         llm=body.llm,
         form=_form(body, tail),
+        mcp_servers=list(body.mcp_servers or []),
     )
 
 

@@ -62,6 +62,9 @@ class PipelineRunRequest(BaseModel):
     top_k: int | None = Field(None, ge=1, le=100)
     stream: bool = False
     llm: str | None = _llm_field()
+    mcp_servers: list[str] | None = Field(
+        None, max_length=20, description="Registered MCP servers whose tools join the agent's (agents only)."
+    )
 
     def question(self) -> str:
         return self.query if self.query is not None else (self.message or "")
@@ -88,6 +91,9 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     max_tokens: int | None = Field(None, ge=1, description="At most the pipeline's own answer budget.")
     max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name.")
+    mcp_servers: list[str] | None = Field(
+        None, max_length=20, description="Registered MCP servers whose tools join the agent's (agents only)."
+    )
 
 
 # -- the facade's answers: OpenAI's envelope, with the turn's citations and ids beside it -----------

@@ -31,6 +31,7 @@ from services.agent.events import (
     TokenEvent,
     ToolCallStep,
 )
+from services.agent.mcp_servers import McpServerStore, load_cipher
 from services.agent.memory import ConversationStore, MemoryLimits
 from services.agent.pipelines.components import CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
@@ -65,6 +66,7 @@ class Turn:
     options: dict[str, Any] = field(default_factory=dict)
     llm: str | None = None  # the model that generates; None: the conversation's, else the default
     form: AnswerForm | None = None  # the caller's tools / response_format (OpenAI facade)
+    mcp_servers: list[str] = field(default_factory=list)  # the caller's registered MCP servers (agents)
 
 
 @dataclass
@@ -150,13 +152,20 @@ class _Run:
     llm: str | None
     history: list[dict[str, Any]]
     result: TurnResult
+    mcp_tools: dict[str, Tool] = field(default_factory=dict)  # the run's MCP servers' tools
 
 
 class AgentRuntime:
     def __init__(
-        self, common: CommonSettings, settings: AgentSettings, memory: ConversationStore, turns: TurnStore
+        self,
+        common: CommonSettings,
+        settings: AgentSettings,
+        memory: ConversationStore,
+        turns: TurnStore,
+        mcp: McpServerStore | None = None,
     ) -> None:
         self.common = common
+        self.mcp = mcp or McpServerStore(memory.r, load_cipher(settings, common.home_dir), settings)
         self.settings = settings
         self.memory = memory
         self.turns = turns
@@ -184,7 +193,8 @@ class AgentRuntime:
             max_chars=max(settings.max_message_chars, 32_000),
         )
         turns = SqliteTurnStore(common.home_dir / "agent" / "turns.sqlite3")
-        return cls(common, settings, ConversationStore(redis, limits), turns)
+        mcp = McpServerStore(redis, load_cipher(settings, common.home_dir), settings)
+        return cls(common, settings, ConversationStore(redis, limits), turns, mcp)
 
     # -- clients carry the caller's own key ---------------------------------------------------
 
@@ -255,6 +265,12 @@ class AgentRuntime:
         tool_turns = any(m.get("role") == "tool" or m.get("tool_calls") for m in turn.history or [])
         if turn.form is not None or tool_turns:
             self._check_form(turn, turn.form or AnswerForm(), pipeline, tool_turns)
+        if turn.mcp_servers and pipeline is not None:
+            raise InvalidRequest(
+                f"mcp_servers: pipeline {turn.target!r} calls no tools; MCP servers join an agent's run "
+                f"(e.g. {next(iter(self.agents))!r})",
+                param="mcp_servers",
+            )
 
     def _check_form(self, turn: Turn, form: AnswerForm, pipeline: Pipeline | None, tool_turns: bool) -> None:
         """Tools and response_format reach a pipeline's generator; an agent runs its own tools and
@@ -295,6 +311,11 @@ class AgentRuntime:
         self.validate(turn)
         tenant, user = principal.tenant, principal.key_id
         inference = self.inference(api_key)
+        mcp_tools: dict[str, Tool] = {}
+        if turn.target in self.agents:
+            # before any event: an unknown server name is still a 404
+            spec = self.agents[turn.target]
+            mcp_tools = await self.mcp.agent_tools(tenant, spec.name, turn.mcp_servers, spec.mcp_servers)
         meta: dict[str, str] = {}
         if turn.remember and turn.conversation_id:
             meta = await self.memory.meta(tenant, user, turn.conversation_id)
@@ -333,7 +354,7 @@ class AgentRuntime:
             if turn.target in self.pipelines:
                 events = self._run_pipeline(_Run(inference, api_key, turn, llm, history, result))
             else:
-                events = self._run_agent(_Run(inference, api_key, turn, llm, history, result))
+                events = self._run_agent(_Run(inference, api_key, turn, llm, history, result, mcp_tools))
             async for event in events:
                 if isinstance(event, TokenEvent):
                     partial.append(event.text)
@@ -530,6 +551,8 @@ class AgentRuntime:
         inference, turn, result = run.inference, run.turn, run.result
         spec = self.agents[turn.target]
         tools: dict[str, Tool] = check_tools(spec, self.tools)
+        for name, tool in run.mcp_tools.items():
+            tools.setdefault(name, tool)  # a built-in keeps its name
         runner = AgentRunner(
             inference=inference,
             model=run.llm or await self.model(inference),

@@ -58,6 +58,8 @@ class AgentSpec:
     description: str
     tools: list[str]
     mode: Literal["react", "openai"] = "react"
+    # MCP servers (``server``) or single tools (``server/tool``) of the caller's registered ones
+    mcp_servers: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -33,6 +33,7 @@ async def run_pipeline(name: str, body: PipelineRunRequest, runtime: RuntimeDep,
         remember=body.remember or body.conversation_id is not None,
         options={"top_k": body.top_k} if body.top_k else {},
         llm=body.llm,
+        mcp_servers=list(body.mcp_servers or []),
     )
     result = TurnResult()
     events = runtime.turn(principal, key, turn, result)

@@ -1,0 +1,64 @@
+"""``/v1/mcp/servers``: the caller's registered MCP servers (their tools join agent runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from services.agent.api.deps import PrincipalDep, RuntimeDep
+from services.agent.mcp_servers import McpServerCreate, McpServerInfo, McpServerUpdate
+from services.agent.tools.mcp import McpFailed, list_tools
+from services.common.errors import UpstreamError
+
+router = APIRouter(tags=["mcp"], responses={404: {"description": "no such MCP server"}})
+
+
+@router.post(
+    "/v1/mcp/servers",
+    status_code=201,
+    response_model=McpServerInfo,
+    responses={
+        400: {"description": "invalid server: the URL is not http(s), or private (the message names it)"},
+        409: {"description": "a server of that name is already registered"},
+    },
+)
+async def register_server(
+    body: McpServerCreate, runtime: RuntimeDep, principal: PrincipalDep
+) -> McpServerInfo:
+    """Registers an MCP server (Streamable HTTP); header values are stored encrypted, never returned."""
+    return await runtime.mcp.add(principal.tenant, body)
+
+
+@router.get("/v1/mcp/servers")
+async def list_servers(runtime: RuntimeDep, principal: PrincipalDep) -> dict[str, Any]:
+    servers = await runtime.mcp.servers(principal.tenant)
+    return {"data": [s.model_dump() for s in servers]}
+
+
+@router.get(
+    "/v1/mcp/servers/{name}/tools",
+    responses={502: {"description": "the server could not be reached, or answered too slowly or too much"}},
+)
+async def server_tools(name: str, runtime: RuntimeDep, principal: PrincipalDep) -> dict[str, Any]:
+    """The server's tools as it reports them (name, description, input schema)."""
+    endpoint = await runtime.mcp.endpoint(principal.tenant, name)
+    try:
+        tools = await list_tools(endpoint, runtime.mcp.limits())
+    except McpFailed as exc:
+        raise UpstreamError(str(exc), param="name", code="mcp_server_failed") from None
+    return {"server": name, "data": [t.to_dict() for t in tools]}
+
+
+@router.patch("/v1/mcp/servers/{name}", response_model=McpServerInfo)
+async def update_server(
+    name: str, body: McpServerUpdate, runtime: RuntimeDep, principal: PrincipalDep
+) -> McpServerInfo:
+    """Which agents get the server's tools (``agents``), and which of its tools (``tools``)."""
+    return await runtime.mcp.update(principal.tenant, name, body)
+
+
+@router.delete("/v1/mcp/servers/{name}", status_code=204)
+async def delete_server(name: str, runtime: RuntimeDep, principal: PrincipalDep) -> Response:
+    await runtime.mcp.delete(principal.tenant, name)
+    return Response(status_code=204)
