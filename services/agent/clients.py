@@ -9,6 +9,7 @@ else is an upstream failure (502/503): services.common.upstream maps them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from services.common.openai_stream import (
     ModelList,
 )
 from services.common.replicas import ReplicaPool
+from services.common.telemetry import set_attributes, span
 from services.common.upstream import (
     UpstreamFailed,
     UpstreamReply,
@@ -79,11 +81,17 @@ class RetrievalClient(_ServiceClient):
             body["rerank"] = True
         if filters:
             body["filters"] = filters
-        try:
-            found = await self._post(f"/v1/collections/{collection}/search", "collection", json=body)
-        except NotFound:
-            raise NotFound(f"unknown collection {collection!r}", param="collection") from None
-        return [Chunk.from_result(item) for item in found.get("results", [])]
+        with span(
+            "retrieval.search", collection=collection, mode=mode, top_k=top_k, rerank=rerank
+        ) as current:
+            start = time.perf_counter()
+            try:
+                found = await self._post(f"/v1/collections/{collection}/search", "collection", json=body)
+            except NotFound:
+                raise NotFound(f"unknown collection {collection!r}", param="collection") from None
+            hits = [Chunk.from_result(item) for item in found.get("results", [])]
+            set_attributes(current, hits=len(hits), ms=round((time.perf_counter() - start) * 1000, 1))
+        return hits
 
     async def embedding_model(self, collection: str) -> str:
         """The embedding model ``collection`` was built with (as the inference service names it)."""

@@ -23,9 +23,9 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from opentelemetry import propagate, trace
@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("tandem.telemetry")
+T = TypeVar("T")
 
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 PROTOCOL_VARS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -286,3 +287,21 @@ def with_trace_context(headers: Mapping[str, str] | None) -> dict[str, str]:
     out = dict(headers or {})
     propagate.inject(out)
     return out
+
+
+async def within(current: Span, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``stream``'s items, each produced with ``current`` as the current span (so the calls it
+    makes nest under it) and the span made current only while the stream works, never across a
+    ``yield`` (whose consumer may run in another context). An exception is recorded on it."""
+    try:
+        while True:
+            with trace.use_span(current, end_on_exit=False):
+                try:
+                    item = await anext(stream)
+                except StopAsyncIteration:
+                    return
+            yield item
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.common.errors import InvalidRequest
+from services.common.telemetry import set_attributes, tracer, within
 
 from .components import NODE_TYPES, Component
 from .state import Event, RunContext, RunState
@@ -121,8 +122,34 @@ class Pipeline:
 
     async def run(self, state: RunState, ctx: RunContext) -> AsyncIterator[Event]:
         for name in self.order:
-            async for event in self.nodes[name].run(state, ctx):
-                yield event
+            kind = self.spec.components[name].type
+            current = tracer("tandem.agent").start_span(f"pipeline.{kind}", attributes={"node": name})
+            try:
+                async for event in within(current, self.nodes[name].run(state, ctx)):
+                    yield event
+                set_attributes(current, **node_attributes(kind, state))
+            finally:
+                current.end()
+
+
+def node_attributes(kind: str, state: RunState) -> dict[str, Any]:
+    """What a node's span says once it ran: hits, prompt tokens, the model and its usage, the
+    groundedness guard's verdict."""
+    if kind in ("retriever", "overlap_reranker", "relevance_filter"):
+        return {"hits": len(state.chunks)}
+    if kind == "prompt_builder" and state.plan is not None:
+        plan = state.plan
+        return {"tokens": plan.prompt_tokens, "sources": len(plan.sources), "budget": plan.budget}
+    if kind == "generator":
+        return {
+            "model": state.model or None,
+            "prompt_tokens": state.usage.get("prompt_tokens"),
+            "completion_tokens": state.usage.get("completion_tokens"),
+            "finish_reason": state.finish_reason,
+        }
+    if kind == "groundedness_guard":
+        return {"verdict": state.grounding, "groundedness": state.groundedness, "kind": state.answer_kind}
+    return {}
 
 
 def build_pipeline(data: Any, source: str = "<definition>") -> Pipeline:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from services.agent.clients import RetrievalClient
+from services.common.telemetry import set_attributes, span
 
 
 @dataclass
@@ -75,13 +76,17 @@ async def call_tool(tool: Tool, argument: Any, ctx: ToolContext, timeout: float)
     """Runs a tool; returns (observation, ok). A tool that raises or hangs gives an error observation
     (the agent reads it and carries on) instead of taking the run down. A sync tool runs in a thread:
     one that hangs keeps its thread, but the run stops waiting for it."""
-    try:
-        if inspect.iscoroutinefunction(tool.run):
-            result = await asyncio.wait_for(tool.run(argument, ctx), timeout)
-        else:
-            result = await asyncio.wait_for(asyncio.to_thread(tool.run, argument, ctx), timeout)
-    except TimeoutError:
-        return f"error: tool {tool.name!r} did not answer within {timeout:g} s", False
-    except Exception as exc:
-        return f"error: tool {tool.name!r} failed: {type(exc).__name__}: {exc}", False
+    with span("tool.call", tool=tool.name, kind=type(tool).__name__) as current:
+        try:
+            if inspect.iscoroutinefunction(tool.run):
+                result = await asyncio.wait_for(tool.run(argument, ctx), timeout)
+            else:
+                result = await asyncio.wait_for(asyncio.to_thread(tool.run, argument, ctx), timeout)
+        except TimeoutError:
+            set_attributes(current, ok=False, error="timeout")
+            return f"error: tool {tool.name!r} did not answer within {timeout:g} s", False
+        except Exception as exc:
+            set_attributes(current, ok=False, error=type(exc).__name__)
+            return f"error: tool {tool.name!r} failed: {type(exc).__name__}: {exc}", False
+        set_attributes(current, ok=True)
     return (result if isinstance(result, str) else json.dumps(result, default=str)), True
