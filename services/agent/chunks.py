@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.agent.locate import cited_sentence, page_at
 
 
 @dataclass
@@ -21,6 +23,12 @@ class Chunk:
     start: int = 0
     end: int = 0
     title: str = ""
+    # Where the chunk is in its document (the retrieval hit's fields; empty when unknown):
+    # heading path, PDF pages (1-based) with the offset each begins at, HTML anchor.
+    section: str = ""
+    pages: list[int] = field(default_factory=list)
+    page_starts: list[int] = field(default_factory=list)
+    anchor: str | None = None
     # Filled by components after retrieval (relevance gate, highlighter).
     relevance: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -42,6 +50,10 @@ class Chunk:
             start=start,
             end=int(end) if end is not None else start + len(text),
             title=str(title),
+            section=str(item.get("section") or ""),
+            pages=[int(p) for p in item.get("pages") or [] if isinstance(p, int)],
+            page_starts=[int(p) for p in item.get("page_starts") or [] if isinstance(p, int)],
+            anchor=str(item["anchor"]) if item.get("anchor") else None,
         )
 
     def to_result(self) -> dict[str, Any]:
@@ -56,6 +68,13 @@ class Chunk:
             "start": self.start,
             "end": self.end,
         }
+        if self.section:
+            out["section"] = self.section
+        if self.pages:
+            out["pages"] = self.pages
+            out["page_starts"] = self.page_starts
+        if self.anchor:
+            out["anchor"] = self.anchor
         out.update(self.extra)
         return out
 
@@ -64,12 +83,27 @@ class Chunk:
 _CITED_FIELDS = ("chunk_id", "document_id", "title", "text", "start", "end")
 
 
+class CitedSpan(BaseModel):
+    """The cited sentence: ``text == document.text[start:end]``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    start: int
+    end: int
+    text: str
+
+
 class Citation(BaseModel):
     """``[index]`` in an answer resolved to the chunk it names.
 
     ``kind`` is ``cited`` when the model wrote the marker, ``attributed`` when the
     server matched an uncited answer to the chunk it overlaps most (so readers and
     the evaluation can tell the two apart).
+
+    ``span`` is the sentence of the chunk that supports the claim (services/agent/locate.py),
+    as offsets in the document's text; ``page`` the PDF page it is on (1-based), ``section``
+    the heading path of HTML, Markdown and DOCX (and headed PDF) documents, ``anchor`` the HTML
+    id of that section. Each is None where the source has none.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -82,10 +116,27 @@ class Citation(BaseModel):
     start: int
     end: int
     kind: str = "cited"
+    page: int | None = Field(default=None, description="PDF page (1-based) of the cited sentence.")
+    section: str | None = Field(default=None, description="Heading path of the cited chunk's section.")
+    anchor: str | None = Field(default=None, description="HTML id of the cited section's heading.")
+    span: CitedSpan | None = Field(
+        default=None, description="The cited sentence's offsets in the document text."
+    )
 
     @classmethod
-    def of(cls, index: int, chunk: Chunk, kind: str = "cited") -> Citation:
-        return cls(index=index, kind=kind, **{f: getattr(chunk, f) for f in _CITED_FIELDS})
+    def of(cls, index: int, chunk: Chunk, kind: str = "cited", claim: str | None = None) -> Citation:
+        """The citation of ``chunk``; ``claim``: the answer's sentence it supports (picks ``span``)."""
+        start, end = cited_sentence(chunk.text, chunk.start, claim)
+        text = chunk.text[start - chunk.start : end - chunk.start]
+        return cls(
+            index=index,
+            kind=kind,
+            page=page_at(chunk.pages, chunk.page_starts, start),
+            section=chunk.section or None,
+            anchor=chunk.anchor,
+            span=CitedSpan(start=start, end=end, text=text),
+            **{f: getattr(chunk, f) for f in _CITED_FIELDS},
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

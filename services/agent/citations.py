@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from services.agent.chunks import Chunk, Citation
+from services.agent.locate import claim_before
 from services.agent.text import content_terms, overlap, sentences
 
 # "[1]", "[1, 3]", "[1][2]", "[Source 2]", "[source: 2]"
@@ -68,7 +69,7 @@ class CitationTracker:
             (m.start(), m.end(), m.group(1), False)
             for m in TITLE_MARKER_RE.finditer(self.text, self._scanned, end)
         ]
-        for _, stop, body, numeric in sorted(found):
+        for begin, stop, body, numeric in sorted(found):
             if numeric:
                 numbers = [int(part.strip()) for part in re.split(r"[,;]", body)]
             elif _title_key(body) in titles:
@@ -80,7 +81,8 @@ class CitationTracker:
                 if n in self.resolved or n in self.invalid:
                     continue
                 if 1 <= n <= len(self.chunks):
-                    self.resolved[n] = Citation.of(n, self.chunks[n - 1])
+                    claim = claim_before(self.text, begin)
+                    self.resolved[n] = Citation.of(n, self.chunks[n - 1], claim=claim)
                     new.append(self.resolved[n])
                 else:
                     self.invalid.append(n)
@@ -107,6 +109,7 @@ def attribute(
     whole = content_terms(answer)
     pieces = [answer[s:e] for s, e in sentences(answer)] or [answer]
     picked: list[int] = []
+    claims: dict[int, str] = {}
     for piece in [answer, *pieces]:
         terms = content_terms(piece)
         # Very short sentences ("Yes.") say nothing about where they came from.
@@ -115,6 +118,7 @@ def attribute(
         best, idx = max((overlap(terms, c.text), i) for i, c in enumerate(chunks))
         if best >= min_overlap and idx not in picked:
             picked.append(idx)
+            claims[idx] = piece
         if len(picked) >= max_citations:
             break
-    return [Citation.of(idx + 1, chunks[idx], kind="attributed") for idx in picked]
+    return [Citation.of(idx + 1, chunks[idx], kind="attributed", claim=claims[idx]) for idx in picked]

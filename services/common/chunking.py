@@ -11,6 +11,9 @@ cutting rules for the retrieval service's chunks and the trainer's passages (gen
    applied to token windows so the size limit holds exactly).
 3. The next chunk starts up to ``overlap`` tokens before the cut, moved forward to the
    start of a word, so overlapping text never begins mid-word.
+4. Fenced code blocks and tables (runs of ``| ... |`` lines) are kept whole: a cut that would
+   fall inside one moves back to its start, and an overlap never starts inside one. Only a
+   block longer than a whole chunk is cut.
 
 Every chunk's text is exactly ``text[start:end]``.
 """
@@ -28,6 +31,7 @@ HEADING_RE = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t#]*$")
 FENCE_RE = re.compile(r"^ {0,3}(```|~~~)")
 SEPARATORS = ("\n\n", "\n", ". ", "? ", "! ", "; ", ": ", ", ", " ")
 _WORD_RE = re.compile(r"\S+")
+TABLE_ROW_RE = re.compile(r"^ {0,3}\|.*\|[ \t]*$")
 
 
 def regex_offsets(text: str) -> list[tuple[int, int]]:
@@ -78,14 +82,63 @@ def sections(text: str) -> list[Section]:
     return out
 
 
-def _split_tokens(text: str, toks: list[tuple[int, int]], size: int, overlap: int) -> list[tuple[int, int]]:
+def atomic_blocks(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each fenced code block and each table (two or more ``| ... |`` lines)."""
+    out: list[tuple[int, int]] = []
+    pos = 0
+    fence_at: int | None = None
+    table_at: int | None = None
+    table_rows = 0
+    table_end = 0
+    for line in text.splitlines(keepends=True):
+        stripped = line.rstrip("\r\n")
+        if fence_at is not None:
+            if FENCE_RE.match(stripped):
+                out.append((fence_at, pos + len(stripped)))
+                fence_at = None
+        elif FENCE_RE.match(stripped):
+            fence_at = pos
+        if fence_at is None and TABLE_ROW_RE.match(stripped) and not FENCE_RE.match(stripped):
+            if table_at is None:
+                table_at, table_rows = pos, 0
+            table_rows += 1
+            table_end = pos + len(stripped)
+        elif table_at is not None:
+            if table_rows >= 2:
+                out.append((table_at, table_end))
+            table_at = None
+        pos += len(line)
+    if fence_at is not None:
+        out.append((fence_at, len(text)))
+    if table_at is not None and table_rows >= 2:
+        out.append((table_at, table_end))
+    return sorted(out)
+
+
+def _inside(blocks: list[tuple[int, int]], offset: int) -> tuple[int, int] | None:
+    """The block that ``offset`` falls strictly inside, if any."""
+    i = bisect.bisect_right(blocks, (offset, 1 << 62)) - 1
+    if i >= 0 and blocks[i][0] < offset < blocks[i][1]:
+        return blocks[i]
+    return None
+
+
+def _split_tokens(
+    text: str,
+    toks: list[tuple[int, int]],
+    size: int,
+    overlap: int,
+    blocks: list[tuple[int, int]] | None = None,
+) -> list[tuple[int, int]]:
     """Token windows [i, j) over ``toks`` following the rules in the module docstring."""
     n = len(toks)
     starts = [t[0] for t in toks]
+    blocks = blocks or []
     out: list[tuple[int, int]] = []
     i = 0
     while i < n:
         j = min(i + size, n)
+        before_block = False
         if j < n:
             lo = starts[i + max(1, size // 2)]
             hi = starts[j]
@@ -98,13 +151,22 @@ def _split_tokens(text: str, toks: list[tuple[int, int]], size: int, overlap: in
             if cut > 0:
                 jj = bisect.bisect_left(starts, cut, i + 1, j)
                 j = max(jj, i + 1)
+            block = _inside(blocks, starts[j]) if j < n else None
+            if block is not None and block[0] > starts[i]:
+                # Cut before a code block or table rather than through it.
+                j = max(bisect.bisect_left(starts, block[0], i + 1, j), i + 1)
+                before_block = True
         out.append((i, j))
         if j >= n:
             break
-        k = max(j - overlap, i + 1)
+        # The chunk after a cut before a block starts with the block (overlap would cut it again).
+        k = j if before_block else max(j - overlap, i + 1)
         # Start the overlap at a word start.
         while k < j and starts[k] > 0 and not text[starts[k] - 1].isspace():
             k += 1
+        block = _inside(blocks, starts[k]) if k < j else None
+        if block is not None:
+            k = max(min(bisect.bisect_left(starts, block[1], k, j), j), i + 1)
         i = k
     return out
 
@@ -117,19 +179,34 @@ def chunk_text(
     offsets: Offsets = regex_offsets,
 ) -> list[tuple[int, int, tuple[str, ...]]]:
     """(start, end, heading path) of each chunk of ``text``."""
+    return [
+        (start, end, sec.headings)
+        for start, end, sec in chunk_spans(text, size=size, overlap=overlap, offsets=offsets)
+    ]
+
+
+def chunk_spans(
+    text: str,
+    *,
+    size: int,
+    overlap: int,
+    offsets: Offsets = regex_offsets,
+) -> list[tuple[int, int, Section]]:
+    """(start, end, enclosing section) of each chunk of ``text``."""
     if overlap >= size:
         raise ValueError(f"chunk overlap ({overlap}) must be smaller than the chunk size ({size})")
     all_toks = offsets(text)
     tok_starts = [t[0] for t in all_toks]
-    out: list[tuple[int, int, tuple[str, ...]]] = []
+    blocks = atomic_blocks(text)
+    out: list[tuple[int, int, Section]] = []
     for sec in sections(text):
         a = bisect.bisect_left(tok_starts, sec.start)
         b = bisect.bisect_left(tok_starts, sec.end)
         toks = [t for t in all_toks[a:b] if t[1] > t[0]]
         if not toks:
             continue
-        for i, j in _split_tokens(text, toks, size, overlap):
+        for i, j in _split_tokens(text, toks, size, overlap, blocks):
             start, end = toks[i][0], min(toks[j - 1][1], sec.end)
             if text[start:end].strip():
-                out.append((start, end, sec.headings))
+                out.append((start, end, sec))
     return out

@@ -35,6 +35,7 @@ from services.common.jobs import TERMINAL
 from services.common.leases import Heartbeat, JobLeaseSettings
 from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.jobs import TASK_NAME, Dispatch, JobStore, new_job_id
+from services.retrieval.core.originals import keep_original
 from services.retrieval.core.parsing import MIB, UNTRUSTED, ParseLimits, extension_of, parse_file
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.core.sandbox import parse_isolated
@@ -58,7 +59,10 @@ def enqueue_job(
 ) -> str:
     job_id = new_job_id()
     lines = (
-        json.dumps({"id": d.id, "text": d.text, "title": d.title, "metadata": d.metadata}, ensure_ascii=False)
+        json.dumps(
+            {"id": d.id, "text": d.text, "title": d.title, "metadata": d.metadata, "structure": d.structure},
+            ensure_ascii=False,
+        )
         for d in docs
     )
     atomic_write(root / "uploads" / f"{job_id}.jsonl", ("\n".join(lines) + "\n").encode())
@@ -110,8 +114,11 @@ def limits_of(manager: CollectionManager) -> ParseLimits:
     )
 
 
-def parse_job_files(folder: Path, limits: ParseLimits) -> tuple[list[InputDocument], list[dict[str, str]]]:
-    """(documents, per-file errors) of a files job."""
+def parse_job_files(
+    folder: Path, limits: ParseLimits, originals: Path | None = None
+) -> tuple[list[InputDocument], list[dict[str, str]]]:
+    """(documents, per-file errors) of a files job; the PDFs among the files are kept as the
+    originals of their documents under the collection folder ``originals`` (core/originals.py)."""
     manifest = json.loads((folder / MANIFEST).read_text())
     extra = manifest.get("metadata") or {}
     docs: list[InputDocument] = []
@@ -126,7 +133,12 @@ def parse_job_files(folder: Path, limits: ParseLimits) -> tuple[list[InputDocume
         except TandemError as exc:
             errors.append({"filename": name, "code": exc.code or "invalid_file", "message": exc.message})
             continue
-        docs.extend(InputDocument(p.id, p.text, p.title, {**p.metadata, **extra}) for p in parsed)
+        if originals is not None and extension_of(name) == ".pdf":
+            for p in parsed:
+                keep_original(originals, p.id, folder / entry["path"])
+        docs.extend(
+            InputDocument(p.id, p.text, p.title, {**p.metadata, **extra}, p.structure) for p in parsed
+        )
     return docs, errors
 
 
@@ -141,7 +153,7 @@ def run_job(
         file_errors: list[dict[str, str]] = []
         if folder.is_dir():
             jobs.update(job_id, status="running")
-            docs, file_errors = parse_job_files(folder, limits_of(manager))
+            docs, file_errors = parse_job_files(folder, limits_of(manager), col.root)
             jobs.update(job_id, file_errors=file_errors)
             if not docs:
                 raise InvalidRequest(

@@ -115,7 +115,35 @@ class IngestResponse(BaseModel):
     events_url: str | None = None
 
 
-class ChunkSpan(BaseModel):
+class Located(BaseModel):
+    """Where a chunk is in its document (from its parser: see services/retrieval/core/structure.py).
+    Empty for a document without headings, pages or anchors."""
+
+    section: str = Field(default="", description="Heading path of the chunk's section ('Guide > Install').")
+    headings: list[str] = Field(default_factory=list, description="The heading path as a list.")
+    section_start: int | None = Field(
+        default=None, description="Offset of the enclosing section in the document."
+    )
+    section_end: int | None = Field(default=None, description="End offset of the enclosing section.")
+    pages: list[int] = Field(default_factory=list, description="PDF pages (1-based) the chunk is on.")
+    page_starts: list[int] = Field(
+        default_factory=list,
+        description="Document offset at which each of 'pages' begins within the chunk (the first is 'start').",
+    )
+    anchor: str | None = Field(
+        default=None, description="HTML id of the chunk's section heading ('#anchor')."
+    )
+
+
+LOCATED_FIELDS = tuple(Located.model_fields)
+
+
+def located(structure: dict[str, Any]) -> dict[str, Any]:
+    """The ``Located`` fields of a chunk's stored structure (unknown keys dropped)."""
+    return {k: structure[k] for k in LOCATED_FIELDS if structure.get(k) is not None}
+
+
+class ChunkSpan(Located):
     chunk_id: str
     start: int
     end: int
@@ -156,7 +184,7 @@ class SearchRequest(BaseModel):
     )
 
 
-class SearchResult(BaseModel):
+class SearchResult(Located):
     chunk_id: str
     document_id: str
     text: str

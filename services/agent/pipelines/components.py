@@ -520,7 +520,7 @@ class GuardNode:
         # Streamed like any answer: word by word, so a client needs no special path for it.
         for piece in re.findall(r"\S+\s*", text):
             yield TokenEvent(text=piece)
-        state.citations = [Citation.of(n, chunks[n - 1], kind="extractive") for n in numbers]
+        state.citations = [Citation.of(n, chunks[n - 1], kind="extractive", claim=text) for n in numbers]
         for citation in state.citations:
             yield CitationEvent.from_citation(citation)
 

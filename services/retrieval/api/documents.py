@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Query, Request, Response, UploadFile
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 
 from services.common import jsonsafe
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
@@ -16,6 +16,7 @@ from services.common.idempotency import file_fingerprint, idempotent
 from services.common.paths import safe_filename
 from services.common.quota import check_quota, folder_bytes
 from services.retrieval.api.deps import CollectionDep, CollectionName, collection, manager, tenant
+from services.retrieval.core.originals import original_path
 from services.retrieval.core.parsing import (
     UNTRUSTED,
     InputDocument,
@@ -221,7 +222,7 @@ async def _upload_files(
     for up, fname in zip(file, names, strict=True):
         data = await run_in_threadpool(_read_spooled, up)
         parsed.extend(await run_in_threadpool(parse_file, fname, data))
-    docs = [InputDocument(p.id, p.text, p.title, {**p.metadata, **extra}) for p in parsed]
+    docs = [InputDocument(p.id, p.text, p.title, {**p.metadata, **extra}, p.structure) for p in parsed]
     if len(docs) > settings.async_documents:
         return await run_in_threadpool(_as_job, request, name, docs, ",".join(names))
     return await run_in_threadpool(_ingest_now, request, name, docs)
@@ -255,6 +256,21 @@ def get_document(name: CollectionName, doc_id: str, col: CollectionDep) -> Docum
     if doc is None:
         raise NotFound(f"document {doc_id!r} not found in collection {name!r}", param="id")
     return doc
+
+
+@router.get(
+    "/{name}/originals/{doc_id:path}",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/pdf": {}}, "description": "the document's original PDF"}},
+)
+def get_original(name: CollectionName, doc_id: str, col: CollectionDep) -> FileResponse:
+    """The PDF a document was parsed from (documents of other formats have none: 404)."""
+    path = original_path(col.root, doc_id)
+    if not path.is_file() or col.get_document(doc_id) is None:
+        raise NotFound(
+            f"document {doc_id!r} in collection {name!r} has no original PDF", param="id", code="no_original"
+        )
+    return FileResponse(path, media_type="application/pdf", headers={"Cache-Control": "private, no-store"})
 
 
 @router.delete("/{name}/documents/{doc_id:path}", status_code=204)

@@ -1,23 +1,29 @@
 """The retrieval service's chunks of a document: the cutting rules are
 ``services/common/chunking.py`` (shared with the trainer, which cuts passages the same way);
-here each chunk gets its id and record. Chunk ids hash the document id, the context, the
-offsets and the text: re-ingesting the same document yields the same ids.
+here each chunk gets its id and record, and what it knows of its document's structure
+(``structure.chunk_structure``: heading path, enclosing section, PDF pages, HTML anchor).
+Chunk ids hash the document id, the context, the offsets, the text and the chunk's pages and
+anchor (when it has any): re-ingesting the same document yields the same ids.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+from typing import Any
 
-from services.common.chunking import Offsets, chunk_text, regex_offsets, sections
+from services.common.chunking import Offsets, chunk_spans, chunk_text, regex_offsets, sections
 from services.retrieval.core.store import ChunkRecord
+from services.retrieval.core.structure import chunk_structure
 
 # re-exported: what callers of this module (and its tests) have always imported from it
-__all__ = ["Offsets", "chunk_id", "chunk_text", "make_chunks", "regex_offsets", "sections"]
+__all__ = ["Offsets", "chunk_id", "chunk_spans", "chunk_text", "make_chunks", "regex_offsets", "sections"]
 
 
-def chunk_id(doc_id: str, context: str, start: int, end: int, text: str) -> str:
+def chunk_id(doc_id: str, context: str, start: int, end: int, text: str, located: str = "") -> str:
     h = hashlib.sha256()
-    for part in (doc_id, context, str(start), str(end), text):
+    # ``located`` (pages, anchor) only when there is one: plain chunks keep the ids they had.
+    for part in (doc_id, context, str(start), str(end), text, *((located,) if located else ())):
         h.update(part.encode("utf-8", "surrogatepass"))
         h.update(b"\x00")
     return h.hexdigest()[:32]
@@ -31,14 +37,16 @@ def make_chunks(
     size: int,
     overlap: int,
     offsets: Offsets = regex_offsets,
+    structure: dict[str, Any] | None = None,
 ) -> list[ChunkRecord]:
     out = []
-    for ord_, (start, end, headings) in enumerate(
-        chunk_text(text, size=size, overlap=overlap, offsets=offsets)
+    for ord_, (start, end, section) in enumerate(
+        chunk_spans(text, size=size, overlap=overlap, offsets=offsets)
     ):
-        context = " > ".join(p for p in (title.strip(), *headings) if p)
+        context = " > ".join(p for p in (title.strip(), *section.headings) if p)
         piece = text[start:end]
-        out.append(
-            ChunkRecord(chunk_id(doc_id, context, start, end, piece), ord_, start, end, piece, context)
-        )
+        meta = chunk_structure(structure or {}, start, end, section)
+        located = {k: meta[k] for k in ("pages", "anchor") if k in meta}
+        cid = chunk_id(doc_id, context, start, end, piece, json.dumps(located) if located else "")
+        out.append(ChunkRecord(cid, ord_, start, end, piece, context, meta))
     return out

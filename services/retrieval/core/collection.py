@@ -42,6 +42,7 @@ from services.retrieval.core.chunking import make_chunks
 from services.retrieval.core.embedder import Embedder
 from services.retrieval.core.filters import Filter, parse_filter
 from services.retrieval.core.fusion import rrf
+from services.retrieval.core.originals import drop_original
 from services.retrieval.core.parsing import InputDocument
 from services.retrieval.core.reranker import Reranker
 from services.retrieval.core.store import (
@@ -61,7 +62,7 @@ from services.retrieval.core.versions import (
     NotSupported,
     check_dim,
 )
-from services.retrieval.protocol import Document, SearchResult
+from services.retrieval.protocol import Document, SearchResult, located
 
 log = logging.getLogger("tandem.retrieval")
 
@@ -175,6 +176,7 @@ class ChunkedCollection:
                 size=self.config.chunk_size,
                 overlap=self.config.chunk_overlap,
                 offsets=self.chunker.token_offsets,
+                structure=d.structure,
             )
             if not chunks:
                 raise InvalidRequest(f"document {d.id!r} has no text to index", param="documents")
@@ -240,6 +242,7 @@ class ChunkedCollection:
     def delete_document(self, doc_id: str) -> bool:
         found = self.store.delete_document(doc_id)
         if found:
+            drop_original(self.root, doc_id)
             self._after_write()
         return found
 
@@ -295,6 +298,7 @@ class ChunkedCollection:
                 title=c.title,
                 start=c.start,
                 end=c.end,
+                **located(c.structure),
             )
             for c, s in hits[:top_k]
         ]

@@ -1,7 +1,11 @@
 """Uploaded files to documents, with real parsers (pypdf, python-docx, BeautifulSoup,
-markdown-it-py). Structure that chunking uses is kept as Markdown headings: HTML
-``<h1>``-``<h6>``, DOCX "Heading N" paragraphs and Markdown headings all become
-``#``-lines. Every problem is an ``InvalidRequest`` naming the file and what is wrong.
+markdown-it-py). Structure that chunking uses is kept as Markdown in the text: HTML
+``<h1>``-``<h6>``, DOCX "Heading N" paragraphs, Markdown headings and PDF lines set in a
+larger font all become ``#``-lines; code blocks become fenced blocks and tables ``| a | b |``
+rows, in reading order, so the chunker keeps them whole. What the text cannot hold goes to
+``InputDocument.structure`` (core/structure.py): the offset where each PDF page begins and
+the HTML anchors of headings. Every problem is an ``InvalidRequest`` naming the file and
+what is wrong.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 from services.common import jsonsafe
 from services.common.errors import InvalidRequest, UnsupportedMediaType
+from services.retrieval.core.structure import sentinel, take_sentinels
 
 SUPPORTED = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf", ".docx", ".jsonl")
 # Formats whose parsers decompress, or do work out of proportion to the file's size: parsed
@@ -45,6 +50,8 @@ class InputDocument:
     text: str
     title: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    # PDF pages and HTML anchors by offset in ``text`` (core/structure.py); {} for plain text.
+    structure: dict[str, Any] = field(default_factory=dict)
 
 
 def extension_of(filename: str) -> str:
@@ -84,16 +91,29 @@ def _tidy(text: str) -> str:
     return _BLANKS.sub("\n\n", "\n".join(lines)).strip()
 
 
+def _table_row(cells: list[str]) -> str:
+    return "| " + " | ".join(re.sub(r"\s+", " ", c).strip().replace("|", "\\|") for c in cells) + " |"
+
+
 def markdown_to_text(source: str) -> str:
-    """Markdown to plain text that keeps headings as ``#`` lines (for section-aware chunking)
-    and drops markup (emphasis, links, images, HTML)."""
+    """Markdown to plain text that keeps headings as ``#`` lines (for section-aware chunking),
+    code blocks fenced and tables as ``| a | b |`` rows (kept whole by the chunker), and drops
+    other markup (emphasis, links, images, HTML)."""
     from markdown_it import MarkdownIt
 
-    md = MarkdownIt("commonmark")
+    md = MarkdownIt("commonmark").enable("table")
     out: list[str] = []
     prefix = ""
+    row: list[str] | None = None
     for tok in md.parse(source):
-        if tok.type == "heading_open":
+        if tok.type == "tr_open":
+            row = []
+        elif tok.type == "tr_close" and row is not None:
+            out.append(_table_row(row))
+            row = None
+        elif tok.type == "table_close":
+            out.append("")
+        elif tok.type == "heading_open":
             prefix = "#" * int(tok.tag[1]) + " "
         elif tok.type == "inline":
             parts = []
@@ -104,10 +124,15 @@ def markdown_to_text(source: str) -> str:
                     parts.append("\n")
                 elif child.type == "image":
                     parts.append(child.content)
+            if row is not None:
+                row.append("".join(parts))
+                continue
             out.append(prefix + "".join(parts))
             prefix = ""
         elif tok.type in ("fence", "code_block"):
-            out.append(tok.content.rstrip("\n"))
+            lang = tok.info.strip().split(" ")[0] if tok.type == "fence" else ""
+            body = tok.content.rstrip("\n").replace("```", "` ` `")
+            out.append(f"```{lang}\n{body}\n```")
         elif tok.type == "list_item_open":
             prefix = "- "
         elif tok.type == "paragraph_open" and prefix == "- ":
@@ -117,26 +142,76 @@ def markdown_to_text(source: str) -> str:
     return _tidy("\n".join(out))
 
 
+_FENCED_RE = re.compile(r"(\n```\n.*?\n```\n)", re.DOTALL)
+
+
+def _anchor_of(h: Any) -> str:
+    """The id a link to heading ``h`` uses: its own, an ``<a id|name>`` in it, or that of the
+    section it opens."""
+    if h.get("id"):
+        return str(h["id"])
+    a = h.find("a", attrs={"id": True}) or h.find("a", attrs={"name": True})
+    if a is not None:
+        return str(a.get("id") or a.get("name"))
+    parent = h.parent
+    if parent is not None and parent.name in ("section", "article", "div") and parent.get("id"):
+        first = parent.find(re.compile(r"^h[1-6]$"))
+        if first is h:
+            return str(parent["id"])
+    return ""
+
+
 def html_to_text(source: str) -> tuple[str, str]:
     """(text, title) of an HTML page: scripts and styles dropped, headings as ``#`` lines,
-    block elements on their own lines."""
+    ``<pre>`` as fenced blocks, tables as ``| a | b |`` rows, block elements on their own
+    lines."""
+    text, title, _anchors = html_document(source)
+    return text, title
+
+
+def html_document(source: str) -> tuple[str, str, list[list[Any]]]:
+    """(text, title, anchors) of an HTML page: ``html_to_text`` plus ``[[offset, id], ...]`` of
+    the headings that have an anchor."""
     from bs4 import BeautifulSoup
 
     soup = BeautifulSoup(source, "html.parser")
     title = soup.title.get_text(" ", strip=True) if soup.title else ""
     for tag in soup(["script", "style", "noscript", "template", "head"]):
         tag.decompose()
-    for level in range(1, 7):
-        for h in soup.find_all(f"h{level}"):
-            h.replace_with(f"\n\n{'#' * level} {h.get_text(' ', strip=True)}\n\n")
+    for pre in soup.find_all("pre"):
+        code = pre.get_text().strip("\n").replace("```", "` ` `")
+        pre.replace_with(f"\n\n```\n{code}\n```\n\n")
+    for table in soup.find_all("table"):
+        if table.find_parent("table") is not None:
+            continue  # a nested table is a cell's text
+        rows = [
+            _table_row([cell.get_text(" ", strip=True) for cell in tr.find_all(["th", "td"])])
+            for tr in table.find_all("tr")
+        ]
+        table.replace_with("\n\n" + "\n".join(r for r in rows if r.strip("| ")) + "\n\n")
+    ids: list[str] = []
+    for h in soup.find_all(re.compile(r"^h[1-6]$")):
+        level = int(h.name[1])
+        anchor = _anchor_of(h)
+        mark = ""
+        if anchor:
+            mark = sentinel(len(ids))
+            ids.append(anchor)
+        h.replace_with(f"\n\n{mark}{'#' * level} {h.get_text(' ', strip=True)}\n\n")
     for br in soup.find_all("br"):
         br.replace_with("\n")
-    for block in soup.find_all(["p", "div", "li", "tr", "section", "article", "pre", "blockquote"]):
+    for block in soup.find_all(["p", "div", "li", "tr", "section", "article", "blockquote"]):
         block.insert_before("\n\n")
         block.insert_after("\n\n")
-    text = soup.get_text()
-    text = "\n".join(re.sub(r"[ \t\xa0]+", " ", ln).strip() for ln in text.split("\n"))
-    return _tidy(text), title
+    raw = soup.get_text()
+    pieces = []
+    for i, part in enumerate(_FENCED_RE.split("\n" + raw + "\n")):
+        if i % 2:
+            pieces.append(part)  # a code block keeps its spacing
+        else:
+            pieces.append("\n".join(re.sub(r"[ \t\xa0]+", " ", ln).strip() for ln in part.split("\n")))
+    text, anchors = take_sentinels(_tidy("".join(pieces)), ids)
+    return text, title, anchors
 
 
 def _limit(filename: str, what: str, setting: str) -> ParseLimitError:
@@ -148,6 +223,14 @@ def _limit(filename: str, what: str, setting: str) -> ParseLimitError:
 
 
 def pdf_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits()) -> str:
+    return pdf_document(filename, data, limits)[0]
+
+
+def pdf_document(
+    filename: str, data: bytes, limits: ParseLimits = ParseLimits()
+) -> tuple[str, list[list[int]]]:
+    """(text, pages) of a PDF: the pages' text in order, lines set in a larger font than the
+    body as ``#`` headings, and ``[[page, offset], ...]`` where each page's text begins."""
     from pypdf import PdfReader
     from pypdf.errors import PdfReadError, PdfStreamError
 
@@ -158,9 +241,16 @@ def pdf_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits())
                 filename, f"{len(reader.pages)} pages, more than {limits.max_pages}", "PARSE_MAX_PAGES"
             )
         pages: list[str] = []
+        runs: list[tuple[str, float]] = []  # (text, font size) of every text run
         size = 0
+
+        def visit(text: str, cm: Any, tm: Any, _font: Any, font_size: Any) -> None:
+            if text.strip():
+                scale = abs(float(tm[3]) * float(cm[3])) or 1.0
+                runs.append((text.strip(), round(float(font_size or 0) * scale, 1)))
+
         for page in reader.pages:
-            pages.append(page.extract_text() or "")
+            pages.append(page.extract_text(visitor_text=visit) or "")
             size += len(pages[-1])
             if size > limits.max_text_bytes:
                 raise _limit(
@@ -180,7 +270,42 @@ def pdf_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits())
             param="file",
             code="corrupt_file",
         ) from None
-    return _tidy("\n\n".join(p.strip() for p in pages))
+    levels = _heading_levels(runs)
+    parts: list[str] = []
+    offsets: list[list[int]] = []
+    pos = 0
+    for n, raw in enumerate(pages, start=1):
+        body = _tidy("\n".join(_pdf_line(ln, levels) for ln in raw.split("\n")))
+        if body and parts:
+            pos += 2  # the blank line between pages
+        # An empty page begins where the next page's text will (so it holds no text).
+        offsets.append([n, pos if body or not parts else pos + 2])
+        if body:
+            parts.append(body)
+            pos += len(body)
+    return "\n\n".join(parts), offsets
+
+
+def _heading_levels(runs: list[tuple[str, float]]) -> dict[str, int]:
+    """Heading level of the text of each run set larger than the body text (the size most
+    characters have): the largest size is level 1."""
+    if not runs:
+        return {}
+    weight: dict[float, int] = {}
+    for text, sz in runs:
+        weight[sz] = weight.get(sz, 0) + len(text)
+    body = max(weight, key=lambda k: weight[k])
+    bigger = sorted({sz for _, sz in runs if sz >= body * 1.15}, reverse=True)[:6]
+    rank = {sz: i + 1 for i, sz in enumerate(bigger)}
+    return {re.sub(r"\s+", " ", text): rank[sz] for text, sz in runs if sz in rank and len(text) <= 200}
+
+
+def _pdf_line(line: str, levels: dict[str, int]) -> str:
+    key = re.sub(r"\s+", " ", line.strip())
+    level = levels.get(key)
+    if level and not key.startswith("#"):
+        return f"{'#' * level} {key}"
+    return line
 
 
 def check_zip(filename: str, data: bytes, limits: ParseLimits) -> None:
@@ -228,11 +353,23 @@ def docx_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits()
 
 
 def _docx_to_text(data: bytes) -> tuple[str, str]:
+    """Paragraphs and tables in the order of the document's body; "Heading N" and "Title"
+    paragraphs as ``#`` lines, tables as ``| a | b |`` rows."""
     from docx import Document
+    from docx.table import Table
+    from docx.text.paragraph import Paragraph
 
     doc = Document(io.BytesIO(data))
     lines: list[str] = []
-    for para in doc.paragraphs:
+    for el in doc.element.body.iterchildren():
+        tag = el.tag.rsplit("}", 1)[-1]
+        if tag == "tbl":
+            rows = [_table_row([cell.text for cell in row.cells]) for row in Table(el, doc).rows]
+            lines.append("\n" + "\n".join(rows) + "\n")
+            continue
+        if tag != "p":
+            continue
+        para = Paragraph(el, doc)
         style = (para.style.name if para.style is not None else "") or ""
         text = para.text.strip()
         if not text:
@@ -244,9 +381,6 @@ def _docx_to_text(data: bytes) -> tuple[str, str]:
             lines.append(f"\n# {text}\n")
         else:
             lines.append(text + "\n")
-    for table in doc.tables:
-        for row in table.rows:
-            lines.append(" | ".join(cell.text.strip() for cell in row.cells) + "\n")
     title = (doc.core_properties.title or "").strip()
     return _tidy("\n".join(lines)), title
 
@@ -290,14 +424,18 @@ def parse_file(
     if not data:
         raise InvalidRequest(f"file {filename!r} is empty", param="file", code="empty_file")
     title = ""
+    structure: dict[str, Any] = {}
     if ext == ".jsonl":
         return jsonl_documents(filename, _decode(filename, data))
     if ext == ".pdf":
-        text = pdf_to_text(filename, data, limits)
+        text, pages = pdf_document(filename, data, limits)
+        structure["pages"] = pages
     elif ext == ".docx":
         text, title = docx_to_text(filename, data, limits)
     elif ext in (".html", ".htm"):
-        text, title = html_to_text(_decode(filename, data))
+        text, title, anchors = html_document(_decode(filename, data))
+        if anchors:
+            structure["anchors"] = anchors
     elif ext in (".md", ".markdown"):
         text = markdown_to_text(_decode(filename, data))
     else:
@@ -306,4 +444,4 @@ def parse_file(
         raise InvalidRequest(
             f"file {filename!r} contains no extractable text", param="file", code="empty_file"
         )
-    return [InputDocument(doc_id or filename, text, title or filename, {"source": filename})]
+    return [InputDocument(doc_id or filename, text, title or filename, {"source": filename}, structure)]

@@ -38,7 +38,7 @@ from services.retrieval.core.versions import (
     IndexVersionChanged,
     VersionSuperseded,
 )
-from services.retrieval.protocol import ChunkSpan, Document
+from services.retrieval.protocol import ChunkSpan, Document, located
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS documents (
@@ -60,7 +60,8 @@ CREATE TABLE IF NOT EXISTS chunks (
     "end" INTEGER NOT NULL,
     text TEXT NOT NULL,
     context TEXT NOT NULL DEFAULT '',
-    embedding BLOB NOT NULL
+    embedding BLOB NOT NULL,
+    structure TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id);
 CREATE TABLE IF NOT EXISTS ops (
@@ -91,6 +92,8 @@ class ChunkRecord:
     end: int
     text: str
     context: str
+    # Where the chunk is in its document (core/structure.py: section, pages, anchor...).
+    structure: dict[str, Any] = field(default_factory=dict)
 
     @property
     def index_text(self) -> str:
@@ -117,6 +120,7 @@ class StoredChunk:
     text: str
     metadata: dict[str, Any]
     title: str
+    structure: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -259,6 +263,9 @@ class SQLiteDocumentStore:
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=OFF")
         self._conn.executescript(SCHEMA)
+        columns = {r[1] for r in self._conn.execute("PRAGMA table_info(chunks)")}
+        if "structure" not in columns:  # a store of before chunks knew their structure
+            self._conn.execute("ALTER TABLE chunks ADD COLUMN structure TEXT NOT NULL DEFAULT '{}'")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -327,8 +334,8 @@ class SQLiteDocumentStore:
                     # A chunk id is unique per collection: the same content under another
                     # document id hashes differently (the id is part of the hash).
                     cur = c.execute(
-                        'INSERT INTO chunks(chunk_id, doc_id, ord, start, "end", text, context, embedding)'
-                        " VALUES (?,?,?,?,?,?,?,?)",
+                        'INSERT INTO chunks(chunk_id, doc_id, ord, start, "end", text, context, embedding,'
+                        " structure) VALUES (?,?,?,?,?,?,?,?,?)",
                         (
                             ch.chunk_id,
                             doc.doc_id,
@@ -338,6 +345,7 @@ class SQLiteDocumentStore:
                             ch.text,
                             ch.context,
                             vec.tobytes(),
+                            json.dumps(ch.structure, ensure_ascii=False),
                         ),
                     )
                     c.execute("INSERT INTO ops(kind, vid) VALUES ('add', ?)", (cur.lastrowid,))
@@ -394,10 +402,14 @@ class SQLiteDocumentStore:
             doc = self._doc(r, with_text=True)
             doc.chunk_list = [
                 ChunkSpan(
-                    chunk_id=c["chunk_id"], start=int(c["start"]), end=int(c["end"]), context=c["context"]
+                    chunk_id=c["chunk_id"],
+                    start=int(c["start"]),
+                    end=int(c["end"]),
+                    context=c["context"],
+                    **located(json.loads(c["structure"] or "{}")),
                 )
                 for c in self._conn.execute(
-                    'SELECT chunk_id, start, "end", context FROM chunks WHERE doc_id=? ORDER BY ord',
+                    'SELECT chunk_id, start, "end", context, structure FROM chunks WHERE doc_id=? ORDER BY ord',
                     (doc_id,),
                 )
             ]
@@ -423,8 +435,8 @@ class SQLiteDocumentStore:
             for i in range(0, len(ids), 500):
                 part = ids[i : i + 500]
                 rows = self._conn.execute(
-                    'SELECT c.vid, c.chunk_id, c.doc_id, c.start, c."end", c.text, d.metadata, d.title'
-                    " FROM chunks c JOIN documents d ON d.doc_id = c.doc_id"
+                    'SELECT c.vid, c.chunk_id, c.doc_id, c.start, c."end", c.text, d.metadata, d.title,'
+                    " c.structure FROM chunks c JOIN documents d ON d.doc_id = c.doc_id"
                     f" WHERE c.vid IN ({','.join('?' * len(part))})",
                     part,
                 ).fetchall()
@@ -438,6 +450,7 @@ class SQLiteDocumentStore:
                         text=r[5],
                         metadata=json.loads(r[6]),
                         title=r[7],
+                        structure=json.loads(r[8] or "{}"),
                     )
         return out
 

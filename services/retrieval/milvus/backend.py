@@ -46,7 +46,6 @@ from services.retrieval.core.filters import Filter
 from services.retrieval.core.fusion import rrf
 from services.retrieval.milvus.expr import string_literal, to_expr
 from services.retrieval.milvus.store import (
-    HIT_FIELDS,
     INDEX_TYPES,
     MilvusChunkStore,
     create_collections,
@@ -78,7 +77,7 @@ class MilvusCollection(ChunkedCollection):
             limit=limit,
             filter=expr,
             search_params={"metric_type": metric},
-            output_fields=HIT_FIELDS,
+            output_fields=self.milvus.hit_fields,
         )
         return list(res[0])
 
@@ -94,7 +93,11 @@ class MilvusCollection(ChunkedCollection):
                 AnnSearchRequest([query], "sparse", {"metric_type": "BM25"}, depth, expr=expr or None),
             ]
             res = self.client.hybrid_search(
-                self.milvus.chunks, reqs, RRFRanker(self.options.rrf_k), limit=want, output_fields=HIT_FIELDS
+                self.milvus.chunks,
+                reqs,
+                RRFRanker(self.options.rrf_k),
+                limit=want,
+                output_fields=self.milvus.hit_fields,
             )
             hits = [(stored_chunk(h["entity"]), float(h["distance"]) * dense_w) for h in res[0]]
             return Ranked(hits, {c.chunk_id: {"hybrid": s} for c, s in hits})

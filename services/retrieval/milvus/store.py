@@ -2,8 +2,9 @@
 
 * ``<prefix>_chunks``: one row per chunk, keyed by its content-derived ``chunk_id``, with the
   document's id, title and metadata (so a search needs no second lookup), the dense vector,
-  and ``index_text`` (context + text) from which Milvus's own BM25 function derives the
-  sparse vector.
+  ``index_text`` (context + text) from which Milvus's own BM25 function derives the
+  sparse vector, and ``structure`` (section, pages, anchor: core/structure.py; collections
+  created before that field have none, and their chunks no structure).
 * ``<prefix>_docs``: the documents, keyed ``<doc_id>#<part>``: Milvus strings are at most
   65,535 bytes, so a long text is stored in parts (part 0 also holds title and metadata).
 
@@ -27,13 +28,14 @@ from pymilvus import DataType, Function, FunctionType, MilvusClient
 
 from services.retrieval.core.store import DocumentRecord, MissingEmbeddings, StoredChunk, WriteResult
 from services.retrieval.milvus.expr import string_literal
-from services.retrieval.protocol import ChunkSpan, Document
+from services.retrieval.protocol import ChunkSpan, Document, located
 
 MAX_VARCHAR = 65_535
 QUERY_WINDOW = 16_384
 PART_CHARS = 16_000  # at most 4 UTF-8 bytes a character: a part always fits in MAX_VARCHAR bytes
 CONSISTENCY = "Strong"
 HIT_FIELDS = ["chunk_id", "doc_id", "start", "end", "text", "title", "metadata"]
+STRUCTURE = "structure"
 INDEX_TYPES = {"auto": "FLAT", "flat": "FLAT", "hnsw": "HNSW", "ivf": "IVF_FLAT"}
 
 
@@ -61,6 +63,7 @@ def chunk_schema(client: MilvusClient, dim: int, language: str) -> Any:
     )
     s.add_field("title", DataType.VARCHAR, max_length=8192)
     s.add_field("metadata", DataType.JSON)
+    s.add_field(STRUCTURE, DataType.JSON)
     s.add_field("dense", DataType.FLOAT_VECTOR, dim=dim)
     s.add_field("sparse", DataType.SPARSE_FLOAT_VECTOR)
     s.add_function(
@@ -128,6 +131,7 @@ def stored_chunk(row: dict[str, Any]) -> StoredChunk:
         text=row["text"],
         metadata=dict(row["metadata"] or {}),
         title=row["title"],
+        structure=dict(row.get(STRUCTURE) or {}),
     )
 
 
@@ -138,6 +142,10 @@ class MilvusChunkStore:
         self.client = client
         self.chunks = f"{prefix}_chunks"
         self.docs = f"{prefix}_docs"
+        fields = {f["name"] for f in client.describe_collection(self.chunks).get("fields", [])}
+        self.has_structure = STRUCTURE in fields
+        # What a search reads of a chunk.
+        self.hit_fields = [*HIT_FIELDS, STRUCTURE] if self.has_structure else list(HIT_FIELDS)
 
     def _query(self, collection: str, expr: str, fields: list[str]) -> list[dict[str, Any]]:
         """Every row matching ``expr``. One query returns at most 16,384 rows (Milvus's query
@@ -205,8 +213,10 @@ class MilvusChunkStore:
                     unchanged += 1
                     continue
                 added += 1
+                located = {STRUCTURE: c.structure} if self.has_structure else {}
                 new_rows.append(
                     {
+                        **located,
                         "chunk_id": c.chunk_id,
                         "doc_key": k,
                         "doc_id": d.doc_id,
@@ -276,7 +286,7 @@ class MilvusChunkStore:
             return []
         by_chunk = {c.chunk_id: d for d, _ in changed for c in d.chunks}
         rows: list[dict[str, Any]] = []
-        fields = [*HIT_FIELDS, "doc_key", "ord", "index_text", "dense"]
+        fields = [*self.hit_fields, "doc_key", "ord", "index_text", "dense"]
         for i in range(0, len(kept), 1000):
             for r in self.client.get(self.chunks, ids=kept[i : i + 1000], output_fields=fields):
                 d = by_chunk[r["chunk_id"]]
@@ -321,7 +331,8 @@ class MilvusChunkStore:
         spans = self._query(
             self.chunks,
             f"doc_key == {string_literal(k)}",
-            ["chunk_id", "ord", "start", "end", "text", "index_text"],
+            ["chunk_id", "ord", "start", "end", "text", "index_text"]
+            + ([STRUCTURE] if self.has_structure else []),
         )
         doc.chunk_list = [
             ChunkSpan(
@@ -330,6 +341,7 @@ class MilvusChunkStore:
                 end=int(r["end"]),
                 # index_text is "<context>\n<text>" (or the text alone): the context is its head
                 context=r["index_text"][: -len(r["text"]) - 1] if r["index_text"] != r["text"] else "",
+                **located(dict(r.get(STRUCTURE) or {})),
             )
             for r in sorted(spans, key=lambda r: r["ord"])
         ]

@@ -1,0 +1,41 @@
+"""Small real documents made in tests: a PDF of three pages with headings (reportlab)."""
+
+from __future__ import annotations
+
+import io
+
+# (heading, sentences) of each page of ``solar_pdf``; the first page also has the title.
+SOLAR_TITLE = "Solar System Guide"
+SOLAR_PAGES = [
+    ("Overview", ["The Sun is a star at the centre of the system.", "Eight planets orbit the Sun."]),
+    (
+        "Jupiter",
+        ["Jupiter is the largest planet of all.", "Its Great Red Spot is a storm larger than Earth."],
+    ),
+    ("Saturn", ["Saturn has bright rings made of ice.", "Titan is the largest moon of Saturn."]),
+]
+
+
+def solar_pdf() -> bytes:
+    """Three A4 pages: a 22 pt title, a 16 pt heading on each page, 11 pt body lines."""
+    from reportlab.lib.pagesizes import A4
+    from reportlab.pdfgen import canvas
+
+    buf = io.BytesIO()
+    c = canvas.Canvas(buf, pagesize=A4)
+    for n, (heading, lines) in enumerate(SOLAR_PAGES):
+        y = 780.0
+        if n == 0:
+            c.setFont("Helvetica-Bold", 22)
+            c.drawString(72, y, SOLAR_TITLE)
+            y -= 40
+        c.setFont("Helvetica-Bold", 16)
+        c.drawString(72, y, heading)
+        y -= 26
+        c.setFont("Helvetica", 11)
+        for line in lines:
+            c.drawString(72, y, line)
+            y -= 16
+        c.showPage()
+    c.save()
+    return buf.getvalue()
