@@ -1,4 +1,4 @@
-// Hash routing: #/signin, #/chat[/<conversation>], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback.
+// Hash routing: #/signin, #/chat[/<conversation>], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback, #/mcp.
 // Every page but sign-in needs a key; a visit without one lands on sign-in.
 import "./style.css";
 import { forgetKey, getKey, setUnauthorizedHandler } from "./api";
@@ -6,6 +6,7 @@ import { clear } from "./dom";
 import { chatPage } from "./pages/chat";
 import { documentsPage } from "./pages/documents";
 import { feedbackPage } from "./pages/feedback";
+import { mcpPage } from "./pages/mcp";
 import { searchPage } from "./pages/search";
 import { signinPage, whoami } from "./pages/signin";
 import { trainingPage } from "./pages/training";
@@ -24,6 +25,7 @@ const pages: Record<string, PageFn> = {
   search: searchPage,
   training: trainingPage,
   feedback: feedbackPage,
+  mcp: mcpPage,
 };
 
 const titles: Record<string, string> = {
@@ -33,6 +35,7 @@ const titles: Record<string, string> = {
   search: "Search",
   training: "Training",
   feedback: "Feedback",
+  mcp: "MCP servers",
 };
 
 const main = document.getElementById("main") as HTMLElement;
