@@ -5,6 +5,7 @@ import { api, ApiError, enc, getKey, inference, listOf, retrieval, sse, wsUrl } 
 import { clear, field, h, highlightSpan, toast } from "../dom";
 import { thumbIcon } from "../icons";
 import { linkCitations, renderMarkdown } from "../markdown";
+import { documentNodes, fetchOriginal, showPdfPage } from "../source";
 
 export interface Citation {
   index: number;
@@ -15,6 +16,10 @@ export interface Citation {
   start?: number;
   end?: number;
   kind?: string;
+  page?: number | null;
+  section?: string | null;
+  anchor?: string | null;
+  span?: { start: number; end: number; text?: string } | null;
 }
 
 interface Step {
@@ -107,10 +112,13 @@ export async function loadCollections(): Promise<string[]> {
   );
 }
 
-/** The dialog that shows a cited passage inside its document, the cited span marked. */
+/** The dialog that shows a cited passage inside its document: the cited sentence marked in the
+ * document's text with its headings, and for a PDF the cited page itself (pdf.js) with the
+ * sentence highlighted on it. */
 export function citationDialog(): { open: (c: Citation, collection: string) => void; el: HTMLDialogElement } {
   const title = h("h2", { id: "cite-title" });
-  const meta = h("p", { class: "muted" });
+  const meta = h("p", { class: "muted cite-meta" });
+  const pdfBox = h("div", { class: "pdf-view", hidden: true });
   const body = h("div", { class: "passage", tabindex: "0", "aria-label": "Cited passage" });
   const close = h("button", { type: "button", class: "close" }, "Close");
   const el = h(
@@ -118,34 +126,67 @@ export function citationDialog(): { open: (c: Citation, collection: string) => v
     { class: "citation-dialog", "aria-labelledby": "cite-title" },
     h("div", { class: "dialog-head" }, title, close),
     meta,
+    pdfBox,
     body,
   );
   close.addEventListener("click", () => el.close());
   el.addEventListener("click", (ev) => {
     if (ev.target === el) el.close();
   });
+  let opened = 0;
   async function open(c: Citation, collection: string): Promise<void> {
+    const mine = ++opened;
     title.textContent = `[${c.index}] ${c.title || c.document_id || "Cited passage"}`;
+    // The cited sentence where the agent located one, else the whole cited chunk.
+    const span = c.span && c.span.end > c.span.start ? c.span : null;
+    const from = span ? span.start : c.start;
+    const to = span ? span.end : c.end;
     meta.textContent = [
       c.document_id ? `document ${c.document_id}` : "",
-      c.start !== undefined && c.end !== undefined ? `characters ${c.start}–${c.end}` : "",
+      c.section ? `section ${c.section}` : "",
+      c.page ? `page ${c.page}` : "",
+      c.anchor ? `#${c.anchor}` : "",
+      from !== undefined && to !== undefined ? `characters ${from}–${to}` : "",
     ]
       .filter(Boolean)
       .join(" · ");
     clear(body);
-    body.append(...highlightSpan(c.text ?? "", 0, (c.text ?? "").length));
+    clear(pdfBox);
+    pdfBox.hidden = true;
+    const chunkText = c.text ?? "";
+    if (span && c.start !== undefined && span.start >= c.start && span.end <= c.start + chunkText.length) {
+      body.append(...highlightSpan(chunkText, span.start - c.start, span.end - c.start));
+    } else {
+      body.append(...highlightSpan(chunkText, 0, chunkText.length));
+    }
     if (!el.open) el.showModal();
     close.focus();
+    const sentence = span?.text ?? chunkText;
+    if (c.page && c.document_id && collection) {
+      pdfBox.hidden = false;
+      const note = h("p", { class: "muted" }, "Loading the PDF…");
+      pdfBox.append(note);
+      void (async () => {
+        try {
+          const data = await fetchOriginal(retrieval(`/collections/${enc(collection)}/originals/${enc(c.document_id ?? "")}`));
+          if (mine !== opened) return;
+          note.remove();
+          await showPdfPage(pdfBox, data, c.page ?? 1, sentence);
+        } catch (exc) {
+          if (mine === opened) note.textContent = `The PDF cannot be shown: ${(exc as Error).message}`;
+        }
+      })();
+    }
     // Show the passage in its document when the document's text can be had.
-    if (c.document_id && collection && c.start !== undefined && c.end !== undefined) {
+    if (c.document_id && collection && from !== undefined && to !== undefined) {
       try {
         const doc = await api<Record<string, unknown>>(
           retrieval(`/collections/${enc(collection)}/documents/${enc(c.document_id)}`),
         );
         const text = typeof doc.text === "string" ? doc.text : null;
-        if (text && c.end <= text.length) {
+        if (mine === opened && text && to <= text.length) {
           clear(body);
-          body.append(...highlightSpan(text, c.start, c.end));
+          body.append(...documentNodes(text, from, to));
         }
       } catch {
         /* the chunk text alone is still the cited passage */
