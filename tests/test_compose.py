@@ -116,6 +116,8 @@ def test_every_command_and_module_exists() -> None:
                     "etcdctl",
                     "minio",
                     "milvus",
+                    "wget",  # Jaeger, Prometheus, Grafana
+                    "/otelcol-contrib",
                 ), cmd
                 continue
             checked += 1
@@ -239,3 +241,42 @@ def test_the_retrieval_api_and_its_io_worker_share_one_backend(profile: str, bac
             assert env["TANDEM_RETRIEVAL_MILVUS_URI"] == "http://milvus:19530", name
             assert svc["depends_on"]["milvus"]["condition"] == "service_healthy", name
             assert "retrieval-data:/data/retrieval" in svc["volumes"], name  # uploads pass through it
+
+
+def test_observability_profile() -> None:
+    """Collector and Jaeger for traces, Prometheus and Grafana (with the dashboard) for metrics;
+    their configuration files exist and say what the services need."""
+    services = COMPOSE["services"]
+    observed = {n for n, s in services.items() if "observability" in (s.get("profiles") or [])}
+    assert observed == {"otel-collector", "jaeger", "prometheus", "grafana"}
+    for name in observed:
+        for ref in services[name].get("configs", []):
+            assert (ROOT / COMPOSE["configs"][ref["source"]]["file"]).is_file(), ref
+    env = COMPOSE["x-tandem-env"]
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${OTEL_EXPORTER_OTLP_ENDPOINT:-}"  # off unless set
+    collector = yaml.safe_load((ROOT / "deploy/observability/otel-collector.yaml").read_text())
+    assert collector["service"]["pipelines"]["traces"]["exporters"] == ["otlp/jaeger"]
+    assert collector["exporters"]["otlp/jaeger"]["endpoint"].startswith("jaeger:")
+    prometheus = yaml.safe_load((ROOT / "deploy/observability/prometheus.yml").read_text())
+    targets = {
+        t for job in prometheus["scrape_configs"] for c in job.get("static_configs", []) for t in c["targets"]
+    }
+    for var in ("TANDEM_INFERENCE_URL", "TANDEM_RETRIEVAL_URL", "TANDEM_TRAINER_URL", "TANDEM_AGENT_URL"):
+        assert env[var].removeprefix("http://") in targets, var
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/tandem.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    for metric in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "tandem_retrieval_query_seconds_bucket",
+        "tandem_retrieval_ingested_chunks_total",
+        "tandem_trainer_tokens_per_second",
+    ):
+        assert metric in exprs, metric

@@ -96,5 +96,16 @@ def render_env_example() -> str:
         "# TANDEM_VERSION=latest",
         "# Optional wheel index for a CPU-only torch in the CPU image.",
         "# TORCH_INDEX_URL=",
+        "",
+        "# --- OpenTelemetry (standard variables; `tandem up` passes OTEL_* to every component) ---",
+        "# Where spans go over OTLP; empty: no export (the observability profile: http://otel-collector:4318).",
+        "# OTEL_EXPORTER_OTLP_ENDPOINT=",
+        "# http/protobuf (port 4318) or grpc (port 4317).",
+        "# OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf",
+        "# Host ports of the observability profile: OTLP/HTTP in, Jaeger's UI, Prometheus, Grafana.",
+        "# OTEL_COLLECTOR_OTLP_HTTP_PORT=4318",
+        "# JAEGER_UI_PORT=16686",
+        "# PROMETHEUS_PORT=9090",
+        "# GRAFANA_PORT=3000",
     ]
     return "\n".join(lines).replace("\n\n\n", "\n\n") + "\n"

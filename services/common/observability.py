@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -164,3 +165,43 @@ def install_observability(app: FastAPI, service: str, readiness: Readiness) -> M
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     app.include_router(health_router(readiness, metrics, service))
     return metrics
+
+
+class RedisTotals:
+    """Totals kept in one Redis hash, so that work done in another process (a Celery worker)
+    shows on the API's ``/metrics``: workers add with :meth:`add`, :meth:`read` gives them back.
+    A metric must never fail the work it measures: Redis errors are logged and skipped."""
+
+    def __init__(self, client: Any, key: str) -> None:
+        self.client = client
+        self.key = key
+
+    def add(self, **amounts: float) -> None:
+        try:
+            pipe = self.client.pipeline()
+            for name, amount in amounts.items():
+                pipe.hincrbyfloat(self.key, name, float(amount))
+            pipe.execute()
+        except Exception as exc:
+            log.warning("metrics: could not add to %s (%s: %s)", self.key, type(exc).__name__, exc)
+
+    def set(self, **values: float) -> None:
+        try:
+            self.client.hset(self.key, mapping={k: str(float(v)) for k, v in values.items()})
+        except Exception as exc:
+            log.warning("metrics: could not set %s (%s: %s)", self.key, type(exc).__name__, exc)
+
+    def read(self) -> dict[str, float]:
+        try:
+            raw = self.client.hgetall(self.key)
+        except Exception as exc:
+            log.warning("metrics: could not read %s (%s: %s)", self.key, type(exc).__name__, exc)
+            return {}
+        out: dict[str, float] = {}
+        for k, v in raw.items():
+            name = k.decode() if isinstance(k, bytes) else str(k)
+            try:
+                out[name] = float(v)
+            except ValueError:
+                continue
+        return out

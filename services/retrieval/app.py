@@ -17,6 +17,7 @@ from services.retrieval.api import collections, documents, jobs, search
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.jobs import JobStore
 from services.retrieval.core.registry import CollectionManager
+from services.retrieval.metrics import install as install_retrieval_metrics
 
 log = logging.getLogger("tandem.retrieval")
 
@@ -93,4 +94,5 @@ def create_app(common: CommonSettings | None = None, settings: RetrievalSettings
     app.state.collections = manager
     app.state.jobs = JobStore(job_redis)
     app.state.celery = make_celery("retrieval", common.redis_url, default_queue="io")
+    install_retrieval_metrics(app, job_redis)
     return app

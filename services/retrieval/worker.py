@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown
@@ -20,10 +21,12 @@ from services.common.config import CommonSettings, SettingsError, load_settings
 from services.common.jobs import TERMINAL
 from services.common.leases import recovery_loop
 from services.common.redis_conn import sync_redis
+from services.common.telemetry import set_attributes, span
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.jobs import JobStore
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.ingest import TASK_NAME, log, recover_orphans, run_leased
+from services.retrieval.metrics import record_ingest
 
 common = load_settings(CommonSettings, check_unknown=False)
 celery_app = make_celery("retrieval", common.redis_url, default_queue="io")
@@ -62,7 +65,13 @@ def ingest(self: Any, tenant: str, collection: str, job_id: str) -> dict[str, An
         if raw and raw.get("status") not in TERMINAL and jobs.leases.owner(job_id) is None:
             jobs.update(job_id, status="failed", error=str(exc))
         return {"error": str(exc)}
-    return run_leased(manager, _jobs(), _settings(), tenant, collection, job_id)
+    # the job's span is a child of the Celery task's, which continues the trace of the upload
+    with span("ingest.job", collection=collection, job_id=job_id) as current:
+        start = time.perf_counter()
+        result = run_leased(manager, _jobs(), _settings(), tenant, collection, job_id)
+        set_attributes(current, **{k: v for k, v in result.items() if isinstance(v, int | str)})
+    record_ingest(_jobs().r, result, time.perf_counter() - start)
+    return result
 
 
 def dispatch(tenant: str, collection: str, job_id: str) -> None:

@@ -14,7 +14,8 @@ from services.common.redis_conn import sync_redis
 from services.trainer.api import files, jobs
 from services.trainer.api.deps import TrainerState
 from services.trainer.config import TrainerSettings
-from services.trainer.store import TrainerStore
+from services.trainer.metrics import install as install_trainer_metrics
+from services.trainer.store import ACTIVE, TrainerStore
 
 RUN_JOB = "tandem.trainer.run_job"  # the worker's task name (services/trainer/worker.py)
 
@@ -55,4 +56,5 @@ def create_app(common: CommonSettings | None = None, settings: TrainerSettings |
     app.state.trainer = TrainerState(
         common=common, settings=settings, store=TrainerStore(client), dispatch=dispatch
     )
+    install_trainer_metrics(app, client, ACTIVE)  # jobs by status, tokens/s, step time
     return app

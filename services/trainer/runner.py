@@ -36,6 +36,7 @@ from services.common.leases import Heartbeat
 from services.trainer import chunk_pairs
 from services.trainer.config import TrainerSettings
 from services.trainer.jobspec import PAD_MULTIPLE, JobOwner, ResolvedJob, validate_embedder_job, validate_job
+from services.trainer.metrics import StepTimer
 from services.trainer.protocol import TERMINAL, JobCreate
 from services.trainer.recipes.base import Recipe, TrainConfig, run
 from services.trainer.store import TrainerStore
@@ -67,6 +68,7 @@ class JobHooks:
         self.store = store
         self.job_id = job_id
         self.lost = lost
+        self.steps = StepTimer(store.r, time.monotonic)  # tokens/s and step time for /metrics
 
     def should_stop(self) -> bool:
         if self.lost.is_set():
@@ -77,6 +79,7 @@ class JobHooks:
         if self.lost.is_set():
             raise LeaseLost(self.job_id)
         self.store.progress(self.job_id, step, total, {k: round(float(v), 6) for k, v in metrics.items()})
+        self.steps.report(step, metrics)
 
     def log(self, message: str) -> None:
         self.store.log(self.job_id, message)

@@ -31,6 +31,7 @@ import redis
 
 from services.common.errors import Conflict, NotFound
 from services.common.leases import Clock, Leases
+from services.trainer.metrics import status_totals
 from services.trainer.protocol import TERMINAL, Job, JobStatus, JobType, Progress
 
 P = "tandem:trainer:"
@@ -233,6 +234,7 @@ class TrainerStore:
         elif status == "running":
             self.r.sadd(ACTIVE, job_id)
         self.update(job_id, **fields)
+        status_totals(self.r).add(**{status: 1})  # tandem_trainer_jobs_total{status}
         payload: dict[str, Any] = {"status": status}
         if error:
             payload["error"] = error

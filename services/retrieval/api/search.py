@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter
+from opentelemetry import trace
 
 from services.common.errors import InvalidRequest
 from services.retrieval.api.deps import CollectionDep
+from services.retrieval.metrics import QUERY_SECONDS
 from services.retrieval.protocol import SearchRequest, SearchResponse
 
 router = APIRouter(
@@ -30,8 +32,7 @@ def search(body: SearchRequest, col: CollectionDep) -> SearchResponse:
         rerank=body.rerank,
         weights={str(k): v for k, v in body.weights.items()} if body.weights else None,
     )
-    return SearchResponse(
-        results=hits,
-        mode=body.mode,
-        took_ms=round((time.perf_counter() - t0) * 1000, 3),
-    )
+    took = time.perf_counter() - t0
+    QUERY_SECONDS.labels(body.mode).observe(took)
+    trace.get_current_span().set_attributes({"mode": body.mode, "top_k": body.top_k, "hits": len(hits)})
+    return SearchResponse(results=hits, mode=body.mode, took_ms=round(took * 1000, 3))

@@ -21,6 +21,7 @@ import numpy as np
 from services.common.embedding_models import pick_dtype
 from services.common.platforms import current_platform
 from services.retrieval.core.onnx_export import EmbeddingBackend, QuantConfig, ensure_export, onnx_missing
+from services.retrieval.metrics import timed_batch
 
 log = logging.getLogger("tandem.retrieval")
 
@@ -114,6 +115,7 @@ class SentenceTransformerEmbedder:
         value: Any = getattr(self.model, "max_seq_length", None)
         return int(value or 512)
 
+    @timed_batch("torch")
     def _encode_now(self, texts: list[str]) -> np.ndarray:
         torch = self._torch
         with self._tok_lock:
@@ -182,6 +184,7 @@ class OnnxEmbedder(SentenceTransformerEmbedder):
         self._session = ort.InferenceSession(str(self.onnx_path), opts, providers=["CPUExecutionProvider"])
         self._inputs = [i.name for i in self._session.get_inputs()]
 
+    @timed_batch("onnx")
     def _encode_now(self, texts: list[str]) -> np.ndarray:
         with self._tok_lock:
             prepare = getattr(self.model, "preprocess", None) or self.model.tokenize
@@ -301,6 +304,7 @@ class HttpEmbedder:
         self._meta()
         return self._max_tokens
 
+    @timed_batch("http")
     def _embed(self, texts: list[str]) -> np.ndarray:
         import base64
 
