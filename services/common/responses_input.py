@@ -196,7 +196,9 @@ def rename_error(exc: TandemError, positions: Sequence[int] = ()) -> TandemError
     """``exc`` with its parameter (and the message's mention of it) in Responses' terms."""
     new = responses_param(exc.param, positions)
     if new != exc.param and exc.param is not None and new is not None:
-        exc.message = exc.message.replace(exc.param, new)
+        # a field path is rewritten where the message spells it; a plain word ("messages") is kept
+        technical = any(c in exc.param for c in ".[_")
+        exc.message = exc.message.replace(exc.param, new) if technical else f"{new}: {exc.message}"
         exc.args = (exc.message,)
         exc.param = new
     return exc

@@ -194,6 +194,13 @@ def test_bad_input_is_a_4xx_naming_the_field(stack: Stack, client: openai.OpenAI
         openai.NotFoundError,
         "previous_response_id",
     )
+    only_assistant = [{"role": "assistant", "content": "x"}]
+    body = _error(
+        lambda: client.responses.create(model="chat-documents", input=only_assistant, extra_body=GEO),  # type: ignore[arg-type]
+        bad,
+        "input",
+    )
+    assert body["message"].startswith("input: ")
     mcp = {"type": "mcp", "server_label": "nowhere", "server_url": "http://127.0.0.1:9/mcp"}
     # an MCP server's tools join an agent's run, not a pipeline's
     with pytest.raises(openai.APIStatusError) as err:
@@ -226,7 +233,7 @@ def test_langchain_chat_openai_on_the_responses_api(stack: Stack, key: str) -> N
         extra_body=GEO,
         max_retries=0,
     )
-    answer = llm.invoke([HumanMessage("Hi"), AIMessage("Hello."), HumanMessage(ASK)])
+    answer = llm.invoke([HumanMessage(ASK), AIMessage("Hello."), HumanMessage(ASK)])
     assert "Berlin" in answer.text
     blocks = [b for b in answer.content if isinstance(b, dict)]
     annotations = [a for b in blocks for a in b.get("annotations", [])]
