@@ -54,6 +54,18 @@ def answer_budget() -> int:
     return int(load_settings(AgentSettings, check_unknown=False).max_answer_tokens)
 
 
+def spread(questions: list[Any]) -> list[Any]:
+    """The unanswerable questions spread evenly among the answerable ones (a set file lists
+    them last), so the first N questions asked hold both kinds in the set's proportion."""
+    yes = [q for q in questions if q.answerable]
+    no = [q for q in questions if not q.answerable]
+    if not yes or not no:
+        return questions
+    keyed = [((i + 0.5) / len(yes), 0, q) for i, q in enumerate(yes)]
+    keyed += [((i + 0.5) / len(no), 1, q) for i, q in enumerate(no)]
+    return [q for _pos, _kind, q in sorted(keyed, key=lambda t: (t[0], t[1]))]
+
+
 def run_set(
     qs: QuestionSet,
     where: dict[str, Any],
@@ -62,13 +74,15 @@ def run_set(
     with_peer: bool = True,
     limit: int | None = None,
     progress: bool = False,
+    partial: Path | None = None,
 ) -> dict[str, Any]:
+    """``partial``: a file rewritten after every question with the totals so far."""
     from services.cli.eval_questions import judge, load_questions, summary
     from services.cli.eval_rag import ask, progress_line
 
     urls, key = where["urls"], where["key"]
     headers = {"Authorization": f"Bearer {key}"}
-    questions = load_questions(qs.questions)[:limit]
+    questions = spread(load_questions(qs.questions))[:limit]
     pages = set_pages(qs)
     documents = flat_texts(pages)
     started = time.perf_counter()
@@ -107,6 +121,10 @@ def run_set(
                 outcomes[name].append(outcome)
                 if progress:
                     print(progress_line(i, outcome, f"{name:<14} "), flush=True)
+            if partial is not None:  # what a stopped run had asked, judged in full
+                partial.write_text(json.dumps({"set": qs.name, "asked": i + 1, "of": len(questions),
+                    "summaries": {n: summary(o) for n, o in outcomes.items()},
+                    "answers": {n: [o.to_dict() for o in out] for n, out in outcomes.items()}}, default=str))  # fmt: skip
     summaries = {n: summary(o) for n, o in outcomes.items()}
     return {
         "set": qs.name,
@@ -137,7 +155,10 @@ def main(
     where = stack_where(home or Path(os.environ.get("TANDEM_HOME", ".tandem")))
     out.mkdir(parents=True, exist_ok=True)
     for qs in sets:
-        result = run_set(qs, where, pipeline=pipeline, with_peer=peer, limit=limit, progress=show)
+        partial = out / f"{qs.name}.partial.json"
+        result = run_set(
+            qs, where, pipeline=pipeline, with_peer=peer, limit=limit, progress=show, partial=partial
+        )
         title = f"{qs.name}: {', '.join(result['documents'])} ({qs.kind}), collection {qs.collection}"
         print_questions_summary(result["summaries"], title, ratio_to=PEER if peer else None)
         (out / f"{qs.name}.json").write_text(json.dumps(result, indent=2, default=str))

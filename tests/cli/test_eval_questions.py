@@ -302,3 +302,13 @@ def test_an_unknown_collection_is_named(tmp_path: Path, tandem_env: Path, api_ke
         )  # fmt: skip
     assert code == 1
     assert "collection 'no-such-docs' not found (HTTP 404)" in out
+
+
+def test_a_run_asks_the_unanswerable_questions_spread_among_the_others() -> None:
+    from benchmarks.answers.real_documents import spread
+
+    qs = parse_questions([_line(id=f"a{i}", question="Q?", answers=["x"], source="s.md") for i in range(8)])
+    qs += parse_questions([_line(id=f"u{i}", question="Q?", answerable=False) for i in range(2)])
+    order = "".join("u" if not q.answerable else "a" for q in spread(qs))
+    assert order == "aauaaaauaa"
+    assert sorted(q.id for q in spread(qs)) == sorted(q.id for q in qs)
