@@ -514,3 +514,26 @@ def test_images_are_pinned_and_run_as_a_user() -> None:
     # The vLLM line services/inference/engine/vllm_engine.py is written against (see the Dockerfile).
     assert re.fullmatch(r"vllm/vllm-openai:v0\.12\.\d+", froms[0])
     assert user == "1000"
+
+
+def test_observability_overlay(k8s_copy: Path) -> None:
+    """The CPU stack plus a Collector and Jaeger: valid Kubernetes, every Tandem container
+    sends spans to the collector's Service, and the collector to Jaeger's."""
+    docs = render(k8s_copy / "overlays" / "observability")
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    services = _of(docs, "Service")
+    assert {"otel-collector", "jaeger"} <= set(services)
+    tandem = list(_tandem_containers(docs))
+    assert len(tandem) == len(list(_tandem_containers(render(k8s_copy / "overlays" / "cpu"))))
+    for doc, c in tandem:
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        host, port = re.fullmatch(r"http://([a-z-]+):(\d+)", endpoint).groups()  # type: ignore[union-attr]
+        assert host == "otel-collector", doc["metadata"]["name"]
+        assert int(port) in {p["port"] for p in services[host]["spec"]["ports"]}
+    config = yaml.safe_load(_of(docs, "ConfigMap")["otel-collector-config"]["data"]["config.yaml"])
+    jaeger_host, jaeger_port = config["exporters"]["otlp/jaeger"]["endpoint"].split(":")
+    assert int(jaeger_port) in {p["port"] for p in services[jaeger_host]["spec"]["ports"]}
+    for _, c in _containers(docs):
+        assert c["image"].rpartition(":")[2] not in ("", "latest"), c["image"]
