@@ -182,6 +182,14 @@ class SearchRequest(BaseModel):
     weights: dict[Literal["dense", "sparse"], float] | None = Field(
         None, description="RRF weights of the rankings in hybrid mode (defaults from settings)."
     )
+    section_tokens: int | None = Field(
+        default=None,
+        ge=16,
+        le=8192,
+        description="Also return each hit's enclosing section (section_text), at most this many tokens "
+        "of the collection's embedding model around the chunk: small chunks are what is ranked, the "
+        "section is what a reader (or a model) reads.",
+    )
 
 
 class SearchResult(Located):
@@ -194,6 +202,10 @@ class SearchResult(Located):
     title: str = ""
     start: int
     end: int
+    # Only with the request's section_tokens: the enclosing section around the chunk, and where
+    # it starts in the document (section_text == document.text[section_text_start:...]).
+    section_text: str | None = None
+    section_text_start: int | None = None
 
 
 class SearchResponse(BaseModel):

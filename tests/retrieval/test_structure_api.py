@@ -8,6 +8,8 @@ from pathlib import Path
 
 import httpx
 
+from services.agent.chunks import Chunk
+from services.agent.citations import CitationTracker
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.parsing import parse_file
 from services.retrieval.core.registry import CollectionManager
@@ -38,6 +40,16 @@ def test_hits_and_documents_carry_structure(client: httpx.Client, other_client: 
     assert hit["section"] == f"{SOLAR_TITLE} > Saturn" and hit["headings"] == [SOLAR_TITLE, "Saturn"]
     red = search(client, query="Great Red Spot storm", mode="sparse", top_k=1)[0]
     assert red["pages"] == [2]
+    # the agent's citation of a hit, as its pipelines make it: the cited sentence and its page
+    tracker = CitationTracker([Chunk.from_result(hit), Chunk.from_result(red)])
+    tracker.feed("Titan is the largest moon [1]. The spot is a storm [2].")
+    tracker.finish()
+    titan, spot = tracker.citations
+    pdf_text = client.get("/v1/collections/kb/documents/solar.pdf").json()["text"]
+    assert titan.span is not None and titan.span.text == "Titan is the largest moon of Saturn."
+    assert pdf_text[titan.span.start : titan.span.end] == titan.span.text
+    assert (titan.page, titan.section) == (3, f"{SOLAR_TITLE} > Saturn")
+    assert spot.page == 2 and spot.span is not None and "Great Red Spot" in spot.span.text
 
     html = search(client, query="roll back command", mode="sparse", top_k=1)[0]
     assert html["document_id"] == "ops.html"
@@ -46,6 +58,15 @@ def test_hits_and_documents_carry_structure(client: httpx.Client, other_client: 
     assert md["section"] == "Handbook > Setup > Database" and "| valkey | 6379 |" in md["text"]
     doc = client.get("/v1/collections/kb/documents/handbook.md").json()
     assert doc["text"][md["section_start"] : md["section_end"]].startswith("### Database")
+    assert "section_text" not in md or md["section_text"] is None  # only when asked for
+    # small chunks ranked, the enclosing section returned (within a budget of model tokens)
+    (wide,) = search(client, query="postgres valkey port", mode="sparse", top_k=1, section_tokens=400)
+    assert wide["chunk_id"] == md["chunk_id"]
+    start = wide["section_text_start"]
+    assert doc["text"][start : start + len(wide["section_text"])] == wide["section_text"]
+    assert md["text"] in wide["section_text"] and "Done with the database." in wide["section_text"]
+    bad = client.post("/v1/collections/kb/search", json={"query": "x", "section_tokens": 3})
+    assert bad.status_code in (400, 422) and "section_tokens" in bad.text
     spans = client.get("/v1/collections/kb/documents/solar.pdf").json()["chunk_list"]
     assert {p for s in spans for p in s["pages"]} == {1, 2, 3}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from services.common.chunking import atomic_blocks
+from services.common.chunking import atomic_blocks, regex_offsets
 from services.retrieval.core.chunking import make_chunks
 from services.retrieval.core.parsing import ParseLimits, parse_file
 from services.retrieval.core.sandbox import parse_isolated
@@ -155,3 +155,18 @@ def test_docx_keeps_reading_order_of_tables() -> None:
     chunks = make_chunks(doc.id, doc.text, size=64, overlap=0)
     table_chunk = next(c for c in chunks if "| plan | price |" in c.text)
     assert table_chunk.structure["section"] == "Pricing" and "| team | 20 |" in table_chunk.text
+
+
+def test_a_section_window_grows_around_its_chunk_within_the_section() -> None:
+    from services.retrieval.core.structure import section_window
+
+    text = "# A\n\none two three four five six seven eight nine ten\n\n# B\n\nother words"
+    lo, hi = 0, text.index("# B")
+    start, end = text.index("five"), text.index("five") + len("five six")
+    # 6 tokens: the chunk's 2 and 2 on each side, never past the section
+    s, e = section_window(text, lo, hi, start, end, 6, regex_offsets)
+    assert text[s:e] == "three four five six seven eight"
+    s, e = section_window(text, lo, hi, start, end, 100, regex_offsets)
+    assert text[s:e] == text[lo:hi].strip()
+    # a budget below the chunk's own length: the chunk alone
+    assert section_window(text, lo, hi, start, end, 1, regex_offsets) == (start, end)

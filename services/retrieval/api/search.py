@@ -32,6 +32,8 @@ def search(body: SearchRequest, col: CollectionDep) -> SearchResponse:
         rerank=body.rerank,
         weights={str(k): v for k, v in body.weights.items()} if body.weights else None,
     )
+    if body.section_tokens:
+        hits = col.with_sections(hits, body.section_tokens)
     took = time.perf_counter() - t0
     QUERY_SECONDS.labels(body.mode).observe(took)
     trace.get_current_span().set_attributes({"mode": body.mode, "top_k": body.top_k, "hits": len(hits)})

@@ -54,6 +54,7 @@ from services.retrieval.core.store import (
     StoredChunk,
     WriteResult,
 )
+from services.retrieval.core.structure import section_window
 from services.retrieval.core.vector_index import IndexParams, VectorIndex
 from services.retrieval.core.versions import (
     IndexState,
@@ -302,6 +303,22 @@ class ChunkedCollection:
             )
             for c, s in hits[:top_k]
         ]
+
+    def with_sections(self, hits: list[SearchResult], tokens: int) -> list[SearchResult]:
+        """``hits`` with ``section_text``: each chunk's enclosing section, cut to ``tokens`` tokens
+        of the collection's model around the chunk (the chunk alone where it is longer)."""
+        texts: dict[str, str] = {}
+        out = []
+        for hit in hits:
+            if hit.document_id not in texts:
+                doc = self.get_document(hit.document_id)
+                texts[hit.document_id] = (doc.text or "") if doc is not None else ""
+            text = texts[hit.document_id]
+            lo = hit.section_start if hit.section_start is not None else hit.start
+            hi = hit.section_end if hit.section_end is not None else hit.end
+            start, end = section_window(text, lo, hi, hit.start, hit.end, tokens, self.chunker.token_offsets)
+            out.append(hit.model_copy(update={"section_text": text[start:end], "section_text_start": start}))
+        return out
 
     def stats(self) -> dict[str, Any]:
         raise NotImplementedError

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Callable
 from typing import Any
 
 from services.common.chunking import Section
@@ -101,3 +102,30 @@ def chunk_structure(structure: dict[str, Any], start: int, end: int, section: Se
     if anchor:
         out["anchor"] = anchor
     return out
+
+
+def section_window(
+    text: str,
+    lo: int,
+    hi: int,
+    start: int,
+    end: int,
+    tokens: int,
+    offsets: Callable[[str], list[tuple[int, int]]],
+) -> tuple[int, int]:
+    """(start, end) of at most ``tokens`` tokens of the section ``text[lo:hi]`` around the chunk
+    ``[start, end)``: the chunk, then as much of the section before and after it as fits, evenly."""
+    toks = [(a + lo, b + lo) for a, b in offsets(text[lo:hi]) if b > a]
+    if not toks or tokens <= 0:
+        return start, end
+    starts = [a for a, _ in toks]
+    first = bisect.bisect_left(starts, start)
+    last = max(bisect.bisect_left(starts, end), first)  # tokens [first, last) are the chunk's
+    spare = tokens - (last - first)
+    if spare <= 0:
+        return start, end
+    before = min(first, spare // 2)
+    after = min(len(toks) - last, spare - before)
+    before = min(first, spare - after)
+    a, b = first - before, last + after
+    return min(toks[a][0], start) if a < len(toks) else start, max(toks[b - 1][1], end) if b > 0 else end
