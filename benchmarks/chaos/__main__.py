@@ -20,6 +20,14 @@ its supervisor (services/cli/supervise.py), which is what brings a killed one ba
 - ``inference``: the inference service mid-stream. It must answer the next request.
 - ``redis``: Redis itself while documents are added. Acknowledged documents must be found,
   and every service must answer with the same key afterwards.
+- ``supervisor``: the supervisor of a random component (``services.cli.supervise``, the pid in
+  ``run/NAME.pid``) while documents are added. Its component must die with it (no orphan
+  process, within 10 s), ``tandem up`` must start it again (the trial's recovery time is that
+  ``tandem up``'s), acknowledged documents must be found, and after ``tandem down`` no process
+  of the stack and none of its ports may be left; the stack is then started afresh for the
+  next trial (so a trial takes a whole start of the stack: about 2 minutes on 2 cores).
+
+    python -m benchmarks.chaos --targets supervisor --trials 100 --out supervisor.jsonl
 
 A trial whose check fails counts as lost, duplicated or stuck (not done within the wait).
 """
@@ -32,6 +40,7 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -40,10 +49,12 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.stack import SERVICES, Stack, embedded_stack
+from benchmarks.stack import REPO, SERVICES, TANDEM, Stack, embedded_stack
+from services.cli.stack import pid_alive, port_free, read_pid
 from services.cli.supervise import read_state
+from tests.helpers.stack import home_processes
 
-TARGETS = ("retrieval", "worker-io", "worker-cpu", "agent", "inference", "redis")
+TARGETS = ("retrieval", "worker-io", "worker-cpu", "agent", "inference", "redis", "supervisor")
 # Trainer recovery as the trainer's e2e tests set it: a dead worker's job is requeued within
 # seconds rather than the default minute, so trials do not wait out production timeouts.
 FAST_RECOVERY = {
@@ -70,6 +81,9 @@ class Trial:
     stuck: int = 0
     recovery_s: float | None = None
     note: str = ""
+    victim: str = ""  # supervisor target: whose supervisor was killed
+    orphans: int = 0  # processes of the stack left running without their supervisor
+    ports_left: int = 0  # ports of the stack still listening after `tandem down`
 
 
 @dataclass
@@ -154,6 +168,20 @@ class Chaos:
     def write_while_killing(self, trial: Trial, component: str) -> None:
         """Add documents one by one; kill ``component`` at a random moment; check every
         acknowledged one."""
+
+        def kill_and_wait() -> bool:
+            old = self.kill(component)
+            trial.recovery_s = self.wait_back(component, old)
+            if trial.recovery_s is None:
+                trial.stuck, trial.note = 1, f"{component} not back within {self.wait_s:.0f}s"
+                return False
+            return True
+
+        self.write_during(trial, kill_and_wait)
+
+    def write_during(self, trial: Trial, harm: Callable[[], bool]) -> None:
+        """Add documents one by one while ``harm`` runs (after a random moment); when it says
+        the stack is back, check every acknowledged document."""
         self.ensure_collection()
         acked: list[str] = []
         stop = threading.Event()
@@ -177,14 +205,11 @@ class Chaos:
         thread = threading.Thread(target=writer, daemon=True)
         thread.start()
         time.sleep(self.rng.uniform(0.3, 2.0))
-        old = self.kill(component)
-        trial.recovery_s = self.wait_back(component, old)
+        back = harm()
         stop.set()
         thread.join(60)
-        if trial.recovery_s is None:
-            trial.stuck, trial.note = 1, f"{component} not back within {self.wait_s:.0f}s"
-            return
-        self.check_documents(trial, acked)
+        if back:
+            self.check_documents(trial, acked)
 
     # -- targets -----------------------------------------------------------------------------
     def retrieval(self, trial: Trial) -> None:
@@ -341,14 +366,86 @@ class Chaos:
         if again.status_code != 200 or not again.json()["choices"]:
             trial.lost, trial.note = 1, f"no answer after the restart: {again.status_code}"
 
+    def tandem(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*TANDEM, *args],
+            env=self.stack.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=self.wait_s + 300,
+        )
+
+    def supervisor(self, trial: Trial) -> None:
+        run = self.stack.home / "run"
+        names = sorted(p.stem for p in run.glob("*.pid"))
+        trial.victim = name = self.rng.choice(names)
+
+        def kill_supervisor() -> bool:
+            sup = read_pid(run / f"{name}.pid")
+            state = read_state(run / f"{name}.state.json")
+            if sup is None or state is None or state.pid is None:
+                trial.stuck, trial.note = 1, f"{name} has no supervisor and component to kill"
+                return False
+            os.kill(sup, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while pid_alive(state.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if pid_alive(state.pid):
+                trial.orphans += 1
+                trial.note += f" {name}'s process {state.pid} outlived its supervisor by 10 s;"
+            started = time.monotonic()
+            up = self.tandem("up", "--timeout", str(self.wait_s))
+            trial.recovery_s = time.monotonic() - started
+            if up.returncode != 0 or not self.ready():
+                trial.stuck, trial.note = 1, f"tandem up did not recover {name}: {up.stdout[-300:]}"
+                return False
+            return True
+
+        self.write_during(trial, kill_supervisor)
+        down = self.tandem("down")
+        if down.returncode != 0:
+            trial.note += f" tandem down: {down.stdout[-300:]};"
+        deadline = time.monotonic() + 10
+        while home_processes(self.stack.home) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = home_processes(self.stack.home)
+        trial.orphans += len(left)
+        ports = [int(v) for k, v in self.stack.env.items() if k.startswith("TANDEM_") and k.endswith("_PORT")]
+        trial.ports_left = sum(not port_free("127.0.0.1", port) for port in ports)
+        if left or trial.ports_left:
+            trial.note += f" after tandem down: processes {left}, {trial.ports_left} port(s) listening;"
+        again = self.tandem("up", "--timeout", str(self.wait_s))  # a fresh stack for the next trial
+        if again.returncode != 0:
+            raise RuntimeError(f"tandem up after tandem down failed: {again.stdout[-500:]}")
+
     def run(self, target: str) -> Trial:
         self.n += 1
         trial = Trial(target)
         try:
             getattr(self, target.replace("-", "_"))(trial)
-        except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
+        except (httpx.HTTPError, RuntimeError, KeyError, ValueError, subprocess.SubprocessError) as exc:
             trial.stuck, trial.note = 1, f"{type(exc).__name__}: {exc}"
         return trial
+
+
+def supervisor_table(trials: list[Trial]) -> str:
+    """The supervisor target's four checks, per component whose supervisor was killed."""
+    rows = [
+        "| supervisor of | trials | no orphan | acknowledged | lost | up recovered | recovery p50 / max (s) "
+        "| no port after down |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for victim in [*sorted({t.victim for t in trials}), "all"]:
+        ts = [t for t in trials if victim in ("all", t.victim)]
+        rec = [t.recovery_s for t in ts if t.recovery_s is not None and not t.stuck]
+        times = f"{statistics.median(rec):.1f} / {max(rec):.1f}" if rec else "-"
+        rows.append(
+            f"| {victim} | {len(ts)} | {sum(t.orphans == 0 for t in ts)} | {sum(t.acknowledged for t in ts)} | "
+            f"{sum(t.lost for t in ts)} | {sum(not t.stuck for t in ts)} | {times} | "
+            f"{sum(t.ports_left == 0 for t in ts)} |"
+        )
+    return "\n".join(rows)
 
 
 def table(report: Report) -> str:
@@ -368,7 +465,8 @@ def table(report: Report) -> str:
             if rec
             else f"| {target} | {len(ts)} | - | - | - | {len(ts)} | - |"
         )
-    return "\n".join(rows)
+    supervised = [t for t in report.trials if t.target == "supervisor"]
+    return "\n".join(rows) + ("\n\n" + supervisor_table(supervised) if supervised else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="append every trial as a JSON line here, as it ends")
     ap.add_argument("--tally", type=Path, nargs="+", help="print the table of these --out files and stop")
     ap.add_argument("--keep", action="store_true", help="leave the stack running")
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="start no trial after this many minutes (the report says how many ran)",
+    )
     ap.add_argument(
         "--train-model",
         choices=("served", "tiny"),
@@ -399,8 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     report = Report()
     with embedded_stack("tandem-chaos-", FAST_RECOVERY, keep=args.keep) as stack:
         chaos = Chaos(stack, random.Random(args.seed), args.wait, args.train_model)
+        began = time.monotonic()
         for target in targets:
             for i in range(args.trials):
+                if args.max_minutes is not None and time.monotonic() - began > args.max_minutes * 60:
+                    print(f"{target}: stopped after {i} of {args.trials} trials (--max-minutes)", flush=True)
+                    break
                 trial = chaos.run(target)
                 report.trials.append(trial)
                 print(f"{target} trial {i + 1}/{args.trials}: {asdict(trial)}", flush=True)

@@ -14,12 +14,14 @@ import httpx
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from services.cli import stack
+from services.cli import stack_processes as processes
 from services.cli.eval_rag import rag_command
 from services.cli.eval_retrieval import retrieval_command
-from services.cli.supervise import SupervisedState, read_state
+from services.cli.supervise import SupervisedState, error_line, read_state
 from services.common import lockcheck
 from services.common.auth import KeyStore
 from services.common.config import SERVICE_NAMES, CommonSettings, SettingsError, load_settings
@@ -80,23 +82,38 @@ def _redis_url(layout: stack.Layout, common: CommonSettings) -> str:
         return common.redis_url
 
 
+def _stack_state(layout: stack.Layout) -> tuple[dict[str, object], str | None]:
+    """``run/stack.json`` (what `tandem up` recorded), and a line saying why it is not usable."""
+    try:
+        data = json.loads(layout.state_file.read_text())
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, ValueError):
+        return {}, f"{layout.state_file} does not parse: ignored (the next `tandem up` writes it again)"
+    if not isinstance(data, dict):
+        return {}, f"{layout.state_file} does not hold an object: ignored"
+    return data, None
+
+
+def _say_notes(observed: dict[str, processes.Observed], *extra: str | None) -> None:
+    for line in [*(n for ob in observed.values() for n in ob.notes), *(e for e in extra if e)]:
+        console.print(f"[yellow]note:[/] {escape(line)}", highlight=False, soft_wrap=True)
+
+
 @app.command()
 def up(
     foreground: bool = typer.Option(False, "--foreground", help="Stay attached; Ctrl-C stops the stack."),
     timeout: float = typer.Option(600.0, help="Seconds to wait for every component to be ready."),
 ) -> None:
-    """Start Redis (embedded Valkey unless TANDEM_REDIS_URL is set), the four services and the workers."""
-    _check_installed()
+    """Start Redis (embedded Valkey unless TANDEM_REDIS_URL is set), the four services and the workers.
+    On a stack of which some components run, start only those missing."""
     common = _settings()
     layout = stack.Layout(common.home_dir)
     layout.make()
-    running = stack.running_components(layout)
-    if running:
-        console.print(
-            f"Tandem is already running in {layout.home} ({', '.join(sorted(running))}); "
-            "see `tandem status`, or `tandem down` to stop it."
-        )
-        return
+    observed = processes.observe(layout)
+    _, stack_note = _stack_state(layout)
+    _say_notes(observed, stack_note)
+    running = {n for n, ob in observed.items() if ob.running}
     try:
         platform = detect_platform(common.device)
         password = "" if common.redis_url_given else stack.ensure_redis_password(layout)
@@ -104,7 +121,26 @@ def up(
         if not embedded:  # a Redis other machines may share: their TANDEM_HOME must be this one
             stack.check_shared_home(redis_url, layout.home)
         comps = stack.plan(common, embedded, platform.queue, layout.redis_conf if embedded else None)
-        stack.check_ports(common, comps)
+        missing = [c for c in comps if c.name not in running]
+        if running and not missing:
+            console.print(
+                f"Tandem is already running in {layout.home} ({', '.join(sorted(running))}); "
+                "see `tandem status`, or `tandem down` to stop it."
+            )
+            return
+        if running:
+            console.print(
+                f"Tandem runs in part in {layout.home}: starting {', '.join(c.name for c in missing)} "
+                f"(running: {', '.join(sorted(running))})"
+            )
+        leftovers = {n for n, ob in observed.items() if not ob.running}
+        if leftovers:  # a component left without its supervisor holds its port: stop it first
+            report = processes.stop(
+                layout, say=lambda m: console.print(f"  {m}"), only=leftovers, observed=observed
+            )
+            for entry in report.left:
+                console.print(f"  [red]could not stop {entry}[/]")
+        stack.check_ports(common, missing)
     except (stack.StackError, PlatformError) as exc:
         _fail(str(exc))
     env = {
@@ -113,12 +149,14 @@ def up(
         "TANDEM_REDIS_URL": redis_url,
         "PYTHONUNBUFFERED": "1",
     }
-    console.print(f"Starting Tandem in [bold]{layout.home}[/] on [bold]{platform.device_type}[/]")
+    if not running:
+        console.print(f"Starting Tandem in [bold]{layout.home}[/] on [bold]{platform.device_type}[/]")
     try:
-        _start(layout, comps, env, redis_url, timeout)
+        _start(layout, missing, env, redis_url, timeout)
     except (stack.StackError, KeyboardInterrupt) as exc:
-        console.print(f"[bold red]start-up failed:[/] {exc}")
-        stack.stop_all(layout, say=lambda m: console.print(f"  {m}"))
+        console.print(f"[bold red]start-up failed:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        # what this start began goes; components that were running are left as they are
+        processes.stop(layout, say=lambda m: console.print(f"  {m}"), only={c.name for c in missing})
         raise typer.Exit(1) from None
     # 0600: the Redis URL in it carries the password
     stack.write_secret(
@@ -128,6 +166,7 @@ def up(
                 "redis_url": redis_url,
                 "embedded_redis": embedded,
                 "urls": {c.name: c.url for c in comps if c.url},
+                "ports": {c.name: c.port for c in comps if c.port},
             }
         ),
     )
@@ -135,6 +174,10 @@ def up(
     _print_urls(layout, comps, redis_url)
     if foreground:
         _wait_for_signal(layout)
+
+
+class StartFailed(stack.StackError):
+    pass
 
 
 def _start(
@@ -145,9 +188,10 @@ def _start(
         stack.start_component(layout, redis_comp, env)
         deadline = time.monotonic() + 20
         while not redis_reachable(redis_url):
-            if time.monotonic() > deadline:
-                raise stack.StackError(f"embedded Valkey did not answer; see {layout.log_file('redis')}")
+            if time.monotonic() > deadline or _start_error(layout, "redis"):
+                raise _failed(layout, "redis", "embedded Valkey did not answer")
             time.sleep(0.2)
+        processes.clear_error(layout, "redis")
     _ensure_keys(layout, redis_url, env)
     others = [c for c in comps if c.name != "redis"]
     for comp in others:
@@ -166,23 +210,41 @@ def _start(
             for comp in others:
                 if status[comp.name] == "ready":
                     continue
-                pid = stack.read_pid(layout.pid_file(comp.name))
-                supervised = read_state(layout.supervised_state(comp.name))
-                if pid is None or not stack.pid_alive(pid) or (supervised and supervised.restarts):
+                if _start_error(layout, comp.name):
                     # its supervisor would restart it, but a component that cannot start is a
                     # configuration error to report, not to retry for ever
-                    tail = _tail(layout.log_file(comp.name))
-                    raise stack.StackError(f"{comp.name} exited during start-up; last log lines:\n{tail}")
+                    raise _failed(layout, comp.name, "exited during start-up")
                 if comp.url:
                     ok, detail = stack.http_ready(comp.url)
                 else:
                     ok, detail = stack.worker_ready(redis_url, comp.queue or "cpu", timeout=1.0)
                 status[comp.name] = "ready" if ok else detail
+                if ok:
+                    processes.clear_error(layout, comp.name)
             live.update(_status_table(status))
             if time.monotonic() > deadline:
                 waiting = {k: v for k, v in status.items() if v != "ready"}
                 raise stack.StackError(f"not ready after {timeout:.0f}s: {waiting}")
             time.sleep(0.5)
+
+
+def _start_error(layout: stack.Layout, name: str) -> bool:
+    """Whether ``name`` ended during start-up: its supervisor is gone or restarted it."""
+    pid = stack.read_pid(layout.pid_file(name))
+    supervised = read_state(layout.supervised_state(name))
+    return pid is None or not stack.pid_alive(pid) or bool(supervised and supervised.restarts)
+
+
+def _failed(layout: stack.Layout, name: str, what: str) -> StartFailed:
+    """The one line that says why ``name`` did not start (kept for `tandem status`)."""
+    supervised = read_state(layout.supervised_state(name))
+    why = (
+        supervised.last_error
+        if supervised and supervised.last_error
+        else error_line(_tail(layout.log_file(name), 200))
+    )
+    processes.record_error(layout, name, why or what, time.time())
+    return StartFailed(f"{name} {what}: {why or 'no error in its log'} (log: {layout.log_file(name)})")
 
 
 def _bootstrap_docs(layout: stack.Layout, common: CommonSettings) -> None:
@@ -262,7 +324,7 @@ def _wait_for_signal(layout: stack.Layout) -> None:
     console.print("Running in the foreground; Ctrl-C stops the stack.")
     while not stop["now"]:
         time.sleep(0.5)
-    stack.stop_all(layout, say=lambda m: console.print(f"  {m}"))
+    processes.stop(layout, say=lambda m: console.print(f"  {m}"))
 
 
 @app.command()
@@ -320,12 +382,49 @@ def worker(
 
 
 @app.command()
-def down() -> None:
-    """Stop every component of this TANDEM_HOME."""
+def down(
+    grace: float = typer.Option(15.0, help="Seconds between SIGTERM and SIGKILL."),
+) -> None:
+    """Stop every process of this TANDEM_HOME's stack: supervisors, their components, and any
+    component left without its supervisor."""
     common = load_settings(CommonSettings, check_unknown=False)
     layout = stack.Layout(common.home_dir)
-    stopped = stack.stop_all(layout, say=lambda m: console.print(f"  {m}"))
-    console.print("Tandem stopped." if stopped else f"Nothing was running in {layout.home}.")
+    observed = processes.observe(layout)
+    state, stack_note = _stack_state(layout)
+    _say_notes(observed, stack_note)
+    report = processes.stop(layout, say=lambda m: console.print(f"  {m}"), grace=grace, observed=observed)
+    layout.state_file.unlink(missing_ok=True)
+    for entry in report.left:
+        console.print(f"[red]still running after SIGKILL:[/] {entry}")
+    busy = _listening(common, state, bool(report.stopped))
+    for name, port in busy:
+        console.print(f"[red]port {port} ({name}) is still in use[/] by a process that is not this stack's")
+    if report.hard:
+        console.print(f"Killed with SIGKILL: {', '.join(report.hard)}")
+    if report.stopped:
+        console.print("Tandem stopped.")
+    else:
+        console.print(f"Nothing was running in {layout.home}.")
+    if report.left or busy:
+        raise typer.Exit(1)
+
+
+def _listening(common: CommonSettings, state: dict[str, object], stopped: bool) -> list[tuple[str, int]]:
+    """The stack's ports something still listens on: those `tandem up` recorded, else (when
+    something was stopped) the settings'."""
+    recorded = state.get("ports")
+    if isinstance(recorded, dict):
+        ports = {str(k): int(v) for k, v in recorded.items()}
+    elif stopped:
+        ports = {svc: common.port_of(svc) for svc in SERVICE_NAMES}
+    else:
+        return []
+    busy = []
+    for name, port in ports.items():
+        host = "127.0.0.1" if name == "redis" else common.host
+        if not stack.port_free(host, port):
+            busy.append((name, port))
+    return busy
 
 
 @app.command()
@@ -333,24 +432,37 @@ def status() -> None:
     """Each component, its process and its health."""
     common = load_settings(CommonSettings, check_unknown=False)
     layout = stack.Layout(common.home_dir)
-    running = stack.running_components(layout)
-    if not running:
+    observed = processes.observe(layout)
+    state, stack_note = _stack_state(layout)
+    _say_notes(observed, stack_note)
+    errors = processes.load_errors(layout)
+    if not any(ob.running or ob.orphaned for ob in observed.values()):
         console.print(f"Tandem is not running in {layout.home}.")
+        for name, err in sorted(errors.items()):
+            console.print(
+                f"  last error of {name}: {err.get('error')}", markup=False, highlight=False, soft_wrap=True
+            )
         raise typer.Exit(3)
-    state = json.loads(layout.state_file.read_text()) if layout.state_file.exists() else {}
-    urls: dict[str, str] = state.get("urls", {})
-    redis_url = state.get("redis_url", common.redis_url)
+    urls = state.get("urls")
+    urls = {str(k): str(v) for k, v in urls.items()} if isinstance(urls, dict) else {}
+    redis_url = str(state.get("redis_url", common.redis_url))
     table = Table(title=f"Tandem in {layout.home}")
-    for col in ("component", "pid", "url", "health", "restarts", "last exit"):
+    for col in ("component", "pid", "url", "health", "restarts", "last exit", "last error"):
         table.add_column(col)
     healthy = True
-    for name in sorted({*running, *urls, *(["redis"] if state.get("embedded_redis") else [])}):
-        pid = running.get(name)
-        if pid is None:
+    names = {*observed, *urls, *(["redis"] if state.get("embedded_redis") else [])}
+    for name in sorted(names):
+        ob = observed.get(name, processes.Observed(name))
+        supervised = ob.state
+        if ob.orphaned:
+            health = "[red]supervisor gone[/] (process left running; `tandem up` replaces it)"
+            healthy = False
+        elif not ob.running:
             health = "[red]not running[/]"
             healthy = False
         elif name == "redis":
             health = "[green]ok[/]" if redis_reachable(redis_url) else "[red]no PING[/]"
+            healthy &= health == "[green]ok[/]"
         elif name in urls:
             ok, detail = stack.http_ready(urls[name])
             health = "[green]ready[/]" if ok else f"[red]{detail}[/]"
@@ -359,17 +471,19 @@ def status() -> None:
             ok, detail = stack.worker_ready(redis_url, name.removeprefix("worker-"))
             health = "[green]ready[/]" if ok else f"[red]{detail}[/]"
             healthy &= ok
-        supervised = read_state(layout.supervised_state(name))
-        if supervised is not None and pid is not None and supervised.pid is None:
+        if ob.running and supervised is not None and supervised.pid is None:
             health = "[yellow]restarting[/]"  # between runs: the supervisor waits out its backoff
             healthy = False
+        pid = ob.child.pid if ob.child else (ob.supervisor.pid if ob.supervisor else None)
+        last_error = (supervised.last_error if supervised else None) or errors.get(name, {}).get("error")
         table.add_row(
             name,
-            str(supervised.pid if supervised and supervised.pid else pid or "-"),
+            str(pid or "-"),
             urls.get(name, stack.redacted(redis_url) if name == "redis" else ""),
             health,
             str(supervised.restarts) if supervised else "-",
             _last_exit(supervised),
+            str(last_error or "-"),
         )
     console.print(table)
     if not healthy:

@@ -1,26 +1,26 @@
 """The embedded one-machine stack behind ``tandem up`` / ``status`` / ``down``.
 
 Every component runs under a supervisor (services/cli/supervise.py) that restarts it with
-backoff when it exits, in its own session (so stopping it stops the supervisor and the
-component's children too, such as Celery's pool), with its log in ``$TANDEM_HOME/logs``, the
-supervisor's pid in ``$TANDEM_HOME/run/NAME.pid`` and the component's pid, restarts and last exit
-in ``run/NAME.state.json``. Children inherit ``TANDEM_HOME``, which is how ``tandem down`` (and
-the tests) know which processes belong to a home.
+backoff when it exits. The supervisor leads a session of its own, the component runs in a
+process group of its own (so stopping the group stops the component's children too) and dies
+with its supervisor. Its log is in ``$TANDEM_HOME/logs``, the supervisor's pid in
+``$TANDEM_HOME/run/NAME.pid`` and the component's pid, start time, restarts, last exit and last
+error in ``run/NAME.state.json``. Children inherit ``TANDEM_HOME``, which is how ``tandem down``
+(services/cli/stack_processes.py, and the tests) know which processes belong to a home.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -42,6 +42,9 @@ class Component:
     url: str | None = None
     queue: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # What the component gets when its supervisor dies: Valkey is asked to stop (it writes its
+    # append-only file on the way out), the others are killed.
+    death_signal: str = "KILL"
 
 
 @dataclass
@@ -84,6 +87,11 @@ class Layout:
 
     def supervised_state(self, name: str) -> Path:
         return self.run_dir / f"{name}.state.json"
+
+    @property
+    def errors_file(self) -> Path:
+        """The last start-up or run error of each component, kept after ``tandem down``."""
+        return self.run_dir / "errors.json"
 
     def make(self) -> None:
         for d in (self.home, self.run_dir, self.log_dir, self.redis_dir, self.home / "models"):
@@ -262,6 +270,7 @@ def plan(
                     "no",
                 ],
                 port=common.redis_port,
+                death_signal="TERM",
             )
         )
     for svc in SERVICE_NAMES:
@@ -292,7 +301,7 @@ def plan(
 
 def start_component(layout: Layout, comp: Component, env: dict[str, str]) -> int:
     """Start ``comp`` under its supervisor (services/cli/supervise.py), which restarts it when
-    it exits; the pid file holds the supervisor's pid, the leader of the component's group."""
+    it exits; the pid file holds the supervisor's pid, the leader of its own session."""
     layout.supervised_state(comp.name).unlink(missing_ok=True)
     log = layout.log_file(comp.name).open("ab")
     argv = [
@@ -303,6 +312,10 @@ def start_component(layout: Layout, comp: Component, env: dict[str, str]) -> int
         comp.name,
         "--state",
         str(layout.supervised_state(comp.name)),
+        "--log",
+        str(layout.log_file(comp.name)),
+        "--death-signal",
+        comp.death_signal,
         "--",
         *comp.argv,
     ]
@@ -317,66 +330,6 @@ def start_component(layout: Layout, comp: Component, env: dict[str, str]) -> int
     )
     layout.pid_file(comp.name).write_text(str(proc.pid))
     return proc.pid
-
-
-def running_components(layout: Layout) -> dict[str, int]:
-    out = {}
-    if layout.run_dir.exists():
-        for pid_file in sorted(layout.run_dir.glob("*.pid")):
-            pid = read_pid(pid_file)
-            if pid and pid_alive(pid):
-                out[pid_file.stem] = pid
-    return out
-
-
-def stop_pid(pid: int, timeout: float = 15.0) -> None:
-    """SIGTERM the process group, wait, then SIGKILL what is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            os.kill(pid, sig)
-        deadline = time.monotonic() + (timeout if sig == signal.SIGTERM else 5)
-        while time.monotonic() < deadline:
-            if not pid_alive(pid) and not _group_alive(pid):
-                return
-            time.sleep(0.1)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # Members may all be zombies waiting for their reaper.
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
-
-
-def stop_all(layout: Layout, say: Callable[[str], object] = print) -> list[str]:
-    """Stop services and workers first, Redis last (workers ack to it on the way down)."""
-    stopped = []
-    running = running_components(layout)
-    order = sorted(running, key=lambda n: (n == "redis", n))
-    for name in order:
-        say(f"stopping {name} (pid {running[name]})")
-        stop_pid(running[name])
-        stopped.append(name)
-    for pid_file in layout.run_dir.glob("*.pid") if layout.run_dir.exists() else []:
-        pid_file.unlink(missing_ok=True)
-        layout.supervised_state(pid_file.stem).unlink(missing_ok=True)
-    layout.state_file.unlink(missing_ok=True)
-    return stopped
 
 
 def http_ready(url: str, timeout: float = 2.0) -> tuple[bool, str]:
@@ -398,6 +351,7 @@ def worker_ready(redis_url: str, queue: str, timeout: float = 3.0) -> tuple[bool
     from services.common.celery_app import make_celery
 
     app = make_celery("probe", redis_url)
+    result = None
     try:
         result = app.send_task("tandem.ping", args=[queue], queue=queue)
         reply = result.get(timeout=timeout)
@@ -406,7 +360,18 @@ def worker_ready(redis_url: str, queue: str, timeout: float = 3.0) -> tuple[bool
     except Exception as exc:
         return False, f"no answer on queue {queue!r} ({type(exc).__name__})"
     finally:
+        if result is not None:
+            _release(result)
         app.close()
+
+
+def _release(result: Any) -> None:
+    """Stop waiting for ``result`` now, while Redis answers: an unanswered probe's result
+    otherwise unsubscribes when it is garbage-collected, after Redis may be gone, and Celery
+    prints its "Retry limit exceeded ... result store" traceback at exit."""
+    with contextlib.suppress(Exception):
+        result.backend.remove_pending_result(result)
+    result.backend = None  # nothing left for its __del__ to do
 
 
 def redis_url_for(common: CommonSettings, password: str = "") -> tuple[str, bool]:

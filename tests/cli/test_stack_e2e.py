@@ -17,26 +17,11 @@ from services.cli.stack import pid_alive
 from services.cli.supervise import SupervisedState, read_state
 from services.common.celery_app import make_celery
 from tests.helpers.servers import free_port, is_ready
-from tests.helpers.stack import isolated_stack_env
+from tests.helpers.stack import home_processes, isolated_stack_env
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 TANDEM = [sys.executable, "-m", "services.cli.main"]
-
-
-def home_processes(home: Path) -> list[int]:
-    """Pids of live processes started for ``home`` (children inherit TANDEM_HOME)."""
-    needle = f"TANDEM_HOME={home}".encode()
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if needle in environ.read_bytes().split(b"\0") and int(environ.parent.name) != os.getpid():
-                stat = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()
-                if stat[0] != "Z":
-                    found.append(int(environ.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -130,3 +130,35 @@ def test_last_exit_text(code: int | None, text: str) -> None:
     from services.cli.supervise import SupervisedState
 
     assert SupervisedState(name="n", supervisor_pid=1, last_exit=code).last_exit_text() == text
+
+
+def test_the_last_error_is_the_exception_of_the_run_that_ended(tmp_path: Path) -> None:
+    log = tmp_path / "c.log"
+    log.write_text("Traceback (most recent call last):\nOldError: from an earlier run\n")
+    runs = iter(["raise ValueError('TANDEM_X=3 is not a size')", "import os; os.kill(os.getpid(), 9)"])
+
+    def spawn(argv: Sequence[str]) -> Child:
+        with log.open("ab") as out:  # the component's output goes to its log, as under tandem up
+            return subprocess.Popen([sys.executable, "-c", next(runs)], stdout=out, stderr=subprocess.STDOUT)
+
+    state_file = tmp_path / "c.state.json"
+    sup = Supervisor(
+        "c", ["unused"], state_file, spawn=spawn, clock=FakeClock(), wait=lambda s: None, log=log
+    )
+    sup.run(max_runs=1)
+    first = read_state(state_file)
+    assert first is not None and first.last_error == "ValueError: TANDEM_X=3 is not a size"
+    sup.run(max_runs=1)
+    second = read_state(state_file)
+    assert second is not None and second.last_error == "killed by SIGKILL"
+
+
+def test_a_supervised_component_runs_in_a_group_of_its_own(tmp_path: Path) -> None:
+    from services.cli.supervise import spawn_owned
+
+    child = spawn_owned([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert os.getpgid(child.pid) == child.pid != os.getpgid(0)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()

@@ -22,3 +22,18 @@ def isolated_stack_env(home: Path, device: str = "cpu") -> dict[str, str]:
         TANDEM_DEVICE=device,
     )
     return env
+
+
+def home_processes(home: Path) -> list[int]:
+    """Pids of live processes started for ``home`` (children inherit TANDEM_HOME); not this one."""
+    needle = f"TANDEM_HOME={home}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if needle in environ.read_bytes().split(b"\0") and int(environ.parent.name) != os.getpid():
+                stat = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] != "Z":
+                    found.append(int(environ.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
