@@ -199,6 +199,10 @@ def test_an_agent_answers_with_the_servers_tool(
     assert params["additionalProperties"] is False and params["required"] == ["country"]
     assert params["properties"]["country"] == {"type": "string", "maxLength": 200}
     assert first["tool_choice"] == "required"
+    # the forced answer is a span of the result itself, never of its untrusted-text mark
+    forced = next(r for r in stack.model.requests if "response_format" in r)
+    spans = forced["response_format"]["json_schema"]["schema"]["properties"]["arguments"]["properties"]
+    assert CAPITAL in spans["answer"]["enum"] and "untrusted" not in spans["answer"]["enum"]
     # the turn record keeps the call, its arguments and its result
     record = httpx.get(f"{stack.url}/v1/messages/{body['message_id']}", headers=auth(api_key)).json()
     prompt = json.dumps(record["prompt"])

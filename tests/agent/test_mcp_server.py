@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +23,7 @@ from services.agent.app import create_app
 from services.agent.config import AgentSettings
 from services.common.config import CommonSettings
 from tests.agent.doubles import ScriptedModel, inference_double
-from tests.agent.stack import new_key
+from tests.agent.stack import agent_stack, new_key
 from tests.conftest import TEST_CACHE, auth
 from tests.helpers.servers import serve_app, wait_ready
 
@@ -164,3 +165,11 @@ def test_the_body_limit_holds_for_mcp(stack: McpStack) -> None:
     resp = httpx.post(stack.mcp, json=big, headers=auth(stack.key), timeout=30)
     assert resp.status_code == 413, resp.text
     assert "limit" in resp.json()["error"]["message"]
+
+
+def test_the_tenants_rate_limit_holds_for_mcp(redis_url: str, tmp_path: Path, api_key: str) -> None:
+    with agent_stack(redis_url, tmp_path / "home", tenant_requests_per_minute=1, tenant_burst=2) as s:
+        ask = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+        answers = [httpx.post(f"{s.url}/mcp", json=ask, headers=auth(api_key), timeout=30) for _ in range(3)]
+    assert [a.status_code == 429 for a in answers] == [False, False, True]
+    assert int(answers[2].headers["retry-after"]) > 0

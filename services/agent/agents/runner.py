@@ -45,6 +45,7 @@ from services.agent.events import (
     ToolCallStep,
 )
 from services.agent.tools.base import Tool, ToolContext, call_tool, constrained_input
+from services.agent.tools.mcp import untrusted_payload
 from services.common.errors import InvalidRequest
 
 log = logging.getLogger("tandem.agent.runner")
@@ -166,7 +167,8 @@ class AgentRunner:
         """What a forced final answer may be: spans of the last good tool result, or None (free)."""
         if not (self.copy_answer and self._last_ok):
             return None
-        return answer_spans(self._last_observation) or None
+        # an MCP result's untrusted-text mark is not part of what the answer may copy
+        return answer_spans(untrusted_payload(self._last_observation)) or None
 
     def _final(self, answer: str) -> list[Event]:
         self.result.answer = answer
