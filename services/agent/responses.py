@@ -132,7 +132,7 @@ class AgentResponses:
                 self.principal.tenant, body.previous_response_id, "previous_response_id"
             )
             self.inputs = list(stored.messages)
-        self.inputs += input_messages(body.input)
+        self.inputs += input_messages(body.input, self.inputs)
         tools = chat_tools(body.tools, also=("mcp",))
         self.servers = _mcp_servers(tools.others)
         fields: dict[str, Any] = {

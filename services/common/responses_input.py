@@ -49,14 +49,21 @@ def _field(item: dict[str, Any], name: str, param: str) -> str:
     return value
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's ``input`` as chat messages (a tool result names its call's function)."""
+def input_messages(
+    items: str | list[dict[str, Any]], earlier: Sequence[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
+    """The request's ``input`` as chat messages; a tool result names its call's function (a call
+    of the input, or of the ``earlier`` messages: a stored conversation)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
         raise InvalidRequest("input must not be empty", param="input")
     messages: list[dict[str, Any]] = []
-    names: dict[str, str] = {}
+    names = {
+        str(call.get("id")): str((call.get("function") or {}).get("name"))
+        for m in earlier
+        for call in m.get("tool_calls") or []
+    }
     for i, item in enumerate(items):
         param = f"input[{i}]"
         if not isinstance(item, dict):

@@ -60,7 +60,7 @@ class InferenceResponses:
             history = (
                 await self.store.load(tenant, body.previous_response_id, "previous_response_id")
             ).messages
-        inputs = [*history, *input_messages(body.input)]
+        inputs = [*history, *input_messages(body.input, history)]
         tools = chat_tools(body.tools)
         chat = self._chat_request(body, inputs, tools.tools)
         try:

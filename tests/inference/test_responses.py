@@ -347,3 +347,63 @@ def test_langchain_chat_openai_on_the_responses_api(served: str, key: str) -> No
 
     structured = roomy.with_structured_output(Pick, method="json_schema")
     assert isinstance(structured.invoke("Pick a word."), Pick)
+
+
+# --- the request read in chat's terms (no server) --------------------------------------------------
+
+
+def test_input_items_become_chat_messages() -> None:
+    from services.common.responses_input import input_messages
+
+    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"}
+    messages = input_messages(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "2 + "}, {"type": "input_text", "text": "3?"}],
+            },
+            {"role": "assistant", "content": "Let me add."},
+            call,
+            {**call, "call_id": "c2"},
+            {"type": "function_call_output", "call_id": "c1", "output": "5"},
+            {"type": "reasoning", "summary": []},
+            {
+                "type": "function_call_output",
+                "call_id": "old",
+                "output": [{"type": "input_text", "text": "7"}],
+            },
+        ],
+        earlier=[
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "old", "function": {"name": "shout"}}],
+            }
+        ],
+    )
+    calls = [
+        {"id": c, "type": "function", "function": {"name": "add", "arguments": "{}"}} for c in ("c1", "c2")
+    ]
+    assert messages == [
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": "Let me add.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "5", "name": "add"},
+        {"role": "tool", "tool_call_id": "old", "content": "7", "name": "shout"},
+    ]
+
+
+def test_chat_parameters_are_named_as_the_responses_fields() -> None:
+    from services.common.errors import InvalidRequest
+    from services.common.responses_input import rename_error, responses_param
+
+    assert responses_param("response_format.json_schema.schema") == "text.format.schema"
+    assert responses_param("response_format.type") == "text.format.type"
+    assert responses_param("tools[1].function.parameters", [0, 3]) == "tools[3].parameters"
+    assert responses_param("tools[0].type", [2]) == "tools[2].type"
+    assert responses_param("max_tokens") == "max_output_tokens"
+    assert responses_param("messages[2].tool_call_id") == "input"
+    assert responses_param("tool_choice") == "tool_choice"
+    err = rename_error(
+        InvalidRequest("tools[0].function.name must be ...", param="tools[0].function.name"), [1]
+    )
+    assert (err.param, err.message) == ("tools[1].name", "tools[1].name must be ...")
