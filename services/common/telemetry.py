@@ -256,7 +256,10 @@ def instrument_app(app: Any, service: str, registry: CollectorRegistry) -> SdkTr
     if _process_provider is None:
         _process_provider = provider
     app.add_middleware(ServiceContextMiddleware, provider=provider)
-    FastAPIInstrumentor.instrument_app(app, tracer_provider=provider, excluded_urls=EXCLUDED_URLS)
+    # no span per ASGI message (one per streamed token would bury the trace)
+    FastAPIInstrumentor.instrument_app(
+        app, tracer_provider=provider, excluded_urls=EXCLUDED_URLS, exclude_spans=["receive", "send"]
+    )
     return provider
 
 

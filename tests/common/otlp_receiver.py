@@ -25,6 +25,8 @@ class ReceivedSpan:
     parent_id: str
     kind: int
     attributes: dict[str, Any]
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 @dataclass
@@ -64,6 +66,8 @@ def decode(body: bytes) -> list[ReceivedSpan]:
                         parent_id=s.parent_span_id.hex(),
                         kind=s.kind,
                         attributes={a.key: _value(a.value) for a in s.attributes},
+                        start_ns=s.start_time_unix_nano,
+                        end_ns=s.end_time_unix_nano,
                     )
                 )
     return out

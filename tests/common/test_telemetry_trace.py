@@ -30,6 +30,19 @@ def ancestors(span: ReceivedSpan, by_id: dict[str, ReceivedSpan]) -> list[Receiv
     return out
 
 
+def tree(spans: list[ReceivedSpan], parent: str = "", depth: int = 0) -> list[str]:
+    """The trace as indented lines (service, span, its attributes), children in start order."""
+    out = []
+    for s in sorted((s for s in spans if s.parent_id == parent), key=lambda s: s.start_ns):
+        attrs = {
+            k: v for k, v in s.attributes.items() if not k.startswith(("http.", "net.", "url.", "server."))
+        }
+        ms = (s.end_ns - s.start_ns) / 1e6
+        out.append(f"{'  ' * depth}{s.name} [{s.service}] {ms:.1f} ms {attrs if attrs else ''}".rstrip())
+        out += tree(spans, s.span_id, depth + 1)
+    return out
+
+
 def test_a_chat_turn_is_one_trace(
     redis_url: str, tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -47,6 +60,7 @@ def test_a_chat_turn_is_one_trace(
     root = roots[0]
     spans = [s for s in receiver.spans if s.trace_id == root.trace_id]
     by_id = {s.span_id: s for s in spans}
+    print("\n" + "\n".join(tree(spans)))
     assert {"agent", "retrieval", "inference"} <= {s.service for s in spans}
     for s in spans:  # every span of the turn hangs from the agent's request span
         assert s is root or ancestors(s, by_id)[-1] is root, s
@@ -67,6 +81,7 @@ def test_a_chat_turn_is_one_trace(
     assert generation.attributes["gen_ai.usage.input_tokens"] > 0
     assert generation.attributes["tandem.time_to_first_token_s"] > 0
     assert "tandem.queue_wait_s" in generation.attributes
+    assert not [s for s in spans if " http send" in s.name]  # no span per streamed chunk
     generate = next(s for s in spans if s.name == "pipeline.generator")
     assert generate in ancestors(generation, by_id)
     assert generate.attributes["completion_tokens"] == generation.attributes["gen_ai.usage.output_tokens"]
