@@ -18,7 +18,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from services.agent.events import ErrorEvent
 from services.agent.openai_chat import OpenAIChat
@@ -28,6 +28,7 @@ from services.common.auth import Principal
 from services.common.errors import InvalidRequest, TandemError
 from services.common.response_store import ResponseStore
 from services.common.responses_input import (
+    chat_request,
     chat_response_format,
     chat_tool_choice,
     chat_tools,
@@ -156,7 +157,9 @@ class AgentResponses:
         self._positions = tools.positions
         self._mcp_param = f"tools[{tools.others[0][0]}].server_label" if tools.others else "tools"
         try:
-            return OpenAIChat(self.runtime, self.principal, self.key, _chat_request(fields))
+            return OpenAIChat(
+                self.runtime, self.principal, self.key, chat_request(ChatCompletionRequest, fields)
+            )
         except TandemError as exc:
             raise self.renamed(exc) from None
 
@@ -249,12 +252,3 @@ class AgentResponses:
         await self._save()  # before the last event: a client that saw it may continue from it at once
         for frame in frames:
             yield frame
-
-
-def _chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        name = ".".join(str(p) for p in err["loc"])
-        raise InvalidRequest(f"{name}: {err['msg']}", param=name) from None

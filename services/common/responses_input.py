@@ -13,9 +13,13 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from services.common.errors import InvalidRequest, TandemError
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 _TEXT_PARTS = {"input_text", "output_text", "text", "refusal"}
 _SKIPPED_ITEMS = {"reasoning", "mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response"}
@@ -209,3 +213,13 @@ def rename_error(exc: TandemError, positions: Sequence[int] = ()) -> TandemError
         exc.args = (exc.message,)
         exc.param = new
     return exc
+
+
+def chat_request(cls: type[RequestT], fields: dict[str, Any]) -> RequestT:
+    """The service's chat request of ``fields``; a value it refuses is a 400 naming the field."""
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequest(f"{name}: {err['msg']}", param=name) from None

@@ -18,12 +18,12 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
 from services.common.auth import acting_principal
 from services.common.errors import InvalidRequest, TandemError
 from services.common.response_store import ResponseStore
 from services.common.responses_input import (
+    chat_request,
     chat_response_format,
     chat_tool_choice,
     chat_tools,
@@ -106,12 +106,7 @@ class InferenceResponses:
         }
         if body.stream:
             fields["stream_options"] = {"include_usage": True}
-        try:
-            return ChatCompletionRequest.model_validate(fields)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            name = ".".join(str(p) for p in err["loc"])
-            raise InvalidRequest(f"{name}: {err['msg']}", param=name) from None
+        return chat_request(ChatCompletionRequest, fields)
 
     async def _stream(
         self,
