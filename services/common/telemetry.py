@@ -308,3 +308,8 @@ async def within(current: Span, stream: AsyncIterator[T]) -> AsyncIterator[T]:
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def process_provider() -> SdkTracerProvider | None:
+    """The provider of the service this process runs (the first one set up), if any."""
+    return _process_provider

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from services.common.config import CommonSettings
 from services.common.leases import Heartbeat
+from services.common.telemetry import set_attributes, span
 from services.trainer import chunk_pairs
 from services.trainer.config import TrainerSettings
 from services.trainer.jobspec import PAD_MULTIPLE, JobOwner, ResolvedJob, validate_embedder_job, validate_job
@@ -187,18 +188,19 @@ def _train(
             # the job's first phase: the questions (a resumed job asks only what is not kept)
             from services.trainer.questions import questions_dir, write_questions
 
-            made = write_questions(
-                job_id,
-                tenant,
-                spec.generate_queries,
-                spec.hyperparameters.seed,
-                target,
-                root=questions_dir(job_dir(common, job_id)),
-                store=store,
-                common=common,
-                settings=settings,
-                should_stop=JobHooks(store, job_id, lost).should_stop,
-            )
+            with span("train.generate_queries", job_id=job_id):
+                made = write_questions(
+                    job_id,
+                    tenant,
+                    spec.generate_queries,
+                    spec.hyperparameters.seed,
+                    target,
+                    root=questions_dir(job_dir(common, job_id)),
+                    store=store,
+                    common=common,
+                    settings=settings,
+                    should_stop=JobHooks(store, job_id, lost).should_stop,
+                )
             if made is None:
                 store.set_status(job_id, "cancelled")
                 return "cancelled"
@@ -257,7 +259,9 @@ def _train(
             )
         else:
             recipe = recipe_for(spec.type)(cfg, hooks=JobHooks(store, job_id, lost))
-            outcome = run(recipe, work / "checkpoints")
+            with span("train.steps", job_id=job_id, kind=spec.type) as current:
+                outcome = run(recipe, work / "checkpoints")
+                set_attributes(current, outcome=outcome)
             if outcome == "succeeded":
                 recipe.save_final(tmp)
         if outcome == "cancelled":
@@ -274,7 +278,8 @@ def _train(
             name = publish_embedder_job(common, tenant, job_id, spec, out)
             store.log(job_id, f"published as {name!r}")
         elif spec.publish and publish is not None:
-            name = publish(job_id, spec, out)
+            with span("train.publish", job_id=job_id):
+                name = publish(job_id, spec, out)  # its call to inference carries the trace
             store.log(job_id, f"published as {name!r}")
         store.set_status(
             job_id,

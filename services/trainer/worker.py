@@ -20,6 +20,7 @@ from services.common.celery_app import make_celery
 from services.common.config import CommonSettings, load_settings
 from services.common.leases import recovery_loop
 from services.common.redis_conn import sync_redis
+from services.common.telemetry import set_attributes, span
 from services.trainer.config import TrainerSettings
 
 log = logging.getLogger("tandem.trainer.worker")
@@ -50,13 +51,17 @@ def run_job(job_id: str) -> str:
 
     settings = load_settings(TrainerSettings, check_unknown=False)
     store = _store()
-    return execute(
-        job_id,
-        store=store,
-        common=common,
-        settings=settings,
-        publish=lambda jid, spec, path: publish(common, jid, spec, path),
-    )
+    # a child of the Celery task's span, in the trace of the request that created the job
+    with span("train.job", job_id=job_id) as current:
+        outcome = execute(
+            job_id,
+            store=store,
+            common=common,
+            settings=settings,
+            publish=lambda jid, spec, path: publish(common, jid, spec, path),
+        )
+        set_attributes(current, outcome=outcome)
+    return outcome
 
 
 def dispatch_join(job_id: str, endpoint: str, rdzv_id: str, queue: str) -> None:
