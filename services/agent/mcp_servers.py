@@ -12,6 +12,7 @@ the header names only.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -247,23 +248,28 @@ class McpServerStore:
                 log.info(
                     "agent %r names MCP server %r, which tenant %r has not registered", agent, server, tenant
                 )
-        tools: dict[str, Tool] = {}
         limits = self.limits()
-        for server, only in wanted.items():
+
+        async def listed(server: str) -> dict[str, Tool]:
             record = records[server]
-            allowed = record.get("tools")
+            allowed, only = record.get("tools"), wanted[server]
             try:
                 endpoint = self._endpoint(record)
                 infos = await list_tools(endpoint, limits)
             except McpFailed as exc:
                 stand_in = UnavailableServer.of(server, str(exc))
-                tools[stand_in.name] = stand_in
-                continue
+                return {stand_in.name: stand_in}
+            out: dict[str, Tool] = {}
             for info in infos:
                 if (allowed is not None and info.name not in allowed) or (
                     only is not None and info.name not in only
                 ):
                     continue
                 wrapped = McpTool.of(server, info, endpoint, limits)
-                tools[wrapped.name] = wrapped
+                out[wrapped.name] = wrapped
+            return out
+
+        tools: dict[str, Tool] = {}
+        for found in await asyncio.gather(*(listed(server) for server in wanted)):  # the servers at once
+            tools.update(found)
         return tools

@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +22,10 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.agent.config import AgentSettings
+from services.agent.mcp_servers import McpServerCreate, McpServerStore, load_cipher
 from services.agent.tools.mcp import agent_tool_name, constrained_schema
+from services.common.redis_conn import async_redis
 from tests.agent.stack import Stack, agent_stack
 from tests.conftest import auth
 from tests.helpers.servers import serve_app
@@ -292,6 +296,9 @@ def test_bad_registrations_and_runs_are_4xx_naming_the_field(guarded: Stack, api
         assert "private, loopback or link-local" in resp.json()["error"]["message"]
     resp = register(guarded, api_key, "ftp", "ftp://example.com/mcp")
     assert resp.status_code == 400 and "http and https" in resp.json()["error"]["message"]
+    for url in ("http://[::1/mcp", "http://example.com:99999/mcp"):
+        resp = register(guarded, api_key, "malformed", url)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "url", resp.text
     resp = register(guarded, api_key, "Bad Name", "https://example.com/mcp")
     assert resp.status_code == 400 and "name" in resp.text
     resp = httpx.post(
@@ -336,3 +343,17 @@ def test_a_servers_schema_becomes_closed_and_bounded() -> None:
     assert props["limit"] == {"type": "integer", "minimum": 1}
     assert constrained_schema({}) == {"type": "object", "properties": {}, "additionalProperties": False}
     assert agent_tool_name("kb", "look up.city") == "kb__look_up_city"
+
+
+@pytest.mark.anyio
+async def test_an_agent_definition_names_servers_or_single_tools(
+    redis_url: str, kb: tuple[str, HeaderLog], tmp_path: Path
+) -> None:
+    settings = AgentSettings.model_validate({"mcp_allow_private": True})
+    store = McpServerStore(async_redis(redis_url), load_cipher(settings, tmp_path), settings)
+    await store.add("defs", McpServerCreate(name="kb", url=kb[0]))
+    named = await store.agent_tools("defs", "my-agent", [], ["kb/lookup_capital", "unregistered"])
+    assert list(named) == ["kb__lookup_capital"]
+    whole = await store.agent_tools("defs", "my-agent", [], ["kb/hang", "kb"])
+    assert set(whole) == {"kb__lookup_capital", "kb__hang", "kb__flood"}
+    assert await store.agent_tools("defs", "my-agent", []) == {}

@@ -80,6 +80,10 @@ class McpResult:
 async def check_server_url(url: str, allow_private: bool, resolver: Resolver = system_resolver) -> None:
     """Raises RefusedAddress for a URL that is not http(s), has no host, carries credentials, or
     (unless ``allow_private``) resolves to a private, loopback or link-local address."""
+    try:
+        urlsplit(url).port  # noqa: B018 - raises ValueError for a malformed host or port
+    except ValueError as exc:
+        raise RefusedAddress(f"not a valid URL: {exc}") from None
     if allow_private:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https"):
