@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -323,3 +324,70 @@ def test_mcp_tools_of_a_registered_server_come_back_as_mcp_calls(
                 pass
             final = stream.get_final_response()
         assert [item.type for item in final.output] == ["mcp_call", "message"]
+
+
+@pytest.mark.e2e
+def test_over_the_real_services(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
+) -> None:
+    """Through the real retrieval and inference services (a tiny random model: the grammar makes
+    every forced call and JSON answer valid): calls, structured output with the sources as
+    annotations, and the inference's 400 named by the Responses field."""
+    import jsonschema
+
+    from tests.agent.stack import real_services
+    from tests.inference.schemas import ADD_PARAMETERS, THING_SCHEMA
+
+    docs = [
+        {"id": "bees", "title": "Honey bees", "text": "Honey bees make honey from the nectar of flowers."}
+    ]
+    facts = {"collection": "facts"}
+    ask = "What do honey bees make honey from?"
+    with real_services(
+        redis_url,
+        tmp_path_factory.mktemp("responses-real"),
+        tiny_model_path,
+        new_key(redis_url, "acme-responses-real"),
+        docs,
+        inference={"served_model_name": "tiny", "max_batch_size": 4},
+        tokenizer=str(tiny_model_path),
+        max_answer_tokens=100,
+        grounding_embedder=False,
+    ) as real:
+        client = openai.OpenAI(base_url=f"{real.agent}/v1", api_key=real.key, max_retries=0, timeout=300)
+        add = {"type": "function", "name": "add", "parameters": ADD_PARAMETERS}
+        out = client.responses.create(
+            model="chat-documents",
+            input=ask,
+            tools=[add],  # type: ignore[list-item]
+            tool_choice={"type": "function", "name": "add"},
+            extra_body=facts,
+        )
+        [call] = out.output
+        assert call.type == "function_call" and call.name == "add"
+        jsonschema.validate(json.loads(call.arguments), ADD_PARAMETERS)
+
+        thing = {"format": {"type": "json_schema", "name": "thing", "schema": THING_SCHEMA, "strict": True}}
+        with client.responses.stream(
+            model="chat-documents", input=ask, text=thing, extra_body=facts
+        ) as stream:  # type: ignore[arg-type]
+            for _ in stream:
+                pass
+            answer = stream.get_final_response()
+        jsonschema.validate(json.loads(answer.output_text), THING_SCHEMA)
+        [message] = answer.output
+        assert message.type == "message"
+        # the sources the model was shown, not cited by a marker: at the end of the text
+        annotations = message.content[0].annotations  # type: ignore[union-attr]
+        assert [(a.file_id, a.index) for a in annotations] == [("bees", len(answer.output_text))]  # type: ignore[union-attr]
+
+        _error(
+            lambda: client.responses.create(
+                model="chat-documents",
+                input=ask,
+                tools=[add, {"type": "function", "name": "bad name"}],  # type: ignore[list-item]
+                extra_body=facts,
+            ),
+            openai.BadRequestError,
+            "tools[1].name",
+        )
