@@ -1,4 +1,4 @@
-"""Structured JSON logs carrying the request id of the request being served."""
+"""Structured JSON logs carrying the request id (and trace id) of the request being served."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import logging
 import sys
 import time
 import uuid
+
+from opentelemetry import trace
 
 REQUEST_ID_HEADER = "X-Request-ID"
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -38,6 +40,9 @@ class JsonFormatter(logging.Formatter):
         rid = request_id_var.get()
         if rid:
             entry["request_id"] = rid
+        trace_id = current_trace_id()
+        if trace_id:
+            entry["trace_id"] = trace_id  # finds the request's trace in Jaeger or Tempo
         extra = getattr(record, "fields", None)
         if isinstance(extra, dict):
             entry.update(extra)
@@ -57,3 +62,9 @@ def configure_logging(service: str, level: str = "INFO", json_logs: bool = True)
     root.setLevel(level)
     # uvicorn's access log duplicates ours (which carries the request id).
     logging.getLogger("uvicorn.access").disabled = True
+
+
+def current_trace_id() -> str | None:
+    """The current OpenTelemetry trace id in hex, None outside a trace."""
+    ctx = trace.get_current_span().get_span_context()
+    return f"{ctx.trace_id:032x}" if ctx.is_valid else None

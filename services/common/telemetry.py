@@ -40,6 +40,8 @@ from opentelemetry.trace import Span, Tracer
 from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.common.logs import current_trace_id as current_trace_id  # for callers of this module
+
 log = logging.getLogger("tandem.telemetry")
 T = TypeVar("T")
 
@@ -277,12 +279,6 @@ def instrument_client(client: httpx.Client | httpx.AsyncClient) -> None:
     """Client spans for ``client``'s requests, with ``traceparent`` sent on."""
     if not disabled():
         HTTPXClientInstrumentor.instrument_client(client, tracer_provider=ROUTER)
-
-
-def current_trace_id() -> str | None:
-    """The current trace id in hex (for log lines), None outside a trace."""
-    ctx = trace.get_current_span().get_span_context()
-    return f"{ctx.trace_id:032x}" if ctx.is_valid else None
 
 
 def with_trace_context(headers: Mapping[str, str] | None) -> dict[str, str]:

@@ -145,3 +145,17 @@ def test_broken_endpoint_never_fails_a_request(
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert 'tandem_otel_export_failures_total{service="broken"}' in metrics
     assert failures(app.state.metrics.registry, "broken") >= 1
+
+
+def test_log_lines_carry_the_trace_id() -> None:
+    import json
+    import logging
+
+    from services.common.logs import JsonFormatter
+
+    provider = telemetry.make_provider("logs")
+    record = logging.LogRecord("tandem", logging.INFO, __file__, 1, "hello", None, None)
+    assert "trace_id" not in json.loads(JsonFormatter("svc").format(record))
+    with provider.get_tracer("t").start_as_current_span("work") as current:
+        line = json.loads(JsonFormatter("svc").format(record))
+    assert line["trace_id"] == f"{current.get_span_context().trace_id:032x}"
