@@ -24,7 +24,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.agent.config import AgentSettings
 from services.agent.mcp_servers import McpServerCreate, McpServerStore, load_cipher
-from services.agent.tools.mcp import agent_tool_name, constrained_schema
+from services.agent.tools.mcp import (
+    McpEndpoint,
+    McpFailed,
+    McpLimits,
+    agent_tool_name,
+    call_tool,
+    constrained_schema,
+    list_tools,
+)
 from services.common.redis_conn import async_redis
 from tests.agent.stack import Stack, agent_stack
 from tests.conftest import auth
@@ -357,3 +365,19 @@ async def test_an_agent_definition_names_servers_or_single_tools(
     whole = await store.agent_tools("defs", "my-agent", [], ["kb/hang", "kb"])
     assert set(whole) == {"kb__lookup_capital", "kb__hang", "kb__flood"}
     assert await store.agent_tools("defs", "my-agent", []) == {}
+
+
+@pytest.mark.anyio
+async def test_every_call_checks_the_address_again() -> None:
+    """A name that resolved to a public address when registered and to a private one later (DNS
+    rebinding) is refused at the call, before any connection."""
+
+    async def rebound(host: str, port: int) -> list[str]:
+        return ["10.0.0.7"]
+
+    limits = McpLimits(timeout_s=2.0, resolver=rebound)
+    endpoint = McpEndpoint("http://mcp.rebound.test/mcp")
+    with pytest.raises(McpFailed, match=r"10\.0\.0\.7, a private"):
+        await list_tools(endpoint, limits)
+    with pytest.raises(McpFailed, match="refused"):
+        await call_tool(endpoint, "lookup_capital", {"country": "x"}, limits)
