@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from services.common.config import CommonSettings, load_settings
@@ -672,7 +673,7 @@ def _questions_command(
     try:
         qs = load_questions(path)
     except QuestionSetError as exc:
-        console.print(f"[bold red]error:[/] {exc}", markup=False, highlight=False)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
     try:
         outcomes = run_questions_eval(
@@ -686,7 +687,7 @@ def _questions_command(
             progress=show,
         )
     except CollectionNotFound as exc:
-        console.print(f"[bold red]error:[/] {exc}", markup=False, highlight=False)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from None
     except httpx.HTTPError as exc:
         console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
