@@ -179,7 +179,9 @@ def test_previous_response_id_puts_the_conversation_first(client: openai.OpenAI)
 
 
 def test_stream_events_are_typed_ordered_and_stored(client: openai.OpenAI) -> None:
-    with client.responses.stream(model="tiny", input="Tell me a story.", max_output_tokens=12) as stream:
+    with client.responses.stream(
+        model="tiny", input="Tell me a story.", max_output_tokens=12, temperature=0
+    ) as stream:
         events = list(stream)
         final = stream.get_final_response() if events[-1].type == "response.completed" else None
     types = [e.type for e in events]
@@ -318,6 +320,7 @@ def test_langchain_chat_openai_on_the_responses_api(served: str, key: str) -> No
         base_url=served + "/v1",
         api_key=key,
         use_responses_api=True,
+        temperature=0,
         max_tokens=6,
         max_retries=0,  # type: ignore[arg-type]
     )
@@ -331,6 +334,7 @@ def test_langchain_chat_openai_on_the_responses_api(served: str, key: str) -> No
         base_url=served + "/v1",
         api_key=key,
         use_responses_api=True,
+        temperature=0,
         max_tokens=40,
         max_retries=0,  # type: ignore[arg-type]
     )
