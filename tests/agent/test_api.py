@@ -263,7 +263,9 @@ def test_the_openai_facade_keeps_its_wire_shape(stack: Stack, api_key: str) -> N
     answer, chunks = _facade(
         stack, api_key, {"model": "chat-documents", "messages": ask, "collection": "geo"}
     )
-    cited = {**FRANCE, "kind": "cited"}
+    # where the cited sentence is (services/agent/locate.py); page/section/anchor: none for this source
+    span = {"start": 0, "end": 31, "text": "Paris is the capital of France."}
+    cited = {**FRANCE, "kind": "cited", "page": None, "section": None, "anchor": None, "span": span}
     assert answer == {
         "id": "chatcmpl-*",
         "object": "chat.completion",
