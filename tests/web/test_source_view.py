@@ -127,3 +127,36 @@ def test_a_markdown_citation_opens_its_text_with_headings(page: Any, site: str) 
     assert "section Handbook > Leave" in dialog.locator(".cite-meta").inner_text()
     assert dialog.locator(".pdf-view").is_hidden()  # no page: no PDF viewer
     assert page.page_errors == []
+
+
+def test_search_results_say_where_the_passage_is(page: Any, site: str) -> None:  # noqa: F811
+    hit = {
+        "chunk_id": "c3",
+        "document_id": "solar.pdf",
+        "title": "solar.pdf",
+        "text": "Titan is the largest moon of Saturn.",
+        "score": 1.0,
+        "scores": {"sparse": 1.0},
+        "metadata": {},
+        "start": 210,
+        "end": 246,
+        "section": f"{SOLAR_TITLE} > Saturn",
+        "pages": [3],
+        "anchor": None,
+    }
+    double_api(
+        page,
+        {
+            **BASE_ROUTES,
+            r"POST /api/retrieval/v1/collections/handbook/search": lambda r: (200, {"results": [hit]}),
+        },
+    )
+    sign_in(page, site)
+    page.goto(f"{site}/#/search")
+    page.wait_for_function("document.querySelector('#search-collection option') !== null")
+    page.locator("#search-query").fill("Titan")
+    page.get_by_role("button", name="Search").click()
+    where = page.locator(".result .where")
+    where.wait_for()
+    assert where.inner_text() == f"section {SOLAR_TITLE} > Saturn · page 3"
+    assert page.page_errors == []

@@ -15,6 +15,10 @@ interface Result {
   end?: number;
   title?: string;
   highlights?: [number, number][];
+  /** Where the passage is in its document (retrieval's structure fields). */
+  section?: string;
+  pages?: number[];
+  anchor?: string | null;
 }
 
 type Op = "eq" | "ne" | "in" | "gt" | "gte" | "lt" | "lte";
@@ -170,6 +174,19 @@ export function searchPage(root: HTMLElement) {
       "li",
       { class: "result card" },
       h("h2", null, title),
+      r.section || r.pages?.length
+        ? h(
+            "p",
+            { class: "small where" },
+            [
+              r.section ? `section ${r.section}` : "",
+              r.pages?.length ? `${r.pages.length > 1 ? "pages" : "page"} ${r.pages.join(", ")}` : "",
+              r.anchor ? `#${r.anchor}` : "",
+            ]
+              .filter(Boolean)
+              .join(" · "),
+          )
+        : null,
       h(
         "p",
         { class: "muted small" },
