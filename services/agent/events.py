@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from services.agent.chunks import Citation
 
-AnswerKind = Literal["generated", "extractive"]
+# "generated": the model's text; "extractive": source sentences the answer step chose; "not_found":
+# no source sentence answers (the documents do not say; the closest sources are listed to see also).
+AnswerKind = Literal["generated", "extractive", "not_found"]
 
 
 class _Event(BaseModel):
@@ -154,7 +156,9 @@ class DoneEvent(_Event):
     usage: dict[str, int] = Field(default_factory=dict)
     results: list[dict[str, Any]] | None = None  # search pipelines only
     invalid_citations: list[int] = Field(default_factory=list)
-    # The groundedness guard's outcome (pipelines with a guard only).
+    # What the answer is (chat pipelines): the model's, source sentences, or "not found".
+    answer_kind: AnswerKind | None = None
+    # The groundedness guard's outcome (pipelines with a guard only); ``kind`` is ``answer_kind``.
     kind: AnswerKind | None = None
     grounding: str | None = None
     unsupported: list[dict[str, Any]] = Field(default_factory=list)

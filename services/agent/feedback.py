@@ -131,8 +131,11 @@ def rated_completion(record: TurnRecord) -> str:
     """The completion a rating is about: what the user saw. When the groundedness guard showed
     source sentences instead of the model's text (``answer_kind == "extractive"``), a thumbs up
     approves those sentences, with their ``[n]`` markers, so they are what the model should learn
-    to write; the raw completion the user never saw is not what the rating judged."""
-    if record.answer_kind == "extractive" and record.answer.strip():
+    to write; the raw completion the user never saw is not what the rating judged. Likewise a
+    "not found" (``answer_kind == "not_found"``, no model call: ``completion`` is empty): the
+    rating judges the "Your documents do not say ..." the user saw, and a correction of it is the
+    answer the model should have written from the recorded prompt."""
+    if record.answer_kind in ("extractive", "not_found") and record.answer.strip():
         return record.answer
     return record.completion
 

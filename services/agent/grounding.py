@@ -28,7 +28,7 @@ import numpy as np
 
 from services.agent.chunks import Chunk
 from services.agent.citations import MARKER_RE, TITLE_MARKER_RE
-from services.agent.text import content_terms, overlap, sentences, stem
+from services.agent.text import content_terms, is_heading, overlap, sentences, stem
 
 # Words that carry no fact of their own in an answer ("Based on the sources, the answer is ...").
 FILLER = frozenset(
@@ -280,7 +280,9 @@ def is_fragment(sentence: str) -> bool:
 
 
 def extractive_answer(question: str, chunks: list[Chunk], max_sentences: int = 2) -> tuple[str, list[int]]:
-    """The source sentences that best answer ``question``, each with its ``[n]``; and the numbers used.
+    """The source sentences that best answer ``question``, each with its ``[n]``; and the numbers used
+    (by words alone: the pipeline's answer step, services/agent/pipelines/selection.py, ranks them
+    with the collection's embedder when it can). Headings and questions are never chosen.
 
     Sentences are ranked by the share of the question's content words they hold (plus a bonus
     when they hold the kind of thing asked for: a number, a month, a name; ties: the
@@ -290,6 +292,8 @@ def extractive_answer(question: str, chunks: list[Chunk], max_sentences: int = 2
     terms = content_terms(question)
     scored: list[tuple[float, int, int, str]] = []
     for n, text in _source_sentences([c.text for c in chunks]):
+        if is_heading(text) or text.rstrip().endswith("?"):
+            continue  # a heading or a question is never an answer
         score = overlap(terms, text + " " + chunks[n - 1].title) if terms else 0.0
         # Ties between sentences of one source (the title counts for each): the one that names
         # more of the question itself wins.

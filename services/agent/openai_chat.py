@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.agent.events import ErrorEvent, Event, ResetEvent, TokenEvent, ToolCallDeltaEvent
+from services.agent.events import AnswerKind, ErrorEvent, Event, ResetEvent, TokenEvent, ToolCallDeltaEvent
 from services.agent.pipelines.state import AnswerForm
 from services.agent.protocol import (
     ChatCompletion,
@@ -149,6 +149,14 @@ def _turn(body: ChatCompletionRequest) -> Turn:
     )
 
 
+def _answer_kind(result: TurnResult) -> AnswerKind | None:
+    """A chat pipeline's text answer: "generated", "extractive" or "not_found" (else None)."""
+    state = result.state
+    if state is None or result.results is not None or state.structured:
+        return None
+    return result.answer_kind
+
+
 def _usage(result: TurnResult) -> Usage:
     keys = ("prompt_tokens", "completion_tokens", "total_tokens")
     return Usage.model_validate({k: result.usage.get(k, 0) for k in keys})
@@ -216,6 +224,7 @@ class OpenAIChat:
         if result.error is not None:
             return result.error
         choice = CompletionChoice(message=_message(result), finish_reason=_finish_reason(result))
+        kind = _answer_kind(result)
         return ChatCompletion(
             id=self.id,
             created=self.created,
@@ -223,6 +232,7 @@ class OpenAIChat:
             choices=[choice],
             usage=_usage(result),
             citations=_citations(result),
+            **({"answer_kind": kind} if kind is not None else {}),
             message_id=result.message_id,
             conversation_id=result.conversation_id,
         )
@@ -263,6 +273,8 @@ class OpenAIChat:
         }
         if result.grounding is not None:
             last["kind"] = result.answer_kind
+        if _answer_kind(result) is not None:
+            last["answer_kind"] = result.answer_kind
         if (self.body.stream_options or {}).get("include_usage"):
             # asked for, it is always there (zeros when no model was called, as for a search)
             last["usage"] = _usage(result)

@@ -129,7 +129,7 @@ class CompletionChoice(WireModel):
     finish_reason: str
 
 
-class ChatCompletion(WireModel):
+class ChatCompletion(SparseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -137,8 +137,11 @@ class ChatCompletion(WireModel):
     choices: list[CompletionChoice]
     usage: Usage
     citations: list[dict[str, Any]]
+    # "generated", "extractive" or "not_found" (a chat pipeline's text answer; absent otherwise).
+    answer_kind: AnswerKind | None = None
     message_id: str
     conversation_id: str | None
+    _omit_unset = frozenset({"answer_kind"})
 
 
 class ChunkChoice(WireModel):
@@ -149,7 +152,8 @@ class ChunkChoice(WireModel):
 
 class ChatCompletionChunk(SparseModel):
     """A piece of a streamed answer. The last (``finish_reason`` set) alone carries the turn's
-    citations and ids, its answer ``kind`` when a groundedness guard ran, and ``usage`` when
+    citations and ids, its ``answer_kind`` (chat pipelines; ``kind`` too when a groundedness guard
+    ran), and ``usage`` when
     ``stream_options.include_usage`` asked for it."""
 
     id: str
@@ -161,8 +165,9 @@ class ChatCompletionChunk(SparseModel):
     message_id: str | None = None
     conversation_id: str | None = None
     kind: AnswerKind | None = None
+    answer_kind: AnswerKind | None = None
     usage: Usage | None = None
-    _omit_unset = frozenset({"citations", "message_id", "conversation_id", "kind", "usage"})
+    _omit_unset = frozenset({"citations", "message_id", "conversation_id", "kind", "answer_kind", "usage"})
 
 
 class StreamErrorDetail(BaseModel):

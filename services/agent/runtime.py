@@ -118,6 +118,8 @@ class TurnResult:
                 usage=self.usage,
                 finish_reason=self.finish_reason,
             )
+            if self.state is not None and not self.state.structured:
+                out["answer_kind"] = self.answer_kind
             if self.grounding is not None:
                 out.update(kind=self.answer_kind, grounding=self.grounding, unsupported=self.unsupported)
         if self.steps:
@@ -400,6 +402,8 @@ class AgentRuntime:
         done = result.done_event(model=result.model or None)
         if result.results is not None:
             done.results = result.results
+        if result.state is not None and result.results is None and not result.state.structured:
+            done.answer_kind = result.answer_kind  # a chat pipeline's text answer
         if result.grounding is not None:
             done.kind = result.answer_kind
             done.grounding = result.grounding

@@ -8,6 +8,7 @@ WORD_RE = re.compile(r"[A-Za-z0-9]+(?:['’][A-Za-z]+)?")
 # A sentence ends at . ! or ? followed by a space, a line break or the end: not inside "96.875",
 # ".tandem/api-key" or "e.g.x".
 SENTENCE_RE = re.compile(r"(?:[^.!?\n]|[.!?]+(?=[^\s.!?]))+(?:[.!?]+|\n|$)")
+_TABLE_RULE = re.compile(r"^\|?[\s:|-]+\|?$")
 
 STOPWORDS = frozenset(
     [
@@ -203,3 +204,15 @@ def sentences(text: str) -> list[tuple[int, int]]:
         if e > s:
             spans.append((s, e))
     return spans
+
+
+def is_heading(line: str) -> bool:
+    """A Markdown heading, a bold or title-like line without a verb's punctuation, or a table rule."""
+    text = line.strip()
+    if text.startswith("#") or _TABLE_RULE.match(text):
+        return True
+    if re.fullmatch(r"\*\*[^*]+\*\*:?", text) or text.startswith("="):
+        return True
+    words = WORD_RE.findall(text)
+    # A short line with no sentence end: "Token budget", "Datasets and training".
+    return len(words) <= 6 and not re.search(r"[.!]\s*$", text) and not text.startswith("|")

@@ -280,6 +280,7 @@ def test_the_openai_facade_keeps_its_wire_shape(stack: Stack, api_key: str) -> N
         ],
         "usage": usage,
         "citations": [cited],
+        "answer_kind": "generated",
         "message_id": "msg_*",
         "conversation_id": None,
     }
@@ -288,6 +289,7 @@ def test_the_openai_facade_keeps_its_wire_shape(stack: Stack, api_key: str) -> N
         "message_id": "msg_*",
         "conversation_id": None,
         "kind": "generated",
+        "answer_kind": "generated",
         "usage": usage,
     }
     assert chunks == [

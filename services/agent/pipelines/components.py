@@ -35,6 +35,7 @@ from services.agent.text import content_terms, overlap
 from services.common.errors import InvalidRequest, TandemError
 from services.common.openai_stream import ToolCallDelta
 
+from .selection import Selection, extractive_text, not_found_text, select_answer
 from .state import EventStream, RunContext, RunState
 
 log = logging.getLogger("tandem.agent.guard")
@@ -323,6 +324,77 @@ class PromptNode:
         yield
 
 
+def collection_embedder(state: RunState, ctx: RunContext) -> Callable[[list[str]], Any] | None:
+    """Texts to vectors with the collection's own embedding model (inference's /v1/embeddings)."""
+    collection = state.collection
+    if collection is None:
+        return None
+
+    async def embed(texts: list[str]) -> list[list[float]]:
+        model = await ctx.retrieval.embedding_model(collection)
+        return await ctx.inference.embed(model, texts)
+
+    return embed
+
+
+class AnswerSelectNode:
+    """Before the model is called: the source sentences that answer the question (see
+    services/agent/pipelines/selection.py), kept in ``state.selection`` for the guard's extractive
+    answer; and when none does, the answer that the documents do not say (``answer_kind:
+    "not_found"``), the closest sources cited as ``kind: "see_also"``, without a model call.
+
+    The turn record of a "not found" keeps the prompt the model would have answered from, so a
+    correction of it trains the model like any other."""
+
+    class P(Params):
+        enabled: bool = True
+        # None: the agent's ``grounding_embedder`` setting; off (or failing): words alone.
+        embedder: bool | None = None
+        embed_timeout_s: float = Field(10.0, gt=0.0, le=300.0)
+        # Off: "not found" is never said; the selection still serves the guard.
+        abstain: bool = True
+
+    def __init__(self, p: P) -> None:
+        self.p = p
+
+    async def _select(self, state: RunState, ctx: RunContext, chunks: list[Chunk]) -> Selection:
+        asked = state.question
+        if state.search_query and state.search_query != state.question:
+            asked = f"{state.question} {state.search_query}"
+        use = ctx.settings.grounding_embedder if self.p.embedder is None else self.p.embedder
+        embed = collection_embedder(state, ctx) if use else None
+        if embed is not None:
+            try:
+                async with asyncio.timeout(self.p.embed_timeout_s):
+                    return await select_answer(asked, chunks, embed)
+            except TimeoutError:
+                log.warning(
+                    "answer selection: words only, embedding failed: no answer in %s s",
+                    self.p.embed_timeout_s,
+                )
+            except (TandemError, ValueError, KeyError, TypeError) as exc:
+                log.warning("answer selection: words only, embedding failed: %s", exc)
+        return await select_answer(asked, chunks, None)
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        if not self.p.enabled or state.form is not None or state.plan is None or state.no_context:
+            return
+        chunks = state.plan.sources
+        state.selection = await self._select(state, ctx, chunks)
+        if state.selection.found or not self.p.abstain:
+            return
+        state.answer_kind = "not_found"
+        state.answer = not_found_text(state.question, chunks, state.selection.see_also)
+        # The prompt the model would have answered from, and its model (nothing was generated).
+        state.prompt = [dict(m) for m in state.plan.messages]
+        state.model = ctx.model
+        for piece in re.findall(r"\S+\s*", state.answer):
+            yield TokenEvent(text=piece)
+        state.citations = [Citation.of(n, chunks[n - 1], kind="see_also") for n in state.selection.see_also]
+        for citation in state.citations:
+            yield CitationEvent.from_citation(citation)
+
+
 class GenerateNode:
     class P(Params):
         max_tokens: int | None = Field(None, ge=1, le=8192)
@@ -337,8 +409,11 @@ class GenerateNode:
         self.generator = generator
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        if state.answer_kind == "not_found":
+            return  # the answer step found that the documents do not say
         if state.plan is None or (state.no_context and state.form is None):
             state.answer = NO_CONTEXT_ANSWER.format(collection=state.collection)
+            state.answer_kind = "not_found"
             yield TokenEvent(text=state.answer)
             return
         # A regenerated draft samples at its own temperature (state.options), so it can differ.
@@ -409,7 +484,7 @@ class CiteNode:
         self.p = p
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
-        if state.tracker is None:
+        if state.tracker is None or state.answer_kind == "not_found":
             return
         if state.structured:
             # JSON or tool calls carry no markers to resolve (a JSON array "[1]" is not one): the
@@ -461,14 +536,9 @@ class GuardNode:
     ) -> GroundingReport:
         """The embedding side of the check; on any failure (a service down, a model inference does
         not serve) the lexical verdict stands: the answer must never fail for it."""
-        collection = state.collection
-        if collection is None:
+        embed = collection_embedder(state, ctx)
+        if embed is None:
             return report
-
-        async def embed(texts: list[str]) -> list[list[float]]:
-            model = await ctx.retrieval.embedding_model(collection)
-            return await ctx.inference.embed(model, texts)
-
         try:
             async with asyncio.timeout(self.p.embed_timeout_s):
                 return await with_embeddings(report, state.answer, sources, embed, self.p.min_similarity)
@@ -484,6 +554,8 @@ class GuardNode:
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         enabled = ctx.settings.grounding_guard if self.p.enabled is None else self.p.enabled
         if not enabled or state.tracker is None or state.no_context or not state.tracker.chunks:
+            return
+        if state.answer_kind == "not_found":
             return
         if state.structured:
             # A JSON answer or tool calls are the form the caller asked for: an extractive answer
@@ -509,7 +581,10 @@ class GuardNode:
         if not report.degenerate:
             state.unsupported = [{"text": s.text, "start": s.start, "end": s.end} for s in report.unsupported]
             return
-        text, numbers = extractive_answer(asked, chunks, self.p.max_sentences)
+        if state.selection is not None and state.selection.found:
+            text, numbers = extractive_text(state.selection)
+        else:
+            text, numbers = extractive_answer(asked, chunks, self.p.max_sentences)
         if not text:
             return
         yield ResetEvent(reason=report.verdict)
@@ -586,6 +661,7 @@ NODE_TYPES: dict[str, tuple[type[Params], Callable[[Any], Any]]] = {
     "relevance_filter": (RelevanceNode.P, RelevanceNode),
     "highlighter": (HighlightNode.P, HighlightNode),
     "prompt_builder": (PromptNode.P, PromptNode),
+    "answer_selector": (AnswerSelectNode.P, AnswerSelectNode),
     "generator": (GenerateNode.P, GenerateNode),
     "citation_resolver": (CiteNode.P, CiteNode),
     "groundedness_guard": (GuardNode.P, GuardNode),

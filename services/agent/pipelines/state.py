@@ -11,6 +11,7 @@ from services.agent.citations import CitationTracker
 from services.agent.clients import InferenceClient, RetrievalClient
 from services.agent.config import AgentSettings
 from services.agent.events import AnswerKind, Event
+from services.agent.pipelines.selection import Selection
 from services.agent.prompting import PromptPlan
 from services.agent.tokens import TokenCounter
 from services.common.openai_stream import ToolCall, ToolCallDelta
@@ -86,7 +87,10 @@ class RunState:
     sampling: dict[str, Any] = field(default_factory=dict)
     # The model's own text (``answer`` is what is shown: the groundedness guard may replace it).
     completion: str = ""
-    answer_kind: AnswerKind = "generated"  # "extractive" when the guard answered from the sources
+    # "extractive" when the guard answered from the sources, "not_found" when none answers.
+    answer_kind: AnswerKind = "generated"
+    # The answer step's choice of source sentences (None: the pipeline has no answer_selector).
+    selection: Selection | None = None
     grounding: str | None = None  # the guard's verdict (services/agent/grounding.py)
     groundedness: float | None = None
     unsupported: list[dict[str, Any]] = field(default_factory=list)

