@@ -32,20 +32,22 @@ pytestmark = pytest.mark.anyio
 
 RETRIEVAL = [
     Chunk(
+        "ret#1",
+        "docs-retrieval.md",
+        "## Backends\n\nCollections are stored in FAISS indexes on local disk by default, or in a "
+        "Milvus vector database with `TANDEM_RETRIEVAL_BACKEND=milvus`.",
+        title="Retrieval service",
+        section="Retrieval service > Backends",
+        start=300,
+    ),
+    Chunk(
         "ret#0",
         "docs-retrieval.md",
         "# Retrieval service\n\n## Which vector databases can the retrieval service use?\n\n"
         "The server is asked on first use, so the retrieval service starts before it. "
         "The retrieval service is started by `tandem up`.",
         title="Retrieval service",
-    ),
-    Chunk(
-        "ret#1",
-        "docs-retrieval.md",
-        "## Backends\n\nCollections are stored in FAISS indexes on local disk by default, or in a "
-        "Milvus vector database with `TANDEM_RETRIEVAL_BACKEND=milvus`.",
-        title="Retrieval service",
-        start=300,
+        section="Retrieval service > Which vector databases can the retrieval service use?",
     ),
 ]
 STDIO = [
@@ -94,7 +96,7 @@ async def test_the_answering_sentence_wins_over_one_that_only_shares_the_questio
     selection = await select_answer(question, RETRIEVAL, embed)
     assert selection.found and selection.embedded
     text, numbers = extractive_text(selection)
-    assert "Milvus" in text and numbers == [2]
+    assert "Milvus" in text and numbers == [1]
     assert "asked on first use" not in text  # shares "retrieval service" and "use", answers nothing
     [call] = embed.calls  # the question and every candidate in one request
     assert call[0] == question and len(call) == 1 + len(answer_candidates(RETRIEVAL))

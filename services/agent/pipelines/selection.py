@@ -40,8 +40,8 @@ TYPE_BONUS = 0.1
 # bonuses) and is at least MIN_ANSWER_SIMILARITY similar to the question.
 MIN_ANSWER_SCORE = 0.55
 MIN_ANSWER_SIMILARITY = 0.3
-# A second sentence joins the answer when it scores within this of the first and holds as large a
-# share of the focus terms.
+# A second sentence of the same section joins the answer when it scores within this of the first
+# and holds as large a share of the focus terms.
 SECOND_MARGIN = 0.08
 # Without an embedder (it failed): a candidate must hold this share of the focus terms.
 MIN_LEXICAL_FOCUS = 0.5
@@ -255,6 +255,7 @@ def select(
     for c in answering[1:2] if embedded else []:
         # nearly as close, and holding at least as much of what the question asks for
         close = c.score >= best.score - SECOND_MARGIN and c.focus >= best.focus
+        close = close and _section(chunks[c.source - 1]) == _section(chunks[best.source - 1])
         if close and _key(c.text) not in {_key(p.text) for p in picked}:
             picked += [
                 n for n in _with_neighbours(c, chunks) if (n.source, n.position) not in _places(picked)
