@@ -152,10 +152,9 @@ def _method(
     name: str, device: str, s: int, kind: str, heads: int, kv_heads: int, d: int, dtype: Any
 ) -> tuple[Callable[[], Any], Callable[[Any, Any, Any, Any], Any], bool]:
     """(build the mask, attention(q, k, v, mask) in [B, S, H, D], has a backward)."""
+    import tandem_kernels
     import torch
     import torch.nn.functional as F
-
-    import tandem_kernels
     from tandem_kernels.flashmask.reference import dense_mask
 
     if name in ("flashmask", "flashmask-torch"):
@@ -194,9 +193,8 @@ def _method(
         return build, run, True
 
     if name == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
         from tandem_kernels.flashmask.bounds import normalize_bounds
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         compiled = torch.compile(flex_attention, dynamic=True)
 

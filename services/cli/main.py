@@ -107,6 +107,7 @@ def up(
 ) -> None:
     """Start Redis (embedded Valkey unless TANDEM_REDIS_URL is set), the four services and the workers.
     On a stack of which some components run, start only those missing."""
+    _check_installed()
     common = _settings()
     layout = stack.Layout(common.home_dir)
     layout.make()

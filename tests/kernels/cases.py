@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import torch
-
 import tandem_kernels
+import torch
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,9 @@ def cases(s: int, hq: int, seed: int = 0) -> list[Case]:
         Case("full", False, None),
         Case("document", True, tandem_kernels.document_mask(lens)),
         Case(
-            "document-padded", True, tandem_kernels.document_mask(lens[:-1], total_len=s) if len(lens) > 1 else None
+            "document-padded",
+            True,
+            tandem_kernels.document_mask(lens[:-1], total_len=s) if len(lens) > 1 else None,
         ),
         Case("one-sample", True, tandem_kernels.document_mask([s])),
         Case("shared-question", True, tandem_kernels.shared_question_mask([(p, c_len, s - p - c_len)])),

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import tandem_kernels
 import torch
+from tandem_kernels.flashmask import hf as fm_hf
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-import tandem_kernels
-from tandem_kernels.flashmask import hf as fm_hf
 from tests.helpers.models import small_decoder
 
 LENS = [7, 1, 12, 5]  # includes a one-token sample

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tandem_kernels
+import torch
 from tandem_kernels.flashmask.reference import dense_mask
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tandem_kernels
+import torch
 from tandem_kernels.flashmask.bounds import normalize_bounds
 from tandem_kernels.flashmask.reference import reference_attention
 from tandem_kernels.flashmask.torch_impl import torch_flashmask_attention
+
 from tests.kernels.cases import cases, compare_with_reference, qkv
 
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA

@@ -10,10 +10,9 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
+import tandem_kernels.flashmask.triton_impl as ti  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-
-import tandem_kernels.flashmask.triton_impl as ti  # noqa: E402
 
 if ti.INTERPRETED:
     pytest.skip("kernels were built for the interpreter (TRITON_INTERPRET=1)", allow_module_level=True)

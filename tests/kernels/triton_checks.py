@@ -25,6 +25,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 import tandem_kernels  # noqa: E402
 import tandem_kernels.flashmask.triton_impl as triton_impl  # noqa: E402
 from tandem_kernels.flashmask.bounds import normalize_bounds  # noqa: E402
+
 from tests.kernels.cases import Case, cases, compare_with_reference, qkv  # noqa: E402
 
 DEVICE = "cpu" if triton_impl.INTERPRETED else "cuda"

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tandem_kernels
 import torch
 from transformers import AutoTokenizer
 
-import tandem_kernels
 from services.common.errors import InvalidRequest
 from services.trainer.data.formats import DatasetError, parse_dataset, records_for
 from services.trainer.data.packing import group_mask, pack_groups, pack_pairs, shuffled_bfd
