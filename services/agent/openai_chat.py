@@ -225,17 +225,19 @@ class OpenAIChat:
             return result.error
         choice = CompletionChoice(message=_message(result), finish_reason=_finish_reason(result))
         kind = _answer_kind(result)
-        return ChatCompletion(
+        completion = ChatCompletion(
             id=self.id,
             created=self.created,
             model=self.body.model,
             choices=[choice],
             usage=_usage(result),
             citations=_citations(result),
-            **({"answer_kind": kind} if kind is not None else {}),
             message_id=result.message_id,
             conversation_id=result.conversation_id,
         )
+        if kind is not None:  # set only for chat pipelines: an unset field stays off the wire
+            completion.answer_kind = kind
+        return completion
 
     async def stream(self) -> AsyncIterator[ChatCompletionChunk | StreamError]:
         """Runs the turn up to its first output (errors before it raise), then its chunks."""
