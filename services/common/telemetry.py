@@ -168,7 +168,7 @@ class _RoutedTracer(Tracer):
     def start_span(self, *args: Any, **kwargs: Any) -> Span:
         return self._target().start_span(*args, **kwargs)
 
-    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:
         return self._target().start_as_current_span(*args, **kwargs)
 
 
@@ -198,7 +198,7 @@ def _install_router() -> None:
     _global_set = True
     if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         trace.set_tracer_provider(ROUTER)
-    CeleryInstrumentor().instrument(tracer_provider=ROUTER)
+    CeleryInstrumentor().instrument(tracer_provider=ROUTER)  # type: ignore[no-untyped-call]
 
 
 def tracer(name: str = "tandem") -> Tracer:
