@@ -325,7 +325,14 @@ def test_the_openai_facade_keeps_its_wire_shape(stack: Stack, api_key: str) -> N
     message = {"role": "assistant", "content": None, "tool_calls": [ADD]}
     assert answer["choices"] == [{"index": 0, "message": message, "finish_reason": "tool_calls"}]
     # the sources the model was given, none cited
-    sources = [{**FRANCE, "kind": "source"}, {**GERMANY, "kind": "source"}]
+    # each located at its sentence closest to the question (services/agent/locate.py)
+    none = {"page": None, "section": None, "anchor": None}
+    fr_span = {"start": 0, "end": 31, "text": "Paris is the capital of France."}
+    de_span = {"start": 0, "end": 33, "text": "Berlin is the capital of Germany."}
+    sources = [
+        {**FRANCE, "kind": "source", **none, "span": fr_span},
+        {**GERMANY, "kind": "source", **none, "span": de_span},
+    ]
     assert (answer["usage"], answer["citations"]) == (usage, sources)
     first = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "add", "arguments": ""}}
     ends = {
