@@ -183,4 +183,5 @@ def test_fact_metrics_of_hand_made_answers() -> None:
 
 def test_eval_rag_wants_one_question_set() -> None:
     result = CliRunner().invoke(app, ["eval", "rag", "--api-key", "k"])
-    assert result.exit_code == 2 and "exactly one of --beir DIR and --facts N" in result.output
+    assert result.exit_code == 2
+    assert "exactly one of --beir DIR, --facts N and --questions FILE" in result.output
