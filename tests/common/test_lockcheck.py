@@ -98,6 +98,8 @@ def test_tandem_up_stops_on_a_missing_package(
     tmp_path: Path, tandem_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(lockcheck, "LOCK", _fake_lock(tmp_path, {"no-such-dist-tandem": "9.9"}))
+    # a setting that stops start-up later too, so a missing check fails here without starting a stack
+    monkeypatch.setenv("TANDEM_DEVICE", "tpu")
     result = CliRunner().invoke(cli.app, ["up"])
     assert result.exit_code == 1
     assert "no-such-dist-tandem is not installed; the lock wants no-such-dist-tandem==9.9" in " ".join(
