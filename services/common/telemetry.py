@@ -227,8 +227,8 @@ def setup_process(service: str, registry: CollectorRegistry | None = None) -> Sd
         return None
     provider = make_provider(service, registry)
     _install_router()
-    if _process_provider is None:
-        _process_provider = provider
+    # a worker process serves one service: its spans go to it, whatever ran in the process before
+    _process_provider = provider
     return provider
 
 
