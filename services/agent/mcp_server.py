@@ -146,16 +146,7 @@ def build_mcp_server(runtime: AgentRuntime, redis_client: Any) -> MCPServer:
     ) -> Callable[[PipelineRunRequest, Context[Any, Any]], Awaitable[dict[str, Any]]]:
         async def run(body: PipelineRunRequest, ctx: Context[Any, Any]) -> dict[str, Any]:
             who = await caller(ctx)
-            turn = Turn(
-                target=target,
-                message=body.question(),
-                collection=body.collection,
-                conversation_id=body.conversation_id,
-                history=[{"role": m.role, "content": m.text()} for m in body.history or []],
-                remember=body.remember or body.conversation_id is not None,
-                options={"top_k": body.top_k} if body.top_k else {},
-                llm=body.llm,
-            )
+            turn = Turn.of_run(target, body)
             result = TurnResult()
             try:
                 events = await collect(runtime.turn(who.principal, who.key, turn, result))

@@ -37,7 +37,7 @@ from services.agent.pipelines.components import CiteNode, Component, GenerateNod
 from services.agent.pipelines.definition import Pipeline, load_pipelines
 from services.agent.pipelines.state import AnswerForm, AnswerKind, Event, RunContext, RunState
 from services.agent.prompting import PromptPlan
-from services.agent.protocol import TurnRecord
+from services.agent.protocol import PipelineRunRequest, TurnRecord
 from services.agent.tokens import load_counter
 from services.agent.tools.base import Tool, ToolContext
 from services.agent.tools.registry import default_tools
@@ -67,6 +67,21 @@ class Turn:
     llm: str | None = None  # the model that generates; None: the conversation's, else the default
     form: AnswerForm | None = None  # the caller's tools / response_format (OpenAI facade)
     mcp_servers: list[str] = field(default_factory=list)  # the caller's registered MCP servers (agents)
+
+    @classmethod
+    def of_run(cls, target: str, body: PipelineRunRequest) -> Turn:
+        """The turn a run request asks for (REST `POST /v1/pipelines/{name}/run` and MCP tools)."""
+        return cls(
+            target=target,
+            message=body.question(),
+            collection=body.collection,
+            conversation_id=body.conversation_id,
+            history=[{"role": m.role, "content": m.text()} for m in body.history or []],
+            remember=body.remember or body.conversation_id is not None,
+            options={"top_k": body.top_k} if body.top_k else {},
+            llm=body.llm,
+            mcp_servers=list(body.mcp_servers or []),
+        )
 
 
 @dataclass

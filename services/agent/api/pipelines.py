@@ -24,17 +24,7 @@ async def list_pipelines(runtime: RuntimeDep) -> dict[str, Any]:
 @router.post("/v1/pipelines/{name}/run", response_model=None, responses=JSON_OR_SSE)
 async def run_pipeline(name: str, body: PipelineRunRequest, runtime: RuntimeDep, who: CallerDep) -> Any:
     principal, key = who
-    turn = Turn(
-        target=name,
-        message=body.question(),
-        collection=body.collection,
-        conversation_id=body.conversation_id,
-        history=[{"role": m.role, "content": m.text()} for m in body.history or []],
-        remember=body.remember or body.conversation_id is not None,
-        options={"top_k": body.top_k} if body.top_k else {},
-        llm=body.llm,
-        mcp_servers=list(body.mcp_servers or []),
-    )
+    turn = Turn.of_run(name, body)
     result = TurnResult()
     events = runtime.turn(principal, key, turn, result)
     if not body.stream:
