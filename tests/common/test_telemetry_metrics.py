@@ -44,7 +44,9 @@ def test_query_latency_is_labelled_by_mode() -> None:
 def test_trainer_jobs_steps_and_throughput(redis_client: redis.Redis) -> None:
     redis_client.delete(STATUS_KEY, STEPS_KEY)
     store = TrainerStore(redis_client)
-    store.create_job("acme", "job-m1", {"type": "sft"})
+    # A tenant and job of this test's own: the session's Valkey is shared, and a half-made job
+    # in a real tenant's list would be listed by other tests.
+    store.create_job("metrics-only", "job-m1", {"type": "sft", "spec": "{}"})
     store.set_status("job-m1", "running")
     clock = Clock()
     timer = StepTimer(redis_client, clock)

@@ -8,11 +8,14 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import uuid
+
 import httpx
 import pytest
 
 from tests.agent.stack import Stack, agent_stack
 from tests.agent.test_mcp_client import mcp_server
+from services.common.auth import KeyStore
 from tests.conftest import auth
 from tests.web.conftest import DIST
 
@@ -28,10 +31,18 @@ def served(redis_url: str, tmp_path: Any) -> Iterator[tuple[Stack, str]]:
         yield stack, url
 
 
+@pytest.fixture()
+def page_key(key_store: KeyStore) -> str:
+    """A key of a tenant of its own: the page must start empty, whatever servers other tests
+    registered for their tenants in the session's Valkey."""
+    return key_store.create(f"mcp-page-{uuid.uuid4().hex[:8]}")[0]
+
+
 def test_add_a_server_see_its_tools_and_enable_them_per_agent(
-    page: Any, served: tuple[Stack, str], api_key: str
+    page: Any, served: tuple[Stack, str], page_key: str
 ) -> None:
     stack, mcp_url = served
+    api_key = page_key
     page.goto(f"{stack.url}/#/signin?next=mcp")
     page.get_by_label("API key").fill(api_key)
     page.get_by_role("button", name="Sign in").click()
