@@ -17,8 +17,8 @@ Runs (each from all-MiniLM-L6-v2, the job's defaults: MNRL, batch 32, lr 2e-5, 1
 - ``labelled``: the training queries' qrels alone;
 - ``corpus``: title -> abstract pairs alone (``collection`` mode: no labels at all).
 
-``--skip-base`` leaves out the base model's evaluation (one pass over the corpus) when it is
-known from an earlier run of the same split.
+``--skip-base`` leaves out the base model's evaluation (one pass over the corpus) when its
+figures for the same split are already known.
 
 ``--title-pairs N`` trains on the title pairs of N documents only (the first N by id order after
 a seeded shuffle) when the full corpus would take too long on a loaded machine.

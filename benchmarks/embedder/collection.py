@@ -334,7 +334,7 @@ def main() -> None:
             # staged experiment then trains only its labelled stage
             chunks = labelled_chunks if name in ("labelled", "supervised", "staged") else None
             dump = hp.model_dump()
-            # models kept before these fields existed were trained as their values say
+            # cache keys leave these fields out at these values, so models kept without them still match
             for field, before in (("hard_negatives_from", "model"), ("precision", "auto")):
                 if dump[field] == before:
                     del dump[field]

@@ -39,7 +39,7 @@ VARIANTS: dict[str, dict[str, bool]] = {
 
 
 # prompt paths (--prompts): the lean prompt forward in C++ (native) or Python, with bf16 blocks of
-# at most this many rows (64: the blocks before the probe for larger ones), and the Hugging Face
+# at most this many rows (64: the blocks where the probe finds no larger ones), and the Hugging Face
 # modules' forward: (lean forward, its C++ loop, largest block)
 PROMPT_VARIANTS: dict[str, tuple[bool, bool, int]] = {
     "native": (True, True, 192),
