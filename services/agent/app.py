@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from services.agent.api import conversations, feedback, mcp_servers, openai_compat, pipelines, proxy, ws
+from services.agent.api import quality as quality_api
 from services.agent.api import responses as responses_api
 from services.agent.config import AgentSettings
 from services.agent.mcp_server import install_mcp, mcp_routers
@@ -46,6 +47,7 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
             pipelines.router,
             conversations.router,
             feedback.router,
+            quality_api.router,
             openai_compat.router,
             responses_api.router,
             ws.router,
@@ -61,6 +63,7 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
     )
     app.state.settings = settings
     app.state.runtime = AgentRuntime.create(common, settings, app.state.redis)
+    app.state.runtime.quality.register(app.state.metrics.registry)
     install_mcp(app, app.state.runtime)
     web = Path(settings.web_dist) if settings.web_dist else DEFAULT_WEB_DIST
     if web.is_dir():

@@ -78,6 +78,9 @@ async def give_feedback(runtime: AgentRuntime, principal: Principal, body: Feedb
     fb = await runtime.turns.set_feedback(
         principal.tenant, body.message_id, body.rating, body.correction, body.comment
     )
+    if record.quality is not None and record.quality.rating != body.rating:
+        # A new thumb, or one turned over; the same thumb given again is not counted twice.
+        runtime.quality.observe_rating(principal.tenant, record.pipeline, record.quality.model, body.rating)
     return feedback_object(fb, record)
 
 

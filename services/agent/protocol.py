@@ -199,6 +199,23 @@ MESSAGE_ID_PATTERN = r"^msg_[0-9a-f]{24}$"
 # -- turn records and feedback (issue 13) ---------------------------------------------------------
 
 
+class AnswerQuality(BaseModel):
+    """Quality signals of one chat answer, computed as it is produced (the guard's own figures,
+    nothing judged again) and kept on its turn record; ``rating`` follows the feedback."""
+
+    groundedness: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="share of the shown answer's sentences a source supports (the groundedness "
+        "guard's figure; 1.0 for an extractive answer); null when the guard did not run",
+    )
+    cited: bool = Field(description="the shown answer cites a source with a [n] marker")
+    answer_kind: AnswerKind
+    model: str = Field(description="the model that answered (empty when none was called)")
+    rating: Literal[1, -1] | None = Field(None, description="the user's thumbs: 1 up, -1 down, null none")
+
+
 class TurnRecord(BaseModel):
     """One assistant turn as it was produced: the exact prompt the model saw and what it said."""
 
@@ -223,6 +240,8 @@ class TurnRecord(BaseModel):
     finish_reason: str = "stop"
     # "extractive" when the groundedness guard showed source sentences instead of ``completion``.
     answer_kind: AnswerKind = "generated"
+    # Chat answers (not searches, agents, JSON answers or tool calls): services/agent/quality.py.
+    quality: AnswerQuality | None = None
     sources: list[dict[str, Any]] = Field(default_factory=list, exclude=True)
     tenant: str = Field(default="", exclude=True)
     user: str = Field(default="", exclude=True)
@@ -270,6 +289,52 @@ class ModelStats(BaseModel):
 
 class FeedbackStats(BaseModel):
     data: list[ModelStats]
+
+
+QualityBucketName = Literal["hour", "day", "week"]
+
+
+class QualityPoint(BaseModel):
+    """One model's answers in one time bucket (``start``: unix seconds, UTC-aligned)."""
+
+    model: str
+    start: float
+    answers: int
+    groundedness_mean: float | None = Field(description="over the answers the guard judged; null if none")
+    judged: int = Field(description="answers with a groundedness")
+    cited_share: float
+    extractive_share: float
+    not_found_share: float
+    rated: int = Field(description="answers with a thumbs up or down")
+    thumbs_up_rate: float | None = Field(description="up / rated; null when none is rated")
+
+
+class QualityReport(BaseModel):
+    object: Literal["quality"] = "quality"
+    bucket: QualityBucketName
+    since: float
+    data: list[QualityPoint]
+
+
+class WorstAnswer(BaseModel):
+    message_id: str
+    conversation_id: str | None = None
+    pipeline: str
+    model: str
+    collection: str | None = None
+    created_at: float
+    question: str
+    answer: str
+    groundedness: float | None = None
+    cited: bool
+    answer_kind: AnswerKind
+    rating: Literal[1, -1] | None = None
+
+
+class WorstAnswers(BaseModel):
+    object: Literal["list"] = "list"
+    since: float
+    data: list[WorstAnswer]
 
 
 class RegenerateRequest(BaseModel):

@@ -38,6 +38,7 @@ from services.agent.pipelines.definition import Pipeline, load_pipelines
 from services.agent.pipelines.state import AnswerForm, AnswerKind, Event, RunContext, RunState
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import PipelineRunRequest, TurnRecord
+from services.agent.quality import QualityMetrics, answer_quality
 from services.agent.tokens import load_counter
 from services.agent.tools.base import Tool, ToolContext
 from services.agent.tools.registry import default_tools
@@ -186,6 +187,7 @@ class AgentRuntime:
         self.settings = settings
         self.memory = memory
         self.turns = turns
+        self.quality = QualityMetrics()  # on the app's /metrics (app.py registers it)
         self.pipelines: dict[str, Pipeline] = load_pipelines(settings.pipelines_dir or None)
         self.tools, self.tool_errors = default_tools(settings)
         self.agents: dict[str, AgentSpec] = {
@@ -467,7 +469,18 @@ class AgentRuntime:
         if not record.prompt:
             record.model = ""  # nothing was generated (a search, or "I don't know" without a model call)
         result.model = record.model
+        state_ = result.state
+        if state_ is not None and result.results is None and not state_.structured:
+            # A chat answer: its quality is what the pipeline worked out while answering.
+            record.quality = answer_quality(
+                groundedness=state_.groundedness,
+                citations=record.citations,
+                answer_kind=record.answer_kind,
+                model=record.model,
+            )
         await self.turns.add_turn(principal.tenant, principal.key_id, record)
+        if record.quality is not None:
+            self.quality.observe_answer(principal.tenant, record.pipeline, record.quality)
 
     async def regenerate(
         self, principal: Principal, api_key: str, message_id: str, result: TurnResult
@@ -535,8 +548,15 @@ class AgentRuntime:
             finish_reason=state.finish_reason,
             sources=original.sources,
         )
+        if not state.structured:
+            # No guard runs on a draft: its groundedness is unknown, not zero.
+            draft.quality = answer_quality(
+                groundedness=None, citations=draft.citations, answer_kind="generated", model=draft.model
+            )
         # The draft belongs to the conversation's owner, so deleting the conversation deletes it.
         await self.turns.add_turn(principal.tenant, original.user, draft)
+        if draft.quality is not None:
+            self.quality.observe_answer(principal.tenant, draft.pipeline, draft.quality)
         yield result.done_event(model=result.model, draft_of=result.draft_of)
 
     async def _run_pipeline(self, run: _Run) -> AsyncIterator[Event]:

@@ -87,6 +87,14 @@ class TurnStore(Protocol):
 
     async def stats(self, tenant: str) -> list[dict[str, Any]]: ...
 
+    async def quality_series(
+        self, tenant: str, since: float, bucket_s: int, model: str | None = None
+    ) -> list[dict[str, Any]]: ...
+
+    async def worst_answers(
+        self, tenant: str, since: float, limit: int, model: str | None = None
+    ) -> list[tuple[TurnRecord, int | None]]: ...
+
     def close(self) -> None: ...
 
 
@@ -113,6 +121,17 @@ CREATE TABLE IF NOT EXISTS feedback (
     updated_at  REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS feedback_tenant ON feedback (tenant, updated_at);
+CREATE TABLE IF NOT EXISTS quality (
+    message_id   TEXT PRIMARY KEY REFERENCES turns (message_id) ON DELETE CASCADE,
+    tenant       TEXT NOT NULL,
+    pipeline     TEXT NOT NULL,
+    model        TEXT NOT NULL,
+    created_at   REAL NOT NULL,
+    answer_kind  TEXT NOT NULL,
+    cited        INTEGER NOT NULL,
+    groundedness REAL
+);
+CREATE INDEX IF NOT EXISTS quality_tenant ON quality (tenant, created_at);
 CREATE TABLE IF NOT EXISTS preferences (
     tenant      TEXT NOT NULL,
     chosen      TEXT NOT NULL REFERENCES turns (message_id) ON DELETE CASCADE,
@@ -124,6 +143,9 @@ CREATE TABLE IF NOT EXISTS preferences (
 
 
 SQLITE_MAX_INT = 2**63 - 1
+# The epoch was a Thursday: weekly buckets are shifted to start on Mondays (UTC).
+WEEK_S = 7 * 86400
+MONDAY_OFFSET_S = 4 * 86400
 
 
 def _record(row: sqlite3.Row | tuple[Any, ...], offset: int = 0) -> TurnRecord:
@@ -131,6 +153,15 @@ def _record(row: sqlite3.Row | tuple[Any, ...], offset: int = 0) -> TurnRecord:
     rec = TurnRecord.model_validate_json(row[offset + 2])
     rec.tenant, rec.user = row[offset], row[offset + 1]
     return rec
+
+
+def _set_rating(db: sqlite3.Connection, tenant: str, message_id: str, rating: int | None) -> None:
+    """The rating on the record's ``quality`` (records without one, e.g. searches, stay as they are)."""
+    db.execute(
+        "UPDATE turns SET data = json_set(data, '$.quality.rating', ?)"
+        " WHERE message_id = ? AND tenant = ? AND json_type(data, '$.quality') = 'object'",
+        (rating, message_id, tenant),
+    )
 
 
 def _filter_sql(
@@ -211,6 +242,23 @@ class SqliteTurnStore:
                     blob,
                 ),
             )
+            q = record.quality
+            if q is not None:
+                # The columns the quality report groups and sorts by; the record's JSON keeps the rest.
+                db.execute(
+                    "INSERT INTO quality (message_id, tenant, pipeline, model, created_at, answer_kind, cited,"
+                    " groundedness) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        record.message_id,
+                        tenant,
+                        record.pipeline,
+                        q.model,
+                        record.created_at,
+                        q.answer_kind,
+                        int(q.cited),
+                        q.groundedness,
+                    ),
+                )
 
         await self._run(fn)
 
@@ -249,6 +297,7 @@ class SqliteTurnStore:
                 " correction = excluded.correction, comment = excluded.comment, updated_at = excluded.updated_at",
                 (message_id, tenant, rating, correction, comment, now, now),
             )
+            _set_rating(db, tenant, message_id, rating)
             row = db.execute(
                 "SELECT message_id, rating, correction, comment, created_at, updated_at FROM feedback"
                 " WHERE message_id = ?",
@@ -304,6 +353,7 @@ class SqliteTurnStore:
     async def delete_feedback(self, tenant: str, message_id: str) -> bool:
         def fn(db: sqlite3.Connection) -> bool:
             cur = db.execute("DELETE FROM feedback WHERE tenant = ? AND message_id = ?", (tenant, message_id))
+            _set_rating(db, tenant, message_id, None)
             return cur.rowcount > 0
 
         return await self._run(fn)
@@ -364,5 +414,73 @@ class SqliteTurnStore:
             ):
                 entry(model)["preferences"] = int(n)
             return sorted(out.values(), key=lambda e: e["model"])
+
+        return await self._run(fn)
+
+    # -- answer quality ---------------------------------------------------------------------
+
+    async def quality_series(
+        self, tenant: str, since: float, bucket_s: int, model: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Per model and time bucket: answers, groundedness, citing and kinds, and thumbs."""
+        offset = MONDAY_OFFSET_S if bucket_s == WEEK_S else 0
+        where = "q.tenant = ? AND q.created_at >= ?"
+        args: list[Any] = [offset, bucket_s, bucket_s, offset, tenant, since]
+        if model is not None:
+            where += " AND q.model = ?"
+            args.append(model)
+
+        def fn(db: sqlite3.Connection) -> list[dict[str, Any]]:
+            rows = db.execute(
+                # CAST truncates, which is floor for the (positive) times since the offset.
+                "SELECT q.model, CAST((q.created_at - ?) / ? AS INTEGER) * ? + ? AS start, COUNT(*),"
+                " AVG(q.groundedness), COUNT(q.groundedness), SUM(q.cited),"
+                " SUM(q.answer_kind = 'extractive'), SUM(q.answer_kind = 'not_found'),"
+                " COUNT(f.rating), SUM(f.rating = 1)"
+                " FROM quality q LEFT JOIN feedback f ON f.message_id = q.message_id"
+                f" WHERE {where} GROUP BY q.model, start ORDER BY q.model, start",
+                args,
+            ).fetchall()
+            out = []
+            for m, start, n, mean, judged, cited, extractive, not_found, rated, up in rows:
+                out.append(
+                    {
+                        "model": m,
+                        "start": float(start),
+                        "answers": int(n),
+                        "groundedness_mean": None if mean is None else float(mean),
+                        "judged": int(judged),
+                        "cited_share": int(cited or 0) / n,
+                        "extractive_share": int(extractive or 0) / n,
+                        "not_found_share": int(not_found or 0) / n,
+                        "rated": int(rated),
+                        "thumbs_up_rate": int(up or 0) / rated if rated else None,
+                    }
+                )
+            return out
+
+        return await self._run(fn)
+
+    async def worst_answers(
+        self, tenant: str, since: float, limit: int, model: str | None = None
+    ) -> list[tuple[TurnRecord, int | None]]:
+        """The tenant's answers since ``since`` with a thumbs down or not wholly supported: thumbs
+        down first, then by groundedness (lowest first), then the newest; each with its rating."""
+        where = "q.tenant = ? AND q.created_at >= ? AND (f.rating = -1 OR q.groundedness < 1.0)"
+        args: list[Any] = [tenant, since]
+        if model is not None:
+            where += " AND q.model = ?"
+            args.append(model)
+
+        def fn(db: sqlite3.Connection) -> list[tuple[TurnRecord, int | None]]:
+            rows = db.execute(
+                "SELECT t.tenant, t.user, t.data, f.rating FROM quality q"
+                " JOIN turns t ON t.message_id = q.message_id"
+                " LEFT JOIN feedback f ON f.message_id = q.message_id"
+                f" WHERE {where} ORDER BY (f.rating = -1) DESC, q.groundedness IS NULL,"
+                " q.groundedness, q.created_at DESC, q.message_id LIMIT ?",
+                [*args, limit],
+            ).fetchall()
+            return [(_record(r), None if r[3] is None else int(r[3])) for r in rows]
 
         return await self._run(fn)

@@ -48,6 +48,7 @@ class Stack:
     retrieval_url: str
     inference_url: str
     trainer: RecordingTrainer
+    app: Any = None  # the agent's FastAPI app (its state: the runtime, the metrics registry)
 
     @property
     def ws_url(self) -> str:
@@ -83,7 +84,7 @@ def agent_stack(
         )
         app = create_app(common, AgentSettings(**settings))
         url = stack.enter_context(serve_app(app))
-        yield Stack(url, corpus, model, r_url, i_url, trainer)
+        yield Stack(url, corpus, model, r_url, i_url, trainer, app)
 
 
 @dataclass
