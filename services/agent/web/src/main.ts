@@ -1,4 +1,4 @@
-// Hash routing: #/signin, #/chat[/<conversation>], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback, #/mcp.
+// Hash routing: #/signin, #/chat[/<conversation>], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback, #/quality, #/mcp.
 // Every page but sign-in needs a key; a visit without one lands on sign-in.
 import "./style.css";
 import { forgetKey, getKey, setUnauthorizedHandler } from "./api";
@@ -7,6 +7,7 @@ import { chatPage } from "./pages/chat";
 import { documentsPage } from "./pages/documents";
 import { feedbackPage } from "./pages/feedback";
 import { mcpPage } from "./pages/mcp";
+import { qualityPage } from "./pages/quality";
 import { searchPage } from "./pages/search";
 import { signinPage, whoami } from "./pages/signin";
 import { trainingPage } from "./pages/training";
@@ -25,6 +26,7 @@ const pages: Record<string, PageFn> = {
   search: searchPage,
   training: trainingPage,
   feedback: feedbackPage,
+  quality: qualityPage,
   mcp: mcpPage,
 };
 
@@ -35,6 +37,7 @@ const titles: Record<string, string> = {
   search: "Search",
   training: "Training",
   feedback: "Feedback",
+  quality: "Quality",
   mcp: "MCP servers",
 };
 

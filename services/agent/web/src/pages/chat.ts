@@ -796,7 +796,8 @@ export function chatPage(root: HTMLElement, args: string[]) {
     if (nearBottom) log.scrollTop = log.scrollHeight;
   }
 
-  async function showConversation(id: string | null): Promise<void> {
+  /** Shows a conversation; `focus` names one of its answers to scroll to and mark (#/chat/<id>/<message>). */
+  async function showConversation(id: string | null, focus: string | null = null): Promise<void> {
     conversationId = id;
     for (const a of convList.querySelectorAll("a.conv-link")) a.removeAttribute("aria-current");
     if (id) convList.querySelector(`li[data-id="${CSS.escape(id)}"] a`)?.setAttribute("aria-current", "page");
@@ -832,6 +833,7 @@ export function chatPage(root: HTMLElement, args: string[]) {
         }
       }
       log.scrollTop = log.scrollHeight;
+      if (focus) focusAnswer(focus);
     } catch (exc) {
       if ((exc as ApiError).status === 404) {
         toast("That conversation no longer exists.", "error");
@@ -962,13 +964,25 @@ export function chatPage(root: HTMLElement, args: string[]) {
   });
 
   void refreshConversations();
-  void showConversation(conversationId);
+  function focusAnswer(messageId: string): void {
+    for (const el of log.querySelectorAll(".focused")) el.classList.remove("focused");
+    const el = log.querySelector<HTMLElement>(`[data-message-id="${CSS.escape(messageId)}"]`);
+    if (!el) return;
+    el.classList.add("focused");
+    el.setAttribute("tabindex", "-1");
+    el.scrollIntoView({ block: "center" });
+    el.focus({ preventScroll: true });
+  }
+
+  void showConversation(conversationId, args[1] ?? null);
   input.focus();
 
   return {
     onRoute(newArgs: string[]) {
       const id = newArgs[0] ?? null;
-      if (id !== conversationId) void showConversation(id);
+      const focus = newArgs[1] ?? null;
+      if (id !== conversationId) void showConversation(id, focus);
+      else if (focus) focusAnswer(focus);
       return true;
     },
     dispose() {
