@@ -1,4 +1,4 @@
-// Hash routing: #/signin, #/chat[/<conversation>], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback, #/quality, #/mcp.
+// Hash routing: #/signin, #/chat[/<conversation>[/<message>]], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback, #/quality, #/mcp.
 // Every page but sign-in needs a key; a visit without one lands on sign-in.
 import "./style.css";
 import { forgetKey, getKey, setUnauthorizedHandler } from "./api";
