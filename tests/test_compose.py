@@ -278,5 +278,8 @@ def test_observability_profile() -> None:
         "tandem_retrieval_query_seconds_bucket",
         "tandem_retrieval_ingested_chunks_total",
         "tandem_trainer_tokens_per_second",
+        "tandem_agent_answer_groundedness_sum",
+        "tandem_agent_answers_total",
+        "tandem_agent_answer_ratings_total",
     ):
         assert metric in exprs, metric
