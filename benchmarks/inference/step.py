@@ -21,12 +21,15 @@ half its prompts (a lone prompt: it) on a random rank-8 q/k/v/o adapter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from services.inference.engine.plan import plain_head, plan_for
 
 # lean: the lean decode forward with its C++ loop and own operations; aten: that loop on ATen's
 # operations; python: its Python loop; eager: HF's modules
@@ -69,15 +72,18 @@ def runner_for(path: Path, name: str, slots: int, adapter: Path | None) -> Any:
     from services.inference.engine import TorchEngine
 
     variant = VARIANTS[name]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    plan = plan_for(model, quantize="int4", native_decode="on" if variant["native"] else "off")
+    if not variant["own"]:
+        # the C++ loop on ATen's operations: no own operations, so no Q8_0 head nor C++ prompt layers
+        prompt = "python" if plan.prompt == "native" else plan.prompt
+        plan = dataclasses.replace(plan, prompt=prompt, head_decode=plain_head())
+        if plan.decode == "native-own":
+            plan = dataclasses.replace(plan, decode="native-aten")
+    if not variant["fused"]:
+        plan = dataclasses.replace(plan, decode="reference")
     engine = TorchEngine.from_model(
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
-        AutoTokenizer.from_pretrained(path),
-        max_batch_size=slots,
-        max_model_len=512,
-        quantize="int4",
-        fused_decode=variant["fused"],
-        native_decode="on" if variant["native"] else "off",
-        native_ops="own" if variant["own"] else "aten",
+        model, AutoTokenizer.from_pretrained(path), max_batch_size=slots, max_model_len=512, plan=plan
     )
     if adapter is not None:
         engine.load_adapter_sync("lora", str(adapter))
@@ -169,15 +175,14 @@ def prompts(path: Path, tokenizer: Any, counts: list[int], rounds: int, steps: i
     for name, (lean, in_cpp, block) in PROMPT_VARIANTS.items():
         # the probe runs when the weights are prepared: each runner keeps the blocks it found
         quantized_linear.PROMPT_BLOCK_MAX = block
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        plan = plan_for(model, quantize="int4", native_decode="on")
+        if not lean:
+            plan = dataclasses.replace(plan, prompt="reference")
+        elif not in_cpp and plan.prompt == "native":
+            plan = dataclasses.replace(plan, prompt="python")
         engine = TorchEngine.from_model(
-            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
-            tokenizer,
-            max_batch_size=max(counts),
-            max_model_len=512,
-            quantize="int4",
-            fused_prompt=lean,
-            native_decode="on",
-            native_prompt=in_cpp,
+            model, tokenizer, max_batch_size=max(counts), max_model_len=512, plan=plan
         )
         if adapter is not None:
             engine.load_adapter_sync("lora", str(adapter))

@@ -77,11 +77,13 @@ class InferenceSettings(ServiceSettings):
     dtype: ModelDType = Field(
         "auto", description="Weights dtype; auto is the platform's default (fp32 on CPU, bf16 on GPUs)."
     )
-    packed_weights: bool = Field(
-        True,
-        description="CPU engine: linear layers multiply with oneDNN-prepacked copies of their weights "
-        "(fp32/bf16; about 2x faster decode steps, one more copy of the weights in memory); false: plain "
-        "torch linear.",
+    forward: Literal["auto", "reference"] = Field(
+        "auto",
+        description="torch engine: the forward the engine runs. auto: the fastest path the model, the CPU "
+        "and the torch build support (the lean forwards, the C++ decode kernels, oneDNN-packed or quantised "
+        "products; the choice, with its reasons, is logged at start-up and served by /health and "
+        "/v1/capabilities as forward_plan); reference: the Hugging Face modules' eager forward for decode "
+        "and prompt tokens (torch's own linear layers unless QUANTIZE asks for quantised products).",
     )
     quantize: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",
@@ -99,25 +101,6 @@ class InferenceSettings(ServiceSettings):
         "prompt's keys/values; float32: the fp32 model's. auto: bfloat16 where decode tokens already run with "
         "bf16 activations (quantize int4/int8) on a CPU with native bf16, else float32.",
     )
-    fused_decode: bool = Field(
-        True,
-        description="CPU torch engine, int4 decode of a Llama-family model (the default): decode tokens run "
-        "through a lean forward (q/k/v and gate/up as one product each, no per-module plumbing) that gives "
-        "the eager forward's numbers bit for bit, faster; false: the Hugging Face modules' forward.",
-    )
-    fused_prompt: bool = Field(
-        True,
-        description="CPU torch engine, Llama-family models: prompt chunks run through a lean forward (q/k/v and "
-        "gate/up as one product each, each product's input cast and padded once, no per-module plumbing): "
-        "sooner first tokens under a burst, each prompt token's numbers the same alone as in a batch; "
-        "false: the Hugging Face modules' forward.",
-    )
-    native_prompt: bool = Field(
-        True,
-        description="CPU torch engine, with the lean prompt forward, bf16 prompt products and the C++ decode "
-        "kernels' own operations (native_ops=own, an AVX2 CPU): the prompt chunks' layers run in C++ too "
-        "(the operations between the products and the attention without Python); false: its Python loop.",
-    )
     native_decode: Literal["auto", "on", "off"] = Field(
         "auto",
         description="CPU torch engine, int4 decode: the engine's C++ decode kernels (the lean forward's loop "
@@ -126,28 +109,6 @@ class InferenceSettings(ServiceSettings):
         "TORCH_EXTENSIONS_DIR; ~30 s once, ~1 s on later starts) when the engine is made, before it serves. "
         "auto: a failed build is logged and the engine keeps the Python loop and the bf16 head; on: a failed "
         "build stops start-up; off: never built.",
-    )
-    native_ops: Literal["own", "aten"] = Field(
-        "own",
-        description="CPU torch engine, with the C++ decode loop: own (on AVX2 CPUs): the loop computes the "
-        "operations between the int4 products itself (norms, RoPE, attention, SiLU; each row on its own, the "
-        "same numbers alone as in any batch) and the output head's decode rows run in Q8_0 blocks; aten: the "
-        "Python loop's ATen operations, its numbers bit for bit, and the bf16 head.",
-    )
-    decode_head: Literal["auto", "q8_0", "bf16"] = Field(
-        "auto",
-        description="CPU torch engine, int4 decode: the output head's decode rows. q8_0: int8 blocks of 32 with "
-        "an fp32 scale each (GGUF's Q8_0, the default model file's own head values; needs the C++ decode "
-        "kernels with native_ops=own); bf16: oneDNN's bf16 product (the model's dtype where the CPU has no "
-        "bf16). auto: bf16 on CPUs whose AMX this process may use (there it is faster at every batch size: "
-        "1.3 / 1.7 ms at 1 / 16 rows against 1.6 / 12.1 for SmolLM2's head), else q8_0 where it is built.",
-    )
-    compile: Literal["off", "decode"] = Field(
-        "off",
-        description="torch engine: decode: compile the pure decode steps of the base model with torch.compile "
-        "(inductor; the linear products stay the engine's own kernels), at start-up (about 1-3 minutes on 2 "
-        "cores, less with inductor's on-disk cache); steps with prompt chunks or LoRA layers stay eager. off: "
-        "eager only (see benchmarks/RESULTS.md, issue 19, for why it is not the default).",
     )
     threads: int = Field(
         0,

@@ -88,16 +88,10 @@ def build_torch_engine(
         prefix_cache_mb=settings.prefix_cache_mb,
         tokenizer_fallback=tokenizer_fallback,
         num_threads=settings.threads,
-        packed_weights=settings.packed_weights,
         quantize=quantize,
-        compile=settings.compile,
         prompt_dtype=settings.prompt_dtype,
-        fused_decode=settings.fused_decode,
-        fused_prompt=settings.fused_prompt,
-        native_prompt=settings.native_prompt,
+        forward=settings.forward,
         native_decode=settings.native_decode,
-        native_ops=settings.native_ops,
-        decode_head=settings.decode_head,
         **scheduler_settings(settings),
     )
 

@@ -144,6 +144,8 @@ class Capabilities(BaseModel):
     adapters: bool
     max_lora_rank: int | None
     register_models: bool
+    # the torch engine's forward plan (engine/plan.py): paths, kernels and the reason for each
+    forward_plan: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

@@ -247,6 +247,9 @@ class ModelRegistry:
             "adapters": adapters,
             "max_lora_rank": rank,
             "register_models": self.builder is not None,
+            "forward_plan": plan.as_dict()
+            if (plan := getattr(self.primary, "plan", None)) is not None
+            else None,
         }
 
     # --- serving --------------------------------------------------------------------------------

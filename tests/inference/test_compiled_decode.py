@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from services.inference.config import InferenceSettings
 from services.inference.engine import SamplingParams, TorchEngine, quantized_linear
 from services.inference.engine.compiled_decode import CompiledDecode
+from services.inference.engine.plan import plan_for
 from services.inference.engine.types import EngineRequest, GuidedDecoding
 from tests.helpers.models import make_lora_adapter, make_tiny_llama
 
@@ -90,8 +91,7 @@ def test_compiled_greedy_equals_eager_alone_in_a_batch_and_constrained(
         tok,
         max_batch_size=4,
         prefill_chunk=32,
-        quantize=quantize,  # type: ignore[arg-type]
-        compile="decode",
+        plan=plan_for(model, quantize=quantize, decode="compiled"),  # type: ignore[arg-type]
     )
     prompts = [_chat(tok, q) for q in QUESTIONS] + [list(range(300, 340)), list(range(900, 917))]
     guided = SamplingParams(
@@ -128,7 +128,9 @@ def test_compiled_greedy_equals_eager_alone_in_a_batch_and_constrained(
 def test_lora_steps_run_eagerly_with_the_same_tokens(lively_tiny_path: Path, tmp_path: Path) -> None:
     adapter = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=3)
     model, tok = _load(lively_tiny_path)
-    engine = TorchEngine.from_model(model, tok, max_batch_size=2, quantize="int4", compile="decode")
+    engine = TorchEngine.from_model(
+        model, tok, max_batch_size=2, plan=plan_for(model, quantize="int4", decode="compiled")
+    )
     counter = _count_compiled_steps(engine)
     prompt = _chat(tok, QUESTIONS[1])
     before = engine.generate_batch([prompt], GREEDY)[0].token_ids  # compiles lazily, then runs compiled
@@ -156,11 +158,11 @@ async def _run_started(
         await engine.shutdown()
 
 
-def test_compile_setting() -> None:
-    assert InferenceSettings().compile == "off"
-    assert InferenceSettings(compile="decode").compile == "decode"
-    with pytest.raises(ValidationError, match="compile"):
-        InferenceSettings(compile="always")  # type: ignore[arg-type]
+def test_compiled_decode_is_a_plan_made_by_hand() -> None:
+    # no setting selects it (TANDEM_INFERENCE_COMPILE is refused as unknown): a plan does
+    assert "compile" not in InferenceSettings.model_fields
+    with pytest.raises(ValidationError, match="forward"):
+        InferenceSettings(forward="compiled")  # type: ignore[arg-type]
 
 
 def test_batch_sizes_and_a_growing_cache_compile_nothing_more(tmp_path: Path) -> None:
@@ -169,7 +171,9 @@ def test_batch_sizes_and_a_growing_cache_compile_nothing_more(tmp_path: Path) ->
     # three key/value heads, as SmolLM2: the warm-up attends 3 keys, and with dynamo's duck
     # sizing both sizes became one symbol, so every later step compiled again
     model, tok = _load(make_tiny_llama(tmp_path / "kv3", hidden=96, heads=6, kv_heads=3))
-    engine = TorchEngine.from_model(model, tok, max_batch_size=4, quantize="int4", compile="decode")
+    engine = TorchEngine.from_model(
+        model, tok, max_batch_size=4, plan=plan_for(model, quantize="int4", decode="compiled")
+    )
     eager = TorchEngine.from_model(model, tok, max_batch_size=4, quantize="int4")
     _compiled(engine).warm_up()
     entries = _cache_entries()

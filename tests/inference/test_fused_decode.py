@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.inference.engine import TorchEngine, fused_decode, native, quantized_linear
+from services.inference.engine.plan import plain_head, plan_for
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from services.inference.engine.types import AdapterError
 from tests.helpers.models import make_lora_adapter
@@ -34,19 +35,19 @@ def _engines(
     engines = []
     for fused in (False, True):
         model, tok = _load(path)
-        engine = TorchEngine.from_model(
+        # prompt chunks through the eager forward in both (test_fused_prompt.py has the lean one);
+        # the C++ loop on ATen's operations: the eager forward's numbers bit for bit (the loop's
+        # own operations are test_native_own.py's)
+        decode = ("native-aten" if native else "python") if fused else "reference"
+        plan = plan_for(
             model,
-            tok,
-            max_batch_size=6,
             quantize="int4",
-            fused_decode=fused,
-            # prompt chunks through the eager forward in both (test_fused_prompt.py has the lean one)
-            fused_prompt=False,
             native_decode="on" if native else "off",
-            # the C++ loop on ATen's operations: the eager forward's numbers bit for bit (the
-            # loop's own operations are test_native_own.py's)
-            native_ops="aten",
+            decode=decode,
+            prompt="reference",
+            head_decode=plain_head(),
         )
+        engine = TorchEngine.from_model(model, tok, max_batch_size=6, plan=plan)
         if adapter is not None:
             engine.load_adapter_sync("a", str(adapter))
         engines.append(engine)
@@ -196,6 +197,7 @@ def test_an_engine_whose_native_build_failed_keeps_the_python_loop_and_the_bf16_
     assert engine.runner.packed is not None
     head = [p.kernel.decode for p in engine.runner.packed.layers if p.module is engine.runner.lm_head]
     assert not isinstance(head[0], quantized_linear.Q8Blocks)
+    assert engine.plan.decode == "python" and "not built" in engine.plan.reasons["decode"]
     with pytest.raises(native.NativeBuildError, match="no C\\+\\+ compiler"):
         TorchEngine.from_model(model, tok, quantize="int4", native_decode="on")
 
@@ -250,7 +252,9 @@ def test_decode_takes_the_eager_forward_where_the_lean_one_does_not_apply(
     model, tok = _load(lively_tiny_path)
     # no int4 decode: nothing to fuse
     assert TorchEngine.from_model(model, tok, quantize="none").runner.fused is None
-    runner = TorchEngine.from_model(model, tok, quantize="int4", fused_decode=False).runner
+    runner = TorchEngine.from_model(
+        model, tok, plan=plan_for(model, quantize="int4", decode="reference")
+    ).runner
     assert runner.fused is None
     # a PEFT model whose adapter is not routed per row (the trainer's in-process engine)
     peft_model = get_peft_model(_load(lively_tiny_path)[0], LoraConfig(r=4, target_modules=["q_proj"]))
@@ -272,7 +276,9 @@ def test_decode_takes_the_eager_forward_where_the_lean_one_does_not_apply(
 
 def test_unsupported_names_the_model_type(lively_tiny_path: Path) -> None:
     model, tok = _load(lively_tiny_path)
-    runner = TorchEngine.from_model(model, tok, quantize="int4", fused_decode=False).runner
+    runner = TorchEngine.from_model(
+        model, tok, plan=plan_for(model, quantize="int4", decode="reference")
+    ).runner
     assert fused_decode.unsupported(runner) is None
     runner.config.model_type = "gpt2"
     try:

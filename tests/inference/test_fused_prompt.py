@@ -5,6 +5,7 @@ weights changed in place, and the eager forward wherever it does not apply."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from services.inference.engine import TorchEngine, fused_prompt, packed_linear, quantized_linear
 from services.inference.engine.fused_prompt import FusedPrompt
 from services.inference.engine.packed_linear import OneDNNPacked
+from services.inference.engine.plan import plan_for
 from services.inference.engine.quantized_linear import BlockedBF16, TwoSides
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from tests.helpers.models import make_lora_adapter
@@ -33,14 +35,11 @@ def _load(path: Path) -> tuple[Any, Any]:
 
 def _engine(path: Path, prompt_dtype: str, lean: bool, adapter: Path | None = None) -> TorchEngine:
     model, tok = _load(path)
-    engine = TorchEngine.from_model(
-        model,
-        tok,
-        max_batch_size=8,
-        quantize="int4" if quantized_linear.available("int4", torch.device("cpu")) is None else "none",
-        prompt_dtype=prompt_dtype,  # type: ignore[arg-type]
-        fused_prompt=lean,
-    )
+    quantize = "int4" if quantized_linear.available("int4", torch.device("cpu")) is None else "none"
+    plan = plan_for(model, quantize=quantize, prompt_dtype=prompt_dtype)  # type: ignore[arg-type]
+    if not lean:
+        plan = dataclasses.replace(plan, prompt="reference")
+    engine = TorchEngine.from_model(model, tok, max_batch_size=8, plan=plan)
     if adapter is not None:
         engine.load_adapter_sync("a", str(adapter))
     engine.runner.prepare_weights()
@@ -214,10 +213,15 @@ def test_prompt_chunks_take_the_eager_forward_where_the_lean_one_does_not_apply(
 
     model, tok = _load(lively_tiny_path)
     # plain torch products: no prepared prompt kernel to multiply side by side
-    runner = TorchEngine.from_model(model, tok, quantize="none", packed_weights=False).runner
+    plain = plan_for(model, forward="reference")
+    assert (plain.layer_prompt, plain.prompt) == ("torch", "reference")
+    runner = TorchEngine.from_model(model, tok, plan=dataclasses.replace(plain, forward="auto")).runner
     assert runner.fused_prompt is None
     assert fused_prompt.unsupported(runner) is not None
-    assert TorchEngine.from_model(model, tok, fused_prompt=False).runner.fused_prompt is None
+    with pytest.raises(ValueError, match="prompt='python'"):
+        TorchEngine.from_model(model, tok, plan=dataclasses.replace(plain, prompt="python"))
+    eager = TorchEngine.from_model(model, tok, plan=plan_for(model, prompt="reference"))
+    assert eager.runner.fused_prompt is None
     # a model type whose layers are not Llama's
     monkeypatch.setattr(model.config, "model_type", "gpt2")
     assert "gpt2" in str(fused_prompt.unsupported(TorchEngine.from_model(model, tok).runner))

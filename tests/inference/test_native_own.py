@@ -6,6 +6,7 @@ alone as in any batch, LoRA rows included."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from services.inference.engine import TorchEngine, native, packed_linear, quantized_linear
+from services.inference.engine.plan import plain_head, plan_for
 from services.inference.engine.quantized_linear import Q8Blocks
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from tests.helpers.models import make_lora_adapter
@@ -69,17 +71,21 @@ def test_q8_blocks_refuse_a_width_that_is_not_whole_blocks() -> None:
         Q8Blocks().prepare(torch.randn(8, 40))
 
 
-def _engine(path: Path, ops: str, adapter: Path | None = None, head: str = "auto") -> TorchEngine:
+def _engine(
+    path: Path, ops: str, adapter: Path | None = None, head: str = "auto", platform: Any = None
+) -> TorchEngine:
+    """int4 decode through the C++ loop: its own operations (``own``) or ATen's (``aten``, then the
+    prompt chunks' Python loop and the plain head, as without the own operations); ``head``:
+    the head's decode kernel (``auto``: the plan's)."""
     model, tok = _load(path)
-    engine = TorchEngine.from_model(
-        model,
-        tok,
-        max_batch_size=6,
-        quantize="int4",
-        native_decode="on",
-        native_ops=ops,  # type: ignore[arg-type]
-        decode_head=head,  # type: ignore[arg-type]
-    )
+    plan = plan_for(model, platform=platform, quantize="int4", native_decode="on")
+    assert plan.decode == "native-own"
+    if ops == "aten":
+        prompt = "python" if plan.prompt == "native" else plan.prompt
+        plan = dataclasses.replace(plan, decode="native-aten", prompt=prompt, head_decode=plain_head())
+    if head != "auto":
+        plan = dataclasses.replace(plan, head_decode=plain_head() if head == "bf16" else head)
+    engine = TorchEngine.from_model(model, tok, max_batch_size=6, plan=plan)
     if adapter is not None:
         engine.load_adapter_sync("a", str(adapter))
     engine.runner.prepare_weights()
@@ -229,29 +235,27 @@ def test_own_operations_need_a_head_size_they_are_built_for(lively_tiny_path: Pa
 def test_the_head_kernel_follows_the_setting_and_the_cpus_amx(
     lively_tiny_path: Path, built: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.common import platforms
+    from services.common.platforms import cpu_features
 
-    # auto: oneDNN's bf16 head where AMX is usable (faster at every row count there), else Q8_0
+    # the plan: oneDNN's bf16 head where AMX is usable (faster at every row count there), else Q8_0
     for amx, want in ((True, False), (False, True)):
-        monkeypatch.setattr(platforms, "cpu_amx_usable", lambda amx=amx: amx)
-        assert isinstance(_head_kernel(_engine(lively_tiny_path, "own")), Q8Blocks) == want, amx
+        platform = dataclasses.replace(cpu_features(), amx_usable=amx)
+        engine = _engine(lively_tiny_path, "own", platform=platform)
+        assert isinstance(_head_kernel(engine), Q8Blocks) == want, amx
+        assert (engine.plan.head_decode == "q8_0") == want
+        assert engine.plan.reasons["head"].startswith("bf16 head" if amx else "q8_0 head")
     assert not isinstance(_head_kernel(_engine(lively_tiny_path, "own", head="bf16")), Q8Blocks)
-    # Q8_0 asked for where it is not built: start-up stops, naming the setting
-    with pytest.raises(ValueError, match="decode_head='q8_0'"):
-        _engine(lively_tiny_path, "aten", head="q8_0")
+    # a plan made by hand may pair the Q8_0 head with the loop on ATen's operations
+    assert isinstance(_head_kernel(_engine(lively_tiny_path, "aten", head="q8_0")), Q8Blocks)
 
 
 def _prompt_engine(path: Path, native_prompt: bool, adapter: Path | None = None) -> TorchEngine:
     model, tok = _load(path)
-    engine = TorchEngine.from_model(
-        model,
-        tok,
-        max_batch_size=8,
-        quantize="int4",
-        prompt_dtype="bfloat16",
-        native_decode="on",
-        native_prompt=native_prompt,
-    )
+    plan = plan_for(model, quantize="int4", prompt_dtype="bfloat16", native_decode="on")
+    assert plan.prompt == "native"
+    if not native_prompt:
+        plan = dataclasses.replace(plan, prompt="python")
+    engine = TorchEngine.from_model(model, tok, max_batch_size=8, plan=plan)
     if adapter is not None:
         engine.load_adapter_sync("a", str(adapter))
     engine.runner.prepare_weights()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.inference.engine.plan import plan_for
 from services.inference.engine.ragged import (
     KEY_BLOCK,
     MIN_QUERY_ROWS,
@@ -30,10 +31,12 @@ def test_a_short_chunk_after_a_long_one_attends_only_its_real_positions(tiny_mod
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32).eval()
     long = PrefillRow(slot=0, token_ids=list(range(10, 266)), start=0)
     short = PrefillRow(slot=1, token_ids=[5, 6, 7, 8, 9, 11], start=300)
-    together = ModelRunner(model, max_slots=2, max_len=1024, packed_weights=False)
+    together = ModelRunner(model, max_slots=2, max_len=1024, plan=plan_for(model, forward="reference"))
     both = together.forward([], [long, short])
     assert together.cache.capacity == 512
-    alone = ModelRunner(model, max_slots=2, max_len=1024, packed_weights=False).forward([], [short])
+    alone = ModelRunner(model, max_slots=2, max_len=1024, plan=plan_for(model, forward="reference")).forward(
+        [], [short]
+    )
     torch.testing.assert_close(both[1], alone[0], rtol=1e-5, atol=1e-5)
 
 
@@ -47,7 +50,7 @@ def test_a_half_precision_model_attends_like_its_fp32_self(tiny_model_path: Path
     logits = {}
     for dt in (torch.float32, dtype):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=dt).eval()
-        runner = ModelRunner(model, max_slots=2, max_len=128, packed_weights=False)
+        runner = ModelRunner(model, max_slots=2, max_len=128, plan=plan_for(model, forward="reference"))
         first = runner.forward([], [prompt])[0]
         step = runner.forward([DecodeRow(slot=0, token=int(first.argmax()), position=30)], [])[0]
         logits[dt] = torch.stack([first.float(), step.float()])
@@ -55,7 +58,7 @@ def test_a_half_precision_model_attends_like_its_fp32_self(tiny_model_path: Path
 
 
 def _runner(model: torch.nn.Module, quantize: str) -> ModelRunner:
-    return ModelRunner(model, max_slots=16, max_len=1024, quantize=quantize)  # type: ignore[arg-type]
+    return ModelRunner(model, max_slots=16, max_len=1024, plan=plan_for(model, quantize=quantize))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])

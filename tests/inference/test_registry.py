@@ -331,7 +331,9 @@ def test_lru_cap_of_one_still_answers_every_adapter(
     app = replica(max_adapters=1, max_lora_rank=8)
     with serve_app(app) as url:
         caps = httpx.get(url + "/v1/capabilities", headers=_h(keys["acme"])).json()
+        plan = caps.pop("forward_plan")
         assert caps == {"engine": "torch", "adapters": True, "max_lora_rank": 8, "register_models": True}
+        assert plan["forward"] == "auto" and plan["reasons"]
         r = _publish(url, keys["operator"], "ft-wide", adapters["wide"], tenant="acme")
         assert r.status_code == 400 and "max_lora_rank 8" in r.json()["error"]["message"]
         for name in ("a1", "a2"):
@@ -356,7 +358,9 @@ def test_capabilities_default_torch(server: tuple[str, Any], keys: dict[str, str
     url, _ = server
     assert httpx.get(url + "/v1/capabilities").status_code == 401
     caps = httpx.get(url + "/v1/capabilities", headers=_h(keys["globex"])).json()
+    plan = caps.pop("forward_plan")
     assert caps == {"engine": "torch", "adapters": True, "max_lora_rank": None, "register_models": True}
+    assert plan["forward"] == "auto" and plan["reasons"]
 
 
 def test_eviction_skips_adapters_with_running_requests(

@@ -162,3 +162,25 @@ def cpu_amx_usable() -> bool:
 
     init_amx = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
     return bool(init_amx()) if callable(init_amx) else False
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU lists native bf16 products (AVX512-BF16 or AMX)."""
+    return " avx512_bf16" in cpu_flags() or " amx_bf16" in cpu_flags()
+
+
+from services.common.platforms.cpu import CpuFeatures, cpu_features  # noqa: E402
+
+__all__ = [
+    "DEVICE_TYPES",
+    "QUEUE_OF",
+    "CpuFeatures",
+    "Platform",
+    "PlatformError",
+    "cpu_amx_usable",
+    "cpu_features",
+    "cpu_flags",
+    "cpu_has_native_bf16",
+    "current_platform",
+    "detect_platform",
+]

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.common.app_factory import json_or_sse
+from services.common.errors import ServiceUnavailable
 from services.inference.api.deps import CallerDep, ModelAdminDep, OperatorDep, ServingDep
 from services.inference.protocol import (
     AdapterLoaded,
@@ -53,6 +54,16 @@ async def list_models(admin: ModelAdminDep, caller: CallerDep) -> ModelList:
 async def capabilities(admin: ModelAdminDep) -> Capabilities:
     """Tandem extension: what can be published here (the trainer asks before training)."""
     return admin.capabilities()
+
+
+@router.get("/health")
+async def health(request: Request, _caller: CallerDep) -> dict[str, object]:
+    """Tandem extension: the served engine's state (its load; for the torch engine its forward
+    plan, ``forward_plan``); 503 while the model is loading or its engine is down."""
+    registry = getattr(request.app.state, "registry", None)
+    if registry is None:
+        raise ServiceUnavailable("the model is still loading")
+    return await registry.primary.health()
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)

@@ -71,9 +71,9 @@ _BUILD = _Build()
 def avx2() -> bool:
     """Whether torch runs AVX2 (or AVX-512) kernels here: then ``decode_own`` and
     ``q8_linear`` are built too."""
-    import torch
+    from services.common.platforms import cpu_features
 
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return cpu_features().avx2
 
 
 def _module_name() -> str:

@@ -52,6 +52,7 @@ from typing import Any, Literal
 
 import torch
 
+from services.common.platforms import CpuFeatures, cpu_features
 from services.inference.engine import packed_linear, ragged
 from services.inference.engine.packed_linear import KernelChoice, LinearKernel, OneDNNPacked
 
@@ -60,8 +61,6 @@ log = logging.getLogger("tandem.engine.quantized_linear")
 Quantize = Literal["auto", "none", "int8", "int4"]
 # the dtype prompt tokens multiply in (``TANDEM_INFERENCE_PROMPT_DTYPE``; see ``resolve_prompt_dtype``)
 PromptDType = Literal["auto", "float32", "bfloat16"]
-# the output head's decode kernel under int4 (``TANDEM_INFERENCE_DECODE_HEAD``; see ``q8_head``)
-DecodeHead = Literal["auto", "q8_0", "bf16"]
 
 # auto picks int4 when re-quantising loses at most this (relative, per layer): weights that
 # came from a 4-bit GGUF (Q4_0/Q4_1) come back with 0; other weights lose ~8% (SmolLM2 fp32)
@@ -393,46 +392,28 @@ def available(mode: Quantize, device: torch.device) -> str | None:
     return None
 
 
-def resolve_prompt_dtype(setting: PromptDType, quantize: Quantize, model_dtype: torch.dtype) -> PromptDType:
+def resolve_prompt_dtype(
+    setting: PromptDType, quantize: Quantize, model_dtype: torch.dtype, cpu: CpuFeatures | None = None
+) -> PromptDType:
     """The dtype prompt tokens multiply in. ``auto``: bfloat16 where decode tokens already run
     with bf16 activations (int4/int8 decode of an fp32 model) on a CPU with native bf16 products
-    (AVX512-BF16 or AMX), else the model's own. A prompt forward is ~85% products, and oneDNN's
-    bf16 ones (bf16 operands, fp32 sums) take about half the time of its fp32 ones on such a
-    CPU, so a burst's first tokens come sooner (benchmarks/RESULTS.md, "Prompt tokens in bf16").
-    The prompt's keys/values and first token then carry bf16 rounding, as the decode tokens'
-    products do already; ``float32`` keeps them the fp32 model's. An explicit ``bfloat16`` is
-    honoured whatever the quantisation (emulated, and slow, on a CPU without native bf16).
+    (AVX512-BF16 or AMX; ``cpu``: the CPU's features, None for this machine's), else the model's
+    own. A prompt forward is ~85% products, and oneDNN's bf16 ones (bf16 operands, fp32 sums) take
+    about half the time of its fp32 ones on such a CPU, so a burst's first tokens come sooner
+    (benchmarks/RESULTS.md, "Prompt tokens in bf16"). The prompt's keys/values and first token then
+    carry bf16 rounding, as the decode tokens' products do already; ``float32`` keeps them the fp32
+    model's. An explicit ``bfloat16`` is honoured whatever the quantisation (emulated, and slow, on
+    a CPU without native bf16).
 
     The bf16 products run in blocks of a fixed row count (``BlockedBF16``): oneDNN's bf16 result
     for a row moves with the row count on some CPUs (an AMX Xeon's greedy SmolLM2 tokens differed
     alone and in a batch of 16 with one product over all prompt rows), not at a fixed one."""
-    from services.common.embedding_models import cpu_has_native_bf16
-
     if model_dtype != torch.float32:
         return "auto"  # a bf16/fp16 model's prompt products are in its own dtype already
     if setting != "auto":
         return setting
-    return "bfloat16" if quantize in ("int4", "int8") and cpu_has_native_bf16() else "float32"
-
-
-def q8_head(setting: DecodeHead, built: bool) -> bool:
-    """Whether the output head's decode rows take ``Q8Blocks`` (``built``: the native module's
-    ``q8_linear`` is there, with the own operations). ``auto``: where the CPU's AMX is not usable
-    by this process. With AMX, oneDNN's bf16 head is faster at every row count (SmolLM2's head on a
-    2-core Xeon: 1.33 / 1.36 / 1.73 ms at 1 / 4 / 16 rows, the Q8_0 blocks 1.55 / 5.28 / 12.1: a
-    16-stream decode step 52.9 -> 41.8 ms); without it the Q8_0 blocks win where streams are few
-    (a Zen 4: 1.8 vs 6.9 ms at one row). The choice is made once, when the engine is made: a
-    row's logits never change kernels with the batch."""
-    from services.common.platforms import cpu_amx_usable
-
-    if setting == "q8_0" and not built:
-        raise ValueError(
-            "decode_head='q8_0' needs the C++ decode kernels with their own operations "
-            "(TANDEM_INFERENCE_NATIVE_DECODE not off, TANDEM_INFERENCE_NATIVE_OPS=own, an AVX2 CPU)"
-        )
-    if setting == "auto":
-        return built and not cpu_amx_usable()
-    return setting == "q8_0"
+    native_bf16 = (cpu if cpu is not None else cpu_features()).native_bf16
+    return "bfloat16" if quantize in ("int4", "int8") and native_bf16 else "float32"
 
 
 def prompt_kernel(prompt_dtype: PromptDType, batch_hint: int = 16) -> LinearKernel:
@@ -466,7 +447,7 @@ def layer_kernels(
     # oneDNN packs bf16 weights only where the CPU has bf16 instructions (AVX512-BF16, AMX,
     # AVX-NE-CONVERT, or AVX512BW/VL/DQ): an AVX2-only CPU's head keeps the model's dtype
     other = bf16 if mode == "int4" and packed_linear.available(torch.device("cpu"), COMPUTE_DTYPE) else own
-    # the head's decode rows in Q8_0 blocks where the native module is built (q8_head: ModelRunner)
+    # the head's decode rows in Q8_0 blocks where the plan says so (plan.resolve_plan)
     head_decode = Q8Blocks() if mode == "int4" and q8_head else other
 
     def choose(_name: str, module: torch.nn.Linear) -> LinearKernel | None:

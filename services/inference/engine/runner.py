@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from services.inference.engine import fused_decode, lora_rows, packed_linear, quantized_linear, ragged
+from services.inference.engine import fused_decode, lora_rows, ragged
 from services.inference.engine import fused_prompt as fused_prompt_module
 from services.inference.engine import native as native_module
-from services.inference.engine.compiled_decode import Compile, CompiledDecode
+from services.inference.engine.compiled_decode import CompiledDecode
 from services.inference.engine.fused_decode import FusedDecode
 from services.inference.engine.fused_prompt import FusedPrompt
 from services.inference.engine.kv_cache import SlabKVCache
-from services.inference.engine.native import NativeDecode, NativeOps
 from services.inference.engine.packed_linear import PackedLinears
-from services.inference.engine.quantized_linear import DecodeHead, PromptDType, Quantize
+from services.inference.engine.plan import ForwardPlan, kernel_choice, resolve_plan
+from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 
 __all__ = ["DecodeRow", "ModelRunner", "PrefillRow", "base_model_of", "sliding_window"]
@@ -63,16 +63,7 @@ class ModelRunner:
         max_slots: int,
         max_len: int,
         device: Any = None,
-        packed_weights: bool = True,
-        quantize: Quantize = "none",
-        compile: Compile = "off",
-        prompt_dtype: PromptDType = "auto",
-        fused: bool = True,
-        fused_prompt: bool = True,
-        native_prompt: bool = True,
-        native: NativeDecode = "off",
-        native_ops: NativeOps = "own",
-        decode_head: DecodeHead = "auto",
+        plan: ForwardPlan | None = None,
     ) -> None:
         self.model = model
         base = base_model_of(model)
@@ -110,57 +101,40 @@ class ModelRunner:
         self._attention_name = ragged.register()
         # a 4-D mask is passed through by transformers as is; ours attends by the plan instead
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        self.packed: PackedLinears | None = None
-        self.quantize = quantize = quantized_linear.resolve(quantize, model, self.lm_head, self.device)
-        # "auto" when the model's own dtype is not fp32 (its prompt products are in it already)
-        self.prompt_dtype = prompt = quantized_linear.resolve_prompt_dtype(prompt_dtype, quantize, self.dtype)
-        if prompt == "bfloat16" and not packed_linear.available(self.device, torch.bfloat16):
-            raise ValueError(
-                f"prompt_dtype='bfloat16': this torch build has no oneDNN bf16 products on {self.device}"
-            )
-        # the C++ decode kernels (native.py), built before any forward: an engine's decode never
-        # changes kernels during its life
-        built = (
-            quantize == "int4" and self.device.type == "cpu" and self.dtype == torch.float32
-        ) and native_module.start(native)
-        if quantize != "none" or prompt == "bfloat16":
-            problem = quantized_linear.available(quantize, self.device)
-            if problem is not None:
-                raise ValueError(f"quantize={quantize!r}: {problem}")
-            # quantised (or bf16 prompt) products replace the packed ones (layers left out stay plain)
-            q8 = built and native_ops == "own" and native_module.q8_linear() is not None
-            choose = quantized_linear.layer_kernels(
-                quantize,
-                self.lm_head,
-                max_slots,
-                prompt,
-                q8_head=quantize == "int4" and quantized_linear.q8_head(decode_head, q8),
-            )
-            self.packed = PackedLinears(model, choose=choose)
-        elif packed_weights and packed_linear.available(self.device, self.dtype):
-            self.packed = PackedLinears(model, batch_hint=max_slots)
+        # what every part of a forward runs (plan.py), resolved once: an engine's numbers never
+        # change paths during its life
+        self.plan = plan = plan if plan is not None else resolve_plan(model, device=self.device)
+        self.quantize: Quantize = plan.quantize
+        self.prompt_dtype: PromptDType = plan.prompt_dtype
+        if plan.needs_native:
+            # the C++ kernels, built (or loaded) before any forward; a plan made by hand that
+            # names them stops here when they cannot be built
+            native_module.start("on")
+        choose = kernel_choice(plan, self.lm_head, max_slots)
+        self.packed: PackedLinears | None = (
+            PackedLinears(model, choose=choose) if choose is not None else None
+        )
         # pure decode steps of the base model through torch.compile (compiled_decode.py)
-        self.compiled = CompiledDecode(self) if compile == "decode" else None
+        self.compiled = CompiledDecode(self) if plan.decode == "compiled" else None
         # decode tokens of a Llama-family model with int4 decode through the lean forward
         # (fused_decode.py: the eager forward's numbers, without the modules' plumbing)
         self.fused: FusedDecode | None = None
-        if fused and self.compiled is None:
+        if plan.lean_decode:
             problem = fused_decode.unsupported(self)
-            if problem is None:
-                self.fused = FusedDecode(self, native=built, own_ops=native_ops == "own")
-                self.fused.refresh()
-            else:
-                log.info("decode tokens take the eager forward: %s", problem)
+            if problem is not None:
+                raise ValueError(f"decode={plan.decode!r}: {problem}")
+            self.fused = FusedDecode(
+                self, native=plan.decode.startswith("native"), own_ops=plan.decode != "native-aten"
+            )
+            self.fused.refresh()
         # prompt chunks of a Llama-family model through their lean forward (fused_prompt.py)
         self.fused_prompt: FusedPrompt | None = None
-        if fused_prompt:
+        if plan.lean_prompt:
             problem = fused_prompt_module.unsupported(self)
-            if problem is None:
-                # its layers in C++ with the decode loop's own operations, where those are built
-                self.fused_prompt = FusedPrompt(self, native=built and native_ops == "own" and native_prompt)
-                self.fused_prompt.refresh()
-            else:
-                log.info("prompt chunks take the eager forward: %s", problem)
+            if problem is not None:
+                raise ValueError(f"prompt={plan.prompt!r}: {problem}")
+            self.fused_prompt = FusedPrompt(self, native=plan.prompt == "native")
+            self.fused_prompt.refresh()
 
     def prepare_weights(self) -> None:
         """Pack/quantise every weight the forwards will use now (start-up), not in a request."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,12 +23,12 @@ from typing import Any, TypeVar
 import torch
 
 from services.inference.engine.base import AdapterHost
-from services.inference.engine.compiled_decode import Compile
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.guided import GuidedCompiler
-from services.inference.engine.native import NativeDecode, NativeOps
+from services.inference.engine.native import NativeDecode
+from services.inference.engine.plan import Forward, ForwardPlan, PlanSettings, resolve_plan
 from services.inference.engine.prefix_cache import PrefixCache
-from services.inference.engine.quantized_linear import DecodeHead, PromptDType, Quantize
+from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import DEFAULT_TENANT, Scheduler, Sequence
@@ -44,6 +45,8 @@ from services.inference.engine.types import (
 )
 
 T = TypeVar("T")
+
+log = logging.getLogger("tandem.engine.torch")
 
 
 async def in_own_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -126,17 +129,12 @@ class TorchEngine(AdapterHost):
         num_threads: int = 0,
         prefix_cache_mb: float = 64.0,
         admit_window: float = 0.0,
-        packed_weights: bool = True,
         quantize: Quantize = "none",
-        compile: Compile = "off",
         tenant_max_queued: int | None = None,
         prompt_dtype: PromptDType = "auto",
-        fused_decode: bool = True,
-        fused_prompt: bool = True,
-        native_prompt: bool = True,
+        forward: Forward = "auto",
         native_decode: NativeDecode = "off",
-        native_ops: NativeOps = "own",
-        decode_head: DecodeHead = "auto",
+        plan: ForwardPlan | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -144,23 +142,15 @@ class TorchEngine(AdapterHost):
         self.request_timeout = request_timeout
         if device is not None:
             model.to(device)
+        if plan is None:
+            settings = PlanSettings(
+                forward=forward, quantize=quantize, prompt_dtype=prompt_dtype, native_decode=native_decode
+            )
+            plan = resolve_plan(model, None, settings, device=device)
         self.runner = ModelRunner(
-            model,
-            max_slots=max_batch_size,
-            max_len=max_model_len or 1 << 30,
-            device=device,
-            packed_weights=packed_weights,
-            quantize=quantize,
-            compile=compile,
-            prompt_dtype=prompt_dtype,
-            fused=fused_decode,
-            fused_prompt=fused_prompt,
-            native_prompt=native_prompt,
-            native=native_decode,
-            native_ops=native_ops,
-            decode_head=decode_head,
+            model, max_slots=max_batch_size, max_len=max_model_len or 1 << 30, device=device, plan=plan
         )
-        self.native_decode: NativeDecode = native_decode
+        self.plan: ForwardPlan = plan
         self.max_model_len = self.runner.max_len
         self.device = self.runner.device
         self.model_lock = threading.RLock()
@@ -419,6 +409,7 @@ class TorchEngine(AdapterHost):
 
     # --- the server's face (Engine protocol) ------------------------------------------------------
     async def start(self) -> None:
+        log.info("forward plan: %s: %s", self.name, self.plan.line())
         # pack (or quantise) the weights before serving, so the first request does not pay for it
         await in_own_thread(self.runner.prepare_weights)
         if self.runner.compiled is not None:
@@ -440,7 +431,12 @@ class TorchEngine(AdapterHost):
     async def health(self) -> dict[str, object]:
         if not self.scheduler.running:
             raise EngineUnavailable("the scheduler thread is not running")
-        return {"engine": self.kind, "model": self.name, **self.scheduler.load()}
+        return {
+            "engine": self.kind,
+            "model": self.name,
+            **self.scheduler.load(),
+            "forward_plan": self.plan.as_dict(),
+        }
 
     async def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
