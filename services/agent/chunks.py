@@ -39,6 +39,11 @@ class Chunk:
         text = str(item.get("text") or "")
         start = int(item.get("start") or 0)
         end = item.get("end")
+        if item.get("section_text") and item.get("section_text_start") is not None:
+            # the enclosing section the search returned (section_tokens): what is read and cited
+            text = str(item["section_text"])
+            start = int(item["section_text_start"])
+            end = start + len(text)
         title = item.get("title") or (metadata.get("title") if isinstance(metadata, dict) else None) or ""
         return cls(
             chunk_id=str(item.get("chunk_id") or item.get("id") or ""),

@@ -75,10 +75,15 @@ class RetrievalClient(_ServiceClient):
         mode: str = "hybrid",
         rerank: bool = False,
         filters: dict[str, Any] | None = None,
+        section_tokens: int | None = None,
     ) -> list[Chunk]:
+        """The hits; with ``section_tokens``, each hit's text is its enclosing section (up to that
+        many tokens around the chunk) and its offsets are the section's."""
         body: dict[str, Any] = {"query": query, "top_k": top_k, "mode": mode}
         if rerank:
             body["rerank"] = True
+        if section_tokens:
+            body["section_tokens"] = section_tokens
         if filters:
             body["filters"] = filters
         with span(

@@ -249,3 +249,14 @@ async def test_an_answerable_question_goes_on_to_the_model(embed: Any) -> None:
         await run_answer_nodes(state, embed)  # NoModel: reaching the generator is what we assert
     assert state.selection is not None and state.selection.found
     assert state.answer_kind == "generated"
+
+
+async def test_a_question_naming_what_no_source_mentions_is_not_found(embed: Any) -> None:
+    question = "Which Elasticsearch index holds the FAISS vectors of a collection?"
+    selection = await select_answer(question, RETRIEVAL, embed)
+    # "stored in FAISS indexes" reads close, but nothing in the sources names Elasticsearch
+    assert not selection.found and selection.missing == ["elasticsearch"]
+    text = not_found_text(question, RETRIEVAL, selection.see_also, selection.missing)
+    assert "They do not mention Elasticsearch." in text
+    found = await select_answer("Which vector database holds a collection besides FAISS?", RETRIEVAL, embed)
+    assert found.found and found.missing == []

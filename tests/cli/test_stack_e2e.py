@@ -148,16 +148,15 @@ def test_demo_searches_and_answers_from_the_docs_collection(stack_env: dict[str,
     assert out.count("answers for tenant default") == 4
     # the docs collection made by the first `tandem up`: README.md and docs/*.md
     assert re.search(r"\((README\.md|docs-[a-z-]+\.md), (cited|attributed|extractive)\)", out), out
-    # The first impression: the default model's answer, or the answer step's, says where the key
-    # is kept, citing a document of the collection. (Saying how to start the stack in the same
-    # answer is open work: the answer step keeps one section's sentences, see docs/status.md.)
+    # The first impression: the default model's answer, or the answer step's, says how to start
+    # the stack and where the key is kept, citing a document of the collection.
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("chat-documents '"))
     citation = re.compile(r"\s+\[\d+\] .+ \(\S+, (cited|attributed|extractive)\)$")
     cited = [i for i in range(start + 1, len(lines)) if citation.match(lines[i])]
     assert cited, out
     answer = " ".join(lines[start + 1 : cited[0]])
-    assert "api-key" in answer, out
+    assert "api-key" in answer and re.search(r"`(make|tandem) up`", answer), out
 
 
 def test_a_killed_component_is_restarted_and_status_shows_it(stack_env: dict[str, str]) -> None:

@@ -88,21 +88,34 @@ class Params(BaseModel):
 class ServiceRetriever:
     """Hybrid (or dense / sparse) search through the retrieval service."""
 
-    def __init__(self, top_k: int | None, mode: str, rerank: bool) -> None:
+    def __init__(self, top_k: int | None, mode: str, rerank: bool, section_tokens: int | None = None) -> None:
         self.top_k = top_k
         self.mode = mode
         self.rerank = rerank
+        self.section_tokens = section_tokens
 
     async def retrieve(
         self, ctx: RunContext, collection: str, query: str, top_k: int | None = None
     ) -> list[Chunk]:
-        return await ctx.retrieval.search(
+        hits = await ctx.retrieval.search(
             collection,
             query,
             top_k=top_k or self.top_k or ctx.settings.top_k,
             mode=self.mode,
             rerank=self.rerank,
+            section_tokens=self.section_tokens,
         )
+        return distinct_passages(hits) if self.section_tokens else hits
+
+
+def distinct_passages(chunks: list[Chunk]) -> list[Chunk]:
+    """``chunks`` (best first) without those whose text overlaps a better one's in the same
+    document: two hits of one section read as one passage, not the same text twice."""
+    kept: list[Chunk] = []
+    for c in chunks:
+        if not any(k.document_id == c.document_id and c.start < k.end and k.start < c.end for k in kept):
+            kept.append(c)
+    return kept
 
 
 class OverlapReranker:
@@ -199,10 +212,13 @@ class RetrieveNode:
         mode: Literal["dense", "sparse", "hybrid"] = "hybrid"
         rerank: bool = False
         fetch_titles: bool = True
+        # What the model and the answer step read of each hit: its enclosing section, at most this
+        # many tokens around it (None: the chunk alone). Small chunks rank; sections answer.
+        section_tokens: int | None = Field(None, ge=16, le=8192)
 
     def __init__(self, p: P, retriever: Retriever | None = None) -> None:
         self.p = p
-        self.retriever = retriever or ServiceRetriever(p.top_k, p.mode, p.rerank)
+        self.retriever = retriever or ServiceRetriever(p.top_k, p.mode, p.rerank, p.section_tokens)
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         if not state.collection:
@@ -384,7 +400,9 @@ class AnswerSelectNode:
         if state.selection.found or not self.p.abstain:
             return
         state.answer_kind = "not_found"
-        state.answer = not_found_text(state.question, chunks, state.selection.see_also)
+        state.answer = not_found_text(
+            state.question, chunks, state.selection.see_also, state.selection.missing
+        )
         # The prompt the model would have answered from, and its model (nothing was generated).
         state.prompt = [dict(m) for m in state.plan.messages]
         state.model = ctx.model

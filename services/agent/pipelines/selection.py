@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.agent.chunks import Chunk
-from services.agent.grounding import FILLER, answer_type_match, strip_markers, unwrap
-from services.agent.text import WORD_RE, content_terms, is_heading, sentences, stem
+from services.agent.grounding import FILLER, answer_type_match, names, strip_markers, unwrap
+from services.agent.text import STOPWORDS, WORD_RE, content_terms, is_heading, sentences, stem
 
 # Texts in, one vector per text out (inference's /v1/embeddings with the collection's model).
 Embed = Callable[[list[str]], Awaitable[list[list[float]]]]
@@ -100,6 +100,9 @@ class Selection:
     best: Candidate | None = None
     ranked: list[Candidate] = field(default_factory=list)
     embedded: bool = False  # scored with the embedder (else with words alone)
+    # The question's names that no source holds ("Java" in "Which Java SDK ...?"): then the
+    # sources cannot answer, however close a sentence reads.
+    missing: list[str] = field(default_factory=list)
 
 
 def _balanced(text: str) -> bool:
@@ -263,7 +266,8 @@ def select(
         if c.source not in closest:
             closest.append(c.source)
     closest += [n for n in range(1, len(chunks) + 1) if n not in closest]
-    answering = [c for c in ranked if _answers(c, embedded)]
+    missing = missing_names(question, chunks)
+    answering = [] if missing else [c for c in ranked if _answers(c, embedded)]
     if not answering:
         return Selection(
             False,
@@ -271,6 +275,7 @@ def select(
             best=ranked[0] if ranked else None,
             ranked=ranked,
             embedded=embedded,
+            missing=missing,
         )
     best = answering[0]
     picked = _with_neighbours(best, chunks)
@@ -283,6 +288,18 @@ def select(
                 n for n in _with_neighbours(c, chunks) if (n.source, n.position) not in _places(picked)
             ]
     return Selection(True, picked=picked, best=best, ranked=ranked, embedded=embedded)
+
+
+def missing_names(question: str, chunks: list[Chunk]) -> list[str]:
+    """The names and numbers of ``question`` (capitalised words after the first, words with a
+    digit) that no source's text or title holds, compared by stem."""
+    held: set[str] = set()
+    for c in chunks:
+        held |= _stems(c.text + " " + c.title)
+    asked: set[str] = set()
+    for start, end in sentences(question):  # each sentence's first word is not a name
+        asked |= names(question[start:end])
+    return sorted(n for n in asked if n not in STOPWORDS and stem(n) not in held)
 
 
 def _places(picked: list[Candidate]) -> set[tuple[int, int]]:
@@ -311,7 +328,8 @@ async def select_answer(question: str, chunks: list[Chunk], embed: Embed | None)
 def _cited(text: str, n: int) -> str:
     body = text.rstrip()
     end = body[-1] if body and body[-1] in ".!:" else "."
-    return f"{body.rstrip('.!:').rstrip()} [{n}]{end}"
+    # a list item's ";" or "," ends the answer: "... the next `tandem up` [1]."
+    return f"{body.rstrip('.!:;,').rstrip()} [{n}]{end}"
 
 
 def extractive_text(selection: Selection) -> tuple[str, list[int]]:
@@ -332,9 +350,15 @@ def _asked(question: str) -> str:
     return text
 
 
-def not_found_text(question: str, chunks: list[Chunk], see_also: list[int]) -> str:
-    """ "Your documents do not say ...", then the closest sources by title and number."""
+def not_found_text(
+    question: str, chunks: list[Chunk], see_also: list[int], missing: list[str] | None = None
+) -> str:
+    """ "Your documents do not say ...", what of the question they never mention, then the
+    closest sources by title and number."""
     text = f"Your documents do not say {_asked(question)}."
+    if missing:
+        spelt = {w.lower(): w for w in WORD_RE.findall(question)}
+        text += f" They do not mention {', '.join(spelt.get(n, n) for n in missing)}."
     if see_also:
         named = [f"{chunks[n - 1].title or chunks[n - 1].document_id} [{n}]" for n in see_also]
         text += " See also: " + "; ".join(named) + "."
