@@ -1,4 +1,4 @@
-"""``torch.compile`` of the decode step (``TANDEM_INFERENCE_COMPILE=decode``): greedy output equals
+"""``torch.compile`` of the decode step (a plan with ``decode="compiled"``): greedy output equals
 the eager engine's (one request, several sharing a batch, a grammar-constrained one, fp32 and int4
 products), compiling happens at start-up and serving compiles nothing more, steps with a LoRA
 adapter run eagerly with the same tokens, and the setting reaches the server."""

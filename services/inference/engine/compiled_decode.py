@@ -1,4 +1,4 @@
-"""``torch.compile`` of the torch engine's decode step (``TANDEM_INFERENCE_COMPILE=decode``).
+"""``torch.compile`` of the torch engine's decode step (a forward plan with ``decode="compiled"``).
 
 A decode step of a small model on a CPU is many small operations: SmolLM2-135M at one row
 runs ~210 matrix products and ~3,000 other ATen calls (norms, RoPE, casts, residual adds,
@@ -218,9 +218,7 @@ class CompiledDecode:
         try:
             self._compile(slots, position)
         except Exception as exc:  # a graph break (fullgraph) or a failing compiler: name the setting
-            raise RuntimeError(
-                f"TANDEM_INFERENCE_COMPILE=decode: compiling the decode step failed: {exc}"
-            ) from exc
+            raise RuntimeError(f"decode='compiled': compiling the decode step failed: {exc}") from exc
         finally:
             for store, kept in zip((*cache.k, *cache.v), saved, strict=True):
                 store[:slots, :, position] = kept

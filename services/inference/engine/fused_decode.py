@@ -29,7 +29,7 @@ in-process engine uses its model's active adapter), or a layer whose decode kern
 int4 make ``unsupported`` name the reason, and decode steps run the eager forward.
 
 The loop over the layers runs in C++ where the native module is built (``native.py``): on ATen's
-operations (``TANDEM_INFERENCE_NATIVE_OPS=aten``), with the numbers above bit for bit; or, the
+operations (a plan with ``decode="native-aten"``), with the numbers above bit for bit; or, the
 default on AVX2 CPUs, with its own operations between the int4 products (``decode_own``), which
 are not the eager forward's last bits but keep each row's numbers independent of the batch
 (``test_native_own.py``).

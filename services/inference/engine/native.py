@@ -6,12 +6,12 @@ holds three things:
 
 - ``decode_layers``: the lean forward's loop over the decoder layers as the same ATen calls on
   the same values in the same order as the Python loop, so its numbers are the Python loop's bit
-  for bit, only without that plumbing (``TANDEM_INFERENCE_NATIVE_OPS=aten``).
+  for bit, only without that plumbing (a plan with ``decode="native-aten"``).
 - ``decode_own`` (CPUs with AVX2): the same layers with the operations between the int4
   products computed by the loop itself (add + RMSNorm, RoPE and the KV write, each row's
   attention over its own keys, SiLU * up): 4 ATen calls a layer instead of ~60. Its own sums, so
   not the Python loop's last bits, but each row's numbers depend on that row alone (the same
-  alone as in any batch). The default (``TANDEM_INFERENCE_NATIVE_OPS=own``).
+  alone as in any batch). The default (the plan's ``decode="native-own"``).
 - ``q8_linear`` (CPUs with AVX2): the output head's decode rows against int8 weights in blocks
   of 32 with an fp32 scale each (GGUF's Q8_0, the default model file's own head format), fp32
   activations: about half the bytes of the bf16 head, and the file's values exactly.
