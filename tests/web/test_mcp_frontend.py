@@ -5,17 +5,16 @@ single tools of it for an agent."""
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Iterator
 from typing import Any
-
-import uuid
 
 import httpx
 import pytest
 
+from services.common.auth import KeyStore
 from tests.agent.stack import Stack, agent_stack
 from tests.agent.test_mcp_client import mcp_server
-from services.common.auth import KeyStore
 from tests.conftest import auth
 from tests.web.conftest import DIST
 

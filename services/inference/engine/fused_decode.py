@@ -19,7 +19,7 @@ operation is the one the Hugging Face modules run on the same values (an int4 pr
 column depends only on its own weight row, so multiplying q, k and v side by side gives each
 the values it gets alone; ``test_fused_decode.py`` checks logits and KV writes bit for bit
 against the eager forward, with and without LoRA rows). So greedy output, batch invariance
-and the first wave's tests hold unchanged; only the time goes.
+and the engine's other tests hold unchanged; only the time goes.
 
 LoRA rows: each adapter's delta is added to its rows' slice of the fused products exactly as
 PEFT's mixed batch does (``lora_B(lora_A(x[rows])) * scaling`` added to the base result in
