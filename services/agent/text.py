@@ -12,9 +12,12 @@ _STEMMERS = threading.local()  # a PyStemmer stemmer is not thread-safe: one per
 WORD_RE = re.compile(r"[A-Za-z0-9]+(?:['’][A-Za-z]+)?")
 # A sentence ends at . ! or ? followed by a space, a line break or the end: not inside "96.875",
 # ".tandem/api-key" or "e.g.x".
-# A numbered list item's marker ("3. ") opens its sentence instead of being one.
+# A numbered list item's marker ("3. ") opens its sentence instead of being one, and "ie.",
+# "e.g.", "cf." and "vs." followed by a space go on with it.
+_ABBREVIATION = r"(?i:(?:(?<=\bie)|(?<=\beg)|(?<=\bi\.e)|(?<=\be\.g)|(?<=\bcf)|(?<=\bvs))\.[ \t]+)"
 SENTENCE_RE = re.compile(
-    r"(?:^[ \t]*\d{1,3}[.)][ \t]+)?(?:[^.!?\n]|[.!?]+(?=[^\s.!?]))+(?:[.!?]+|\n|$)", re.MULTILINE
+    rf"(?:^[ \t]*\d{{1,3}}[.)][ \t]+)?(?:{_ABBREVIATION}|[^.!?\n]|[.!?]+(?=[^\s.!?]))+(?:[.!?]+|\n|$)",
+    re.MULTILINE,
 )
 _TABLE_RULE = re.compile(r"^\|?[\s:|-]+\|?$")
 
