@@ -109,7 +109,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return tool_tasks(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", default="1,8", help="concurrent websocket sessions to measure")
+    ap.add_argument(
+        "--connections",
+        "--sessions",
+        dest="sessions",
+        default="1,8",
+        help="concurrent websocket connections to measure",
+    )
     ap.add_argument("--questions", type=int, default=2, help="questions per session")
     ap.add_argument("--baseline", type=int, default=4, help="direct non-streaming calls for the baseline")
     ap.add_argument("--docs", type=int, default=100, help="SciFact documents ingested (plus the judged ones)")
