@@ -1,11 +1,17 @@
 // Documents: collections (list, create, delete), uploads with per-file progress that lasts
-// until ingestion has finished, per-file errors, and the collection's documents.
-import { api, ApiError, enc, listOf, retrieval, uploadWithProgress } from "../api";
+// until ingestion has finished, per-file errors, the collection's documents, and "Tune
+// retrieval": an embedder fine-tuned for the collection, switched to only when it ranks better.
+import { api, ApiError, enc, listOf, retrieval, trainer, uploadWithProgress } from "../api";
 import { clear, field, formatBytes, h, toast } from "../dom";
 import { followJob, isSuccess, isTerminal, jobStatus, progressOf, type Follow, type JobState } from "../jobs";
 
 const ACCEPT = ".txt,.md,.markdown,.html,.htm,.pdf,.docx,.jsonl";
 const PAGE = 50;
+// Tune retrieval: the base a tuning starts from unless the collection already uses one of the
+// tenant's fine-tuned embedders, and where the last tuning job of each collection is kept.
+const TUNE_BASE = "all-MiniLM-L6-v2";
+const TUNED_PREFIX = "ft-emb-";
+const TUNE_JOB = "tandem.tune.job.";
 
 interface Collection {
   name: string;
@@ -14,6 +20,58 @@ interface Collection {
   chunks?: number;
   chunk_count?: number;
   embedding_model?: string;
+  /** The embedder of the active index version (after a switch, not embedding_model). */
+  embedder?: string;
+}
+
+/** What a tuning job reports about its apply step (see the trainer's job object). */
+interface ApplyResult {
+  applied?: boolean | null;
+  yardstick?: string;
+  held_out?: number;
+  mode?: string;
+  before?: number | null;
+  after?: number | null;
+  reason?: string;
+  reindex_job?: string | null;
+}
+
+/** The embedder a tuning of this collection starts from. */
+export function tuneBaseModel(coll: Collection | undefined): string {
+  const current = coll?.embedder || coll?.embedding_model || "";
+  return current.startsWith(TUNED_PREFIX) ? current : TUNE_BASE;
+}
+
+function fmt4(v: unknown): string {
+  return typeof v === "number" && Number.isFinite(v) ? v.toFixed(4) : "–";
+}
+
+function errorText(err: unknown): string {
+  if (typeof err === "string") return err;
+  if (err && typeof err === "object" && typeof (err as Record<string, unknown>).message === "string") return (err as Record<string, string>).message;
+  return "";
+}
+
+/** The apply step's figures (nDCG@10 before -> after) and its verdict. */
+function applyView(apply: ApplyResult, model: string | null): HTMLElement {
+  const what = [
+    typeof apply.held_out === "number" ? `${apply.held_out} held-out queries` : "held-out queries",
+    apply.yardstick ? `from ${apply.yardstick}` : "",
+    apply.mode ? `${apply.mode} search` : "",
+  ].filter(Boolean);
+  let verdict: HTMLElement | null = null;
+  if (apply.applied === true) {
+    verdict = h("p", { class: "success", id: "tune-verdict" }, "Applied: the collection now uses ", h("code", null, model || "the new embedder"), ".");
+  } else if (apply.applied === false) {
+    verdict = h("p", { class: "tune-not-applied", id: "tune-verdict" }, `Not applied: ${apply.reason || "the new embedder did not rank better"}`);
+  }
+  return h(
+    "div",
+    { class: "tune-apply" },
+    h("p", { class: "tune-figures", id: "tune-figures" }, `nDCG@10 ${fmt4(apply.before)} → ${fmt4(apply.after)}`),
+    h("p", { class: "small muted" }, what.join(", ")),
+    verdict,
+  );
 }
 
 interface Doc {
@@ -39,6 +97,7 @@ function jobIdOf(resp: unknown): string | null {
 export function documentsPage(root: HTMLElement, args: string[]) {
   let selected: string | null = args[0] ?? null;
   const follows = new Set<Follow>();
+  let known = new Map<string, Collection>();
 
   // --- collections --------------------------------------------------------------
   const collList = h("ul", { class: "coll-list", "aria-label": "Collections" });
@@ -88,10 +147,31 @@ export function documentsPage(root: HTMLElement, args: string[]) {
   );
   const more = h("button", { type: "button", hidden: true }, "Load more");
   const deleteColl = h("button", { type: "button", class: "danger" }, "Delete collection");
+
+  // --- tune retrieval ---------------------------------------------------------------
+  const tuneToggle = h("button", { type: "button", id: "tune-toggle", "aria-expanded": "false", "aria-controls": "tune-panel" }, "Tune retrieval");
+  const pairsPicker = h("input", { type: "file", id: "tune-pairs", accept: ".jsonl,.json" });
+  const pairsMsg = h("p", { class: "small", id: "tune-upload", "aria-live": "polite" });
+  const tuneStart = h("button", { type: "submit", class: "primary", id: "tune-start" }, "Start");
+  const tuneErr = h("p", { class: "error", role: "alert", id: "tune-error" });
+  const tuneRun = h("div", { class: "train-run", id: "tune-run", hidden: true });
+  const tunePanel = h(
+    "form",
+    { class: "card tune-panel", id: "tune-panel", "aria-labelledby": "tune-title", hidden: true },
+    h("h2", { id: "tune-title" }, "Tune retrieval"),
+    h("p", { class: "muted small" }, "Fine-tunes an embedder for this collection, compares nDCG@10 on held-out queries with the current embedder and the new one, and switches the collection only when the new one ranks better."),
+    field("Labelled pairs", pairsPicker, "optional: without a file, the collection's titles and headings are used"),
+    h("p", { class: "muted small" }, 'JSONL rows {"query", "positive"} or {"query", "document_id"}, or BEIR.'),
+    pairsMsg,
+    tuneErr,
+    tuneStart,
+    tuneRun,
+  );
   const panel = h(
     "section",
     { class: "panel", "aria-labelledby": "docs-title" },
-    h("div", { class: "panel-head" }, heading, deleteColl),
+    h("div", { class: "panel-head" }, heading, h("div", { class: "row-buttons" }, tuneToggle, deleteColl)),
+    tunePanel,
     drop,
     uploads,
     h("h2", { id: "docs-list-title" }, "Documents in this collection"),
@@ -108,6 +188,7 @@ export function documentsPage(root: HTMLElement, args: string[]) {
     } catch (exc) {
       toast(`Collections: ${(exc as Error).message}`, "error");
     }
+    known = new Map(cols.map((c) => [c.name, c]));
     clear(collList);
     if (!cols.length) collList.appendChild(h("li", { class: "muted empty" }, "No collections yet."));
     for (const c of cols) {
@@ -284,7 +365,134 @@ export function documentsPage(root: HTMLElement, args: string[]) {
     if (ev.dataTransfer?.files.length) uploadAll(ev.dataTransfer.files);
   });
 
+  // --- tune retrieval ------------------------------------------------------------------
+  let tuneFor: string | null = null;
+  let tuneFollow: Follow | null = null;
+  let tuneDone = true;
+
+  function openTune(open: boolean): void {
+    tunePanel.hidden = !open;
+    tuneToggle.setAttribute("aria-expanded", String(open));
+  }
+
+  /** The panel as it starts for `coll`, following its remembered job if there is one. */
+  function resetTune(coll: string | null): void {
+    tuneFollow?.stop();
+    tuneFollow = null;
+    tuneFor = coll;
+    tuneDone = true;
+    pairsPicker.value = "";
+    pairsMsg.textContent = tuneErr.textContent = "";
+    tuneStart.disabled = false;
+    tuneRun.hidden = true;
+    clear(tuneRun);
+    const last = coll ? sessionStorage.getItem(TUNE_JOB + coll) : null;
+    openTune(Boolean(last));
+    if (coll && last) followTune(coll, last);
+  }
+
+  tuneToggle.addEventListener("click", () => {
+    const open = Boolean(tunePanel.hidden);
+    openTune(open);
+    if (open) pairsPicker.focus();
+    // Closing the panel on a finished job forgets it; a running one is still followed.
+    else if (tuneDone && tuneFor) {
+      sessionStorage.removeItem(TUNE_JOB + tuneFor);
+      tuneRun.hidden = true;
+      clear(tuneRun);
+    }
+  });
+
+  function followTune(coll: string, jobId: string): void {
+    tuneFollow?.stop();
+    tuneDone = false;
+    const status = h("p", { class: "job-status", role: "status", "aria-live": "polite", id: "tune-status" }, "Status: queued");
+    const bar = h("progress", { max: "1", value: "0", "aria-label": "Tuning progress" });
+    const result = h("div", { class: "tune-result", id: "tune-result", "aria-live": "polite" });
+    tuneRun.hidden = false;
+    tuneRun.replaceChildren(h("h3", null, "Job ", h("a", { href: `#/training/${enc(jobId)}` }, jobId)), status, bar, result);
+    tuneStart.disabled = true;
+    const follow = followJob(trainer(`/jobs/${enc(jobId)}`), trainer(`/jobs/${enc(jobId)}/events`), (job: JobState) => {
+      if (tuneFor !== coll || tuneFollow !== follow) return;
+      const p = progressOf(job);
+      status.textContent = `Status: ${jobStatus(job) || "queued"}${p ? ` · step ${p.done} of ${p.total}` : ""}`;
+      status.dataset.status = jobStatus(job);
+      if (p) {
+        bar.max = p.total;
+        bar.value = p.done;
+      }
+      const model = typeof job.fine_tuned_model === "string" ? job.fine_tuned_model : null;
+      const apply = job.apply && typeof job.apply === "object" ? (job.apply as ApplyResult) : null;
+      const parts: HTMLElement[] = [];
+      if (apply) parts.push(applyView(apply, model));
+      if (isTerminal(job)) {
+        tuneDone = true;
+        tuneStart.disabled = false;
+        if (!isSuccess(job)) {
+          const why = errorText(job.error) || `the job ended ${jobStatus(job)}`;
+          parts.push(h("p", { class: "error", role: "alert" }, `Tuning failed: ${why}`));
+        } else if (!apply) {
+          parts.push(h("p", { class: "muted" }, model ? `Published as ${model}; the job reported no comparison.` : "The job finished without a comparison."));
+        } else if (apply.applied === true) {
+          void refreshCollections();
+        }
+      }
+      result.replaceChildren(...parts);
+    });
+    tuneFollow = follow;
+  }
+
+  tunePanel.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const coll = selected;
+    if (!coll) return;
+    tuneErr.textContent = "";
+    tuneStart.disabled = true;
+    try {
+      const body: Record<string, unknown> = { type: "embedder", base_model: TUNE_BASE, collection: coll, apply: true };
+      // The collection's own view names the active embedder (the listing may not).
+      let info = known.get(coll);
+      try {
+        info = { ...info, ...(await api<Collection>(retrieval(`/collections/${enc(coll)}`))) };
+      } catch {
+        /* the listing's fields will do */
+      }
+      body.base_model = tuneBaseModel(info);
+      const file = pairsPicker.files?.[0];
+      if (file) {
+        const form = new FormData();
+        form.append("file", file, file.name);
+        pairsMsg.className = "small";
+        pairsMsg.textContent = `Uploading ${file.name}…`;
+        let obj: { id?: string; rows?: number; format?: string };
+        try {
+          obj = (await uploadWithProgress(trainer("/files"), form, (f) => (pairsMsg.textContent = `Uploading ${file.name}: ${Math.round(f * 100)}%`))) as typeof obj;
+        } catch (exc) {
+          pairsMsg.textContent = "";
+          throw new ApiError(`${file.name}: ${(exc as Error).message}`, (exc as ApiError).status ?? 0);
+        }
+        if (!obj?.id) throw new ApiError(`${file.name}: the trainer returned no file id`, 0);
+        pairsMsg.textContent = `${file.name}: ${obj.rows ?? "?"} rows, format ${obj.format ?? "?"} (id ${obj.id}).`;
+        body.dataset = obj.id;
+      }
+      if (coll !== selected) return;
+      const job = await api<JobState>(trainer("/jobs"), { json: body });
+      const jobId = String(job.id ?? "");
+      if (!jobId) throw new ApiError("the trainer started no job", 0);
+      // Remembered first: coming back to the collection follows it even if the page moved on.
+      sessionStorage.setItem(TUNE_JOB + coll, jobId);
+      if (coll !== selected) return;
+      toast(`Tuning job ${jobId} started for “${coll}”.`);
+      followTune(coll, jobId);
+    } catch (exc) {
+      if (coll !== selected) return;
+      tuneErr.textContent = (exc as Error).message;
+      tuneStart.disabled = false;
+    }
+  });
+
   function show(name: string | null): void {
+    if (name !== tuneFor) resetTune(name);
     selected = name;
     panel.hidden = !name;
     empty.hidden = Boolean(name);
@@ -306,6 +514,7 @@ export function documentsPage(root: HTMLElement, args: string[]) {
     },
     dispose() {
       for (const f of follows) f.stop();
+      tuneFollow?.stop();
     },
   };
 }
