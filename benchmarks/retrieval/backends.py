@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
 
-    from services.cli.eval_retrieval import documents_in_order, load_beir, ndcg_at
+    from services.cli.eval_retrieval import documents_in_order, load_beir
+    from services.common.ranking import ndcg_at
     from services.retrieval.config import RetrievalSettings
     from services.retrieval.core.collection import InputDocument
     from services.retrieval.core.registry import CollectionManager

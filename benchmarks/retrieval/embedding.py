@@ -72,7 +72,8 @@ def compare_backends(
 ) -> dict[str, float]:
     """Figures ``<label>_docs_per_s``, ``<label>_dense_ndcg10``, ``<label>_hybrid_ndcg10``;
     prints a Markdown table."""
-    from services.cli.eval_retrieval import documents_in_order, load_beir, ndcg_at
+    from services.cli.eval_retrieval import documents_in_order, load_beir
+    from services.common.ranking import ndcg_at
     from services.retrieval.config import RetrievalSettings
     from services.retrieval.core.collection import InputDocument
     from services.retrieval.core.registry import CollectionManager

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import typer
 
+from services.common.ranking import first_seen, mrr_at, ndcg_at, recall_at
 from services.common.upstream import UpstreamReply
 
 MODES = ("dense", "sparse", "hybrid")
@@ -80,30 +81,8 @@ def corpus_batches(path: Path, size: int) -> Iterator[list[dict[str, object]]]:
         yield batch
 
 
-def ndcg_at(ranked: list[str], rel: dict[str, int], k: int) -> float:
-    dcg = sum((2 ** rel.get(d, 0) - 1) / math.log2(i + 2) for i, d in enumerate(ranked[:k]))
-    ideal = sorted(rel.values(), reverse=True)[:k]
-    idcg = sum((2**g - 1) / math.log2(i + 2) for i, g in enumerate(ideal))
-    return dcg / idcg if idcg > 0 else 0.0
-
-
-def recall_at(ranked: list[str], rel: dict[str, int], k: int) -> float:
-    relevant = {d for d, g in rel.items() if g > 0}
-    return len(relevant & set(ranked[:k])) / len(relevant) if relevant else 0.0
-
-
-def mrr_at(ranked: list[str], rel: dict[str, int], k: int) -> float:
-    for i, d in enumerate(ranked[:k]):
-        if rel.get(d, 0) > 0:
-            return 1.0 / (i + 1)
-    return 0.0
-
-
 def documents_in_order(results: list[dict[str, object]]) -> list[str]:
-    seen: dict[str, None] = {}
-    for r in results:
-        seen.setdefault(str(r["document_id"]), None)
-    return list(seen)
+    return first_seen(str(r["document_id"]) for r in results)
 
 
 class RetrievalClient:

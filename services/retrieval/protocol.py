@@ -61,6 +61,28 @@ class CollectionInfo(BaseModel):
     reindexing: ReindexInfo | None = Field(None, description="The reindex under way, if any.")
 
 
+class GateQuery(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    query: str = Field(min_length=1, max_length=4000)
+    relevant: list[str] = Field(
+        min_length=1, max_length=100, description="Ids of the documents that answer the query."
+    )
+
+
+class ReindexGate(BaseModel):
+    """Held-out queries a new index version must rank better than the active one before the
+    collection switches to it."""
+
+    model_config = ConfigDict(extra="forbid")
+    queries: list[GateQuery] = Field(min_length=1, max_length=5000)
+    mode: Literal["hybrid", "dense"] = Field(
+        "hybrid", description="The search mode scored (hybrid: as users search by default)."
+    )
+    min_gain: float = Field(
+        0.0, ge=0.0, le=1.0, description="nDCG@10 the new version must gain over the active one."
+    )
+
+
 class UpdateCollection(BaseModel):
     """``PATCH /v1/collections/{name}``: what to change (the embedder, for now)."""
 
@@ -71,6 +93,12 @@ class UpdateCollection(BaseModel):
         max_length=256,
         description="A base model name (as embedding_model) or one of the tenant's fine-tuned "
         "embedders (ft-emb-...): the collection is re-embedded into a new index version.",
+    )
+    only_if_better: ReindexGate | None = Field(
+        None,
+        description="Switch only if the new version's nDCG@10 (by document) on these queries beats "
+        "the active version's by more than min_gain; otherwise the new version is dropped. The "
+        "reindex job's result holds applied, before, after and the reason.",
     )
 
 

@@ -15,6 +15,7 @@ version active, after it the new one; a re-run after the flip only marks the job
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -28,7 +29,8 @@ from services.retrieval.core.jobs import Dispatch, JobStore, new_job_id
 from services.retrieval.core.onnx_export import EmbeddingBackend
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.core.versions import IndexState, IndexVersion, VersionSuperseded
-from services.retrieval.protocol import ReindexResponse
+from services.retrieval.gate import judge
+from services.retrieval.protocol import ReindexGate, ReindexResponse
 
 log = logging.getLogger("tandem.retrieval.reindex")
 
@@ -61,7 +63,13 @@ def backend(col: ChunkedCollection) -> EmbeddingBackend:
 
 
 def start_reindex(
-    manager: CollectionManager, jobs: JobStore, tenant: str, name: str, embedder: str, dispatch: Dispatch
+    manager: CollectionManager,
+    jobs: JobStore,
+    tenant: str,
+    name: str,
+    embedder: str,
+    dispatch: Dispatch,
+    gate: ReindexGate | None = None,
 ) -> ReindexResponse:
     col = embedded(manager.get(tenant, name))
     emb, path = manager.resolve_embedder(tenant, embedder, backend(col))
@@ -77,6 +85,8 @@ def start_reindex(
         lambda n: IndexVersion(n, embedder, path, emb.dim, job_id, time.time()), job_busy(jobs)
     )
     jobs.create(job_id, tenant, name, kind=KIND)
+    if gate is not None:  # before the job is queued: its worker reads it
+        jobs.update(job_id, gate=gate.model_dump_json())
     dispatch(tenant, name, job_id)
     return ReindexResponse(
         job_id=job_id,
@@ -137,8 +147,13 @@ def run_reindex(
     try:
         col = embedded(manager.get(tenant, collection))
         state = col.versions()
+        raw = jobs.raw(job_id)
+        verdict: dict[str, Any] = json.loads(raw["verdict"]) if raw.get("verdict") else {}
         if state.active.job_id == job_id:
-            return _succeeded(jobs, job_id, col, state)  # switched before a crash marked it done
+            # switched before a crash marked it done
+            return _succeeded(jobs, job_id, col, state, verdict)
+        if verdict and not verdict["applied"]:
+            return _kept(jobs, job_id, col, state, verdict)  # dropped before a crash marked it done
         if state.building is None or state.building.job_id != job_id:
             raise VersionSuperseded(
                 f"reindex job {job_id} was replaced by another or its version was dropped"
@@ -157,10 +172,17 @@ def run_reindex(
             step("staged")
 
         stage_all(col, target.version, embedder, manager.settings.reindex_batch, progress)
+        if raw.get("gate"):
+            verdict = judge(col, target, embedder, ReindexGate.model_validate_json(raw["gate"]))
+            jobs.update(job_id, verdict=json.dumps(verdict))
+            log.info("reindex job %s: %s", job_id, verdict["reason"])
+            if not verdict["applied"]:
+                col.store.abandon_build(target.version)
+                return _kept(jobs, job_id, col, col.versions(), verdict)
         step("before_switch")
         state = col.switch_to(target, embedder, job_busy(jobs), step)
         step("after_switch")
-        return _succeeded(jobs, job_id, col, state)
+        return _succeeded(jobs, job_id, col, state, verdict)
     except (TandemError, VersionSuperseded) as exc:
         message = exc.message if isinstance(exc, TandemError) else str(exc)
         _give_up(col, target)
@@ -178,13 +200,31 @@ def _give_up(col: Collection | None, target: IndexVersion | None) -> None:
         col.store.abandon_build(target.version)
 
 
-def _succeeded(jobs: JobStore, job_id: str, col: Collection, state: IndexState) -> dict[str, Any]:
+def _succeeded(
+    jobs: JobStore, job_id: str, col: Collection, state: IndexState, verdict: dict[str, Any] | None = None
+) -> dict[str, Any]:
     chunks = col.store.counts()[1]
     result = {
         "embedder": state.active.embedder,
         "index_version": state.active.version,
         "previous_version": state.previous.version if state.previous else None,
         "chunks": chunks,
+        **(verdict or {}),
     }
     jobs.update(job_id, status="succeeded", result=result, chunks_done=chunks, chunks_total=chunks)
+    return result
+
+
+def _kept(
+    jobs: JobStore, job_id: str, col: Collection, state: IndexState, verdict: dict[str, Any]
+) -> dict[str, Any]:
+    """The job's end when its gate kept the active version: succeeded, not applied."""
+    result = {
+        "embedder": state.active.embedder,
+        "index_version": state.active.version,
+        "previous_version": state.previous.version if state.previous else None,
+        "chunks": col.store.counts()[1],
+        **verdict,
+    }
+    jobs.update(job_id, status="succeeded", result=result)
     return result

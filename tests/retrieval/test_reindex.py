@@ -150,6 +150,63 @@ def test_switch_answers_from_the_old_version_until_an_atomic_flip_then_rolls_bac
     assert dense(http_search(client)) == new
 
 
+GATE = {
+    "queries": [
+        {"query": q, "relevant": [d]} for q, d in zip(QUERIES, ["cats", "rain", "bread", "code"], strict=True)
+    ],
+    "mode": "dense",
+}
+
+
+def test_only_if_better_switches_a_better_embedder_and_drops_a_worse_one(
+    client: httpx.Client, retrieval_env: Path, tiny48: Path
+) -> None:
+    publish(retrieval_env, minilm(), "ft-emb-mini", 384)
+    publish(retrieval_env, tiny48, "ft-emb-t48", 48)
+    assert client.post("/v1/collections", json={"name": "gated"}).status_code == 201
+    assert client.post("/v1/collections/gated/documents", json={"documents": DOCS}).status_code == 201
+    app = SERVED[str(client.base_url).rstrip("/")]
+    run = lambda job_id: run_reindex(app.state.collections, app.state.jobs, "acme", "gated", job_id)  # type: ignore[attr-defined]  # noqa: E731
+
+    # The random tiny model against MiniLM: the gate scores both versions and switches.
+    r = client.patch("/v1/collections/gated", json={"embedder": "ft-emb-mini", "only_if_better": GATE})
+    assert r.status_code == 202, r.text
+    up = run(r.json()["job_id"])
+    assert up["applied"] is True and up["after"] == 1.0 and up["before"] < up["after"], up
+    assert up["queries"] == 4 and up["mode"] == "dense" and "ranks better" in up["reason"]
+    assert job_of(client, r.json()["job_id"])["result"]["applied"] is True
+    info = client.get("/v1/collections/gated").json()
+    assert (info["embedder"], info["index_version"], info["previous_version"]) == ("ft-emb-mini", 2, 1)
+    served = dense(http_search(client, "gated"))
+    assert [q[0][0] for q in served] == ["cats", "rain", "bread", "code"]
+
+    # Back to a random model: it cannot beat 1.0, so the new version is dropped unserved.
+    r = client.patch("/v1/collections/gated", json={"embedder": "ft-emb-t48", "only_if_better": GATE})
+    assert r.status_code == 202, r.text
+    kept = run(r.json()["job_id"])
+    assert kept["applied"] is False and kept["before"] == 1.0 and kept["after"] < 1.0, kept
+    assert "keeps its embedder" in kept["reason"] and "ft-emb-t48" in kept["reason"]
+    job = job_of(client, r.json()["job_id"])
+    assert job["status"] == "succeeded" and job["result"]["applied"] is False
+    info = client.get("/v1/collections/gated").json()
+    assert (info["embedder"], info["index_version"], info["previous_version"]) == ("ft-emb-mini", 2, 1)
+    assert info["reindexing"] is None and info["dimension"] == 384
+    assert dense(http_search(client, "gated")) == served
+    # The dropped build leaves nothing behind: the next reindex may start at once.
+    again = client.patch("/v1/collections/gated", json={"embedder": "ft-emb-t48"})
+    assert again.status_code == 202, again.text
+
+    # Bad gates are 400s naming the field.
+    for gate, field in (
+        ({"queries": []}, "queries"),
+        ({"queries": [{"query": "x", "relevant": []}]}, "relevant"),
+        ({**GATE, "mode": "sparse"}, "mode"),
+        ({**GATE, "min_gain": -1}, "min_gain"),
+    ):
+        bad = client.patch("/v1/collections/gated", json={"embedder": "ft-emb-t48", "only_if_better": gate})
+        assert bad.status_code == 400 and field in bad.text, bad.text
+
+
 def test_bad_reindex_requests_are_4xx_naming_the_problem(
     client: httpx.Client, other_client: httpx.Client, retrieval_env: Path, tiny48: Path
 ) -> None:

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from services.cli.eval_retrieval import mrr_at, ndcg_at, recall_at
 from services.cli.main import app as cli_app
+from services.common.ranking import mrr_at, ndcg_at, recall_at
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.registry import CollectionManager

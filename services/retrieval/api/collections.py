@@ -119,7 +119,9 @@ def update_collection(
     def dispatch(tenant: str, collection: str, job_id: str) -> None:
         celery.send_task(TASK_NAME, args=[tenant, collection, job_id], queue="io")
 
-    return start_reindex(collections, request.app.state.jobs, who, name, body.embedder, dispatch)
+    return start_reindex(
+        collections, request.app.state.jobs, who, name, body.embedder, dispatch, body.only_if_better
+    )
 
 
 @router.post("/{name}/rollback", response_model=CollectionInfo, responses=VERSION_ERRORS)

@@ -123,6 +123,15 @@ SearchHit = SearchResult
 
 
 @dataclass
+class CandidateIndex:
+    """An index version that is not active yet (a reindex's new one): its embedder and a dense
+    index of its vectors, searched beside the active sparse index to judge it before a switch."""
+
+    embedder: Embedder
+    dense: VectorIndex
+
+
+@dataclass
 class Ranked:
     """First-stage candidates, best first: (chunk, score) pairs and every stage's scores."""
 
@@ -255,9 +264,17 @@ class ChunkedCollection:
 
     # -- reads --------------------------------------------------------------
     def _first_stage(
-        self, query: str, mode: str, where: Filter | None, depth: int, want: int, weights: dict[str, float]
+        self,
+        query: str,
+        mode: str,
+        where: Filter | None,
+        depth: int,
+        want: int,
+        weights: dict[str, float],
+        candidate: CandidateIndex | None = None,
     ) -> Ranked:
-        """The backend's ranking of up to ``want`` chunks (``depth`` candidates per ranker)."""
+        """The backend's ranking of up to ``want`` chunks (``depth`` candidates per ranker);
+        with ``candidate``, its dense side is that index version's (a reindex judging it)."""
         raise NotImplementedError
 
     def search(
@@ -269,6 +286,7 @@ class ChunkedCollection:
         filters: dict[str, Any] | None = None,
         rerank: bool = False,
         weights: dict[str, float] | None = None,
+        candidate: CandidateIndex | None = None,
     ) -> list[SearchResult]:
         where = parse_filter(filters) if filters else None
         if rerank and self.reranker is None:
@@ -280,7 +298,7 @@ class ChunkedCollection:
         want = max(top_k, self.options.rerank_depth) if rerank else top_k
         depth = max(want, self.options.hybrid_depth) if mode == "hybrid" else want
         w = {"dense": self.options.dense_weight, "sparse": self.options.sparse_weight, **(weights or {})}
-        ranked = self._first_stage(query, mode, where, depth, want, w)
+        ranked = self._first_stage(query, mode, where, depth, want, w, candidate)
         hits = ranked.hits[:want]
         if rerank and self.reranker is not None and hits:
             rs = self.reranker.score(query, [c.text for c, _ in hits]).tolist()
@@ -596,7 +614,14 @@ class Collection(ChunkedCollection):
 
     # -- reads --------------------------------------------------------------
     def _first_stage(
-        self, query: str, mode: str, where: Filter | None, depth: int, want: int, weights: dict[str, float]
+        self,
+        query: str,
+        mode: str,
+        where: Filter | None,
+        depth: int,
+        want: int,
+        weights: dict[str, float],
+        candidate: CandidateIndex | None = None,
     ) -> Ranked:
         self.refresh()
         allowed = None
@@ -608,7 +633,11 @@ class Collection(ChunkedCollection):
         rankings: dict[str, np.ndarray] = {}
         with self._lock:
             # One version's embedder and dense index together (a switch may swap both meanwhile).
-            embedder, dense = self.embedder, self.dense
+            embedder, dense = (
+                (candidate.embedder, candidate.dense)
+                if candidate is not None
+                else (self.embedder, self.dense)
+            )
         if mode in ("dense", "hybrid"):
             qv = embedder.embed_query(query)
             with self._lock:

@@ -242,6 +242,8 @@ class DocumentStore(ChunkStore, Protocol):
 
     def staged_count(self, version: int) -> int: ...
 
+    def staged_vectors(self, version: int) -> tuple[np.ndarray, np.ndarray]: ...
+
     def stage(self, version: int, vids: Sequence[int], vecs: np.ndarray) -> None: ...
 
     def switch_to(
@@ -610,6 +612,19 @@ class SQLiteDocumentStore:
                     (version,),
                 ).fetchone()[0]
             )
+
+    def staged_vectors(self, version: int) -> tuple[np.ndarray, np.ndarray]:
+        """(vids, vectors) of the chunks that have a vector of ``version`` (being built)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT s.vid, s.embedding FROM staged s JOIN chunks c ON c.vid = s.vid"
+                " WHERE s.version=? ORDER BY s.vid",
+                (version,),
+            ).fetchall()
+        vids = np.array([int(r[0]) for r in rows], dtype=np.int64)
+        if not rows:
+            return vids, np.zeros((0, 0), dtype=np.float32)
+        return vids, np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows])
 
     @staticmethod
     def _insert_staged(c: sqlite3.Connection, version: int, vids: Sequence[int], vecs: np.ndarray) -> None:

@@ -37,6 +37,7 @@ from services.retrieval.core.backend import (
     wrong_backend,
 )
 from services.retrieval.core.collection import (
+    CandidateIndex,
     ChunkedCollection,
     CollectionConfig,
     CollectionParts,
@@ -82,8 +83,17 @@ class MilvusCollection(ChunkedCollection):
         return list(res[0])
 
     def _first_stage(
-        self, query: str, mode: str, where: Filter | None, depth: int, want: int, weights: dict[str, float]
+        self,
+        query: str,
+        mode: str,
+        where: Filter | None,
+        depth: int,
+        want: int,
+        weights: dict[str, float],
+        candidate: CandidateIndex | None = None,
     ) -> Ranked:
+        # index versions (and so candidates) are the embedded backend's: versions() is a 501 here
+        assert candidate is None
         expr = to_expr(where) if where is not None else ""
         dense_w, sparse_w = weights.get("dense", 1.0), weights.get("sparse", 1.0)
         if mode == "hybrid" and dense_w == sparse_w and dense_w > 0:
