@@ -394,6 +394,27 @@ def embedder_corpus(path: Path) -> dict[str, str]:
     return embedder_data(load_records(path, "embedder")).corpus
 
 
+def held_out_from(labelled: list[dict[str, Any]], titles: list[dict[str, Any]], apply: bool) -> str:
+    """Which pairs an embedder job holds out: its labelled pairs, or the collection's titles and
+    headings when it has none. A job that applies its embedder scores the held-out queries on
+    the collection, so they must name the documents they should find: labelled pairs that name
+    none leave the titles as the yardstick, and a job with neither is refused."""
+    from services.trainer.data.pairs import relevant_document
+
+    if labelled and (not apply or any(relevant_document(p) for p in labelled)):
+        return "labelled pairs"
+    if titles and (not apply or any(relevant_document(p) for p in titles)):
+        return "titles and headings"
+    if not apply:
+        return "labelled pairs"
+    raise InvalidRequest(
+        "apply: no held-out yardstick: the job's pairs name no documents of the collection (give pairs "
+        "with 'document_id', or beir rows) and the collection has no titles or headings to hold out; "
+        "leave 'apply' out, or give such pairs",
+        param="apply",
+    )
+
+
 def validate_embedder_job(
     spec: JobCreate,
     dataset_path: Path | None,
@@ -409,7 +430,7 @@ def validate_embedder_job(
     or several), held-out pairs and corpus, and base model. ``questions_pending``: the job's
     generated questions are still to be written (at submission), so it may have no pairs yet
     (the worker checks again with them)."""
-    from services.trainer.data.pairs import EmbedderData, embedder_data
+    from services.trainer.data.pairs import LABELLED_STAGE, TITLE_STAGE, EmbedderData, embedder_data
 
     if spec.resources is not None:
         raise InvalidRequest(
@@ -418,22 +439,35 @@ def validate_embedder_job(
             param="resources",
         )
     parts: list[EmbedderData] = []
+    labelled: list[dict[str, Any]] = []  # the file's and the generated pairs
+    titles: list[dict[str, Any]] = []  # the collection's title and heading pairs
     for path, param in (
         (dataset_path, "dataset"),
         (collection_path, "collection"),
         (generated_path, "generate_queries"),
     ):
         if path is not None:
-            parts.append(embedder_data(load_records(path, "embedder", param=param)))
-    pairs = [p for part in parts for p in part.pairs]
+            part = embedder_data(load_records(path, "embedder", param=param))
+            parts.append(part)
+            for p in part.pairs:
+                # a collection's snapshot (the dataset of a job from a collection alone, too)
+                if param == "collection" or p.get("title_of") is not None:
+                    titles.append({**p, "_stage": TITLE_STAGE})
+                else:
+                    labelled.append({**p, "_stage": LABELLED_STAGE})
     corpus = {cid: text for part in parts for cid, text in part.corpus.items()}
     eval_records = None
     if eval_path is not None:
         held = embedder_data(load_records(eval_path, "embedder", param="eval_dataset"))
         eval_records = held.pairs
         corpus.update(held.corpus)
-    elif spec.eval_fraction is not None and (pairs or not questions_pending):
-        pairs, eval_records = split_eval(pairs, spec.eval_fraction, spec.hyperparameters.seed)
+    elif spec.eval_fraction is not None and (labelled or titles or not questions_pending):
+        # held out from what the job is judged on: the labelled pairs, or the titles without them
+        if held_out_from(labelled, titles, spec.apply) == "labelled pairs":
+            labelled, eval_records = split_eval(labelled, spec.eval_fraction, spec.hyperparameters.seed)
+        else:
+            titles, eval_records = split_eval(titles, spec.eval_fraction, spec.hyperparameters.seed)
+    pairs = titles + labelled
     if not pairs and not questions_pending:
         raise InvalidRequest("dataset: no training pairs (no qrel with a score above 0)", param="dataset")
     model_path = resolve_embedder_base(spec.base_model, common, owner)

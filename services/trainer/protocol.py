@@ -123,6 +123,21 @@ class Hyperparameters(Strict):
         "apply)",
     )
 
+    title_epochs: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="embedder jobs with stages 'titles_first': epochs of the first stage, the collection's "
+        "title and heading pairs (n_epochs is the second stage's, the labelled pairs')",
+    )
+    title_documents: int = Field(
+        2000,
+        ge=1,
+        le=1_000_000,
+        description="embedder jobs with a 'collection': documents (a seeded sample) whose title and "
+        "heading pairs train",
+    )
+
     @field_validator("matryoshka_dims")
     @classmethod
     def _dims(cls, value: list[int] | None) -> list[int] | None:
@@ -179,6 +194,9 @@ class QueryGeneration(Strict):
     )
 
 
+# The share of an applying job's pairs held out as its yardstick (see defaults.py).
+APPLY_HELD_OUT = 0.2
+
 EMBEDDER_ONLY = (
     "loss",
     "mini_batch_size",
@@ -189,7 +207,10 @@ EMBEDDER_ONLY = (
     "hard_negatives_skip",
     "hard_negatives_from",
     "precision",
+    "title_epochs",
+    "title_documents",
 )
+Stages = Literal["titles_first", "together"]
 
 
 class JobCreate(Strict):
@@ -207,12 +228,26 @@ class JobCreate(Strict):
         description="embedder jobs: a retrieval collection of yours whose titles and headings are paired "
         "with their passages (no labels needed); with 'dataset' too, both sets of pairs train",
     )
-    positives: PositivesAs = Field(
-        "documents",
+    positives: PositivesAs | None = Field(
+        None,
         description="embedder jobs: 'chunks' (needs 'collection') trains each labelled pair on the chunk "
         "of its document (a beir qrel's corpus id, a pair's document_id) nearest its query by the base "
         "model, as the collection indexes it (title and headings, then the chunk), rather than on the "
-        "whole document",
+        "whole document ('documents'). Default: 'chunks' when the job has a collection and its pairs "
+        "name documents, else 'documents'",
+    )
+    stages: Stages | None = Field(
+        None,
+        description="embedder jobs with a 'collection' and labelled pairs: 'titles_first' trains the "
+        "title and heading pairs (title_epochs), then the labelled pairs (n_epochs), each stage with its "
+        "own learning-rate schedule; 'together' trains one shuffled set. Default: 'titles_first' where "
+        "both are there (services/trainer/defaults.py says why), else 'together'",
+    )
+    apply: bool = Field(
+        False,
+        description="embedder jobs with a 'collection': publish the embedder and switch the collection to "
+        "it only if it ranks the held-out pairs (eval_fraction, 0.2 by default) better than the "
+        "collection's current embedder (nDCG@10, hybrid search); the job's 'apply' says what was decided",
     )
     title_pairs: bool = Field(
         True,
@@ -269,16 +304,26 @@ class JobCreate(Strict):
             if self.lora is not None:
                 raise ValueError("'lora' does not apply to embedder jobs (they fine-tune the whole encoder)")
             hp = self.hyperparameters
-            if hp.hard_negatives_from == "collection" and hp.hard_negatives == 0:
+            # (a job with a collection and no hard_negatives given gets the default count)
+            count_given = "hard_negatives" in hp.model_fields_set or self.collection is None
+            if hp.hard_negatives_from == "collection" and hp.hard_negatives == 0 and count_given:
                 raise ValueError(
                     "hyperparameters.hard_negatives_from 'collection' takes hard_negatives negatives per pair "
                     "from the collection's ranking: set hyperparameters.hard_negatives above 0"
                 )
+            if self.apply and self.collection is None:
+                raise ValueError(
+                    "'apply' needs the job's 'collection' (the collection to switch to the new embedder): "
+                    "name a 'collection', or leave 'apply' out"
+                )
+            if self.apply:
+                self.publish = True  # the collection switches to the published embedder
             if self.collection is None:
                 needs = [
                     f"{name} {value!r}"
                     for name, value, default in (
-                        ("positives", self.positives, "documents"),
+                        ("positives", self.positives or "documents", "documents"),
+                        ("stages", self.stages or "together", "together"),
                         (
                             "hyperparameters.hard_negatives_from",
                             self.hyperparameters.hard_negatives_from,
@@ -301,9 +346,18 @@ class JobCreate(Strict):
             raise ValueError(f"'collection' only applies to embedder jobs, not {self.type}")
         if self.generate_queries is not None:
             raise ValueError(f"'generate_queries' only applies to embedder jobs, not {self.type}")
-        if self.positives != "documents" or not self.title_pairs:
-            field = "positives" if self.positives != "documents" else "title_pairs"
-            raise ValueError(f"'{field}' only applies to embedder jobs, not {self.type}")
+        extra = [
+            name
+            for name, on in (
+                ("positives", self.positives not in (None, "documents")),
+                ("title_pairs", not self.title_pairs),
+                ("stages", self.stages not in (None, "together")),
+                ("apply", self.apply),
+            )
+            if on
+        ]
+        if extra:
+            raise ValueError(f"'{extra[0]}' only applies to embedder jobs, not {self.type}")
         # by value, not by fields set: a stored spec, read back, has every field set
         hp = self.hyperparameters
         wrong = [k for k in EMBEDDER_ONLY if getattr(hp, k) != Hyperparameters.model_fields[k].default]
@@ -334,9 +388,18 @@ class JobCreate(Strict):
         hp = self.hyperparameters
         missing = {
             k: v
-            for k, v in defaults_for(self.type, lora=self.lora is not None).items()
+            for k, v in defaults_for(
+                self.type, lora=self.lora is not None, collection=self.collection is not None
+            ).items()
             if k not in hp.model_fields_set
         }
+        if (
+            missing.get("hard_negatives_from") == "collection"
+            and missing.get("hard_negatives", hp.hard_negatives) == 0
+        ):
+            del missing["hard_negatives_from"]  # the request asked for no negatives
+        if self.apply and self.eval_fraction is None and self.eval_dataset is None:
+            self.eval_fraction = APPLY_HELD_OUT
         if missing:
             self.hyperparameters = hp.model_copy(update=missing)
             self.hyperparameters.model_fields_set.update(missing)
@@ -357,6 +420,22 @@ class FileObject(BaseModel):
 class Progress(BaseModel):
     step: int = 0
     total: int = 0
+
+
+class ApplyOutcome(BaseModel):
+    """What an embedder job with ``apply`` decided: the collection's nDCG@10 on the held-out
+    queries with its embedder (before) and the new one (after), and whether it switched."""
+
+    applied: bool | None = None
+    yardstick: str = Field(
+        description="what the held-out queries are: 'labelled pairs' or 'titles and headings'"
+    )
+    held_out: int = Field(description="held-out queries scored")
+    mode: str = "hybrid"
+    before: float | None = None
+    after: float | None = None
+    reason: str = ""
+    reindex_job: str | None = None
 
 
 class Job(BaseModel):
@@ -382,6 +461,10 @@ class Job(BaseModel):
     fine_tuned_model: str | None = None
     published: bool = False
     request: dict[str, Any] = Field(default_factory=dict)
+    # embedder jobs with apply: whether the collection switched to the new embedder (null until
+    # decided), and the figures and reason of that decision
+    applied: bool | None = None
+    apply: ApplyOutcome | None = None
 
 
 class JobList(BaseModel):

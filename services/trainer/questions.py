@@ -114,21 +114,22 @@ def _seconds(value: str | None, default: float) -> float:
         return default
 
 
-def service_key(common: CommonSettings) -> str:
-    """The key the worker asks with (no caller key is kept anywhere); a job that would need it
-    is refused without it (503) rather than failing after it starts."""
+def service_key(common: CommonSettings, param: str = "generate_queries") -> str:
+    """The key the worker calls the other services with (no caller key is kept anywhere); a job
+    that would need it (``param`` says for what) is refused without it (503) rather than
+    failing after it starts."""
     if not common.service_api_key:
         raise ServiceUnavailable(
-            "generate_queries: TANDEM_SERVICE_API_KEY is not set, so the trainer's worker cannot ask the "
-            "inference service for the questions; set it, or start the job without generate_queries",
-            param="generate_queries",
+            f"{param}: TANDEM_SERVICE_API_KEY is not set, so the trainer's worker cannot call the other "
+            f"services for it; set it, or start the job without {param}",
+            param=param,
         )
     return common.service_api_key
 
 
-def acting_headers(common: CommonSettings, tenant: str) -> dict[str, str]:
+def acting_headers(common: CommonSettings, tenant: str, param: str = "generate_queries") -> dict[str, str]:
     """The worker's credentials: the operator key, acting for the job's tenant."""
-    return {"Authorization": f"Bearer {service_key(common)}", ACT_FOR_HEADER: tenant}
+    return {"Authorization": f"Bearer {service_key(common, param)}", ACT_FOR_HEADER: tenant}
 
 
 def save_passages(root: Path, picked: list[Sampled]) -> None:

@@ -235,6 +235,7 @@ def _train(
             init_adapter=resolved.lineage.init_adapter if resolved.lineage else None,
             corpus=resolved.corpus,
             chunks=chunks,
+            stages=spec.stages or "together",
         )
         out = artifact_dir(common, job_id)
         tmp = out.with_name(out.name + ".tmp")
@@ -277,6 +278,20 @@ def _train(
 
             name = publish_embedder_job(common, tenant, job_id, spec, out)
             store.log(job_id, f"published as {name!r}")
+            if spec.apply and spec.collection:
+                from services.trainer.apply import apply_embedder
+
+                with span("train.apply", job_id=job_id, collection=spec.collection):
+                    apply_embedder(
+                        job_id,
+                        tenant,
+                        spec.collection,
+                        name,
+                        resolved.eval_records or [],
+                        store=store,
+                        common=common,
+                        keep_going=JobHooks(store, job_id, lost).should_stop,
+                    )
         elif spec.publish and publish is not None:
             with span("train.publish", job_id=job_id):
                 name = publish(job_id, spec, out)  # its call to inference carries the trace

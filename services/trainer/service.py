@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import shutil
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from services.trainer import chunk_pairs
 from services.trainer.collection import CollectionDoc, collection_documents
 from services.trainer.config import TrainerSettings
 from services.trainer.data.formats import BeirPartError, DatasetError, beir_upload, parse_dataset
+from services.trainer.data.pairs import TITLE_STAGE
 from services.trainer.jobspec import (
     KIND_OF,
     JobOwner,
@@ -65,15 +67,26 @@ def check_files(st: TrainerState, tenant: str, spec: JobCreate) -> tuple[Path | 
 
 
 def snapshot_collection(
-    st: TrainerState, tenant: str, name: str, docs: dict[str, CollectionDoc], *, required: bool = True
+    st: TrainerState,
+    tenant: str,
+    name: str,
+    docs: dict[str, CollectionDoc],
+    *,
+    required: bool = True,
+    documents: int | None = None,
+    seed: int = 0,
 ) -> str | None:
-    """The label-free pairs of collection ``name`` (titles and headings with their passages),
+    """The label-free pairs of collection ``name`` (titles and headings with their passages,
+    each naming its document), of a seeded sample of ``documents`` documents when it has more,
     saved as one of the tenant's dataset files; its id (``None`` when it has none and they are
     not ``required``). The job trains on this fixed snapshot: a resumed job sees the same pairs
     however the collection has changed meanwhile."""
     from services.trainer.data.pairs import title_pairs
 
-    pairs = title_pairs([(d.title, d.text) for d in docs.values()])
+    ids = sorted(docs)
+    if documents is not None and len(ids) > documents:
+        ids = sorted(random.Random(seed).sample(ids, documents))
+    pairs = title_pairs([(docs[i].title, docs[i].text) for i in ids], ids)
     if not pairs and not required:
         return None
     if len(pairs) < 2 and required:
@@ -187,6 +200,25 @@ def _queue(
     return st.store.record(job_id)
 
 
+def resolve_recipe(spec: JobCreate, dataset: Path | None) -> JobCreate:
+    """``spec`` with the recipe choices it left open made (the stored request shows what ran):
+    ``positives`` "chunks" when the job has a collection and every labelled pair names its
+    document, and ``stages`` "titles_first" when it has a collection's titles and labelled pairs
+    (defaults.py holds the figures that chose both)."""
+    from services.trainer.data.pairs import doc_ref, embedder_data
+    from services.trainer.jobspec import load_records
+
+    labelled = embedder_data(load_records(dataset, "embedder")).pairs if dataset is not None else []
+    update: dict[str, Any] = {}
+    if spec.positives is None:
+        named = bool(labelled) and all(doc_ref(p) is not None for p in labelled)
+        update["positives"] = "chunks" if spec.collection and named else "documents"
+    if spec.stages is None:
+        both = spec.collection is not None and spec.title_pairs and bool(labelled)
+        update["stages"] = "titles_first" if both else "together"
+    return spec.model_copy(update=update) if update else spec
+
+
 def _create_embedder_job(
     st: TrainerState,
     tenant: str,
@@ -198,13 +230,24 @@ def _create_embedder_job(
 ) -> JobRecord:
     snapshot = None
     docs: dict[str, CollectionDoc] = {}
+    spec = resolve_recipe(spec, dataset)
+    if spec.apply:
+        from services.trainer.questions import service_key
+
+        service_key(st.common, "apply")  # the worker switches the collection with it: refused now without it
     if spec.collection:
         docs = collection_documents(st, key, spec.collection)
         check_documents({"dataset": dataset, "eval_dataset": eval_ds}, spec.collection, docs)
         if spec.title_pairs:
             # with generated questions too, a collection without titles or headings still trains
             snapshot = snapshot_collection(
-                st, tenant, spec.collection, docs, required=spec.generate_queries is None
+                st,
+                tenant,
+                spec.collection,
+                docs,
+                required=spec.generate_queries is None,
+                documents=spec.hyperparameters.title_documents,
+                seed=spec.hyperparameters.seed,
             )
     snap_path = dataset_path(st.common, tenant, snapshot) if snapshot else None
     pending = spec.generate_queries is not None
@@ -220,7 +263,9 @@ def _create_embedder_job(
         from services.trainer.jobspec import load_records
 
         labelled = embedder_data(load_records(dataset, "embedder")).pairs if dataset is not None else []
-        prepared = chunk_pairs.prepare(st, key, spec, labelled, resolved.records, docs)
+        # negatives for the labelled pairs that train (a title stage trains on in-batch ones)
+        training = [r for r in resolved.records if r.get("_stage") != TITLE_STAGE]
+        prepared = chunk_pairs.prepare(st, key, spec, labelled, training, docs)
         chunk_pairs.save(job_dir(st.common, job_id), prepared)
         what = (
             f"{len(prepared.chunks)} documents' chunks, "

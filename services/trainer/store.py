@@ -32,7 +32,7 @@ import redis
 from services.common.errors import Conflict, NotFound
 from services.common.leases import Clock, Leases
 from services.trainer.metrics import status_totals
-from services.trainer.protocol import TERMINAL, Job, JobStatus, JobType, Progress
+from services.trainer.protocol import TERMINAL, ApplyOutcome, Job, JobStatus, JobType, Progress
 
 P = "tandem:trainer:"
 EVENTS_MAXLEN = 10_000
@@ -89,6 +89,7 @@ class JobRecord:
     published: bool = False
     model_path: str | None = None
     generated_dataset: str | None = None  # embedder jobs' generate_queries: the file they were saved to
+    apply: dict[str, Any] | None = None  # embedder jobs with apply: the decision (ApplyOutcome)
 
     @classmethod
     def from_hash(cls, job_id: str, data: dict[str, str]) -> JobRecord:
@@ -112,6 +113,7 @@ class JobRecord:
             published=data.get("published") == "1",
             model_path=data.get("model_path") or None,
             generated_dataset=data.get("generated_file") or None,
+            apply=json.loads(data["apply"]) if data.get("apply") else None,
         )
 
     def to_job(self) -> Job:
@@ -136,6 +138,8 @@ class JobRecord:
             fine_tuned_model=self.fine_tuned_model,
             published=self.published,
             request=self.spec,
+            applied=self.apply.get("applied") if self.apply else None,
+            apply=ApplyOutcome.model_validate(self.apply) if self.apply else None,
         )
 
 

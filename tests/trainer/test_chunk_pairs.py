@@ -180,7 +180,7 @@ def test_an_embedder_job_trains_on_the_collections_chunks_with_negatives_from_it
                 "hard_negatives_from 'collection' needs the job's 'collection'",
             ),
             (
-                {"hyperparameters": {"hard_negatives_from": "collection"}},
+                {"hyperparameters": {"hard_negatives_from": "collection", "hard_negatives": 0}},
                 "set hyperparameters.hard_negatives above 0",
             ),
             ({"dataset": None}, "title_pairs false leaves a job"),

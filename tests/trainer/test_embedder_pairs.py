@@ -537,6 +537,8 @@ def rig(
             "collection": "kb",
             "dataset": fid,
             "generate_queries": {"model": chat_model, "passages": 6, "max_tokens": 12},
+            # the beir file's document is not the collection's: trained as a whole document
+            "positives": "documents",
             "hyperparameters": {"max_steps": 2, "batch_size": 4},
         }
         yield QuestionRig(h, c, r_url, inference, operator, body, earlier)

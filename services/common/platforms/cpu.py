@@ -47,7 +47,7 @@ def probe() -> CpuFeatures:
         avx512_bf16=" avx512_bf16" in flags,
         amx_bf16=" amx_bf16" in flags,
         amx_usable=platforms.cpu_amx_usable(),
-        onednn=bool(torch.backends.mkldnn.is_available()),
+        onednn=bool(torch.backends.mkldnn.is_available()),  # type: ignore[no-untyped-call]
     )
 
 

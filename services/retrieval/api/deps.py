@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
-from services.common.auth import principal_of
+from services.common.auth import acting_principal
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.collection import ChunkedCollection
 from services.retrieval.core.registry import CollectionManager
@@ -18,7 +18,9 @@ def manager(request: Request) -> CollectionManager:
 
 
 def tenant(request: Request) -> str:
-    return principal_of(request).tenant
+    """The caller's tenant; an operator key sending ``X-Tandem-Tenant`` acts for that tenant (the
+    trainer's worker switching a tenant's collection to its tuned embedder)."""
+    return acting_principal(request).tenant
 
 
 def settings(request: Request) -> RetrievalSettings:

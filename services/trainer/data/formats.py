@@ -18,7 +18,8 @@ kto           ``prompt`` (str or messages), ``completion``, ``label``  kto
 hh-rlhf       ``chosen``, ``rejected`` (whole ``Human:/Assistant:``) dpo
 prompt        ``prompt`` (str or messages), ``answer``?              rl
 pairs         ``query``, ``positive``, ``negatives``? (list of str),  embedder
-              ``document_id``? (the collection's document)
+              ``document_id``? (the collection's document),
+              ``title_of``? (a snapshot's title pair: its document)
 beir          corpus ``corpus_id``, ``text``, ``title``?;            embedder
               query ``query_id``, ``text``;
               qrel ``query_id``, ``corpus_id``, ``score``? (1)
@@ -337,6 +338,9 @@ def _pair_row(row: dict[str, Any], line: int) -> dict[str, Any]:
     if row.get("document_id") is not None:
         # the collection document the positive comes from: checked against a job's collection
         rec["document_id"] = _beir_id(row, "document_id", line)
+    if row.get("title_of") is not None:
+        # a collection snapshot's title or heading pair: the document it came from
+        rec["title_of"] = _beir_id(row, "title_of", line)
     return rec
 
 

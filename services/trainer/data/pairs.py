@@ -39,6 +39,12 @@ class EmbedderData:
     corpus: dict[str, str] = field(default_factory=dict)
 
 
+# An embedder pair's ``_stage``: the collection's title and heading pairs train first with
+# stages "titles_first"; every other pair (labelled, generated) is LABELLED_STAGE.
+TITLE_STAGE = 0
+LABELLED_STAGE = 1
+
+
 def doc_text(title: str, text: str) -> str:
     return f"{title}\n{text}" if title.strip() else text
 
@@ -64,25 +70,39 @@ def embedder_data(records: list[dict[str, Any]]) -> EmbedderData:
     return EmbedderData(pairs, docs)
 
 
-def title_pairs(documents: list[tuple[str, str]]) -> list[dict[str, Any]]:
+def title_pairs(documents: list[tuple[str, str]], ids: list[str] | None = None) -> list[dict[str, Any]]:
     """Label-free pairs from ``(title, text)`` documents: the title with the document's text,
     and each Markdown heading with its section. A heading that several sections share
     ("Introduction") says nothing about any one of them, and would pair one query with
-    passages that are each other's in-batch negatives: such headings are left out."""
-    candidates: list[tuple[str, str]] = []
-    for title, text in documents:
+    passages that are each other's in-batch negatives: such headings are left out. With
+    ``ids`` (the documents' ids), each pair says which document it came from (``title_of``):
+    a held-out title then has a relevant document to be ranked against."""
+    candidates: list[tuple[str, str, str | None]] = []
+    for n, (title, text) in enumerate(documents):
+        of = ids[n] if ids is not None else None
         if title.strip() and text.strip():
-            candidates.append((title.strip(), text.strip()[:PASSAGE_CHARS]))
+            candidates.append((title.strip(), text.strip()[:PASSAGE_CHARS], of))
         heads = list(_HEADING.finditer(text))
         for i, m in enumerate(heads):
             end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
             body = text[m.end() : end].strip()
             if body and m.group(1).strip() != title.strip():
-                candidates.append((m.group(1).strip(), body[:PASSAGE_CHARS]))
+                candidates.append((m.group(1).strip(), body[:PASSAGE_CHARS], of))
     seen: dict[str, int] = {}
-    for query, _ in candidates:
+    for query, _, _ in candidates:
         seen[query] = seen.get(query, 0) + 1
-    return [{"query": q, "positive": p, "negatives": []} for q, p in candidates if seen[q] == 1 and q != p]
+    return [
+        {"query": q, "positive": p, "negatives": [], **({"title_of": of} if of is not None else {})}
+        for q, p, of in candidates
+        if seen[q] == 1 and q != p
+    ]
+
+
+def relevant_document(pair: dict[str, Any]) -> str | None:
+    """The collection document a held-out pair's query should find: the one its positive names
+    (``doc_ref``), or the one its title or heading came from."""
+    ref = doc_ref(pair) or pair.get("title_of")
+    return str(ref) if ref is not None else None
 
 
 def _cid(text: str) -> str:

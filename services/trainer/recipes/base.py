@@ -55,6 +55,8 @@ class TrainConfig:
     corpus: dict[str, str] | None = None
     # embedder jobs with positives "chunks": document id -> the texts its collection indexes for it
     chunks: dict[str, list[str]] | None = None
+    # embedder jobs: "titles_first" trains the title pairs, then the others (JobCreate.stages)
+    stages: str = "together"
 
     @property
     def learning_rate(self) -> float:
@@ -98,16 +100,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def schedule_factor(step: int, kind: str, warmup: int, total: int) -> float:
+    """The learning rate's multiplier at ``step`` (from 0) of ``total``: linear warmup, then
+    constant, linear or cosine decay."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return max(0.0, 1.0 - progress)
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, total: int) -> Any:
+    return make_staged_scheduler(optimizer, kind, warmup, [0, total])
+
+
+def make_staged_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, bounds: list[int]) -> Any:
+    """A schedule that starts again (warmup, then decay) at each stage: ``bounds`` are the
+    stages' first steps (from 0) and, last, the total."""
+
     def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if kind == "constant" or total <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        return max(0.0, 1.0 - progress)
+        stage = max(i for i in range(len(bounds) - 1) if bounds[i] <= step) if step >= bounds[0] else 0
+        return schedule_factor(step - bounds[stage], kind, warmup, bounds[stage + 1] - bounds[stage])
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

@@ -33,9 +33,15 @@ from typing import Any
 
 import torch
 
-from services.trainer.data.pairs import RetrievalSet, chunk_positives, mine_negatives, retrieval_set
+from services.trainer.data.pairs import (
+    TITLE_STAGE,
+    RetrievalSet,
+    chunk_positives,
+    mine_negatives,
+    retrieval_set,
+)
 from services.trainer.modeling import count_params
-from services.trainer.recipes.base import Recipe, seed_everything
+from services.trainer.recipes.base import Recipe, make_staged_scheduler, seed_everything
 
 EVAL_METRICS = ("ndcg@10", "recall@100", "recall@10", "mrr@10")
 MAX_NEGATIVES = 4  # a row's own negatives used (every row of a batch must give as many), plus the mined
@@ -157,7 +163,7 @@ class EmbedderRecipe(Recipe):
             self.hooks.log(f"positives: {mapped} pairs train on their document's chunk nearest the query")
         if self.hp.hard_negatives and self.hp.hard_negatives_from == "model":
             self.pairs = self._hard_negatives(self.pairs)
-        self.schedule = batch_schedule(self.pairs, self.hp.batch_size, self.hp.n_epochs, self.hp.seed)
+        self.schedule, self.stage_starts = self._staged_schedule()
         self.total_steps = min(len(self.schedule), self.hp.max_steps or len(self.schedule))
         self.loss_fn = self._loss()
         self.retrieval: RetrievalSet | None = (
@@ -177,12 +183,51 @@ class EmbedderRecipe(Recipe):
             )
         )
 
+    def _staged_schedule(self) -> tuple[list[list[int]], list[int]]:
+        """The batches of every stage in order, and each stage's first step (from 0). With
+        stages "titles_first" the title and heading pairs train first (``title_epochs``), then
+        the rest (``n_epochs``): a stage's batches hold its own pairs only."""
+        hp = self.hp
+        titles = [i for i, p in enumerate(self.pairs) if p.get("_stage") == TITLE_STAGE]
+        rest = [i for i, p in enumerate(self.pairs) if p.get("_stage") != TITLE_STAGE]
+        if self.cfg.stages == "titles_first" and titles and rest:
+            plan = [(titles, hp.title_epochs), (rest, hp.n_epochs)]
+        else:
+            plan = [(list(range(len(self.pairs))), hp.n_epochs)]
+        schedule: list[list[int]] = []
+        starts: list[int] = []
+        for k, (idx, epochs) in enumerate(plan):
+            starts.append(len(schedule))
+            own = [self.pairs[i] for i in idx]
+            schedule += [[idx[j] for j in b] for b in batch_schedule(own, hp.batch_size, epochs, hp.seed + k)]
+        if len(plan) > 1:
+            self.hooks.log(
+                f"stages: {len(titles)} title and heading pairs for {hp.title_epochs} epoch(s) "
+                f"({starts[1]} steps), then {len(rest)} labelled pairs for {hp.n_epochs} epoch(s) "
+                f"({len(schedule) - starts[1]} steps)"
+            )
+        return schedule, starts
+
+    def make_optimizer(self) -> None:
+        super().make_optimizer()
+        if len(self.stage_starts) > 1:  # each stage warms up and decays on its own
+            assert self.optimizer is not None
+            bounds = [*self.stage_starts, max(self.total_steps, self.stage_starts[-1] + 1)]
+            self.scheduler = make_staged_scheduler(
+                self.optimizer, self.hp.lr_scheduler, self.hp.warmup_steps, bounds
+            )
+
     def _features(self, texts: list[str]) -> dict[str, torch.Tensor]:
         feats = self.model.preprocess(texts)
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in feats.items()}
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        if step - 1 in self.stage_starts[1:]:
+            # a stage starts as a job of its own would: Adam's moments of the last stage dropped
+            assert self.optimizer is not None
+            self.optimizer.state.clear()
+            self.hooks.log(f"stage {self.stage_starts.index(step - 1) + 1} from step {step}")
         rows = [self.pairs[i] for i in self.schedule[step - 1]]
         # a row's own negatives first, then its mined ones (hard_negatives): every row gives k
         k = min(MAX_NEGATIVES + self.hp.hard_negatives, *(len(r.get("negatives") or []) for r in rows))
