@@ -22,7 +22,7 @@ from services.common.embedders import embedder_name, find_embedder, list_embedde
 from services.trainer.app import create_app
 from services.trainer.config import TrainerSettings
 from services.trainer.data.formats import DatasetError, parse_dataset
-from services.trainer.data.pairs import embedder_data, retrieval_set, title_pairs
+from services.trainer.data.pairs import LABELLED_STAGE, TITLE_STAGE, embedder_data, retrieval_set, title_pairs
 from services.trainer.jobspec import split_eval
 from services.trainer.protocol import Hyperparameters
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
@@ -184,6 +184,40 @@ def test_killed_embedder_run_resumes_to_the_same_final_loss(tiny_st: Path, tmp_p
     )  # from step 4's checkpoint
     assert again.history[-1]["loss"] == pytest.approx(full.history[-1]["loss"], abs=1e-5)
     assert again.evals["after"]["eval_ndcg@10_before"] == full.evals["before"]["eval_ndcg@10_before"]
+
+
+def staged_config(model: Path, work: Path) -> TrainConfig:
+    """12 training pairs: the first 6 as a collection's title pairs, the rest labelled."""
+    cfg = config(model, work, n_epochs=2, title_epochs=1, batch_size=3, warmup_steps=2)
+    cfg.records = [
+        {**r, "_stage": TITLE_STAGE if i < 6 else LABELLED_STAGE} for i, r in enumerate(cfg.records[:12])
+    ]
+    cfg.stages = "titles_first"
+    return cfg
+
+
+def test_titles_first_trains_each_stage_on_its_own_pairs_and_schedule_and_resumes_across(
+    tiny_st: Path, tmp_path: Path
+) -> None:
+    full = NullHooks()
+    recipe = EmbedderRecipe(staged_config(tiny_st, tmp_path / "a"), hooks=full)
+    assert run(recipe, tmp_path / "a" / "ckpt") == "succeeded"
+    # 6 title pairs for 1 epoch (2 batches of 3), then 6 labelled pairs for 2 epochs (4 batches)
+    assert recipe.stage_starts == [0, 2] and recipe.total_steps == 6
+    stage_of = [{recipe.pairs[i]["_stage"] for i in batch} for batch in recipe.schedule]
+    assert stage_of == [{TITLE_STAGE}] * 2 + [{LABELLED_STAGE}] * 4
+    lr = recipe.hp.learning_rate
+    # each stage warms up again (2 steps), then decays linearly over its own steps
+    assert [round(h["learning_rate"] / lr, 4) for h in full.history] == [0.5, 1.0, 0.5, 1.0, 1.0, 0.5]
+    # killed in the second stage (after step 4's checkpoint), resumed: the same end
+    with pytest.raises(KeyboardInterrupt):
+        run(EmbedderRecipe(staged_config(tiny_st, tmp_path / "b"), hooks=KillAt(5)), tmp_path / "b" / "ckpt")
+    again = NullHooks()
+    assert run(
+        EmbedderRecipe(staged_config(tiny_st, tmp_path / "b"), hooks=again), tmp_path / "b" / "ckpt"
+    ) == ("succeeded")
+    assert [h["step"] for h in again.history] == [5, 6]
+    assert again.history[-1]["loss"] == pytest.approx(full.history[-1]["loss"], abs=1e-5)
 
 
 def test_embedder_cancel_stops_within_one_step(tiny_st: Path) -> None:
