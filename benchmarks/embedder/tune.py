@@ -117,6 +117,12 @@ class Labelled:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
+# The measurement's own searches (hundreds a minute, before and after) are the harness's, not a
+# tenant's abuse: the stack it starts has no per-tenant request rate (the job's own reads of the
+# collection, a page of documents a request, stay far below the default one anyway).
+UNLIMITED = {f"TANDEM_{svc}_TENANT_REQUESTS_PER_MINUTE": "0" for svc in ("RETRIEVAL", "TRAINER", "AGENT")}
+
+
 # -- scifact ---------------------------------------------------------------------------------------
 
 
@@ -355,7 +361,7 @@ def stack(home: Path | None, keep: bool) -> Iterator[dict[str, Any]]:
     from benchmarks.stack import embedded_stack
 
     try:
-        with embedded_stack("tandem-tune-", keep=keep) as s:
+        with embedded_stack("tandem-tune-", UNLIMITED, keep=keep) as s:
             yield stack_where(s.home)
     except RuntimeError as exc:  # tandem up failed: its output says why
         raise SystemExit(str(exc)) from None

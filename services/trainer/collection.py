@@ -29,15 +29,6 @@ class _Read(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class ListedDocument(_Read):
-    id: str
-
-
-class DocumentPage(_Read):
-    documents: list[ListedDocument]
-    next_offset: int | None = None
-
-
 class ChunkSpan(_Read):
     chunk_id: str
     start: int
@@ -52,6 +43,11 @@ class StoredDocument(_Read):
     chunk_list: list[ChunkSpan] | None = None
 
 
+class DocumentPage(_Read):
+    documents: list[StoredDocument]
+    next_offset: int | None = None
+
+
 class Hit(_Read):
     chunk_id: str
     document_id: str
@@ -61,6 +57,9 @@ class Hit(_Read):
 
 class Hits(_Read):
     results: list[Hit]
+
+
+PAGE = 100  # documents a listing page holds with their text and chunks (the service's most)
 
 
 def retrieval_call(
@@ -108,10 +107,12 @@ def collection_documents(st: TrainerState, key: str, name: str) -> dict[str, Col
     docs: dict[str, CollectionDoc] = {}
     offset: int | None = 0
     while offset is not None:
-        page = retrieval_call(st, key, f"{base}?limit=1000&offset={offset}", "collection", DocumentPage)
-        for listed in page.documents:
-            # the listing leaves the text and chunks out: one read per document
-            doc = retrieval_call(st, key, f"{base}/{quote(listed.id, safe='')}", "collection", StoredDocument)
+        # a page of whole documents (text and chunks) a request: one request per document would
+        # run into the tenant's request rate on a collection of thousands
+        page = retrieval_call(
+            st, key, f"{base}?limit={PAGE}&offset={offset}&full=true", "collection", DocumentPage
+        )
+        for doc in page.documents:
             text = doc.text or ""
             chunks = tuple(
                 (c.chunk_id, indexed(c.context, text[c.start : c.end])) for c in doc.chunk_list or []

@@ -233,13 +233,32 @@ def _read_spooled(up: UploadFile) -> bytes:
     return up.file.read()
 
 
+# Documents a page with ``full`` holds at most: each carries its whole text and chunk spans.
+FULL_PAGE = 100
+
+
 @router.get("/{name}/documents", response_model=DocumentPage)
 def list_documents(
     col: CollectionDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
     offset: Annotated[int, Query(ge=0)] = 0,
+    full: Annotated[
+        bool,
+        Query(
+            description=f"each document with its text and chunks, as GET .../documents/{{id}} (at most {FULL_PAGE} a page)"
+        ),
+    ] = False,
 ) -> DocumentPage:
+    """The collection's documents, a page at a time. ``full`` gives each with its text and
+    chunk spans: a client reading the whole collection (an embedder job) asks once a page
+    rather than once a document."""
+    if full and limit > FULL_PAGE:
+        raise InvalidRequest(
+            f"limit {limit}: a page with full=true holds at most {FULL_PAGE} documents", param="limit"
+        )
     docs, total = col.list_documents(limit, offset)
+    if full:
+        docs = [d for d in (col.get_document(d.id) for d in docs) if d is not None]
     nxt = offset + len(docs)
     return DocumentPage(
         documents=docs,
