@@ -147,6 +147,16 @@ def test_paging(client: httpx.Client) -> None:
         offset = page["next_offset"]
     assert seen == [f"d{i:02d}" for i in range(25)]
     assert client.get("/v1/collections/kb/documents", params={"limit": 0}).status_code == 400
+    # full: each document as GET .../documents/{id} gives it (text and chunks), 100 a page at most
+    listed = client.get("/v1/collections/kb/documents", params={"limit": 3, "offset": 7}).json()["documents"]
+    assert all(d.get("text") is None and d.get("chunk_list") is None for d in listed)
+    page = client.get("/v1/collections/kb/documents", params={"limit": 3, "offset": 7, "full": True}).json()
+    assert page["documents"] == [
+        client.get(f"/v1/collections/kb/documents/d{i:02d}").json() for i in (7, 8, 9)
+    ]
+    assert page["documents"][0]["text"] == "document number 7" and page["documents"][0]["chunk_list"]
+    too_many = client.get("/v1/collections/kb/documents", params={"limit": 101, "full": True})
+    assert too_many.status_code == 400 and "limit 101" in too_many.text
 
 
 def test_tenant_isolation(client: httpx.Client, other_client: httpx.Client) -> None:
