@@ -60,6 +60,9 @@ TYPE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 #   the labelled pairs alone, against 0.6821 / 0.7318 with 2 at lr 5e-5.
 # - 4 epochs of the labelled stage: 8 gave 0.6837 / 0.7381 against 4's 0.6960 / 0.7430.
 # - batch 32 with warmup 5, MNRL: cached MNRL gave the same figures (0.7038 / 0.7460) in 1.8x the time.
+# Through the API with these defaults and "apply" (benchmarks/RESULTS.md, "retriever tuning with
+# defaults"): SciFact dense 0.6675 -> 0.6902, hybrid 0.7105 -> 0.7353 on queries the job never
+# saw, 28.5 minutes with the reindex; the job holds out 0.1 of its pairs (protocol.APPLY_HELD_OUT).
 # Plain pairs (no collection) keep TYPE_DEFAULTS["embedder"]: on a 1,000-document SciFact sample
 # lr 2e-5 gave nDCG@10 0.8102 (2 epochs) against 0.8071 at lr 1e-4 (3 epochs).
 COLLECTION_EMBEDDER: dict[str, Any] = {
