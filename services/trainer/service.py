@@ -200,15 +200,13 @@ def _queue(
     return st.store.record(job_id)
 
 
-def resolve_recipe(spec: JobCreate, dataset: Path | None) -> JobCreate:
+def resolve_recipe(spec: JobCreate, labelled: list[dict[str, Any]]) -> JobCreate:
     """``spec`` with the recipe choices it left open made (the stored request shows what ran):
     ``positives`` "chunks" when the job has a collection and every labelled pair names its
     document, and ``stages`` "titles_first" when it has a collection's titles and labelled pairs
-    (defaults.py holds the figures that chose both)."""
-    from services.trainer.data.pairs import doc_ref, embedder_data
-    from services.trainer.jobspec import load_records
+    (defaults.py holds the figures that chose both). ``labelled``: the dataset file's pairs."""
+    from services.trainer.data.pairs import doc_ref
 
-    labelled = embedder_data(load_records(dataset, "embedder")).pairs if dataset is not None else []
     update: dict[str, Any] = {}
     if spec.positives is None:
         named = bool(labelled) and all(doc_ref(p) is not None for p in labelled)
@@ -230,7 +228,12 @@ def _create_embedder_job(
 ) -> JobRecord:
     snapshot = None
     docs: dict[str, CollectionDoc] = {}
-    spec = resolve_recipe(spec, dataset)
+    from services.trainer.data.pairs import embedder_data
+    from services.trainer.jobspec import load_records
+
+    # the file's pairs, read once: they choose the recipe and name the chunks to prepare
+    labelled = embedder_data(load_records(dataset, "embedder")).pairs if dataset is not None else []
+    spec = resolve_recipe(spec, labelled)
     if spec.apply:
         from services.trainer.questions import service_key
 
@@ -259,10 +262,6 @@ def _create_embedder_job(
     extra: dict[str, str] = {}
     what = ""
     if chunk_pairs.wanted(spec):
-        from services.trainer.data.pairs import embedder_data
-        from services.trainer.jobspec import load_records
-
-        labelled = embedder_data(load_records(dataset, "embedder")).pairs if dataset is not None else []
         # negatives for the labelled pairs that train (a title stage trains on in-batch ones)
         training = [r for r in resolved.records if r.get("_stage") != TITLE_STAGE]
         prepared = chunk_pairs.prepare(st, key, spec, labelled, training, docs)
