@@ -1,6 +1,6 @@
 """The learning loop end to end, through the public APIs, with the real SmolLM2-135M.
 
-A collection of invented facts, questions asked through ``chat-documents``, thumbs and
+A collection of invented facts, questions asked through ``chat-documents-generate`` (the model writes each answer), thumbs and
 corrections given, "train on feedback" (a LoRA ``kto`` job run by a real Celery worker and
 published for the tenant), chat with the adapter through the agent; then the inference
 service is restarted (a new app over the same Redis and model storage, nothing published
@@ -41,7 +41,9 @@ def ask(agent: str, key: str, question: str, llm: str | None = None) -> httpx.Re
     body: dict[str, Any] = {"query": question, "collection": "facts"}
     if llm:
         body["llm"] = llm
-    return httpx.post(f"{agent}/v1/pipelines/chat-documents/run", json=body, headers=auth(key), timeout=300)
+    return httpx.post(
+        f"{agent}/v1/pipelines/chat-documents-generate/run", json=body, headers=auth(key), timeout=300
+    )
 
 
 def test_feedback_trains_an_adapter_that_serves_the_chat_after_a_restart(

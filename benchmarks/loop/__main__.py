@@ -7,7 +7,7 @@ four services, the Celery workers, the default SmolLM2-135M), builds a collectio
 documents holding invented facts (``services.cli.factset``, fixed seed), and then plays
 a scripted user through the public APIs only:
 
-1. asks ``--train`` questions with ``chat-documents`` on the base model and judges each
+1. asks ``--train`` questions with ``chat-documents-generate`` (the model writes each answer) on the base model and judges each
    answer: thumbs up when the model wrote a valid ``[n]`` marker itself and the answer
    states the expected fact, thumbs down otherwise; for every second answer it turns down
    it writes a correction: the source's sentence that states the fact, followed by that
@@ -133,7 +133,7 @@ class Client:
             body["llm"] = llm
         start = time.perf_counter()
         out = await self.check(
-            await self.http.post(f"{self.agent}/v1/pipelines/chat-documents/run", json=body)
+            await self.http.post(f"{self.agent}/v1/pipelines/chat-documents-generate/run", json=body)
         )
         seconds = time.perf_counter() - start
         record = await self.check(await self.http.get(f"{self.agent}/v1/messages/{out['message_id']}"))

@@ -250,25 +250,92 @@ _MONTHS = [
     "december",
 ]
 _NUMBER_Q = re.compile(
-    r"\bhow (many|much|deep|high|tall|long|old|far|big|large|wide|heavy)\b|\b(what|which) year\b|\bwhen\b"
+    r"\bhow (many|much|deep|high|tall|long|old|far|big|large|wide|heavy)\b|^\s*when\b"
+    r"|\b(what|which)( \w+){0,3} (year|date|number|version)\b|\bnumeric\b"
 )
-_MONTH_Q = re.compile(r"\b(which|what) month\b|\bwhen\b")
+# A number standing alone: "15 s", "20 to 30 times", "4.19.0", not the digit of "ASN.1" or "asn1".
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,:]\d+)*(?!\w)")
+# "How large must the buffer be?": a manual may answer with a named constant
+# ("at least ASN1_MAX_ERROR_DESCRIPTION_SIZE").
+_SIZE_Q = re.compile(r"\bhow (many|much|large|big|long)\b")
+_CONSTANT = re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
+# A year or a date: "in which year", "on which date", answered by a year or a month.
+_YEAR_Q = re.compile(r"\b(what|which) (year|date)\b")
+# "When was it released?" asks for a time; "what does it return when ...?" does not.
+_MONTH_Q = re.compile(r"\b(which|what) month\b|^\s*when\b")
 _WHO_Q = re.compile(r"^\s*(who|whom|whose)\b")
+
+
+# "Which option ...", "what environment variable ...", "which function ...", "which header file
+# ...": the asked kind of thing, by the noun after the question word, and how a manual writes one.
+_ASKED = "|".join(["which", "what", "the"])
+_TERM_KINDS: list[tuple[re.Pattern[str], re.Pattern[str]]] = [
+    (
+        re.compile(rf"\b(?:{_ASKED})\s+(?:\w+\s+){{0,2}}?(?:option|flag|switch|argument)s?\b"),
+        re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*(?:=\S+)?"),
+    ),
+    (
+        re.compile(rf"\b(?:{_ASKED})\s+(?:\w+\s+){{0,2}}?(?:variable|constant|macro|error|code|value)s?\b"),
+        re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*_[A-Z0-9_]+\b"),
+    ),
+    (
+        re.compile(rf"\b(?:{_ASKED})\s+(?:\w+\s+){{0,2}}?(?:function|method|call|routine)s?\b"),
+        re.compile(r"\b[A-Za-z]\w*_\w+\b|\b\w+\(\)"),
+    ),
+    (
+        re.compile(rf"\b(?:{_ASKED})\s+(?:\w+\s+){{0,2}}?(?:file|header|library)s?\b"),
+        re.compile(
+            r"\b[\w.-]+\.(?:h|c|so|a|py|md|json|toml|ya?ml|txt|html?|pdf|conf|cfg|ini|sh|db|sqlite3)\b"
+        ),
+    ),
+    (
+        # "What does asn1_read_value return when ...?": a constant, a number, NULL
+        re.compile(r"\bwhat\b.*\breturns?\b|\bwhat\b.*\bset to\b"),
+        re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*_[A-Z0-9_]+\b|(?<![\w.-])-1\b|\bNULL\b|\b(?:true|false)\b"),
+    ),
+]
+
+
+def asked_terms(question: str, sentence: str) -> list[str] | None:
+    """The terms of the kind ``question`` asks for ("which option": ``--leak-check``; "which
+    variable": ``GLIBCXX_FORCE_NEW``; "which function": ``asn1_dup_node``; "which file": ``libtasn1.h``)
+    that ``sentence`` holds and the question does not; None when it asks for no such kind."""
+    q = question.lower()
+    kinds = [term for asked, term in _TERM_KINDS if asked.search(q)]
+    if not kinds:
+        return None
+    known = {t.lower() for term in kinds for t in term.findall(question)}
+    return [t for term in kinds for t in term.findall(sentence) if t.lower() not in known]
+
+
+def _names_month(sentence: str) -> bool:
+    """A month's name, capitalised as a date writes it ("May 2024", not "you may")."""
+    return any(w.lower() in _MONTHS for w in re.findall(r"\b[A-Z][a-z]+\b", sentence))
+
+
+def asks_number(question: str) -> bool:
+    """Whether ``question`` asks for a number, a date or a year ("how many", "when", "which
+    version"): an answer without one does not answer it."""
+    q = question.lower()
+    return bool(_NUMBER_Q.search(q) or _YEAR_Q.search(q))
 
 
 def answer_type_match(question: str, sentence: str) -> bool:
     """Whether ``sentence`` holds the kind of thing ``question`` asks for: a number for "how deep",
-    a month for "which month", a name (a capitalised word the question lacks) for "who"."""
+    a month for "which month", a name (a capitalised word the question lacks) for "who", a term
+    written as a manual writes one for "which option / variable / function / file"."""
     q = question.lower()
-    if _MONTH_Q.search(q) and any(m in sentence.lower().split() for m in _MONTHS):
+    if _MONTH_Q.search(q) and _names_month(sentence):
         return True
+    if _YEAR_Q.search(q):
+        return bool(re.search(r"\b(1[5-9]|20)\d\d\b", sentence)) or _names_month(sentence)
     if _NUMBER_Q.search(q):
-        return bool(re.search(r"\d", sentence))
+        return bool(_NUMBER.search(sentence) or (_SIZE_Q.search(q) and _CONSTANT.search(sentence)))
     if _WHO_Q.search(q):
         asked = {w.lower() for w in re.findall(r"[A-Za-z]+", question)}
         words = re.findall(r"[A-Za-z]+", sentence)[1:]  # the first word is capitalised anyway
         return any(w[0].isupper() and w.lower() not in asked for w in words)
-    return False
+    return bool(asked_terms(question, sentence))
 
 
 def is_fragment(sentence: str) -> bool:

@@ -569,6 +569,7 @@ class AgentRuntime:
             inference=inference,
             counter=load_counter(self.settings.tokenizer),
             model=(llm or await self.model(inference)) if uses_model else "",
+            chosen=bool(llm),
         )
         state = RunState(
             question=turn.message,

@@ -70,21 +70,21 @@ def test_the_facade_says_answer_kind_beside_citations(stack: Stack, api_key: str
     stack.model.replies = lambda body: "Berlin is the capital of Germany [1]."
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=api_key)
     answered = client.chat.completions.create(
-        model="chat-documents",
+        model="chat-documents-generate",
         messages=[{"role": "user", "content": "What is the capital of Germany?"}],
         extra_body={"collection": "geo"},
     )
     extra = answered.model_extra or {}
     assert extra["answer_kind"] == "generated" and extra["citations"]
     missing = client.chat.completions.create(
-        model="chat-documents",
+        model="chat-documents-generate",
         messages=[{"role": "user", "content": UNANSWERABLE}],
         extra_body={"collection": "geo"},
     )
     assert (missing.model_extra or {})["answer_kind"] == "not_found"
     assert (missing.choices[0].message.content or "").startswith("Your documents do not say")
     stream = client.chat.completions.create(
-        model="chat-documents",
+        model="chat-documents-generate",
         messages=[{"role": "user", "content": UNANSWERABLE}],
         extra_body={"collection": "geo"},
         stream=True,

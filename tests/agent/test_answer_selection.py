@@ -207,7 +207,9 @@ def planned(question: str, chunks: list[Chunk]) -> RunState:
     return state
 
 
-async def run_answer_nodes(state: RunState, embed: Any) -> list[dict[str, Any]]:
+async def run_answer_nodes(
+    state: RunState, embed: Any, chosen: bool = False, **select: Any
+) -> list[dict[str, Any]]:
     services = EmbeddingServices(embed)
     ctx = RunContext(
         settings=AgentSettings.model_validate({}),
@@ -215,9 +217,10 @@ async def run_answer_nodes(state: RunState, embed: Any) -> list[dict[str, Any]]:
         inference=services,  # type: ignore[arg-type]
         counter=None,  # type: ignore[arg-type]
         model="smollm2-135m",
+        chosen=chosen,
     )
     nodes: list[Component] = [
-        AnswerSelectNode(AnswerSelectNode.P.model_validate({})),
+        AnswerSelectNode(AnswerSelectNode.P.model_validate(select)),
         GenerateNode(GenerateNode.P.model_validate({}), generator=NoModel()),  # type: ignore[arg-type]
         CiteNode(CiteNode.P.model_validate({})),
         GuardNode(GuardNode.P.model_validate({})),
@@ -243,7 +246,7 @@ async def test_the_node_answers_not_found_without_calling_the_model(embed: Any) 
     assert state.completion == "" and state.grounding is None
 
 
-async def test_an_answerable_question_goes_on_to_the_model(embed: Any) -> None:
+async def test_without_extract_an_answerable_question_goes_on_to_the_model(embed: Any) -> None:
     state = planned("Which vector databases can the retrieval service use?", RETRIEVAL)
     with pytest.raises(AssertionError, match="must not be called"):
         await run_answer_nodes(state, embed)  # NoModel: reaching the generator is what we assert
@@ -260,3 +263,94 @@ async def test_a_question_naming_what_no_source_mentions_is_not_found(embed: Any
     assert "They do not mention Elasticsearch." in text
     found = await select_answer("Which vector database holds a collection besides FAISS?", RETRIEVAL, embed)
     assert found.found and found.missing == []
+
+
+async def test_extract_answers_with_the_selected_sentences_without_calling_the_model(embed: Any) -> None:
+    state = planned("Which vector databases can the retrieval service use?", RETRIEVAL)
+    events = await run_answer_nodes(state, embed, extract=True)  # NoModel raises if it is called
+    assert state.answer_kind == "extractive" and state.groundedness == 1.0
+    shown = "".join(e["text"] for e in events if e["type"] == "token")
+    assert shown == state.answer and "Milvus" in shown and shown.endswith("[1].")
+    cited = [e for e in events if e["type"] == "citation"]
+    assert [e["kind"] for e in cited] == ["extractive"] and cited[0]["chunk_id"] == "ret#1"
+    # The record keeps the prompt a model would have answered from: a correction trains on it.
+    assert state.prompt == state.plan.messages and state.completion == ""  # type: ignore[union-attr]
+    # the guard and the citation resolver leave an answer the answer step gave alone
+    assert not [e for e in events if e["type"] == "reset"]
+    # A model the caller chose ("llm") writes the answer itself.
+    state = planned("Which vector databases can the retrieval service use?", RETRIEVAL)
+    with pytest.raises(AssertionError, match="must not be called"):
+        await run_answer_nodes(state, embed, chosen=True, extract=True)
+    assert state.selection is not None and state.selection.found and state.answer_kind == "generated"
+
+
+FAQ = [
+    Chunk(
+        "faq#3",
+        "faq.html",
+        "Valgrind does not follow into child processes.\n\n"
+        "First, by default, Valgrind only traces the top-level process. So if your program spawns "
+        "children, they won't be traced by Valgrind by default. To trace child processes, use the "
+        "--trace-children=yes option.",
+        title="Valgrind FAQ",
+    ),
+    Chunk(
+        "faq#4",
+        "faq.html",
+        "Occasionally Valgrind prints the wrong function names in stack traces. This is caused by "
+        "glibc using aliases to effectively give one function two names.",
+        title="Valgrind FAQ",
+    ),
+]
+REFERENCE = [
+    Chunk(
+        "ref#9",
+        "libtasn1.pdf",
+        "asn1 dup node [Function]asn1_node asn1_dup_node (asn1 node const src, const char * src_name) "
+        "src: Source asn1 node. src name: Field name in source node. Create a deep copy of a asn1 "
+        "node variable. This function will return an exact copy of the provided structure.",
+        title="libtasn1",
+    ),
+    Chunk(
+        "ref#1",
+        "libtasn1.pdf",
+        "This manual is for GNU Libtasn1 (version 4.19.0, 18 August 2022), which is a library for "
+        "Abstract Syntax Notation One (ASN.1) and Distinguished Encoding Rules (DER) manipulation.",
+        title="libtasn1",
+    ),
+]
+
+
+async def test_a_question_asking_for_an_option_gets_the_sentence_that_names_it(embed: Any) -> None:
+    # The closest sentence restates the problem; the option is two sentences on.
+    selection = await select_answer("Which option makes Valgrind trace child processes?", FAQ, embed)
+    text, numbers = extractive_text(selection)
+    assert "--trace-children=yes" in text and numbers == [1]
+
+
+async def test_a_question_asking_for_a_function_gets_the_entry_that_names_it(embed: Any) -> None:
+    question = "Which function returns an exact copy of the provided asn1 node structure?"
+    selection = await select_answer(question, REFERENCE, embed)
+    text, _ = extractive_text(selection)
+    assert "asn1_dup_node" in text and "exact copy" in text
+    assert text.index("asn1_dup_node") < text.index("exact copy")  # in the document's order
+
+
+async def test_a_number_question_without_a_number_in_the_sources_is_not_found(embed: Any) -> None:
+    for question, chunks in (
+        ("How many megabytes per second can libtasn1 decode?", REFERENCE),
+        ("In which year did Valgrind start to trace child processes?", FAQ),
+    ):
+        selection = await select_answer(question, chunks, embed)
+        assert not selection.found, (question, selection.best)
+    # a number the sources hold answers
+    found = await select_answer(
+        "On which date was version 4.19.0 of GNU Libtasn1 released?", REFERENCE, embed
+    )
+    assert found.found and "18 August 2022" in extractive_text(found)[0]
+
+
+async def test_a_version_no_source_names_is_missing_whole(embed: Any) -> None:
+    # "5.0" is not "4.19.0" though the sources hold a "0"
+    selection = await select_answer("When was version 5.0 of GNU Libtasn1 released?", REFERENCE, embed)
+    assert not selection.found and selection.missing == ["5.0"]

@@ -48,7 +48,7 @@ def data_events(lines: Iterable[str]) -> list[dict[str, Any]]:
 def test_chat_documents_json_cites_the_right_document(stack: Stack, api_key: str) -> None:
     stack.model.replies = cite_first
     resp = httpx.post(
-        f"{stack.url}/v1/pipelines/chat-documents/run",
+        f"{stack.url}/v1/pipelines/chat-documents-generate/run",
         json={"query": "What is the capital of Germany?", "collection": "geo"},
         headers={**auth(api_key), "X-Request-ID": "rid-123"},
         timeout=30,
@@ -261,7 +261,7 @@ def test_the_openai_facade_keeps_its_wire_shape(stack: Stack, api_key: str) -> N
     stack.model.replies = lambda body: "Paris is the capital [1]."
     ask = [{"role": "user", "content": "What is the capital of France?"}]
     answer, chunks = _facade(
-        stack, api_key, {"model": "chat-documents", "messages": ask, "collection": "geo"}
+        stack, api_key, {"model": "chat-documents-generate", "messages": ask, "collection": "geo"}
     )
     # where the cited sentence is (services/agent/locate.py); page/section/anchor: none for this source
     span = {"start": 0, "end": 31, "text": "Paris is the capital of France."}
@@ -270,7 +270,7 @@ def test_the_openai_facade_keeps_its_wire_shape(stack: Stack, api_key: str) -> N
         "id": "chatcmpl-*",
         "object": "chat.completion",
         "created": 0,
-        "model": "chat-documents",
+        "model": "chat-documents-generate",
         "choices": [
             {
                 "index": 0,
@@ -293,12 +293,12 @@ def test_the_openai_facade_keeps_its_wire_shape(stack: Stack, api_key: str) -> N
         "usage": usage,
     }
     assert chunks == [
-        _chunk("chat-documents", {"role": "assistant", "content": ""}),
+        _chunk("chat-documents-generate", {"role": "assistant", "content": ""}),
         *[
-            _chunk("chat-documents", {"content": piece})
+            _chunk("chat-documents-generate", {"content": piece})
             for piece in ("Paris ", "is ", "the ", "capital ", "[1].")
         ],
-        _chunk("chat-documents", {}, "stop", **ends),
+        _chunk("chat-documents-generate", {}, "stop", **ends),
     ]
     assert list(chunks[-1]) == ["id", "object", "created", "model", "choices", *ends]
 
@@ -320,7 +320,7 @@ def test_the_openai_facade_keeps_its_wire_shape(stack: Stack, api_key: str) -> N
 
     stack.model.replies = lambda body: {"role": "assistant", "content": None, "tool_calls": [ADD]}
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    body = {"model": "chat-documents", "messages": ask, "collection": "geo", "tools": tools}
+    body = {"model": "chat-documents-generate", "messages": ask, "collection": "geo", "tools": tools}
     answer, chunks = _facade(stack, api_key, body)
     message = {"role": "assistant", "content": None, "tool_calls": [ADD]}
     assert answer["choices"] == [{"index": 0, "message": message, "finish_reason": "tool_calls"}]
@@ -342,21 +342,27 @@ def test_the_openai_facade_keeps_its_wire_shape(stack: Stack, api_key: str) -> N
         "usage": usage,  # calls are not checked for groundedness: no "kind"
     }
     assert chunks == [
-        _chunk("chat-documents", {"role": "assistant", "content": ""}),
-        _chunk("chat-documents", {"tool_calls": [first]}),
-        _chunk("chat-documents", {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}),
-        _chunk("chat-documents", {}, "tool_calls", **ends),
+        _chunk("chat-documents-generate", {"role": "assistant", "content": ""}),
+        _chunk("chat-documents-generate", {"tool_calls": [first]}),
+        _chunk(
+            "chat-documents-generate", {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}
+        ),
+        _chunk("chat-documents-generate", {}, "tool_calls", **ends),
     ]
     # and the official client reads both
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=api_key, max_retries=0)
     parsed = client.chat.completions.create(
-        model="chat-documents", messages=ask, tools=tools, extra_body={"collection": "geo"}
+        model="chat-documents-generate", messages=ask, tools=tools, extra_body={"collection": "geo"}
     )
     [call] = parsed.choices[0].message.tool_calls or []
     assert (call.id, call.function.name, call.function.arguments) == ("call_1", "add", '{"a": 1}')
     streamed = list(
         client.chat.completions.create(
-            model="chat-documents", messages=ask, tools=tools, extra_body={"collection": "geo"}, stream=True
+            model="chat-documents-generate",
+            messages=ask,
+            tools=tools,
+            extra_body={"collection": "geo"},
+            stream=True,
         )
     )
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
@@ -426,7 +432,7 @@ def test_a_degenerate_answer_is_replaced_by_cited_source_sentences(stack: Stack,
     request = {"query": "What is the capital of Germany?", "collection": "geo", "stream": True}
     with httpx.stream(
         "POST",
-        f"{stack.url}/v1/pipelines/chat-documents/run",
+        f"{stack.url}/v1/pipelines/chat-documents-generate/run",
         json=request,
         headers=auth(api_key),
         timeout=30,
@@ -453,7 +459,7 @@ def test_a_degenerate_answer_is_replaced_by_cited_source_sentences(stack: Stack,
 
     # The JSON answer carries the same.
     body = httpx.post(
-        f"{stack.url}/v1/pipelines/chat-documents/run",
+        f"{stack.url}/v1/pipelines/chat-documents-generate/run",
         json={**request, "stream": False},
         headers=auth(api_key),
         timeout=30,
@@ -466,7 +472,7 @@ def test_a_partly_supported_answer_flags_its_unsupported_sentence(stack: Stack, 
     answer = "Berlin is the capital of Germany [1]. Its mayor rides a purple dragon."
     stack.model.replies = lambda body: answer
     body = httpx.post(
-        f"{stack.url}/v1/pipelines/chat-documents/run",
+        f"{stack.url}/v1/pipelines/chat-documents-generate/run",
         json={"query": "What is the capital of Germany?", "collection": "geo"},
         headers=auth(api_key),
         timeout=30,
@@ -526,7 +532,7 @@ def test_the_agent_spreads_over_the_ready_inference_replicas(
 
             def ask() -> None:
                 resp = httpx.post(
-                    f"{stack.url}/v1/pipelines/chat-documents/run",
+                    f"{stack.url}/v1/pipelines/chat-documents-generate/run",
                     json={"query": "What is the capital of Germany?", "collection": "geo"},
                     headers=auth(api_key),
                     timeout=30,

@@ -74,7 +74,7 @@ def foreign_key(key_store: KeyStore) -> str:
 
 def ask(stack: Stack, key: str, query: str = FRANCE, **extra: Any) -> dict[str, Any]:
     resp = httpx.post(
-        f"{stack.url}/v1/pipelines/{extra.pop('pipeline', 'chat-documents')}/run",
+        f"{stack.url}/v1/pipelines/{extra.pop('pipeline', 'chat-documents-generate')}/run",
         json={"query": query, "collection": "geo", **extra},
         headers=auth(key),
         timeout=30,
@@ -109,7 +109,7 @@ def test_every_interface_returns_a_message_id_that_names_its_record(stack: Stack
     ids = [body["message_id"]]
     with httpx.stream(
         "POST",
-        f"{stack.url}/v1/pipelines/chat-documents/run",
+        f"{stack.url}/v1/pipelines/chat-documents-generate/run",
         json={
             "query": GERMANY,
             "collection": "geo",
@@ -124,7 +124,7 @@ def test_every_interface_returns_a_message_id_that_names_its_record(stack: Stack
     ids.append(done["message_id"])
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key)
     out = client.chat.completions.create(
-        model="chat-documents",
+        model="chat-documents-generate",
         messages=[{"role": "user", "content": FRANCE}],
         extra_body={"collection": "geo"},
     )
@@ -132,7 +132,7 @@ def test_every_interface_returns_a_message_id_that_names_its_record(stack: Stack
     ids.append(out.model_extra["message_id"])
     chunks = list(
         client.chat.completions.create(
-            model="chat-documents",
+            model="chat-documents-generate",
             messages=[{"role": "user", "content": GERMANY}],
             extra_body={"collection": "geo"},
             stream=True,
@@ -141,7 +141,7 @@ def test_every_interface_returns_a_message_id_that_names_its_record(stack: Stack
     assert chunks[-1].model_extra and MSG_ID.match(chunks[-1].model_extra["message_id"])
     ids.append(chunks[-1].model_extra["message_id"])
     with connect(stack.ws_url, additional_headers=auth(key), open_timeout=10) as conn:
-        conn.send(json.dumps({"pipeline": "chat-documents", "collection": "geo", "message": FRANCE}))
+        conn.send(json.dumps({"pipeline": "chat-documents-generate", "collection": "geo", "message": FRANCE}))
         ws_done = until_done(conn)[-1]
     assert MSG_ID.match(ws_done["message_id"])
     ids.append(ws_done["message_id"])
@@ -167,7 +167,7 @@ def test_the_record_holds_the_exact_prompt_the_model_saw(stack: Stack, key: str)
     assert rec["completion"] == body["answer"] and rec["citations"] == body["citations"]
     assert rec["chunk_ids"][0] == "de#0" and set(rec["chunk_ids"]) <= {"de#0", "fr#0", "eiffel#0"}
     assert (rec["pipeline"], rec["collection"], rec["conversation_id"]) == (
-        "chat-documents",
+        "chat-documents-generate",
         "geo",
         body["conversation_id"],
     )
@@ -249,7 +249,7 @@ def test_feedback_crud_filters_paging_and_stats(stack: Stack, key: str) -> None:
     assert resp.status_code == 200, resp.text
     fb = resp.json()
     assert fb["rating"] == 1 and fb["comment"] == "good" and fb["correction"] is None
-    assert (fb["pipeline"], fb["model"], fb["collection"]) == ("chat-documents", "scripted", "geo")
+    assert (fb["pipeline"], fb["model"], fb["collection"]) == ("chat-documents-generate", "scripted", "geo")
     assert (fb["question"], fb["answer"]) == (FRANCE, first["answer"])
     created = fb["created_at"]
     cut = time.time()
@@ -276,7 +276,7 @@ def test_feedback_crud_filters_paging_and_stats(stack: Stack, key: str) -> None:
     assert {f["message_id"] for f in listed(rating=-1)["data"]} == {first["message_id"], second["message_id"]}
     assert [f["message_id"] for f in listed(model="other-base")["data"]] == [second["message_id"]]
     assert listed(pipeline="semantic-search")["total"] == 0
-    assert listed(pipeline="chat-documents")["total"] == 3
+    assert listed(pipeline="chat-documents-generate")["total"] == 3
     page1, page2 = listed(limit=2), listed(limit=2, offset=2)
     assert (page1["total"], page1["has_more"], len(page1["data"])) == (3, True, 2)
     assert (page2["has_more"], len(page2["data"])) == (False, 1)
@@ -534,7 +534,7 @@ def test_llm_is_validated_for_the_caller_and_remembered_by_the_conversation(
         for llm in ("nope", "ft-theirs", "all-MiniLM-L6-v2"):  # unknown, foreign, cannot chat
             stack.model.own[foreign_key] = ["ft-theirs"]
             resp = httpx.post(
-                f"{stack.url}/v1/pipelines/chat-documents/run",
+                f"{stack.url}/v1/pipelines/chat-documents-generate/run",
                 json={"query": FRANCE, "collection": "geo", "llm": llm, "remember": True},
                 headers=auth(key),
             )
@@ -556,14 +556,14 @@ def test_llm_is_validated_for_the_caller_and_remembered_by_the_conversation(
         # The facade (llm beside collection; model names the pipeline) and the agents take it too.
         client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key)
         out = client.chat.completions.create(
-            model="chat-documents",
+            model="chat-documents-generate",
             messages=[{"role": "user", "content": FRANCE}],
             extra_body={"collection": "geo", "llm": "ft-mine"},
         )
-        assert stack.model.requests[-1]["model"] == "ft-mine" and out.model == "chat-documents"
+        assert stack.model.requests[-1]["model"] == "ft-mine" and out.model == "chat-documents-generate"
         with pytest.raises(openai.NotFoundError, match="ft-theirs"):
             client.chat.completions.create(
-                model="chat-documents",
+                model="chat-documents-generate",
                 messages=[{"role": "user", "content": FRANCE}],
                 extra_body={"collection": "geo", "llm": "ft-theirs"},
             )
@@ -575,7 +575,12 @@ def test_llm_is_validated_for_the_caller_and_remembered_by_the_conversation(
         with connect(stack.ws_url, additional_headers=auth(key), open_timeout=10) as conn:
             conn.send(
                 json.dumps(
-                    {"pipeline": "chat-documents", "collection": "geo", "message": FRANCE, "llm": "nope"}
+                    {
+                        "pipeline": "chat-documents-generate",
+                        "collection": "geo",
+                        "message": FRANCE,
+                        "llm": "nope",
+                    }
                 )
             )
             [error] = until_done(conn)
@@ -586,7 +591,12 @@ def test_llm_is_validated_for_the_caller_and_remembered_by_the_conversation(
             )
             conn.send(
                 json.dumps(
-                    {"pipeline": "chat-documents", "collection": "geo", "message": FRANCE, "llm": "ft-mine"}
+                    {
+                        "pipeline": "chat-documents-generate",
+                        "collection": "geo",
+                        "message": FRANCE,
+                        "llm": "ft-mine",
+                    }
                 )
             )
             done = until_done(conn)[-1]
@@ -600,7 +610,7 @@ def test_llm_is_validated_for_the_caller_and_remembered_by_the_conversation(
 
 def test_websocket_feedback_regenerate_and_choose_frames(stack: Stack, key: str, foreign_key: str) -> None:
     with connect(stack.ws_url, additional_headers=auth(key), open_timeout=10) as conn:
-        conn.send(json.dumps({"pipeline": "chat-documents", "collection": "geo", "message": FRANCE}))
+        conn.send(json.dumps({"pipeline": "chat-documents-generate", "collection": "geo", "message": FRANCE}))
         done = until_done(conn)[-1]
         mid = done["message_id"]
         conn.send(

@@ -81,7 +81,7 @@ def test_chat_streams_an_answer_citing_the_right_document(real_stack: RealStack)
         conn.send(
             json.dumps(
                 {
-                    "pipeline": "chat-documents",
+                    "pipeline": "chat-documents-generate",
                     "collection": "facts",
                     "message": "What is the largest planet in the Solar System?",
                 }

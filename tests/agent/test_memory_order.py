@@ -33,7 +33,7 @@ def test_the_users_message_is_stored_before_the_model_is_asked(
         agent_url.append(stack.url)
         question = "What is the capital of France?"
         resp = httpx.post(
-            f"{stack.url}/v1/pipelines/chat-documents/run",
+            f"{stack.url}/v1/pipelines/chat-documents-generate/run",
             json={"query": question, "collection": "geo", "remember": True},
             headers=auth(key),
             timeout=60,

@@ -42,7 +42,7 @@ def ask(
 ) -> dict[str, Any]:
     stack.model.replies = lambda body: reply
     resp = httpx.post(
-        f"{stack.url}/v1/pipelines/chat-documents/run",
+        f"{stack.url}/v1/pipelines/chat-documents-generate/run",
         json={"query": question, "collection": "geo", "conversation_id": None, "remember": True},
         headers=auth(key),
         timeout=30,
@@ -121,7 +121,7 @@ def test_quality_records_metrics_and_routes(stack: Stack, key_store: KeyStore) -
 
     # -- metrics: read from the app's registry, and as Prometheus text on /metrics --------------
     registry = stack.app.state.metrics.registry
-    labels = {"tenant": tenant, "pipeline": "chat-documents", "model": "scripted"}
+    labels = {"tenant": tenant, "pipeline": "chat-documents-generate", "model": "scripted"}
 
     def sample(name: str, **extra: str) -> float | None:
         value = registry.get_sample_value(name, {**labels, **extra})
@@ -228,7 +228,7 @@ def test_the_routes_need_a_key(stack: Stack) -> None:
 def _turn(message_id: str, created_at: float, groundedness: float | None, model: str = "m") -> TurnRecord:
     return TurnRecord(
         message_id=message_id,
-        pipeline="chat-documents",
+        pipeline="chat-documents-generate",
         model=model,
         created_at=created_at,
         question="q",

@@ -52,8 +52,8 @@ def test_a_pipeline_answer_carries_its_citations_as_file_citations(
     stack: Stack, client: openai.OpenAI
 ) -> None:
     stack.model.replies = cite_first
-    out = client.responses.create(model="chat-documents", input=ASK, extra_body=GEO)
-    assert out.status == "completed" and out.model == "chat-documents"
+    out = client.responses.create(model="chat-documents-generate", input=ASK, extra_body=GEO)
+    assert out.status == "completed" and out.model == "chat-documents-generate"
     text = out.output_text
     assert "Berlin" in text and text.endswith("[1].")
     [message] = out.output
@@ -71,9 +71,9 @@ def test_previous_response_id_sends_the_conversation_and_is_per_tenant(
     stack: Stack, client: openai.OpenAI, redis_url: str
 ) -> None:
     stack.model.replies = cite_first
-    first = client.responses.create(model="chat-documents", input=ASK, extra_body=GEO)
+    first = client.responses.create(model="chat-documents-generate", input=ASK, extra_body=GEO)
     second = client.responses.create(
-        model="chat-documents", input="And of France?", previous_response_id=first.id, extra_body=GEO
+        model="chat-documents-generate", input="And of France?", previous_response_id=first.id, extra_body=GEO
     )
     sent = stack.model.requests[-1]["messages"]
     # the first question and answer come before the new question
@@ -87,7 +87,7 @@ def test_previous_response_id_sends_the_conversation_and_is_per_tenant(
     _error(lambda: other.responses.retrieve(first.id), openai.NotFoundError, "response_id")
     _error(
         lambda: other.responses.create(
-            model="chat-documents", input="x", previous_response_id=first.id, extra_body=GEO
+            model="chat-documents-generate", input="x", previous_response_id=first.id, extra_body=GEO
         ),
         openai.NotFoundError,
         "previous_response_id",
@@ -95,7 +95,7 @@ def test_previous_response_id_sends_the_conversation_and_is_per_tenant(
     client.responses.delete(first.id)
     _error(lambda: client.responses.retrieve(first.id), openai.NotFoundError, "response_id")
     # store false keeps nothing
-    kept = client.responses.create(model="chat-documents", input=ASK, store=False, extra_body=GEO)
+    kept = client.responses.create(model="chat-documents-generate", input=ASK, store=False, extra_body=GEO)
     _error(lambda: client.responses.retrieve(kept.id), openai.NotFoundError, "response_id")
 
 
@@ -227,7 +227,7 @@ def test_langchain_chat_openai_on_the_responses_api(stack: Stack, key: str) -> N
 
     stack.model.replies = cite_first
     llm = ChatOpenAI(
-        model="chat-documents",
+        model="chat-documents-generate",
         base_url=f"{stack.url}/v1",
         api_key=key,  # type: ignore[arg-type]
         use_responses_api=True,

@@ -42,7 +42,7 @@ def test_chat_turn_event_sequence_and_conversation_memory(stack: Stack, api_key:
         conn.send(
             json.dumps(
                 {
-                    "pipeline": "chat-documents",
+                    "pipeline": "chat-documents-generate",
                     "collection": "geo",
                     "message": "What is the capital of France?",
                 }
@@ -57,7 +57,7 @@ def test_chat_turn_event_sequence_and_conversation_memory(stack: Stack, api_key:
         conn.send(
             json.dumps(
                 {
-                    "pipeline": "chat-documents",
+                    "pipeline": "chat-documents-generate",
                     "collection": "geo",
                     "conversation_id": conv,
                     "message": "What is it known for?",
@@ -157,12 +157,18 @@ def test_stop_and_busy(stack: Stack, api_key: str) -> None:
         with ws(stack, api_key) as conn:
             conn.send(
                 json.dumps(
-                    {"pipeline": "chat-documents", "collection": "geo", "message": "capital of France?"}
+                    {
+                        "pipeline": "chat-documents-generate",
+                        "collection": "geo",
+                        "message": "capital of France?",
+                    }
                 )
             )
             first = [json.loads(conn.recv(timeout=30)) for _ in range(3)]
             assert first[0]["type"] == "conversation" and first[1]["type"] == "token"
-            conn.send(json.dumps({"pipeline": "chat-documents", "collection": "geo", "message": "again"}))
+            conn.send(
+                json.dumps({"pipeline": "chat-documents-generate", "collection": "geo", "message": "again"})
+            )
             conn.send(json.dumps({"type": "stop"}))
             events = []
             while not events or events[-1]["type"] != "done":
@@ -189,7 +195,9 @@ def test_disconnect_mid_answer_frees_upstream_and_service_keeps_serving(stack: S
     try:
         conn = ws(stack, api_key)
         conn.send(
-            json.dumps({"pipeline": "chat-documents", "collection": "geo", "message": "capital of France?"})
+            json.dumps(
+                {"pipeline": "chat-documents-generate", "collection": "geo", "message": "capital of France?"}
+            )
         )
         assert json.loads(conn.recv(timeout=30))["type"] == "conversation"
         json.loads(conn.recv(timeout=30))
@@ -201,7 +209,9 @@ def test_disconnect_mid_answer_frees_upstream_and_service_keeps_serving(stack: S
     stack.model.replies = cite_first
     with ws(stack, api_key) as conn:
         conn.send(
-            json.dumps({"pipeline": "chat-documents", "collection": "geo", "message": "capital of Germany?"})
+            json.dumps(
+                {"pipeline": "chat-documents-generate", "collection": "geo", "message": "capital of Germany?"}
+            )
         )
         assert until_done(conn)[-1]["citations"][0]["document_id"] == "de"
 

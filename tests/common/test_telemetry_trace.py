@@ -52,7 +52,9 @@ def test_a_chat_turn_is_one_trace(
         key = new_key(redis_url, "acme-trace")
         settings: dict[str, Any] = {"tokenizer": str(tiny_model_path), "max_answer_tokens": 8}
         with real_services(redis_url, tmp_path, tiny_model_path, key, DOCS, **settings) as stack:
-            stack.run("chat-documents", {"query": "Which planet is the largest?", "collection": "facts"})
+            stack.run(
+                "chat-documents-generate", {"query": "Which planet is the largest?", "collection": "facts"}
+            )
         # the services are stopped: each flushed its spans on the way out
 
     roots = [s for s in receiver.by_service("agent") if s.parent_id == "" and "/run" in s.name]

@@ -37,7 +37,7 @@ def page_key(key_store: KeyStore) -> str:
 def answer(stack: Stack, key: str, question: str, reply: str) -> dict[str, Any]:
     stack.model.replies = lambda body: reply
     resp = httpx.post(
-        f"{stack.url}/v1/pipelines/chat-documents/run",
+        f"{stack.url}/v1/pipelines/chat-documents-generate/run",
         json={"query": question, "collection": "geo", "remember": True},
         headers=auth(key),
         timeout=30,

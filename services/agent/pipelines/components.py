@@ -369,6 +369,11 @@ class AnswerSelectNode:
         embed_timeout_s: float = Field(10.0, gt=0.0, le=300.0)
         # Off: "not found" is never said; the selection still serves the guard.
         abstain: bool = True
+        # On: a question the selection answers gets the selected sentences (answer_kind
+        # "extractive") without a model call, unless the caller chose the model (``llm``); off:
+        # the model writes the answer and the guard falls back to the selection when it is
+        # degenerate.
+        extract: bool = False
 
     def __init__(self, p: P) -> None:
         self.p = p
@@ -397,6 +402,19 @@ class AnswerSelectNode:
             return
         chunks = state.plan.sources
         state.selection = await self._select(state, ctx, chunks)
+        if state.selection.found and self.p.extract and not ctx.chosen:
+            text, numbers = extractive_text(state.selection)
+            state.answer_kind = "extractive"
+            state.answer = text
+            state.groundedness = 1.0
+            state.prompt = [dict(m) for m in state.plan.messages]
+            state.model = ctx.model
+            for piece in re.findall(r"\S+\s*", text):
+                yield TokenEvent(text=piece)
+            state.citations = [Citation.of(n, chunks[n - 1], kind="extractive", claim=text) for n in numbers]
+            for citation in state.citations:
+                yield CitationEvent.from_citation(citation)
+            return
         if state.selection.found or not self.p.abstain:
             return
         state.answer_kind = "not_found"
@@ -427,8 +445,8 @@ class GenerateNode:
         self.generator = generator
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
-        if state.answer_kind == "not_found":
-            return  # the answer step found that the documents do not say
+        if state.answer_kind != "generated":
+            return  # the answer step answered: the documents do not say, or its sentences
         if state.plan is None or (state.no_context and state.form is None):
             state.answer = NO_CONTEXT_ANSWER.format(collection=state.collection)
             state.answer_kind = "not_found"
@@ -502,7 +520,7 @@ class CiteNode:
         self.p = p
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
-        if state.tracker is None or state.answer_kind == "not_found":
+        if state.tracker is None or state.answer_kind != "generated":
             return
         if state.structured:
             # JSON or tool calls carry no markers to resolve (a JSON array "[1]" is not one): the
@@ -573,7 +591,7 @@ class GuardNode:
         enabled = ctx.settings.grounding_guard if self.p.enabled is None else self.p.enabled
         if not enabled or state.tracker is None or state.no_context or not state.tracker.chunks:
             return
-        if state.answer_kind == "not_found":
+        if state.answer_kind != "generated":
             return
         if state.structured:
             # A JSON answer or tool calls are the form the caller asked for: an extractive answer

@@ -13,7 +13,10 @@ The chat pipeline's answer step reads the numbered sources the prompt shows the 
   otherwise the documents do not say, and the closest sources are listed to see also.
 
 A selected sentence keeps its neighbour when it needs it to make sense: the sentence before
-one that opens on "It", "This", "They"..., the one after one that ends on a colon.
+one that opens on "It", "This", "They"..., the one after one that ends on a colon; and when the
+question asks for a kind of thing it lacks (an option, a function, a number), the nearby sentence
+of its source that holds one. A question asking for a number, a date or a year is answered only
+by a sentence holding one.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.agent.chunks import Chunk
-from services.agent.grounding import FILLER, answer_type_match, names, strip_markers, unwrap
+from services.agent.grounding import (
+    FILLER,
+    answer_type_match,
+    asked_terms,
+    asks_number,
+    names,
+    strip_markers,
+    unwrap,
+)
 from services.agent.text import STOPWORDS, WORD_RE, content_terms, is_heading, sentences, stem
 
 # Texts in, one vector per text out (inference's /v1/embeddings with the collection's model).
@@ -240,6 +251,39 @@ def _with_neighbours(best: Candidate, chunks: list[Chunk]) -> list[Candidate]:
     return out
 
 
+# How far from the chosen sentence the one holding the asked kind of thing may be: a manual's
+# answer often follows the sentence that restates the problem ("By default, statically linked
+# malloc functions are not replaced." then "... use --soname-synonyms=somalloc=NONE"), or its
+# reference entry's head names what the sentence describes ("asn1_dup_node (...)" then "This
+# function will return an exact copy ...").
+TYPED_REACH = 4
+
+
+def _typed_neighbour(
+    question: str, best: Candidate, chunks: list[Chunk], reach: int = TYPED_REACH
+) -> Candidate | None:
+    """The sentence of ``best``'s source within ``reach`` of it that holds the kind of thing
+    the question asks for (an option, a variable, a function, a file, a number), when it asks for
+    one: the one sharing most of the question's words ("-n, --name=NAME array name" for "which
+    option sets the array name?"), then the nearest, one after ``best`` before one before it."""
+    if asked_terms(question, "") is None and not asks_number(question):
+        return None
+    raws = source_sentences(chunks[best.source - 1])
+    terms = set(content_terms(question))
+    found: list[tuple[int, int, int, int, str]] = []  # (-shared words, distance, side, place, text)
+    for d in range(1, reach + 1):
+        for side, k in enumerate((best.position + d, best.position - d)):
+            if not 0 <= k < len(raws):
+                continue
+            text = clean(raws[k])
+            if text and not text.endswith("?") and _balanced(text) and answer_type_match(question, text):
+                found.append((-len(terms & set(content_terms(text))), d, side, k, text))
+    if not found:
+        return None
+    _shared, _d, _side, k, text = min(found)
+    return Candidate(best.source, k, text)
+
+
 def _lead_in(raws: list[str], position: int) -> int | None:
     """The sentence that introduces the list holding ``raws[position]``: the nearest one before
     it that is not a list item, when it ends on a colon (a short lead-in looks like a heading to
@@ -268,6 +312,10 @@ def select(
     closest += [n for n in range(1, len(chunks) + 1) if n not in closest]
     missing = missing_names(question, chunks)
     answering = [] if missing else [c for c in ranked if _answers(c, embedded)]
+    if asks_number(question):
+        # "How many ...", "when ...": a sentence without a number does not answer, however
+        # close it reads.
+        answering = [c for c in answering if answer_type_match(question, c.text)]
     if not answering:
         return Selection(
             False,
@@ -279,6 +327,10 @@ def select(
         )
     best = answering[0]
     picked = _with_neighbours(best, chunks)
+    if not any(answer_type_match(question, p.text) for p in picked):
+        kin = _typed_neighbour(question, best, chunks)
+        if kin is not None and (kin.source, kin.position) not in _places(picked):
+            picked = sorted([*picked, kin], key=lambda c: c.position)
     for c in answering[1:2] if embedded else []:
         # nearly as close, and holding at least as much of what the question asks for
         close = c.score >= best.score - SECOND_MARGIN and c.focus >= best.focus
@@ -292,14 +344,23 @@ def select(
 
 def missing_names(question: str, chunks: list[Chunk]) -> list[str]:
     """The names and numbers of ``question`` (capitalised words after the first, words with a
-    digit) that no source's text or title holds, compared by stem."""
+    digit, version numbers such as "5.0" whole) that no source's text or title holds, compared by
+    stem."""
     held: set[str] = set()
-    for c in chunks:
-        held |= _stems(c.text + " " + c.title)
+    texts = " ".join(c.text + " " + c.title for c in chunks)
+    held |= _stems(texts)
     asked: set[str] = set()
     for start, end in sentences(question):  # each sentence's first word is not a name
         asked |= names(question[start:end])
-    return sorted(n for n in asked if n not in STOPWORDS and stem(n) not in held)
+    missing = {n for n in asked if n not in STOPWORDS and stem(n) not in held}
+    held_versions = set(_VERSION.findall(texts))
+    versions = {v for v in _VERSION.findall(question) if v not in held_versions}
+    pieces = {p for v in versions for p in v.split(".")}
+    return sorted((missing - pieces) | versions)
+
+
+# "5.0", "3.19.0": compared whole ("version 5.0" is not in a text that says "4.19.0" and "0").
+_VERSION = re.compile(r"(?<![\w.])\d+(?:\.\d+)+(?![\w]|\.\d)")
 
 
 def _places(picked: list[Candidate]) -> set[tuple[int, int]]:

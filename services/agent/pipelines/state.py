@@ -30,6 +30,9 @@ class RunContext:
     inference: InferenceClient
     counter: TokenCounter
     model: str
+    # The caller chose ``model`` (``llm``, or the conversation's remembered one): its answer is
+    # wanted, so an extracting answer step leaves the answer to it.
+    chosen: bool = False
 
 
 @dataclass
