@@ -19,8 +19,11 @@ table is printed per variant, with a JSON file per variant under ``--out``.
 Variants (``--variants`` names, comma-separated):
 
 - ``before``: the pipeline as it was before issue 20 (its old prompt, greedy, no guard);
-- ``after``: the built-in ``chat-documents`` as shipped (prompt, sampling, guard);
-- ``after-noguard``: the shipped prompt and sampling without the guard (what the model alone does);
+- ``after``: the built-in ``chat-documents`` as shipped (the selected sentences answer);
+- ``after-generate``: the model writes each answer, the guard falls back to the selected
+  sentences (the built-in ``chat-documents-generate``);
+- ``after-noguard``: the shipped prompt and sampling, the model's answer without the guard (what
+  the model alone does);
 - ``after-lexical``: the guard on word overlap only (without the collection's embedder);
 - ``t<T>``, ``p<P>``: suffixes to ``after``/``after-noguard`` such as ``after-noguard-t0.3-p0.9``;
 - ``rp<R>``, ``fp<F>``, ``pp<P>``: the inference API's ``repetition_penalty``,
@@ -64,6 +67,7 @@ def variant_definition(name: str) -> dict[str, Any]:
     parts = name.split("-")
     if parts[0] == "before":
         comps["prompt"]["params"] = {"instructions": OLD_INSTRUCTIONS}
+        comps["select"]["params"] = {"enabled": False}  # no answer step: the model answers
         comps["generate"]["params"] = {"temperature": 0.0}
         comps["guard"]["params"] = {"enabled": False}
         return spec
@@ -76,6 +80,9 @@ def variant_definition(name: str) -> dict[str, Any]:
             gen["sampling"] = {}
         elif part == "noguard":
             comps["guard"]["params"] = {"enabled": False}
+            comps["select"]["params"] = {"extract": False}  # the model writes every answer
+        elif part == "generate":
+            comps["select"]["params"] = {"extract": False}  # as chat-documents-generate
         elif part == "lexical":
             comps["guard"].setdefault("params", {})["embedder"] = False
         elif part.startswith("t"):
