@@ -308,6 +308,10 @@ def asked_terms(question: str, sentence: str) -> list[str] | None:
     return [t for term in kinds for t in term.findall(sentence) if t.lower() not in known]
 
 
+# "What does Taisbrith Works make?": the sentence that answers holds the asked verb ("makes").
+_VERB_Q = re.compile(r"^\s*what (?:does|do|did) .+ (\w+)\s*\?\s*$")
+
+
 def _names_month(sentence: str) -> bool:
     """A month's name, capitalised as a date writes it ("May 2024", not "you may")."""
     return any(w.lower() in _MONTHS for w in re.findall(r"\b[A-Z][a-z]+\b", sentence))
@@ -335,7 +339,11 @@ def answer_type_match(question: str, sentence: str) -> bool:
         asked = {w.lower() for w in re.findall(r"[A-Za-z]+", question)}
         words = re.findall(r"[A-Za-z]+", sentence)[1:]  # the first word is capitalised anyway
         return any(w[0].isupper() and w.lower() not in asked for w in words)
-    return bool(asked_terms(question, sentence))
+    terms = asked_terms(question, sentence)
+    if terms is not None:
+        return bool(terms)
+    verb = _VERB_Q.match(q)
+    return bool(verb) and stem(verb.group(1)) in {stem(w) for w in re.findall(r"[a-z]+", sentence.lower())}
 
 
 def is_fragment(sentence: str) -> bool:

@@ -16,8 +16,10 @@ SOLAR_PAGES = [
 ]
 
 
-def solar_pdf() -> bytes:
-    """Three A4 pages: a 22 pt title, a 16 pt heading on each page, 11 pt body lines."""
+def solar_pdf(running: bool = False) -> bytes:
+    """Three A4 pages: a 22 pt title, a 16 pt heading on each page, 11 pt body lines; with
+    ``running``, a running head ("Solar guide: the planets N") and the page number at the foot,
+    as printed manuals have them."""
     from reportlab.lib.pagesizes import A4
     from reportlab.pdfgen import canvas
 
@@ -25,6 +27,9 @@ def solar_pdf() -> bytes:
     c = canvas.Canvas(buf, pagesize=A4)
     for n, (heading, lines) in enumerate(SOLAR_PAGES):
         y = 780.0
+        if running:
+            c.setFont("Helvetica", 9)
+            c.drawString(72, 810, f"Solar guide: the planets {n + 1}")
         if n == 0:
             c.setFont("Helvetica-Bold", 22)
             c.drawString(72, y, SOLAR_TITLE)
@@ -36,6 +41,9 @@ def solar_pdf() -> bytes:
         for line in lines:
             c.drawString(72, y, line)
             y -= 16
+        if running:
+            c.setFont("Helvetica", 9)
+            c.drawString(290, 40, str(n + 1))
         c.showPage()
     c.save()
     return buf.getvalue()

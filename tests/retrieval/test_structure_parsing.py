@@ -45,6 +45,19 @@ def test_pdf_keeps_pages_and_headings() -> None:
         assert dict(doc.structure["pages"])[pages[1]] == starts[1]
 
 
+def test_pdf_running_heads_and_page_numbers_are_left_out() -> None:
+    doc = parse_file("solar.pdf", solar_pdf(running=True))[0]
+    plain = parse_file("solar.pdf", solar_pdf())[0]
+    assert "Solar guide" not in doc.text and doc.text == plain.text  # as if never printed
+    assert doc.structure["pages"] == plain.structure["pages"]
+    # a head on fewer pages than RUNNING_MIN_PAGES is text like any other
+    from services.retrieval.core.parsing import _without_running_heads
+
+    two = ["Guide 1\nThe Sun is a star.", "Guide 2\nJupiter is large."]
+    assert _without_running_heads(two) == two
+    assert _without_running_heads([*two, "Guide 3\nSaturn has rings.\n3"])[2] == "Saturn has rings."
+
+
 def test_pdf_structure_survives_the_sandboxed_worker(tmp_path: Path) -> None:
     path = tmp_path / "upload.bin"
     path.write_bytes(solar_pdf())

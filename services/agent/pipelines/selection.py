@@ -46,6 +46,10 @@ Embed = Callable[[list[str]], Awaitable[list[list[float]]]]
 # tests/agent/data/answer_dev.json (docs/agent.md, "Answers").
 FOCUS_WEIGHT = 0.3
 SECTION_BONUS = 0.05
+# The share of all the question's words a sentence holds, focus terms or not: among sentences of
+# one source that all name the question's subject, the one with its verb ("What does Taisbrith
+# Works make?": "... makes wooden clocks", not "... employs 689 people").
+WORDS_WEIGHT = 0.05
 TYPE_BONUS = 0.1
 # An answering sentence scores at least MIN_ANSWER_SCORE (similarity + weighted focus share and
 # bonuses) and is at least MIN_ANSWER_SIMILARITY similar to the question.
@@ -208,11 +212,14 @@ def score(
     """``candidates`` scored (``similarities``: the question's cosine to each; None: words only),
     best first (ties: the better-ranked source, then the earlier sentence)."""
     focus = focus_share(focus_terms(question, chunks), candidates)
+    asked = {stem(t) for t in content_terms(question) if t not in FILLER}
     top = _section(chunks[0]) if chunks else ""
     for k, c in enumerate(candidates):
         c.focus = focus[k]
         c.similarity = similarities[k] if similarities is not None else 0.0
         c.score = c.similarity + FOCUS_WEIGHT * c.focus
+        if asked:
+            c.score += WORDS_WEIGHT * len(asked & _stems(c.text)) / len(asked)
         if _section(chunks[c.source - 1]) == top:
             c.score += SECTION_BONUS
         if c.focus > 0 and answer_type_match(question, c.text):

@@ -271,6 +271,7 @@ def pdf_document(
             code="corrupt_file",
         ) from None
     levels = _heading_levels(runs)
+    pages = _without_running_heads(pages)
     parts: list[str] = []
     offsets: list[list[int]] = []
     pos = 0
@@ -284,6 +285,40 @@ def pdf_document(
             parts.append(body)
             pos += len(body)
     return "\n\n".join(parts), offsets
+
+
+# A page number alone: "24", "ix".
+_PAGE_NUMBER = re.compile(r"^\s*(?:\d{1,5}|[ivxlcdm]{1,7})\s*$", re.IGNORECASE)
+# A running head or foot is on this many pages at least, its numbers aside.
+RUNNING_MIN_PAGES = 3
+
+
+def _without_running_heads(pages: list[str]) -> list[str]:
+    """``pages`` without their running heads and feet: a first or last line that, its numbers
+    aside, is the first (or last) line of ``RUNNING_MIN_PAGES`` pages or more ("Chapter 4: Function
+    reference 14"), or a page number alone. Left in, such a line joins the sentence it breaks:
+    "Chapter 4: Function reference 14 Returns: ASN1_SUCCESS ..."."""
+
+    def key(line: str) -> str:
+        return re.sub(r"\d+", "#", re.sub(r"\s+", " ", line.strip()))
+
+    lines = [p.strip("\n").split("\n") for p in pages]
+    firsts = [key(ls[0]) for ls in lines if ls[0].strip()]
+    lasts = [key(ls[-1]) for ls in lines if ls[-1].strip()]
+
+    def running(line: str, ends: list[str]) -> bool:
+        return bool(_PAGE_NUMBER.match(line)) or ends.count(key(line)) >= RUNNING_MIN_PAGES
+
+    out: list[str] = []
+    for ls in lines:
+        # a head line and a page number may both be there, in either order
+        for _ in range(2):
+            if len(ls) > 1 and running(ls[0], firsts):
+                ls = ls[1:]
+            if len(ls) > 1 and running(ls[-1], lasts):
+                ls = ls[:-1]
+        out.append("\n".join(ls))
+    return out
 
 
 def _heading_levels(runs: list[tuple[str, float]]) -> dict[str, int]:
