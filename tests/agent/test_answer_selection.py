@@ -354,3 +354,23 @@ async def test_a_version_no_source_names_is_missing_whole(embed: Any) -> None:
     # "5.0" is not "4.19.0" though the sources hold a "0"
     selection = await select_answer("When was version 5.0 of GNU Libtasn1 released?", REFERENCE, embed)
     assert not selection.found and selection.missing == ["5.0"]
+
+
+async def test_what_does_it_make_gets_the_sentence_with_the_verb(embed: Any) -> None:
+    # Every source names a company that makes something, so "make" is no focus term; the
+    # sentence with the question's verb answers, not the one closest in embedding.
+    works = [
+        Chunk(
+            f"w{i}",
+            f"works-{name.lower()}",
+            f"{name} Works was founded in {1800 + i}. {name} Works makes {thing} in its factory in "
+            f"Brondpeark. {name} Works employs {600 + i} people.",
+            title=f"{name} Works",
+        )
+        for i, (name, thing) in enumerate(
+            [("Taisbrith", "wooden clocks"), ("Vailgend", "brass compasses"), ("Tostir", "glass lenses")]
+        )
+    ]
+    selection = await select_answer("What does Taisbrith Works make?", works, embed)
+    text, numbers = extractive_text(selection)
+    assert "makes wooden clocks" in text and numbers == [1]
