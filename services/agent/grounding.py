@@ -343,7 +343,9 @@ def answer_type_match(question: str, sentence: str) -> bool:
     if terms is not None:
         return bool(terms)
     verb = _VERB_Q.match(q)
-    return bool(verb) and stem(verb.group(1)) in {stem(w) for w in re.findall(r"[a-z]+", sentence.lower())}
+    if verb is None:
+        return False
+    return stem(verb.group(1)) in {stem(w) for w in re.findall(r"[a-z]+", sentence.lower())}
 
 
 def is_fragment(sentence: str) -> bool:

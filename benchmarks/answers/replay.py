@@ -1,0 +1,142 @@
+"""``python -m benchmarks.answers.replay [--set all] [--home DIR] [--top-k N] [--no-rerank]``: the
+answer step of ``chat-documents`` on the question sets, replayed in process over a running stack.
+
+For each question of the sets (benchmarks/answers/sets.py; their collections must exist: run
+``python -m benchmarks.answers --set NAME`` once), the pipeline's steps before the answer
+(rewrite, retrieve, the overlap reranker, the relevance filter, the prompt's sources) run here
+against the stack's retrieval service, then the answer step (services/agent/pipelines/selection.py)
+with the collection's embedder through the stack's inference service: what ``chat-documents``
+would answer, judged as ``tandem eval rag --questions`` judges it, in seconds rather than minutes.
+``--top-k`` and ``--no-rerank`` compare retrieval settings on the same stack; latency is not
+measured here (``python -m benchmarks.answers --set`` does, end to end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.answers.real_documents import stack_where
+from benchmarks.answers.sets import SETS, get_set
+
+
+@dataclass
+class Judged:
+    set: str
+    id: str
+    answerable: bool
+    kind: str  # "extractive" | "not_found"
+    stated: bool
+    right_source: bool
+    answer: str
+
+
+async def replay_set(name: str, where: dict[str, Any], *, top_k: int | None, rerank: bool) -> list[Judged]:
+    from services.agent.clients import InferenceClient, RetrievalClient
+    from services.agent.config import AgentSettings
+    from services.agent.pipelines import components as steps
+    from services.agent.pipelines.selection import extractive_text, not_found_text, select_answer
+    from services.agent.pipelines.state import RunContext, RunState
+    from services.agent.tokens import load_counter
+    from services.cli.eval_questions import load_questions, source_matches, states
+    from services.common.config import load_settings
+
+    qs = get_set(name)
+    settings = load_settings(AgentSettings, check_unknown=False)
+    urls, key = where["urls"], where["key"]
+    ctx = RunContext(
+        settings=settings,
+        retrieval=RetrievalClient(urls["retrieval"], key),
+        inference=InferenceClient(urls["inference"], key),
+        counter=load_counter(settings.tokenizer),
+        model="",
+    )
+    nodes: list[Any] = [
+        steps.RewriteNode(steps.RewriteNode.P()),
+        steps.RetrieveNode(steps.RetrieveNode.P.model_validate({"mode": "hybrid", "top_k": top_k})),
+        steps.RerankNode(steps.RerankNode.P()),
+        steps.RelevanceNode(steps.RelevanceNode.P()),
+        steps.PromptNode(steps.PromptNode.P()),
+    ]
+    if not rerank:
+        nodes = [n for n in nodes if not isinstance(n, steps.RerankNode)]
+    model = await ctx.retrieval.embedding_model(qs.collection)
+
+    async def embed(texts: list[str]) -> list[list[float]]:
+        return await ctx.inference.embed(model, texts)
+
+    out: list[Judged] = []
+    for q in load_questions(qs.questions):
+        state = RunState(question=q.question, collection=qs.collection)
+        for node in nodes:
+            async for _ in node.run(state, ctx):
+                pass
+        chunks = state.plan.sources if state.plan is not None else []
+        asked = q.question
+        if state.search_query and state.search_query != q.question:
+            asked = f"{q.question} {state.search_query}"
+        kind, answer, cited = "not_found", "", []
+        if chunks:
+            selection = await select_answer(asked, chunks, embed)
+            if selection.found:
+                answer, numbers = extractive_text(selection)
+                kind, cited = "extractive", [chunks[n - 1] for n in numbers]
+            else:
+                answer = not_found_text(q.question, chunks, selection.see_also, selection.missing)
+        right = q.source is not None and any(
+            source_matches(q.source, {"document_id": c.document_id, "title": c.title, "metadata": c.metadata})
+            for c in cited
+        )
+        stated = q.answerable and kind == "extractive" and states(answer, q)
+        out.append(Judged(name, q.id, q.answerable, kind, stated, right, answer))
+    return out
+
+
+def totals(judged: list[Judged]) -> dict[str, Any]:
+    yes = [j for j in judged if j.answerable]
+    no = [j for j in judged if not j.answerable]
+    return {
+        "answerable": len(yes),
+        "stated": sum(j.stated for j in yes),
+        "right_source": sum(j.right_source for j in yes),
+        "false_not_found": sum(j.kind == "not_found" for j in yes),
+        "unanswerable": len(no),
+        "not_found": sum(j.kind == "not_found" for j in no),
+    }
+
+
+def line(label: str, t: dict[str, Any]) -> str:
+    return (
+        f"{label:<16} stated {t['stated']}/{t['answerable']}  right source {t['right_source']}/{t['answerable']}"
+        f"  not found {t['not_found']}/{t['unanswerable']}  false not found {t['false_not_found']}"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", default="all", help="set names, comma-separated, or all")
+    ap.add_argument("--home", type=Path, default=None, help="TANDEM_HOME of the running stack")
+    ap.add_argument("--top-k", type=int, default=None, help="chunks retrieved (default: the agent's)")
+    ap.add_argument("--no-rerank", action="store_true", help="without the overlap reranker")
+    ap.add_argument("--json", type=Path, default=None, help="write every answer here")
+    args = ap.parse_args()
+    names = list(SETS) if args.set == "all" else [n for n in args.set.split(",") if n]
+    where = stack_where(args.home or Path(os.environ.get("TANDEM_HOME", ".tandem")))
+    judged: list[Judged] = []
+    for name in names:
+        got = asyncio.run(replay_set(name, where, top_k=args.top_k, rerank=not args.no_rerank))
+        print(line(name, totals(got)), flush=True)
+        judged += got
+    print(line("all", totals(judged)))
+    if args.json is not None:
+        args.json.write_text(json.dumps([j.__dict__ for j in judged], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
