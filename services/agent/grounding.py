@@ -101,8 +101,10 @@ def repeats_sentence(answer: str, min_chars: int = 8) -> bool:
 
 
 # A line break inside a paragraph (wrapped Markdown or plain text) does not end a sentence; one
-# before a heading, list item, table row, quote or code fence does.
-_WRAP = re.compile(r"[ \t]*\n(?![ \t]*(?:\n|[#>|*+-]|\d+[.)]|```))[ \t]*")
+# before a heading, list item, table row, quote, code fence or a line of an option table
+# ("-c, --check checks the syntax only") does. A wrapped line may start with an option itself
+# ("... invoked with the\n--tool option."): that one goes on.
+_WRAP = re.compile(r"[ \t]*\n(?![ \t]*(?:\n|[#>|]|[*+-][ \t]|-\w, |\d+[.)]|```))[ \t]*")
 
 
 def unwrap(text: str) -> str:

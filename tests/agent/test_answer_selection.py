@@ -374,3 +374,24 @@ async def test_what_does_it_make_gets_the_sentence_with_the_verb(embed: Any) -> 
     selection = await select_answer("What does Taisbrith Works make?", works, embed)
     text, numbers = extractive_text(selection)
     assert "makes wooden clocks" in text and numbers == [1]
+
+
+async def test_the_first_half_of_an_faq_question_row_is_not_an_answer(embed: Any) -> None:
+    faq = [
+        Chunk(
+            "faq#7",
+            "faq.html",
+            "| 3.4. | I tried running a Java program under Valgrind but something went wrong. Does "
+            "Valgrind handle such programs? |\n"
+            "| | Valgrind can handle dynamically generated code, so long as none of it is later "
+            "overwritten. Try the --smc-check=all option for such programs. |",
+            title="Valgrind FAQ",
+        )
+    ]
+    [row, answer] = [c.text for c in answer_candidates(faq)][:2]
+    assert (
+        row.startswith("Valgrind can handle") and "--smc-check=all" in answer
+    )  # the question's half is gone
+    question = "Which option should you try when running a Java program under Valgrind?"
+    text, _ = extractive_text(await select_answer(question, faq, embed))
+    assert "--smc-check=all" in text and "something went wrong" not in text

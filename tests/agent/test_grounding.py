@@ -326,3 +326,15 @@ async def test_an_answer_the_overlap_supports_needs_no_embedding(services: tuple
         upstreams=(RetrievalClient(down, key), InferenceClient(down, key)),
     )
     assert events == [] and state.grounding == "ok"
+
+
+def test_a_wrapped_line_may_start_with_an_option_but_an_option_table_keeps_its_lines() -> None:
+    from services.agent.grounding import unwrap
+
+    assert (
+        unwrap("tools can be invoked with the\n--tool option.")
+        == "tools can be invoked with the --tool option."
+    )
+    table = "Usage: asn1Parser [OPTION] FILE\n-c, --check checks the syntax only\n-n, --name=NAME array name"
+    assert unwrap(table) == table
+    assert unwrap("a list:\n- one\n- two") == "a list:\n- one\n- two"

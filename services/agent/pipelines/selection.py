@@ -141,13 +141,32 @@ def clean(sentence: str) -> str:
 _FENCE = re.compile(r"^[ \t]*```.*?(?:^[ \t]*```[^\n]*$|\Z)", re.MULTILINE | re.DOTALL)
 
 
-def source_sentences(chunk: Chunk) -> list[str]:
-    """The sentences of a chunk's text (wrapped lines joined, fenced code left out)."""
+def _flat_text(chunk: Chunk) -> str:
+    """A chunk's text with wrapped lines joined and fenced code left out."""
     text = chunk.text
     if text.count("```") % 2:
         text = text[text.index("```") + 3 :]  # the chunk starts inside a code block
-    flat = unwrap(_FENCE.sub("\n", text))
+    return unwrap(_FENCE.sub("\n", text))
+
+
+def source_sentences(chunk: Chunk) -> list[str]:
+    """The sentences of a chunk's text (wrapped lines joined, fenced code left out)."""
+    flat = _flat_text(chunk)
     return [flat[s:e] for s, e in sentences(flat)]
+
+
+def _asking(chunk: Chunk) -> set[int]:
+    """The places of the sentences that open a question on their line: "I tried X under Valgrind
+    but something went wrong. Does Valgrind handle such programs?" (an FAQ's question row) is
+    the question, not its answer."""
+    flat = _flat_text(chunk)
+    spans = sentences(flat)
+    return {
+        i
+        for i in range(len(spans) - 1)
+        if flat[spans[i + 1][0] : spans[i + 1][1]].rstrip(" |").endswith("?")
+        and "\n" not in flat[spans[i][1] : spans[i + 1][0]]
+    }
 
 
 def answer_candidates(chunks: list[Chunk]) -> list[Candidate]:
@@ -155,10 +174,13 @@ def answer_candidates(chunks: list[Chunk]) -> list[Candidate]:
     out: list[Candidate] = []
     for n, chunk in enumerate(chunks, start=1):
         raws = source_sentences(chunk)
+        asking = _asking(chunk)
         for i, raw in enumerate(raws):
             text = clean(raw)
             if not text or is_heading(raw) or text.rstrip().endswith("?") or "`" * 3 in raw:
                 continue  # a heading, a question, code
+            if i in asking:
+                continue  # the first half of a question
             if not _balanced(text):
                 continue  # a piece of a sentence the chunk boundary or a line break cut
             if i == 0 and text[0].islower() and chunk.start > 0:
