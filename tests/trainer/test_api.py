@@ -94,6 +94,14 @@ def test_upload_validates_and_names_line_and_field(harness: Harness, api_key: st
     empty = upload(harness, api_key, b"")
     assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
 
+    blank = (
+        b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n' * 2
+        + b'{"prompt": "a", "chosen": "", "rejected": "c"}\n'
+    )
+    refused = upload(harness, api_key, blank)
+    assert refused.status_code == 400, refused.text
+    assert "line 3" in refused.json()["error"]["message"] and refused.json()["error"]["param"] == "chosen"
+
 
 def test_bad_job_requests_are_refused_before_queueing(
     harness: Harness, api_key: str, tiny_model_path: Path, gsm8k_rows: bytes
