@@ -229,7 +229,10 @@ def run_rag_eval(
                 QueryOutcome(
                     query_id=qid,
                     answer=answer,
-                    cited_docs=[c["document_id"] for c in cites if c.get("kind", "cited") == "cited"],
+                    # "[n]" in the answer: the model's markers, or the answer step's sentences
+                    cited_docs=[
+                        c["document_id"] for c in cites if c.get("kind", "cited") in ("cited", "extractive")
+                    ],
                     attributed_docs=[c["document_id"] for c in cites if c.get("kind") == "attributed"],
                     markers=len(marker_numbers(answer)),
                     invalid=len(done.get("invalid_citations") or []),

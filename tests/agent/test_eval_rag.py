@@ -55,6 +55,7 @@ def test_rag_metrics(redis_url: str, tmp_path: Path, api_key: str) -> None:
             collection="geo",
             limit=10,
             do_ingest=False,
+            pipeline="chat-documents-generate",  # the model's markers are what is scored here
         )
         summary = report.summary()
         assert summary["queries"] == 3 and summary["errors"] == 0
@@ -66,6 +67,12 @@ def test_rag_metrics(redis_url: str, tmp_path: Path, api_key: str) -> None:
             and summary["attributed_relevance"] == 1.0
         )
         assert 0 < summary["first_token_p50_s"] <= summary["total_p95_s"]
+        # chat-documents (the default) answers with cited source sentences: they are scored too
+        shipped = run_rag_eval(
+            data, agent_url=s.url, retrieval_url=s.retrieval_url, api_key=api_key, collection="geo",
+            limit=10, do_ingest=False,
+        ).summary()  # fmt: skip
+        assert shipped["cited_chunks"] >= 1 and shipped["cited_chunk_relevance"] is not None
 
         out = tmp_path / "out.json"
         result = CliRunner().invoke(
@@ -78,6 +85,8 @@ def test_rag_metrics(redis_url: str, tmp_path: Path, api_key: str) -> None:
                 "--collection",
                 "geo",
                 "--no-ingest",
+                "--pipeline",
+                "chat-documents-generate",
                 "--api-key",
                 api_key,
                 "--agent-url",

@@ -239,6 +239,8 @@ def test_chat_streams_an_answer_with_a_citation(page: Any, stack: Stack, facts: 
     need(stack, "GET", "/v1/pipelines", "the agent's pipeline catalog (issue 7)")
     need(stack, "GET", "/api/inference/v1/models", "the inference service's OpenAI API (issue 4)")
     sign_in(page, stack)
+    # the model writes (and streams) the answer: chat-documents answers with source sentences
+    page.get_by_label("Pipeline or agent", exact=True).select_option("chat-documents-generate")
     page.get_by_label("Collection", exact=True).select_option(facts)
     page.get_by_label("Message", exact=True).fill("When was the Harbor Lighthouse built, and by whom?")
     page.keyboard.press("Enter")
@@ -265,10 +267,27 @@ def test_chat_streams_an_answer_with_a_citation(page: Any, stack: Stack, facts: 
     assert page.get_by_role("dialog").get_by_role("heading").inner_text().startswith("[")
 
 
+def test_the_default_pipeline_answers_with_a_cited_source_sentence(
+    page: Any, stack: Stack, facts: str
+) -> None:
+    sign_in(page, stack)
+    page.get_by_label("Collection", exact=True).select_option(facts)
+    page.get_by_label("Message", exact=True).fill("When was the Harbor Lighthouse built, and by whom?")
+    page.keyboard.press("Enter")
+    page.locator(".msg.assistant[aria-busy='false']").wait_for(timeout=240_000)
+    answer = page.locator(".msg.assistant").last
+    assert not answer.locator(".error").is_visible(), answer.inner_text()
+    # chat-documents (the default): the source's own sentence, cited, without a model call
+    assert answer.locator(".chip").count() >= 1, answer.inner_text()
+    assert "1887" in answer.inner_text() and "Quillfeather" in answer.inner_text(), answer.inner_text()
+
+
 def test_stop_keeps_the_partial_answer(page: Any, stack: Stack, facts: str) -> None:
     need(stack, "GET", "/v1/pipelines", "the agent's pipeline catalog (issue 7)")
     need(stack, "GET", "/api/inference/v1/models", "the inference service's OpenAI API (issue 4)")
     sign_in(page, stack)
+    # the model writes (and streams) the answer: chat-documents answers with source sentences
+    page.get_by_label("Pipeline or agent", exact=True).select_option("chat-documents-generate")
     page.get_by_label("Collection", exact=True).select_option(facts)
     page.get_by_label("Message", exact=True).fill(
         "Tell me everything about the Harbor Lighthouse, in detail."
