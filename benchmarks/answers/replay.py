@@ -2,11 +2,11 @@
 answer step of ``chat-documents`` on the question sets, replayed in process over a running stack.
 
 For each question of the sets (benchmarks/answers/sets.py; their collections must exist: run
-``python -m benchmarks.answers --set NAME`` once), the pipeline's steps before the answer
-(rewrite, retrieve, the overlap reranker, the relevance filter, the prompt's sources) run here
-against the stack's retrieval service, then the answer step (services/agent/pipelines/selection.py)
-with the collection's embedder through the stack's inference service: what ``chat-documents``
-would answer, judged as ``tandem eval rag --questions`` judges it, in seconds rather than minutes.
+``python -m benchmarks.answers --set NAME`` once), the shipped ``chat-documents`` pipeline's steps
+up to its answer step (rewrite, retrieve, the overlap reranker, the relevance filter, the
+prompt's sources, then services/agent/pipelines/selection.py with the collection's embedder) run
+here against the stack's retrieval and inference services: what ``chat-documents`` answers,
+judged as ``tandem eval rag --questions`` judges it, in seconds rather than minutes.
 ``--top-k`` and ``--no-rerank`` compare retrieval settings on the same stack; latency is not
 measured here (``python -m benchmarks.answers --set`` does, end to end).
 """
@@ -39,8 +39,7 @@ class Judged:
 async def replay_set(name: str, where: dict[str, Any], *, top_k: int | None, rerank: bool) -> list[Judged]:
     from services.agent.clients import InferenceClient, RetrievalClient
     from services.agent.config import AgentSettings
-    from services.agent.pipelines import components as steps
-    from services.agent.pipelines.selection import extractive_text, not_found_text, select_answer
+    from services.agent.pipelines.definition import BUILTIN_DIR, load_definition_file
     from services.agent.pipelines.state import RunContext, RunState
     from services.agent.tokens import load_counter
     from services.cli.eval_questions import load_questions, source_matches, states
@@ -56,44 +55,30 @@ async def replay_set(name: str, where: dict[str, Any], *, top_k: int | None, rer
         counter=load_counter(settings.tokenizer),
         model="",
     )
-    nodes: list[Any] = [
-        steps.RewriteNode(steps.RewriteNode.P()),
-        steps.RetrieveNode(steps.RetrieveNode.P.model_validate({"mode": "hybrid", "top_k": top_k})),
-        steps.RerankNode(steps.RerankNode.P()),
-        steps.RelevanceNode(steps.RelevanceNode.P()),
-        steps.PromptNode(steps.PromptNode.P()),
+    # chat-documents as shipped, up to and including its answer step (what comes after it is
+    # the model's, which an answered question never reaches)
+    pipeline = load_definition_file(BUILTIN_DIR / "chat-documents.yaml")
+    kinds = [pipeline.spec.components[n].type for n in pipeline.order]
+    upto = kinds.index("answer_selector") + 1
+    steps = [
+        pipeline.nodes[n]
+        for n, kind in zip(pipeline.order[:upto], kinds[:upto], strict=True)
+        if rerank or kind != "overlap_reranker"
     ]
-    if not rerank:
-        nodes = [n for n in nodes if not isinstance(n, steps.RerankNode)]
-    model = await ctx.retrieval.embedding_model(qs.collection)
-
-    async def embed(texts: list[str]) -> list[list[float]]:
-        return await ctx.inference.embed(model, texts)
-
     out: list[Judged] = []
     for q in load_questions(qs.questions):
         state = RunState(question=q.question, collection=qs.collection)
-        for node in nodes:
-            async for _ in node.run(state, ctx):
+        if top_k is not None:
+            state.options["top_k"] = top_k  # a per-request top_k, as a caller sends it
+        for step in steps:
+            async for _ in step.run(state, ctx):
                 pass
-        chunks = state.plan.sources if state.plan is not None else []
-        asked = q.question
-        if state.search_query and state.search_query != q.question:
-            asked = f"{q.question} {state.search_query}"
-        kind, answer, cited = "not_found", "", []
-        if chunks:
-            selection = await select_answer(asked, chunks, embed)
-            if selection.found:
-                answer, numbers = extractive_text(selection)
-                kind, cited = "extractive", [chunks[n - 1] for n in numbers]
-            else:
-                answer = not_found_text(q.question, chunks, selection.see_also, selection.missing)
-        right = q.source is not None and any(
-            source_matches(q.source, {"document_id": c.document_id, "title": c.title, "metadata": c.metadata})
-            for c in cited
-        )
-        stated = q.answerable and kind == "extractive" and states(answer, q)
-        out.append(Judged(name, q.id, q.answerable, kind, stated, right, answer))
+        # no source left at all: the generator would say "I don't know" (not found) without a call
+        kind = state.answer_kind if state.answer else "not_found"
+        cited = [c for c in state.citations if c.kind == "extractive"]
+        right = q.source is not None and any(source_matches(q.source, c.model_dump()) for c in cited)
+        stated = q.answerable and kind == "extractive" and states(state.answer, q)
+        out.append(Judged(name, q.id, q.answerable, kind, stated, right, state.answer))
     return out
 
 

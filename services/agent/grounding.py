@@ -251,6 +251,8 @@ _MONTHS = [
     "november",
     "december",
 ]
+# A named constant as a manual writes one: "GLIBCXX_FORCE_NEW", "ASN1_MEM_ERROR" (not "-D__X").
+_CONSTANT = re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
 _NUMBER_Q = re.compile(
     r"\bhow (many|much|deep|high|tall|long|old|far|big|large|wide|heavy)\b|^\s*when\b"
     r"|\b(what|which)( \w+){0,3} (year|date|number|version)\b|\bnumeric\b"
@@ -260,7 +262,6 @@ _NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,:]\d+)*(?!\w)")
 # "How large must the buffer be?": a manual may answer with a named constant
 # ("at least ASN1_MAX_ERROR_DESCRIPTION_SIZE").
 _SIZE_Q = re.compile(r"\bhow (many|much|large|big|long)\b")
-_CONSTANT = re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
 # A year or a date: "in which year", "on which date", answered by a year or a month.
 _YEAR_Q = re.compile(r"\b(what|which) (year|date)\b")
 # "When was it released?" asks for a time; "what does it return when ...?" does not.
@@ -278,7 +279,7 @@ _TERM_KINDS: list[tuple[re.Pattern[str], re.Pattern[str]]] = [
     ),
     (
         re.compile(rf"\b(?:{_ASKED})\s+(?:\w+\s+){{0,2}}?(?:variable|constant|macro|error|code|value)s?\b"),
-        re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*_[A-Z0-9_]+\b"),
+        _CONSTANT,
     ),
     (
         re.compile(rf"\b(?:{_ASKED})\s+(?:\w+\s+){{0,2}}?(?:function|method|call|routine)s?\b"),
@@ -293,9 +294,15 @@ _TERM_KINDS: list[tuple[re.Pattern[str], re.Pattern[str]]] = [
     (
         # "What does asn1_read_value return when ...?": a constant, a number, NULL
         re.compile(r"\bwhat\b.*\breturns?\b|\bwhat\b.*\bset to\b"),
-        re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*_[A-Z0-9_]+\b|(?<![\w.-])-1\b|\bNULL\b|\b(?:true|false)\b"),
+        re.compile(rf"{_CONSTANT.pattern}|(?<![\w.-])-1\b|\bNULL\b|\b(?:true|false)\b"),
     ),
 ]
+
+
+def asks_term(question: str) -> bool:
+    """Whether ``question`` asks for an option, a variable, a function, a file or a return value."""
+    q = question.lower()
+    return any(asked.search(q) for asked, _term in _TERM_KINDS)
 
 
 def asked_terms(question: str, sentence: str) -> list[str] | None:

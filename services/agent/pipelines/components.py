@@ -36,7 +36,7 @@ from services.common.errors import InvalidRequest, TandemError
 from services.common.openai_stream import ToolCallDelta
 
 from .selection import Selection, extractive_text, not_found_text, select_answer
-from .state import EventStream, RunContext, RunState
+from .state import AnswerKind, EventStream, RunContext, RunState
 
 log = logging.getLogger("tandem.agent.guard")
 
@@ -353,6 +353,19 @@ def collection_embedder(state: RunState, ctx: RunContext) -> Callable[[list[str]
     return embed
 
 
+async def show_answer(state: RunState, text: str, kind: AnswerKind, citations: list[Citation]) -> EventStream:
+    """An answer the pipeline composed itself (the source sentences, or that the documents do
+    not say): kept as the answer and streamed like any, word by word and then its citations, so
+    a client needs no special path for it."""
+    state.answer = text
+    state.answer_kind = kind
+    for piece in re.findall(r"\S+\s*", text):
+        yield TokenEvent(text=piece)
+    state.citations = citations
+    for citation in citations:
+        yield CitationEvent.from_citation(citation)
+
+
 class AnswerSelectNode:
     """Before the model is called: the source sentences that answer the question (see
     services/agent/pipelines/selection.py), kept in ``state.selection`` for the guard's extractive
@@ -404,31 +417,22 @@ class AnswerSelectNode:
         state.selection = await self._select(state, ctx, chunks)
         if state.selection.found and self.p.extract and not ctx.chosen:
             text, numbers = extractive_text(state.selection)
-            state.answer_kind = "extractive"
-            state.answer = text
+            cites = [Citation.of(n, chunks[n - 1], kind="extractive", claim=text) for n in numbers]
             state.groundedness = 1.0
-            state.prompt = [dict(m) for m in state.plan.messages]
-            state.model = ctx.model
-            for piece in re.findall(r"\S+\s*", text):
-                yield TokenEvent(text=piece)
-            state.citations = [Citation.of(n, chunks[n - 1], kind="extractive", claim=text) for n in numbers]
-            for citation in state.citations:
-                yield CitationEvent.from_citation(citation)
+            kind: AnswerKind = "extractive"
+        elif state.selection.found or not self.p.abstain:
             return
-        if state.selection.found or not self.p.abstain:
-            return
-        state.answer_kind = "not_found"
-        state.answer = not_found_text(
-            state.question, chunks, state.selection.see_also, state.selection.missing
-        )
-        # The prompt the model would have answered from, and its model (nothing was generated).
+        else:
+            selection = state.selection
+            text = not_found_text(state.question, chunks, selection.see_also, selection.missing)
+            cites = [Citation.of(n, chunks[n - 1], kind="see_also") for n in selection.see_also]
+            kind = "not_found"
+        # The prompt the model would have answered from, and its model (nothing was generated):
+        # a rating or a correction of this answer trains the model like any other.
         state.prompt = [dict(m) for m in state.plan.messages]
         state.model = ctx.model
-        for piece in re.findall(r"\S+\s*", state.answer):
-            yield TokenEvent(text=piece)
-        state.citations = [Citation.of(n, chunks[n - 1], kind="see_also") for n in state.selection.see_also]
-        for citation in state.citations:
-            yield CitationEvent.from_citation(citation)
+        async for event in show_answer(state, text, kind, cites):
+            yield event
 
 
 class GenerateNode:
@@ -624,16 +628,11 @@ class GuardNode:
         if not text:
             return
         yield ResetEvent(reason=report.verdict)
-        state.answer = text
-        state.answer_kind = "extractive"
         state.groundedness = 1.0
         state.invalid_citations = []
-        # Streamed like any answer: word by word, so a client needs no special path for it.
-        for piece in re.findall(r"\S+\s*", text):
-            yield TokenEvent(text=piece)
-        state.citations = [Citation.of(n, chunks[n - 1], kind="extractive", claim=text) for n in numbers]
-        for citation in state.citations:
-            yield CitationEvent.from_citation(citation)
+        cites = [Citation.of(n, chunks[n - 1], kind="extractive", claim=text) for n in numbers]
+        async for event in show_answer(state, text, "extractive", cites):
+            yield event
 
 
 class RunnableNode:

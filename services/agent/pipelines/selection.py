@@ -31,8 +31,8 @@ from services.agent.chunks import Chunk
 from services.agent.grounding import (
     FILLER,
     answer_type_match,
-    asked_terms,
     asks_number,
+    asks_term,
     names,
     strip_markers,
     unwrap,
@@ -141,26 +141,25 @@ def clean(sentence: str) -> str:
 _FENCE = re.compile(r"^[ \t]*```.*?(?:^[ \t]*```[^\n]*$|\Z)", re.MULTILINE | re.DOTALL)
 
 
-def _flat_text(chunk: Chunk) -> str:
-    """A chunk's text with wrapped lines joined and fenced code left out."""
+def _sentence_spans(chunk: Chunk) -> tuple[str, list[tuple[int, int]]]:
+    """A chunk's text with wrapped lines joined and fenced code left out, and its sentences' spans."""
     text = chunk.text
     if text.count("```") % 2:
         text = text[text.index("```") + 3 :]  # the chunk starts inside a code block
-    return unwrap(_FENCE.sub("\n", text))
+    flat = unwrap(_FENCE.sub("\n", text))
+    return flat, sentences(flat)
 
 
 def source_sentences(chunk: Chunk) -> list[str]:
     """The sentences of a chunk's text (wrapped lines joined, fenced code left out)."""
-    flat = _flat_text(chunk)
-    return [flat[s:e] for s, e in sentences(flat)]
+    flat, spans = _sentence_spans(chunk)
+    return [flat[s:e] for s, e in spans]
 
 
-def _asking(chunk: Chunk) -> set[int]:
+def _asking(flat: str, spans: list[tuple[int, int]]) -> set[int]:
     """The places of the sentences that open a question on their line: "I tried X under Valgrind
     but something went wrong. Does Valgrind handle such programs?" (an FAQ's question row) is
     the question, not its answer."""
-    flat = _flat_text(chunk)
-    spans = sentences(flat)
     return {
         i
         for i in range(len(spans) - 1)
@@ -173,8 +172,9 @@ def answer_candidates(chunks: list[Chunk]) -> list[Candidate]:
     """The sentences of ``chunks`` that can be an answer, in source order."""
     out: list[Candidate] = []
     for n, chunk in enumerate(chunks, start=1):
-        raws = source_sentences(chunk)
-        asking = _asking(chunk)
+        flat, spans = _sentence_spans(chunk)
+        raws = [flat[s:e] for s, e in spans]
+        asking = _asking(flat, spans)
         for i, raw in enumerate(raws):
             text = clean(raw)
             if not text or is_heading(raw) or text.rstrip().endswith("?") or "`" * 3 in raw:
@@ -295,7 +295,7 @@ def _typed_neighbour(
     the question asks for (an option, a variable, a function, a file, a number), when it asks for
     one: the one sharing most of the question's words ("-n, --name=NAME array name" for "which
     option sets the array name?"), then the nearest, one after ``best`` before one before it."""
-    if asked_terms(question, "") is None and not asks_number(question):
+    if not asks_term(question) and not asks_number(question):
         return None
     raws = source_sentences(chunks[best.source - 1])
     terms = set(content_terms(question))
@@ -375,9 +375,8 @@ def missing_names(question: str, chunks: list[Chunk]) -> list[str]:
     """The names and numbers of ``question`` (capitalised words after the first, words with a
     digit, version numbers such as "5.0" whole) that no source's text or title holds, compared by
     stem."""
-    held: set[str] = set()
     texts = " ".join(c.text + " " + c.title for c in chunks)
-    held |= _stems(texts)
+    held = _stems(texts)
     asked: set[str] = set()
     for start, end in sentences(question):  # each sentence's first word is not a name
         asked |= names(question[start:end])
