@@ -1,28 +1,36 @@
 """Benchmark: what one turn of the learning loop changes, on questions it did not train on.
 
-``python -m benchmarks.loop [--train 200] [--eval 100] [--concurrency 8] [--out FILE]``
+``python -m benchmarks.loop [--user approving|strict] [--format kto|sft|dpo] [--train 200] [--eval 100]
+[--concurrency 8] [--out FILE]``
 
 Starts the whole stack with ``tandem up`` in a temporary home (embedded Valkey, the
 four services, the Celery workers, the default SmolLM2-135M), builds a collection of
 documents holding invented facts (``services.cli.factset``, fixed seed), and then plays
 a scripted user through the public APIs only:
 
-1. asks ``--train`` questions with ``chat-documents-generate`` (the model writes each answer) on the base model and judges each
-   answer: thumbs up when the model wrote a valid ``[n]`` marker itself and the answer
-   states the expected fact, thumbs down otherwise; for every second answer it turns down
-   it writes a correction: the source's sentence that states the fact, followed by that
-   source's ``[n]`` (the number the prompt gave that source);
+1. asks ``--train`` questions with ``chat-documents-generate`` (the model writes each answer)
+   on the base model and judges each answer. The ``approving`` user gives a thumbs up when
+   the answer shown has a valid ``[n]`` and states the expected fact; the ``strict`` user
+   only when the model wrote that answer itself (its own completion has the marker and the
+   fact, and the groundedness guard did not replace it with source sentences). Both give a
+   thumbs down otherwise, and for every second answer turned down a correction: the
+   source's sentence that states the fact, followed by that source's ``[n]`` (the number
+   the prompt gave that source);
 2. asks ``--eval`` other questions (their documents are in the same collection; the
    training never saw them) on the base model;
-3. clicks "train on feedback" (``POST /v1/feedback/train``: a LoRA ``kto`` job with no
-   hyperparameters given, published when done) and waits for the adapter to answer;
-4. asks the same unseen questions with ``llm`` = the adapter.
+3. clicks "train on feedback" (``POST /v1/feedback/train``: a LoRA job of ``--format`` with
+   no hyperparameters given, published when done), waits for the adapter to answer, and
+   for the promotion gate's verdict (``GET /v1/promotions``);
+4. asks the same unseen questions with ``llm`` = the adapter, and once more with no ``llm``:
+   what the tenant's chat serves after the gate (the adapter if it was promoted).
 
-Reports, for the base model and the adapter on the unseen questions: the share of answers
-with a valid model-written ``[n]`` marker, the share stating the expected fact, the share
-citing the right document, and the wall time from "train on feedback" to the adapter's
-first answer. Targets on a 2-core CPU (issue 13): marker rate >= 60 %, the fact rate does
-not fall, the round within 20 minutes.
+Reports, for the base model, the adapter and the served model after the gate, on the unseen
+questions: the share of answers with a valid model-written ``[n]`` marker, the share stating
+the expected fact, the share citing the right document; the wall time from "train on
+feedback" to the adapter's first answer; the gate's decision with its figures; and the live
+quality (``GET /v1/quality``) of the served model before and after. Targets on a 2-core CPU:
+marker rate >= 60 % with the approving user (issue 13), >= 50 % with the strict one (issue
+35), the fact rate does not fall, the round within 20 minutes.
 """
 
 from __future__ import annotations
@@ -56,7 +64,8 @@ class Answer:
     fact: bool  # the model's completion states the expected answer string
     right_doc: bool  # a citation (written or attributed) points at the fact's document
     seconds: float
-    shown_ok: bool  # what the user saw has a valid [n] and states the fact (the thumbs-up rule)
+    shown_ok: bool  # what the user saw has a valid [n] and states the fact (the approving user's rule)
+    own_ok: bool  # the model wrote what the user saw, with a valid [n] and the fact (the strict user's)
 
 
 @dataclass
@@ -81,6 +90,8 @@ class Rates:
 
 @dataclass
 class Report:
+    user: str
+    format: str
     train_answers: int
     thumbs_up: int
     thumbs_down: int
@@ -89,8 +100,12 @@ class Report:
     job: dict[str, Any] = field(default_factory=dict)
     base: Rates | None = None
     adapter: Rates | None = None
+    served_after: Rates | None = None
     train_to_answer_s: float = 0.0
     adapter_name: str = ""
+    promotion: dict[str, Any] = field(default_factory=dict)
+    live_before: list[dict[str, Any]] = field(default_factory=list)
+    live_after: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Client:
@@ -156,6 +171,10 @@ class Client:
             right_doc=fact.fact_id in docs,
             seconds=seconds,
             shown_ok=has_marker(answer) and states(answer, fact.answer),
+            own_ok=out.get("answer_kind", "generated") == "generated"
+            and answer.strip() == completion.strip()
+            and has_marker(completion)
+            and states(completion, fact.answer),
         )
 
     async def source_number(self, message_id: str, fact: Fact) -> int | None:
@@ -174,6 +193,24 @@ class Client:
         if correction:
             body["correction"] = correction
         await self.check(await self.http.post(f"{self.agent}/v1/feedback", json=body))
+
+    async def quality(self, since: float) -> list[dict[str, Any]]:
+        """The live quality report (one bucket a week) of the answers since ``since``."""
+        params: dict[str, str | float] = {"since": since, "bucket": "week"}
+        out = await self.check(await self.http.get(f"{self.agent}/v1/quality", params=params))
+        return list(out["data"])
+
+    async def promotion(self, job_id: str, timeout: float) -> dict[str, Any]:
+        """The promotion gate's verdict on the job's adapter, once it has one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = await self.check(await self.http.get(f"{self.agent}/v1/promotions"))
+            for p in out["data"]:
+                if p["job_id"] == job_id and p["status"] not in ("training", "evaluating"):
+                    return {"choice": out["choice"], **p}
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the promotion gate did not decide on {job_id} in {timeout} s")
+            await asyncio.sleep(2)
 
 
 async def ask_all(client: Client, facts: list[Fact], llm: str | None, concurrency: int) -> list[Answer]:
@@ -216,13 +253,15 @@ async def run(args: argparse.Namespace, env: dict[str, str], key: str) -> Report
     print(f"ingesting {len(facts)} documents ...", flush=True)
     await client.ingest(facts)
 
-    print(f"asking {len(train)} questions on the base model and judging them ...", flush=True)
+    print(
+        f"asking {len(train)} questions on the base model and judging them ({args.user} user) ...", flush=True
+    )
     answers = await ask_all(client, train, None, args.concurrency)
     ups = downs = corrections = 0
     by_id = {f.fact_id: f for f in train}
     for a in answers:
         fact = by_id[a.fact_id]
-        if a.shown_ok:
+        if a.shown_ok if args.user == "approving" else a.own_ok:
             await client.feedback(a.message_id, 1)
             ups += 1
             continue
@@ -234,16 +273,25 @@ async def run(args: argparse.Namespace, env: dict[str, str], key: str) -> Report
                 correction = f"{fact.sentence} [{number}]"
                 corrections += 1
         await client.feedback(a.message_id, -1, correction)
-    report = Report(train_answers=len(answers), thumbs_up=ups, thumbs_down=downs, corrections=corrections)
+    report = Report(
+        user=args.user,
+        format=args.format,
+        train_answers=len(answers),
+        thumbs_up=ups,
+        thumbs_down=downs,
+        corrections=corrections,
+    )
     print(f"  {ups} up, {downs} down, {corrections} corrections", flush=True)
 
     print(f"asking {len(unseen)} unseen questions on the base model ...", flush=True)
+    since = time.time()
     report.base = Rates.of(await ask_all(client, unseen, None, args.concurrency))
+    report.live_before = await client.quality(since)
 
-    print("train on feedback ...", flush=True)
+    print(f"train on feedback ({args.format}) ...", flush=True)
     started = time.perf_counter()
     out = await client.check(
-        await client.http.post(f"{client.agent}/v1/feedback/train", json={"format": "kto"})
+        await client.http.post(f"{client.agent}/v1/feedback/train", json={"format": args.format})
     )
     report.dataset = out["dataset"]
     job, name = await wait_for_adapter(client, out["job"]["id"], unseen[0], args.timeout)
@@ -251,34 +299,79 @@ async def run(args: argparse.Namespace, env: dict[str, str], key: str) -> Report
     report.job = {k: job.get(k) for k in ("id", "type", "status", "metrics", "progress", "request")}
     report.adapter_name = name
 
+    print("waiting for the promotion gate ...", flush=True)
+    report.promotion = await client.promotion(job["id"], args.timeout)
+    print(f"  {report.promotion['status']}: {report.promotion['reason']}", flush=True)
+
     print(f"asking the unseen questions with {name} ...", flush=True)
     report.adapter = Rates.of(await ask_all(client, unseen, name, args.concurrency))
+    print("asking the unseen questions as the tenant's chat serves them now ...", flush=True)
+    since = time.time()
+    report.served_after = Rates.of(await ask_all(client, unseen, None, args.concurrency))
+    report.live_after = await client.quality(since)
     await client.http.aclose()
     return report
 
 
 def table(report: Report) -> str:
-    assert report.base is not None and report.adapter is not None
+    assert report.base is not None and report.adapter is not None and report.served_after is not None
+    p = report.promotion
+    served = (p.get("choice") or {}).get("default") or "base SmolLM2-135M"
     rows = [
         "| model | unseen questions | model-written [n] | fact stated | right document cited | answer p50 |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for label, r in (("base SmolLM2-135M", report.base), (f"adapter {report.adapter_name}", report.adapter)):
+    for label, r in (
+        ("base SmolLM2-135M", report.base),
+        (f"adapter {report.adapter_name}", report.adapter),
+        (f"served after the gate ({served})", report.served_after),
+    ):
         rows.append(
             f"| {label} | {r.n} | {r.marker:.0%} | {r.fact:.0%} | {r.right_doc:.0%} | {r.p50_s:.1f} s |"
         )
     rows.append("")
     rows.append(
-        f"Feedback: {report.train_answers} answers, {report.thumbs_up} up, {report.thumbs_down} down, "
-        f"{report.corrections} corrections; dataset {report.dataset.get('rows')} rows "
-        f"{report.dataset.get('counts')}; train on feedback -> adapter answering: "
-        f"{report.train_to_answer_s / 60:.1f} min"
+        f"Feedback ({report.user} user): {report.train_answers} answers, {report.thumbs_up} up, "
+        f"{report.thumbs_down} down, {report.corrections} corrections; {report.format} dataset "
+        f"{report.dataset.get('rows')} rows {report.dataset.get('counts')}; train on feedback -> adapter "
+        f"answering: {report.train_to_answer_s / 60:.1f} min"
     )
+    rows.append("")
+    rows.append(f"Promotion gate: **{p.get('status')}**: {p.get('reason')}")
+    rows.append("")
+    rows.append("| set | questions | model | answered | matches reference | grounded | cited |")
+    rows.append("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for s in p.get("sets") or []:
+        for side in ("candidate", "current"):
+            sc = s[side]
+            rows.append(
+                f"| {s['name']} | {s['questions']} | {side} | {sc['answered']} | {_share(sc['matches'])} | "
+                f"{_share(sc['grounded'])} | {_share(sc['cited'])} |"
+            )
+    rows.append("")
+    rows.append("Live quality (GET /v1/quality) of the unseen questions as served:")
+    rows.append("")
+    rows.append("| when | model | answers | groundedness mean | cited | extractive | not found |")
+    rows.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for when, points in (("before", report.live_before), ("after", report.live_after)):
+        for q in points:
+            rows.append(
+                f"| {when} | {q['model']} | {q['answers']} | {_share(q['groundedness_mean'])} | "
+                f"{q['cited_share']:.0%} | {q['extractive_share']:.0%} | {q['not_found_share']:.0%} |"
+            )
     return "\n".join(rows)
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--user", choices=("approving", "strict"), default="approving", help="the scripted user")
+    ap.add_argument(
+        "--format", choices=("kto", "sft", "dpo"), default="kto", help="train on feedback's format"
+    )
     ap.add_argument("--train", type=int, default=200, help="answers the scripted user gives feedback on")
     ap.add_argument("--eval", type=int, default=100, help="unseen questions asked before and after")
     ap.add_argument("--concurrency", type=int, default=8, help="questions in flight at once")

@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from services.agent.api import conversations, feedback, mcp_servers, openai_compat, pipelines, proxy, ws
+from services.agent.api import promotions as promotions_api
 from services.agent.api import quality as quality_api
 from services.agent.api import responses as responses_api
 from services.agent.config import AgentSettings
@@ -31,11 +32,14 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Load the tokenizer (if one is configured) now, not in the first user's first-token latency.
         warm = asyncio.create_task(asyncio.to_thread(load_counter, settings.tokenizer))
+        # Evaluates fine-tunes from feedback as they finish (services/agent/promotions.py).
+        gate = asyncio.create_task(app.state.runtime.gate.run())
         try:
             async with app.state.mcp.session_manager.run():  # the MCP server at /mcp
                 yield
         finally:
             warm.cancel()
+            gate.cancel()
             app.state.runtime.turns.close()
 
     mcp_keyed, mcp_public = mcp_routers()
@@ -48,6 +52,7 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
             conversations.router,
             feedback.router,
             quality_api.router,
+            promotions_api.router,
             openai_compat.router,
             responses_api.router,
             ws.router,

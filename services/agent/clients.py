@@ -62,6 +62,17 @@ class _ServiceClient:
             raise upstream_error(reply, param=param or reply.param)
         return dict(resp.json())
 
+    async def _get(self, path: str, param: str) -> dict[str, Any]:
+        """The JSON object answered; an error status is the upstream's error, mapped, naming ``param``."""
+        try:
+            async with self._client() as client:
+                resp = await client.get(path)
+        except httpx.HTTPError as exc:
+            raise unreachable(self.service, exc) from exc
+        if resp.status_code >= 400:
+            raise upstream_error(UpstreamReply.of(self.service, resp), param=param)
+        return dict(resp.json())
+
 
 class RetrievalClient(_ServiceClient):
     service = "retrieval"
@@ -100,14 +111,7 @@ class RetrievalClient(_ServiceClient):
 
     async def embedding_model(self, collection: str) -> str:
         """The embedding model ``collection`` was built with (as the inference service names it)."""
-        try:
-            async with self._client() as client:
-                resp = await client.get(f"/v1/collections/{collection}")
-        except httpx.HTTPError as exc:
-            raise unreachable(self.service, exc) from exc
-        if resp.status_code >= 400:
-            raise upstream_error(UpstreamReply.of(self.service, resp), param="collection")
-        return str(resp.json()["embedding_model"])
+        return str((await self._get(f"/v1/collections/{collection}", "collection"))["embedding_model"])
 
     async def document_titles(self, collection: str, document_ids: list[str]) -> dict[str, str]:
         """Titles of documents (best effort: search hits may not carry them)."""
@@ -192,3 +196,7 @@ class TrainerClient(_ServiceClient):
 
     async def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._post("/v1/jobs", json=body)
+
+    async def job(self, job_id: str) -> dict[str, Any]:
+        """GET /v1/jobs/{id}; another tenant's or a missing job is a NotFound."""
+        return await self._get(f"/v1/jobs/{job_id}", "job_id")

@@ -123,6 +123,29 @@ class AgentSettings(TenantLimitSettings):
         ge=1,
         description="Fewest (question, cited chunk) pairs an embedder dataset built from feedback may have.",
     )
+    promotion_margin: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="How much worse (a share, on any metric of either set) a fine-tune from feedback may "
+        "answer than the model it would replace and still be promoted to the tenant's chat default.",
+    )
+    promotion_holdout: float = Field(
+        0.2,
+        ge=0.0,
+        lt=1.0,
+        description="Share of the answers rated up or corrected that training on feedback holds out as "
+        "the tenant's regression set (chosen by a hash of the message id, so every round holds out the same).",
+    )
+    promotion_eval_max: int = Field(
+        40, ge=1, le=1000, description="Most held-out answers a fine-tune is evaluated on (the newest)."
+    )
+    promotion_recent: int = Field(
+        20, ge=0, le=1000, description="Recent questions of the tenant a fine-tune is also evaluated on."
+    )
+    promotion_poll_s: float = Field(
+        5.0, gt=0, description="How often the agent looks for finished fine-tunes from feedback to evaluate."
+    )
     mcp_allow_private: bool = Field(
         False,
         description="Let tenants register MCP servers on private, loopback or link-local addresses "

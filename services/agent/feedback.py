@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from services.agent.promotions import held_out
 from services.agent.protocol import Choice, DatasetFormat, Feedback, FeedbackCreate, TurnRecord
 from services.agent.turns import FeedbackFilter, FeedbackRow, PreferenceRow
 from services.common.auth import Principal
@@ -111,6 +112,7 @@ class BuiltDataset:
     rows: list[dict[str, Any]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     models: set[str] = field(default_factory=set)
+    held_out: list[str] = field(default_factory=list)  # message ids kept out as the regression set
 
     def jsonl(self) -> bytes:
         return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in self.rows).encode()
@@ -156,7 +158,10 @@ def build_dataset(
     fmt: DatasetFormat,
     feedback: list[tuple[FeedbackRow, TurnRecord]],
     preferences: list[PreferenceRow],
+    holdout: float = 0.0,
 ) -> BuiltDataset:
+    """``holdout``: the share of chat answers rated up or corrected kept out of the rows (the
+    tenant's regression set, services/agent/promotions.py); counted as ``held_out``."""
     out = BuiltDataset(fmt)
     counts = dict.fromkeys(_COUNT_NAMES[fmt], 0)
     rated = sorted(feedback, key=lambda pair: pair[1].created_at)
@@ -167,6 +172,9 @@ def build_dataset(
         if not _usable(rec):
             continue
         correction = (fb.correction or "").strip()
+        if rec.kind == "pipeline" and (fb.rating == 1 or correction) and held_out(rec.message_id, holdout):
+            out.held_out.append(rec.message_id)
+            continue
         if fmt == "kto":
             out.rows.append(
                 {"prompt": _prompt(rec), "completion": rated_completion(rec), "label": fb.rating == 1}
@@ -218,6 +226,8 @@ def build_dataset(
             )
             counts["preferences"] += 1
             out.models.add(pref.chosen.model)
+    if holdout:
+        counts["held_out"] = len(out.held_out)
     out.counts = counts
     return out
 

@@ -390,6 +390,96 @@ class DatasetResult(BaseModel):
 class TrainResult(BaseModel):
     dataset: DatasetResult
     job: dict[str, Any]
+    promotion: Promotion | None = Field(
+        default=None,
+        description="the gate that evaluates the fine-tune when it is trained (GET /v1/promotions)",
+    )
+
+
+# -- the tenant's chat model and fine-tunes promoted to it ------------------------------------------
+
+PromotionStatus = Literal["training", "evaluating", "promoted", "kept", "failed"]
+
+
+class ModelChoice(BaseModel):
+    """The model a tenant's chat pipelines answer with when the turn and its conversation name none."""
+
+    default: str | None = Field(
+        default=None, description="the promoted model; null: the service's base model"
+    )
+    previous: list[str] = Field(
+        default_factory=list,
+        description="earlier defaults, newest last ('' is the base model): rollback's path",
+    )
+    canary: str | None = Field(
+        default=None, description="a candidate answering a share of the tenant's chats"
+    )
+    canary_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    canary_since: float | None = None
+    updated_at: float | None = None
+
+
+class PromoteRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    canary_share: float | None = Field(
+        default=None,
+        description="between 0 and 1: the model answers that share of the tenant's chats (a canary) and "
+        "the default stays; 1 or left out: the model becomes the default; 0: the canary stops",
+    )
+
+
+class GateScores(BaseModel):
+    """One model's answers on one evaluation set (shares of the set; null where nothing was measured)."""
+
+    answered: int
+    matches: float | None = Field(default=None, description="answers holding the reference's content words")
+    grounded: float | None = Field(default=None, description="mean share of sentences a source supports")
+    cited: float | None = Field(default=None, description="answers citing a source with a [n] marker")
+
+
+class GateSet(BaseModel):
+    name: Literal["regression", "recent"]
+    questions: int
+    candidate: GateScores
+    current: GateScores
+    worse: list[str] = Field(
+        default_factory=list, description="metrics the candidate loses by more than the margin"
+    )
+
+
+class Promotion(BaseModel):
+    """A fine-tune from feedback and the gate's verdict on it."""
+
+    job_id: str
+    candidate: str | None = Field(default=None, description="the published model, once the job has trained")
+    replaces: str = Field(
+        default="", description="the tenant's default when training started ('' is the base model)"
+    )
+    status: PromotionStatus
+    reason: str = ""
+    margin: float
+    holdout: list[str] = Field(default_factory=list, description="message ids held out as the regression set")
+    sets: list[GateSet] = Field(default_factory=list)
+    created_at: float
+    decided_at: float | None = None
+
+
+class LiveQuality(BaseModel):
+    """A model's answers on the tenant's live chats since the canary started."""
+
+    model: str
+    answers: int
+    groundedness_mean: float | None
+    cited_share: float
+    thumbs_up_rate: float | None
+
+
+class PromotionList(BaseModel):
+    object: Literal["list"] = "list"
+    choice: ModelChoice
+    live: list[LiveQuality] = Field(default_factory=list, description="while a canary runs")
+    data: list[Promotion]
 
 
 class WsFeedbackFrame(FeedbackCreate):

@@ -36,6 +36,7 @@ from services.agent.memory import ConversationStore, MemoryLimits
 from services.agent.pipelines.components import CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
 from services.agent.pipelines.state import AnswerForm, AnswerKind, Event, RunContext, RunState
+from services.agent.promotions import PromotionGate, PromotionStore, chat_model
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import PipelineRunRequest, TurnRecord
 from services.agent.quality import QualityMetrics, answer_quality
@@ -188,6 +189,8 @@ class AgentRuntime:
         self.memory = memory
         self.turns = turns
         self.quality = QualityMetrics()  # on the app's /metrics (app.py registers it)
+        self.promotions = PromotionStore(turns)
+        self.gate = PromotionGate(self, self.promotions)
         self.pipelines: dict[str, Pipeline] = load_pipelines(settings.pipelines_dir or None)
         self.tools, self.tool_errors = default_tools(settings)
         self.agents: dict[str, AgentSpec] = {
@@ -339,11 +342,14 @@ class AgentRuntime:
         if turn.remember and turn.conversation_id:
             meta = await self.memory.meta(tenant, user, turn.conversation_id)
         llm = turn.llm
+        result.message_id = new_message_id()
         if llm:
             await self.check_llm(inference, llm)
         else:
             llm = meta.get("llm") or None  # the conversation remembers its model
-        result.message_id = new_message_id()
+        if not llm and turn.target in self.pipelines:
+            # the tenant's promoted fine-tune (or its canary, for a share of turns)
+            llm = chat_model(await self.promotions.choice(tenant), result.message_id)
         history = list(turn.history or [])
         created = False
         partial: list[str] = []
@@ -562,15 +568,7 @@ class AgentRuntime:
     async def _run_pipeline(self, run: _Run) -> AsyncIterator[Event]:
         inference, turn, llm, result = run.inference, run.turn, run.llm, run.result
         pipeline = self.pipelines[turn.target]
-        uses_model = any(n.type == "generator" for n in pipeline.spec.components.values())
-        ctx = RunContext(
-            settings=self.settings,
-            retrieval=self.retrieval(run.api_key),
-            inference=inference,
-            counter=load_counter(self.settings.tokenizer),
-            model=(llm or await self.model(inference)) if uses_model else "",
-            chosen=bool(llm),
-        )
+        ctx = await self._context(pipeline, inference, run.api_key, llm)
         state = RunState(
             question=turn.message,
             collection=turn.collection,
@@ -586,6 +584,34 @@ class AgentRuntime:
         result.answer_kind = state.answer_kind
         result.unsupported = state.unsupported
         result.grounding = state.grounding
+
+    async def _context(
+        self, pipeline: Pipeline, inference: InferenceClient, api_key: str, llm: str | None
+    ) -> RunContext:
+        uses_model = any(n.type == "generator" for n in pipeline.spec.components.values())
+        return RunContext(
+            settings=self.settings,
+            retrieval=self.retrieval(api_key),
+            inference=inference,
+            counter=load_counter(self.settings.tokenizer),
+            model=(llm or await self.model(inference)) if uses_model else "",
+            chosen=bool(llm),
+        )
+
+    async def answer_unrecorded(
+        self, api_key: str, pipeline_name: str, question: str, collection: str | None, llm: str | None
+    ) -> RunState:
+        """A pipeline's answer to one question, as a chat turn would get it with ``llm`` (None: the
+        served default), kept nowhere: no turn record, no memory, no quality metric. The
+        promotion gate's evaluation answers (services/agent/promotions.py)."""
+        pipeline = self.pipelines[pipeline_name]
+        inference = self.inference(api_key)
+        ctx = await self._context(pipeline, inference, api_key, llm)
+        state = RunState(question=question, collection=collection)
+        async for event in pipeline.run(state, ctx):
+            if isinstance(event, ErrorEvent):
+                raise ServiceUnavailable(event.message)
+        return state
 
     async def _run_agent(self, run: _Run) -> AsyncIterator[Event]:
         inference, turn, result = run.inference, run.turn, run.result

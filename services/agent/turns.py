@@ -95,6 +95,10 @@ class TurnStore(Protocol):
         self, tenant: str, since: float, limit: int, model: str | None = None
     ) -> list[tuple[TurnRecord, int | None]]: ...
 
+    async def recent_chat_turns(self, tenant: str, limit: int, exclude: set[str]) -> list[TurnRecord]: ...
+
+    async def transact(self, fn: Callable[[sqlite3.Connection], T]) -> T: ...
+
     def close(self) -> None: ...
 
 
@@ -132,6 +136,20 @@ CREATE TABLE IF NOT EXISTS quality (
     groundedness REAL
 );
 CREATE INDEX IF NOT EXISTS quality_tenant ON quality (tenant, created_at);
+-- The model each tenant's chat answers with, and the fine-tunes the promotion gate judged
+-- (services/agent/promotions.py): JSON of ModelChoice and Promotion.
+CREATE TABLE IF NOT EXISTS model_choice (
+    tenant  TEXT PRIMARY KEY,
+    data    TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS promotions (
+    job_id      TEXT PRIMARY KEY,
+    tenant      TEXT NOT NULL,
+    status      TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    data        TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS promotions_tenant ON promotions (tenant, created_at);
 CREATE TABLE IF NOT EXISTS preferences (
     tenant      TEXT NOT NULL,
     chosen      TEXT NOT NULL REFERENCES turns (message_id) ON DELETE CASCADE,
@@ -203,7 +221,7 @@ class SqliteTurnStore:
         with self._lock:
             self._db.close()
 
-    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def transact(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         def call() -> T:
             with self._lock:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -260,7 +278,7 @@ class SqliteTurnStore:
                     ),
                 )
 
-        await self._run(fn)
+        await self.transact(fn)
 
     async def get_turn(self, tenant: str, message_id: str) -> TurnRecord | None:
         def fn(db: sqlite3.Connection) -> TurnRecord | None:
@@ -270,7 +288,7 @@ class SqliteTurnStore:
             ).fetchone()
             return _record(row) if row else None
 
-        return await self._run(fn)
+        return await self.transact(fn)
 
     async def delete_conversation(self, tenant: str, user: str, conversation_id: str) -> int:
         def fn(db: sqlite3.Connection) -> int:
@@ -281,7 +299,7 @@ class SqliteTurnStore:
             )
             return int(cur.rowcount)
 
-        return await self._run(fn)
+        return await self.transact(fn)
 
     # -- feedback ---------------------------------------------------------------------------
 
@@ -305,7 +323,7 @@ class SqliteTurnStore:
             ).fetchone()
             return FeedbackRow(*row)
 
-        return await self._run(fn)
+        return await self.transact(fn)
 
     async def list_feedback(
         self, tenant: str, filt: FeedbackFilter, limit: int | None = None, offset: int = 0
@@ -332,7 +350,7 @@ class SqliteTurnStore:
             ).fetchall()
             return [(FeedbackRow(*r[:6]), _record(r, 6)) for r in rows], int(total)
 
-        return await self._run(fn)
+        return await self.transact(fn)
 
     async def feedback_of(self, tenant: str, message_ids: list[str]) -> dict[str, FeedbackRow]:
         """The tenant's feedback on these messages (for showing a reopened conversation's thumbs)."""
@@ -348,7 +366,7 @@ class SqliteTurnStore:
             ).fetchall()
             return {r[0]: FeedbackRow(*r) for r in rows}
 
-        return await self._run(fn)
+        return await self.transact(fn)
 
     async def delete_feedback(self, tenant: str, message_id: str) -> bool:
         def fn(db: sqlite3.Connection) -> bool:
@@ -356,7 +374,7 @@ class SqliteTurnStore:
             _set_rating(db, tenant, message_id, None)
             return cur.rowcount > 0
 
-        return await self._run(fn)
+        return await self.transact(fn)
 
     # -- preference pairs -------------------------------------------------------------------
 
@@ -373,7 +391,7 @@ class SqliteTurnStore:
                 (tenant, chosen, rejected, time.time()),
             )
 
-        await self._run(fn)
+        await self.transact(fn)
 
     async def preferences(self, tenant: str, filt: FeedbackFilter) -> list[PreferenceRow]:
         where, args = _filter_sql(tenant, filt, tenant_col="p.tenant", since_col="p.created_at", turn="c")
@@ -387,7 +405,7 @@ class SqliteTurnStore:
             ).fetchall()
             return [PreferenceRow(_record(r, 0), _record(r, 3), float(r[6])) for r in rows]
 
-        return await self._run(fn)
+        return await self.transact(fn)
 
     async def stats(self, tenant: str) -> list[dict[str, Any]]:
         def fn(db: sqlite3.Connection) -> list[dict[str, Any]]:
@@ -415,7 +433,7 @@ class SqliteTurnStore:
                 entry(model)["preferences"] = int(n)
             return sorted(out.values(), key=lambda e: e["model"])
 
-        return await self._run(fn)
+        return await self.transact(fn)
 
     # -- answer quality ---------------------------------------------------------------------
 
@@ -459,7 +477,7 @@ class SqliteTurnStore:
                 )
             return out
 
-        return await self._run(fn)
+        return await self.transact(fn)
 
     async def worst_answers(
         self, tenant: str, since: float, limit: int, model: str | None = None
@@ -483,4 +501,29 @@ class SqliteTurnStore:
             ).fetchall()
             return [(_record(r), None if r[3] is None else int(r[3])) for r in rows]
 
-        return await self._run(fn)
+        return await self.transact(fn)
+
+    async def recent_chat_turns(self, tenant: str, limit: int, exclude: set[str]) -> list[TurnRecord]:
+        """The tenant's newest chat answers (pipeline turns with quality signals, drafts left out),
+        one per question, not in ``exclude`` (message ids)."""
+
+        def fn(db: sqlite3.Connection) -> list[TurnRecord]:
+            rows = db.execute(
+                "SELECT t.tenant, t.user, t.data FROM quality q JOIN turns t ON t.message_id = q.message_id"
+                " WHERE q.tenant = ? AND t.draft_of IS NULL ORDER BY q.created_at DESC, q.message_id",
+                (tenant,),
+            )
+            out: list[TurnRecord] = []
+            seen: set[str] = set()
+            for row in rows:
+                rec = _record(row)
+                question = rec.question.strip().lower()
+                if rec.message_id in exclude or not question or question in seen or rec.kind != "pipeline":
+                    continue
+                seen.add(question)
+                out.append(rec)
+                if len(out) >= limit:
+                    break
+            return out
+
+        return await self.transact(fn)

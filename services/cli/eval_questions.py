@@ -10,7 +10,7 @@ with ``#`` are skipped)::
 
 - ``answers``: key phrases, alternatives: the answer states the fact when it contains any one
   of them (case, spacing and ``_``/space ignored, whole words); or ``reference``: a reference
-  answer, stated when the answer holds at least ``REFERENCE_RECALL`` of its content words.
+  answer, stated when the answer holds at least ``services.agent.text.REFERENCE_RECALL`` of its content words.
 - ``source``: the document that states it: a path or file name (``docs/operations.md``,
   ``faq.html``), matched against a citation's document id, title and metadata source/filename
   with case, extension and separators ignored.
@@ -33,9 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-# Share of a reference answer's content words an answer must hold to state it.
-REFERENCE_RECALL = 0.6
 
 
 class Question(BaseModel):
@@ -140,13 +137,9 @@ def has_phrase(answer: str, phrase: str) -> bool:
 def states(answer: str, q: Question) -> bool:
     if q.answers:
         return any(has_phrase(answer, a) for a in q.answers)
-    from services.agent.text import content_terms
+    from services.agent.text import states_reference
 
-    wanted = set(content_terms(q.reference or "")) - set(content_terms(q.question))
-    if not wanted:
-        wanted = set(content_terms(q.reference or ""))
-    got = set(content_terms(answer))
-    return bool(wanted) and len(wanted & got) / len(wanted) >= REFERENCE_RECALL
+    return states_reference(answer, q.reference or "", q.question)
 
 
 # "I don't know", "the sources do not say", "no information about", "cannot find": a model's or

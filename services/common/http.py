@@ -3,16 +3,38 @@ context (W3C ``traceparent``, with a client span per call) on."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
 import httpx
 
+from services.common.auth import ACT_FOR_HEADER
 from services.common.logs import REQUEST_ID_HEADER, current_request_id
 from services.common.telemetry import instrument_client
+
+# The tenant an operator (service) key acts for on the calls made in this context: work a service
+# does for a tenant outside any request of that tenant (the agent's promotion gate).
+_acting_tenant: ContextVar[str | None] = ContextVar("acting_tenant", default=None)
+
+
+@contextlib.contextmanager
+def acting_for(tenant: str) -> Iterator[None]:
+    """Service calls made inside send ``X-Tandem-Tenant: tenant`` (honoured for operator keys only)."""
+    token = _acting_tenant.set(tenant)
+    try:
+        yield
+    finally:
+        _acting_tenant.reset(token)
 
 
 async def _add_request_id(request: httpx.Request) -> None:
     rid = current_request_id()
     if rid and REQUEST_ID_HEADER not in request.headers:
         request.headers[REQUEST_ID_HEADER] = rid
+    tenant = _acting_tenant.get()
+    if tenant is not None:
+        request.headers[ACT_FOR_HEADER] = tenant
 
 
 def service_client(

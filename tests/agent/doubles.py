@@ -107,7 +107,9 @@ def inference_double(model: ScriptedModel) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         key = request.headers.get("authorization", "").removeprefix("Bearer ")
-        ids = [*model.shared, *model.own.get(key, [])]
+        # an operator key acting for a tenant (X-Tandem-Tenant) sees that tenant's own models
+        acting = request.headers.get("x-tandem-tenant", "")
+        ids = [*model.shared, *model.own.get(key, []), *(model.own.get(acting, []) if acting else [])]
         cards = [{"id": i, "object": "model"} for i in ids]
         cards += [{"id": i, "object": "model", "kind": "embedding"} for i in model.embedding]
         return {"object": "list", "data": cards}
@@ -193,6 +195,9 @@ class RecordingTrainer:
     file_headers: list[dict[str, str]] = field(default_factory=list)
     jobs: list[dict[str, Any]] = field(default_factory=list)
     job_headers: list[dict[str, str]] = field(default_factory=list)
+    # GET /v1/jobs/{id}: what each job reports (a test moves it along), and the headers of each read
+    job_states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    read_headers: list[dict[str, str]] = field(default_factory=list)
 
 
 def trainer_double(trainer: RecordingTrainer) -> FastAPI:
@@ -224,6 +229,13 @@ def trainer_double(trainer: RecordingTrainer) -> FastAPI:
         trainer.jobs.append(body)
         trainer.job_headers.append(dict(request.headers))
         return {"id": f"ftjob-{len(trainer.jobs)}", "object": "fine_tuning.job", "status": "queued", **body}
+
+    @app.get("/v1/jobs/{job_id}")
+    async def get_job(job_id: str, request: Request) -> Any:
+        trainer.read_headers.append(dict(request.headers))
+        if job_id not in trainer.job_states:
+            return JSONResponse({"error": {"message": f"no job {job_id!r}"}}, status_code=404)
+        return {"id": job_id, "object": "fine_tuning.job", **trainer.job_states[job_id]}
 
     return app
 

@@ -62,10 +62,12 @@ def agent_stack(
     model: ScriptedModel | None = None,
     trainer_url: str | None = None,
     inference_urls: str = "",
+    service_key: str = "",
     **settings: Any,
 ) -> Iterator[Stack]:
     """``trainer_url``: a real trainer to use instead of the recording double; ``inference_urls``:
-    TANDEM_INFERENCE_URLS (replicas used instead of the double)."""
+    TANDEM_INFERENCE_URLS (replicas used instead of the double); ``service_key``: the agent's
+    TANDEM_SERVICE_API_KEY (an operator key)."""
     corpus = FakeCorpus({k: dict(v) for k, v in CORPUS.items()})
     model = model or ScriptedModel()
     trainer = RecordingTrainer()
@@ -80,6 +82,7 @@ def agent_stack(
             inference_url=i_url,
             inference_urls=inference_urls,
             trainer_url=t_url,
+            service_api_key=service_key,
             log_json=False,
         )
         app = create_app(common, AgentSettings(**settings))

@@ -113,3 +113,64 @@ def test_quality_per_model_and_the_worst_answers_open_their_conversation(
     marked.wait_for()
     assert "bicycle" in marked.inner_text()
     assert page.page_errors == []
+
+
+def test_the_model_for_chat_card_promotes_canaries_and_rolls_back(
+    page: Any, served: Stack, key_store: KeyStore
+) -> None:
+    """The card on the quality page: the gate's verdict on a fine-tune with its figures, a canary
+    started and promoted from there, and a rollback; each click changes what the API says."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.agent.protocol import GateScores, GateSet, Promotion
+
+    tenant = f"quality-{uuid.uuid4().hex[:8]}"
+    stack, key = served, str(key_store.create(tenant)[0])
+    stack.model.own[key] = ["ft-kept"]
+    kept = Promotion(
+        job_id="ftjob-7",
+        candidate="ft-kept",
+        status="kept",
+        reason="worse than the model it would replace by more than 0.05 on regression: matches 0.40 < 0.90",
+        margin=0.05,
+        sets=[
+            GateSet(
+                name="regression",
+                questions=10,
+                candidate=GateScores(answered=10, matches=0.4, grounded=1.0, cited=1.0),
+                current=GateScores(answered=10, matches=0.9, grounded=1.0, cited=1.0),
+                worse=["matches 0.40 < 0.90"],
+            )
+        ],
+        created_at=1.0,
+    )
+    # a verdict of the gate, stored as the gate stores it (Playwright's loop runs in this thread)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, stack.app.state.runtime.promotions.save(tenant, kept)).result()
+
+    def choice() -> dict[str, Any]:
+        out = httpx.get(f"{stack.url}/v1/promotions", headers=auth(key), timeout=30).json()
+        return dict(out["choice"])
+
+    page.goto(f"{stack.url}/#/signin?next=quality")
+    page.get_by_label("API key").fill(key)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(re.compile(r".*#/quality$"))
+    card = page.get_by_role("region", name="Model for chat")
+    card.locator("#chat-default", has_text="the base model").wait_for()
+    item = card.locator('li[data-job="ftjob-7"]')
+    assert "kept as a candidate" in item.inner_text() and "matches 0.40 < 0.90" in item.inner_text()
+    cells = item.locator("tr.worse td").all_inner_texts()
+    assert cells == ["ft-kept", "40%", "100%", "100%"]
+
+    item.get_by_role("button", name="Canary 10%").click()
+    card.locator("#chat-canary", has_text="answers 10% of chats").wait_for()
+    assert (choice()["canary"], choice()["canary_share"]) == ("ft-kept", 0.1)
+    card.locator("#chat-canary").get_by_role("button", name="Promote").click()
+    card.locator("#chat-default code", has_text="ft-kept").wait_for()
+    assert choice()["default"] == "ft-kept" and choice()["canary"] is None
+    card.get_by_role("button", name="Roll back").click()
+    card.locator("#chat-default", has_text="the base model").wait_for()
+    assert choice()["default"] is None
+    assert page.page_errors == []

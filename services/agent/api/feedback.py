@@ -35,6 +35,7 @@ from services.agent.protocol import (
     FeedbackList,
     FeedbackStats,
     ModelStats,
+    Promotion,
     RegenerateRequest,
     TrainRequest,
     TrainResult,
@@ -149,13 +150,22 @@ def _min_rows(runtime: AgentRuntime, fmt: str) -> int:
 
 
 async def _build(
-    runtime: AgentRuntime, principal: Principal, req: DatasetRequest | TrainRequest
+    runtime: AgentRuntime, principal: Principal, req: DatasetRequest | TrainRequest, holdout: float = 0.0
 ) -> BuiltDataset:
+    """With ``holdout``, the regression set is kept out, unless what remains is too little to
+    train on: then nothing is held out (the gate compares on recent questions alone)."""
     filt = FeedbackFilter(since=req.since, pipeline=req.pipeline, model=req.model)
     rated, _ = await runtime.turns.list_feedback(principal.tenant, filt)
     prefs = await runtime.turns.preferences(principal.tenant, filt) if req.format == "dpo" else []
-    built = build_dataset(req.format, rated, prefs)
-    check_enough(built, _min_rows(runtime, req.format), filt)
+    built = build_dataset(req.format, rated, prefs, holdout)
+    try:
+        check_enough(built, _min_rows(runtime, req.format), filt)
+    except InvalidRequest:
+        if not built.held_out:
+            raise
+        built = build_dataset(req.format, rated, prefs, 0.0)
+        check_enough(built, _min_rows(runtime, req.format), filt)
+        built.counts["held_out"] = 0
     return built
 
 
@@ -183,7 +193,7 @@ async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: Caller
             "an embedder job on the trainer with its file_id (and the collection, to check its documents)",
             param="format",
         )
-    built = await _build(runtime, principal, body)
+    built = await _build(runtime, principal, body, runtime.settings.promotion_holdout)
     if len(built.models) > 1:
         raise InvalidRequest(
             f"model: the feedback is on answers of several models ({', '.join(sorted(built.models))}); "
@@ -204,4 +214,14 @@ async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: Caller
     if body.hyperparameters:
         job_body["hyperparameters"] = body.hyperparameters
     job = await runtime.trainer(key).create_job(job_body)
-    return TrainResult(dataset=dataset, job=job)
+    # The gate evaluates the adapter once it is published (services/agent/promotions.py).
+    promotion = Promotion(
+        job_id=str(job["id"]),
+        replaces=(await runtime.promotions.choice(principal.tenant)).default or "",
+        status="training",
+        margin=runtime.settings.promotion_margin,
+        holdout=built.held_out,
+        created_at=time.time(),
+    )
+    await runtime.promotions.save(principal.tenant, promotion)
+    return TrainResult(dataset=dataset, job=job, promotion=promotion)

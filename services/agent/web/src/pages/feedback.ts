@@ -83,7 +83,7 @@ export function feedbackPage(root: HTMLElement) {
     "form",
     { class: "card", "aria-labelledby": "fb-train-title" },
     h("h2", { id: "fb-train-title" }, "Train on feedback"),
-    h("p", { class: "muted small" }, "Builds a dataset from this feedback and fine-tunes (LoRA, default settings) the model that wrote the answers. The adapter is published and joins the chat page's model picker."),
+    h("p", { class: "muted small" }, "Builds a dataset from this feedback (a share of the answers you rated up or corrected is held out to test it) and fine-tunes (LoRA, default settings) the model that wrote the answers. The adapter is published and joins the chat page's model picker; it becomes the default for chat only if it answers the held-out questions and your recent ones at least as well as the model it would replace (Training page: Model for chat)."),
     h("div", { class: "grid" }, field("Format", format), field("Model", trainModel)),
     trainErr,
     trainBtn,
@@ -267,6 +267,8 @@ export function feedbackPage(root: HTMLElement) {
             h("code", { class: "adapter-name" }, name),
             ". It is now in the chat page's model picker: ",
             h("a", { href: "#/chat" }, "chat with it"),
+            ". Whether it becomes the default for chat is decided by its evaluation: ",
+            h("a", { href: "#/training" }, "Training, Model for chat"),
             ".",
           ),
         );

@@ -4,6 +4,7 @@
 import { api, enc, listOf } from "../api";
 import { clear, field, h, toast } from "../dom";
 import { thumbIcon } from "../icons";
+import { chatModelCard } from "../promotions";
 
 interface QualityPoint {
   model: string;
@@ -77,7 +78,9 @@ export function qualityPage(root: HTMLElement) {
     h("p", { class: "muted small" }, "The last week's answers with a thumbs down first, then the least grounded."),
     worstList,
   );
-  root.appendChild(h("div", { class: "page quality" }, h("h1", null, "Quality"), h("div", { class: "quality-grid" }, overTime, worstCard)));
+  // after a promote or rollback the report's models change: reload it
+  const chatModel = chatModelCard(() => void loadReport());
+  root.appendChild(h("div", { class: "page quality" }, h("h1", null, "Quality"), chatModel.el, h("div", { class: "quality-grid" }, overTime, worstCard)));
 
   function table(model: string, points: QualityPoint[]): HTMLElement {
     const head = ["Period", "Answers", "Groundedness", "Cited", "Extractive", "Not found", "Thumbs up"];

@@ -6,6 +6,7 @@ import { clear, field, h, toast } from "../dom";
 import { followJob, isTerminal, jobStatus, type Follow, type JobState } from "../jobs";
 import { evalMetricsView, fmtNumber, lossChartUpdater, seriesFrom } from "../jobview";
 import { renderMarkdown } from "../markdown";
+import { chatModelCard } from "../promotions";
 
 interface FileObject {
   id: string;
@@ -111,12 +112,13 @@ export function trainingPage(root: HTMLElement, args: string[]) {
   // --- jobs and the selected job ------------------------------------------------
   const jobsList = h("ul", { class: "job-list", "aria-label": "Training jobs" });
   const detail = h("section", { class: "card job-detail", "aria-labelledby": "job-title", hidden: true });
+  const chatModel = chatModelCard();
   root.appendChild(
     h(
       "div",
       { class: "page training" },
       h("h1", null, "Training"),
-      h("div", { class: "training-grid" }, h("div", { class: "col" }, uploadCard, jobForm, h("section", { class: "card" }, h("h2", null, "Jobs"), jobsList)), detail),
+      h("div", { class: "training-grid" }, h("div", { class: "col" }, chatModel.el, uploadCard, jobForm, h("section", { class: "card" }, h("h2", null, "Jobs"), jobsList)), detail),
     ),
   );
 

@@ -1,0 +1,416 @@
+"""Fine-tunes from feedback promoted to a tenant's chat only when they answer better.
+
+"Train on feedback" holds out a share of the answers the tenant rated up or corrected (chosen
+by a hash of the message id, so every round holds out the same ones): they are the tenant's
+regression set, with the correction (or the approved answer) as the reference. When the job has
+trained and published its adapter, the gate here answers the regression set and the tenant's
+recent questions twice, with the candidate and with the model it would replace (the tenant's
+default as chat serves it), through the same pipelines, without recording those turns. It
+promotes the candidate to the tenant's chat default only if it is not worse on any metric of
+either set by more than ``promotion_margin``; otherwise the adapter stays a candidate (still in
+the model picker) with the reason. The tenant can promote, canary or roll back by hand.
+
+The gate runs in every agent replica (``PromotionGate.run``); a Redis lease per job, renewed
+while it evaluates, lets one replica at a time work on a job, and a replica that dies mid-way
+leaves the job to another once the lease lapses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import secrets
+import sqlite3
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from services.agent.protocol import (
+    GateScores,
+    GateSet,
+    LiveQuality,
+    ModelChoice,
+    Promotion,
+    PromotionStatus,
+)
+from services.agent.quality import cites
+from services.agent.text import states_reference
+from services.agent.turns import FeedbackFilter, TurnStore
+from services.common.errors import Conflict, InvalidRequest, NotFound, TandemError
+from services.common.http import acting_for
+
+if TYPE_CHECKING:
+    from services.agent.pipelines.state import RunState
+    from services.agent.runtime import AgentRuntime
+
+log = logging.getLogger(__name__)
+
+PENDING: tuple[PromotionStatus, ...] = ("training", "evaluating")
+LEASE_S = 120
+# Questions answered at once while evaluating (the inference service batches them).
+EVAL_CONCURRENCY = 4
+METRICS = ("matches", "grounded", "cited")
+_MARKERS = re.compile(r"\s*\[\d{1,3}(?:\s*[,;]\s*\d{1,3})*\]")
+
+
+def _unit(text: str) -> float:
+    """A stable number in [0, 1) for ``text``."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
+
+
+def held_out(message_id: str, share: float) -> bool:
+    return share > 0 and _unit(f"holdout:{message_id}") < share
+
+
+# -- the tenant's chat model ----------------------------------------------------------------------
+
+
+def chat_model(choice: ModelChoice, message_id: str) -> str | None:
+    """The model a chat turn answers with when neither the turn nor its conversation names one:
+    the canary for its share of turns, otherwise the tenant's default (None: the base model)."""
+    if choice.canary and _unit(f"canary:{message_id}") < choice.canary_share:
+        return choice.canary
+    return choice.default
+
+
+def promoted(choice: ModelChoice, model: str, share: float | None, now: float) -> ModelChoice:
+    """``choice`` after promoting ``model``: as the default (``share`` None or 1), as a canary
+    answering ``share`` of the chats, or, with 0, without the canary."""
+    if share is not None and not 0.0 <= share <= 1.0:
+        raise InvalidRequest(f"canary_share: {share} is outside 0 to 1", param="canary_share")
+    out = choice.model_copy(deep=True)
+    out.updated_at = now
+    if share is not None and share < 1.0:
+        if share == 0.0:
+            if out.canary == model:
+                out.canary, out.canary_share, out.canary_since = None, 0.0, None
+            return out
+        if out.default == model:
+            raise Conflict(
+                f"{model!r} is already the default for chat: a canary is for a candidate", param="model"
+            )
+        if out.canary != model:
+            out.canary_since = now
+        out.canary, out.canary_share = model, share
+        return out
+    if out.default != model:
+        out.previous.append(out.default or "")
+        out.default = model
+    if out.canary == model:
+        out.canary, out.canary_share, out.canary_since = None, 0.0, None
+    return out
+
+
+def rolled_back(choice: ModelChoice, model: str, now: float) -> ModelChoice:
+    """``choice`` without ``model``: a canary stops; a default gives way to the one before it."""
+    out = choice.model_copy(deep=True)
+    out.updated_at = now
+    if out.canary == model:
+        out.canary, out.canary_share, out.canary_since = None, 0.0, None
+        return out
+    if out.default == model:
+        out.default = (out.previous.pop() if out.previous else "") or None
+        return out
+    raise Conflict(
+        f"{model!r} is neither the tenant's default for chat ({choice.default or 'the base model'}) "
+        "nor its canary: there is nothing to roll back",
+        param="model",
+    )
+
+
+# -- the store ----------------------------------------------------------------------------------
+
+
+class PromotionStore:
+    """ModelChoice and Promotion records, in the turn store's database (their tables are in its
+    schema), so they are as durable as the feedback they come from."""
+
+    def __init__(self, turns: TurnStore) -> None:
+        self.turns = turns
+
+    async def choice(self, tenant: str) -> ModelChoice:
+        def fn(db: sqlite3.Connection) -> ModelChoice:
+            row = db.execute("SELECT data FROM model_choice WHERE tenant = ?", (tenant,)).fetchone()
+            return ModelChoice.model_validate_json(row[0]) if row else ModelChoice()
+
+        return await self.turns.transact(fn)
+
+    async def save_choice(self, tenant: str, choice: ModelChoice) -> None:
+        def fn(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO model_choice (tenant, data) VALUES (?, ?)"
+                " ON CONFLICT (tenant) DO UPDATE SET data = excluded.data",
+                (tenant, choice.model_dump_json()),
+            )
+
+        await self.turns.transact(fn)
+
+    async def save(self, tenant: str, p: Promotion) -> None:
+        def fn(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO promotions (job_id, tenant, status, created_at, data) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (job_id) DO UPDATE SET status = excluded.status, data = excluded.data",
+                (p.job_id, tenant, p.status, p.created_at, p.model_dump_json()),
+            )
+
+        await self.turns.transact(fn)
+
+    async def recent(self, tenant: str, limit: int = 20) -> list[Promotion]:
+        def fn(db: sqlite3.Connection) -> list[Promotion]:
+            rows = db.execute(
+                "SELECT data FROM promotions WHERE tenant = ? ORDER BY created_at DESC LIMIT ?",
+                (tenant, limit),
+            ).fetchall()
+            return [Promotion.model_validate_json(r[0]) for r in rows]
+
+        return await self.turns.transact(fn)
+
+    async def pending(self) -> list[tuple[str, Promotion]]:
+        def fn(db: sqlite3.Connection) -> list[tuple[str, Promotion]]:
+            marks = ", ".join("?" for _ in PENDING)
+            rows = db.execute(
+                f"SELECT tenant, data FROM promotions WHERE status IN ({marks}) ORDER BY created_at", PENDING
+            ).fetchall()
+            return [(r[0], Promotion.model_validate_json(r[1])) for r in rows]
+
+        return await self.turns.transact(fn)
+
+
+# -- judging answers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GateQuestion:
+    message_id: str
+    question: str
+    pipeline: str
+    collection: str | None
+    reference: str | None  # the correction or the approved answer, without [n] markers
+
+
+@dataclass(frozen=True)
+class Judged:
+    matches: bool | None
+    groundedness: float | None
+    cited: bool
+
+
+def judge(q: GateQuestion, state: RunState) -> Judged:
+    return Judged(
+        matches=None if q.reference is None else states_reference(state.answer, q.reference, q.question),
+        groundedness=state.groundedness,
+        cited=cites(c.to_dict() for c in state.citations),
+    )
+
+
+def scores(judged: Sequence[Judged]) -> GateScores:
+    def share(flags: list[bool]) -> float | None:
+        return sum(flags) / len(flags) if flags else None
+
+    grounded = [j.groundedness for j in judged if j.groundedness is not None]
+    return GateScores(
+        answered=len(judged),
+        matches=share([j.matches for j in judged if j.matches is not None]),
+        grounded=sum(grounded) / len(grounded) if grounded else None,
+        cited=share([j.cited for j in judged]),
+    )
+
+
+def compare(name: Any, questions: int, candidate: GateScores, current: GateScores, margin: float) -> GateSet:
+    worse = []
+    for metric in METRICS:
+        new, old = getattr(candidate, metric), getattr(current, metric)
+        if new is not None and old is not None and new < old - margin:
+            worse.append(f"{metric} {new:.2f} < {old:.2f}")
+    return GateSet(name=name, questions=questions, candidate=candidate, current=current, worse=worse)
+
+
+def decide(sets: Sequence[GateSet], margin: float) -> tuple[bool, str]:
+    measured = [s for s in sets if s.candidate.answered and s.current.answered]
+    if not measured:
+        return False, "nothing to evaluate on: no held-out answers and no recent questions were answered"
+    losses = [f"{s.name}: {', '.join(s.worse)}" for s in measured if s.worse]
+    if losses:
+        return False, f"worse than the model it would replace by more than {margin:.2f} on " + "; ".join(
+            losses
+        )
+    counts = ", ".join(f"{s.questions} {s.name}" for s in measured)
+    return True, f"not worse by more than {margin:.2f} on any metric ({counts} questions)"
+
+
+# -- the gate ----------------------------------------------------------------------------------
+
+
+class PromotionGate:
+    def __init__(self, runtime: AgentRuntime, store: PromotionStore) -> None:
+        self.runtime = runtime
+        self.store = store
+        self.settings = runtime.settings
+        self.owner = secrets.token_hex(8)
+
+    async def regression_set(self, tenant: str, holdout: Sequence[str]) -> list[GateQuestion]:
+        wanted = set(holdout)
+        rated, _ = await self.runtime.turns.list_feedback(tenant, FeedbackFilter())
+        out = []
+        for fb, rec in sorted(rated, key=lambda pair: -pair[1].created_at):
+            if rec.message_id not in wanted or rec.kind != "pipeline" or not rec.question.strip():
+                continue
+            reference = (fb.correction or "").strip() or (rec.answer if fb.rating == 1 else "")
+            if reference:
+                text = _MARKERS.sub("", reference).strip()
+                out.append(GateQuestion(rec.message_id, rec.question, rec.pipeline, rec.collection, text))
+        return out[: self.settings.promotion_eval_max]
+
+    async def recent(self, tenant: str, exclude: set[str]) -> list[GateQuestion]:
+        if not self.settings.promotion_recent:
+            return []
+        records = await self.runtime.turns.recent_chat_turns(tenant, self.settings.promotion_recent, exclude)
+        return [GateQuestion(r.message_id, r.question, r.pipeline, r.collection, None) for r in records]
+
+    async def _lease(self, job_id: str) -> bool:
+        r = self.runtime.memory.r
+        key = f"tandem:agent:gate:{job_id}"
+        if await r.set(key, self.owner, nx=True, ex=LEASE_S):
+            return True
+        held = await r.get(key)
+        if (held.decode() if isinstance(held, bytes) else held) == self.owner:
+            await r.expire(key, LEASE_S)
+            return True
+        return False
+
+    async def _release(self, job_id: str) -> None:
+        await self.runtime.memory.r.delete(f"tandem:agent:gate:{job_id}")
+
+    async def tick(self) -> None:
+        """One pass over the jobs not yet decided."""
+        for tenant, p in await self.store.pending():
+            if not await self._lease(p.job_id):
+                continue
+            try:
+                await self.advance(tenant, p)
+            except Exception:
+                log.exception("promotion gate: job %s", p.job_id)
+            finally:
+                await self._release(p.job_id)
+
+    async def advance(self, tenant: str, p: Promotion) -> None:
+        key = self.runtime.common.service_api_key
+        if not key:
+            await self._finish(
+                tenant,
+                p,
+                "kept",
+                "the agent has no TANDEM_SERVICE_API_KEY, so it cannot "
+                "evaluate the fine-tune: it stays a candidate (promote it by hand)",
+            )
+            return
+        with acting_for(tenant):
+            try:
+                job = await self.runtime.trainer(key).job(p.job_id)
+            except NotFound:
+                await self._finish(tenant, p, "failed", f"the trainer has no job {p.job_id!r}")
+                return
+        status = str(job.get("status"))
+        if status in ("failed", "cancelled"):
+            await self._finish(
+                tenant, p, "failed", f"the training job {status}: {job.get('error') or ''}".strip()
+            )
+            return
+        if status != "succeeded":
+            return
+        name = job.get("fine_tuned_model")
+        if not name or not job.get("published"):
+            await self._finish(tenant, p, "failed", "the training job succeeded but published no model")
+            return
+        p.candidate, p.status = str(name), "evaluating"
+        await self.store.save(tenant, p)
+        await self.evaluate(tenant, p, key)
+
+    async def evaluate(self, tenant: str, p: Promotion, key: str) -> None:
+        assert p.candidate is not None
+        choice = await self.store.choice(tenant)
+        p.replaces = choice.default or ""
+        regression = await self.regression_set(tenant, p.holdout)
+        recent = await self.recent(tenant, set(p.holdout))
+        sets = []
+        for name, questions in (("regression", regression), ("recent", recent)):
+            pairs = await self._answer_both(tenant, key, questions, p.candidate, choice.default, p.job_id)
+            candidate = scores([c for c, _ in pairs])
+            current = scores([o for _, o in pairs])
+            sets.append(compare(name, len(questions), candidate, current, p.margin))
+        p.sets = sets
+        ok, reason = decide(sets, p.margin)
+        if ok:
+            now = time.time()
+            await self.store.save_choice(
+                tenant, promoted(await self.store.choice(tenant), p.candidate, None, now)
+            )
+        await self._finish(tenant, p, "promoted" if ok else "kept", reason)
+        log.info("promotion gate: %s of tenant %s %s: %s", p.candidate, tenant, p.status, reason)
+
+    async def _answer_both(
+        self,
+        tenant: str,
+        key: str,
+        questions: Sequence[GateQuestion],
+        candidate: str,
+        current: str | None,
+        job_id: str,
+    ) -> list[tuple[Judged, Judged]]:
+        """Each question answered by the candidate and by the current model; a question either
+        could not answer (its collection deleted, a pipeline gone) is left out of both."""
+        gate = asyncio.Semaphore(EVAL_CONCURRENCY)
+
+        async def one(q: GateQuestion) -> tuple[Judged, Judged] | None:
+            if q.pipeline not in self.runtime.pipelines:
+                return None
+            async with gate:
+                try:
+                    with acting_for(tenant):
+                        new = await self.runtime.answer_unrecorded(
+                            key, q.pipeline, q.question, q.collection, candidate
+                        )
+                        old = await self.runtime.answer_unrecorded(
+                            key, q.pipeline, q.question, q.collection, current
+                        )
+                except TandemError as exc:
+                    log.info("promotion gate: %r left out: %s", q.question[:80], exc.message)
+                    return None
+                await self._lease(job_id)
+            return judge(q, new), judge(q, old)
+
+        answered = await asyncio.gather(*(one(q) for q in questions))
+        return [a for a in answered if a is not None]
+
+    async def _finish(self, tenant: str, p: Promotion, status: PromotionStatus, reason: str) -> None:
+        p.status, p.reason, p.decided_at = status, reason, time.time()
+        await self.store.save(tenant, p)
+
+    async def run(self) -> None:
+        """Forever: a pass every ``promotion_poll_s`` (the agent's lifespan starts and cancels it)."""
+        while True:
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("promotion gate pass failed")
+            await asyncio.sleep(self.settings.promotion_poll_s)
+
+
+async def live_quality(turns: TurnStore, tenant: str, choice: ModelChoice) -> list[LiveQuality]:
+    """While a canary runs: the tenant's answers since it started, per model."""
+    if not choice.canary or choice.canary_since is None:
+        return []
+    rows = await turns.quality_series(tenant, choice.canary_since, 2**40)
+    return [
+        LiveQuality(
+            model=r["model"],
+            answers=r["answers"],
+            groundedness_mean=r["groundedness_mean"],
+            cited_share=r["cited_share"],
+            thumbs_up_rate=r["thumbs_up_rate"],
+        )
+        for r in rows
+    ]

@@ -1,0 +1,310 @@
+"""The tenant's chat model: promote, canary and roll back by hand, and the gate that promotes a
+fine-tune from feedback only when it answers at least as well as the model it would replace.
+Real HTTP, real Valkey, the real SQLite store; doubles for retrieval, inference and the trainer
+(tests/agent/doubles.py), whose job the test moves along."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from services.agent.promotions import chat_model, compare, decide, held_out, promoted, rolled_back
+from services.agent.protocol import GateScores, ModelChoice
+from services.common.auth import KeyStore
+from services.common.errors import Conflict, InvalidRequest
+from tests.agent.doubles import ScriptedModel
+from tests.agent.stack import Stack, agent_stack
+from tests.agent.test_api import cite_first
+from tests.conftest import auth
+from tests.helpers.waiting import wait_until
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is the capital of Germany?",
+    "Where does the Eiffel Tower stand?",
+    "What is France known for?",
+    "What does Germany have many of?",
+    "Which city is the capital of France?",
+    "Which city is the capital of Germany?",
+    "Where is the Eiffel Tower?",
+    "What is the French capital?",
+    "What is the German capital?",
+    "What is France famous for?",
+    "What grows in Germany?",
+]
+
+
+# -- the choice, without a server ---------------------------------------------------------------
+
+
+def test_promote_canary_and_rollback_move_the_choice() -> None:
+    base = ModelChoice()
+    one = promoted(base, "ft-1", None, 1.0)
+    assert (one.default, one.previous) == ("ft-1", [""])
+    two = promoted(one, "ft-2", 1.0, 2.0)
+    assert (two.default, two.previous) == ("ft-2", ["", "ft-1"])
+    canary = promoted(two, "ft-3", 0.25, 3.0)
+    assert (canary.default, canary.canary, canary.canary_share, canary.canary_since) == (
+        "ft-2",
+        "ft-3",
+        0.25,
+        3.0,
+    )
+    # the canary's share is the share of turns it answers, the same turn always the same model
+    picks = [chat_model(canary, f"msg_{i:024x}") for i in range(4000)]
+    assert 0.22 < picks.count("ft-3") / len(picks) < 0.28 and set(picks) == {"ft-2", "ft-3"}
+    assert picks == [chat_model(canary, f"msg_{i:024x}") for i in range(4000)]
+    assert promoted(canary, "ft-3", 0.0, 4.0).canary is None  # 0 stops the canary
+    full = promoted(canary, "ft-3", None, 4.0)
+    assert (full.default, full.canary, full.previous) == ("ft-3", None, ["", "ft-1", "ft-2"])
+    for share in (-0.1, 1.5):
+        with pytest.raises(InvalidRequest) as bad:
+            promoted(base, "ft-1", share, 5.0)
+        assert bad.value.param == "canary_share" and str(share) in bad.value.message
+    with pytest.raises(Conflict):
+        promoted(one, "ft-1", 0.5, 5.0)  # the default cannot be its own canary
+    # rollback walks back; a model neither default nor canary has nothing to roll back
+    back = rolled_back(full, "ft-3", 6.0)
+    assert (back.default, back.previous) == ("ft-2", ["", "ft-1"])
+    assert rolled_back(rolled_back(back, "ft-2", 7.0), "ft-1", 8.0).default is None
+    assert rolled_back(canary, "ft-3", 9.0).canary is None
+    with pytest.raises(Conflict) as conflict:
+        rolled_back(back, "ft-3", 10.0)
+    assert "ft-2" in conflict.value.message
+
+
+def test_the_gate_refuses_a_candidate_worse_by_more_than_the_margin_on_any_metric() -> None:
+    good = GateScores(answered=10, matches=0.8, grounded=0.9, cited=1.0)
+    near = GateScores(answered=10, matches=0.76, grounded=0.9, cited=1.0)
+    bad = GateScores(answered=10, matches=0.8, grounded=0.9, cited=0.5)
+    assert compare("regression", 10, near, good, 0.05).worse == []
+    lost = compare("recent", 10, bad, good, 0.05)
+    assert lost.worse == ["cited 0.50 < 1.00"]
+    ok, reason = decide(
+        [compare("regression", 10, near, good, 0.05), compare("recent", 10, good, good, 0.05)], 0.05
+    )
+    assert ok and "10 regression, 10 recent" in reason
+    ok, reason = decide([compare("regression", 10, good, good, 0.05), lost], 0.05)
+    assert not ok and "recent: cited 0.50 < 1.00" in reason
+    empty = GateScores(answered=0)
+    ok, reason = decide([compare("regression", 0, empty, empty, 0.05)], 0.05)
+    assert not ok and "nothing to evaluate on" in reason
+    # a metric only one side has is not compared
+    assert (
+        compare(
+            "recent",
+            3,
+            GateScores(answered=3, cited=1.0),
+            GateScores(answered=3, grounded=1.0, cited=1.0),
+            0.0,
+        ).worse
+        == []
+    )
+
+
+def test_the_holdout_is_a_stable_share_of_message_ids() -> None:
+    ids = [f"msg_{secrets.token_hex(12)}" for _ in range(3000)]
+    picked = [i for i in ids if held_out(i, 0.2)]
+    assert 0.17 < len(picked) / len(ids) < 0.23
+    assert picked == [i for i in ids if held_out(i, 0.2)] and not any(held_out(i, 0.0) for i in ids)
+
+
+# -- over HTTP ----------------------------------------------------------------------------------
+
+
+def reply(body: dict[str, Any]) -> str:
+    """The base model and ft-good answer from the first source and cite it; ft-bad rambles."""
+    if body.get("model") == "ft-bad":
+        return "I like turtles and long walks."
+    return cite_first(body)
+
+
+@pytest.fixture()
+def tenant(key_store: KeyStore) -> tuple[str, str]:
+    """A fresh tenant and its key."""
+    name = f"p{secrets.token_hex(4)}"
+    return name, key_store.create(name)[0]
+
+
+@pytest.fixture()
+def stack(redis_url: str, key_store: KeyStore, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    operator, _ = key_store.create("ops", operator=True)
+    model = ScriptedModel(replies=reply)
+    with agent_stack(
+        redis_url,
+        tmp_path_factory.mktemp("home"),
+        model=model,
+        service_key=operator,
+        promotion_poll_s=0.05,
+        promotion_holdout=0.5,
+        dataset_min_rows_kto=2,
+    ) as s:
+        yield s
+
+
+def post(stack: Stack, key: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    return httpx.post(f"{stack.url}{path}", json=body, headers=auth(key), timeout=60)
+
+
+def ask(stack: Stack, key: str, query: str, pipeline: str = "chat-documents", **extra: Any) -> dict[str, Any]:
+    resp = post(stack, key, f"/v1/pipelines/{pipeline}/run", {"query": query, "collection": "geo", **extra})
+    assert resp.status_code == 200, resp.text
+    out: dict[str, Any] = resp.json()
+    return out
+
+
+def answered_by(stack: Stack, key: str, message_id: str) -> str:
+    resp = httpx.get(f"{stack.url}/v1/messages/{message_id}", headers=auth(key), timeout=30)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["model"])
+
+
+def promotions(stack: Stack, key: str) -> dict[str, Any]:
+    resp = httpx.get(f"{stack.url}/v1/promotions", headers=auth(key), timeout=30)
+    assert resp.status_code == 200, resp.text
+    out: dict[str, Any] = resp.json()
+    return out
+
+
+def test_promote_and_rollback_decide_which_model_answers_the_tenants_chats(
+    stack: Stack, tenant: tuple[str, str], key_store: KeyStore
+) -> None:
+    _, key = tenant
+    other = key_store.create(f"o{secrets.token_hex(4)}")[0]
+    stack.model.own[key] = ["ft-good"]
+    stack.model.own[other] = ["ft-theirs"]
+    # unknown, another tenant's, and a share outside 0..1
+    for model in ("ft-nope", "ft-theirs"):
+        resp = post(stack, key, f"/v1/models/{model}/promote")
+        assert resp.status_code == 404 and resp.json()["error"]["param"] == "model", resp.text
+        assert model in resp.json()["error"]["message"]
+        resp = post(stack, key, f"/v1/models/{model}/rollback")
+        assert resp.status_code == 404, resp.text
+    for share in (1.5, -0.5):
+        resp = post(stack, key, "/v1/models/ft-good/promote", {"canary_share": share})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "canary_share", resp.text
+    assert promotions(stack, key)["choice"]["default"] is None
+
+    # before: chat-documents answers with the source sentences, no model writes them
+    before = ask(stack, key, QUESTIONS[0])
+    assert before["answer_kind"] == "extractive"
+    resp = post(stack, key, "/v1/models/ft-good/promote")
+    assert resp.status_code == 200 and resp.json()["default"] == "ft-good", resp.text
+    after = ask(stack, key, QUESTIONS[0])
+    assert after["answer_kind"] == "generated" and answered_by(stack, key, after["message_id"]) == "ft-good"
+    assert stack.model.requests[-1]["model"] == "ft-good"
+    # a model the turn names still wins
+    assert answered_by(stack, key, ask(stack, key, QUESTIONS[1], llm="scripted")["message_id"]) == "scripted"
+    # another tenant's chats are not touched
+    assert ask(stack, other, QUESTIONS[0])["answer_kind"] == "extractive"
+
+    resp = post(stack, key, "/v1/models/ft-good/rollback")
+    assert resp.status_code == 200 and resp.json()["default"] is None, resp.text
+    assert ask(stack, key, QUESTIONS[0])["answer_kind"] == "extractive"
+    resp = post(stack, key, "/v1/models/ft-good/rollback")
+    assert resp.status_code == 409 and "nothing to roll back" in resp.json()["error"]["message"]
+
+    # a canary answers its share of the turns: exactly the turns its hash picks
+    resp = post(stack, key, "/v1/models/ft-good/promote", {"canary_share": 0.5})
+    assert resp.status_code == 200, resp.text
+    choice = ModelChoice.model_validate(resp.json())
+    assert (choice.default, choice.canary, choice.canary_share) == (None, "ft-good", 0.5)
+    canaried = 0
+    for q in QUESTIONS * 2:
+        out = ask(stack, key, q)
+        expected = chat_model(choice, out["message_id"])
+        assert (answered_by(stack, key, out["message_id"]) == "ft-good") == (expected == "ft-good"), q
+        canaried += expected == "ft-good"
+    assert 0 < canaried < 2 * len(QUESTIONS)
+    live = {row["model"]: row for row in promotions(stack, key)["live"]}
+    assert live["ft-good"]["answers"] == canaried
+    resp = post(stack, key, "/v1/models/ft-good/rollback")
+    assert resp.status_code == 200 and resp.json()["canary"] is None
+
+
+def test_the_gate_keeps_a_worse_fine_tune_and_promotes_a_better_one(
+    stack: Stack, tenant: tuple[str, str]
+) -> None:
+    name, key = tenant
+    stack.model.own[key] = stack.model.own[name] = ["ft-bad", "ft-good"]
+    answers = [ask(stack, key, q, pipeline="chat-documents-generate") for q in QUESTIONS * 2]
+    # Every answer not held out is corrected (so training always has thumbs down to learn from);
+    # the held-out ones alternate thumbs up and corrections. 24 answers: both kinds are all but
+    # certain to occur (each id is held out with probability 0.5).
+    corrected = set()
+    for i, out in enumerate(answers):
+        mid = out["message_id"]
+        if held_out(mid, 0.5) and i % 2:
+            resp = post(stack, key, "/v1/feedback", {"message_id": mid, "rating": 1})
+        else:
+            corrected.add(mid)
+            # the answer it should have been: the source's sentence, cited
+            resp = post(
+                stack, key, "/v1/feedback", {"message_id": mid, "rating": -1, "correction": out["answer"]}
+            )
+        assert resp.status_code == 200, resp.text
+    recorded = sum(
+        row["answers"] for row in httpx.get(f"{stack.url}/v1/quality", headers=auth(key)).json()["data"]
+    )
+
+    def train(model: str) -> dict[str, Any]:
+        resp = post(stack, key, "/v1/feedback/train", {"format": "kto"})
+        assert resp.status_code == 200, resp.text
+        out: dict[str, Any] = resp.json()
+        promotion = out["promotion"]
+        assert promotion["status"] == "training" and promotion["job_id"] == out["job"]["id"]
+        # the regression set: every answer rated up or corrected whose id the hash holds out
+        expected = {a["message_id"] for a in answers if held_out(a["message_id"], 0.5)}
+        assert expected and corrected - expected
+        assert set(promotion["holdout"]) == expected
+        assert out["dataset"]["counts"]["held_out"] == len(expected)
+        rows = stack.trainer.files[out["dataset"]["file_id"]]
+        assert len(rows) == len(answers) - len(expected) + len(corrected - expected)  # a correction is 2 rows
+        job = promotion["job_id"]
+        stack.trainer.job_states[job] = {"status": "running"}
+        wait_until(lambda: any(h.get("x-tandem-tenant") == name for h in stack.trainer.read_headers), 30)
+        assert stack.trainer.read_headers[-1]["authorization"] != f"Bearer {key}"  # the service's key
+        assert status_of(job) == "training"
+        stack.trainer.job_states[job] = {"status": "succeeded", "published": True, "fine_tuned_model": model}
+        return dict(wait_until(lambda: decided(job), 60, f"the gate did not decide on {job}"))
+
+    def status_of(job: str) -> str:
+        return str(next(p["status"] for p in promotions(stack, key)["data"] if p["job_id"] == job))
+
+    def decided(job: str) -> dict[str, Any] | None:
+        p = next(p for p in promotions(stack, key)["data"] if p["job_id"] == job)
+        return p if p["status"] not in ("training", "evaluating") else None
+
+    bad = train("ft-bad")
+    assert bad["status"] == "kept" and bad["candidate"] == "ft-bad", bad
+    assert "worse than the model it would replace" in bad["reason"] and "regression: matches" in bad["reason"]
+    sets = {s["name"]: s for s in bad["sets"]}
+    assert sets["regression"]["questions"] == len(bad["holdout"])
+    assert sets["regression"]["candidate"]["matches"] < sets["regression"]["current"]["matches"] == 1.0
+    # recent questions: the ones not held out, once each (their answers judged, no reference)
+    held = set(bad["holdout"])
+    assert sets["recent"]["questions"] == len({a["query"] for a in answers if a["message_id"] not in held})
+    assert sets["recent"]["current"]["matches"] is None
+    assert promotions(stack, key)["choice"]["default"] is None
+    assert (
+        answered_by(
+            stack, key, ask(stack, key, QUESTIONS[0], pipeline="chat-documents-generate")["message_id"]
+        )
+        == "scripted"
+    )
+
+    good = train("ft-good")
+    assert good["status"] == "promoted" and good["replaces"] == "", good
+    assert "not worse" in good["reason"]
+    assert promotions(stack, key)["choice"]["default"] == "ft-good"
+    out = ask(stack, key, QUESTIONS[0], pipeline="chat-documents-generate")
+    assert answered_by(stack, key, out["message_id"]) == "ft-good"
+    # the evaluation's own answers were never recorded as the tenant's turns
+    after = sum(
+        row["answers"] for row in httpx.get(f"{stack.url}/v1/quality", headers=auth(key)).json()["data"]
+    )
+    assert after == recorded + 2
