@@ -108,6 +108,18 @@ class Report:
     live_after: list[dict[str, Any]] = field(default_factory=list)
 
 
+class PatientTransport(httpx.AsyncHTTPTransport):
+    """A user's client that waits out a 429 (the tenant's request rate) as told and asks again."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        while True:
+            resp = await super().handle_async_request(request)
+            if resp.status_code != 429:
+                return resp
+            await resp.aclose()
+            await asyncio.sleep(max(float(resp.headers.get("retry-after") or 1.0), 0.1))
+
+
 class Client:
     """The scripted user's view of the stack: the agent's and the other services' public APIs."""
 
@@ -116,7 +128,7 @@ class Client:
         self.agent = f"http://127.0.0.1:{env['TANDEM_AGENT_PORT']}"
         self.retrieval = f"http://127.0.0.1:{env['TANDEM_RETRIEVAL_PORT']}"
         self.trainer = f"http://127.0.0.1:{env['TANDEM_TRAINER_PORT']}"
-        self.http = httpx.AsyncClient(headers=self.headers, timeout=600)
+        self.http = httpx.AsyncClient(headers=self.headers, timeout=600, transport=PatientTransport())
 
     async def check(self, resp: httpx.Response) -> Any:
         if resp.status_code >= 400:
