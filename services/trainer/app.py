@@ -12,9 +12,9 @@ from services.common.celery_app import make_celery
 from services.common.config import CommonSettings, load_settings
 from services.common.redis_conn import sync_redis
 from services.trainer.api import files, jobs
-from services.trainer.api.deps import TrainerState
 from services.trainer.config import TrainerSettings
 from services.trainer.metrics import install as install_trainer_metrics
+from services.trainer.state import TrainerState
 from services.trainer.store import ACTIVE, TrainerStore
 
 RUN_JOB = "tandem.trainer.run_job"  # the worker's task name (services/trainer/worker.py)

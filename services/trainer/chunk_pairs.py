@@ -34,7 +34,7 @@ from services.trainer.data.pairs import doc_ref, ranked_negatives
 
 if TYPE_CHECKING:
     from services.trainer.protocol import JobCreate
-    from services.trainer.service import TrainerState
+    from services.trainer.state import TrainerState
 
 FILE = "collection-pairs.json"
 SEARCH_CONCURRENCY = 4  # searches in flight: the retrieval service answers them on its thread pool

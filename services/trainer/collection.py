@@ -20,7 +20,7 @@ from services.common.replicas import replica_pool, request_sync
 from services.common.upstream import UpstreamReply, unreachable, upstream_error
 
 if TYPE_CHECKING:
-    from services.trainer.service import TrainerState
+    from services.trainer.state import TrainerState
 
 M = TypeVar("M", bound=BaseModel)
 

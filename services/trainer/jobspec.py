@@ -70,7 +70,7 @@ FT_NAME = re.compile(r"^ft-[0-9a-f]{1,64}$")
 
 
 def _trainer_root(common: CommonSettings) -> Path:
-    # where runner.artifact_dir puts every job's final weights
+    # where paths.artifact_dir puts every job's final weights
     return (common.home_dir / "models" / "trainer").resolve()
 
 

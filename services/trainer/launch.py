@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from services.trainer.hooks import LeaseLost
 from services.trainer.protocol import ResourcesSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +89,7 @@ def torchrun_argv(
         "--monitor-interval",
         "0.5",
         "-m",
-        "services.trainer.distributed",
+        "services.trainer.rank",
         str(launch_file),
     ]
 
@@ -186,8 +187,6 @@ def run_distributed(
     argv = torchrun_argv(resources, endpoint, rdzv_id, launch_file, host=True, settings=settings)
     rc = run_torchrun(argv, _env(resources), log_file, lost)
     if lost.is_set():
-        from services.trainer.runner import LeaseLost
-
         raise LeaseLost(job_id)
     if rc != 0:
         raise LaunchError(

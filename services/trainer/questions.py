@@ -37,7 +37,9 @@ from services.common.upstream import UpstreamReply, unreachable, upstream_error
 from services.trainer.config import TrainerSettings
 from services.trainer.data.queries import Passage, questions
 from services.trainer.protocol import QueryGeneration
+from services.trainer.state import TrainerState
 from services.trainer.store import TrainerStore
+from services.trainer.uploads import store_upload
 
 GENERATED_NAME = "generated-queries.jsonl"
 TRANSIENT = frozenset({429, 502, 503, 504})  # asked again by the worker (``ask``'s retries)
@@ -196,8 +198,6 @@ def write_questions(
 ) -> str | None:
     """The job's first phase: ask for every passage without a kept reply, then save the pairs
     as the tenant's file ``file_id``; its id, or ``None`` when the job was cancelled meanwhile."""
-    from services.trainer.service import TrainerState, store_upload
-
     picked = load_passages(root)
     replies = load_replies(root)
     todo = [i for i in range(len(picked)) if i not in replies]

@@ -36,8 +36,9 @@ from services.common.leases import Heartbeat
 from services.common.telemetry import set_attributes, span
 from services.trainer import chunk_pairs
 from services.trainer.config import TrainerSettings
+from services.trainer.hooks import JobHooks, LeaseLost
 from services.trainer.jobspec import PAD_MULTIPLE, JobOwner, ResolvedJob, validate_embedder_job, validate_job
-from services.trainer.metrics import StepTimer
+from services.trainer.paths import artifact_dir, dataset_path, job_dir
 from services.trainer.protocol import TERMINAL, JobCreate
 from services.trainer.recipes.base import Recipe, TrainConfig, run
 from services.trainer.store import TrainerStore
@@ -45,58 +46,7 @@ from services.trainer.store import TrainerStore
 log = logging.getLogger("tandem.trainer.runner")
 
 Dispatch = Callable[[str, str], None]  # (job_id, queue)
-
-
-class LeaseLost(RuntimeError):
-    """Another worker took this job over (we were presumed dead): stop without touching its state."""
-
-
-def job_dir(common: CommonSettings, job_id: str) -> Path:
-    return common.home_dir / "trainer" / "jobs" / job_id
-
-
-def artifact_dir(common: CommonSettings, job_id: str) -> Path:
-    # Under $TANDEM_HOME/models, the inference service's default model root, so it can load it.
-    return common.home_dir / "models" / "trainer" / job_id
-
-
-def dataset_path(common: CommonSettings, tenant: str, file_id: str) -> Path:
-    return common.home_dir / "trainer" / "files" / tenant / f"{file_id}.jsonl"
-
-
-class JobHooks:
-    def __init__(self, store: TrainerStore, job_id: str, lost: threading.Event) -> None:
-        self.store = store
-        self.job_id = job_id
-        self.lost = lost
-        self.steps = StepTimer(store.r, time.monotonic)  # tokens/s and step time for /metrics
-
-    def should_stop(self) -> bool:
-        if self.lost.is_set():
-            raise LeaseLost(self.job_id)
-        return self.store.cancel_requested(self.job_id)
-
-    def report(self, step: int, total: int, metrics: dict[str, float]) -> None:
-        if self.lost.is_set():
-            raise LeaseLost(self.job_id)
-        self.store.progress(self.job_id, step, total, {k: round(float(v), 6) for k, v in metrics.items()})
-        self.steps.report(step, metrics)
-
-    def log(self, message: str) -> None:
-        self.store.log(self.job_id, message)
-
-    def resumed(self, step: int) -> None:
-        self.store.truncate_metrics(self.job_id, step)
-        self.store.update(self.job_id, step=step)
-
-    def evaluated(self, phase: str, metrics: dict[str, float]) -> None:
-        if self.lost.is_set():
-            raise LeaseLost(self.job_id)
-        rounded = {k: round(float(v), 6) for k, v in metrics.items()}
-        self.store.evaluation(self.job_id, phase, rounded)
-        self.store.log(
-            self.job_id, f"held-out eval {phase}: " + ", ".join(f"{k}={v:g}" for k, v in rounded.items())
-        )
+Join = Callable[[str, str, str, str], None]  # (job_id, endpoint, rdzv_id, queue): another machine joins
 
 
 def recipe_for(kind: str) -> type[Recipe]:
@@ -126,7 +76,10 @@ def execute(
     settings: TrainerSettings,
     owner: str | None = None,
     publish: Callable[[str, JobCreate, Path], str | None] | None = None,
+    join: Join | None = None,
 ) -> str:
+    """Run (or resume) job ``job_id`` under its lease; its outcome. ``publish`` serves a finished
+    job's model, ``join`` asks another machine to take part in a multi-node job."""
     owner = owner or f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{time.time_ns()}"
     data = store.job(job_id)
     if not data:
@@ -160,7 +113,9 @@ def execute(
             store.leases, job_id, owner, settings.stale_after_s, settings.heartbeat_interval_s, beat
         )
         with heart as running:
-            outcome = _train(job_id, data, store, common, settings, running.lost, publish, owner, attempts)
+            outcome = _train(
+                job_id, data, store, common, settings, running.lost, publish, owner, attempts, join
+            )
         return outcome
     except LeaseLost:
         log.warning("job %s: lease lost, another worker continues it", job_id)
@@ -179,6 +134,7 @@ def _train(
     publish: Callable[[str, JobCreate, Path], str | None] | None,
     owner: str = "",
     attempt: int = 1,
+    join: Join | None = None,
 ) -> str:
     tenant = data["tenant"]
     try:
@@ -242,7 +198,6 @@ def _train(
         shutil.rmtree(tmp, ignore_errors=True)
         if spec.resources is not None:
             from services.trainer.launch import run_distributed
-            from services.trainer.worker import dispatch_join
 
             outcome = run_distributed(
                 job_id,
@@ -254,9 +209,9 @@ def _train(
                 attempt=attempt,
                 settings=settings,
                 lost=lost,
-                join=lambda jid, endpoint, rdzv: dispatch_join(
-                    jid, endpoint, rdzv, data.get("queue") or "cpu"
-                ),
+                join=None
+                if join is None
+                else lambda jid, endpoint, rdzv: join(jid, endpoint, rdzv, data.get("queue") or "cpu"),
             )
         else:
             recipe = recipe_for(spec.type)(cfg, hooks=JobHooks(store, job_id, lost))

@@ -59,6 +59,7 @@ def run_job(job_id: str) -> str:
             common=common,
             settings=settings,
             publish=lambda jid, spec, path: publish(common, jid, spec, path),
+            join=dispatch_join,
         )
         set_attributes(current, outcome=outcome)
     return outcome
@@ -72,7 +73,7 @@ def dispatch_join(job_id: str, endpoint: str, rdzv_id: str, queue: str) -> None:
 def join_job(job_id: str, endpoint: str, rdzv_id: str) -> int:
     """This machine's ranks of a multi-node job another worker leads (see ``launch``)."""
     from services.trainer.launch import join_distributed
-    from services.trainer.runner import job_dir
+    from services.trainer.paths import job_dir
 
     settings = load_settings(TrainerSettings, check_unknown=False)
     store = _store()

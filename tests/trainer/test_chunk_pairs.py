@@ -84,7 +84,7 @@ def test_an_embedder_job_trains_on_the_collections_chunks_with_negatives_from_it
     those negatives; bad input is a 400 naming the row and the document."""
     from services.retrieval.app import create_app as retrieval_app
     from services.trainer import chunk_pairs
-    from services.trainer.runner import job_dir
+    from services.trainer.paths import job_dir
     from tests.helpers.servers import serve_app
     from tests.trainer.test_api import serving, upload
 

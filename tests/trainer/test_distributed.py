@@ -252,7 +252,7 @@ def test_a_rank_error_file_is_replaced_whole_so_torchrun_never_reads_it_half_wri
     # it first, so a torchrun looking in between crashed on the empty file instead of restarting
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from services.trainer.distributed import error_handler
+    from services.trainer.rank import error_handler
 
     path = tmp_path / "error.json"
     path.write_text("{}")

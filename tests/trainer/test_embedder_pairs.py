@@ -203,7 +203,7 @@ def post_files(h: Harness, key: str, parts: dict[str, tuple[str, bytes]]) -> htt
 def test_beir_qrels_tsv_uploads_with_its_corpus_and_queries(
     harness: Harness, api_key: str, tiny_st: Path
 ) -> None:
-    from services.trainer.runner import dataset_path
+    from services.trainer.paths import dataset_path
 
     up = post_files(harness, api_key, beir_files())
     assert up.status_code == 201, up.text
@@ -405,7 +405,7 @@ def test_thumbs_up_answers_become_pairs_of_question_and_cited_chunk(
                 ["embedder"],
                 len(expected),
             )
-            from services.trainer.runner import dataset_path
+            from services.trainer.paths import dataset_path
 
             rows = parse_dataset(
                 dataset_path(trainer.state.trainer.common, "acme", out["file_id"]).read_bytes()
@@ -545,8 +545,8 @@ def rig(
 
 
 def kept_replies(h: Harness, job_id: str) -> dict[int, str]:
+    from services.trainer.paths import job_dir
     from services.trainer.questions import load_replies, questions_dir
-    from services.trainer.runner import job_dir
 
     return load_replies(questions_dir(job_dir(h.st.common, job_id)))
 
@@ -564,7 +564,7 @@ def test_generated_queries_pair_sampled_passages_with_what_a_real_inference_serv
     the rest with the operator key acting for the job's tenant, with progress events, saves the
     usable replies as a pairs file (the job's generated_dataset) and trains on them."""
     from services.trainer.data.queries import passages
-    from services.trainer.runner import dataset_path
+    from services.trainer.paths import dataset_path
 
     h, c, body, asked = rig.h, rig.c, rig.body, rig.inference.seen
     gen = body["generate_queries"]
@@ -655,7 +655,7 @@ def test_question_phase_stops_on_cancel_and_resumes_without_asking_again(
     """Cancel, requested while the worker's first batch of questions is being answered, stops
     the job before the next batch; a worker that loses the job after its first batch (as one
     killed would) leaves those replies kept, and the job resumed asks only for the rest."""
-    from services.trainer.runner import JobHooks, LeaseLost
+    from services.trainer.hooks import JobHooks, LeaseLost
 
     h, c, asked = rig.h, rig.c, rig.inference.seen
     created = c.post(f"{h.base}/v1/jobs", json=rig.body)

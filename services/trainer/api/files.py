@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from services.common.idempotency import idempotent
 from services.common.paths import safe_filename
-from services.trainer import service
+from services.trainer import uploads
 from services.trainer.api.deps import TenantDep, TrainerDep
 from services.trainer.protocol import FileObject
 
@@ -74,10 +74,10 @@ async def upload_file(
 
     async def create() -> tuple[int, Any]:
         if beir is None:
-            record = await run_in_threadpool(service.store_upload, st, tenant, file.file, name)
+            record = await run_in_threadpool(uploads.store_upload, st, tenant, file.file, name)
         else:
             record = await run_in_threadpool(
-                service.store_beir_upload,
+                uploads.store_beir_upload,
                 st,
                 tenant,
                 file.file,
