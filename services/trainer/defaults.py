@@ -30,13 +30,8 @@ TYPE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         "full": {"learning_rate": 5e-6, "n_epochs": 1, "beta": 0.1},
     },
     "kto": {
-        "lora": {
-            "learning_rate": 2e-4,
-            "n_epochs": 2,
-            "beta": 0.1,
-            "desirable_weight": 1.0,
-            "undesirable_weight": 1.0,
-        },
+        # desirable_weight / undesirable_weight: balanced to the dataset's counts (losses.kto_weights)
+        "lora": {"learning_rate": 2e-4, "n_epochs": 2, "beta": 0.1},
         "full": {"learning_rate": 5e-6, "n_epochs": 1, "beta": 0.1},
     },
     "ppo": {"lora": {"learning_rate": 1e-4}, "full": {"learning_rate": 1e-5}},

@@ -121,6 +121,37 @@ def kto_loss(
     return losses, kto_stats(beta * logratio.detach(), desirable, kl)
 
 
+# The KTO paper (and TRL) advise weights with w_d * n_d / (w_u * n_u) in [1, 4/3].
+KTO_RATIO = (1.0, 4 / 3)
+MAX_KTO_WEIGHT = 100.0
+
+
+def kto_weights(
+    n_desirable: int, n_undesirable: int, desirable: float | None = None, undesirable: float | None = None
+) -> tuple[float, float]:
+    """The (desirable, undesirable) weights of a KTO run: the ones given; each one not given is
+    balanced to the counts so that ``w_d n_d / (w_u n_u)`` lands in the paper's [1, 4/3]
+    (feedback that is mostly thumbs down weights its few desirable rows up, and the reverse).
+    With one label missing there is nothing to balance: 1.0."""
+    w_d = 1.0 if desirable is None else desirable
+    w_u = 1.0 if undesirable is None else undesirable
+    if not (n_desirable and n_undesirable) or (desirable is not None and undesirable is not None):
+        return w_d, w_u
+    ratio = w_d * n_desirable / (w_u * n_undesirable)
+    low, high = KTO_RATIO
+    if ratio < low:
+        if desirable is None:
+            w_d = min(MAX_KTO_WEIGHT, w_u * n_undesirable * low / n_desirable)
+        else:
+            w_u = max(1 / MAX_KTO_WEIGHT, w_d * n_desirable / (n_undesirable * low))
+    elif ratio > high:
+        if undesirable is None:
+            w_u = min(MAX_KTO_WEIGHT, w_d * n_desirable / (n_undesirable * high))
+        else:
+            w_d = max(1 / MAX_KTO_WEIGHT, w_u * n_undesirable * high / n_desirable)
+    return w_d, w_u
+
+
 def kto_stats(rewards: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor) -> dict[str, float]:
     """Accuracy (reward sign matches the label) and margin (mean desirable reward minus mean
     undesirable reward; a side with no rows counts as 0)."""

@@ -57,8 +57,12 @@ class Hyperparameters(Strict):
     )
     loss_type: DpoLossType = Field("sigmoid", description="dpo jobs only: sigmoid (DPO), ipo or hinge")
     simpo_gamma: float = Field(0.5, ge=0.0, le=10.0, description="SimPO's target reward margin gamma")
-    desirable_weight: float = Field(1.0, gt=0.0, le=100.0, description="KTO: weight of desirable rows")
-    undesirable_weight: float = Field(1.0, gt=0.0, le=100.0, description="KTO: weight of undesirable rows")
+    desirable_weight: float | None = Field(
+        None, gt=0.0, le=100.0, description="KTO: weight of desirable rows; default: balanced to the counts"
+    )
+    undesirable_weight: float | None = Field(
+        None, gt=0.0, le=100.0, description="KTO: weight of undesirable rows; default: balanced to the counts"
+    )
     # PPO / GRPO
     prompts_per_step: int = Field(4, ge=1, le=1024)
     group_size: int = Field(4, ge=2, le=64, description="GRPO completions per prompt")

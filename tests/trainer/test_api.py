@@ -315,7 +315,9 @@ def test_kto_job_with_eval_fraction_reports_held_out_metrics_as_events(
     assert created.status_code == 201, created.text
     job = created.json()
     assert job["type"] == "kto" and job["request"]["eval_fraction"] == 0.25
-    assert job["request"]["hyperparameters"]["desirable_weight"] == 1.0  # the type's defaults are filled in
+    hp = job["request"]["hyperparameters"]
+    assert hp["beta"] == 0.5 and hp["learning_rate"] == 5e-3  # the caller's values kept
+    assert hp["desirable_weight"] is None  # left to the recipe: balanced to the counts
     assert harness.run_worker(job["id"]) == "succeeded"
     done = httpx.get(f"{harness.base}/v1/jobs/{job['id']}", headers=auth(api_key)).json()
     metrics = done["metrics"]

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.losses import dpo_loss, kto_kl, kto_loss, orpo_loss, simpo_loss
+from services.trainer.losses import dpo_loss, kto_kl, kto_loss, kto_weights, orpo_loss, simpo_loss
 
 PC = torch.tensor([-3.0, -5.0, -2.0])  # policy chosen (summed log-probs)
 PR = torch.tensor([-4.0, -3.5, -6.0])  # policy rejected
@@ -121,6 +121,29 @@ def test_kto_is_ethayarajh_with_weights() -> None:
     assert stats["reward_accuracy"] == pytest.approx(0.25)
     assert stats["reward_margin"] == pytest.approx((0.25 - 0.5) / 2 - (0.0 + 0.25) / 2)
     assert stats["kl"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    ("n_d", "n_u", "given", "expected"),
+    [
+        # mostly thumbs down and a few corrections: the desirable rows are weighted up to ratio 1
+        (31, 70, (None, None), (70 / 31, 1.0)),
+        # mostly thumbs up: the undesirable rows are weighted up to ratio 4/3
+        (139, 20, (None, None), (1.0, 139 / (20 * 4 / 3))),
+        (100, 90, (None, None), (1.0, 1.0)),  # already in [1, 4/3]
+        (31, 70, (1.0, 1.0), (1.0, 1.0)),  # both given: kept as given
+        (31, 70, (None, 2.0), (140 / 31, 2.0)),  # one given: the other balances against it
+        (0, 70, (None, None), (1.0, 1.0)),  # one label only: nothing to balance
+        (1, 10_000, (None, None), (100.0, 1.0)),  # capped at the largest weight a job accepts
+    ],
+)
+def test_kto_weights_balance_the_counts_into_the_papers_range(
+    n_d: int, n_u: int, given: tuple[float | None, float | None], expected: tuple[float, float]
+) -> None:
+    w_d, w_u = kto_weights(n_d, n_u, *given)
+    assert (w_d, w_u) == pytest.approx(expected)
+    if given == (None, None) and n_d and w_d < 100:
+        assert 1.0 - 1e-9 <= w_d * n_d / (w_u * n_u) <= 4 / 3 + 1e-9
 
 
 def test_kto_gradient_pushes_desirable_up_and_undesirable_down() -> None:

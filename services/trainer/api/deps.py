@@ -11,8 +11,8 @@ from typing import Annotated
 from fastapi import Depends, Path
 from starlette.requests import HTTPConnection
 
-from services.common.auth import Principal, principal_of
-from services.trainer.service import TrainerState as TrainerState  # the app builds it from here
+from services.common.auth import Principal, acting_principal, principal_of
+from services.trainer.state import TrainerState
 from services.trainer.store import JobRecord
 
 
@@ -24,9 +24,11 @@ def state_of(conn: HTTPConnection) -> TrainerState:
 
 TrainerDep = Annotated[TrainerState, Depends(state_of)]
 PrincipalDep = Annotated[Principal, Depends(principal_of)]
+# An operator key may act for a tenant (X-Tandem-Tenant): the agent's promotion gate reads its jobs.
+ActingDep = Annotated[Principal, Depends(acting_principal)]
 
 
-def caller_tenant(principal: PrincipalDep) -> str:
+def caller_tenant(principal: ActingDep) -> str:
     return principal.tenant
 
 

@@ -25,7 +25,7 @@ import torch
 from services.trainer.data.packing import PromptGroup, group_logit_index, pack_groups
 from services.trainer.data.tokenize import KTOSample, tokenize_kto
 from services.trainer.distributed import label_logps
-from services.trainer.losses import kto_kl, kto_loss, kto_stats, segment_sums
+from services.trainer.losses import kto_kl, kto_loss, kto_stats, kto_weights, segment_sums
 from services.trainer.recipes.dpo import PreferenceRecipe, dpo_schedule
 
 
@@ -123,13 +123,15 @@ class KTORecipe(PreferenceRecipe):
             f"kto: {len(self.data.samples)} rows ({n_good} desirable) in {len(self.data.groups)} prompt groups, "
             f"{self.total_steps} steps, packing={self.cfg.packing}"
         )
-        # The KTO paper (and TRL) suggest weighting so that w_d * n_d / (w_u * n_u) is in [1, 4/3].
-        ratio = self.hp.desirable_weight * n_good / max(self.hp.undesirable_weight * n_bad, 1e-9)
-        if n_good and n_bad and not 1.0 <= ratio <= 4 / 3:
-            self.hooks.log(
-                f"kto: desirable_weight*{n_good} / (undesirable_weight*{n_bad}) = {ratio:.2f}; the KTO paper "
-                "suggests weights that bring it into [1, 4/3]"
-            )
+        self.label_weights: tuple[float, float] = kto_weights(
+            n_good, n_bad, self.hp.desirable_weight, self.hp.undesirable_weight
+        )
+        w_d, w_u = self.label_weights
+        self.hooks.log(
+            f"kto: weights desirable {w_d:.3g}, undesirable {w_u:.3g}: w_d*{n_good} / (w_u*{n_bad}) = "
+            f"{w_d * n_good / max(w_u * n_bad, 1e-9):.2f} (the KTO paper advises [1, 4/3]; a weight not "
+            "given is balanced to the counts)"
+        )
 
     def logps(self, data: KTOData, group_idx: Sequence[int]) -> tuple[torch.Tensor, int, int]:
         """``[n_rows, 2]`` summed (completion, KL completion) log-probs of the groups' rows
@@ -177,7 +179,7 @@ class KTORecipe(PreferenceRecipe):
         kl = kto_kl(pol[:, 1].detach(), ref[:, 1]) if kl is None else kl
         hp = self.hp
         labels = data.labels[rows].to(pol.device)
-        return kto_loss(pol[:, 0], ref[:, 0], labels, kl, hp.beta, hp.desirable_weight, hp.undesirable_weight)
+        return kto_loss(pol[:, 0], ref[:, 0], labels, kl, hp.beta, *self.label_weights)
 
     def evaluate(self) -> dict[str, float]:
         ref = self.reference("reference_logps_eval", lambda: self.all_logps(self.eval_data))
