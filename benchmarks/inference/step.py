@@ -29,15 +29,14 @@ from typing import Any
 
 import torch
 
-from services.inference.engine.plan import plain_head, plan_for
+from services.inference.engine.plan import plan_for
 
-# lean: the lean decode forward with its C++ loop and own operations; aten: that loop on ATen's
-# operations; python: its Python loop; eager: HF's modules
+# lean: the lean decode forward with its C++ loop; python: its Python loop (no C++ kernels, so no
+# Q8_0 head nor C++ prompt layers either); eager: HF's modules
 VARIANTS: dict[str, dict[str, bool]] = {
-    "lean": {"fused": True, "native": True, "own": True},
-    "aten": {"fused": True, "native": True, "own": False},
-    "python": {"fused": True, "native": False, "own": False},
-    "eager": {"fused": False, "native": False, "own": False},
+    "lean": {"fused": True, "native": True},
+    "python": {"fused": True, "native": False},
+    "eager": {"fused": False, "native": False},
 }
 
 
@@ -74,12 +73,6 @@ def runner_for(path: Path, name: str, slots: int, adapter: Path | None) -> Any:
     variant = VARIANTS[name]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     plan = plan_for(model, quantize="int4", native_decode="on" if variant["native"] else "off")
-    if not variant["own"]:
-        # the C++ loop on ATen's operations: no own operations, so no Q8_0 head nor C++ prompt layers
-        prompt = "python" if plan.prompt == "native" else plan.prompt
-        plan = dataclasses.replace(plan, prompt=prompt, head_decode=plain_head())
-        if plan.decode == "native-own":
-            plan = dataclasses.replace(plan, decode="native-aten")
     if not variant["fused"]:
         plan = dataclasses.replace(plan, decode="reference")
     engine = TorchEngine.from_model(

@@ -42,14 +42,7 @@ def _built(engine: TorchEngine) -> dict[str, Any]:
     """What the runner built, in the plan's terms."""
     runner = engine.runner
     fused = runner.fused
-    if runner.compiled is not None:
-        decode = "compiled"
-    elif fused is None:
-        decode = "reference"
-    elif not fused.native:
-        decode = "python"
-    else:
-        decode = "native-own" if fused.own_ops else "native-aten"
+    decode = "reference" if fused is None else ("native-own" if fused.native else "python")
     lean_prompt = runner.fused_prompt
     prompt = "reference" if lean_prompt is None else ("native" if lean_prompt.native else "python")
     return {
@@ -84,7 +77,6 @@ def test_reference_is_the_hugging_face_modules(lively_tiny_path: Path) -> None:
     plan = engine.plan
     assert (plan.forward, plan.decode, plan.prompt) == ("reference", "reference", "reference")
     assert engine.runner.fused is None and engine.runner.fused_prompt is None
-    assert engine.runner.compiled is None
     plain = TorchEngine.from_model(model, tok, forward="reference")
     assert plain.runner.packed is None
     assert (plain.plan.layer_decode, plain.plan.head_decode) == ("torch", "torch")

@@ -29,21 +29,18 @@ def _load(path: Path) -> tuple[Any, Any]:
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def _engines(
-    path: Path, adapter: Path | None = None, native: bool = False
-) -> tuple[TorchEngine, TorchEngine]:
+def _engines(path: Path, adapter: Path | None = None) -> tuple[TorchEngine, TorchEngine]:
     engines = []
     for fused in (False, True):
         model, tok = _load(path)
         # prompt chunks through the eager forward in both (test_fused_prompt.py has the lean one);
-        # the C++ loop on ATen's operations: the eager forward's numbers bit for bit (the loop's
-        # own operations are test_native_own.py's)
-        decode = ("native-aten" if native else "python") if fused else "reference"
+        # the lean forward's Python loop: the eager forward's numbers bit for bit (the C++ loop's
+        # are test_native_own.py's)
         plan = plan_for(
             model,
             quantize="int4",
-            native_decode="on" if native else "off",
-            decode=decode,
+            native_decode="off",
+            decode="python" if fused else "reference",
             prompt="reference",
             head_decode=plain_head(),
         )
@@ -128,37 +125,9 @@ def test_the_lean_forward_gives_the_eager_forwards_numbers_bit_for_bit(lively_ti
     assert all(p.weight.decode is not None for p in eager.runner.packed.layers)
 
 
-@pytest.fixture(scope="module")
-def native_loop() -> Any:
-    """The C++ loop, built once (into torch's extension directory: later runs load it)."""
-    native.start("on")
-    return native.decode_layers()
-
-
-def test_the_native_loop_gives_the_eager_forwards_numbers_bit_for_bit(
-    lively_tiny_path: Path, native_loop: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    eager, lean = _engines(lively_tiny_path, native=True)
-    for engine in (eager, lean):
-        engine.runner.prepare_weights()
-    assert lean.runner.fused is not None and lean.runner.fused.native
-    calls = []
-
-    def counting(*args: Any) -> torch.Tensor:
-        calls.append(args[0].shape[0])
-        return native_loop(*args)
-
-    monkeypatch.setattr(native, "decode_layers", lambda: counting)
-    _assert_same_steps(eager, lean, None)
-    # every decode step's layers ran in C++
-    assert calls == [4, 4, 4, 1, 2, 1]
-
-
-def test_a_weight_changed_in_place_is_multiplied_as_it_is_now(
-    lively_tiny_path: Path, native_loop: Any
-) -> None:
+def test_a_weight_changed_in_place_is_multiplied_as_it_is_now(lively_tiny_path: Path) -> None:
     # the trainer's in-process engine: an optimizer step changes the weights between rollouts
-    eager, lean = _engines(lively_tiny_path, native=True)
+    eager, lean = _engines(lively_tiny_path)
     prompt = list(range(300, 320))
     before = []
     for engine in (eager, lean):
@@ -181,7 +150,7 @@ def test_a_native_loop_that_cannot_be_built_names_why(monkeypatch: pytest.Monkey
         native.start("on")
     # auto: serving goes on with the Python loop, the reason kept (and not tried again)
     assert not native.start("auto")
-    assert native.decode_layers() is None and native.decode_own() is None and native.q8_linear() is None
+    assert native.decode_own() is None and native.prompt_own() is None and native.q8_linear() is None
     assert native.problem() is not None and "no C++ compiler" in native.problem()
     assert not native.start("auto")
 
@@ -202,35 +171,17 @@ def test_an_engine_whose_native_build_failed_keeps_the_python_loop_and_the_bf16_
         TorchEngine.from_model(model, tok, quantize="int4", native_decode="on")
 
 
-@pytest.mark.parametrize("loop", ["python", "native"])
 def test_lora_rows_beside_base_rows_give_the_eager_forwards_numbers(
-    lively_tiny_path: Path,
-    tmp_path: Path,
-    loop: str,
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
+    lively_tiny_path: Path, tmp_path: Path
 ) -> None:
-    # an adapter on every projection the lean forward multiplies side by side
+    # an adapter on every projection the lean forward multiplies side by side (the C++ loop's
+    # LoRA rows are test_native_own.py's)
     modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     adapter = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=5, modules=modules)
-    calls = []
-    if loop == "native":
-        built = request.getfixturevalue("native_loop")
-
-        def counting(*args: Any) -> torch.Tensor:
-            calls.append(len(args[-1]))  # the LoRA entries of the step
-            return built(*args)
-
-        monkeypatch.setattr(native, "decode_layers", lambda: counting)
-    eager, lean = _engines(lively_tiny_path, adapter, native=loop == "native")
+    eager, lean = _engines(lively_tiny_path, adapter)
     assert lean.runner.fused is not None and lean.runner.fused.lora_problem is None
-    assert lean.runner.fused.native == (loop == "native")
+    assert not lean.runner.fused.native
     _assert_same_steps(eager, lean, "a")
-    if loop == "native":
-        # every decode step in C++, its adapter rows' deltas too (7 modules a layer; the lone
-        # row of slot 2 is a base row)
-        layers = len(lean.runner.decoder.layers)
-        assert calls == [7 * layers, 7 * layers, 7 * layers, 0, 7 * layers, 7 * layers], calls
     # the adapter changes its rows' decode logits (the comparison above is not of two base models)
     prompt = list(range(500, 520))
     logits = {}

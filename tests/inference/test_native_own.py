@@ -74,15 +74,15 @@ def test_q8_blocks_refuse_a_width_that_is_not_whole_blocks() -> None:
 def _engine(
     path: Path, ops: str, adapter: Path | None = None, head: str = "auto", platform: Any = None
 ) -> TorchEngine:
-    """int4 decode through the C++ loop: its own operations (``own``) or ATen's (``aten``, then the
-    prompt chunks' Python loop and the plain head, as without the own operations); ``head``:
-    the head's decode kernel (``auto``: the plan's)."""
+    """int4 decode through the C++ loop (``own``) or the Python loop (``python``, the bit-exact
+    reference, with the prompt chunks' Python loop and the plain head, as without the C++
+    kernels); ``head``: the head's decode kernel (``auto``: the plan's)."""
     model, tok = _load(path)
     plan = plan_for(model, platform=platform, quantize="int4", native_decode="on")
     assert plan.decode == "native-own"
-    if ops == "aten":
+    if ops == "python":
         prompt = "python" if plan.prompt == "native" else plan.prompt
-        plan = dataclasses.replace(plan, decode="native-aten", prompt=prompt, head_decode=plain_head())
+        plan = dataclasses.replace(plan, decode="python", prompt=prompt, head_decode=plain_head())
     if head != "auto":
         plan = dataclasses.replace(plan, head_decode=plain_head() if head == "bf16" else head)
     engine = TorchEngine.from_model(model, tok, max_batch_size=6, plan=plan)
@@ -114,7 +114,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("with_adapter", [False, True])
-def test_own_operations_follow_the_aten_loop(
+def test_own_operations_follow_the_python_loop(
     lively_tiny_path: Path, tmp_path: Path, built: None, monkeypatch: pytest.MonkeyPatch, with_adapter: bool
 ) -> None:
     adapter, name = None, None
@@ -122,14 +122,14 @@ def test_own_operations_follow_the_aten_loop(
         # LoRA rows (odd slots) beside base rows: decode_own adds their deltas row by row
         modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         adapter, name = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=5, modules=modules), "a"
-    aten = _engine(lively_tiny_path, "aten", adapter)
-    # the own loop with the same bf16 head as the ATen loop's: only the layers differ
+    python_loop = _engine(lively_tiny_path, "python", adapter)
+    # the own loop with the same bf16 head as the Python loop's: only the layers differ
     with monkeypatch.context() as patch:
         patch.setattr(native, "q8_linear", lambda: None)
         own = _engine(lively_tiny_path, "own", adapter)
-    assert own.runner.fused is not None and own.runner.fused.own_ops
-    assert aten.runner.fused is not None and not aten.runner.fused.own_ops
-    assert type(_head_kernel(own)) is type(_head_kernel(aten))
+    assert own.runner.fused is not None and own.runner.fused.native
+    assert python_loop.runner.fused is not None and not python_loop.runner.fused.native
+    assert type(_head_kernel(own)) is type(_head_kernel(python_loop))
     calls = []
     loop = native.decode_own()
 
@@ -138,7 +138,7 @@ def test_own_operations_follow_the_aten_loop(
         return loop(*args)
 
     monkeypatch.setattr(native, "decode_own", lambda: counting)
-    positions = _fill(aten, name)
+    positions = _fill(python_loop, name)
     assert _fill(own, name) == positions
     for step in range(4):
         rows = [
@@ -150,26 +150,28 @@ def test_own_operations_follow_the_aten_loop(
             )
             for s in (3, 0, 4)
         ]
-        ref, out = (e.runner.forward(rows, []) for e in (aten, own))
+        ref, out = (e.runner.forward(rows, []) for e in (python_loop, own))
         # the int4 products take bf16 inputs: a last-bit difference upstream moves a rounding
         assert _relative(out, ref) < 2e-2, (step, _relative(out, ref))
         assert torch.equal(out.argmax(-1), ref.argmax(-1))
     assert calls == [3, 3, 3, 3]
-    # the keys and values written are the ATen loop's (to within those roundings)
+    # the keys and values written are the Python loop's (to within those roundings)
     for ref_store, store in zip(
-        aten.runner.cache.k + aten.runner.cache.v, own.runner.cache.k + own.runner.cache.v, strict=True
+        python_loop.runner.cache.k + python_loop.runner.cache.v,
+        own.runner.cache.k + own.runner.cache.v,
+        strict=True,
     ):
         assert _relative(store[:5], ref_store[:5]) < 2e-2
 
 
 def test_the_q8_head_follows_the_bf16_head(lively_tiny_path: Path, built: None) -> None:
-    aten, own = _engine(lively_tiny_path, "aten"), _engine(lively_tiny_path, "own", head="q8_0")
+    python_loop, own = _engine(lively_tiny_path, "python"), _engine(lively_tiny_path, "own", head="q8_0")
     assert isinstance(_head_kernel(own), Q8Blocks)
-    assert not isinstance(_head_kernel(aten), Q8Blocks)
-    positions = _fill(aten)
+    assert not isinstance(_head_kernel(python_loop), Q8Blocks)
+    positions = _fill(python_loop)
     assert _fill(own) == positions
     rows = [DecodeRow(slot=s, token=500 + s, position=positions[s]) for s in range(5)]
-    ref, out = (e.runner.forward(rows, []) for e in (aten, own))
+    ref, out = (e.runner.forward(rows, []) for e in (python_loop, own))
     assert _relative(out, ref) < 3e-2
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
@@ -185,7 +187,7 @@ def test_a_rows_numbers_are_the_same_alone_and_in_any_batch(
     name = "a" if with_adapter else None
     engines = [_engine(lively_tiny_path, "own", adapter, head="q8_0") for _ in range(2)]
     for engine in engines:
-        assert engine.runner.fused is not None and engine.runner.fused.own_ops
+        assert engine.runner.fused is not None and engine.runner.fused.native
         assert engine.runner.fused.lora_problem is None
     positions = _fill(engines[0], name)
     assert _fill(engines[1], name) == positions
@@ -246,7 +248,7 @@ def test_the_head_kernel_follows_the_setting_and_the_cpus_amx(
         assert engine.plan.reasons["head"].startswith("bf16 head" if amx else "q8_0 head")
     assert not isinstance(_head_kernel(_engine(lively_tiny_path, "own", head="bf16")), Q8Blocks)
     # a plan made by hand may pair the Q8_0 head with the loop on ATen's operations
-    assert isinstance(_head_kernel(_engine(lively_tiny_path, "aten", head="q8_0")), Q8Blocks)
+    assert isinstance(_head_kernel(_engine(lively_tiny_path, "python", head="q8_0")), Q8Blocks)
 
 
 def _prompt_engine(path: Path, native_prompt: bool, adapter: Path | None = None) -> TorchEngine:

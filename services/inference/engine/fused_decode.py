@@ -28,11 +28,10 @@ modules of a decoder layer, a model whose adapters are not routed per row (the t
 in-process engine uses its model's active adapter), or a layer whose decode kernel is not
 int4 make ``unsupported`` name the reason, and decode steps run the eager forward.
 
-The loop over the layers runs in C++ where the native module is built (``native.py``): on ATen's
-operations (a plan with ``decode="native-aten"``), with the numbers above bit for bit; or, the
-default on AVX2 CPUs, with its own operations between the int4 products (``decode_own``), which
+The loop over the layers runs in C++ where the native module is built (``native.py``, AVX2
+CPUs; the default), with its own operations between the int4 products (``decode_own``), which
 are not the eager forward's last bits but keep each row's numbers independent of the batch
-(``test_native_own.py``).
+(``test_native_own.py``); the Python loop here is the bit-exact reference.
 
 Prompt chunks keep the eager forward (their products are fp32 or bf16 oneDNN ones, faster at
 many rows): a step with prompt chunks and decode tokens runs the chunks eagerly and the decode
@@ -345,7 +344,7 @@ class NativeLora:
     def __init__(self, layers: list[_Layer]) -> None:
         self.layers = layers
         self._modules: dict[str, list[tuple[Any, ...]]] = {}
-        self._entries: dict[tuple[str, bool], tuple[tuple[int, int], list[tuple[Any, ...]]]] = {}
+        self._entries: dict[str, tuple[tuple[int, int], list[tuple[Any, ...]]]] = {}
 
     def _of(self, name: str) -> list[tuple[Any, ...]]:
         """Adapter ``name``'s LoRA modules on the products, found once: (the product's index, the
@@ -370,34 +369,30 @@ class NativeLora:
         """Changes when a weight of adapter ``name`` was replaced or changed in place."""
         return tensors_state([m.weight for *_, a, b in self._of(name) for m in (a, b)])
 
-    def entries(self, name: str, own: bool) -> list[tuple[Any, ...]]:
+    def entries(self, name: str) -> list[tuple[Any, ...]]:
         """Adapter ``name``'s deltas: per LoRA module of a product (in product order), its
-        product's index, its columns there, A and B, their biases and the scaling (``own``: as the
-        own loops read them, fp32 and B transposed)."""
+        product's index, its columns there, A and B, their biases and the scaling, as the C++
+        loops read them (fp32, B transposed)."""
         modules = self._of(name)
         key = self.state(name)
-        cached = self._entries.get((name, own))
+        cached = self._entries.get(name)
         if cached is not None and cached[0] == key:
             return cached[1]
         entries = []
         for slot, start, size, lora, a, b in modules:
-            scaling = float(lora.scaling[name])
-            if own:
-                a_weight, b_weight = a.weight.float().contiguous(), b.weight.t().float().contiguous()
-                a_bias, b_bias = (None if m.bias is None else m.bias.float().contiguous() for m in (a, b))
-                entries.append((slot, start, size, a_weight, a_bias, b_weight, b_bias, scaling))
-            else:
-                entries.append((slot, start, size, a.weight, a.bias, b.weight, b.bias, scaling))
-        self._entries[(name, own)] = (key, entries)
+            a_weight, b_weight = a.weight.float().contiguous(), b.weight.t().float().contiguous()
+            a_bias, b_bias = (None if m.bias is None else m.bias.float().contiguous() for m in (a, b))
+            entries.append((slot, start, size, a_weight, a_bias, b_weight, b_bias, float(lora.scaling[name])))
+        self._entries[name] = (key, entries)
         return entries
 
-    def columns(self, lora: LoraRows | None, own: bool) -> list[Any]:
+    def columns(self, lora: LoraRows | None) -> list[Any]:
         """The forward's LoRA entries as the C++ loops' nine argument columns: in product order
         (adapters' rows are disjoint: their order within a product changes no number), each with
         its adapter's rows."""
         entries: list[tuple[Any, ...]] = []
         for name, rows in lora.rows.items() if lora is not None else ():
-            entries += [(*entry, rows) for entry in self.entries(name, own)]
+            entries += [(*entry, rows) for entry in self.entries(name)]
         entries.sort(key=lambda e: e[0])
         return [list(c) for c in zip(*entries, strict=True)] if entries else [[] for _ in range(_LORA_FIELDS)]
 
@@ -483,13 +478,11 @@ class LeanLayers:
 class FusedDecode(LeanLayers):
     """Decode tokens through the lean forward (see the module doc)."""
 
-    def __init__(self, runner: ModelRunner, *, native: bool = False, own_ops: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, *, native: bool = False) -> None:
         super().__init__(runner, _INT4)
-        # the layers' loop in C++ once ``native.start`` has built it (``native.py``), else in Python
-        self.native = native
-        # the C++ loop's own operations between the products (``decode_own``) where built and
-        # the model's sizes fit them
-        self.own_ops = own_ops and own_unsupported(runner) is None
+        # the layers' loop in C++ (``decode_own``) once ``native.start`` has built it and the
+        # model's sizes fit it, else in Python
+        self.native = native and own_unsupported(runner) is None
 
     def __call__(self, plan: ragged.RaggedPlan, lora: LoraRows | None = None) -> torch.Tensor:
         """Logits ``[D, V]`` of a plan of decode tokens only, inside ``ragged.active(plan)``,
@@ -501,12 +494,10 @@ class FusedDecode(LeanLayers):
         self._fresh()
         x = self.decoder.embed_tokens(ids)
         cos, sin = rope_tables(self.decoder, x, plan)
-        if self.native and not self.decoder.training:
-            own = native.decode_own() if self.own_ops else None
-            loop = own if own is not None else native.decode_layers()
-            if loop is not None:
-                x = self._native(loop, plan, x, cos, sin, lora, own=own is not None)
-                return runner.lm_head(self.decoder.norm(x))
+        loop = native.decode_own() if self.native and not self.decoder.training else None
+        if loop is not None:
+            x = self._native(loop, plan, x, cos, sin, lora)
+            return runner.lm_head(self.decoder.norm(x))
         deltas = None if lora is None else ModuleDeltas(lora)
         x = run_layers(self.layers, plan, ragged.decode_attention, x, cos, sin, deltas, cache)
         return runner.lm_head(self.decoder.norm(x))
@@ -519,13 +510,11 @@ class FusedDecode(LeanLayers):
         cos: torch.Tensor,
         sin: torch.Tensor,
         lora: LoraRows | None,
-        *,
-        own: bool,
     ) -> torch.Tensor:
-        """The layers' loop in C++ (``native.py``): the Python loop's operations, bit for bit,
-        or (``own``) with its own operations between the products."""
+        """The layers' loop in C++ (``native.decode_own``): its own operations between the products;
+        each token attends its own slab row up to its position (no plan-wide bias or view)."""
         norms, packed, scales, biases = self.native_args()
-        columns = self._native_lora.columns(lora, own)
+        columns = self._native_lora.columns(lora)
         first = self.layers[0]
         cache = self.runner.cache
         weights = (
@@ -550,9 +539,4 @@ class FusedDecode(LeanLayers):
             first.scaling,
             INT4_GROUP,
         )
-        if own:
-            # each token attends its own slab row up to its position: no plan-wide bias or view
-            return loop(*weights, *sizes, *columns)
-        bias = ragged.decode_bias_for(plan, x.dtype, first.kv_heads, first.heads // first.kv_heads)
-        attention = (bias, plan.decode_view, plan.decode_len, plan.decode_rows)
-        return loop(*weights, *attention, *sizes, ragged.KEY_BLOCK, *columns)
+        return loop(*weights, *sizes, *columns)

@@ -222,5 +222,5 @@ class FusedPrompt(LeanLayers):
             first.gate_up.sizes[0],
             float(first.module.input_layernorm.variance_epsilon),
             first.scaling,
-            *self._native_lora.columns(lora, own=True),
+            *self._native_lora.columns(lora),
         )

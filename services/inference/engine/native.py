@@ -1,23 +1,22 @@
-"""The engine's C++ kernels for CPU decode (``csrc/decode_layers.cpp``), built on the machine.
+"""The engine's C++ kernels for CPU decode and prompt chunks (``csrc/decode_layers.cpp``), built on
+the machine where the CPU has AVX2.
 
 At one row, a SmolLM2 decode step through Python is ~1,800 small ATen calls, each paying its
 argument parsing, torch-function checks and tensor wrappers on top of the kernel. The module
 holds three things:
 
-- ``decode_layers``: the lean forward's loop over the decoder layers as the same ATen calls on
-  the same values in the same order as the Python loop, so its numbers are the Python loop's bit
-  for bit, only without that plumbing (a plan with ``decode="native-aten"``).
-- ``decode_own`` (CPUs with AVX2): the same layers with the operations between the int4
-  products computed by the loop itself (add + RMSNorm, RoPE and the KV write, each row's
-  attention over its own keys, SiLU * up): 4 ATen calls a layer instead of ~60. Its own sums, so
-  not the Python loop's last bits, but each row's numbers depend on that row alone (the same
-  alone as in any batch). The default (the plan's ``decode="native-own"``).
-- ``q8_linear`` (CPUs with AVX2): the output head's decode rows against int8 weights in blocks
-  of 32 with an fp32 scale each (GGUF's Q8_0, the default model file's own head format), fp32
-  activations: about half the bytes of the bf16 head, and the file's values exactly.
-- ``prompt_own`` (CPUs with AVX2): the lean prompt forward's layers (``fused_prompt.py``), the
-  products oneDNN's bf16 ones in blocks, the attention ragged's prompt attention as ATen calls,
-  ``decode_own``'s operations between them.
+- ``decode_own``: the lean forward's loop over the decoder layers with the operations between
+  the int4 products computed by the loop itself (add + RMSNorm, RoPE and the KV write, each
+  row's attention over its own keys, SiLU * up): 4 ATen calls a layer instead of ~60. Its own
+  sums, so not the Python loop's last bits (that loop is the bit-exact reference), but each
+  row's numbers depend on that row alone (the same alone as in any batch). The default (the
+  plan's ``decode="native-own"``).
+- ``q8_linear``: the output head's decode rows against int8 weights in blocks of 32 with an fp32
+  scale each (GGUF's Q8_0, the default model file's own head format), fp32 activations: about
+  half the bytes of the bf16 head, and the file's values exactly.
+- ``prompt_own``: the lean prompt forward's layers (``fused_prompt.py``), the products oneDNN's
+  bf16 ones in blocks, the attention ragged's prompt attention as ATen calls, ``decode_own``'s
+  operations between them.
 
 There is no wheel to install: torch's ``cpp_extension`` compiles the one source file with the
 machine's C++ compiler (``c++``, and ``ninja`` from PyPI) into torch's extension directory
@@ -46,9 +45,6 @@ from typing import Any, Literal
 log = logging.getLogger("tandem.engine.native")
 
 NativeDecode = Literal["auto", "on", "off"]
-# own: decode_own (its own operations between the int4 products, where the CPU has AVX2);
-# aten: decode_layers (the Python loop's ATen calls, its numbers bit for bit)
-NativeOps = Literal["own", "aten"]
 SOURCE = Path(__file__).parent / "csrc" / "decode_layers.cpp"
 
 
@@ -69,8 +65,7 @@ _BUILD = _Build()
 
 
 def avx2() -> bool:
-    """Whether torch runs AVX2 (or AVX-512) kernels here: then ``decode_own`` and
-    ``q8_linear`` are built too."""
+    """Whether torch runs AVX2 (or AVX-512) kernels here: the kernels' vectors are AVX2's."""
     from services.common.platforms import cpu_features
 
     return cpu_features().avx2
@@ -79,13 +74,13 @@ def avx2() -> bool:
 def _module_name() -> str:
     import torch
 
-    # one build per torch version and instruction set: an extension built against another torch,
-    # or with AVX2 for a CPU without it, must not load
-    kind = "avx2" if avx2() else "default"
-    return f"tandem_decode_layers_{kind}_" + re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
+    # one build per torch version: an extension built against another torch must not load
+    return "tandem_decode_layers_avx2_" + re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
 
 
 def _compile() -> Any:
+    if not avx2():
+        raise NativeBuildError("the CPU has no AVX2 (the kernels' vectors are AVX2's)")
     if shutil.which("c++") is None and shutil.which("g++") is None:
         raise NativeBuildError("no C++ compiler (c++ or g++) on PATH")
     if shutil.which("ninja") is None:
@@ -97,13 +92,9 @@ def _compile() -> Any:
     from torch.utils.cpp_extension import load
 
     start = time.monotonic()
-    # decode_own's and q8_linear's vectors are ATen's AVX2 ones (its headers pick them by
-    # CPU_CAPABILITY); no -fopenmp: the loops run on torch's own threads (at::parallel_for)
-    flags = (
-        ["-O3", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-        if avx2()
-        else []
-    )
+    # the vectors are ATen's AVX2 ones (its headers pick them by CPU_CAPABILITY); no -fopenmp:
+    # the loops run on torch's own threads (at::parallel_for)
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     module = load(_module_name(), [str(SOURCE)], extra_cflags=["-O2", *flags], verbose=False)
     log.info("native decode kernels ready in %.1f s", time.monotonic() - start)
     return module
@@ -132,25 +123,19 @@ def start(mode: NativeDecode) -> bool:
         return _BUILD.module is not None
 
 
-def decode_layers() -> Any:
-    """The C++ loop on ATen's operations, or None while the module is not built."""
-    return getattr(_BUILD.module, "decode_layers", None)
-
-
 def decode_own() -> Any:
-    """The C++ loop with its own operations between the products, or None (not built, or a CPU
-    without AVX2)."""
+    """The C++ loop with its own operations between the products, or None (not built)."""
     return getattr(_BUILD.module, "decode_own", None)
 
 
 def prompt_own() -> Any:
     """The prompt chunks' layers with bf16 block products and the own operations between them
-    (``fused_prompt.py``), or None (not built, or a CPU without AVX2)."""
+    (``fused_prompt.py``), or None (not built)."""
     return getattr(_BUILD.module, "prompt_own", None)
 
 
 def q8_linear() -> Any:
-    """The Q8_0 block product, or None (not built, or a CPU without AVX2)."""
+    """The Q8_0 block product, or None (not built)."""
     return getattr(_BUILD.module, "q8_linear", None)
 
 

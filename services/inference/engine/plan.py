@@ -11,10 +11,8 @@ replace fields (``dataclasses.replace(plan, decode="python")``) before handing i
 Fields:
 
 - ``decode``: decode tokens' forward. ``native-own`` (the lean forward's layer loop in C++ with
-  its own operations between the int4 products, AVX2), ``native-aten`` (the loop in C++ on ATen's
-  operations), ``python`` (the lean forward's Python loop), ``reference`` (the Hugging Face
-  modules), ``compiled`` (``torch.compile`` of the base model's pure decode steps; only by a plan
-  made by hand).
+  its own operations between the int4 products, AVX2), ``python`` (the lean forward's Python
+  loop, the bit-exact reference of the eager forward), ``reference`` (the Hugging Face modules).
 - ``prompt``: prompt chunks' forward. ``native`` (the lean prompt forward's layers in C++),
   ``python`` (its Python loop), ``reference`` (the Hugging Face modules).
 - ``layer_decode`` / ``layer_prompt``: the decoder layers' linear kernel for decode / prompt
@@ -47,9 +45,9 @@ if TYPE_CHECKING:
     from services.inference.engine.packed_linear import KernelChoice
 
 Forward = Literal["auto", "reference"]
-DecodePath = Literal["native-own", "native-aten", "python", "reference", "compiled"]
+DecodePath = Literal["native-own", "python", "reference"]
 PromptPath = Literal["native", "python", "reference"]
-LEAN_DECODE: tuple[str, ...] = ("native-own", "native-aten", "python")
+LEAN_DECODE: tuple[str, ...] = ("native-own", "python")
 LEAN_PROMPT: tuple[str, ...] = ("native", "python")
 
 
@@ -88,11 +86,7 @@ class ForwardPlan:
     @property
     def needs_native(self) -> bool:
         """Whether the plan runs any of the C++ kernels (``native.py``)."""
-        return (
-            self.decode in ("native-own", "native-aten")
-            or self.prompt == "native"
-            or self.head_decode == "q8_0"
-        )
+        return self.decode == "native-own" or self.prompt == "native" or self.head_decode == "q8_0"
 
     def paths(self) -> dict[str, str]:
         """Every field but the reasons."""
@@ -237,6 +231,8 @@ def resolve_plan(
         native_reason = "decode is not int4 on an fp32 CPU model"
     elif settings.native_decode == "off":
         native_reason = "TANDEM_INFERENCE_NATIVE_DECODE=off"
+    elif not native.avx2():
+        native_reason = "the C++ kernels need AVX2, which this CPU lacks"
     else:
         built = native.start(settings.native_decode)
         native_reason = "" if built else f"the C++ kernels were not built ({native.problem()})"
@@ -246,7 +242,7 @@ def resolve_plan(
     q8_head = quantize == "int4" and q8 and not cpu.amx_usable
     in_features = getattr(head_module, "in_features", 0)
     if quantize == "int4" and not q8:
-        head_reason = native_reason or "the C++ kernels have no q8_linear (no AVX2)"
+        head_reason = native_reason or "the C++ kernels have no q8_linear"
     elif quantize == "int4" and cpu.amx_usable:
         head_reason = "bf16 head: this process may use the CPU's AMX (faster at every row count)"
     elif quantize == "int4" and in_features % quantized_linear.Q8_BLOCK:
@@ -301,9 +297,8 @@ def resolve_plan(
         decode = "native-own"
         reasons["decode"] = "the lean forward in C++ with its own operations (AVX2)"
     else:
-        decode = "native-aten"
-        why = own if own is not None else "no AVX2"
-        reasons["decode"] = f"the lean forward in C++ on ATen's operations: {why}"
+        decode = "python"
+        reasons["decode"] = f"the lean forward's Python loop: {own or 'the C++ loop is not built'}"
 
     # prompt chunks: the lean prompt forward where the model is Llama-family on a CPU
     prompt: PromptPath = "reference"
@@ -326,7 +321,7 @@ def resolve_plan(
         elif layer_prompt != "onednn-bf16-blocks":
             why = "its C++ layers multiply in bf16 blocks; prompts here multiply in " + layer_prompt
         else:
-            why = fused_decode.own_unsupported(runner) or "no AVX2"
+            why = fused_decode.own_unsupported(runner) or "the C++ prompt layers are not built"
         reasons["prompt"] = f"the lean prompt forward's Python loop: {why}"
 
     prompt_attention = "invariant" if device.type == "cpu" else "sdpa"

@@ -305,12 +305,6 @@ def invariant_attention(
     return out.view(batch, heads, width, dim)
 
 
-def decode_bias_for(plan: RaggedPlan, dtype: torch.dtype, kv_heads: int, group: int) -> torch.Tensor:
-    """The decode tokens' bias as the CPU's ``invariant_attention`` takes it (made once a forward)."""
-    assert plan.decode_bias is not None
-    return _expanded(plan, "decode", plan.decode_bias, dtype, kv_heads, group)
-
-
 def prefill_bias_for(plan: RaggedPlan, dtype: torch.dtype, kv_heads: int, group: int) -> torch.Tensor:
     """The prompt chunks' bias as the CPU's ``invariant_attention`` takes it (made once a forward)."""
     assert plan.prefill_bias is not None

@@ -26,7 +26,6 @@ import torch
 from services.inference.engine import fused_decode, lora_rows, ragged
 from services.inference.engine import fused_prompt as fused_prompt_module
 from services.inference.engine import native as native_module
-from services.inference.engine.compiled_decode import CompiledDecode
 from services.inference.engine.fused_decode import FusedDecode
 from services.inference.engine.fused_prompt import FusedPrompt
 from services.inference.engine.kv_cache import SlabKVCache
@@ -114,8 +113,6 @@ class ModelRunner:
         self.packed: PackedLinears | None = (
             PackedLinears(model, choose=choose) if choose is not None else None
         )
-        # pure decode steps of the base model through torch.compile (compiled_decode.py)
-        self.compiled = CompiledDecode(self) if plan.decode == "compiled" else None
         # decode tokens of a Llama-family model with int4 decode through the lean forward
         # (fused_decode.py: the eager forward's numbers, without the modules' plumbing)
         self.fused: FusedDecode | None = None
@@ -123,9 +120,7 @@ class ModelRunner:
             problem = fused_decode.unsupported(self)
             if problem is not None:
                 raise ValueError(f"decode={plan.decode!r}: {problem}")
-            self.fused = FusedDecode(
-                self, native=plan.decode.startswith("native"), own_ops=plan.decode != "native-aten"
-            )
+            self.fused = FusedDecode(self, native=plan.decode == "native-own")
             self.fused.refresh()
         # prompt chunks of a Llama-family model through their lean forward (fused_prompt.py)
         self.fused_prompt: FusedPrompt | None = None
@@ -214,8 +209,6 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, decode: list[DecodeRow], prefill: list[PrefillRow]) -> torch.Tensor:
         """Logits ``[D + P, V]``: one row per decode token, then one at each chunk's last token."""
-        if self.compiled is not None and not prefill and self.compiled.accepts(decode, bool(self._hooks)):
-            return self.compiled(decode)
         lean_decode = self.fused if self.fused is not None and self.fused.lora_problem is None else None
         lean_prompt = (
             self.fused_prompt

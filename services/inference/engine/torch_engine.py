@@ -412,18 +412,7 @@ class TorchEngine(AdapterHost):
         log.info("forward plan: %s: %s", self.name, self.plan.line())
         # pack (or quantise) the weights before serving, so the first request does not pay for it
         await in_own_thread(self.runner.prepare_weights)
-        if self.runner.compiled is not None:
-            # compile the decode step's graphs before serving: never inside a request's first token
-            await in_own_thread(self._warm_up)
         self.scheduler.start()
-
-    def _warm_up(self) -> None:
-        assert self.runner.compiled is not None
-        if self.scheduler.num_threads:
-            # inductor's C++ loops take the thread count this thread has when they are generated
-            torch.set_num_threads(self.scheduler.num_threads)
-        with self.model_lock:
-            self.runner.compiled.warm_up()
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.scheduler.stop)
