@@ -213,7 +213,8 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    from services.common.openai_stream import ChatCompletionChunk, openai_chunks
+    from services.common.openai_stream import openai_chunks
+    from services.common.openai_wire import ChatCompletionChunk
 
     t0 = time.perf_counter()
     times: list[float] = []

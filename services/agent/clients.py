@@ -19,7 +19,7 @@ from services.agent.chunks import Chunk
 from services.common.errors import InvalidRequest, NotFound
 from services.common.http import service_client
 from services.common.openai_client import OpenAIClient
-from services.common.openai_stream import (
+from services.common.openai_wire import (
     ChatCompletion,
     ChatCompletionChunk,
     EmbeddingList,

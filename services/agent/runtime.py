@@ -47,7 +47,7 @@ from services.agent.turns import SqliteTurnStore, TurnStore, new_message_id
 from services.common.auth import Principal
 from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable, TandemError
-from services.common.openai_stream import ToolCall
+from services.common.openai_wire import ToolCall
 from services.common.replicas import replica_pool
 
 log = logging.getLogger("tandem.agent")

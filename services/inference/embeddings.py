@@ -25,9 +25,9 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from services.common.errors import InvalidRequest, NotFound, ServiceUnavailable
+from services.common.openai_wire import ModelCard
 from services.common.platforms import Platform, current_platform
 from services.inference.config import InferenceSettings
-from services.inference.protocol import ModelCard
 from services.inference.protocol_embeddings import (
     EmbeddingData,
     EmbeddingRequest,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from services.common.auth import Principal
 from services.common.errors import Conflict, InvalidRequest, NotFound, TandemError
+from services.common.openai_wire import ModelCard, ModelList
 from services.common.paths import resolve_under_roots
 from services.inference import protocol as api
 from services.inference.embeddings import EmbeddingService
@@ -40,15 +41,15 @@ class ModelAdmin:
             raise InvalidRequest(f"{param}: {value!r} does not exist", param=param)
         return path
 
-    async def list(self, principal: Principal) -> api.ModelList:
+    async def list(self, principal: Principal) -> ModelList:
         """The served base models, shared fine-tunes, and the caller tenant's own."""
         try:
             served = await self.registry.models(principal)
         except EngineError as exc:
             raise http_error(exc) from None
-        return api.ModelList(
+        return ModelList(
             data=[
-                api.ModelCard(
+                ModelCard(
                     id=m.id,
                     created=STARTED,
                     owned_by=m.owned_by,
@@ -67,7 +68,7 @@ class ModelAdmin:
             + self.embeddings.cards(STARTED)
         )
 
-    async def card(self, model_id: str, principal: Principal) -> api.ModelCard:
+    async def card(self, model_id: str, principal: Principal) -> ModelCard:
         for card in (await self.list(principal)).data:
             if card.id == model_id:
                 return card
@@ -102,7 +103,7 @@ class ModelAdmin:
             raise http_error(exc) from None
         return api.AdapterUnloaded(lora_name=body.lora_name)
 
-    async def register(self, body: api.RegisterModelRequest) -> api.ModelCard:
+    async def register(self, body: api.RegisterModelRequest) -> ModelCard:
         path = self._server_path(body.path, "path")
         try:
             await self.registry.register(body.name, path, body.tenant or "")
@@ -115,7 +116,7 @@ class ModelAdmin:
                     f"path {body.path!r} could not be loaded as a model: {exc}", param="path"
                 ) from None
             raise err from None
-        return api.ModelCard(
+        return ModelCard(
             id=body.name,
             created=int(time.time()),
             root=str(path),

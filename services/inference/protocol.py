@@ -1,21 +1,12 @@
-"""Wire models of the inference API: OpenAI's shapes (chat, completions, models; requests,
-responses and stream chunks) plus vLLM's adapter routes and Tandem's model registration."""
+"""Wire models of the inference API: OpenAI's requests (chat, completions), vLLM's adapter
+routes and Tandem's model registration. The responses and stream chunks (OpenAI's, shared with
+the clients that read them) are services/common/openai_wire.py's."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-# the pieces shared with the agent's facade, under the names this module has always had
-from services.common.openai_wire import ChatDelta as ChatDelta
-from services.common.openai_wire import FunctionCall as FunctionCall
-from services.common.openai_wire import FunctionDelta as FunctionDelta
-from services.common.openai_wire import SparseModel as _Sparse
-from services.common.openai_wire import ToolCall as ToolCall
-from services.common.openai_wire import ToolCallDelta as ToolCallDelta
-from services.common.openai_wire import Usage as Usage
-from services.common.openai_wire import WireModel as _Wire
 
 
 class _Open(BaseModel):
@@ -124,19 +115,6 @@ class UnregisterModelRequest(BaseModel):
     name: str = Field(..., min_length=1, max_length=200)
 
 
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "tandem"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-    kind: Literal["base", "adapter", "registered", "embedding", "rerank"] = "base"
-    # Embedding models: the vector size (/v1/embeddings); none for generative models.
-    dimensions: int | None = None
-
-
 class Capabilities(BaseModel):
     """What this server can serve; the trainer checks a ``publish`` job against it."""
 
@@ -146,105 +124,6 @@ class Capabilities(BaseModel):
     register_models: bool
     # the torch engine's forward plan (engine/plan.py): paths, kernels and the reason for each
     forward_plan: dict[str, Any] | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-# --- responses and stream chunks (OpenAI's exact shapes) -----------------------------------------
-
-
-class TopLogprob(_Wire):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(_Wire):
-    content: list[ChatTokenLogprob] | None
-    refusal: str | None = None
-
-
-class CompletionLogprobs(_Wire):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class ChatCompletionMessage(_Wire):
-    """The answer of a ``chat.completion``: ``content`` is null when it is tool calls."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    refusal: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(_Wire):
-    """One answer of a ``chat.completion``; one that made tool calls ends ``tool_calls``."""
-
-    index: int
-    message: ChatCompletionMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None
-
-
-class _Completion(_Sparse):
-    # field order is the JSON's: each subclass narrows ``object`` in place
-    id: str
-    object: str
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-
-
-class ChatCompletion(_Completion):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatChunkChoice(_Wire):
-    """One choice's piece of a ``chat.completion.chunk``: ``finish_reason`` is set on its last."""
-
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Completion):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    _omit_unset = frozenset({"usage"})
-
-
-class CompletionChoice(_Wire):
-    """A choice of a text completion or chunk; with several prompts, ``index`` is
-    prompt * n + choice."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class TextCompletion(_Completion):
-    """A text completion, and (OpenAI's way) each chunk of a streamed one: ``usage`` is left
-    out of chunks unless ``stream_options.include_usage`` asks for it."""
-
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    _omit_unset = frozenset({"usage"})
 
 
 # --- adapter and model management answers ----------------------------------------------------------

@@ -34,6 +34,24 @@ from services.common.errors import (
     UpstreamError,
     error_body,
 )
+from services.common.openai_wire import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    FunctionDelta,
+    TextCompletion,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
+from services.common.openai_wire import ToolCall as WireToolCall
 from services.inference.engine.base import AdapterNotFound, NameTaken
 from services.inference.engine.tools import ToolCall, call_schema, may_be_call, parse_tool_calls
 from services.inference.engine.types import (
@@ -52,26 +70,7 @@ from services.inference.engine.types import (
     UpstreamFailure,
 )
 from services.inference.metrics import observed
-from services.inference.protocol import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionMessage,
-    ChatCompletionRequest,
-    ChatDelta,
-    ChatLogprobs,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    FunctionDelta,
-    TextCompletion,
-    ToolCallDelta,
-    TopLogprob,
-    Usage,
-)
-from services.inference.protocol import ToolCall as WireToolCall
+from services.inference.protocol import ChatCompletionRequest, CompletionRequest
 from services.inference.registry import ModelRegistry, NotPermitted
 
 

@@ -16,13 +16,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.common import errors
 from services.common.openai_client import OpenAIClient
-from services.common.openai_stream import (
+from services.common.openai_stream import SSEEvent, iter_sse, openai_chunks
+from services.common.openai_wire import (
+    ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    CompletionChunk,
-    SSEEvent,
-    iter_sse,
-    openai_chunks,
+    ChatCompletionMessage,
+    FunctionCall,
+    ModelCard,
+    TextCompletion,
+    ToolCall,
+    Usage,
 )
 from services.common.replicas import ReplicaPool
 from services.common.upstream import (
@@ -92,12 +96,31 @@ def test_a_stream_without_done_an_error_object_or_a_bad_chunk_is_broken() -> Non
     with pytest.raises(UpstreamBroken, match="malformed"):
         asyncio.run(chunks_of('data: {"choices": [{"index": "first"}]}', ""))
 
-    async def completion() -> list[CompletionChunk]:
+    async def completion() -> list[TextCompletion]:
         lines = lines_of('data: {"choices": [{"text": "x", "finish_reason": "length"}]}', "", "data: [DONE]")
-        return [c async for c in openai_chunks(lines, CompletionChunk)]
+        return [c async for c in openai_chunks(lines, TextCompletion)]
 
     (only,) = asyncio.run(completion())
     assert only.choices[0].text == "x" and only.has_output()
+
+
+def test_what_is_written_reads_back_as_it_was() -> None:
+    """One model set writes and reads: an answer read back (as a client reads it) writes the same
+    JSON, and an upstream's card without Tandem's fields reads with their defaults, its own kept."""
+    call = ToolCall(id="call_1", function=FunctionCall(name="add", arguments='{"a": 1}'))
+    message = ChatCompletionMessage(content=None, tool_calls=[call])
+    answer = ChatCompletion(
+        id="chatcmpl-1",
+        created=7,
+        model="m",
+        choices=[ChatChoice(index=0, message=message, finish_reason="tool_calls")],
+        usage=Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5),
+    )
+    wire = json.dumps(answer.model_dump())
+    read = ChatCompletion.model_validate_json(wire)
+    assert read.message.tool_calls == [call] and json.dumps(read.model_dump()) == wire
+    card = ModelCard.model_validate({"id": "m", "object": "model", "owned_by": "vllm", "x_extra": 1})
+    assert (card.kind, card.owned_by, card.model_dump()["x_extra"]) == ("base", "vllm", 1)
 
 
 def reply(status: int, content: bytes, headers: dict[str, str] | None = None) -> UpstreamReply:

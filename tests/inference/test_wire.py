@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.inference.engine.base import AdapterNotFound, NameTaken
-from services.inference.engine.types import AdapterError, UnknownModel
-from services.inference.protocol import (
+from services.common.openai_wire import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
@@ -21,6 +19,8 @@ from services.inference.protocol import (
     ToolCallDelta,
     Usage,
 )
+from services.inference.engine.base import AdapterNotFound, NameTaken
+from services.inference.engine.types import AdapterError, UnknownModel
 from services.inference.serving import http_error
 
 

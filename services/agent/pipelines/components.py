@@ -33,7 +33,7 @@ from services.agent.repetition import RepetitionGuard
 from services.agent.rewrite import HistoryRewriter, QueryRewriter
 from services.agent.text import content_terms, overlap
 from services.common.errors import InvalidRequest, TandemError
-from services.common.openai_stream import ToolCallDelta
+from services.common.openai_wire import ToolCallDelta
 
 from .selection import Selection, extractive_text, not_found_text, select_answer
 from .state import AnswerKind, EventStream, RunContext, RunState

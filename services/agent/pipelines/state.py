@@ -14,7 +14,7 @@ from services.agent.events import AnswerKind, Event
 from services.agent.pipelines.selection import Selection
 from services.agent.prompting import PromptPlan
 from services.agent.tokens import TokenCounter
-from services.common.openai_stream import ToolCall, ToolCallDelta
+from services.common.openai_wire import ToolCall, ToolCallDelta
 
 __all__ = ["AnswerForm", "AnswerKind", "Event", "EventStream", "RunContext", "RunState"]
 

@@ -14,21 +14,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.common.app_factory import json_or_sse
 from services.common.errors import ServiceUnavailable
+from services.common.openai_wire import ChatCompletion, ModelCard, ModelList, TextCompletion
 from services.inference.api.deps import CallerDep, ModelAdminDep, OperatorDep, ServingDep
 from services.inference.protocol import (
     AdapterLoaded,
     AdapterUnloaded,
     Capabilities,
-    ChatCompletion,
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoraRequest,
-    ModelCard,
     ModelDeleted,
-    ModelList,
     ModelUnregistered,
     RegisterModelRequest,
-    TextCompletion,
     UnloadLoraRequest,
     UnregisterModelRequest,
 )

@@ -13,13 +13,13 @@ from typing import Any, cast
 import httpx
 
 from services.common.openai_client import OpenAIClient
-from services.common.openai_stream import (
+from services.common.openai_wire import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatLogprobs,
-    CompletionChunk,
     CompletionLogprobs,
     ModelList,
+    TextCompletion,
 )
 from services.common.replicas import api_root
 from services.common.upstream import UpstreamBroken, UpstreamFailed, UpstreamStatus
@@ -167,10 +167,10 @@ class RemoteEngine:
         if request.prompt_token_ids is not None and not chat:
             body["prompt"] = request.prompt_token_ids
         path = "/chat/completions" if chat else "/completions"
-        chunks: AsyncGenerator[ChatCompletionChunk | CompletionChunk, None] = (
+        chunks: AsyncGenerator[ChatCompletionChunk | TextCompletion, None] = (
             self.api.stream(path, body, ChatCompletionChunk)
             if chat
-            else self.api.stream(path, body, CompletionChunk)
+            else self.api.stream(path, body, TextCompletion)
         )
         # the first chunk with output is awaited here, so a refused request is this call's error
         # (an HTTP status for the client) rather than an error inside a started stream
@@ -184,8 +184,8 @@ class RemoteEngine:
 
     async def _events(
         self,
-        first: ChatCompletionChunk | CompletionChunk | None,
-        chunks: AsyncGenerator[ChatCompletionChunk | CompletionChunk, None],
+        first: ChatCompletionChunk | TextCompletion | None,
+        chunks: AsyncGenerator[ChatCompletionChunk | TextCompletion, None],
         n: int,
     ) -> AsyncIterator[StreamEvent]:
         counts: dict[int, int] = {}
