@@ -172,3 +172,55 @@ def count_params(model: nn.Module) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, total
+
+
+class PackForward(nn.Module):
+    """The model's decoder and output head in one ``forward``: DDP and FSDP hook the
+    wrapped module's forward, and the recipes call the decoder and the head separately
+    (the head at label positions only), so the wrapper makes both one call."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        src: torch.Tensor,
+        targets: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        startend_row_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = hidden_states(
+            self.model,
+            input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            startend_row_indices=startend_row_indices,
+        )
+        return gather_logps(self.model, h, src, targets)
+
+
+def label_logps(
+    model: Any,
+    input_ids: torch.Tensor,
+    src: torch.Tensor,
+    targets: torch.Tensor,
+    **masks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Log-probs of ``targets`` at flat positions ``src`` (``masks``: ``PackForward``'s
+    position_ids, attention_mask, startend_row_indices). ``model`` is a causal LM, or under
+    torchrun the data-parallel wrapper (``DistContext.dp``), so the recipes' forwards are the
+    same code in one process and on every rank; the inputs go to the model's device."""
+    fwd = (
+        model if isinstance(model, PackForward | nn.parallel.DistributedDataParallel) else PackForward(model)
+    )
+    dev = next(fwd.parameters()).device
+    out: torch.Tensor = fwd(
+        input_ids.to(dev),
+        src.to(dev),
+        targets.to(dev),
+        **{k: None if v is None else v.to(dev) for k, v in masks.items()},
+    )
+    return out

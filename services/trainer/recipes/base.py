@@ -179,7 +179,7 @@ class Recipe:
     @property
     def lm(self) -> Any:
         """What the recipes' forwards call: the model, or under torchrun once wrapped the
-        data-parallel wrapper (``distributed.label_logps`` takes either)."""
+        data-parallel wrapper (``modeling.label_logps`` takes either)."""
         if self.dist is not None and self.dist.dp is not None:
             return self.dist.dp
         return self.model

@@ -20,14 +20,14 @@ import torch
 
 from services.trainer.data.packing import Pack, pack_pairs, pair_logit_index, plan_packs
 from services.trainer.data.tokenize import PairSample, tokenize_pair
-from services.trainer.distributed import label_logps
 from services.trainer.losses import dpo_loss, orpo_loss, segment_sums, simpo_loss
+from services.trainer.modeling import label_logps
 from services.trainer.recipes.base import Recipe
 
 
 def pack_pair_logps(model: Any, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed answer log-probs (chosen, rejected), one per pair of the pack, pack order
-    (``model``: the LM or the data-parallel wrapper, see ``distributed.label_logps``)."""
+    (``model``: the LM or the data-parallel wrapper, see ``modeling.label_logps``)."""
     src, tgt_pos, seg = pair_logit_index(pack.triples)
     targets = pack.input_ids.reshape(-1)[tgt_pos]
     logps = label_logps(

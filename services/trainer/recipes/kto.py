@@ -24,8 +24,8 @@ import torch
 
 from services.trainer.data.packing import PromptGroup, group_logit_index, pack_groups
 from services.trainer.data.tokenize import KTOSample, tokenize_kto
-from services.trainer.distributed import label_logps
 from services.trainer.losses import kto_kl, kto_loss, kto_stats, kto_weights, segment_sums
+from services.trainer.modeling import label_logps
 from services.trainer.recipes.dpo import PreferenceRecipe, dpo_schedule
 
 
@@ -66,7 +66,7 @@ def prompt_groups(
 
 def pack_answer_logps(model: Any, pack: Any) -> torch.Tensor:
     """Summed log-probs of every answer of a group pack, pack order (``model``: the LM or the
-    data-parallel wrapper, see ``distributed.label_logps``)."""
+    data-parallel wrapper, see ``modeling.label_logps``)."""
     src, tgt_pos, seg = group_logit_index(pack.groups)
     targets = pack.input_ids.reshape(-1)[tgt_pos]
     n = sum(len(a) for _, a in pack.groups)
