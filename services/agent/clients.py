@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, ConfigDict
 
 from services.agent.chunks import Chunk
 from services.common.errors import InvalidRequest, NotFound
@@ -145,6 +146,40 @@ def _failed(exc: UpstreamFailed | httpx.HTTPError) -> Exception:
     return tandem_error("inference", exc)
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """A chat completion request to the inference service, as the agent sends it: the fields
+    given, and only those, are in the JSON (``None`` included when given). Sampling parameters
+    not named here (a pipeline's ``sampling``) pass as given, for the inference service to
+    validate; ``tools``, ``tool_choice``, ``parallel_tool_calls`` and ``response_format`` are
+    the OpenAI facade's caller's own or the agent loop's."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # a caller's as it came: the inference service checks it (a 400 naming it)
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: the fields given."""
+        return self.model_dump(exclude_unset=True)
+
+    def sampling(self) -> dict[str, Any]:
+        """What the request asks beyond its model and messages (a turn record keeps it)."""
+        return self.model_dump(exclude_unset=True, exclude={"model", "messages"})
+
+
 class InferenceClient:
     """OpenAI-style chat completions over the inference replicas, as typed objects; a replica
     that dies before answering is replaced by another (see services.common.replicas)."""
@@ -158,10 +193,10 @@ class InferenceClient:
         except (UpstreamFailed, httpx.HTTPError) as exc:
             raise tandem_error("inference", exc) from exc
 
-    async def complete(self, body: dict[str, Any]) -> ChatCompletion:
+    async def complete(self, request: ChatRequest) -> ChatCompletion:
         try:
             return await self.api.request_as(
-                ChatCompletion, "POST", "/chat/completions", {**body, "stream": False}
+                ChatCompletion, "POST", "/chat/completions", {**request.body(), "stream": False}
             )
         except (UpstreamFailed, httpx.HTTPError) as exc:
             raise _failed(exc) from exc
@@ -174,11 +209,11 @@ class InferenceClient:
         except (UpstreamFailed, httpx.HTTPError) as exc:
             raise tandem_error("inference", exc) from exc
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[ChatCompletionChunk]:
+    async def stream(self, request: ChatRequest) -> AsyncIterator[ChatCompletionChunk]:
         """The chunks of the answer; leaving early closes the connection, which the inference
         service takes as a disconnect and frees the slot."""
         try:
-            async for chunk in self.api.stream("/chat/completions", body, ChatCompletionChunk):
+            async for chunk in self.api.stream("/chat/completions", request.body(), ChatCompletionChunk):
                 yield chunk
         except (UpstreamFailed, httpx.HTTPError) as exc:
             raise _failed(exc) from exc

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.agent.clients import InferenceClient
+from services.agent.clients import ChatRequest, InferenceClient
 from services.common.errors import UpstreamError
 from services.common.replicas import ReplicaPool
 from tests.conftest import REPO_ROOT
@@ -95,13 +95,17 @@ def test_a_replica_killed_mid_load_loses_no_request(
     (victim, victim_proc), (survivor, _) = replicas
     pool = ReplicaPool([victim, survivor])
     client = InferenceClient(pool, api_key, timeout=300)
-    body = {"model": "tiny", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+
+    def ask(text: str) -> ChatRequest:
+        messages = [{"role": "user", "content": text}]
+        return ChatRequest(model="tiny", messages=messages, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+
     n_json, n_stream = 20, 12
     answered = 0
 
     async def whole(i: int) -> str:
         nonlocal answered
-        out = await client.complete({**body, "messages": [{"role": "user", "content": f"Question {i}"}]})
+        out = await client.complete(ask(f"Question {i}"))
         answered += 1
         assert out.choices[0].finish_reason == "length"
         return out.message.content or ""
@@ -110,9 +114,7 @@ def test_a_replica_killed_mid_load_loses_no_request(
         nonlocal answered
         text: list[str] = []
         try:
-            async for chunk in client.stream(
-                {**body, "messages": [{"role": "user", "content": f"Stream {i}"}]}
-            ):
+            async for chunk in client.stream(ask(f"Stream {i}")):
                 text += [c.text for c in chunk.choices]
         except UpstreamError as exc:
             return "".join(text), exc

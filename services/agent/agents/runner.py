@@ -34,7 +34,7 @@ from services.agent.agents.react import (
     step_response_format,
 )
 from services.agent.agents.tool_mode import FINAL_TOOL
-from services.agent.clients import InferenceClient
+from services.agent.clients import ChatRequest, InferenceClient
 from services.agent.events import (
     ErrorEvent,
     Event,
@@ -47,6 +47,7 @@ from services.agent.events import (
 from services.agent.tools.base import Tool, ToolContext, call_tool, constrained_input
 from services.agent.tools.mcp import untrusted_payload
 from services.common.errors import InvalidRequest
+from services.common.openai_wire import ChatCompletion
 
 log = logging.getLogger("tandem.agent.runner")
 STOP = ["\nObservation:", "Observation:"]
@@ -158,10 +159,12 @@ class AgentRunner:
         )
         self._last_observation = observation
 
-    def _record_call(self, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> None:
-        self.result.prompt = [dict(m) for m in messages]
-        self.result.sampling = dict(sampling)
+    async def _complete(self, request: ChatRequest) -> ChatCompletion:
+        """One model call, recorded as it was sent (a turn record keeps the last)."""
+        self.result.prompt = [dict(m) for m in request.messages]
+        self.result.sampling = request.sampling()
         self.result.completion = ""
+        return await self.inference.complete(request)
 
     def _answer_spans(self) -> list[str] | None:
         """What a forced final answer may be: spans of the last good tool result, or None (free)."""
@@ -193,18 +196,19 @@ class AgentRunner:
             self.result.steps = step
             # The last step may only finish: with a constrained engine it is always a final answer.
             forced = step > 1 and (step == self.max_steps or (self.finish_after_result and self._last_ok))
-            sampling: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0.0}
+            request = ChatRequest(
+                model=self.model, messages=messages, max_tokens=self.max_tokens, temperature=0.0
+            )
             if self.constrained:
                 # the JSON step must be able to close: its bounded strings plus the keys need this many tokens
-                sampling["max_tokens"] = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
+                request.max_tokens = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
                 # no stop strings: the grammar ends the step, and a stop inside a JSON string would break it
-                sampling["response_format"] = step_response_format(
+                request.response_format = step_response_format(
                     names, final_only=forced, answers=self._answer_spans() if forced else None, inputs=inputs
                 )
             else:
-                sampling["stop"] = STOP
-            self._record_call(messages, sampling)
-            resp = await self.inference.complete({"model": self.model, "messages": messages, **sampling})
+                request.stop = STOP
+            resp = await self._complete(request)
             text = resp.message.content or ""
             self.result.completion = text
             as_text = json_step_as_text(text) if self.constrained else None
@@ -288,30 +292,29 @@ class AgentRunner:
         ]
         for step in range(1, self.max_steps + 1):
             self.result.steps = step
-            sampling: dict[str, Any] = {"max_tokens": self.max_tokens, "tools": tools}
+            request = ChatRequest(model=self.model, messages=messages, max_tokens=self.max_tokens)
             spans = None
-            if self.constrained:
-                sampling["temperature"] = 0.0
-                sampling["max_tokens"] = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
+            if not self.constrained:
+                request.tools = tools
+            else:
+                request.temperature = 0.0
+                request.max_tokens = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
                 forced = step > 1 and (step == self.max_steps or (self.finish_after_result and self._last_ok))
                 spans = self._answer_spans() if forced else None
                 if spans:
                     # The answer copied from the result: the final_answer call's shape as the response
                     # format, without tools (a listed enum of spans would fill the prompt).
-                    del sampling["tools"]
-                    sampling["response_format"] = tool_mode.final_call_format(spans)
-                elif forced:
-                    sampling["tool_choice"] = {"type": "function", "function": {"name": FINAL_TOOL}}
-                    # only final_answer listed: the prompt then shows no other call to imitate
-                    sampling["tools"] = [tool_mode.FINAL_FUNCTION]
+                    request.response_format = tool_mode.final_call_format(spans)
                 else:
-                    sampling["tool_choice"] = "required"
-                if "tools" in sampling:
+                    # forced: only final_answer listed, so the prompt shows no other call to imitate
+                    request.tools = [tool_mode.FINAL_FUNCTION] if forced else tools
+                    request.tool_choice = (
+                        {"type": "function", "function": {"name": FINAL_TOOL}} if forced else "required"
+                    )
                     # one call a step: an array of calls lets a small model run on with invented calls
                     # until max_tokens cuts the JSON (the engine then returns it as plain content)
-                    sampling["parallel_tool_calls"] = False
-            self._record_call(messages, sampling)
-            resp = await self.inference.complete({"model": self.model, "messages": messages, **sampling})
+                    request.parallel_tool_calls = False
+            resp = await self._complete(request)
             message = resp.message
             self.result.completion = message.content or ""
             calls = message.tool_calls or []

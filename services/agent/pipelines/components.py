@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.agent.chunks import Chunk, Citation
 from services.agent.citations import CitationTracker, attribute
+from services.agent.clients import ChatRequest, StreamOptions
 from services.agent.events import CitationEvent, ResetEvent, TokenEvent, ToolCallDeltaEvent
 from services.agent.grounding import (
     MIN_SIMILARITY,
@@ -169,16 +170,20 @@ class InferenceGenerator:
         out.update(self.extra)
         return out
 
+    def request(self, ctx: RunContext, messages: list[dict[str, Any]]) -> ChatRequest:
+        """The request of an answer to ``messages``: :meth:`sampling`'s, and the usage asked for
+        (in the stream's last chunk)."""
+        return ChatRequest(
+            model=ctx.model,
+            messages=messages,
+            **self.sampling(ctx),
+            stream_options=StreamOptions(include_usage=True),
+        )
+
     async def generate(
         self, ctx: RunContext, messages: list[dict[str, Any]]
     ) -> AsyncIterator[str | ToolCallDelta]:
-        body: dict[str, Any] = {
-            "model": ctx.model,
-            "messages": messages,
-            **self.sampling(ctx),
-            "stream_options": {"include_usage": True},
-        }
-        async for chunk in ctx.inference.stream(body):
+        async for chunk in ctx.inference.stream(self.request(ctx, messages)):
             if chunk.usage is not None:
                 self.usage = {k: v for k, v in chunk.usage.model_dump().items() if isinstance(v, int)}
             for choice in chunk.choices:
