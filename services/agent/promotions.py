@@ -199,8 +199,12 @@ class Judged:
 
 
 def judge(q: GateQuestion, state: RunState) -> Judged:
+    """``matches`` is judged on what the model wrote (the shown answer where no model wrote one):
+    the groundedness guard's fallback to source sentences is the guard's answer, not the model's,
+    and a fine-tune the guard has to replace is not one that answers better."""
+    said = state.completion.strip() or state.answer
     return Judged(
-        matches=None if q.reference is None else states_reference(state.answer, q.reference, q.question),
+        matches=None if q.reference is None else states_reference(said, q.reference, q.question),
         groundedness=state.groundedness,
         cited=cites(c.to_dict() for c in state.citations),
     )
