@@ -21,7 +21,9 @@ from services.agent.pipelines.components import (
 )
 from services.agent.pipelines.selection import (
     answer_candidates,
+    asked_kind_words,
     extractive_text,
+    missing_names,
     not_found_text,
     select_answer,
 )
@@ -263,6 +265,45 @@ async def test_a_question_naming_what_no_source_mentions_is_not_found(embed: Any
     assert "They do not mention Elasticsearch." in text
     found = await select_answer("Which vector database holds a collection besides FAISS?", RETRIEVAL, embed)
     assert found.found and found.missing == []
+
+
+async def test_a_question_asking_for_a_kind_no_source_names_is_not_found(embed: Any) -> None:
+    # "stored in FAISS indexes on local disk" reads close, but no source names a blockchain
+    question = "Which blockchain stores the vectors of a collection?"
+    selection = await select_answer(question, RETRIEVAL, embed)
+    assert not selection.found and selection.missing == ["blockchain"]
+    assert "They do not mention blockchain." in not_found_text(
+        question, RETRIEVAL, selection.see_also, selection.missing
+    )
+    # the kind is named (as "database"): the sentence answers
+    found = await select_answer("Which vector database can hold a collection?", RETRIEVAL, embed)
+    assert found.found and found.missing == []
+
+
+@pytest.mark.parametrize(
+    ("question", "kind"),
+    [
+        ("Which blockchain stores Tandem's turn records?", {"blockchain"}),
+        ("What is the phone number of the support team?", {"phone"}),
+        ("Which Elasticsearch index holds the vectors?", {"elasticsearch", "index"}),
+        ("On which date was version 4.19.0 released?", set()),
+        ("What file format does Cachegrind write?", {"file", "format"}),
+        ("What is the maximum nesting depth of ASN.1 structures?", {"maximum", "nesting", "depth"}),
+        # names are compared as names; generic words and modal verbs name no kind
+        ("Which ITU-T recommendation specifies ASN.1?", set()),
+        ("With asn1_write_value, what value must be written to a SEQUENCE OF element?", set()),
+        ("What kind of index is used?", set()),
+        ("In Nordic mythology, what is Valgrind?", set()),
+    ],
+)
+def test_the_kind_a_question_asks_for(question: str, kind: set[str]) -> None:
+    assert asked_kind_words(question) == kind
+
+
+def test_british_and_american_spellings_of_the_kind_meet() -> None:
+    chunks = [Chunk("c#1", "d", "The library is released under the GNU Lesser General Public License.")]
+    assert missing_names("Under which licence is the library released?", chunks) == []
+    assert missing_names("Under which copyright is the library released?", chunks) == ["copyright"]
 
 
 async def test_extract_answers_with_the_selected_sentences_without_calling_the_model(embed: Any) -> None:

@@ -373,18 +373,110 @@ def select(
 
 def missing_names(question: str, chunks: list[Chunk]) -> list[str]:
     """The names and numbers of ``question`` (capitalised words after the first, words with a
-    digit, version numbers such as "5.0" whole) that no source's text or title holds, compared by
-    stem."""
+    digit, version numbers such as "5.0" whole), and the words naming what a "which / what ..."
+    question asks for, that no source's text or title holds, compared by stem."""
     texts = " ".join(c.text + " " + c.title for c in chunks)
     held = _stems(texts)
     asked: set[str] = set()
     for start, end in sentences(question):  # each sentence's first word is not a name
         asked |= names(question[start:end])
     missing = {n for n in asked if n not in STOPWORDS and stem(n) not in held}
+    spelt = {_spelling(w) for w in WORD_RE.findall(texts.lower())}
+    missing |= {w for w in asked_kind_words(question) if _spelling(w) not in spelt}
     held_versions = set(_VERSION.findall(texts))
     versions = {v for v in _VERSION.findall(question) if v not in held_versions}
     pieces = {p for v in versions for p in v.split(".")}
     return sorted((missing - pieces) | versions)
+
+
+# "Which blockchain stores ...", "What is the phone number of ...", "What file format does ...": the
+# words after "which" / "what (is the)" name the kind of thing asked for. Sources that never name
+# that kind cannot say which one it is.
+_ASKED_KIND = re.compile(
+    r"\b(?:which|what)\s+(?:(?:is|are|was|were)\s+(?:the|a|an)\s+)?((?:[\w.'-]+\s+){1,4})",
+    re.IGNORECASE,
+)
+# words that name no kind of their own ("what kind of", "which one"), and kinds a source states by
+# an instance, not by name ("18 August 2022" answers "which date", "$5" "what price")
+_GENERIC_KINDS = frozenset(
+    [
+        "kind",
+        "sort",
+        "type",
+        "one",
+        "ones",
+        "thing",
+        "things",
+        "way",
+        "part",
+        "value",
+        "values",
+        "date",
+        "dates",
+        "year",
+        "years",
+        "month",
+        "day",
+        "time",
+        "times",
+        "number",
+        "numbers",
+        "version",
+        "versions",
+        "size",
+        "amount",
+        "price",
+        "cost",
+        "name",
+        "names",
+        "count",
+        "length",
+        "duration",
+        "percentage",
+        "ratio",
+    ]
+)
+# a phrase ended by an article ends on its verb: "Which index holds the ..."
+_ARTICLES = frozenset({"the", "a", "an", "this", "that", "these", "those", "its", "their", "his", "her"})
+_KIND_WORDS = 3
+_MODALS = frozenset({"must", "can", "could", "may", "might", "shall", "should", "will", "would"})
+
+
+# British and American spellings of one word ("licence" / "license", "colour" / "color") meet.
+_SPELLINGS = (
+    (re.compile(r"ence(s?)$"), r"ense\1"),
+    (re.compile(r"our(s?)$"), r"or\1"),
+    (re.compile(r"is(e|ed|es|ing)$"), r"iz\1"),
+)
+
+
+def _spelling(word: str) -> str:
+    for pattern, repl in _SPELLINGS:
+        word = pattern.sub(repl, word)
+    return stem(word)
+
+
+def asked_kind_words(question: str) -> set[str]:
+    """The words a "which / what" question names its answer's kind with (lower-cased):
+    "phone" of "What is the phone number of ...", "file" and "format" of "What file format does
+    ...". The phrase is the words before the first stopword, at most three, less a last word an
+    article follows ("Which index holds the ...": a verb); where no stopword ends it that soon
+    ("Which blockchain stores Tandem's ..."), its first word alone ("blockchain"): without a
+    tagger, a verb cannot be told from a noun. Only plain words count (names and terms are
+    compared as names)."""
+    out: set[str] = set()
+    for match in _ASKED_KIND.finditer(question):
+        words = [w.lower().removesuffix("'s") for w in match.group(1).split()]
+        ends = next((i for i, w in enumerate(words) if w in STOPWORDS or w in _MODALS), None)
+        phrase = words[:ends] if ends is not None and ends <= _KIND_WORDS else words[:1]
+        if ends is not None and ends <= _KIND_WORDS and len(phrase) > 1 and words[ends] in _ARTICLES:
+            phrase = phrase[:-1]
+        out |= {
+            w
+            for w in phrase
+            if w.isalpha() and len(w) > 2 and w not in _GENERIC_KINDS and stem(w) not in FILLER
+        }
+    return out
 
 
 # "5.0", "3.19.0": compared whole ("version 5.0" is not in a text that says "4.19.0" and "0").
