@@ -396,44 +396,20 @@ _ASKED_KIND = re.compile(
     r"\b(?:which|what)\s+(?:(?:is|are|was|were)\s+(?:the|a|an)\s+)?((?:[\w.'-]+\s+){1,4})",
     re.IGNORECASE,
 )
-# words that name no kind of their own ("what kind of", "which one"), and kinds a source states by
-# an instance, not by name ("18 August 2022" answers "which date", "$5" "what price")
+# words that name no kind of their own ("what kind of", "which one"); kinds a source states by an
+# instance, not by name ("18 August 2022" answers "which date", "$5" "what price"); and the kinds
+# a manual writes as terms (`--smc-check=all` answers "which option", `celery -A ... worker`
+# "which command")
 _GENERIC_KINDS = frozenset(
     [
-        "kind",
-        "sort",
-        "type",
-        "one",
-        "ones",
-        "thing",
-        "things",
-        "way",
-        "part",
-        "value",
-        "values",
-        "date",
-        "dates",
-        "year",
-        "years",
-        "month",
-        "day",
-        "time",
-        "times",
-        "number",
-        "numbers",
-        "version",
-        "versions",
-        "size",
-        "amount",
-        "price",
-        "cost",
-        "name",
-        "names",
-        "count",
-        "length",
-        "duration",
-        "percentage",
-        "ratio",
+        *("kind", "sort", "type", "one", "ones", "thing", "things", "way", "part", "value", "values"),
+        *("date", "dates", "year", "years", "month", "day", "time", "times", "number", "numbers"),
+        *("version", "versions", "size", "amount", "price", "cost", "name", "names", "count", "length"),
+        *("duration", "percentage", "ratio"),
+        *("option", "options", "command", "commands", "function", "functions", "file", "files"),
+        *("variable", "variables", "flag", "flags", "program", "programs", "package", "packages"),
+        *("tool", "tools", "setting", "settings", "macro", "constant", "header", "argument"),
+        *("parameter", "field", "key", "library", "module", "class", "method", "error", "code"),
     ]
 )
 # a phrase ended by an article ends on its verb: "Which index holds the ..."
@@ -446,7 +422,7 @@ _MODALS = frozenset({"must", "can", "could", "may", "might", "shall", "should", 
 _SPELLINGS = (
     (re.compile(r"ence(s?)$"), r"ense\1"),
     (re.compile(r"our(s?)$"), r"or\1"),
-    (re.compile(r"is(e|ed|es|ing)$"), r"iz\1"),
+    (re.compile(r"is(e|ed|es|ing|ation|ations)$"), r"iz\1"),
 )
 
 
