@@ -1,7 +1,7 @@
 """Benchmark: what one turn of the learning loop changes, on questions it did not train on.
 
-``python -m benchmarks.loop [--user approving|strict] [--format kto|sft|dpo] [--train 200] [--eval 100]
-[--concurrency 8] [--out FILE]``
+``python -m benchmarks.loop [--user approving|strict] [--format kto|sft|dpo] [--hyperparameters JSON]
+[--train 200] [--eval 100] [--concurrency 8] [--out FILE]``
 
 Starts the whole stack with ``tandem up`` in a temporary home (embedded Valkey, the
 four services, the Celery workers, the default SmolLM2-135M), builds a collection of
@@ -302,9 +302,10 @@ async def run(args: argparse.Namespace, env: dict[str, str], key: str) -> Report
 
     print(f"train on feedback ({args.format}) ...", flush=True)
     started = time.perf_counter()
-    out = await client.check(
-        await client.http.post(f"{client.agent}/v1/feedback/train", json={"format": args.format})
-    )
+    train_body: dict[str, Any] = {"format": args.format}
+    if args.hyperparameters:
+        train_body["hyperparameters"] = json.loads(args.hyperparameters)
+    out = await client.check(await client.http.post(f"{client.agent}/v1/feedback/train", json=train_body))
     report.dataset = out["dataset"]
     job, name = await wait_for_adapter(client, out["job"]["id"], unseen[0], args.timeout)
     report.train_to_answer_s = time.perf_counter() - started
@@ -383,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--user", choices=("approving", "strict"), default="approving", help="the scripted user")
     ap.add_argument(
         "--format", choices=("kto", "sft", "dpo"), default="kto", help="train on feedback's format"
+    )
+    ap.add_argument(
+        "--hyperparameters", default="", help="JSON object passed with train on feedback (default: none)"
     )
     ap.add_argument("--train", type=int, default=200, help="answers the scripted user gives feedback on")
     ap.add_argument("--eval", type=int, default=100, help="unseen questions asked before and after")
