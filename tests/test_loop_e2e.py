@@ -95,7 +95,10 @@ def test_feedback_trains_an_adapter_that_serves_the_chat_after_a_restart(
         common = common.model_copy(update={"retrieval_url": r_url, "inference_url": i_url})
         t_url = stack.enter_context(serve_app(create_trainer(common, TrainerSettings())))
         common = common.model_copy(update={"trainer_url": t_url})
-        agent_settings = AgentSettings(tokenizer=str(smollm2_path), max_answer_tokens=40)
+        # every rated answer trains (the promotion gate's holdout is tests/agent/test_promotions.py's)
+        agent_settings = AgentSettings(
+            tokenizer=str(smollm2_path), max_answer_tokens=40, promotion_holdout=0.0
+        )
         agent = stack.enter_context(serve_app(create_agent(common, agent_settings)))
         stack.enter_context(celery_worker(env, log, "loop"))
 

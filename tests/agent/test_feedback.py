@@ -43,7 +43,13 @@ def reply(body: dict[str, Any]) -> str:
     return answer
 
 
-SETTINGS = {"dataset_min_rows_kto": 2, "dataset_min_rows_dpo": 1, "dataset_min_rows_sft": 1}
+# nothing held out for the promotion gate: these tests count every row (test_promotions.py holds out)
+SETTINGS = {
+    "dataset_min_rows_kto": 2,
+    "dataset_min_rows_dpo": 1,
+    "dataset_min_rows_sft": 1,
+    "promotion_holdout": 0.0,
+}
 
 
 @pytest.fixture(scope="module")
