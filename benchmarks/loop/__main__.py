@@ -1,6 +1,6 @@
 """Benchmark: what one turn of the learning loop changes, on questions it did not train on.
 
-``python -m benchmarks.loop [--user approving|strict] [--format kto|sft|dpo] [--hyperparameters JSON]
+``python -m benchmarks.loop [--user approving|strict] [--format auto|kto|sft|dpo] [--hyperparameters JSON]
 [--train 200] [--eval 100] [--concurrency 8] [--out FILE]``
 
 Starts the whole stack with ``tandem up`` in a temporary home (embedded Valkey, the
@@ -18,9 +18,10 @@ a scripted user through the public APIs only:
    the prompt gave that source);
 2. asks ``--eval`` other questions (their documents are in the same collection; the
    training never saw them) on the base model;
-3. clicks "train on feedback" (``POST /v1/feedback/train``: a LoRA job of ``--format`` with
-   no hyperparameters given, published when done), waits for the adapter to answer, and
-   for the promotion gate's verdict (``GET /v1/promotions``);
+3. clicks "train on feedback" (``POST /v1/feedback/train``: a LoRA job of ``--format``, by
+   default ``auto``, the agent's choice of ``kto`` or ``dpo``, with ``--hyperparameters`` or
+   none, published when done), waits for the adapter to answer, and for the promotion gate's
+   verdict (``GET /v1/promotions``);
 4. asks the same unseen questions with ``llm`` = the adapter, and once more with no ``llm``:
    what the tenant's chat serves after the gate (the adapter if it was promoted).
 
@@ -345,7 +346,7 @@ def table(report: Report) -> str:
     rows.append("")
     rows.append(
         f"Feedback ({report.user} user): {report.train_answers} answers, {report.thumbs_up} up, "
-        f"{report.thumbs_down} down, {report.corrections} corrections; {report.format} dataset "
+        f"{report.thumbs_down} down, {report.corrections} corrections; {report.dataset.get('format')} dataset "
         f"{report.dataset.get('rows')} rows {report.dataset.get('counts')}; train on feedback -> adapter "
         f"answering: {report.train_to_answer_s / 60:.1f} min"
     )
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--user", choices=("approving", "strict"), default="approving", help="the scripted user")
     ap.add_argument(
-        "--format", choices=("kto", "sft", "dpo"), default="kto", help="train on feedback's format"
+        "--format", choices=("auto", "kto", "sft", "dpo"), default="auto", help="train on feedback's format"
     )
     ap.add_argument(
         "--hyperparameters", default="", help="JSON object passed with train on feedback (default: none)"

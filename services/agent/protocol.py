@@ -370,7 +370,11 @@ class DatasetRequest(BaseModel):
 class TrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    format: DatasetFormat = "kto"
+    format: DatasetFormat | Literal["auto"] = Field(
+        default="auto",
+        description="auto: kto where thumbs up are at least as many as corrections, dpo where "
+        "corrections outnumber them (measured: benchmarks/RESULTS.md, the loop)",
+    )
     since: float | None = Field(None, ge=0)
     pipeline: str | None = None
     model: str | None = None

@@ -529,6 +529,25 @@ def test_train_on_feedback_starts_a_published_lora_job_on_the_answering_model(st
     )
 
 
+def test_train_on_feedback_picks_dpo_where_corrections_outnumber_thumbs_up(stack: Stack, key: str) -> None:
+    answers = [ask(stack, key, q) for q in (FRANCE, GERMANY, FRANCE)]
+    rate(stack, key, answers[0]["message_id"], 1)
+    rate(stack, key, answers[1]["message_id"], -1, correction="Berlin [1].")
+    rate(stack, key, answers[2]["message_id"], -1, correction="Paris is the capital [1].")
+
+    def train() -> dict[str, Any]:
+        resp = httpx.post(f"{stack.url}/v1/feedback/train", json={}, headers=auth(key), timeout=30)
+        assert resp.status_code == 200, resp.text
+        out: dict[str, Any] = resp.json()
+        assert stack.trainer.jobs[-1]["type"] == out["dataset"]["format"]
+        return out
+
+    out = train()  # 2 corrections, 1 thumbs up: each correction chosen over the answer it corrects
+    assert out["dataset"]["format"] == "dpo" and out["dataset"]["counts"]["corrections"] == 2
+    rate(stack, key, ask(stack, key, GERMANY)["message_id"], 1)
+    assert train()["dataset"]["format"] == "kto"  # as many thumbs up as corrections
+
+
 # -- 4. llm ------------------------------------------------------------------------------------------
 
 

@@ -416,12 +416,12 @@ def test_train_on_feedback_follows_the_job_to_the_published_adapter(page: Any, s
     sign_in(page, site)
     page.goto(f"{site}/#/feedback")
     page.locator(".fb-item").first.wait_for()
-    assert page.get_by_label("Format").input_value() == "kto"
+    assert page.get_by_label("Format").input_value() == "auto"  # the agent picks KTO or DPO
     assert page.locator("#train-model").input_value() == "SmolLM2-135M-Instruct"
     page.get_by_role("button", name="Train on feedback").click()
     result = page.locator("#train-result .adapter-name")
     result.wait_for(timeout=30_000)
-    assert started == [{"format": "kto", "model": "SmolLM2-135M-Instruct"}]
+    assert started == [{"format": "auto", "model": "SmolLM2-135M-Instruct"}]
     assert result.inner_text() == "ft-acme-kto-2"
     assert "model picker" in page.locator("#train-result").inner_text()
     assert page.locator("#train-status").get_attribute("data-status") == "succeeded"

@@ -71,6 +71,7 @@ export function feedbackPage(root: HTMLElement) {
   const format = h(
     "select",
     { id: "train-format" },
+    h("option", { value: "auto" }, "Auto: KTO, or DPO where corrections outnumber thumbs up"),
     h("option", { value: "kto" }, "KTO: good and bad answers, corrections as good"),
     h("option", { value: "dpo" }, "DPO: corrections and chosen drafts as pairs"),
     h("option", { value: "sft" }, "SFT: good answers and corrections"),
@@ -297,7 +298,8 @@ export function feedbackPage(root: HTMLElement) {
       const counts = Object.entries(ds.counts ?? {})
         .map(([k, v]) => `${v} ${k}`)
         .join(", ");
-      followTraining(jobId, `Dataset ${ds.file_id ?? "?"}: ${ds.rows ?? "?"} rows${counts ? ` (${counts})` : ""}, ${format.value.toUpperCase()}.`);
+      const chosen = (out.dataset as { format?: string } | undefined)?.format ?? format.value;
+      followTraining(jobId, `Dataset ${ds.file_id ?? "?"}: ${ds.rows ?? "?"} rows${counts ? ` (${counts})` : ""}, ${chosen.toUpperCase()}.`);
     } catch (exc) {
       // Too little feedback is a 400 whose message names the counts found and needed.
       trainErr.textContent = (exc as Error).message;
