@@ -136,7 +136,7 @@ class PromotionStore:
             row = db.execute("SELECT data FROM model_choice WHERE tenant = ?", (tenant,)).fetchone()
             return ModelChoice.model_validate_json(row[0]) if row else ModelChoice()
 
-        return await self.turns.transact(fn)
+        return await self.turns.read(fn)
 
     async def save_choice(self, tenant: str, choice: ModelChoice) -> None:
         def fn(db: sqlite3.Connection) -> None:
@@ -166,7 +166,7 @@ class PromotionStore:
             ).fetchall()
             return [Promotion.model_validate_json(r[0]) for r in rows]
 
-        return await self.turns.transact(fn)
+        return await self.turns.read(fn)
 
     async def pending(self) -> list[tuple[str, Promotion]]:
         def fn(db: sqlite3.Connection) -> list[tuple[str, Promotion]]:
@@ -176,7 +176,7 @@ class PromotionStore:
             ).fetchall()
             return [(r[0], Promotion.model_validate_json(r[1])) for r in rows]
 
-        return await self.turns.transact(fn)
+        return await self.turns.read(fn)
 
 
 # -- judging answers ---------------------------------------------------------------------------

@@ -97,6 +97,8 @@ class TurnStore(Protocol):
 
     async def recent_chat_turns(self, tenant: str, limit: int, exclude: set[str]) -> list[TurnRecord]: ...
 
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T: ...
+
     async def transact(self, fn: Callable[[sqlite3.Connection], T]) -> T: ...
 
     def close(self) -> None: ...
@@ -220,6 +222,16 @@ class SqliteTurnStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """``fn``'s reads, without taking SQLite's write lock (``transact`` does): a chat turn
+        reads its tenant's model choice on the hot path beside the record writes."""
+
+        def call() -> T:
+            with self._lock:
+                return fn(self._db)
+
+        return await asyncio.to_thread(call)
 
     async def transact(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         def call() -> T:
