@@ -28,7 +28,8 @@ def acting_for(tenant: str) -> Iterator[None]:
         _acting_tenant.reset(token)
 
 
-async def _add_request_id(request: httpx.Request) -> None:
+def _tag(request: httpx.Request) -> None:
+    """The current request's id and the tenant acted for, on a call made while serving it."""
     rid = current_request_id()
     if rid and REQUEST_ID_HEADER not in request.headers:
         request.headers[REQUEST_ID_HEADER] = rid
@@ -37,12 +38,30 @@ async def _add_request_id(request: httpx.Request) -> None:
         request.headers[ACT_FOR_HEADER] = tenant
 
 
+async def _add_request_id(request: httpx.Request) -> None:
+    _tag(request)
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def service_client(
     base_url: str = "", api_key: str | None = None, timeout: float | httpx.Timeout = 60.0
 ) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     client = httpx.AsyncClient(
-        base_url=base_url, headers=headers, timeout=timeout, event_hooks={"request": [_add_request_id]}
+        base_url=base_url, headers=_auth(api_key), timeout=timeout, event_hooks={"request": [_add_request_id]}
+    )
+    instrument_client(client)
+    return client
+
+
+def sync_service_client(
+    base_url: str = "", api_key: str | None = None, timeout: float | httpx.Timeout = 60.0
+) -> httpx.Client:
+    """:func:`service_client` for synchronous code (worker threads): the same headers and spans."""
+    client = httpx.Client(
+        base_url=base_url, headers=_auth(api_key), timeout=timeout, event_hooks={"request": [_tag]}
     )
     instrument_client(client)
     return client

@@ -1,23 +1,27 @@
 """The one client of OpenAI-compatible HTTP APIs (Tandem's inference service, vLLM, OpenAI...),
 over one or several replicas of the server (see :mod:`services.common.replicas`).
 
-It raises what :mod:`services.common.upstream` defines (an error status as
-:class:`UpstreamStatus`, an unreadable answer as :class:`UpstreamBroken`) and httpx's own
-errors when no replica could be reached; each caller maps those to its own errors (the agent
-to HTTP errors with :func:`~services.common.upstream.tandem_error`, the remote engine to
-engine errors).
+Async callers use :meth:`OpenAIClient.request` and :meth:`~OpenAIClient.stream`; synchronous
+ones (retrieval's embedder and reranker, in worker threads) :meth:`~OpenAIClient.request_sync`,
+with the same replicas, retry and errors. It raises what :mod:`services.common.upstream`
+defines (an error status as :class:`UpstreamStatus`, an unreadable answer as
+:class:`UpstreamBroken`) and httpx's own errors when no replica could be reached; each caller
+maps those to its own errors (the agent to HTTP errors with
+:func:`~services.common.upstream.tandem_error`, the remote engine to engine errors, retrieval
+with :func:`~services.common.upstream.model_server_errors`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from services.common.http import service_client
+from services.common.http import service_client, sync_service_client
 from services.common.openai_stream import Chunk, openai_chunks
 from services.common.replicas import ReplicaPool, api_root
 from services.common.upstream import UpstreamBroken, UpstreamReply, UpstreamStatus
@@ -26,9 +30,9 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 class OpenAIClient:
-    """``persistent``: one connection pool for the client's life (close it with :meth:`aclose`);
-    otherwise a connection per call, for clients made per request (the agent's, with the
-    caller's key)."""
+    """``persistent``: one connection pool for the client's life (close it with :meth:`aclose`,
+    and :meth:`close` after synchronous calls); otherwise a connection per call, for clients made
+    per request (the agent's, with the caller's key)."""
 
     def __init__(
         self,
@@ -46,19 +50,47 @@ class OpenAIClient:
         self.service = service
         self.api_key = api_key
         self.timeout = timeout
-        self._shared = service_client("", api_key, timeout) if persistent else None
+        self.persistent = persistent
+        # each pool made on its first call, so a client used one way only holds one
+        self._shared: httpx.AsyncClient | None = None
+        self._shared_sync: httpx.Client | None = None
+        self._sync_lock = threading.Lock()  # worker threads may make the first calls at once
 
     async def aclose(self) -> None:
         if self._shared is not None:
             await self._shared.aclose()
+        self.close()
+
+    def close(self) -> None:
+        if self._shared_sync is not None:
+            self._shared_sync.close()
 
     def _http(self) -> contextlib.AbstractAsyncContextManager[httpx.AsyncClient]:
-        if self._shared is not None:
-            return contextlib.nullcontext(self._shared)
-        return service_client("", self.api_key, self.timeout)
+        if not self.persistent:
+            return service_client("", self.api_key, self.timeout)
+        if self._shared is None:
+            self._shared = service_client("", self.api_key, self.timeout)
+        return contextlib.nullcontext(self._shared)
+
+    def _http_sync(self) -> contextlib.AbstractContextManager[httpx.Client]:
+        if not self.persistent:
+            return sync_service_client("", self.api_key, self.timeout)
+        with self._sync_lock:
+            if self._shared_sync is None:
+                self._shared_sync = sync_service_client("", self.api_key, self.timeout)
+            return contextlib.nullcontext(self._shared_sync)
 
     def _status(self, resp: httpx.Response) -> UpstreamStatus:
         return UpstreamStatus(UpstreamReply.of(self.service, resp))
+
+    def _json(self, resp: httpx.Response, path: str) -> Any:
+        """The JSON of a (read) answer; an error status or no JSON raises."""
+        if resp.status_code >= 400:
+            raise self._status(resp)
+        try:
+            return resp.json()
+        except ValueError:
+            raise UpstreamBroken(f"{self.service} answered {path} with no JSON") from None
 
     async def request(
         self, method: str, path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True
@@ -68,12 +100,17 @@ class OpenAIClient:
             with attempt:
                 async with self._http() as http:
                     resp = await http.request(method, api_root(attempt.url) + path, json=body)
-                if resp.status_code >= 400:
-                    raise self._status(resp)
-                try:
-                    return resp.json()
-                except ValueError:
-                    raise UpstreamBroken(f"{self.service} answered {path} with no JSON") from None
+                return self._json(resp, path)
+        raise RuntimeError(f"{self.service}: no replica was tried")  # attempts() always yields one
+
+    def request_sync(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True
+    ) -> Any:
+        """:meth:`request` for synchronous code: the same replicas, retry and errors, and the
+        caller's trace goes on (a client span per call)."""
+        for attempt in self.pool.attempts(idempotent=idempotent):
+            with attempt, self._http_sync() as http:
+                return self._json(http.request(method, api_root(attempt.url) + path, json=body), path)
         raise RuntimeError(f"{self.service}: no replica was tried")  # attempts() always yields one
 
     async def request_as(

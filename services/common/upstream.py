@@ -11,6 +11,8 @@ caller's 401), another 4xx is the caller's bad input (400), anything else a 502.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,3 +115,24 @@ def tandem_error(
     if isinstance(exc, UpstreamBroken):
         return errors.UpstreamError(f"{service}: {exc}")
     return unreachable(service, exc)
+
+
+@contextmanager
+def model_server_errors(server: str, url: str, *, model: str, param: str) -> Iterator[None]:
+    """A failed call to a model server made inside, as the caller's error. ``model`` is what the
+    setting ``param`` (``embedding_model``, ...) named: a model the server does not serve (its
+    404) is that setting's fault (400); anything else is the server's (502), named by ``server``
+    ("embedding server") and ``url``."""
+    try:
+        yield
+    except UpstreamStatus as exc:
+        status = exc.reply.status_code
+        if status == 404:
+            raise errors.InvalidRequest(
+                f"{param}: {model!r} is not served by the {server} {url}", param=param
+            ) from None
+        raise errors.UpstreamError(f"{server} {url} answered {status}: {exc.reply.message}") from None
+    except UpstreamBroken as exc:
+        raise errors.UpstreamError(f"{server} {url}: {exc}") from None
+    except httpx.HTTPError as exc:
+        raise errors.UpstreamError(f"{server} {url} unreachable: {type(exc).__name__}: {exc}") from None

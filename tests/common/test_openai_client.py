@@ -295,3 +295,22 @@ def test_an_error_status_is_an_answer_not_a_death(replicas: dict[str, tuple[str,
         asyncio.run(client.request("GET", "/models"))
     assert err.value.reply.status_code == 503 and err.value.reply.message == "not ready"
     assert client.pool.retries == 0 and client.pool.replicas[0].healthy is True
+
+
+def test_a_synchronous_call_fails_over_and_maps_errors_as_an_async_one(
+    replicas: dict[str, tuple[str, list[str]]],
+) -> None:
+    """request_sync (worker threads: retrieval's embedder) over the same replicas and retry."""
+    good, _ = replicas["good"]
+    dropped, _ = replicas["before-token"]
+    body = {"model": "m", "messages": []}
+    for dead in (f"http://127.0.0.1:{free_port()}", dropped):  # refused, then dropped mid-answer
+        client = client_for(dead, good)
+        got = client.request_sync("POST", "/chat/completions", body)
+        assert got["choices"][0]["message"]["content"] == "good" and client.pool.retries == 1
+        assert client.pool.replicas[0].healthy is False
+    client = OpenAIClient(replicas["quietly"][0], "k", timeout=10, persistent=True)
+    with pytest.raises(UpstreamStatus) as err:  # an error status is an answer: no retry
+        client.request_sync("GET", "/models")
+    assert err.value.reply.status_code == 503 and err.value.reply.message == "not ready"
+    client.close()

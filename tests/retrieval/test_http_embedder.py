@@ -4,6 +4,7 @@ loaded in process."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,13 +12,17 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
 
+from services.common import telemetry
 from services.common.config import CommonSettings
+from services.common.errors import InvalidRequest, UpstreamError
 from services.inference.config import InferenceSettings
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.embedder import HttpEmbedder, SentenceTransformerEmbedder
 from tests.conftest import auth
-from tests.helpers.servers import serve_app
+from tests.helpers.servers import free_port, serve_app
 from tests.retrieval.test_protocols import make_tiny_cross_encoder
 from tests.retrieval.test_protocols import test_embedder_conformance as check_embedder_protocol
 
@@ -122,8 +127,6 @@ def test_http_embedder_matches_the_local_one_and_checks_its_input(
     np.testing.assert_allclose(remote.embed_query("cats"), local.embed_query("cats"), atol=1e-5)
     assert remote.token_offsets(texts[0]) == local.token_offsets(texts[0])
 
-    from services.common.errors import InvalidRequest, UpstreamError
-
     with pytest.raises(InvalidRequest) as err:
         _ = HttpEmbedder(embedding_server, api_key, "no-such-model").dim
     assert err.value.param == "embedding_model"
@@ -190,3 +193,97 @@ def test_search_reranks_through_the_rerank_server_as_in_process(
         manager.close_all()
     assert [c for c, _ in hits["remote"]] == [c for c, _ in hits["local"]]
     np.testing.assert_allclose([s for _, s in hits["remote"]], [s for _, s in hits["local"]], atol=1e-5)
+
+
+def model_server() -> tuple[FastAPI, list[dict[str, str]]]:
+    """A stand-in inference service over real HTTP: its model "served" answers, "missing" is not
+    served (404), "broken" fails (500), "garbled" answers with no JSON; the headers it saw."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    fast = Tokenizer(WordLevel({"[UNK]": 0, "cats": 1}, unk_token="[UNK]"))
+    fast.pre_tokenizer = Whitespace()  # type: ignore[assignment]
+    app = FastAPI()
+    seen: list[dict[str, str]] = []
+
+    def failure(model: str) -> Any:
+        if model == "missing":
+            return JSONResponse({"error": {"message": f"model {model!r} not found", "param": "model"}}, 404)
+        if model == "broken":
+            return JSONResponse({"error": {"message": "engine died", "type": "server_error"}}, 500)
+        if model == "garbled":
+            return PlainTextResponse("not json")
+        return None
+
+    @app.get("/v1/embeddings/tokenizer/{model}")
+    async def tokenizer(model: str, request: Request) -> Any:
+        seen.append(dict(request.headers))
+        return failure(model) or {"tokenizer": fast.to_str(), "max_tokens": 16, "dimensions": 2}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Any:
+        seen.append(dict(request.headers))
+        texts = (await request.json())["input"]
+        vectors = [np.array([i, 1], dtype="<f4") for i in range(len(texts))]
+        return {
+            "data": [
+                {"index": i, "embedding": base64.b64encode(v.tobytes()).decode()}
+                for i, v in enumerate(vectors)
+            ]
+        }
+
+    @app.post("/v1/rerank")
+    async def rerank(request: Request) -> Any:
+        body = await request.json()
+        scored = [{"index": i, "relevance_score": float(i)} for i in range(len(body["documents"]))]
+        return failure(body["model"]) or {"results": scored}
+
+    return app, seen
+
+
+def test_remote_failures_name_the_setting_or_the_server(api_key: str) -> None:
+    """Over the shared OpenAI client: a model the server does not serve is the setting's 400,
+    anything else the named server's 502; the call carries the key and the caller's trace."""
+    from services.retrieval.core.reranker import HttpReranker
+
+    app, seen = model_server()
+    with serve_app(app) as url:
+        embedder = HttpEmbedder(f"{url}/v1/", api_key, "served")
+        assert embedder.url == url
+        provider = telemetry.make_provider("retrieval")
+        token = telemetry._service_provider.set(provider)  # as a request of the service would
+        try:
+            with telemetry.span("ingest"):
+                trace_id = telemetry.current_trace_id()
+                vectors = embedder.embed_documents(["cats", "dogs", "cats dogs"])
+        finally:
+            telemetry._service_provider.reset(token)
+        np.testing.assert_array_equal(vectors, [[0, 1], [1, 1], [2, 1]])
+        assert embedder.token_offsets("cats dogs") == [(0, 4), (5, 9)]
+        for headers in seen:
+            assert headers["authorization"] == f"Bearer {api_key}"
+            assert headers["traceparent"].split("-")[1] == trace_id  # the embedding call joins the trace
+
+        with pytest.raises(InvalidRequest) as bad:
+            _ = HttpEmbedder(url, api_key, "missing").dim
+        assert (bad.value.status_code, bad.value.param) == (400, "embedding_model")
+        assert bad.value.message == f"embedding_model: 'missing' is not served by the embedding server {url}"
+        with pytest.raises(UpstreamError) as failed:
+            _ = HttpEmbedder(url, api_key, "broken").dim
+        assert failed.value.status_code == 502
+        assert failed.value.message == f"embedding server {url} answered 500: engine died"
+        with pytest.raises(UpstreamError, match=f"^embedding server {url}: .*no JSON"):
+            _ = HttpEmbedder(url, api_key, "garbled").dim
+
+        np.testing.assert_array_equal(HttpReranker(url, api_key, "served").score("q", ["a", "b"]), [0, 1])
+        with pytest.raises(InvalidRequest) as bad:
+            HttpReranker(url, api_key, "missing").score("q", ["a"])
+        assert bad.value.param == "reranker_model"
+        assert bad.value.message == f"reranker_model: 'missing' is not served by the rerank server {url}"
+        with pytest.raises(UpstreamError, match=f"^rerank server {url} answered 500: engine died$"):
+            HttpReranker(url, api_key, "broken").score("q", ["a"])
+
+    gone = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(UpstreamError, match=f"^embedding server {gone} unreachable: ConnectError"):
+        _ = HttpEmbedder(gone, api_key, "served").dim

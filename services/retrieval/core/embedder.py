@@ -255,6 +255,9 @@ def get_embedder(
         return emb
 
 
+SERVER = "embedding server"  # the inference service, as HttpEmbedder's errors name it
+
+
 class HttpEmbedder:
     """``Embedder`` over an inference service's ``/v1/embeddings``: many retrieval replicas share
     one embedding server and load no model. Chunking needs the model's token offsets on every
@@ -265,12 +268,10 @@ class HttpEmbedder:
     def __init__(
         self, url: str, api_key: str, model: str, *, batch_size: int = 64, timeout: float = 120.0
     ) -> None:
-        from services.retrieval.core.inference_client import InferenceClient
+        from services.common.openai_client import OpenAIClient
 
-        self._client = InferenceClient(
-            url, api_key, model, role="embedding server", param="embedding_model", timeout=timeout
-        )
-        self.url = self._client.url
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self._client = OpenAIClient(self.url, api_key, service=SERVER, timeout=timeout, persistent=True)
         self.name = model
         self.batch_size = batch_size
         self._meta_lock = threading.Lock()
@@ -286,12 +287,19 @@ class HttpEmbedder:
                 return
             from tokenizers import Tokenizer
 
-            body = self._client.request("GET", f"/v1/embeddings/tokenizer/{self.name}")
+            body = self._request("GET", f"/embeddings/tokenizer/{self.name}")
             fast = Tokenizer.from_str(body["tokenizer"])
             fast.no_truncation()
             fast.no_padding()
             self._fast, self._max_tokens = fast, int(body["max_tokens"])
             self._dim = int(body["dimensions"])
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """The JSON answer of ``/v1{path}``; failures named for ``embedding_model``."""
+        from services.common.upstream import model_server_errors
+
+        with model_server_errors(SERVER, self.url, model=self.name, param="embedding_model"):
+            return self._client.request_sync(method, path, body)
 
     @property
     def dim(self) -> int:
@@ -310,16 +318,11 @@ class HttpEmbedder:
 
         from services.common.errors import UpstreamError
 
-        body = self._client.request(
+        body = self._request(
             "POST",
-            "/v1/embeddings",
+            "/embeddings",
             # truncate_prompt_tokens=-1: cut at the model's limit, as the in-process embedder does.
-            json={
-                "model": self.name,
-                "input": texts,
-                "encoding_format": "base64",
-                "truncate_prompt_tokens": -1,
-            },
+            {"model": self.name, "input": texts, "encoding_format": "base64", "truncate_prompt_tokens": -1},
         )
         rows = sorted(body["data"], key=lambda d: d["index"])
         out = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in rows])
@@ -327,7 +330,7 @@ class HttpEmbedder:
             # The collection's index was built for self.dim: a server now serving another model
             # under this name must not corrupt it.
             raise UpstreamError(
-                f"embedding server {self.url} gave vectors of shape {out.shape} for {len(texts)} texts; "
+                f"{SERVER} {self.url} gave vectors of shape {out.shape} for {len(texts)} texts; "
                 f"{self.name} is {self.dim}-dimensional"
             )
         return out.astype(np.float32)

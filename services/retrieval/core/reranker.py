@@ -57,29 +57,32 @@ class CrossEncoderReranker:
         return arr if arr.ndim == 1 else arr[:, -1]
 
 
+SERVER = "rerank server"  # the inference service, as HttpReranker's errors name it
+
+
 class HttpReranker:
     """``Reranker`` over an inference service's ``/v1/rerank`` (vLLM's and Jina's shape), so
     retrieval replicas share one cross-encoder server."""
 
     def __init__(self, url: str, api_key: str, model: str, *, timeout: float = 120.0) -> None:
-        from services.retrieval.core.inference_client import InferenceClient
+        from services.common.openai_client import OpenAIClient
 
-        self._client = InferenceClient(
-            url, api_key, model, role="rerank server", param="reranker_model", timeout=timeout
-        )
-        self.url = self._client.url
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self._client = OpenAIClient(self.url, api_key, service=SERVER, timeout=timeout, persistent=True)
         self.name = model
 
     def score(self, query: str, texts: Sequence[str]) -> np.ndarray:
         from services.common.errors import UpstreamError
+        from services.common.upstream import model_server_errors
 
         if not texts:
             return np.zeros(0, dtype=np.float32)
         body = {"model": self.name, "query": query, "documents": list(texts), "return_documents": False}
-        results = self._client.request("POST", "/v1/rerank", json=body)["results"]
+        with model_server_errors(SERVER, self.url, model=self.name, param="reranker_model"):
+            results = self._client.request_sync("POST", "/rerank", body)["results"]
         out = np.zeros(len(texts), dtype=np.float32)
         if sorted(r["index"] for r in results) != list(range(len(texts))):
-            raise UpstreamError(f"rerank server {self.url} did not score each of the {len(texts)} texts once")
+            raise UpstreamError(f"{SERVER} {self.url} did not score each of the {len(texts)} texts once")
         for r in results:
             out[r["index"]] = r["relevance_score"]
         return out
