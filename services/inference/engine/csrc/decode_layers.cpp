@@ -1,18 +1,21 @@
 // The engine's C++ kernels for CPU decode and prompt chunks (native.py), AVX2 CPUs.
 //
-// decode_own: the decoder layers of one decode step of the lean forward (fused_decode.py) with
-// the operations between the int4 products computed here; prompt_own: the prompt chunks' layers
-// (fused_prompt.py) with bf16 block products; q8_linear: the output head's decode rows against
-// Q8_0 blocks. What goes is the Python around ~60 small ATen calls a layer (argument parsing,
-// torch-function checks, tensor wrappers): at one row a step is ~1,800 of them, and on a CPU
-// that plumbing cost more than the int4 products did. The embeddings, RoPE's tables, the final
-// norm and the head's dispatch stay in Python.
+// One loop over the Llama decoder layers (own::layer_loop) with the operations between the
+// products computed here, and two backends of its products and attention: decode_own, the rows
+// of one decode step of the lean forward (fused_decode.py; int4 products, each row's attention
+// over its own keys), and prompt_own, the prompt chunks' layers (fused_prompt.py; bf16 block
+// products, the prompt attention as batched ATen products). q8_linear: the output head's decode
+// rows against Q8_0 blocks. What goes is the Python around ~60 small ATen calls a layer
+// (argument parsing, torch-function checks, tensor wrappers): at one row a step is ~1,800 of
+// them, and on a CPU that plumbing cost more than the int4 products did. The embeddings, RoPE's
+// tables, the final norm and the head's dispatch stay in Python.
 
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef CPU_CAPABILITY_AVX2
@@ -67,13 +70,12 @@ Tensor attention(const Tensor& query, const Tensor& key, const Tensor& value, co
 
 #ifdef CPU_CAPABILITY_AVX2
 // ------------------------------------------------------------------------------------------------
-// decode_own: the decoder layers of one decode step with the operations between the int4
-// products computed here (add + RMSNorm, RoPE + the KV write, each row's attention over its own
-// keys, SiLU * up), AVX2 vectors through ATen's Vectorized, rows in parallel through
-// at::parallel_for (torch's own thread pool: a second OpenMP runtime would spin beside torch's on
-// the same cores). A layer is then 4 ATen calls instead of ~60. Not the Python loop's bits (its
-// own sums; within ~1e-5 of them), but every row's numbers depend only on that row: the same
-// alone as in any batch.
+// The operations between the products (add + RMSNorm, RoPE + the KV write, a decode row's
+// attention over its own keys, SiLU * up, LoRA rows), AVX2 vectors through ATen's Vectorized,
+// rows in parallel through at::parallel_for (torch's own thread pool: a second OpenMP runtime
+// would spin beside torch's on the same cores). A decode layer is then 4 ATen calls instead of
+// ~60. Not the Python loop's bits (its own sums; within ~1e-5 of them), but every row's numbers
+// depend only on that row: the same alone as in any batch.
 
 namespace own {
 
@@ -307,7 +309,7 @@ Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const
   return out;
 }
 
-// the rows' steps between the products, alike in decode_own and prompt_own
+// the layer loop's steps between the products, row by row
 // x += the product's row (delta: none for the first layer's input); h = the next norm of x
 inline void residual_norm_rows(Tensor& x, const ProductRows* delta, const Tensor& weight, float eps, Tensor& h32,
                                Tensor& h16) {
@@ -357,67 +359,9 @@ inline void to_bf16_rows(const Tensor& a32, Tensor& a16) {
   rows(a32.size(0), [&](int64_t t) { to_bf16(a16.data_ptr<at::BFloat16>() + t * n, a32.data_ptr<float>() + t * n, n); });
 }
 
-template <int64_t D>
-Tensor layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
-              const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
-              const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
-              const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions, int64_t heads,
-              int64_t kv_heads, int64_t intermediate, double eps, double scaling, int64_t group, Lora& lora) {
-  x = x.contiguous().clone();
-  const int64_t tokens = x.size(0), hidden = x.size(1);
-  const int64_t width = (heads + 2 * kv_heads) * D, nq = heads * D, per_kv = heads / kv_heads;
-  const auto f32 = x.options(), bf16 = x.options().dtype(at::kBFloat16);
-  Tensor h32 = at::empty({tokens, hidden}, f32), h16 = at::empty({tokens, hidden}, bf16);
-  Tensor a32 = at::empty({tokens, nq}, f32), a16 = at::empty({tokens, nq}, bf16);
-  Tensor m32 = at::empty({tokens, intermediate}, f32), m16 = at::empty({tokens, intermediate}, bf16);
-  const float* cos_p = cos.data_ptr<float>();
-  const float* sin_p = sin.data_ptr<float>();
-  const int64_t* slot_p = slots.data_ptr<int64_t>();
-  const int64_t* pos_p = positions.data_ptr<int64_t>();
-  const float fe = static_cast<float>(eps);
-  const int64_t layers_n = static_cast<int64_t>(k_slabs.size());
-  residual_norm_rows(x, nullptr, norms[0], fe, h32, h16);
-  for (int64_t i = 0; i < layers_n; ++i) {
-    const int64_t p = 4 * i;
-    const ProductRows qkv = ProductRows::of(own::product(h32, h16, packed[p], scales[p], biases[p], group, p, lora));
-    float* k_slab = k_slabs[i].data_ptr<float>();
-    float* v_slab = v_slabs[i].data_ptr<float>();
-    const int64_t capacity = k_slabs[i].size(2);
-    const int64_t slab_row = kv_heads * capacity * D;
-    at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(width);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t t = task / kv_heads, g = task % kv_heads;
-        const int64_t offset = slot_p[t] * slab_row + g * capacity * D;
-        attend<D>(qkv.row(t, scratch.data()), cos_p + t * D, sin_p + t * D, k_slab + offset, v_slab + offset,
-                  pos_p[t] + 1, g * per_kv, per_kv, heads, g, kv_heads, static_cast<float>(scaling),
-                  a32.data_ptr<float>() + t * nq);
-      }
-    });
-    to_bf16_rows(a32, a16);
-    const ProductRows o =
-        ProductRows::of(own::product(a32, a16, packed[p + 1], scales[p + 1], biases[p + 1], group, p + 1, lora));
-    residual_norm_rows(x, &o, norms[2 * i + 1], fe, h32, h16);
-    const ProductRows gate_up =
-        ProductRows::of(own::product(h32, h16, packed[p + 2], scales[p + 2], biases[p + 2], group, p + 2, lora));
-    silu_up_rows(gate_up, tokens, m32, m16);
-    const ProductRows down =
-        ProductRows::of(own::product(m32, m16, packed[p + 3], scales[p + 3], biases[p + 3], group, p + 3, lora));
-    // the residual add, and the next layer's input norm (none after the last)
-    if (i + 1 == layers_n) {
-      residual_rows(x, down);
-    } else {
-      residual_norm_rows(x, &down, norms[2 * i + 2], fe, h32, h16);
-    }
-  }
-  return x;
-}
-
-// ---- prompt_own: prompt chunks (fused_prompt.py) through the same own operations ----------------
-// The products are oneDNN's bf16 ones in blocks (quantized_linear.BlockedBF16: each weight's
-// block rows, the rows padded with zeros to whole blocks of 64), the attention ragged's
-// prefill_attention as ATen calls (batched products: a prompt's rows attend many keys each);
-// between them decode_own's norms, RoPE with the key/value writes, SiLU * up and LoRA rows.
+// ---- the prompt chunks' products (prompt_own, fused_prompt.py) ---------------------------------
+// oneDNN's bf16 products in blocks (quantized_linear.BlockedBF16: each weight's block rows, the
+// rows padded with zeros to whole blocks of 64).
 
 constexpr int64_t PROMPT_BLOCK = 64;  // quantized_linear.PROMPT_BLOCK
 
@@ -466,43 +410,153 @@ ProductRows prompt_product(const Tensor& h32, const Tensor& h16, const Tensor& p
   return ProductRows::of(out);
 }
 
-template <int64_t D>
-Tensor prompt_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
-                     const std::vector<Tensor>& packed, const std::vector<int64_t>& blocks,
-                     const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
-                     const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions,
-                     const Tensor& prefill_slots, const Tensor& gather, const Tensor& valid,
-                     const Tensor& attention_bias, int64_t width, int64_t prefill_len, int64_t key_block,
-                     int64_t heads, int64_t kv_heads, int64_t intermediate, double eps, double scaling, Lora& lora) {
+// ---- the layer loop ----------------------------------------------------------------------------
+// x [T, hidden] fp32 through every decoder layer, for decode rows and prompt chunks alike: input
+// norm; per layer qkv product, attention, o product, residual + post-attention norm, gate/up
+// product, SiLU * up, down product, residual (+ the next layer's input norm). What differs is the
+// backend's, Ops (DecodeOps, PromptOps below):
+//   bf16_rows(T, n, options): a product's bf16 input rows, [>= T, n] (rows after T are the
+//     backend's padding; the steps here write rows < T only);
+//   product(p, in32, in16): product p (4i + k; k: qkv, o, gate/up, down) of the bf16 rows in16
+//     (in32: the same rows in fp32, for LoRA), called in ascending p (the LoRA entries are
+//     consumed in that order);
+//   attention_rows(i, qkv, a32): layer i's RoPE, key/value writes and attention, its output rows
+//     [T, heads * d] fp32 written into a32 or a32 rebound to them (a32 is its scratch until then).
+template <class Ops>
+Tensor layer_loop(Tensor x, const std::vector<Tensor>& norms, int64_t layers_n, int64_t attention_width,
+                  int64_t intermediate, double eps, Ops& ops) {
   x = x.contiguous().clone();
-  const int64_t tokens = x.size(0), hidden = x.size(1), nq = heads * D;
-  const int64_t padded = (tokens + PROMPT_BLOCK - 1) / PROMPT_BLOCK * PROMPT_BLOCK;
-  const int64_t chunks = prefill_slots.size(0);
+  const int64_t tokens = x.size(0), hidden = x.size(1);
   const auto f32 = x.options(), bf16 = x.options().dtype(at::kBFloat16);
-  // the bf16 inputs of the products, their padding rows zero once (the row loops write rows < T)
-  Tensor h32 = at::empty({tokens, hidden}, f32), h16 = at::zeros({padded, hidden}, bf16);
-  Tensor q32 = at::empty({tokens, nq}, f32), a16 = at::zeros({padded, nq}, bf16);
-  Tensor m32 = at::empty({tokens, intermediate}, f32), m16 = at::zeros({padded, intermediate}, bf16);
-  const float* cos_p = cos.data_ptr<float>();
-  const float* sin_p = sin.data_ptr<float>();
-  const int64_t* slot_p = slots.data_ptr<int64_t>();
-  const int64_t* pos_p = positions.data_ptr<int64_t>();
+  Tensor h32 = at::empty({tokens, hidden}, f32), h16 = ops.bf16_rows(tokens, hidden, bf16);
+  Tensor a32 = at::empty({tokens, attention_width}, f32), a16 = ops.bf16_rows(tokens, attention_width, bf16);
+  Tensor m32 = at::empty({tokens, intermediate}, f32), m16 = ops.bf16_rows(tokens, intermediate, bf16);
   const float fe = static_cast<float>(eps);
-  const int64_t layers_n = static_cast<int64_t>(k_slabs.size());
   residual_norm_rows(x, nullptr, norms[0], fe, h32, h16);
   for (int64_t i = 0; i < layers_n; ++i) {
     const int64_t p = 4 * i;
-    const ProductRows qkv = prompt_product(h32, h16, packed[p], blocks[p], biases[p], p, lora);
+    const ProductRows qkv = ops.product(p, h32, h16);
+    ops.attention_rows(i, qkv, a32);
+    to_bf16_rows(a32, a16);
+    const ProductRows o = ops.product(p + 1, a32, a16);
+    residual_norm_rows(x, &o, norms[2 * i + 1], fe, h32, h16);
+    const ProductRows gate_up = ops.product(p + 2, h32, h16);
+    silu_up_rows(gate_up, tokens, m32, m16);
+    const ProductRows down = ops.product(p + 3, m32, m16);
+    // the residual add, and the next layer's input norm (none after the last)
+    if (i + 1 == layers_n) {
+      residual_rows(x, down);
+    } else {
+      residual_norm_rows(x, &down, norms[2 * i + 2], fe, h32, h16);
+    }
+  }
+  return x;
+}
+
+// The decode rows' backend (decode_own): int4 products, one row a token, each token attending its
+// own slab row's keys 0..position (attend: its key and value written there first).
+template <int64_t D>
+struct DecodeOps {
+  const std::vector<Tensor>& packed;
+  const std::vector<Tensor>& scales;
+  const std::vector<c10::optional<Tensor>>& biases;
+  int64_t group;
+  Lora& lora;
+  const Tensor& cos;
+  const Tensor& sin;
+  const std::vector<Tensor>& k_slabs;
+  const std::vector<Tensor>& v_slabs;
+  const Tensor& slots;
+  const Tensor& positions;
+  int64_t heads;
+  int64_t kv_heads;
+  double scaling;
+
+  Tensor bf16_rows(int64_t tokens, int64_t n, const at::TensorOptions& options) const {
+    return at::empty({tokens, n}, options);
+  }
+
+  ProductRows product(int64_t p, const Tensor& in32, const Tensor& in16) {
+    return ProductRows::of(own::product(in32, in16, packed[p], scales[p], biases[p], group, p, lora));
+  }
+
+  void attention_rows(int64_t i, const ProductRows& qkv, Tensor& a32) const {
+    const int64_t tokens = a32.size(0), nq = heads * D, width = (heads + 2 * kv_heads) * D, per_kv = heads / kv_heads;
+    const float* cos_p = cos.data_ptr<float>();
+    const float* sin_p = sin.data_ptr<float>();
+    const int64_t* slot_p = slots.data_ptr<int64_t>();
+    const int64_t* pos_p = positions.data_ptr<int64_t>();
     float* k_slab = k_slabs[i].data_ptr<float>();
     float* v_slab = v_slabs[i].data_ptr<float>();
+    float* out = a32.data_ptr<float>();
     const int64_t capacity = k_slabs[i].size(2);
-    // RoPE of each token's query heads (kept) and key heads, its key and value written at its
-    // slot and position: every key of the chunks is there before any query attends
+    const int64_t slab_row = kv_heads * capacity * D;
+    at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(width);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t = task / kv_heads, g = task % kv_heads;
+        const int64_t offset = slot_p[t] * slab_row + g * capacity * D;
+        attend<D>(qkv.row(t, scratch.data()), cos_p + t * D, sin_p + t * D, k_slab + offset, v_slab + offset,
+                  pos_p[t] + 1, g * per_kv, per_kv, heads, g, kv_heads, static_cast<float>(scaling), out + t * nq);
+      }
+    });
+  }
+};
+
+// The prompt chunks' backend (prompt_own): bf16 block products (their input rows padded with
+// zeros to whole blocks), and the attention ragged's prefill_attention as ATen calls (batched
+// products: a prompt's rows attend many keys each) once every key of the chunks is written.
+template <int64_t D>
+struct PromptOps {
+  const std::vector<Tensor>& packed;
+  const std::vector<int64_t>& blocks;
+  const std::vector<c10::optional<Tensor>>& biases;
+  Lora& lora;
+  const Tensor& cos;
+  const Tensor& sin;
+  const std::vector<Tensor>& k_slabs;
+  const std::vector<Tensor>& v_slabs;
+  const Tensor& slots;
+  const Tensor& positions;
+  int64_t heads;
+  int64_t kv_heads;
+  double scaling;
+  const Tensor& prefill_slots;
+  const Tensor& gather;
+  const Tensor& valid;
+  const Tensor& attention_bias;
+  int64_t width;
+  int64_t prefill_len;
+  int64_t key_block;
+
+  // the padding rows zero once (the loop's steps write rows < T)
+  Tensor bf16_rows(int64_t tokens, int64_t n, const at::TensorOptions& options) const {
+    const int64_t padded = (tokens + PROMPT_BLOCK - 1) / PROMPT_BLOCK * PROMPT_BLOCK;
+    return at::zeros({padded, n}, options);
+  }
+
+  ProductRows product(int64_t p, const Tensor& in32, const Tensor& in16) {
+    return prompt_product(in32, in16, packed[p], blocks[p], biases[p], p, lora);
+  }
+
+  void attention_rows(int64_t i, const ProductRows& qkv, Tensor& a32) const {
+    const int64_t tokens = a32.size(0), nq = heads * D, chunks = prefill_slots.size(0);
+    const float* cos_p = cos.data_ptr<float>();
+    const float* sin_p = sin.data_ptr<float>();
+    const int64_t* slot_p = slots.data_ptr<int64_t>();
+    const int64_t* pos_p = positions.data_ptr<int64_t>();
+    float* k_slab = k_slabs[i].data_ptr<float>();
+    float* v_slab = v_slabs[i].data_ptr<float>();
+    float* q_p = a32.data_ptr<float>();
+    const int64_t capacity = k_slabs[i].size(2);
+    // RoPE of each token's query heads (into a32: free until the attention's rows replace it)
+    // and key heads, its key and value written at its slot and position: every key of the
+    // chunks is there before any query attends
     rows(tokens, [&](int64_t t) {
       std::vector<float> scratch((heads + 2 * kv_heads) * D);
       const float* r = qkv.row(t, scratch.data());
       for (int64_t h = 0; h < heads; ++h) {
-        rope<D>(r + h * D, cos_p + t * D, sin_p + t * D, q32.data_ptr<float>() + t * nq + h * D);
+        rope<D>(r + h * D, cos_p + t * D, sin_p + t * D, q_p + t * nq + h * D);
       }
       for (int64_t g = 0; g < kv_heads; ++g) {
         const int64_t at_ = ((slot_p[t] * kv_heads + g) * capacity + pos_p[t]) * D;
@@ -511,28 +565,33 @@ Tensor prompt_layers(Tensor x, const Tensor& cos, const Tensor& sin, const std::
       }
     });
     // ragged.prefill_attention
-    Tensor qp = q32.view({tokens, heads, D}).index_select(0, gather).view({chunks, width, heads, D}).transpose(1, 2);
+    Tensor qp = a32.view({tokens, heads, D}).index_select(0, gather).view({chunks, width, heads, D}).transpose(1, 2);
     Tensor keys = k_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots);
     Tensor values = v_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots);
-    Tensor attn = attention(qp, keys, values, attention_bias, scaling, key_block)
-                      .transpose(1, 2)
-                      .reshape({chunks * width, heads, D})
-                      .index_select(0, valid)
-                      .reshape({tokens, nq})
-                      .contiguous();
-    to_bf16_rows(attn, a16);
-    const ProductRows o = prompt_product(attn, a16, packed[p + 1], blocks[p + 1], biases[p + 1], p + 1, lora);
-    residual_norm_rows(x, &o, norms[2 * i + 1], fe, h32, h16);
-    const ProductRows gate_up = prompt_product(h32, h16, packed[p + 2], blocks[p + 2], biases[p + 2], p + 2, lora);
-    silu_up_rows(gate_up, tokens, m32, m16);
-    const ProductRows down = prompt_product(m32, m16, packed[p + 3], blocks[p + 3], biases[p + 3], p + 3, lora);
-    if (i + 1 == layers_n) {
-      residual_rows(x, down);
-    } else {
-      residual_norm_rows(x, &down, norms[2 * i + 2], fe, h32, h16);
-    }
+    a32 = attention(qp, keys, values, attention_bias, scaling, key_block)
+              .transpose(1, 2)
+              .reshape({chunks * width, heads, D})
+              .index_select(0, valid)
+              .reshape({tokens, nq})
+              .contiguous();
   }
-  return x;
+};
+
+// f(std::integral_constant<int64_t, D>()) for the head dims the kernels are built for
+template <class F>
+Tensor with_head_dim(int64_t head_dim, const char* caller, const F& f) {
+  switch (head_dim) {
+    case 16:
+      return f(std::integral_constant<int64_t, 16>());
+    case 32:
+      return f(std::integral_constant<int64_t, 32>());
+    case 64:
+      return f(std::integral_constant<int64_t, 64>());
+    case 128:
+      return f(std::integral_constant<int64_t, 128>());
+    default:
+      TORCH_CHECK(false, caller, ": head_dim must be 16, 32, 64 or 128, not ", head_dim);
+  }
 }
 
 // ---- the output head in Q8_0 blocks: int8 weights, one fp32 scale per 32 inputs of a row ----
@@ -670,19 +729,11 @@ Tensor decode_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vec
                 "decode_own: token ", t, " at slot ", slot_p[t], " position ", pos_p[t], " is outside the slabs");
   }
   Tensor c = cos.contiguous(), s = sin.contiguous();
-  switch (head_dim) {
-#define TANDEM_HEAD_DIM(D)                                                                                      \
-  case D:                                                                                                      \
-    return own::layers<D>(x, c, s, norms, packed, scales, biases, k_slabs, v_slabs, slots, positions, heads,    \
-                          kv_heads, intermediate, eps, scaling, group, lora);
-    TANDEM_HEAD_DIM(16)
-    TANDEM_HEAD_DIM(32)
-    TANDEM_HEAD_DIM(64)
-    TANDEM_HEAD_DIM(128)
-#undef TANDEM_HEAD_DIM
-    default:
-      TORCH_CHECK(false, "decode_own: head_dim must be 16, 32, 64 or 128, not ", head_dim);
-  }
+  return own::with_head_dim(head_dim, "decode_own", [&](auto d) {
+    own::DecodeOps<decltype(d)::value> ops{packed, scales, biases, group, lora, c, s, k_slabs, v_slabs, slots,
+                                           positions, heads, kv_heads, scaling};
+    return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps, ops);
+  });
 }
 
 // The prompt chunks' decoder layers (fused_prompt.py): x [T, hidden] fp32, token t of slab row
@@ -720,20 +771,12 @@ Tensor prompt_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vec
                 "prompt_own: token ", t, " at slot ", slot_p[t], " position ", pos_p[t], " is outside the slabs");
   }
   Tensor c = cos.contiguous(), s = sin.contiguous();
-  switch (head_dim) {
-#define TANDEM_HEAD_DIM(D)                                                                                      \
-  case D:                                                                                                      \
-    return own::prompt_layers<D>(x, c, s, norms, packed, blocks, biases, k_slabs, v_slabs, slots, positions,    \
-                                 prefill_slots, gather, valid, attention_bias, width, prefill_len, key_block,   \
-                                 heads, kv_heads, intermediate, eps, scaling, lora);
-    TANDEM_HEAD_DIM(16)
-    TANDEM_HEAD_DIM(32)
-    TANDEM_HEAD_DIM(64)
-    TANDEM_HEAD_DIM(128)
-#undef TANDEM_HEAD_DIM
-    default:
-      TORCH_CHECK(false, "prompt_own: head_dim must be 16, 32, 64 or 128, not ", head_dim);
-  }
+  return own::with_head_dim(head_dim, "prompt_own", [&](auto d) {
+    own::PromptOps<decltype(d)::value> ops{packed, blocks, biases, lora, c, s, k_slabs, v_slabs, slots, positions,
+                                           heads, kv_heads, scaling, prefill_slots, gather, valid, attention_bias,
+                                           width, prefill_len, key_block};
+    return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps, ops);
+  });
 }
 #endif
 
