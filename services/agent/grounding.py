@@ -28,7 +28,7 @@ import numpy as np
 
 from services.agent.chunks import Chunk
 from services.agent.citations import MARKER_RE, TITLE_MARKER_RE
-from services.agent.text import content_terms, is_heading, overlap, sentences, stem
+from services.agent.text import STOPWORDS, content_terms, is_heading, overlap, sentences, stem
 
 # Words that carry no fact of their own in an answer ("Based on the sources, the answer is ...").
 FILLER = frozenset(
@@ -103,12 +103,16 @@ def repeats_sentence(answer: str, min_chars: int = 8) -> bool:
 # A line break inside a paragraph (wrapped Markdown or plain text) does not end a sentence; one
 # before a heading, list item, table row, quote, code fence or a line of an option table
 # ("-c, --check checks the syntax only") does. A wrapped line may start with an option itself
-# ("... invoked with the\n--tool option."): that one goes on.
-_WRAP = re.compile(r"[ \t]*\n(?![ \t]*(?:\n|[#>|]|[*+-][ \t]|-\w, |\d+[.)]|```))[ \t]*")
+# ("... invoked with the\n--tool option."): that one goes on. A heading's own line ends it ("## 1
+# Introduction" then "This document describes ...": two lines, not one sentence that reads as
+# a heading).
+_WRAP = re.compile(
+    r"(^[ \t]*#[^\n]*\n)|[ \t]*\n(?![ \t]*(?:\n|[#>|]|[*+-][ \t]|-\w, |\d+[.)]|```))[ \t]*", re.MULTILINE
+)
 
 
 def unwrap(text: str) -> str:
-    return _WRAP.sub(" ", text)
+    return _WRAP.sub(lambda m: m.group(1) or " ", text)
 
 
 def _source_sentences(texts: list[str]) -> list[tuple[int, str]]:
@@ -253,8 +257,10 @@ _MONTHS = [
 ]
 # A named constant as a manual writes one: "GLIBCXX_FORCE_NEW", "ASN1_MEM_ERROR" (not "-D__X").
 _CONSTANT = re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
+# "When ...?" asks for a time; "When building fails with X, which package ...?" is a condition.
+_WHEN_Q = r"^\s*when\b(?![^?]*,\s*(?:which|what|how|who|whom|where|why|is|are|does|do|can|should)\b)"
 _NUMBER_Q = re.compile(
-    r"\bhow (many|much|deep|high|tall|long|old|far|big|large|wide|heavy)\b|^\s*when\b"
+    rf"\bhow (many|much|deep|high|tall|long|old|far|big|large|wide|heavy)\b|{_WHEN_Q}"
     r"|\b(what|which)( \w+){0,3} (year|date|number|version)\b|\bnumeric\b"
 )
 # A number standing alone: "15 s", "20 to 30 times", "4.19.0", not the digit of "ASN.1" or "asn1".
@@ -265,7 +271,7 @@ _SIZE_Q = re.compile(r"\bhow (many|much|large|big|long)\b")
 # A year or a date: "in which year", "on which date", answered by a year or a month.
 _YEAR_Q = re.compile(r"\b(what|which) (year|date)\b")
 # "When was it released?" asks for a time; "what does it return when ...?" does not.
-_MONTH_Q = re.compile(r"\b(which|what) month\b|^\s*when\b")
+_MONTH_Q = re.compile(rf"\b(which|what) month\b|{_WHEN_Q}")
 _WHO_Q = re.compile(r"^\s*(who|whom|whose)\b")
 
 
@@ -300,9 +306,66 @@ _TERM_KINDS: list[tuple[re.Pattern[str], re.Pattern[str]]] = [
 
 
 def asks_term(question: str) -> bool:
-    """Whether ``question`` asks for an option, a variable, a function, a file or a return value."""
+    """Whether ``question`` asks for an option, a variable, a function, a file or a return value,
+    or names the kind of thing it asks for ("which program ...", "which tool ...")."""
     q = question.lower()
-    return any(asked.search(q) for asked, _term in _TERM_KINDS)
+    return any(asked.search(q) for asked, _term in _TERM_KINDS) or bool(_kind_nouns(question))
+
+
+# "Which program listens ...", "Which Valgrind tool is the default tool?", "which package do you
+# need": the words after "which" (up to a stopword, at most three) name the kind of thing asked
+# for; a manual names one beside the kind's own word ("the valgrind-listener program", "run the
+# Memcheck tool", "install the glibc-static-devel package", "Callgrind is the only tool").
+_WHICH = re.compile(r"\bwhich\s+((?:[\w.'-]+\s+){1,3})", re.IGNORECASE)
+# A token as a manual writes a name: inline code, or a word with a capital after its first letter
+# place, a digit, "-", "_", "." or "/" inside it.
+_TOKEN = re.compile(r"`[^`]+`|[A-Za-z0-9][\w.+/-]*[\w+]|[A-Za-z]")
+# how far before (a subject: "Callgrind is the only tool") and after ("variable GLIBCXX_FORCE_NEW")
+# the kind's word an instance may stand
+_INSTANCE_BEFORE = 4
+_INSTANCE_AFTER = 2
+
+
+def _kind_nouns(question: str) -> set[str]:
+    """The stems of the words a "which ..." question names its kind with."""
+    out: set[str] = set()
+    for match in _WHICH.finditer(question):
+        for word in match.group(1).split():
+            w = word.lower().removesuffix("'s")
+            if w in STOPWORDS:
+                break
+            if w.isalpha() and len(w) > 2 and stem(w) not in FILLER:
+                out.add(stem(w))
+    return out
+
+
+def _name_like(token: str, first: bool) -> bool:
+    if token.startswith("`"):
+        return True
+    body = token if not first else token[1:]
+    return any(ch.isupper() or ch.isdigit() or ch in "-_./" for ch in body)
+
+
+def names_instance(question: str, sentence: str) -> bool:
+    """Whether ``sentence`` names a thing of the kind a "which ..." question asks for: a name the
+    question lacks within a few words of the kind's word."""
+    kinds = _kind_nouns(question)
+    if not kinds:
+        return False
+    known = {w.lower() for w in _TOKEN.findall(question)}
+    tokens = _TOKEN.findall(sentence)
+    for i, token in enumerate(tokens):
+        if stem(token.lower()) not in kinds:
+            continue
+        near = range(max(0, i - _INSTANCE_BEFORE), min(len(tokens), i + _INSTANCE_AFTER + 1))
+        for k in near:
+            other = tokens[k]
+            plain = other.strip("`").lower()
+            if k == i or plain in known or plain in STOPWORDS or stem(plain.lstrip("-")) in kinds:
+                continue  # "--tool" is the kind's own word, not a tool
+            if _name_like(other, first=k == 0):
+                return True
+    return False
 
 
 def asked_terms(question: str, sentence: str) -> list[str] | None:
@@ -350,7 +413,9 @@ def answer_type_match(question: str, sentence: str) -> bool:
         return any(w[0].isupper() and w.lower() not in asked for w in words)
     terms = asked_terms(question, sentence)
     if terms is not None:
-        return bool(terms)
+        return bool(terms)  # a kind with a written form ("--check" for "which option")
+    if names_instance(question, sentence):
+        return True
     verb = _VERB_Q.match(q)
     if verb is None:
         return False

@@ -12,6 +12,7 @@ import pytest
 from services.agent.chunks import Chunk
 from services.agent.citations import CitationTracker
 from services.agent.config import AgentSettings
+from services.agent.grounding import answer_type_match, asks_number, names_instance
 from services.agent.pipelines.components import (
     AnswerSelectNode,
     CiteNode,
@@ -437,3 +438,99 @@ async def test_the_first_half_of_an_faq_question_row_is_not_an_answer(embed: Any
     question = "Which option should you try when running a Java program under Valgrind?"
     text, _ = extractive_text(await select_answer(question, faq, embed))
     assert "--smc-check=all" in text and "something went wrong" not in text
+
+
+async def test_a_pdf_sections_first_sentence_is_a_candidate_not_part_of_its_heading(embed: Any) -> None:
+    # A PDF chunk opens on the heading the parser wrote and wraps its lines: the heading's line
+    # ends at its line break, so the sentence after it can answer.
+    intro = [
+        Chunk(
+            "pdf#0",
+            "libtasn1.pdf",
+            "## 1 Introduction\nThis document describes the Libtasn1 library that provides Abstract Syntax "
+            "Notation One\n(ASN.1, as specified by the X.680 ITU-T recommendation) parsing and structures "
+            "man-\nagement.\nThe main features of this library are:\n• No limits for INTEGER values.",
+            title="libtasn1.pdf",
+        )
+    ]
+    texts = [c.text for c in answer_candidates(intro)]
+    assert texts[0].startswith("This document describes") and "X.680" in texts[0]
+    selection = await select_answer("Which ITU-T recommendation specifies ASN.1?", intro, embed)
+    assert "X.680" in extractive_text(selection)[0]
+
+
+async def test_code_fenced_inside_a_table_cell_leaves_its_sentence_a_candidate(embed: Any) -> None:
+    faq = [
+        Chunk(
+            "faq#9",
+            "faq.html",
+            "| | If you are tracing large trees of processes, it can be less disruptive to have the output "
+            "sent over the network. Give Valgrind the option --log-socket=127.0.0.1:12345 (if you want "
+            "logging output sent to port 12345 on localhost ). You can use the valgrind-listener program "
+            "to listen on that port: ``` valgrind-listener 12345 ``` Obviously you have to start the "
+            "listener process first. |",
+            title="Valgrind FAQ",
+        )
+    ]
+    assert any("`valgrind-listener 12345`" in c.text for c in answer_candidates(faq))
+    question = "Which program listens on a port for Valgrind's logging output sent over the network?"
+    text, _ = extractive_text(await select_answer(question, faq, embed))
+    assert "valgrind-listener program" in text
+
+
+async def test_a_question_opening_on_a_when_clause_asks_for_the_thing_not_a_time(embed: Any) -> None:
+    faq = [
+        Chunk(
+            "faq#2",
+            "faq.html",
+            "| 2.3. | When building Valgrind, 'make' fails with this: |\n"
+            "| | `/usr/bin/ld: cannot find -lc collect2: ld returned 1 exit status` You need to install the "
+            "glibc-static-devel package. |",
+            title="Valgrind FAQ",
+        )
+    ]
+    question = "When building Valgrind fails with 'cannot find -lc', which package do you need to install?"
+    assert not asks_number(question) and asks_number("When was version 4.19.0 released?")
+    selection = await select_answer(question, faq, embed)
+    assert selection.found and "glibc-static-devel" in extractive_text(selection)[0]
+
+
+@pytest.mark.parametrize(
+    ("question", "sentence", "names"),
+    [
+        ("Which Valgrind tool is the default tool?", "You probably want to run the Memcheck tool.", True),
+        (
+            "Which Valgrind tool is the default tool?",
+            "Other tools are invoked with the --tool option.",
+            False,
+        ),
+        ("Which tool alone adds instrumentation later?", "And Callgrind is the only tool with it.", True),
+        ("Which package do you need?", "You need to install the glibc-static-devel package.", True),
+        ("Which package do you need?", "The package is needed by the build.", False),
+    ],
+)
+def test_a_which_question_is_answered_by_a_name_beside_the_kind(
+    question: str, sentence: str, names: bool
+) -> None:
+    assert names_instance(question, sentence) is names
+    assert answer_type_match(question, sentence) is names
+
+
+async def test_a_which_tool_question_gets_the_next_sentence_that_names_the_tool(embed: Any) -> None:
+    faq = [
+        Chunk(
+            "faq#5",
+            "faq.html",
+            "| | Therefore Valgrind has to have full control from the very start. It is possible to achieve "
+            "something like this by running your program without any instrumentation, and then adding "
+            "instrumentation once you get to a point of interest. Support for this must be provided by the "
+            "tool, however, and Callgrind is the only tool that currently has such support. |",
+            title="Valgrind FAQ",
+        )
+    ]
+    question = (
+        "Which tool is currently the only one that supports adding instrumentation once the program gets to "
+        "a point of interest?"
+    )
+    text, _ = extractive_text(await select_answer(question, faq, embed))
+    assert "Callgrind" in text

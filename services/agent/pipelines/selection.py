@@ -139,6 +139,10 @@ def clean(sentence: str) -> str:
 
 
 _FENCE = re.compile(r"^[ \t]*```.*?(?:^[ \t]*```[^\n]*$|\Z)", re.MULTILINE | re.DOTALL)
+# Code fenced within a line (a table cell's example, flattened by the HTML parser: "use the
+# valgrind-listener program to listen on that port: ``` valgrind-listener 12345 ``` Obviously
+# ..."): read as inline code, so the sentence around it can still answer.
+_INLINE_FENCE = re.compile(r"```[ \t]*([^`\n]+?)[ \t]*```")
 
 
 def _sentence_spans(chunk: Chunk) -> tuple[str, list[tuple[int, int]]]:
@@ -146,7 +150,7 @@ def _sentence_spans(chunk: Chunk) -> tuple[str, list[tuple[int, int]]]:
     text = chunk.text
     if text.count("```") % 2:
         text = text[text.index("```") + 3 :]  # the chunk starts inside a code block
-    flat = unwrap(_FENCE.sub("\n", text))
+    flat = unwrap(_FENCE.sub("\n", _INLINE_FENCE.sub(r"`\1`", text)))
     return flat, sentences(flat)
 
 
