@@ -98,7 +98,42 @@ class CitedSpan(BaseModel):
     text: str
 
 
-class Citation(BaseModel):
+class ChunkCitation(BaseModel):
+    """``[index]`` of an answer and the chunk it names. A search's answer cites its results so
+    (the OpenAI facade lists them numbered); a generated answer's markers are :class:`Citation`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    index: int
+    chunk_id: str
+    document_id: str
+    title: str
+    text: str
+    start: int
+    end: int
+
+
+class HitPassage(BaseModel):
+    text: str = ""
+
+
+class SearchHit(ChunkCitation):
+    """A search pipeline's result as :meth:`Chunk.to_result` writes it, with the ``passage``
+    the highlight node adds (services/agent/highlight.py), read back where an answer lists the
+    results (the OpenAI facade), ``index`` its number there; the fields not named are ignored."""
+
+    passage: HitPassage | None = None
+
+    @classmethod
+    def listed(cls, results: list[dict[str, Any]]) -> list[SearchHit]:
+        """``results`` numbered from 1, in their order."""
+        return [cls.model_validate({**r, "index": i}) for i, r in enumerate(results, 1)]
+
+    def citation(self) -> ChunkCitation:
+        return ChunkCitation.model_validate(self.model_dump(exclude={"passage"}))
+
+
+class Citation(ChunkCitation):
     """``[index]`` in an answer resolved to the chunk it names.
 
     ``kind`` is ``cited`` when the model wrote the marker, ``attributed`` when the
@@ -111,15 +146,6 @@ class Citation(BaseModel):
     id of that section. Each is None where the source has none.
     """
 
-    model_config = ConfigDict(frozen=True)
-
-    index: int
-    chunk_id: str
-    document_id: str
-    title: str
-    text: str
-    start: int
-    end: int
     kind: str = "cited"
     page: int | None = Field(default=None, description="PDF page (1-based) of the cited sentence.")
     section: str | None = Field(default=None, description="Heading path of the cited chunk's section.")

@@ -19,9 +19,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from services.agent.chunks import Citation, SearchHit
 from services.agent.events import AnswerKind, ErrorEvent, Event, ResetEvent, TokenEvent, ToolCallDeltaEvent
 from services.agent.pipelines.state import AnswerForm
 from services.agent.protocol import (
+    AnswerCitation,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -44,44 +46,40 @@ def model_list(runtime: AgentRuntime) -> OpenAIModelList:
     return OpenAIModelList(data=[OpenAIModel(id=item["id"], kind=item["kind"]) for item in runtime.catalog()])
 
 
-def _render_results(results: list[dict[str, Any]]) -> str:
+def _render_results(hits: list[SearchHit]) -> str:
     lines = []
-    for i, r in enumerate(results, 1):
-        passage = (r.get("passage") or {}).get("text") or r.get("text", "")
-        lines.append(f"[{i}] {r.get('title') or r.get('document_id')}: {passage}")
+    for hit in hits:
+        passage = (hit.passage.text if hit.passage else "") or hit.text
+        lines.append(f"[{hit.index}] {hit.title or hit.document_id}: {passage}")
     return "\n".join(lines) or "No results."
 
 
-def _citations(result: TurnResult) -> list[dict[str, Any]]:
+def _citations(result: TurnResult) -> list[AnswerCitation]:
+    """The answer's citations, or a search's results as numbered citations."""
     if result.citations or result.results is None:
-        return result.citations
-    return [
-        {
-            "index": i,
-            "chunk_id": r["chunk_id"],
-            "document_id": r["document_id"],
-            "title": r.get("title", ""),
-            "text": r["text"],
-            "start": r["start"],
-            "end": r["end"],
-        }
-        for i, r in enumerate(result.results, 1)
-    ]
+        return [Citation.model_validate(c) for c in result.citations]
+    return [hit.citation() for hit in SearchHit.listed(result.results)]
 
 
-def _wire(m: Message) -> dict[str, Any]:
-    """A history message as the prompt takes it: text content, and the tool fields it has."""
-    out: dict[str, Any] = {"role": m.role, "content": m.text()}
-    if m.tool_calls:
-        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    if m.name is not None and m.role == "tool":
-        out["name"] = m.name
-    return out
+def _wire(m: Message) -> Message:
+    """A history message as the prompt takes it: text content, and the tool fields it has (a
+    name only on a tool result)."""
+    return Message(
+        role=m.role,
+        content=m.text(),
+        tool_calls=m.tool_calls or None,
+        tool_call_id=m.tool_call_id,
+        name=m.name if m.role == "tool" else None,
+    )
 
 
-def _split(messages: list[Message]) -> tuple[list[dict[str, Any]], Message, list[dict[str, Any]]]:
+def _prompt(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as a turn carries them to the pipeline: OpenAI's JSON, unset fields left out
+    (a turn's history also comes from memory, where it is stored as that JSON)."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
+def _split(messages: list[Message]) -> tuple[list[Message], Message, list[Message]]:
     """The history, the question (the last user message) and what follows it: the assistant's
     tool calls and their results, which the model continues from. A tool result must answer a
     call made before it (a 400 naming the message otherwise, as OpenAI does)."""
@@ -115,13 +113,13 @@ def _split(messages: list[Message]) -> tuple[list[dict[str, Any]], Message, list
     return history, messages[last], [_wire(m) for m in after]
 
 
-def _form(body: ChatCompletionRequest, tail: list[dict[str, Any]]) -> AnswerForm | None:
+def _form(body: ChatCompletionRequest, tail: list[Message]) -> AnswerForm | None:
     form = AnswerForm(
         tools=body.tools,
         tool_choice=body.tool_choice,
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=body.response_format,
-        tail=tail,
+        tail=_prompt(tail),
     )
     return form if form.body() or tail else None
 
@@ -140,7 +138,7 @@ def _turn(body: ChatCompletionRequest) -> Turn:
         message=question.text(),
         collection=body.collection,
         conversation_id=body.conversation_id,
-        history=history,
+        history=_prompt(history),
         remember=body.conversation_id is not None,
         options=options,
         llm=body.llm,
@@ -178,21 +176,25 @@ def _message(result: TurnResult) -> CompletionMessage:
         ]
         return CompletionMessage(content=result.answer or None, tool_calls=calls)
     return CompletionMessage(
-        content=result.answer if result.results is None else _render_results(result.results)
+        content=result.answer if result.results is None else _render_results(SearchHit.listed(result.results))
     )
 
 
 def _tool_call_delta(event: ToolCallDeltaEvent) -> ToolCallDelta:
     """OpenAI's ``delta.tool_calls`` entry: index, then id/type/name on a call's first piece, and
     argument text (only what the inference's own delta had)."""
-    given: dict[str, Any] = {"index": event.index}
+    # only the fields set reach the JSON (sparse models)
+    delta = ToolCallDelta(index=event.index)
     if event.id is not None:
-        given.update(id=event.id, type="function")
-    function = {k: v for k, v in (("name", event.name), ("arguments", event.arguments)) if v is not None}
-    if function:
-        given["function"] = FunctionDelta(**function)
-    # only the fields given reach the JSON (a sparse model)
-    return ToolCallDelta(**given)
+        delta.id, delta.type = event.id, "function"
+    function = FunctionDelta()
+    if event.name is not None:
+        function.name = event.name
+    if event.arguments is not None:
+        function.arguments = event.arguments
+    if function.model_fields_set:
+        delta.function = function
+    return delta
 
 
 class OpenAIChat:
@@ -244,11 +246,26 @@ class OpenAIChat:
         buffered, rest = await peek(self._events())
         return self._chunks(buffered, rest)
 
-    def _chunk(self, delta: ChatDelta, finish: str | None = None, **last: Any) -> ChatCompletionChunk:
+    def _chunk(self, delta: ChatDelta, finish: str | None = None) -> ChatCompletionChunk:
         choice = ChunkChoice(delta=delta, finish_reason=finish)
-        return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.body.model, choices=[choice], **last
-        )
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.body.model, choices=[choice])
+
+    def _last_chunk(self) -> ChatCompletionChunk:
+        """The finish, with the turn's citations and ids (only this chunk has them: the fields
+        set here are the ones written)."""
+        result = self.result
+        last = self._chunk(ChatDelta(), _finish_reason(result))
+        last.citations = _citations(result)
+        last.message_id = result.message_id or None
+        last.conversation_id = result.conversation_id
+        if result.grounding is not None:
+            last.kind = result.answer_kind
+        if _answer_kind(result) is not None:
+            last.answer_kind = result.answer_kind
+        if (self.body.stream_options or {}).get("include_usage"):
+            # asked for, it is always there (zeros when no model was called, as for a search)
+            last.usage = _usage(result)
+        return last
 
     async def _chunks(
         self, buffered: list[Event], rest: AsyncIterator[Event]
@@ -265,19 +282,6 @@ class OpenAIChat:
                 yield self._chunk(ChatDelta(content="\n\n"))
             elif isinstance(event, ErrorEvent):
                 yield StreamError(error=StreamErrorDetail(message=event.message, code=event.code))
-        result = self.result
-        if result.results is not None:
-            yield self._chunk(ChatDelta(content=_render_results(result.results)))
-        last: dict[str, Any] = {
-            "citations": _citations(result),
-            "message_id": result.message_id or None,
-            "conversation_id": result.conversation_id,
-        }
-        if result.grounding is not None:
-            last["kind"] = result.answer_kind
-        if _answer_kind(result) is not None:
-            last["answer_kind"] = result.answer_kind
-        if (self.body.stream_options or {}).get("include_usage"):
-            # asked for, it is always there (zeros when no model was called, as for a search)
-            last["usage"] = _usage(result)
-        yield self._chunk(ChatDelta(), _finish_reason(result), **last)
+        if self.result.results is not None:
+            yield self._chunk(ChatDelta(content=_render_results(SearchHit.listed(self.result.results))))
+        yield self._last_chunk()

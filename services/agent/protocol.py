@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.agent.chunks import ChunkCitation, Citation
 from services.agent.events import AnswerKind
 from services.common.openai_wire import ChatDelta, SparseModel, Usage, WireModel
 from services.common.openai_wire import ToolCall as WireToolCall
@@ -114,6 +115,11 @@ class OpenAIModelList(BaseModel):
     data: list[OpenAIModel]
 
 
+# A chat pipeline's answer cites by resolved markers (Citation), a search's by its numbered
+# results (ChunkCitation); each is written with its own fields.
+AnswerCitation = Citation | ChunkCitation
+
+
 class CompletionMessage(SparseModel):
     """The answer: ``content`` is null when it is only tool calls; ``tool_calls`` only when made."""
 
@@ -136,7 +142,7 @@ class ChatCompletion(SparseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
-    citations: list[dict[str, Any]]
+    citations: list[AnswerCitation]
     # "generated", "extractive" or "not_found" (a chat pipeline's text answer; absent otherwise).
     answer_kind: AnswerKind | None = None
     message_id: str
@@ -161,7 +167,7 @@ class ChatCompletionChunk(SparseModel):
     created: int
     model: str
     choices: list[ChunkChoice]
-    citations: list[dict[str, Any]] | None = None
+    citations: list[AnswerCitation] | None = None
     message_id: str | None = None
     conversation_id: str | None = None
     kind: AnswerKind | None = None

@@ -22,7 +22,13 @@ from pydantic import Field
 
 from services.agent.events import ErrorEvent
 from services.agent.openai_chat import OpenAIChat
-from services.agent.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, StreamError
+from services.agent.protocol import (
+    AnswerCitation,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    StreamError,
+)
 from services.agent.runtime import AgentRuntime
 from services.common.auth import Principal
 from services.common.errors import InvalidRequest, TandemError
@@ -47,16 +53,15 @@ class AgentResponseRequest(ResponseRequest):
     llm: str | None = Field(None, min_length=1, max_length=256, description="The model that generates.")
 
 
-def file_citations(text: str, citations: list[dict[str, Any]]) -> list[FileCitation]:
+def file_citations(text: str, citations: list[AnswerCitation]) -> list[FileCitation]:
     """The turn's citations as ``file_citation`` annotations of ``text``."""
     out = []
     for c in citations:
-        marker = re.search(rf"\[\s*(?:\d+\s*[,;]\s*)*{int(c.get('index') or 0)}\s*(?:[,;]\s*\d+\s*)*\]", text)
-        document = str(c.get("document_id") or "")
+        marker = re.search(rf"\[\s*(?:\d+\s*[,;]\s*)*{c.index}\s*(?:[,;]\s*\d+\s*)*\]", text)
         out.append(
             FileCitation(
-                file_id=document,
-                filename=str(c.get("title") or document),
+                file_id=c.document_id,
+                filename=c.title or c.document_id,
                 index=marker.start() if marker else len(text),
             )
         )
