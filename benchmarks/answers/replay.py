@@ -42,7 +42,7 @@ async def replay_set(name: str, where: dict[str, Any], *, top_k: int | None, rer
     from services.agent.pipelines.definition import BUILTIN_DIR, load_definition_file
     from services.agent.pipelines.state import RunContext, RunState
     from services.agent.tokens import load_counter
-    from services.cli.eval_questions import load_questions, source_matches, states
+    from services.cli.eval_questions import load_questions, states
     from services.common.config import load_settings
 
     qs = get_set(name)
@@ -76,7 +76,7 @@ async def replay_set(name: str, where: dict[str, Any], *, top_k: int | None, rer
         # no source left at all: the generator would say "I don't know" (not found) without a call
         kind = state.answer_kind if state.answer else "not_found"
         cited = [c for c in state.citations if c.kind == "extractive"]
-        right = q.source is not None and any(source_matches(q.source, c.model_dump()) for c in cited)
+        right = any(q.cited_by(c.model_dump()) for c in cited)
         stated = q.answerable and kind == "extractive" and states(state.answer, q)
         out.append(Judged(name, q.id, q.answerable, kind, stated, right, state.answer))
     return out

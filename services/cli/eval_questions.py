@@ -13,7 +13,8 @@ with ``#`` are skipped)::
   answer, stated when the answer holds at least ``services.agent.text.REFERENCE_RECALL`` of its content words.
 - ``source``: the document that states it: a path or file name (``docs/operations.md``,
   ``faq.html``), matched against a citation's document id, title and metadata source/filename
-  with case, extension and separators ignored.
+  with case, extension and separators ignored. ``also_in``: other documents of the set that state
+  the same fact (a citation of any of them is a right source).
 - ``page`` (1-based page of the PDF, as a viewer counts it) and ``section`` (a heading, or a
   distinctive part of one) where the fact is stated, when they are known.
 - ``answerable``: false for a question the documents do not answer (no answers, no source):
@@ -45,6 +46,7 @@ class Question(BaseModel):
     answers: list[str] | None = None
     reference: str | None = None
     source: str | None = None
+    also_in: list[str] = Field(default_factory=list)
     page: int | None = Field(None, ge=1)
     section: str | None = None
     answerable: bool = True
@@ -58,9 +60,18 @@ class Question(BaseModel):
                 raise ValueError("an answerable question needs answers (key phrases) or a reference")
             if not (self.source or "").strip():
                 raise ValueError("an answerable question needs the source that states it")
-        elif self.answers or self.reference:
-            raise ValueError("an unanswerable question has no answers or reference")
+        elif self.answers or self.reference or self.also_in:
+            raise ValueError("an unanswerable question has no answers, reference or also_in")
         return self
+
+    @property
+    def sources(self) -> list[str]:
+        """The documents that state the answer: ``source``, then ``also_in``."""
+        return [s for s in [self.source, *self.also_in] if s and s.strip()]
+
+    def cited_by(self, cite: Mapping[str, Any]) -> bool:
+        """Whether the citation names one of the documents that state the answer."""
+        return any(source_matches(s, cite) for s in self.sources)
 
 
 class QuestionSetError(ValueError):
@@ -290,7 +301,7 @@ def judge(
     right_source: bool | None = None
     right_place: bool | None = None
     if q.answerable and q.source and cites_sources:
-        matching = [c for c in cites if source_matches(q.source, c)]
+        matching = [c for c in cites if q.cited_by(c)]
         right_source = bool(matching)
         verdicts = [locates(q, c) for c in matching] if matching else [locates(q, c) for c in cites]
         if any(v is True for v in verdicts) and matching:

@@ -54,7 +54,11 @@ def test_a_set_parses_skipping_blank_and_comment_lines() -> None:
         ("[1, 2]", "expected a JSON object, got list"),
         (_line(id="b", question="Q?", source="x.md"), "needs answers (key phrases) or a reference"),
         (_line(id="b", question="Q?", answers=["x"]), "needs the source"),
-        (_line(id="b", question="Q?", answers=["x"], answerable=False), "has no answers or reference"),
+        (_line(id="b", question="Q?", answers=["x"], answerable=False), "has no answers, reference"),
+        (
+            _line(id="b", question="Q?", also_in=["y.md"], answerable=False),
+            "has no answers, reference or also_in",
+        ),
         (_line(id="b", question="Q?", answers=[" "], source="x.md"), "at least one non-blank key phrase"),
         (_line(id="b", question="Q?", answers=["x"], source="x.md", page=0), "page"),
         (_line(id="b", question="Q?", answers=["x"], source="x.md", colour="red"), "colour"),
@@ -198,6 +202,16 @@ def test_judge_reads_answer_kind_page_and_section_when_responses_carry_them() ->
     assert o.groundedness == 1.0
     wrong = judge(q, _out("Use valgrind.", [{"document_id": "faq.html"}]), DOCS)
     assert (wrong.stated, wrong.right_source, wrong.right_place) == (False, False, None)
+
+
+def test_a_citation_of_another_document_stating_the_fact_is_a_right_source() -> None:
+    q = Question(
+        id="a", question="Which option?", answers=["--leak-check"], source="qs.html", also_in=["faq.html"]
+    )
+    assert q.sources == ["qs.html", "faq.html"]
+    answer = "Use --leak-check [1]."
+    assert judge(q, _out(answer, [{"document_id": "faq.html"}]), DOCS).right_source is True
+    assert judge(q, _out(answer, [{"document_id": "manual.html"}]), DOCS).right_source is False
 
 
 def test_judge_takes_todays_kind_field_and_infers_an_abstention() -> None:
