@@ -1,4 +1,7 @@
-"""Settings of the inference service (env prefix ``TANDEM_INFERENCE_``)."""
+"""Settings of the inference service (env prefix ``TANDEM_INFERENCE_``).
+
+The engines' settings default to the engine library's own defaults (``engine/defaults.py``),
+so an engine built in code runs as the server runs."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ModelDType, ServiceSettings
+from services.inference.engine import defaults
 
 # How many requests, sequences or inputs may wait or come at once: 0 (none) up to a sanity cap.
 Count = Annotated[int, Field(ge=0, le=100_000)]
@@ -41,44 +45,52 @@ class InferenceSettings(ServiceSettings):
         description="Whether the remote engine's upstream supports response_format json_object/json_schema "
         "(and guided_grammar): forwarded when true, refused with a 400 when false.",
     )
-    max_batch_size: int = Field(16, ge=1, le=1024, description="Sequences decoded together (KV cache slots).")
-    max_queue: Count = Field(64, description="Requests that may wait for a slot; beyond it requests get 429.")
+    max_batch_size: int = Field(
+        defaults.MAX_BATCH_SIZE, ge=1, le=1024, description="Sequences decoded together (KV cache slots)."
+    )
+    max_queue: Count = Field(
+        defaults.MAX_QUEUE, description="Requests that may wait for a slot; beyond it requests get 429."
+    )
     tenant_max_queued: Count = Field(
-        16,
+        defaults.TENANT_MAX_QUEUED,
         description="Sequences one tenant may have waiting (each of n choices counts) beyond its fair share of "
         "free batch slots; beyond it that tenant gets 429 rate_limit_exceeded while other tenants are still "
         "admitted. Slots are shared round-robin between tenants.",
     )
     prefill_chunk: int = Field(
-        256,
+        defaults.PREFILL_CHUNK,
         ge=16,
         le=65536,
         description="Prompt tokens per forward (chunked prefill budget): each step runs one forward with a "
         "token for every running stream plus up to this many prompt tokens; longer prompts take several steps.",
     )
     prefix_cache_mb: float = Field(
-        64.0,
+        defaults.PREFIX_CACHE_MB,
         ge=0,
         description="MiB of prompt-prefix keys/values kept for reuse (shared system prompts); 0 disables.",
     )
     admit_window_ms: float = Field(
-        20.0,
+        defaults.ADMIT_WINDOW_MS,
         ge=0,
         le=1000,
         description="An idle engine lets a burst of arrivals gather before scheduling it: it starts once "
         "no request has arrived for this long (at most 5 times this in all).",
     )
     max_model_len: int = Field(
-        2048, ge=16, description="Context length served (capped by the model's own); longer prompts get 400."
+        defaults.MAX_MODEL_LEN,
+        ge=16,
+        description="Context length served (capped by the model's own); longer prompts get 400.",
     )
     request_timeout: float = Field(
-        300.0, gt=0, description="Seconds a request may take in the engine before it is ended with a timeout."
+        defaults.REQUEST_TIMEOUT_S,
+        gt=0,
+        description="Seconds a request may take in the engine before it is ended with a timeout.",
     )
     dtype: ModelDType = Field(
         "auto", description="Weights dtype; auto is the platform's default (fp32 on CPU, bf16 on GPUs)."
     )
     forward: Literal["auto", "reference"] = Field(
-        "auto",
+        defaults.FORWARD,
         description="torch engine: the forward the engine runs. auto: the fastest path the model, the CPU "
         "and the torch build support (the lean forwards, the C++ decode kernels, oneDNN-packed or quantised "
         "products; the choice, with its reasons, is logged at start-up and served by /health and "
@@ -86,7 +98,7 @@ class InferenceSettings(ServiceSettings):
         "and prompt tokens (torch's own linear layers unless QUANTIZE asks for quantised products).",
     )
     quantize: Literal["auto", "none", "int8", "int4"] = Field(
-        "auto",
+        defaults.QUANTIZE,
         description="CPU engine: weight-only quantised products for the linear layers (the model stays "
         "fp32 otherwise; LoRA adapters stay fp32 on top). int4: groups of 32 with a minimum (GGUF's Q4_1, "
         "exact for the default model's weights), the output head in bf16; int8: per channel, every layer; "
@@ -94,7 +106,7 @@ class InferenceSettings(ServiceSettings):
         "already (a model from a Q4_0/Q4_1 GGUF, such as the default one: quantising loses nothing), else none.",
     )
     prompt_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
+        defaults.PROMPT_DTYPE,
         description="CPU torch engine, fp32 models: the dtype prompt tokens multiply in, in the decoder layers "
         "(the output head's prompt rows stay fp32). bfloat16: oneDNN's bf16 products, about 1.7x faster prompt "
         "forwards on CPUs with AVX512-BF16 or AMX (sooner first tokens under a burst), at bf16 rounding of the "
@@ -102,7 +114,7 @@ class InferenceSettings(ServiceSettings):
         "bf16 activations (quantize int4/int8) on a CPU with native bf16, else float32.",
     )
     native_decode: Literal["auto", "on", "off"] = Field(
-        "auto",
+        defaults.NATIVE_DECODE,
         description="CPU torch engine, int4 decode: the engine's C++ decode kernels (the lean forward's loop "
         "over the decoder layers, and on AVX2 CPUs the output head in Q8_0 blocks), compiled with the "
         "machine's C++ compiler into torch's extension directory (~/.cache/torch_extensions or "
@@ -111,13 +123,13 @@ class InferenceSettings(ServiceSettings):
         "build stops start-up; off: never built.",
     )
     threads: int = Field(
-        0,
+        defaults.THREADS,
         ge=0,
         description="torch intra-op threads for the CPU engine (llama.cpp threads for the llamacpp engine); "
         "0 keeps torch's default (all cores for llama.cpp).",
     )
     llamacpp_requantize: Literal["none", "q8_0", "q4_0"] = Field(
-        "none",
+        defaults.LLAMACPP_REQUANTIZE,
         description="llamacpp engine: re-quantise the GGUF once at start-up (cached under the models "
         "cache) to a type llama.cpp's CPU kernels batch well (they do not repack Q4_1, the default "
         "model's): q8_0 (the file's logits within rounding) or q4_0 (faster, lossy). Both make a "

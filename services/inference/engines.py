@@ -125,7 +125,7 @@ async def build_engine(settings: InferenceSettings, common: CommonSettings) -> E
         )
     if settings.engine == "llamacpp":
         return await asyncio.to_thread(build_llamacpp_engine, settings, common, name)
-    from services.inference.engine.torch_engine import in_own_thread
+    from services.inference.engine.scheduler_engine import in_own_thread
 
     # a thread that ends: see in_own_thread (the scheduler thread's forwards)
     return await in_own_thread(build_torch_engine, settings, common, name, settings.model)
@@ -162,7 +162,7 @@ def torch_builder(settings: InferenceSettings, common: CommonSettings) -> Any:
     async def build(name: str, path: Path) -> Engine:
         # a registered fine-tune without tokenizer files borrows the served base model's
         base = await asyncio.to_thread(resolve_model, settings.model or None, cache_root(common))
-        from services.inference.engine.torch_engine import in_own_thread
+        from services.inference.engine.scheduler_engine import in_own_thread
 
         return await in_own_thread(build_torch_engine, settings, common, name, str(path), base)
 

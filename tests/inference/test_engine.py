@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.inference.engine import SamplingParams, TorchEngine
-from services.inference.engine.torch_engine import in_own_thread
+from services.inference.engine.scheduler_engine import in_own_thread
 from tests.helpers.waiting import ManualClock
 
 QUESTIONS = [

@@ -179,12 +179,12 @@ def _llama_logits(engine: Any, ids: list[int], adapter: str | None) -> Any:
     """The engine's runner's logits at the prompt's last token (a free slot, between steps)."""
     from services.inference.engine.ragged import PrefillRow
 
-    slot = engine.llama.max_slots - 1
+    slot = engine.runner.max_slots - 1
     with engine.model_lock:
         try:
-            return engine.llama.forward([], [PrefillRow(slot, ids, 0, adapter)])[0].numpy()
+            return engine.runner.forward([], [PrefillRow(slot, ids, 0, adapter)])[0].numpy()
         finally:
-            engine.llama.release(slot)
+            engine.runner.release(slot)
 
 
 @needs_llama

@@ -71,7 +71,7 @@ class Engine(Protocol):
 
 
 class AdapterHost:
-    """What the torch and vLLM engines share: one base model ``name`` with LoRA ``adapters``
+    """What the torch, llama.cpp and vLLM engines share: one base model ``name`` with LoRA ``adapters``
     (name -> the engine's handle) loaded onto it, served under their own names."""
 
     name: str

@@ -1,7 +1,8 @@
 """An engine on llama.cpp (through ``llama-cpp-python``'s low-level API) for GGUF models.
 
-It keeps everything the torch engine adds around the forward, by running the same
-``Scheduler`` over a llama.cpp runner instead of the torch ``ModelRunner``:
+It keeps everything the torch engine adds around the forward: both are a ``SchedulerEngine``
+(``scheduler_engine.py``), the same ``Scheduler`` driving a llama.cpp runner here instead of
+the torch ``ModelRunner`` (both implement ``runner_protocol.Runner``):
 
 - continuous batching: each step is one ``llama_decode`` of one ``llama_batch`` with a
   token for every running sequence plus prompt chunks (up to ``PREFILL_CHUNK`` tokens),
@@ -30,18 +31,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
-from services.inference.engine.guided import GuidedCompiler
+from services.inference.engine import defaults
 from services.inference.engine.loader import _file_lock, gguf_cache_dir
 from services.inference.engine.ragged import DecodeRow, PrefillRow
-from services.inference.engine.scheduler import Scheduler
-from services.inference.engine.torch_engine import TorchEngine
+from services.inference.engine.scheduler_engine import SchedulerEngine
 from services.inference.engine.types import AdapterError
 
 log = logging.getLogger("tandem.engine.llamacpp")
@@ -163,33 +162,13 @@ def requantized(gguf: Path, kind: str, cache_root: Path) -> Path:
     return target
 
 
-class _SlotMap:
-    """What the scheduler calls the KV cache: it only ever moves a running sequence from its
-    slot into a freed lower one. llama.cpp's cache is addressed by sequence id, so a move is a
-    change of which id a slot names: no keys or values are copied."""
-
-    def __init__(self, runner: LlamaCppRunner) -> None:
-        self.runner = runner
-
-    def move(self, src: int, dst: int, length: int) -> None:
-        ids = self.runner.seq_of_slot
-        moved = ids.pop(src, None)
-        if moved is None:
-            ids.pop(dst, None)
-        else:
-            ids[dst] = moved
-
-
 class LlamaCppRunner:
-    """The forward the scheduler drives, on a llama.cpp context (duck-types ``ModelRunner``)."""
+    """The forward the scheduler drives, on a llama.cpp context (a ``Runner``)."""
 
-    # nothing to pack, compile or fuse (the engine's start-up asks); the trainer's face
-    # (``generate_batch``) sees a model in eval mode
-    packed = None
-    compiled = None
-    fused = None
-    training = False
+    # llama.cpp returns its logits in host memory
     device = torch.device("cpu")
+    # no prefix cache: llama.cpp's cells are no slab rows to copy prefixes between
+    prefix_kv = None
 
     def __init__(self, gguf: Path, *, max_slots: int, max_len: int, threads: int, batch_tokens: int) -> None:
         check_gguf(gguf)
@@ -203,7 +182,6 @@ class LlamaCppRunner:
         self.vocab = ll.llama_model_get_vocab(self.lm)
         self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
         self.batch = ll.llama_batch_init(batch_tokens, 0, 1)
-        self.cache = _SlotMap(self)
         self.seq_of_slot: dict[int, int] = {}
         self._free_ids = list(range(max_slots - 1, -1, -1))
         # name -> llama_adapter_lora pointer; the adapter set on the context now (None: none)
@@ -212,6 +190,10 @@ class LlamaCppRunner:
 
     def prepare_weights(self) -> None:
         """llama.cpp reads its weights from the file as they are."""
+
+    def weights_fingerprint(self) -> tuple[Any, ...]:
+        # the file's weights never change while it is served
+        return ()
 
     # --- the model's facts ---------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -223,9 +205,6 @@ class LlamaCppRunner:
         # llama.cpp's own end-of-generation set (eos, eot, <|im_end|>-like tokens)
         return {t for t in range(self.n_vocab) if self.ll.llama_vocab_is_eog(self.vocab, t)}
 
-    def eval(self) -> LlamaCppRunner:
-        return self
-
     # --- sequences -------------------------------------------------------------------------
     def _fresh(self, slot: int) -> int:
         """The sequence id of a sequence starting at ``slot``: its own id with no cells."""
@@ -235,6 +214,15 @@ class LlamaCppRunner:
             self.seq_of_slot[slot] = seq
         self.ll.llama_memory_seq_rm(self.mem, seq, -1, -1)
         return seq
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        # llama.cpp's cache is addressed by sequence id: a move is a change of which id a slot
+        # names, no keys or values are copied
+        moved = self.seq_of_slot.pop(src, None)
+        if moved is None:
+            self.seq_of_slot.pop(dst, None)
+        else:
+            self.seq_of_slot[dst] = moved
 
     def release(self, slot: int) -> None:
         """Free the KV cells of the sequence at ``slot`` (it finished)."""
@@ -334,27 +322,9 @@ class LlamaCppRunner:
             self.lm = None
 
 
-class LlamaCppScheduler(Scheduler):
-    """The torch engine's scheduler, freeing llama.cpp KV cells as sequences finish."""
-
-    runner: LlamaCppRunner  # type: ignore[assignment]
-
-    def _release_finished(self) -> None:
-        with self._cv:
-            done = [s.slot for s in self.slots if s.finish_reason is not None]
-        for slot in done:
-            self.runner.release(slot)
-        super()._release_finished()
-
-    def _fail_all(self, message: str) -> None:
-        super()._fail_all(message)
-        with self.model_lock:
-            self.runner.reset()
-
-
-class LlamaCppEngine(TorchEngine):
-    """The Engine protocol over llama.cpp. Shares the torch engine's request handling (prompt
-    rendering, validation, streams, aborts) by subclassing it; only the model side differs."""
+class LlamaCppEngine(SchedulerEngine[LlamaCppRunner]):
+    """The ``Engine`` protocol over llama.cpp: the scheduler's request handling over a
+    ``LlamaCppRunner``; its defaults are the server's (``defaults.py``)."""
 
     kind = "llamacpp"
 
@@ -364,21 +334,22 @@ class LlamaCppEngine(TorchEngine):
         *,
         name: str = "model",
         tokenizer: Any = None,
-        max_batch_size: int = 16,
-        max_queue: int = 256,
-        prefill_chunk: int = 256,
-        max_model_len: int | None = None,
-        request_timeout: float | None = None,
-        threads: int = 0,
-        admit_window: float = 0.0,
-        tenant_max_queued: int | None = None,
+        max_batch_size: int = defaults.MAX_BATCH_SIZE,
+        max_queue: int = defaults.MAX_QUEUE,
+        prefill_chunk: int = defaults.PREFILL_CHUNK,
+        max_model_len: int | None = defaults.MAX_MODEL_LEN,
+        request_timeout: float | None = defaults.REQUEST_TIMEOUT_S,
+        threads: int = defaults.THREADS,
+        admit_window: float = defaults.ADMIT_WINDOW_MS / 1000,
+        tenant_max_queued: int | None = defaults.TENANT_MAX_QUEUED,
         cache_root: Path | None = None,
-        requantize: str = "none",
+        requantize: str = defaults.LLAMACPP_REQUANTIZE,
     ) -> None:
-        # TorchEngine.__init__ builds a torch model runner: not called, the attributes its
-        # request handling reads are set here instead
+        """``max_model_len`` None: the model's training context. ``threads`` 0: all cores.
+        ``tokenizer`` None: the Hugging Face tokenizer read from the GGUF file."""
         path = Path(gguf)
         check_gguf(path)
+        self.gguf = path
         self.cache_root = cache_root or path.parent
         served = path if requantize == "none" else requantized(path, requantize, self.cache_root)
         runner = LlamaCppRunner(
@@ -392,43 +363,32 @@ class LlamaCppEngine(TorchEngine):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        self.gguf = path
-        self.runner = cast(Any, runner)
-        self.llama = runner
-        self.model = runner
-        self.tokenizer = tokenizer
-        self.name = name
-        self.request_timeout = request_timeout
-        self.max_model_len = runner.max_len
-        self.device = runner.device
-        self.model_lock = threading.RLock()
         eos = runner.eog_ids()
         if isinstance(tokenizer.eos_token_id, int):
             eos.add(tokenizer.eos_token_id)
-        self.scheduler = LlamaCppScheduler(
-            cast(Any, runner),
+        super().__init__(
+            runner,
             tokenizer,
+            name=name,
+            eos_token_ids=eos,
+            vocab_size=runner.n_vocab,
             max_batch_size=max_batch_size,
             max_queue=max_queue,
             prefill_chunk=prefill_chunk,
-            eos_token_ids=eos,
-            model_lock=self.model_lock,
+            request_timeout=request_timeout,
             # torch only samples here (a few ops on [rows, vocab]); its threads must not
             # compete with llama.cpp's
             num_threads=1,
+            # no prefix cache (the runner has no slab to copy prefixes between)
+            prefix_cache_mb=0,
             admit_window=admit_window,
             tenant_max_queued=tenant_max_queued,
         )
-        self.adapters: dict[str, str] = {}
-        self._renders_tools = None
-        self.vocab_size = runner.n_vocab
-        self.guided = GuidedCompiler(tokenizer, self.vocab_size, eos)
-        self._own_adapters = True
 
     async def shutdown(self) -> None:
         await super().shutdown()
         with self.model_lock:
-            self.llama.close()
+            self.runner.close()
 
     # --- LoRA adapters ------------------------------------------------------------------------------
     def _gguf_adapter(self, folder: Path) -> Path:
@@ -443,7 +403,7 @@ class LlamaCppEngine(TorchEngine):
         with _file_lock(target.parent / ".locks" / f"{target.name}.lock"):
             if target.is_file():
                 return target
-            llama = self.llama
+            llama = self.runner
             base = BaseShape(
                 arch=llama.meta("general.architecture") or "?",
                 n_layers=int(llama.ll.llama_model_n_layer(llama.lm)),
@@ -469,12 +429,12 @@ class LlamaCppEngine(TorchEngine):
             raise AdapterError(f"lora_path {path!r} is neither a PEFT adapter folder nor a .gguf adapter")
         with self.model_lock:
             self.check_free(name)
-            self.llama.add_adapter(name, gguf)
+            self.runner.add_adapter(name, gguf)
             self.adapters[name] = path
 
     def unload_adapter_sync(self, name: str) -> None:
         with self.model_lock:
             self.check_loaded(name)
             self.scheduler.fail_where(lambda s: s.adapter == name, f"adapter {name!r} was unloaded")
-            self.llama.drop_adapter(name)
+            self.runner.drop_adapter(name)
             del self.adapters[name]

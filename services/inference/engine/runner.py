@@ -31,6 +31,7 @@ from services.inference.engine.fused_prompt import FusedPrompt
 from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.packed_linear import PackedLinears
 from services.inference.engine.plan import ForwardPlan, kernel_choice, resolve_plan
+from services.inference.engine.prefix_cache import weights_fingerprint
 from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 
@@ -143,6 +144,24 @@ class ModelRunner:
         for lean in (self.fused, self.fused_prompt):
             if lean is not None:
                 lean.prepare()
+
+    # --- slots (the scheduler's Runner protocol) -----------------------------------------
+    @property
+    def prefix_kv(self) -> SlabKVCache:
+        return self.cache
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        self.cache.move(src, dst, length)
+
+    def release(self, slot: int) -> None:
+        """Nothing to free: the next sequence in the slot writes over its rows."""
+
+    def reset(self) -> None:
+        """Nothing to free: every slot is written over by its next sequence."""
+
+    def weights_fingerprint(self) -> tuple[Any, ...]:
+        # the model's parameters: the trainer updates them in place between rollouts
+        return weights_fingerprint(self.model)
 
     # --- LoRA: per-row adapters through PEFT's mixed-batch path -------------------------
     def refresh_adapter_hooks(self) -> None:

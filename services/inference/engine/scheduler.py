@@ -15,7 +15,8 @@ One iteration (``step``) does, in order:
 
 Each sampled token is handed to the sequence's sink at once (streaming). The scheduler
 is driven either by its own thread (the server: ``start()``) or inline by the caller
-(``run_until_done``, used by ``generate_batch`` when no thread runs).
+(``run_until_done``, used by ``generate_batch`` when no thread runs). It drives any
+``Runner`` (``runner_protocol.py``): the torch ``ModelRunner`` or llama.cpp's.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from typing import Any, Protocol
 import torch
 
 from services.inference.engine.detokenizer import IncrementalDetokenizer
-from services.inference.engine.prefix_cache import PrefixCache, common_prefix_len, weights_fingerprint
-from services.inference.engine.ragged import adapter_key
-from services.inference.engine.runner import DecodeRow, ModelRunner, PrefillRow
+from services.inference.engine.kv_cache import SlabKVCache
+from services.inference.engine.prefix_cache import PrefixCache, common_prefix_len
+from services.inference.engine.ragged import DecodeRow, PrefillRow, adapter_key
+from services.inference.engine.runner_protocol import Runner
 from services.inference.engine.sampling import RowSampling, sample
 from services.inference.engine.types import (
     FinishReason,
@@ -119,7 +121,7 @@ def _adapter(seq: Sequence) -> str:
 class Scheduler:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: Runner,
         tokenizer: Any,
         *,
         max_batch_size: int,
@@ -142,6 +144,8 @@ class Scheduler:
         self.admit_window = admit_window
         self.num_threads = num_threads
         self.prefix_cache = prefix_cache or PrefixCache(0)
+        if self.prefix_cache.enabled and runner.prefix_kv is None:
+            raise ValueError("a prefix cache needs a runner with a KV slab to copy prefixes from and into")
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -339,6 +343,8 @@ class Scheduler:
             self.waiting.clear()
         for seq in victims:
             self._finish(seq, "error", error=message)
+        with self.model_lock:
+            self.runner.reset()
 
     def _step(self) -> None:
         self.steps += 1
@@ -384,8 +390,9 @@ class Scheduler:
     def _prompt_chunks(self) -> list[tuple[Sequence, int]]:
         """The prompt chunks of this step: oldest prompts first, up to ``prefill_chunk`` tokens."""
         pending = sorted((s for s in self.slots if not s.prefilled), key=lambda s: s.seq_id)
-        if pending and self.prefix_cache.enabled:
-            self._reuse_prefixes(pending)
+        kv = self._prefix_kv()
+        if pending and kv is not None:
+            self._reuse_prefixes(pending, kv)
             pending = [s for s in pending if not s.prefilled]
         budget = self.prefill_chunk
         chosen: list[tuple[Sequence, int]] = []
@@ -422,32 +429,35 @@ class Scheduler:
                 rows.append(len(decoding) + i)
         if sampled:
             self._sample_and_emit(sampled, logits if len(rows) == len(logits) else logits[rows])
-        if self.prefix_cache.enabled:
+        kv = self._prefix_kv()
+        if kv is not None:
             # after the tokens went out: copying prompts into the cache is off the latency path
             for seq, _ in chunks:
-                self.prefix_cache.store(
-                    _adapter(seq), seq.prompt_ids[: seq.num_computed], self.runner.cache, seq.slot
-                )
+                self.prefix_cache.store(_adapter(seq), seq.prompt_ids[: seq.num_computed], kv, seq.slot)
         return len(decoding), sum(c for _, c in chunks)
 
-    def _try_prefix_hit(self, seq: Sequence) -> bool:
+    def _prefix_kv(self) -> SlabKVCache | None:
+        """The runner's slab when this scheduler keeps a prefix cache (None: it keeps none)."""
+        return self.runner.prefix_kv if self.prefix_cache.enabled else None
+
+    def _try_prefix_hit(self, seq: Sequence, kv: SlabKVCache) -> bool:
         entry, length = self.prefix_cache.longest(_adapter(seq), seq.prompt_ids)
         if entry is None:
             return False
-        self.prefix_cache.load_into(entry, length, self.runner.cache, seq.slot)
+        self.prefix_cache.load_into(entry, length, kv, seq.slot)
         seq.num_computed = length
         return True
 
-    def _reuse_prefixes(self, pending: list[Sequence]) -> None:
+    def _reuse_prefixes(self, pending: list[Sequence], kv: SlabKVCache) -> None:
         """Start newly admitted sequences from cached prefixes; compute a prefix shared by
         several new arrivals once (for the oldest of them) and copy it to the others."""
         cache = self.prefix_cache
-        cache.validate(weights_fingerprint(self.runner.model))
+        cache.validate(self.runner.weights_fingerprint())
         fresh = [s for s in pending if s.num_computed == 0 and not s.prefix_checked]
         if not fresh:
             return
         cache.query_tokens += sum(len(s.prompt_ids) for s in fresh)  # once per prompt (metrics)
-        misses = [s for s in fresh if not self._try_prefix_hit(s)]
+        misses = [s for s in fresh if not self._try_prefix_hit(s, kv)]
         while len(misses) >= 2:
             leader, rest = misses[0], misses[1:]
             adapter = _adapter(leader)
@@ -461,8 +471,8 @@ class Scheduler:
                     [], [PrefillRow(leader.slot, leader.prompt_ids[:shared], 0, leader.adapter)]
                 )
                 leader.num_computed = shared
-                cache.store(adapter, leader.prompt_ids[:shared], self.runner.cache, leader.slot)
-                rest = [o for o in rest if not self._try_prefix_hit(o)]
+                cache.store(adapter, leader.prompt_ids[:shared], kv, leader.slot)
+                rest = [o for o in rest if not self._try_prefix_hit(o, kv)]
             misses = rest
         for seq in fresh:
             seq.prefix_checked = True
@@ -557,6 +567,11 @@ class Scheduler:
     def _release_finished(self) -> None:
         """Free the slots of finished sequences, keeping slots 0..N-1 contiguous."""
         with self._cv:
+            done = [s.slot for s in self.slots if s.finish_reason is not None]
+        # the runner frees what each held before another sequence moves into its slot
+        for slot in done:
+            self.runner.release(slot)
+        with self._cv:
             i = 0
             while i < len(self.slots):
                 seq = self.slots[i]
@@ -567,7 +582,7 @@ class Scheduler:
                 if last is not seq:
                     # fill the hole with the last row (only its computed positions move);
                     # moved before anything is popped, so a failure loses no sequence
-                    self.runner.cache.move(last.slot, i, last.num_computed)
+                    self.runner.move_slot(last.slot, i, last.num_computed)
                     last.slot = i
                     self.slots[i] = last
                 self.slots.pop()
