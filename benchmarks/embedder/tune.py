@@ -70,7 +70,6 @@ import datetime
 import itertools
 import json
 import os
-import platform
 import re
 import sys
 import time
@@ -94,6 +93,7 @@ from services.cli.eval_retrieval import (
     evaluate,
     load_beir,
 )
+from services.common import platforms
 
 BASE_MODEL = "all-MiniLM-L6-v2"
 TOP_K = 100  # results per query, collapsed to documents: nDCG@10 by document, Recall@100
@@ -380,16 +380,6 @@ def scores(rows: list[ModeScores]) -> dict[str, dict[str, float]]:
     }
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def fmt(x: float | None, digits: int = 4) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -494,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "set": args.which,
         "command": "python -m benchmarks.embedder.tune " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": started.isoformat(timespec="seconds"),
-        "cpu": cpu_model(),
+        "cpu": platforms.cpu_model(),
         "cpus": os.cpu_count(),
         "collection": name,
         "documents": info.get("documents") or labelled.documents,

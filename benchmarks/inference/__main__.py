@@ -324,6 +324,26 @@ def row(name: str, res: dict[str, Any], base: dict[str, Any] | None) -> str:
 ENGINES = ("generate", "llamacpp-raw", "torch", "llamacpp")
 
 
+def cpu_line() -> str:
+    """The CPU model, its cores here and the features the forward plan reads."""
+    from services.common.platforms import cpu_model
+    from services.common.platforms.cpu import cpu_features
+
+    f = cpu_features()
+    bf16 = "AMX" if f.amx_usable else "AVX512-BF16" if f.avx512_bf16 else "no native bf16"
+    return f"{cpu_model()}, {os.cpu_count()} cores, torch {f.capability}, {bf16}"
+
+
+def served_plan(url: str, key: str) -> str:
+    """The forward plan the server resolved (its /health), in one line."""
+    health = httpx.get(url + "/health", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
+    plan = health.get("forward_plan")
+    if not plan:
+        return f"engine {health.get('engine')} (no forward plan)"
+    fields = ("decode", "prompt", "layer_decode", "layer_prompt", "head_decode", "head_prompt", "attention")
+    return "forward plan " + " ".join(f"{k}={plan.get(k)}" for k in fields)
+
+
 def llama_cpp_available() -> bool:
     import importlib.util
 
@@ -497,6 +517,7 @@ def main() -> int:
             f"engines {', '.join(engines)}",
             flush=True,
         )
+        print(f"CPU: {cpu_line()}", flush=True)
         if args.variant:
             from benchmarks.inference.variants import compare
 
@@ -577,6 +598,7 @@ def main() -> int:
                 )
                 try:
                     asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up
+                    print(f"{engine} server: {served_plan(url, key)}", flush=True)
                     # the registry is durable and shared by the servers of this run: a name each
                     lora = f"bench-lora-{engine}"
                     if adapter is not None:

@@ -150,6 +150,16 @@ def cpu_flags() -> str:
         return ""
 
 
+def cpu_model() -> str:
+    """The CPU's model name as Linux lists it ("AMD EPYC 9R14 ..."), else the platform's word."""
+    for line in cpu_flags().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 @lru_cache(maxsize=1)
 def cpu_amx_usable() -> bool:
     """Whether this process can use the CPU's AMX tiles (Intel Sapphire Rapids and later): the CPU
