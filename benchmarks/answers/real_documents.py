@@ -23,9 +23,9 @@ from typing import Any
 import httpx
 
 from benchmarks.answers.sets import (
-    SETS,
     MissingDocuments,
     QuestionSet,
+    chosen_sets,
     ensure_collection,
     flat_texts,
     get_set,
@@ -145,7 +145,7 @@ def main(
 ) -> int:
     from services.cli.eval_rag import print_questions_summary
 
-    chosen = list(SETS) if names == "all" else [n for n in names.split(",") if n]
+    chosen = chosen_sets(names)
     try:
         sets = [get_set(n) for n in chosen]
         for qs in sets:

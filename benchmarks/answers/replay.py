@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.answers.real_documents import stack_where
-from benchmarks.answers.sets import SETS, get_set
+from benchmarks.answers.sets import chosen_sets, get_set
 
 
 @dataclass
@@ -110,7 +110,7 @@ def main() -> int:
     ap.add_argument("--no-rerank", action="store_true", help="without the overlap reranker")
     ap.add_argument("--json", type=Path, default=None, help="write every answer here")
     args = ap.parse_args()
-    names = list(SETS) if args.set == "all" else [n for n in args.set.split(",") if n]
+    names = chosen_sets(args.set)
     where = stack_where(args.home or Path(os.environ.get("TANDEM_HOME", ".tandem")))
     judged: list[Judged] = []
     for name in names:

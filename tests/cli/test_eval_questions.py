@@ -81,7 +81,7 @@ def test_an_empty_or_unreadable_file_is_refused(tmp_path: Path) -> None:
         load_questions(tmp_path / "missing.jsonl")
 
 
-@pytest.mark.parametrize("name", ["tandem-docs", "valgrind-html", "libtasn1-pdf"])
+@pytest.mark.parametrize("name", ["tandem-docs", "valgrind-html", "libtasn1-pdf", "sqlite-html"])
 def test_each_shipped_set_has_thirty_questions_a_fifth_unanswerable(name: str) -> None:
     qs = load_questions(SETS_DIR / f"{name}.jsonl")
     assert len(qs) >= 30
