@@ -62,6 +62,7 @@ from services.inference.engine.types import (
     EngineUnavailable,
     GuidedDecoding,
     InvalidParams,
+    PromptMessage,
     QueueFull,
     SamplingParams,
     StreamEvent,
@@ -543,9 +544,16 @@ class OpenAIServing:
             params.guided = GuidedDecoding(
                 json_schema=json.dumps(call_schema(plan.tools, plan.name, plan.parallel)), param="tools"
             )
+        # read as any library caller's are (the wire model has checked their shapes: a non-text
+        # part is refused by an engine that renders the prompt, a remote one forwards it)
         messages = [
-            m.model_dump(exclude_none=True, include={"role", "content", "name", "tool_calls", "tool_call_id"})
-            for m in req.messages
+            PromptMessage.from_openai(
+                m.model_dump(
+                    exclude_none=True, include={"role", "content", "name", "tool_calls", "tool_call_id"}
+                ),
+                i,
+            )
+            for i, m in enumerate(req.messages)
         ]
         body = req.model_dump(exclude_unset=True)
         engine_req = EngineRequest(

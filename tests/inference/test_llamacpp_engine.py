@@ -22,7 +22,7 @@ import pytest
 from services.common.config import CommonSettings
 from services.inference.config import InferenceSettings
 from services.inference.engine import EngineRequest, SamplingParams
-from services.inference.engine.types import AdapterError, GuidedDecoding
+from services.inference.engine.types import AdapterError, GuidedDecoding, PromptMessage
 
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 needs_llama = pytest.mark.skipif(
@@ -83,9 +83,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 def _request(rid: str, messages: list[dict], model: str = "smol", **params: Any) -> EngineRequest:
-    return EngineRequest(
-        rid, SamplingParams(**{"temperature": 0, "max_tokens": 24, **params}), model, messages
-    )
+    typed = [PromptMessage.from_openai(m, i) for i, m in enumerate(messages)]
+    return EngineRequest(rid, SamplingParams(**{"temperature": 0, "max_tokens": 24, **params}), model, typed)
 
 
 async def _tokens(engine: Any, req: EngineRequest) -> tuple[list[int], str, str | None]:

@@ -15,8 +15,8 @@ import torch
 
 from services.inference.engine import SamplingParams, TorchEngine
 from services.inference.engine.sampling import RowSampling, sample
-from services.inference.engine.tools import call_schema, parse_tool_calls
-from services.inference.engine.types import GuidedDecoding, InvalidParams
+from services.inference.engine.tools import call_schema, chat_template_input, parse_tool_calls
+from services.inference.engine.types import GuidedDecoding, InvalidParams, PromptMessage
 from tests.inference.schemas import ADD_PARAMETERS, THING_SCHEMA, function_tool
 
 SCHEMA = THING_SCHEMA
@@ -139,6 +139,33 @@ def test_fallback_renders_tools_and_history(engine: TorchEngine) -> None:
     text = engine.tokenizer.decode(engine.encode_chat(messages, tools))
     assert '"name": "lookup"' in text and "Result of lookup (call call_1): x is 42" in text
     assert '{"name": "lookup", "arguments": {"q": "x"}}' in text
+
+
+def test_prompt_messages_read_openai_messages_and_keep_the_api_errors(engine: TorchEngine) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+    wire = [
+        {
+            "role": "developer",
+            "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        },
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "x is 42"},
+    ]
+    typed = [PromptMessage.from_openai(m, i) for i, m in enumerate(wire)]
+    assert [m.openai() for m in typed] == wire  # what a remote engine forwards
+    assert engine.encode_chat(typed) == engine.encode_chat(wire)
+    native, extra = chat_template_input(typed, [function_tool("lookup", {"type": "object"})], lambda: True)
+    assert native[0] == {"role": "system", "content": "Be brief."} and "tools" in extra
+    assert native[1]["tool_calls"][0]["function"] == {"name": "lookup", "arguments": {"q": "x"}}
+    for bad, message in [
+        ([], "messages must not be empty"),
+        ([{"content": "x"}], "messages[0] must be an object with a role"),
+        ([{"role": "user", "content": 5}], "message content must be a string or a list of parts, got int"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "only text content parts are supported"),
+    ]:
+        with pytest.raises(InvalidParams) as err:
+            engine.encode_chat(bad)
+        assert (str(err.value), err.value.param) == (message, "messages")
 
 
 def test_uncompilable_grammar_is_invalid_params(engine: TorchEngine) -> None:

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(
 def test_vllm_engine_generates_and_streams(smollm2_path: Path) -> None:
     from services.inference.engine import EngineRequest, SamplingParams
     from services.inference.engine.base import Engine
+    from services.inference.engine.types import PromptMessage
     from services.inference.engine.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(
@@ -32,7 +33,7 @@ def test_vllm_engine_generates_and_streams(smollm2_path: Path) -> None:
                 "v1",
                 SamplingParams(temperature=0, max_tokens=16),
                 model="smol",
-                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                messages=[PromptMessage("user", "What is the capital of France?")],
             )
             events = [ev async for ev in await engine.generate(req)]
             assert events[-1].finish_reason in ("stop", "length")
@@ -50,7 +51,7 @@ def test_vllm_engine_json_schema_output_validates(smollm2_path: Path) -> None:
     import jsonschema
 
     from services.inference.engine import EngineRequest, SamplingParams
-    from services.inference.engine.types import GuidedDecoding
+    from services.inference.engine.types import GuidedDecoding, PromptMessage
     from services.inference.engine.vllm_engine import VLLMEngine
 
     schema = {
@@ -72,7 +73,7 @@ def test_vllm_engine_json_schema_output_validates(smollm2_path: Path) -> None:
                 seed=1,
                 guided=GuidedDecoding(json_schema=json.dumps(schema)),
             )
-            req = EngineRequest("r", params, messages=[{"role": "user", "content": "A person as JSON."}])
+            req = EngineRequest("r", params, messages=[PromptMessage("user", "A person as JSON.")])
             texts: dict[int, str] = {}
             async for ev in await engine.generate(req):
                 texts[ev.index] = texts.get(ev.index, "") + ev.text

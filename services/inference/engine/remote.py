@@ -44,7 +44,7 @@ def _from_request(request: EngineRequest) -> dict[str, Any]:
     p = request.params
     body: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p}
     if request.messages is not None:
-        body["messages"] = request.messages
+        body["messages"] = [m.openai() for m in request.messages]
     elif request.prompt is not None:
         body["prompt"] = request.prompt
     optional: dict[str, Any] = {

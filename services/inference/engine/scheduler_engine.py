@@ -19,7 +19,7 @@ import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from services.inference.engine.base import AdapterHost
@@ -29,13 +29,14 @@ from services.inference.engine.prefix_cache import PrefixCache
 from services.inference.engine.runner_protocol import Runner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import DEFAULT_TENANT, Scheduler, Sequence
-from services.inference.engine.tools import fallback_messages, native_messages, template_renders_tools
+from services.inference.engine.tools import chat_template_input, template_renders_tools
 from services.inference.engine.types import (
     ContextLengthExceeded,
     EngineRequest,
     EngineUnavailable,
     GenerationOutput,
     InvalidParams,
+    PromptMessage,
     SamplingParams,
     StreamEvent,
 )
@@ -73,26 +74,6 @@ async def in_own_thread(fn: Callable[..., T], *args: Any) -> T:
 
     threading.Thread(target=run, name=f"tandem-{getattr(fn, '__name__', 'torch')}", daemon=True).start()
     return await future
-
-
-def _message_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                parts.append(str(part.get("text", "")))
-            elif isinstance(part, str):
-                parts.append(part)
-            else:
-                raise InvalidParams("only text content parts are supported", "messages")
-        return "".join(parts)
-    raise InvalidParams(
-        f"message content must be a string or a list of parts, got {type(content).__name__}", "messages"
-    )
 
 
 class SchedulerEngine(AdapterHost, ABC, Generic[R]):
@@ -145,26 +126,16 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
         self.guided = GuidedCompiler(tokenizer, vocab_size, eos_token_ids)
 
     # --- prompts -----------------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        if not messages:
-            raise InvalidParams("messages must not be empty", "messages")
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m:
-                raise InvalidParams(f"messages[{i}] must be an object with a role", "messages")
-            role = "system" if m["role"] == "developer" else m["role"]
-            entry = {**m, "role": role, "content": _message_text(m.get("content"))}
-            clean.append({k: v for k, v in entry.items() if v is not None})
-        extra: dict[str, Any] = {}
-        history = any(m.get("tool_calls") or m.get("role") == "tool" for m in clean)
-        if tools or history:
-            tools = tools or []
-            if self.template_renders_tools():
-                clean, extra = native_messages(clean), ({"tools": tools} if tools else {})
-            else:
-                clean = fallback_messages(clean, tools)
-        else:
-            clean = [{"role": m["role"], "content": m["content"]} for m in clean]
+    def encode_chat(
+        self, messages: Iterable[PromptMessage | Mapping[str, Any]], tools: list[dict] | None = None
+    ) -> list[int]:
+        """The prompt of a chat request. Messages may also come as OpenAI's dicts (a dataset's,
+        a benchmark's): they are read into ``PromptMessage`` here."""
+        typed = [
+            m if isinstance(m, PromptMessage) else PromptMessage.from_openai(m, i)
+            for i, m in enumerate(messages)
+        ]
+        clean, extra = chat_template_input(typed, tools, self.template_renders_tools)
         try:
             out = self.tokenizer.apply_chat_template(
                 clean, add_generation_prompt=True, tokenize=True, **extra

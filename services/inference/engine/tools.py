@@ -17,8 +17,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from services.inference.engine.types import InvalidParams, MessageToolCall, PromptMessage
 
 FALLBACK_INSTRUCTIONS = (
     "You can call these tools (JSON Schema of each one's arguments):\n{tools}\n"
@@ -62,54 +65,68 @@ def _arguments_dict(raw: Any) -> Any:
     return raw
 
 
-def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_template_input(
+    messages: Sequence[PromptMessage], tools: list[dict[str, Any]] | None, renders_tools: Callable[[], bool]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and keyword arguments of ``apply_chat_template`` for a chat request: the
+    ``developer`` role as ``system``, content as text, and the tools and any call history
+    rendered natively when ``renders_tools()`` (asked only then) or through the fallback."""
+    if not messages:
+        raise InvalidParams("messages must not be empty", "messages")
+    # every message's content is checked, also where the rendering leaves it out
+    texts = [m.text() for m in messages]
+    roles = ["system" if m.role == "developer" else m.role for m in messages]
+    if not (tools or any(m.tool_calls or m.role == "tool" for m in messages)):
+        return [{"role": r, "content": t} for r, t in zip(roles, texts, strict=True)], {}
+    if renders_tools():
+        return _native(messages, roles, texts), ({"tools": tools} if tools else {})
+    return _fallback(messages, roles, texts, tools or []), {}
+
+
+def _native(messages: Sequence[PromptMessage], roles: list[str], texts: list[str]) -> list[dict[str, Any]]:
     """Messages as Hugging Face chat templates expect them: tool-call arguments as objects."""
     out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            m["tool_calls"] = [
-                {
-                    **c,
-                    "function": {
-                        **_function(c),
-                        "arguments": _arguments_dict(_function(c).get("arguments")),
-                    },
-                }
-                for c in m["tool_calls"]
+    for m, role, text in zip(messages, roles, texts, strict=True):
+        entry = {
+            "role": role,
+            "content": text,
+            "name": m.name,
+            "tool_calls": [
+                {**c.openai(), "function": {"name": c.name, "arguments": _arguments_dict(c.arguments)}}
+                for c in m.tool_calls
             ]
-        out.append(m)
+            if m.tool_calls is not None
+            else None,
+            "tool_call_id": m.tool_call_id,
+        }
+        out.append({k: v for k, v in entry.items() if v is not None})
     return out
 
 
-def _call_text(calls: list[dict[str, Any]]) -> str:
-    objs = [
-        {"name": _function(c).get("name"), "arguments": _arguments_dict(_function(c).get("arguments"))}
-        for c in calls
-    ]
+def _call_text(calls: Sequence[MessageToolCall]) -> str:
+    objs = [{"name": c.name, "arguments": _arguments_dict(c.arguments)} for c in calls]
     return json.dumps(objs[0] if len(objs) == 1 else objs)
 
 
-def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _fallback(
+    messages: Sequence[PromptMessage], roles: list[str], texts: list[str], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """The documented fallback for templates without a tool format (see the module doc)."""
     listing = "\n".join(json.dumps(_function(t)) for t in tools)
     system = FALLBACK_INSTRUCTIONS.format(tools=listing)
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}
-    for m in messages:
-        role = m.get("role")
-        if role == "assistant" and m.get("tool_calls"):
-            for c in m["tool_calls"]:
-                names[str(c.get("id"))] = str(_function(c).get("name"))
-            out.append({"role": "assistant", "content": _call_text(m["tool_calls"])})
+    for m, role, text in zip(messages, roles, texts, strict=True):
+        if role == "assistant" and m.tool_calls:
+            for c in m.tool_calls:
+                names[str(c.id)] = str(c.name)
+            out.append({"role": "assistant", "content": _call_text(m.tool_calls)})
         elif role == "tool":
-            call_id = str(m.get("tool_call_id", ""))
-            name = names.get(call_id, m.get("name") or "the tool")
-            out.append(
-                {"role": "user", "content": f"Result of {name} (call {call_id}): {m.get('content') or ''}"}
-            )
+            call_id = m.tool_call_id or ""
+            name = names.get(call_id, m.name or "the tool")
+            out.append({"role": "user", "content": f"Result of {name} (call {call_id}): {text}"})
         else:
-            out.append({k: v for k, v in m.items() if k in ("role", "content")})
+            out.append({"role": role, "content": text})
     if not tools:  # only a call history to render
         return out
     if out and out[0].get("role") == "system":

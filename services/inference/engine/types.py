@@ -6,8 +6,9 @@ the trainer can import for its rollouts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "timeout", "error"]
 
@@ -220,6 +221,116 @@ class GenerationOutput:
     text: str = ""
 
 
+@dataclass(frozen=True)
+class ContentPart:
+    """One part of a message's content, OpenAI's ``{"type": "text", "text": ...}``. Only text
+    parts render into a prompt; another kind (an image) is refused there, and reaches a remote
+    engine's upstream in the client's own body (``EngineRequest.extra``)."""
+
+    type: str
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class MessageToolCall:
+    """A call an earlier assistant message made, OpenAI's ``{"id", "type", "function": {"name",
+    "arguments"}}``. ``arguments`` is JSON text as OpenAI sends it; an object (as some clients
+    send) is taken as it is."""
+
+    name: str | None
+    arguments: Any
+    id: str | None = None
+    type: str = "function"
+
+    def openai(self) -> dict[str, Any]:
+        fn = {"name": self.name, "arguments": self.arguments}
+        out = {"id": self.id, "type": self.type, "function": fn}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class PromptMessage:
+    """A chat message as the engine renders it into a prompt (services/inference/engine/tools.py
+    turns a list of them into the chat template's input)."""
+
+    role: str
+    content: str | tuple[ContentPart, ...] | None = None
+    name: str | None = None
+    tool_calls: tuple[MessageToolCall, ...] | None = None
+    tool_call_id: str | None = None
+
+    @classmethod
+    def from_openai(cls, raw: object, index: int) -> PromptMessage:
+        """``messages[index]`` of an OpenAI request body (a library caller's, or the validated
+        wire model's), with the errors the API reports on a malformed one."""
+        if not isinstance(raw, Mapping) or "role" not in raw:
+            raise InvalidParams(f"messages[{index}] must be an object with a role", "messages")
+        content = raw.get("content")
+        parts: str | tuple[ContentPart, ...] | None
+        if content is None or isinstance(content, str):
+            parts = content
+        elif isinstance(content, list):
+            parts = tuple(_content_part(part) for part in content)
+        else:
+            raise InvalidParams(
+                f"message content must be a string or a list of parts, got {type(content).__name__}",
+                "messages",
+            )
+        calls = raw.get("tool_calls")
+        return cls(
+            role=raw["role"],
+            content=parts,
+            name=raw.get("name"),
+            tool_calls=tuple(_tool_call(c) for c in calls) if calls is not None else None,
+            tool_call_id=raw.get("tool_call_id"),
+        )
+
+    def text(self) -> str:
+        """The content as the prompt's text: text parts joined."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(p.type != "text" for p in self.content):
+            raise InvalidParams("only text content parts are supported", "messages")
+        return "".join(p.text for p in self.content)
+
+    def openai(self) -> dict[str, Any]:
+        """The message in an OpenAI request body (what a remote engine forwards)."""
+        content: str | list[dict[str, str]] | None = (
+            self.content
+            if self.content is None or isinstance(self.content, str)
+            else [
+                {"type": p.type, "text": p.text} if p.type == "text" else {"type": p.type}
+                for p in self.content
+            ]
+        )
+        out = {
+            "role": self.role,
+            "content": content,
+            "name": self.name,
+            "tool_calls": [c.openai() for c in self.tool_calls] if self.tool_calls is not None else None,
+            "tool_call_id": self.tool_call_id,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def _content_part(part: object) -> ContentPart:
+    if isinstance(part, str):
+        return ContentPart("text", part)
+    if isinstance(part, Mapping):
+        kind = part.get("type")
+        return ContentPart("text", str(part.get("text", ""))) if kind == "text" else ContentPart(str(kind))
+    raise InvalidParams("only text content parts are supported", "messages")
+
+
+def _tool_call(raw: object) -> MessageToolCall:
+    if not isinstance(raw, Mapping):
+        raise InvalidParams("tool_calls must be a list of objects", "messages")
+    # the function's fields, also read from the call itself (a flat {"name", "arguments"})
+    found = raw.get("function", raw)
+    fn: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    return MessageToolCall(fn.get("name"), fn.get("arguments"), raw.get("id"), raw.get("type", "function"))
+
+
 @dataclass
 class EngineRequest:
     """A request as the serving layer hands it to an engine.
@@ -232,7 +343,7 @@ class EngineRequest:
     request_id: str
     params: SamplingParams
     model: str | None = None
-    messages: list[dict] | None = None
+    messages: list[PromptMessage] | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     timeout: float | None = None

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.inference.engine.base import AdapterHost
-from services.inference.engine.tools import fallback_messages, native_messages, template_renders_tools
+from services.inference.engine.tools import chat_template_input, template_renders_tools
 from services.inference.engine.types import (
     AdapterError,
     ContextLengthExceeded,
@@ -163,12 +163,9 @@ class VLLMEngine(AdapterHost):
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.messages is not None:
-            messages, extra = request.messages, {}
-            if request.tools:
-                if template_renders_tools(self.tokenizer):
-                    messages, extra = native_messages(messages), {"tools": request.tools}
-                else:
-                    messages = fallback_messages(messages, request.tools)
+            messages, extra = chat_template_input(
+                request.messages, request.tools, lambda: template_renders_tools(self.tokenizer)
+            )
             try:
                 ids = list(
                     self.tokenizer.apply_chat_template(
