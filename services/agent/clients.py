@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from services.agent.chunks import Chunk
+from services.agent.protocol import Sampling
 from services.common.errors import InvalidRequest, NotFound
 from services.common.http import service_client
 from services.common.openai_client import OpenAIClient
@@ -150,34 +151,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(Sampling):
     """A chat completion request to the inference service, as the agent sends it: the fields
-    given, and only those, are in the JSON (``None`` included when given). Sampling parameters
-    not named here (a pipeline's ``sampling``) pass as given, for the inference service to
-    validate; ``tools``, ``tool_choice``, ``parallel_tool_calls`` and ``response_format`` are
-    the OpenAI facade's caller's own or the agent loop's."""
-
-    model_config = ConfigDict(extra="allow")
+    given, and only those, are in the JSON (``None`` included when given); its sampling is
+    :class:`Sampling`'s. ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
+    ``response_format`` are the OpenAI facade's caller's own or the agent loop's."""
 
     model: str
     messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None  # a caller's as it came: the inference service checks it (a 400 naming it)
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     stream_options: StreamOptions | None = None
 
     def body(self) -> dict[str, Any]:
-        """The JSON body: the fields given."""
-        return self.model_dump(exclude_unset=True)
+        """The JSON body: the fields given, the model and messages first (as OpenAI writes it)."""
+        data = self.model_dump(exclude_unset=True)
+        return {"model": data.pop("model"), "messages": data.pop("messages"), **data}
 
-    def sampling(self) -> dict[str, Any]:
+    def sampling(self) -> Sampling:
         """What the request asks beyond its model and messages (a turn record keeps it)."""
-        return self.model_dump(exclude_unset=True, exclude={"model", "messages"})
+        return Sampling.model_validate(self.model_dump(exclude_unset=True, exclude={"model", "messages"}))
 
 
 class InferenceClient:

@@ -222,6 +222,37 @@ class AnswerQuality(BaseModel):
     rating: Literal[1, -1] | None = Field(None, description="the user's thumbs: 1 up, -1 down, null none")
 
 
+class Sampling(SparseModel):
+    """What a chat request to the inference service asks beyond its model and messages, as it
+    was sent (a turn record keeps it): the fields given, and only those, are in the JSON
+    (``None`` included when given). The agent's own are named; a pipeline's further sampling
+    parameters (``GenerateNode``'s ``sampling``) pass as given, for the inference service to
+    validate."""
+
+    model_config = ConfigDict(extra="allow")
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # a caller's as it came: the inference service checks it (a 400 naming it)
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    _omit_unset = frozenset(
+        {
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "stop",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "response_format",
+        }
+    )
+
+
 class TurnRecord(BaseModel):
     """One assistant turn as it was produced: the exact prompt the model saw and what it said."""
 
@@ -230,7 +261,7 @@ class TurnRecord(BaseModel):
     pipeline: str
     collection: str | None = None
     model: str
-    sampling: dict[str, Any] = Field(default_factory=dict)
+    sampling: Sampling = Field(default_factory=Sampling)
     prompt: list[dict[str, Any]] = Field(default_factory=list)
     chunk_ids: list[str] = Field(default_factory=list)
     completion: str = ""

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ def test_generator_sampling_comes_from_settings_params_and_passthrough() -> None
     from services.agent.pipelines.state import RunContext
 
     ctx = RunContext(AgentSettings(top_p=0.9), None, None, None, "m")  # type: ignore[arg-type]
-    assert InferenceGenerator(None, None).sampling(ctx) == {
+    assert InferenceGenerator(None, None).sampling(ctx).model_dump() == {
         "max_tokens": 256,
         "temperature": 0.0,
         "top_p": 0.9,
@@ -88,6 +89,23 @@ def test_generator_sampling_comes_from_settings_params_and_passthrough() -> None
         {"temperature": 0.3, "top_p": 1.0, "sampling": {"presence_penalty": 0.5}}
     )
     gen = InferenceGenerator(p.max_tokens, p.temperature, p.top_p, p.sampling)
-    assert gen.sampling(ctx) == {"max_tokens": 256, "temperature": 0.3, "presence_penalty": 0.5}
+    assert gen.sampling(ctx).model_dump() == {"max_tokens": 256, "temperature": 0.3, "presence_penalty": 0.5}
     with pytest.raises(ValueError, match="top_p"):
         GenerateNode.P.model_validate({"top_p": 0})
+
+
+def test_turn_records_keep_the_sampling_as_it_was_sent() -> None:
+    """Only the fields a request gave (None included) are in a turn record's ``sampling``,
+    the pipeline's own parameters too, and a stored record reads back to the same JSON."""
+    from services.agent.clients import ChatRequest
+    from services.agent.protocol import TurnRecord
+
+    request = ChatRequest(model="m", messages=[{"role": "user", "content": "q"}], max_tokens=5, seed=3)
+    request.stop = ["\nObservation:"]
+    request.response_format = None
+    assert list(request.body()) == ["model", "messages", "max_tokens", "stop", "response_format", "seed"]
+    record = TurnRecord(message_id="a", pipeline="p", model="m", sampling=request.sampling(), created_at=0.0)
+    stored = record.model_dump_json(round_trip=True)
+    want = {"max_tokens": 5, "stop": ["\nObservation:"], "response_format": None, "seed": 3}
+    assert json.loads(stored)["sampling"] == want
+    assert TurnRecord.model_validate_json(stored).model_dump_json(round_trip=True) == stored

@@ -44,6 +44,7 @@ from services.agent.events import (
     TokenEvent,
     ToolCallStep,
 )
+from services.agent.protocol import Sampling
 from services.agent.tools.base import Tool, ToolContext, call_tool, constrained_input
 from services.agent.tools.mcp import untrusted_payload
 from services.common.errors import InvalidRequest
@@ -73,7 +74,7 @@ class AgentRun:
     finish_reason: str = "stop"
     # The last model call, exactly (the turn record keeps it): its messages, sampling and raw reply.
     prompt: list[dict[str, Any]] = field(default_factory=list)
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: Sampling = field(default_factory=Sampling)
     completion: str = ""
 
 

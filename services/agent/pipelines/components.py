@@ -30,6 +30,7 @@ from services.agent.grounding import (
 )
 from services.agent.highlight import highlight
 from services.agent.prompting import BudgetPromptBuilder, Msg, PromptPlan, PromptTooLong
+from services.agent.protocol import Sampling
 from services.agent.repetition import RepetitionGuard
 from services.agent.rewrite import HistoryRewriter, QueryRewriter
 from services.agent.text import content_terms, overlap
@@ -158,7 +159,7 @@ class InferenceGenerator:
         self.usage: dict[str, int] = {}
         self.finish_reason = "stop"
 
-    def sampling(self, ctx: RunContext) -> dict[str, Any]:
+    def sampling(self, ctx: RunContext) -> Sampling:
         out: dict[str, Any] = {
             "max_tokens": self.max_tokens or ctx.settings.max_answer_tokens,
             "temperature": ctx.settings.temperature if self.temperature is None else self.temperature,
@@ -167,8 +168,7 @@ class InferenceGenerator:
         if top_p is not None and top_p < 1.0:
             out["top_p"] = top_p
         # Passed through as is: the inference service validates them (an unknown one is its 4xx).
-        out.update(self.extra)
-        return out
+        return Sampling.model_validate({**out, **self.extra})
 
     def request(self, ctx: RunContext, messages: list[dict[str, Any]]) -> ChatRequest:
         """The request of an answer to ``messages``: :meth:`sampling`'s, and the usage asked for
@@ -176,7 +176,7 @@ class InferenceGenerator:
         return ChatRequest(
             model=ctx.model,
             messages=messages,
-            **self.sampling(ctx),
+            **self.sampling(ctx).model_dump(exclude_unset=True),
             stream_options=StreamOptions(include_usage=True),
         )
 
@@ -475,7 +475,7 @@ class GenerateNode:
         # The exact messages and sampling the model gets: the turn record keeps them for training.
         state.prompt = [dict(m) for m in state.plan.messages]
         state.model = ctx.model
-        state.sampling = gen.sampling(ctx) if isinstance(gen, InferenceGenerator) else {}
+        state.sampling = gen.sampling(ctx) if isinstance(gen, InferenceGenerator) else Sampling()
         # A JSON answer (response_format, a forced call) is constrained by the inference's grammar:
         # cutting it at a repeat, or reading "[1]" in a JSON array as a citation marker, would break it.
         text_answer = state.form is None or not state.form.json_answer

@@ -13,6 +13,7 @@ from services.agent.config import AgentSettings
 from services.agent.events import AnswerKind, Event
 from services.agent.pipelines.selection import Selection
 from services.agent.prompting import PromptPlan
+from services.agent.protocol import Sampling
 from services.agent.tokens import TokenCounter
 from services.common.openai_wire import ToolCall, ToolCallDelta
 
@@ -87,7 +88,7 @@ class RunState:
     # What the generator sent, exactly (the turn record keeps it): None when no model was called.
     prompt: list[dict[str, Any]] | None = None
     model: str = ""
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: Sampling = field(default_factory=Sampling)
     # The model's own text (``answer`` is what is shown: the groundedness guard may replace it).
     completion: str = ""
     # "extractive" when the guard answered from the sources, "not_found" when none answers.
