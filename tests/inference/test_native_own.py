@@ -234,23 +234,18 @@ def test_own_operations_need_a_head_size_they_are_built_for(lively_tiny_path: Pa
         config.head_dim = before
 
 
-def test_the_head_kernel_follows_the_setting_and_the_cpus_bf16(
+def test_the_head_kernel_follows_the_setting_and_the_cpus_amx(
     lively_tiny_path: Path, built: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from services.common.platforms import cpu_features
 
-    # the plan: oneDNN's bf16 head where the CPU multiplies bf16 natively (AMX or AVX512-BF16:
-    # faster at every row count there), else Q8_0
-    plain = dataclasses.replace(cpu_features(), avx512_bf16=False, amx_bf16=False, amx_usable=False)
-    for platform, want in (
-        (dataclasses.replace(plain, amx_bf16=True, amx_usable=True), False),
-        (dataclasses.replace(plain, avx512_bf16=True), False),
-        (plain, True),
-    ):
+    # the plan: oneDNN's bf16 head where AMX is usable (faster at every row count there), else Q8_0
+    for amx, want in ((True, False), (False, True)):
+        platform = dataclasses.replace(cpu_features(), amx_usable=amx)
         engine = _engine(lively_tiny_path, "own", platform=platform)
-        assert isinstance(_head_kernel(engine), Q8Blocks) == want, platform
+        assert isinstance(_head_kernel(engine), Q8Blocks) == want, amx
         assert (engine.plan.head_decode == "q8_0") == want
-        assert engine.plan.reasons["head"].startswith("q8_0 head" if want else "bf16 head")
+        assert engine.plan.reasons["head"].startswith("bf16 head" if amx else "q8_0 head")
     assert not isinstance(_head_kernel(_engine(lively_tiny_path, "own", head="bf16")), Q8Blocks)
     # a plan made by hand may pair the Q8_0 head with the loop on ATen's operations
     assert isinstance(_head_kernel(_engine(lively_tiny_path, "python", head="q8_0")), Q8Blocks)

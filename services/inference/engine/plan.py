@@ -237,23 +237,18 @@ def resolve_plan(
         built = native.start(settings.native_decode)
         native_reason = "" if built else f"the C++ kernels were not built ({native.problem()})"
 
-    # the output head's decode rows: oneDNN's bf16 product where the CPU multiplies bf16 natively
-    # (AMX or AVX512-BF16: at 16 rows 1.7 ms with AMX and 2.7 ms on a 2-core EPYC, against 11.5-12.6
-    # ms in Q8_0 blocks, and no slower at one row), else in Q8_0 blocks (needs the built module's
-    # q8_linear). Both give a row the same bits alone and in a batch.
+    # the output head's decode rows in Q8_0 blocks (needs the built module's q8_linear)
     q8 = built and native.q8_linear() is not None
-    q8_head = quantize == "int4" and q8 and not cpu.native_bf16
+    q8_head = quantize == "int4" and q8 and not cpu.amx_usable
     in_features = getattr(head_module, "in_features", 0)
     if quantize == "int4" and not q8:
         head_reason = native_reason or "the C++ kernels have no q8_linear"
-    elif quantize == "int4" and cpu.native_bf16:
-        head_reason = (
-            "bf16 head: the CPU multiplies bf16 natively (AMX or AVX512-BF16), faster at every row count"
-        )
+    elif quantize == "int4" and cpu.amx_usable:
+        head_reason = "bf16 head: this process may use the CPU's AMX (faster at every row count)"
     elif quantize == "int4" and in_features % quantized_linear.Q8_BLOCK:
         head_reason = f"{in_features} input features are not whole Q8_0 blocks"
     elif q8_head:
-        head_reason = "q8_0 head: C++ kernels built (AVX2), no native bf16 products"
+        head_reason = "q8_0 head: C++ kernels built (AVX2), no usable AMX"
     else:
         head_reason = f"quantize={quantize}: the head multiplies as the layers do"
 
