@@ -181,16 +181,26 @@ def html_document(source: str) -> tuple[str, str, list[list[Any]]]:
     for pre in soup.find_all("pre"):
         code = pre.get_text().strip("\n").replace("```", "` ` `")
         pre.replace_with(f"\n\n```\n{code}\n```\n\n")
+    headings = re.compile(r"^h[1-6]$")
+    # A table holding headings lays the page out (DocBook's FAQs: each section's heading and
+    # its questions are rows of one table): its cells are the page's flow, and its headings
+    # open sections. Any other table is data, kept whole as rows.
+    layout = [t for t in soup.find_all("table") if t.find(headings) is not None]
+    for table in layout:
+        for cell in table.find_all(["td", "th"]):
+            cell.insert_after(" ")  # "1.1." and its question: two cells, one line
     for table in soup.find_all("table"):
-        if table.find_parent("table") is not None:
-            continue  # a nested table is a cell's text
+        if any(table is t for t in layout):
+            continue
+        if any(parent not in layout for parent in table.find_parents("table")):
+            continue  # a table nested in a data table is a cell's text
         rows = [
             _table_row([cell.get_text(" ", strip=True) for cell in tr.find_all(["th", "td"])])
             for tr in table.find_all("tr")
         ]
         table.replace_with("\n\n" + "\n".join(r for r in rows if r.strip("| ")) + "\n\n")
     ids: list[str] = []
-    for h in soup.find_all(re.compile(r"^h[1-6]$")):
+    for h in soup.find_all(headings):
         level = int(h.name[1])
         anchor = _anchor_of(h)
         mark = ""
@@ -200,7 +210,7 @@ def html_document(source: str) -> tuple[str, str, list[list[Any]]]:
         h.replace_with(f"\n\n{mark}{'#' * level} {h.get_text(' ', strip=True)}\n\n")
     for br in soup.find_all("br"):
         br.replace_with("\n")
-    for block in soup.find_all(["p", "div", "li", "tr", "section", "article", "blockquote"]):
+    for block in soup.find_all(["p", "div", "li", "tr", "section", "article", "blockquote", "dt", "dd"]):
         block.insert_before("\n\n")
         block.insert_after("\n\n")
     raw = soup.get_text()
