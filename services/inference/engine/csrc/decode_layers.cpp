@@ -453,14 +453,9 @@ Tensor layer_loop(Tensor x, const std::vector<Tensor>& norms, int64_t layers_n, 
   return x;
 }
 
-// The decode rows' backend (decode_own): int4 products, one row a token, each token attending its
-// own slab row's keys 0..position (attend: its key and value written there first).
-template <int64_t D>
-struct DecodeOps {
-  const std::vector<Tensor>& packed;
-  const std::vector<Tensor>& scales;
-  const std::vector<c10::optional<Tensor>>& biases;
-  int64_t group;
+// What both backends read of a step's rows: LoRA's deltas, the RoPE tables, the key/value slabs,
+// each token's slot and position, and the attention's heads and scaling.
+struct StepRows {
   Lora& lora;
   const Tensor& cos;
   const Tensor& sin;
@@ -471,6 +466,16 @@ struct DecodeOps {
   int64_t heads;
   int64_t kv_heads;
   double scaling;
+};
+
+// The decode rows' backend (decode_own): int4 products, one row a token, each token attending its
+// own slab row's keys 0..position (attend: its key and value written there first).
+template <int64_t D>
+struct DecodeOps : StepRows {
+  const std::vector<Tensor>& packed;
+  const std::vector<Tensor>& scales;
+  const std::vector<c10::optional<Tensor>>& biases;
+  int64_t group;
 
   Tensor bf16_rows(int64_t tokens, int64_t n, const at::TensorOptions& options) const {
     return at::empty({tokens, n}, options);
@@ -507,20 +512,10 @@ struct DecodeOps {
 // zeros to whole blocks), and the attention ragged's prefill_attention as ATen calls (batched
 // products: a prompt's rows attend many keys each) once every key of the chunks is written.
 template <int64_t D>
-struct PromptOps {
+struct PromptOps : StepRows {
   const std::vector<Tensor>& packed;
   const std::vector<int64_t>& blocks;
   const std::vector<c10::optional<Tensor>>& biases;
-  Lora& lora;
-  const Tensor& cos;
-  const Tensor& sin;
-  const std::vector<Tensor>& k_slabs;
-  const std::vector<Tensor>& v_slabs;
-  const Tensor& slots;
-  const Tensor& positions;
-  int64_t heads;
-  int64_t kv_heads;
-  double scaling;
   const Tensor& prefill_slots;
   const Tensor& gather;
   const Tensor& valid;
@@ -730,8 +725,8 @@ Tensor decode_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vec
   }
   Tensor c = cos.contiguous(), s = sin.contiguous();
   return own::with_head_dim(head_dim, "decode_own", [&](auto d) {
-    own::DecodeOps<decltype(d)::value> ops{packed, scales, biases, group, lora, c, s, k_slabs, v_slabs, slots,
-                                           positions, heads, kv_heads, scaling};
+    own::DecodeOps<decltype(d)::value> ops{
+        {lora, c, s, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling}, packed, scales, biases, group};
     return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps, ops);
   });
 }
@@ -772,9 +767,9 @@ Tensor prompt_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vec
   }
   Tensor c = cos.contiguous(), s = sin.contiguous();
   return own::with_head_dim(head_dim, "prompt_own", [&](auto d) {
-    own::PromptOps<decltype(d)::value> ops{packed, blocks, biases, lora, c, s, k_slabs, v_slabs, slots, positions,
-                                           heads, kv_heads, scaling, prefill_slots, gather, valid, attention_bias,
-                                           width, prefill_len, key_block};
+    own::PromptOps<decltype(d)::value> ops{
+        {lora, c, s, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
+        packed, blocks, biases, prefill_slots, gather, valid, attention_bias, width, prefill_len, key_block};
     return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps, ops);
   });
 }
