@@ -22,6 +22,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from services.agent.protocol import Message
 from services.common.errors import NotFound
 
 ID_RE = re.compile(r"^conv_[0-9a-f]{24}$")
@@ -127,10 +128,10 @@ class ConversationStore:
         raw = await self.r.lrange(f"{self._key(tenant, conv_id)}:messages", 0, -1)
         return [json.loads(m) for m in raw]
 
-    async def history(self, tenant: str, user: str, conv_id: str) -> list[dict[str, str]]:
+    async def history(self, tenant: str, user: str, conv_id: str) -> list[Message]:
         """Role and content only: what goes back into prompts."""
         return [
-            {"role": m["role"], "content": m["content"]} for m in await self.messages(tenant, user, conv_id)
+            Message(role=m["role"], content=m["content"]) for m in await self.messages(tenant, user, conv_id)
         ]
 
     async def list(self, tenant: str, user: str, limit: int = 100) -> list[dict[str, Any]]:

@@ -73,12 +73,6 @@ def _wire(m: Message) -> Message:
     )
 
 
-def _prompt(messages: list[Message]) -> list[dict[str, Any]]:
-    """Messages as a turn carries them to the pipeline: OpenAI's JSON, unset fields left out
-    (a turn's history also comes from memory, where it is stored as that JSON)."""
-    return [m.model_dump(exclude_none=True) for m in messages]
-
-
 def _split(messages: list[Message]) -> tuple[list[Message], Message, list[Message]]:
     """The history, the question (the last user message) and what follows it: the assistant's
     tool calls and their results, which the model continues from. A tool result must answer a
@@ -119,7 +113,7 @@ def _form(body: ChatCompletionRequest, tail: list[Message]) -> AnswerForm | None
         tool_choice=body.tool_choice,
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=body.response_format,
-        tail=_prompt(tail),
+        tail=tail,
     )
     return form if form.body() or tail else None
 
@@ -138,7 +132,7 @@ def _turn(body: ChatCompletionRequest) -> Turn:
         message=question.text(),
         collection=body.collection,
         conversation_id=body.conversation_id,
-        history=_prompt(history),
+        history=history,
         remember=body.conversation_id is not None,
         options=options,
         llm=body.llm,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from services.agent.chunks import Chunk
+from services.agent.protocol import Message
 from services.agent.tokens import TokenCounter
 
 DEFAULT_INSTRUCTIONS = (
@@ -33,9 +33,6 @@ EXAMPLE_QUESTION = "Who lit the lamp of the Quenby lighthouse?"
 EXAMPLE_ANSWER = "The lamp of the Quenby lighthouse was lit by Ada Lowe [2]."
 # Chat templates wrap each message in a few special tokens ("<|im_start|>user\n ... <|im_end|>\n").
 TEMPLATE_TOKENS_PER_MESSAGE = 8
-Msg = dict[str, Any]  # a chat message as the inference service takes it
-# What a history message keeps in the prompt (memory adds citations, message ids, steps).
-_MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 MIN_SOURCE_TOKENS = 24
 
 
@@ -43,17 +40,17 @@ class PromptTooLong(ValueError):
     """The question alone does not fit the context budget."""
 
 
-def message_text(msg: dict[str, Any]) -> str:
+def message_text(msg: Message) -> str:
     """What a message costs in the prompt: its text and, for an assistant's tool calls, their JSON."""
-    text = str(msg.get("content") or "")
-    if msg.get("tool_calls"):
-        text += json.dumps(msg["tool_calls"])
+    text = msg.text()
+    if msg.tool_calls:
+        text += json.dumps([c.model_dump() for c in msg.tool_calls])
     return text
 
 
 @dataclass
 class PromptPlan:
-    messages: list[dict[str, Any]]
+    messages: list[Message]
     sources: list[Chunk]
     prompt_tokens: int
     budget: int
@@ -95,14 +92,14 @@ class BudgetPromptBuilder:
         space = cut.rfind(" ")
         return (cut[:space] if space > len(cut) // 2 else cut).rstrip() + " ..."
 
-    def example_messages(self) -> list[dict[str, str]]:
+    def example_messages(self) -> list[Message]:
         blocks = "".join(
             self._source_block(n, Chunk(f"example-{n}", "example", text, title=title), text)
             for n, (title, text) in enumerate(EXAMPLE_SOURCES, start=1)
         )
         return [
-            {"role": "user", "content": self._user(blocks, EXAMPLE_QUESTION)},
-            {"role": "assistant", "content": EXAMPLE_ANSWER},
+            Message(role="user", content=self._user(blocks, EXAMPLE_QUESTION)),
+            Message(role="assistant", content=EXAMPLE_ANSWER),
         ]
 
     def _user(self, blocks: str, question: str) -> str:
@@ -111,9 +108,9 @@ class BudgetPromptBuilder:
     def build(
         self,
         question: str,
-        history: list[dict[str, Any]],
+        history: list[Message],
         chunks: list[Chunk],
-        tail: Sequence[dict[str, Any]] = (),
+        tail: Sequence[Message] = (),
     ) -> PromptPlan:
         """``tail``: messages after the question (a caller's tool calls and their results), always
         kept, after the question they continue."""
@@ -148,25 +145,24 @@ class BudgetPromptBuilder:
         if not sources:
             used = self._cost(user)
         # The worked example comes after the sources in priority, before the history.
-        example: list[dict[str, str]] = []
+        example: list[Message] = []
         if self.example and sources:
-            cost = sum(self._cost(m["content"]) for m in self.example_messages())
+            cost = sum(self._cost(m.text()) for m in self.example_messages())
             if used + cost <= self.budget:
                 example = self.example_messages()
                 used += cost
-        kept: list[dict[str, Any]] = []
+        kept: list[Message] = []
         for msg in reversed(history[-self.max_history_messages :]):
             cost = self._cost(message_text(msg))
             if used + cost > self.budget:
                 break
-            # an assistant's tool calls and a tool result keep their ids (the template pairs them)
-            kept.insert(0, {k: v for k, v in msg.items() if k in _MESSAGE_FIELDS})
+            kept.insert(0, msg)
             used += cost
-        while kept and kept[0]["role"] == "tool":
+        while kept and kept[0].role == "tool":
             # a result whose call was left out (budget, or the message limit) answers nothing
             used -= self._cost(message_text(kept.pop(0)))
         return PromptPlan(
-            messages=[*example, *kept, {"role": "user", "content": user}, *tail],
+            messages=[*example, *kept, Message(role="user", content=user), *tail],
             sources=sources,
             prompt_tokens=used,
             budget=self.budget,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,19 +37,26 @@ class ToolCall(BaseModel):
 
 
 class Message(BaseModel):
+    """A chat message: as a caller sends it, and as a pipeline's history and prompt carry it."""
+
     model_config = ConfigDict(extra="ignore")
 
     # "developer": OpenAI's newer name for system (the facade leaves both out of the prompt)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = Field(None, description="assistant: the calls it made")
-    tool_call_id: str | None = Field(None, description="tool: the call this is the result of")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="assistant: the calls it made")
+    tool_call_id: str | None = Field(default=None, description="tool: the call this is the result of")
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(str(p.get("text", "")) for p in self.content if isinstance(p, dict))
         return self.content or ""
+
+
+def wire_messages(messages: Iterable[Message]) -> list[dict[str, Any]]:
+    """OpenAI's JSON of ``messages``, as sent to the model and stored: unset fields left out."""
+    return [m.model_dump(exclude_none=True) for m in messages]
 
 
 class PipelineRunRequest(BaseModel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
+from services.agent.protocol import Message
 from services.agent.text import content_terms
 
 FOLLOW_UP_RE = re.compile(
@@ -21,7 +22,7 @@ FOLLOW_UP_RE = re.compile(
 
 
 class QueryRewriter(Protocol):
-    async def rewrite(self, question: str, history: list[dict[str, str]]) -> str: ...
+    async def rewrite(self, question: str, history: list[Message]) -> str: ...
 
 
 class HistoryRewriter:
@@ -29,8 +30,8 @@ class HistoryRewriter:
         self.max_turns = max_turns
         self.short_question_terms = short_question_terms
 
-    async def rewrite(self, question: str, history: list[dict[str, str]]) -> str:
-        users = [m["content"] for m in history if m.get("role") == "user"][-self.max_turns :]
+    async def rewrite(self, question: str, history: list[Message]) -> str:
+        users = [m.text() for m in history if m.role == "user"][-self.max_turns :]
         if not users:
             return question
         own = content_terms(question, stemmed=False)

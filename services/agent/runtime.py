@@ -38,7 +38,7 @@ from services.agent.pipelines.definition import Pipeline, load_pipelines
 from services.agent.pipelines.state import AnswerForm, AnswerKind, Event, RunContext, RunState
 from services.agent.promotions import PromotionGate, PromotionStore, chat_model
 from services.agent.prompting import PromptPlan
-from services.agent.protocol import PipelineRunRequest, TurnRecord
+from services.agent.protocol import Message, PipelineRunRequest, TurnRecord, wire_messages
 from services.agent.quality import QualityMetrics, answer_quality
 from services.agent.tokens import load_counter
 from services.agent.tools.base import Tool, ToolContext
@@ -63,7 +63,7 @@ class Turn:
     message: str
     collection: str | None = None
     conversation_id: str | None = None
-    history: list[dict[str, Any]] | None = None  # given by the caller (OpenAI facade) instead of memory
+    history: list[Message] | None = None  # given by the caller (OpenAI facade) instead of memory
     remember: bool = True
     options: dict[str, Any] = field(default_factory=dict)
     llm: str | None = None  # the model that generates; None: the conversation's, else the default
@@ -78,7 +78,7 @@ class Turn:
             message=body.question(),
             collection=body.collection,
             conversation_id=body.conversation_id,
-            history=[{"role": m.role, "content": m.text()} for m in body.history or []],
+            history=[Message(role=m.role, content=m.text()) for m in body.history or []],
             remember=body.remember or body.conversation_id is not None,
             options={"top_k": body.top_k} if body.top_k else {},
             llm=body.llm,
@@ -169,7 +169,7 @@ class _Run:
     api_key: str
     turn: Turn
     llm: str | None
-    history: list[dict[str, Any]]
+    history: list[Message]
     result: TurnResult
     mcp_tools: dict[str, Tool] = field(default_factory=dict)  # the run's MCP servers' tools
 
@@ -284,7 +284,7 @@ class AgentRuntime:
         )
         if needs_collection and not turn.collection:
             raise InvalidRequest(f"pipeline {turn.target!r} needs a 'collection'", param="collection")
-        tool_turns = any(m.get("role") == "tool" or m.get("tool_calls") for m in turn.history or [])
+        tool_turns = any(m.role == "tool" or m.tool_calls for m in turn.history or [])
         if turn.form is not None or tool_turns:
             self._check_form(turn, turn.form or AnswerForm(), pipeline, tool_turns)
         if turn.mcp_servers and pipeline is not None:
@@ -454,7 +454,7 @@ class AgentRuntime:
         if result.state is not None:
             state: RunState = result.state
             record.model = state.model
-            record.prompt = list(state.prompt or [])
+            record.prompt = wire_messages(state.prompt or [])
             record.sampling = state.sampling
             record.chunk_ids = [c.chunk_id for c in state.chunks] if state.prompt is not None else []
             record.sources = [c.to_result() for c in state.chunks] if state.prompt is not None else []
@@ -509,7 +509,8 @@ class AgentRuntime:
             options={"temperature": self.settings.regenerate_temperature},
         )
         state.chunks = chunks
-        state.plan = PromptPlan(messages=list(original.prompt), sources=chunks, prompt_tokens=0, budget=0)
+        prompt = [Message.model_validate(m) for m in original.prompt]
+        state.plan = PromptPlan(messages=prompt, sources=chunks, prompt_tokens=0, budget=0)
         state.tracker = CitationTracker(chunks)
         ctx = RunContext(
             settings=self.settings,
@@ -543,7 +544,7 @@ class AgentRuntime:
             collection=original.collection,
             model=original.model,
             sampling=state.sampling,
-            prompt=list(state.prompt or original.prompt),
+            prompt=wire_messages(state.prompt or prompt),
             chunk_ids=list(original.chunk_ids),
             completion=state.answer,
             citations=result.citations,
@@ -630,7 +631,7 @@ class AgentRuntime:
             max_tokens=self.settings.max_answer_tokens,
         )
         result.agent_run = runner
-        async for event in runner.run(turn.message, run.history, mode=spec.mode):
+        async for event in runner.run(turn.message, wire_messages(run.history), mode=spec.mode):
             yield event
         result.answer = runner.result.answer
         result.finish_reason = runner.result.finish_reason

@@ -30,6 +30,7 @@ from services.agent.pipelines.selection import (
 )
 from services.agent.pipelines.state import RunContext, RunState
 from services.agent.prompting import PromptPlan
+from services.agent.protocol import Message
 
 pytestmark = pytest.mark.anyio
 
@@ -204,7 +205,7 @@ class NoModel:
 def planned(question: str, chunks: list[Chunk]) -> RunState:
     state = RunState(question=question, collection="docs")
     state.chunks = list(chunks)
-    messages = [{"role": "user", "content": f"Sources: ... Question: {question}"}]
+    messages = [Message(role="user", content=f"Sources: ... Question: {question}")]
     state.plan = PromptPlan(messages=messages, sources=list(chunks), prompt_tokens=10, budget=100)
     state.tracker = CitationTracker(list(chunks))
     return state

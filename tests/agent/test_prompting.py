@@ -5,6 +5,7 @@ import pytest
 
 from services.agent.chunks import Chunk
 from services.agent.prompting import TEMPLATE_TOKENS_PER_MESSAGE, BudgetPromptBuilder, PromptTooLong
+from services.agent.protocol import Message, wire_messages
 from services.agent.tokens import EstimatingCounter, HFTokenCounter, load_counter
 
 
@@ -13,7 +14,7 @@ def make_chunks(n: int, words: int) -> list[Chunk]:
 
 
 def total_tokens(counter, messages) -> int:  # type: ignore[no-untyped-def]
-    return sum(counter.count(m["content"]) + TEMPLATE_TOKENS_PER_MESSAGE for m in messages)
+    return sum(counter.count(m.text()) + TEMPLATE_TOKENS_PER_MESSAGE for m in messages)
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +26,16 @@ def hf_counter(tiny_model_path: Path) -> HFTokenCounter:
 
 def test_prompt_fits_budget_counted_with_the_real_tokenizer(hf_counter: HFTokenCounter) -> None:
     builder = BudgetPromptBuilder(hf_counter, context_tokens=600, answer_tokens=100)
-    history = [{"role": "user", "content": "earlier " * 50}, {"role": "assistant", "content": "reply " * 50}]
+    history = [
+        Message(role="user", content="earlier " * 50),
+        Message(role="assistant", content="reply " * 50),
+    ]
     plan = builder.build("What is word3x4?", history, make_chunks(10, 60))
     assert total_tokens(hf_counter, plan.messages) <= 500
     assert plan.prompt_tokens <= plan.budget == 500
     assert 0 < len(plan.sources) < 10 and plan.dropped_sources == 10 - len(plan.sources)
     # Sources are numbered in the order given; the prompt shows [1]..[n].
-    user = plan.messages[-1]["content"]
+    user = plan.messages[-1].text()
     for i in range(1, len(plan.sources) + 1):
         assert f"[{i}]" in user
     assert "Question: What is word3x4?" in user
@@ -41,16 +45,16 @@ def test_last_source_is_cut_rather_than_dropped(hf_counter: HFTokenCounter) -> N
     builder = BudgetPromptBuilder(hf_counter, context_tokens=400, answer_tokens=100)
     plan = builder.build("q?", [], make_chunks(1, 400))
     assert len(plan.sources) == 1 and plan.truncated == ["c0"]
-    assert plan.messages[-1]["content"].rstrip().endswith("Question: q?")
+    assert plan.messages[-1].text().rstrip().endswith("Question: q?")
     assert total_tokens(hf_counter, plan.messages) <= 300
 
 
 def test_history_is_kept_newest_first() -> None:
     counter = EstimatingCounter()
     builder = BudgetPromptBuilder(counter, context_tokens=400, answer_tokens=100)
-    history = [{"role": "user", "content": f"turn {i} " + "x" * 200} for i in range(6)]
+    history = [Message(role="user", content=f"turn {i} " + "x" * 200) for i in range(6)]
     plan = builder.build("q?", history, make_chunks(1, 20))
-    kept = [m["content"][:6] for m in plan.messages[:-1]]
+    kept = [m.text()[:6] for m in plan.messages[:-1]]
     assert kept and kept[-1] == "turn 5"
     assert plan.dropped_history == 6 - len(kept)
 
@@ -64,14 +68,35 @@ def test_question_too_long_for_the_window() -> None:
 def test_the_worked_example_comes_first_and_only_when_it_fits() -> None:
     counter = EstimatingCounter()
     roomy = BudgetPromptBuilder(counter, context_tokens=1200, answer_tokens=100, example=True)
-    plan = roomy.build("q?", [{"role": "user", "content": "earlier"}], make_chunks(1, 20))
-    assert [m["role"] for m in plan.messages] == ["user", "assistant", "user", "user"]
-    assert plan.messages[1]["content"].endswith("[2].") and "Quenby" in plan.messages[0]["content"]
+    plan = roomy.build("q?", [Message(role="user", content="earlier")], make_chunks(1, 20))
+    assert [m.role for m in plan.messages] == ["user", "assistant", "user", "user"]
+    assert plan.messages[1].text().endswith("[2].") and "Quenby" in plan.messages[0].text()
     assert plan.prompt_tokens <= plan.budget
     # Sources come first: with no room left for it, the example is dropped, never a source.
     tight = BudgetPromptBuilder(counter, context_tokens=220, answer_tokens=100, example=True)
     plan = tight.build("q?", [], make_chunks(1, 20))
-    assert len(plan.sources) == 1 and all("Quenby" not in m["content"] for m in plan.messages)
+    assert len(plan.sources) == 1 and all("Quenby" not in m.text() for m in plan.messages)
+
+
+def test_tool_fields_of_history_and_tail_reach_the_prompt_json() -> None:
+    """An assistant's tool calls, a tool result's id and name: kept from the caller's messages to
+    the JSON the model gets, as OpenAI writes them (unset fields left out); a result whose call
+    was dropped goes with it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+    sent = [
+        {"role": "user", "content": "add 2"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "2", "name": "add", "tool_call_id": "call_1"},
+    ]
+    history = [Message.model_validate(m) for m in sent]
+    tail = [Message.model_validate(m) for m in sent[1:]]
+    builder = BudgetPromptBuilder(EstimatingCounter(), context_tokens=1000, answer_tokens=100)
+    wire = wire_messages(builder.build("q?", history, make_chunks(1, 5), tail).messages)
+    assert wire[:3] == sent and wire[4:] == sent[1:] and wire[3]["role"] == "user"
+    assert list(wire[2]) == ["role", "content", "name", "tool_call_id"]
+    builder.max_history_messages = 1  # the call is left out: its result is too
+    plan = builder.build("q?", history, make_chunks(1, 5))
+    assert [m.role for m in plan.messages] == ["user"] and plan.dropped_history == 3
 
 
 def test_generator_sampling_comes_from_settings_params_and_passthrough() -> None:

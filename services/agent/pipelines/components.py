@@ -29,8 +29,8 @@ from services.agent.grounding import (
     with_embeddings,
 )
 from services.agent.highlight import highlight
-from services.agent.prompting import BudgetPromptBuilder, Msg, PromptPlan, PromptTooLong
-from services.agent.protocol import Sampling
+from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
+from services.agent.protocol import Message, Sampling, wire_messages
 from services.agent.repetition import RepetitionGuard
 from services.agent.rewrite import HistoryRewriter, QueryRewriter
 from services.agent.text import content_terms, overlap
@@ -62,14 +62,14 @@ class Reranker(Protocol):
 
 class PromptBuilder(Protocol):
     def build(
-        self, question: str, history: list[Msg], chunks: list[Chunk], tail: Sequence[Msg] = ()
+        self, question: str, history: list[Message], chunks: list[Chunk], tail: Sequence[Message] = ()
     ) -> PromptPlan:
         """``tail``: messages after the question (the caller's tool calls and results)."""
         ...
 
 
 class Generator(Protocol):
-    def generate(self, ctx: RunContext, messages: list[dict[str, Any]]) -> AsyncIterator[str | ToolCallDelta]:
+    def generate(self, ctx: RunContext, messages: list[Message]) -> AsyncIterator[str | ToolCallDelta]:
         """Answer text as it streams; a piece of a tool call when the caller offered tools."""
         ...
 
@@ -170,19 +170,17 @@ class InferenceGenerator:
         # Passed through as is: the inference service validates them (an unknown one is its 4xx).
         return Sampling.model_validate({**out, **self.extra})
 
-    def request(self, ctx: RunContext, messages: list[dict[str, Any]]) -> ChatRequest:
+    def request(self, ctx: RunContext, messages: list[Message]) -> ChatRequest:
         """The request of an answer to ``messages``: :meth:`sampling`'s, and the usage asked for
         (in the stream's last chunk)."""
         return ChatRequest(
             model=ctx.model,
-            messages=messages,
+            messages=wire_messages(messages),
             **self.sampling(ctx).model_dump(exclude_unset=True),
             stream_options=StreamOptions(include_usage=True),
         )
 
-    async def generate(
-        self, ctx: RunContext, messages: list[dict[str, Any]]
-    ) -> AsyncIterator[str | ToolCallDelta]:
+    async def generate(self, ctx: RunContext, messages: list[Message]) -> AsyncIterator[str | ToolCallDelta]:
         async for chunk in ctx.inference.stream(self.request(ctx, messages)):
             if chunk.usage is not None:
                 self.usage = {k: v for k, v in chunk.usage.model_dump().items() if isinstance(v, int)}
@@ -434,7 +432,7 @@ class AnswerSelectNode:
             kind = "not_found"
         # The prompt the model would have answered from, and its model (nothing was generated):
         # a rating or a correction of this answer trains the model like any other.
-        state.prompt = [dict(m) for m in state.plan.messages]
+        state.prompt = list(state.plan.messages)
         state.model = ctx.model
         async for event in show_answer(state, text, kind, cites):
             yield event
@@ -473,7 +471,7 @@ class GenerateNode:
             max_tokens, temperature, self.p.top_p, {**self.p.sampling, **form}
         )
         # The exact messages and sampling the model gets: the turn record keeps them for training.
-        state.prompt = [dict(m) for m in state.plan.messages]
+        state.prompt = list(state.plan.messages)
         state.model = ctx.model
         state.sampling = gen.sampling(ctx) if isinstance(gen, InferenceGenerator) else Sampling()
         # A JSON answer (response_format, a forced call) is constrained by the inference's grammar:

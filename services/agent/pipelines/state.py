@@ -13,7 +13,7 @@ from services.agent.config import AgentSettings
 from services.agent.events import AnswerKind, Event
 from services.agent.pipelines.selection import Selection
 from services.agent.prompting import PromptPlan
-from services.agent.protocol import Sampling
+from services.agent.protocol import Message, Sampling, wire_messages
 from services.agent.tokens import TokenCounter
 from services.common.openai_wire import ToolCall, ToolCallDelta
 
@@ -47,7 +47,7 @@ class AnswerForm:
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    tail: list[dict[str, Any]] = field(default_factory=list)
+    tail: list[Message] = field(default_factory=list)
 
     def body(self) -> dict[str, Any]:
         """The fields of the inference request, those given only."""
@@ -72,7 +72,7 @@ class AnswerForm:
 class RunState:
     question: str
     collection: str | None
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[Message] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
     search_query: str = ""
     chunks: list[Chunk] = field(default_factory=list)
@@ -86,7 +86,7 @@ class RunState:
     usage: dict[str, int] = field(default_factory=dict)
     finish_reason: str = "stop"
     # What the generator sent, exactly (the turn record keeps it): None when no model was called.
-    prompt: list[dict[str, Any]] | None = None
+    prompt: list[Message] | None = None
     model: str = ""
     sampling: Sampling = field(default_factory=Sampling)
     # The model's own text (``answer`` is what is shown: the groundedness guard may replace it).
@@ -123,7 +123,7 @@ class RunState:
         return {
             "question": self.question,
             "collection": self.collection,
-            "history": list(self.history),
+            "history": wire_messages(self.history),
             "search_query": self.search_query or self.question,
             "chunks": [c.to_result() for c in self.chunks],
             "answer": self.answer,
