@@ -331,7 +331,8 @@ def cpu_line() -> str:
 
     f = cpu_features()
     bf16 = "AMX" if f.amx_usable else "AVX512-BF16" if f.avx512_bf16 else "no native bf16"
-    return f"{cpu_model()}, {os.cpu_count()} cores, torch {f.capability}, {bf16}"
+    vnni = ", AVX512-VNNI" if f.avx512_vnni else ""
+    return f"{cpu_model()}, {os.cpu_count()} cores, torch {f.capability}, {bf16}{vnni}"
 
 
 def served_plan(url: str, key: str) -> str:

@@ -31,12 +31,14 @@ import torch
 
 from services.inference.engine.plan import plan_for
 
-# lean: the lean decode forward with its C++ loop; python: its Python loop (no C++ kernels, so no
-# Q8_0 head nor C++ prompt layers either); eager: HF's modules
+# lean: the lean decode forward with its C++ loop (the plan's int4 kernel: Q4_1 x int8 rows where
+# the CPU has AVX512-VNNI); lean-torch-int4: the same with torch's int4 kernel (bf16 rows); python:
+# its Python loop (no C++ kernels, so no Q8_0 head nor C++ prompt layers either); eager: HF's modules
 VARIANTS: dict[str, dict[str, bool]] = {
-    "lean": {"fused": True, "native": True},
-    "python": {"fused": True, "native": False},
-    "eager": {"fused": False, "native": False},
+    "lean": {"fused": True, "native": True, "own_int4": True},
+    "lean-torch-int4": {"fused": True, "native": True, "own_int4": False},
+    "python": {"fused": True, "native": False, "own_int4": False},
+    "eager": {"fused": False, "native": False, "own_int4": False},
 }
 
 
@@ -75,6 +77,8 @@ def runner_for(path: Path, name: str, slots: int, adapter: Path | None) -> Any:
     plan = plan_for(model, quantize="int4", native_decode="on" if variant["native"] else "off")
     if not variant["fused"]:
         plan = dataclasses.replace(plan, decode="reference")
+    if not variant["own_int4"] and plan.layer_decode == "int4-vnni":
+        plan = dataclasses.replace(plan, layer_decode="int4")
     engine = TorchEngine.from_model(
         model, AutoTokenizer.from_pretrained(path), max_batch_size=slots, max_model_len=512, plan=plan
     )

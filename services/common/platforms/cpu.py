@@ -2,7 +2,7 @@
 
 The CPU engine picks kernels by the instruction sets torch runs here (``AVX2``/``AVX512``: the
 C++ decode kernels' vectors), by what ``/proc/cpuinfo`` lists (native bf16 products: AVX512-BF16
-or AMX) and by whether the Linux kernel lets this process use the AMX tiles. Every such probe is
+or AMX; int8 sums: AVX512-VNNI) and by whether the Linux kernel lets this process use the AMX tiles. Every such probe is
 here; the engine reads the record (``cpu_features()``), and a test or a benchmark may hand the
 plan resolver another one.
 """
@@ -22,6 +22,7 @@ class CpuFeatures:
     avx512_bf16: bool  # listed by /proc/cpuinfo
     amx_bf16: bool  # listed by /proc/cpuinfo
     amx_usable: bool  # listed, and the Linux kernel grants this process the tile state
+    avx512_vnni: bool  # AVX512-VNNI and AVX512BW listed by /proc/cpuinfo (the own int4 kernel)
     onednn: bool  # this torch build has oneDNN (mkldnn)
 
     @property
@@ -47,6 +48,7 @@ def probe() -> CpuFeatures:
         avx512_bf16=" avx512_bf16" in flags,
         amx_bf16=" amx_bf16" in flags,
         amx_usable=platforms.cpu_amx_usable(),
+        avx512_vnni=" avx512_vnni" in flags and " avx512bw" in flags,
         onednn=bool(torch.backends.mkldnn.is_available()),  # type: ignore[no-untyped-call]
     )
 

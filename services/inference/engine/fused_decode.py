@@ -8,7 +8,9 @@ computes the same decoder layers with the same operations on the same values, wi
 modules' plumbing:
 
 - q/k/v are one int4 product and gate/up another (their weights side by side, so a layer
-  multiplies 4 times, not 7), each layer's input cast to bf16 once, not once per product;
+  multiplies 4 times, not 7), each product's input made into the kernel's rows once (bf16 for
+  torch's int4 kernel; fp32 for ``Int4Blocks``, which quantises them itself), not once per
+  projection;
 - RoPE, the KV writes and the attention are the engine's own (``SlabKVCache.update``,
   ``ragged.ragged_attention``: the batch-invariant attention of the eager forward);
 - the embeddings, the final norm and the output head are the model's modules, called as the
@@ -33,10 +35,13 @@ CPUs; the default), with its own operations between the int4 products (``decode_
 are not the eager forward's last bits but keep each row's numbers independent of the batch
 (``test_native_own.py``); the Python loop here is the bit-exact reference.
 
-Prompt chunks keep the eager forward (their products are fp32 or bf16 oneDNN ones, faster at
-many rows): a step with prompt chunks and decode tokens runs the chunks eagerly and the decode
-tokens here, two forwards over disjoint slots, so a decode token's numbers never depend on
-what shares its step.
+The int4 kernel is the plan's (``decode_kernel``): ``Int4Blocks`` (Q4_1 groups times int8 rows,
+the native module's ``q4_linear``) where the CPU has AVX512-VNNI, torch's int4 kernel elsewhere;
+the C++ and Python loops multiply with the same one.
+
+Prompt chunks take their own lean forward (``fused_prompt.py``; bf16 oneDNN products, faster at
+many rows): a step with prompt chunks and decode tokens runs the two forwards over disjoint
+slots, so a decode token's numbers never depend on what shares its step.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.lora_rows import LoraRows
 from services.inference.engine.packed_linear import RowKernel
 from services.inference.engine.prefix_cache import tensors_state
-from services.inference.engine.quantized_linear import INT4_GROUP, ByTokenKind, Int4WeightOnly
+from services.inference.engine.quantized_linear import INT4_GROUP, ByTokenKind, Int4Blocks, Int4WeightOnly
 
 if TYPE_CHECKING:
     from services.inference.engine.runner import ModelRunner
@@ -258,6 +263,18 @@ def llama_problem(runner: ModelRunner) -> str | None:
 def layer_kernels(runner: ModelRunner) -> dict[int, Any]:
     """The kernel each base linear layer of the runner's products has, by module id."""
     return {id(p.module): p.kernel for p in runner.packed.layers} if runner.packed is not None else {}
+
+
+def decode_kernel(runner: ModelRunner) -> Int4WeightOnly:
+    """The int4 kernel of the side-by-side decode products: ``Int4Blocks`` where the plan gave it
+    to every projection, else torch's (``Int4WeightOnly``)."""
+    kernels = layer_kernels(runner)
+    decodes = {
+        type(getattr(kernels.get(id(_base(_projection(layer, name)))), "decode", None))
+        for layer in runner.decoder.layers
+        for name in PROJECTIONS
+    }
+    return Int4Blocks() if decodes == {Int4Blocks} else _INT4
 
 
 def unsupported(runner: ModelRunner) -> str | None:
@@ -479,7 +496,7 @@ class FusedDecode(LeanLayers):
     """Decode tokens through the lean forward (see the module doc)."""
 
     def __init__(self, runner: ModelRunner, *, native: bool = False) -> None:
-        super().__init__(runner, _INT4)
+        super().__init__(runner, decode_kernel(runner))
         # the layers' loop in C++ (``decode_own``) once ``native.start`` has built it and the
         # model's sizes fit it, else in Python
         self.native = native and own_unsupported(runner) is None

@@ -3,7 +3,7 @@ the machine where the CPU has AVX2.
 
 At one row, a SmolLM2 decode step through Python is ~1,800 small ATen calls, each paying its
 argument parsing, torch-function checks and tensor wrappers on top of the kernel. The module
-holds three things:
+holds four things:
 
 - ``decode_own``: the lean forward's loop over the decoder layers with the operations between
   the int4 products computed by the loop itself (add + RMSNorm, RoPE and the KV write, each
@@ -14,6 +14,10 @@ holds three things:
 - ``q8_linear``: the output head's decode rows against int8 weights in blocks of 32 with an fp32
   scale each (GGUF's Q8_0, the default model file's own head format), fp32 activations: about
   half the bytes of the bf16 head, and the file's values exactly.
+- ``q4_linear``: the decoder layers' int4 decode products where the CPU has AVX512-VNNI: the
+  weights in Q4_1 groups (the default model file's own format, exactly), each row's inputs as
+  int8 in groups of 32 (llama.cpp's Q4_1 x Q8_1), integer sums; elsewhere the layers keep
+  ``aten._weight_int4pack_mm_for_cpu`` with bf16 rows.
 - ``prompt_own``: the lean prompt forward's layers (``fused_prompt.py``), the products oneDNN's
   bf16 ones in blocks, the attention ragged's prompt attention as ATen calls, ``decode_own``'s
   operations between them.
@@ -92,10 +96,15 @@ def _compile() -> Any:
     from torch.utils.cpp_extension import load
 
     start = time.monotonic()
-    # the vectors are ATen's AVX2 ones (its headers pick them by CPU_CAPABILITY); no -fopenmp:
-    # the loops run on torch's own threads (at::parallel_for)
-    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-    module = load(_module_name(), [str(SOURCE)], extra_cflags=["-O2", *flags], verbose=False)
+    # the vectors are ATen's AVX2 ones (its headers pick them by CPU_CAPABILITY; the AVX512-VNNI
+    # int4 kernel is compiled for its own target and called only where the CPU has it).
+    # -fopenmp: at::parallel_for is inlined from ATen's header as an OpenMP loop, serial without
+    # it; the module then needs libgomp.so.1, which resolves to the copy torch has loaded (one
+    # runtime, torch's threads)
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    module = load(
+        _module_name(), [str(SOURCE)], extra_cflags=["-O2", *flags], extra_ldflags=["-fopenmp"], verbose=False
+    )
     log.info("native decode kernels ready in %.1f s", time.monotonic() - start)
     return module
 
@@ -137,6 +146,11 @@ def prompt_own() -> Any:
 def q8_linear() -> Any:
     """The Q8_0 block product, or None (not built)."""
     return getattr(_BUILD.module, "q8_linear", None)
+
+
+def q4_linear() -> Any:
+    """The int4 (Q4_1 groups) product with int8 rows on AVX512-VNNI, or None (not built)."""
+    return getattr(_BUILD.module, "q4_linear", None)
 
 
 def problem() -> str | None:

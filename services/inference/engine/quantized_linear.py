@@ -14,7 +14,11 @@ shared, loaded machine (ratios, not absolute times, are the point):
     4         52            28             27                  20
     16        90            54             79                  65
 
-So int4 wins where serving spends its time (few rows per step), and int8 gains little.
+So int4 wins where serving spends its time (few rows per step), and int8 gains little. Where
+the CPU has AVX512-VNNI and the native module is built, the layers' int4 decode products are
+the engine's own instead (``Int4Blocks``: the weights' Q4_1 values exactly, each row's inputs as
+int8 in groups of 32, integer sums, as llama.cpp multiplies a Q4_1 file): about 1.8x torch's
+kernel at one row and 1.4x at 16 on 2 Zen 4 cores.
 
 **Why int4 with groups of 32 and a minimum** (asymmetric, ``w = (q - 8) * scale + zero``):
 it is GGUF's Q4_1 block format. The default model ships as a Q4_1 GGUF, so its decoder
@@ -119,6 +123,51 @@ class Int4WeightOnly:
     def product(self, rows: torch.Tensor, prepared: Any) -> torch.Tensor:
         packed, scales_zeros = prepared
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_zeros)
+
+
+# outputs a tile of Int4Blocks' layout (native.q4_linear's: one AVX-512 vector of fp32 lanes)
+Q4_TILE = 16
+
+
+class Int4Blocks(Int4WeightOnly):
+    """Int4 in GGUF's Q4_1 groups (``w = q * scale + min``, fp32 scale and min: the file's values
+    exactly, where ``Int4WeightOnly``'s bf16 scales round them), multiplied by the native module's
+    ``q4_linear`` with each row's inputs quantised to int8 in groups of 32, as llama.cpp's Q4_1 x
+    Q8_1 product does: a group's sum is exact int32 arithmetic (AVX512-VNNI, 64 products an
+    instruction), so each row's numbers are the same alone as in any batch. SmolLM2-135M's four
+    decode products of a layer on 2 Zen 4 cores: 1 row 64 vs 118 us for torch's int4 kernel,
+    16 rows 523 vs 737 us (``benchmarks/RESULTS.md``). The plan picks it where the CPU has
+    AVX512-VNNI and every output size is whole tiles of ``Q4_TILE``."""
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = weight.float()
+        out_f, in_f = w.shape
+        if in_f % INT4_GROUP or out_f % Q4_TILE:
+            raise ValueError(
+                f"Int4Blocks: a {out_f} x {in_f} weight is not whole {Q4_TILE} x {INT4_GROUP} tiles"
+            )
+        groups = w.view(out_f, in_f // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        # per tile t and quad j of 4 inputs, byte 2c + h: output c's inputs 4j + 2h | 4j + 2h + 1 << 4
+        pairs = q.view(out_f // Q4_TILE, Q4_TILE, in_f // 4, 2, 2)
+        packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1, 3).contiguous()
+        tiles = out_f // Q4_TILE
+        scale_min = torch.stack([scale, low], dim=1).view(tiles, Q4_TILE, 2, in_f // INT4_GROUP)
+        return packed.view(tiles, in_f // 4, 2 * Q4_TILE), scale_min.permute(0, 3, 2, 1).contiguous()
+
+    def rows(self, input: torch.Tensor) -> torch.Tensor:
+        return input.float().contiguous()
+
+    def product(self, rows: torch.Tensor, prepared: Any) -> torch.Tensor:
+        from services.inference.engine import native
+
+        kernel = native.q4_linear()
+        if kernel is None:  # chosen only once the module is built (plan.resolve_plan)
+            raise RuntimeError("Int4Blocks needs the native module's q4_linear (native.start)")
+        packed, scale_min = prepared
+        return kernel(rows, packed, scale_min)
 
 
 # GGUF's Q8_0 block size (Q8Blocks), and its output tiles (native.q8_linear's layout)
@@ -430,6 +479,7 @@ def layer_kernels(
     prompt_dtype: PromptDType = "float32",
     *,
     q8_head: bool = False,
+    int4_blocks: bool = False,
 ) -> KernelChoice:
     """The kernel of each base linear layer under ``mode``. Prompt tokens multiply with the
     model's own weights, oneDNN-packed, never quantised (int4/int8 kernels are slower than
@@ -443,7 +493,10 @@ def layer_kernels(
     alone at 1 / 16 rows (SmolLM2's 49K x 576): 6.5 / 10 ms in bf16, 5.9 / 23 ms in int8 (its kernel scales badly with rows), 12 / 22 ms in fp32."""
     own = OneDNNPacked(batch_hint)
     prompt = prompt_kernel(prompt_dtype, batch_hint)
-    int8, int4, bf16 = Int8WeightOnly(), Int4WeightOnly(), BF16Packed(batch_hint)
+    int8, bf16 = Int8WeightOnly(), BF16Packed(batch_hint)
+    # the own Q4_1 x int8 kernel where the plan says so (AVX512-VNNI), each layer whose outputs
+    # are whole tiles; torch's int4 kernel elsewhere
+    int4, q4 = Int4WeightOnly(), Int4Blocks()
     # oneDNN packs bf16 weights only where the CPU has bf16 instructions (AVX512-BF16, AMX,
     # AVX-NE-CONVERT, or AVX512BW/VL/DQ): an AVX2-only CPU's head keeps the model's dtype
     other = bf16 if mode == "int4" and packed_linear.available(torch.device("cpu"), COMPUTE_DTYPE) else own
@@ -459,7 +512,9 @@ def layer_kernels(
         if mode == "int8":
             return ByTokenKind(int8, prompt_side)
         if not head and module.in_features % INT4_GROUP == 0:
-            return ByTokenKind(int4, prompt_side)
+            return ByTokenKind(
+                q4 if int4_blocks and module.out_features % Q4_TILE == 0 else int4, prompt_side
+            )
         if head and module.in_features % Q8_BLOCK == 0:
             return ByTokenKind(head_decode, prompt_side)
         return ByTokenKind(other, prompt_side)

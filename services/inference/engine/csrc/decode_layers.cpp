@@ -1,11 +1,13 @@
-// The engine's C++ kernels for CPU decode and prompt chunks (native.py), AVX2 CPUs.
+// The engine's C++ kernels for CPU decode and prompt chunks (native.py), AVX2 CPUs (AVX512-VNNI
+// for q4_linear).
 //
 // One loop over the Llama decoder layers (own::layer_loop) with the operations between the
 // products computed here, and two backends of its products and attention: decode_own, the rows
 // of one decode step of the lean forward (fused_decode.py; int4 products, each row's attention
 // over its own keys), and prompt_own, the prompt chunks' layers (fused_prompt.py; bf16 block
-// products, the prompt attention as batched ATen products). q8_linear: the output head's decode
-// rows against Q8_0 blocks. What goes is the Python around ~60 small ATen calls a layer
+// products, the prompt attention as batched ATen products). q4_linear: the layers' int4 decode
+// products (Q4_1 groups times int8 rows, AVX512-VNNI). q8_linear: the output head's decode rows
+// against Q8_0 blocks. What goes is the Python around ~60 small ATen calls a layer
 // (argument parsing, torch-function checks, tensor wrappers): at one row a step is ~1,800 of
 // them, and on a CPU that plumbing cost more than the int4 products did. The embeddings, RoPE's
 // tables, the final norm and the head's dispatch stay in Python.
@@ -13,6 +15,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -72,9 +76,9 @@ Tensor attention(const Tensor& query, const Tensor& key, const Tensor& value, co
 // ------------------------------------------------------------------------------------------------
 // The operations between the products (add + RMSNorm, RoPE + the KV write, a decode row's
 // attention over its own keys, SiLU * up, LoRA rows), AVX2 vectors through ATen's Vectorized,
-// rows in parallel through at::parallel_for (torch's own thread pool: a second OpenMP runtime
-// would spin beside torch's on the same cores). A decode layer is then 4 ATen calls instead of
-// ~60. Not the Python loop's bits (its own sums; within ~1e-5 of them), but every row's numbers
+// rows in parallel through at::parallel_for (an OpenMP loop inlined from ATen's header: the
+// module is built with -fopenmp and runs on torch's own OpenMP runtime and threads). A decode
+// layer is then 4 products instead of ~60 ATen calls. Not the Python loop's bits (its own sums; within ~1e-5 of them), but every row's numbers
 // depend only on that row: the same alone as in any batch.
 
 namespace own {
@@ -293,11 +297,137 @@ void add_lora(int64_t index, const Tensor& x, Tensor& out, Lora& lora) {
   }
 }
 
-// one projection's int4 product (aten._weight_int4pack_mm_for_cpu on the bf16 copy h16): the
-// kernel's bf16, or fp32 with the bias and the LoRA deltas (of h32) added where there are any
+// ---- int4 products of our own: Q4_1 weights times int8 activations (AVX512-VNNI) ---------------
+// llama.cpp's Q4_1 x Q8_1 product. A weight is q * scale + min (q 0..15 in groups of 32 inputs, an
+// fp32 scale and min per group: GGUF's Q4_1 values exactly); each row's group of 32 inputs is
+// quantised to int8 (d = max|x| / 127), so a group's sum of q * xq is an exact int32 (vpdpbusd:
+// 64 products an instruction, 4x fp32's 16 a lane-wide FMA), and the row's output is
+// sum over groups of d * (scale * sum(q * xq) + min * sum(xq)). Each row is computed alone, in a
+// fixed order: the same numbers alone as in any batch. Layout (quantized_linear.Int4Blocks):
+// w [N/16, K/4, 32] uint8, per tile of 16 outputs and quad j of 4 inputs, byte 2c + h holds
+// output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high); sm [N/16, K/32, 2, 16] fp32:
+// each group's 16 scales, then its 16 mins.
+
+constexpr int64_t Q4_GROUP = 32;  // quantized_linear.INT4_GROUP
+constexpr int64_t Q4_TILE = 16;   // outputs a tile: one vector of fp32 lanes
+constexpr int64_t Q4_ROWS = 8;    // rows a pass over a tile's weights (their sums stay in registers)
+
+#define OWN_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+// row x [K] fp32 as int8 quads xq [K], with each group's d and d * sum(xq)
+OWN_VNNI inline void quantize_row(const float* x, int64_t k_size, int8_t* xq, float* d_out, float* c_out) {
+  for (int64_t g = 0; g < k_size / Q4_GROUP; ++g) {
+    const __m512 lo = _mm512_loadu_ps(x + g * Q4_GROUP), hi = _mm512_loadu_ps(x + g * Q4_GROUP + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    // round to nearest even (the default MXCSR mode)
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * Q4_GROUP), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * Q4_GROUP + 16), _mm512_cvtepi32_epi8(qhi));
+    d_out[g] = d;
+    c_out[g] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+  }
+}
+
+// R rows (xq: their int8 rows as int32 quads, ld apart; d, c: their groups' d and d * sum) times
+// one tile of 16 outputs, into out (ld_out apart)
+template <int R>
+OWN_VNNI void q4_tile(const int32_t* xq, int64_t ld, const float* d, const float* c, int64_t groups,
+                      const uint8_t* w, const float* sm, float* out, int64_t ld_out) {
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) {
+    total[r] = _mm512_setzero_ps();
+  }
+  const __m512i nibbles = _mm512_set1_epi16(0x0F0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_setzero_si512();
+    }
+    const uint8_t* wg = w + g * (Q4_GROUP / 2) * Q4_TILE;
+    const int32_t* xg = xq + g * (Q4_GROUP / 4);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < Q4_GROUP / 4; ++j) {
+      // 32 bytes -> 64: each byte's two nibbles side by side ((v | v << 4) & 0x0F0F a word)
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 32)));
+      const __m512i q = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), nibbles, 0xA8);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(xg[r * ld + j]));
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(sm + g * 2 * Q4_TILE), min = _mm512_loadu_ps(sm + g * 2 * Q4_TILE + Q4_TILE);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sums = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), scale);
+      total[r] = _mm512_fmadd_ps(sums, _mm512_set1_ps(d[r * groups + g]), total[r]);
+      total[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(c[r * groups + g]), total[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * ld_out, total[r]);
+  }
+}
+
+using Q4Tile = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, const float*,
+                        float*, int64_t);
+
+template <int... Rs>
+constexpr std::array<Q4Tile, sizeof...(Rs)> q4_tiles(std::integer_sequence<int, Rs...>) {
+  return {{&q4_tile<Rs + 1>...}};
+}
+
+inline bool vnni() {
+  static const bool has = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+// x [T, K] fp32 times a weight in the layout above: [T, N] fp32
+Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm) {
+  TORCH_CHECK(vnni(), "q4_linear: this CPU has no AVX512-VNNI");
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 3 && sm.dim() == 4 && w.scalar_type() == at::kByte &&
+                  sm.scalar_type() == at::kFloat && w.is_contiguous() && sm.is_contiguous(),
+              "q4_linear: x [T, K], w [N/16, K/4, 32] uint8, sm [N/16, K/32, 2, 16] fp32");
+  const Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t tokens = x.size(0), k_size = x.size(1), tiles = w.size(0), n_size = tiles * Q4_TILE;
+  const int64_t groups = k_size / Q4_GROUP;
+  TORCH_CHECK(k_size % Q4_GROUP == 0 && w.size(1) * 4 == k_size && w.size(2) == 32 && sm.size(0) == tiles &&
+                  sm.size(1) == groups && sm.size(2) == 2 && sm.size(3) == Q4_TILE,
+              "q4_linear: shapes x ", x.sizes(), " w ", w.sizes(), " sm ", sm.sizes());
+  Tensor out = at::empty({tokens, n_size}, x.options());
+  Tensor xq = at::empty({tokens, k_size}, x.options().dtype(at::kChar));
+  Tensor dc = at::empty({2, tokens, groups}, x.options());
+  const float* x_p = x.data_ptr<float>();
+  int8_t* xq_p = xq.data_ptr<int8_t>();
+  float* d_p = dc.data_ptr<float>();
+  float* c_p = d_p + tokens * groups;
+  rows(tokens, [&](int64_t t) {
+    quantize_row(x_p + t * k_size, k_size, xq_p + t * k_size, d_p + t * groups, c_p + t * groups);
+  });
+  static const auto kernels = q4_tiles(std::make_integer_sequence<int, Q4_ROWS>());
+  const auto* quads = reinterpret_cast<const int32_t*>(xq_p);
+  const uint8_t* w_p = w.data_ptr<uint8_t>();
+  const float* sm_p = sm.data_ptr<float>();
+  float* o_p = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      for (int64_t t = 0; t < tokens; t += Q4_ROWS) {
+        const int64_t r = std::min(Q4_ROWS, tokens - t);
+        kernels[r - 1](quads + t * (k_size / 4), k_size / 4, d_p + t * groups, c_p + t * groups, groups,
+                       w_p + tile * (k_size / 2) * Q4_TILE, sm_p + tile * groups * 2 * Q4_TILE,
+                       o_p + t * n_size + tile * Q4_TILE, n_size);
+      }
+    }
+  });
+  return out;
+}
+
+// one projection's int4 product: q4_linear of the fp32 rows h32 where the weight is in its layout
+// (3-d), else aten._weight_int4pack_mm_for_cpu on the bf16 copy h16; the kernel's output, or fp32
+// with the bias and the LoRA deltas (of h32) added where there are any
 Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const Tensor& scales,
                const c10::optional<Tensor>& bias, int64_t group, int64_t index, Lora& lora) {
-  Tensor out = at::_weight_int4pack_mm_for_cpu(h16, packed, group, scales);
+  Tensor out = packed.dim() == 3 ? q4_linear(h32, packed, scales)
+                                 : at::_weight_int4pack_mm_for_cpu(h16, packed, group, scales);
   if (!bias.has_value() && !lora.adds_to(index)) {
     return out;
   }
@@ -780,6 +910,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // as it ran beside each ATen call of the Python loop
 #ifdef CPU_CAPABILITY_AVX2
   m.def("q8_linear", &q8_linear, "x times a weight in Q8_0 blocks (int8, an fp32 scale per 32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q4_linear", &own::q4_linear, "x times a weight in Q4_1 groups, its rows as int8 (AVX512-VNNI)",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_own", &decode_own, "the decoder layers of one decode step, the ops between the products its own",
         py::call_guard<py::gil_scoped_release>());
