@@ -14,13 +14,24 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, NotFound
 from services.common.paths import resolve_under_roots
 from services.trainer.config import TrainerSettings
-from services.trainer.data.formats import DatasetError, Kind, parse_dataset, records_for
+from services.trainer.data.formats import (
+    ChatRecord,
+    DatasetError,
+    Kind,
+    KTORecord,
+    PreferenceRecord,
+    PromptRecord,
+    Record,
+    of_kind,
+    parse_dataset,
+    records_for,
+)
 from services.trainer.protocol import JobCreate
 
 KIND_OF: dict[str, Kind] = {
@@ -197,7 +208,7 @@ def _checked(lineage: Lineage, name: str, spec: JobCreate | None) -> Lineage:
     return lineage
 
 
-def load_records(path: Path, kind: Kind, *, param: str = "dataset") -> list[dict[str, Any]]:
+def load_records(path: Path, kind: Kind, *, param: str = "dataset") -> list[Record]:
     try:
         return records_for(parse_dataset(path.read_bytes()), kind)
     except DatasetError as exc:
@@ -265,9 +276,7 @@ def check_resources(spec: JobCreate, settings: TrainerSettings) -> None:
         )
 
 
-def check_lengths(
-    tokenizer: Any, spec: JobCreate, records: list[dict[str, Any]], cap: int, param: str
-) -> None:
+def check_lengths(tokenizer: Any, spec: JobCreate, records: list[Record], cap: int, param: str) -> None:
     """Every sample must fit in one pack (or, unpacked, in ``max_tokens_per_pack`` tokens)."""
     from services.trainer.data.tokenize import tokenize_kto, tokenize_pair, tokenize_prompt, tokenize_sft
 
@@ -275,44 +284,51 @@ def check_lengths(
     if kind == "kto":
         # A row packs with its completion and another row's (KTO's mismatched KL completion):
         # the longest completion of the dataset bounds the latter.
-        rows = [tokenize_kto(tokenizer, r["prompt"], r["completion"], r["label"]) for r in records]
+        kto = of_kind(records, KTORecord)
+        rows = [tokenize_kto(tokenizer, r.prompt, r.completion, r.label) for r in kto]
         longest = max((len(s.completion) for s in rows), default=0)
-        for rec, s in zip(records, rows, strict=True):
+        for row, s in zip(kto, rows, strict=True):
             n = len(s.prompt) + len(s.completion) + longest
             if n > cap:
                 raise InvalidRequest(
-                    f"{param}: line {rec.get('_line', '?')} has {n} tokens (prompt + completion + the dataset's "
+                    f"{param}: line {row.line} has {n} tokens (prompt + completion + the dataset's "
                     f"longest completion, its KL mismatch), more than max_tokens_per_pack={cap}; "
                     "raise max_tokens_per_pack or shorten the sample",
                     param="max_tokens_per_pack",
                 )
         return
     for rec in records:
-        if kind == "sft":
-            n = len(tokenize_sft(tokenizer, rec["messages"]))
+        if kind == "sft" and isinstance(rec, ChatRecord):
+            n = len(tokenize_sft(tokenizer, rec.messages))
             what = "tokens"
-        elif kind == "dpo":
-            n = len(tokenize_pair(tokenizer, rec["prompt"], rec["chosen"], rec["rejected"]))
+        elif isinstance(rec, PreferenceRecord):
+            n = len(tokenize_pair(tokenizer, rec.prompt, rec.chosen, rec.rejected))
             what = "tokens (prompt + chosen + rejected)"
-        else:
-            n = len(tokenize_prompt(tokenizer, rec["prompt"])) + spec.hyperparameters.max_new_tokens
+        elif isinstance(rec, PromptRecord):
+            n = len(tokenize_prompt(tokenizer, rec.prompt)) + spec.hyperparameters.max_new_tokens
             what = "tokens (prompt + max_new_tokens)"
+        else:
+            raise TypeError(f"{kind} jobs have no {type(rec).__name__} samples")
         if n > cap:
             raise InvalidRequest(
-                f"{param}: line {rec.get('_line', '?')} has {n} {what}, more than max_tokens_per_pack={cap}; "
+                f"{param}: line {rec.line} has {n} {what}, more than max_tokens_per_pack={cap}; "
                 "raise max_tokens_per_pack or shorten the sample",
                 param="max_tokens_per_pack",
             )
 
 
-def prompt_key(rec: dict[str, Any]) -> str:
+def prompt_key(rec: Record | dict[str, Any]) -> str:
+    if isinstance(rec, PromptRecord | PreferenceRecord | KTORecord):
+        return json.dumps(rec.prompt, sort_keys=True)
     # an embedder pair's query plays the prompt: a held-out query is never trained on
-    return json.dumps(rec.get("prompt", rec.get("messages", rec.get("query"))), sort_keys=True)
+    assert isinstance(rec, dict), rec
+    return json.dumps(rec["query"], sort_keys=True)
 
 
-def split_eval(
-    records: list[dict[str, Any]], fraction: float, seed: int
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+T = TypeVar("T", bound=Record | dict[str, Any])
+
+
+def split_eval(records: list[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
     """A seeded held-out split of about ``fraction`` of the rows (at least one), whole
     prompts at a time: rows sharing a prompt (a KTO prompt's good and bad answers, DPO
     drafts) land on the same side, so the held-out prompts were never trained on."""
@@ -340,8 +356,9 @@ def split_eval(
 @dataclass
 class ResolvedJob:
     model_path: Path
-    records: list[dict[str, Any]]
-    eval_records: list[dict[str, Any]] | None
+    # the kind's records (data/formats.py); an embedder job's pairs (data/pairs.py)
+    records: list[Any]
+    eval_records: list[Any] | None
     capacity: int
     reward: Any
     lineage: Lineage | None = None

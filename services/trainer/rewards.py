@@ -1,7 +1,7 @@
 """Rewards for PPO/GRPO: Python functions registered by name, or a reward-model folder.
 
-A reward function takes the dataset records (each with ``prompt`` messages and an
-optional reference ``answer``) and the generated completions (text), and returns one
+A reward function takes the dataset records (``data/formats.PromptRecord``: ``prompt`` messages
+and an optional reference ``answer``) and the generated completions (text), and returns one
 float per completion. Register your own with ``@register_reward("name")`` in a module
 the worker imports; jobs name it in ``"reward": "name"``.
 """
@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
-RewardFn = Callable[[Sequence[dict[str, Any]], Sequence[str]], list[float]]
+from services.trainer.data.formats import PromptRecord
+
+RewardFn = Callable[[Sequence[PromptRecord], Sequence[str]], list[float]]
 _REGISTRY: dict[str, RewardFn] = {}
 
 
@@ -55,11 +56,11 @@ def gsm8k_number(text: str) -> str | None:
 
 
 @register_reward("gsm8k_exact_match")
-def gsm8k_exact_match(records: Sequence[dict[str, Any]], completions: Sequence[str]) -> list[float]:
+def gsm8k_exact_match(records: Sequence[PromptRecord], completions: Sequence[str]) -> list[float]:
     """1.0 when the completion's ``#### <number>`` equals the reference answer's, else 0.0."""
     out = []
     for rec, text in zip(records, completions, strict=True):
-        ref = gsm8k_number(str(rec.get("answer") or ""))
+        ref = gsm8k_number(rec.answer or "")
         got = gsm8k_number(text)
         out.append(1.0 if ref is not None and got == ref else 0.0)
     return out
@@ -81,10 +82,10 @@ class RewardModel:
         self.model.to(self.device)
 
     @torch.no_grad()
-    def __call__(self, records: Sequence[dict[str, Any]], completions: Sequence[str]) -> list[float]:
+    def __call__(self, records: Sequence[PromptRecord], completions: Sequence[str]) -> list[float]:
         scores = []
         for rec, text in zip(records, completions, strict=True):
-            msgs = [*rec["prompt"], {"role": "assistant", "content": text}]
+            msgs = [*rec.prompt, {"role": "assistant", "content": text}]
             rendered = self.tokenizer.apply_chat_template(msgs, tokenize=False)
             enc = self.tokenizer(rendered, return_tensors="pt", truncation=True).to(self.device)
             scores.append(float(self.model(**enc).logits[0, 0]))

@@ -15,6 +15,7 @@ from typing import Any
 from services.common.errors import InvalidRequest, NotFound
 from services.trainer import chunk_pairs
 from services.trainer.collection import CollectionDoc, collection_documents
+from services.trainer.data.formats import PairRecord
 from services.trainer.data.pairs import TITLE_STAGE
 from services.trainer.jobspec import (
     KIND_OF,
@@ -133,10 +134,10 @@ def check_documents(paths: dict[str, Path | None], name: str, docs: dict[str, Co
         if path is None:
             continue
         for rec in load_records(path, "embedder", param=param):
-            doc = rec.get("document_id")
+            doc = rec.document_id if isinstance(rec, PairRecord) else None
             if doc is not None and doc not in docs:
                 raise InvalidRequest(
-                    f"{param}: line {rec['_line']}: the positive's document_id {doc!r} is not a document of "
+                    f"{param}: line {rec.line}: the positive's document_id {doc!r} is not a document of "
                     f"collection {name!r} (deleted since?); drop the row or name another collection",
                     param=param,
                 )

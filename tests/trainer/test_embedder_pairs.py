@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from services.common.auth import KeyStore
-from services.trainer.data.formats import parse_dataset
+from services.trainer.data.formats import PairRecord, of_kind, parse_dataset
 from services.trainer.data.pairs import embedder_data, mine_negatives
 from services.trainer.protocol import Hyperparameters, JobCreate
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
@@ -410,7 +410,10 @@ def test_thumbs_up_answers_become_pairs_of_question_and_cited_chunk(
             rows = parse_dataset(
                 dataset_path(trainer.state.trainer.common, "acme", out["file_id"]).read_bytes()
             )
-            assert [{k: r[k] for k in ("query", "positive", "document_id")} for r in rows.records] == expected
+            got = of_kind(rows.records, PairRecord)
+            assert [
+                {"query": r.query, "positive": r.positive, "document_id": r.document_id} for r in got
+            ] == expected
             # the train shortcut names an LLM job: for pairs it says where to go instead
             refused = c.post(f"{a_url}/v1/feedback/train", json={"format": "pairs"})
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "format"
@@ -616,15 +619,17 @@ def test_generated_queries_pair_sampled_passages_with_what_a_real_inference_serv
     assert [(e["phase"], e["step"], e["total"]) for e in phase] == [
         ("generate_queries", n, 6) for n in (3, 5, 6)
     ]
-    rows = parse_dataset(dataset_path(h.st.common, "acme", made["id"]).read_bytes()).records
+    rows = of_kind(
+        parse_dataset(dataset_path(h.st.common, "acme", made["id"]).read_bytes()).records, PairRecord
+    )
     # every positive is a passage of the collection (with its document) or of the beir corpus
     pool = passages([(d["id"], d["title"], d["text"]) for d in QUESTION_DOCS])
     by_text = {p.text: p.document for p in pool}
     corpus_passages = {p.text for p in passages([("c1", "", "Copper\nCopper conducts heat well.")])}
     for r in rows:
-        assert r["query"].strip() and len(r["query"]) <= 300
-        assert r["positive"] in by_text or r["positive"] in corpus_passages, r["positive"]
-        assert r.get("document_id") == by_text.get(r["positive"])
+        assert r.query.strip() and len(r.query) <= 300
+        assert r.positive in by_text or r.positive in corpus_passages, r.positive
+        assert r.document_id == by_text.get(r.positive)
     # the long document's sections are passages of their own, as the retrieval service cuts them
     assert sum(p.document == "long" for p in pool) >= 3
 

@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from services.trainer.data.formats import DatasetError, parse_dataset, split_hh_pair
+from services.trainer.data.formats import (
+    ChatRecord,
+    DatasetError,
+    PreferenceRecord,
+    of_kind,
+    parse_dataset,
+    split_hh_pair,
+)
 from tests.trainer.conftest import jsonl
 
 
@@ -24,9 +31,12 @@ def test_alpaca_sharegpt_messages_completion_normalise() -> None:
         parsed = parse_dataset(jsonl([row, row]))
         assert parsed.format == fmt
         assert "sft" in parsed.kinds
-        msgs = parsed.records[0]["messages"]
+        rec = parsed.records[0]
+        assert isinstance(rec, ChatRecord)
+        msgs = rec.messages
         assert msgs[-1]["role"] == "assistant" and msgs[-2]["role"] == "user"
-    assert parse_dataset(jsonl([cases["alpaca"]])).records[0]["messages"][0]["content"] == "Add\n\n2+2"
+    (alpaca,) = of_kind(parse_dataset(jsonl([cases["alpaca"]])).records, ChatRecord)
+    assert alpaca.messages[0]["content"] == "Add\n\n2+2"
 
 
 def test_preference_strings_and_messages() -> None:
@@ -40,8 +50,9 @@ def test_preference_strings_and_messages() -> None:
     ]
     parsed = parse_dataset(jsonl(rows))
     assert parsed.format == "preference" and parsed.kinds == ("dpo",)
-    assert parsed.records[0]["prompt"] == parsed.records[1]["prompt"]
-    assert parsed.records[1]["chosen"] == [{"role": "assistant", "content": "good"}]
+    first, second = of_kind(parsed.records, PreferenceRecord)
+    assert first.prompt == second.prompt
+    assert second.chosen == [{"role": "assistant", "content": "good"}]
 
 
 def test_hh_rlhf_splits_at_last_shared_assistant_turn(hh_rows: bytes) -> None:
@@ -57,12 +68,12 @@ def test_hh_rlhf_splits_at_last_shared_assistant_turn(hh_rows: bytes) -> None:
     assert r == [{"role": "assistant", "content": "yes no"}]
     parsed = parse_dataset(hh_rows)
     assert parsed.format == "hh-rlhf"
-    for rec, raw in zip(parsed.records, hh_rows.splitlines(), strict=True):
+    for rec, raw in zip(of_kind(parsed.records, PreferenceRecord), hh_rows.splitlines(), strict=True):
         row = json.loads(raw)
-        assert rec["prompt"][-1]["role"] == "user"
+        assert rec.prompt[-1]["role"] == "user"
         # prompt + answer gives back the original dialogue's last answer
-        assert row["chosen"].rstrip().endswith(rec["chosen"][0]["content"])
-        assert row["rejected"].rstrip().endswith(rec["rejected"][0]["content"])
+        assert row["chosen"].rstrip().endswith(rec.chosen[0]["content"])
+        assert row["rejected"].rstrip().endswith(rec.rejected[0]["content"])
 
 
 @pytest.mark.parametrize(

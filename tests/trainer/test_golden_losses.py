@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from services.trainer.data.formats import parse_dataset
+from services.trainer.data.formats import PreferenceRecord, PromptRecord, of_kind, parse_dataset
 from services.trainer.data.pairs import embedder_data
 from services.trainer.protocol import Hyperparameters, LoraSpec
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
@@ -53,16 +53,16 @@ def golden_embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_embedder(tmp_path_factory.mktemp("golden-embedder") / "st", hidden=32)
 
 
-def letter_e(records: Sequence[dict[str, Any]], completions: Sequence[str]) -> list[float]:
+def letter_e(records: Sequence[PromptRecord], completions: Sequence[str]) -> list[float]:
     """A reward that a random model's completions already vary in: their share of 'e'."""
     return [c.count("e") / (len(c) + 1) for c in completions]
 
 
 def _kto_rows() -> list[dict[str, Any]]:
     rows = []
-    for r in parse_dataset(HH.read_bytes()).records[:10]:
-        rows.append({"prompt": r["prompt"], "completion": r["chosen"][0]["content"], "label": True})
-        rows.append({"prompt": r["prompt"], "completion": r["rejected"][0]["content"], "label": False})
+    for r in of_kind(parse_dataset(HH.read_bytes()).records[:10], PreferenceRecord):
+        rows.append({"prompt": r.prompt, "completion": r.chosen[0]["content"], "label": True})
+        rows.append({"prompt": r.prompt, "completion": r.rejected[0]["content"], "label": False})
     return rows
 
 

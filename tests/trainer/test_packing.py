@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from services.trainer.data.formats import parse_dataset
+from services.trainer.data.formats import ChatRecord, PreferenceRecord, of_kind, parse_dataset
 from services.trainer.data.packing import best_fit_decreasing, pack_pairs, pack_sft, shuffled_bfd
 from services.trainer.data.tokenize import IGNORE, SFTSample, tokenize_pair, tokenize_sft
 from services.trainer.losses import dpo_loss
@@ -85,7 +85,9 @@ def test_packed_sft_loss_and_grads_equal_unpacked(
     tiny_model_path: Path, gsm8k_rows: bytes, fp32_models: tuple, head_path: str
 ) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    samples = [tokenize_sft(tok, r["messages"]) for r in parse_dataset(gsm8k_rows).records[:12]]
+    samples = [
+        tokenize_sft(tok, r.messages) for r in of_kind(parse_dataset(gsm8k_rows).records[:12], ChatRecord)
+    ]
     packed_model, plain_model = fp32_models
     plan = shuffled_bfd([len(s) for s in samples], 1024, seed=0)
     assert len(plan) < len(samples)  # several samples per pack
@@ -115,8 +117,8 @@ def test_packed_sft_loss_and_grads_equal_unpacked(
 
 def test_packed_dpo_loss_equals_unpacked(tiny_model_path: Path, hh_rows: bytes, fp32_models: tuple) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    recs = parse_dataset(hh_rows).records[:8]
-    pairs = [tokenize_pair(tok, r["prompt"], r["chosen"], r["rejected"]) for r in recs]
+    recs = of_kind(parse_dataset(hh_rows).records[:8], PreferenceRecord)
+    pairs = [tokenize_pair(tok, r.prompt, r.chosen, r.rejected) for r in recs]
     packed_model, plain_model = fp32_models
     plan = shuffled_bfd([len(p) for p in pairs], 2048, seed=0)
     assert any(len(p) > 1 for p in plan)  # several pairs per pack

@@ -12,7 +12,15 @@ import torch
 from transformers import AutoTokenizer
 
 from services.common.errors import InvalidRequest
-from services.trainer.data.formats import DatasetError, parse_dataset, records_for
+from services.trainer.data.formats import (
+    DatasetError,
+    KTORecord,
+    PreferenceRecord,
+    PromptRecord,
+    of_kind,
+    parse_dataset,
+    records_for,
+)
 from services.trainer.data.packing import group_mask, pack_groups, pack_pairs, shuffled_bfd
 from services.trainer.data.tokenize import tokenize_pair
 from services.trainer.jobspec import split_eval
@@ -49,9 +57,9 @@ def test_kto_rows_parse_and_bad_rows_name_line_and_field() -> None:
         )
     )
     assert good.format == "kto" and good.kinds == ("kto",)
-    rec = records_for(good, "kto")[1]
-    assert rec["prompt"] == [{"role": "user", "content": "hi"}]
-    assert rec["completion"] == [{"role": "assistant", "content": "go away"}] and rec["label"] is False
+    rec = of_kind(records_for(good, "kto"), KTORecord)[1]
+    assert rec.prompt == [{"role": "user", "content": "hi"}]
+    assert rec.completion == [{"role": "assistant", "content": "go away"}] and rec.label is False
     first = {"prompt": "q", "completion": "a", "label": True}
     cases = [
         (
@@ -112,14 +120,14 @@ def test_job_create_checks_and_type_defaults() -> None:
 
 
 def test_eval_split_is_seeded_and_keeps_prompts_whole() -> None:
-    rows = [{"prompt": [{"role": "user", "content": f"q{i // 2}"}], "i": i} for i in range(20)]
+    rows = [PromptRecord([{"role": "user", "content": f"q{i // 2}"}], None, i) for i in range(20)]
     train, held = split_eval(rows, 0.2, seed=3)
     assert split_eval(rows, 0.2, seed=3) == (train, held)
     assert len(held) == 4 and len(train) == 16
-    held_prompts = {r["prompt"][0]["content"] for r in held}
-    assert not held_prompts & {r["prompt"][0]["content"] for r in train}
+    held_prompts = {r.prompt[0]["content"] for r in held}
+    assert not held_prompts & {r.prompt[0]["content"] for r in train}
     with pytest.raises(InvalidRequest, match="1 distinct prompt"):
-        split_eval([{"prompt": "same"}] * 5, 0.2, seed=0)
+        split_eval([PromptRecord([{"role": "user", "content": "same"}], None, 1)] * 5, 0.2, seed=0)
 
 
 # ---- the prompt-group mask
@@ -153,8 +161,8 @@ def test_packed_pair_losses_equal_unpacked(
     tiny_model_path: Path, hh_rows: bytes, fp32_models: tuple, kind: str, loss_type: str
 ) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    recs = parse_dataset(hh_rows).records[:8]
-    pairs = [tokenize_pair(tok, r["prompt"], r["chosen"], r["rejected"]) for r in recs]
+    recs = of_kind(parse_dataset(hh_rows).records[:8], PreferenceRecord)
+    pairs = [tokenize_pair(tok, r.prompt, r.chosen, r.rejected) for r in recs]
     packed_model, plain_model = fp32_models
     plan = shuffled_bfd([len(p) for p in pairs], 2048, seed=0)
     assert any(len(p) > 1 for p in plan)
@@ -187,12 +195,12 @@ def test_packed_pair_losses_equal_unpacked(
     assert worst <= 1e-5, worst
 
 
-def kto_records_from_pairs(hh_rows: bytes, n: int) -> list[dict[str, Any]]:
+def kto_records_from_pairs(hh_rows: bytes, n: int) -> list[KTORecord]:
     """Each HH pair as two KTO rows sharing the prompt (chosen desirable, rejected not)."""
     out = []
-    for r in parse_dataset(hh_rows).records[:n]:
-        out.append({"prompt": r["prompt"], "completion": r["chosen"], "label": True})
-        out.append({"prompt": r["prompt"], "completion": r["rejected"], "label": False})
+    for r in of_kind(parse_dataset(hh_rows).records[:n], PreferenceRecord):
+        out.append(KTORecord(r.prompt, r.chosen, True, r.line))
+        out.append(KTORecord(r.prompt, r.rejected, False, r.line))
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from services.trainer.data.formats import parse_dataset
+from services.trainer.data.formats import PromptRecord, Record, parse_dataset
 from services.trainer.protocol import Hyperparameters
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
 from services.trainer.recipes.rl import GRPORecipe, PPORecipe
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.e2e
 
 
 @register_reward("toy_yes_fraction")
-def yes_fraction(records: Sequence[dict[str, Any]], completions: Sequence[str]) -> list[float]:
+def yes_fraction(records: Sequence[PromptRecord], completions: Sequence[str]) -> list[float]:
     out = []
     for text in completions:
         words = text.split()
@@ -36,7 +36,7 @@ def yes_fraction(records: Sequence[dict[str, Any]], completions: Sequence[str]) 
     return out
 
 
-def records() -> list[dict[str, Any]]:
+def records() -> list[Record]:
     rng = random.Random(0)
     rows = [
         {"prompt": f"Pick {i}", "completion": " ".join(rng.choice(["yes", "no"]) for _ in range(6))}

@@ -1,4 +1,4 @@
-"""Dataset formats: parse JSONL rows into one normalised record shape per job kind.
+"""Dataset formats: parse JSONL rows into one typed record per job kind.
 
 Every row is checked when the file is uploaded, so a job never starts on a file
 that would fail half-way. Errors name the line (1-based) and the field.
@@ -30,26 +30,26 @@ shapes in any order): every qrel with a score above 0 makes a training pair of i
 document, and the whole corpus is what held-out queries are ranked against. A qrel naming a
 query or document the file lacks is refused with its line and field.
 
-Normalised records (what the tokenizer side sees):
+Records (what the tokenizer side sees; each keeps its 1-based ``line``):
 
-- sft: ``{"messages": [...]}`` with at least one assistant message;
-- dpo: ``{"prompt": [...], "chosen": [...], "rejected": [...]}``: the prompt
-  messages and the two assistant continuations;
-- kto: ``{"prompt": [...], "completion": [...], "label": bool}``: the prompt messages,
-  the assistant continuation, and whether it is desirable;
-- rl:  ``{"prompt": [...], "answer": str | None}``: the reference answer is what
-  a verifiable reward (GSM8K exact match) checks against;
-- embedder: ``{"query": str, "positive": str, "negatives": [str]}`` (pairs), or a beir row
-  ``{"beir": "doc"|"query"|"qrel", ...}`` that ``services/trainer/data/pairs.py`` resolves.
+- sft: :class:`ChatRecord`, whose ``messages`` hold at least one assistant message (it is an
+  rl :class:`PromptRecord` too: the messages before the last assistant one, and its text);
+- dpo: :class:`PreferenceRecord`: the prompt messages and the two assistant continuations;
+- kto: :class:`KTORecord`: the prompt messages, the assistant continuation, and whether it
+  is desirable;
+- rl: :class:`PromptRecord`: the reference answer is what a verifiable reward (GSM8K exact
+  match) checks against;
+- embedder: :class:`PairRecord` (pairs), or a beir :class:`BeirDoc`, :class:`BeirQuery` or
+  :class:`BeirQrel` that ``services/trainer/data/pairs.py`` resolves.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from services.common import jsonsafe
 
@@ -90,11 +90,100 @@ class DatasetError(ValueError):
         self.field = field
 
 
+@dataclass(frozen=True)
+class PromptRecord:
+    """rl: the prompt and the reference answer a verifiable reward checks, if the row has one."""
+
+    prompt: list[Message]
+    answer: str | None
+    line: int
+
+
+@dataclass(frozen=True)
+class ChatRecord(PromptRecord):
+    """sft (and rl): the whole conversation."""
+
+    messages: list[Message]
+
+
+@dataclass(frozen=True)
+class PreferenceRecord:
+    """dpo: the prompt, then the chosen and the rejected assistant continuation."""
+
+    prompt: list[Message]
+    chosen: list[Message]
+    rejected: list[Message]
+    line: int
+
+
+@dataclass(frozen=True)
+class KTORecord:
+    """kto: the prompt, an assistant continuation, and whether it is desirable."""
+
+    prompt: list[Message]
+    completion: list[Message]
+    label: bool
+    line: int
+
+
+@dataclass(frozen=True)
+class PairRecord:
+    """embedder: a query, its positive text and its own negatives."""
+
+    query: str
+    positive: str
+    negatives: list[str]
+    line: int
+    document_id: str | None = None  # the collection document the positive comes from
+    title_of: str | None = None  # a collection snapshot's title or heading pair: its document
+
+
+@dataclass(frozen=True)
+class BeirDoc:
+    """A beir document: what held-out queries are ranked against."""
+
+    corpus_id: str
+    text: str
+    title: str
+    line: int
+
+
+@dataclass(frozen=True)
+class BeirQuery:
+    """A beir query."""
+
+    query_id: str  # what its qrels name it by
+    text: str
+    line: int
+
+
+@dataclass(frozen=True)
+class BeirQrel:
+    """A beir relevance judgement: above 0, a training pair of its query and document."""
+
+    query_id: str
+    corpus_id: str
+    score: float
+    line: int
+
+
+Record = PromptRecord | PreferenceRecord | KTORecord | PairRecord | BeirDoc | BeirQuery | BeirQrel
+R = TypeVar("R")
+
+
+def of_kind(records: Sequence[object], cls: type[R]) -> list[R]:
+    """``records`` as ``cls``; one of another type is a caller's bug (a dataset of the wrong kind)."""
+    out = [r for r in records if isinstance(r, cls)]
+    if len(out) != len(records):
+        raise TypeError(f"expected {cls.__name__} records")
+    return out
+
+
 @dataclass
 class ParsedDataset:
     format: str
     kinds: tuple[Kind, ...]
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
 
 
 def detect_format(row: dict[str, Any]) -> str | None:
@@ -223,8 +312,8 @@ def split_hh_pair(chosen: str, rejected: str) -> tuple[list[Message], list[Messa
     return prompt, [{"role": "assistant", "content": answer_c}], [{"role": "assistant", "content": answer_r}]
 
 
-def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
-    """One row of format ``fmt`` into the normalised records of every kind it supports."""
+def normalise_row(fmt: str, row: dict[str, Any], line: int) -> Record:
+    """One row of format ``fmt`` into the record of the kinds it supports."""
     if fmt == "alpaca":
         instruction = _text(row, "instruction", line, fmt=fmt)
         extra = _text(row, "input", line, required=False)
@@ -234,11 +323,7 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
         prompt.append(
             {"role": "user", "content": f"{instruction}\n\n{extra}" if extra.strip() else instruction}
         )
-        return {
-            "messages": [*prompt, {"role": "assistant", "content": output}],
-            "prompt": prompt,
-            "answer": output,
-        }
+        return ChatRecord(prompt, output, line, [*prompt, {"role": "assistant", "content": output}])
     if fmt in ("sharegpt", "messages"):
         key = "conversations" if fmt == "sharegpt" else "messages"
         if key not in row:
@@ -248,22 +333,16 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
             if fmt == "sharegpt"
             else _messages(row[key], line, key)
         )
-        rec: dict[str, Any] = {"messages": msgs}
         if msgs[-1]["role"] == "assistant":
-            rec["prompt"], rec["answer"] = msgs[:-1], msgs[-1]["content"]
-        else:
-            rec["prompt"], rec["answer"] = msgs, row.get("answer")
-        return rec
+            return ChatRecord(msgs[:-1], msgs[-1]["content"], line, msgs)
+        answer = row.get("answer")
+        return ChatRecord(msgs, None if answer is None else str(answer), line, msgs)
     if fmt in ("completion", "gsm8k"):
         pk, ck = ("prompt", "completion") if fmt == "completion" else ("question", "answer")
         prompt_text = _text(row, pk, line, fmt=fmt)
         completion = _text(row, ck, line, fmt=fmt)
         prompt = [{"role": "user", "content": prompt_text}]
-        return {
-            "messages": [*prompt, {"role": "assistant", "content": completion}],
-            "prompt": prompt,
-            "answer": completion,
-        }
+        return ChatRecord(prompt, completion, line, [*prompt, {"role": "assistant", "content": completion}])
     if fmt == "preference":
         if "prompt" not in row:
             raise DatasetError(
@@ -274,11 +353,12 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
                 raise DatasetError(
                     f"field {key!r} is missing (preference rows need it)", line=line, field=key
                 )
-        return {
-            "prompt": _prompt_messages(row["prompt"], line),
-            "chosen": _continuation(row["chosen"], line, "chosen"),
-            "rejected": _continuation(row["rejected"], line, "rejected"),
-        }
+        return PreferenceRecord(
+            _prompt_messages(row["prompt"], line),
+            _continuation(row["chosen"], line, "chosen"),
+            _continuation(row["rejected"], line, "rejected"),
+            line,
+        )
     if fmt == "kto":
         for key in ("prompt", "completion", "label"):
             if key not in row:
@@ -293,11 +373,12 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
                 line=line,
                 field="completion",
             )
-        return {
-            "prompt": _prompt_messages(row["prompt"], line),
-            "completion": _continuation(row["completion"], line, "completion"),
-            "label": row["label"],
-        }
+        return KTORecord(
+            _prompt_messages(row["prompt"], line),
+            _continuation(row["completion"], line, "completion"),
+            row["label"],
+            line,
+        )
     if fmt == "hh-rlhf":
         chosen = _text(row, "chosen", line, fmt=fmt)
         rejected = _text(row, "rejected", line, fmt=fmt)
@@ -305,17 +386,16 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
             prompt, c, r = split_hh_pair(chosen, rejected)
         except ValueError as exc:
             raise DatasetError(f"field 'chosen'/'rejected': {exc}", line=line, field="chosen") from None
-        return {"prompt": prompt, "chosen": c, "rejected": r}
+        return PreferenceRecord(prompt, c, r, line)
     if fmt == "prompt":
         if "prompt" not in row:
             raise DatasetError("field 'prompt' is missing (prompt rows need it)", line=line, field="prompt")
         answer = row.get("answer")
         if answer is not None and not isinstance(answer, str | int | float):
             raise DatasetError("field 'answer' must be a string or a number", line=line, field="answer")
-        return {
-            "prompt": _prompt_messages(row["prompt"], line),
-            "answer": None if answer is None else str(answer),
-        }
+        return PromptRecord(
+            _prompt_messages(row["prompt"], line), None if answer is None else str(answer), line
+        )
     if fmt == "pairs":
         return _pair_row(row, line)
     if fmt == "beir":
@@ -323,7 +403,7 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> dict[str, Any]:
     raise DatasetError(f"unknown format {fmt!r}")
 
 
-def _pair_row(row: dict[str, Any], line: int) -> dict[str, Any]:
+def _pair_row(row: dict[str, Any], line: int) -> PairRecord:
     query = _text(row, "query", line, fmt="pairs")
     positive = _text(row, "positive", line, fmt="pairs")
     negatives = row.get("negatives") or []
@@ -334,14 +414,10 @@ def _pair_row(row: dict[str, Any], line: int) -> dict[str, Any]:
             raise DatasetError(
                 f"field 'negatives[{i}]' must be a non-empty string", line=line, field=f"negatives[{i}]"
             )
-    rec: dict[str, Any] = {"query": query, "positive": positive, "negatives": list(negatives)}
-    if row.get("document_id") is not None:
-        # the collection document the positive comes from: checked against a job's collection
-        rec["document_id"] = _beir_id(row, "document_id", line)
-    if row.get("title_of") is not None:
-        # a collection snapshot's title or heading pair: the document it came from
-        rec["title_of"] = _beir_id(row, "title_of", line)
-    return rec
+    # the document is checked against a job's collection
+    document_id = _beir_id(row, "document_id", line) if row.get("document_id") is not None else None
+    title_of = _beir_id(row, "title_of", line) if row.get("title_of") is not None else None
+    return PairRecord(query, positive, list(negatives), line, document_id, title_of)
 
 
 def _beir_id(row: dict[str, Any], key: str, line: int) -> str:
@@ -353,59 +429,46 @@ def _beir_id(row: dict[str, Any], key: str, line: int) -> str:
     return value
 
 
-def _beir_row(row: dict[str, Any], line: int) -> dict[str, Any]:
+def _beir_row(row: dict[str, Any], line: int) -> BeirDoc | BeirQuery | BeirQrel:
     has_q, has_c = "query_id" in row, "corpus_id" in row
     if has_q and has_c:
         score = row.get("score", 1)
         if isinstance(score, bool) or not isinstance(score, int | float):
             raise DatasetError(f"field 'score' must be a number, got {score!r}", line=line, field="score")
-        return {
-            "beir": "qrel",
-            "query_id": _beir_id(row, "query_id", line),
-            "corpus_id": _beir_id(row, "corpus_id", line),
-            "score": float(score),
-        }
+        return BeirQrel(_beir_id(row, "query_id", line), _beir_id(row, "corpus_id", line), float(score), line)
     if has_c:
         title = _text(row, "title", line, required=False)
-        return {
-            "beir": "doc",
-            "corpus_id": _beir_id(row, "corpus_id", line),
-            "text": _text(row, "text", line, fmt="beir corpus"),
-            "title": title,
-        }
+        return BeirDoc(
+            _beir_id(row, "corpus_id", line), _text(row, "text", line, fmt="beir corpus"), title, line
+        )
     if has_q:
-        return {
-            "beir": "query",
-            "query_id": _beir_id(row, "query_id", line),
-            "text": _text(row, "text", line, fmt="beir query"),
-        }
+        return BeirQuery(_beir_id(row, "query_id", line), _text(row, "text", line, fmt="beir query"), line)
     raise DatasetError(
         "a beir row needs 'corpus_id' (a document), 'query_id' (a query) or both (a qrel)", line=line
     )
 
 
-def check_beir(records: list[dict[str, Any]]) -> None:
+def check_beir(records: list[Record]) -> None:
     """Every qrel must name a query and a document of the file, and some qrel must be positive."""
-    docs = {r["corpus_id"] for r in records if r["beir"] == "doc"}
-    queries = {r["query_id"] for r in records if r["beir"] == "query"}
+    docs = {r.corpus_id for r in records if isinstance(r, BeirDoc)}
+    queries = {r.query_id for r in records if isinstance(r, BeirQuery)}
     positive = 0
     for r in records:
-        if r["beir"] != "qrel":
+        if not isinstance(r, BeirQrel):
             continue
-        line = int(r["_line"])
-        if r["query_id"] not in queries:
+        if r.query_id not in queries:
             raise DatasetError(
-                f"qrel names query_id {r['query_id']!r}, which no query row of the file has",
-                line=line,
+                f"qrel names query_id {r.query_id!r}, which no query row of the file has",
+                line=r.line,
                 field="query_id",
             )
-        if r["corpus_id"] not in docs:
+        if r.corpus_id not in docs:
             raise DatasetError(
-                f"qrel names corpus_id {r['corpus_id']!r}, which no document row of the file has",
-                line=line,
+                f"qrel names corpus_id {r.corpus_id!r}, which no document row of the file has",
+                line=r.line,
                 field="corpus_id",
             )
-        positive += r["score"] > 0
+        positive += r.score > 0
     if not positive:
         raise DatasetError("a beir file needs at least one qrel row with a score above 0", field="score")
 
@@ -421,7 +484,7 @@ class BeirPartError(ValueError):
         return f"{self.part}: {self.error}"
 
 
-def _beir_jsonl(data: bytes, part: str, key: str) -> Iterator[tuple[int, dict[str, Any]]]:
+def _beir_jsonl(data: bytes, part: str, key: str) -> Iterator[tuple[int, BeirDoc | BeirQuery | BeirQrel]]:
     """BEIR's corpus.jsonl (``_id``, ``title``?, ``text``) or queries.jsonl (``_id``, ``text``)
     rows as this module's beir rows (``corpus_id`` / ``query_id``), each checked like them."""
     try:
@@ -453,9 +516,11 @@ def beir_upload(qrels: bytes, corpus: bytes, queries: bytes) -> bytes:
     document, the queries the qrels name, and the qrels. A bad row raises
     :class:`BeirPartError` naming the part and its line; a qrel naming a query or document the
     other files lack is refused with its qrels line."""
-    docs = [rec for _, rec in _beir_jsonl(corpus, "corpus", "corpus_id")]
-    doc_ids = {r["corpus_id"] for r in docs}
-    query_rows = {rec["query_id"]: rec for _, rec in _beir_jsonl(queries, "queries", "query_id")}
+    docs = of_kind([rec for _, rec in _beir_jsonl(corpus, "corpus", "corpus_id")], BeirDoc)
+    doc_ids = {r.corpus_id for r in docs}
+    query_rows = {
+        q.query_id: q for q in of_kind([r for _, r in _beir_jsonl(queries, "queries", "query_id")], BeirQuery)
+    }
     try:
         lines = list(iter_lines(qrels))
     except DatasetError as exc:
@@ -488,19 +553,17 @@ def beir_upload(qrels: bytes, corpus: bytes, queries: bytes) -> bytes:
     if not any(r["score"] > 0 for r in rels):
         raise BeirPartError("file", DatasetError("no qrels row with a score above 0", field="score"))
     named = dict.fromkeys(r["query_id"] for r in rels)
-    rows: list[dict[str, Any]] = [
-        {"corpus_id": d["corpus_id"], "title": d["title"], "text": d["text"]} for d in docs
-    ]
-    rows += [{"query_id": q, "text": query_rows[q]["text"]} for q in named]
+    rows: list[dict[str, Any]] = [{"corpus_id": d.corpus_id, "title": d.title, "text": d.text} for d in docs]
+    rows += [{"query_id": q, "text": query_rows[q].text} for q in named]
     rows += rels
     return b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows)
 
 
-def check_kind(record: dict[str, Any], kind: Kind, line: int) -> None:
+def check_kind(record: Record, kind: Kind) -> None:
     if kind == "sft":
-        msgs = record.get("messages") or []
+        msgs = record.messages if isinstance(record, ChatRecord) else []
         if not any(m["role"] == "assistant" for m in msgs):
-            raise DatasetError("no assistant message to learn from", line=line, field="messages")
+            raise DatasetError("no assistant message to learn from", line=record.line, field="messages")
 
 
 def iter_lines(data: bytes) -> Iterator[tuple[int, str]]:
@@ -520,7 +583,7 @@ def parse_dataset(
     """Parse and validate a whole JSONL file. Raises ``DatasetError`` naming up to five bad lines."""
     lines = iter_lines(data) if isinstance(data, bytes) else iter(data)
     fmt: str | None = None
-    records: list[dict[str, Any]] = []
+    records: list[Record] = []
     errors: list[DatasetError] = []
     for number, raw in lines:
         try:
@@ -557,9 +620,8 @@ def parse_dataset(
                             line=number,
                         )
                 rec = normalise_row(fmt, row, number)
-                rec["_line"] = number
                 if kind is not None:
-                    check_kind(rec, kind, number)
+                    check_kind(rec, kind)
                 records.append(rec)
             except DatasetError as exc:
                 errors.append(exc)
@@ -578,11 +640,11 @@ def parse_dataset(
     return ParsedDataset(fmt, FORMAT_KINDS[fmt], records)
 
 
-def records_for(parsed: ParsedDataset, kind: Kind) -> list[dict[str, Any]]:
+def records_for(parsed: ParsedDataset, kind: Kind) -> list[Record]:
     if kind not in parsed.kinds:
         raise DatasetError(
             f"a {parsed.format} dataset cannot be used for {kind} (it suits {', '.join(parsed.kinds)})"
         )
     for rec in parsed.records:
-        check_kind(rec, kind, int(rec.get("_line", 0)))
+        check_kind(rec, kind)
     return parsed.records

@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.trainer.data.formats import BeirDoc, BeirQrel, BeirQuery, PairRecord, Record, of_kind
+
 PASSAGE_CHARS = 4000  # a passage is cut here: the model reads at most max_seq_length tokens of it
 _HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
 
@@ -49,23 +51,33 @@ def doc_text(title: str, text: str) -> str:
     return f"{title}\n{text}" if title.strip() else text
 
 
-def embedder_data(records: list[dict[str, Any]]) -> EmbedderData:
+def _pair(r: PairRecord) -> dict[str, Any]:
+    pair: dict[str, Any] = {"query": r.query, "positive": r.positive, "negatives": list(r.negatives)}
+    if r.document_id is not None:
+        pair["document_id"] = r.document_id
+    if r.title_of is not None:
+        pair["title_of"] = r.title_of
+    pair["_line"] = r.line
+    return pair
+
+
+def embedder_data(records: list[Record]) -> EmbedderData:
     """Pairs of a parsed ``pairs`` or ``beir`` file (its records, already checked)."""
-    if not records or "beir" not in records[0]:
-        return EmbedderData([dict(r) for r in records])
-    docs = {r["corpus_id"]: doc_text(r["title"], r["text"]) for r in records if r["beir"] == "doc"}
-    queries = {r["query_id"]: r["text"] for r in records if r["beir"] == "query"}
+    if not records or isinstance(records[0], PairRecord):
+        return EmbedderData([_pair(r) for r in of_kind(records, PairRecord)])
+    docs = {r.corpus_id: doc_text(r.title, r.text) for r in records if isinstance(r, BeirDoc)}
+    queries = {r.query_id: r.text for r in records if isinstance(r, BeirQuery)}
     pairs = [
         {
-            "query": queries[r["query_id"]],
-            "positive": docs[r["corpus_id"]],
+            "query": queries[r.query_id],
+            "positive": docs[r.corpus_id],
             "negatives": [],
-            "corpus_id": r["corpus_id"],
-            "query_id": r["query_id"],
-            "_line": r["_line"],
+            "corpus_id": r.corpus_id,
+            "query_id": r.query_id,
+            "_line": r.line,
         }
         for r in records
-        if r["beir"] == "qrel" and r["score"] > 0
+        if isinstance(r, BeirQrel) and r.score > 0
     ]
     return EmbedderData(pairs, docs)
 

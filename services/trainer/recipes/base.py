@@ -34,8 +34,9 @@ log = logging.getLogger("tandem.trainer.recipes")
 class TrainConfig:
     kind: str  # sft | dpo | simpo | orpo | kto | ppo | grpo | embedder
     model_path: Path
-    records: list[dict[str, Any]]
-    eval_records: list[dict[str, Any]] | None = None
+    # the kind's records (data/formats.py); an embedder job's pairs (data/pairs.py)
+    records: list[Any]
+    eval_records: list[Any] | None = None
     hp: Hyperparameters = field(default_factory=lambda: Hyperparameters.model_validate({}))
     lora: LoraSpec | None = None
     packing: bool = True

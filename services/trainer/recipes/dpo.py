@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from services.trainer.data.formats import PreferenceRecord
 from services.trainer.data.packing import Pack, pack_pairs, pair_logit_index, plan_packs
 from services.trainer.data.tokenize import PairSample, tokenize_pair
 from services.trainer.losses import dpo_loss, orpo_loss, segment_sums, simpo_loss
@@ -229,8 +230,8 @@ class DPORecipe(PreferenceRecipe):
             f"{self.cfg.kind}: {len(self.pairs)} pairs, {self.total_steps} steps, packing={self.cfg.packing}"
         )
 
-    def tokenize(self, records: Sequence[dict[str, Any]]) -> list[PairSample]:
-        return [tokenize_pair(self.tokenizer, r["prompt"], r["chosen"], r["rejected"]) for r in records]
+    def tokenize(self, records: Sequence[PreferenceRecord]) -> list[PairSample]:
+        return [tokenize_pair(self.tokenizer, r.prompt, r.chosen, r.rejected) for r in records]
 
     def all_logps(self, pairs: Sequence[PairSample]) -> torch.Tensor:
         """``[n_pairs, 2]`` summed (chosen, rejected) log-probs of the current model, no grad."""

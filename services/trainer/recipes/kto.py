@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from services.trainer.data.formats import KTORecord
 from services.trainer.data.packing import PromptGroup, group_logit_index, pack_groups
 from services.trainer.data.tokenize import KTOSample, tokenize_kto
 from services.trainer.losses import kto_kl, kto_loss, kto_stats, kto_weights, segment_sums
@@ -97,8 +98,8 @@ def padded_answer_logps(model: Any, seqs: Sequence[tuple[list[int], list[int]]],
 class KTOData:
     """A KTO dataset tokenised and grouped: rows, their KL partners, prompt groups."""
 
-    def __init__(self, tokenizer: Any, records: Sequence[dict[str, Any]], seed: int, capacity: int) -> None:
-        self.samples = [tokenize_kto(tokenizer, r["prompt"], r["completion"], r["label"]) for r in records]
+    def __init__(self, tokenizer: Any, records: Sequence[KTORecord], seed: int, capacity: int) -> None:
+        self.samples = [tokenize_kto(tokenizer, r.prompt, r.completion, r.label) for r in records]
         self.partner = kl_partners(len(self.samples), seed)
         self.groups, self.rows = prompt_groups(self.samples, self.partner, capacity)
         self.labels = torch.tensor([s.label for s in self.samples], dtype=torch.bool)

@@ -57,7 +57,7 @@ class RLRecipe(Recipe):
 
     def setup(self) -> None:
         self.load_model(attn="flashmask")
-        self.prompts = [tokenize_prompt(self.tokenizer, r["prompt"]) for r in self.cfg.records]
+        self.prompts = [tokenize_prompt(self.tokenizer, r.prompt) for r in self.cfg.records]
         if self.cfg.reward is None:
             raise ValueError(f"{self.algo} needs a reward")
         self.reward_fn = self.cfg.reward

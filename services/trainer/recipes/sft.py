@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from services.trainer.data.formats import ChatRecord
 from services.trainer.data.packing import Pack, pack_sft, plan_packs
 from services.trainer.data.tokenize import IGNORE, SFTSample, tokenize_sft
 from services.trainer.losses import sft_loss
@@ -45,8 +46,8 @@ def padded_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tens
     return gather_logps(model, h, pos, tgt), int(pos.numel())
 
 
-def tokenize_all(tokenizer: Any, records: Sequence[dict[str, Any]]) -> list[SFTSample]:
-    return [tokenize_sft(tokenizer, r["messages"]) for r in records]
+def tokenize_all(tokenizer: Any, records: Sequence[ChatRecord]) -> list[SFTSample]:
+    return [tokenize_sft(tokenizer, r.messages) for r in records]
 
 
 def sft_schedule(
