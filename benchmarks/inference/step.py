@@ -9,6 +9,7 @@ first variant.
     python -m benchmarks.inference.step --rows 1,4,16 --rounds 5 --threads 2
     python -m benchmarks.inference.step --profile lean                   # top ATen ops of a 1-row step
     python -m benchmarks.inference.step --head --rows 1,4,16             # the output head's kernels alone
+    python -m benchmarks.inference.step --int4 --rows 1,16               # a layer's int4 products alone
     python -m benchmarks.inference.step --prompts 1,16 --lora            # prompt forwards: lean vs eager
 
 ``--prompts N,..``: instead of decode steps, one prompt forward of N prompts of 16 new tokens each
@@ -32,7 +33,7 @@ import torch
 from services.inference.engine.plan import plan_for
 
 # lean: the lean decode forward with its C++ loop (the plan's int4 kernel: Q4_1 x int8 rows where
-# the CPU has AVX512-VNNI); lean-torch-int4: the same with torch's int4 kernel (bf16 rows); python:
+# the C++ module is built); lean-torch-int4: the same with torch's int4 kernel (bf16 rows); python:
 # its Python loop (no C++ kernels, so no Q8_0 head nor C++ prompt layers either); eager: HF's modules
 VARIANTS: dict[str, dict[str, bool]] = {
     "lean": {"fused": True, "native": True, "own_int4": True},
@@ -77,7 +78,7 @@ def runner_for(path: Path, name: str, slots: int, adapter: Path | None) -> Any:
     plan = plan_for(model, quantize="int4", native_decode="on" if variant["native"] else "off")
     if not variant["fused"]:
         plan = dataclasses.replace(plan, decode="reference")
-    if not variant["own_int4"] and plan.layer_decode == "int4-vnni":
+    if not variant["own_int4"] and plan.layer_decode == "int4-q8":
         plan = dataclasses.replace(plan, layer_decode="int4")
     engine = TorchEngine.from_model(
         model, AutoTokenizer.from_pretrained(path), max_batch_size=slots, max_model_len=512, plan=plan
@@ -133,23 +134,79 @@ def head(path: Path, rows: list[int], rounds: int, steps: int) -> int:
     )
     kernels = {"Q8_0 blocks (own)": Q8Blocks(), "bf16 oneDNN-packed": BF16Packed(max(rows))}
     prepared = {name: k.prepare(weight) for name, k in kernels.items()}
+    calls = {
+        name: (lambda xs, k=kernel, p=prepared[name]: k.apply(xs[0], p, None))
+        for name, kernel in kernels.items()
+    }
+    time_kernels("head kernel", calls, [weight.shape[1]], rows, rounds, steps, unit="ms")
+    return 0
+
+
+def time_kernels(
+    title: str, calls: dict[str, Any], widths: list[int], rows: list[int], rounds: int, steps: int, unit: str
+) -> None:
+    """Print each call's median time (``unit``: ms or us) a row count, medians over rounds; a call
+    takes random inputs of ``widths`` columns and that many rows, the calls interleaved."""
+    scale = 1000.0 if unit == "ms" else 1e6
     times: dict[tuple[str, int], list[float]] = {}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for _ in range(rounds):
             for r in rows:
-                x = torch.randn(r, weight.shape[1], generator=gen)
-                for name, kernel in kernels.items():
+                xs = [torch.randn(r, width, generator=gen) for width in widths]
+                for name, call in calls.items():
                     samples = []
                     for _ in range(steps):
                         start = time.perf_counter()
-                        kernel.apply(x, prepared[name], None)
-                        samples.append((time.perf_counter() - start) * 1000)
+                        call(xs)
+                        samples.append((time.perf_counter() - start) * scale)
                     times.setdefault((name, r), []).append(statistics.median(samples))
-    print(f"| head kernel | {' | '.join(f'{r} rows ms' for r in rows)} |")
+    digits = 2 if unit == "ms" else 0
+    print(f"| {title} | {' | '.join(f'{r} rows {unit}' for r in rows)} |")
     print(f"| --- | {' | '.join('---:' for _ in rows)} |")
-    for name in kernels:
-        print(f"| {name} | {' | '.join(f'{statistics.median(times[name, r]):.2f}' for r in rows)} |")
+    for name in calls:
+        print(f"| {name} | {' | '.join(f'{statistics.median(times[name, r]):.{digits}f}' for r in rows)} |")
+
+
+def int4(path: Path, rows: list[int], rounds: int, steps: int) -> int:
+    """A decoder layer's four int4 decode products alone (the first layer's weights side by side
+    as the lean forward multiplies them), per kernel and row count (medians over rounds)."""
+    from transformers import AutoModelForCausalLM
+
+    from services.common.platforms import cpu_features
+    from services.inference.engine import native
+    from services.inference.engine.quantized_linear import Int4Blocks, Int4WeightOnly
+
+    if not native.start("on") or native.q4_linear() is None:
+        raise SystemExit("the own int4 kernel needs the native module on an AVX2 CPU")
+    layer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = [
+        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+        attn.o_proj.weight,
+        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        mlp.down_proj.weight,
+    ]
+    weights = [w.detach() for w in weights]
+    q4, aten = native.q4_linear(), Int4WeightOnly()
+    own = [Int4Blocks().prepare(w) for w in weights]
+    theirs = [aten.prepare(w) for w in weights]
+    kernels: dict[str, Any] = {
+        "Q4_1 x int8 rows, AVX2": lambda xs: [q4(x, *p, wide=False) for x, p in zip(xs, own, strict=True)],
+        "torch's int4 kernel, bf16 rows": lambda xs: [
+            aten.product(x.bfloat16(), p) for x, p in zip(xs, theirs, strict=True)
+        ],
+    }
+    if cpu_features().avx512_vnni:
+        kernels = {
+            "Q4_1 x int8 rows, AVX512-VNNI": lambda xs: [
+                q4(x, *p, wide=True) for x, p in zip(xs, own, strict=True)
+            ],
+            **kernels,
+        }
+    time_kernels(
+        "a layer's int4 products", kernels, [w.shape[1] for w in weights], rows, rounds, steps, unit="us"
+    )
     return 0
 
 
@@ -250,6 +307,11 @@ def main() -> int:
         help="instead: the output head's decode kernels alone (Q8_0 blocks vs bf16 oneDNN-packed)",
     )
     ap.add_argument(
+        "--int4",
+        action="store_true",
+        help="instead: a layer's int4 decode products alone (the own kernel, AVX512-VNNI and AVX2, vs torch's)",
+    )
+    ap.add_argument(
         "--prompts",
         default=None,
         help="instead: prompt forwards of bursts of these many prompts (16 new tokens each), per prompt path",
@@ -260,6 +322,8 @@ def main() -> int:
     tokenizer, path = load(args.model, args.threads)
     if args.head:
         return head(path, rows, args.rounds, args.steps)
+    if args.int4:
+        return int4(path, rows, args.rounds, args.steps)
     if args.prompts:
         counts = [int(n) for n in args.prompts.split(",")]
         return prompts(path, tokenizer, counts, args.rounds, min(args.steps, 8), args.lora)

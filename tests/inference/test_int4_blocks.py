@@ -1,7 +1,7 @@
 """The engine's own int4 decode product (``quantized_linear.Int4Blocks``, the native module's
-``q4_linear``): GGUF's Q4_1 values exactly, each row's inputs as int8 in groups of 32, and a row's
-numbers the same alone as in any batch; and the plan that picks it where the CPU has
-AVX512-VNNI."""
+``q4_linear``): GGUF's Q4_1 values exactly, each row's inputs as int8 in groups of 32, a row's
+numbers the same alone as in any batch, and the same with AVX512-VNNI's kernels as with AVX2's;
+and the plan that picks it where the module is built."""
 
 from __future__ import annotations
 
@@ -15,14 +15,13 @@ from services.common.platforms import cpu_features
 from services.inference.engine import TorchEngine, native, quantized_linear
 from services.inference.engine.fused_decode import decode_kernel
 from services.inference.engine.plan import plan_for
-from services.inference.engine.quantized_linear import Int4Blocks, Int4WeightOnly
+from services.inference.engine.quantized_linear import Int4Blocks
 from tests.inference.test_fused_decode import _load
 
 pytestmark = pytest.mark.skipif(
     quantized_linear.available("int4", torch.device("cpu")) is not None or not native.avx2(),
     reason="needs torch's CPU int4 kernel and an AVX2 CPU",
 )
-VNNI = cpu_features().avx512_vnni
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,6 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return nibbles.permute(0, 2, 1, 3, 4).reshape(tiles * 16, quads * 4).long()
 
 
-@pytest.mark.skipif(not VNNI, reason="q4_linear needs AVX512-VNNI")
 def test_int4_blocks_keep_the_q4_1_values_and_multiply_each_row_on_its_own(built: None) -> None:
     weight, q = _q4_1_weight(48, 96, seed=0)
     kernel = Int4Blocks()
@@ -78,19 +76,36 @@ def test_int4_blocks_keep_the_q4_1_values_and_multiply_each_row_on_its_own(built
     assert torch.equal(zero, torch.zeros(1, 48))
 
 
+@pytest.mark.skipif(not cpu_features().avx512_vnni, reason="compares AVX512-VNNI's kernels with AVX2's")
+def test_the_avx2_kernels_give_the_vnni_kernels_numbers_bit_for_bit(built: None) -> None:
+    kernel = native.q4_linear()
+    gen = torch.Generator().manual_seed(2)
+    for out_f, in_f in ((48, 96), (160, 576)):
+        packed, scale_min = Int4Blocks().prepare(torch.randn(out_f, in_f, generator=gen))
+        for rows in (1, 3, 4, 5, 8, 9, 17):
+            x = torch.randn(rows, in_f, generator=gen) * torch.rand(rows, 1, generator=gen) * 10
+            wide = kernel(x, packed, scale_min, wide=True)
+            assert torch.equal(wide, kernel(x, packed, scale_min, wide=False)), (out_f, rows)
+            assert torch.equal(wide, kernel(x, packed, scale_min)), (out_f, rows)
+
+
 def test_int4_blocks_refuse_a_weight_that_is_not_whole_tiles() -> None:
     with pytest.raises(ValueError, match="40 x 64 weight"):
         Int4Blocks().prepare(torch.randn(40, 64))
 
 
-def test_the_plan_takes_the_own_int4_kernel_where_the_cpu_has_vnni(
+def test_the_plan_takes_the_own_int4_kernel_where_the_module_is_built(
     lively_tiny_path: Path, built: None
 ) -> None:
     for vnni in (True, False):
         model, tok = _load(lively_tiny_path)
         platform = dataclasses.replace(cpu_features(), avx512_vnni=vnni)
         plan = plan_for(model, platform=platform, quantize="int4", native_decode="on")
-        assert plan.layer_decode == ("int4-vnni" if vnni else "int4"), plan.line()
-        assert ("Q4_1 x int8" in plan.reasons["layers"]) == vnni
+        assert plan.layer_decode == "int4-q8", plan.line()
+        assert f"Q4_1 x int8 rows (C++, {'AVX512-VNNI' if vnni else 'AVX2'})" in plan.reasons["layers"]
         engine = TorchEngine.from_model(model, tok, max_batch_size=2, plan=plan)
-        assert type(decode_kernel(engine.runner)) is (Int4Blocks if vnni else Int4WeightOnly)
+        assert type(decode_kernel(engine.runner)) is Int4Blocks
+    # without the module: torch's int4 kernel, named with the reason
+    model, _ = _load(lively_tiny_path)
+    plan = plan_for(model, quantize="int4", native_decode="off")
+    assert plan.layer_decode == "int4" and "torch's kernel" in plan.reasons["layers"]

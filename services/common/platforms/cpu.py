@@ -22,7 +22,7 @@ class CpuFeatures:
     avx512_bf16: bool  # listed by /proc/cpuinfo
     amx_bf16: bool  # listed by /proc/cpuinfo
     amx_usable: bool  # listed, and the Linux kernel grants this process the tile state
-    avx512_vnni: bool  # AVX512-VNNI and AVX512BW listed by /proc/cpuinfo (the own int4 kernel)
+    avx512_vnni: bool  # AVX512-VNNI and AVX512BW listed by /proc/cpuinfo (q4_linear's wide kernels)
     onednn: bool  # this torch build has oneDNN (mkldnn)
 
     @property

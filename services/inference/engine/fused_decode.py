@@ -36,7 +36,7 @@ are not the eager forward's last bits but keep each row's numbers independent of
 (``test_native_own.py``); the Python loop here is the bit-exact reference.
 
 The int4 kernel is the plan's (``decode_kernel``): ``Int4Blocks`` (Q4_1 groups times int8 rows,
-the native module's ``q4_linear``) where the CPU has AVX512-VNNI, torch's int4 kernel elsewhere;
+the native module's ``q4_linear``) where that module is built, torch's int4 kernel elsewhere;
 the C++ and Python loops multiply with the same one.
 
 Prompt chunks take their own lean forward (``fused_prompt.py``; bf16 oneDNN products, faster at

@@ -14,9 +14,10 @@ holds four things:
 - ``q8_linear``: the output head's decode rows against int8 weights in blocks of 32 with an fp32
   scale each (GGUF's Q8_0, the default model file's own head format), fp32 activations: about
   half the bytes of the bf16 head, and the file's values exactly.
-- ``q4_linear``: the decoder layers' int4 decode products where the CPU has AVX512-VNNI: the
-  weights in Q4_1 groups (the default model file's own format, exactly), each row's inputs as
-  int8 in groups of 32 (llama.cpp's Q4_1 x Q8_1), integer sums; elsewhere the layers keep
+- ``q4_linear``: the decoder layers' int4 decode products: the weights in Q4_1 groups (the
+  default model file's own format, exactly), each row's inputs as int8 in groups of 32
+  (llama.cpp's Q4_1 x Q8_1), exact integer sums; AVX512-VNNI where the CPU has it, else AVX2,
+  the same numbers bit for bit. Without the module the layers keep
   ``aten._weight_int4pack_mm_for_cpu`` with bf16 rows.
 - ``prompt_own``: the lean prompt forward's layers (``fused_prompt.py``), the products oneDNN's
   bf16 ones in blocks, the attention ragged's prompt attention as ATen calls, ``decode_own``'s
@@ -96,8 +97,8 @@ def _compile() -> Any:
     from torch.utils.cpp_extension import load
 
     start = time.monotonic()
-    # the vectors are ATen's AVX2 ones (its headers pick them by CPU_CAPABILITY; the AVX512-VNNI
-    # int4 kernel is compiled for its own target and called only where the CPU has it).
+    # the vectors are ATen's AVX2 ones (its headers pick them by CPU_CAPABILITY; q4_linear's
+    # AVX512-VNNI kernels are compiled for their own target and called only where the CPU has it).
     # -fopenmp: at::parallel_for is inlined from ATen's header as an OpenMP loop, serial without
     # it; the module then needs libgomp.so.1, which resolves to the copy torch has loaded (one
     # runtime, torch's threads)
@@ -149,7 +150,7 @@ def q8_linear() -> Any:
 
 
 def q4_linear() -> Any:
-    """The int4 (Q4_1 groups) product with int8 rows on AVX512-VNNI, or None (not built)."""
+    """The int4 (Q4_1 groups) product with int8 rows, or None (not built)."""
     return getattr(_BUILD.module, "q4_linear", None)
 
 

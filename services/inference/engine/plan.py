@@ -19,7 +19,7 @@ Fields:
   tokens; ``head_decode`` / ``head_prompt``: the output head's. Kernel names: ``torch`` (plain
   ``nn.Linear``), ``onednn-fp32`` / ``onednn-bf16`` (oneDNN-prepacked, the model's dtype or bf16),
   ``onednn-bf16-blocks`` (bf16 in fixed row blocks), ``int4`` (torch's int4 kernel, bf16 rows),
-  ``int4-vnni`` (Q4_1 groups times int8 rows, C++, AVX512-VNNI), ``int8``, ``q8_0``.
+  ``int4-q8`` (Q4_1 groups times int8 rows, C++: AVX512-VNNI or AVX2), ``int8``, ``q8_0``.
 - ``attention``: decode tokens' attention / prompt tokens' (one name where they agree):
   ``invariant`` (the batch-invariant attention of ``ragged.py``, CPU), ``sdpa`` (accelerators),
   ``own`` (the C++ loop's per-row attention).
@@ -117,7 +117,7 @@ def kernel_name(kernel: Any, side: str, model_dtype: torch.dtype) -> str:
         return "onednn-" + {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(model_dtype, str(model_dtype))
     names = {
         quantized_linear.Int4WeightOnly: "int4",
-        quantized_linear.Int4Blocks: "int4-vnni",
+        quantized_linear.Int4Blocks: "int4-q8",
         quantized_linear.Int8WeightOnly: "int8",
         quantized_linear.Q8Blocks: "q8_0",
     }
@@ -135,7 +135,7 @@ def kernel_choice(plan: ForwardPlan, output_head: Any, batch_hint: int) -> Kerne
             batch_hint,
             plan.prompt_dtype,
             q8_head=plan.head_decode == "q8_0",
-            int4_blocks="int4-vnni" in plan.layer_decode.split("|"),
+            int4_blocks="int4-q8" in plan.layer_decode.split("|"),
         )
     return packed_linear.packed_layers(batch_hint)
 
@@ -259,17 +259,17 @@ def resolve_plan(
     else:
         head_reason = f"quantize={quantize}: the head multiplies as the layers do"
 
-    # the decoder layers' int4 decode products: Q4_1 x int8 rows (the built module's q4_linear)
-    # where the CPU has AVX512-VNNI, else torch's int4 kernel with bf16 rows
-    int4_blocks = quantize == "int4" and built and native.q4_linear() is not None and cpu.avx512_vnni
+    # the decoder layers' int4 decode products: Q4_1 x int8 rows (the built module's q4_linear:
+    # AVX512-VNNI where the CPU has it, else AVX2, the same numbers), else torch's int4 kernel
+    int4_blocks = quantize == "int4" and built and native.q4_linear() is not None
     linear_reason: str
     if quantize != "none" or prompt_dtype == "bfloat16":
         linear_reason = f"quantize={quantize}, prompt products in {prompt_dtype}"
         if quantize == "int4":
             linear_reason += (
-                ", int4 decode as Q4_1 x int8 rows (C++, AVX512-VNNI)"
+                f", int4 decode as Q4_1 x int8 rows (C++, {'AVX512-VNNI' if cpu.avx512_vnni else 'AVX2'})"
                 if int4_blocks
-                else f", int4 decode in torch's kernel ({native_reason or 'no AVX512-VNNI on this CPU'})"
+                else f", int4 decode in torch's kernel ({native_reason or 'the C++ module has no q4_linear'})"
             )
         packed = True
     elif forward == "reference":
@@ -287,7 +287,7 @@ def resolve_plan(
         prompt_dtype=prompt_dtype,
         decode="reference",
         prompt="reference",
-        layer_decode="torch" if not packed else "int4-vnni" if int4_blocks else "?",
+        layer_decode="torch" if not packed else "int4-q8" if int4_blocks else "?",
         layer_prompt="torch" if not packed else "?",
         head_decode="q8_0" if q8_head else "?",
         head_prompt="?",

@@ -15,7 +15,7 @@ shared, loaded machine (ratios, not absolute times, are the point):
     16        90            54             79                  65
 
 So int4 wins where serving spends its time (few rows per step), and int8 gains little. Where
-the CPU has AVX512-VNNI and the native module is built, the layers' int4 decode products are
+the native module is built, the layers' int4 decode products are
 the engine's own instead (``Int4Blocks``: the weights' Q4_1 values exactly, each row's inputs as
 int8 in groups of 32, integer sums, as llama.cpp multiplies a Q4_1 file): about 1.8x torch's
 kernel at one row and 1.4x at 16 on 2 Zen 4 cores.
@@ -133,11 +133,12 @@ class Int4Blocks(Int4WeightOnly):
     """Int4 in GGUF's Q4_1 groups (``w = q * scale + min``, fp32 scale and min: the file's values
     exactly, where ``Int4WeightOnly``'s bf16 scales round them), multiplied by the native module's
     ``q4_linear`` with each row's inputs quantised to int8 in groups of 32, as llama.cpp's Q4_1 x
-    Q8_1 product does: a group's sum is exact int32 arithmetic (AVX512-VNNI, 64 products an
-    instruction), so each row's numbers are the same alone as in any batch. SmolLM2-135M's four
-    decode products of a layer on 2 Zen 4 cores: 1 row 64 vs 118 us for torch's int4 kernel,
-    16 rows 523 vs 737 us (``benchmarks/RESULTS.md``). The plan picks it where the CPU has
-    AVX512-VNNI and every output size is whole tiles of ``Q4_TILE``."""
+    Q8_1 product does: a group's sum is exact int32 arithmetic (AVX512-VNNI's ``vpdpbusd``, 64
+    products an instruction, where the CPU has it; AVX2's ``maddubs`` elsewhere, the same numbers
+    bit for bit), so each row's numbers are the same alone as in any batch. SmolLM2-135M's four
+    decode products of a layer on 2 Zen 4 cores: 1 row 64 vs 118 us for torch's int4 kernel, 16
+    rows 523 vs 737 us (``benchmarks/RESULTS.md``). The plan picks it where the native module is
+    built, for each layer whose outputs are whole tiles of ``Q4_TILE``."""
 
     def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = weight.float()
@@ -494,7 +495,7 @@ def layer_kernels(
     own = OneDNNPacked(batch_hint)
     prompt = prompt_kernel(prompt_dtype, batch_hint)
     int8, bf16 = Int8WeightOnly(), BF16Packed(batch_hint)
-    # the own Q4_1 x int8 kernel where the plan says so (AVX512-VNNI), each layer whose outputs
+    # the own Q4_1 x int8 kernel where the plan says so (the module built), each layer whose outputs
     # are whole tiles; torch's int4 kernel elsewhere
     int4, q4 = Int4WeightOnly(), Int4Blocks()
     # oneDNN packs bf16 weights only where the CPU has bf16 instructions (AVX512-BF16, AMX,

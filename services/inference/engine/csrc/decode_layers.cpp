@@ -297,11 +297,11 @@ void add_lora(int64_t index, const Tensor& x, Tensor& out, Lora& lora) {
   }
 }
 
-// ---- int4 products of our own: Q4_1 weights times int8 activations (AVX512-VNNI) ---------------
+// ---- int4 products of our own: Q4_1 weights times int8 activations (AVX512-VNNI or AVX2) -------
 // llama.cpp's Q4_1 x Q8_1 product. A weight is q * scale + min (q 0..15 in groups of 32 inputs, an
 // fp32 scale and min per group: GGUF's Q4_1 values exactly); each row's group of 32 inputs is
 // quantised to int8 (d = max|x| / 127), so a group's sum of q * xq is an exact int32 (vpdpbusd:
-// 64 products an instruction, 4x fp32's 16 a lane-wide FMA), and the row's output is
+// 64 products an instruction, 4x fp32's 16 a lane-wide FMA; AVX2 below), and the row's output is
 // sum over groups of d * (scale * sum(q * xq) + min * sum(xq)). Each row is computed alone, in a
 // fixed order: the same numbers alone as in any batch. Layout (quantized_linear.Int4Blocks):
 // w [N/16, K/4, 32] uint8, per tile of 16 outputs and quad j of 4 inputs, byte 2c + h holds
@@ -311,6 +311,7 @@ void add_lora(int64_t index, const Tensor& x, Tensor& out, Lora& lora) {
 constexpr int64_t Q4_GROUP = 32;  // quantized_linear.INT4_GROUP
 constexpr int64_t Q4_TILE = 16;   // outputs a tile: one vector of fp32 lanes
 constexpr int64_t Q4_ROWS = 8;    // rows a pass over a tile's weights (their sums stay in registers)
+constexpr int64_t Q4_ROWS_AVX2 = 4;  // the same with AVX2's 16 registers
 
 #define OWN_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
@@ -368,6 +369,86 @@ OWN_VNNI void q4_tile(const int32_t* xq, int64_t ld, const float* d, const float
   }
 }
 
+// The same on AVX2 alone (the module's own target): the same int8 rows (x * (127 / max|x|)
+// rounded to nearest even), the same exact int32 sums (maddubs + madd: 15 * 127 * 2 fits int16)
+// and the same fp32 operations per output lane, so the same numbers bit for bit as above.
+inline void quantize_row_avx2(const float* x, int64_t k_size, int8_t* xq, float* d_out, float* c_out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t g = 0; g < k_size / Q4_GROUP; ++g) {
+    const float* xg = x + g * Q4_GROUP;
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xg + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {
+      q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    }
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    // packs interleave the 128-bit lanes: put each row's 4-byte runs back in order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + g * Q4_GROUP),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    d_out[g] = amax / 127.f;
+    c_out[g] = d_out[g] * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+template <int R>
+void q4_tile_avx2(const int32_t* xq, int64_t ld, const float* d, const float* c, int64_t groups, const uint8_t* w,
+                  const float* sm, float* out, int64_t ld_out) {
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) {
+    total[r][0] = total[r][1] = _mm256_setzero_ps();
+  }
+  const __m256i nibbles = _mm256_set1_epi16(0x0F0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    }
+    const uint8_t* wg = w + g * (Q4_GROUP / 2) * Q4_TILE;
+    const int32_t* xg = xq + g * (Q4_GROUP / 4);
+    for (int64_t j = 0; j < Q4_GROUP / 4; ++j) {
+      __m256i q[2];
+      for (int half = 0; half < 2; ++half) {
+        const __m256i v =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + j * 32 + half * 16)));
+        q[half] = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi16(v, 4)), nibbles);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i x4 = _mm256_set1_epi32(xg[r * ld + j]);
+        for (int half = 0; half < 2; ++half) {
+          acc[r][half] = _mm256_add_epi32(acc[r][half], _mm256_madd_epi16(_mm256_maddubs_epi16(q[half], x4), ones));
+        }
+      }
+    }
+    const float* smg = sm + g * 2 * Q4_TILE;
+    for (int half = 0; half < 2; ++half) {
+      const __m256 scale = _mm256_loadu_ps(smg + 8 * half), min = _mm256_loadu_ps(smg + Q4_TILE + 8 * half);
+      for (int r = 0; r < R; ++r) {
+        const __m256 sums = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][half]), scale);
+        total[r][half] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d[r * groups + g]), total[r][half]);
+        total[r][half] = _mm256_fmadd_ps(min, _mm256_set1_ps(c[r * groups + g]), total[r][half]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * ld_out, total[r][0]);
+    _mm256_storeu_ps(out + r * ld_out + 8, total[r][1]);
+  }
+}
+
 using Q4Tile = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, const float*,
                         float*, int64_t);
 
@@ -376,14 +457,21 @@ constexpr std::array<Q4Tile, sizeof...(Rs)> q4_tiles(std::integer_sequence<int, 
   return {{&q4_tile<Rs + 1>...}};
 }
 
+template <int... Rs>
+constexpr std::array<Q4Tile, sizeof...(Rs)> q4_tiles_avx2(std::integer_sequence<int, Rs...>) {
+  return {{&q4_tile_avx2<Rs + 1>...}};
+}
+
 inline bool vnni() {
   static const bool has = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
   return has;
 }
 
-// x [T, K] fp32 times a weight in the layout above: [T, N] fp32
-Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm) {
-  TORCH_CHECK(vnni(), "q4_linear: this CPU has no AVX512-VNNI");
+// x [T, K] fp32 times a weight in the layout above: [T, N] fp32; wide: the AVX512-VNNI kernels
+// (None: where the CPU has them), else the AVX2 ones (the same numbers)
+Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm, c10::optional<bool> wide_in) {
+  const bool wide = wide_in.value_or(vnni());
+  TORCH_CHECK(!wide || vnni(), "q4_linear: this CPU has no AVX512-VNNI");
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 3 && sm.dim() == 4 && w.scalar_type() == at::kByte &&
                   sm.scalar_type() == at::kFloat && w.is_contiguous() && sm.is_contiguous(),
               "q4_linear: x [T, K], w [N/16, K/4, 32] uint8, sm [N/16, K/32, 2, 16] fp32");
@@ -401,17 +489,21 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm) {
   float* d_p = dc.data_ptr<float>();
   float* c_p = d_p + tokens * groups;
   rows(tokens, [&](int64_t t) {
-    quantize_row(x_p + t * k_size, k_size, xq_p + t * k_size, d_p + t * groups, c_p + t * groups);
+    (wide ? quantize_row : quantize_row_avx2)(x_p + t * k_size, k_size, xq_p + t * k_size, d_p + t * groups,
+                                              c_p + t * groups);
   });
-  static const auto kernels = q4_tiles(std::make_integer_sequence<int, Q4_ROWS>());
+  static const auto wide_kernels = q4_tiles(std::make_integer_sequence<int, Q4_ROWS>());
+  static const auto avx2_kernels = q4_tiles_avx2(std::make_integer_sequence<int, Q4_ROWS_AVX2>());
+  const Q4Tile* kernels = wide ? wide_kernels.data() : avx2_kernels.data();
+  const int64_t pass = wide ? Q4_ROWS : Q4_ROWS_AVX2;
   const auto* quads = reinterpret_cast<const int32_t*>(xq_p);
   const uint8_t* w_p = w.data_ptr<uint8_t>();
   const float* sm_p = sm.data_ptr<float>();
   float* o_p = out.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
-      for (int64_t t = 0; t < tokens; t += Q4_ROWS) {
-        const int64_t r = std::min(Q4_ROWS, tokens - t);
+      for (int64_t t = 0; t < tokens; t += pass) {
+        const int64_t r = std::min(pass, tokens - t);
         kernels[r - 1](quads + t * (k_size / 4), k_size / 4, d_p + t * groups, c_p + t * groups, groups,
                        w_p + tile * (k_size / 2) * Q4_TILE, sm_p + tile * groups * 2 * Q4_TILE,
                        o_p + t * n_size + tile * Q4_TILE, n_size);
@@ -426,7 +518,7 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm) {
 // with the bias and the LoRA deltas (of h32) added where there are any
 Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const Tensor& scales,
                const c10::optional<Tensor>& bias, int64_t group, int64_t index, Lora& lora) {
-  Tensor out = packed.dim() == 3 ? q4_linear(h32, packed, scales)
+  Tensor out = packed.dim() == 3 ? q4_linear(h32, packed, scales, c10::nullopt)
                                  : at::_weight_int4pack_mm_for_cpu(h16, packed, group, scales);
   if (!bias.has_value() && !lora.adds_to(index)) {
     return out;
@@ -911,8 +1003,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef CPU_CAPABILITY_AVX2
   m.def("q8_linear", &q8_linear, "x times a weight in Q8_0 blocks (int8, an fp32 scale per 32)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("q4_linear", &own::q4_linear, "x times a weight in Q4_1 groups, its rows as int8 (AVX512-VNNI)",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("q4_linear", &own::q4_linear, "x times a weight in Q4_1 groups, its rows as int8", py::arg("x"),
+        py::arg("w"), py::arg("sm"), py::arg("wide") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("decode_own", &decode_own, "the decoder layers of one decode step, the ops between the products its own",
         py::call_guard<py::gil_scoped_release>());
   m.def("prompt_own", &prompt_own, "the decoder layers of prompt chunks, bf16 products, the ops between them its own",
