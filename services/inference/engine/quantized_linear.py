@@ -17,8 +17,8 @@ shared, loaded machine (ratios, not absolute times, are the point):
 So int4 wins where serving spends its time (few rows per step), and int8 gains little. Where
 the native module is built, the layers' int4 decode products are
 the engine's own instead (``Int4Blocks``: the weights' Q4_1 values exactly, each row's inputs as
-int8 in groups of 32, integer sums, as llama.cpp multiplies a Q4_1 file): about 1.8x torch's
-kernel at one row and 1.4x at 16 on 2 Zen 4 cores.
+int8 in groups of 32, integer sums, as llama.cpp multiplies a Q4_1 file): about 2.9x torch's
+kernel at one row and 3.1x at 16 on 2 Zen 4 cores (AVX2 alone: 2.1x and 1.6x).
 
 **Why int4 with groups of 32 and a minimum** (asymmetric, ``w = (q - 8) * scale + zero``):
 it is GGUF's Q4_1 block format. The default model ships as a Q4_1 GGUF, so its decoder
@@ -136,8 +136,8 @@ class Int4Blocks(Int4WeightOnly):
     Q8_1 product does: a group's sum is exact int32 arithmetic (AVX512-VNNI's ``vpdpbusd``, 64
     products an instruction, where the CPU has it; AVX2's ``maddubs`` elsewhere, the same numbers
     bit for bit), so each row's numbers are the same alone as in any batch. SmolLM2-135M's four
-    decode products of a layer on 2 Zen 4 cores: 1 row 64 vs 118 us for torch's int4 kernel, 16
-    rows 523 vs 737 us (``benchmarks/RESULTS.md``). The plan picks it where the native module is
+    decode products of a layer on 2 Zen 4 cores: 1 row 43 (AVX2: 59) vs 124 us for torch's int4
+    kernel, 16 rows 229 (425) vs 700 us (``benchmarks/RESULTS.md``). The plan picks it where the native module is
     built, for each layer whose outputs are whole tiles of ``Q4_TILE``."""
 
     def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
