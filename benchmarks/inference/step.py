@@ -175,19 +175,14 @@ def int4(path: Path, rows: list[int], rounds: int, steps: int) -> int:
 
     from services.common.platforms import cpu_features
     from services.inference.engine import native
+    from services.inference.engine.fused_decode import ATTENTION, MLP_IN, _projection
     from services.inference.engine.quantized_linear import Int4Blocks, Int4WeightOnly
 
     if not native.start("on") or native.q4_linear() is None:
         raise SystemExit("the own int4 kernel needs the native module on an AVX2 CPU")
     layer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    weights = [
-        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-        attn.o_proj.weight,
-        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-        mlp.down_proj.weight,
-    ]
-    weights = [w.detach() for w in weights]
+    products = (ATTENTION, ("o_proj",), MLP_IN, ("down_proj",))  # as fused_decode's _Layer multiplies
+    weights = [torch.cat([_projection(layer, n).weight.detach() for n in names]) for names in products]
     q4, aten = native.q4_linear(), Int4WeightOnly()
     own = [Int4Blocks().prepare(w) for w in weights]
     theirs = [aten.prepare(w) for w in weights]

@@ -94,17 +94,25 @@ class Int8WeightOnly:
         return out.view(*input.shape[:-1], -1)
 
 
+def q4_1_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] in GGUF's Q4_1 groups of ``INT4_GROUP`` inputs, ``w ~ q * scale + low``:
+    q [out, in / group, group] (0..15, as fp32), scale and low [out, in / group] in fp32."""
+    w = weight.detach().float()
+    out_f, in_f = w.shape
+    groups = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    return q, scale, low
+
+
 class Int4WeightOnly:
     """Asymmetric int4 in groups of ``INT4_GROUP`` input features (GGUF's Q4_1 format)."""
 
     def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w = weight.float()
-        out_f, in_f = w.shape
-        groups = w.view(out_f, in_f // INT4_GROUP, INT4_GROUP)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_f, in_f), 1)
+        out_f, in_f = weight.shape
+        q, scale, low = q4_1_groups(weight)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(out_f, in_f), 1)
         # the kernel computes (q - 8) * scale + zero, so zero is the value of q = 8
         zero = low + 8 * scale
         scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
@@ -137,20 +145,17 @@ class Int4Blocks(Int4WeightOnly):
     products an instruction, where the CPU has it; AVX2's ``maddubs`` elsewhere, the same numbers
     bit for bit), so each row's numbers are the same alone as in any batch. SmolLM2-135M's four
     decode products of a layer on 2 Zen 4 cores: 1 row 43 (AVX2: 59) vs 124 us for torch's int4
-    kernel, 16 rows 229 (425) vs 700 us (``benchmarks/RESULTS.md``). The plan picks it where the native module is
-    built, for each layer whose outputs are whole tiles of ``Q4_TILE``."""
+    kernel, 16 rows 229 (425) vs 700 us (``benchmarks/RESULTS.md``). The plan picks it where the
+    native module is built, for each layer whose outputs are whole tiles of ``Q4_TILE``."""
 
     def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w = weight.float()
-        out_f, in_f = w.shape
+        out_f, in_f = weight.shape
         if in_f % INT4_GROUP or out_f % Q4_TILE:
             raise ValueError(
                 f"Int4Blocks: a {out_f} x {in_f} weight is not whole {Q4_TILE} x {INT4_GROUP} tiles"
             )
-        groups = w.view(out_f, in_f // INT4_GROUP, INT4_GROUP)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        q_float, scale, low = q4_1_groups(weight)
+        q = q_float.to(torch.uint8)
         # per tile t and quad j of 4 inputs, byte 2c + h: output c's inputs 4j + 2h | 4j + 2h + 1 << 4
         pairs = q.view(out_f // Q4_TILE, Q4_TILE, in_f // 4, 2, 2)
         packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1, 3).contiguous()
@@ -392,12 +397,9 @@ def _side(prepared: TwoSides, kind: str, kernel: LinearKernel) -> Any:
 def int4_round_trip_error(weight: torch.Tensor) -> float:
     """Relative error of ``weight`` quantised as ``Int4WeightOnly`` does (in fp32, before the
     kernel's bf16 scales)."""
-    w = weight.detach().float()
-    out_f, in_f = w.shape
-    groups = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
-    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=1e-12)
-    back = torch.round((groups - low) / scale).clamp(0, 15) * scale + low
+    q, scale, low = q4_1_groups(weight)
+    groups = weight.detach().float().reshape(q.shape)
+    back = q * scale[..., None] + low[..., None]
     return float((back - groups).norm() / groups.norm().clamp(min=1e-12))
 
 

@@ -134,7 +134,7 @@ struct ProductRows {
   const float* row(int64_t t, float* scratch) const { return row_f32(parts[t / block], t % block, scratch); }
 };
 
-// x += delta (a product's row); then h = RMSNorm(x) * weight, as fp32 and bf16
+// x += delta (a product's row); then h = RMSNorm(x) * weight, as fp32 and bf16 (h16 null: fp32 only)
 inline void add_norm(float* x, const float* delta, const float* weight, int64_t n, float eps, float* h32,
                      at::BFloat16* h16) {
   Vec acc(0.f);
@@ -150,7 +150,9 @@ inline void add_norm(float* x, const float* delta, const float* weight, int64_t 
   for (int64_t i = 0; i < n; i += W) {
     (Vec::loadu(x + i) * r * Vec::loadu(weight + i)).store(h32 + i);
   }
-  to_bf16(h16, h32, n);
+  if (h16 != nullptr) {
+    to_bf16(h16, h32, n);
+  }
 }
 
 // RoPE of one head: out = x * cos + roll(x, d/2) * sin (sin's first half negated)
@@ -541,7 +543,7 @@ inline void residual_norm_rows(Tensor& x, const ProductRows* delta, const Tensor
     std::vector<float> scratch(delta != nullptr ? hidden : 0);
     const float* d = delta != nullptr ? delta->row(t, scratch.data()) : nullptr;
     add_norm(x_p + t * hidden, d, weight.data_ptr<float>(), hidden, eps, h32.data_ptr<float>() + t * hidden,
-             h16.data_ptr<at::BFloat16>() + t * hidden);
+             h16.defined() ? h16.data_ptr<at::BFloat16>() + t * hidden : nullptr);
   });
 }
 
@@ -571,12 +573,17 @@ inline void silu_up_rows(const ProductRows& gate_up, int64_t tokens, Tensor& m32
       const Vec g = Vec::loadu(gu + c);
       (g / (Vec(1.f) + g.neg().exp()) * Vec::loadu(gu + intermediate + c)).store(act + c);
     }
-    to_bf16(m16.data_ptr<at::BFloat16>() + t * intermediate, act, intermediate);
+    if (m16.defined()) {
+      to_bf16(m16.data_ptr<at::BFloat16>() + t * intermediate, act, intermediate);
+    }
   });
 }
 
-// the rows of a32 [T, n] as bf16 into a16 (which may have padding rows after them)
+// the rows of a32 [T, n] as bf16 into a16 (which may have padding rows after them; undefined: none)
 inline void to_bf16_rows(const Tensor& a32, Tensor& a16) {
+  if (!a16.defined()) {
+    return;
+  }
   const int64_t n = a32.size(1);
   rows(a32.size(0), [&](int64_t t) { to_bf16(a16.data_ptr<at::BFloat16>() + t * n, a32.data_ptr<float>() + t * n, n); });
 }
@@ -638,7 +645,8 @@ ProductRows prompt_product(const Tensor& h32, const Tensor& h16, const Tensor& p
 // product, SiLU * up, down product, residual (+ the next layer's input norm). What differs is the
 // backend's, Ops (DecodeOps, PromptOps below):
 //   bf16_rows(T, n, options): a product's bf16 input rows, [>= T, n] (rows after T are the
-//     backend's padding; the steps here write rows < T only);
+//     backend's padding; the steps here write rows < T only), or an undefined tensor where its
+//     products take the fp32 rows alone (the steps then write none);
 //   product(p, in32, in16): product p (4i + k; k: qkv, o, gate/up, down) of the bf16 rows in16
 //     (in32: the same rows in fp32, for LoRA), called in ascending p (the LoRA entries are
 //     consumed in that order);
@@ -699,8 +707,9 @@ struct DecodeOps : StepRows {
   const std::vector<c10::optional<Tensor>>& biases;
   int64_t group;
 
+  // q4_linear's layout (3-d) quantises the fp32 rows itself: no bf16 copies to make
   Tensor bf16_rows(int64_t tokens, int64_t n, const at::TensorOptions& options) const {
-    return at::empty({tokens, n}, options);
+    return packed.front().dim() == 3 ? Tensor() : at::empty({tokens, n}, options);
   }
 
   ProductRows product(int64_t p, const Tensor& in32, const Tensor& in16) {
@@ -935,6 +944,9 @@ Tensor decode_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vec
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= 8, "decode_own: at most 8 query heads a key head");
   TORCH_CHECK(x.size(1) % own::WB == 0 && intermediate % own::WB == 0, "decode_own: widths must be multiples of 16");
   TORCH_CHECK(slots.size(0) == x.size(0) && positions.size(0) == x.size(0), "decode_own: a slot and position a token");
+  TORCH_CHECK(!packed.empty() && std::all_of(packed.begin(), packed.end(),
+                                             [&](const Tensor& w) { return w.dim() == packed.front().dim(); }),
+              "decode_own: every product's weight in one layout (q4_linear's or torch's int4)");
   for (size_t i = 0; i < k_slabs.size(); ++i) {
     TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous() && k_slabs[i].size(3) == head_dim,
                 "decode_own: the slabs must be contiguous [slots, kv_heads, capacity, head_dim]");
