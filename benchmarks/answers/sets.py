@@ -1,23 +1,20 @@
 """The question sets shipped in ``benchmarks/answers/sets/`` and the documents each is about.
 
 Each set is a JSONL file of questions (format: ``services/cli/eval_questions.py``) written
-from its documents by reading them, and a list of document files:
+from its documents by reading them, and a manifest beside it, ``<set>.json``:
 
-| set | documents | format | licence | where they come from |
-| --- | --- | --- | --- | --- |
-| ``tandem-docs`` | ``docs/*.md`` of this repository | Markdown | the project's | the repository |
-| ``valgrind-html`` | Valgrind 3.19 manual: ``quick-start.html``, ``manual-intro.html``, ``faq.html`` | HTML | GNU GPL v2+ (Debian's copyright file for the package) | ``apt-get install valgrind`` installs ``/usr/share/doc/valgrind/html/`` |
-| ``libtasn1-pdf`` | GNU Libtasn1 4.19 manual, ``libtasn1.pdf`` (36 pages) | PDF | GNU FDL 1.3 or later | ``apt-get install libtasn1-doc`` installs ``/usr/share/doc/libtasn1-doc/`` |
-| ``sqlite-html`` (held out) | SQLite 3.40 documentation: ``faq.html``, ``autoinc.html``, ``quirks.html`` | HTML | public domain | ``apt-get install sqlite3-doc`` installs ``/usr/share/doc/sqlite3/`` |
+- ``package``: the Debian package whose documentation it is (null: this repository's ``docs/``);
+  ``python -m benchmarks.answers.fetch`` downloads and unpacks it (``apt-get download``,
+  ``dpkg-deb -x``) under ``$TANDEM_ANSWER_DOCS``; nothing is fetched at run time;
+- ``version``: the package version the questions were written for (another may move a fact);
+- ``root`` (a folder inside the package, or of the repository) and ``files`` (glob patterns);
+- ``format`` (``markdown``, ``html``, ``pdf``), ``licence``;
+- ``role``: ``tuning`` or ``test``. The split is by document set and was fixed before anything
+  was tuned: the answer step's thresholds are chosen on the tuning sets only, and figures are
+  reported on the test sets and leave-one-set-out. No set whose package trains the reader
+  (``fetch.READER_PACKAGES``) is a set here.
 
-``sqlite-html`` is held out: its questions were written after the answer step's rules and weights
-were chosen on the other three, and nothing is tuned on it; ``all`` (the tuning sets) leaves it
-out, so it runs by name only.
-
-Nothing is fetched at run time: the two Debian packages are installed beforehand (the
-documented step), and a set whose documents are missing is refused with that step named.
-The questions were written for the versions above (Debian 12's ``valgrind 1:3.19.0-1`` and
-``libtasn1-doc 4.19.0-2+deb12u1``); another version may move or reword a fact.
+``--set tuning`` / ``test`` / ``all`` name the groups; a set also runs by its name.
 """
 
 from __future__ import annotations
@@ -26,23 +23,41 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 
 from benchmarks.agent.stack import REPO
+from benchmarks.answers.fetch import docs_dir
 
 SETS_DIR = Path(__file__).resolve().parent / "sets"
+Role = Literal["tuning", "test"]
 
 
 @dataclass(frozen=True)
 class QuestionSet:
     name: str
-    root: Path  # folder of the documents
+    package: str | None  # the Debian package of the documents; None: the repository's
+    version: str
+    root_in: str  # folder of the documents, inside the package (or the repository)
     files: tuple[str, ...]  # document files under root (glob patterns)
     kind: str  # markdown | html | pdf
     licence: str
-    install: str  # how the documents get onto the machine
-    held_out: bool = False  # never tuned on; not in "all"
+    role: Role
+
+    @property
+    def held_out(self) -> bool:
+        return self.role == "test"
+
+    @property
+    def root(self) -> Path:
+        return (docs_dir() / self.package if self.package else REPO) / self.root_in
+
+    @property
+    def install(self) -> str:
+        if self.package is None:
+            return "they are in the repository"
+        return f"fetch them with `python -m benchmarks.answers.fetch {self.package}`"
 
     @property
     def questions(self) -> Path:
@@ -68,51 +83,34 @@ class MissingDocuments(RuntimeError):
     pass
 
 
-SETS: dict[str, QuestionSet] = {
-    s.name: s
-    for s in (
-        QuestionSet(
-            "tandem-docs",
-            REPO / "docs",
-            ("*.md",),
-            "markdown",
-            "the project's own documentation",
-            "they are in the repository",
-        ),
-        QuestionSet(
-            "valgrind-html",
-            Path("/usr/share/doc/valgrind/html"),
-            ("quick-start.html", "manual-intro.html", "faq.html"),
-            "html",
-            "GNU GPL v2 or later",
-            "install them with `apt-get install valgrind` (the package ships its HTML manual)",
-        ),
-        QuestionSet(
-            "libtasn1-pdf",
-            Path("/usr/share/doc/libtasn1-doc"),
-            ("libtasn1.pdf",),
-            "pdf",
-            "GNU FDL 1.3 or later",
-            "install it with `apt-get install libtasn1-doc`",
-        ),
-        QuestionSet(
-            "sqlite-html",
-            Path("/usr/share/doc/sqlite3"),
-            ("faq.html", "autoinc.html", "quirks.html"),
-            "html",
-            "public domain",
-            "install them with `apt-get install sqlite3-doc` (the package ships SQLite's HTML documentation)",
-            held_out=True,
-        ),
+def _load(manifest: Path) -> QuestionSet:
+    data = json.loads(manifest.read_text())
+    return QuestionSet(
+        name=manifest.stem,
+        package=data["package"],
+        version=data.get("version", ""),
+        root_in=data["root"],
+        files=tuple(data["files"]),
+        kind=data["format"],
+        licence=data["licence"],
+        role=data["role"],
     )
-}
+
+
+SETS: dict[str, QuestionSet] = {m.stem: _load(m) for m in sorted(SETS_DIR.glob("*.json"))}
 
 
 def chosen_sets(names: str) -> list[str]:
-    """``names`` comma-separated, or ``all``: every set but the held-out ones."""
-    if names == "all":
-        return [n for n, s in SETS.items() if not s.held_out]
-    return [n for n in names.split(",") if n]
+    """``names`` comma-separated; ``tuning``, ``test`` and ``all`` name groups of sets."""
+    out: list[str] = []
+    for name in (n for n in names.split(",") if n):
+        if name == "all":
+            out += list(SETS)
+        elif name in ("tuning", "test"):
+            out += [n for n, s in SETS.items() if s.role == name]
+        else:
+            out.append(name)
+    return list(dict.fromkeys(out))
 
 
 def get_set(name: str) -> QuestionSet:

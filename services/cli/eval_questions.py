@@ -19,6 +19,9 @@ with ``#`` are skipped)::
   distinctive part of one) where the fact is stated, when they are known.
 - ``answerable``: false for a question the documents do not answer (no answers, no source):
   the right response is to abstain.
+- ``kind`` (optional): what it asks for: ``how``, ``why``, ``default``, ``yesno``, ``howmany``,
+  ``when``, ``which``, ``what``; ``paraphrased``: true when it is phrased in words the document
+  does not use. Figures are also given per kind.
 
 ``load_questions`` names the line of a malformed entry. ``judge`` scores one answer (from a
 pipeline's ``done`` event or any other answerer) and ``summary`` adds them up.
@@ -31,9 +34,13 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+# how-to, why, a default value, yes or no, a count, a time or condition, which one, what something is
+QuestionKind = Literal["how", "why", "default", "yesno", "howmany", "when", "which", "what"]
 
 
 class Question(BaseModel):
@@ -50,6 +57,10 @@ class Question(BaseModel):
     page: int | None = Field(None, ge=1)
     section: str | None = None
     answerable: bool = True
+    # What the question asks for, so figures can be read per kind of question.
+    kind: QuestionKind | None = None
+    # Phrased in words the document does not use (its key words paraphrased).
+    paraphrased: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> Question:
