@@ -27,6 +27,7 @@ from services.common.openai_wire import (
     EmbeddingList,
     ModelCard,
     ModelList,
+    RerankList,
 )
 from services.common.replicas import ReplicaPool
 from services.common.telemetry import set_attributes, span
@@ -199,6 +200,15 @@ class InferenceClient:
             return (await self.api.request_as(EmbeddingList, "POST", "/embeddings", body)).vectors()
         except (UpstreamFailed, httpx.HTTPError) as exc:
             raise tandem_error("inference", exc) from exc
+
+    async def rerank(self, model: str, query: str, documents: list[str]) -> list[float]:
+        """``/v1/rerank``: one relevance score per document, in order (a reader or a reranker)."""
+        try:
+            body = {"model": model, "query": query, "documents": documents, "return_documents": False}
+            got = await self.api.request_as(RerankList, "POST", "/rerank", body)
+        except (UpstreamFailed, httpx.HTTPError) as exc:
+            raise tandem_error("inference", exc) from exc
+        return got.scores(len(documents))
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[ChatCompletionChunk]:
         """The chunks of the answer; leaving early closes the connection, which the inference

@@ -50,6 +50,23 @@ class AgentSettings(TenantLimitSettings):
             "word overlap only."
         ),
     )
+    reader: str = Field(
+        "tandem-reader",
+        description=(
+            "The reader model that picks the source sentences answering a question (a cross-encoder "
+            "trained by the trainer's reader jobs, served by inference's /v1/rerank); a pipeline's "
+            "answer step may name another. Empty, or when it is not served: the embedder and "
+            "lexical rules."
+        ),
+    )
+    reader_threshold: float = Field(
+        0.0,
+        description=(
+            "A sentence answers when the reader scores it at least this (a logit; chosen on the "
+            "tuning question sets, benchmarks/answers/reader_eval.py); below it for every "
+            "sentence: the documents do not say."
+        ),
+    )
     top_k: int = Field(5, ge=1, le=100, description="Chunks retrieved for chat-documents.")
     min_relevance: float = Field(
         0.25,

@@ -37,10 +37,10 @@ from services.agent.protocol import (
     PromotionStatus,
 )
 from services.agent.quality import cites
-from services.agent.text import states_reference
 from services.agent.turns import FeedbackFilter, TurnStore
 from services.common.errors import Conflict, InvalidRequest, NotFound, TandemError
 from services.common.http import acting_for
+from services.common.judge import states_reference
 
 if TYPE_CHECKING:
     from services.agent.pipelines.state import RunState

@@ -228,17 +228,3 @@ def is_heading(line: str) -> bool:
     words = WORD_RE.findall(text)
     # A short line with no sentence end: "Token budget", "Datasets and training".
     return len(words) <= 6 and not re.search(r"[.!]\s*$", text) and not text.startswith("|")
-
-
-# Share of a reference answer's content words an answer must hold to state it.
-REFERENCE_RECALL = 0.6
-
-
-def states_reference(answer: str, reference: str, question: str = "") -> bool:
-    """The answer holds at least ``REFERENCE_RECALL`` of the reference's content words (those the
-    question already names do not count, unless they are all there is)."""
-    wanted = set(content_terms(reference)) - set(content_terms(question))
-    if not wanted:
-        wanted = set(content_terms(reference))
-    got = set(content_terms(answer))
-    return bool(wanted) and len(wanted & got) / len(wanted) >= REFERENCE_RECALL

@@ -10,7 +10,7 @@ with ``#`` are skipped)::
 
 - ``answers``: key phrases, alternatives: the answer states the fact when it contains any one
   of them (case, spacing and ``_``/space ignored, whole words); or ``reference``: a reference
-  answer, stated when the answer holds at least ``services.agent.text.REFERENCE_RECALL`` of its content words.
+  answer, stated when the answer holds at least ``services.common.judge.REFERENCE_RECALL`` of its content words.
 - ``source``: the document that states it: a path or file name (``docs/operations.md``,
   ``faq.html``), matched against a citation's document id, title and metadata source/filename
   with case, extension and separators ignored. ``also_in``: other documents of the set that state
@@ -23,7 +23,8 @@ with ``#`` are skipped)::
   ``when``, ``which``, ``what``; ``paraphrased``: true when it is phrased in words the document
   does not use. Figures are also given per kind.
 
-``load_questions`` names the line of a malformed entry. ``judge`` scores one answer (from a
+``load_questions`` names the line of a malformed entry. ``judge`` scores one answer with
+services/common/judge.py's judge (from a
 pipeline's ``done`` event or any other answerer) and ``summary`` adds them up.
 """
 
@@ -38,6 +39,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from services.common.judge import abstains, has_phrase, states_reference
 
 # how-to, why, a default value, yes or no, a count, a time or condition, which one, what something is
 QuestionKind = Literal["how", "why", "default", "yesno", "howmany", "when", "which", "what"]
@@ -133,56 +135,11 @@ def load_questions(path: Path) -> list[Question]:
 
 # -- judging --------------------------------------------------------------------------------
 
-_QUOTES = str.maketrans(
-    {"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-", "\u2014": "-"}
-)
-_MARKER = re.compile(r"\[\s*\d{1,3}(?:\s*[,;]\s*\d{1,3})*\s*\]")
-
-
-def _flat(text: str) -> str:
-    """Lower case, typographic quotes and dashes plain, ``_`` as a space (PDF text often loses
-    underscores), citation markers and runs of spaces as one space."""
-    text = _MARKER.sub(" ", text.translate(_QUOTES).lower()).replace("_", " ")
-    return re.sub(r"\s+", " ", text).strip()
-
-
-def has_phrase(answer: str, phrase: str) -> bool:
-    """``phrase`` occurs in ``answer`` as whole words (``--check`` in "use --check", not "checks")."""
-    p = _flat(phrase)
-    if not p:
-        return False
-    pattern = (r"(?<![a-z0-9])" if p[0].isalnum() else "") + re.escape(p)
-    pattern += r"(?![a-z0-9])" if p[-1].isalnum() else ""
-    return re.search(pattern, _flat(answer)) is not None
-
 
 def states(answer: str, q: Question) -> bool:
     if q.answers:
         return any(has_phrase(answer, a) for a in q.answers)
-    from services.agent.text import states_reference
-
     return states_reference(answer, q.reference or "", q.question)
-
-
-# "I don't know", "the sources do not say", "no information about", "cannot find": a model's or
-# a pipeline's way of declining. Judged on the answer's text when the response carries no
-# ``answer_kind``.
-_ABSTAIN = re.compile(
-    r"\b(?:i\s+(?:do\s+not|don'?t|cannot|can'?t)\s+know"
-    r"|(?:do(?:es)?\s+not|don'?t|doesn'?t)\s+(?:say|mention|state|contain|provide|specify|answer|include|have)"
-    r"|(?:no|not\s+(?:enough|any))\s+(?:relevant\s+)?(?:information|mention|details?|answer|sources?)"
-    r"|(?:cannot|can'?t|could\s+not|couldn'?t|unable\s+to)\s+(?:find|answer|determine|tell|say|provide)"
-    r"|not\s+(?:mentioned|stated|specified|provided|covered|found)"
-    r"|(?:is|are)\s+unknown|unclear\s+from)",
-    re.IGNORECASE,
-)
-
-
-def abstains(answer: str, answer_kind: str | None = None) -> bool:
-    if answer_kind == "not_found":
-        return True
-    text = answer.translate(_QUOTES).strip()
-    return not text or _ABSTAIN.search(text) is not None
 
 
 def _key(name: str) -> str:

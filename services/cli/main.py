@@ -21,6 +21,7 @@ from services.cli import stack
 from services.cli import stack_processes as processes
 from services.cli.eval_rag import rag_command
 from services.cli.eval_retrieval import retrieval_command
+from services.cli.reader import reader_app
 from services.cli.supervise import SupervisedState, error_line, read_state
 from services.common import lockcheck
 from services.common.auth import KeyStore
@@ -38,6 +39,7 @@ app.add_typer(eval_app, name="eval")
 eval_app.command("rag")(rag_command)
 eval_app.command("retrieval")(retrieval_command)
 app.add_typer(config_app, name="config")
+app.add_typer(reader_app, name="reader")
 console = Console()
 
 

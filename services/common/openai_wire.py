@@ -245,6 +245,24 @@ class Embedding(_Open):
     embedding: list[float]
 
 
+class RerankScore(_Open):
+    index: int
+    relevance_score: float
+
+
+class RerankList(_Open):
+    """``/v1/rerank``'s answer (vLLM's and Jina's shape)."""
+
+    results: list[RerankScore] = []
+
+    def scores(self, count: int) -> list[float]:
+        """One score per document, in the documents' order; ValueError unless each of ``count``
+        documents was scored once."""
+        if sorted(r.index for r in self.results) != list(range(count)):
+            raise ValueError(f"the reranker did not score each of the {count} documents once")
+        return [r.relevance_score for r in sorted(self.results, key=lambda r: r.index)]
+
+
 class EmbeddingList(_Open):
     """``/v1/embeddings``'s answer (float vectors)."""
 

@@ -12,7 +12,6 @@ import pytest
 from services.agent.chunks import Chunk
 from services.agent.citations import CitationTracker
 from services.agent.config import AgentSettings
-from services.agent.grounding import answer_type_match, asks_number, names_instance
 from services.agent.pipelines.components import (
     AnswerSelectNode,
     CiteNode,
@@ -20,19 +19,28 @@ from services.agent.pipelines.components import (
     GenerateNode,
     GuardNode,
 )
-from services.agent.pipelines.selection import (
-    answer_candidates,
-    asked_kind_words,
-    extractive_text,
-    missing_names,
-    not_found_text,
-    select_answer,
-)
 from services.agent.pipelines.state import RunContext, RunState
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import Message
+from services.agent.reader import read
+from services.agent.reader.candidates import answer_candidates
+from services.agent.reader.rules import (
+    RuleScorer,
+    answer_type_match,
+    asked_kind_words,
+    asks_number,
+    missing_names,
+    names_instance,
+)
+from services.agent.reader.select import Selection, extractive_text, not_found_text
+from services.common.errors import NotFound
 
 pytestmark = pytest.mark.anyio
+
+
+async def select_answer(question: str, chunks: list[Chunk], embed: Any) -> Selection:
+    """The answer step with the fallback rules (the collection's embedder, or words alone)."""
+    return await read(question, chunks, RuleScorer(embed))
 
 RETRIEVAL = [
     Chunk(
@@ -98,7 +106,7 @@ def embed(model: Any) -> Any:
 async def test_the_answering_sentence_wins_over_one_that_only_shares_the_question_words(embed: Any) -> None:
     question = "Which vector databases can the retrieval service use?"
     selection = await select_answer(question, RETRIEVAL, embed)
-    assert selection.found and selection.embedded
+    assert selection.found and selection.scorer == "rules" and embed.calls
     text, numbers = extractive_text(selection)
     assert "Milvus" in text and numbers == [1]
     assert "asked on first use" not in text  # shares "retrieval service" and "use", answers nothing
@@ -173,7 +181,7 @@ async def test_an_unanswerable_question_is_not_found_with_the_closest_sources(em
 
 async def test_without_an_embedder_a_sentence_must_hold_the_question_focus_words() -> None:
     found = await select_answer("Which function closes a stream?", STDIO, None)
-    assert found.found and not found.embedded
+    assert found.found
     assert extractive_text(found)[0].startswith("The fclose function")
     missing = await select_answer("What does the kernel scheduler do?", STDIO, None)
     assert not missing.found
@@ -183,11 +191,17 @@ async def test_without_an_embedder_a_sentence_must_hold_the_question_focus_words
 
 
 class EmbeddingServices:
-    """The two calls the node makes: the collection's embedding model, and /v1/embeddings."""
+    """The calls the node makes: the reader (not served here, as on a stack that has none), the
+    collection's embedding model, and /v1/embeddings."""
 
     def __init__(self, embed: Any) -> None:
         self._embed = embed
         self.models: list[str] = []
+        self.readers: list[str] = []
+
+    async def rerank(self, model: str, query: str, documents: list[str]) -> list[float]:
+        self.readers.append(model)
+        raise NotFound(f"The rerank model `{model}` does not exist.", param="model")
 
     async def embedding_model(self, collection: str) -> str:
         return "all-MiniLM-L6-v2"
@@ -263,8 +277,8 @@ async def test_a_question_naming_what_no_source_mentions_is_not_found(embed: Any
     selection = await select_answer(question, RETRIEVAL, embed)
     # "stored in FAISS indexes" reads close, but nothing in the sources names Elasticsearch
     assert not selection.found and selection.missing == ["elasticsearch"]
-    text = not_found_text(question, RETRIEVAL, selection.see_also, selection.missing)
-    assert "They do not mention Elasticsearch." in text
+    text = not_found_text(question, RETRIEVAL, selection.see_also)
+    assert text.startswith("Your documents do not say") and "They do not mention" not in text
     found = await select_answer("Which vector database holds a collection besides FAISS?", RETRIEVAL, embed)
     assert found.found and found.missing == []
 
@@ -274,9 +288,6 @@ async def test_a_question_asking_for_a_kind_no_source_names_is_not_found(embed: 
     question = "Which blockchain stores the vectors of a collection?"
     selection = await select_answer(question, RETRIEVAL, embed)
     assert not selection.found and selection.missing == ["blockchain"]
-    assert "They do not mention blockchain." in not_found_text(
-        question, RETRIEVAL, selection.see_also, selection.missing
-    )
     # the kind is named (as "database"): the sentence answers
     found = await select_answer("Which vector database can hold a collection?", RETRIEVAL, embed)
     assert found.found and found.missing == []

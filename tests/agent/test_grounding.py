@@ -20,9 +20,11 @@ from services.agent.chunks import Chunk
 from services.agent.citations import CitationTracker
 from services.agent.clients import InferenceClient, RetrievalClient
 from services.agent.config import AgentSettings
-from services.agent.grounding import check, extractive_answer, repeats_sentence
+from services.agent.grounding import check, repeats_sentence
 from services.agent.pipelines.components import GuardNode
 from services.agent.pipelines.state import RunContext, RunState
+from services.agent.reader import answer_text, read
+from services.agent.reader.rules import RuleScorer
 from services.cli.factset import make_facts, states
 from services.common.config import CommonSettings
 from tests.conftest import auth
@@ -139,12 +141,13 @@ def test_a_misspelt_name_is_not_supported() -> None:
     assert check(misspelt, fact.question, [fact.text]).verdict == "unsupported"
 
 
-def test_extractive_answer_states_invented_facts() -> None:
+async def test_the_fallback_reader_states_invented_facts() -> None:
     facts = make_facts(18, seed=7)
     for fact in facts:
         others = [f for f in facts if f is not fact][:3]
         chunks = [Chunk(f.fact_id, f.fact_id, f.text, title=f.title) for f in [*others, fact]]
-        text, numbers = extractive_answer(fact.question, chunks)
+        selection = await read(fact.question, chunks, RuleScorer(None))
+        text, numbers = answer_text(fact.question, selection)
         assert states(text, fact.answer), (fact.question, text)
         assert 4 in numbers and f"[{numbers[0]}]" in text
 

@@ -25,19 +25,21 @@ from services.agent.grounding import (
     MIN_SIMILARITY,
     GroundingReport,
     check,
-    extractive_answer,
     with_embeddings,
 )
 from services.agent.highlight import highlight
 from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
 from services.agent.protocol import Message, Sampling, wire_messages
+from services.agent.reader import answer_text, read
+from services.agent.reader.rules import RuleScorer
+from services.agent.reader.scorer import AnswerScorer, ReaderScorer
+from services.agent.reader.select import Selection, not_found_text, with_neighbours
 from services.agent.repetition import RepetitionGuard
 from services.agent.rewrite import HistoryRewriter, QueryRewriter
 from services.agent.text import content_terms, overlap
 from services.common.errors import InvalidRequest, TandemError
 from services.common.openai_wire import ToolCallDelta
 
-from .selection import Selection, extractive_text, not_found_text, select_answer
 from .state import AnswerKind, EventStream, RunContext, RunState
 
 log = logging.getLogger("tandem.agent.guard")
@@ -370,17 +372,22 @@ async def show_answer(state: RunState, text: str, kind: AnswerKind, citations: l
 
 
 class AnswerSelectNode:
-    """Before the model is called: the source sentences that answer the question (see
-    services/agent/pipelines/selection.py), kept in ``state.selection`` for the guard's extractive
-    answer; and when none does, the answer that the documents do not say (``answer_kind:
-    "not_found"``), the closest sources cited as ``kind: "see_also"``, without a model call.
+    """Before the model is called: the source sentences that answer the question (the reader,
+    services/agent/reader/), kept in ``state.selection`` for the guard's extractive answer; and
+    when none does, the answer that the documents do not say (``answer_kind: "not_found"``), the
+    closest sources cited as ``kind: "see_also"``, without a model call.
 
     The turn record of a "not found" keeps the prompt the model would have answered from, so a
     correction of it trains the model like any other."""
 
     class P(Params):
         enabled: bool = True
-        # None: the agent's ``grounding_embedder`` setting; off (or failing): words alone.
+        # The reader model (None: the agent's ``reader`` setting; "": the fallback rules).
+        reader: str | None = Field(None, max_length=200)
+        # Its threshold (None: the agent's ``reader_threshold`` setting).
+        reader_threshold: float | None = None
+        # The fallback's embedder. None: the agent's ``grounding_embedder`` setting; off (or
+        # failing): words alone.
         embedder: bool | None = None
         embed_timeout_s: float = Field(10.0, gt=0.0, le=300.0)
         # Off: "not found" is never said; the selection still serves the guard.
@@ -394,24 +401,35 @@ class AnswerSelectNode:
     def __init__(self, p: P) -> None:
         self.p = p
 
+    def _reader(self, ctx: RunContext) -> ReaderScorer | None:
+        model = ctx.settings.reader if self.p.reader is None else self.p.reader
+        if not model:
+            return None
+        threshold = (
+            ctx.settings.reader_threshold if self.p.reader_threshold is None else self.p.reader_threshold
+        )
+        return ReaderScorer(model, threshold, ctx.inference.rerank)
+
+    def _rules(self, state: RunState, ctx: RunContext) -> RuleScorer:
+        use = ctx.settings.grounding_embedder if self.p.embedder is None else self.p.embedder
+        return RuleScorer(collection_embedder(state, ctx) if use else None)
+
     async def _select(self, state: RunState, ctx: RunContext, chunks: list[Chunk]) -> Selection:
         asked = state.question
         if state.search_query and state.search_query != state.question:
             asked = f"{state.question} {state.search_query}"
-        use = ctx.settings.grounding_embedder if self.p.embedder is None else self.p.embedder
-        embed = collection_embedder(state, ctx) if use else None
-        if embed is not None:
+        scorers: list[AnswerScorer] = [
+            s for s in (self._reader(ctx), self._rules(state, ctx)) if s is not None
+        ]
+        for scorer in scorers:
             try:
                 async with asyncio.timeout(self.p.embed_timeout_s):
-                    return await select_answer(asked, chunks, embed)
+                    return await read(asked, chunks, scorer)
             except TimeoutError:
-                log.warning(
-                    "answer selection: words only, embedding failed: no answer in %s s",
-                    self.p.embed_timeout_s,
-                )
+                log.warning("answer step: %s gave no scores in %s s", scorer.name, self.p.embed_timeout_s)
             except (TandemError, ValueError, KeyError, TypeError) as exc:
-                log.warning("answer selection: words only, embedding failed: %s", exc)
-        return await select_answer(asked, chunks, None)
+                log.warning("answer step: %s failed: %s", scorer.name, exc)
+        return await read(asked, chunks, RuleScorer(None))
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         if not self.p.enabled or state.form is not None or state.plan is None or state.no_context:
@@ -419,7 +437,7 @@ class AnswerSelectNode:
         chunks = state.plan.sources
         state.selection = await self._select(state, ctx, chunks)
         if state.selection.found and self.p.extract and not ctx.chosen:
-            text, numbers = extractive_text(state.selection)
+            text, numbers = answer_text(state.question, state.selection)
             cites = [Citation.of(n, chunks[n - 1], kind="extractive", claim=text) for n in numbers]
             state.groundedness = 1.0
             kind: AnswerKind = "extractive"
@@ -427,7 +445,7 @@ class AnswerSelectNode:
             return
         else:
             selection = state.selection
-            text = not_found_text(state.question, chunks, selection.see_also, selection.missing)
+            text = not_found_text(state.question, chunks, selection.see_also)
             cites = [Citation.of(n, chunks[n - 1], kind="see_also") for n in selection.see_also]
             kind = "not_found"
         # The prompt the model would have answered from, and its model (nothing was generated):
@@ -594,6 +612,20 @@ class GuardNode:
             log.warning("groundedness guard: lexical overlap only, embedding failed: %s", exc)
         return report
 
+    async def _extractive(self, state: RunState, asked: str, chunks: list[Chunk]) -> tuple[str, list[int]]:
+        """The answer step's selection; where it found none (or the pipeline has no answer step),
+        the best-scored sentence with the neighbours it needs: the guard replaces an answer that
+        says nothing, so even a weak sentence of the sources is better."""
+        selection = state.selection
+        if selection is None:
+            selection = await read(asked, chunks, RuleScorer(None))
+        if not selection.found:
+            if selection.best is None:
+                return "", []
+            selection = Selection(True, picked=with_neighbours(selection.best, chunks), best=selection.best)
+        selection.picked = selection.picked[: max(self.p.max_sentences, 1) + 2]
+        return answer_text(state.question, selection)
+
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         enabled = ctx.settings.grounding_guard if self.p.enabled is None else self.p.enabled
         if not enabled or state.tracker is None or state.no_context or not state.tracker.chunks:
@@ -624,10 +656,7 @@ class GuardNode:
         if not report.degenerate:
             state.unsupported = [{"text": s.text, "start": s.start, "end": s.end} for s in report.unsupported]
             return
-        if state.selection is not None and state.selection.found:
-            text, numbers = extractive_text(state.selection)
-        else:
-            text, numbers = extractive_answer(asked, chunks, self.p.max_sentences)
+        text, numbers = await self._extractive(state, asked, chunks)
         if not text:
             return
         yield ResetEvent(reason=report.verdict)

@@ -11,9 +11,9 @@ from services.agent.citations import CitationTracker
 from services.agent.clients import InferenceClient, RetrievalClient
 from services.agent.config import AgentSettings
 from services.agent.events import AnswerKind, Event
-from services.agent.pipelines.selection import Selection
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import Message, Sampling, wire_messages
+from services.agent.reader.select import Selection
 from services.agent.tokens import TokenCounter
 from services.common.openai_wire import ToolCall, ToolCallDelta
 

@@ -1,0 +1,69 @@
+"""The reader's scorers: how well each candidate sentence answers a question, and whether any does.
+
+``AnswerScorer`` is the answer step's one seam. ``ReaderScorer``, the default, is a cross-encoder
+trained by the trainer's ``reader`` jobs (on human-written FAQ questions and answers, then on a
+tenant's feedback) and served by the inference service's ``/v1/rerank``: it reads the question
+beside each sentence under its section's heading path, and a sentence answers when its score
+passes the threshold chosen on the tuning question sets (benchmarks/answers, ``reader_eval``).
+``services/agent/reader/rules.py`` holds the fallback: the collection's embedder and lexical
+rules, used when no reader is served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.agent.chunks import Chunk
+from services.agent.reader.candidates import Candidate
+from services.common.readers import reader_passage
+
+# (model, question, passages) -> one score per passage, in order (inference's /v1/rerank).
+Rerank = Callable[[str, str, list[str]], Awaitable[list[float]]]
+
+
+@dataclass
+class Scored:
+    """A scorer's verdict on the candidates: ``scores`` one per candidate (higher answers better),
+    ``answers`` whether each answers the question on its own."""
+
+    scores: list[float]
+    answers: list[bool]
+    scorer: str  # which scorer judged: "reader:<model>" or "rules"
+    # A second answering sentence of the best one's section joins it when it scores within this
+    # of the best (in the scorer's own units).
+    margin: float = 0.0
+    # Names of the question no source holds: then nothing answers (the rules' check).
+    missing: list[str] | None = None
+
+
+class AnswerScorer(Protocol):
+    name: str
+
+    async def score(self, question: str, chunks: list[Chunk], candidates: list[Candidate]) -> Scored: ...
+
+
+class ReaderScorer:
+    """A served cross-encoder reader: one ``/v1/rerank`` call per question."""
+
+    def __init__(
+        self, model: str, threshold: float, rerank: Rerank, *, margin: float = 1.0, max_candidates: int = 256
+    ) -> None:
+        self.model = model
+        self.threshold = threshold
+        self.margin = margin
+        self.rerank = rerank
+        # the inference service's per-request cap on documents; the candidates are in source
+        # order, and the sources are ranked, so what falls past it is the least likely
+        self.max_candidates = max_candidates
+        self.name = f"reader:{model}"
+
+    async def score(self, question: str, chunks: list[Chunk], candidates: list[Candidate]) -> Scored:
+        kept = candidates[: self.max_candidates]
+        passages = [reader_passage(c.text, c.context) for c in kept]
+        scores = await self.rerank(self.model, question, passages) if passages else []
+        if len(scores) != len(kept):
+            raise ValueError(f"the reader returned {len(scores)} scores for {len(kept)} sentences")
+        scores = [float(s) for s in scores] + [float("-inf")] * (len(candidates) - len(kept))
+        return Scored(scores, [s >= self.threshold for s in scores], self.name, self.margin)
