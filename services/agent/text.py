@@ -9,7 +9,8 @@ import threading
 import Stemmer
 
 _STEMMERS = threading.local()  # a PyStemmer stemmer is not thread-safe: one per thread
-WORD_RE = re.compile(r"[A-Za-z0-9]+(?:['’][A-Za-z]+)?")
+# Letters of any script make words ("Größe", "déjà", "naïve"), with an apostrophe's ending kept.
+WORD_RE = re.compile(r"[^\W_]+(?:['’][^\W_]+)?")
 # A sentence ends at . ! or ? followed by a space, a line break or the end: not inside "96.875",
 # ".tandem/api-key" or "e.g.x".
 # A numbered list item's marker ("3. ") opens its sentence instead of being one, and "ie.",

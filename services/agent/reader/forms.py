@@ -68,7 +68,9 @@ def _negated(text: str) -> bool:
 
 def yes_or_no(asked: Asked, sentence: str) -> str | None:
     """ "Yes" or "No" for a yes/no question whose answering sentence decides it: "No" when the
-    sentence negates what the question asks (or affirms what a negative question denies)."""
+    sentence negates what the question asks (or affirms what a negative question denies). It
+    reads polarity by negation words alone: a sentence that answers "without X?" with "cannot
+    ... unless X" reads as agreeing; the cited sentence follows, so a reader can tell."""
     if asked.kind != "yesno":
         return None
     return "No" if _negated(sentence) != _negated(asked.text) else "Yes"

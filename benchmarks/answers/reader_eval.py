@@ -1,0 +1,379 @@
+"""``python -m benchmarks.answers.reader_eval collect|score``: the answer step's scorers compared on
+the question sets, with the "not found" threshold chosen on the tuning sets only.
+
+``collect --set all --home DIR --out CACHE``: over a running stack (``tandem up``), each set's
+collection is made once (benchmarks/answers/sets.py), and for every question the shipped
+``chat-documents`` pipeline runs up to its answer step (rewrite, retrieve, rerank, relevance,
+prompt); the sources the answer step would read are written to ``CACHE/<set>.jsonl``.
+
+``score --cache CACHE --scorers rules,reader:NAME[,lm] --home DIR``: every scorer reads the same
+cached sources through the product's own reader (candidates, scorer, the one selector, the
+answer's form), and each answer is judged by services/common/judge.py as ``tandem eval rag``
+judges it: stated, right source, right page or section, "not found" when unanswerable, false
+"not found". A scorer with a threshold (the reader, ``lm``) gets the threshold that answers most
+tuning-set questions right (stated, or "not found" when unanswerable); figures are printed for
+the tuning sets, the test sets (that threshold) and leave-one-set-out (each set with the
+threshold chosen on all the others), per set and per question kind. ``--json`` writes it all.
+
+``lm`` scores a sentence by how much it raises the served model's likelihood of the question
+(the mean log-probability of the question's tokens after the sentence, less that after no
+sentence), with the served GGUF's weights loaded here by transformers: the inference service
+serves no prompt log-probabilities.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.answers.real_documents import stack_where
+from benchmarks.answers.sets import chosen_sets, ensure_collection, get_set
+
+THRESHOLDS = 161  # grid points between the lowest and highest best-candidate score
+
+
+async def _collect_set(name: str, where: dict[str, Any]) -> list[dict[str, Any]]:
+    from services.agent.clients import InferenceClient, RetrievalClient
+    from services.agent.config import AgentSettings
+    from services.agent.pipelines.definition import BUILTIN_DIR, load_definition_file
+    from services.agent.pipelines.state import RunContext, RunState
+    from services.agent.tokens import load_counter
+    from services.cli.eval_questions import load_questions
+    from services.common.config import load_settings
+
+    qs = get_set(name)
+    settings = load_settings(AgentSettings, check_unknown=False)
+    urls, key = where["urls"], where["key"]
+    ctx = RunContext(
+        settings=settings,
+        retrieval=RetrievalClient(urls["retrieval"], key),
+        inference=InferenceClient(urls["inference"], key),
+        counter=load_counter(settings.tokenizer),
+        model="",
+    )
+    pipeline = load_definition_file(BUILTIN_DIR / "chat-documents.yaml")
+    kinds = [pipeline.spec.components[n].type for n in pipeline.order]
+    steps = [pipeline.nodes[n] for n in pipeline.order[: kinds.index("answer_selector")]]
+    out = []
+    for q in load_questions(qs.questions):
+        state = RunState(question=q.question, collection=qs.collection)
+        for step in steps:
+            async for _ in step.run(state, ctx):
+                pass
+        sources = [c.to_result() for c in state.plan.sources] if state.plan is not None else []
+        out.append(
+            {"id": q.id, "asked": state.question, "search_query": state.search_query, "sources": sources}
+        )
+    return out
+
+
+def collect(names: list[str], home: Path, cache: Path) -> None:
+    where = stack_where(home)
+    cache.mkdir(parents=True, exist_ok=True)
+    with httpx.Client(
+        base_url=where["urls"]["retrieval"], headers={"Authorization": f"Bearer {where['key']}"}
+    ) as c:
+        for name in names:
+            t0 = time.perf_counter()
+            made = ensure_collection(c, get_set(name))
+            rows = asyncio.run(_collect_set(name, where))
+            (cache / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            print(
+                f"{name}: {len(rows)} questions{' (ingested)' if made else ''} {time.perf_counter() - t0:.0f} s"
+            )
+
+
+# -- scoring -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Read:
+    """One question's candidates as one scorer scored them (the threshold is applied later)."""
+
+    set: str
+    qid: str
+    scores: list[float]
+    answers: list[bool]  # the scorer's own verdicts (the rules'), or None-like when thresholded
+    seconds: float
+
+
+def _scorer(spec: str, where: dict[str, Any] | None) -> Any:
+    from services.agent.reader.rules import RuleScorer
+    from services.agent.reader.scorer import ReaderScorer
+
+    if spec == "rules" or spec == "rules-words":
+        if spec == "rules-words" or where is None:
+            return RuleScorer(None)
+        inference = _inference(where)
+
+        async def embed(texts: list[str]) -> list[list[float]]:
+            return await inference.embed("all-MiniLM-L6-v2", texts)
+
+        return RuleScorer(embed)
+    if spec.startswith("reader:"):
+        if where is None:
+            raise SystemExit("a reader scorer needs --home (the stack serving it)")
+        return ReaderScorer(spec.split(":", 1)[1], 0.0, _inference(where).rerank)
+    if spec == "lm":
+        return LikelihoodScorer()
+    raise SystemExit(f"unknown scorer {spec!r}: rules, rules-words, reader:NAME, lm")
+
+
+def _inference(where: dict[str, Any]) -> Any:
+    from services.agent.clients import InferenceClient
+
+    return InferenceClient(where["urls"]["inference"], where["key"])
+
+
+class LikelihoodScorer:
+    """The served model's likelihood of the question given each sentence (see the module doc)."""
+
+    name = "lm"
+
+    def __init__(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from services.inference.engine.loader import default_gguf_path  # the served default
+
+        path = default_gguf_path()
+        folder, file = str(path.parent), path.name
+        self.tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file).eval()
+        self.torch = torch
+
+    def _mean_logprob(self, prefixes: list[str], question: str) -> list[float]:
+        torch = self.torch
+        q_ids = self.tok(" " + question, add_special_tokens=False)["input_ids"]
+        out: list[float] = []
+        for k in range(0, len(prefixes), 16):
+            batch = [
+                self.tok(p, add_special_tokens=False)["input_ids"][-160:] + q_ids
+                for p in prefixes[k : k + 16]
+            ]
+            width = max(len(b) for b in batch)
+            ids = torch.full((len(batch), width), self.tok.eos_token_id or 0)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, b in enumerate(batch):
+                ids[i, : len(b)] = torch.tensor(b)
+                mask[i, : len(b)] = 1
+            with torch.no_grad():
+                logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+            for i, b in enumerate(batch):
+                start = len(b) - len(q_ids)
+                picked = logp[i, start - 1 : len(b) - 1].gather(1, torch.tensor(q_ids)[:, None])
+                out.append(float(picked.mean()))
+        return out
+
+    async def score(self, question: str, chunks: list[Any], candidates: list[Any]) -> Any:
+        from services.agent.reader.scorer import Scored
+        from services.common.readers import reader_passage
+
+        prefixes = [f"Text: {reader_passage(c.text, c.context)}\nQuestion:" for c in candidates]
+        with_text = self._mean_logprob(prefixes, question) if prefixes else []
+        [alone] = self._mean_logprob(["Question:"], question)
+        scores = [s - alone for s in with_text]
+        return Scored(scores, [True] * len(scores), self.name, 0.5)
+
+
+async def _read_set(name: str, rows: list[dict[str, Any]], scorer: Any) -> list[Read]:
+    from services.agent.chunks import Chunk
+    from services.agent.reader.candidates import answer_candidates
+
+    out = []
+    for row in rows:
+        chunks = [Chunk.from_result(s) for s in row["sources"]]
+        asked = (
+            row["asked"]
+            if row["search_query"] in ("", row["asked"])
+            else f"{row['asked']} {row['search_query']}"
+        )
+        candidates = answer_candidates(chunks)
+        t0 = time.perf_counter()
+        scored = await scorer.score(asked, chunks, candidates) if candidates else None
+        seconds = time.perf_counter() - t0
+        out.append(
+            Read(name, row["id"], scored.scores if scored else [], scored.answers if scored else [], seconds)
+        )
+    return out
+
+
+def _judge(
+    reads: list[Read], rows: dict[str, dict[str, Any]], questions: dict[str, Any], threshold: float | None
+) -> list[dict[str, Any]]:
+    """Each read, its selection at ``threshold`` (None: the scorer's own verdicts), judged."""
+    from services.agent.chunks import Chunk, Citation
+    from services.agent.reader import answer_text
+    from services.agent.reader.candidates import answer_candidates
+    from services.agent.reader.scorer import Scored
+    from services.agent.reader.select import select
+    from services.cli.eval_questions import locates, states
+
+    out = []
+    for r in reads:
+        q = questions[(r.set, r.qid)]
+        chunks = [Chunk.from_result(s) for s in rows[(r.set, r.qid)]["sources"]]
+        candidates = answer_candidates(chunks)
+        answers = r.answers if threshold is None else [s >= threshold for s in r.scores]
+        margin = 0.08 if threshold is None else 1.0
+        selection = select(chunks, candidates, Scored(r.scores, answers, "", margin))
+        found = selection.found
+        text, numbers = answer_text(q.question, selection) if found else ("", [])
+        cites = [Citation.of(n, chunks[n - 1], kind="extractive", claim=text).model_dump() for n in numbers]
+        stated = bool(q.answerable and found and states(text, q))
+        right = bool(q.answerable and any(q.cited_by(c) for c in cites))
+        place = bool(right and any(locates(q, c) for c in cites if q.cited_by(c)))
+        out.append(
+            {
+                "set": r.set,
+                "id": r.qid,
+                "kind": q.kind or "other",
+                "answerable": q.answerable,
+                "found": found,
+                "stated": stated,
+                "right_source": right,
+                "right_place": place,
+                "answer": text,
+                "seconds": r.seconds,
+            }
+        )
+    return out
+
+
+def totals(judged: list[dict[str, Any]]) -> dict[str, Any]:
+    yes = [j for j in judged if j["answerable"]]
+    no = [j for j in judged if not j["answerable"]]
+    n = max(len(yes), 1)
+    secs = sorted(j["seconds"] for j in judged) or [0.0]
+    return {
+        "questions": len(judged),
+        "stated": sum(j["stated"] for j in yes) / n,
+        "right_source": sum(j["right_source"] for j in yes) / n,
+        "right_place": sum(j["right_place"] for j in yes) / n,
+        "false_not_found": sum(not j["found"] for j in yes) / n,
+        "not_found": sum(not j["found"] for j in no) / max(len(no), 1),
+        "right": (sum(j["stated"] for j in yes) + sum(not j["found"] for j in no)) / max(len(judged), 1),
+        "p50_score_s": secs[len(secs) // 2],
+    }
+
+
+def _best_threshold(reads: list[Read], rows: Any, questions: Any) -> float:
+    """The threshold answering most of ``reads``' questions right (ties: the lowest). A question
+    is answered at a threshold when its best candidate passes it, and then by the same sentence:
+    so each is judged once, with every candidate answering, and the grid is counted from that."""
+    everything = _judge(reads, rows, questions, float("-inf"))
+    tops = [max(r.scores) if r.scores else float("-inf") for r in reads]
+    finite = [t for t in tops if t != float("-inf")]
+    lo, hi = min(finite), max(finite)
+    grid = [lo + (hi - lo) * k / (THRESHOLDS - 1) for k in range(THRESHOLDS)]
+
+    def right(t: float) -> int:
+        return sum(
+            (j["stated"] and top >= t) if j["answerable"] else top < t
+            for j, top in zip(everything, tops, strict=True)
+        )
+
+    return float(max(grid, key=lambda t: (right(t), -t)))
+
+
+def _line(label: str, t: dict[str, Any]) -> str:
+    return (
+        f"{label:<24} n={t['questions']:<4} stated {t['stated']:.1%}  source {t['right_source']:.1%}  "
+        f"page/section {t['right_place']:.1%}  not found {t['not_found']:.1%}  false nf {t['false_not_found']:.1%}"
+    )
+
+
+def score(cache: Path, names: list[str], scorers: list[str], home: Path | None, out: Path | None) -> None:
+    from services.cli.eval_questions import load_questions
+
+    where = stack_where(home) if home else None
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    questions: dict[tuple[str, str], Any] = {}
+    for name in names:
+        for line in (cache / f"{name}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            rows[(name, row["id"])] = row
+        for q in load_questions(get_set(name).questions):
+            questions[(name, q.id)] = q
+    report: dict[str, Any] = {}
+    for spec in scorers:
+        scorer = _scorer(spec, where)
+        reads: list[Read] = []
+        for name in names:
+            set_rows = [rows[k] for k in rows if k[0] == name]
+            reads += asyncio.run(_read_set(name, set_rows, scorer))
+        report[spec] = _report(
+            spec, reads, rows, questions, thresholded=spec != "rules" and spec != "rules-words"
+        )
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1))
+
+
+def _report(spec: str, reads: list[Read], rows: Any, questions: Any, *, thresholded: bool) -> dict[str, Any]:
+    role = {n: get_set(n).role for n in {r.set for r in reads}}
+    tuning = [r for r in reads if role[r.set] == "tuning"]
+    threshold = _best_threshold(tuning, rows, questions) if thresholded else None
+    judged = _judge(reads, rows, questions, threshold)
+    print(
+        f"\n== {spec}"
+        + (f" (threshold {threshold:.3f}, chosen on the tuning sets)" if threshold is not None else "")
+    )
+    result: dict[str, Any] = {"threshold": threshold, "sets": {}, "kinds": {}, "loso": {}}
+    for group in ("tuning", "test"):
+        part = [j for j in judged if role[j["set"]] == group]
+        result[group] = totals(part)
+        print(_line(group, result[group]))
+        for name in sorted({j["set"] for j in part}):
+            result["sets"][name] = totals([j for j in part if j["set"] == name])
+            print(_line(f"  {name}", result["sets"][name]))
+    by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for j in judged:
+        if role[j["set"]] == "test":
+            by_kind[j["kind"]].append(j)
+    for kind, part in sorted(by_kind.items()):
+        result["kinds"][kind] = totals(part)
+        print(_line(f"  test kind {kind}", result["kinds"][kind]))
+    if thresholded:
+        loso: list[dict[str, Any]] = []
+        for name in sorted(role):
+            others = [r for r in reads if r.set != name]
+            t = _best_threshold(others, rows, questions)
+            mine = _judge([r for r in reads if r.set == name], rows, questions, t)
+            result["loso"][name] = {**totals(mine), "threshold": t}
+            loso += mine
+        result["loso_all"] = totals(loso)
+        print(_line("leave-one-set-out", result["loso_all"]))
+    result["answers"] = judged
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["collect", "score"])
+    ap.add_argument("--set", default="all", help="set names, comma-separated, or tuning / test / all")
+    ap.add_argument("--home", type=Path, default=None, help="TANDEM_HOME of the running stack")
+    ap.add_argument("--cache", type=Path, required=True, help="the folder of the collected sources")
+    ap.add_argument(
+        "--scorers", default="rules", help="rules, rules-words, reader:NAME, lm (comma-separated)"
+    )
+    ap.add_argument("--json", type=Path, default=None, help="write the report and every answer here")
+    args = ap.parse_args()
+    names = chosen_sets(args.set)
+    if args.command == "collect":
+        collect(names, args.home or Path(os.environ.get("TANDEM_HOME", ".tandem")), args.cache)
+    else:
+        score(args.cache, names, args.scorers.split(","), args.home, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""The reader's answer forms and its words: sentences written for these tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.agent.chunks import Chunk
+from services.agent.reader import answer_text, read
+from services.agent.reader.candidates import answer_candidates
+from services.agent.reader.forms import Asked, default_value, lead, yes_or_no
+from services.agent.reader.scorer import ReaderScorer, Scored
+from services.agent.reader.select import select
+from services.common.judge import has_phrase, states_reference
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize(
+    ("question", "kind"),
+    [
+        ("What is the default port of the relay?", "default"),
+        ("How many workers does the relay start?", "howmany"),
+        ("Why does the relay drop idle links?", "why"),
+        ("When is the cache flushed?", "when"),
+        ("How do I rotate the relay's keys?", "how"),
+        ("Which file holds the relay's keys?", "which"),
+        ("What is a relay group?", "what"),
+        ("Can the relay run without a cache?", "yesno"),
+        ("Relay keys, rotated how often?", "other"),
+    ],
+)
+def test_a_question_is_parsed_once_into_its_kind(question: str, kind: str) -> None:
+    assert Asked.parse(question).kind == kind
+
+
+@pytest.mark.parametrize(
+    ("sentence", "value"),
+    [
+        ("The relay listens on port 7443 by default; the default is 7443.", "7443"),
+        ("Its idle timeout defaults to 90 seconds.", "90 seconds"),
+        ("port: the port to listen on (default: 7443)", "7443"),
+        ("Default: the current directory.", "the current directory"),
+        ("The relay keeps its keys in the key store.", None),
+    ],
+)
+def test_a_default_value_is_read_from_its_sentence(sentence: str, value: str | None) -> None:
+    assert default_value(Asked.parse("What is the default listening port?"), sentence) == value
+
+
+def test_a_default_is_answered_as_such_and_only_for_a_default_question() -> None:
+    sentence = "Its idle timeout defaults to 90 seconds."
+    assert lead(Asked.parse("What is the default idle timeout?"), [sentence]) == "The default is 90 seconds."
+    assert lead(Asked.parse("Why do idle links close?"), [sentence]) == ""
+
+
+@pytest.mark.parametrize(
+    ("question", "sentence", "verdict"),
+    [
+        ("Can the relay run without a cache?", "The relay runs without a cache, more slowly.", "Yes"),
+        ("Can the relay run on one core?", "The relay runs on a single core.", "Yes"),
+        ("Does the relay encrypt its logs?", "The relay does not encrypt its logs.", "No"),
+        ("Doesn't the relay compress its logs?", "The relay does not compress its logs.", "Yes"),
+        ("Which file holds the keys?", "The key store holds the keys.", None),
+    ],
+)
+def test_a_yes_no_question_gets_yes_or_no_before_its_sentence(
+    question: str, sentence: str, verdict: str | None
+) -> None:
+    assert yes_or_no(Asked.parse(question), sentence) == verdict
+
+
+GERMAN = [
+    Chunk(
+        "de#0",
+        "relais.md",
+        "## Größe des Puffers\n\nDie Größe des Puffers beträgt standardmäßig 64 Kilobyte. "
+        "Der Wert lässt sich über die Option --puffer ändern.",
+        title="Relais",
+        section="Relais > Größe des Puffers",
+    ),
+    Chunk(
+        "fr#0",
+        "relais-fr.md",
+        "## Délai d'attente\n\nLe délai d'attente par défaut est de 90 secondes. "
+        "Après ce délai, la connexion inactive est fermée.",
+        title="Relais",
+        section="Relais > Délai d'attente",
+    ),
+]
+
+
+def test_words_with_letters_outside_ascii_are_words() -> None:
+    texts = [c.text for c in answer_candidates(GERMAN)]
+    assert "Die Größe des Puffers beträgt standardmäßig 64 Kilobyte." in texts
+    assert "Le délai d'attente par défaut est de 90 secondes." in texts
+    assert has_phrase("Die Größe beträgt 64 Kilobyte.", "Größe")
+    assert not has_phrase("Die Größenordnung", "Größe")  # a whole word, not a prefix
+    assert states_reference("La connexion inactive est fermée après 90 secondes.", "fermée après 90 secondes")
+
+
+async def test_the_reader_scores_each_sentence_under_its_heading_and_the_threshold_decides() -> None:
+    calls: list[tuple[str, str, list[str]]] = []
+
+    async def rerank(model: str, question: str, passages: list[str]) -> list[float]:
+        calls.append((model, question, passages))
+        return [3.0 if "90 secondes" in p else -2.0 for p in passages]
+
+    question = "Quel est le délai d'attente par défaut ?"
+    found = await read(question, GERMAN, ReaderScorer("tandem-reader", 0.5, rerank))
+    assert found.found and found.scorer == "reader:tandem-reader"
+    assert found.picked[0].text == "Le délai d'attente par défaut est de 90 secondes."
+    [(model, asked, passages)] = calls
+    assert model == "tandem-reader" and asked == question
+    assert "Relais > Délai d'attente\nLe délai d'attente par défaut est de 90 secondes." in passages
+    text, numbers = answer_text(question, found)
+    assert numbers == [2] and text.endswith("[2].")
+    missing = await read(question, GERMAN, ReaderScorer("tandem-reader", 5.0, rerank))
+    assert not missing.found and missing.see_also[0] == 2  # the closest source first
+
+
+def test_the_selector_keeps_a_second_close_sentence_of_the_same_section_only() -> None:
+    candidates = answer_candidates(GERMAN)
+    scores = [2.0 - 0.05 * k if c.source == 1 else 1.5 for k, c in enumerate(candidates)]
+    same = select(GERMAN, candidates, Scored(scores, [True] * len(scores), "t", margin=0.1))
+    assert [c.source for c in same.picked] == [1, 1]
+    apart = select(GERMAN, answer_candidates(GERMAN), Scored(scores, [True] * len(scores), "t", margin=0.0))
+    assert [c.source for c in apart.picked] == [1]
