@@ -2,7 +2,10 @@
 markdown-it-py). Structure that chunking uses is kept as Markdown in the text: HTML
 ``<h1>``-``<h6>``, DOCX "Heading N" paragraphs, Markdown headings and PDF lines set in a
 larger font all become ``#``-lines; code blocks become fenced blocks and tables ``| a | b |``
-rows, in reading order, so the chunker keeps them whole. What the text cannot hold goes to
+rows, in reading order, so the chunker keeps them whole; an HTML definition list becomes one
+block per item, ``term: definition``. The text reads as people read it: a PDF's words
+hyphenated at line ends are joined again, ligatures spelled out and soft hyphens dropped
+(core/text_cleanup.py), HTML source line breaks are spaces. What the text cannot hold goes to
 ``InputDocument.structure`` (core/structure.py): the offset where each PDF page begins and
 the HTML anchors of headings. Every problem is an ``InvalidRequest`` naming the file and
 what is wrong.
@@ -19,6 +22,7 @@ from typing import Any
 from services.common import jsonsafe
 from services.common.errors import InvalidRequest, UnsupportedMediaType
 from services.retrieval.core.structure import sentinel, take_sentinels
+from services.retrieval.core.text_cleanup import fix_characters, join_hyphenated
 
 SUPPORTED = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf", ".docx", ".jsonl")
 # Formats whose parsers decompress, or do work out of proportion to the file's size: parsed
@@ -169,22 +173,92 @@ def html_to_text(source: str) -> tuple[str, str]:
     return text, title
 
 
+# Breaks between blocks while an HTML page becomes text: a line break (``<br>``, table rows), a
+# paragraph break, the start or end of a block that must begin its own line (code, a table, a
+# heading), the boundary between two items of a definition list, the start of a definition
+# list, and the boundary between two items of a list nested in a definition. All but the first
+# are blank lines in the end, except inside a definition, where they are line breaks: an item
+# stays one block of text (see ``_definition_text``). Control characters: the source's own are
+# taken out first.
+_LINE, _PARA, _HARD, _ITEM, _LIST, _SUB = "\x04", "\x01", "\x02", "\x03", "\x05", "\x06"
+_MARKS = "\x00-\x06"  # the breaks, and structure.py's anchor sentinels
+_SOURCE_MARKS = re.compile(f"[{_MARKS}]")
+# White space as a browser collapses it (ASCII, and the no-break space this text never kept).
+_SPACE = re.compile(r"[ \t\n\r\f\v\xa0]+")
+_BREAK_RUN = re.compile(r" ?[\x01-\x06][ \x01-\x06]*")
+# A definition up to this long (about a default chunk, 256 tokens) is one block with its term,
+# nested lists included: the chunker cuts at blank lines, and such an item fits in a chunk. A
+# longer one (a class with its methods, a struct with its members) is cut anyway: its nested
+# items are blocks of their own, for chunks to be cut between them rather than inside them.
+ITEM_BLOCK_CHARS = 1000
+# Elements that start a new line where a browser draws them.
+_BLOCKS = [
+    *("p", "div", "li", "tr", "section", "article", "blockquote", "address", "aside", "details"),
+    *("dialog", "fieldset", "figcaption", "figure", "footer", "form", "header", "hgroup", "hr"),
+    *("main", "nav", "ol", "ul", "summary", "caption", "legend", "center"),
+]
+
+
 def html_document(source: str) -> tuple[str, str, list[list[Any]]]:
     """(text, title, anchors) of an HTML page: ``html_to_text`` plus ``[[offset, id], ...]`` of
-    the headings that have an anchor."""
+    the headings that have an anchor.
+
+    Text runs as a browser shows it: white space in the source (line breaks included) is one
+    space, ``<br>`` a line break, block elements paragraphs. A definition list (``<dl>``:
+    glossaries, parameter and option lists of Sphinx, DocBook and others) becomes one block per
+    item, its terms and its definition on one line: ``term: definition`` (several ``<dt>`` of
+    one ``<dd>`` joined by commas), the definition's further paragraphs, code, "Default: X"
+    lines and short nested lists following on lines of their own, so that the chunker does not
+    cut an item from its term."""
     from bs4 import BeautifulSoup
 
-    soup = BeautifulSoup(source, "html.parser")
+    soup = BeautifulSoup(_SOURCE_MARKS.sub("", source), "html.parser")
     title = soup.title.get_text(" ", strip=True) if soup.title else ""
     for tag in soup(["script", "style", "noscript", "template", "head"]):
         tag.decompose()
+    for tag in soup.select("a.headerlink"):
+        tag.decompose()  # Sphinx's permalink sign ("¶") after each heading and signature
     for pre in soup.find_all("pre"):
         code = pre.get_text().strip("\n").replace("```", "` ` `")
-        pre.replace_with(f"\n\n```\n{code}\n```\n\n")
+        pre.replace_with(f"{_HARD}\n```\n{code}\n```\n{_HARD}")
+    _html_tables(soup)
+    ids: list[str] = []
+    for h in soup.find_all(re.compile(r"^h[1-6]$")):
+        level = int(h.name[1])
+        anchor = _anchor_of(h)
+        mark = ""
+        if anchor:
+            mark = sentinel(len(ids))
+            ids.append(anchor)
+        h.replace_with(f"{_HARD}{mark}{'#' * level} {h.get_text(' ', strip=True)}{_HARD}")
+    for br in soup.find_all("br"):
+        br.replace_with(_LINE)
+    for block in soup.find_all(_BLOCKS):
+        block.insert_before(_PARA)
+        block.insert_after(_PARA)
+    for dl in reversed(soup.find_all("dl")):  # inner lists first: an outer item holds them
+        sep = _SUB if dl.find_parent("dd") is not None else _ITEM
+        dl.replace_with(_LIST + sep + sep.join(_definition_items(dl)) + sep)
+    pieces = []
+    for i, part in enumerate(_FENCED_RE.split("\n" + soup.get_text() + "\n")):
+        if i % 2:
+            pieces.append(part)  # a code block keeps its spacing
+        else:
+            part = _BREAK_RUN.sub(_blank_line, _SPACE.sub(" ", part))
+            pieces.append("\n".join(ln.strip() for ln in part.split("\n")))
+    text, anchors = take_sentinels(fix_characters(_tidy("".join(pieces))), ids)
+    return text, title, anchors
+
+
+def _blank_line(m: re.Match[str]) -> str:
+    return "\n" if m.group(0).strip(" ") == _LINE else "\n\n"
+
+
+def _html_tables(soup: Any) -> None:
+    """Data tables as ``| a | b |`` rows. A table holding headings lays the page out (DocBook's
+    FAQs: each section's heading and its questions are rows of one table): its cells are the
+    page's flow, and its headings open sections."""
     headings = re.compile(r"^h[1-6]$")
-    # A table holding headings lays the page out (DocBook's FAQs: each section's heading and
-    # its questions are rows of one table): its cells are the page's flow, and its headings
-    # open sections. Any other table is data, kept whole as rows.
     layout = [t for t in soup.find_all("table") if t.find(headings) is not None]
     for table in layout:
         for cell in table.find_all(["td", "th"]):
@@ -198,30 +272,74 @@ def html_document(source: str) -> tuple[str, str, list[list[Any]]]:
             _table_row([cell.get_text(" ", strip=True) for cell in tr.find_all(["th", "td"])])
             for tr in table.find_all("tr")
         ]
-        table.replace_with("\n\n" + "\n".join(r for r in rows if r.strip("| ")) + "\n\n")
-    ids: list[str] = []
-    for h in soup.find_all(headings):
-        level = int(h.name[1])
-        anchor = _anchor_of(h)
-        mark = ""
-        if anchor:
-            mark = sentinel(len(ids))
-            ids.append(anchor)
-        h.replace_with(f"\n\n{mark}{'#' * level} {h.get_text(' ', strip=True)}\n\n")
-    for br in soup.find_all("br"):
-        br.replace_with("\n")
-    for block in soup.find_all(["p", "div", "li", "tr", "section", "article", "blockquote", "dt", "dd"]):
-        block.insert_before("\n\n")
-        block.insert_after("\n\n")
-    raw = soup.get_text()
-    pieces = []
+        table.replace_with(_HARD + _LINE.join(r for r in rows if r.strip("| ")) + _HARD)
+
+
+def _dl_children(tag: Any) -> Any:
+    """The ``<dt>``, ``<dd>`` and other content of a ``<dl>``, looking through the ``<div>`` that
+    HTML allows around a group of them."""
+    from bs4 import Tag
+
+    for child in tag.children:
+        if isinstance(child, Tag) and child.name == "div" and child.find(["dt", "dd"], recursive=False):
+            yield from _dl_children(child)
+        else:
+            yield child
+
+
+def _definition_items(dl: Any) -> list[str]:
+    """The items of a ``<dl>``, each one block of text: ``term: definition`` when the ``<dd>``
+    begins with text or another block; its terms and the ``<dd>`` apart when it begins with a
+    nested definition list (a table of contents); a ``<dt>`` with no ``<dd>``, or the reverse,
+    alone."""
+    from bs4 import Tag
+
+    items: list[str] = []
+    terms: list[str] = []
+    for child in _dl_children(dl):
+        if isinstance(child, Tag) and child.name == "dt":
+            term = _BREAK_RUN.sub(", ", _SPACE.sub(" ", child.get_text()))
+            if term.strip(" ,"):
+                terms.append(term.strip(" ,"))
+            continue
+        raw = child.get_text() if isinstance(child, Tag) else str(child)
+        body = _definition_text(raw)
+        if not body:
+            continue
+        lead = re.match(r"[\s\x01-\x06]*", raw)
+        opening = lead.group(0) if lead else ""
+        if not terms or _LIST in opening:
+            items.extend(terms)
+            items.append(body)
+        else:
+            term = ", ".join(terms)
+            colon = "" if term[-1] in ":?!" else ":"
+            # code begins on a line of its own already (its fence's), other blocks on the next
+            gap = "" if body.startswith("\n") else _LINE if _HARD in opening else " "
+            items.append(f"{term}{colon}{gap}{body}")
+        terms = []
+    items.extend(terms)
+    return items
+
+
+def _definition_text(raw: str) -> str:
+    """A definition's text as lines of one block: its paragraph and block breaks are line
+    breaks (``_LINE``), and so are the boundaries between the items of the lists nested in it
+    while it is at most ``ITEM_BLOCK_CHARS`` long; a longer one's nested items are blocks
+    (``_ITEM``). A code block in it keeps the new lines around its fences."""
+
+    def line_break(m: re.Match[str]) -> str:
+        run = m.group(0)
+        return _ITEM if _ITEM in run else _SUB if _SUB in run else _LINE
+
+    out: list[str] = []
     for i, part in enumerate(_FENCED_RE.split("\n" + raw + "\n")):
         if i % 2:
-            pieces.append(part)  # a code block keeps its spacing
+            out.append(part)
         else:
-            pieces.append("\n".join(re.sub(r"[ \t\xa0]+", " ", ln).strip() for ln in part.split("\n")))
-    text, anchors = take_sentinels(_tidy("".join(pieces)), ids)
-    return text, title, anchors
+            out.append(_BREAK_RUN.sub(line_break, _SPACE.sub(" ", part)).strip(" " + _LINE + _SUB))
+    text = "".join(out).strip(" " + _LINE + _ITEM + _LIST + _SUB)
+    return text.replace(_SUB, _LINE if len(text) <= ITEM_BLOCK_CHARS else _ITEM)
 
 
 def _limit(filename: str, what: str, setting: str) -> ParseLimitError:
@@ -240,7 +358,9 @@ def pdf_document(
     filename: str, data: bytes, limits: ParseLimits = ParseLimits()
 ) -> tuple[str, list[list[int]]]:
     """(text, pages) of a PDF: the pages' text in order, lines set in a larger font than the
-    body as ``#`` headings, and ``[[page, offset], ...]`` where each page's text begins."""
+    body as ``#`` headings, and ``[[page, offset], ...]`` where each page's text begins. Words
+    the typesetter hyphenated at a line end are whole again, except in code (monospaced type)
+    and headings (``text_cleanup.join_hyphenated``)."""
     from pypdf import PdfReader
     from pypdf.errors import PdfReadError, PdfStreamError
 
@@ -252,14 +372,18 @@ def pdf_document(
             )
         pages: list[str] = []
         runs: list[tuple[str, float]] = []  # (text, font size) of every text run
+        code: list[set[str]] = []  # per page, the hyphenated words that end lines of code
         size = 0
 
-        def visit(text: str, cm: Any, tm: Any, _font: Any, font_size: Any) -> None:
+        def visit(text: str, cm: Any, tm: Any, font: Any, font_size: Any) -> None:
             if text.strip():
                 scale = abs(float(tm[3]) * float(cm[3])) or 1.0
                 runs.append((text.strip(), round(float(font_size or 0) * scale, 1)))
+                if _monospaced(font):
+                    code[-1].update(_hyphen_ends(fix_characters(text, soft_hyphens=False)))
 
         for page in reader.pages:
+            code.append(set())
             pages.append(page.extract_text(visitor_text=visit) or "")
             size += len(pages[-1])
             if size > limits.max_text_bytes:
@@ -281,7 +405,7 @@ def pdf_document(
             code="corrupt_file",
         ) from None
     levels = _heading_levels(runs)
-    pages = _without_running_heads(pages)
+    pages = _readable_pages(_without_running_heads(pages), levels, code)
     parts: list[str] = []
     offsets: list[list[int]] = []
     pos = 0
@@ -331,6 +455,47 @@ def _without_running_heads(pages: list[str]) -> list[str]:
     return out
 
 
+# Font names of monospaced (code) type: Courier, *Mono, TeX's typewriter fonts (cmtt10, cmsltt10,
+# sftt1000, ectt1000, txtt, lmmono10), ...
+_MONO_FONT = re.compile(
+    r"mono|courier|typewriter|consol|menlo|inconsolata|fixed|(?:^|[+/])(?:cm|cmsl|cmit|sf|sfsl|lm|ec|tc|tx)?tt\d",
+    re.I,
+)
+_FIXED_PITCH = 1  # the FixedPitch bit of a PDF font descriptor's /Flags
+
+
+def _monospaced(font: Any) -> bool:
+    """Whether a text run's font (a PDF font dictionary) is a monospaced one: code."""
+    try:
+        if font is None:
+            return False
+        if _MONO_FONT.search(str(font.get("/BaseFont", ""))):
+            return True
+        descriptor = font.get("/FontDescriptor")
+        flags = descriptor.get_object().get("/Flags", 0) if descriptor is not None else 0
+        return bool(int(flags) & _FIXED_PITCH)
+    except Exception:  # a broken font dictionary: read as text
+        return False
+
+
+def _hyphen_ends(text: str) -> set[str]:
+    """The words, hyphen included, that lines of a code run end in: ``join_hyphenated`` never
+    joins them to the next line."""
+    ends = (re.search(r"(\w+(?:[-\u2010]\w+)*[-\u2010\u00ad])\s*$", line) for line in text.split("\n"))
+    return {m.group(1) for m in ends if m}
+
+
+def _readable_pages(pages: list[str], levels: dict[str, int], code: list[set[str]]) -> list[str]:
+    """Pages with ligatures and soft hyphens fixed and words hyphenated at line ends joined
+    (``text_cleanup``); headings and code keep their hyphens."""
+
+    def keep(page: int, line: str, word: str) -> bool:
+        return word in code[page] or re.sub(r"\s+", " ", line.strip()) in levels
+
+    pages = [fix_characters(p, soft_hyphens=False) for p in pages]
+    return [fix_characters(p) for p in join_hyphenated(pages, keep)]
+
+
 def _heading_levels(runs: list[tuple[str, float]]) -> dict[str, int]:
     """Heading level of the text of each run set larger than the body text (the size most
     characters have): the largest size is level 1."""
@@ -342,7 +507,11 @@ def _heading_levels(runs: list[tuple[str, float]]) -> dict[str, int]:
     body = max(weight, key=lambda k: weight[k])
     bigger = sorted({sz for _, sz in runs if sz >= body * 1.15}, reverse=True)[:6]
     rank = {sz: i + 1 for i, sz in enumerate(bigger)}
-    return {re.sub(r"\s+", " ", text): rank[sz] for text, sz in runs if sz in rank and len(text) <= 200}
+    return {
+        re.sub(r"\s+", " ", fix_characters(text)): rank[sz]
+        for text, sz in runs
+        if sz in rank and len(text) <= 200
+    }
 
 
 def _pdf_line(line: str, levels: dict[str, int]) -> str:
@@ -477,14 +646,15 @@ def parse_file(
         structure["pages"] = pages
     elif ext == ".docx":
         text, title = docx_to_text(filename, data, limits)
+        text = fix_characters(text)
     elif ext in (".html", ".htm"):
         text, title, anchors = html_document(_decode(filename, data))
         if anchors:
             structure["anchors"] = anchors
     elif ext in (".md", ".markdown"):
-        text = markdown_to_text(_decode(filename, data))
+        text = fix_characters(markdown_to_text(_decode(filename, data)))
     else:
-        text = _tidy(_decode(filename, data))
+        text = fix_characters(_tidy(_decode(filename, data)))
     if not text.strip():
         raise InvalidRequest(
             f"file {filename!r} contains no extractable text", param="file", code="empty_file"
