@@ -13,16 +13,21 @@ interface Run {
   hasEOL?: boolean;
 }
 
-const squash = (s: string) => s.replace(/\s+/g, " ").trim().toLowerCase();
+const LIGATURES: Record<string, string> = { "\ufb00": "ff", "\ufb01": "fi", "\ufb02": "fl", "\ufb03": "ffi", "\ufb04": "ffl", "\ufb05": "st", "\ufb06": "st" };
 
-/** Indexes of the runs that hold ``sentence`` (matched with whitespace ignored). */
+/** Text as compared: lower case, ligatures as letters, without whitespace and hyphens (the
+ * parser joins a word hyphenated across lines; pdf.js's runs keep the hyphen). */
+const squash = (s: string) =>
+  s.replace(/[\ufb00-\ufb06]/g, (c) => LIGATURES[c] ?? c).replace(/[\s\-\u2010\u00ad]+/g, "").toLowerCase();
+
+/** Indexes of the runs that hold ``sentence`` (matched with whitespace and hyphens ignored). */
 export function runsOf(runs: Run[], sentence: string): number[] {
-  const want = squash(sentence).replace(/ /g, "");
+  const want = squash(sentence);
   if (!want) return [];
   let joined = "";
   const owner: number[] = [];
   runs.forEach((r, i) => {
-    for (const ch of squash(r.str).replace(/ /g, "")) {
+    for (const ch of squash(r.str)) {
       joined += ch;
       owner.push(i);
     }
