@@ -6,6 +6,11 @@ waiting for it at once (up to ``embedding_max_inputs`` texts), so many small con
 requests (retrieval replicas embedding one query each) share forward passes; the texts go
 through the model in batches of ``embedding_batch_size``, sorted by length so a batch carries
 little padding. Rerank models run on one shared worker thread.
+
+Besides the configured rerank models, ``/v1/rerank`` serves the trainer's published *readers*
+(``services/common/readers.py``): a ``model`` that is no configured one is looked up among the
+caller tenant's readers, then the shared ones, loaded on first use and kept (the
+``MAX_READERS`` most recently used).
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import os
 import queue
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -42,6 +49,16 @@ from services.inference.protocol_embeddings import (
 )
 
 T = TypeVar("T")
+MAX_READERS = 8  # published readers kept loaded (the least recently used is let go)
+
+
+@dataclass(frozen=True)
+class ReaderScope:
+    """Whose published readers a request may use: those of ``tenant`` (then the shared ones)
+    under ``home`` (``$TANDEM_HOME``)."""
+
+    home: Path
+    tenant: str
 
 
 @dataclass(frozen=True)
@@ -171,7 +188,7 @@ class RerankModel:
             str(path), device=str(platform.device()), model_kwargs={"dtype": _dtype(dtype, platform)}
         )
         self.tokenizer: Any = self.model.tokenizer
-        self.max_tokens = int(getattr(self.model, "max_length", None) or self.tokenizer.model_max_length)
+        self.max_tokens = int(getattr(self.model, "max_seq_length", None) or self.tokenizer.model_max_length)
 
     def count_tokens(self, query: str, docs: Sequence[str]) -> int:
         enc = self.tokenizer([query] * len(docs), list(docs), truncation=True, max_length=self.max_tokens)
@@ -206,6 +223,8 @@ class EmbeddingService:
             s.name: s for s in parse_specs(settings.rerank_models, "TANDEM_INFERENCE_RERANK_MODELS")
         }
         self._loaded: dict[str, Any] = {}
+        # published readers by (folder, job, publication time): a reader published again reloads
+        self._readers: OrderedDict[tuple[str, str, str], RerankModel] = OrderedDict()
         self._load_lock = threading.Lock()
         # One worker for the rerank models: they share the CPU/GPU with the chat engine, and
         # requests queue here instead of oversubscribing it.
@@ -272,9 +291,76 @@ class EmbeddingService:
         model: EmbeddingModel = await self._served(name, "embedding")
         return model
 
-    async def rerank_model(self, name: str) -> RerankModel:
-        model: RerankModel = await self._served(name, "rerank")
-        return model
+    async def rerank_model(self, name: str, scope: ReaderScope | None = None) -> RerankModel:
+        """A configured rerank model, or else (with ``scope``) a published reader the scope's
+        tenant may use; 404 naming ``model`` when there is neither."""
+        if scope is None or name in self.rerank_specs or name in self.embedding_specs:
+            model: RerankModel = await self._served(name, "rerank")
+            return model
+        from services.common.readers import find_reader
+
+        hit = find_reader(scope.home, scope.tenant, name)
+        if hit is None:
+            raise NotFound(
+                f"The rerank model `{name}` does not exist (neither a configured rerank model nor a "
+                "reader of yours or a shared one).",
+                param="model",
+                code="model_not_found",
+            )
+        folder, manifest = hit
+        return await asyncio.to_thread(
+            self._reader, name, folder, (str(folder), manifest.job_id, manifest.created_at)
+        )
+
+    def _reader(self, name: str, folder: Path, key: tuple[str, str, str]) -> RerankModel:
+        with self._load_lock:
+            model = self._readers.get(key)
+            if model is None:
+                try:
+                    model = self._build_reader(name, folder)
+                except (OSError, ValueError) as exc:
+                    raise ServiceUnavailable(f"the reader {name!r} could not be loaded: {exc}") from None
+                self._readers[key] = model
+                while len(self._readers) > MAX_READERS:
+                    self._readers.popitem(last=False)
+            self._readers.move_to_end(key)
+            return model
+
+    def _build_reader(self, name: str, folder: Path) -> RerankModel:
+        s = self.settings
+        return RerankModel(
+            ModelSpec(name, str(folder)),
+            folder,
+            platform=current_platform(self.device),
+            batch_size=s.embedding_batch_size,
+            dtype=s.embedding_dtype,
+        )
+
+    def reader_cards(self, scope: ReaderScope) -> list[ModelCard]:
+        """The published readers ``scope``'s tenant may use (``kind`` "rerank"), each with the
+        threshold its held-out rows chose; a configured model's name hides a reader's."""
+        from services.common.readers import SHARED, list_readers
+
+        cards = []
+        for m in list_readers(scope.home, scope.tenant):
+            if m.name in self.rerank_specs or m.name in self.embedding_specs:
+                continue
+            try:
+                created = int(datetime.fromisoformat(m.created_at).timestamp())
+            except ValueError:
+                created = 0
+            card = {
+                "id": m.name,
+                "created": created,
+                "owned_by": "tandem" if m.tenant == SHARED else m.tenant,
+                "root": m.base_model,
+                "kind": "rerank",
+                # Tandem's (the card keeps extra fields): what a client decides "answers" with
+                "threshold": m.threshold,
+                "metrics": m.metrics,
+            }
+            cards.append(ModelCard.model_validate(card))
+        return cards
 
     def cards(self, created: int) -> list[ModelCard]:
         kinds: list[tuple[Literal["embedding", "rerank"], dict[str, ModelSpec]]] = [
@@ -404,8 +490,10 @@ class EmbeddingService:
 
     # -- /v1/rerank -------------------------------------------------------------------------
 
-    async def rerank(self, req: RerankRequest) -> RerankResponse:
-        model = await self.rerank_model(req.model)
+    async def rerank(self, req: RerankRequest, scope: ReaderScope | None = None) -> RerankResponse:
+        """Scores of ``req.documents`` for ``req.query`` by a configured rerank model or (with
+        ``scope``) a published reader of the caller's."""
+        model = await self.rerank_model(req.model, scope)
         if len(req.documents) > self.settings.embedding_max_inputs:
             raise InvalidRequest(
                 f"documents: {len(req.documents)} documents; at most {self.settings.embedding_max_inputs} "

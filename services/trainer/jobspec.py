@@ -27,12 +27,13 @@ from services.trainer.data.formats import (
     KTORecord,
     PreferenceRecord,
     PromptRecord,
+    ReaderRecord,
     Record,
     of_kind,
     parse_dataset,
     records_for,
 )
-from services.trainer.protocol import JobCreate
+from services.trainer.protocol import READER_HELD_OUT, JobCreate
 
 KIND_OF: dict[str, Kind] = {
     "sft": "sft",
@@ -43,6 +44,7 @@ KIND_OF: dict[str, Kind] = {
     "ppo": "rl",
     "grpo": "rl",
     "embedder": "embedder",
+    "reader": "reader",
 }
 PAD_MULTIPLE = 64  # packs are padded to a multiple of this (kernel block friendly); counted as padding
 
@@ -369,7 +371,7 @@ def resolve_embedder_base(name: str, common: CommonSettings, owner: JobOwner | N
     """The sentence-transformers folder an embedder job starts from: all-MiniLM-L6-v2 (the
     packaged one), one of the owner's published embedders (``ft-emb-...``), or a folder under
     the allowed model roots that is neither another tenant's embedder nor its job weights."""
-    from services.common.embedders import embedders_root, find_embedder, is_embedder_name
+    from services.common.embedders import find_embedder, is_embedder_name
     from services.common.embedding_models import DEFAULT_ALIASES, resolve_model_path
 
     if is_embedder_name(name):
@@ -381,12 +383,127 @@ def resolve_embedder_base(name: str, common: CommonSettings, owner: JobOwner | N
         return resolve_model_path(name, common.allowed_model_roots, param="base_model")
     check_own_artifact(name, common, owner, "base_model")
     path = resolve_under_roots(name, common.allowed_model_roots, param="base_model")
-    root = embedders_root(common.home_dir).resolve()
-    if path.is_relative_to(root):
-        parts = path.relative_to(root).parts
-        if owner is None or not parts or parts[0] != owner.tenant:
-            raise NotFound(f"base_model {name!r}: no such embedder among yours", param="base_model")
+    check_published_path(path, name, common, owner)
     return resolve_model_path(str(path), common.allowed_model_roots, param="base_model")
+
+
+def check_published_path(path: Path, name: str, common: CommonSettings, owner: JobOwner | None) -> None:
+    """A job may start from a published embedder or reader by its folder only when it may use it
+    by name: the owner's own, or a shared reader. Another tenant's is a 404, as if missing."""
+    from services.common.embedders import embedders_root
+    from services.common.readers import SHARED, readers_root
+
+    home = common.home_dir
+    for root, what, shared in (
+        (embedders_root(home), "embedder", None),
+        (readers_root(home), "reader", SHARED),
+    ):
+        root = root.resolve()
+        if not path.is_relative_to(root):
+            continue
+        parts = path.relative_to(root).parts
+        if owner is None or not parts or parts[0] not in (owner.tenant, shared):
+            raise NotFound(f"base_model {name!r}: no such {what} among yours", param="base_model")
+
+
+def resolve_reader_base(name: str, common: CommonSettings, owner: JobOwner | None) -> Path:
+    """The model a reader job starts from: all-MiniLM-L6-v2 (the packaged bi-encoder: the
+    cross-encoder's classification head starts new), one of the owner's or the shared published
+    readers (``ft-reader-...``, trained further), one of the owner's published embedders
+    (``ft-emb-...``, a new head too), or a sentence-transformers / Hugging Face
+    BERT-like folder under the allowed model roots (neither another tenant's published models
+    nor its job weights). Anything else is a 404 naming ``base_model``."""
+    from services.common.embedders import is_embedder_name
+    from services.common.embedding_models import DEFAULT_ALIASES, resolve_model_path
+    from services.common.readers import find_reader, is_reader_name
+
+    if is_reader_name(name):
+        hit = find_reader(common.home_dir, owner.tenant, name) if owner is not None else None
+        if hit is None:
+            raise NotFound(
+                f"base_model {name!r}: no such reader among yours and the shared ones", param="base_model"
+            )
+        return hit[0]
+    if is_embedder_name(name):  # the tenant's fine-tuned bi-encoder: a new head on its encoder
+        return resolve_embedder_base(name, common, owner)
+    if name in DEFAULT_ALIASES:
+        return resolve_model_path(name, common.allowed_model_roots, param="base_model")
+    check_own_artifact(name, common, owner, "base_model")
+    path = resolve_under_roots(name, common.allowed_model_roots, param="base_model")
+    check_published_path(path, name, common, owner)
+    if not (path / "config.json").is_file():
+        raise NotFound(
+            f"base_model {name!r}: no such model: give all-MiniLM-L6-v2, one of your readers "
+            "(ft-reader-...), or a model folder (with config.json) under the allowed model roots",
+            param="base_model",
+        )
+    return path
+
+
+def reader_unit(rec: ReaderRecord, by_group: bool) -> str:
+    """What a reader job holds out whole: the row's group (a document set) when the rows have
+    several, else its question (all of a question's candidates stay on one side)."""
+    return f"group:{rec.group or ''}" if by_group else f"question:{rec.question}"
+
+
+def split_reader(
+    records: list[ReaderRecord], fraction: float, seed: int
+) -> tuple[list[ReaderRecord], list[ReaderRecord]]:
+    """A seeded held-out split of a reader dataset: ``fraction`` of its groups (at least one)
+    when the rows name several groups (rows without one form a group of their own), else
+    ``fraction`` of its questions; the held-out questions and documents are never trained on."""
+    by_group = len({r.group for r in records}) > 1
+    units = sorted({reader_unit(r, by_group) for r in records})
+    random.Random(seed).shuffle(units)
+    held = set(units[: max(1, round(fraction * len(units)))])
+    if len(held) >= len(units):
+        what = "groups" if by_group else "questions (and no 'group' to hold out)"
+        raise InvalidRequest(
+            f"eval_fraction {fraction}: the dataset has {len(units)} distinct {what}, too few to hold "
+            "some out and still train",
+            param="eval_fraction",
+        )
+    train = [r for r in records if reader_unit(r, by_group) not in held]
+    return train, [r for r in records if reader_unit(r, by_group) in held]
+
+
+def check_labels(records: list[ReaderRecord], param: str, what: str = "rows") -> None:
+    """A reader learns to tell answering sentences (label 1) from the others (label 0): its
+    training rows must hold both."""
+    labels = {r.label for r in records}
+    if labels != {0, 1}:
+        has = f"all {len(records)} {what} have label {labels.pop()}" if labels else f"no {what}"
+        raise InvalidRequest(
+            f"{param}: {has}; a reader job needs sentences that answer their question (label 1) and "
+            "sentences that do not (label 0)",
+            param=param,
+        )
+
+
+def validate_reader_job(
+    spec: JobCreate,
+    dataset_path: Path,
+    eval_path: Path | None,
+    common: CommonSettings,
+    owner: JobOwner | None,
+) -> ResolvedJob:
+    """A reader job's training and held-out rows and its base model, checked."""
+    if spec.resources is not None:
+        raise InvalidRequest(
+            "resources: reader jobs run in one process (a small cross-encoder trains on one device); "
+            "leave 'resources' out",
+            param="resources",
+        )
+    records = of_kind(load_records(dataset_path, "reader"), ReaderRecord)
+    check_labels(records, "dataset")
+    if eval_path is not None:
+        held = of_kind(load_records(eval_path, "reader", param="eval_dataset"), ReaderRecord)
+    else:
+        fraction = spec.eval_fraction or READER_HELD_OUT
+        records, held = split_reader(records, fraction, spec.hyperparameters.seed)
+        check_labels(records, "dataset", "rows left to train after holding out eval_fraction")
+    model_path = resolve_reader_base(spec.base_model, common, owner)
+    return ResolvedJob(model_path, list(records), list(held), 0, None)
 
 
 def _embedder_dim(path: Path) -> int | None:
@@ -506,6 +623,8 @@ def validate_job(
     settings: TrainerSettings,
     owner: JobOwner | None = None,
 ) -> ResolvedJob:
+    if spec.type == "reader":
+        return validate_reader_job(spec, dataset_path, eval_path, common, owner)
     from transformers import AutoTokenizer
 
     from services.trainer.modeling import ModelError, check_lora_targets

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from services.common.jobs import TERMINAL as TERMINAL
 from services.common.jobs import JobStatus as JobStatus
 
-JobType = Literal["sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "embedder"]
+JobType = Literal["sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "embedder", "reader"]
 EmbedderLoss = Literal["mnrl", "cached_mnrl"]
 NegativesFrom = Literal["model", "collection"]
 EmbedderPrecision = Literal["auto", "fp32", "bf16"]
@@ -89,7 +89,11 @@ class Hyperparameters(Strict):
         description="embedder jobs: also train these truncated dimensions (MatryoshkaLoss), e.g. [384, 128, 64]",
     )
     max_seq_length: int | None = Field(
-        None, ge=8, le=8192, description="embedder jobs: tokens read per text (default: the model's own)"
+        None,
+        ge=8,
+        le=8192,
+        description="embedder jobs: tokens read per text (default: the model's own); reader jobs: tokens "
+        "of a question and passage together (default 160)",
     )
     hard_negatives: int = Field(
         0,
@@ -198,6 +202,13 @@ class QueryGeneration(Strict):
     )
 
 
+# Reader jobs hold out a fifth of their groups (or of their questions) unless told otherwise: the
+# held-out rows choose the reader's threshold, so a reader job always has some.
+READER_HELD_OUT = 0.2
+# The reader's base when a reader job names none: the offline all-MiniLM-L6-v2 (a bi-encoder:
+# its classification head starts new)
+READER_BASE = "all-MiniLM-L6-v2"
+
 # The share of an applying job's pairs held out as its yardstick: on SciFact (173 pairs) 0.1 gave
 # held-out hybrid nDCG@10 0.7353 and 0.2 gave 0.7344 (fewer pairs train); see defaults.py.
 APPLY_HELD_OUT = 0.1
@@ -215,6 +226,8 @@ EMBEDDER_ONLY = (
     "title_epochs",
     "title_documents",
 )
+# embedder-only hyperparameters a reader job reads too
+READER_ALSO = ("max_seq_length",)
 Stages = Literal["titles_first", "together"]
 
 
@@ -273,7 +286,14 @@ class JobCreate(Strict):
     hyperparameters: Hyperparameters = Field(default_factory=lambda: Hyperparameters.model_validate({}))
     reward: RewardSpec | None = None
     queue: Literal["cpu", "gpu", "npu"] | None = None
-    publish: bool = False
+    publish: bool = Field(
+        False, description="serve the result when it succeeds (default true for reader jobs)"
+    )
+    shared: bool = Field(
+        False,
+        description="reader jobs, operator keys only: publish the reader for every tenant (the shared "
+        "folder, which each tenant resolves after its own readers)",
+    )
     resources: ResourcesSpec | None = Field(
         None, description="distributed data-parallel training (torchrun); absent: one process in the worker"
     )
@@ -288,6 +308,27 @@ class JobCreate(Strict):
     @classmethod
     def _reward_name(cls, value: Any) -> Any:
         return {"function": value} if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reader_request(cls, data: Any) -> Any:
+        """A reader job may leave its base out (the offline all-MiniLM-L6-v2) and is published
+        unless it says ``publish: false``."""
+        if isinstance(data, dict) and data.get("type") == "reader":
+            data = {"base_model": READER_BASE, "publish": True, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _reader_fields(self) -> JobCreate:
+        if self.shared and self.type != "reader":
+            raise ValueError(f"'shared' only applies to reader jobs, not {self.type}")
+        if self.type != "reader":
+            return self
+        if self.lora is not None:
+            raise ValueError("'lora' does not apply to reader jobs (they fine-tune the whole cross-encoder)")
+        if self.shared and not self.publish:
+            raise ValueError("'shared' publishes the reader for every tenant: leave 'publish' true")
+        return self
 
     @model_validator(mode="after")
     def _reward_for_rl(self) -> JobCreate:
@@ -365,7 +406,12 @@ class JobCreate(Strict):
             raise ValueError(f"'{extra[0]}' only applies to embedder jobs, not {self.type}")
         # by value, not by fields set: a stored spec, read back, has every field set
         hp = self.hyperparameters
-        wrong = [k for k in EMBEDDER_ONLY if getattr(hp, k) != Hyperparameters.model_fields[k].default]
+        own = READER_ALSO if self.type == "reader" else ()
+        wrong = [
+            k
+            for k in EMBEDDER_ONLY
+            if k not in own and getattr(hp, k) != Hyperparameters.model_fields[k].default
+        ]
         if wrong:
             raise ValueError(f"hyperparameters.{wrong[0]} only applies to embedder jobs, not {self.type}")
         return self
@@ -405,6 +451,8 @@ class JobCreate(Strict):
             del missing["hard_negatives_from"]  # the request asked for no negatives
         if self.apply and self.eval_fraction is None and self.eval_dataset is None:
             self.eval_fraction = APPLY_HELD_OUT
+        if self.type == "reader" and self.eval_fraction is None and self.eval_dataset is None:
+            self.eval_fraction = READER_HELD_OUT
         if missing:
             self.hyperparameters = hp.model_copy(update=missing)
             self.hyperparameters.model_fields_set.update(missing)

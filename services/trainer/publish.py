@@ -10,6 +10,11 @@ folder lies under ``$TANDEM_HOME/models``, inside the inference service's defaul
 
 Before a ``publish: true`` job is queued, :func:`capabilities` asks the inference service
 what it can serve, so a job it could not serve is refused before it trains.
+
+Embedders and readers are not sent anywhere: their folders are copied under
+``$TANDEM_HOME/models/{embedders,readers}/`` (``services/common/published_models.py``), where
+the retrieval service (embedders) and the inference service's ``/v1/rerank`` (readers) find
+them by name.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from services.common.errors import InvalidRequest, ServiceUnavailable
 from services.common.replicas import replica_pool, request_sync
 from services.common.upstream import UpstreamReply
 from services.trainer.protocol import JobCreate
+
+# the job types whose models are published as folders under $TANDEM_HOME/models, not registered
+FILE_PUBLISHED = ("embedder", "reader")
 
 
 class PublishError(RuntimeError):
@@ -130,7 +138,7 @@ def capabilities(common: CommonSettings, timeout: float = 10.0) -> dict[str, Any
 
 def check_publishable(common: CommonSettings, spec: JobCreate, lora_rank: int | None) -> None:
     """Refuse (400) a ``publish: true`` job the inference engine could not serve."""
-    if not spec.publish or spec.type == "embedder":  # embedders are published to retrieval's models folder
+    if not spec.publish or spec.type in FILE_PUBLISHED:  # copied to the models folder: nothing to ask
         return
     caps = capabilities(common)
     engine = caps.get("engine", "?")
@@ -163,20 +171,40 @@ def publish_embedder_job(
     dimension and held-out figures in the manifest (``ndcg@10_before``, ``ndcg@10``, ...):
     the retrieval service finds it there by name when a collection switches to it."""
     from services.common.embedders import EmbedderManifest, embedder_name, publish_embedder
+    from services.common.published_models import held_out_figures
 
     info = json.loads((path / "tandem_training.json").read_text())
-    metrics = {}
-    for key, value in (info.get("final_metrics") or {}).items():
-        # eval_ndcg@10_before -> ndcg@10_before, eval_ndcg@10_after -> ndcg@10
-        if key.startswith("eval_") and isinstance(value, int | float):
-            metrics[key.removeprefix("eval_").removesuffix("_after")] = float(value)
     manifest = EmbedderManifest(
         name=embedder_name(job_id),
         tenant=tenant,
         base_model=spec.base_model,
         dim=int(info["dim"]),
         job_id=job_id,
-        metrics=metrics,
+        metrics=held_out_figures(info.get("final_metrics") or {}),
     )
     publish_embedder(common.home_dir, path, manifest)
+    return manifest.name
+
+
+def publish_reader_job(common: CommonSettings, tenant: str, job_id: str, spec: JobCreate, path: Path) -> str:
+    """A reader job's cross-encoder folder, published as ``ft-reader-<job>`` for its tenant (or,
+    with ``shared``, for every tenant) with its held-out figures (``auc_before``, ``auc``,
+    ``mrr``, ...) and its max-F1 threshold in the manifest: the inference service's
+    ``/v1/rerank`` finds it there by name."""
+    from services.common.published_models import held_out_figures
+    from services.common.readers import SHARED, ReaderManifest, publish_reader, reader_name
+
+    info = json.loads((path / "tandem_training.json").read_text())
+    figures = held_out_figures(info.get("final_metrics") or {})
+    threshold = figures.pop("threshold", None)
+    figures.pop("threshold_before", None)
+    manifest = ReaderManifest(
+        name=reader_name(job_id),
+        tenant=SHARED if spec.shared else tenant,
+        base_model=spec.base_model,
+        job_id=job_id,
+        metrics=figures,
+        threshold=threshold,
+    )
+    publish_reader(common.home_dir, path, manifest)
     return manifest.name

@@ -53,6 +53,7 @@ def recipe_for(kind: str) -> type[Recipe]:
     from services.trainer.recipes.dpo import DPORecipe
     from services.trainer.recipes.embedder import EmbedderRecipe
     from services.trainer.recipes.kto import KTORecipe
+    from services.trainer.recipes.reader import ReaderRecipe
     from services.trainer.recipes.rl import GRPORecipe, PPORecipe
     from services.trainer.recipes.sft import SFTRecipe
 
@@ -65,6 +66,7 @@ def recipe_for(kind: str) -> type[Recipe]:
         "ppo": PPORecipe,
         "grpo": GRPORecipe,
         "embedder": EmbedderRecipe,
+        "reader": ReaderRecipe,
     }[kind]
 
 
@@ -226,31 +228,7 @@ def _train(
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
         store.log(job_id, f"saved {'adapter' if spec.lora else 'model'} to {out}")
-        name = None
-        if spec.publish and spec.type == "embedder":
-            # a file copy under $TANDEM_HOME/models/embedders/<tenant>/: no service to call
-            from services.trainer.publish import publish_embedder_job
-
-            name = publish_embedder_job(common, tenant, job_id, spec, out)
-            store.log(job_id, f"published as {name!r}")
-            if spec.apply and spec.collection:
-                from services.trainer.apply import apply_embedder
-
-                with span("train.apply", job_id=job_id, collection=spec.collection):
-                    apply_embedder(
-                        job_id,
-                        tenant,
-                        spec.collection,
-                        name,
-                        resolved.eval_records or [],
-                        store=store,
-                        common=common,
-                        keep_going=JobHooks(store, job_id, lost).should_stop,
-                    )
-        elif spec.publish and publish is not None:
-            with span("train.publish", job_id=job_id):
-                name = publish(job_id, spec, out)  # its call to inference carries the trace
-            store.log(job_id, f"published as {name!r}")
+        name = _publish_result(job_id, tenant, spec, out, resolved, store, common, lost, publish)
         store.set_status(
             job_id,
             "succeeded",
@@ -266,6 +244,52 @@ def _train(
         store.log(job_id, "failed:\n" + traceback.format_exc(limit=8), level="error")
         store.set_status(job_id, "failed", error=f"{type(exc).__name__}: {message}")
         return "failed"
+
+
+def _publish_result(
+    job_id: str,
+    tenant: str,
+    spec: JobCreate,
+    out: Path,
+    resolved: ResolvedJob,
+    store: TrainerStore,
+    common: CommonSettings,
+    lost: threading.Event,
+    publish: Callable[[str, JobCreate, Path], str | None] | None,
+) -> str | None:
+    """Serve a finished job's model as ``spec.publish`` asks; the name it is served under."""
+    name = None
+    if spec.publish and spec.type == "embedder":
+        # a file copy under $TANDEM_HOME/models/embedders/<tenant>/: no service to call
+        from services.trainer.publish import publish_embedder_job
+
+        name = publish_embedder_job(common, tenant, job_id, spec, out)
+        store.log(job_id, f"published as {name!r}")
+        if spec.apply and spec.collection:
+            from services.trainer.apply import apply_embedder
+
+            with span("train.apply", job_id=job_id, collection=spec.collection):
+                apply_embedder(
+                    job_id,
+                    tenant,
+                    spec.collection,
+                    name,
+                    resolved.eval_records or [],
+                    store=store,
+                    common=common,
+                    keep_going=JobHooks(store, job_id, lost).should_stop,
+                )
+    elif spec.publish and spec.type == "reader":
+        # a file copy under $TANDEM_HOME/models/readers/<tenant or _shared>/, served by /v1/rerank
+        from services.trainer.publish import publish_reader_job
+
+        name = publish_reader_job(common, tenant, job_id, spec, out)
+        store.log(job_id, f"published as {name!r}" + (" for every tenant" if spec.shared else ""))
+    elif spec.publish and publish is not None:
+        with span("train.publish", job_id=job_id):
+            name = publish(job_id, spec, out)  # its call to inference carries the trace
+        store.log(job_id, f"published as {name!r}")
+    return name
 
 
 def _resolve(

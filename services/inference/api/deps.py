@@ -7,9 +7,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from services.common.auth import Principal, principal_of, require_operator
+from services.common.auth import Principal, acting_principal, principal_of, require_operator
 from services.common.errors import ServiceUnavailable
-from services.inference.embeddings import EmbeddingService
+from services.inference.embeddings import EmbeddingService, ReaderScope
 from services.inference.management import ModelAdmin
 from services.inference.registry import ModelRegistry
 from services.inference.serving import OpenAIServing
@@ -35,6 +35,15 @@ EmbeddingsDep = Annotated[EmbeddingService, Depends(embeddings)]
 # the caller (any key), or an operator (403 ``forbidden`` for a tenant key)
 CallerDep = Annotated[Principal, Depends(principal_of)]
 OperatorDep = Annotated[Principal, Depends(require_operator)]
+
+
+def reader_scope(request: Request) -> ReaderScope:
+    """The published readers the caller may use: its tenant's (an operator acting for a tenant,
+    ``X-Tandem-Tenant``, that tenant's), then the shared ones."""
+    return ReaderScope(request.app.state.common.home_dir, acting_principal(request).tenant)
+
+
+ReaderScopeDep = Annotated[ReaderScope, Depends(reader_scope)]
 
 
 def serving(registry: RegistryDep) -> OpenAIServing:

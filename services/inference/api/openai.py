@@ -11,11 +11,19 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from services.common.app_factory import json_or_sse
 from services.common.errors import ServiceUnavailable
 from services.common.openai_wire import ChatCompletion, ModelCard, ModelList, TextCompletion
-from services.inference.api.deps import CallerDep, ModelAdminDep, OperatorDep, ServingDep
+from services.inference.api.deps import (
+    CallerDep,
+    EmbeddingsDep,
+    ModelAdminDep,
+    OperatorDep,
+    ReaderScopeDep,
+    ServingDep,
+)
 from services.inference.protocol import (
     AdapterLoaded,
     AdapterUnloaded,
@@ -42,9 +50,14 @@ router = APIRouter(
 
 
 @router.get("/v1/models", response_model=ModelList)
-async def list_models(admin: ModelAdminDep, caller: CallerDep) -> ModelList:
-    """The served base models, shared fine-tunes, and the caller tenant's own."""
-    return await admin.list(caller)
+async def list_models(
+    admin: ModelAdminDep, caller: CallerDep, embeddings: EmbeddingsDep, readers: ReaderScopeDep
+) -> ModelList:
+    """The served base models, shared fine-tunes, and the caller tenant's own; its published
+    readers (and the shared ones) as ``kind: "rerank"`` with their ``threshold``."""
+    listed = await admin.list(caller)
+    listed.data += await run_in_threadpool(embeddings.reader_cards, readers)
+    return listed
 
 
 @router.get("/v1/capabilities", response_model=Capabilities)
@@ -64,7 +77,12 @@ async def health(request: Request, _caller: CallerDep) -> dict[str, object]:
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)
-async def retrieve_model(model_id: str, admin: ModelAdminDep, caller: CallerDep) -> ModelCard:
+async def retrieve_model(
+    model_id: str, admin: ModelAdminDep, caller: CallerDep, embeddings: EmbeddingsDep, readers: ReaderScopeDep
+) -> ModelCard:
+    for card in await run_in_threadpool(embeddings.reader_cards, readers):
+        if card.id == model_id:
+            return card
     return await admin.card(model_id, caller)
 
 

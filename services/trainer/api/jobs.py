@@ -14,8 +14,8 @@ from fastapi.responses import FileResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from services.common.app_factory import SSE
-from services.common.auth import Principal, bearer_token
-from services.common.errors import NotFound
+from services.common.auth import Principal, bearer_token, principal_of
+from services.common.errors import Forbidden, NotFound
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import idempotent
 from services.trainer import service
@@ -36,7 +36,8 @@ router = APIRouter(
 CREATE_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "the job spec is invalid (the message names the field and value)"},
     401: {"description": "missing or unknown API key"},
-    404: {"description": "a dataset file does not exist"},
+    403: {"description": "'shared' asked without an operator key"},
+    404: {"description": "a dataset file or the base model does not exist"},
     **IDEMPOTENCY_RESPONSES,
 }
 
@@ -49,6 +50,13 @@ async def create_job(spec: JobCreate, request: Request, st: TrainerDep, tenant: 
 
     # an embedder job from a collection reads its documents with the caller's own key
     key = bearer_token(request) or ""
+    if spec.shared and not principal_of(request).operator:
+        # a shared reader is served to every tenant: the operator's decision, not one tenant's
+        raise Forbidden(
+            "shared: only an operator key may publish a reader for every tenant",
+            param="shared",
+            code="forbidden",
+        )
 
     async def create() -> tuple[int, Any]:
         job = await run_in_threadpool(service.create_job, st, tenant, spec, key)

@@ -23,6 +23,9 @@ pairs         ``query``, ``positive``, ``negatives``? (list of str),  embedder
 beir          corpus ``corpus_id``, ``text``, ``title``?;            embedder
               query ``query_id``, ``text``;
               qrel ``query_id``, ``corpus_id``, ``score``? (1)
+reader        ``question``, ``sentence``, ``label`` (0 or 1),        reader
+              ``context``? (the sentence's section and headings),
+              ``source``?, ``group``? (held out whole)
 ============  =====================================================  ===========
 
 A ``beir`` file is BEIR's corpus, queries and qrels in one JSONL file (rows of the three
@@ -40,7 +43,9 @@ Records (what the tokenizer side sees; each keeps its 1-based ``line``):
 - rl: :class:`PromptRecord`: the reference answer is what a verifiable reward (GSM8K exact
   match) checks against;
 - embedder: :class:`PairRecord` (pairs), or a beir :class:`BeirDoc`, :class:`BeirQuery` or
-  :class:`BeirQrel` that ``services/trainer/data/pairs.py`` resolves.
+  :class:`BeirQrel` that ``services/trainer/data/pairs.py`` resolves;
+- reader: :class:`ReaderRecord`: a question, a candidate sentence with its context, and
+  whether the sentence answers the question.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from typing import Any, Literal, TypeVar
 
 from services.common import jsonsafe
 
-Kind = Literal["sft", "dpo", "kto", "rl", "embedder"]
+Kind = Literal["sft", "dpo", "kto", "rl", "embedder", "reader"]
 Message = dict[str, str]
 
 FORMAT_KINDS: dict[str, tuple[Kind, ...]] = {
@@ -68,6 +73,7 @@ FORMAT_KINDS: dict[str, tuple[Kind, ...]] = {
     "prompt": ("rl",),
     "pairs": ("embedder",),
     "beir": ("embedder",),
+    "reader": ("reader",),
 }
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
@@ -167,7 +173,22 @@ class BeirQrel:
     line: int
 
 
-Record = PromptRecord | PreferenceRecord | KTORecord | PairRecord | BeirDoc | BeirQuery | BeirQrel
+@dataclass(frozen=True)
+class ReaderRecord:
+    """reader: does ``sentence`` (under ``context``, its section and headings) answer ``question``?"""
+
+    question: str
+    sentence: str
+    label: int  # 1: it answers, 0: it does not
+    line: int
+    context: str | None = None
+    source: str | None = None  # where the sentence comes from (a document), for the record
+    group: str | None = None  # rows of one group (a document set) are held out together
+
+
+Record = (
+    PromptRecord | PreferenceRecord | KTORecord | PairRecord | BeirDoc | BeirQuery | BeirQrel | ReaderRecord
+)
 R = TypeVar("R")
 
 
@@ -188,6 +209,8 @@ class ParsedDataset:
 
 def detect_format(row: dict[str, Any]) -> str | None:
     keys = set(row)
+    if "sentence" in keys:  # before "question" (gsm8k) and "label" (kto), which reader rows share
+        return "reader"
     if "query" in keys or "positive" in keys:
         return "pairs"
     if "query_id" in keys or "corpus_id" in keys:
@@ -400,6 +423,8 @@ def normalise_row(fmt: str, row: dict[str, Any], line: int) -> Record:
         return _pair_row(row, line)
     if fmt == "beir":
         return _beir_row(row, line)
+    if fmt == "reader":
+        return _reader_row(row, line)
     raise DatasetError(f"unknown format {fmt!r}")
 
 
@@ -445,6 +470,26 @@ def _beir_row(row: dict[str, Any], line: int) -> BeirDoc | BeirQuery | BeirQrel:
         return BeirQuery(_beir_id(row, "query_id", line), _text(row, "text", line, fmt="beir query"), line)
     raise DatasetError(
         "a beir row needs 'corpus_id' (a document), 'query_id' (a query) or both (a qrel)", line=line
+    )
+
+
+def _reader_row(row: dict[str, Any], line: int) -> ReaderRecord:
+    label = row.get("label")
+    if label not in (0, 1):  # true and false are 1 and 0 too
+        raise DatasetError(
+            f"field 'label' must be 1 (the sentence answers) or 0 (it does not), got {label!r}"
+            + (" (reader rows need it)" if label is None else ""),
+            line=line,
+            field="label",
+        )
+    return ReaderRecord(
+        question=_text(row, "question", line, fmt="reader"),
+        sentence=_text(row, "sentence", line, fmt="reader"),
+        label=int(label),
+        line=line,
+        context=_text(row, "context", line, required=False) or None,
+        source=_text(row, "source", line, required=False) or None,
+        group=_beir_id(row, "group", line) if row.get("group") is not None else None,
     )
 
 
@@ -611,7 +656,7 @@ def parse_dataset(
                         raise DatasetError(
                             "unrecognised row: expected one of the fields messages, conversations, instruction/output, "
                             f"prompt/completion, question/answer, prompt/chosen/rejected, prompt/completion/label, chosen/rejected, "
-                            f"query/positive, corpus_id/query_id (got {sorted(row)})",
+                            f"query/positive, corpus_id/query_id, question/sentence/label (got {sorted(row)})",
                             line=number,
                         )
                     if kind is not None and kind not in FORMAT_KINDS[fmt]:
