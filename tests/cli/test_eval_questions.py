@@ -33,7 +33,7 @@ def _line(**fields: object) -> str:
     return json.dumps(fields)
 
 
-GOOD = _line(id="a", question="Which option?", answers=["--leak-check"], source="quick-start.html")
+GOOD = _line(id="a", question="Which option?", answers=["--deep-scan"], source="guide.html")
 UNANSWERABLE = _line(id="u", question="What does it cost?", answerable=False)
 
 
@@ -43,7 +43,7 @@ UNANSWERABLE = _line(id="u", question="What does it cost?", answerable=False)
 def test_a_set_parses_skipping_blank_and_comment_lines() -> None:
     qs = parse_questions(["# a comment", GOOD, "", UNANSWERABLE])
     assert [q.id for q in qs] == ["a", "u"]
-    assert qs[0].answers == ["--leak-check"] and qs[0].answerable
+    assert qs[0].answers == ["--deep-scan"] and qs[0].answerable
     assert not qs[1].answerable and qs[1].source is None
 
 
@@ -97,24 +97,24 @@ def test_each_shipped_set_has_thirty_questions_a_fifth_unanswerable(name: str) -
 def test_key_phrases_match_whole_words_ignoring_case_and_underscores() -> None:
     assert has_phrase("Use the --check option [1].", "--check")
     assert not has_phrase("It checks the syntax.", "--check")
-    assert has_phrase("It returns ASN1 MEM ERROR.", "ASN1_MEM_ERROR")  # PDF text loses underscores
-    assert has_phrase("it returns -1 on indefinite length", "-1")
+    assert has_phrase("It returns QUOR BUF SHORT.", "QUOR_BUF_SHORT")  # PDF text loses underscores
+    assert has_phrase("it returns -1 on a missing key", "-1")
     assert not has_phrase("it returns -10", "-1")
     assert not has_phrase("ioctl", "io")
     assert has_phrase("The \u201cprobably ok\u201d case", '"probably ok"')
 
 
 def test_an_answer_states_a_key_phrase_or_most_of_a_reference() -> None:
-    by_phrase = Question(id="a", question="Q?", answers=["Heimdall", "Heimdal"], source="faq.html")
-    assert states("It was called Heimdal.", by_phrase)
-    assert not states("It was called Odin.", by_phrase)
+    by_phrase = Question(id="a", question="Q?", answers=["Brightwell", "Brightwel"], source="faq.html")
+    assert states("It was called Brightwel.", by_phrase)
+    assert not states("It was called Ashford.", by_phrase)
     ref = Question(
         id="r",
-        question="Can Valgrind attach to a running program?",
-        reference="No: Valgrind has to have full control from the very start.",
+        question="Can Ferrule resume a copy that was interrupted?",
+        reference="No: Ferrule has to start every copy again from the first file.",
         source="faq.html",
     )
-    assert states("No, it needs full control from the very start.", ref)
+    assert states("No, it starts again from the first file.", ref)
     assert not states("Yes, it can.", ref)
 
 
@@ -134,7 +134,7 @@ def test_abstentions_are_recognised(text: str) -> None:
 
 
 def test_an_answer_is_not_an_abstention_and_answer_kind_not_found_is_one() -> None:
-    assert not abstains("Use --leak-check=yes to turn on the leak detector.")
+    assert not abstains("Use --deep-scan=yes to turn on the duplicate finder.")
     assert abstains("Some text.", "not_found")
 
 
@@ -144,9 +144,9 @@ def test_an_answer_is_not_an_abstention_and_answer_kind_not_found_is_one() -> No
         ("docs/operations.md", {"document_id": "docs-operations.md"}, True),
         ("docs/operations.md", {"document_id": "operations.md"}, True),
         ("faq.html", {"document_id": "faq.html"}, True),
-        ("faq.html", {"document_id": "x", "metadata": {"source": "valgrind/faq.html"}}, True),
-        ("libtasn1.pdf", {"document_id": "libtasn1.pdf", "title": "Libtasn1"}, True),
-        ("faq.html", {"document_id": "quick-start.html"}, False),
+        ("faq.html", {"document_id": "x", "metadata": {"source": "ferrule/faq.html"}}, True),
+        ("libquor.pdf", {"document_id": "libquor.pdf", "title": "Libquor"}, True),
+        ("faq.html", {"document_id": "guide.html"}, False),
         ("docs/operations.md", {"document_id": "docs-operations-extra.md"}, False),
     ],
 )
@@ -155,13 +155,13 @@ def test_a_source_matches_by_id_title_or_metadata(expected: str, cite: dict, mat
 
 
 def test_a_citation_locates_a_page_or_section_or_cannot_tell() -> None:
-    q = Question(id="p", question="Q?", answers=["x"], source="a.pdf", page=22, section="DER functions")
+    q = Question(id="p", question="Q?", answers=["x"], source="a.pdf", page=22, section="Tree functions")
     assert locates(q, {"pages": [21, 22]}) is True
     assert locates(q, {"page": 22}) is True
     assert locates(q, {"page_start": 20, "page_end": 23}) is True
     assert locates(q, {"pages": [3]}) is False
-    assert locates(q, {"section": "Libtasn1 > 4 Function reference > 4.3 DER functions"}) is True
-    assert locates(q, {"headings": ["Libtasn1", "4.3 DER functions"]}) is True
+    assert locates(q, {"section": "Libquor > 4 Function reference > 4.3 Tree functions"}) is True
+    assert locates(q, {"headings": ["Libquor", "4.3 Tree functions"]}) is True
     assert locates(q, {"section": "Introduction"}) is False
     assert locates(q, {"document_id": "a.pdf"}) is None  # today's citations: neither field
     assert locates(Question(id="n", question="Q?", answers=["x"], source="a.md"), {"page": 1}) is None
@@ -171,14 +171,14 @@ def _out(answer: str, citations: list[dict], **done: object) -> dict:
     return {"answer": answer, "done": {"citations": citations, **done}, "first": 0.5, "total": 2.0}
 
 
-DOCS = ["Memcheck is the default tool. The --leak-check option turns on the detailed memory leak detector."]
+DOCS = ["Quick is the default mode. The --deep-scan option turns on the thorough duplicate file finder."]
 
 
 def test_judge_reads_answer_kind_page_and_section_when_responses_carry_them() -> None:
     q = Question(
         id="a",
-        question="Which option turns on the leak detector?",
-        answers=["--leak-check"],
+        question="Which option turns on the duplicate finder?",
+        answers=["--deep-scan"],
         source="qs.html",
         section="Running",
     )
@@ -186,7 +186,7 @@ def test_judge_reads_answer_kind_page_and_section_when_responses_carry_them() ->
     o = judge(
         q,
         _out(
-            "The --leak-check option turns on the detailed memory leak detector [1].",
+            "The --deep-scan option turns on the thorough duplicate file finder [1].",
             [cite],
             answer_kind="generated",
         ),
@@ -200,46 +200,46 @@ def test_judge_reads_answer_kind_page_and_section_when_responses_carry_them() ->
         "generated",
     )
     assert o.groundedness == 1.0
-    wrong = judge(q, _out("Use valgrind.", [{"document_id": "faq.html"}]), DOCS)
+    wrong = judge(q, _out("Use ferrule.", [{"document_id": "faq.html"}]), DOCS)
     assert (wrong.stated, wrong.right_source, wrong.right_place) == (False, False, None)
 
 
 def test_a_citation_of_another_document_stating_the_fact_is_a_right_source() -> None:
     q = Question(
-        id="a", question="Which option?", answers=["--leak-check"], source="qs.html", also_in=["faq.html"]
+        id="a", question="Which option?", answers=["--deep-scan"], source="qs.html", also_in=["faq.html"]
     )
     assert q.sources == ["qs.html", "faq.html"]
-    answer = "Use --leak-check [1]."
+    answer = "Use --deep-scan [1]."
     assert judge(q, _out(answer, [{"document_id": "faq.html"}]), DOCS).right_source is True
     assert judge(q, _out(answer, [{"document_id": "manual.html"}]), DOCS).right_source is False
 
 
 def test_judge_takes_todays_kind_field_and_infers_an_abstention() -> None:
-    q = Question(id="a", question="Which option?", answers=["--leak-check"], source="qs.html")
+    q = Question(id="a", question="Which option?", answers=["--deep-scan"], source="qs.html")
     extractive = judge(
-        q, _out("The --leak-check option turns on the detector [1].", [], kind="extractive"), DOCS
+        q, _out("The --deep-scan option turns on the finder [1].", [], kind="extractive"), DOCS
     )
     assert extractive.answer_kind == "extractive" and not extractive.abstained
-    u = Question(id="u", question="What does Valgrind cost?", answerable=False)
+    u = Question(id="u", question="What does Ferrule cost?", answerable=False)
     declined = judge(u, _out("I don't know.", []), DOCS)
     assert declined.abstained and declined.answer_kind == "not_found" and declined.stated is None
     assert declined.groundedness is None
-    peerless = judge(q, _out("The --leak-check option.", []), DOCS, cites_sources=False)
+    peerless = judge(q, _out("The --deep-scan option.", []), DOCS, cites_sources=False)
     assert peerless.right_source is None
 
 
 def test_summary_and_ratios_add_up_per_kind_of_question() -> None:
     yes = Question(
         id="a",
-        question="Which option turns on the leak detector?",
-        answers=["--leak-check"],
+        question="Which option turns on the duplicate finder?",
+        answers=["--deep-scan"],
         source="qs.html",
     )
-    no = Question(id="u", question="What does Valgrind cost?", answerable=False)
+    no = Question(id="u", question="What does Ferrule cost?", answerable=False)
     outcomes = [
         judge(
             yes,
-            _out("The --leak-check option turns on the leak detector [1].", [{"document_id": "qs.html"}]),
+            _out("The --deep-scan option turns on the duplicate finder [1].", [{"document_id": "qs.html"}]),
             DOCS,
         ),
         judge(yes, _out("I don't know.", []), DOCS),

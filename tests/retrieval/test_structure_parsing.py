@@ -151,11 +151,11 @@ def test_html_sections_anchors_code_and_tables() -> None:
 
 FAQ = b"""<html><head><title>FAQ</title></head><body><h1>Frequently Asked Questions</h1><p>Answers.</p>
 <table><tr class="qandadiv"><td colspan="2"><h3><a name="faq.background"></a>1. Background</h3></td></tr>
-<tr><td>1.1.</td><td>How do you pronounce it?</td></tr><tr><td></td><td>Like grinned.</td></tr>
+<tr><td>1.1.</td><td>Where does the name come from?</td></tr><tr><td></td><td>From a pencil band.</td></tr>
 <tr class="qandadiv"><td colspan="2"><h3>2. Building</h3></td></tr>
-<tr><td>2.1.</td><td>Which package do you need?</td></tr>
-<tr><td></td><td>Install the glibc-static-devel package.
-<table><tr><th>distro</th><th>name</th></tr><tr><td>Fedora</td><td>glibc-static</td></tr></table></td></tr>
+<tr><td>2.1.</td><td>What provides the missing header?</td></tr>
+<tr><td></td><td>Install the quorzip-devel package.
+<table><tr><th>distro</th><th>name</th></tr><tr><td>Fedora</td><td>quorzip-static</td></tr></table></td></tr>
 </table></body></html>"""
 
 
@@ -164,13 +164,13 @@ def test_an_html_table_that_holds_headings_is_the_pages_layout() -> None:
     # sections, and a data table inside a cell stays a table
     doc = parse_file("faq.html", FAQ)[0]
     assert "### 2. Building" in doc.text and "| 2.1. |" not in doc.text
-    assert "2.1. Which package do you need?" in doc.text
-    assert "Install the glibc-static-devel package." in doc.text
-    assert "| distro | name |\n| Fedora | glibc-static |" in doc.text
+    assert "2.1. What provides the missing header?" in doc.text
+    assert "Install the quorzip-devel package." in doc.text
+    assert "| distro | name |\n| Fedora | quorzip-static |" in doc.text
     chunks = make_chunks(doc.id, doc.text, size=64, overlap=0, structure=doc.structure)
-    sections = {c.structure["section"] for c in chunks if "glibc-static-devel" in c.text}
+    sections = {c.structure["section"] for c in chunks if "quorzip-devel" in c.text}
     assert sections == {"Frequently Asked Questions > 2. Building"}
-    background = next(c for c in chunks if "grinned" in c.text)
+    background = next(c for c in chunks if "pencil band" in c.text)
     assert background.structure["anchor"] == "faq.background"
 
 

@@ -55,9 +55,9 @@ def clean(sentence: str) -> str:
 
 
 _FENCE = re.compile(r"^[ \t]*```.*?(?:^[ \t]*```[^\n]*$|\Z)", re.MULTILINE | re.DOTALL)
-# Code fenced within a line (a table cell's example, flattened by the HTML parser: "use the
-# valgrind-listener program to listen on that port: ``` valgrind-listener 12345 ``` Obviously
-# ..."): read as inline code, so the sentence around it can still answer.
+# Code fenced within a line (a table cell's example, flattened by the HTML parser: "start the
+# collector on that port: ``` ferrule-collector 9100 ``` Then ..."): read as inline code, so the
+# sentence around it can still answer.
 _INLINE_FENCE = re.compile(r"```[ \t]*([^`\n]+?)[ \t]*```")
 
 
@@ -77,8 +77,8 @@ def source_sentences(chunk: Chunk) -> list[str]:
 
 
 def _asking(flat: str, spans: list[tuple[int, int]]) -> set[int]:
-    """The places of the sentences that open a question on their line: "I tried X under Valgrind
-    but something went wrong. Does Valgrind handle such programs?" (an FAQ's question row) is
+    """The places of the sentences that open a question on their line: "I restored X with Ferrule
+    and the files came back empty. Does Ferrule handle such volumes?" (an FAQ's question row) is
     the question, not its answer."""
     return {
         i

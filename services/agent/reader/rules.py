@@ -6,7 +6,7 @@ cosine similarity of its embedding to the question's, plus the share of the ques
 terms* it holds (its content words that are not in every source), plus small bonuses for a
 sentence of the top-ranked section and for one holding the kind of thing asked ("how many": a
 number). It answers when similar enough and holding a focus term; a question naming something
-no source holds ("Which Java SDK ...") is answered by none, and one asking for a number only by a
+no source holds ("Which Kotlin client ...") is answered by none, and one asking for a number only by a
 sentence holding one.
 
 These are rules for English text: the reader replaces them wherever it is served.
@@ -63,18 +63,18 @@ _MONTHS = [
     "november",
     "december",
 ]
-# A named constant as a manual writes one: "GLIBCXX_FORCE_NEW", "ASN1_MEM_ERROR" (not "-D__X").
+# A named constant as a manual writes one: "QUOR_TRACE", "QUOR_BUF_SHORT" (not "-D__X").
 _CONSTANT = re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
-# "When ...?" asks for a time; "When building fails with X, which package ...?" is a condition.
+# "When ...?" asks for a time; "When compiling stops on X, which package ...?" is a condition.
 _WHEN_Q = r"^\s*when\b(?![^?]*,\s*(?:which|what|how|who|whom|where|why|is|are|does|do|can|should)\b)"
 _NUMBER_Q = re.compile(
     rf"\bhow (many|much|deep|high|tall|long|old|far|big|large|wide|heavy)\b|{_WHEN_Q}"
     r"|\b(what|which)( \w+){0,3} (year|date|number|version)\b|\bnumeric\b"
 )
-# A number standing alone: "15 s", "20 to 30 times", "4.19.0", not the digit of "ASN.1" or "asn1".
+# A number standing alone: "15 s", "3 to 5 times", "2.10.0", not the digit of "X.25" or "md5".
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,:]\d+)*(?!\w)")
-# "How large must the buffer be?": a manual may answer with a named constant
-# ("at least ASN1_MAX_ERROR_DESCRIPTION_SIZE").
+# "How long may a key name be?": a manual may answer with a named constant
+# ("at most QUOR_MAX_KEY_LEN").
 _SIZE_Q = re.compile(r"\bhow (many|much|large|big|long)\b")
 # A year or a date: "in which year", "on which date", answered by a year or a month.
 _YEAR_Q = re.compile(r"\b(what|which) (year|date)\b")
@@ -106,7 +106,7 @@ _TERM_KINDS: list[tuple[re.Pattern[str], re.Pattern[str]]] = [
         ),
     ),
     (
-        # "What does asn1_read_value return when ...?": a constant, a number, NULL
+        # "What does quor_get_entry return when ...?": a constant, a number, NULL
         re.compile(r"\bwhat\b.*\breturns?\b|\bwhat\b.*\bset to\b"),
         re.compile(rf"{_CONSTANT.pattern}|(?<![\w.-])-1\b|\bNULL\b|\b(?:true|false)\b"),
     ),
@@ -120,15 +120,15 @@ def asks_term(question: str) -> bool:
     return any(asked.search(q) for asked, _term in _TERM_KINDS) or bool(_kind_nouns(question))
 
 
-# "Which program listens ...", "Which Valgrind tool is the default tool?", "which package do you
-# need": the words after "which" (up to a stopword, at most three) name the kind of thing asked
-# for; a manual names one beside the kind's own word ("the valgrind-listener program", "run the
-# Memcheck tool", "install the glibc-static-devel package", "Callgrind is the only tool").
+# "Which program receives ...", "Which Ferrule mode is the default mode?", "which package is
+# required": the words after "which" (up to a stopword, at most three) name the kind of thing asked
+# for; a manual names one beside the kind's own word ("the ferrule-collector program", "use the
+# Mirror mode", "install the quorzip-devel package", "Ledger is the only mode").
 _WHICH = re.compile(r"\bwhich\s+((?:[\w.'-]+\s+){1,3})", re.IGNORECASE)
 # A token as a manual writes a name: inline code, or a word with a capital after its first letter
 # place, a digit, "-", "_", "." or "/" inside it.
 _TOKEN = re.compile(r"`[^`]+`|[A-Za-z0-9][\w.+/-]*[\w+]|[A-Za-z]")
-# how far before (a subject: "Callgrind is the only tool") and after ("variable GLIBCXX_FORCE_NEW")
+# how far before (a subject: "Ledger is the only mode") and after ("variable QUOR_TRACE")
 # the kind's word an instance may stand
 _INSTANCE_BEFORE = 4
 _INSTANCE_AFTER = 2
@@ -170,15 +170,15 @@ def names_instance(question: str, sentence: str) -> bool:
             other = tokens[k]
             plain = other.strip("`").lower()
             if k == i or plain in known or plain in STOPWORDS or stem(plain.lstrip("-")) in kinds:
-                continue  # "--tool" is the kind's own word, not a tool
+                continue  # "--mode" is the kind's own word, not a mode
             if _name_like(other, first=k == 0):
                 return True
     return False
 
 
 def asked_terms(question: str, sentence: str) -> list[str] | None:
-    """The terms of the kind ``question`` asks for ("which option": ``--leak-check``; "which
-    variable": ``GLIBCXX_FORCE_NEW``; "which function": ``asn1_dup_node``; "which file": ``libtasn1.h``)
+    """The terms of the kind ``question`` asks for ("which option": ``--deep-scan``; "which
+    variable": ``QUOR_TRACE``; "which function": ``quor_clone_tree``; "which file": ``libquor.h``)
     that ``sentence`` holds and the question does not; None when it asks for no such kind."""
     q = question.lower()
     kinds = [term for asked, term in _TERM_KINDS if asked.search(q)]
@@ -293,10 +293,10 @@ def _answers(c: Candidate, embedded: bool) -> bool:
 
 
 # How far from the chosen sentence the one holding the asked kind of thing may be: a manual's
-# answer often follows the sentence that restates the problem ("By default, statically linked
-# malloc functions are not replaced." then "... use --soname-synonyms=somalloc=NONE"), or its
-# reference entry's head names what the sentence describes ("asn1_dup_node (...)" then "This
-# function will return an exact copy ...").
+# answer often follows the sentence that restates the problem ("By default, Ferrule does not
+# cross mount points." then "... use the --cross-mounts=yes option"), or its reference entry's
+# head names what the sentence describes ("quor_clone_tree (...)" then "This function will return
+# an exact replica ...").
 TYPED_REACH = 4
 
 
@@ -305,8 +305,8 @@ def _typed_neighbour(
 ) -> Candidate | None:
     """The sentence of ``best``'s source within ``reach`` of it that holds the kind of thing
     the question asks for (an option, a variable, a function, a file, a number), when it asks for
-    one: the one sharing most of the question's words ("-n, --name=NAME array name" for "which
-    option sets the array name?"), then the nearest, one after ``best`` before one before it."""
+    one: the one sharing most of the question's words ("-o, --out=FILE output file" for "which
+    option sets the output file?"), then the nearest, one after ``best`` before one before it."""
     if not asks_term(question) and not asks_number(question):
         return None
     raws = source_sentences(chunks[best.source - 1])
@@ -343,16 +343,16 @@ def missing_names(question: str, chunks: list[Chunk]) -> list[str]:
     return sorted((missing - pieces) | versions)
 
 
-# "Which blockchain stores ...", "What is the phone number of ...", "What file format does ...": the
-# words after "which" / "what (is the)" name the kind of thing asked for. Sources that never name
+# "Which spreadsheet tracks ...", "What is the fax number of ...", "What archive format does ...":
+# the words after "which" / "what (is the)" name the kind of thing asked for. Sources that never name
 # that kind cannot say which one it is.
 _ASKED_KIND = re.compile(
     r"\b(?:which|what)\s+(?:(?:is|are|was|were)\s+(?:the|a|an)\s+)?((?:[\w.'-]+\s+){1,4})",
     re.IGNORECASE,
 )
 # words that name no kind of their own ("what kind of", "which one"); kinds a source states by an
-# instance, not by name ("18 August 2022" answers "which date", "$5" "what price"); and the kinds
-# a manual writes as terms (`--smc-check=all` answers "which option", `celery -A ... worker`
+# instance, not by name ("9 March 2021" answers "which date", "$5" "what price"); and the kinds
+# a manual writes as terms (`--snapshot=all` answers "which option", `quillon serve --workers 2`
 # "which command")
 _GENERIC_KINDS = frozenset(
     [
@@ -388,10 +388,10 @@ def _spelling(word: str) -> str:
 
 def asked_kind_words(question: str) -> set[str]:
     """The words a "which / what" question names its answer's kind with (lower-cased):
-    "phone" of "What is the phone number of ...", "file" and "format" of "What file format does
+    "fax" of "What is the fax number of ...", "archive" and "format" of "What archive format does
     ...". The phrase is the words before the first stopword, at most three, less a last word an
     article follows ("Which index holds the ...": a verb); where no stopword ends it that soon
-    ("Which blockchain stores Tandem's ..."), its first word alone ("blockchain"): without a
+    ("Which spreadsheet tracks Quillon's ..."), its first word alone ("spreadsheet"): without a
     tagger, a verb cannot be told from a noun. Only plain words count (names and terms are
     compared as names)."""
     out: set[str] = set()
@@ -409,7 +409,7 @@ def asked_kind_words(question: str) -> set[str]:
     return out
 
 
-# "5.0", "3.19.0": compared whole ("version 5.0" is not in a text that says "4.19.0" and "0").
+# "3.0", "2.10.0": compared whole ("version 3.0" is not in a text that says "2.10.0" and "0").
 _VERSION = re.compile(r"(?<![\w.])\d+(?:\.\d+)+(?![\w]|\.\d)")
 
 

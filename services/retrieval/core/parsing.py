@@ -431,7 +431,7 @@ def _without_running_heads(pages: list[str]) -> list[str]:
     """``pages`` without their running heads and feet: a first or last line that, its numbers
     aside, is the first (or last) line of ``RUNNING_MIN_PAGES`` pages or more ("Chapter 4: Function
     reference 14"), or a page number alone. Left in, such a line joins the sentence it breaks:
-    "Chapter 4: Function reference 14 Returns: ASN1_SUCCESS ..."."""
+    "Chapter 4: Function reference 14 Returns: the new node ..."."""
 
     def key(line: str) -> str:
         return re.sub(r"\d+", "#", re.sub(r"\s+", " ", line.strip()))
