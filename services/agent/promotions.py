@@ -10,6 +10,14 @@ promotes the candidate to the tenant's chat default only if it is not worse on a
 either set by more than ``promotion_margin``; otherwise the adapter stays a candidate (still in
 the model picker) with the reason. The tenant can promote, canary or roll back by hand.
 
+A reader trained on the same feedback (``kind: "reader"``) is judged the same way on the answer
+step alone: each held-out and recent question that has a reference (a correction, or the
+approved answer, whose sentences are what an extractive answer should show) is read twice over
+the sources its turn retrieved, with the candidate reader and with the tenant's current one, and
+the selected sentences must state the reference (services/common/judge.py). A promoted reader
+becomes the tenant's reader (``ModelChoice.reader``), which the answer step of every chat
+pipeline that names none uses.
+
 The gate runs in every agent replica (``PromotionGate.run``); a Redis lease per job, renewed
 while it evaluates, lets one replica at a time work on a job, and a replica that dies mid-way
 leaves the job to another once the lease lapses.
@@ -35,12 +43,13 @@ from services.agent.protocol import (
     ModelChoice,
     Promotion,
     PromotionStatus,
+    ReaderChoice,
 )
 from services.agent.quality import cites
 from services.agent.turns import FeedbackFilter, TurnStore
 from services.common.errors import Conflict, InvalidRequest, NotFound, TandemError
 from services.common.http import acting_for
-from services.common.judge import states_reference
+from services.common.judge import has_phrase, states_reference
 
 if TYPE_CHECKING:
     from services.agent.pipelines.state import RunState
@@ -101,6 +110,37 @@ def promoted(choice: ModelChoice, model: str, share: float | None, now: float) -
         out.default = model
     if out.canary == model:
         out.canary, out.canary_share, out.canary_since = None, 0.0, None
+    return out
+
+
+def reader_promoted(
+    choice: ModelChoice, reader: ReaderChoice, share: float | None, now: float
+) -> ModelChoice:
+    """``choice`` with ``reader`` as the tenant's reader (the one before it kept for rollback)."""
+    if share is not None and share != 1.0:
+        # a canary compares what people say of answers per model; a reader's answers are not told apart
+        raise InvalidRequest(
+            f"canary_share: a reader has no canary ({reader.name!r}); promote it whole", param="canary_share"
+        )
+    out = choice.model_copy(deep=True)
+    out.updated_at = now
+    if out.reader is None or out.reader.name != reader.name:
+        out.previous_readers.append(out.reader or ReaderChoice(name=""))
+    out.reader = reader
+    return out
+
+
+def reader_rolled_back(choice: ModelChoice, name: str, now: float) -> ModelChoice:
+    """``choice`` with the reader before ``name`` (the agent's reader setting at the start)."""
+    if choice.reader is None or choice.reader.name != name:
+        current = choice.reader.name if choice.reader else "the agent's reader setting"
+        raise Conflict(
+            f"{name!r} is not the tenant's reader ({current}): there is nothing to roll back", param="model"
+        )
+    out = choice.model_copy(deep=True)
+    out.updated_at = now
+    before = out.previous_readers.pop() if out.previous_readers else None
+    out.reader = before if before is not None and before.name else None
     return out
 
 
@@ -189,6 +229,7 @@ class GateQuestion:
     pipeline: str
     collection: str | None
     reference: str | None  # the correction or the approved answer, without [n] markers
+    sources: tuple[dict[str, Any], ...] = ()  # the chunks its turn retrieved (the reader's replay)
 
 
 @dataclass(frozen=True)
@@ -208,6 +249,24 @@ def judge(q: GateQuestion, state: RunState) -> Judged:
         groundedness=state.groundedness,
         cited=cites(c.to_dict() for c in state.citations),
     )
+
+
+def read_matches(q: GateQuestion, state: RunState, reader: str | None = None) -> bool | None:
+    """Whether the answer step's answer states ``q``'s reference (None: no reference). With
+    ``reader``, an answer that reader did not select (it failed, and the rules stood in) is a
+    miss: a candidate reader the inference cannot serve does not answer better."""
+    if q.reference is None:
+        return None
+    picked = state.selection.scorer if state.selection is not None else ""
+    if reader and picked != f"reader:{reader}":
+        return False
+    said = state.answer
+    return has_phrase(said, q.reference) or states_reference(said, q.reference, q.question)
+
+
+def read_scores(matches: Sequence[bool | None]) -> GateScores:
+    judged = [m for m in matches if m is not None]
+    return GateScores(answered=len(matches), matches=sum(judged) / len(judged) if judged else None)
 
 
 def scores(judged: Sequence[Judged]) -> GateScores:
@@ -232,13 +291,13 @@ def compare(name: Any, questions: int, candidate: GateScores, current: GateScore
     return GateSet(name=name, questions=questions, candidate=candidate, current=current, worse=worse)
 
 
-def decide(sets: Sequence[GateSet], margin: float) -> tuple[bool, str]:
+def decide(sets: Sequence[GateSet], margin: float, what: str = "model") -> tuple[bool, str]:
     measured = [s for s in sets if s.candidate.answered and s.current.answered]
     if not measured:
         return False, "nothing to evaluate on: no held-out answers and no recent questions were answered"
     losses = [f"{s.name}: {', '.join(s.worse)}" for s in measured if s.worse]
     if losses:
-        return False, f"worse than the model it would replace by more than {margin:.2f} on " + "; ".join(
+        return False, f"worse than the {what} it would replace by more than {margin:.2f} on " + "; ".join(
             losses
         )
     counts = ", ".join(f"{s.questions} {s.name}" for s in measured)
@@ -255,18 +314,47 @@ class PromotionGate:
         self.settings = runtime.settings
         self.owner = secrets.token_hex(8)
 
-    async def regression_set(self, tenant: str, holdout: Sequence[str]) -> list[GateQuestion]:
-        wanted = set(holdout)
+    async def _referenced(self, tenant: str) -> list[GateQuestion]:
+        """The tenant's chat answers rated up or corrected, newest first, each with its reference:
+        the correction, or the approved answer."""
         rated, _ = await self.runtime.turns.list_feedback(tenant, FeedbackFilter())
         out = []
         for fb, rec in sorted(rated, key=lambda pair: -pair[1].created_at):
-            if rec.message_id not in wanted or rec.kind != "pipeline" or not rec.question.strip():
+            if rec.kind != "pipeline" or not rec.question.strip():
                 continue
-            reference = (fb.correction or "").strip() or (rec.answer if fb.rating == 1 else "")
-            if reference:
-                text = _MARKERS.sub("", reference).strip()
-                out.append(GateQuestion(rec.message_id, rec.question, rec.pipeline, rec.collection, text))
+            reference = _MARKERS.sub(
+                "", (fb.correction or "").strip() or (rec.answer if fb.rating == 1 else "")
+            )
+            if reference.strip():
+                out.append(
+                    GateQuestion(
+                        rec.message_id,
+                        rec.question,
+                        rec.pipeline,
+                        rec.collection,
+                        reference.strip(),
+                        tuple(rec.sources),
+                    )
+                )
+        return out
+
+    async def regression_set(self, tenant: str, holdout: Sequence[str]) -> list[GateQuestion]:
+        wanted = set(holdout)
+        out = [q for q in await self._referenced(tenant) if q.message_id in wanted]
         return out[: self.settings.promotion_eval_max]
+
+    async def recent_referenced(self, tenant: str, exclude: set[str]) -> list[GateQuestion]:
+        """The reader's recent questions: the newest rated ones with a reference, one per question,
+        the held-out ones left out (a reader's answer is judged against a reference only)."""
+        out: list[GateQuestion] = []
+        seen: set[str] = set()
+        for q in await self._referenced(tenant):
+            key = q.question.strip().lower()
+            if q.message_id in exclude or key in seen or len(out) >= self.settings.promotion_recent:
+                continue
+            seen.add(key)
+            out.append(q)
+        return out
 
     async def recent(self, tenant: str, exclude: set[str]) -> list[GateQuestion]:
         if not self.settings.promotion_recent:
@@ -335,13 +423,18 @@ class PromotionGate:
 
     async def evaluate(self, tenant: str, p: Promotion, key: str) -> None:
         assert p.candidate is not None
+        if p.kind == "reader":
+            await self.evaluate_reader(tenant, p, key)
+            return
         choice = await self.store.choice(tenant)
         p.replaces = choice.default or ""
         regression = await self.regression_set(tenant, p.holdout)
         recent = await self.recent(tenant, set(p.holdout))
         sets = []
         for name, questions in (("regression", regression), ("recent", recent)):
-            pairs = await self._answer_both(tenant, key, questions, p.candidate, choice.default, p.job_id)
+            pairs = await self._answer_both(
+                tenant, key, questions, (p.candidate, choice.default), choice.reader, p.job_id
+            )
             candidate = scores([c for c, _ in pairs])
             current = scores([o for _, o in pairs])
             sets.append(compare(name, len(questions), candidate, current, p.margin))
@@ -355,18 +448,94 @@ class PromotionGate:
         await self._finish(tenant, p, "promoted" if ok else "kept", reason)
         log.info("promotion gate: %s of tenant %s %s: %s", p.candidate, tenant, p.status, reason)
 
+    async def evaluate_reader(self, tenant: str, p: Promotion, key: str) -> None:
+        """The candidate reader against the tenant's current one, on the answer step alone."""
+        assert p.candidate is not None
+        choice = await self.store.choice(tenant)
+        current = choice.reader or ReaderChoice(name=self.settings.reader)
+        p.replaces = current.name
+        try:
+            candidate = ReaderChoice(
+                name=p.candidate, threshold=await self._threshold(tenant, key, p.candidate)
+            )
+        except NotFound as exc:
+            await self._finish(tenant, p, "failed", exc.message)
+            return
+        sets = []
+        for name, questions in (
+            ("regression", await self.regression_set(tenant, p.holdout)),
+            ("recent", await self.recent_referenced(tenant, set(p.holdout))),
+        ):
+            pairs = await self._read_both(tenant, key, questions, candidate, current, p.job_id)
+            new, old = read_scores([c for c, _ in pairs]), read_scores([o for _, o in pairs])
+            sets.append(compare(name, len(pairs), new, old, p.margin))
+        p.sets = sets
+        ok, reason = decide(sets, p.margin, "reader")
+        if ok:
+            latest = await self.store.choice(tenant)
+            await self.store.save_choice(tenant, reader_promoted(latest, candidate, None, time.time()))
+        await self._finish(tenant, p, "promoted" if ok else "kept", reason)
+        log.info("promotion gate: reader %s of tenant %s %s: %s", p.candidate, tenant, p.status, reason)
+
+    async def _threshold(self, tenant: str, key: str, reader: str) -> float | None:
+        """The threshold ``reader``'s held-out rows chose, as the inference service lists it."""
+        with acting_for(tenant):
+            cards = await self.runtime.inference(key).models()
+        for card in cards:
+            if card.id == reader and card.kind == "rerank":
+                value = (card.model_extra or {}).get("threshold")
+                return float(value) if isinstance(value, int | float) else None
+        raise NotFound(f"the inference service does not serve the reader {reader!r} for this tenant")
+
+    async def _read_both(
+        self,
+        tenant: str,
+        key: str,
+        questions: Sequence[GateQuestion],
+        candidate: ReaderChoice,
+        current: ReaderChoice,
+        job_id: str,
+    ) -> list[tuple[bool | None, bool | None]]:
+        """Each question's sources read by the candidate reader and by the current one; a question
+        without recorded sources, or one either could not read, is left out of both."""
+        gate = asyncio.Semaphore(EVAL_CONCURRENCY)
+
+        async def one(q: GateQuestion) -> tuple[bool | None, bool | None] | None:
+            if q.pipeline not in self.runtime.pipelines or not q.sources:
+                return None
+            sources = list(q.sources)
+            async with gate:
+                try:
+                    with acting_for(tenant):
+                        new = await self.runtime.read_unrecorded(
+                            key, q.pipeline, q.question, q.collection, sources, candidate
+                        )
+                        old = await self.runtime.read_unrecorded(
+                            key, q.pipeline, q.question, q.collection, sources, current
+                        )
+                except TandemError as exc:
+                    log.info("promotion gate: %r left out: %s", q.question[:80], exc.message)
+                    return None
+                await self._lease(job_id)
+            return read_matches(q, new, candidate.name), read_matches(q, old)
+
+        answered = await asyncio.gather(*(one(q) for q in questions))
+        return [a for a in answered if a is not None]
+
     async def _answer_both(
         self,
         tenant: str,
         key: str,
         questions: Sequence[GateQuestion],
-        candidate: str,
-        current: str | None,
+        models: tuple[str, str | None],
+        reader: ReaderChoice | None,
         job_id: str,
     ) -> list[tuple[Judged, Judged]]:
-        """Each question answered by the candidate and by the current model; a question either
-        could not answer (its collection deleted, a pipeline gone) is left out of both."""
+        """Each question answered by the candidate and by the current model (``models``), the
+        answer step reading with the tenant's ``reader``; a question either could not answer (its
+        collection deleted, a pipeline gone) is left out of both."""
         gate = asyncio.Semaphore(EVAL_CONCURRENCY)
+        candidate, current = models
 
         async def one(q: GateQuestion) -> tuple[Judged, Judged] | None:
             if q.pipeline not in self.runtime.pipelines:
@@ -375,10 +544,10 @@ class PromotionGate:
                 try:
                     with acting_for(tenant):
                         new = await self.runtime.answer_unrecorded(
-                            key, q.pipeline, q.question, q.collection, candidate
+                            key, q.pipeline, q.question, q.collection, candidate, reader
                         )
                         old = await self.runtime.answer_unrecorded(
-                            key, q.pipeline, q.question, q.collection, current
+                            key, q.pipeline, q.question, q.collection, current, reader
                         )
                 except TandemError as exc:
                     log.info("promotion gate: %r left out: %s", q.question[:80], exc.message)

@@ -436,12 +436,28 @@ class DatasetResult(BaseModel):
     counts: dict[str, int]
 
 
+class ReaderTraining(BaseModel):
+    """The reader's part of "train on feedback": a reader job on the feedback about extractive
+    answers, or why none started."""
+
+    started: bool
+    reason: str = Field(default="", description="why no reader job started")
+    file_id: str | None = None
+    rows: int = 0
+    counts: dict[str, int] = Field(default_factory=dict)
+    job: dict[str, Any] | None = None
+    promotion: Promotion | None = None
+
+
 class TrainResult(BaseModel):
     dataset: DatasetResult
     job: dict[str, Any]
     promotion: Promotion | None = Field(
         default=None,
         description="the gate that evaluates the fine-tune when it is trained (GET /v1/promotions)",
+    )
+    reader: ReaderTraining | None = Field(
+        default=None, description="the reader job on the same feedback (extractive answers' rows)"
     )
 
 
@@ -450,8 +466,18 @@ class TrainResult(BaseModel):
 PromotionStatus = Literal["training", "evaluating", "promoted", "kept", "failed"]
 
 
+class ReaderChoice(BaseModel):
+    """A reader the answer step scores sentences with, and the score at which a sentence answers."""
+
+    name: str = Field(description="a published reader (ft-reader-...); '' is the agent's reader setting")
+    threshold: float | None = Field(
+        default=None, description="from the reader's held-out rows; null: the agent's reader_threshold"
+    )
+
+
 class ModelChoice(BaseModel):
-    """The model a tenant's chat pipelines answer with when the turn and its conversation name none."""
+    """The model a tenant's chat pipelines answer with when the turn and its conversation name
+    none, and the reader their answer step uses when the pipeline names none."""
 
     default: str | None = Field(
         default=None, description="the promoted model; null: the service's base model"
@@ -465,6 +491,12 @@ class ModelChoice(BaseModel):
     )
     canary_share: float = Field(default=0.0, ge=0.0, le=1.0)
     canary_since: float | None = None
+    reader: ReaderChoice | None = Field(
+        default=None, description="the promoted reader; null: the agent's reader setting"
+    )
+    previous_readers: list[ReaderChoice] = Field(
+        default_factory=list, description="earlier readers, newest last (name '': the agent's setting)"
+    )
     updated_at: float | None = None
 
 
@@ -501,6 +533,9 @@ class Promotion(BaseModel):
     """A fine-tune from feedback and the gate's verdict on it."""
 
     job_id: str
+    kind: Literal["model", "reader"] = Field(
+        default="model", description="a chat model (LoRA adapter) or the answer step's reader"
+    )
     candidate: str | None = Field(default=None, description="the published model, once the job has trained")
     replaces: str = Field(
         default="", description="the tenant's default when training started ('' is the base model)"

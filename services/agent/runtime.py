@@ -33,12 +33,12 @@ from services.agent.events import (
 )
 from services.agent.mcp_servers import McpServerStore, load_cipher
 from services.agent.memory import ConversationStore, MemoryLimits
-from services.agent.pipelines.components import CiteNode, Component, GenerateNode
+from services.agent.pipelines.components import AnswerSelectNode, CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
 from services.agent.pipelines.state import AnswerForm, AnswerKind, Event, RunContext, RunState
 from services.agent.promotions import PromotionGate, PromotionStore, chat_model
 from services.agent.prompting import PromptPlan
-from services.agent.protocol import Message, PipelineRunRequest, TurnRecord, wire_messages
+from services.agent.protocol import Message, PipelineRunRequest, ReaderChoice, TurnRecord, wire_messages
 from services.agent.quality import QualityMetrics, answer_quality
 from services.agent.tokens import load_counter
 from services.agent.tools.base import Tool, ToolContext
@@ -145,6 +145,20 @@ class TurnResult:
             out["error"] = {"message": error.message, "code": error.code}
         return out
 
+    def turn_done(self) -> DoneEvent:
+        """The ``done`` event of a turn: with a search's results, a chat pipeline's answer kind and
+        the groundedness guard's verdict where they apply."""
+        done = self.done_event(model=self.model or None)
+        if self.results is not None:
+            done.results = self.results
+        if self.state is not None and self.results is None and not self.state.structured:
+            done.answer_kind = self.answer_kind  # a chat pipeline's text answer
+        if self.grounding is not None:
+            done.kind = self.answer_kind
+            done.grounding = self.grounding
+            done.unsupported = self.unsupported
+        return done
+
     def done_event(self, **fields: Any) -> DoneEvent:
         """The turn's ``done``; ``usage`` and ``invalid_citations`` only when there are any."""
         done = DoneEvent(
@@ -172,6 +186,7 @@ class _Run:
     history: list[Message]
     result: TurnResult
     mcp_tools: dict[str, Tool] = field(default_factory=dict)  # the run's MCP servers' tools
+    reader: ReaderChoice | None = None  # the tenant's promoted reader (pipelines)
 
 
 class AgentRuntime:
@@ -325,6 +340,20 @@ class AgentRuntime:
                 param="conversation_id",
             )
 
+    async def _answerers(
+        self, tenant: str, turn: Turn, remembered: str | None, inference: InferenceClient, message_id: str
+    ) -> tuple[str | None, ReaderChoice | None]:
+        """The model and the reader a turn answers with: the model the turn names (checked), else
+        the conversation's, else for a pipeline the tenant's promoted one (or its canary, for a
+        share of turns); for a pipeline, the tenant's promoted reader (None: the agent's setting)."""
+        if turn.llm:
+            await self.check_llm(inference, turn.llm)
+        llm = turn.llm or remembered
+        if turn.target not in self.pipelines:
+            return llm, None
+        choice = await self.promotions.choice(tenant)
+        return llm or chat_model(choice, message_id), choice.reader
+
     async def turn(
         self, principal: Principal, api_key: str, turn: Turn, result: TurnResult
     ) -> AsyncIterator[Event]:
@@ -341,15 +370,10 @@ class AgentRuntime:
         meta: dict[str, str] = {}
         if turn.remember and turn.conversation_id:
             meta = await self.memory.meta(tenant, user, turn.conversation_id)
-        llm = turn.llm
         result.message_id = new_message_id()
-        if llm:
-            await self.check_llm(inference, llm)
-        else:
-            llm = meta.get("llm") or None  # the conversation remembers its model
-        if not llm and turn.target in self.pipelines:
-            # the tenant's promoted fine-tune (or its canary, for a share of turns)
-            llm = chat_model(await self.promotions.choice(tenant), result.message_id)
+        llm, reader = await self._answerers(
+            tenant, turn, meta.get("llm") or None, inference, result.message_id
+        )
         history = list(turn.history or [])
         created = False
         partial: list[str] = []
@@ -377,7 +401,9 @@ class AgentRuntime:
             yield ConversationEvent(conversation_id=result.conversation_id)
         try:
             if turn.target in self.pipelines:
-                events = self._run_pipeline(_Run(inference, api_key, turn, llm, history, result))
+                events = self._run_pipeline(
+                    _Run(inference, api_key, turn, llm, history, result, reader=reader)
+                )
             else:
                 events = self._run_agent(_Run(inference, api_key, turn, llm, history, result, mcp_tools))
             async for event in events:
@@ -422,16 +448,7 @@ class AgentRuntime:
             if result.steps:
                 assistant["steps"] = result.steps
             await self.memory.append(tenant, user, result.conversation_id, [assistant])
-        done = result.done_event(model=result.model or None)
-        if result.results is not None:
-            done.results = result.results
-        if result.state is not None and result.results is None and not result.state.structured:
-            done.answer_kind = result.answer_kind  # a chat pipeline's text answer
-        if result.grounding is not None:
-            done.kind = result.answer_kind
-            done.grounding = result.grounding
-            done.unsupported = result.unsupported
-        yield done
+        yield result.turn_done()
 
     async def _save_record(
         self, principal: Principal, turn: Turn, result: TurnResult, answer: str, finish_reason: str
@@ -569,7 +586,7 @@ class AgentRuntime:
     async def _run_pipeline(self, run: _Run) -> AsyncIterator[Event]:
         inference, turn, llm, result = run.inference, run.turn, run.llm, run.result
         pipeline = self.pipelines[turn.target]
-        ctx = await self._context(pipeline, inference, run.api_key, llm)
+        ctx = await self._context(pipeline, inference, run.api_key, llm, run.reader)
         state = RunState(
             question=turn.message,
             collection=turn.collection,
@@ -587,7 +604,12 @@ class AgentRuntime:
         result.grounding = state.grounding
 
     async def _context(
-        self, pipeline: Pipeline, inference: InferenceClient, api_key: str, llm: str | None
+        self,
+        pipeline: Pipeline,
+        inference: InferenceClient,
+        api_key: str,
+        llm: str | None,
+        reader: ReaderChoice | None = None,
     ) -> RunContext:
         uses_model = any(n.type == "generator" for n in pipeline.spec.components.values())
         return RunContext(
@@ -597,21 +619,73 @@ class AgentRuntime:
             counter=load_counter(self.settings.tokenizer),
             model=(llm or await self.model(inference)) if uses_model else "",
             chosen=bool(llm),
+            reader=reader.name if reader else None,
+            reader_threshold=reader.threshold if reader else None,
         )
 
     async def answer_unrecorded(
-        self, api_key: str, pipeline_name: str, question: str, collection: str | None, llm: str | None
+        self,
+        api_key: str,
+        pipeline_name: str,
+        question: str,
+        collection: str | None,
+        llm: str | None,
+        reader: ReaderChoice | None = None,
     ) -> RunState:
         """A pipeline's answer to one question, as a chat turn would get it with ``llm`` (None: the
-        served default), kept nowhere: no turn record, no memory, no quality metric. The
-        promotion gate's evaluation answers (services/agent/promotions.py)."""
+        served default) and the tenant's ``reader``, kept nowhere: no turn record, no memory, no
+        quality metric. The promotion gate's evaluation answers (services/agent/promotions.py)."""
         pipeline = self.pipelines[pipeline_name]
         inference = self.inference(api_key)
-        ctx = await self._context(pipeline, inference, api_key, llm)
+        ctx = await self._context(pipeline, inference, api_key, llm, reader)
         state = RunState(question=question, collection=collection)
         async for event in pipeline.run(state, ctx):
             if isinstance(event, ErrorEvent):
                 raise ServiceUnavailable(event.message)
+        return state
+
+    async def read_unrecorded(
+        self,
+        api_key: str,
+        pipeline_name: str,
+        question: str,
+        collection: str | None,
+        sources: list[dict[str, Any]],
+        reader: ReaderChoice,
+    ) -> RunState:
+        """The answer step of ``pipeline_name`` alone, over ``sources`` (a turn record's retrieved
+        chunks, so every reader reads the same), with ``reader``: its selected sentences as the
+        answer, or that the documents do not say. Kept nowhere. The reader gate's answers
+        (services/agent/promotions.py)."""
+        pipeline = self.pipelines[pipeline_name]
+        p = next(
+            (n.p for n in pipeline.nodes.values() if isinstance(n, AnswerSelectNode)),
+            AnswerSelectNode.P.model_validate({}),
+        )
+        # the selection is the answer, whatever the pipeline does with it: it is the reader's
+        node = AnswerSelectNode(
+            p.model_copy(
+                update={
+                    "enabled": True,
+                    "extract": True,
+                    "reader": reader.name,
+                    "reader_threshold": reader.threshold,
+                }
+            )
+        )
+        chunks = [Chunk.from_result(s) for s in sources]
+        state = RunState(question=question, collection=collection)
+        state.chunks = chunks
+        state.plan = PromptPlan(messages=[], sources=chunks, prompt_tokens=0, budget=0)
+        ctx = RunContext(
+            settings=self.settings,
+            retrieval=self.retrieval(api_key),
+            inference=self.inference(api_key),
+            counter=load_counter(self.settings.tokenizer),
+            model="",
+        )
+        async for _ in node.run(state, ctx):
+            pass
         return state
 
     async def _run_agent(self, run: _Run) -> AsyncIterator[Event]:

@@ -409,7 +409,7 @@ def check_published_path(path: Path, name: str, common: CommonSettings, owner: J
 def resolve_reader_base(name: str, common: CommonSettings, owner: JobOwner | None) -> Path:
     """The model a reader job starts from: all-MiniLM-L6-v2 (the packaged bi-encoder: the
     cross-encoder's classification head starts new), one of the owner's or the shared published
-    readers (``ft-reader-...``, trained further), one of the owner's published embedders
+    readers (``ft-reader-...``, or a shared one's name such as ``tandem-reader``: trained further), one of the owner's published embedders
     (``ft-emb-...``, a new head too), or a sentence-transformers / Hugging Face
     BERT-like folder under the allowed model roots (neither another tenant's published models
     nor its job weights). Anything else is a 404 naming ``base_model``."""
@@ -417,13 +417,13 @@ def resolve_reader_base(name: str, common: CommonSettings, owner: JobOwner | Non
     from services.common.embedding_models import DEFAULT_ALIASES, resolve_model_path
     from services.common.readers import find_reader, is_reader_name
 
-    if is_reader_name(name):
-        hit = find_reader(common.home_dir, owner.tenant, name) if owner is not None else None
-        if hit is None:
-            raise NotFound(
-                f"base_model {name!r}: no such reader among yours and the shared ones", param="base_model"
-            )
+    hit = find_reader(common.home_dir, owner.tenant, name) if owner is not None else None
+    if hit is not None:  # a published reader, whatever its name (the shared tandem-reader too)
         return hit[0]
+    if is_reader_name(name):
+        raise NotFound(
+            f"base_model {name!r}: no such reader among yours and the shared ones", param="base_model"
+        )
     if is_embedder_name(name):  # the tenant's fine-tuned bi-encoder: a new head on its encoder
         return resolve_embedder_base(name, common, owner)
     if name in DEFAULT_ALIASES:

@@ -294,6 +294,13 @@ class JobCreate(Strict):
         description="reader jobs, operator keys only: publish the reader for every tenant (the shared "
         "folder, which each tenant resolves after its own readers)",
     )
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="shared reader jobs: the name it is published under (default ft-reader-<job>); "
+        "publishing a name again replaces that reader, so the agent's default reader is retrained in "
+        "place (tandem-reader)",
+    )
     resources: ResourcesSpec | None = Field(
         None, description="distributed data-parallel training (torchrun); absent: one process in the worker"
     )
@@ -320,14 +327,16 @@ class JobCreate(Strict):
 
     @model_validator(mode="after")
     def _reader_fields(self) -> JobCreate:
-        if self.shared and self.type != "reader":
-            raise ValueError(f"'shared' only applies to reader jobs, not {self.type}")
+        if (self.shared or self.name is not None) and self.type != "reader":
+            raise ValueError(f"'shared' and 'name' only apply to reader jobs, not {self.type}")
         if self.type != "reader":
             return self
         if self.lora is not None:
             raise ValueError("'lora' does not apply to reader jobs (they fine-tune the whole cross-encoder)")
         if self.shared and not self.publish:
             raise ValueError("'shared' publishes the reader for every tenant: leave 'publish' true")
+        if self.name is not None and not self.shared:
+            raise ValueError("'name' names a shared reader: set 'shared' (an operator key) too")
         return self
 
     @model_validator(mode="after")

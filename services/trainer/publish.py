@@ -199,7 +199,7 @@ def publish_reader_job(common: CommonSettings, tenant: str, job_id: str, spec: J
     threshold = figures.pop("threshold", None)
     figures.pop("threshold_before", None)
     manifest = ReaderManifest(
-        name=reader_name(job_id),
+        name=spec.name or reader_name(job_id),
         tenant=SHARED if spec.shared else tenant,
         base_model=spec.base_model,
         job_id=job_id,

@@ -77,6 +77,8 @@ class Refusal:
 
 Reply = str | dict[str, Any] | Refusal
 Script = Callable[[dict[str, Any]], Reply]
+# A reader: (question, passages) -> one score per passage.
+ReaderScript = Callable[[str, list[str]], list[float]]
 
 
 @dataclass
@@ -94,6 +96,11 @@ class ScriptedModel:
     own: dict[str, list[str]] = field(default_factory=dict)
     # Embedding models listed beside the chat models, as the inference service lists them.
     embedding: list[str] = field(default_factory=lambda: ["all-MiniLM-L6-v2"])
+    # Readers /v1/rerank serves (listed as kind "rerank" with their threshold); any other name
+    # is a 404, as the inference service answers for a reader it does not serve.
+    readers: dict[str, ReaderScript] = field(default_factory=dict)
+    reader_thresholds: dict[str, float] = field(default_factory=dict)
+    reranks: list[dict[str, Any]] = field(default_factory=list)
 
     def next_reply(self, body: dict[str, Any]) -> Reply:
         if callable(self.replies):
@@ -112,7 +119,26 @@ def inference_double(model: ScriptedModel) -> FastAPI:
         ids = [*model.shared, *model.own.get(key, []), *(model.own.get(acting, []) if acting else [])]
         cards = [{"id": i, "object": "model"} for i in ids]
         cards += [{"id": i, "object": "model", "kind": "embedding"} for i in model.embedding]
+        cards += [
+            {"id": i, "object": "model", "kind": "rerank", "threshold": model.reader_thresholds.get(i)}
+            for i in model.readers
+        ]
         return {"object": "list", "data": cards}
+
+    @app.post("/v1/rerank")
+    async def rerank(request: Request) -> Any:
+        body = await request.json()
+        model.reranks.append(body)
+        reader = model.readers.get(body["model"])
+        if reader is None:
+            error = {
+                "type": "not_found_error",
+                "message": f"no rerank model {body['model']!r}",
+                "param": "model",
+            }
+            return JSONResponse({"error": error}, status_code=404)
+        scores = reader(body["query"], list(body["documents"]))
+        return {"results": [{"index": i, "relevance_score": s} for i, s in enumerate(scores)]}
 
     @app.get("/v1/capabilities")
     async def capabilities() -> Any:
@@ -215,7 +241,7 @@ def trainer_double(trainer: RecordingTrainer) -> FastAPI:
         data = await upload.read()
         rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
         fmt = "kto"
-        if "label" not in rows[0]:
+        if "label" not in rows[0] or "sentence" in rows[0]:
             parsed = parse_dataset(data)
             fmt = parsed.format
         fid = f"file-{len(trainer.files) + 1}"

@@ -528,7 +528,8 @@ def test_the_agent_spreads_over_the_ready_inference_replicas(
     with ExitStack() as replicas:
         ready_a, ready_b, not_ready = (replicas.enter_context(serve_app(a)) for a in apps)
         urls = [f"http://127.0.0.1:{free_port()}", ready_a, ready_b, not_ready]
-        with agent_stack(redis_url, tmp_path, inference_urls=",".join(urls)) as stack:
+        # without a reader each turn makes one inference call (the chat), so the counts show the spread
+        with agent_stack(redis_url, tmp_path, inference_urls=",".join(urls), reader="") as stack:
 
             def ask() -> None:
                 resp = httpx.post(

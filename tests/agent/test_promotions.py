@@ -308,3 +308,131 @@ def test_the_gate_keeps_a_worse_fine_tune_and_promotes_a_better_one(
         row["answers"] for row in httpx.get(f"{stack.url}/v1/quality", headers=auth(key)).json()["data"]
     )
     assert after == recorded + 2
+
+
+# -- the reader -----------------------------------------------------------------------------------
+
+# The sentence of the geo corpus that answers each question.
+ANSWERS = {
+    "capital of France": "Paris is the capital of France.",
+    "French capital": "Paris is the capital of France.",
+    "capital of Germany": "Berlin is the capital of Germany.",
+    "German capital": "Berlin is the capital of Germany.",
+    "Eiffel Tower": "The Eiffel Tower stands in Paris.",
+    "France known": "France is known for wine and cheese.",
+    "France famous": "France is known for wine and cheese.",
+    "Germany have": "Germany has many forests.",
+    "grows in Germany": "Germany has many forests.",
+}
+
+
+def answering(question: str) -> str:
+    return next(sentence for key, sentence in ANSWERS.items() if all(w in question for w in key.split()))
+
+
+def oracle(question: str, passages: list[str]) -> list[float]:
+    """A reader that knows the answer: the answering sentence scores 1, the others -1."""
+    return [1.0 if p.split("\n")[-1] == answering(question) else -1.0 for p in passages]
+
+
+def contrary(question: str, passages: list[str]) -> list[float]:
+    """A reader that has it backwards."""
+    return [-s for s in oracle(question, passages)]
+
+
+def test_the_reader_learns_from_feedback_and_the_gate_keeps_a_worse_one(
+    stack: Stack, tenant: tuple[str, str]
+) -> None:
+    from services.agent.reader.feedback_rows import question_key
+
+    _, key = tenant
+    readers = {"tandem-reader": oracle, "ft-reader-good": oracle, "ft-reader-bad": contrary}
+    stack.model.readers.update(readers)
+    stack.model.reader_thresholds.update(dict.fromkeys(readers, 0.0))
+
+    def rate(out: dict[str, Any], rating: int, correction: str | None = None) -> None:
+        body = {"message_id": out["message_id"], "rating": rating, "correction": correction}
+        assert post(stack, key, "/v1/feedback", body).status_code == 200
+
+    # The agent's reader answers right: thumbs up.
+    for q in QUESTIONS:
+        out = ask(stack, key, q)
+        assert out["answer_kind"] == "extractive" and answering(q)[:-1] in out["answer"], out
+        rate(out, 1)
+    assert {r["model"] for r in stack.model.reranks} == {"tandem-reader"}
+    # By hand, a reader that answers wrong; a share is refused, an unknown reader is a 404.
+    resp = post(stack, key, "/v1/models/ft-reader-bad/promote", {"canary_share": 0.5})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "canary_share", resp.text
+    resp = post(stack, key, "/v1/models/ft-reader-nope/promote")
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "model", resp.text
+    resp = post(stack, key, "/v1/models/ft-reader-bad/promote")
+    assert resp.status_code == 200 and resp.json()["reader"] == {"name": "ft-reader-bad", "threshold": 0.0}
+    assert resp.json()["default"] is None  # the chat model is not touched
+    # Its answers get thumbs down, half of them a correction.
+    for i, q in enumerate(QUESTIONS):
+        out = ask(stack, key, q)
+        assert stack.model.reranks[-1]["model"] == "ft-reader-bad" and answering(q)[:-1] not in out["answer"]
+        rate(out, -1, answering(q) if i % 2 else None)
+    resp = post(stack, key, "/v1/models/ft-reader-bad/rollback")
+    assert resp.status_code == 200 and resp.json()["reader"] is None, resp.text
+    assert post(stack, key, "/v1/models/ft-reader-bad/rollback").status_code == 409
+
+    held = {q for q in QUESTIONS if held_out(f"reader:{question_key(q)}", 0.5)}
+    assert held and len(held) < len(QUESTIONS) - 3
+
+    def train(reader: str) -> dict[str, Any]:
+        for n in (1, 2):  # the model's job and the reader's: training until the test says
+            stack.trainer.job_states[f"ftjob-{len(stack.trainer.jobs) + n}"] = {"status": "running"}
+        resp = post(stack, key, "/v1/feedback/train", {"format": "kto"})
+        assert resp.status_code == 200, resp.text
+        out = resp.json()["reader"]
+        assert out["started"] and out["promotion"]["kind"] == "reader", out
+        assert stack.trainer.jobs[-1] == {"type": "reader", "publish": True, "dataset": out["file_id"]}
+        rows = stack.trainer.files[out["file_id"]]
+        assert {r["question"] for r in rows} == set(QUESTIONS) - held
+        for q in set(QUESTIONS) - held:  # the right sentence answers, the wrong one shown does not
+            judged = {(r["sentence"], r["label"]) for r in rows if r["question"] == q}
+            assert (answering(q), 1) in judged and any(label == 0 for _, label in judged), judged
+        assert {r["context"] for r in rows} <= {"France", "Germany", "Eiffel Tower"}
+        job = out["promotion"]["job_id"]
+        assert out["promotion"]["holdout"] and all(
+            q in held for q in (m["question"] for m in feedback_on(out["promotion"]["holdout"]))
+        )
+        stack.trainer.job_states[job] = {"status": "succeeded", "published": True, "fine_tuned_model": reader}
+        return dict(wait_until(lambda: decided(job), 60, f"the gate did not decide on {job}"))
+
+    def feedback_on(ids: list[str]) -> list[dict[str, Any]]:
+        listed = httpx.get(f"{stack.url}/v1/feedback?limit=1000", headers=auth(key), timeout=30).json()[
+            "data"
+        ]
+        return [f for f in listed if f["message_id"] in ids]
+
+    def decided(job: str) -> dict[str, Any] | None:
+        p = next(p for p in promotions(stack, key)["data"] if p["job_id"] == job)
+        return p if p["status"] not in ("training", "evaluating") else None
+
+    bad = train("ft-reader-bad")
+    assert bad["status"] == "kept" and bad["replaces"] == "tandem-reader", bad
+    assert (
+        "worse than the reader it would replace" in bad["reason"] and "regression: matches" in bad["reason"]
+    )
+    sets = {s["name"]: s for s in bad["sets"]}
+    # every held-out answer with a reference: the approved one, and the correction where there is one
+    corrected = [q for i, q in enumerate(QUESTIONS) if i % 2]
+    assert sets["regression"]["questions"] == len(held) + len(held & set(corrected))
+    assert (
+        sets["regression"]["candidate"]["matches"] == 0.0 and sets["regression"]["current"]["matches"] == 1.0
+    )
+    assert sets["recent"]["questions"] == len(QUESTIONS) - len(held)
+    assert promotions(stack, key)["choice"]["reader"] is None
+
+    good = train("ft-reader-good")
+    assert good["status"] == "promoted" and "not worse" in good["reason"], good
+    assert promotions(stack, key)["choice"]["reader"] == {"name": "ft-reader-good", "threshold": 0.0}
+    # the answer step of the tenant's chats reads with it now, and the next round trains it further
+    assert answering(QUESTIONS[0])[:-1] in ask(stack, key, QUESTIONS[0])["answer"]
+    assert stack.model.reranks[-1]["model"] == "ft-reader-good"
+    stack.trainer.job_states[f"ftjob-{len(stack.trainer.jobs) + 1}"] = {"status": "running"}
+    stack.trainer.job_states[f"ftjob-{len(stack.trainer.jobs) + 2}"] = {"status": "running"}
+    resp = post(stack, key, "/v1/feedback/train", {"format": "kto"})
+    assert resp.status_code == 200 and stack.trainer.jobs[-1]["base_model"] == "ft-reader-good", resp.text

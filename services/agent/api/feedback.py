@@ -8,6 +8,7 @@ Everything is scoped to the caller's tenant: another tenant's message is a 404.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -25,6 +26,7 @@ from services.agent.feedback import (
     give_feedback,
     turn_of,
 )
+from services.agent.promotions import held_out
 from services.agent.protocol import (
     Choice,
     ChooseRequest,
@@ -37,18 +39,26 @@ from services.agent.protocol import (
     FeedbackStats,
     ModelStats,
     Promotion,
+    ReaderTraining,
     RegenerateRequest,
     TrainRequest,
     TrainResult,
     TurnRecord,
 )
+from services.agent.reader.feedback_rows import ReaderDataset, reader_dataset
 from services.agent.runtime import AgentRuntime, TurnResult, collect, peek
-from services.agent.turns import FeedbackFilter
+from services.agent.turns import FeedbackFilter, FeedbackRow
 from services.common.app_factory import JSON_OR_SSE
 from services.common.auth import Principal
-from services.common.errors import InvalidRequest, NotFound
+from services.common.errors import InvalidRequest, NotFound, TandemError
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import idempotent
+
+log = logging.getLogger(__name__)
+
+# Reader rows "train on feedback" needs before it trains the tenant's reader, of each label.
+READER_MIN_ROWS = 8
+READER_MIN_PER_LABEL = 2
 
 router = APIRouter(tags=["feedback"], responses={404: {"description": "no such message or feedback"}})
 
@@ -251,4 +261,77 @@ async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: Caller
         created_at=time.time(),
     )
     await runtime.promotions.save(principal.tenant, promotion)
-    return TrainResult(dataset=dataset, job=job, promotion=promotion)
+    reader = await _train_reader(runtime, principal, key, body)
+    return TrainResult(dataset=dataset, job=job, promotion=promotion, reader=reader)
+
+
+def _reader_rows(rated: list[tuple[FeedbackRow, TurnRecord]], share: float) -> tuple[ReaderDataset, str]:
+    """The reader's rows, ``share`` of the questions (``promotion_holdout``, a fifth) held out as
+    its regression set unless what is left is too little; and why they are too few ("" if enough)."""
+
+    def short(built: ReaderDataset) -> str:
+        counts = built.counts
+        if (
+            len(built.rows) >= READER_MIN_ROWS
+            and min(counts["positive"], counts["negative"]) >= READER_MIN_PER_LABEL
+        ):
+            return ""
+        return (
+            f"too little feedback on extractive answers for the reader: {counts['positive']} answering and "
+            f"{counts['negative']} non-answering sentences, at least {READER_MIN_ROWS} rows with "
+            f"{READER_MIN_PER_LABEL} of each needed"
+        )
+
+    built = reader_dataset(rated, lambda q: held_out(f"reader:{q}", share))
+    if short(built) and built.held_out:
+        built = reader_dataset(rated)
+    return built, short(built)
+
+
+async def _train_reader(
+    runtime: AgentRuntime, principal: Principal, key: str, req: TrainRequest
+) -> ReaderTraining:
+    """The tenant's reader trained further on the feedback about extractive answers (the
+    sentences the reader picked, rated or corrected), gated like a fine-tune. It never fails the
+    model's round: why no reader job started is in ``reason``."""
+    rated, _ = await runtime.turns.list_feedback(principal.tenant, _filter(req))
+    built, reason = _reader_rows(rated, runtime.settings.promotion_holdout)
+    if reason:
+        return ReaderTraining(started=False, reason=reason, rows=len(built.rows), counts=built.counts)
+    choice = await runtime.promotions.choice(principal.tenant)
+    current = choice.reader.name if choice.reader else runtime.settings.reader
+    job_body: dict[str, Any] = {"type": "reader", "publish": True}
+    if current:
+        job_body["base_model"] = current  # the reader answering now trains further
+    try:
+        trainer = runtime.trainer(key)
+        stored = await trainer.upload_file(f"feedback-reader-{int(time.time())}.jsonl", built.jsonl())
+        job_body["dataset"] = str(stored["id"])
+        try:
+            job = await trainer.create_job(job_body)
+        except NotFound:
+            # the reader answering now is not published (yet): the trainer's base starts it
+            job = await trainer.create_job({k: v for k, v in job_body.items() if k != "base_model"})
+    except TandemError as exc:
+        log.warning("train on feedback: no reader job for tenant %s: %s", principal.tenant, exc.message)
+        return ReaderTraining(
+            started=False, reason=f"the trainer refused the reader job: {exc.message}", counts=built.counts
+        )
+    promotion = Promotion(
+        job_id=str(job["id"]),
+        kind="reader",
+        replaces=current,
+        status="training",
+        margin=runtime.settings.promotion_margin,
+        holdout=built.held_out,
+        created_at=time.time(),
+    )
+    await runtime.promotions.save(principal.tenant, promotion)
+    return ReaderTraining(
+        started=True,
+        file_id=job_body["dataset"],
+        rows=len(built.rows),
+        counts=built.counts,
+        job=job,
+        promotion=promotion,
+    )

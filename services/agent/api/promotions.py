@@ -1,6 +1,8 @@
-"""The model a tenant's chat answers with: ``GET /v1/promotions`` (the default, a canary, and the
-gate's verdicts on fine-tunes from feedback), ``POST /v1/models/{id}/promote`` and
-``POST /v1/models/{id}/rollback`` (services/agent/promotions.py)."""
+"""The model a tenant's chat answers with: ``GET /v1/promotions`` (the default, a canary, the
+reader, and the gate's verdicts on fine-tunes and readers from feedback),
+``POST /v1/models/{id}/promote`` and ``POST /v1/models/{id}/rollback`` (services/agent/promotions.py).
+A published reader's id (``ft-reader-...``) promotes or rolls back the tenant's reader instead of
+its chat model."""
 
 from __future__ import annotations
 
@@ -10,18 +12,28 @@ from typing import Any
 from fastapi import APIRouter, Body, Query
 
 from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
-from services.agent.promotions import live_quality, promoted, rolled_back
-from services.agent.protocol import ModelChoice, PromoteRequest, PromotionList
+from services.agent.clients import InferenceClient
+from services.agent.promotions import (
+    live_quality,
+    promoted,
+    reader_promoted,
+    reader_rolled_back,
+    rolled_back,
+)
+from services.agent.protocol import ModelChoice, PromoteRequest, PromotionList, ReaderChoice
 from services.agent.runtime import AgentRuntime
 from services.common.auth import Principal
 from services.common.errors import NotFound
+from services.common.readers import is_reader_name
 
 router = APIRouter(tags=["promotions"])
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"description": "canary_share outside 0 to 1"},
-    404: {"description": "no such model for this tenant"},
-    409: {"description": "rollback of a model that is neither the default nor the canary"},
+    400: {"description": "canary_share outside 0 to 1, or given for a reader"},
+    404: {"description": "no such model (or reader) for this tenant"},
+    409: {
+        "description": "rollback of a model that is neither the default nor the canary (or of a reader not in use)"
+    },
 }
 
 
@@ -51,15 +63,35 @@ async def _listed(runtime: AgentRuntime, principal: Principal, key: str, model: 
         ) from None
 
 
+async def _reader(inference: InferenceClient, name: str) -> ReaderChoice:
+    """``name`` as the inference service serves it to the caller (a rerank model), with its
+    threshold; not served: a 404 like a missing model."""
+    for card in await inference.models():
+        if card.id == name and card.kind == "rerank":
+            value = (card.model_extra or {}).get("threshold")
+            return ReaderChoice(name=name, threshold=float(value) if isinstance(value, int | float) else None)
+    raise NotFound(
+        f"unknown reader {name!r}: use one of the readers GET /v1/models on the inference service "
+        "lists for this key (kind 'rerank')",
+        param="model",
+        code="model_not_found",
+    )
+
+
 @router.post("/v1/models/{model}/promote", response_model=ModelChoice, responses=ERRORS)
 async def promote_model(
     model: str, runtime: RuntimeDep, who: CallerDep, body: PromoteRequest | None = Body(None)
 ) -> ModelChoice:
     """Makes ``model`` the tenant's default for chat (or, with ``canary_share``, has it answer
-    that share of the tenant's chats)."""
+    that share of the tenant's chats); a reader (``ft-reader-...``) becomes the tenant's reader."""
     principal, key = who
     share = body.canary_share if body else None
     current = await runtime.promotions.choice(principal.tenant)
+    if is_reader_name(model):
+        reader_promoted(current, ReaderChoice(name=model), share, time.time())  # a share: 400 first
+        choice = reader_promoted(current, await _reader(runtime.inference(key), model), share, time.time())
+        await runtime.promotions.save_choice(principal.tenant, choice)
+        return choice
     choice = promoted(current, model, share, time.time())  # a bad share is a 400 before any lookup
     await _listed(runtime, principal, key, model)
     await runtime.promotions.save_choice(principal.tenant, choice)
@@ -69,9 +101,16 @@ async def promote_model(
 @router.post("/v1/models/{model}/rollback", response_model=ModelChoice, responses=ERRORS)
 async def rollback_model(model: str, runtime: RuntimeDep, who: CallerDep) -> ModelChoice:
     """Stops ``model`` answering the tenant's chats: a canary ends; a default gives way to the one
-    before it (the base model at the start)."""
+    before it (the base model at the start); a reader gives way to the one before it (the agent's
+    reader setting at the start)."""
     principal, key = who
     current = await runtime.promotions.choice(principal.tenant)
+    if is_reader_name(model):
+        if current.reader is None or current.reader.name != model:
+            await _reader(runtime.inference(key), model)  # unknown: 404; known but not in use: 409 below
+        choice = reader_rolled_back(current, model, time.time())
+        await runtime.promotions.save_choice(principal.tenant, choice)
+        return choice
     if model not in (current.default, current.canary):
         await _listed(runtime, principal, key, model)  # unknown: 404; known but not in use: 409 below
     choice = rolled_back(current, model, time.time())

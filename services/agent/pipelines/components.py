@@ -382,9 +382,10 @@ class AnswerSelectNode:
 
     class P(Params):
         enabled: bool = True
-        # The reader model (None: the agent's ``reader`` setting; "": the fallback rules).
+        # The reader model (None: the tenant's promoted reader, else the agent's ``reader``
+        # setting; "": the fallback rules).
         reader: str | None = Field(None, max_length=200)
-        # Its threshold (None: the agent's ``reader_threshold`` setting).
+        # Its threshold (None: the promoted reader's own, else the agent's ``reader_threshold``).
         reader_threshold: float | None = None
         # The fallback's embedder. None: the agent's ``grounding_embedder`` setting; off (or
         # failing): words alone.
@@ -402,12 +403,16 @@ class AnswerSelectNode:
         self.p = p
 
     def _reader(self, ctx: RunContext) -> ReaderScorer | None:
-        model = ctx.settings.reader if self.p.reader is None else self.p.reader
+        model, threshold = ctx.settings.reader, ctx.settings.reader_threshold
+        if self.p.reader is not None:
+            model = self.p.reader
+        elif ctx.reader:
+            model = ctx.reader
+            # a trained reader's threshold comes from its own held-out rows
+            threshold = threshold if ctx.reader_threshold is None else ctx.reader_threshold
         if not model:
             return None
-        threshold = (
-            ctx.settings.reader_threshold if self.p.reader_threshold is None else self.p.reader_threshold
-        )
+        threshold = threshold if self.p.reader_threshold is None else self.p.reader_threshold
         return ReaderScorer(model, threshold, ctx.inference.rerank)
 
     def _rules(self, state: RunState, ctx: RunContext) -> RuleScorer:

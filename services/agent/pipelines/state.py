@@ -34,6 +34,10 @@ class RunContext:
     # The caller chose ``model`` (``llm``, or the conversation's remembered one): its answer is
     # wanted, so an extracting answer step leaves the answer to it.
     chosen: bool = False
+    # The tenant's promoted reader and its threshold (None: the agent's reader settings): the
+    # answer step's reader when the pipeline names none.
+    reader: str | None = None
+    reader_threshold: float | None = None
 
 
 @dataclass
