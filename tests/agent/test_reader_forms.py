@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 
 from services.agent.chunks import Chunk
+from services.agent.config import AgentSettings
+from services.agent.pipelines.components import ReaderRankNode
+from services.agent.pipelines.state import RunContext, RunState
 from services.agent.reader import answer_text, read
 from services.agent.reader.candidates import answer_candidates
 from services.agent.reader.forms import Asked, default_value, lead, yes_or_no
 from services.agent.reader.scorer import ReaderScorer, Scored
 from services.agent.reader.select import select
+from services.common.errors import NotFound
 from services.common.judge import has_phrase, states_reference
 
 pytestmark = pytest.mark.anyio
@@ -125,3 +129,28 @@ def test_the_selector_keeps_a_second_close_sentence_of_the_same_section_only() -
     assert [c.source for c in same.picked] == [1, 1]
     apart = select(GERMAN, answer_candidates(GERMAN), Scored(scores, [True] * len(scores), "t", margin=0.0))
     assert [c.source for c in apart.picked] == [1]
+
+
+class _Inference:
+    def __init__(self, scores: dict[str, float] | None) -> None:
+        self.scores = scores
+
+    async def rerank(self, model: str, question: str, passages: list[str]) -> list[float]:
+        if self.scores is None:
+            raise NotFound(f"The rerank model `{model}` does not exist.", param="model")
+        return [next((v for k, v in self.scores.items() if k in p), 0.0) for p in passages]
+
+
+async def _ranked(inference: _Inference) -> list[str]:
+    state = RunState(question="Quel est le délai d'attente par défaut ?", collection="relais")
+    state.chunks = list(GERMAN)
+    ctx = RunContext(settings=AgentSettings(), retrieval=None, inference=inference, counter=None, model="m")  # type: ignore[arg-type]
+    node = ReaderRankNode(ReaderRankNode.P())
+    assert [e async for e in node.run(state, ctx)] == []
+    return [c.chunk_id for c in state.chunks]
+
+
+async def test_the_reader_orders_the_sources_a_generating_model_reads() -> None:
+    assert await _ranked(_Inference({"90 secondes": 4.0, "64 Kilobyte": -1.0})) == ["fr#0", "de#0"]
+    # no reader served: retrieval's order stays
+    assert await _ranked(_Inference(None)) == ["de#0", "fr#0"]

@@ -31,6 +31,7 @@ from services.agent.highlight import highlight
 from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
 from services.agent.protocol import Message, Sampling, wire_messages
 from services.agent.reader import answer_text, read
+from services.agent.reader.candidates import answer_candidates
 from services.agent.reader.rules import RuleScorer
 from services.agent.reader.scorer import AnswerScorer, ReaderScorer
 from services.agent.reader.select import Selection, not_found_text, with_neighbours
@@ -371,6 +372,52 @@ async def show_answer(state: RunState, text: str, kind: AnswerKind, citations: l
         yield CitationEvent.from_citation(citation)
 
 
+def reader_scorer(ctx: RunContext, reader: str | None, threshold: float | None) -> ReaderScorer | None:
+    """The reader a step scores with: the one it names, else the tenant's promoted reader (with
+    the threshold of its own held-out rows), else the agent's ``reader`` setting; None: none."""
+    model, cut = ctx.settings.reader, ctx.settings.reader_threshold
+    if reader is not None:
+        model = reader
+    elif ctx.reader:
+        model = ctx.reader
+        cut = cut if ctx.reader_threshold is None else ctx.reader_threshold
+    if not model:
+        return None
+    return ReaderScorer(model, cut if threshold is None else threshold, ctx.inference.rerank)
+
+
+class ReaderRankNode:
+    """The reader orders the retrieved chunks by their best sentence's score, so the prompt a
+    generating model reads opens with the sources most likely to answer, and what its budget
+    drops is the least likely. Without a served reader the order stays as retrieval gave it."""
+
+    class P(Params):
+        reader: str | None = Field(None, max_length=200)
+        timeout_s: float = Field(10.0, gt=0.0, le=300.0)
+
+    def __init__(self, p: P) -> None:
+        self.p = p
+
+    async def run(self, state: RunState, ctx: RunContext) -> EventStream:
+        scorer = reader_scorer(ctx, self.p.reader, None)
+        candidates = answer_candidates(state.chunks)
+        if scorer is None or not candidates:
+            return
+        try:
+            async with asyncio.timeout(self.p.timeout_s):
+                scored = await scorer.score(state.question, state.chunks, candidates)
+        except (TimeoutError, TandemError, ValueError) as exc:
+            log.warning("reader ranking: %s gave no scores (%s); retrieval's order stays", scorer.name, exc)
+            return
+        best = [float("-inf")] * len(state.chunks)
+        for c, score in zip(candidates, scored.scores, strict=True):
+            best[c.source - 1] = max(best[c.source - 1], score)
+        order = sorted(range(len(state.chunks)), key=lambda i: (-best[i], i))
+        state.chunks = [state.chunks[i] for i in order]
+        return
+        yield
+
+
 class AnswerSelectNode:
     """Before the model is called: the source sentences that answer the question (the reader,
     services/agent/reader/), kept in ``state.selection`` for the guard's extractive answer; and
@@ -403,17 +450,7 @@ class AnswerSelectNode:
         self.p = p
 
     def _reader(self, ctx: RunContext) -> ReaderScorer | None:
-        model, threshold = ctx.settings.reader, ctx.settings.reader_threshold
-        if self.p.reader is not None:
-            model = self.p.reader
-        elif ctx.reader:
-            model = ctx.reader
-            # a trained reader's threshold comes from its own held-out rows
-            threshold = threshold if ctx.reader_threshold is None else ctx.reader_threshold
-        if not model:
-            return None
-        threshold = threshold if self.p.reader_threshold is None else self.p.reader_threshold
-        return ReaderScorer(model, threshold, ctx.inference.rerank)
+        return reader_scorer(ctx, self.p.reader, self.p.reader_threshold)
 
     def _rules(self, state: RunState, ctx: RunContext) -> RuleScorer:
         use = ctx.settings.grounding_embedder if self.p.embedder is None else self.p.embedder
@@ -734,6 +771,7 @@ NODE_TYPES: dict[str, tuple[type[Params], Callable[[Any], Any]]] = {
     "highlighter": (HighlightNode.P, HighlightNode),
     "prompt_builder": (PromptNode.P, PromptNode),
     "answer_selector": (AnswerSelectNode.P, AnswerSelectNode),
+    "reader_ranker": (ReaderRankNode.P, ReaderRankNode),
     "generator": (GenerateNode.P, GenerateNode),
     "citation_resolver": (CiteNode.P, CiteNode),
     "groundedness_guard": (GuardNode.P, GuardNode),

@@ -135,7 +135,7 @@ class Pipeline:
 def node_attributes(kind: str, state: RunState) -> dict[str, Any]:
     """What a node's span says once it ran: hits, prompt tokens, the model and its usage, the
     groundedness guard's verdict."""
-    if kind in ("retriever", "overlap_reranker", "relevance_filter"):
+    if kind in ("retriever", "overlap_reranker", "reader_ranker", "relevance_filter"):
         return {"hits": len(state.chunks)}
     if kind == "prompt_builder" and state.plan is not None:
         plan = state.plan
