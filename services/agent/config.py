@@ -51,20 +51,24 @@ class AgentSettings(TenantLimitSettings):
         ),
     )
     reader: str = Field(
-        "tandem-reader",
+        "",
         description=(
             "The reader model that picks the source sentences answering a question (a cross-encoder "
-            "trained by the trainer's reader jobs, served by inference's /v1/rerank); a pipeline's "
-            "answer step may name another. Empty, or when it is not served: the embedder and "
-            "lexical rules."
+            "trained by the trainer's reader jobs, e.g. `tandem reader train`, served by inference's "
+            "/v1/rerank); a pipeline's answer step or a tenant's promoted reader may name another. "
+            "Empty (the default: on the held-out question sets the embedder and rules answer more "
+            "questions right than the FAQ-trained reader, benchmarks/RESULTS.md), or when it is not "
+            "served: the embedder and lexical rules."
         ),
     )
     reader_threshold: float = Field(
-        0.0,
+        0.5,
+        ge=0.0,
+        le=1.0,
         description=(
-            "A sentence answers when the reader scores it at least this (a logit; chosen on the "
-            "tuning question sets, benchmarks/answers/reader_eval.py); below it for every "
-            "sentence: the documents do not say."
+            "A sentence answers when the reader scores it at least this (its probability, as "
+            "/v1/rerank gives it); a tenant's promoted reader uses the threshold its own held-out "
+            "rows chose. Below it for every sentence: the documents do not say."
         ),
     )
     top_k: int = Field(5, ge=1, le=100, description="Chunks retrieved for chat-documents.")

@@ -174,7 +174,6 @@ def up(
         ),
     )
     _bootstrap_docs(layout, common)
-    _bootstrap_reader(layout, common)
     _print_urls(layout, comps, redis_url)
     if foreground:
         _wait_for_signal(layout)
@@ -262,28 +261,6 @@ def _bootstrap_docs(layout: stack.Layout, common: CommonSettings) -> None:
             console.print(f"Created collection [bold]docs[/] from {len(made.documents)} documentation files")
     except (BootstrapError, httpx.HTTPError, OSError) as exc:
         console.print(f"[yellow]docs collection not created:[/] {exc}")
-
-
-def _bootstrap_reader(layout: stack.Layout, common: CommonSettings) -> None:
-    """First start: train the default answer reader in the background (a trainer job; the
-    marker file keeps a restart from starting it twice). Answers use the fallback rules until
-    it is published."""
-    from services.cli.reader import DEFAULT_READER, ReaderJobError, start_reader_job
-
-    marker = layout.home / "run" / "reader-job"
-    published = layout.home / "models" / "readers" / "_shared" / DEFAULT_READER
-    if not common.reader_bootstrap or marker.exists() or published.exists():
-        return
-    try:
-        job = start_reader_job(common.url_of("trainer"), (layout.home / "service-key").read_text().strip())
-    except (ReaderJobError, httpx.HTTPError, OSError) as exc:
-        console.print(f"[yellow]answer reader not trained:[/] {exc} (`tandem reader train` starts it)")
-        return
-    marker.write_text(job.id + "\n")
-    console.print(
-        f"Training the answer reader [bold]{job.name}[/] (job {job.id}, a few minutes); "
-        "answers use the fallback rules until it is published"
-    )
 
 
 def _status_table(status: dict[str, str]) -> Table:

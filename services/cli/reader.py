@@ -11,9 +11,9 @@ as the stack runs the trainer's workers, so the CLI imports no service code.
 
 ``tandem reader train [--dataset FILE] [--name tandem-reader] [--wait]`` trains a reader through
 the trainer's API (a ``reader`` job, shared with every tenant, so an operator key: the stack's
-``service-key``): by default on the dataset shipped in ``services/trainer/reader_data/`` and
-published as ``tandem-reader``, the agent's default reader (``TANDEM_AGENT_READER``). ``tandem up``
-starts this job on a stack's first start.
+``service-key``): by default on the dataset shipped in ``services/trainer/reader_data/``,
+published as ``tandem-reader``; ``TANDEM_AGENT_READER=tandem-reader`` makes it the answer step's
+reader for every tenant.
 """
 
 from __future__ import annotations

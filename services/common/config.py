@@ -76,10 +76,7 @@ class CommonSettings(BaseSettings):
     max_body_mb: int = Field(16, ge=1)
     # Serve /docs and /openapi.json without an API key (with a key they are always served).
     public_docs: bool = False
-    # On a stack's first start `tandem up` trains the answer reader (`tandem reader train`: the
-    # shipped FAQ rows, published for every tenant as tandem-reader) in the background; until it
-    # is published, answers use the fallback rules.
-    reader_bootstrap: bool = True
+
     # Longest wait, in seconds, before `tandem up`'s supervisor restarts a component that keeps
     # exiting (the wait doubles from 1 s while it dies within a minute of starting).
     supervise_backoff_max_s: float = Field(30.0, ge=0)

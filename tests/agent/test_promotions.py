@@ -142,6 +142,8 @@ def stack(redis_url: str, key_store: KeyStore, tmp_path_factory: pytest.TempPath
         promotion_poll_s=0.05,
         promotion_holdout=0.5,
         dataset_min_rows_kto=2,
+        # an operator's shared reader answers for every tenant (the double serves it)
+        reader="tandem-reader",
     ) as s:
         yield s
 
@@ -383,11 +385,14 @@ def test_the_reader_learns_from_feedback_and_the_gate_keeps_a_worse_one(
     def train(reader: str) -> dict[str, Any]:
         for n in (1, 2):  # the model's job and the reader's: training until the test says
             stack.trainer.job_states[f"ftjob-{len(stack.trainer.jobs) + n}"] = {"status": "running"}
+        current = (promotions(stack, key)["choice"]["reader"] or {"name": "tandem-reader"})["name"]
         resp = post(stack, key, "/v1/feedback/train", {"format": "kto"})
         assert resp.status_code == 200, resp.text
         out = resp.json()["reader"]
         assert out["started"] and out["promotion"]["kind"] == "reader", out
-        assert stack.trainer.jobs[-1] == {"type": "reader", "publish": True, "dataset": out["file_id"]}
+        # the reader answering now trains further
+        want = {"type": "reader", "publish": True, "dataset": out["file_id"], "base_model": current}
+        assert stack.trainer.jobs[-1] == want
         rows = stack.trainer.files[out["file_id"]]
         assert {r["question"] for r in rows} == set(QUESTIONS) - held
         for q in set(QUESTIONS) - held:  # the right sentence answers, the wrong one shown does not

@@ -144,7 +144,8 @@ class _Inference:
 async def _ranked(inference: _Inference) -> list[str]:
     state = RunState(question="Quel est le délai d'attente par défaut ?", collection="relais")
     state.chunks = list(GERMAN)
-    ctx = RunContext(settings=AgentSettings(), retrieval=None, inference=inference, counter=None, model="m")  # type: ignore[arg-type]
+    settings = AgentSettings(reader="tandem-reader")
+    ctx = RunContext(settings=settings, retrieval=None, inference=inference, counter=None, model="m")  # type: ignore[arg-type]
     node = ReaderRankNode(ReaderRankNode.P())
     assert [e async for e in node.run(state, ctx)] == []
     return [c.chunk_id for c in state.chunks]
@@ -154,3 +155,9 @@ async def test_the_reader_orders_the_sources_a_generating_model_reads() -> None:
     assert await _ranked(_Inference({"90 secondes": 4.0, "64 Kilobyte": -1.0})) == ["fr#0", "de#0"]
     # no reader served: retrieval's order stays
     assert await _ranked(_Inference(None)) == ["de#0", "fr#0"]
+    # no reader named (the default): the step does nothing
+    state = RunState(question="Quel est le délai ?", collection="relais")
+    state.chunks = list(GERMAN)
+    ctx = RunContext(settings=AgentSettings(), retrieval=None, inference=None, counter=None, model="m")  # type: ignore[arg-type]
+    assert [e async for e in ReaderRankNode(ReaderRankNode.P()).run(state, ctx)] == []
+    assert [c.chunk_id for c in state.chunks] == ["de#0", "fr#0"]

@@ -20,8 +20,6 @@ def isolated_stack_env(home: Path, device: str = "cpu") -> dict[str, str]:
         TANDEM_RETRIEVAL_PORT=str(free_port()),
         TANDEM_TRAINER_PORT=str(free_port()),
         TANDEM_DEVICE=device,
-        # what these stacks test is not the reader: no background training job on the two cores
-        TANDEM_READER_BOOTSTRAP="false",
     )
     return env
 

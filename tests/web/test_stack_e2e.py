@@ -58,13 +58,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     ports = {
         f"TANDEM_{s}_PORT": str(free_port()) for s in ("REDIS", "AGENT", "INFERENCE", "RETRIEVAL", "TRAINER")
     }
-    env.update(
-        ports,
-        TANDEM_HOME=str(home),
-        TANDEM_DEVICE="cpu",
-        TANDEM_LOG_JSON="false",
-        TANDEM_READER_BOOTSTRAP="false",
-    )
+    env.update(ports, TANDEM_HOME=str(home), TANDEM_DEVICE="cpu", TANDEM_LOG_JSON="false")
     # Uploads over 1 KiB become ingestion jobs, so the upload test sees both paths (the PDF is ~1.4 KiB).
     env["TANDEM_RETRIEVAL_ASYNC_UPLOAD_KB"] = "1"
     up = subprocess.run(

@@ -48,7 +48,7 @@ class ReaderScorer:
     """A served cross-encoder reader: one ``/v1/rerank`` call per question."""
 
     def __init__(
-        self, model: str, threshold: float, rerank: Rerank, *, margin: float = 1.0, max_candidates: int = 256
+        self, model: str, threshold: float, rerank: Rerank, *, margin: float = 0.05, max_candidates: int = 256
     ) -> None:
         self.model = model
         self.threshold = threshold
