@@ -91,6 +91,10 @@ def render_env_example() -> str:
             lines.append(f"# {var.name}={var.default}")
     lines += [
         "",
+        "# --- the reader's training data (`tandem reader dataset`) and the answer benchmarks ---",
+        "# Where `python -m benchmarks.answers.fetch` unpacks Debian's documentation packages.",
+        "# TANDEM_ANSWER_DOCS=~/.cache/tandem/answer-docs",
+        "",
         "# --- compose only ---",
         "# Image tag to build and run.",
         "# TANDEM_VERSION=latest",
