@@ -505,7 +505,9 @@ async def test_a_question_opening_on_a_when_clause_asks_for_the_thing_not_a_time
         )
     ]
     question = "When compiling Ferrule stops on 'quorzip.h: No such file', which package must be installed?"
-    assert not asks_number(question) and asks_number("When was version 2.10.0 released?")
+    # "when" asks for a time or a condition: neither needs a number; "which year" does
+    assert not asks_number(question) and not asks_number("When is the cache flushed?")
+    assert asks_number("In which year was version 2.10.0 released?")
     selection = await select_answer(question, faq, embed)
     assert selection.found and "quorzip-devel" in extractive_text(selection)[0]
 
