@@ -21,8 +21,6 @@ ALLOWED = {
     # `tandem eval rag` scores answers with the agent's own citation and grounding checks
     ("cli", "services.agent.citations"),
     ("cli", "services.agent.grounding"),
-    # and judges key phrases with the agent's own term extraction
-    ("cli", "services.agent.text"),
 }
 
 
