@@ -42,27 +42,13 @@ THRESHOLDS = 161  # grid points between the lowest and highest best-candidate sc
 
 
 async def _collect_set(name: str, where: dict[str, Any]) -> list[dict[str, Any]]:
-    from services.agent.clients import InferenceClient, RetrievalClient
-    from services.agent.config import AgentSettings
-    from services.agent.pipelines.definition import BUILTIN_DIR, load_definition_file
-    from services.agent.pipelines.state import RunContext, RunState
-    from services.agent.tokens import load_counter
+    from benchmarks.answers.replay import chat_steps, stack_context
+    from services.agent.pipelines.state import RunState
     from services.cli.eval_questions import load_questions
-    from services.common.config import load_settings
 
     qs = get_set(name)
-    settings = load_settings(AgentSettings, check_unknown=False)
-    urls, key = where["urls"], where["key"]
-    ctx = RunContext(
-        settings=settings,
-        retrieval=RetrievalClient(urls["retrieval"], key),
-        inference=InferenceClient(urls["inference"], key),
-        counter=load_counter(settings.tokenizer),
-        model="",
-    )
-    pipeline = load_definition_file(BUILTIN_DIR / "chat-documents.yaml")
-    kinds = [pipeline.spec.components[n].type for n in pipeline.order]
-    steps = [pipeline.nodes[n] for n in pipeline.order[: kinds.index("answer_selector")]]
+    ctx = stack_context(where)
+    steps = chat_steps(through_answer=False)
     out = []
     for q in load_questions(qs.questions):
         state = RunState(question=q.question, collection=qs.collection)

@@ -36,35 +36,48 @@ class Judged:
     answer: str
 
 
-async def replay_set(name: str, where: dict[str, Any], *, top_k: int | None, rerank: bool) -> list[Judged]:
+def stack_context(where: dict[str, Any]) -> Any:
+    """A pipeline run's context against the stack's retrieval and inference services."""
     from services.agent.clients import InferenceClient, RetrievalClient
     from services.agent.config import AgentSettings
-    from services.agent.pipelines.definition import BUILTIN_DIR, load_definition_file
-    from services.agent.pipelines.state import RunContext, RunState
+    from services.agent.pipelines.state import RunContext
     from services.agent.tokens import load_counter
-    from services.cli.eval_questions import load_questions, states
     from services.common.config import load_settings
 
-    qs = get_set(name)
     settings = load_settings(AgentSettings, check_unknown=False)
     urls, key = where["urls"], where["key"]
-    ctx = RunContext(
+    return RunContext(
         settings=settings,
         retrieval=RetrievalClient(urls["retrieval"], key),
         inference=InferenceClient(urls["inference"], key),
         counter=load_counter(settings.tokenizer),
         model="",
     )
-    # chat-documents as shipped, up to and including its answer step (what comes after it is
-    # the model's, which an answered question never reaches)
+
+
+def chat_steps(*, through_answer: bool, rerank: bool = True) -> list[Any]:
+    """The shipped ``chat-documents`` steps up to its answer step (included or not)."""
+    from services.agent.pipelines.definition import BUILTIN_DIR, load_definition_file
+
     pipeline = load_definition_file(BUILTIN_DIR / "chat-documents.yaml")
     kinds = [pipeline.spec.components[n].type for n in pipeline.order]
-    upto = kinds.index("answer_selector") + 1
-    steps = [
+    upto = kinds.index("answer_selector") + (1 if through_answer else 0)
+    return [
         pipeline.nodes[n]
         for n, kind in zip(pipeline.order[:upto], kinds[:upto], strict=True)
         if rerank or kind != "overlap_reranker"
     ]
+
+
+async def replay_set(name: str, where: dict[str, Any], *, top_k: int | None, rerank: bool) -> list[Judged]:
+    from services.agent.pipelines.state import RunState
+    from services.cli.eval_questions import load_questions, states
+
+    qs = get_set(name)
+    ctx = stack_context(where)
+    # chat-documents as shipped, up to and including its answer step (what comes after it is
+    # the model's, which an answered question never reaches)
+    steps = chat_steps(through_answer=True, rerank=rerank)
     out: list[Judged] = []
     for q in load_questions(qs.questions):
         state = RunState(question=q.question, collection=qs.collection)

@@ -32,9 +32,9 @@ import re
 import secrets
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.agent.protocol import (
     GateScores,
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from services.agent.pipelines.state import RunState
     from services.agent.runtime import AgentRuntime
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 PENDING: tuple[PromotionStatus, ...] = ("training", "evaluating")
@@ -487,6 +488,33 @@ class PromotionGate:
                 return float(value) if isinstance(value, int | float) else None
         raise NotFound(f"the inference service does not serve the reader {reader!r} for this tenant")
 
+    async def _each_question(
+        self,
+        tenant: str,
+        job_id: str,
+        questions: Sequence[GateQuestion],
+        both: Callable[[GateQuestion], Awaitable[T | None]],
+    ) -> list[T]:
+        """``both`` (the candidate's and the current answer, judged) for each question, a few at
+        a time, as ``tenant``; a question ``both`` skips (None) or could not answer (its
+        collection deleted, a pipeline gone) is left out."""
+        gate = asyncio.Semaphore(EVAL_CONCURRENCY)
+
+        async def one(q: GateQuestion) -> T | None:
+            async with gate:
+                try:
+                    with acting_for(tenant):
+                        out = await both(q)
+                except TandemError as exc:
+                    log.info("promotion gate: %r left out: %s", q.question[:80], exc.message)
+                    return None
+                if out is not None:
+                    await self._lease(job_id)
+            return out
+
+        answered = await asyncio.gather(*(one(q) for q in questions))
+        return [a for a in answered if a is not None]
+
     async def _read_both(
         self,
         tenant: str,
@@ -498,29 +526,17 @@ class PromotionGate:
     ) -> list[tuple[bool | None, bool | None]]:
         """Each question's sources read by the candidate reader and by the current one; a question
         without recorded sources, or one either could not read, is left out of both."""
-        gate = asyncio.Semaphore(EVAL_CONCURRENCY)
 
-        async def one(q: GateQuestion) -> tuple[bool | None, bool | None] | None:
+        async def both(q: GateQuestion) -> tuple[bool | None, bool | None] | None:
             if q.pipeline not in self.runtime.pipelines or not q.sources:
                 return None
             sources = list(q.sources)
-            async with gate:
-                try:
-                    with acting_for(tenant):
-                        new = await self.runtime.read_unrecorded(
-                            key, q.pipeline, q.question, q.collection, sources, candidate
-                        )
-                        old = await self.runtime.read_unrecorded(
-                            key, q.pipeline, q.question, q.collection, sources, current
-                        )
-                except TandemError as exc:
-                    log.info("promotion gate: %r left out: %s", q.question[:80], exc.message)
-                    return None
-                await self._lease(job_id)
+            read = self.runtime.read_unrecorded
+            new = await read(key, q.pipeline, q.question, q.collection, sources, candidate)
+            old = await read(key, q.pipeline, q.question, q.collection, sources, current)
             return read_matches(q, new, candidate.name), read_matches(q, old)
 
-        answered = await asyncio.gather(*(one(q) for q in questions))
-        return [a for a in answered if a is not None]
+        return await self._each_question(tenant, job_id, questions, both)
 
     async def _answer_both(
         self,
@@ -534,29 +550,17 @@ class PromotionGate:
         """Each question answered by the candidate and by the current model (``models``), the
         answer step reading with the tenant's ``reader``; a question either could not answer (its
         collection deleted, a pipeline gone) is left out of both."""
-        gate = asyncio.Semaphore(EVAL_CONCURRENCY)
         candidate, current = models
 
-        async def one(q: GateQuestion) -> tuple[Judged, Judged] | None:
+        async def both(q: GateQuestion) -> tuple[Judged, Judged] | None:
             if q.pipeline not in self.runtime.pipelines:
                 return None
-            async with gate:
-                try:
-                    with acting_for(tenant):
-                        new = await self.runtime.answer_unrecorded(
-                            key, q.pipeline, q.question, q.collection, candidate, reader
-                        )
-                        old = await self.runtime.answer_unrecorded(
-                            key, q.pipeline, q.question, q.collection, current, reader
-                        )
-                except TandemError as exc:
-                    log.info("promotion gate: %r left out: %s", q.question[:80], exc.message)
-                    return None
-                await self._lease(job_id)
+            answer = self.runtime.answer_unrecorded
+            new = await answer(key, q.pipeline, q.question, q.collection, candidate, reader)
+            old = await answer(key, q.pipeline, q.question, q.collection, current, reader)
             return judge(q, new), judge(q, old)
 
-        answered = await asyncio.gather(*(one(q) for q in questions))
-        return [a for a in answered if a is not None]
+        return await self._each_question(tenant, job_id, questions, both)
 
     async def _finish(self, tenant: str, p: Promotion, status: PromotionStatus, reason: str) -> None:
         p.status, p.reason, p.decided_at = status, reason, time.time()
