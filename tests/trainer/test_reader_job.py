@@ -246,6 +246,7 @@ def test_bad_reader_jobs_are_refused_before_anything_is_queued(
         ({"resources": {"procs_per_node": 2}}, 400, "reader jobs run in one process", "resources"),
         ({"hyperparameters": {"hard_negatives": 2}}, 400, "only applies to embedder jobs", None),
         ({"shared": True}, 403, "only an operator key", "shared"),
+        ({"name": "tandem-reader"}, 400, "'name' names a shared reader", None),
         ({"type": "sft", "base_model": "x"}, 400, "suits reader jobs, not sft", "dataset"),
     ]:
         resp = post_job(harness, api_key, {**body, **extra})
