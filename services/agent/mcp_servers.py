@@ -19,14 +19,13 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from cryptography.fernet import Fernet, InvalidToken
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from services.agent.config import AgentSettings
 from services.agent.tools.base import Tool
-from services.agent.tools.http_get import RefusedAddress
 from services.agent.tools.mcp import (
     McpEndpoint,
     McpFailed,
@@ -37,7 +36,9 @@ from services.agent.tools.mcp import (
     list_tools,
 )
 from services.common.atomic import atomic_write
+from services.common.bounds import Name
 from services.common.errors import Conflict, InvalidRequest, NotFound
+from services.common.outbound import RefusedAddress
 
 log = logging.getLogger("tandem.agent.mcp")
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
@@ -53,15 +54,19 @@ class McpServerCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(..., pattern=NAME_PATTERN, description="1-32 lowercase letters, digits, '_' or '-'.")
-    url: str = Field(..., min_length=1, max_length=2000, description="The server's Streamable HTTP endpoint.")
-    headers: dict[str, str] | None = Field(
-        None, description="Sent with every request (e.g. Authorization); stored encrypted, never returned."
+    name: str = Field(
+        ..., max_length=32, pattern=NAME_PATTERN, description="1-32 lowercase letters, digits, '_' or '-'."
     )
-    agents: list[str] = Field(
+    url: str = Field(..., min_length=1, max_length=2000, description="The server's Streamable HTTP endpoint.")
+    headers: dict[Name, Annotated[str, Field(max_length=8192)]] | None = Field(
+        None,
+        max_length=32,
+        description="At most 32, sent with every request (e.g. Authorization); stored encrypted, never returned.",
+    )
+    agents: list[Name] = Field(
         default_factory=list, max_length=50, description="Agents whose runs get this server's tools."
     )
-    tools: list[str] | None = Field(
+    tools: list[Name] | None = Field(
         None, max_length=200, description="The server's tools agents get; null: all of them."
     )
 
@@ -81,9 +86,9 @@ class McpServerUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    agents: list[str] | None = Field(None, max_length=50)
-    tools: list[str] | None = Field(None, max_length=200)
-    all_tools: bool = Field(False, description="true: every tool of the server (clears 'tools').")
+    agents: list[Name] | None = Field(None, max_length=50)
+    tools: list[Name] | None = Field(None, max_length=200)
+    all_tools: StrictBool = Field(False, description="true: every tool of the server (clears 'tools').")
 
 
 class McpServerInfo(BaseModel):

@@ -2,7 +2,8 @@ import httpx
 import pytest
 
 from services.agent.tools.base import ToolContext
-from services.agent.tools.http_get import HttpGet, RefusedAddress, check_url, is_public
+from services.agent.tools.http_get import HttpGet
+from services.common.outbound import RefusedAddress, check_url, is_public
 
 pytestmark = pytest.mark.anyio
 
