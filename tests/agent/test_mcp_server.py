@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,10 @@ DOCS = [
 ]
 
 
+# A name the agent is told it is served under (TANDEM_AGENT_MCP_ALLOWED_HOSTS).
+ALLOWED_NAME = "tandem.test"
+
+
 @dataclass
 class McpStack:
     agent: str
@@ -49,6 +53,10 @@ class McpStack:
     @property
     def mcp(self) -> str:
         return f"{self.agent}/mcp"
+
+    @property
+    def port(self) -> int:
+        return int(self.agent.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +79,10 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         wait_ready(r_url)
         i_url = es.enter_context(serve_app(inference_double(model)))
         common = base.model_copy(update={"retrieval_url": r_url, "inference_url": i_url, "max_body_mb": 1})
-        agent = es.enter_context(
-            serve_app(create_app(common, AgentSettings.model_validate({"grounding_embedder": False})))
+        settings = AgentSettings.model_validate(
+            {"grounding_embedder": False, "mcp_allowed_hosts": f"{ALLOWED_NAME}:*"}
         )
+        agent = es.enter_context(serve_app(create_app(common, settings)))
         with httpx.Client(base_url=r_url, headers=auth(key), timeout=120) as client:
             assert client.post("/v1/collections", json={"name": "facts"}).status_code == 201
             resp = client.post("/v1/collections/facts/documents", json={"documents": DOCS})
@@ -81,8 +90,8 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield McpStack(agent, key, other, model)
 
 
-def client(url: str, key: str | None) -> Client:
-    http = httpx2.AsyncClient(headers=auth(key) if key else {}, timeout=60)
+def client(url: str, key: str | None, **headers: str) -> Client:
+    http = httpx2.AsyncClient(headers={**(auth(key) if key else {}), **headers}, timeout=60)
     return Client(streamable_http_client(url, http_client=http))
 
 
@@ -174,3 +183,153 @@ def test_the_tenants_rate_limit_holds_for_mcp(redis_url: str, tmp_path: Path, ap
         answers = [httpx.post(f"{s.url}/mcp", json=ask, headers=auth(api_key), timeout=30) for _ in range(3)]
     assert [a.status_code == 429 for a in answers] == [False, False, True]
     assert int(answers[2].headers["retry-after"]) > 0
+
+
+# A raw Streamable HTTP POST, as a browser page or a probe would send it.
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+
+def run_agent_call(stack: McpStack, **headers: str) -> httpx.Response:
+    """tools/call of the agent tool, which asks the scripted model (so a run is visible)."""
+    call = {
+        "jsonrpc": "2.0",
+        "id": 7,
+        "method": "tools/call",
+        "params": {"name": "tools-agent", "arguments": {"query": "What is 2 + 2?"}},
+    }
+    hdrs = {**auth(stack.key), **MCP_HEADERS, **headers}
+    return httpx.post(stack.mcp, json=call, headers=hdrs, timeout=60)
+
+
+def test_a_foreign_host_or_origin_is_refused_before_any_tool_runs(stack: McpStack) -> None:
+    stack.model.requests.clear()
+    foreign = [
+        ({"Host": "evil.example"}, 421, "host"),
+        ({"Host": f"attacker.example:{stack.port}"}, 421, "host"),
+        ({"Origin": "http://evil.example"}, 403, "origin"),
+        ({"Origin": "null"}, 403, "origin"),
+        ({"Origin": f"http://attacker.example:{stack.port}"}, 403, "origin"),
+    ]
+    for headers, status, param in foreign:
+        resp = run_agent_call(stack, **headers)
+        assert resp.status_code == status, (headers, resp.text)
+        error = resp.json()["error"]
+        assert error["param"] == param and next(iter(headers.values())) in error["message"]
+        assert "TANDEM_AGENT_MCP_ALLOWED_HOSTS" in error["message"]
+    assert not stack.model.requests
+    # the same call under the served names (and a page of the service's own origin) runs the agent
+    stack.model.replies = ["Final Answer: 4"] * 3
+    for headers in (
+        {},
+        {"Host": f"localhost:{stack.port}"},
+        {"Origin": stack.agent},
+        {"Host": f"{ALLOWED_NAME}:{stack.port}", "Origin": f"https://{ALLOWED_NAME}:{stack.port}"},
+    ):
+        before = len(stack.model.requests)
+        resp = run_agent_call(stack, **headers)
+        assert resp.status_code == 200 and "result" in resp.json(), (headers, resp.text)
+        assert len(stack.model.requests) > before
+
+
+async def test_an_allowed_host_works_with_the_official_client(stack: McpStack) -> None:
+    async with client(stack.mcp, stack.key, Host=f"{ALLOWED_NAME}:{stack.port}") as mcp:
+        found = structured(await mcp.call_tool("search", {"collection": "facts", "query": "honey"}))
+    assert found["results"][0]["document_id"] == "honey"
+    with pytest.raises(Exception):  # noqa: B017 - the SDK's error for a refused request varies by phase
+        async with client(stack.mcp, stack.key, Host=f"other.test:{stack.port}") as mcp:
+            await mcp.list_tools()
+
+
+async def test_get_is_a_405_that_holds_no_slot_of_the_tenant(stack: McpStack, redis_url: str) -> None:
+    # More GETs than the tenant's 32 concurrent requests, all kept open: an event stream per GET
+    # would hold a slot each and lock the tenant out.
+    async with httpx.AsyncClient(headers=auth(stack.key), timeout=60) as http, AsyncExitStack() as held:
+        answers = [
+            await held.enter_async_context(
+                http.stream("GET", stack.mcp, headers={"Accept": "text/event-stream"})
+            )
+            for _ in range(40)
+        ]
+        assert [a.status_code for a in answers] == [405] * 40
+        assert answers[0].headers["allow"] == "POST"
+        other = new_key(redis_url, "acme")
+        resp = await http.get(f"{stack.agent}/v1/pipelines", headers=auth(other))
+        assert resp.status_code == 200, resp.text
+    resp = httpx.delete(stack.mcp, headers=auth(stack.key))
+    assert resp.status_code == 405
+
+
+@pytest.mark.parametrize(
+    ("message", "member", "says"),
+    [
+        ({"jsonrpc": "2.0", "id": {"a": 1}, "method": "tools/list"}, "id", "an object"),
+        ({"jsonrpc": "2.0", "id": [1], "method": "tools/list"}, "id", "an array"),
+        # over 256 KiB, parsed off the event loop
+        ({"jsonrpc": "2.0", "id": {"pad": "x" * (300 << 10)}, "method": "tools/list"}, "id", "an object"),
+        ({"jsonrpc": "2.0", "id": True, "method": "tools/list"}, "id", "a boolean"),
+        ({"jsonrpc": "2.0", "id": 1.5, "method": "tools/list"}, "id", "a number with a fraction"),
+        ({"jsonrpc": "2.0", "id": None, "method": "tools/list"}, "id", "null"),
+        ({"jsonrpc": "1.0", "id": 1, "method": "tools/list"}, "jsonrpc", '"1.0"'),
+        ({"id": 1, "method": "tools/list"}, "jsonrpc", "null"),
+        ({"jsonrpc": "2.0", "id": 1, "method": 5}, "method", "an integer"),
+        ({"jsonrpc": "2.0", "id": 1, "result": {}}, "method", "missing"),
+        ({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": [1]}, "params", "an array"),
+        ({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "extra": 1}, "extra", "unknown member"),
+        ([{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}], None, "batches are not supported"),
+        ("tools/list", None, "a string"),
+    ],
+)
+def test_a_malformed_envelope_is_a_400_naming_the_member(
+    stack: McpStack, message: Any, member: str | None, says: str
+) -> None:
+    resp = httpx.post(stack.mcp, json=message, headers={**auth(stack.key), **MCP_HEADERS}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    body = resp.json()
+    assert body["jsonrpc"] == "2.0" and body["error"]["code"] == -32600
+    assert body["error"]["data"]["member"] == member and says in body["error"]["message"]
+    if member is not None:
+        assert f"'{member}'" in body["error"]["message"]
+    # the id is echoed once it is a usable one
+    expected_id = message["id"] if member not in (None, "id") and "id" in message else None
+    assert body["id"] == expected_id
+
+
+def test_a_body_that_is_not_json_is_a_parse_error(stack: McpStack) -> None:
+    headers = {**auth(stack.key), **MCP_HEADERS}
+    resp = httpx.post(stack.mcp, content=b'{"jsonrpc": "2.0", "id": 1,', headers=headers, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == -32700 and resp.json()["id"] is None
+
+
+def test_a_well_formed_notification_is_still_accepted(stack: McpStack) -> None:
+    note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    resp = httpx.post(stack.mcp, json=note, headers={**auth(stack.key), **MCP_HEADERS}, timeout=30)
+    assert resp.status_code == 202, resp.text
+
+
+async def test_an_unknown_tool_argument_is_refused_naming_it(stack: McpStack) -> None:
+    async with client(stack.mcp, stack.key) as mcp:
+        tools = {t.name: t for t in (await mcp.list_tools()).tools}
+        result = await mcp.call_tool("search", {"collection": "facts", "query": "x", "topk": 3})
+        assert result.is_error and "topk" in text(result)
+        result = await mcp.call_tool("ask", {"query": "x", "collection": "facts", "stream": True})
+        assert result.is_error and "stream" in text(result)
+        result = await mcp.call_tool("list_collections", {"tenant": "globex"})
+        assert result.is_error and "tenant" in text(result)
+    assert all(t.input_schema.get("additionalProperties") is False for t in tools.values())
+
+
+def test_the_allowed_hosts_come_from_the_served_urls() -> None:
+    from services.agent.mcp_server import allowed_hosts, transport_security
+
+    common = CommonSettings(host="10.0.0.5", agent_port=9000, agent_url="https://tandem.example.com/")
+    hosts = allowed_hosts(common, AgentSettings(mcp_allowed_hosts=" a.example , b.example:8443 "))
+    assert {"10.0.0.5:9000", "tandem.example.com", "tandem.example.com:443"} <= set(hosts)
+    assert {"a.example", "b.example:8443", "127.0.0.1:*", "localhost:*", "[::1]:*"} <= set(hosts)
+    origins = transport_security(hosts).allowed_origins
+    assert "https://tandem.example.com" in origins and "null" not in origins
+    # a wildcard bind names no host of its own; an explicit port of the public URL is kept
+    hosts = allowed_hosts(CommonSettings(host="0.0.0.0", agent_url="http://agent:8000"), AgentSettings())
+    assert "agent:8000" in hosts and "agent" not in hosts and not any(h.startswith("0.0.0.0") for h in hosts)
+    with pytest.raises(ValueError, match="host names"):
+        AgentSettings(mcp_allowed_hosts="https://tandem.example.com")
