@@ -118,6 +118,19 @@ def _form(body: ChatCompletionRequest, tail: list[Message]) -> AnswerForm | None
     return form if form.body() or tail else None
 
 
+def _check_answer_budget(body: ChatCompletionRequest, window: int) -> None:
+    """Answer tokens beyond the model's context window could never be generated: a 400 naming
+    the field, as OpenAI and vLLM answer, rather than a silent cut."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = getattr(body, name)
+        if value is not None and value > window:
+            raise InvalidRequest(
+                f"{name} {value} is more than the model's context window of {window} tokens",
+                param=name,
+                code="context_length_exceeded",
+            )
+
+
 def _turn(body: ChatCompletionRequest) -> Turn:
     if body.stream_options is not None and not body.stream:
         # as OpenAI, vLLM and the inference service answer
@@ -199,6 +212,7 @@ class OpenAIChat:
         self, runtime: AgentRuntime, principal: Principal, key: str, body: ChatCompletionRequest
     ) -> None:
         self.runtime, self.principal, self.key, self.body = runtime, principal, key, body
+        _check_answer_budget(body, runtime.settings.context_tokens)
         self.turn = _turn(body)
         try:
             runtime.validate(self.turn)
@@ -275,7 +289,10 @@ class OpenAIChat:
                 # paragraph, and the last chunk says kind "extractive".
                 yield self._chunk(ChatDelta(content="\n\n"))
             elif isinstance(event, ErrorEvent):
+                # The stream ends on its error (then [DONE]), as OpenAI's does: a finish chunk
+                # after it would tell a client reading chunks that the cut answer is whole.
                 yield StreamError(error=StreamErrorDetail(message=event.message, code=event.code))
+                return
         if self.result.results is not None:
             yield self._chunk(ChatDelta(content=_render_results(SearchHit.listed(self.result.results))))
         yield self._last_chunk()

@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from services.agent.chunks import ChunkCitation, Citation
 from services.agent.events import AnswerKind
+from services.common.bounds import (
+    JSON_SCHEMA,
+    JSON_SMALL,
+    MAX_UNIX_S,
+    NAME_CHARS,
+    TEXT_CHARS,
+    JsonData,
+    JsonSchema,
+    JsonSmall,
+    Name,
+    Text,
+)
 from services.common.openai_wire import ChatDelta, SparseModel, Usage, WireModel
 from services.common.openai_wire import ToolCall as WireToolCall
+
+# A request's limits (docs/contracts.md, "Request limits"), as the inference service's: a chat's
+# messages and a message's parts, the tools offered, and answer tokens (a static ceiling; the
+# agent's context window, context_tokens, is checked when the turn is read).
+MAX_MESSAGES = 2048
+MAX_PARTS = 2048
+MAX_TOOLS = 128
+MAX_TOKENS = 1 << 20
+_COLLECTION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 def _llm_field() -> Any:
@@ -25,13 +46,15 @@ def _llm_field() -> Any:
 
 class FunctionCall(BaseModel):
     name: str = Field(min_length=1, max_length=64)
-    arguments: str = Field(description="The arguments as JSON text, as the model wrote them.")
+    arguments: str = Field(
+        max_length=TEXT_CHARS, description="The arguments as JSON text, as the model wrote them."
+    )
 
 
 class ToolCall(BaseModel):
     """A call an assistant message made (OpenAI's shape), sent back in the history."""
 
-    id: str = Field(min_length=1)
+    id: str = Field(min_length=1, max_length=NAME_CHARS)
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -43,10 +66,12 @@ class Message(BaseModel):
 
     # "developer": OpenAI's newer name for system (the facade leaves both out of the prompt)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = Field(default=None, description="assistant: the calls it made")
-    tool_call_id: str | None = Field(default=None, description="tool: the call this is the result of")
+    content: Text | Annotated[list[JsonData], Field(max_length=MAX_PARTS)] | None = None
+    name: Name | None = None
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, max_length=MAX_PARTS, description="assistant: the calls it made"
+    )
+    tool_call_id: Name | None = Field(default=None, description="tool: the call this is the result of")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -62,16 +87,16 @@ def wire_messages(messages: Iterable[Message]) -> list[dict[str, Any]]:
 class PipelineRunRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    query: str | None = Field(None, description="The question or search query (alias: message).")
-    message: str | None = None
-    collection: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-    conversation_id: str | None = None
-    remember: bool = Field(False, description="Keep the exchange in a (new) conversation.")
-    history: list[Message] | None = None
-    top_k: int | None = Field(None, ge=1, le=100)
-    stream: bool = False
+    query: Text | None = Field(None, description="The question or search query (alias: message).")
+    message: Text | None = None
+    collection: str | None = Field(None, max_length=64, pattern=_COLLECTION_PATTERN)
+    conversation_id: Name | None = None
+    remember: StrictBool = Field(False, description="Keep the exchange in a (new) conversation.")
+    history: list[Message] | None = Field(None, max_length=MAX_MESSAGES)
+    top_k: StrictInt | None = Field(None, ge=1, le=100)
+    stream: StrictBool = False
     llm: str | None = _llm_field()
-    mcp_servers: list[str] | None = Field(
+    mcp_servers: list[Name] | None = Field(
         None, max_length=20, description="Registered MCP servers whose tools join the agent's (agents only)."
     )
 
@@ -84,23 +109,31 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    messages: list[Message] = Field(min_length=1)
-    collection: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-    conversation_id: str | None = None
+    model: str = Field(max_length=NAME_CHARS)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    collection: str | None = Field(None, max_length=64, pattern=_COLLECTION_PATTERN)
+    conversation_id: Name | None = None
     llm: str | None = _llm_field()
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    user: str | None = None
+    stream: StrictBool = False
+    stream_options: JsonSmall | None = None
+    user: Name | None = None
     # Passed to the pipeline's generation step as sent; the inference service validates them
     # (its 400 names the field). Agents refuse them.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None  # none, auto, required or a named function: checked by the inference
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    max_tokens: int | None = Field(None, ge=1, description="At most the pipeline's own answer budget.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name.")
-    mcp_servers: list[str] | None = Field(
+    tools: list[JsonSchema] | None = Field(None, max_length=MAX_TOOLS)
+    # none, auto, required or a named function: checked by the inference
+    tool_choice: Annotated[Any, JSON_SCHEMA] = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: JsonSchema | None = None
+    max_tokens: StrictInt | None = Field(
+        None,
+        ge=1,
+        le=MAX_TOKENS,
+        description="At most the pipeline's own answer budget; beyond the context window a 400.",
+    )
+    max_completion_tokens: StrictInt | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="max_tokens' newer name."
+    )
+    mcp_servers: list[Name] | None = Field(
         None, max_length=20, description="Registered MCP servers whose tools join the agent's (agents only)."
     )
 
@@ -199,11 +232,11 @@ class WsChatFrame(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["chat", "stop"] = "chat"
-    pipeline: str | None = None
-    agent: str | None = None
-    collection: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-    conversation_id: str | None = None
-    message: str | None = None
+    pipeline: Name | None = None
+    agent: Name | None = None
+    collection: str | None = Field(None, max_length=64, pattern=_COLLECTION_PATTERN)
+    conversation_id: Name | None = None
+    message: Text | None = None
     llm: str | None = _llm_field()
 
 
@@ -297,7 +330,7 @@ class FeedbackCreate(BaseModel):
 
     message_id: str = Field(min_length=1, max_length=64)
     rating: Literal[1, -1]
-    correction: str | None = None
+    correction: Text | None = None
     comment: str | None = Field(None, max_length=4000)
 
 
@@ -315,6 +348,12 @@ class Feedback(BaseModel):
     draft_of: str | None = None
     created_at: float
     updated_at: float
+    key_id: str | None = Field(default=None, description="the key that gave the feedback")
+    counted: bool | None = Field(
+        default=None,
+        description="(when given) whether it is among the key's first feedback_rows_per_key ratings and "
+        "choices, the ones a training set counts; later ones are stored but not counted",
+    )
 
 
 class FeedbackList(BaseModel):
@@ -385,7 +424,7 @@ class WorstAnswers(BaseModel):
 class RegenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    stream: bool = False
+    stream: StrictBool = False
 
 
 class ChooseRequest(BaseModel):
@@ -407,9 +446,16 @@ class DatasetRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: DatasetFormat
-    since: float | None = Field(None, ge=0, description="only feedback given at or after (unix seconds)")
-    pipeline: str | None = None
-    model: str | None = None
+    since: StrictFloat | None = Field(
+        None, ge=0, le=MAX_UNIX_S, description="only feedback given at or after (unix seconds)"
+    )
+    pipeline: Name | None = None
+    model: Name | None = None
+    exclude_keys: list[Name] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="key ids whose feedback is left out (GET /v1/feedback/contributors lists them)",
+    )
 
 
 class TrainRequest(BaseModel):
@@ -420,12 +466,17 @@ class TrainRequest(BaseModel):
         description="auto: kto where thumbs up are at least as many as corrections, dpo where "
         "corrections outnumber them (measured: benchmarks/RESULTS.md, the loop)",
     )
-    since: float | None = Field(None, ge=0)
-    pipeline: str | None = None
-    model: str | None = None
-    eval_fraction: float | None = Field(None, gt=0, le=0.5)
-    hyperparameters: dict[str, float | int | str | bool] | None = Field(
+    since: StrictFloat | None = Field(None, ge=0, le=MAX_UNIX_S)
+    pipeline: Name | None = None
+    model: Name | None = None
+    eval_fraction: StrictFloat | None = Field(None, gt=0, le=0.5)
+    hyperparameters: Annotated[dict[str, float | int | str | bool], JSON_SMALL] | None = Field(
         None, description="passed to the trainer's job as is (it checks them); empty: the job type's defaults"
+    )
+    exclude_keys: list[Name] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="key ids whose feedback is left out (GET /v1/feedback/contributors lists them)",
     )
 
 
@@ -434,6 +485,30 @@ class DatasetResult(BaseModel):
     format: DatasetFormat
     rows: int
     counts: dict[str, int]
+    contributors: dict[str, int] = Field(default_factory=dict, description="rows per key that gave them")
+    per_key_cap: int | None = Field(default=None, description="ratings and choices counted per key")
+    over_cap: dict[str, int] = Field(
+        default_factory=dict, description="per key: ratings and choices past the cap, stored but not counted"
+    )
+    excluded_keys: list[str] = Field(default_factory=list, description="keys whose feedback was left out")
+
+
+class Contributor(BaseModel):
+    """One key's feedback in its tenant."""
+
+    key_id: str
+    name: str | None = Field(default=None, description="the key's label (null: the key no longer exists)")
+    ratings: int
+    corrections: int
+    preferences: int
+    counted: int = Field(description="ratings and choices a training set of all the feedback counts")
+    last_at: float
+
+
+class ContributorList(BaseModel):
+    object: Literal["list"] = "list"
+    per_key_cap: int
+    data: list[Contributor]
 
 
 class ReaderTraining(BaseModel):
@@ -503,8 +578,10 @@ class ModelChoice(BaseModel):
 class PromoteRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    canary_share: float | None = Field(
+    canary_share: StrictFloat | None = Field(
         default=None,
+        ge=0.0,
+        le=1.0,
         description="between 0 and 1: the model answers that share of the tenant's chats (a canary) and "
         "the default stays; 1 or left out: the model becomes the default; 0: the canary stops",
     )
@@ -520,7 +597,9 @@ class GateScores(BaseModel):
 
 
 class GateSet(BaseModel):
-    name: Literal["regression", "recent"]
+    name: Literal["regression", "recent", "adversarial"] = Field(
+        description="adversarial: the regression questions reworded to mislead (services/agent/promotions.py)"
+    )
     questions: int
     candidate: GateScores
     current: GateScores

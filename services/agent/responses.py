@@ -31,6 +31,7 @@ from services.agent.protocol import (
 )
 from services.agent.runtime import AgentRuntime
 from services.common.auth import Principal
+from services.common.bounds import NAME_CHARS
 from services.common.errors import InvalidRequest, TandemError
 from services.common.response_store import ResponseStore
 from services.common.responses_input import (
@@ -48,8 +49,10 @@ _COLLECTION = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 class AgentResponseRequest(ResponseRequest):
-    collection: str | None = Field(None, pattern=_COLLECTION, description="The collection a pipeline reads.")
-    conversation_id: str | None = None
+    collection: str | None = Field(
+        None, max_length=64, pattern=_COLLECTION, description="The collection a pipeline reads."
+    )
+    conversation_id: str | None = Field(None, max_length=NAME_CHARS)
     llm: str | None = Field(None, min_length=1, max_length=256, description="The model that generates.")
 
 

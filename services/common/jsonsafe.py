@@ -25,18 +25,33 @@ def _path(parts: tuple[str | int, ...], where: str) -> str:
 
 def find_problem(value: Any, *, max_depth: int = MAX_DEPTH) -> tuple[tuple[str | int, ...], str, str] | None:
     """(path, message, code) of the first problem in a parsed JSON value, or None."""
+    top = _scalar_problem(value)
+    if top is not None:
+        return (), *top
     stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
     while stack:
         node, path = stack.pop()
         if len(path) > max_depth:
             return path, f"nested deeper than {max_depth} levels", "json_too_deep"
-        if isinstance(node, dict):
-            stack.extend((v, (*path, k)) for k, v in node.items())
-        elif isinstance(node, list):
-            stack.extend((v, (*path, i)) for i, v in enumerate(node))
-        elif isinstance(node, float) and not math.isfinite(node):
-            shown = "NaN" if math.isnan(node) else ("Infinity" if node > 0 else "-Infinity")
-            return path, f"{shown} is not a JSON number (NaN and Infinity are refused)", "non_finite_number"
+        if not isinstance(node, (dict, list)):
+            continue
+        # Paths are built for containers only: a body of millions of scalars (a list of token
+        # ids) is one cheap loop, not millions of tuples, while the walk holds the GIL.
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            if isinstance(child, (dict, list)):
+                stack.append((child, (*path, key)))
+            elif isinstance(child, float):
+                problem = _scalar_problem(child)
+                if problem is not None:
+                    return (*path, key), *problem
+    return None
+
+
+def _scalar_problem(node: Any) -> tuple[str, str] | None:
+    if isinstance(node, float) and not math.isfinite(node):
+        shown = "NaN" if math.isnan(node) else ("Infinity" if node > 0 else "-Infinity")
+        return f"{shown} is not a JSON number (NaN and Infinity are refused)", "non_finite_number"
     return None
 
 

@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+from services.common.bounds import (
+    METADATA_PAIRS,
+    NAME_CHARS,
+    TEXT_CHARS,
+    JsonData,
+    JsonSchema,
+    MetadataKey,
+    MetadataValue,
+    Name,
+)
 from services.common.openai_wire import WireModel
 
 
@@ -22,6 +32,13 @@ def new_id(prefix: str) -> str:
 
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"
 
+# A request's limits (docs/contracts.md, "Request limits"): metadata as OpenAI bounds it, input
+# items and tools far past real use (a probe stored 10,000 input items and 8,000 metadata pairs).
+MAX_INPUT_ITEMS = 2048
+MAX_TOOLS = 128
+# a static ceiling; the model's context window is checked where the server knows it
+MAX_OUTPUT_TOKENS = 1 << 20
+
 
 class ResponseRequest(BaseModel):
     """``POST /v1/responses``. Fields this server does not use (``reasoning``, ``include``,
@@ -29,27 +46,42 @@ class ResponseRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(..., min_length=1)
-    input: str | list[dict[str, Any]] = Field(
+    model: str = Field(..., min_length=1, max_length=NAME_CHARS)
+    input: (
+        Annotated[str, Field(max_length=TEXT_CHARS)]
+        | Annotated[list[JsonData], Field(max_length=MAX_INPUT_ITEMS)]
+    ) = Field(
         ...,
-        description="Text (one user message), or a list of input items (messages, function calls and outputs).",
+        description="Text (one user message), or a list of at most "
+        f"{MAX_INPUT_ITEMS} input items (messages, function calls and outputs).",
     )
-    instructions: str | None = Field(None, description="A system message before the input (not carried on).")
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = Field(None, description="``format``: text, json_object or json_schema.")
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    max_output_tokens: int | None = Field(None, ge=1)
-    stream: bool = False
-    store: bool = Field(True, description="Keep the response (GET it, or continue from it).")
+    instructions: str | None = Field(
+        None, max_length=TEXT_CHARS, description="A system message before the input (not carried on)."
+    )
+    tools: Annotated[list[JsonSchema], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description=f"At most {MAX_TOOLS}."
+    )
+    tool_choice: Name | JsonSchema | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: JsonSchema | None = Field(None, description="``format``: text, json_object or json_schema.")
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    max_output_tokens: StrictInt | None = Field(
+        None, ge=1, le=MAX_OUTPUT_TOKENS, description="At most the model's context window."
+    )
+    stream: StrictBool = False
+    store: StrictBool = Field(True, description="Keep the response (GET it, or continue from it).")
     previous_response_id: str | None = Field(
         None,
+        max_length=NAME_CHARS,
         description="Continue from a stored response of the caller's tenant: its input and output come first.",
     )
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(
+        None,
+        max_length=METADATA_PAIRS,
+        description=f"At most {METADATA_PAIRS} pairs: keys of at most 64 characters, values of at most 512.",
+    )
+    user: Name | None = None
 
 
 # --- the response and its output items -----------------------------------------------------------

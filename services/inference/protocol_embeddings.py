@@ -3,9 +3,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from services.common.bounds import NAME_CHARS, Name, Text
+
+# OpenAI's limit on inputs per embeddings request; a rerank's documents as Cohere's.
+MAX_INPUTS = 2048
+MAX_DOCUMENTS = 1000
+MAX_INPUT_TOKENS = 1 << 20
+MAX_DIMENSIONS = 65536
+
+_TokenIds = Annotated[
+    list[Annotated[int, Field(strict=True, ge=0, le=(1 << 31) - 1)]], Field(max_length=MAX_INPUT_TOKENS)
+]
 
 
 class _Open(BaseModel):
@@ -14,16 +26,22 @@ class _Open(BaseModel):
 
 
 class EmbeddingRequest(_Open):
-    model: str = Field(..., min_length=1)
+    model: str = Field(..., min_length=1, max_length=NAME_CHARS)
     # Strings, or token ids of the embedding model's own tokenizer (their range is checked in the
     # serving layer, against the model's vocabulary).
-    input: str | list[str] | list[int] | list[list[int]]
+    input: (
+        Text
+        | Annotated[list[Text], Field(max_length=MAX_INPUTS)]
+        | _TokenIds
+        | Annotated[list[_TokenIds], Field(max_length=MAX_INPUTS)]
+    ) = Field(..., description=f"At most {MAX_INPUTS} inputs.")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
-    truncate_prompt_tokens: int | None = Field(
+    dimensions: StrictInt | None = Field(None, ge=1, le=MAX_DIMENSIONS)
+    user: Name | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(
         None,
         ge=-1,
+        le=MAX_INPUT_TOKENS,
         description="vLLM extension: cut each input to this many tokens (-1: the model's limit) "
         "instead of refusing a longer one.",
     )
@@ -69,14 +87,17 @@ class EmbeddingResponse(BaseModel):
 
 
 class RerankRequest(_Open):
-    model: str = Field(..., min_length=1)
-    query: str = Field(..., min_length=1)
-    documents: list[str] = Field(..., min_length=1)
-    top_n: int | None = Field(None, ge=0, description="Best results returned; none or 0: all.")
-    return_documents: bool = True
-    truncate_prompt_tokens: int | None = Field(
+    model: str = Field(..., min_length=1, max_length=NAME_CHARS)
+    query: Text = Field(..., min_length=1)
+    documents: list[Text] = Field(..., min_length=1, max_length=MAX_DOCUMENTS)
+    top_n: StrictInt | None = Field(
+        None, ge=0, le=MAX_DOCUMENTS, description="Best results returned; none or 0: all."
+    )
+    return_documents: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = Field(
         None,
         ge=-1,
+        le=MAX_INPUT_TOKENS,
         description="Accepted for vLLM's shape; query-document pairs are always cut to the model's limit.",
     )
 

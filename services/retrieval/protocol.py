@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, computed_field
 
+from services.common.bounds import NAME_CHARS, TEXT_CHARS, JsonSmall
 from services.common.jobs import JobStatus
+
+# Documents of one POST .../documents (a larger batch: several requests, or a file upload).
+MAX_DOCUMENTS = 10_000
 
 SearchMode = Literal["dense", "sparse", "hybrid"]
 IndexKind = Literal["auto", "flat", "hnsw", "ivf"]
@@ -15,14 +19,14 @@ EmbeddingBackendName = Literal["torch", "onnx", "onnx-int8"]
 
 class Chunking(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    size: int = Field(..., ge=16, le=8192, description="Chunk size in tokens of the embedding model.")
-    overlap: int = Field(0, ge=0, le=4096, description="Tokens shared by consecutive chunks.")
+    size: StrictInt = Field(..., ge=16, le=8192, description="Chunk size in tokens of the embedding model.")
+    overlap: StrictInt = Field(0, ge=0, le=4096, description="Tokens shared by consecutive chunks.")
 
 
 class CreateCollection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(..., min_length=1, max_length=64)
-    embedding_model: str | None = None
+    embedding_model: str | None = Field(None, max_length=NAME_CHARS)
     chunking: Chunking | None = None
     index: IndexKind | None = None
     embedding_backend: EmbeddingBackendName | None = Field(
@@ -30,6 +34,12 @@ class CreateCollection(BaseModel):
         description="How the collection's documents and queries are embedded: 'torch', 'onnx' "
         "(ONNX Runtime fp32) or 'onnx-int8' (dynamic int8, faster on CPU); fixed at creation. "
         "Default: TANDEM_RETRIEVAL_EMBEDDING_BACKEND.",
+    )
+    keep_hidden_text: StrictBool = Field(
+        False,
+        description="Keep the text of uploaded files that a reader cannot see (hidden HTML elements, "
+        "text in its background's colour, hidden Word runs, PDF text off the page or in the page's "
+        "colour). By default it is left out and counted in the job's result as hidden_text_removed.",
     )
 
 
@@ -45,6 +55,7 @@ class CollectionInfo(BaseModel):
     embedding_backend: str = "torch"
     dimension: int
     chunking: Chunking
+    keep_hidden_text: bool = False
     index: str
     index_type: str | None = None
     documents: int | None = None
@@ -64,7 +75,7 @@ class CollectionInfo(BaseModel):
 class GateQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
     query: str = Field(min_length=1, max_length=4000)
-    relevant: list[str] = Field(
+    relevant: list[Annotated[str, Field(max_length=512)]] = Field(
         min_length=1, max_length=100, description="Ids of the documents that answer the query."
     )
 
@@ -78,7 +89,7 @@ class ReindexGate(BaseModel):
     mode: Literal["hybrid", "dense"] = Field(
         "hybrid", description="The search mode scored (hybrid: as users search by default)."
     )
-    min_gain: float = Field(
+    min_gain: StrictFloat = Field(
         0.0, ge=0.0, le=1.0, description="nDCG@10 the new version must gain over the active one."
     )
 
@@ -120,14 +131,16 @@ class CollectionList(BaseModel):
 class DocumentIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str = Field(..., min_length=1, max_length=512)
-    text: str = Field(..., min_length=1)
+    text: str = Field(..., min_length=1, max_length=TEXT_CHARS)
     title: str | None = Field(None, max_length=2048)
-    metadata: dict[str, Any] | None = None
+    metadata: JsonSmall | None = Field(
+        None, description="At most 1,000 values in all, strings of at most 65,536 characters."
+    )
 
 
 class AddDocuments(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    documents: list[DocumentIn] = Field(..., min_length=1)
+    documents: list[DocumentIn] = Field(..., min_length=1, max_length=MAX_DOCUMENTS)
 
 
 class IngestResponse(BaseModel):
@@ -203,14 +216,20 @@ class SearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # Emptiness is checked in the route: the shared validation message drops a field named "query".
     query: str = Field(..., max_length=8192)
-    top_k: int = Field(10, ge=1, le=100)
+    top_k: StrictInt = Field(10, ge=1, le=100)
     mode: SearchMode = "hybrid"
-    filters: dict[str, Any] | None = None
-    rerank: bool = False
-    weights: dict[Literal["dense", "sparse"], float] | None = Field(
-        None, description="RRF weights of the rankings in hybrid mode (defaults from settings)."
+    filters: JsonSmall | None = Field(
+        None, description="At most 1,000 values in all, strings of at most 65,536 characters."
     )
-    section_tokens: int | None = Field(
+    rerank: StrictBool = False
+    weights: (
+        dict[Literal["dense", "sparse"], Annotated[float, Field(strict=True, ge=0.0, le=100.0)]] | None
+    ) = Field(
+        None,
+        max_length=2,
+        description="RRF weights of the rankings in hybrid mode, each 0 to 100 (defaults from settings).",
+    )
+    section_tokens: StrictInt | None = Field(
         default=None,
         ge=16,
         le=8192,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from services.common.bounds import NAME_CHARS
 
 # Re-exported: the trainer's modules import them from here.
 from services.common.jobs import TERMINAL as TERMINAL
@@ -19,17 +21,24 @@ DpoLossType = Literal["sigmoid", "ipo", "hinge"]
 PREFERENCE_TYPES: tuple[str, ...] = ("dpo", "simpo", "orpo", "kto")  # jobs with held-out accuracy/margin
 
 
+# A model path or file id (a folder under the allowed model roots can be long).
+PATH_CHARS = 4096
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a boolean is not a number (``"r": true`` is not rank 1) nor a number a boolean;
+    # an integer is still a float
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class LoraSpec(Strict):
     r: int = Field(8, ge=1, le=1024, description="LoRA rank")
     alpha: float = Field(16.0, gt=0, le=4096, description="LoRA scaling numerator (alpha / r)")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(
+    target_modules: list[Annotated[str, Field(max_length=NAME_CHARS)]] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,
+        max_length=256,
         description="Names (last component) of the linear layers to adapt",
     )
 
@@ -82,7 +91,7 @@ class Hyperparameters(Strict):
         "variant: large batches in mini_batch_size pieces of memory)",
     )
     mini_batch_size: int = Field(32, ge=1, le=4096, description="embedder jobs with loss cached_mnrl")
-    matryoshka_dims: list[int] | None = Field(
+    matryoshka_dims: list[Annotated[int, Field(ge=1, le=65536)]] | None = Field(
         None,
         min_length=1,
         max_length=16,
@@ -155,8 +164,12 @@ class Hyperparameters(Strict):
 
 
 class RewardSpec(Strict):
-    function: str | None = Field(None, description="name of a registered reward function")
-    model: str | None = Field(None, description="reward-model folder under the allowed model roots")
+    function: str | None = Field(
+        None, max_length=NAME_CHARS, description="name of a registered reward function"
+    )
+    model: str | None = Field(
+        None, max_length=PATH_CHARS, description="reward-model folder under the allowed model roots"
+    )
 
     @model_validator(mode="after")
     def _one(self) -> RewardSpec:
@@ -189,7 +202,11 @@ class QueryGeneration(Strict):
     documents and its beir file's corpus, cut as the retrieval service chunks them) and the one
     short question a chat model of the inference service writes for each."""
 
-    model: str = Field(min_length=1, description="a chat model the inference service serves to the caller")
+    model: str = Field(
+        min_length=1,
+        max_length=NAME_CHARS,
+        description="a chat model the inference service serves to the caller",
+    )
     passages: int = Field(
         200, ge=1, le=100_000, description="passages sampled (seeded by hyperparameters.seed)"
     )
@@ -233,10 +250,11 @@ Stages = Literal["titles_first", "together"]
 
 class JobCreate(Strict):
     type: JobType
-    base_model: str = Field(min_length=1)
+    base_model: str = Field(min_length=1, max_length=PATH_CHARS)
     dataset: str | None = Field(
         None,
         min_length=1,
+        max_length=NAME_CHARS,
         description="file id from POST /v1/files (an embedder job may name a 'collection' instead)",
     )
     collection: str | None = Field(
@@ -279,10 +297,10 @@ class JobCreate(Strict):
         "passages of the collection (and of a beir dataset's corpus); written by the job's worker before "
         "it trains and saved as one of your files (the job's generated_dataset)",
     )
-    eval_dataset: str | None = None
+    eval_dataset: str | None = Field(None, max_length=NAME_CHARS)
     lora: LoraSpec | None = None
     packing: bool = True
-    max_tokens_per_pack: int | None = Field(None, ge=64)
+    max_tokens_per_pack: int | None = Field(None, ge=64, le=1 << 20)
     hyperparameters: Hyperparameters = Field(default_factory=lambda: Hyperparameters.model_validate({}))
     reward: RewardSpec | None = None
     queue: Literal["cpu", "gpu", "npu"] | None = None
@@ -296,6 +314,7 @@ class JobCreate(Strict):
     )
     name: str | None = Field(
         None,
+        max_length=128,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
         description="shared reader jobs: the name it is published under (default ft-reader-<job>); "
         "publishing a name again replaces that reader, so the agent's default reader is retrained in "

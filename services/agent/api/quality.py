@@ -1,5 +1,6 @@
 """Answer quality over time (``GET /v1/quality``) and the worst recent answers
-(``GET /v1/quality/worst``), from the quality signals on the caller's tenant's turn records."""
+(``GET /v1/quality/worst``), from the quality signals on the caller's tenant's turn records
+(a member key's worst answers are its own; the report's figures are the tenant's)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ from services.agent.protocol import (
     WorstAnswers,
 )
 from services.agent.quality import BUCKET_SECONDS
+from services.agent.turns import owner_scope
+from services.common.bounds import MAX_UNIX_S
 
 router = APIRouter(tags=["quality"])
 
 # Without ``since``: the last 30 buckets of the report, the last week of worst answers.
 DEFAULT_BUCKETS = 30
 DEFAULT_WORST_WINDOW_S = 7 * 86400
-SINCE_DOC = "answers produced at or after (unix seconds)"
+# since: a finite time before 2100 (inf, 1e400 and NaN are 400s naming it)
+SINCE_DOC = "answers produced at or after (unix seconds, before 2100)"
 
 
 @router.get(
@@ -34,7 +38,9 @@ async def quality_report(
     runtime: RuntimeDep,
     principal: PrincipalDep,
     model: str | None = Query(None, min_length=1, max_length=256, description="one model only"),
-    since: float | None = Query(None, ge=0, description=f"{SINCE_DOC}; default: the last 30 buckets"),
+    since: float | None = Query(
+        None, ge=0, le=MAX_UNIX_S, description=f"{SINCE_DOC}; default: the last 30 buckets"
+    ),
     bucket: QualityBucketName = Query("day", description="hour, day or week (UTC; weeks start on Monday)"),
 ) -> QualityReport:
     bucket_s = BUCKET_SECONDS[bucket]
@@ -52,11 +58,13 @@ async def worst_answers(
     runtime: RuntimeDep,
     principal: PrincipalDep,
     limit: int = Query(10, ge=1, le=100),
-    since: float | None = Query(None, ge=0, description=f"{SINCE_DOC}; default: the last 7 days"),
+    since: float | None = Query(
+        None, ge=0, le=MAX_UNIX_S, description=f"{SINCE_DOC}; default: the last 7 days"
+    ),
     model: str | None = Query(None, min_length=1, max_length=256),
 ) -> WorstAnswers:
     start = time.time() - DEFAULT_WORST_WINDOW_S if since is None else since
-    rows = await runtime.turns.worst_answers(principal.tenant, start, limit, model)
+    rows = await runtime.turns.worst_answers(principal.tenant, start, limit, model, owner_scope(principal))
     data = []
     for record, rating in rows:
         q = record.quality

@@ -158,8 +158,13 @@ def _spooled_size(up: UploadFile) -> int:
 async def upload_files(
     name: str,
     request: Request,
-    file: list[UploadFile] = File(..., description=".txt .md .html .pdf .docx or .jsonl; several allowed"),
-    metadata: str | None = Form(None, description="JSON object added to every document's metadata"),
+    # Starlette's multipart parser stops at 1,000 files: the same bound, named in the schema
+    file: list[UploadFile] = File(
+        ..., max_length=1000, description=".txt .md .html .pdf .docx or .jsonl; at most 1,000 files"
+    ),
+    metadata: str | None = Form(
+        None, max_length=65_536, description="JSON object added to every document's metadata"
+    ),
 ) -> JSONResponse:
     """Upload files. The request body streams to disk under the guard's limit; an upload with
     PDF, DOCX or HTML, or larger than TANDEM_RETRIEVAL_ASYNC_UPLOAD_KB, is parsed by the
@@ -241,7 +246,7 @@ FULL_PAGE = 100
 def list_documents(
     col: CollectionDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,  # SQLite integers are 64-bit
     full: Annotated[
         bool,
         Query(
