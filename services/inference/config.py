@@ -86,6 +86,13 @@ class InferenceSettings(ServiceSettings):
         gt=0,
         description="Seconds a request may take in the engine before it is ended with a timeout.",
     )
+    stall_s: float = Field(
+        defaults.STALL_S,
+        gt=0,
+        le=3600,
+        description="torch and llamacpp engines: seconds requests may wait for the engine loop to finish "
+        "a step before /readyz and /health answer 503 (the loop is stuck); a loop that died fails them at once.",
+    )
     dtype: ModelDType = Field(
         "auto", description="Weights dtype; auto is the platform's default (fp32 on CPU, bf16 on GPUs)."
     )

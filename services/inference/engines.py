@@ -60,6 +60,7 @@ def scheduler_settings(settings: InferenceSettings) -> dict[str, Any]:
         "admit_window": settings.admit_window_ms / 1000,
         "max_model_len": settings.max_model_len,
         "request_timeout": settings.request_timeout,
+        "stall_after": settings.stall_s,
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -73,6 +74,8 @@ from services.inference.engine.types import (
 from services.inference.metrics import observed
 from services.inference.protocol import ChatCompletionRequest, CompletionRequest
 from services.inference.registry import ModelRegistry, NotPermitted
+
+log = logging.getLogger("tandem.inference.serving")
 
 
 class GatewayTimeout(TandemError):
@@ -414,21 +417,40 @@ async def _stream(
 ) -> AsyncIterator[str]:
     """The SSE stream of chat and text completions alike: ``first`` chunks, then the chunks
     ``step`` makes of each engine event, an error event if generation failed, the usage chunk
-    (``choices: []``) when asked for, and ``[DONE]``."""
+    (``choices: []``) when asked for, and ``[DONE]``.
+
+    However the engine fails (an error event of its own, its stream raising, its stream ending
+    before every choice finished: an engine loop that died), the client reads an error event
+    and ``[DONE]``, never a connection closed mid-stream (a transport error to the client) nor
+    an answer cut short that looks complete."""
     for choices in first or []:
         yield chunks.make(choices)
     state = [_Choice() for _ in range(total)]
-    async for ev in events:
-        c = state[ev.index]
-        c.count(ev)
-        if ev.error is not None or ev.finish_reason in FAILED:
-            yield _sse(_stream_error(ev))
-            break
-        for choices in step(ev, c):
-            yield chunks.make(choices)
-    else:
-        if chunks.include_usage:
-            yield chunks.make([], _usage(state, n))
+    failure: dict[str, Any] | None = None
+    try:
+        async for ev in events:
+            c = state[ev.index]
+            c.count(ev)
+            if ev.error is not None or ev.finish_reason in FAILED:
+                failure = _stream_error(ev)
+                break
+            for choices in step(ev, c):
+                yield chunks.make(choices)
+            if ev.finish_reason is not None:
+                c.finish_reason = c.finish_reason or ev.finish_reason
+    except Exception as exc:  # cancellation (the client left) is a BaseException: it goes on
+        log.exception("the engine's stream failed")
+        failure = error_body(
+            "internal_error", f"generation failed: {type(exc).__name__}: {exc}", None, "error"
+        )
+    if failure is None and any(c.finish_reason is None for c in state):
+        failure = error_body(
+            "internal_error", "the engine's stream ended before the answer was complete", None, "error"
+        )
+    if failure is not None:
+        yield _sse(failure)
+    elif chunks.include_usage:
+        yield chunks.make([], _usage(state, n))
     yield "data: [DONE]\n\n"
 
 

@@ -24,6 +24,7 @@ from services.inference.api.deps import (
     ReaderScopeDep,
     ServingDep,
 )
+from services.inference.engine.types import EngineError
 from services.inference.protocol import (
     AdapterLoaded,
     AdapterUnloaded,
@@ -37,6 +38,7 @@ from services.inference.protocol import (
     UnloadLoraRequest,
     UnregisterModelRequest,
 )
+from services.inference.serving import http_error
 
 router = APIRouter(
     tags=["openai"],
@@ -68,12 +70,17 @@ async def capabilities(admin: ModelAdminDep) -> Capabilities:
 
 @router.get("/health")
 async def health(request: Request, _caller: CallerDep) -> dict[str, object]:
-    """Tandem extension: the served engine's state (its load; for the torch engine its forward
-    plan, ``forward_plan``); 503 while the model is loading or its engine is down."""
+    """Tandem extension: the served engine's state (its load; for the torch and llama.cpp
+    engines its loop's steps and seconds since the last one, and for torch its forward plan,
+    ``forward_plan``); 503 with the reason while the model is loading, or when the engine is
+    down, its loop died, or its loop has left requests waiting past ``TANDEM_INFERENCE_STALL_S``."""
     registry = getattr(request.app.state, "registry", None)
     if registry is None:
         raise ServiceUnavailable("the model is still loading")
-    return await registry.primary.health()
+    try:
+        return await registry.primary.health()
+    except EngineError as exc:
+        raise http_error(exc) from None
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)

@@ -19,6 +19,8 @@ PREFILL_CHUNK: Final = 256
 ADMIT_WINDOW_MS: Final = 20.0
 MAX_MODEL_LEN: Final = 2048
 REQUEST_TIMEOUT_S: Final = 300.0
+# readiness fails once requests have waited this long for the engine loop to finish a step
+STALL_S: Final = 10.0
 THREADS: Final = 0
 
 # the torch engine's

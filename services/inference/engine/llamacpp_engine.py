@@ -342,6 +342,7 @@ class LlamaCppEngine(SchedulerEngine[LlamaCppRunner]):
         threads: int = defaults.THREADS,
         admit_window: float = defaults.ADMIT_WINDOW_MS / 1000,
         tenant_max_queued: int | None = defaults.TENANT_MAX_QUEUED,
+        stall_after: float = defaults.STALL_S,
         cache_root: Path | None = None,
         requantize: str = defaults.LLAMACPP_REQUANTIZE,
     ) -> None:
@@ -383,6 +384,7 @@ class LlamaCppEngine(SchedulerEngine[LlamaCppRunner]):
             prefix_cache_mb=0,
             admit_window=admit_window,
             tenant_max_queued=tenant_max_queued,
+            stall_after=stall_after,
         )
 
     async def shutdown(self) -> None:

@@ -17,6 +17,11 @@ Each sampled token is handed to the sequence's sink at once (streaming). The sch
 is driven either by its own thread (the server: ``start()``) or inline by the caller
 (``run_until_done``, used by ``generate_batch`` when no thread runs). It drives any
 ``Runner`` (``runner_protocol.py``): the torch ``ModelRunner`` or llama.cpp's.
+
+The thread's health is measured, not assumed (``check``): it records a heartbeat after
+every iteration, so work that has waited longer than ``stall_after`` for a step to finish
+says the loop is stuck; a loop that died (an exception a step does not survive) ends
+every sequence with an error and refuses new ones.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
+from services.inference.engine import defaults
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.prefix_cache import PrefixCache, common_prefix_len
@@ -39,6 +45,7 @@ from services.inference.engine.ragged import DecodeRow, PrefillRow, adapter_key
 from services.inference.engine.runner_protocol import Runner
 from services.inference.engine.sampling import RowSampling, sample
 from services.inference.engine.types import (
+    EngineUnavailable,
     FinishReason,
     QueueFull,
     SamplingParams,
@@ -58,8 +65,8 @@ _ids = itertools.count()
 
 
 class Clock(Protocol):
-    """Time as the admission window sees it: tests pass a clock they advance by hand, so no
-    test sleeps against the window."""
+    """Time as the admission window and the loop's heartbeat see it: tests pass a clock they
+    advance by hand, so no test sleeps against the window or the stall bound."""
 
     def now(self) -> float: ...
 
@@ -134,8 +141,18 @@ class Scheduler:
         admit_window: float = 0.0,
         tenant_max_queued: int | None = None,
         clock: Clock | None = None,
+        stall_after: float = defaults.STALL_S,
     ) -> None:
+        """``stall_after``: seconds work may wait for the loop to finish a step before
+        ``check`` calls the loop stuck."""
         self.clock: Clock = clock or MonotonicClock()
+        self.stall_after = stall_after
+        # the loop's heartbeat (clock time after its last iteration), and when work last
+        # arrived at an idle scheduler: a stall is measured from the later of the two
+        self._beat = float("-inf")
+        self._work_since = float("-inf")
+        # why the loop thread died (None while it lives or never ran)
+        self.dead: str | None = None
         # per tenant: sequences that may wait beyond the tenant's fair share of free slots
         # (None: only the global max_queue applies)
         self.tenant_max_queued = tenant_max_queued
@@ -165,6 +182,9 @@ class Scheduler:
     # --- submission (any thread) ---------------------------------------------------------
     def submit(self, seqs: list[Sequence], *, bounded: bool = True) -> None:
         with self._cv:
+            if self.dead is not None:
+                # nothing would ever run them: refused, never left waiting forever
+                raise EngineUnavailable(f"the engine loop died ({self.dead}); the service needs a restart")
             free = max(0, self.max_batch_size - len(self.slots))
             if bounded and self.tenant_max_queued is not None and seqs:
                 self._check_tenant_share(seqs[0].tenant, len(seqs), free)
@@ -174,6 +194,8 @@ class Scheduler:
                     f"limit {self.max_queue}); retry later",
                     retry_after=1.0,
                 )
+            if not (self.waiting or self.slots):
+                self._work_since = self.clock.now()
             self.waiting.extend(seqs)
             self._cv.notify()
 
@@ -265,11 +287,40 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.slots)
 
+    def check(self) -> dict[str, object]:
+        """The loop's state (load, steps, seconds since its last step); raises
+        ``EngineUnavailable`` with the reason when the loop is dead, not running, or has left
+        work waiting longer than ``stall_after`` without finishing a step. Cheap: it never
+        waits for the model, so a loop stuck in a forward cannot stall the check too."""
+        with self._cv:
+            pending = [*self.slots, *self.waiting]
+            now = self.clock.now()
+            idle_for = now - max(self._beat, self._work_since)
+            state: dict[str, object] = {
+                "running": len(self.slots),
+                "waiting": len(self.waiting),
+                "steps": self.steps,
+                "last_step_s": round(now - self._beat, 3) if self._beat > float("-inf") else None,
+            }
+        if self.dead is not None:
+            raise EngineUnavailable(f"the engine loop died: {self.dead}")
+        if not self.running:
+            raise EngineUnavailable("the engine loop is not running")
+        if pending and idle_for > self.stall_after:
+            requests = len({s.request_id for s in pending})
+            raise EngineUnavailable(
+                f"the engine loop has not completed a step for {idle_for:.0f} s while {requests} "
+                f"{'request waits' if requests == 1 else 'requests wait'} (limit {self.stall_after:g} s)"
+            )
+        return state
+
     # --- the thread ------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
             return
         self._stop = False
+        self.dead = None
+        self._beat = self.clock.now()
         self._thread = threading.Thread(target=self._loop, name="tandem-scheduler", daemon=True)
         self._thread.start()
 
@@ -286,19 +337,39 @@ class Scheduler:
             self._thread = None
 
     def _loop(self) -> None:
-        if self.num_threads:
-            # torch's CPU thread count must be set on the thread that runs the forwards
-            torch.set_num_threads(self.num_threads)
-        while True:
-            with self._cv:
-                while not self._stop and not (self.waiting or self.slots or self._aborts):
-                    self._cv.wait()
-                if not self.slots and self.admit_window > 0:
-                    self._gather_burst()
-                if self._stop:
-                    break
-            self.step()
-        self._fail_all("the engine is shutting down")
+        try:
+            if self.num_threads:
+                # torch's CPU thread count must be set on the thread that runs the forwards
+                torch.set_num_threads(self.num_threads)
+            while True:
+                with self._cv:
+                    while not self._stop and not (self.waiting or self.slots or self._aborts):
+                        self._cv.wait()
+                    if not self.slots and self.admit_window > 0:
+                        self._gather_burst()
+                    if self._stop:
+                        break
+                self.step()
+                self._beat = self.clock.now()
+            self._fail_all("the engine is shutting down")
+        except BaseException as exc:  # the thread ends here: say why, to every waiting stream
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop ends with ``exc`` (one a step does not survive, or a failure while
+        recovering from one): every sequence ends with an error now, new ones are refused, and
+        ``check`` reports it. The runner is not touched: the device may be what failed."""
+        log.critical("the engine loop died", exc_info=exc)
+        with self._cv:
+            self.dead = f"{type(exc).__name__}: {exc}"
+            victims = [*self.slots, *self.waiting]
+            self.slots.clear()
+            self.waiting.clear()
+        for seq in victims:
+            try:
+                self._finish(seq, "error", error=f"the engine loop died: {self.dead}")
+            except Exception:  # one sink's failure must not keep the others waiting
+                log.exception("could not end sequence %s", seq.request_id)
 
     def _gather_burst(self) -> None:
         """An idle engine lets a burst of arrivals gather before its first step, so they are

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+from services.inference.engine import defaults
 from services.inference.engine.base import AdapterHost
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.guided import GuidedCompiler
@@ -33,7 +34,6 @@ from services.inference.engine.tools import chat_template_input, template_render
 from services.inference.engine.types import (
     ContextLengthExceeded,
     EngineRequest,
-    EngineUnavailable,
     GenerationOutput,
     InvalidParams,
     PromptMessage,
@@ -98,6 +98,7 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
         prefix_cache_mb: float,
         admit_window: float,
         tenant_max_queued: int | None,
+        stall_after: float = defaults.STALL_S,
     ) -> None:
         self.runner: R = runner
         self.tokenizer = tokenizer
@@ -118,6 +119,7 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
             prefix_cache=PrefixCache(int(prefix_cache_mb * 2**20)),
             admit_window=admit_window,
             tenant_max_queued=tenant_max_queued,
+            stall_after=stall_after,
         )
         # served adapter name -> where it was loaded from
         self.adapters: dict[str, str] = {}
@@ -326,9 +328,9 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
         await asyncio.to_thread(self.scheduler.stop)
 
     async def health(self) -> dict[str, object]:
-        if not self.scheduler.running:
-            raise EngineUnavailable("the scheduler thread is not running")
-        return {"engine": self.kind, "model": self.name, **self.scheduler.load()}
+        """Through the scheduler: raises when its loop is dead or has left requests waiting
+        past its stall bound (``Scheduler.check``), not only when the thread is gone."""
+        return {"engine": self.kind, "model": self.name, **self.scheduler.check()}
 
     async def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

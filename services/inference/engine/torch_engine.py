@@ -67,6 +67,7 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
         admit_window: float = defaults.ADMIT_WINDOW_MS / 1000,
         quantize: Quantize = defaults.QUANTIZE,
         tenant_max_queued: int | None = defaults.TENANT_MAX_QUEUED,
+        stall_after: float = defaults.STALL_S,
         prompt_dtype: PromptDType = defaults.PROMPT_DTYPE,
         forward: Forward = defaults.FORWARD,
         native_decode: NativeDecode = defaults.NATIVE_DECODE,
@@ -101,6 +102,7 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
             prefix_cache_mb=prefix_cache_mb,
             admit_window=admit_window,
             tenant_max_queued=tenant_max_queued,
+            stall_after=stall_after,
         )
 
     # --- construction ---------------------------------------------------------------------------

@@ -223,6 +223,9 @@ class VLLMEngine(AdapterHost):
             except asyncio.CancelledError:
                 await self.engine.abort(rid)
                 raise
+            except Exception as exc:  # vLLM's engine loop died (EngineDeadError) or failed this request
+                error = f"generation failed: {type(exc).__name__}: {exc}"
+                await queue.put(StreamEvent(j, [], "", None, "error", len(ids), sent_tokens, error=error))
             finally:
                 await queue.put(None)
 
