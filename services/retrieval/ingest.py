@@ -24,6 +24,7 @@ import shutil
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -115,10 +116,12 @@ def limits_of(manager: CollectionManager) -> ParseLimits:
 
 
 def parse_job_files(
-    folder: Path, limits: ParseLimits, originals: Path | None = None
+    folder: Path, limits: ParseLimits, originals: Path | None = None, *, keep_hidden_text: bool = False
 ) -> tuple[list[InputDocument], list[dict[str, str]]]:
     """(documents, per-file errors) of a files job; the PDFs among the files are kept as the
-    originals of their documents under the collection folder ``originals`` (core/originals.py)."""
+    originals of their documents under the collection folder ``originals`` (core/originals.py).
+    Text a reader cannot see is left out of the documents (and counted in each one's
+    ``hidden_text_removed``) unless ``keep_hidden_text``."""
     manifest = json.loads((folder / MANIFEST).read_text())
     extra = manifest.get("metadata") or {}
     docs: list[InputDocument] = []
@@ -127,18 +130,19 @@ def parse_job_files(
         name = entry["name"]
         try:
             if extension_of(name) in UNTRUSTED:
-                parsed = parse_isolated(folder / entry["path"], name, limits)
+                parsed = parse_isolated(
+                    folder / entry["path"], name, limits, keep_hidden_text=keep_hidden_text
+                )
             else:
-                parsed = parse_file(name, (folder / entry["path"]).read_bytes(), limits=limits)
+                data = (folder / entry["path"]).read_bytes()
+                parsed = parse_file(name, data, limits=limits, keep_hidden_text=keep_hidden_text)
         except TandemError as exc:
             errors.append({"filename": name, "code": exc.code or "invalid_file", "message": exc.message})
             continue
         if originals is not None and extension_of(name) == ".pdf":
             for p in parsed:
                 keep_original(originals, p.id, folder / entry["path"])
-        docs.extend(
-            InputDocument(p.id, p.text, p.title, {**p.metadata, **extra}, p.structure) for p in parsed
-        )
+        docs.extend(replace(p, metadata={**p.metadata, **extra}) for p in parsed)
     return docs, errors
 
 
@@ -153,7 +157,9 @@ def run_job(
         file_errors: list[dict[str, str]] = []
         if folder.is_dir():
             jobs.update(job_id, status="running")
-            docs, file_errors = parse_job_files(folder, limits_of(manager), col.root)
+            docs, file_errors = parse_job_files(
+                folder, limits_of(manager), col.root, keep_hidden_text=col.config.keep_hidden_text
+            )
             jobs.update(job_id, file_errors=file_errors)
             if not docs:
                 raise InvalidRequest(
@@ -199,6 +205,8 @@ def run_job(
             "chunks_removed": removed,
             "chunks_unchanged": unchanged,
             "files_failed": len(file_errors),
+            # what the parsers left out as unseen by a reader (core/hidden_text.py says what one is)
+            "hidden_text_removed": sum(d.hidden_text_removed for d in docs),
         }
         jobs.update(job_id, status="succeeded", result=result)
         if path.is_dir():

@@ -35,6 +35,7 @@ def _info(config: CollectionConfig, stats: dict[str, object] | None = None) -> C
         embedding_model=config.embedding_model,
         embedding_backend=config.embedding_backend,
         chunking=Chunking(size=config.chunk_size, overlap=config.chunk_overlap),
+        keep_hidden_text=config.keep_hidden_text,
         index=config.index,
         created_at=config.created_at,
         **fields,  # type: ignore[arg-type]
@@ -70,6 +71,7 @@ async def create_collection(
             chunk_overlap=body.chunking.overlap if body.chunking else None,
             index=body.index,
             embedding_backend=body.embedding_backend,
+            keep_hidden_text=body.keep_hidden_text,
         )
         return _info(config, {"documents": 0, "chunks": 0})
 

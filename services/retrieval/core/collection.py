@@ -85,6 +85,9 @@ class CollectionConfig:
     # How documents and queries are embedded ("torch", "onnx", "onnx-int8"): the one that
     # embedded the stored vectors, so queries use it too (files before this field: torch).
     embedding_backend: str = "torch"
+    # Keep the text of uploaded files that a reader cannot see (core/hidden_text.py); files
+    # before this field: left out, as for a new collection.
+    keep_hidden_text: bool = False
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, indent=2).encode()

@@ -7,8 +7,10 @@ block per item, ``term: definition``. The text reads as people read it: a PDF's 
 hyphenated at line ends are joined again, ligatures spelled out and soft hyphens dropped
 (core/text_cleanup.py), HTML source line breaks are spaces. What the text cannot hold goes to
 ``InputDocument.structure`` (core/structure.py): the offset where each PDF page begins and
-the HTML anchors of headings. Every problem is an ``InvalidRequest`` naming the file and
-what is wrong.
+the HTML anchors of headings. Text a reader of the file cannot see (hidden HTML elements, text
+in its background's colour, hidden Word runs, PDF text off the page or in the page's colour) is
+left out unless the collection keeps it, and counted (core/hidden_text.py). Every problem is an
+``InvalidRequest`` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from services.common import jsonsafe
 from services.common.errors import InvalidRequest, UnsupportedMediaType
+from services.retrieval.core.hidden_text import docx_run_hidden, drop_hidden_html, drop_hidden_pdf_text
 from services.retrieval.core.structure import sentinel, take_sentinels
 from services.retrieval.core.text_cleanup import fix_characters, join_hyphenated
 
@@ -56,6 +59,8 @@ class InputDocument:
     metadata: dict[str, Any] = field(default_factory=dict)
     # PDF pages and HTML anchors by offset in ``text`` (core/structure.py); {} for plain text.
     structure: dict[str, Any] = field(default_factory=dict)
+    # Pieces of the file a reader cannot see that its parser left out (core/hidden_text.py).
+    hidden_text_removed: int = 0
 
 
 def extension_of(filename: str) -> str:
@@ -169,7 +174,7 @@ def html_to_text(source: str) -> tuple[str, str]:
     """(text, title) of an HTML page: scripts and styles dropped, headings as ``#`` lines,
     ``<pre>`` as fenced blocks, tables as ``| a | b |`` rows, block elements on their own
     lines."""
-    text, title, _anchors = html_document(source)
+    text, title, _anchors, _hidden = html_document(source)
     return text, title
 
 
@@ -199,9 +204,10 @@ _BLOCKS = [
 ]
 
 
-def html_document(source: str) -> tuple[str, str, list[list[Any]]]:
-    """(text, title, anchors) of an HTML page: ``html_to_text`` plus ``[[offset, id], ...]`` of
-    the headings that have an anchor.
+def html_document(source: str, keep_hidden_text: bool = False) -> tuple[str, str, list[list[Any]], int]:
+    """(text, title, anchors, hidden) of an HTML page: ``html_to_text`` plus ``[[offset, id], ...]``
+    of the headings that have an anchor, and the count of hidden pieces left out
+    (``hidden_text.drop_hidden_html``; with ``keep_hidden_text`` only comments and templates).
 
     Text runs as a browser shows it: white space in the source (line breaks included) is one
     space, ``<br>`` a line break, block elements paragraphs. A definition list (``<dl>``:
@@ -214,7 +220,8 @@ def html_document(source: str) -> tuple[str, str, list[list[Any]]]:
 
     soup = BeautifulSoup(_SOURCE_MARKS.sub("", source), "html.parser")
     title = soup.title.get_text(" ", strip=True) if soup.title else ""
-    for tag in soup(["script", "style", "noscript", "template", "head"]):
+    hidden = drop_hidden_html(soup, keep=keep_hidden_text)  # before <style> goes: it reads the rules
+    for tag in soup(["script", "style", "head"]):
         tag.decompose()
     for tag in soup.select("a.headerlink"):
         tag.decompose()  # Sphinx's permalink sign ("¶") after each heading and signature
@@ -247,7 +254,7 @@ def html_document(source: str) -> tuple[str, str, list[list[Any]]]:
             part = _BREAK_RUN.sub(_blank_line, _SPACE.sub(" ", part))
             pieces.append("\n".join(ln.strip() for ln in part.split("\n")))
     text, anchors = take_sentinels(fix_characters(_tidy("".join(pieces))), ids)
-    return text, title, anchors
+    return text, title, anchors, hidden
 
 
 def _blank_line(m: re.Match[str]) -> str:
@@ -355,12 +362,13 @@ def pdf_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits())
 
 
 def pdf_document(
-    filename: str, data: bytes, limits: ParseLimits = ParseLimits()
-) -> tuple[str, list[list[int]]]:
-    """(text, pages) of a PDF: the pages' text in order, lines set in a larger font than the
-    body as ``#`` headings, and ``[[page, offset], ...]`` where each page's text begins. Words
-    the typesetter hyphenated at a line end are whole again, except in code (monospaced type)
-    and headings (``text_cleanup.join_hyphenated``)."""
+    filename: str, data: bytes, limits: ParseLimits = ParseLimits(), keep_hidden_text: bool = False
+) -> tuple[str, list[list[int]], int]:
+    """(text, pages, hidden) of a PDF: the pages' text in order, lines set in a larger font than
+    the body as ``#`` headings, ``[[page, offset], ...]`` where each page's text begins, and the
+    count of text runs left out as hidden (``hidden_text.drop_hidden_pdf_text``; none with
+    ``keep_hidden_text``). Words the typesetter hyphenated at a line end are whole again, except
+    in code (monospaced type) and headings (``text_cleanup.join_hyphenated``)."""
     from pypdf import PdfReader
     from pypdf.errors import PdfReadError, PdfStreamError
 
@@ -373,7 +381,7 @@ def pdf_document(
         pages: list[str] = []
         runs: list[tuple[str, float]] = []  # (text, font size) of every text run
         code: list[set[str]] = []  # per page, the hyphenated words that end lines of code
-        size = 0
+        size = hidden = 0
 
         def visit(text: str, cm: Any, tm: Any, font: Any, font_size: Any) -> None:
             if text.strip():
@@ -384,6 +392,8 @@ def pdf_document(
 
         for page in reader.pages:
             code.append(set())
+            if not keep_hidden_text:
+                hidden += drop_hidden_pdf_text(page)
             pages.append(page.extract_text(visitor_text=visit) or "")
             size += len(pages[-1])
             if size > limits.max_text_bytes:
@@ -418,7 +428,7 @@ def pdf_document(
         if body:
             parts.append(body)
             pos += len(body)
-    return "\n\n".join(parts), offsets
+    return "\n\n".join(parts), offsets, hidden
 
 
 # A page number alone: "24", "ix".
@@ -552,10 +562,14 @@ def check_zip(filename: str, data: bytes, limits: ParseLimits) -> None:
             )
 
 
-def docx_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits()) -> tuple[str, str]:
+def docx_to_text(
+    filename: str, data: bytes, limits: ParseLimits = ParseLimits(), keep_hidden_text: bool = False
+) -> tuple[str, str, int]:
+    """(text, title, hidden): ``hidden`` counts the hidden runs (``w:vanish``) left out; with
+    ``keep_hidden_text`` they stay."""
     check_zip(filename, data, limits)
     try:
-        return _docx_to_text(data)
+        return _docx_to_text(data, keep_hidden_text)
     except InvalidRequest:
         raise
     except Exception as exc:  # malformed XML (lxml), missing parts, bad relationships...
@@ -566,26 +580,45 @@ def docx_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits()
         ) from None
 
 
-def _docx_to_text(data: bytes) -> tuple[str, str]:
+def _docx_to_text(data: bytes, keep_hidden_text: bool = False) -> tuple[str, str, int]:
     """Paragraphs and tables in the order of the document's body; "Heading N" and "Title"
     paragraphs as ``#`` lines, tables as ``| a | b |`` rows."""
     from docx import Document
     from docx.table import Table
     from docx.text.paragraph import Paragraph
+    from docx.text.run import Run
+
+    # Runs left out; a set, since a merged cell is in every row and column it spans.
+    hidden: set[Any] = set()
+
+    def text_of(para: Paragraph) -> str:
+        if keep_hidden_text:
+            return para.text
+        out = []
+        for item in para.iter_inner_content():
+            for run in [item] if isinstance(item, Run) else item.runs:
+                if not docx_run_hidden(run):
+                    out.append(run.text)
+                elif run.text.strip():
+                    hidden.add(run._r)
+        return "".join(out)
 
     doc = Document(io.BytesIO(data))
     lines: list[str] = []
     for el in doc.element.body.iterchildren():
         tag = el.tag.rsplit("}", 1)[-1]
         if tag == "tbl":
-            rows = [_table_row([cell.text for cell in row.cells]) for row in Table(el, doc).rows]
+            rows = [
+                _table_row(["\n".join(text_of(p) for p in cell.paragraphs) for cell in row.cells])
+                for row in Table(el, doc).rows
+            ]
             lines.append("\n" + "\n".join(rows) + "\n")
             continue
         if tag != "p":
             continue
         para = Paragraph(el, doc)
         style = (para.style.name if para.style is not None else "") or ""
-        text = para.text.strip()
+        text = text_of(para).strip()
         if not text:
             continue
         m = re.match(r"Heading (\d)", style)
@@ -596,7 +629,7 @@ def _docx_to_text(data: bytes) -> tuple[str, str]:
         else:
             lines.append(text + "\n")
     title = (doc.core_properties.title or "").strip()
-    return _tidy("\n".join(lines)), title
+    return _tidy("\n".join(lines)), title, len(hidden)
 
 
 def jsonl_documents(filename: str, text: str) -> list[InputDocument]:
@@ -629,9 +662,16 @@ def jsonl_documents(filename: str, text: str) -> list[InputDocument]:
 
 
 def parse_file(
-    filename: str, data: bytes, *, doc_id: str | None = None, limits: ParseLimits = ParseLimits()
+    filename: str,
+    data: bytes,
+    *,
+    doc_id: str | None = None,
+    limits: ParseLimits = ParseLimits(),
+    keep_hidden_text: bool = False,
 ) -> list[InputDocument]:
-    """Documents in an uploaded file (one, or one per line for .jsonl).
+    """Documents in an uploaded file (one, or one per line for .jsonl). Text a reader of a PDF,
+    DOCX or HTML file cannot see is left out, and counted in ``hidden_text_removed``, unless
+    ``keep_hidden_text``.
 
     PDF, DOCX and HTML are parsed this way only inside the sandbox's child process."""
     ext = check_supported(filename)
@@ -639,16 +679,17 @@ def parse_file(
         raise InvalidRequest(f"file {filename!r} is empty", param="file", code="empty_file")
     title = ""
     structure: dict[str, Any] = {}
+    hidden = 0
     if ext == ".jsonl":
         return jsonl_documents(filename, _decode(filename, data))
     if ext == ".pdf":
-        text, pages = pdf_document(filename, data, limits)
+        text, pages, hidden = pdf_document(filename, data, limits, keep_hidden_text)
         structure["pages"] = pages
     elif ext == ".docx":
-        text, title = docx_to_text(filename, data, limits)
+        text, title, hidden = docx_to_text(filename, data, limits, keep_hidden_text)
         text = fix_characters(text)
     elif ext in (".html", ".htm"):
-        text, title, anchors = html_document(_decode(filename, data))
+        text, title, anchors, hidden = html_document(_decode(filename, data), keep_hidden_text)
         if anchors:
             structure["anchors"] = anchors
     elif ext in (".md", ".markdown"):
@@ -656,7 +697,10 @@ def parse_file(
     else:
         text = fix_characters(_tidy(_decode(filename, data)))
     if not text.strip():
+        why = f" a reader can see ({hidden} hidden pieces left out: see keep_hidden_text)" if hidden else ""
         raise InvalidRequest(
-            f"file {filename!r} contains no extractable text", param="file", code="empty_file"
+            f"file {filename!r} contains no extractable text{why}", param="file", code="empty_file"
         )
-    return [InputDocument(doc_id or filename, text, title or filename, {"source": filename}, structure)]
+    return [
+        InputDocument(doc_id or filename, text, title or filename, {"source": filename}, structure, hidden)
+    ]

@@ -186,6 +186,7 @@ class CollectionManager:
         chunk_overlap: int | None = None,
         index: str | None = None,
         embedding_backend: EmbeddingBackend | None = None,
+        keep_hidden_text: bool = False,
     ) -> CollectionConfig:
         validate_name(name)
         if self.backend.exists(tenant, name):
@@ -219,6 +220,7 @@ class CollectionManager:
             backend=self.backend.name,
             # What actually embeds (torch when the ONNX packages are missing), not what was asked.
             embedding_backend=getattr(embedder, "backend", "torch"),
+            keep_hidden_text=keep_hidden_text,
         )
         self.backend.create(tenant, config)
         return config

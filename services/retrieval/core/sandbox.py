@@ -6,7 +6,8 @@ the file's path and the limits, writes its documents as JSON lines to a result f
 killed when it passes ``timeout_s``; its address space is capped so a bomb that slips past
 the explicit checks fails the child (a per-file error), not the worker.
 
-    python -m services.retrieval.core.sandbox   (reads {"path", "filename", "limits", "out"} on stdin)
+    python -m services.retrieval.core.sandbox
+    (reads {"path", "filename", "limits", "out", "keep_hidden_text"?} on stdin)
 """
 
 from __future__ import annotations
@@ -34,12 +35,21 @@ def _limit_memory(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def parse_isolated(path: Path, filename: str, limits: ParseLimits) -> list[InputDocument]:
-    """Documents of the file at ``path``, or an InvalidRequest naming the file and the problem."""
+def parse_isolated(
+    path: Path, filename: str, limits: ParseLimits, *, keep_hidden_text: bool = False
+) -> list[InputDocument]:
+    """Documents of the file at ``path``, or an InvalidRequest naming the file and the problem.
+    Text a reader cannot see is left out unless ``keep_hidden_text`` (``parse_file``)."""
     memory = BASE_MEMORY + 4 * limits.max_decompressed_bytes
     with tempfile.TemporaryDirectory(prefix="tandem-parse-") as tmp:
         out = Path(tmp) / "result.json"
-        request = {"path": str(path), "filename": filename, "limits": asdict(limits), "out": str(out)}
+        request = {
+            "path": str(path),
+            "filename": filename,
+            "limits": asdict(limits),
+            "out": str(out),
+            "keep_hidden_text": keep_hidden_text,
+        }
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "services.retrieval.core.sandbox"],
@@ -84,7 +94,8 @@ def _child() -> None:
     limits = ParseLimits(**request["limits"])
     try:
         data = Path(request["path"]).read_bytes()
-        docs = parse_file(request["filename"], data, limits=limits)
+        keep = bool(request.get("keep_hidden_text", False))
+        docs = parse_file(request["filename"], data, limits=limits, keep_hidden_text=keep)
         result: dict[str, object] = {"documents": [asdict(d) for d in docs]}
     except TandemError as exc:
         result = {"error": exc.message, "code": exc.code}
