@@ -10,10 +10,12 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from services.agent.api import conversations, feedback, mcp_servers, openai_compat, pipelines, proxy, ws
+from services.agent.api import evals as evals_api
 from services.agent.api import promotions as promotions_api
 from services.agent.api import quality as quality_api
 from services.agent.api import responses as responses_api
 from services.agent.config import AgentSettings
+from services.agent.evals.runs import Evaluations
 from services.agent.mcp_server import install_mcp, mcp_routers
 from services.agent.runtime import AgentRuntime
 from services.agent.tokens import load_counter
@@ -40,6 +42,7 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
         finally:
             warm.cancel()
             gate.cancel()
+            app.state.evals.cancel()
             app.state.runtime.turns.close()
 
     mcp_keyed, mcp_public = mcp_routers()
@@ -57,6 +60,7 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
             responses_api.router,
             ws.router,
             mcp_servers.router,
+            evals_api.router,
             mcp_keyed,
         ],
         public_routers=[proxy.router, mcp_public],
@@ -69,6 +73,7 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
     app.state.settings = settings
     app.state.runtime = AgentRuntime.create(common, settings, app.state.redis)
     app.state.runtime.quality.register(app.state.metrics.registry)
+    app.state.evals = Evaluations(app.state.runtime)  # evaluation sets and runs (/v1/evals)
     install_mcp(app, app.state.runtime)
     web = Path(settings.web_dist) if settings.web_dist else DEFAULT_WEB_DIST
     if web.is_dir():

@@ -24,14 +24,13 @@ with ``#`` are skipped)::
   does not use. Figures are also given per kind.
 
 ``load_questions`` names the line of a malformed entry. ``judge`` scores one answer with
-services/common/judge.py's judge (from a
+services/agent/evals/judge.py (the evaluation API's judge, on services/common/judge.py) (from a
 pipeline's ``done`` event or any other answerer) and ``summary`` adds them up.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,7 +38,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.common.judge import abstains, has_phrase, states_reference
+from services.agent.evals.judge import answer_kind_of as judge_answer_kind
+from services.agent.evals.judge import cites_right, percentile, source_matches
+from services.agent.evals.judge import locates as judge_locates
+from services.agent.evals.judge import states as judge_states
+from services.common.judge import abstains, has_phrase
+
+__all__ = ["abstains", "has_phrase", "percentile", "source_matches"]
 
 # how-to, why, a default value, yes or no, a count, a time or condition, which one, what something is
 QuestionKind = Literal["how", "why", "default", "yesno", "howmany", "when", "which", "what"]
@@ -133,89 +138,17 @@ def load_questions(path: Path) -> list[Question]:
     return parse_questions(text.splitlines(), path)
 
 
-# -- judging --------------------------------------------------------------------------------
+# -- judging (services/agent/evals/judge.py, which the evaluation API judges with too) ------
 
 
 def states(answer: str, q: Question) -> bool:
-    if q.answers:
-        return any(has_phrase(answer, a) for a in q.answers)
-    return states_reference(answer, q.reference or "", q.question)
-
-
-def _key(name: str) -> str:
-    name = re.sub(r"\.(?:md|markdown|html?|pdf|txt|rst|docx|jsonl)$", "", name.lower())
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
-
-
-def _names_of(cite: Mapping[str, Any]) -> list[str]:
-    meta = cite.get("metadata") if isinstance(cite.get("metadata"), Mapping) else {}
-    assert isinstance(meta, Mapping)
-    names = [cite.get("document_id"), cite.get("title"), cite.get("source")]
-    names += [meta.get(k) for k in ("source", "filename", "path", "file")]
-    return [str(n) for n in names if n]
-
-
-def source_matches(expected: str, cite: Mapping[str, Any]) -> bool:
-    """The citation names ``expected``: equal keys, or one ends with the other at a separator
-    (``docs/operations.md`` and the id ``docs-operations.md``; ``faq.html`` and ``valgrind-faq``)."""
-    want = _key(expected)
-    bare = _key(expected.rsplit("/", 1)[-1])
-    for name in _names_of(cite):
-        got = _key(name)
-        if not got:
-            continue
-        for w in {want, bare}:
-            if got == w or got.endswith("-" + w) or w.endswith("-" + got):
-                return True
-    return False
-
-
-def _words(text: str) -> str:
-    return " ".join(re.findall(r"[a-z0-9]+", text.lower().replace("_", " ")))
-
-
-def _field(cite: Mapping[str, Any], name: str) -> Any:
-    if cite.get(name) is not None:
-        return cite.get(name)
-    meta = cite.get("metadata")
-    return meta.get(name) if isinstance(meta, Mapping) else None
-
-
-def _pages(cite: Mapping[str, Any]) -> set[int]:
-    out: set[int] = set()
-    for key in ("page", "pages"):
-        value = _field(cite, key)
-        for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) or (isinstance(v, str) and v.isdigit()):
-                out.add(int(v))
-    start, end = _field(cite, "page_start"), _field(cite, "page_end")
-    if isinstance(start, int) and isinstance(end, int) and end >= start:
-        out.update(range(start, end + 1))
-    return out
+    return judge_states(answer, q.answers, q.reference, q.question)
 
 
 def locates(q: Question, cite: Mapping[str, Any]) -> bool | None:
     """The citation names the question's page or section: None when neither can be told (the
     question gives none, or the citation carries neither field)."""
-    judged = False
-    if q.page is not None:
-        pages = _pages(cite)
-        if pages:
-            judged = True
-            if q.page in pages:
-                return True
-    if q.section:
-        section = _field(cite, "section")
-        headings = section if isinstance(section, list) else [section]
-        more = _field(cite, "headings")
-        headings += more if isinstance(more, list) else []
-        cited = [_words(str(h)) for h in headings if h]
-        if cited:
-            judged = True
-            want = _words(q.section)
-            if any(want and (want in c or (len(c) > 3 and c in want)) for c in cited):
-                return True
-    return False if judged else None
+    return judge_locates(q.page, q.section, cite)
 
 
 @dataclass
@@ -242,10 +175,7 @@ class Outcome:
 
 
 def answer_kind_of(done: Mapping[str, Any], answer: str) -> str:
-    kind = done.get("answer_kind") or done.get("kind")
-    if kind in ("generated", "extractive", "not_found"):
-        return str(kind)
-    return "not_found" if abstains(answer) else "generated"
+    return judge_answer_kind(done.get("answer_kind") or done.get("kind"), answer)
 
 
 def judge(
@@ -269,13 +199,7 @@ def judge(
     right_source: bool | None = None
     right_place: bool | None = None
     if q.answerable and q.source and cites_sources:
-        matching = [c for c in cites if q.cited_by(c)]
-        right_source = bool(matching)
-        verdicts = [locates(q, c) for c in matching] if matching else [locates(q, c) for c in cites]
-        if any(v is True for v in verdicts) and matching:
-            right_place = True
-        elif any(v is not None for v in verdicts):
-            right_place = False
+        right_source, right_place = cites_right(q.sources, q.page, q.section, cites)
     report = check(answer, q.question, documents) if answer.strip() and not abstained else None
     return Outcome(
         id=q.id,
@@ -296,13 +220,6 @@ def judge(
         ],
         error=str(out["error"]) if out.get("error") else None,
     )
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def _share(flags: list[bool | None]) -> float | None:

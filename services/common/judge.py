@@ -1,13 +1,14 @@
 """The judge of answers: does an answer state the expected fact, and does it decline?
 
 One module for every place that judges answers (``tandem eval rag``, the benchmarks, the
-promotion gate), kept apart from the code that writes answers: an answer step that shared its
+promotion gate, the evaluation sets of services/agent/evals/, which judge whole questions on it), kept apart from the code that writes answers: an answer step that shared its
 judge's notion of a word or a sentence could pass its own test without answering.
 
 - ``has_phrase``: a key phrase occurs as whole words (case, typographic quotes and dashes,
   ``_`` against a space and citation markers ignored);
 - ``states_reference``: an answer holds ``REFERENCE_RECALL`` of a reference answer's content
-  words (stemmed; those the question already names do not count unless they are all there is);
+  words (stemmed; those the question already names do not count unless they are all there is),
+  ``reference_overlap`` the share it holds;
 - ``abstains``: the answer declines ("I don't know", "the sources do not say", ...).
 """
 
@@ -107,13 +108,19 @@ def _content(text: str) -> set[str]:
     return set(_stemmer().stemWords(words))
 
 
-def states_reference(answer: str, reference: str, question: str = "") -> bool:
-    """The answer holds at least ``REFERENCE_RECALL`` of the reference's content words (those the
-    question already names do not count, unless they are all there is)."""
+def reference_overlap(answer: str, reference: str, question: str = "") -> float | None:
+    """The share of the reference's content words the answer holds (those the question already
+    names do not count, unless they are all there is); None when the reference has none."""
     wanted = _content(reference) - _content(question)
     if not wanted:
         wanted = _content(reference)
-    return bool(wanted) and len(wanted & _content(answer)) / len(wanted) >= REFERENCE_RECALL
+    return len(wanted & _content(answer)) / len(wanted) if wanted else None
+
+
+def states_reference(answer: str, reference: str, question: str = "") -> bool:
+    """The answer holds at least ``REFERENCE_RECALL`` of the reference's content words."""
+    share = reference_overlap(answer, reference, question)
+    return share is not None and share >= REFERENCE_RECALL
 
 
 # "I don't know", "the sources do not say", "no information about", "cannot find": a model's or

@@ -1,10 +1,11 @@
-// Hash routing: #/signin, #/chat[/<conversation>[/<message>]], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback, #/quality, #/mcp.
+// Hash routing: #/signin, #/chat[/<conversation>[/<message>]], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback, #/quality, #/evaluations[/<set>], #/mcp.
 // Every page but sign-in needs a key; a visit without one lands on sign-in.
 import "./style.css";
 import { forgetKey, getKey, setUnauthorizedHandler } from "./api";
 import { clear } from "./dom";
 import { chatPage } from "./pages/chat";
 import { documentsPage } from "./pages/documents";
+import { evaluationsPage } from "./pages/evaluations";
 import { feedbackPage } from "./pages/feedback";
 import { mcpPage } from "./pages/mcp";
 import { qualityPage } from "./pages/quality";
@@ -27,6 +28,7 @@ const pages: Record<string, PageFn> = {
   training: trainingPage,
   feedback: feedbackPage,
   quality: qualityPage,
+  evaluations: evaluationsPage,
   mcp: mcpPage,
 };
 
@@ -38,6 +40,7 @@ const titles: Record<string, string> = {
   training: "Training",
   feedback: "Feedback",
   quality: "Quality",
+  evaluations: "Evaluations",
   mcp: "MCP servers",
 };
 

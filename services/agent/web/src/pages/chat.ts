@@ -3,6 +3,7 @@
 // come as chips that open the cited passage with the cited span highlighted.
 import { api, ApiError, enc, getKey, inference, listOf, retrieval, sse, wsUrl } from "../api";
 import { clear, field, h, highlightSpan, toast } from "../dom";
+import { addToEvaluation } from "../evalpick";
 import { thumbIcon } from "../icons";
 import { linkCitations, renderMarkdown } from "../markdown";
 import { documentNodes, fetchOriginal, showPdfPage } from "../source";
@@ -701,7 +702,9 @@ export function chatPage(root: HTMLElement, args: string[]) {
       else drafts.finish(draftId);
     });
 
-    return [h("div", { class: "fb-buttons", role: "group", "aria-label": "Feedback on this answer" }, up, down, edit, regen, state), correctionBox];
+    // The correction, when there is one, is the reference a right answer states.
+    const addEval = addToEvaluation(id, () => (correctionBox.hidden ? view.text() : (correctionBox.querySelector(".correction-text")?.textContent ?? "")), () => view.el);
+    return [h("div", { class: "fb-buttons", role: "group", "aria-label": "Feedback on this answer" }, up, down, edit, regen, addEval, state), correctionBox];
   }
 
   /**

@@ -3,6 +3,7 @@
 // answers (a thumbs down, or sentences no source supports), each one click from its conversation.
 import { api, enc, listOf } from "../api";
 import { clear, field, h, toast } from "../dom";
+import { addToEvaluation } from "../evalpick";
 import { thumbIcon } from "../icons";
 import { chatModelCard } from "../promotions";
 
@@ -162,7 +163,7 @@ export function qualityPage(root: HTMLElement) {
     const open = w.conversation_id
       ? h("a", { href: `#/chat/${enc(w.conversation_id)}/${enc(w.message_id)}`, class: "q-open" }, label)
       : turnDetails(w, label);
-    return h(
+    const item: HTMLLIElement = h(
       "li",
       { class: `fb-item ${bad ? "bad" : "weak"}`, "data-id": w.message_id },
       h(
@@ -177,7 +178,10 @@ export function qualityPage(root: HTMLElement) {
       ),
       h("p", { class: "fb-question" }, h("strong", null, "Q: "), open),
       h("p", { class: "fb-answer" }, h("strong", null, "A: "), w.answer.length > 400 ? `${w.answer.slice(0, 400)}…` : w.answer),
+      // the reference starts from the answer: the reader corrects it into what it should say
+      h("div", { class: "fb-buttons" }, addToEvaluation(w.message_id, () => w.answer, (): HTMLElement => item)),
     );
+    return item;
   }
 
   async function loadWorst(): Promise<void> {

@@ -1,0 +1,300 @@
+"""Evaluation sets and runs of the caller's tenant (``/v1/evals/...``): sets of questions with
+their expected answers, uploaded as JSON lines or added from chat answers; runs of a set through a
+pipeline in the background; two runs compared. Another tenant's set or run is a 404."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.requests import HTTPConnection
+
+from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
+from services.agent.evals.protocol import (
+    MAX_QUESTIONS,
+    EvalQuestion,
+    EvalRun,
+    EvalRunCreate,
+    EvalRunList,
+    EvalSet,
+    EvalSetCreate,
+    EvalSetList,
+    EvalSetPatch,
+    FromMessage,
+    QuestionPatch,
+    QuestionsUpload,
+    RunComparison,
+)
+from services.agent.evals.runs import Evaluations, compare
+from services.agent.evals.store import new_id
+from services.agent.runtime import AgentRuntime
+from services.common.errors import InvalidRequest, NotFound, describe_validation_error
+
+router = APIRouter(tags=["evaluations"])
+
+JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/json-lines", "text/plain")
+SetId = Annotated[str, Path(min_length=1, max_length=64)]
+RunId = Annotated[str, Path(min_length=1, max_length=64)]
+
+
+def evaluations(conn: HTTPConnection) -> Evaluations:
+    evals: Evaluations = conn.app.state.evals
+    return evals
+
+
+EvalsDep = Annotated[Evaluations, Depends(evaluations)]
+
+
+def _invalid(exc: ValidationError, where: str = "") -> InvalidRequest:
+    message, param = describe_validation_error(RequestValidationError(exc.errors()))
+    return InvalidRequest(f"{where}{message}", param=param)
+
+
+def parse_jsonl(lines: Iterable[str]) -> list[EvalQuestion]:
+    """Questions of a JSON-lines text (blank lines and ``#`` lines skipped); a malformed line is a
+    400 naming its number."""
+    out: list[EvalQuestion] = []
+    for n, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(
+                f"line {n}: not JSON ({exc.msg} at column {exc.colno})", param="jsonl"
+            ) from None
+        if not isinstance(data, dict):
+            raise InvalidRequest(
+                f"line {n}: expected a JSON object, got {type(data).__name__}", param="jsonl"
+            )
+        try:
+            out.append(EvalQuestion.model_validate(data))
+        except ValidationError as exc:
+            raise _invalid(exc, f"line {n}: ") from None
+    if not out:
+        raise InvalidRequest("no questions in the upload", param="jsonl")
+    return out
+
+
+def numbered(existing: list[EvalQuestion], new: list[EvalQuestion]) -> list[EvalQuestion]:
+    """``existing`` + ``new``, each with an id unique in the set (``q<n>`` for those without)."""
+    taken = {q.id for q in existing if q.id}
+    out = list(existing)
+    for i, q in enumerate(new, start=1):
+        if q.id is not None and q.id in taken:
+            raise InvalidRequest(f"question {i}: id {q.id!r} is already in the set", param="id")
+        if q.id is None:
+            n = len(out) + 1
+            while f"q{n}" in taken:
+                n += 1
+            q = q.model_copy(update={"id": f"q{n}"})
+        assert q.id is not None
+        taken.add(q.id)
+        out.append(q)
+    return out
+
+
+async def from_message(runtime: AgentRuntime, tenant: str, body: FromMessage) -> EvalQuestion:
+    """A chat answer as a question: its question, the document it cited first as the source, the
+    given reference, else the answer's correction, else the answer itself."""
+    turn = await runtime.turns.get_turn(tenant, body.message_id)
+    if turn is None or not turn.question.strip():
+        raise NotFound(f"no chat answer {body.message_id!r}", param="from_message.message_id")
+    reference = body.reference
+    if reference is None:
+        feedback = (await runtime.turns.feedback_of(tenant, [turn.message_id])).get(turn.message_id)
+        reference = (feedback.correction if feedback else None) or turn.answer
+    cited = next((c for c in turn.citations if c.get("document_id")), None)
+    try:
+        return EvalQuestion.model_validate(
+            {
+                "question": turn.question,
+                "reference": reference,
+                "source": str(cited["document_id"]) if cited else None,
+            }
+        )
+    except ValidationError as exc:
+        raise _invalid(exc, "from_message: ") from None
+
+
+# -- sets --------------------------------------------------------------------------------------
+
+
+@router.post("/v1/evals/sets", response_model=EvalSet, status_code=201)
+async def create_set(body: EvalSetCreate, evals: EvalsDep, principal: PrincipalDep) -> EvalSet:
+    evals.limit_check(len(body.questions))
+    now = time.time()
+    s = EvalSet(
+        id=new_id("evset"),
+        name=body.name,
+        collection=body.collection,
+        regression=body.regression,
+        questions=numbered([], body.questions),
+        created_at=now,
+        updated_at=now,
+    )
+    await evals.store.put_set(principal.tenant, s)
+    return s
+
+
+@router.get("/v1/evals/sets", response_model=EvalSetList)
+async def list_sets(evals: EvalsDep, principal: PrincipalDep) -> EvalSetList:
+    return EvalSetList(data=[s.summary() for s in await evals.store.sets(principal.tenant)])
+
+
+@router.get("/v1/evals/sets/{set_id}", response_model=EvalSet)
+async def get_set(set_id: SetId, evals: EvalsDep, principal: PrincipalDep) -> EvalSet:
+    return await evals.store.get_set(principal.tenant, set_id)
+
+
+@router.patch("/v1/evals/sets/{set_id}", response_model=EvalSet)
+async def patch_set(set_id: SetId, body: EvalSetPatch, evals: EvalsDep, principal: PrincipalDep) -> EvalSet:
+    change = body.model_dump(exclude_unset=True, exclude_none=True)
+
+    def apply(s: EvalSet) -> EvalSet:
+        return s.model_copy(update={**change, "updated_at": time.time()})
+
+    return await evals.store.update_set(principal.tenant, set_id, apply)
+
+
+@router.delete("/v1/evals/sets/{set_id}", status_code=204)
+async def delete_set(set_id: SetId, evals: EvalsDep, principal: PrincipalDep) -> Response:
+    await evals.store.delete_set(principal.tenant, set_id)
+    return Response(status_code=204)
+
+
+@router.post(
+    "/v1/evals/sets/{set_id}/questions",
+    response_model=EvalSet,
+    openapi_extra={
+        "requestBody": {
+            "content": {
+                "application/jsonl": {"schema": {"type": "string"}},
+                "application/json": {"schema": QuestionsUpload.model_json_schema()},
+            }
+        }
+    },
+)
+async def add_questions(
+    set_id: SetId,
+    request: Request,
+    evals: EvalsDep,
+    runtime: RuntimeDep,
+    principal: PrincipalDep,
+    replace: bool = Query(False, description="swap the set's questions for these (JSON lines bodies)"),
+) -> EvalSet:
+    """JSON lines (``application/jsonl``: one question per line, the ``tandem eval rag`` format),
+    or JSON: ``{"jsonl"}``, ``{"questions"}`` or ``{"from_message": {"message_id", "reference"?}}``,
+    with ``replace``. A malformed line is a 400 naming it; more than the set's limit a 413."""
+    tenant = principal.tenant
+    await evals.store.get_set(tenant, set_id)  # another tenant's set: 404 before reading the body
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("the body is not UTF-8 text") from None
+    if kind in JSONL_TYPES:
+        new = parse_jsonl(text.splitlines())
+    else:
+        try:
+            body = QuestionsUpload.model_validate_json(text or "{}")
+        except ValidationError as exc:
+            raise _invalid(exc) from None
+        replace = replace or body.replace
+        if body.jsonl is not None:
+            new = parse_jsonl(body.jsonl.splitlines())
+        elif body.questions is not None:
+            new = body.questions
+        else:
+            assert body.from_message is not None
+            new = [await from_message(runtime, tenant, body.from_message)]
+
+    def apply(s: EvalSet) -> EvalSet:
+        questions = numbered([] if replace else s.questions, new)
+        evals.limit_check(len(questions))
+        return s.model_copy(update={"questions": questions, "updated_at": time.time()})
+
+    return await evals.store.update_set(tenant, set_id, apply)
+
+
+QuestionN = Annotated[int, Path(ge=1, le=MAX_QUESTIONS, description="1-based place in the set")]
+
+
+def _nth(s: EvalSet, n: int) -> None:
+    if n > len(s.questions):
+        raise NotFound(f"the set has {len(s.questions)} questions, not {n}", param="n")
+
+
+@router.patch("/v1/evals/sets/{set_id}/questions/{n}", response_model=EvalQuestion)
+async def patch_question(
+    set_id: SetId, n: QuestionN, body: QuestionPatch, evals: EvalsDep, principal: PrincipalDep
+) -> EvalQuestion:
+    change = body.model_dump(exclude_unset=True)
+
+    def apply(s: EvalSet) -> EvalSet:
+        _nth(s, n)
+        old = s.questions[n - 1]
+        try:
+            new = EvalQuestion.model_validate({**old.model_dump(), **change})
+        except ValidationError as exc:
+            raise _invalid(exc) from None
+        questions = [*s.questions[: n - 1], new, *s.questions[n:]]
+        return s.model_copy(update={"questions": questions, "updated_at": time.time()})
+
+    updated = await evals.store.update_set(principal.tenant, set_id, apply)
+    return updated.questions[n - 1]
+
+
+@router.delete("/v1/evals/sets/{set_id}/questions/{n}", status_code=204)
+async def delete_question(set_id: SetId, n: QuestionN, evals: EvalsDep, principal: PrincipalDep) -> Response:
+    def apply(s: EvalSet) -> EvalSet:
+        _nth(s, n)
+        questions = [*s.questions[: n - 1], *s.questions[n:]]
+        return s.model_copy(update={"questions": questions, "updated_at": time.time()})
+
+    await evals.store.update_set(principal.tenant, set_id, apply)
+    return Response(status_code=204)
+
+
+# -- runs --------------------------------------------------------------------------------------
+
+
+@router.post("/v1/evals/runs", response_model=EvalRun, status_code=202)
+async def start_run(body: EvalRunCreate, evals: EvalsDep, who: CallerDep) -> EvalRun:
+    return await evals.start(who.principal.tenant, who.key, body)
+
+
+@router.get("/v1/evals/runs", response_model=EvalRunList)
+async def list_runs(
+    evals: EvalsDep,
+    principal: PrincipalDep,
+    set_id: str | None = Query(None, alias="set", min_length=1, max_length=64, description="one set's runs"),
+    limit: int = Query(50, ge=1, le=1000),
+) -> EvalRunList:
+    """Newest first, without their answers."""
+    tenant = principal.tenant
+    if set_id is not None:
+        await evals.store.get_set(tenant, set_id)
+        ids = [set_id]
+    else:
+        ids = [s.id for s in await evals.store.sets(tenant)]
+    runs = await evals.store.runs(tenant, ids, limit)
+    return EvalRunList(data=[(await evals.run(tenant, r.id)).summary() for r in runs])
+
+
+@router.get("/v1/evals/runs/{run_id}", response_model=EvalRun)
+async def get_run(run_id: RunId, evals: EvalsDep, principal: PrincipalDep) -> EvalRun:
+    return await evals.run(principal.tenant, run_id)
+
+
+@router.get("/v1/evals/runs/{a}/compare/{b}", response_model=RunComparison)
+async def compare_runs(a: RunId, b: RunId, evals: EvalsDep, principal: PrincipalDep) -> RunComparison:
+    """What run ``b`` fixed and broke against run ``a``, and each metric's difference."""
+    return compare(await evals.run(principal.tenant, a), await evals.run(principal.tenant, b))
