@@ -15,6 +15,11 @@ Every row's prompt is the exact list of messages the model saw when it answered
 - ``pairs`` (an embedder job's, issue 17): ``{"query": str, "positive": str, "document_id": str}``:
   the question of each thumbs-up answer with each chunk the answer cites (its title opening its
   text, as the retrieval service embeds a chunk), and the document it comes from.
+
+Every row also names the key that gave the feedback it comes from (``key_id``; the trainer
+ignores the field). Each key counts for at most ``feedback_rows_per_key`` ratings and choices
+of a training set, the first it gave; the rest stay stored but are not counted (``over_cap``),
+so one key cannot outweigh the tenant's other keys however fast it rates.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.agent.promotions import held_out
 from services.agent.protocol import Choice, DatasetFormat, Feedback, FeedbackCreate, TurnRecord
-from services.agent.turns import FeedbackFilter, FeedbackRow, PreferenceRow
+from services.agent.turns import FeedbackFilter, FeedbackRow, PreferenceRow, owner_scope
 from services.common.auth import Principal
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
 
@@ -54,11 +59,14 @@ def feedback_object(fb: FeedbackRow, rec: TurnRecord) -> Feedback:
         draft_of=rec.draft_of,
         created_at=fb.created_at,
         updated_at=fb.updated_at,
+        key_id=fb.key_id or None,
     )
 
 
 async def turn_of(runtime: AgentRuntime, principal: Principal, message_id: str, param: str) -> TurnRecord:
-    record = await runtime.turns.get_turn(principal.tenant, message_id)
+    """The record, if the caller may see it: a member's own, any of the tenant's for an admin.
+    Another key's record is a 404 like a missing one, so a member learns nothing of it."""
+    record = await runtime.turns.get_turn(principal.tenant, message_id, owner_scope(principal))
     if record is None:
         raise NotFound(f"no message {message_id!r}", param=param)
     return record
@@ -77,12 +85,15 @@ async def give_feedback(runtime: AgentRuntime, principal: Principal, body: Feedb
         )
     record = await turn_of(runtime, principal, body.message_id, "message_id")
     fb = await runtime.turns.set_feedback(
-        principal.tenant, body.message_id, body.rating, body.correction, body.comment
+        principal.tenant, body.message_id, body.rating, body.correction, body.comment, principal.key_id
     )
     if record.quality is not None and record.quality.rating != body.rating:
         # A new thumb, or one turned over; the same thumb given again is not counted twice.
         runtime.quality.observe_rating(principal.tenant, record.pipeline, record.quality.model, body.rating)
-    return feedback_object(fb, record)
+    out = feedback_object(fb, record)
+    before = await runtime.turns.given_before(principal.tenant, principal.key_id, fb.created_at)
+    out.counted = before < runtime.settings.feedback_rows_per_key
+    return out
 
 
 async def choose(runtime: AgentRuntime, principal: Principal, message_id: str, over: str) -> Choice:
@@ -99,11 +110,50 @@ async def choose(runtime: AgentRuntime, principal: Principal, message_id: str, o
             "(regenerate an answer to get drafts to choose from)",
             param="over",
         )
-    await runtime.turns.add_preference(principal.tenant, message_id, over)
+    await runtime.turns.add_preference(principal.tenant, message_id, over, principal.key_id)
     return Choice(chosen=message_id, rejected=over)
 
 
 # -- datasets ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Capped:
+    """The feedback a training set draws on, each key's first ``cap`` ratings and choices."""
+
+    feedback: list[tuple[FeedbackRow, TurnRecord]]
+    preferences: list[PreferenceRow]
+    cap: int
+    over_cap: dict[str, int] = field(default_factory=dict)  # per key: ratings and choices not counted
+
+
+def cap_per_key(
+    feedback: list[tuple[FeedbackRow, TurnRecord]], preferences: list[PreferenceRow], cap: int
+) -> Capped:
+    """Each key's first ``cap`` ratings and choices (in the order given; a rating changed later
+    keeps its place), the rest left out and counted in ``over_cap``."""
+    given: list[tuple[float, str, int, str]] = [
+        (fb.created_at, fb.message_id, i, fb.key_id) for i, (fb, _) in enumerate(feedback)
+    ]
+    given += [
+        (p.created_at, f"{p.chosen.message_id}>{p.rejected.message_id}", -1 - i, p.key_id)
+        for i, p in enumerate(preferences)
+    ]
+    seen: dict[str, int] = {}
+    kept: set[int] = set()
+    over: dict[str, int] = {}
+    for _, _, index, key_id in sorted(given):
+        seen[key_id] = seen.get(key_id, 0) + 1
+        if seen[key_id] <= cap:
+            kept.add(index)
+        else:
+            over[key_id] = over.get(key_id, 0) + 1
+    return Capped(
+        feedback=[pair for i, pair in enumerate(feedback) if i in kept],
+        preferences=[p for i, p in enumerate(preferences) if -1 - i in kept],
+        cap=cap,
+        over_cap=over,
+    )
 
 
 @dataclass
@@ -113,6 +163,17 @@ class BuiltDataset:
     counts: dict[str, int] = field(default_factory=dict)
     models: set[str] = field(default_factory=set)
     held_out: list[str] = field(default_factory=list)  # message ids kept out as the regression set
+    cap: int | None = None  # ratings and choices counted per key
+    over_cap: dict[str, int] = field(default_factory=dict)
+    excluded_keys: list[str] = field(default_factory=list)
+
+    def contributors(self) -> dict[str, int]:
+        """Rows per key that gave their feedback."""
+        out: dict[str, int] = {}
+        for row in self.rows:
+            key_id = str(row.get("key_id", ""))
+            out[key_id] = out.get(key_id, 0) + 1
+        return out
 
     def jsonl(self) -> bytes:
         return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in self.rows).encode()
@@ -177,7 +238,12 @@ def build_dataset(
             continue
         if fmt == "kto":
             out.rows.append(
-                {"prompt": _prompt(rec), "completion": rated_completion(rec), "label": fb.rating == 1}
+                {
+                    "prompt": _prompt(rec),
+                    "completion": rated_completion(rec),
+                    "label": fb.rating == 1,
+                    "key_id": fb.key_id,
+                }
             )
             counts["desirable" if fb.rating == 1 else "undesirable"] += 1
             if correction:
@@ -186,6 +252,7 @@ def build_dataset(
                         "prompt": _prompt(rec),
                         "completion": corrected_completion(rec, correction),
                         "label": True,
+                        "key_id": fb.key_id,
                     }
                 )
                 counts["desirable"] += 1
@@ -197,6 +264,7 @@ def build_dataset(
                         "prompt": _prompt(rec),
                         "chosen": corrected_completion(rec, correction),
                         "rejected": rated_completion(rec),
+                        "key_id": fb.key_id,
                     }
                 )
                 counts["corrections"] += 1
@@ -209,7 +277,12 @@ def build_dataset(
                 counts["thumbs_up"] += 1
             else:
                 continue
-            out.rows.append({"messages": [*_prompt(rec), {"role": "assistant", "content": completion}]})
+            out.rows.append(
+                {
+                    "messages": [*_prompt(rec), {"role": "assistant", "content": completion}],
+                    "key_id": fb.key_id,
+                }
+            )
         out.models.add(rec.model)
     if fmt == "dpo":
         for pref in preferences:
@@ -222,6 +295,7 @@ def build_dataset(
                     "prompt": _prompt(pref.chosen),
                     "chosen": pref.chosen.completion,
                     "rejected": pref.rejected.completion,
+                    "key_id": pref.key_id,
                 }
             )
             counts["preferences"] += 1
@@ -248,7 +322,7 @@ def _add_pairs(out: BuiltDataset, counts: dict[str, int], fb: FeedbackRow, rec: 
             continue
         seen.add(chunk)
         title = str(cite.get("title") or "").strip()
-        row = {"query": query, "positive": f"{title}\n{text}" if title else text}
+        row = {"query": query, "positive": f"{title}\n{text}" if title else text, "key_id": fb.key_id}
         if cite.get("document_id"):
             row["document_id"] = str(cite["document_id"])
         out.rows.append(row)
@@ -292,4 +366,6 @@ def _describe_filter(filt: FeedbackFilter) -> str:
         for name, value in (("since", filt.since), ("pipeline", filt.pipeline), ("model", filt.model))
         if value is not None
     ]
+    if filt.exclude_keys:
+        parts.append(f"exclude_keys={sorted(filt.exclude_keys)!r}")
     return f" ({', '.join(parts)})" if parts else ""

@@ -104,6 +104,13 @@ class ConversationStore:
             raise NotFound(f"no conversation {conv_id!r}", param="conversation_id")
         return data
 
+    async def owner(self, tenant: str, conv_id: str) -> str | None:
+        """Whose conversation this is (None: the tenant has no such conversation)."""
+        if not ID_RE.match(conv_id):
+            return None
+        user = await self.r.hget(self._key(tenant, conv_id), "user")  # type: ignore[misc]
+        return None if user is None else str(user)
+
     async def append(self, tenant: str, user: str, conv_id: str, messages: list[dict[str, Any]]) -> None:
         await self.meta(tenant, user, conv_id)
         key = self._key(tenant, conv_id)

@@ -8,6 +8,11 @@ records. They are training data, so they live outside the conversation memory
 restarts of the agent and of Redis; a record is deleted only with its
 conversation, when the tenant deletes it.
 
+A record belongs to the one who asked (``turns.user``: the principal's ``owner``, the key id).
+A tenant's member sees only its own records; an admin all of the tenant's (``owner_scope``).
+Feedback and choices record who gave them (``key_id``; older rows: the record's owner, the
+only one who could give them then), so a training set can cap and leave out rows per key.
+
 ``TurnStore`` is the protocol the routes use; ``SqliteTurnStore`` is the one
 backend (see docs/agent.md for why SQLite): one file under
 ``$TANDEM_HOME/agent/``, WAL journal with ``synchronous=FULL`` so a committed
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from services.agent.protocol import TurnRecord
+from services.common.auth import Principal
 from services.common.errors import InvalidRequest
 
 T = TypeVar("T")
@@ -35,6 +41,11 @@ T = TypeVar("T")
 
 def new_message_id() -> str:
     return f"msg_{secrets.token_hex(12)}"
+
+
+def owner_scope(principal: Principal) -> str | None:
+    """The owner whose records ``principal`` may see: None (all of the tenant's) for an admin."""
+    return None if principal.is_admin else principal.owner
 
 
 @dataclass
@@ -45,6 +56,7 @@ class FeedbackRow:
     comment: str | None
     created_at: float
     updated_at: float
+    key_id: str = ""  # who gave it
 
 
 @dataclass
@@ -53,6 +65,8 @@ class FeedbackFilter:
     pipeline: str | None = None
     model: str | None = None
     rating: int | None = None
+    owner: str | None = None  # only records this owner asked for
+    exclude_keys: frozenset[str] = frozenset()  # leave out what these keys gave
 
 
 @dataclass
@@ -60,39 +74,50 @@ class PreferenceRow:
     chosen: TurnRecord
     rejected: TurnRecord
     created_at: float
+    key_id: str = ""  # who chose
 
 
 class TurnStore(Protocol):
     async def add_turn(self, tenant: str, user: str, record: TurnRecord) -> None: ...
 
-    async def get_turn(self, tenant: str, message_id: str) -> TurnRecord | None: ...
+    async def get_turn(self, tenant: str, message_id: str, owner: str | None = None) -> TurnRecord | None: ...
 
     async def delete_conversation(self, tenant: str, user: str, conversation_id: str) -> int: ...
 
     async def set_feedback(
-        self, tenant: str, message_id: str, rating: int, correction: str | None, comment: str | None
+        self,
+        tenant: str,
+        message_id: str,
+        rating: int,
+        correction: str | None,
+        comment: str | None,
+        key_id: str = "",
     ) -> FeedbackRow: ...
 
     async def list_feedback(
         self, tenant: str, filt: FeedbackFilter, limit: int | None = None, offset: int = 0
     ) -> tuple[list[tuple[FeedbackRow, TurnRecord]], int]: ...
 
-    async def delete_feedback(self, tenant: str, message_id: str) -> bool: ...
+    async def delete_feedback(self, tenant: str, message_id: str, owner: str | None = None) -> bool: ...
 
     async def feedback_of(self, tenant: str, message_ids: list[str]) -> dict[str, FeedbackRow]: ...
 
-    async def add_preference(self, tenant: str, chosen: str, rejected: str) -> None: ...
+    async def add_preference(self, tenant: str, chosen: str, rejected: str, key_id: str = "") -> None: ...
 
     async def preferences(self, tenant: str, filt: FeedbackFilter) -> list[PreferenceRow]: ...
 
-    async def stats(self, tenant: str) -> list[dict[str, Any]]: ...
+    async def given_before(self, tenant: str, key_id: str, at: float) -> int: ...
+
+    async def contributors(self, tenant: str) -> list[dict[str, Any]]: ...
+
+    async def stats(self, tenant: str, owner: str | None = None) -> list[dict[str, Any]]: ...
 
     async def quality_series(
         self, tenant: str, since: float, bucket_s: int, model: str | None = None
     ) -> list[dict[str, Any]]: ...
 
     async def worst_answers(
-        self, tenant: str, since: float, limit: int, model: str | None = None
+        self, tenant: str, since: float, limit: int, model: str | None = None, owner: str | None = None
     ) -> list[tuple[TurnRecord, int | None]]: ...
 
     async def recent_chat_turns(self, tenant: str, limit: int, exclude: set[str]) -> list[TurnRecord]: ...
@@ -117,6 +142,7 @@ CREATE TABLE IF NOT EXISTS turns (
     data            TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS turns_conv ON turns (tenant, conversation_id);
+CREATE INDEX IF NOT EXISTS turns_owner ON turns (tenant, user);
 CREATE TABLE IF NOT EXISTS feedback (
     message_id  TEXT PRIMARY KEY REFERENCES turns (message_id) ON DELETE CASCADE,
     tenant      TEXT NOT NULL,
@@ -124,7 +150,8 @@ CREATE TABLE IF NOT EXISTS feedback (
     correction  TEXT,
     comment     TEXT,
     created_at  REAL NOT NULL,
-    updated_at  REAL NOT NULL
+    updated_at  REAL NOT NULL,
+    key_id      TEXT
 );
 CREATE INDEX IF NOT EXISTS feedback_tenant ON feedback (tenant, updated_at);
 CREATE TABLE IF NOT EXISTS quality (
@@ -157,9 +184,17 @@ CREATE TABLE IF NOT EXISTS preferences (
     chosen      TEXT NOT NULL REFERENCES turns (message_id) ON DELETE CASCADE,
     rejected    TEXT NOT NULL REFERENCES turns (message_id) ON DELETE CASCADE,
     created_at  REAL NOT NULL,
+    key_id      TEXT,
     PRIMARY KEY (tenant, chosen, rejected)
 );
 """
+# Columns added after the first release: (table, column, type), added to older files on open.
+ADDED_COLUMNS = (("feedback", "key_id", "TEXT"), ("preferences", "key_id", "TEXT"))
+# Who gave a feedback row (``f``, joined to its turn ``t``): rows from before ``key_id`` existed
+# were given by the record's owner, the only key that could see it then.
+FB_GIVER = "COALESCE(f.key_id, t.user)"
+PREF_GIVER = "COALESCE(p.key_id, c.user)"  # who chose (``p``, its chosen turn ``c``)
+FB_COLUMNS = f"f.message_id, f.rating, f.correction, f.comment, f.created_at, f.updated_at, {FB_GIVER}"
 
 
 SQLITE_MAX_INT = 2**63 - 1
@@ -185,12 +220,19 @@ def _set_rating(db: sqlite3.Connection, tenant: str, message_id: str, rating: in
 
 
 def _filter_sql(
-    tenant: str, filt: FeedbackFilter, *, tenant_col: str, since_col: str, turn: str
+    tenant: str, filt: FeedbackFilter, *, tenant_col: str, since_col: str, turn: str, giver: str
 ) -> tuple[list[str], list[Any]]:
-    """WHERE terms and their arguments for the tenant and a filter's since/pipeline/model
-    (``turn`` is the alias of the joined turns table)."""
+    """WHERE terms and their arguments for the tenant and a filter's since/pipeline/model/owner
+    and left-out keys (``turn`` is the alias of the joined turns table, ``giver`` the expression
+    of who gave the row)."""
     where = [f"{tenant_col} = ?"]
     args: list[Any] = [tenant]
+    if filt.owner is not None:
+        where.append(f"{turn}.user = ?")
+        args.append(filt.owner)
+    if filt.exclude_keys:
+        where.append(f"{giver} NOT IN ({','.join('?' * len(filt.exclude_keys))})")
+        args.extend(sorted(filt.exclude_keys))
     if filt.since is not None:
         where.append(f"{since_col} >= ?")
         args.append(filt.since)
@@ -218,6 +260,9 @@ class SqliteTurnStore:
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
+        for table, column, kind in ADDED_COLUMNS:
+            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -292,11 +337,14 @@ class SqliteTurnStore:
 
         await self.transact(fn)
 
-    async def get_turn(self, tenant: str, message_id: str) -> TurnRecord | None:
+    async def get_turn(self, tenant: str, message_id: str, owner: str | None = None) -> TurnRecord | None:
+        """The tenant's record; with ``owner``, only if that owner asked for it."""
+
         def fn(db: sqlite3.Connection) -> TurnRecord | None:
             row = db.execute(
-                "SELECT tenant, user, data FROM turns WHERE message_id = ? AND tenant = ?",
-                (message_id, tenant),
+                "SELECT tenant, user, data FROM turns WHERE message_id = ? AND tenant = ?"
+                " AND (? IS NULL OR user = ?)",
+                (message_id, tenant, owner, owner),
             ).fetchone()
             return _record(row) if row else None
 
@@ -316,21 +364,30 @@ class SqliteTurnStore:
     # -- feedback ---------------------------------------------------------------------------
 
     async def set_feedback(
-        self, tenant: str, message_id: str, rating: int, correction: str | None, comment: str | None
+        self,
+        tenant: str,
+        message_id: str,
+        rating: int,
+        correction: str | None,
+        comment: str | None,
+        key_id: str = "",
     ) -> FeedbackRow:
+        """Records or replaces the feedback on a message; ``key_id`` gave it (the last to change
+        it is who it counts for)."""
         now = time.time()
 
         def fn(db: sqlite3.Connection) -> FeedbackRow:
             db.execute(
-                "INSERT INTO feedback (message_id, tenant, rating, correction, comment, created_at, updated_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (message_id) DO UPDATE SET rating = excluded.rating,"
-                " correction = excluded.correction, comment = excluded.comment, updated_at = excluded.updated_at",
-                (message_id, tenant, rating, correction, comment, now, now),
+                "INSERT INTO feedback (message_id, tenant, rating, correction, comment, created_at, updated_at,"
+                " key_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (message_id) DO UPDATE SET"
+                " rating = excluded.rating, correction = excluded.correction, comment = excluded.comment,"
+                " updated_at = excluded.updated_at, key_id = excluded.key_id",
+                (message_id, tenant, rating, correction, comment, now, now, key_id or None),
             )
             _set_rating(db, tenant, message_id, rating)
             row = db.execute(
-                "SELECT message_id, rating, correction, comment, created_at, updated_at FROM feedback"
-                " WHERE message_id = ?",
+                f"SELECT {FB_COLUMNS} FROM feedback f JOIN turns t ON t.message_id = f.message_id"
+                " WHERE f.message_id = ?",
                 (message_id,),
             ).fetchone()
             return FeedbackRow(*row)
@@ -343,7 +400,9 @@ class SqliteTurnStore:
         if offset > SQLITE_MAX_INT:
             # SQLite's integers are 64-bit: a larger one would not bind (OverflowError, a 500).
             raise InvalidRequest(f"offset: at most {SQLITE_MAX_INT} (got {offset})", param="offset")
-        where, args = _filter_sql(tenant, filt, tenant_col="f.tenant", since_col="f.updated_at", turn="t")
+        where, args = _filter_sql(
+            tenant, filt, tenant_col="f.tenant", since_col="f.updated_at", turn="t", giver=FB_GIVER
+        )
         if filt.rating is not None:
             where.append("f.rating = ?")
             args.append(filt.rating)
@@ -355,12 +414,12 @@ class SqliteTurnStore:
                 args,
             ).fetchone()[0]
             rows = db.execute(
-                "SELECT f.message_id, f.rating, f.correction, f.comment, f.created_at, f.updated_at,"
-                " t.tenant, t.user, t.data FROM feedback f JOIN turns t ON t.message_id = f.message_id"
+                f"SELECT {FB_COLUMNS}, t.tenant, t.user, t.data FROM feedback f"
+                " JOIN turns t ON t.message_id = f.message_id"
                 f" WHERE {clause} ORDER BY f.updated_at DESC, f.message_id LIMIT ? OFFSET ?",
                 [*args, -1 if limit is None else limit, offset],
             ).fetchall()
-            return [(FeedbackRow(*r[:6]), _record(r, 6)) for r in rows], int(total)
+            return [(FeedbackRow(*r[:7]), _record(r, 7)) for r in rows], int(total)
 
         return await self.transact(fn)
 
@@ -372,25 +431,33 @@ class SqliteTurnStore:
         def fn(db: sqlite3.Connection) -> dict[str, FeedbackRow]:
             marks = ",".join("?" * len(message_ids))
             rows = db.execute(
-                "SELECT message_id, rating, correction, comment, created_at, updated_at FROM feedback"
-                f" WHERE tenant = ? AND message_id IN ({marks})",
+                f"SELECT {FB_COLUMNS} FROM feedback f JOIN turns t ON t.message_id = f.message_id"
+                f" WHERE f.tenant = ? AND f.message_id IN ({marks})",
                 [tenant, *message_ids],
             ).fetchall()
             return {r[0]: FeedbackRow(*r) for r in rows}
 
         return await self.transact(fn)
 
-    async def delete_feedback(self, tenant: str, message_id: str) -> bool:
+    async def delete_feedback(self, tenant: str, message_id: str, owner: str | None = None) -> bool:
+        """With ``owner``: only feedback on a record that owner asked for."""
+
         def fn(db: sqlite3.Connection) -> bool:
-            cur = db.execute("DELETE FROM feedback WHERE tenant = ? AND message_id = ?", (tenant, message_id))
+            cur = db.execute(
+                "DELETE FROM feedback WHERE tenant = ? AND message_id = ? AND (? IS NULL OR message_id IN"
+                " (SELECT message_id FROM turns WHERE message_id = ? AND user = ?))",
+                (tenant, message_id, owner, message_id, owner),
+            )
+            if not cur.rowcount:
+                return False
             _set_rating(db, tenant, message_id, None)
-            return cur.rowcount > 0
+            return True
 
         return await self.transact(fn)
 
     # -- preference pairs -------------------------------------------------------------------
 
-    async def add_preference(self, tenant: str, chosen: str, rejected: str) -> None:
+    async def add_preference(self, tenant: str, chosen: str, rejected: str, key_id: str = "") -> None:
         def fn(db: sqlite3.Connection) -> None:
             # Choosing again between the same two drafts replaces the earlier choice.
             db.execute(
@@ -399,27 +466,80 @@ class SqliteTurnStore:
                 (tenant, chosen, rejected, rejected, chosen),
             )
             db.execute(
-                "INSERT INTO preferences (tenant, chosen, rejected, created_at) VALUES (?, ?, ?, ?)",
-                (tenant, chosen, rejected, time.time()),
+                "INSERT INTO preferences (tenant, chosen, rejected, created_at, key_id) VALUES (?, ?, ?, ?, ?)",
+                (tenant, chosen, rejected, time.time(), key_id or None),
             )
 
         await self.transact(fn)
 
     async def preferences(self, tenant: str, filt: FeedbackFilter) -> list[PreferenceRow]:
-        where, args = _filter_sql(tenant, filt, tenant_col="p.tenant", since_col="p.created_at", turn="c")
+        where, args = _filter_sql(
+            tenant, filt, tenant_col="p.tenant", since_col="p.created_at", turn="c", giver=PREF_GIVER
+        )
 
         def fn(db: sqlite3.Connection) -> list[PreferenceRow]:
             rows = db.execute(
-                "SELECT c.tenant, c.user, c.data, r.tenant, r.user, r.data, p.created_at FROM preferences p"
+                "SELECT c.tenant, c.user, c.data, r.tenant, r.user, r.data, p.created_at,"
+                f" {PREF_GIVER} FROM preferences p"
                 " JOIN turns c ON c.message_id = p.chosen JOIN turns r ON r.message_id = p.rejected"
                 f" WHERE {' AND '.join(where)} ORDER BY p.created_at",
                 args,
             ).fetchall()
-            return [PreferenceRow(_record(r, 0), _record(r, 3), float(r[6])) for r in rows]
+            return [PreferenceRow(_record(r, 0), _record(r, 3), float(r[6]), str(r[7])) for r in rows]
 
         return await self.transact(fn)
 
-    async def stats(self, tenant: str) -> list[dict[str, Any]]:
+    async def given_before(self, tenant: str, key_id: str, at: float) -> int:
+        """Ratings and choices ``key_id`` gave before ``at`` (what a per-key cap counts first)."""
+
+        def fn(db: sqlite3.Connection) -> int:
+            ratings = db.execute(
+                f"SELECT COUNT(*) FROM feedback f JOIN turns t ON t.message_id = f.message_id"
+                f" WHERE f.tenant = ? AND {FB_GIVER} = ? AND f.created_at < ?",
+                (tenant, key_id, at),
+            ).fetchone()[0]
+            choices = db.execute(
+                "SELECT COUNT(*) FROM preferences p JOIN turns c ON c.message_id = p.chosen"
+                f" WHERE p.tenant = ? AND {PREF_GIVER} = ? AND p.created_at < ?",
+                (tenant, key_id, at),
+            ).fetchone()[0]
+            return int(ratings) + int(choices)
+
+        return await self.read(fn)
+
+    async def contributors(self, tenant: str) -> list[dict[str, Any]]:
+        """Per key that gave feedback: its ratings, corrections and choices, and when it last gave one."""
+
+        def fn(db: sqlite3.Connection) -> list[dict[str, Any]]:
+            out: dict[str, dict[str, Any]] = {}
+
+            def entry(key_id: str) -> dict[str, Any]:
+                return out.setdefault(
+                    key_id,
+                    {"key_id": key_id, "ratings": 0, "corrections": 0, "preferences": 0, "last_at": 0.0},
+                )
+
+            for key_id, n, corrections, last in db.execute(
+                f"SELECT {FB_GIVER}, COUNT(*), SUM(f.correction IS NOT NULL AND f.correction != ''),"
+                " MAX(f.updated_at) FROM feedback f JOIN turns t ON t.message_id = f.message_id"
+                f" WHERE f.tenant = ? GROUP BY {FB_GIVER}",
+                (tenant,),
+            ):
+                e = entry(str(key_id))
+                e.update(ratings=int(n), corrections=int(corrections or 0), last_at=float(last))
+            for key_id, n, last in db.execute(
+                f"SELECT {PREF_GIVER}, COUNT(*), MAX(p.created_at) FROM preferences p"
+                f" JOIN turns c ON c.message_id = p.chosen WHERE p.tenant = ? GROUP BY {PREF_GIVER}",
+                (tenant,),
+            ):
+                e = entry(str(key_id))
+                e["preferences"] = int(n)
+                e["last_at"] = max(e["last_at"], float(last))
+            return sorted(out.values(), key=lambda e: (-e["last_at"], e["key_id"]))
+
+        return await self.read(fn)
+
+    async def stats(self, tenant: str, owner: str | None = None) -> list[dict[str, Any]]:
         def fn(db: sqlite3.Connection) -> list[dict[str, Any]]:
             out: dict[str, dict[str, Any]] = {}
 
@@ -432,15 +552,15 @@ class SqliteTurnStore:
                 "SELECT t.model, SUM(f.rating = 1), SUM(f.rating = -1),"
                 " SUM(f.correction IS NOT NULL AND f.correction != '')"
                 " FROM feedback f JOIN turns t ON t.message_id = f.message_id WHERE f.tenant = ?"
-                " GROUP BY t.model",
-                (tenant,),
+                " AND (? IS NULL OR t.user = ?) GROUP BY t.model",
+                (tenant, owner, owner),
             ):
                 e = entry(model)
                 e.update(up=int(up or 0), down=int(down or 0), corrections=int(corrections or 0))
             for model, n in db.execute(
                 "SELECT t.model, COUNT(*) FROM preferences p JOIN turns t ON t.message_id = p.chosen"
-                " WHERE p.tenant = ? GROUP BY t.model",
-                (tenant,),
+                " WHERE p.tenant = ? AND (? IS NULL OR t.user = ?) GROUP BY t.model",
+                (tenant, owner, owner),
             ):
                 entry(model)["preferences"] = int(n)
             return sorted(out.values(), key=lambda e: e["model"])
@@ -492,15 +612,19 @@ class SqliteTurnStore:
         return await self.transact(fn)
 
     async def worst_answers(
-        self, tenant: str, since: float, limit: int, model: str | None = None
+        self, tenant: str, since: float, limit: int, model: str | None = None, owner: str | None = None
     ) -> list[tuple[TurnRecord, int | None]]:
         """The tenant's answers since ``since`` with a thumbs down or not wholly supported: thumbs
-        down first, then by groundedness (lowest first), then the newest; each with its rating."""
+        down first, then by groundedness (lowest first), then the newest; each with its rating.
+        With ``owner``: only the answers that owner asked for."""
         where = "q.tenant = ? AND q.created_at >= ? AND (f.rating = -1 OR q.groundedness < 1.0)"
         args: list[Any] = [tenant, since]
         if model is not None:
             where += " AND q.model = ?"
             args.append(model)
+        if owner is not None:
+            where += " AND t.user = ?"
+            args.append(owner)
 
         def fn(db: sqlite3.Connection) -> list[tuple[TurnRecord, int | None]]:
             rows = db.execute(

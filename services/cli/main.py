@@ -24,7 +24,7 @@ from services.cli.eval_retrieval import retrieval_command
 from services.cli.reader import reader_app
 from services.cli.supervise import SupervisedState, error_line, read_state
 from services.common import lockcheck
-from services.common.auth import KeyStore
+from services.common.auth import ADMIN, KeyStore
 from services.common.config import SERVICE_NAMES, CommonSettings, SettingsError, load_settings
 from services.common.errors import TandemError
 from services.common.platforms import PlatformError, detect_platform
@@ -284,7 +284,7 @@ def _ensure_keys(layout: stack.Layout, redis_url: str, env: dict[str, str]) -> N
     plus a key the services present when they call each other on their own behalf."""
     store = KeyStore(sync_redis(redis_url))
     if not layout.key_file.exists():
-        key, _ = store.create("default", name="created by tandem up")
+        key, _ = store.create("default", name="created by tandem up", role=ADMIN)
         _write_secret(layout.key_file, key)
         console.print(f"Created an API key for tenant [bold]default[/]: [bold cyan]{key}[/]")
         console.print(f"  (shown once; it is also in {layout.key_file}, readable only by you)")
@@ -562,16 +562,24 @@ def keys_create(
     operator: bool = typer.Option(
         False, "--operator", help="An operator key: may load, unload and register models for every tenant."
     ),
+    role: str | None = typer.Option(
+        None,
+        "--role",
+        help="admin (sees all of the tenant's answers and feedback, trains and promotes its models) or "
+        "member (sees and rates only its own answers). Default: admin for the tenant's first key, "
+        "member for later ones.",
+    ),
 ) -> None:
     """Create an API key; it is printed once and stored only as a hash."""
+    if operator and role is not None:
+        _fail("--role: an operator key administers every tenant; leave --role out")
     common = load_settings(CommonSettings, check_unknown=False)
     store = _key_store(common)
     try:
-        key, record = store.create(tenant, name, operator=operator)
+        key, record = store.create(tenant, name, operator=operator, role=role)
     except TandemError as exc:
         _fail(exc.message)
-    role = " (operator)" if record.operator else ""
-    console.print(f"key id {record.key_id} for tenant {record.tenant}{role}:")
+    console.print(f"key id {record.key_id} for tenant {record.tenant} ({record.role_label}):")
     print(key)
 
 
@@ -595,8 +603,7 @@ def keys_list(tenant: str | None = typer.Option(None, "--tenant")) -> None:
         table.add_column(col)
     for rec in _key_store(common).list(tenant):
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.created_at))
-        role = "operator" if rec.operator else ""
-        table.add_row(rec.key_id, rec.tenant, rec.name, role, created, "yes" if rec.revoked else "")
+        table.add_row(rec.key_id, rec.tenant, rec.name, rec.role_label, created, "yes" if rec.revoked else "")
     console.print(table)
 
 

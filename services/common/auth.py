@@ -11,10 +11,21 @@ Redis layout::
     tandem:keys:hash:<sha256>  -> key id
     tandem:keys:<id>           -> hash {tenant, name, sha256, created_at, revoked, role}
     tandem:keys:ids            -> set of key ids
+    tandem:keys:tenant:<tenant> -> set of the tenant's key ids (built from the above once,
+                                  ``tandem:keys:tenant-index`` marks it built)
 
 ``role`` is ``operator`` for operator keys (``tandem keys create --operator``, and the
 service-to-service key ``tandem up`` creates): they may load, unload and register models
-for everyone. Keys without the field (older ones) are plain tenant keys.
+for everyone. Otherwise it is the key's role in its tenant:
+
+- ``admin``: sees all of the tenant's answers, feedback and conversations, trains the tenant's
+  model on its feedback, promotes and rolls back its models. Keys without the field (made
+  before tenant roles existed) are admins, and so is a tenant's first key by default.
+- ``member``: sees, rates and corrects only the answers it asked for itself; another key's
+  answer is a 404, as if it did not exist. A tenant's later keys are members by default.
+
+A principal's ``owner`` is what its answers are recorded under (the key id; a signed-in
+user's id once people sign in), so the checks above compare owners, not keys.
 """
 
 from __future__ import annotations
@@ -36,9 +47,13 @@ TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KEY_PREFIX = "tdm_"
 WS_PROTOCOL = "tandem.bearer"
 OPERATOR = "operator"
+ADMIN = "admin"
+MEMBER = "member"
+TENANT_ROLES = (ADMIN, MEMBER)
 # Tandem extension: an operator key acting for one tenant (the trainer's worker writing a job's
 # questions with the model that job's tenant named) sends the tenant here; see ``acting_principal``.
 ACT_FOR_HEADER = "X-Tandem-Tenant"
+TENANT_INDEX_BUILT = "tandem:keys:tenant-index"
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,17 @@ class Principal:
     tenant: str
     key_id: str
     operator: bool = False
+    # The role in the tenant (``admin`` or ``member``); the least one unless said otherwise.
+    role: str = MEMBER
+
+    @property
+    def owner(self) -> str:
+        """Whose answers these are: the key id of the key that asked."""
+        return self.key_id
+
+    @property
+    def is_admin(self) -> bool:
+        return self.operator or self.role == ADMIN
 
 
 @dataclass(frozen=True)
@@ -56,6 +82,11 @@ class KeyRecord:
     created_at: float
     revoked: bool
     operator: bool = False
+    role: str = ADMIN
+
+    @property
+    def role_label(self) -> str:
+        return OPERATOR if self.operator else self.role
 
 
 def hash_key(key: str) -> str:
@@ -80,6 +111,12 @@ def _text_dict(raw: object) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in dict(raw).items()}  # type: ignore[call-overload]
 
 
+def tenant_role(stored: str | None) -> str:
+    """The tenant role of a key's stored ``role``: ``member`` only where it says so (a key made
+    before tenant roles existed, and an operator key, administer their tenant)."""
+    return MEMBER if stored == MEMBER else ADMIN
+
+
 def _record(key_id: str, data: dict[str, str]) -> KeyRecord:
     return KeyRecord(
         key_id=key_id,
@@ -88,7 +125,17 @@ def _record(key_id: str, data: dict[str, str]) -> KeyRecord:
         created_at=float(data.get("created_at", 0)),
         revoked=data.get("revoked") == "1",
         operator=data.get("role") == OPERATOR,
+        role=tenant_role(data.get("role")),
     )
+
+
+def require_admin(principal: Principal, what: str) -> None:
+    """403 ``forbidden`` unless the caller administers its tenant (an admin or operator key)."""
+    if not principal.is_admin:
+        raise Forbidden(
+            f"{what} needs a tenant admin key (`tandem keys create --role admin`); this key is a member",
+            code="forbidden",
+        )
 
 
 class KeyStore:
@@ -97,8 +144,16 @@ class KeyStore:
     def __init__(self, client: redis.Redis) -> None:
         self.r = client
 
-    def create(self, tenant: str, name: str = "", *, operator: bool = False) -> tuple[str, KeyRecord]:
+    def create(
+        self, tenant: str, name: str = "", *, operator: bool = False, role: str | None = None
+    ) -> tuple[str, KeyRecord]:
+        """``role``: ``admin`` or ``member``; None gives ``admin`` to a tenant's first key (none of
+        its keys is live) and ``member`` to the later ones."""
         validate_tenant(tenant)
+        if role is not None and role not in TENANT_ROLES:
+            raise InvalidRequest(f"role: use {' or '.join(TENANT_ROLES)} (got {role!r})", param="role")
+        if role is None:
+            role = MEMBER if self._has_live_key(tenant) else ADMIN
         key_id = secrets.token_hex(6)
         key = f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
         digest = hash_key(key)
@@ -112,13 +167,29 @@ class KeyStore:
                 "sha256": digest,
                 "created_at": str(created),
                 "revoked": "0",
-                "role": OPERATOR if operator else "",
+                "role": OPERATOR if operator else role,
             },
         )
         pipe.set(f"tandem:keys:hash:{digest}", key_id)
         pipe.sadd("tandem:keys:ids", key_id)
+        pipe.sadd(f"tandem:keys:tenant:{tenant}", key_id)
         pipe.execute()
-        return key, KeyRecord(key_id, tenant, name, created, False, operator)
+        return key, KeyRecord(key_id, tenant, name, created, False, operator, ADMIN if operator else role)
+
+    def _has_live_key(self, tenant: str) -> bool:
+        if not self.r.exists(TENANT_INDEX_BUILT):
+            # keys made before the per-tenant sets existed: index them once, not per call
+            for raw_id in self.r.smembers("tandem:keys:ids"):
+                key_id = _text(raw_id)
+                owner = self.r.hget(f"tandem:keys:{key_id}", "tenant")
+                if owner is not None:
+                    self.r.sadd(f"tandem:keys:tenant:{_text(owner)}", key_id)
+            self.r.set(TENANT_INDEX_BUILT, "1")
+        for raw_id in self.r.smembers(f"tandem:keys:tenant:{tenant}"):
+            revoked = self.r.hget(f"tandem:keys:{_text(raw_id)}", "revoked")
+            if revoked is not None and _text(revoked) == "0":
+                return True
+        return False
 
     def make_operator(self, key: str) -> KeyRecord | None:
         """Give an existing key (the whole key) the operator role; None if it is unknown or revoked.
@@ -168,7 +239,22 @@ async def verify_key(client: aioredis.Redis, key: str) -> Principal | None:
     data = _text_dict(await client.hgetall(f"tandem:keys:{key_id}"))
     if not data or data.get("revoked") == "1":
         return None
-    return Principal(tenant=data["tenant"], key_id=key_id, operator=data.get("role") == OPERATOR)
+    return Principal(
+        tenant=data["tenant"],
+        key_id=key_id,
+        operator=data.get("role") == OPERATOR,
+        role=tenant_role(data.get("role")),
+    )
+
+
+async def key_names(client: aioredis.Redis, key_ids: list[str]) -> dict[str, str]:
+    """The names (labels) of these keys; a key that no longer exists is left out."""
+    out: dict[str, str] = {}
+    for key_id in key_ids:
+        name = await client.hget(f"tandem:keys:{key_id}", "name")  # type: ignore[misc]
+        if name is not None:
+            out[key_id] = _text(name)
+    return out
 
 
 def bearer_token(conn: HTTPConnection) -> str | None:
@@ -239,7 +325,8 @@ def acting_principal(request: Request) -> Principal:
         validate_tenant(tenant)
     except InvalidRequest as exc:
         raise InvalidRequest(f"{ACT_FOR_HEADER}: {exc.message}", param=ACT_FOR_HEADER) from None
-    return Principal(tenant=tenant, key_id=principal.key_id, operator=False)
+    # the service acting for the tenant as a whole, as its admin would
+    return Principal(tenant=tenant, key_id=principal.key_id, operator=False, role=ADMIN)
 
 
 def require_operator(request: Request) -> Principal:

@@ -99,6 +99,11 @@ def rate(stack: Stack, key: str, message_id: str, rating: int, **extra: Any) -> 
     )
 
 
+def key_id_of(key: str) -> str:
+    """The id in a key ``tdm_<id>_<secret>``."""
+    return key.split("_")[1]
+
+
 def record(stack: Stack, key: str, message_id: str) -> dict[str, Any]:
     resp = httpx.get(f"{stack.url}/v1/messages/{message_id}", headers=auth(key), timeout=30)
     assert resp.status_code == 200, resp.text
@@ -422,16 +427,17 @@ def test_datasets_of_each_format_have_the_exact_rows(stack: Stack, key: str) -> 
     )
     p_up, p_down, p_agent = (record(stack, key, m["message_id"]) for m in (up, down, agent))
     agent_fixed = p_agent["completion"].replace("Final Answer: forty-two", "Final Answer: 42")
+    by = key_id_of(key)  # every row names the key that gave its feedback
 
     resp = build(stack, key, format="kto")
     assert resp.status_code == 200, resp.text
     out = resp.json()
     kto = [
-        {"prompt": p_up["prompt"], "completion": up["answer"], "label": True},
-        {"prompt": p_down["prompt"], "completion": down["answer"], "label": False},
-        {"prompt": p_down["prompt"], "completion": "Berlin [1].", "label": True},
-        {"prompt": p_agent["prompt"], "completion": p_agent["completion"], "label": False},
-        {"prompt": p_agent["prompt"], "completion": agent_fixed, "label": True},
+        {"prompt": p_up["prompt"], "completion": up["answer"], "label": True, "key_id": by},
+        {"prompt": p_down["prompt"], "completion": down["answer"], "label": False, "key_id": by},
+        {"prompt": p_down["prompt"], "completion": "Berlin [1].", "label": True, "key_id": by},
+        {"prompt": p_agent["prompt"], "completion": p_agent["completion"], "label": False, "key_id": by},
+        {"prompt": p_agent["prompt"], "completion": agent_fixed, "label": True, "key_id": by},
     ]
     assert stack.trainer.files[out["file_id"]] == kto
     assert out == {
@@ -439,22 +445,26 @@ def test_datasets_of_each_format_have_the_exact_rows(stack: Stack, key: str) -> 
         "format": "kto",
         "rows": 5,
         "counts": {"desirable": 3, "undesirable": 2, "corrections": 2},
+        "contributors": {by: 5},
+        "per_key_cap": 200,
+        "over_cap": {},
+        "excluded_keys": [],
     }
     assert stack.trainer.file_headers[-1]["authorization"] == f"Bearer {key}"  # the caller's own key
 
     out = build(stack, key, format="dpo").json()
     assert stack.trainer.files[out["file_id"]] == [
-        {"prompt": p_down["prompt"], "chosen": "Berlin [1].", "rejected": down["answer"]},
-        {"prompt": p_agent["prompt"], "chosen": agent_fixed, "rejected": p_agent["completion"]},
-        {"prompt": p_up["prompt"], "chosen": up["answer"], "rejected": draft["answer"]},
+        {"prompt": p_down["prompt"], "chosen": "Berlin [1].", "rejected": down["answer"], "key_id": by},
+        {"prompt": p_agent["prompt"], "chosen": agent_fixed, "rejected": p_agent["completion"], "key_id": by},
+        {"prompt": p_up["prompt"], "chosen": up["answer"], "rejected": draft["answer"], "key_id": by},
     ]
     assert (out["format"], out["rows"], out["counts"]) == ("dpo", 3, {"corrections": 2, "preferences": 1})
 
     out = build(stack, key, format="sft").json()
     assert stack.trainer.files[out["file_id"]] == [
-        {"messages": [*p_up["prompt"], {"role": "assistant", "content": up["answer"]}]},
-        {"messages": [*p_down["prompt"], {"role": "assistant", "content": "Berlin [1]."}]},
-        {"messages": [*p_agent["prompt"], {"role": "assistant", "content": agent_fixed}]},
+        {"messages": [*p_up["prompt"], {"role": "assistant", "content": up["answer"]}], "key_id": by},
+        {"messages": [*p_down["prompt"], {"role": "assistant", "content": "Berlin [1]."}], "key_id": by},
+        {"messages": [*p_agent["prompt"], {"role": "assistant", "content": agent_fixed}], "key_id": by},
     ]
     assert out["counts"] == {"thumbs_up": 1, "corrections": 2}
     # Filters: only the pipeline's answers.

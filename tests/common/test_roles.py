@@ -5,6 +5,7 @@ older service key is upgraded. Real Valkey, the real CLI (Typer's runner, in pro
 from __future__ import annotations
 
 import asyncio
+import secrets
 from pathlib import Path
 
 import redis
@@ -53,6 +54,7 @@ def test_service_key_is_an_operator_key_and_old_ones_are_upgraded(tandem_env: Pa
     assert service is not None and service.operator and service.tenant == "system"
     user = _principal(redis_url, layout.key_file.read_text().strip())
     assert user is not None and not user.operator  # the tenant's own key stays a plain one
+    assert user.role == "admin" and user.is_admin  # ... and administers its tenant
 
     # a service key written before roles existed becomes an operator key on the next start
     client = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -64,3 +66,48 @@ def test_service_key_is_an_operator_key_and_old_ones_are_upgraded(tandem_env: Pa
     cli._ensure_keys(layout, redis_url, {})
     after = _principal(redis_url, old)
     assert after is not None and after.operator
+
+
+def test_tenant_roles_default_to_admin_first_then_member(tandem_env: Path, redis_url: str) -> None:
+    runner = CliRunner()
+    tenant = f"roles{secrets.token_hex(4)}"
+
+    def create(*extra: str) -> tuple[str, str]:
+        made = runner.invoke(cli.app, ["keys", "create", "--tenant", tenant, *extra])
+        assert made.exit_code == 0, made.output
+        return made.output.strip().splitlines()[-1], made.output
+
+    first, said = create()
+    assert "(admin)" in said
+    second, said = create()
+    assert "(member)" in said
+    third, _ = create("--role", "admin")
+    fourth, _ = create("--role", "member")
+    roles = [_principal(redis_url, k) for k in (first, second, third, fourth)]
+    assert [(p.role, p.is_admin) for p in roles if p is not None] == [
+        ("admin", True),
+        ("member", False),
+        ("admin", True),
+        ("member", False),
+    ]
+    assert all(p is not None and p.owner == p.key_id for p in roles)
+    bad = runner.invoke(cli.app, ["keys", "create", "--tenant", tenant, "--role", "viewer"])
+    assert bad.exit_code != 0 and "role" in bad.output
+    both = runner.invoke(cli.app, ["keys", "create", "--tenant", tenant, "--operator", "--role", "member"])
+    assert both.exit_code != 0 and "--role" in both.output
+    listed = runner.invoke(cli.app, ["keys", "list", "--tenant", tenant], env={"COLUMNS": "200"})
+    assert sum(" member " in line for line in listed.output.splitlines() if tenant in line) == 2
+
+    # A key made before tenant roles existed (no role) administers its tenant, and a tenant whose
+    # keys are all revoked gets an admin again.
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    store = KeyStore(client)
+    old, old_rec = store.create(f"old{secrets.token_hex(4)}")
+    client.hset(f"tandem:keys:{old_rec.key_id}", "role", "")
+    legacy = _principal(redis_url, old)
+    assert legacy is not None and legacy.is_admin
+    lone = f"lone{secrets.token_hex(4)}"
+    _, only = store.create(lone)
+    store.revoke(only.key_id)
+    assert store.create(lone)[1].role == "admin"
+    client.close()

@@ -1,4 +1,8 @@
-"""GET /v1/conversations, GET|PATCH|DELETE /v1/conversations/{id}: the caller's own conversations."""
+"""GET /v1/conversations, GET|PATCH|DELETE /v1/conversations/{id}: the caller's own conversations.
+
+An admin key also reads the tenant's other keys' conversations (``?key_id=`` lists one key's;
+GET by id opens any); a member key's view of another key's conversation is a 404, as if it did
+not exist. Renaming and deleting stay with the conversation's owner."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.agent.api.deps import PrincipalDep, RuntimeDep
+from services.common.auth import require_admin
 from services.common.errors import NotFound
 
 router = APIRouter(tags=["conversations"], responses={404: {"description": "no such conversation"}})
@@ -15,9 +20,18 @@ router = APIRouter(tags=["conversations"], responses={404: {"description": "no s
 
 @router.get("/v1/conversations")
 async def list_conversations(
-    runtime: RuntimeDep, principal: PrincipalDep, limit: int = Query(100, ge=1, le=1000)
+    runtime: RuntimeDep,
+    principal: PrincipalDep,
+    limit: int = Query(100, ge=1, le=1000),
+    key_id: str | None = Query(
+        None, min_length=1, max_length=64, description="admin keys: this key's conversations instead"
+    ),
 ) -> dict[str, Any]:
-    items = await runtime.memory.list(principal.tenant, principal.key_id, limit)
+    owner = principal.owner
+    if key_id is not None and key_id != owner:
+        require_admin(principal, "GET /v1/conversations?key_id=")
+        owner = key_id
+    items = await runtime.memory.list(principal.tenant, owner, limit)
     return {"data": items}
 
 
@@ -25,7 +39,10 @@ async def list_conversations(
 async def get_conversation(
     conversation_id: str, runtime: RuntimeDep, principal: PrincipalDep
 ) -> dict[str, Any]:
-    conversation = await runtime.memory.get(principal.tenant, principal.key_id, conversation_id)
+    owner = principal.owner
+    if principal.is_admin:
+        owner = await runtime.memory.owner(principal.tenant, conversation_id) or owner
+    conversation = await runtime.memory.get(principal.tenant, owner, conversation_id)
     # The caller's feedback rides on its messages, so a reopened conversation shows its thumbs.
     ids = [str(m["message_id"]) for m in conversation["messages"] if m.get("message_id")]
     given = await runtime.turns.feedback_of(principal.tenant, ids)

@@ -3,7 +3,10 @@
 ``/v1/feedback`` (rate, correct, list, delete, stats), ``/v1/messages/{id}`` (the turn
 record; ``/regenerate`` a new draft; ``/choose`` one draft over another) and
 ``/v1/feedback/datasets`` / ``/v1/feedback/train`` (rows for the trainer, and a job).
-Everything is scoped to the caller's tenant: another tenant's message is a 404.
+Everything is scoped to the caller's tenant: another tenant's message is a 404. A member key
+sees, rates, corrects and builds datasets from only the answers it asked for (another key's
+message is a 404 too); an admin key sees all of the tenant's, lists who gave feedback
+(``/v1/feedback/contributors``) and alone trains on it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
 from services.agent.feedback import (
     JOB_TYPE,
     BuiltDataset,
+    Capped,
     build_dataset,
+    cap_per_key,
     check_enough,
     choose,
     feedback_object,
@@ -30,6 +35,8 @@ from services.agent.promotions import held_out
 from services.agent.protocol import (
     Choice,
     ChooseRequest,
+    Contributor,
+    ContributorList,
     DatasetFormat,
     DatasetRequest,
     DatasetResult,
@@ -47,9 +54,10 @@ from services.agent.protocol import (
 )
 from services.agent.reader.feedback_rows import ReaderDataset, reader_dataset
 from services.agent.runtime import AgentRuntime, TurnResult, collect, peek
-from services.agent.turns import FeedbackFilter, FeedbackRow
+from services.agent.turns import FeedbackFilter, FeedbackRow, owner_scope
 from services.common.app_factory import JSON_OR_SSE
-from services.common.auth import Principal
+from services.common.auth import Principal, key_names, require_admin
+from services.common.bounds import MAX_UNIX_S, NAME_CHARS
 from services.common.errors import InvalidRequest, NotFound, TandemError
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import idempotent
@@ -89,18 +97,20 @@ async def list_feedback(
     runtime: RuntimeDep,
     principal: PrincipalDep,
     since: float | None = Query(
-        None, ge=0, description="feedback given or changed at or after (unix seconds)"
+        None, ge=0, le=MAX_UNIX_S, description="feedback given or changed at or after (unix seconds)"
     ),
-    pipeline: str | None = None,
-    model: str | None = None,
-    rating: int | None = Query(None, description="1 or -1"),
+    pipeline: str | None = Query(None, max_length=NAME_CHARS),
+    model: str | None = Query(None, max_length=NAME_CHARS),
+    rating: int | None = Query(None, ge=-1, le=1, description="1 or -1"),
     limit: int = Query(50, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=2**63 - 1),  # SQLite integers are 64-bit
 ) -> FeedbackList:
     # Not Literal[1, -1]: a query string's "-1" is text, which a Literal of ints refuses.
     if rating is not None and rating not in (1, -1):
         raise InvalidRequest(f"rating: must be 1 or -1 (got {rating})", param="rating")
-    filt = FeedbackFilter(since=since, pipeline=pipeline, model=model, rating=rating)
+    filt = FeedbackFilter(
+        since=since, pipeline=pipeline, model=model, rating=rating, owner=owner_scope(principal)
+    )
     rows, total = await runtime.turns.list_feedback(principal.tenant, filt, limit, offset)
     return FeedbackList(
         data=[feedback_object(fb, rec) for fb, rec in rows], total=total, has_more=offset + len(rows) < total
@@ -109,13 +119,38 @@ async def list_feedback(
 
 @router.get("/v1/feedback/stats", response_model=FeedbackStats)
 async def feedback_stats(runtime: RuntimeDep, principal: PrincipalDep) -> FeedbackStats:
-    stats = await runtime.turns.stats(principal.tenant)
+    stats = await runtime.turns.stats(principal.tenant, owner_scope(principal))
     return FeedbackStats(data=[ModelStats(**s) for s in stats])
+
+
+@router.get(
+    "/v1/feedback/contributors",
+    response_model=ContributorList,
+    responses={403: {"description": "a member key (only an admin key sees who gave what)"}},
+)
+async def feedback_contributors(runtime: RuntimeDep, principal: PrincipalDep) -> ContributorList:
+    """The tenant's feedback per key that gave it (newest first): what to leave out of a training
+    set with ``exclude_keys`` when one key's feedback looks wrong."""
+    require_admin(principal, "GET /v1/feedback/contributors")
+    cap = runtime.settings.feedback_rows_per_key
+    rows = await runtime.turns.contributors(principal.tenant)
+    names = await key_names(runtime.memory.r, [r["key_id"] for r in rows])
+    return ContributorList(
+        per_key_cap=cap,
+        data=[
+            Contributor(
+                **r,
+                name=names.get(r["key_id"]),
+                counted=min(cap, r["ratings"] + r["preferences"]),
+            )
+            for r in rows
+        ],
+    )
 
 
 @router.delete("/v1/feedback/{message_id}")
 async def delete_feedback(message_id: str, runtime: RuntimeDep, principal: PrincipalDep) -> dict[str, Any]:
-    if not await runtime.turns.delete_feedback(principal.tenant, message_id):
+    if not await runtime.turns.delete_feedback(principal.tenant, message_id, owner_scope(principal)):
         raise NotFound(f"no feedback on message {message_id!r}", param="message_id")
     return {"message_id": message_id, "deleted": True}
 
@@ -160,8 +195,27 @@ def _min_rows(runtime: AgentRuntime, fmt: str) -> int:
     return int(getattr(runtime.settings, f"dataset_min_rows_{fmt}"))
 
 
-def _filter(req: DatasetRequest | TrainRequest) -> FeedbackFilter:
-    return FeedbackFilter(since=req.since, pipeline=req.pipeline, model=req.model)
+def _filter(principal: Principal, req: DatasetRequest | TrainRequest) -> FeedbackFilter:
+    """A member's datasets hold its own answers only; an admin's the tenant's."""
+    return FeedbackFilter(
+        since=req.since,
+        pipeline=req.pipeline,
+        model=req.model,
+        owner=owner_scope(principal),
+        exclude_keys=frozenset(req.exclude_keys),
+    )
+
+
+async def _feedback(
+    runtime: AgentRuntime, principal: Principal, req: DatasetRequest | TrainRequest
+) -> Capped:
+    """The feedback a training set draws on: filtered, and each key's first
+    ``feedback_rows_per_key`` ratings and choices (choices count toward the cap whatever the
+    format, as they do when the feedback is given)."""
+    filt = _filter(principal, req)
+    rated, _ = await runtime.turns.list_feedback(principal.tenant, filt)
+    prefs = await runtime.turns.preferences(principal.tenant, filt)
+    return cap_per_key(rated, prefs, runtime.settings.feedback_rows_per_key)
 
 
 async def _build(
@@ -173,9 +227,9 @@ async def _build(
 ) -> BuiltDataset:
     """With ``holdout``, the regression set is kept out, unless what remains is too little to
     train on: then nothing is held out (the gate compares on recent questions alone)."""
-    filt = _filter(req)
-    rated, _ = await runtime.turns.list_feedback(principal.tenant, filt)
-    prefs = await runtime.turns.preferences(principal.tenant, filt) if fmt == "dpo" else []
+    filt = _filter(principal, req)
+    given = await _feedback(runtime, principal, req)
+    rated, prefs = given.feedback, given.preferences if fmt == "dpo" else []
     built = build_dataset(fmt, rated, prefs, holdout)
     try:
         check_enough(built, _min_rows(runtime, fmt), filt)
@@ -185,6 +239,7 @@ async def _build(
         built = build_dataset(fmt, rated, prefs, 0.0)
         check_enough(built, _min_rows(runtime, fmt), filt)
         built.counts["held_out"] = 0
+    built.cap, built.over_cap, built.excluded_keys = given.cap, given.over_cap, sorted(filt.exclude_keys)
     return built
 
 
@@ -195,7 +250,7 @@ async def _auto_format(runtime: AgentRuntime, principal: Principal, req: TrainRe
     written [n] 10% -> 97%, facts 59% -> 77%); on feedback of thumbs down and corrections KTO lost
     the facts (53% -> 20%), SFT on the corrections barely moved the model, DPO moved the marker
     without losing facts (benchmarks/RESULTS.md, "the loop")."""
-    rated, _ = await runtime.turns.list_feedback(principal.tenant, _filter(req))
+    rated = (await _feedback(runtime, principal, req)).feedback
     corrections = sum(bool((fb.correction or "").strip()) for fb, _ in rated)
     ups = sum(fb.rating == 1 and not (fb.correction or "").strip() for fb, _ in rated)
     if corrections > ups and corrections >= _min_rows(runtime, "dpo"):
@@ -207,7 +262,14 @@ async def _upload(runtime: AgentRuntime, key: str, built: BuiltDataset) -> Datas
     name = f"feedback-{built.format}-{int(time.time())}.jsonl"
     stored = await runtime.trainer(key).upload_file(name, built.jsonl())
     return DatasetResult(
-        file_id=str(stored["id"]), format=built.format, rows=len(built.rows), counts=built.counts
+        file_id=str(stored["id"]),
+        format=built.format,
+        rows=len(built.rows),
+        counts=built.counts,
+        contributors=built.contributors(),
+        per_key_cap=built.cap,
+        over_cap=built.over_cap,
+        excluded_keys=built.excluded_keys,
     )
 
 
@@ -218,8 +280,10 @@ async def build_feedback_dataset(body: DatasetRequest, runtime: RuntimeDep, who:
 
 @router.post("/v1/feedback/train", response_model=TrainResult)
 async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: CallerDep) -> TrainResult:
-    """Builds the dataset and starts a LoRA job (defaults, published) on the model that wrote the answers."""
+    """Builds the dataset and starts a LoRA job (defaults, published) on the model that wrote the
+    answers: the tenant's model, so only an admin key may."""
     principal, key = who
+    require_admin(principal, "POST /v1/feedback/train")
     if body.format == "pairs":
         # an embedder job starts from an embedder, which the answers do not name
         raise InvalidRequest(
@@ -294,7 +358,7 @@ async def _train_reader(
     """The tenant's reader trained further on the feedback about extractive answers (the
     sentences the reader picked, rated or corrected), gated like a fine-tune. It never fails the
     model's round: why no reader job started is in ``reason``."""
-    rated, _ = await runtime.turns.list_feedback(principal.tenant, _filter(req))
+    rated = (await _feedback(runtime, principal, req)).feedback
     built, reason = _reader_rows(rated, runtime.settings.promotion_holdout)
     if reason:
         return ReaderTraining(started=False, reason=reason, rows=len(built.rows), counts=built.counts)
