@@ -164,6 +164,18 @@ class DoneEvent(_Event):
     unsupported: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class ApprovalRequiredEvent(_Event):
+    """An agent run paused before a tool call with side effects (the agent's ``side_effects`` is
+    ``approve``): ``POST /v1/agents/approvals/{approval_id}`` with ``{"approve": true}`` runs the
+    turn again with this call allowed, ``false`` with it refused. Ends the turn's events."""
+
+    type: Literal["approval_required"] = "approval_required"
+    approval_id: str
+    tool: str
+    arguments: Any = None
+    expires_at: float | None = None
+
+
 class FeedbackAck(_Event):
     """Websocket: a ``feedback`` frame was recorded."""
 
@@ -189,6 +201,7 @@ Event = (
     | ResetEvent
     | StepEvent
     | ErrorEvent
+    | ApprovalRequiredEvent
     | DoneEvent
 )
 # What the websocket sends: a turn's events and the answers to quick writes.

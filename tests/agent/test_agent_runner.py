@@ -86,7 +86,9 @@ async def test_calculator_task_with_repairs(scripted: tuple[ScriptedModel, str])
     assert "did not follow the format" in model.requests[1]["messages"][-1]["content"]
     last = model.requests[2]["messages"]
     assert last[-2]["content"] == "Thought: multiply them\nAction: calculator\nAction Input: 17 * 23"
-    assert last[-1]["content"].startswith("Observation: 391\n")
+    assert last[-1]["content"].startswith(
+        'Observation:\n<tool_result name="calculator">\n391\n</tool_result>\n'
+    )
     assert model.requests[0]["messages"][1]["content"] == "Question: What is 6 times 7?"  # the worked example
     assert model.requests[0]["stop"]
 
@@ -163,7 +165,11 @@ async def test_openai_tool_calling(scripted: tuple[ScriptedModel, str]) -> None:
     assert [e["text"] for e in events if e.get("kind") == "observation"] == ["1024"]
     assert r.result.answer == "The answer is 1024."
     assert model.requests[0]["tools"][0]["function"]["name"] == "calculator"
-    assert model.requests[1]["messages"][-2] == {"role": "tool", "tool_call_id": "c1", "content": "1024"}
+    assert model.requests[1]["messages"][-2] == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": '<tool_result name="calculator">\n1024\n</tool_result>',
+    }
 
 
 async def test_tool_calling_falls_back_to_react_when_the_engine_refuses_tools(
@@ -230,7 +236,8 @@ async def test_react_steps_are_constrained_and_the_last_is_a_forced_final(
     seen = model.requests[1]["messages"]
     assert json.loads(seen[-2]["content"])["action_input"] == "1+0"
     assert (
-        seen[-1]["content"].startswith("Observation: 1\n") and "from the observation" in seen[-1]["content"]
+        seen[-1]["content"].startswith('Observation:\n<tool_result name="calculator">\n1\n</tool_result>')
+        and "from the observation" in seen[-1]["content"]
     )
 
 
@@ -280,8 +287,9 @@ async def test_tool_calling_mode_requires_a_tool_then_forces_final_answer(
         assert forced["parallel_tool_calls"] is False and "response_format" not in forced
     # the result is shown as the answer's source, last
     tool_msg, source = forced["messages"][-2:]
-    assert tool_msg == {"role": "tool", "tool_call_id": "c1", "content": "391"}
-    assert source["role"] == "user" and "answered: 391" in source["content"]
+    block = '<tool_result name="calculator">\n391\n</tool_result>'
+    assert tool_msg == {"role": "tool", "tool_call_id": "c1", "content": block}
+    assert source["role"] == "user" and f"answered:\n{block}" in source["content"]
     assert "final_answer" in source["content"] and "17 times 23" in source["content"]
     # a worked exchange precedes the question, as chat turns the model can imitate
     shown = first["messages"]
@@ -352,4 +360,6 @@ async def test_a_tool_result_is_followed_by_a_forced_final_step(scripted: tuple[
     assert ["anyOf" in s for s in schemas] == [True, True, False]
     # the forced final answer is a span of the good result (the failed tool's is not offered)
     assert schemas[2]["properties"]["final_answer"]["enum"] == ["391"]
-    assert "Observation: 391" in model.requests[2]["messages"][-1]["content"]
+    assert (
+        '<tool_result name="calculator">\n391\n</tool_result>' in model.requests[2]["messages"][-1]["content"]
+    )

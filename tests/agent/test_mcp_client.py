@@ -20,6 +20,7 @@ import redis
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.transport_security import TransportSecuritySettings
+from mcp.types import ToolAnnotations
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.agent.config import AgentSettings
@@ -56,22 +57,26 @@ class HeaderLog:
         await self.app(scope, receive, send)
 
 
+# the server's tools only read: an agent's default ("refuse") offers only such tools
+READ_ONLY = ToolAnnotations(read_only_hint=True)
+
+
 def knowledge_server() -> MCPServer:
     mcp = MCPServer("kb")
     never = asyncio.Event()
 
-    @mcp.tool(description="The capital city of a country.")
+    @mcp.tool(description="The capital city of a country.", annotations=READ_ONLY)
     def lookup_capital(country: str) -> str:
         if country.lower() != "atlantis":
             raise ToolError(f"no capital known for {country!r}")
         return f"The capital of Atlantis is {CAPITAL}."
 
-    @mcp.tool(description="Never answers.")
+    @mcp.tool(description="Never answers.", annotations=READ_ONLY)
     async def hang() -> str:
         await never.wait()
         return "unreachable"
 
-    @mcp.tool(description="Answers two megabytes.")
+    @mcp.tool(description="Answers two megabytes.", annotations=READ_ONLY)
     def flood() -> str:
         return "x" * (2 << 20)
 
@@ -200,7 +205,7 @@ def test_an_agent_answers_with_the_servers_tool(
     [observation] = [s for s in steps if s["kind"] == "observation"]
     assert tool_call["tool"] == "atlas__lookup_capital" and tool_call["input"] == {"country": "Atlantis"}
     assert observation["ok"] and f"The capital of Atlantis is {CAPITAL}." in observation["text"]
-    assert observation["text"].startswith("[untrusted result of MCP tool 'lookup_capital'")
+    assert observation["text"] == f"The capital of Atlantis is {CAPITAL}."
     # the server's schema, made closed and bounded, is what the engine constrains the call with
     first = stack.model.requests[0]
     params = next(
@@ -211,10 +216,10 @@ def test_an_agent_answers_with_the_servers_tool(
     assert params["additionalProperties"] is False and params["required"] == ["country"]
     assert params["properties"]["country"] == {"type": "string", "maxLength": 200}
     assert first["tool_choice"] == "required"
-    # the forced answer is a span of the result itself, never of its untrusted-text mark
+    # the forced answer is a span of the result itself, never of its data-block tags
     forced = next(r for r in stack.model.requests if "response_format" in r)
     spans = forced["response_format"]["json_schema"]["schema"]["properties"]["arguments"]["properties"]
-    assert CAPITAL in spans["answer"]["enum"] and "untrusted" not in spans["answer"]["enum"]
+    assert CAPITAL in spans["answer"]["enum"] and not any("tool_result" in s for s in spans["answer"]["enum"])
     # the turn record keeps the call, its arguments and its result
     record = httpx.get(f"{stack.url}/v1/messages/{body['message_id']}", headers=auth(api_key)).json()
     prompt = json.dumps(record["prompt"])

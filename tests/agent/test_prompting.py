@@ -34,10 +34,10 @@ def test_prompt_fits_budget_counted_with_the_real_tokenizer(hf_counter: HFTokenC
     assert total_tokens(hf_counter, plan.messages) <= 500
     assert plan.prompt_tokens <= plan.budget == 500
     assert 0 < len(plan.sources) < 10 and plan.dropped_sources == 10 - len(plan.sources)
-    # Sources are numbered in the order given; the prompt shows [1]..[n].
+    # Sources are numbered in the order given; the prompt shows documents 1..n.
     user = plan.messages[-1].text()
     for i in range(1, len(plan.sources) + 1):
-        assert f"[{i}]" in user
+        assert f'<document index="{i}"' in user
     assert "Question: What is word3x4?" in user
 
 
@@ -73,7 +73,7 @@ def test_the_worked_example_comes_first_and_only_when_it_fits() -> None:
     assert plan.messages[1].text().endswith("[2].") and "Quenby" in plan.messages[0].text()
     assert plan.prompt_tokens <= plan.budget
     # Sources come first: with no room left for it, the example is dropped, never a source.
-    tight = BudgetPromptBuilder(counter, context_tokens=220, answer_tokens=100, example=True)
+    tight = BudgetPromptBuilder(counter, context_tokens=260, answer_tokens=100, example=True)
     plan = tight.build("q?", [], make_chunks(1, 20))
     assert len(plan.sources) == 1 and all("Quenby" not in m.text() for m in plan.messages)
 

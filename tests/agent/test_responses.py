@@ -250,12 +250,13 @@ def _knowledge_server_url() -> Any:
     """A real MCP server (the SDK's server API, Streamable HTTP on 127.0.0.1) with one tool."""
     from mcp.server.mcpserver import MCPServer
     from mcp.server.transport_security import TransportSecuritySettings
+    from mcp.types import ToolAnnotations
 
     from tests.helpers.servers import serve_app
 
     mcp = MCPServer("kb")
 
-    @mcp.tool(description="The capital city of a country.")
+    @mcp.tool(description="The capital city of a country.", annotations=ToolAnnotations(read_only_hint=True))
     def lookup_capital(country: str) -> str:
         return f"The capital of {country} is Poseidonia."
 

@@ -26,6 +26,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from services.agent.prompting import DATA_RULE, tool_result_block
+
 _LEAD = r"^[ \t]*[*#_>]*[ \t]*"
 _TRAIL_OPT = r"[ \t]*[*_]*[ \t]*[:\-]?[ \t]*[*_]*[ \t]*"  # "Key:", "**Key:**", "Key -", "Key"
 _TRAIL_REQ = r"[ \t]*[*_]*[ \t]*:[ \t]*[*_]*[ \t]*"  # a colon is required where the key is a common word
@@ -171,9 +173,10 @@ def parse_react(text: str, tools: list[str]) -> ReactStep:
 
 
 def tools_preamble(tools: dict[str, str]) -> str:
-    """The start of every protocol's system message: the task and the tools, one a line."""
+    """The start of every protocol's system message: the task, the tools (one a line) and the
+    rule that tool results are data."""
     listing = "\n".join(f"- {name}: {desc}" for name, desc in tools.items())
-    return f"You answer questions by using tools. Tools:\n{listing}\n\n"
+    return f"You answer questions by using tools. Tools:\n{listing}\n{DATA_RULE}\n\n"
 
 
 def format_instructions(tools: dict[str, str]) -> str:
@@ -189,7 +192,7 @@ def format_instructions(tools: dict[str, str]) -> str:
 
 
 OBSERVATION_PROMPT = (
-    "Observation: {observation}\nIf this answers the question, reply 'Final Answer: <answer>'."
+    "Observation:\n{observation}\nIf this answers the question, reply 'Final Answer: <answer>'."
 )
 
 
@@ -204,7 +207,10 @@ def example_turns(tools: dict[str, str]) -> list[dict[str, str]]:
             "role": "assistant",
             "content": "Thought: I should multiply with the calculator.\nAction: calculator\nAction Input: 6 * 7",
         },
-        {"role": "user", "content": OBSERVATION_PROMPT.format(observation="42")},
+        {
+            "role": "user",
+            "content": OBSERVATION_PROMPT.format(observation=tool_result_block("calculator", "42")),
+        },
         {"role": "assistant", "content": "Thought: I know the answer.\nFinal Answer: 42"},
     ]
 
@@ -316,13 +322,13 @@ def json_instructions(tools: dict[str, str]) -> str:
 
 
 JSON_OBSERVATION_PROMPT = (
-    "Observation: {observation}\nThis result answers the question. Reply with the final answer, "
+    "Observation:\n{observation}\nThis result answers the question. Reply with the final answer, "
     "taken from the observation."
 )
 
 
 JSON_FAILED_PROMPT = (
-    "Observation: {observation}\nThe tool failed. Use another tool, or give the final answer."
+    "Observation:\n{observation}\nThe tool failed. Use another tool, or give the final answer."
 )
 
 
@@ -341,7 +347,10 @@ def json_example_turns(tools: dict[str, str]) -> list[dict[str, str]]:
                 "role": "assistant",
                 "content": json_step("I should multiply with the calculator.", "calculator", "6 * 7"),
             },
-            {"role": "user", "content": JSON_OBSERVATION_PROMPT.format(observation="42")},
+            {
+                "role": "user",
+                "content": JSON_OBSERVATION_PROMPT.format(observation=tool_result_block("calculator", "42")),
+            },
             {"role": "assistant", "content": json_step("I know the answer.", answer="42")},
         ]
     if "document_search" in tools:
@@ -355,7 +364,9 @@ def json_example_turns(tools: dict[str, str]) -> list[dict[str, str]]:
             },
             {
                 "role": "user",
-                "content": JSON_OBSERVATION_PROMPT.format(observation="[moon] The Moon is grey."),
+                "content": JSON_OBSERVATION_PROMPT.format(
+                    observation=tool_result_block("document_search", "[moon] The Moon is grey.")
+                ),
             },
             {"role": "assistant", "content": json_step("I know the answer.", answer="grey")},
         ]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,6 +37,7 @@ from services.agent.agents.react import (
 from services.agent.agents.tool_mode import FINAL_TOOL
 from services.agent.clients import ChatRequest, InferenceClient
 from services.agent.events import (
+    ApprovalRequiredEvent,
     ErrorEvent,
     Event,
     FinalStep,
@@ -44,15 +46,31 @@ from services.agent.events import (
     TokenEvent,
     ToolCallStep,
 )
+from services.agent.prompting import tool_result_block
 from services.agent.protocol import Sampling
-from services.agent.tools.base import Tool, ToolContext, call_tool, constrained_input
-from services.agent.tools.mcp import untrusted_payload
+from services.agent.tools.base import (
+    Tool,
+    ToolContext,
+    call_fingerprint,
+    call_tool,
+    constrained_input,
+    has_side_effects,
+)
 from services.common.errors import InvalidRequest
 from services.common.openai_wire import ChatCompletion
 
 log = logging.getLogger("tandem.agent.runner")
 STOP = ["\nObservation:", "Observation:"]
 CONSTRAINED_MIN_TOKENS = 128
+# What an agent does with a tool call that has side effects (tools/base.py ``has_side_effects``):
+# "refuse": such tools are not offered to the model at all; "approve": the run pauses at the call
+# with an ``approval_required`` event, and runs again once a person approved or denied it.
+SideEffects = Literal["refuse", "approve"]
+DENIED = "error: a person denied this call of {tool!r}; do not call it again, answer without it"
+
+
+def new_approval_id() -> str:
+    return f"apr_{secrets.token_hex(12)}"
 
 
 @dataclass
@@ -61,6 +79,7 @@ class AgentSpec:
     description: str
     tools: list[str]
     mode: Literal["react", "openai"] = "react"
+    side_effects: SideEffects = "refuse"
     # MCP servers (``server``) or single tools (``server/tool``) of the caller's registered ones
     mcp_servers: list[str] = field(default_factory=list)
 
@@ -100,12 +119,23 @@ class AgentRunner:
     # That forced final answer is a span copied from the tool result (answer_spans.py): the result is
     # then the answer's source by construction. Off for models that should compose their answer.
     copy_answer: bool = True
+    side_effects: SideEffects = "refuse"
+    # Calls (``call_fingerprint``) a person approved or denied for this run (an approval's re-run).
+    approved: frozenset[str] = frozenset()
+    denied: frozenset[str] = frozenset()
+    approval_id: Callable[[], str] = new_approval_id
     result: AgentRun = field(default_factory=AgentRun)
+    # The call the run paused at (side_effects "approve"), once it did.
+    paused: ApprovalRequiredEvent | None = None
+    withheld: list[str] = field(default_factory=list)  # tools not offered (side_effects "refuse")
 
     async def run(
         self, question: str, history: list[dict[str, str]], mode: str = "react"
     ) -> AsyncIterator[Event]:
         queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        if self.side_effects == "refuse":
+            self.withheld = [n for n, t in self.tools.items() if has_side_effects(t)]
+            self.tools = {n: t for n, t in self.tools.items() if n not in self.withheld}
 
         async def produce() -> None:
             try:
@@ -151,6 +181,19 @@ class AgentRunner:
         return first and "tool" in exc.message.lower()
 
     async def _tool(self, name: str, argument: Any) -> AsyncIterator[Event]:
+        if has_side_effects(self.tools[name]):
+            call = call_fingerprint(name, argument)
+            if call in self.denied:
+                self._last_ok, self._last_observation = False, DENIED.format(tool=name)
+                yield ObservationStep(tool=name, text=self._last_observation, ok=False)
+                return
+            if call not in self.approved:
+                self.paused = ApprovalRequiredEvent(
+                    approval_id=self.approval_id(), tool=name, arguments=argument
+                )
+                self.result.finish_reason = "approval_required"
+                yield self.paused
+                return
         self.result.tool_calls += 1
         started = time.perf_counter()
         observation, ok = await call_tool(self.tools[name], argument, self.tool_ctx, self.tool_timeout_s)
@@ -171,8 +214,7 @@ class AgentRunner:
         """What a forced final answer may be: spans of the last good tool result, or None (free)."""
         if not (self.copy_answer and self._last_ok):
             return None
-        # an MCP result's untrusted-text mark is not part of what the answer may copy
-        return answer_spans(untrusted_payload(self._last_observation)) or None
+        return answer_spans(self._last_observation) or None
 
     def _final(self, answer: str) -> list[Event]:
         self.result.answer = answer
@@ -243,6 +285,8 @@ class AgentRunner:
                 yield ToolCallStep(step=step, tool=parsed.tool, input=parsed.argument, repairs=parsed.repairs)
                 async for event in self._tool(parsed.tool, parsed.argument):
                     yield event
+                if self.paused is not None:
+                    return
                 # The model sees its step rewritten in the strict format: small models copy what they see.
                 canonical = (
                     json_step(parsed.thought, parsed.tool, parsed.argument)
@@ -259,7 +303,7 @@ class AgentRunner:
                             observation_prompt
                             if self._last_ok or not self.constrained
                             else JSON_FAILED_PROMPT
-                        ).format(observation=self._last_observation),
+                        ).format(observation=tool_result_block(parsed.tool, self._last_observation)),
                     },
                 ]
                 continue
@@ -354,8 +398,14 @@ class AgentRunner:
                 else:
                     async for event in self._tool(name, args):
                         yield event
+                    if self.paused is not None:
+                        return
                 messages.append(
-                    {"role": "tool", "tool_call_id": call.id or name, "content": self._last_observation}
+                    {
+                        "role": "tool",
+                        "tool_call_id": call.id or name,
+                        "content": tool_result_block(name, self._last_observation),
+                    }
                 )
             if self.constrained:
                 # The result as the answer's source, right before the (forced) final_answer call.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from services.agent.prompting import DATA_RULE, tool_result_block
 from services.agent.tools.base import Tool
 
 FINAL_TOOL = "final_answer"
@@ -35,15 +36,15 @@ FINAL_FUNCTION: dict[str, Any] = {
 
 SYSTEM_PROMPT = (
     "You answer questions by calling tools. Call one tool, read its result, then call "
-    f"{FINAL_TOOL} with the answer. A tool result is the source of your answer: copy it."
+    f"{FINAL_TOOL} with the answer. A tool result is the source of your answer: copy it. {DATA_RULE}"
 )
 
 RESULT_PROMPT = (
-    "The {tool} tool answered: {observation}\n"
+    "The {tool} tool answered:\n{observation}\n"
     "This result answers the question {question!r}. Call {final} with the answer taken from it."
 )
 
-FAILED_PROMPT = "The {tool} tool failed: {observation}\nCall another tool, or {final} with the answer."
+FAILED_PROMPT = "The {tool} tool failed:\n{observation}\nCall another tool, or {final} with the answer."
 
 
 def final_call_format(answers: list[str]) -> dict[str, Any]:
@@ -97,7 +98,8 @@ def functions(tools: dict[str, Tool]) -> list[dict[str, Any]]:
 def result_prompt(tool: str, observation: str, question: str, ok: bool) -> str:
     """The user turn after a tool result: the result as the answer's source (or, failed, not)."""
     template = RESULT_PROMPT if ok else FAILED_PROMPT
-    return template.format(tool=tool, observation=observation, question=question, final=FINAL_TOOL)
+    block = tool_result_block(tool, observation)
+    return template.format(tool=tool, observation=block, question=question, final=FINAL_TOOL)
 
 
 def _call(call_id: str, name: str, arguments: dict[str, str]) -> dict[str, Any]:
@@ -120,7 +122,7 @@ def _exchange(
     return [
         {"role": "user", "content": question},
         _call(f"example_{n}a", tool, arguments),
-        {"role": "tool", "tool_call_id": f"example_{n}a", "content": observation},
+        {"role": "tool", "tool_call_id": f"example_{n}a", "content": tool_result_block(tool, observation)},
         {"role": "user", "content": result_prompt(tool, observation, question, ok=True)},
         _call(f"example_{n}b", FINAL_TOOL, {"answer": answer}),
         {"role": "tool", "tool_call_id": f"example_{n}b", "content": answer},

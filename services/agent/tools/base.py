@@ -23,13 +23,26 @@ class ToolContext:
 @runtime_checkable
 class Tool(Protocol):
     """A tool: ``run`` takes the model's argument (a string, or a dict from OpenAI tool calls) and
-    returns the observation text. ``run`` may be sync or async; ``parameters`` is a JSON schema."""
+    returns the observation text. ``run`` may be sync or async; ``parameters`` is a JSON schema.
+    A tool whose calls act on the world also sets ``side_effects = True`` (``has_side_effects``)."""
 
     name: str
     description: str
     parameters: dict[str, Any]
 
     def run(self, argument: Any, ctx: ToolContext) -> Any: ...
+
+
+def has_side_effects(tool: Tool) -> bool:
+    """Whether a call of ``tool`` may act on the world (send a request, change data): its
+    ``side_effects`` attribute (``http_get``; an MCP tool its server does not mark read-only).
+    A tool that does not say is taken to have none, as the built-in calculator and search."""
+    return bool(getattr(tool, "side_effects", False))
+
+
+def call_fingerprint(tool: str, argument: Any) -> str:
+    """One tool call, the same however its arguments were ordered: what an approval allows."""
+    return json.dumps([tool, argument], sort_keys=True, default=str)
 
 
 def single_string_schema(
