@@ -21,6 +21,8 @@ ALLOWED = {
     # `tandem eval rag` scores answers with the agent's own citation and grounding checks
     ("cli", "services.agent.citations"),
     ("cli", "services.agent.grounding"),
+    # ... and with the evaluation API's judge, so the CLI and the API score answers alike
+    ("cli", "services.agent.evals"),
 }
 
 

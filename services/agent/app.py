@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from services.agent.api import approvals as approvals_api
 from services.agent.api import conversations, feedback, mcp_servers, openai_compat, pipelines, proxy, ws
 from services.agent.api import evals as evals_api
 from services.agent.api import promotions as promotions_api
@@ -52,6 +53,7 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
         tenant_limits=settings.tenant_limits(),
         routers=[
             pipelines.router,
+            approvals_api.router,
             conversations.router,
             feedback.router,
             quality_api.router,

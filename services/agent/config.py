@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.ratelimit import TenantLimitSettings
@@ -104,6 +104,20 @@ class AgentSettings(TenantLimitSettings):
         False, description="Offer the HTTP GET tool to agents (it refuses private and loopback addresses)."
     )
     http_tool_max_bytes: int = Field(200_000, ge=1024, description="Largest body the HTTP GET tool reads.")
+    tool_side_effects: Literal["refuse", "approve"] = Field(
+        "refuse",
+        description="What agents do with tools that have side effects (http_get; MCP tools their server "
+        "does not mark readOnlyHint): 'refuse' does not offer them to the model; 'approve' pauses the run "
+        "at such a call with an approval_required event until a person approves or denies it "
+        "(POST /v1/agents/approvals/{id}). A document or tool result can tell the model to call them.",
+    )
+    approval_ttl_s: int = Field(
+        900,
+        ge=10,
+        le=7 * 24 * 3600,
+        description="Seconds a held tool call (approval_required) may be approved or denied; later a "
+        "decision is a 410.",
+    )
     memory_ttl_s: int = Field(7 * 24 * 3600, ge=60, description="Seconds a conversation lives after use.")
     memory_max_messages: int = Field(
         100, ge=2, description="Messages kept per conversation (oldest dropped first)."
@@ -164,6 +178,19 @@ class AgentSettings(TenantLimitSettings):
     promotion_recent: int = Field(
         20, ge=0, le=1000, description="Recent questions of the tenant a fine-tune is also evaluated on."
     )
+    promotion_probe_questions: int = Field(
+        10,
+        ge=0,
+        le=1000,
+        description="Regression questions the gate also asks reworded to mislead (a fixed set of rewordings "
+        "each; the candidate must not do worse on them by more than the margin). 0: no such probe.",
+    )
+    feedback_rows_per_key: int = Field(
+        200,
+        ge=1,
+        description="Ratings and choices of one API key a training set from feedback counts (the first it "
+        "gave); later ones are stored but not counted, so one key cannot outweigh the others.",
+    )
     promotion_poll_s: float = Field(
         5.0, gt=0, description="How often the agent looks for finished fine-tunes from feedback to evaluate."
     )
@@ -179,8 +206,45 @@ class AgentSettings(TenantLimitSettings):
         1 << 20, ge=1024, description="Largest answer read from an MCP server (one HTTP response)."
     )
     mcp_max_servers: int = Field(20, ge=1, description="MCP servers one tenant may register.")
+    mcp_allowed_hosts: str = Field(
+        "",
+        description="Comma-separated extra Host names the agent's /mcp answers (`name`, `name:port` or "
+        "`name:*`), besides loopback, TANDEM_HOST:TANDEM_AGENT_PORT and TANDEM_AGENT_URL's host; a "
+        "browser Origin must be http(s):// one of them. Others get 421 (Host) or 403 (Origin): a DNS "
+        "rebinding guard.",
+    )
     mcp_secret_key: str = Field(
         "",
         description="Fernet key that encrypts registered MCP servers' header values; empty uses (and "
         "creates) $TANDEM_HOME/agent/mcp-secret.key. Set the same key on every agent replica.",
     )
+    eval_max_questions: int = Field(
+        1000, ge=1, le=10_000, description="Most questions one evaluation set may hold (413 beyond it)."
+    )
+    eval_max_runs: int = Field(
+        50, ge=1, le=1000, description="Evaluation runs kept per set (the oldest go first)."
+    )
+    eval_concurrency: int = Field(
+        2, ge=1, le=32, description="Questions of one evaluation run answered at the same time."
+    )
+    eval_judge_url: str = Field(
+        "",
+        description="OpenAI-compatible server (its /v1 root) of the model that judges evaluation answers "
+        "when a run names a judge_model; empty: the inference service, with the caller's key.",
+    )
+    eval_judge_api_key: str = Field(
+        "", description="Bearer key sent to TANDEM_AGENT_EVAL_JUDGE_URL (empty: none)."
+    )
+
+    @field_validator("mcp_allowed_hosts")
+    @classmethod
+    def _host_names(cls, value: str) -> str:
+        for host in (h.strip() for h in value.split(",")):
+            if host and ("/" in host or any(c.isspace() for c in host)):
+                raise ValueError(
+                    f"must be host names (name, name:port or name:*) separated by commas, got {host!r}"
+                )
+        return value
+
+    def mcp_allowed_host_list(self) -> list[str]:
+        return [h.strip() for h in self.mcp_allowed_hosts.split(",") if h.strip()]

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from services.agent.chunks import ChunkCitation, Citation
+from services.agent.evals.protocol import MetricDifference, RegressionReport
 from services.agent.events import AnswerKind
 from services.common.bounds import (
     JSON_SCHEMA,
@@ -427,6 +428,15 @@ class RegenerateRequest(BaseModel):
     stream: StrictBool = False
 
 
+class ApprovalDecision(BaseModel):
+    """POST /v1/agents/approvals/{id}: run the held tool call (``approve: true``) or refuse it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    approve: StrictBool
+    stream: StrictBool = Field(False, description="The continued run as SSE events instead of JSON.")
+
+
 class ChooseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -604,7 +614,20 @@ class GateSet(BaseModel):
     candidate: GateScores
     current: GateScores
     worse: list[str] = Field(
-        default_factory=list, description="metrics the candidate loses by more than the margin"
+        default_factory=list,
+        description="metrics the candidate loses by more than the margin and at least twice the "
+        "loss's standard error: these keep it",
+    )
+    too_few: list[str] = Field(
+        default_factory=list,
+        description="metrics it loses by more than the margin but within 2 SE: too few questions to "
+        "tell from chance (they do not keep it)",
+    )
+    metrics: dict[str, MetricDifference] = Field(
+        default_factory=dict,
+        description="per metric over the questions both answered: a (the current model's), b (the "
+        "candidate's), their difference, its paired se, enough (|difference| >= 2 se) and "
+        "questions_needed (when not enough: how many would tell a difference this size)",
     )
 
 
@@ -624,6 +647,11 @@ class Promotion(BaseModel):
     margin: float
     holdout: list[str] = Field(default_factory=list, description="message ids held out as the regression set")
     sets: list[GateSet] = Field(default_factory=list)
+    regression_sets: RegressionReport | None = Field(
+        default=None,
+        description="the tenant's evaluation sets marked regression, answered first by the "
+        "candidate and the current one (no sets: it says so)",
+    )
     created_at: float
     decided_at: float | None = None
 

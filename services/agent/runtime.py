@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.agent.agents.runner import AgentRunner, AgentSpec, check_tools
+from services.agent.approvals import Approval, ApprovalStore, PerformedCall
 from services.agent.chunks import Chunk
 from services.agent.citations import CitationTracker
 from services.agent.clients import InferenceClient, RetrievalClient, TrainerClient
 from services.agent.config import AgentSettings
 from services.agent.events import (
+    ApprovalRequiredEvent,
     ConversationEvent,
     DoneEvent,
     ErrorEvent,
@@ -41,9 +43,9 @@ from services.agent.prompting import PromptPlan
 from services.agent.protocol import Message, PipelineRunRequest, ReaderChoice, TurnRecord, wire_messages
 from services.agent.quality import QualityMetrics, answer_quality
 from services.agent.tokens import load_counter
-from services.agent.tools.base import Tool, ToolContext
+from services.agent.tools.base import Tool, ToolContext, call_fingerprint
 from services.agent.tools.registry import default_tools
-from services.agent.turns import SqliteTurnStore, TurnStore, new_message_id
+from services.agent.turns import SqliteTurnStore, TurnStore, new_message_id, owner_scope
 from services.common.auth import Principal
 from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable, TandemError
@@ -69,6 +71,12 @@ class Turn:
     llm: str | None = None  # the model that generates; None: the conversation's, else the default
     form: AnswerForm | None = None  # the caller's tools / response_format (OpenAI facade)
     mcp_servers: list[str] = field(default_factory=list)  # the caller's registered MCP servers (agents)
+    # Asked again after a decision on a held tool call: the user's message is already in the
+    # conversation, and ``history`` is what the first run saw. The calls decided so far:
+    resumed: bool = False
+    approved: frozenset[str] = frozenset()
+    denied: frozenset[str] = frozenset()
+    performed: dict[str, tuple[str, bool]] = field(default_factory=dict)
 
     @classmethod
     def of_run(cls, target: str, body: PipelineRunRequest) -> Turn:
@@ -206,6 +214,7 @@ class AgentRuntime:
         self.quality = QualityMetrics()  # on the app's /metrics (app.py registers it)
         self.promotions = PromotionStore(turns)
         self.gate = PromotionGate(self, self.promotions)
+        self.approvals = ApprovalStore(memory.r, settings.approval_ttl_s)
         self.pipelines: dict[str, Pipeline] = load_pipelines(settings.pipelines_dir or None)
         self.tools, self.tool_errors = default_tools(settings)
         self.agents: dict[str, AgentSpec] = {
@@ -216,6 +225,7 @@ class AgentRuntime:
                 + " and any installed tools.",
                 tools=list(self.tools),
                 mode=settings.tool_calling,
+                side_effects=settings.tool_side_effects,
             ),
         }
         self._model: str | None = settings.model or None
@@ -379,7 +389,8 @@ class AgentRuntime:
         partial: list[str] = []
         if turn.remember:
             if turn.conversation_id:
-                history = await self.memory.history(tenant, user, turn.conversation_id)
+                if not turn.resumed:
+                    history = await self.memory.history(tenant, user, turn.conversation_id)
                 result.conversation_id = turn.conversation_id
                 if turn.llm and turn.llm != meta.get("llm"):
                     await self.memory.set_llm(tenant, user, turn.conversation_id, turn.llm)
@@ -395,9 +406,10 @@ class AgentRuntime:
                 created = True
             # The user's message is kept before any work: a turn cut short by a crash of this
             # process still leaves what the user asked in the conversation.
-            await self.memory.append(
-                tenant, user, result.conversation_id, [{"role": "user", "content": turn.message}]
-            )
+            if not turn.resumed:
+                await self.memory.append(
+                    tenant, user, result.conversation_id, [{"role": "user", "content": turn.message}]
+                )
             yield ConversationEvent(conversation_id=result.conversation_id)
         try:
             if turn.target in self.pipelines:
@@ -407,11 +419,16 @@ class AgentRuntime:
             else:
                 events = self._run_agent(_Run(inference, api_key, turn, llm, history, result, mcp_tools))
             async for event in events:
+                if isinstance(event, ApprovalRequiredEvent):
+                    held = await self._hold(principal, turn, llm, history, result, event)
+                    event.expires_at = held.expires_at
                 if isinstance(event, TokenEvent):
                     partial.append(event.text)
                 elif isinstance(event, ResetEvent):
                     partial.clear()  # the guard replaces what streamed so far
-                elif isinstance(event, ThoughtStep | ToolCallStep | ObservationStep | FinalStep):
+                elif isinstance(
+                    event, ThoughtStep | ToolCallStep | ObservationStep | FinalStep | ApprovalRequiredEvent
+                ):
                     result.steps.append(event.wire())
                 elif isinstance(event, ErrorEvent):
                     result.error = event
@@ -449,6 +466,64 @@ class AgentRuntime:
                 assistant["steps"] = result.steps
             await self.memory.append(tenant, user, result.conversation_id, [assistant])
         yield result.turn_done()
+
+    async def _hold(
+        self,
+        principal: Principal,
+        turn: Turn,
+        llm: str | None,
+        history: list[Message],
+        result: TurnResult,
+        event: ApprovalRequiredEvent,
+    ) -> Approval:
+        """Keeps the turn a run stopped in, for ``resume`` to ask again once a person decided."""
+        runner: AgentRunner = result.agent_run
+        approval = Approval(
+            approval_id=event.approval_id,
+            owner=principal.owner,
+            created_at=0.0,
+            expires_at=0.0,
+            agent=turn.target,
+            message=turn.message,
+            collection=turn.collection,
+            conversation_id=result.conversation_id,
+            remember=turn.remember and result.conversation_id is not None,
+            llm=llm,
+            mcp_servers=list(turn.mcp_servers),
+            history=wire_messages(history),
+            tool=event.tool,
+            arguments=event.arguments,
+            call=call_fingerprint(event.tool, event.arguments),
+            approved=sorted(runner.approved),
+            denied=sorted(runner.denied),
+            performed=[PerformedCall(call=c, text=t, ok=ok) for c, (t, ok) in runner.performed.items()],
+        )
+        return await self.approvals.hold(principal.tenant, approval)
+
+    async def resume(
+        self, principal: Principal, api_key: str, approval_id: str, approve: bool, result: TurnResult
+    ) -> AsyncIterator[Event]:
+        """Records the decision on a held tool call and asks the turn again with that exact call
+        (same tool, same arguments) allowed or refused; a different call still stops the run. The
+        approval's errors (404, 409, 410) raise before any event."""
+        approval = await self.approvals.decide(principal.tenant, principal.owner, approval_id, approve)
+        decided = frozenset({approval.call})
+        turn = Turn(
+            target=approval.agent,
+            message=approval.message,
+            collection=approval.collection,
+            conversation_id=approval.conversation_id,
+            history=approval.messages(),
+            remember=approval.remember,
+            llm=approval.llm,
+            mcp_servers=approval.mcp_servers,
+            resumed=True,
+            approved=frozenset(approval.approved) | (decided if approve else frozenset()),
+            denied=frozenset(approval.denied) | (frozenset() if approve else decided),
+            performed={p.call: (p.text, p.ok) for p in approval.performed},
+        )
+        async for event in self.turn(principal, api_key, turn, result):
+            yield event
 
     async def _save_record(
         self, principal: Principal, turn: Turn, result: TurnResult, answer: str, finish_reason: str
@@ -510,7 +585,7 @@ class AgentRuntime:
     ) -> AsyncIterator[Event]:
         """A new draft of a recorded answer: the exact recorded prompt and model, sampled (not greedy)
         so it can differ. It gets its own record, with ``draft_of`` naming the first answer."""
-        original = await self.turns.get_turn(principal.tenant, message_id)
+        original = await self.turns.get_turn(principal.tenant, message_id, owner_scope(principal))
         if original is None:
             raise NotFound(f"no message {message_id!r}", param="message_id")
         if original.kind != "pipeline" or not original.prompt:
@@ -703,6 +778,10 @@ class AgentRuntime:
             time_budget_s=self.settings.agent_time_budget_s,
             tool_timeout_s=self.settings.tool_timeout_s,
             max_tokens=self.settings.max_answer_tokens,
+            side_effects=spec.side_effects,
+            approved=turn.approved,
+            denied=turn.denied,
+            performed=dict(turn.performed),
         )
         result.agent_run = runner
         async for event in runner.run(turn.message, wire_messages(run.history), mode=spec.mode):

@@ -70,6 +70,14 @@ class Conflict(TandemError):
     type = "conflict_error"
 
 
+class Gone(TandemError):
+    """It existed, and no longer may be used (an expired approval): unlike a 404, asking again will
+    not help."""
+
+    status_code = 410
+    type = "gone_error"
+
+
 class PayloadTooLarge(TandemError):
     status_code = 413
 

@@ -123,6 +123,9 @@ class AgentRunner:
     # Calls (``call_fingerprint``) a person approved or denied for this run (an approval's re-run).
     approved: frozenset[str] = frozenset()
     denied: frozenset[str] = frozenset()
+    # Approved calls already made (by an earlier run of the turn, or earlier in this one) and their
+    # results: given again instead of acting twice on one approval. The run adds the calls it makes.
+    performed: dict[str, tuple[str, bool]] = field(default_factory=dict)
     approval_id: Callable[[], str] = new_approval_id
     result: AgentRun = field(default_factory=AgentRun)
     # The call the run paused at (side_effects "approve"), once it did.
@@ -194,9 +197,15 @@ class AgentRunner:
                 self.result.finish_reason = "approval_required"
                 yield self.paused
                 return
+            if call in self.performed:
+                self._last_observation, self._last_ok = self.performed[call]
+                yield ObservationStep(tool=name, text=self._last_observation, ok=self._last_ok)
+                return
         self.result.tool_calls += 1
         started = time.perf_counter()
         observation, ok = await call_tool(self.tools[name], argument, self.tool_ctx, self.tool_timeout_s)
+        if has_side_effects(self.tools[name]):
+            self.performed[call_fingerprint(name, argument)] = (observation, ok)
         self._last_ok = ok
         yield ObservationStep(
             tool=name, text=observation, ok=ok, seconds=round(time.perf_counter() - started, 3)

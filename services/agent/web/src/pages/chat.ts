@@ -28,6 +28,14 @@ interface Step {
   [k: string]: unknown;
 }
 
+/** An agent run stopped before a tool call with side effects (the agent's side_effects: approve). */
+interface ApprovalRequired {
+  approval_id: string;
+  tool: string;
+  arguments?: unknown;
+  expires_at?: number;
+}
+
 interface Conversation {
   id?: string;
   conversation_id?: string;
@@ -199,7 +207,7 @@ export function citationDialog(): { open: (c: Citation, collection: string) => v
 }
 
 function stepView(step: Step): HTMLElement {
-  const { kind, ...rest } = step;
+  const { kind = "step", ...rest } = step;
   delete (rest as Record<string, unknown>).type;
   let text: string;
   if (kind === "tool_call") {
@@ -422,6 +430,8 @@ export function chatPage(root: HTMLElement, args: string[]) {
     setText: (text: string) => void;
     addCitation: (c: Citation) => void;
     addStep: (s: Step) => void;
+    /** A tool call held for the user: its tool, its arguments and Approve / Deny. */
+    addApproval: (a: ApprovalRequired) => void;
     setError: (m: string) => void;
     finish: () => void;
     /** The server replaces what streamed so far (the groundedness guard's "reset" event). */
@@ -437,11 +447,13 @@ export function chatPage(root: HTMLElement, args: string[]) {
     const chips = h("div", { class: "chips", role: "list", "aria-label": "Citations", hidden: true });
     const error = h("p", { class: "error", role: "alert", hidden: true });
     const actions = h("div", { class: "answer-actions", hidden: true });
+    const approvals = h("div", { class: "approvals" });
     const el = h(
       "article",
       { class: "msg assistant", "aria-busy": "true" },
       h("h3", { class: "visually-hidden" }, "Answer"),
       steps,
+      approvals,
       body,
       chips,
       error,
@@ -522,8 +534,17 @@ export function chatPage(root: HTMLElement, args: string[]) {
         schedule();
       },
       addStep(s) {
+        // A stored turn lists its held call among its steps.
+        if ((s as Record<string, unknown>).type === "approval_required") {
+          view.addApproval(s as unknown as ApprovalRequired);
+          return;
+        }
         steps.hidden = false;
         stepsList.appendChild(stepView(s));
+      },
+      addApproval(a) {
+        if (typeof a.approval_id !== "string") return;
+        approvals.appendChild(approvalView(a, collection, el));
       },
       setError(m) {
         error.hidden = false;
@@ -556,6 +577,87 @@ export function chatPage(root: HTMLElement, args: string[]) {
       },
     };
     return view;
+  }
+
+  /**
+   * A held tool call: what the agent wants to run (arguments shown as text, never markup) and
+   * Approve / Deny. Either posts the decision (POST /v1/agents/approvals/{id}) and streams the
+   * continued run into a new answer below `after`.
+   */
+  function approvalView(a: ApprovalRequired, collection: string, after: HTMLElement): HTMLElement {
+    const args = typeof a.arguments === "string" ? a.arguments : JSON.stringify(a.arguments ?? {}, null, 2);
+    const approve = h("button", { type: "button", class: "primary approve" }, "Approve");
+    const deny = h("button", { type: "button", class: "deny" }, "Deny");
+    const status = h("p", { class: "small muted approval-status", role: "status" });
+    const expires = typeof a.expires_at === "number" ? ` Decide before ${new Date(a.expires_at * 1000).toLocaleTimeString()}.` : "";
+    const box = h(
+      "section",
+      { class: "approval", "aria-label": `Approve ${a.tool}` },
+      h("p", null, "The agent wants to call ", h("code", { class: "approval-tool" }, a.tool), " with:"),
+      h("pre", { class: "approval-args" }, args),
+      h("p", { class: "small muted" }, `It acts outside Tandem; nothing runs unless you approve.${expires}`),
+      h("div", { class: "row-buttons" }, approve, deny),
+      status,
+    );
+    const decide = async (yes: boolean) => {
+      approve.disabled = deny.disabled = true;
+      status.className = "small muted approval-status";
+      status.textContent = yes ? "Approved: running the call…" : "Denied: the agent answers without it…";
+      const next = answerMessage(collection);
+      let failure = "";
+      let text = "";
+      let shown = false;
+      try {
+        for await (const ev of sse(`/v1/agents/approvals/${enc(a.approval_id)}`, {
+          method: "POST",
+          headers: { "Content-Type": "application/json" },
+          body: JSON.stringify({ approve: yes, stream: true }),
+        })) {
+          let e: Record<string, unknown>;
+          try {
+            e = JSON.parse(ev.data);
+          } catch {
+            continue;
+          }
+          if (!shown) {
+            after.after(next.el);
+            shown = true;
+          }
+          if (e.type === "token") {
+            text += String(e.text ?? "");
+            next.setText(text);
+          } else if (e.type === "citation") next.addCitation(e as unknown as Citation);
+          else if (e.type === "step") {
+            next.addStep(e as unknown as Step);
+            if (e.kind === "final" && !text && typeof e.text === "string") {
+              text = e.text;
+              next.setText(text);
+            }
+          } else if (e.type === "approval_required") next.addApproval(e as unknown as ApprovalRequired);
+          else if (e.type === "error") failure = String(e.message ?? "error");
+          else if (e.type === "done") {
+            for (const c of listOf<Citation>(e, "citations")) next.addCitation(c);
+            if (typeof e.message_id === "string" && e.message_id) next.setMessageId(e.message_id);
+          }
+          scrollDown();
+        }
+      } catch (exc) {
+        failure = (exc as Error).message;
+        if (!shown) {
+          // The decision was refused (expired, already decided): the buttons stay off.
+          status.className = "small error approval-status";
+          status.setAttribute("role", "alert");
+          status.textContent = `Not run: ${failure}`;
+          return;
+        }
+      }
+      if (failure) next.setError(failure);
+      next.finish();
+      status.textContent = yes ? "Approved." : "Denied.";
+    };
+    approve.addEventListener("click", () => void decide(true));
+    deny.addEventListener("click", () => void decide(false));
+    return box;
   }
 
   /**
@@ -921,6 +1023,10 @@ export function chatPage(root: HTMLElement, args: string[]) {
             text = e.text;
             view.setText(text);
           }
+          scrollDown();
+          break;
+        case "approval_required":
+          view.addApproval(e as unknown as ApprovalRequired);
           scrollDown();
           break;
         case "error":
