@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from services.agent.chunks import Chunk
 from services.agent.protocol import Sampling
-from services.common.errors import InvalidRequest, NotFound
+from services.common.errors import Conflict, InvalidRequest, NotFound
 from services.common.http import service_client
 from services.common.openai_client import OpenAIClient
 from services.common.openai_wire import (
@@ -132,6 +132,33 @@ class RetrievalClient(_ServiceClient):
         except httpx.HTTPError:
             pass
         return out
+
+    async def documents(self, collection: str) -> list[dict[str, Any]]:
+        """Every document of ``collection`` (id, title, metadata), a page at a time."""
+        out: list[dict[str, Any]] = []
+        offset: int | None = 0
+        while offset is not None:
+            page = await self._get(
+                f"/v1/collections/{collection}/documents?limit=1000&offset={offset}", "collection"
+            )
+            out += [dict(d) for d in page.get("documents", [])]
+            offset = page.get("next_offset")
+        return out
+
+    async def reindex(self, collection: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``PATCH /v1/collections/{name}``: the reindex job retrieval queued (its 202)."""
+        try:
+            async with self._client() as client:
+                resp = await client.patch(f"/v1/collections/{collection}", json=body)
+        except httpx.HTTPError as exc:
+            raise unreachable(self.service, exc) from exc
+        if resp.status_code >= 400:
+            reply = UpstreamReply.of(self.service, resp)
+            if resp.status_code == 409:
+                # a reindex already running is a conflict for the caller too, not bad input
+                raise Conflict(f"retrieval: {reply.message}", param="collection")
+            raise upstream_error(reply, param=reply.param)
+        return dict(resp.json())
 
 
 # OpenAI fields a caller's request passes to the inference service as sent (the facade's tools and

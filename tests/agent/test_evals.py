@@ -19,7 +19,16 @@ import redis.asyncio as aioredis
 
 from services.agent.evals.judge import Answered
 from services.agent.evals.protocol import EvalQuestion, EvalResult, EvalRun, EvalSet
-from services.agent.evals.runs import STALE_S, Evaluations, compare, paired_se, regression_check
+from services.agent.evals.runs import (
+    STALE_S,
+    Evaluations,
+    answered_of,
+    compare,
+    judged_loss,
+    paired_difference,
+    paired_se,
+    regression_check,
+)
 from services.agent.evals.store import EvalStore
 from services.common.auth import KeyStore
 from tests.agent.stack import Stack, agent_stack
@@ -348,6 +357,47 @@ def test_paired_standard_error_and_questions_needed() -> None:
     assert all_fixed.enough and all_fixed.totals["stated"].se == 0.0
 
 
+def test_a_gate_counts_a_loss_beyond_the_margin_only_when_it_is_beyond_2_se() -> None:
+    # five questions, one loses its citation: 0.60 -> 0.40, a loss of 0.20 with an SE of 0.20
+    flip = paired_difference([(1.0, 0.0), (1.0, 1.0), (1.0, 1.0), (0.0, 0.0), (0.0, 0.0)])
+    assert (flip.a, flip.b) == pytest.approx((0.6, 0.4)) and flip.se == pytest.approx(0.2)
+    assert judged_loss(flip, 0.05) == "too_few" and flip.questions_needed == 20
+    # the same loss on twenty such questions is beyond 2 SE
+    many = paired_difference([(1.0, 0.0), (1.0, 1.0), (1.0, 1.0), (0.0, 0.0), (0.0, 0.0)] * 4)
+    assert many.se == pytest.approx(math.sqrt(3.2 / 19 / 20))  # four -1 and sixteen 0 about -0.2
+    assert judged_loss(many, 0.05) == "worse"
+    # within the margin, or a gain, is no loss; a metric's direction can be turned over
+    assert judged_loss(flip, 0.25) is None
+    gain = paired_difference([(0.0, 1.0)] * 3)
+    assert judged_loss(gain, 0.05) is None and judged_loss(gain, 0.05, lower_is_better=True) == "worse"
+    # one question has no SE: never enough to tell
+    assert judged_loss(paired_difference([(1.0, 0.0), (None, 1.0)]), 0.05) == "too_few"
+
+
+def test_written_answers_leave_out_the_guards_fallback() -> None:
+    from services.agent.chunks import Citation
+    from services.agent.pipelines.state import RunState
+
+    replaced = RunState(question="q", collection="c", answer="Paris is the capital. [1]")
+    replaced.completion, replaced.answer_kind, replaced.grounding = (
+        "I like turtles.",
+        "extractive",
+        "unsupported",
+    )
+    replaced.groundedness = 1.0
+    replaced.citations = [
+        Citation(index=1, chunk_id="fr#0", document_id="fr", title="France", text="", start=0, end=0)
+    ]
+    shown = answered_of(replaced, 0.1)
+    assert shown.answer.startswith("Paris") and shown.citations and shown.groundedness == 1.0
+    written = answered_of(replaced, 0.1, written=True)
+    assert (written.answer, written.citations, written.groundedness) == ("I like turtles.", [], 0.0)
+    # the model's own answer, kept by the guard, is judged as shown
+    kept = RunState(question="q", collection="c", answer="Paris. [1]", completion="Paris. [1]")
+    kept.grounding, kept.citations = "ok", list(replaced.citations)
+    assert answered_of(kept, 0.1, written=True).citations == answered_of(kept, 0.1).citations != []
+
+
 @pytest.mark.anyio
 async def test_regression_check_compares_the_tenant_regression_sets(redis_url: str) -> None:
     client = aioredis.from_url(redis_url, decode_responses=True)
@@ -381,11 +431,17 @@ async def test_regression_check_compares_the_tenant_regression_sets(redis_url: s
 
     same = await regression_check(tenant, runner(True), runner(True), 0.05, store=store)
     assert same.passed and [s.name for s in same.sets] == ["regression"] and len(asked) == 6
+    assert same.sets[0].broken == [] and "broken" not in same.reason
+    # both answerable questions lost: every paired difference is -1, so no spread hides it
     worse = await regression_check(tenant, runner(False), runner(True), 0.05, store=store)
-    assert not worse.passed and worse.sets[0].worse == ["stated 0.00 vs 1.00"]
-    assert "regression: stated 0.00 vs 1.00" in worse.reason
+    assert not worse.passed and worse.sets[0].worse == ["stated 0.00 < 1.00"]
+    stated = worse.sets[0].totals["stated"]
+    assert (stated.a, stated.b, stated.se, stated.enough) == (1.0, 0.0, 0.0, True)
+    assert [c.id for c in worse.sets[0].broken] == ["fr", "de"]
+    assert "regression: stated 0.00 < 1.00" in worse.reason
+    assert f"broken: regression: {FRANCE!r}; regression: {GERMANY!r}" in worse.reason
     none = await regression_check(f"{tenant}-x", runner(False), runner(True), 0.05, store=store)
-    assert none.passed and none.sets == []
+    assert none.passed and none.sets == [] and "no regression set" in none.reason
     await client.aclose()
 
 

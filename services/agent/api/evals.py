@@ -26,13 +26,17 @@ from services.agent.evals.protocol import (
     EvalSetList,
     EvalSetPatch,
     FromMessage,
+    GatedReindex,
     QuestionPatch,
     QuestionsUpload,
+    ReindexRequest,
     RunComparison,
 )
+from services.agent.evals.reindex import gated_reindex
 from services.agent.evals.runs import Evaluations, compare
 from services.agent.evals.store import new_id
 from services.agent.runtime import AgentRuntime
+from services.common.auth import require_admin
 from services.common.errors import InvalidRequest, NotFound, describe_validation_error
 
 router = APIRouter(tags=["evaluations"])
@@ -298,3 +302,30 @@ async def get_run(run_id: RunId, evals: EvalsDep, principal: PrincipalDep) -> Ev
 async def compare_runs(a: RunId, b: RunId, evals: EvalsDep, principal: PrincipalDep) -> RunComparison:
     """What run ``b`` fixed and broke against run ``a``, and each metric's difference."""
     return compare(await evals.run(principal.tenant, a), await evals.run(principal.tenant, b))
+
+
+# -- a reindex gated by the regression sets -----------------------------------------------------
+
+CollectionName = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+
+
+@router.post(
+    "/v1/collections/{name}/reindex",
+    response_model=GatedReindex,
+    status_code=202,
+    responses={
+        400: {"description": "no gate: no regression query maps to a document, or no queries"},
+        403: {"description": "a member key"},
+        404: {"description": "no such collection"},
+        409: {"description": "a reindex of the collection is running"},
+    },
+)
+async def reindex_collection(
+    name: CollectionName, body: ReindexRequest, evals: EvalsDep, who: CallerDep
+) -> GatedReindex:
+    """Reindex ``name`` with ``embedder`` (retrieval's ``PATCH /v1/collections/{name}``), switching
+    only if the new index ranks the tenant's regression questions over the collection (and
+    ``queries``) better by more than ``min_gain``."""
+    require_admin(who.principal, "POST /v1/collections/{name}/reindex")
+    retrieval = evals.runtime.retrieval(who.key)
+    return await gated_reindex(evals.store, retrieval, who.principal.tenant, name, body)

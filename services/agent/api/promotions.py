@@ -2,7 +2,7 @@
 reader, and the gate's verdicts on fine-tunes and readers from feedback),
 ``POST /v1/models/{id}/promote`` and ``POST /v1/models/{id}/rollback`` (services/agent/promotions.py).
 A published reader's id (``ft-reader-...``) promotes or rolls back the tenant's reader instead of
-its chat model."""
+its chat model. Promoting and rolling back change what the whole tenant is served: admin keys only."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from services.agent.promotions import (
 )
 from services.agent.protocol import ModelChoice, PromoteRequest, PromotionList, ReaderChoice
 from services.agent.runtime import AgentRuntime
-from services.common.auth import Principal
+from services.common.auth import Principal, require_admin
 from services.common.errors import NotFound
 from services.common.readers import is_reader_name
 
@@ -30,6 +30,7 @@ router = APIRouter(tags=["promotions"])
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "canary_share outside 0 to 1, or given for a reader"},
+    403: {"description": "a member key (only an admin key changes the tenant's models)"},
     404: {"description": "no such model (or reader) for this tenant"},
     409: {
         "description": "rollback of a model that is neither the default nor the canary (or of a reader not in use)"
@@ -85,6 +86,7 @@ async def promote_model(
     """Makes ``model`` the tenant's default for chat (or, with ``canary_share``, has it answer
     that share of the tenant's chats); a reader (``ft-reader-...``) becomes the tenant's reader."""
     principal, key = who
+    require_admin(principal, "POST /v1/models/{model}/promote")
     share = body.canary_share if body else None
     current = await runtime.promotions.choice(principal.tenant)
     if is_reader_name(model):
@@ -104,6 +106,7 @@ async def rollback_model(model: str, runtime: RuntimeDep, who: CallerDep) -> Mod
     before it (the base model at the start); a reader gives way to the one before it (the agent's
     reader setting at the start)."""
     principal, key = who
+    require_admin(principal, "POST /v1/models/{model}/rollback")
     current = await runtime.promotions.choice(principal.tenant)
     if is_reader_name(model):
         if current.reader is None or current.reader.name != model:

@@ -304,3 +304,93 @@ class RunComparison(BaseModel):
     # For the headline metric, ``stated``: whether the difference is beyond ~2 SE.
     enough: bool
     questions_needed: int | None = None
+
+
+class RegressionSetReport(BaseModel):
+    """One regression set answered by a candidate and by what it would replace. ``totals``: per
+    metric over the questions both answered, ``a`` the current one's, ``b`` the candidate's, their
+    difference with its paired SE, ``enough`` and ``questions_needed`` (as in a comparison)."""
+
+    set: str
+    name: str
+    questions: int
+    candidate: Totals
+    current: Totals
+    totals: dict[str, MetricDifference] = Field(default_factory=dict)
+    worse: list[str] = Field(
+        default_factory=list, description="metrics lost by more than the margin and at least 2 SE"
+    )
+    too_few: list[str] = Field(
+        default_factory=list,
+        description="metrics lost by more than the margin but within 2 SE: too few questions to tell",
+    )
+    broken: list[ChangedQuestion] = Field(
+        default_factory=list, description="questions the current one answers right and the candidate not"
+    )
+    fixed: int = 0
+
+
+class RegressionReport(BaseModel):
+    """``passed``: no metric of any regression set is worse (True, with no sets, when the tenant
+    has no regression set: nothing says the candidate is worse)."""
+
+    passed: bool
+    reason: str
+    sets: list[RegressionSetReport] = Field(default_factory=list)
+
+
+# -- a reindex gated by the regression sets (POST /v1/collections/{name}/reindex) ----------------
+
+# Retrieval's bounds on a reindex gate (services/retrieval/protocol.py ReindexGate, GateQuery).
+MAX_GATE_QUERIES = 5000
+MAX_RELEVANT = 100
+MAX_GATE_QUERY = 4000
+
+
+class GateQuery(BaseModel):
+    """A held-out query and the ids of the collection's documents that answer it."""
+
+    model_config = ConfigDict(extra="forbid")
+    query: StrictStr = Field(min_length=1, max_length=MAX_GATE_QUERY)
+    relevant: list[Annotated[StrictStr, Field(min_length=1, max_length=512)]] = Field(
+        min_length=1, max_length=MAX_RELEVANT
+    )
+
+
+class ReindexRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    embedder: StrictStr = Field(min_length=1, max_length=256, description="as retrieval's PATCH takes it")
+    min_gain: float | None = Field(None, strict=True, ge=0.0, le=1.0)
+    mode: Literal["hybrid", "dense"] | None = None
+    queries: list[GateQuery] = Field(
+        default_factory=list, max_length=MAX_GATE_QUERIES, description="judged beside the regression sets'"
+    )
+    gate: StrictBool = Field(
+        True, description="false: reindex without a gate, allowed only when there is nothing to gate with"
+    )
+
+
+class ReindexSet(BaseModel):
+    """A regression set of the collection: ``queries``, its questions that became gate queries;
+    ``unmatched``, answerable questions whose source names no document of the collection."""
+
+    id: str
+    name: str
+    queries: int
+    unmatched: int
+
+
+class GatedReindex(BaseModel):
+    """202: retrieval's reindex job, and what gates it."""
+
+    job_id: str
+    collection: str
+    embedder: str
+    index_version: int
+    status_url: str
+    events_url: str
+    gated: bool
+    regression_queries: int
+    queries: int = Field(description="all the gate's queries: the regression sets' and the caller's")
+    sets: list[ReindexSet]

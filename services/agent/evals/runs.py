@@ -18,9 +18,7 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
-
-from pydantic import BaseModel
+from typing import TYPE_CHECKING, Literal
 
 from services.agent.clients import ChatRequest, InferenceClient
 from services.agent.evals.judge import (
@@ -42,8 +40,9 @@ from services.agent.evals.protocol import (
     JudgeVerdict,
     MetricDifference,
     Progress,
+    RegressionReport,
+    RegressionSetReport,
     RunComparison,
-    Totals,
 )
 from services.agent.evals.store import EvalStore, new_id
 from services.agent.protocol import ReaderChoice
@@ -64,7 +63,29 @@ Runner = Callable[[EvalQuestion, str], Awaitable[Answered]]
 Clock = Callable[[], float]
 
 
-def answered_of(state: RunState, seconds: float) -> Answered:
+def guard_replaced(state: RunState) -> bool:
+    """The groundedness guard judged what the model wrote degenerate and showed source sentences
+    instead (its ``extractive`` answer): what is shown is then the guard's, not the model's."""
+    return (
+        state.answer_kind == "extractive"
+        and state.grounding is not None
+        and state.grounding not in ("ok", "partial")
+    )
+
+
+def answered_of(state: RunState, seconds: float, written: bool = False) -> Answered:
+    """The shown answer; with ``written``, what the model wrote where the guard replaced it, with
+    no citation and no supported sentence (the guard found none worth showing), so a gate
+    judges the model and not the guard's fallback."""
+    if written and guard_replaced(state):
+        return Answered(
+            answer=state.completion,
+            answer_kind="generated",
+            documents=[c.text for c in state.chunks],
+            groundedness=0.0,
+            latency_seconds=seconds,
+            model=state.model,
+        )
     return Answered(
         answer=state.answer,
         citations=[c.to_dict() for c in state.citations],
@@ -83,9 +104,12 @@ def pipeline_runner(
     llm: str | None,
     reader: ReaderChoice | None,
     timer: Clock = time.perf_counter,
+    *,
+    written: bool = False,
 ) -> Runner:
     """``pipeline`` answering as a chat turn with ``llm`` (None: the served default) and
-    ``reader`` would, with ``key``'s rights; a failure is the question's error, not the run's."""
+    ``reader`` would, with ``key``'s rights; a failure is the question's error, not the run's.
+    ``written``: judge what the model wrote (``answered_of``), as a gate on a model does."""
 
     async def run(q: EvalQuestion, collection: str) -> Answered:
         start = timer()
@@ -93,7 +117,7 @@ def pipeline_runner(
             state = await runtime.answer_unrecorded(key, pipeline, q.question, collection, llm, reader)
         except TandemError as exc:
             return Answered(answer="", error=exc.message, latency_seconds=timer() - start)
-        return answered_of(state, timer() - start)
+        return answered_of(state, timer() - start, written)
 
     return run
 
@@ -356,12 +380,24 @@ def _median_difference_se(a: Sequence[float], b: Sequence[float]) -> float | Non
     return math.sqrt(sum((x - m) ** 2 for x in diffs) / (len(diffs) - 1))
 
 
-def compare(a: EvalRun, b: EvalRun) -> RunComparison:
-    """The questions both runs answered (paired by id): which ``b`` fixed or broke (a right answer
-    is the expected one stated, or "not found" where the documents do not say), how many stayed,
-    and each metric's difference with its paired standard error."""
-    by_id = {r.id: r for r in a.results}
-    pairs = [(by_id[r.id], r) for r in b.results if r.id in by_id]
+def paired_difference(pairs: Sequence[tuple[float | None, float | None]]) -> MetricDifference:
+    """Per-question values ``(a, b)``: over the questions both have one, both means, ``b - a``
+    and its paired standard error (``difference``)."""
+    known = [(x, y) for x, y in pairs if x is not None and y is not None]
+    if not known:
+        return MetricDifference(a=None, b=None, difference=None, se=None)
+    xs, ys = [x for x, _ in known], [y for _, y in known]
+    return difference(_mean(xs), _mean(ys), paired_se([y - x for x, y in known]), len(known))
+
+
+def compare_results(
+    a_id: str, a_results: Sequence[EvalResult], b_id: str, b_results: Sequence[EvalResult]
+) -> RunComparison:
+    """Two runs' results paired by question id: which ``b`` fixed or broke (a right answer is the
+    expected one stated, or "not found" where the documents do not say), how many stayed, and
+    each metric's difference with its paired standard error."""
+    by_id = {r.id: r for r in a_results}
+    pairs = [(by_id[r.id], r) for r in b_results if r.id in by_id]
     fixed: list[ChangedQuestion] = []
     broken: list[ChangedQuestion] = []
     same = 0
@@ -371,27 +407,19 @@ def compare(a: EvalRun, b: EvalRun) -> RunComparison:
             continue
         changed = ChangedQuestion(n=rb.n, id=rb.id, question=rb.question, a=ra, b=rb)
         (fixed if rb.right else broken).append(changed)
-    totals_: dict[str, MetricDifference] = {}
-    for metric, value in _PER_QUESTION.items():
-        both = [(value(ra), value(rb)) for ra, rb in pairs if ra.error is None and rb.error is None]
-        known = [(x, y) for x, y in both if x is not None and y is not None]
-        if not known:
-            totals_[metric] = MetricDifference(a=None, b=None, difference=None, se=None)
-            continue
-        xs, ys = [x for x, _ in known], [y for _, y in known]
-        se = paired_se([y - x for x, y in known])
-        totals_[metric] = difference(_mean(xs), _mean(ys), se, len(known))
-    timed = [
-        (ra.latency_seconds, rb.latency_seconds) for ra, rb in pairs if ra.error is None and rb.error is None
-    ]
-    if timed:
-        ta, tb = [x for x, _ in timed], [y for _, y in timed]
+    answered = [(ra, rb) for ra, rb in pairs if ra.error is None and rb.error is None]
+    totals_ = {
+        metric: paired_difference([(value(ra), value(rb)) for ra, rb in answered])
+        for metric, value in _PER_QUESTION.items()
+    }
+    if answered:
+        ta, tb = [ra.latency_seconds for ra, _ in answered], [rb.latency_seconds for _, rb in answered]
         se = _median_difference_se(ta, tb)
-        totals_["p50_seconds"] = difference(_median(ta), _median(tb), se, len(timed))
+        totals_["p50_seconds"] = difference(_median(ta), _median(tb), se, len(answered))
     head = totals_[HEADLINE]
     return RunComparison(
-        a=a.id,
-        b=b.id,
+        a=a_id,
+        b=b_id,
         questions=len(pairs),
         fixed=fixed,
         broken=broken,
@@ -402,43 +430,83 @@ def compare(a: EvalRun, b: EvalRun) -> RunComparison:
     )
 
 
+def compare(a: EvalRun, b: EvalRun) -> RunComparison:
+    """``compare_results`` of two runs."""
+    return compare_results(a.id, a.results, b.id, b.results)
+
+
+# -- a gate's rule: a loss counts when it is beyond the margin and beyond its sampling error ----
+
+Loss = Literal["worse", "too_few"]
+
+
+def judged_loss(d: MetricDifference, margin: float, lower_is_better: bool = False) -> Loss | None:
+    """Whether ``b`` (a candidate) loses to ``a`` (what it would replace) on one metric.
+
+    ``"worse"``: the loss exceeds ``margin`` and is at least twice its paired standard error, so
+    an equal candidate shows one that large by chance about once in 40 (one-sided). ``"too_few"``:
+    it exceeds the margin but not 2 SE (or one question leaves no SE): too few questions to tell
+    it from chance; ``d.questions_needed`` says how many would. None: within the margin."""
+    if d.difference is None:
+        return None
+    drop = d.difference if lower_is_better else -d.difference
+    if drop <= margin:
+        return None
+    return "worse" if d.enough else "too_few"
+
+
+def loss_text(metric: str, d: MetricDifference, lower_is_better: bool = False) -> str:
+    """``"cited 0.40 < 0.60"`` (candidate first), with the SE and the questions needed where the
+    loss is not beyond 2 SE."""
+    assert d.a is not None and d.b is not None
+    text = f"{metric} {d.b:.2f} {'>' if lower_is_better else '<'} {d.a:.2f}"
+    if d.enough:
+        return text
+    if d.se is None:
+        return f"{text} (one question: no standard error)"
+    return f"{text} (SE {d.se:.2f}; about {d.questions_needed} questions would tell)"
+
+
 # -- regression sets, for a gate ----------------------------------------------------------------
 
 # Metrics a candidate must not lose by more than the margin; false_not_found must not grow by it.
 HIGHER_IS_BETTER = ("stated", "right_source", "right_page", "not_found", "grounded")
 LOWER_IS_BETTER = ("false_not_found",)
+# Broken questions named in a report's reason (all of them are in its sets' ``broken``).
+REASON_QUESTIONS = 10
 
 
-class RegressionSetReport(BaseModel):
-    set: str
-    name: str
-    questions: int
-    candidate: Totals
-    current: Totals
-    worse: list[str]
-
-
-class RegressionReport(BaseModel):
-    """``passed``: the candidate is not worse on any metric of any regression set by more than
-    the margin (True, with no sets, when the tenant has no regression set: nothing says it is
-    worse)."""
-
-    passed: bool
-    reason: str
-    sets: list[RegressionSetReport]
-
-
-def worse_metrics(candidate: Totals, current: Totals, margin: float) -> list[str]:
-    out = []
+def regression_set_report(
+    eval_set: EvalSet, current: Sequence[EvalResult], candidate: Sequence[EvalResult], margin: float
+) -> RegressionSetReport:
+    """One regression set's two runs judged by ``judged_loss``, with the questions that broke."""
+    cmp = compare_results("current", current, "candidate", candidate)
+    worse: list[str] = []
+    too_few: list[str] = []
     for metric in (*HIGHER_IS_BETTER, *LOWER_IS_BETTER):
-        new, old = getattr(candidate, metric), getattr(current, metric)
-        if new is None or old is None:
-            continue
-        if (metric in HIGHER_IS_BETTER and new < old - margin) or (
-            metric in LOWER_IS_BETTER and new > old + margin
-        ):
-            out.append(f"{metric} {new:.2f} vs {old:.2f}")
-    return out
+        d, lower = cmp.totals[metric], metric in LOWER_IS_BETTER
+        loss = judged_loss(d, margin, lower)
+        if loss is not None:
+            (worse if loss == "worse" else too_few).append(loss_text(metric, d, lower))
+    return RegressionSetReport(
+        set=eval_set.id,
+        name=eval_set.name,
+        questions=len(eval_set.questions),
+        candidate=totals(candidate),
+        current=totals(current),
+        totals={m: cmp.totals[m] for m in (*HIGHER_IS_BETTER, *LOWER_IS_BETTER)},
+        worse=worse,
+        too_few=too_few,
+        broken=cmp.broken,
+        fixed=len(cmp.fixed),
+    )
+
+
+def _broken_text(reports: Sequence[RegressionSetReport]) -> str:
+    named = [(r.name, c.question) for r in reports for c in r.broken]
+    shown = "; ".join(f"{name}: {question!r}" for name, question in named[:REASON_QUESTIONS])
+    more = len(named) - REASON_QUESTIONS
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 async def regression_check(
@@ -451,31 +519,30 @@ async def regression_check(
     concurrency: int = 2,
 ) -> RegressionReport:
     """The tenant's regression sets (``"regression": true``) answered by the candidate and by what
-    it would replace (each a ``Runner``, e.g. ``pipeline_runner``), judged alike."""
+    it would replace (each a ``Runner``, e.g. ``pipeline_runner``), judged alike; it fails when
+    any metric of any set is worse by ``judged_loss``, and names the questions that broke."""
     reports = []
     for s in await store.sets(tenant):
         if not s.regression or not s.questions:
             continue
         new = [r for r, _ in await answer_all(s.questions, s.collection, candidate_runner, concurrency)]
         old = [r for r, _ in await answer_all(s.questions, s.collection, current_runner, concurrency)]
-        cand, cur = totals(new), totals(old)
-        reports.append(
-            RegressionSetReport(
-                set=s.id,
-                name=s.name,
-                questions=len(s.questions),
-                candidate=cand,
-                current=cur,
-                worse=worse_metrics(cand, cur, margin),
-            )
-        )
+        reports.append(regression_set_report(s, old, new, margin))
     if not reports:
-        return RegressionReport(passed=True, reason="the tenant has no regression set", sets=[])
+        return RegressionReport(
+            passed=True, reason="the tenant has no regression set: nothing more to check", sets=[]
+        )
     losses = [f"{r.name}: {', '.join(r.worse)}" for r in reports if r.worse]
+    broken = _broken_text(reports)
     if losses:
-        reason = f"worse by more than {margin:.2f} on " + "; ".join(losses)
+        reason = f"worse by more than {margin:.2f} and 2 SE on " + "; ".join(losses)
+        reason += f"; broken: {broken}" if broken else ""
         return RegressionReport(passed=False, reason=reason, sets=reports)
     counts = ", ".join(f"{r.questions} in {r.name}" for r in reports)
-    return RegressionReport(
-        passed=True, reason=f"not worse by more than {margin:.2f} on any metric ({counts})", sets=reports
-    )
+    reason = f"not worse by more than {margin:.2f} on any metric ({counts})"
+    unsure = [f"{r.name}: {', '.join(r.too_few)}" for r in reports if r.too_few]
+    if unsure:
+        reason += "; too few questions to tell on " + "; ".join(unsure)
+    if broken:
+        reason += f"; broken: {broken}"
+    return RegressionReport(passed=True, reason=reason, sets=reports)
