@@ -5,6 +5,7 @@ completions with SSE) over real HTTP; the integration tests use the real service
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import re
 import time
@@ -14,6 +15,8 @@ from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.agent.prompting import DATA_KINDS, DataKind
 
 
 @dataclass
@@ -64,6 +67,65 @@ def retrieval_double(corpus: FakeCorpus) -> FastAPI:
         return {"id": doc_id, "title": title, "text": text}
 
     return app
+
+
+# -- reading prompts as a model double: the data blocks prompting.data_block writes ----------------
+# Strict on purpose: a block the product wrote in any other shape is not found, and the double
+# then answers as if it had no sources, so a format drift fails the tests that depend on it.
+_DATA_BLOCK = re.compile(
+    r"<(?P<kind>" + "|".join(DATA_KINDS) + r')(?P<attrs>(?: [\w-]+="[^"]*")*)>\n(?P<text>.*?)\n</(?P=kind)>',
+    re.DOTALL,
+)
+_ATTRIBUTE = re.compile(r'([\w-]+)="([^"]*)"')
+
+
+@dataclass(frozen=True)
+class DataBlock:
+    """One ``<document ...>`` or ``<tool_result ...>`` block of a prompt. ``text`` is what the model
+    reads (data-block tags inside it stay escaped); attribute values are unescaped."""
+
+    kind: DataKind
+    attributes: dict[str, str]
+    text: str
+
+
+def data_blocks(prompt: str, kind: DataKind | None = None) -> list[DataBlock]:
+    """The data blocks of ``prompt`` in order, only those of ``kind`` when given."""
+    blocks = [
+        DataBlock(
+            m["kind"],  # type: ignore[arg-type]  # the pattern only matches DATA_KINDS
+            {k: html.unescape(v) for k, v in _ATTRIBUTE.findall(m["attrs"])},
+            m["text"],
+        )
+        for m in _DATA_BLOCK.finditer(prompt)
+    ]
+    return [b for b in blocks if kind is None or b.kind == kind]
+
+
+def outside_data_blocks(prompt: str) -> str:
+    """``prompt`` with its data blocks cut out: what it says that no document or tool wrote."""
+    return _DATA_BLOCK.sub("", prompt)
+
+
+def prompt_sources(body: dict[str, Any]) -> list[DataBlock]:
+    """The numbered documents of a chat request: those of its last user message that holds any
+    (tool calls and their results may follow the question)."""
+    for msg in reversed(body.get("messages", [])):
+        content = msg.get("content")
+        if (
+            msg.get("role") == "user"
+            and isinstance(content, str)
+            and (docs := data_blocks(content, "document"))
+        ):
+            return docs
+    return []
+
+
+def cite_first(body: dict[str, Any]) -> str:
+    """A model that answers with the first line of its first source and cites it."""
+    sources = prompt_sources(body)
+    first = sources[0].text.split("\n", 1)[0].strip() if sources else "nothing"
+    return f"According to the sources, {first} [1]."
 
 
 @dataclass

@@ -15,7 +15,7 @@ import pytest
 from fastapi.responses import JSONResponse
 
 from services.common.replicas import replica_pool
-from tests.agent.doubles import ScriptedModel, inference_double
+from tests.agent.doubles import ScriptedModel, cite_first, inference_double
 from tests.agent.stack import Stack, agent_stack
 from tests.conftest import auth
 from tests.helpers.servers import free_port, serve_app
@@ -26,13 +26,6 @@ from tests.helpers.waiting import wait_until
 def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with agent_stack(redis_url, tmp_path_factory.mktemp("home")) as s:
         yield s
-
-
-def cite_first(body: dict[str, Any]) -> str:
-    """A model that answers from its first source and cites it."""
-    user = body["messages"][-1]["content"]
-    first = user.split("\n[1]", 1)[1].split("\n", 1)[0].strip() if "\n[1]" in user else "nothing"
-    return f"According to the sources, {first} [1]."
 
 
 def sse_events(resp: httpx.Response) -> list[dict[str, Any]]:

@@ -19,9 +19,9 @@ import redis
 from websockets.sync.client import connect
 
 from services.common.auth import KeyStore
-from tests.agent.doubles import ScriptedModel, inference_double
+from tests.agent.doubles import ScriptedModel, cite_first, inference_double
 from tests.agent.stack import Stack, agent_stack
-from tests.agent.test_api import cite_first, sse_events
+from tests.agent.test_api import sse_events
 from tests.agent.test_ws import until_done
 from tests.conftest import auth
 from tests.helpers.servers import valkey_server

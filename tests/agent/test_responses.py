@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
+from tests.agent.doubles import cite_first
 from tests.agent.stack import Stack, agent_stack, new_key
-from tests.agent.test_api import cite_first
 from tests.conftest import auth
 
 GEO = {"collection": "geo"}

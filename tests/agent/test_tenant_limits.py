@@ -24,8 +24,8 @@ def test_websocket_turns_count_against_the_tenant_limit(
 
     from websockets.sync.client import connect
 
+    from tests.agent.doubles import cite_first
     from tests.agent.stack import agent_stack
-    from tests.agent.test_api import cite_first
     from tests.agent.test_ws import until_done
     from tests.conftest import auth
 

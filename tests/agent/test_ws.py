@@ -11,8 +11,8 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
+from tests.agent.doubles import cite_first
 from tests.agent.stack import Stack, agent_stack
-from tests.agent.test_api import cite_first
 from tests.conftest import auth
 from tests.helpers.waiting import wait_until
 

@@ -326,8 +326,7 @@ def test_thumbs_up_answers_become_pairs_of_question_and_cited_chunk(
     from services.retrieval.app import create_app as retrieval_app
     from services.trainer.app import create_app as trainer_app
     from services.trainer.config import TrainerSettings
-    from tests.agent.doubles import ScriptedModel, inference_double
-    from tests.agent.test_api import cite_first
+    from tests.agent.doubles import ScriptedModel, cite_first, inference_double
     from tests.helpers.servers import serve_app
 
     monkeypatch.setenv("TANDEM_RETRIEVAL_EMBEDDING_MODEL", str(tiny_st))
