@@ -37,8 +37,9 @@ def key_store(redis_client: redis.Redis) -> KeyStore:
 
 @pytest.fixture()
 def api_key(key_store: KeyStore) -> str:
-    """A fresh key for tenant ``acme``."""
-    return key_store.create("acme")[0]
+    """A fresh admin key for tenant ``acme`` (the role a tenant's own key has; tests of member
+    keys create those themselves)."""
+    return key_store.create("acme", role="admin")[0]
 
 
 @pytest.fixture()

@@ -33,7 +33,7 @@ templates, no randomness) with both models; the candidate must not do worse on t
 or to answer only the exact wording it was trained on, loses there.
 
 A reader trained on the same feedback (``kind: "reader"``) is judged the same way on the answer
-step alone: each held-out and recent question that has a reference (a correction, or the
+step alone: each held-out, recent and reworded question that has a reference (a correction, or the
 approved answer, whose sentences are what an extractive answer should show) is read twice over
 the sources its turn retrieved, with the candidate reader and with the tenant's current one, and
 the selected sentences must state the reference (services/common/judge.py). A promoted reader
@@ -593,11 +593,11 @@ class PromotionGate:
         ]
         if not await self._regression_sets_pass(tenant, p, runners[0], runners[1], "reader"):
             return
+        regression = await self.regression_set(tenant, p.holdout)
+        recent = await self.recent_referenced(tenant, set(p.holdout))
+        probe = adversarial_probe(regression, self.settings.promotion_probe_questions)
         sets = []
-        for name, questions in (
-            ("regression", await self.regression_set(tenant, p.holdout)),
-            ("recent", await self.recent_referenced(tenant, set(p.holdout))),
-        ):
+        for name, questions in (("regression", regression), ("recent", recent), ("adversarial", probe)):
             pairs = await self._read_both(tenant, key, questions, candidate, current, p.job_id)
             values = [(read_values(c), read_values(o)) for c, o in pairs]
             sets.append(compare(name, len(pairs), values, p.margin))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -132,16 +133,36 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# Pydantic names the member of a union it tried ("constrained-str", "list[constrained-int]"); a
+# client knows the field, not the validator's member, so these are left out of `param`.
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", "set", "none"})
+
+
+def _is_union_tag(part: str) -> bool:
+    return (
+        part in _UNION_TAGS or "[" in part or part.startswith(("constrained-", "function-", "lax-or-strict"))
+    )
+
+
+def _param_name(loc: Sequence[int | str]) -> str | None:
+    """The field a client sent, as ``a.0.b``: union members left out, and a trailing item index
+    dropped (an item of a list of numbers or strings is reported as the list, as OpenAI does)."""
+    parts = [p for p in loc if isinstance(p, int) or not _is_union_tag(p)]
+    while parts and isinstance(parts[-1], int):
+        parts.pop()
+    return ".".join(str(p) for p in parts) or None
+
+
 def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable sentence naming each offending field and value."""
     parts = []
     first_param: str | None = None
     for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ())]
+        loc = list(err.get("loc", ()))
         # The first element says where the value came from (body, query string, ...), not its name.
         if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
             loc = loc[1:]
-        param = ".".join(loc) or None
+        param = _param_name(loc)
         first_param = first_param or param
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx") or {}

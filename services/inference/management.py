@@ -37,7 +37,13 @@ class ModelAdmin:
 
     def _server_path(self, value: str, param: str) -> Path:
         path = resolve_under_roots(value, self.roots, param=param)
-        if not path.exists():
+        try:
+            exists = path.exists()
+        except OSError as exc:  # a name longer than the file system allows: the client's value
+            raise InvalidRequest(
+                f"{param}: unusable path {value[:200]!r} ({exc.strerror})", param=param
+            ) from None
+        if not exists:
             raise InvalidRequest(f"{param}: {value!r} does not exist", param=param)
         return path
 

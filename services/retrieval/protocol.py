@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, computed_field
 
-from services.common.bounds import NAME_CHARS, TEXT_CHARS, JsonSmall
+from services.common.bounds import NAME_CHARS, TEXT_CHARS, JsonBound, JsonSmall
 from services.common.jobs import JobStatus
 
 # Documents of one POST .../documents (a larger batch: several requests, or a file upload).
@@ -212,14 +212,22 @@ class DocumentPage(BaseModel):
     next_offset: int | None
 
 
+# A search filter's own limits (256 conditions, 1,024 values in one $in list: core/filters.py)
+# are checked by its parser and name the condition; this bound only keeps the walk to them
+# finite, above what those limits let through.
+Filters = Annotated[dict[str, Any], JsonBound(values=1_000_000, chars=65_536)]
+
+
 class SearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # Emptiness is checked in the route: the shared validation message drops a field named "query".
     query: str = Field(..., max_length=8192)
     top_k: StrictInt = Field(10, ge=1, le=100)
     mode: SearchMode = "hybrid"
-    filters: JsonSmall | None = Field(
-        None, description="At most 1,000 values in all, strings of at most 65,536 characters."
+    filters: Filters | None = Field(
+        None,
+        description="At most 256 conditions and 1,024 values in one $in/$nin list; strings of "
+        "at most 65,536 characters.",
     )
     rerank: StrictBool = False
     weights: (

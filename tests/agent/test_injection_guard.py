@@ -263,6 +263,9 @@ def test_mcp_tools_not_marked_read_only_are_refused_and_read_only_ones_run(
             headers=auth(api_key),
             timeout=60,
         )
+        # the tenant's registry is shared with the other modules' stacks on this Valkey
+        gone = httpx.delete(f"{stack.url}/v1/mcp/servers/notes", headers=auth(api_key), timeout=30)
+        assert gone.status_code == 204, gone.text
     assert resp.status_code == 200, resp.text
     names = [t["function"]["name"] for t in stack.model.requests[0]["tools"]]
     assert "notes__read_note" in names and "notes__delete_note" not in names

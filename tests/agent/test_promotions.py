@@ -559,6 +559,10 @@ def test_the_reader_learns_from_feedback_and_the_gate_keeps_a_worse_one(
         sets["regression"]["candidate"]["matches"] == 0.0 and sets["regression"]["current"]["matches"] == 1.0
     )
     assert sets["recent"]["questions"] == len(QUESTIONS) - len(held)
+    # the reworded regression questions are read too, and the contrary reader loses there as well
+    probe = sets["adversarial"]
+    assert probe["questions"] == 4 * min(sets["regression"]["questions"], 10)
+    assert probe["candidate"]["matches"] < probe["current"]["matches"]
     assert promotions(stack, key)["choice"]["reader"] is None
 
     good = train("ft-reader-good")

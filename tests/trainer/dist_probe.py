@@ -86,6 +86,11 @@ def main() -> None:
     ckpt = Path(sys.argv[8]) if len(sys.argv) > 8 and sys.argv[8] != "-" else None
     kind = sys.argv[9] if len(sys.argv) > 9 else "sft"
     probe(Path(out), Path(model), Path(data), packing, strategy, mode, steps, ckpt, kind)
+    # As the trainer's ranks do (services/trainer/rank.py): a finished rank skips interpreter
+    # teardown, where gloo's threads can abort it after its work is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,13 @@ from services.agent.runtime import AgentRuntime
 from services.common.auth import require_admin
 from services.common.errors import InvalidRequest, NotFound, describe_validation_error
 
-router = APIRouter(tags=["evaluations"])
+router = APIRouter(
+    tags=["evaluations"],
+    responses={
+        404: {"description": "no such set, run or question for this tenant"},
+        413: {"description": "more questions than a set may hold (TANDEM_AGENT_EVAL_MAX_QUESTIONS)"},
+    },
+)
 
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/json-lines", "text/plain")
 SetId = Annotated[str, Path(min_length=1, max_length=64)]
