@@ -367,7 +367,7 @@ def test_thumbs_up_answers_become_pairs_of_question_and_cited_chunk(
             assert c.post(f"{r_url}/v1/collections/hr/documents", json={"documents": docs}).status_code == 201
             answers = {}
             for q in (
-                "How many days of leave do staff get?",
+                "How much paid leave do staff get a year?",
                 "What does the bike scheme pay?",
                 "Lunch price?",
             ):
