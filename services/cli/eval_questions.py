@@ -30,7 +30,6 @@ pipeline's ``done`` event or any other answerer) and ``summary`` adds them up.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from services.agent.evals.jsonl import LineError, json_objects
 from services.agent.evals.judge import answer_kind_of as judge_answer_kind
 from services.agent.evals.judge import cites_right, percentile, source_matches
 from services.agent.evals.judge import locates as judge_locates
@@ -105,26 +105,20 @@ class QuestionSetError(ValueError):
 def parse_questions(lines: Iterable[str], path: Path | str = "<questions>") -> list[Question]:
     out: list[Question] = []
     seen: dict[str, int] = {}
-    for n, raw in enumerate(lines, start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise QuestionSetError(path, n, f"not JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(data, dict):
-            raise QuestionSetError(path, n, f"expected a JSON object, got {type(data).__name__}")
-        try:
-            q = Question.model_validate(data)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            raise QuestionSetError(path, n, f"{loc + ': ' if loc else ''}{err['msg']}") from None
-        if q.id in seen:
-            raise QuestionSetError(path, n, f"id {q.id!r} already used on line {seen[q.id]}")
-        seen[q.id] = n
-        out.append(q)
+    try:
+        for n, data in json_objects(lines):
+            try:
+                q = Question.model_validate(data)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                loc = ".".join(str(p) for p in err["loc"])
+                raise QuestionSetError(path, n, f"{loc + ': ' if loc else ''}{err['msg']}") from None
+            if q.id in seen:
+                raise QuestionSetError(path, n, f"id {q.id!r} already used on line {seen[q.id]}")
+            seen[q.id] = n
+            out.append(q)
+    except LineError as exc:
+        raise QuestionSetError(path, exc.line, exc.message) from None
     if not out:
         raise QuestionSetError(path, 0, "no questions")
     return out

@@ -148,6 +148,18 @@ def test_sets_crud_jsonl_upload_edits_limit_and_tenants(stack: Stack, key: str, 
         headers={"Content-Type": "application/jsonl"},
     )
     assert resp.status_code == 400 and "line 1: not JSON" in resp.json()["error"]["message"]
+    deep = b'{"question": "x", "answerable": false}\n{"question": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+    resp = call(
+        stack,
+        key,
+        "POST",
+        f"/v1/evals/sets/{s['id']}/questions",
+        content=deep,
+        headers={"Content-Type": "application/jsonl"},
+    )
+    assert (
+        resp.status_code == 400 and "line 2: nested deeper than 64 levels" in resp.json()["error"]["message"]
+    )
     dup = call(stack, key, "POST", f"/v1/evals/sets/{s['id']}/questions", json={"questions": QUESTIONS[:1]})
     assert dup.status_code == 400 and "'fr'" in dup.json()["error"]["message"]
 

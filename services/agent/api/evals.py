@@ -4,7 +4,6 @@ pipeline in the background; two runs compared. Another tenant's set or run is a 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from typing import Annotated
@@ -15,6 +14,7 @@ from pydantic import ValidationError
 from starlette.requests import HTTPConnection
 
 from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
+from services.agent.evals.jsonl import LineError, json_objects
 from services.agent.evals.protocol import (
     MAX_QUESTIONS,
     EvalQuestion,
@@ -69,24 +69,14 @@ def parse_jsonl(lines: Iterable[str]) -> list[EvalQuestion]:
     """Questions of a JSON-lines text (blank lines and ``#`` lines skipped); a malformed line is a
     400 naming its number."""
     out: list[EvalQuestion] = []
-    for n, raw in enumerate(lines, start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(
-                f"line {n}: not JSON ({exc.msg} at column {exc.colno})", param="jsonl"
-            ) from None
-        if not isinstance(data, dict):
-            raise InvalidRequest(
-                f"line {n}: expected a JSON object, got {type(data).__name__}", param="jsonl"
-            )
-        try:
-            out.append(EvalQuestion.model_validate(data))
-        except ValidationError as exc:
-            raise _invalid(exc, f"line {n}: ") from None
+    try:
+        for n, data in json_objects(lines):
+            try:
+                out.append(EvalQuestion.model_validate(data))
+            except ValidationError as exc:
+                raise _invalid(exc, f"line {n}: ") from None
+    except LineError as exc:
+        raise InvalidRequest(str(exc), param="jsonl") from None
     if not out:
         raise InvalidRequest("no questions in the upload", param="jsonl")
     return out
