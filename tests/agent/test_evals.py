@@ -227,6 +227,34 @@ def test_sets_crud_jsonl_upload_edits_limit_and_tenants(stack: Stack, key: str, 
     assert call(stack, key, "GET", f"/v1/evals/sets/{s['id']}").status_code == 404
 
 
+def test_only_an_admin_changes_a_regression_set(stack: Stack, key_store: KeyStore) -> None:
+    tenant = f"evals-{uuid.uuid4().hex[:8]}"
+    admin = key_store.create(tenant, role="admin")[0]
+    member = key_store.create(tenant, role="member")[0]
+    body = {"name": "gate", "collection": "docs", "questions": QUESTIONS}
+    assert call(stack, member, "POST", "/v1/evals/sets", json={**body, "regression": True}).status_code == 403
+    gate = call(stack, admin, "POST", "/v1/evals/sets", json={**body, "regression": True}).json()
+    mine = call(stack, member, "POST", "/v1/evals/sets", json=body)
+    assert mine.status_code == 201, mine.text
+    for method, path, kw in [
+        ("PATCH", f"/v1/evals/sets/{gate['id']}", {"json": {"regression": False}}),
+        ("PATCH", f"/v1/evals/sets/{mine.json()['id']}", {"json": {"regression": True}}),
+        ("POST", f"/v1/evals/sets/{gate['id']}/questions", {"json": {"questions": QUESTIONS[1:2]}}),
+        ("PATCH", f"/v1/evals/sets/{gate['id']}/questions/1", {"json": {"page": 3}}),
+        ("DELETE", f"/v1/evals/sets/{gate['id']}/questions/1", {}),
+        ("DELETE", f"/v1/evals/sets/{gate['id']}", {}),
+    ]:
+        resp = call(stack, member, method, path, **kw)
+        assert resp.status_code == 403 and "regression set" in resp.text, (method, path, resp.text)
+    # the member still reads the gate, and edits its own set
+    assert len(call(stack, member, "GET", f"/v1/evals/sets/{gate['id']}").json()["questions"]) == len(
+        QUESTIONS
+    )
+    renamed = call(stack, member, "PATCH", f"/v1/evals/sets/{mine.json()['id']}", json={"name": "mine"})
+    assert renamed.status_code == 200, renamed.text
+    assert call(stack, admin, "DELETE", f"/v1/evals/sets/{gate['id']}").status_code == 204
+
+
 def test_a_chat_answer_becomes_a_question_with_its_correction(stack: Stack, key: str) -> None:
     stack.model.replies = replies("Berlin is the capital of Germany [1].")
     turn = call(

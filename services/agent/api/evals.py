@@ -36,7 +36,7 @@ from services.agent.evals.reindex import gated_reindex
 from services.agent.evals.runs import Evaluations, compare
 from services.agent.evals.store import new_id
 from services.agent.runtime import AgentRuntime
-from services.common.auth import require_admin
+from services.common.auth import Principal, require_admin
 from services.common.errors import InvalidRequest, NotFound, describe_validation_error
 
 router = APIRouter(
@@ -126,8 +126,16 @@ async def from_message(runtime: AgentRuntime, tenant: str, body: FromMessage) ->
 # -- sets --------------------------------------------------------------------------------------
 
 
+def _may_change(principal: Principal, s: EvalSet | None = None, *, marking: bool = False) -> None:
+    """Regression sets gate the tenant's promotions and reindexes: only an admin makes, edits or
+    deletes one, or a member could empty the gate before promoting what it trained."""
+    if marking or (s is not None and s.regression):
+        require_admin(principal, "changing a regression set")
+
+
 @router.post("/v1/evals/sets", response_model=EvalSet, status_code=201)
 async def create_set(body: EvalSetCreate, evals: EvalsDep, principal: PrincipalDep) -> EvalSet:
+    _may_change(principal, marking=body.regression)
     evals.limit_check(len(body.questions))
     now = time.time()
     s = EvalSet(
@@ -158,6 +166,7 @@ async def patch_set(set_id: SetId, body: EvalSetPatch, evals: EvalsDep, principa
     change = body.model_dump(exclude_unset=True, exclude_none=True)
 
     def apply(s: EvalSet) -> EvalSet:
+        _may_change(principal, s, marking="regression" in change)
         return s.model_copy(update={**change, "updated_at": time.time()})
 
     return await evals.store.update_set(principal.tenant, set_id, apply)
@@ -165,6 +174,7 @@ async def patch_set(set_id: SetId, body: EvalSetPatch, evals: EvalsDep, principa
 
 @router.delete("/v1/evals/sets/{set_id}", status_code=204)
 async def delete_set(set_id: SetId, evals: EvalsDep, principal: PrincipalDep) -> Response:
+    _may_change(principal, await evals.store.get_set(principal.tenant, set_id))
     await evals.store.delete_set(principal.tenant, set_id)
     return Response(status_code=204)
 
@@ -193,7 +203,8 @@ async def add_questions(
     or JSON: ``{"jsonl"}``, ``{"questions"}`` or ``{"from_message": {"message_id", "reference"?}}``,
     with ``replace``. A malformed line is a 400 naming it; more than the set's limit a 413."""
     tenant = principal.tenant
-    await evals.store.get_set(tenant, set_id)  # another tenant's set: 404 before reading the body
+    # another tenant's set: 404 before reading the body
+    _may_change(principal, await evals.store.get_set(tenant, set_id))
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     raw = await request.body()
     try:
@@ -239,6 +250,7 @@ async def patch_question(
     change = body.model_dump(exclude_unset=True)
 
     def apply(s: EvalSet) -> EvalSet:
+        _may_change(principal, s)
         _nth(s, n)
         old = s.questions[n - 1]
         try:
@@ -255,6 +267,7 @@ async def patch_question(
 @router.delete("/v1/evals/sets/{set_id}/questions/{n}", status_code=204)
 async def delete_question(set_id: SetId, n: QuestionN, evals: EvalsDep, principal: PrincipalDep) -> Response:
     def apply(s: EvalSet) -> EvalSet:
+        _may_change(principal, s)
         _nth(s, n)
         questions = [*s.questions[: n - 1], *s.questions[n:]]
         return s.model_copy(update={"questions": questions, "updated_at": time.time()})
