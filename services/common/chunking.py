@@ -14,6 +14,12 @@ cutting rules for the retrieval service's chunks and the trainer's passages (gen
 4. Fenced code blocks and tables (runs of ``| ... |`` lines) are kept whole: a cut that would
    fall inside one moves back to its start, and an overlap never starts inside one. Only a
    block longer than a whole chunk is cut.
+5. A table longer than a chunk is cut between its rows (a line break is the strongest
+   separator inside it), its first piece beginning with what comes before it in the chunk (its
+   heading, say) rather than a chunk of its own. Each piece after the first carries the
+   table's header, its first row and the ``| --- |`` line under it (``table_header``), as
+   context indexed with it; a piece leaves room for it, so that header and rows together stay
+   within ``size`` tokens. A row a search finds so comes with its column names.
 
 Every chunk's text is exactly ``text[start:end]``.
 """
@@ -32,6 +38,8 @@ FENCE_RE = re.compile(r"^ {0,3}(```|~~~)")
 SEPARATORS = ("\n\n", "\n", ". ", "? ", "! ", "; ", ": ", ", ", " ")
 _WORD_RE = re.compile(r"\S+")
 TABLE_ROW_RE = re.compile(r"^ {0,3}\|.*\|[ \t]*$")
+# The line under a Markdown table's header row: "| --- | :-: |".
+TABLE_RULE_RE = re.compile(r"^ {0,3}\|(?:[ \t]*:?-+:?[ \t]*\|)+[ \t]*$")
 
 
 def regex_offsets(text: str) -> list[tuple[int, int]]:
@@ -115,6 +123,48 @@ def atomic_blocks(text: str) -> list[tuple[int, int]]:
     return sorted(out)
 
 
+@dataclass(frozen=True)
+class Table:
+    """A table of the text: ``text[start:end]``; its header (first row, and the ``| --- |``
+    line under it if there is one) ends at ``header_end``."""
+
+    start: int
+    end: int
+    header_end: int
+
+    def header(self, text: str) -> str:
+        return text[self.start : self.header_end]
+
+
+def tables(text: str, blocks: list[tuple[int, int]] | None = None) -> list[Table]:
+    """The tables among ``atomic_blocks`` (those that are not code)."""
+    out = []
+    for start, end in atomic_blocks(text) if blocks is None else blocks:
+        first = text.find("\n", start, end)
+        if first < 0 or not TABLE_ROW_RE.match(text[start:first]):
+            continue  # a code block, or a table of one line (never cut)
+        second = text.find("\n", first + 1, end)
+        second = end if second < 0 else second
+        out.append(Table(start, end, second if TABLE_RULE_RE.match(text[first + 1 : second]) else first))
+    return out
+
+
+def table_at(tabs: list[Table], offset: int, starts: list[int] | None = None) -> Table | None:
+    """The table whose rows after its header hold ``offset``: a chunk starting there repeats
+    that table's header. ``starts``: the tables' starts, when the caller keeps them."""
+    i = bisect.bisect_right([t.start for t in tabs] if starts is None else starts, offset) - 1
+    if i >= 0 and tabs[i].header_end < offset < tabs[i].end:
+        return tabs[i]
+    return None
+
+
+def table_header(text: str, start: int, tabs: list[Table] | None = None) -> str:
+    """The header a chunk of ``text`` that starts at ``start`` carries: that of the table it
+    starts in, past the table's header; "" elsewhere."""
+    table = table_at(tables(text) if tabs is None else tabs, start)
+    return table.header(text) if table is not None else ""
+
+
 def _inside(blocks: list[tuple[int, int]], offset: int) -> tuple[int, int] | None:
     """The block that ``offset`` falls strictly inside, if any."""
     i = bisect.bisect_right(blocks, (offset, 1 << 62)) - 1
@@ -123,24 +173,38 @@ def _inside(blocks: list[tuple[int, int]], offset: int) -> tuple[int, int] | Non
     return None
 
 
+def _long_table(block: tuple[int, int], starts: list[int], size: int, table_starts: frozenset[int]) -> bool:
+    """Whether ``block`` is a table longer than a chunk: cut between its rows wherever the cut
+    falls (its pieces carry its header), rather than moved back to its start, which would
+    leave what comes before it (its heading, often) a chunk of its own."""
+    if block[0] not in table_starts:
+        return False
+    return bisect.bisect_left(starts, block[1]) - bisect.bisect_left(starts, block[0]) > size
+
+
 def _split_tokens(
     text: str,
     toks: list[tuple[int, int]],
     size: int,
     overlap: int,
     blocks: list[tuple[int, int]] | None = None,
+    reserve: Callable[[int], int] | None = None,
+    table_starts: frozenset[int] = frozenset(),
 ) -> list[tuple[int, int]]:
-    """Token windows [i, j) over ``toks`` following the rules in the module docstring."""
+    """Token windows [i, j) over ``toks`` following the rules in the module docstring;
+    ``reserve(offset)``: the tokens a chunk starting at ``offset`` leaves for a repeated table
+    header (at most half the chunk); ``table_starts``: which of the blocks are tables."""
     n = len(toks)
     starts = [t[0] for t in toks]
     blocks = blocks or []
     out: list[tuple[int, int]] = []
     i = 0
     while i < n:
-        j = min(i + size, n)
+        room = max(size - reserve(starts[i]), max(1, size // 2)) if reserve else size
+        j = min(i + room, n)
         before_block = False
         if j < n:
-            lo = starts[i + max(1, size // 2)]
+            lo = starts[i + max(1, room // 2)]
             hi = starts[j]
             cut = -1
             for sep in SEPARATORS:
@@ -152,7 +216,11 @@ def _split_tokens(
                 jj = bisect.bisect_left(starts, cut, i + 1, j)
                 j = max(jj, i + 1)
             block = _inside(blocks, starts[j]) if j < n else None
-            if block is not None and block[0] > starts[i]:
+            if (
+                block is not None
+                and block[0] > starts[i]
+                and not _long_table(block, starts, size, table_starts)
+            ):
                 # Cut before a code block or table rather than through it.
                 j = max(bisect.bisect_left(starts, block[0], i + 1, j), i + 1)
                 before_block = True
@@ -198,6 +266,18 @@ def chunk_spans(
     all_toks = offsets(text)
     tok_starts = [t[0] for t in all_toks]
     blocks = atomic_blocks(text)
+    tabs = tables(text, blocks)
+    tab_starts = [t.start for t in tabs]
+    # tokens of each table's header, by the table's start
+    header_tokens = {
+        t.start: bisect.bisect_left(tok_starts, t.header_end) - bisect.bisect_left(tok_starts, t.start)
+        for t in tabs
+    }
+
+    def reserve(offset: int) -> int:
+        table = table_at(tabs, offset, tab_starts)
+        return header_tokens[table.start] if table is not None else 0
+
     out: list[tuple[int, int, Section]] = []
     for sec in sections(text):
         a = bisect.bisect_left(tok_starts, sec.start)
@@ -205,7 +285,9 @@ def chunk_spans(
         toks = [t for t in all_toks[a:b] if t[1] > t[0]]
         if not toks:
             continue
-        for i, j in _split_tokens(text, toks, size, overlap, blocks):
+        for i, j in _split_tokens(
+            text, toks, size, overlap, blocks, reserve if tabs else None, frozenset(tab_starts)
+        ):
             start, end = toks[i][0], min(toks[j - 1][1], sec.end)
             if text[start:end].strip():
                 out.append((start, end, sec))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -134,15 +135,99 @@ class RetrievalSettings(TenantLimitSettings, TenantQuotaSettings, JobLeaseSettin
         "unit of its progress, and the most a restarted job embeds again.",
     )
     parse_max_decompressed_mb: int = Field(
-        256, ge=1, description="Most bytes (MiB) a DOCX may inflate to, and of text a PDF may yield."
+        256,
+        ge=1,
+        description="Most bytes (MiB) a zipped file (DOCX, PPTX, XLSX, ODT, EPUB) may inflate to, and "
+        "of text a file may yield.",
     )
     parse_max_ratio: float = Field(
-        100.0, gt=1, description="Highest compression ratio of a DOCX member larger than 1 MiB (zip bombs)."
+        100.0,
+        gt=1,
+        description="Highest compression ratio of a member larger than 1 MiB of a zipped file (zip bombs).",
     )
-    parse_max_pages: int = Field(2000, ge=1, description="Most pages of a PDF.")
+    parse_max_pages: int = Field(
+        2000, ge=1, description="Most pages of a PDF, slides of a deck, chapters of an e-book."
+    )
+    parse_max_cells: int = Field(
+        2_000_000,
+        ge=1,
+        description="Most table cells of one file, in all its sheets and tables (XLSX, CSV, PPTX, ODT).",
+    )
     parse_timeout_s: float = Field(
-        120.0, gt=0, description="Seconds parsing one PDF, DOCX or HTML file may take."
+        120.0, gt=0, description="Seconds parsing one file in the ingestion worker's sandbox may take."
+    )
+    # -- OCR of scanned PDF pages and images (services/retrieval/core/ocr.py) ---------------------
+    ocr_page_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Seconds OCR of one page (a PDF page without a text layer, an image, a TIFF frame) "
+        "may take; a page past it fails with that reason, the file's other pages are read. Each page "
+        "OCR begins adds this to the file's TANDEM_RETRIEVAL_PARSE_TIMEOUT_S.",
+    )
+    ocr_max_pixels: int = Field(
+        40_000_000,
+        ge=1_000_000,
+        le=150_000_000,
+        description="Most pixels of one page read by OCR: a PDF page that would render larger at "
+        "TANDEM_RETRIEVAL_OCR_DPI is rendered at a lower resolution; an image (or TIFF frame) larger "
+        "is refused, that page failing with the reason. The sandbox's memory limit grows with it.",
+    )
+    ocr_dpi: int = Field(
+        200,
+        ge=72,
+        le=600,
+        description="Resolution at which a PDF page without a text layer is rendered for OCR.",
     )
     checkpoint_every: int = Field(
         2000, ge=1, description="Write index checkpoints after this many logged chunk operations."
     )
+    # -- sources a collection follows (services/retrieval/sources/) ------------------------------
+    source_roots: str = Field(
+        "",
+        description="Server folders (separated by ':') under which a collection may follow a folder "
+        "source or a file:// Git repository; every tenant may name a folder under them. Empty: no "
+        "local path is allowed.",
+    )
+    source_allow_private: bool = Field(
+        False,
+        description="Let Git and website sources be on private, loopback or link-local addresses "
+        "(off: such a URL is a 400 when the source is added, and a failed sync later).",
+    )
+    source_min_interval_minutes: int = Field(
+        5,
+        ge=1,
+        le=10080,
+        description="Shortest sync interval a source may ask for (interval_minutes 0 means on demand only).",
+    )
+    source_max_per_collection: int = Field(
+        20, ge=1, le=1000, description="Sources one collection may follow."
+    )
+    source_max_files: int = Field(
+        10_000,
+        ge=1,
+        le=1_000_000,
+        description="Most files one sync of a source takes (the rest are left out).",
+    )
+    source_max_file_mb: int = Field(
+        100, ge=1, le=65536, description="Largest file (or web page) a sync of a source takes, in MiB."
+    )
+    source_git_timeout_s: float = Field(
+        600.0, gt=0, le=86400, description="Seconds one git clone or fetch of a source may take."
+    )
+    source_web_max_depth: int = Field(
+        3,
+        ge=0,
+        le=20,
+        description="Links followed from a website source's start page (0: the start page only).",
+    )
+    source_web_max_pages: int = Field(
+        500, ge=1, le=100_000, description="Most pages and linked files one sync of a website source fetches."
+    )
+    source_web_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="Seconds one request of a website sync may take."
+    )
+
+    def source_root_paths(self) -> list[Path]:
+        """TANDEM_RETRIEVAL_SOURCE_ROOTS as resolved folders (links followed)."""
+        return [Path(p).expanduser().resolve() for p in self.source_roots.split(":") if p.strip()]

@@ -135,7 +135,7 @@ def test_reupload_replaces(client: httpx.Client) -> None:
     [
         ("empty.txt", b"", 400, ["empty.txt", "empty"]),
         ("blank.md", b"   \n\n", 400, ["blank.md", "no extractable text"]),
-        ("image.png", b"\x89PNG\r\n", 415, ["image.png", "unsupported type .png"]),
+        ("image.gif", b"GIF89a", 415, ["image.gif", "unsupported type .gif"]),
         ("noext", b"hello", 415, ["noext", "unsupported type"]),
         ("latin1.txt", "caf\u00e9".encode("latin-1"), 400, ["latin1.txt", "not valid UTF-8", "0xe9"]),
         ("bad.jsonl", b'{"id": "a", "text": "ok"}\n{broken\n', 400, ["bad.jsonl", "line 2"]),

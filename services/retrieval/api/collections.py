@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from services.common.errors import InvalidRequest
@@ -12,6 +13,7 @@ from services.common.idempotency import idempotent
 from services.retrieval.api.deps import CollectionDep, CollectionName, ManagerDep, TenantDep
 from services.retrieval.core.collection import CollectionConfig
 from services.retrieval.core.jobs import TASK_NAME
+from services.retrieval.core.ocr import check_language
 from services.retrieval.protocol import (
     Chunking,
     CollectionInfo,
@@ -36,6 +38,7 @@ def _info(config: CollectionConfig, stats: dict[str, object] | None = None) -> C
         embedding_backend=config.embedding_backend,
         chunking=Chunking(size=config.chunk_size, overlap=config.chunk_overlap),
         keep_hidden_text=config.keep_hidden_text,
+        ocr_language=config.ocr_language,
         index=config.index,
         created_at=config.created_at,
         **fields,  # type: ignore[arg-type]
@@ -48,7 +51,8 @@ def _info(config: CollectionConfig, stats: dict[str, object] | None = None) -> C
     response_model=CollectionInfo,
     responses={
         400: {
-            "description": "invalid name, model, chunking or embedding_backend (the message names the field and value)"
+            "description": "invalid name, model, chunking, embedding_backend or ocr_language (the message "
+            "names the field and value)"
         },
         401: {"description": "missing or unknown API key"},
         409: {
@@ -72,6 +76,7 @@ async def create_collection(
             index=body.index,
             embedding_backend=body.embedding_backend,
             keep_hidden_text=body.keep_hidden_text,
+            ocr_language=body.ocr_language,
         )
         return _info(config, {"documents": 0, "chunks": 0})
 
@@ -103,27 +108,56 @@ VERSION_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.patch("/{name}", status_code=202, response_model=ReindexResponse, responses=VERSION_ERRORS)
+@router.patch(
+    "/{name}",
+    status_code=202,
+    response_model=ReindexResponse,
+    responses={
+        **VERSION_ERRORS,
+        400: {
+            "description": "no or an unknown field, an embedder that is no base model, or an unknown ocr_language"
+        },
+        200: {
+            "model": CollectionInfo,
+            "description": "only ocr_language was given: the collection as it is now",
+        },
+    },
+)
 def update_collection(
     name: CollectionName, body: UpdateCollection, request: Request, who: TenantDep, collections: ManagerDep
-) -> ReindexResponse:
+) -> Any:
     """Switch the collection to another embedder (a base model, or one of the tenant's
     fine-tuned ``ft-emb-...``): a job re-embeds every chunk into a new index version while
     searches answer from the current one, then switches atomically; the version left is kept
-    for ``POST /v1/collections/{name}/rollback``."""
-    if body.embedder is None:
+    for ``POST /v1/collections/{name}/rollback``. ``ocr_language`` changes the language OCR
+    reads in files ingested from now on, at once; given alone, the answer is 200 with the
+    collection."""
+    if body.embedder is None and body.ocr_language is None:
         raise InvalidRequest(
-            "nothing to change: give 'embedder' (the name of a base model or fine-tuned embedder)",
+            "nothing to change: give 'embedder' (the name of a base model or fine-tuned embedder) "
+            "or 'ocr_language'",
             param="embedder",
         )
-    celery = request.app.state.celery
+    if body.ocr_language is not None:
+        check_language(body.ocr_language)  # before a reindex starts, so a bad value changes nothing
+    started = None
+    if body.embedder is not None:
+        celery = request.app.state.celery
 
-    def dispatch(tenant: str, collection: str, job_id: str) -> None:
-        celery.send_task(TASK_NAME, args=[tenant, collection, job_id], queue="io")
+        def dispatch(tenant: str, collection: str, job_id: str) -> None:
+            celery.send_task(TASK_NAME, args=[tenant, collection, job_id], queue="io")
 
-    return start_reindex(
-        collections, request.app.state.jobs, who, name, body.embedder, dispatch, body.only_if_better
-    )
+        started = start_reindex(
+            collections, request.app.state.jobs, who, name, body.embedder, dispatch, body.only_if_better
+        )
+    elif body.only_if_better is not None:
+        raise InvalidRequest("only_if_better goes with an 'embedder' to switch to", param="only_if_better")
+    if body.ocr_language is not None:
+        collections.set_ocr_language(who, name, body.ocr_language)
+    if started is not None:
+        return started
+    col = collections.get(who, name)
+    return JSONResponse(_info(col.config, col.stats()).model_dump(mode="json"), status_code=200)
 
 
 @router.post("/{name}/rollback", response_model=CollectionInfo, responses=VERSION_ERRORS)

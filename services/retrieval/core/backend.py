@@ -53,6 +53,10 @@ class CollectionBackend(Protocol):
         """The settings of a collection (404 if there is none)."""
         ...
 
+    def save_config(self, tenant: str, config: CollectionConfig) -> None:
+        """Replace the stored settings of an existing collection (404 if there is none)."""
+        ...
+
     def list_configs(self, tenant: str) -> list[CollectionConfig]: ...
 
     def exists(self, tenant: str, name: str) -> bool: ...
@@ -171,6 +175,12 @@ class EmbeddedBackend:
         if config.backend != self.name:
             raise wrong_backend(name, tenant, config.backend, self.name)
         return config
+
+    def save_config(self, tenant: str, config: CollectionConfig) -> None:
+        path = self._dir(tenant, config.name) / "collection.json"
+        if not path.exists():
+            raise not_found(config.name)
+        atomic_write(path, config.to_json())
 
     def list_configs(self, tenant: str) -> list[CollectionConfig]:
         out = []

@@ -88,6 +88,9 @@ class CollectionConfig:
     # Keep the text of uploaded files that a reader cannot see (core/hidden_text.py); files
     # before this field: left out, as for a new collection.
     keep_hidden_text: bool = False
+    # Language OCR reads in scanned pages and images (core/ocr.py's LANGUAGES); files before
+    # this field: English, as for a new collection.
+    ocr_language: str = "en"
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, indent=2).encode()

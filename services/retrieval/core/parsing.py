@@ -1,4 +1,5 @@
-"""Uploaded files to documents, with real parsers (pypdf, python-docx, BeautifulSoup,
+"""Uploaded files to documents, with real parsers (pypdfium2 and pdfplumber's table finder for
+PDFs in reading order: core/pdf_layout.py; python-docx, BeautifulSoup,
 markdown-it-py). Structure that chunking uses is kept as Markdown in the text: HTML
 ``<h1>``-``<h6>``, DOCX "Heading N" paragraphs, Markdown headings and PDF lines set in a
 larger font all become ``#``-lines; code blocks become fenced blocks and tables ``| a | b |``
@@ -6,8 +7,8 @@ rows, in reading order, so the chunker keeps them whole; an HTML definition list
 block per item, ``term: definition``. The text reads as people read it: a PDF's words
 hyphenated at line ends are joined again, ligatures spelled out and soft hyphens dropped
 (core/text_cleanup.py), HTML source line breaks are spaces. What the text cannot hold goes to
-``InputDocument.structure`` (core/structure.py): the offset where each PDF page begins and
-the HTML anchors of headings. Text a reader of the file cannot see (hidden HTML elements, text
+``InputDocument.structure`` (core/structure.py): the offset where each PDF page begins, the
+offsets and box of each of its lines, and the HTML anchors of headings. Text a reader of the file cannot see (hidden HTML elements, text
 in its background's colour, hidden Word runs, PDF text off the page or in the page's colour) is
 left out unless the collection keeps it, and counted (core/hidden_text.py). Every problem is an
 ``InvalidRequest`` naming the file and what is wrong.
@@ -18,19 +19,32 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.common import jsonsafe
 from services.common.errors import InvalidRequest, UnsupportedMediaType
+from services.retrieval.core import formats
 from services.retrieval.core.hidden_text import docx_run_hidden, drop_hidden_html, drop_hidden_pdf_text
+from services.retrieval.core.ocr import IMAGE_EXTENSIONS, OcrSettings
+from services.retrieval.core.pdf_layout import PageLayout, TableBlock, TextLine, ocr_layout, page_layout
 from services.retrieval.core.structure import sentinel, take_sentinels
-from services.retrieval.core.text_cleanup import fix_characters, join_hyphenated
+from services.retrieval.core.tables import markdown_row, markdown_table
+from services.retrieval.core.text_cleanup import fix_characters, join_hyphenated_lines
 
-SUPPORTED = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf", ".docx", ".jsonl")
+SUPPORTED: tuple[str, ...] = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf", ".docx", ".jsonl")
+# Decks, sheets, e-books and mail (core/formats_*.py).
+SUPPORTED += (".pptx", ".xlsx", ".csv", ".tsv", ".odt", ".epub", ".eml")
 # Formats whose parsers decompress, or do work out of proportion to the file's size: parsed
 # only by the ingestion worker, in a child process with limits (services/retrieval/core/sandbox.py).
-UNTRUSTED = (".pdf", ".docx", ".html", ".htm")
+UNTRUSTED: tuple[str, ...] = (".pdf", ".docx", ".html", ".htm")
+# Zip containers, and mail, whose attachments may be any of these.
+UNTRUSTED += (".pptx", ".xlsx", ".odt", ".epub", ".eml")
+# Images, read by OCR (core/ocr.py, core/image_files.py): decoders and models.
+SUPPORTED += IMAGE_EXTENSIONS
+UNTRUSTED += IMAGE_EXTENSIONS
 MIB = 1024 * 1024
 
 
@@ -43,10 +57,21 @@ class ParseLimits:
     max_pages: int = 2000
     timeout_s: float = 120.0
     max_text_bytes: int = 64 * MIB
+    # Cells of all the tables and sheets of one file (XLSX, CSV, PPTX, ODT).
+    max_cells: int = 2_000_000
 
 
 class ParseLimitError(InvalidRequest):
     """A file breached one of the ParseLimits."""
+
+
+class NoTextError(InvalidRequest):
+    """A file that yields no text: ``pages_without_text`` names its pages (a PDF's or an
+    image's), for the ingestion job to show."""
+
+    def __init__(self, message: str, pages_without_text: list[int] | None = None) -> None:
+        super().__init__(message, param="file", code="empty_file")
+        self.pages_without_text = list(pages_without_text or [])
 
 
 @dataclass
@@ -101,7 +126,7 @@ def _tidy(text: str) -> str:
 
 
 def _table_row(cells: list[str]) -> str:
-    return "| " + " | ".join(re.sub(r"\s+", " ", c).strip().replace("|", "\\|") for c in cells) + " |"
+    return markdown_row(cells)
 
 
 def markdown_to_text(source: str) -> str:
@@ -358,77 +383,228 @@ def _limit(filename: str, what: str, setting: str) -> ParseLimitError:
 
 
 def pdf_to_text(filename: str, data: bytes, limits: ParseLimits = ParseLimits()) -> str:
-    return pdf_document(filename, data, limits)[0]
+    return pdf_document(filename, data, limits).text
+
+
+@dataclass
+class PdfText:
+    """What ``pdf_document`` reads of a PDF."""
+
+    text: str
+    pages: list[list[int]]  # [[page, offset where its text begins], ...]
+    hidden: int  # text runs left out as hidden
+    lines: list[list[float]] = field(default_factory=list)  # [[start, end, page, x0, top, x1, bottom], ...]
+    page_sizes: list[list[float]] = field(default_factory=list)  # [[page, width, height], ...]
+    pages_without_text: list[int] = field(default_factory=list)
+    page_errors: dict[int, str] = field(default_factory=dict)  # why OCR read nothing on a page
+
+    def structure(self) -> dict[str, Any]:
+        return {"pages": self.pages, "lines": self.lines, "page_sizes": self.page_sizes}
 
 
 def pdf_document(
-    filename: str, data: bytes, limits: ParseLimits = ParseLimits(), keep_hidden_text: bool = False
-) -> tuple[str, list[list[int]], int]:
-    """(text, pages, hidden) of a PDF: the pages' text in order, lines set in a larger font than
-    the body as ``#`` headings, ``[[page, offset], ...]`` where each page's text begins, and the
-    count of text runs left out as hidden (``hidden_text.drop_hidden_pdf_text``; none with
-    ``keep_hidden_text``). Words the typesetter hyphenated at a line end are whole again, except
-    in code (monospaced type) and headings (``text_cleanup.join_hyphenated``)."""
-    from pypdf import PdfReader
-    from pypdf.errors import PdfReadError, PdfStreamError
+    filename: str,
+    data: bytes,
+    limits: ParseLimits = ParseLimits(),
+    keep_hidden_text: bool = False,
+    *,
+    ocr: OcrSettings | None = None,
+) -> PdfText:
+    """A PDF's text in reading order (``pdf_layout``: lines, columns one after the other, ruled
+    tables as Markdown tables with their header row), lines set in a larger font than the body
+    as ``#`` headings, running heads and page numbers left out; ``pages``: where each page's text
+    begins; ``lines``: each line's (or table row's) offsets in the text, page and box;
+    ``hidden``: the text runs left out as hidden (``hidden_text.drop_hidden_pdf_text``; none
+    with ``keep_hidden_text``). Words the typesetter hyphenated at a line end are whole again,
+    except in code (monospaced type) and headings (``text_cleanup.join_hyphenated``).
+
+    A page without a text layer is read by OCR (``ocr.ocr_pdf_pages``) when ``ocr`` is given;
+    the pages that yield no text are ``pages_without_text``. An encrypted PDF that needs a
+    password is an ``InvalidRequest`` (code ``encrypted_pdf``)."""
+    layouts, hidden = _pdf_layouts(filename, data, limits, keep_hidden_text)
+    errors: dict[int, str] = {}
+    blank = [p.number for p in layouts if not p.has_text]
+    if blank and ocr is not None:
+        from services.retrieval.core.ocr import ocr_pdf_pages
+
+        for read in ocr_pdf_pages(data, blank, ocr):
+            lines = [(line.text, tuple(line.box)) for line in read.lines]
+            layouts[read.page - 1] = ocr_layout(read.page, read.width, read.height, lines)  # type: ignore[arg-type]
+            if read.error:
+                errors[read.page] = read.error
+    out = _compose(layouts)
+    out.hidden = hidden
+    out.pages_without_text = [p.number for p in layouts if not p.has_text]
+    out.page_errors = {n: why for n, why in errors.items() if n in out.pages_without_text}
+    return out
+
+
+def _not_readable(filename: str, exc: Exception) -> InvalidRequest:
+    return InvalidRequest(
+        f"file {filename!r} is not a readable PDF: {type(exc).__name__}: {exc}",
+        param="file",
+        code="corrupt_file",
+    )
+
+
+def _encrypted(filename: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"file {filename!r} is an encrypted PDF that needs a password to open; upload it decrypted",
+        param="file",
+        code="encrypted_pdf",
+    )
+
+
+def _pdf_layouts(
+    filename: str, data: bytes, limits: ParseLimits, keep_hidden_text: bool
+) -> tuple[list[PageLayout], int]:
+    """Each page's reading order, and the count of hidden text runs left out. The hidden text
+    is taken out of the pages by pypdf (``drop_hidden_pdf_text``); the pages it changed are
+    read from a copy holding them as changed."""
+    import pypdfium2 as pdfium
 
     try:
-        reader = PdfReader(io.BytesIO(data), strict=False)
-        if len(reader.pages) > limits.max_pages:
-            raise _limit(
-                filename, f"{len(reader.pages)} pages, more than {limits.max_pages}", "PARSE_MAX_PAGES"
-            )
-        pages: list[str] = []
-        runs: list[tuple[str, float]] = []  # (text, font size) of every text run
-        code: list[set[str]] = []  # per page, the hyphenated words that end lines of code
-        size = hidden = 0
-
-        def visit(text: str, cm: Any, tm: Any, font: Any, font_size: Any) -> None:
-            if text.strip():
-                scale = abs(float(tm[3]) * float(cm[3])) or 1.0
-                runs.append((text.strip(), round(float(font_size or 0) * scale, 1)))
-                if _monospaced(font):
-                    code[-1].update(_hyphen_ends(fix_characters(text, soft_hyphens=False)))
-
-        for page in reader.pages:
-            code.append(set())
-            if not keep_hidden_text:
-                hidden += drop_hidden_pdf_text(page)
-            pages.append(page.extract_text(visitor_text=visit) or "")
-            size += len(pages[-1])
+        doc = pdfium.PdfDocument(data)
+    except pdfium.PdfiumError as exc:
+        if "password" in str(exc).lower():
+            raise _encrypted(filename) from None
+        raise _not_readable(filename, exc) from None
+    cleaned = None
+    try:
+        if len(doc) > limits.max_pages:
+            raise _limit(filename, f"{len(doc)} pages, more than {limits.max_pages}", "PARSE_MAX_PAGES")
+        reader = None if keep_hidden_text else _pypdf_reader(filename, data)
+        hidden, changed = _drop_hidden(reader) if reader is not None else (0, [])
+        if changed:
+            cleaned = pdfium.PdfDocument(_pages_copy(reader, changed))
+        copy_of = {n: i for i, n in enumerate(changed)}
+        soft = _SoftHyphens(filename, data, reader)
+        layouts: list[PageLayout] = []
+        size = 0
+        for n in range(len(doc)):
+            page = cleaned[copy_of[n]] if cleaned is not None and n in copy_of else doc[n]
+            try:
+                layouts.append(page_layout(page, n + 1, soft_hyphens=soft.of(n)))
+            finally:
+                page.close()
+            size += layouts[-1].chars
             if size > limits.max_text_bytes:
                 raise _limit(
                     filename,
                     f"more than {limits.max_text_bytes // MIB} MiB of text",
                     "PARSE_MAX_DECOMPRESSED_MB",
                 )
-    except ParseLimitError:
+        return layouts, hidden
+    except InvalidRequest:
         raise
-    except (PdfReadError, PdfStreamError, ValueError, KeyError, TypeError, AssertionError) as exc:
-        raise InvalidRequest(
-            f"file {filename!r} is not a readable PDF: {exc}", param="file", code="corrupt_file"
-        ) from None
-    except Exception as exc:  # pypdf raises many kinds of errors on broken files
-        raise InvalidRequest(
-            f"file {filename!r} is not a readable PDF: {type(exc).__name__}: {exc}",
-            param="file",
-            code="corrupt_file",
-        ) from None
-    levels = _heading_levels(runs)
-    pages = _readable_pages(_without_running_heads(pages), levels, code)
-    parts: list[str] = []
-    offsets: list[list[int]] = []
-    pos = 0
-    for n, raw in enumerate(pages, start=1):
-        body = _tidy("\n".join(_pdf_line(ln, levels) for ln in raw.split("\n")))
-        if body and parts:
-            pos += 2  # the blank line between pages
-        # An empty page begins where the next page's text will (so it holds no text).
-        offsets.append([n, pos if body or not parts else pos + 2])
-        if body:
-            parts.append(body)
-            pos += len(body)
-    return "\n\n".join(parts), offsets, hidden
+    except Exception as exc:  # pdfium, pypdf and pdfplumber raise many kinds of errors on broken files
+        raise _not_readable(filename, exc) from None
+    finally:
+        if cleaned is not None:
+            cleaned.close()
+        doc.close()
+
+
+def _pypdf_reader(filename: str, data: bytes) -> Any:
+    from pypdf import PdfReader
+    from pypdf.errors import FileNotDecryptedError
+
+    try:
+        reader = PdfReader(io.BytesIO(data), strict=False)
+        len(reader.pages)  # an encrypted file fails here (an empty user password opens by itself)
+    except FileNotDecryptedError:
+        raise _encrypted(filename) from None
+    return reader
+
+
+def _drop_hidden(reader: Any) -> tuple[int, list[int]]:
+    """(hidden text runs taken out, the 0-based pages they were on)."""
+    hidden = 0
+    changed: list[int] = []
+    for n, page in enumerate(reader.pages):
+        removed = drop_hidden_pdf_text(page)
+        if removed:
+            hidden += removed
+            changed.append(n)
+    return hidden, changed
+
+
+def _pages_copy(reader: Any, pages: list[int]) -> bytes:
+    """A PDF of ``pages`` of ``reader`` as they are now (their hidden text taken out)."""
+    from pypdf import PdfWriter
+
+    writer = PdfWriter()
+    for n in pages:
+        writer.add_page(reader.pages[n])
+    buf = io.BytesIO()
+    writer.write(buf)
+    return buf.getvalue()
+
+
+class _SoftHyphens:
+    """The words each page breaks at a line end with a soft hyphen (U+00AD), as pypdf reads
+    them: pdfium shows every line-end hyphen alike. Looked up only for a page that has a hyphen
+    at a line end, and read only where the page's fonts can write a soft hyphen."""
+
+    def __init__(self, filename: str, data: bytes, reader: Any) -> None:
+        self.filename, self.data, self.reader = filename, data, reader
+
+    def of(self, n: int) -> Callable[[], set[str]]:
+        return lambda: self.words(n)
+
+    def words(self, n: int) -> set[str]:
+        try:
+            if self.reader is None:
+                self.reader = _pypdf_reader(self.filename, self.data)
+            page = self.reader.pages[n]
+            if not _may_write_soft_hyphens(page):
+                return set()
+            text = page.extract_text() or ""
+        except InvalidRequest:
+            raise
+        except Exception:  # pypdf cannot read what pdfium did: no soft hyphens known
+            return set()
+        ends = (re.search(r"(\w+)\u00ad\s*$", line) for line in text.split("\n"))
+        return {m.group(1) for m in ends if m}
+
+
+def _may_write_soft_hyphens(page: Any) -> bool:
+    """Whether a pypdf page has a font that can write a soft hyphen: its ToUnicode map has
+    U+00AD, or it is a simple font in WinAnsiEncoding (0xAD) and the page's content has 0xAD."""
+    resources = page.get("/Resources")
+    fonts = resources.get_object().get("/Font") if resources is not None else None
+    win_ansi = False
+    for ref in fonts.get_object().values() if fonts is not None else []:
+        font = ref.get_object()
+        unicode = font.get("/ToUnicode")
+        if unicode is not None:
+            if b"00ad" in unicode.get_object().get_data().lower():
+                return True
+        elif font.get("/Subtype") != "/Type0":
+            win_ansi = win_ansi or _win_ansi_soft_hyphen(font.get("/Encoding"))
+    if not win_ansi:
+        return False
+    contents = page.get_contents()
+    body = contents.get_data() if contents is not None else b""
+    return b"\xad" in body or b"\\255" in body
+
+
+def _win_ansi_soft_hyphen(encoding: Any) -> bool:
+    """Whether a simple font's ``/Encoding`` reads code 0xAD as WinAnsi's soft hyphen."""
+    encoding = encoding.get_object() if encoding is not None else None
+    if encoding == "/WinAnsiEncoding":
+        return True
+    if not hasattr(encoding, "get") or encoding.get("/BaseEncoding") != "/WinAnsiEncoding":
+        return False
+    code = -1
+    for entry in encoding.get("/Differences") or []:  # [code /name /name code /name ...]
+        if isinstance(entry, int):
+            code = int(entry)
+        else:
+            if code == 0xAD:
+                return False  # renamed
+            code += 1
+    return True
 
 
 # A page number alone: "24", "ix".
@@ -437,102 +613,196 @@ _PAGE_NUMBER = re.compile(r"^\s*(?:\d{1,5}|[ivxlcdm]{1,7})\s*$", re.IGNORECASE)
 RUNNING_MIN_PAGES = 3
 
 
-def _without_running_heads(pages: list[str]) -> list[str]:
-    """``pages`` without their running heads and feet: a first or last line that, its numbers
-    aside, is the first (or last) line of ``RUNNING_MIN_PAGES`` pages or more ("Chapter 4: Function
-    reference 14"), or a page number alone. Left in, such a line joins the sentence it breaks:
-    "Chapter 4: Function reference 14 Returns: the new node ..."."""
+def _running_lines(pages: list[list[str]]) -> list[set[int]]:
+    """For each page (its lines), the lines that are running heads and feet: a first or last
+    line that, its numbers aside, is the first (or last) line of ``RUNNING_MIN_PAGES`` pages or
+    more ("Chapter 4: Function reference 14"), or a page number alone. Left in, such a line
+    joins the sentence it breaks: "Chapter 4: Function reference 14 Returns: the new node ..."."""
 
     def key(line: str) -> str:
         return re.sub(r"\d+", "#", re.sub(r"\s+", " ", line.strip()))
 
-    lines = [p.strip("\n").split("\n") for p in pages]
-    firsts = [key(ls[0]) for ls in lines if ls[0].strip()]
-    lasts = [key(ls[-1]) for ls in lines if ls[-1].strip()]
+    firsts = [key(ls[0]) for ls in pages if ls and ls[0].strip()]
+    lasts = [key(ls[-1]) for ls in pages if ls and ls[-1].strip()]
 
     def running(line: str, ends: list[str]) -> bool:
         return bool(_PAGE_NUMBER.match(line)) or ends.count(key(line)) >= RUNNING_MIN_PAGES
 
-    out: list[str] = []
-    for ls in lines:
+    out: list[set[int]] = []
+    for ls in pages:
+        lo, hi = 0, len(ls)
         # a head line and a page number may both be there, in either order
         for _ in range(2):
-            if len(ls) > 1 and running(ls[0], firsts):
-                ls = ls[1:]
-            if len(ls) > 1 and running(ls[-1], lasts):
-                ls = ls[:-1]
-        out.append("\n".join(ls))
+            if hi - lo > 1 and running(ls[lo], firsts):
+                lo += 1
+            if hi - lo > 1 and running(ls[hi - 1], lasts):
+                hi -= 1
+        out.append(set(range(lo)) | set(range(hi, len(ls))))
     return out
 
 
-# Font names of monospaced (code) type: Courier, *Mono, TeX's typewriter fonts (cmtt10, cmsltt10,
-# sftt1000, ectt1000, txtt, lmmono10), ...
-_MONO_FONT = re.compile(
-    r"mono|courier|typewriter|consol|menlo|inconsolata|fixed|(?:^|[+/])(?:cm|cmsl|cmit|sf|sfsl|lm|ec|tc|tx)?tt\d",
-    re.I,
-)
-_FIXED_PITCH = 1  # the FixedPitch bit of a PDF font descriptor's /Flags
+def _without_running_heads(pages: list[str]) -> list[str]:
+    """``pages`` (texts) without their running heads and feet (``_running_lines``)."""
+    lines = [p.strip("\n").split("\n") for p in pages]
+    drop = _running_lines(lines)
+    return [
+        "\n".join(ln for i, ln in enumerate(ls) if i not in gone)
+        for ls, gone in zip(lines, drop, strict=True)
+    ]
 
 
-def _monospaced(font: Any) -> bool:
-    """Whether a text run's font (a PDF font dictionary) is a monospaced one: code."""
-    try:
-        if font is None:
-            return False
-        if _MONO_FONT.search(str(font.get("/BaseFont", ""))):
-            return True
-        descriptor = font.get("/FontDescriptor")
-        flags = descriptor.get_object().get("/Flags", 0) if descriptor is not None else 0
-        return bool(int(flags) & _FIXED_PITCH)
-    except Exception:  # a broken font dictionary: read as text
-        return False
+def _size_levels(layouts: list[PageLayout]) -> dict[float, int]:
+    """Heading level of each font size larger than the body text's (the size most characters
+    have): the largest is level 1, six levels at most."""
+    weight: Counter[float] = Counter()
+    for page in layouts:
+        for item in page.items:
+            if isinstance(item, TextLine) and item.size > 0:
+                weight[item.size] += len(item.text)
+    if not weight:
+        return {}
+    body = weight.most_common(1)[0][0]
+    bigger = sorted((sz for sz in weight if sz >= body * 1.15), reverse=True)[:6]
+    return {sz: i + 1 for i, sz in enumerate(bigger)}
 
 
-def _hyphen_ends(text: str) -> set[str]:
-    """The words, hyphen included, that lines of a code run end in: ``join_hyphenated`` never
-    joins them to the next line."""
-    ends = (re.search(r"(\w+(?:[-\u2010]\w+)*[-\u2010\u00ad])\s*$", line) for line in text.split("\n"))
-    return {m.group(1) for m in ends if m}
+@dataclass
+class _Line:
+    """A line of a page on its way into the text: its box (None for a table's ``| --- |`` line
+    and for a blank line), heading level, and whether it is code; a blank line around a table
+    is ``hard`` (it stays next to a heading)."""
+
+    text: str
+    box: tuple[float, float, float, float] | None = None
+    level: int = 0
+    mono: bool = False
+    hard: bool = False
+    mono_start: bool = False
+    mono_end: bool = False
 
 
-def _readable_pages(pages: list[str], levels: dict[str, int], code: list[set[str]]) -> list[str]:
-    """Pages with ligatures and soft hyphens fixed and words hyphenated at line ends joined
-    (``text_cleanup``); headings and code keep their hyphens."""
+def _page_lines(page: PageLayout, levels: dict[float, int]) -> list[_Line]:
+    """A page's items as lines: tables as Markdown tables between blank lines, a heading of two
+    lines or more as one line, and no paragraph break next to a heading."""
+    out: list[_Line] = []
+    for item in page.items:
+        if item is None:
+            if out and out[-1].text and not out[-1].level:
+                out.append(_Line(""))
+            continue
+        if isinstance(item, TableBlock):
+            rows = markdown_table(item.rows).split("\n")
+            boxes = [item.row_boxes[0], None, *item.row_boxes[1:]]
+            out.append(_Line("", hard=True))
+            if item.caption is not None:
+                out.append(_Line(item.caption.text, item.caption.box))
+            out += [_Line(r, b) for r, b in zip(rows, boxes, strict=False)]
+            out.append(_Line("", hard=True))
+            continue
+        text = re.sub(r"\s+", " ", item.text.strip())
+        level = levels.get(item.size, 0) if len(text) <= 200 and not text.startswith("#") else 0
+        if level and out and not out[-1].text and not out[-1].hard:
+            out.pop()  # a heading opens a section: no blank line before it
+        prev = out[-1] if out else None
+        if (
+            level
+            and prev is not None
+            and prev.level == level
+            and prev.box is not None
+            and -1 <= item.box[1] - prev.box[3] <= 0.6 * item.size  # the heading's next line
+        ):
+            x0, top, x1, bottom = prev.box
+            prev.text += " " + text
+            prev.box = (min(x0, item.box[0]), top, max(x1, item.box[2]), max(bottom, item.box[3]))
+            continue
+        out.append(
+            _Line(
+                text if level else item.text,
+                item.box,
+                level,
+                item.mono,
+                False,
+                item.mono_start,
+                item.mono_end,
+            )
+        )
+    return out
+
+
+def _tidy_lines(lines: list[_Line]) -> list[_Line]:
+    """``lines`` without blank lines at either end or after another."""
+    out: list[_Line] = []
+    for ln in lines:
+        if ln.text.strip() or (out and out[-1].text.strip()):
+            out.append(ln)
+    while out and not out[-1].text.strip():
+        out.pop()
+    return out
+
+
+def _compose(layouts: list[PageLayout]) -> PdfText:
+    """The text of the pages' lines: running heads out, headings as ``#`` lines, characters
+    fixed and hyphenated words joined; each page's start and each line's offsets and box."""
+    levels = _size_levels(layouts)
+    pages = [_tidy_lines(_page_lines(p, levels)) for p in layouts]
+    gone = _running_lines([[ln.text for ln in ls if ln.text.strip()] for ls in pages])
+    for n, lines in enumerate(pages):
+        written = [ln for ln in lines if ln.text.strip()]
+        dropped = {id(written[i]) for i in gone[n]}
+        pages[n] = _tidy_lines([ln for ln in lines if id(ln) not in dropped])
+    texts = [[fix_characters(ln.text, soft_hyphens=False) for ln in ls] for ls in pages]
+    pairs = [list(zip(ts, ls, strict=True)) for ts, ls in zip(texts, pages, strict=True)]
+    kept = [{t for t, ln in page if ln.level or ln.mono} for page in pairs]
+    code_end = [{t for t, ln in page if ln.mono_end} for page in pairs]
+    code_start = [{t for t, ln in page if ln.mono_start} for page in pairs]
 
     def keep(page: int, line: str, word: str) -> bool:
-        return word in code[page] or re.sub(r"\s+", " ", line.strip()) in levels
+        """Headings and code keep their hyphens: a line of code, a line that ends in a word of
+        code (the word with its hyphen) or begins with one (the rest of a word)."""
+        ends = code_end if word[-1:] in "-\u2010\u00ad" else code_start
+        return line in kept[page] or line in ends[page]
 
-    pages = [fix_characters(p, soft_hyphens=False) for p in pages]
-    return [fix_characters(p) for p in join_hyphenated(pages, keep)]
+    joined, emptied = join_hyphenated_lines(texts, keep)
+    parts: list[str] = []
+    offsets: list[list[int]] = []
+    boxes: list[list[float]] = []
+    pos = 0
+    for p, (layout, lines) in enumerate(zip(layouts, pages, strict=True)):
+        body: list[str] = []
+        placed: list[tuple[int, int, tuple[float, float, float, float]]] = []
+        size = 0  # of "\n".join(body)
+        for i, ln in enumerate(lines):
+            text = "" if (p, i) in emptied else fix_characters(joined[p][i]).rstrip()
+            if ln.level and text.strip():
+                text = f"{'#' * ln.level} {text.strip()}"
+            if not text.strip():
+                if body and body[-1]:
+                    body.append("")
+                    size += 1
+                continue
+            if not body:
+                text = text.lstrip()
+            size += 1 if body else 0
+            if ln.box is not None:
+                placed.append((size, size + len(text), ln.box))
+            body.append(text)
+            size += len(text)
+        while body and not body[-1]:
+            body.pop()
+        page_text = "\n".join(body)
+        if page_text and parts:
+            pos += 2  # the blank line between pages
+        # An empty page begins where the next page's text will (so it holds no text).
+        offsets.append([layout.number, pos if page_text or not parts else pos + 2])
+        if page_text:
+            parts.append(page_text)
+            boxes += [[pos + a, pos + b, layout.number, *(round(v, 2) for v in box)] for a, b, box in placed]
+            pos += len(page_text)
+    sizes: list[list[float]] = [[p.number, p.width, p.height] for p in layouts]
+    return PdfText("\n\n".join(parts), offsets, 0, boxes, sizes)
 
 
-def _heading_levels(runs: list[tuple[str, float]]) -> dict[str, int]:
-    """Heading level of the text of each run set larger than the body text (the size most
-    characters have): the largest size is level 1."""
-    if not runs:
-        return {}
-    weight: dict[float, int] = {}
-    for text, sz in runs:
-        weight[sz] = weight.get(sz, 0) + len(text)
-    body = max(weight, key=lambda k: weight[k])
-    bigger = sorted({sz for _, sz in runs if sz >= body * 1.15}, reverse=True)[:6]
-    rank = {sz: i + 1 for i, sz in enumerate(bigger)}
-    return {
-        re.sub(r"\s+", " ", fix_characters(text)): rank[sz]
-        for text, sz in runs
-        if sz in rank and len(text) <= 200
-    }
-
-
-def _pdf_line(line: str, levels: dict[str, int]) -> str:
-    key = re.sub(r"\s+", " ", line.strip())
-    level = levels.get(key)
-    if level and not key.startswith("#"):
-        return f"{'#' * level} {key}"
-    return line
-
-
-def check_zip(filename: str, data: bytes, limits: ParseLimits) -> None:
+def check_zip(filename: str, data: bytes, limits: ParseLimits, *, kind: str = "DOCX") -> None:
     """Refuse a zip bomb from its directory, before inflating anything. The declared sizes can
     be trusted: zipfile stops at the declared size and fails the CRC of a member that lies."""
     import zipfile
@@ -542,7 +812,7 @@ def check_zip(filename: str, data: bytes, limits: ParseLimits) -> None:
             members = zf.infolist()
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
         raise InvalidRequest(
-            f"file {filename!r} is not a readable DOCX: {exc}", param="file", code="corrupt_file"
+            f"file {filename!r} is not a readable {kind}: {exc}", param="file", code="corrupt_file"
         ) from None
     total = sum(m.file_size for m in members)
     if total > limits.max_decompressed_bytes:
@@ -582,7 +852,7 @@ def docx_to_text(
 
 def _docx_to_text(data: bytes, keep_hidden_text: bool = False) -> tuple[str, str, int]:
     """Paragraphs and tables in the order of the document's body; "Heading N" and "Title"
-    paragraphs as ``#`` lines, tables as ``| a | b |`` rows."""
+    paragraphs as ``#`` lines, tables as Markdown tables (their first row the header)."""
     from docx import Document
     from docx.table import Table
     from docx.text.paragraph import Paragraph
@@ -609,10 +879,10 @@ def _docx_to_text(data: bytes, keep_hidden_text: bool = False) -> tuple[str, str
         tag = el.tag.rsplit("}", 1)[-1]
         if tag == "tbl":
             rows = [
-                _table_row(["\n".join(text_of(p) for p in cell.paragraphs) for cell in row.cells])
+                ["\n".join(text_of(p) for p in cell.paragraphs) for cell in row.cells]
                 for row in Table(el, doc).rows
             ]
-            lines.append("\n" + "\n".join(rows) + "\n")
+            lines.append("\n" + markdown_table(rows) + "\n")
             continue
         if tag != "p":
             continue
@@ -668,23 +938,53 @@ def parse_file(
     doc_id: str | None = None,
     limits: ParseLimits = ParseLimits(),
     keep_hidden_text: bool = False,
+    ocr: OcrSettings | None = None,
 ) -> list[InputDocument]:
     """Documents in an uploaded file (one, or one per line for .jsonl). Text a reader of a PDF,
     DOCX or HTML file cannot see is left out, and counted in ``hidden_text_removed``, unless
-    ``keep_hidden_text``.
+    ``keep_hidden_text``. PDF pages without a text layer are read by OCR with ``ocr``, and PNG,
+    JPEG and TIFF files are (core/image_files.py; default ``OcrSettings()``); the pages that
+    yield no text are the document's ``metadata["pages_without_text"]``, and why OCR read
+    nothing on one (its time or pixel limit) ``metadata["page_errors"]``. A file with no text at
+    all is a ``NoTextError`` naming those pages.
 
-    PDF, DOCX and HTML are parsed this way only inside the sandbox's child process."""
+    The formats of ``UNTRUSTED`` are parsed this way only inside the sandbox's child process;
+    an e-mail's attachments are parsed by this function too, in the same child
+    (core/formats_mail.py)."""
     ext = check_supported(filename)
     if not data:
         raise InvalidRequest(f"file {filename!r} is empty", param="file", code="empty_file")
     title = ""
     structure: dict[str, Any] = {}
+    metadata: dict[str, Any] = {"source": filename}
     hidden = 0
     if ext == ".jsonl":
         return jsonl_documents(filename, _decode(filename, data))
-    if ext == ".pdf":
-        text, pages, hidden = pdf_document(filename, data, limits, keep_hidden_text)
-        structure["pages"] = pages
+    if ext == ".eml":  # the message and its attachments, each parsed as a file of its own
+        from services.retrieval.core.formats_mail import mail_documents
+
+        def attachment(name: str, content: bytes, att_id: str) -> list[InputDocument]:
+            return parse_file(
+                name, content, doc_id=att_id, limits=limits, keep_hidden_text=keep_hidden_text, ocr=ocr
+            )
+
+        return mail_documents(
+            filename, data, doc_id=doc_id or filename, parse=attachment, keep_hidden_text=keep_hidden_text
+        )
+    if ext in formats.EXTENSIONS:
+        text, title, structure, hidden = formats.reader(ext)(filename, data, limits, keep_hidden_text)
+    elif ext == ".pdf" or ext in IMAGE_EXTENSIONS:
+        if ext == ".pdf":
+            pdf = pdf_document(filename, data, limits, keep_hidden_text, ocr=ocr)
+        else:  # read by OCR, page by page, as a scanned PDF is
+            from services.retrieval.core.image_files import image_document
+
+            pdf = image_document(filename, data, limits, ocr or OcrSettings())
+        text, hidden, structure = pdf.text, pdf.hidden, pdf.structure()
+        if pdf.pages_without_text:
+            metadata["pages_without_text"] = pdf.pages_without_text
+        if pdf.page_errors:  # why OCR read nothing there: its time or pixel limit, a bad frame
+            metadata["page_errors"] = {str(n): why for n, why in sorted(pdf.page_errors.items())}
     elif ext == ".docx":
         text, title, hidden = docx_to_text(filename, data, limits, keep_hidden_text)
         text = fix_characters(text)
@@ -698,9 +998,21 @@ def parse_file(
         text = fix_characters(_tidy(_decode(filename, data)))
     if not text.strip():
         why = f" a reader can see ({hidden} hidden pieces left out: see keep_hidden_text)" if hidden else ""
-        raise InvalidRequest(
-            f"file {filename!r} contains no extractable text{why}", param="file", code="empty_file"
-        )
-    return [
-        InputDocument(doc_id or filename, text, title or filename, {"source": filename}, structure, hidden)
-    ]
+        blank = metadata.get("pages_without_text") or []
+        if blank:
+            why += f" (pages without text: {_page_list(blank)})"
+        for n, reason in (metadata.get("page_errors") or {}).items():
+            why += f"; page {n}: {reason}"
+        raise NoTextError(f"file {filename!r} contains no extractable text{why}", blank)
+    return [InputDocument(doc_id or filename, text, title or filename, metadata, structure, hidden)]
+
+
+def _page_list(pages: list[int]) -> str:
+    """``[1, 2, 3, 5]`` as "1-3, 5"."""
+    runs: list[list[int]] = []
+    for p in pages:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)

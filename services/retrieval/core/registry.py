@@ -26,6 +26,7 @@ from services.retrieval.core.collection import (
     SearchOptions,
 )
 from services.retrieval.core.embedder import Embedder, get_embedder, get_http_embedder
+from services.retrieval.core.ocr import check_language
 from services.retrieval.core.onnx_export import EmbeddingBackend, QuantConfig
 from services.retrieval.core.reranker import Reranker, get_http_reranker, get_reranker
 from services.retrieval.core.vector_index import IndexParams
@@ -187,8 +188,10 @@ class CollectionManager:
         index: str | None = None,
         embedding_backend: EmbeddingBackend | None = None,
         keep_hidden_text: bool = False,
+        ocr_language: str = "en",
     ) -> CollectionConfig:
         validate_name(name)
+        check_language(ocr_language)
         if self.backend.exists(tenant, name):
             raise Conflict(f"collection {name!r} already exists", param="name", code="collection_exists")
         model = embedding_model or self.settings.embedding_model
@@ -221,12 +224,26 @@ class CollectionManager:
             # What actually embeds (torch when the ONNX packages are missing), not what was asked.
             embedding_backend=getattr(embedder, "backend", "torch"),
             keep_hidden_text=keep_hidden_text,
+            ocr_language=ocr_language,
         )
         self.backend.create(tenant, config)
         return config
 
     def config(self, tenant: str, name: str) -> CollectionConfig:
         return self.backend.load_config(tenant, validate_name(name))
+
+    def set_ocr_language(self, tenant: str, name: str, language: str) -> CollectionConfig:
+        """Read the collection's scanned pages and images in ``language`` from now on (files
+        ingested before keep their text). Workers read the setting afresh for each job."""
+        check_language(language)
+        with self._lock:
+            config = self.config(tenant, name)
+            config.ocr_language = language
+            self.backend.save_config(tenant, config)
+            col = self._open.get((tenant, name))
+            if col is not None:
+                col.config.ocr_language = language
+        return config
 
     def list(self, tenant: str) -> list[CollectionConfig]:
         return self.backend.list_configs(tenant)

@@ -1,12 +1,16 @@
-"""Where things are in a document's text: its PDF pages and HTML anchors, and what each chunk
-learns from them.
+"""Where things are in a document's text: its PDF pages, the boxes of its lines on them and its
+HTML anchors, and what each chunk learns from them.
 
 A parser returns, besides the text, a ``structure`` dict (``InputDocument.structure``):
 
 * ``pages``: ``[[page, start], ...]``, 1-based PDF page numbers and the offset in the text at
   which each page begins (in page order; an empty page begins where the next one does);
 * ``anchors``: ``[[start, id], ...]``, HTML ``id``s of headings and the offset of the heading
-  line they name.
+  line they name;
+* ``lines``: ``[[start, end, page, x0, top, x1, bottom], ...]``, the offsets in the text of each
+  visual line of a PDF page (or table row, or line read by OCR), in text order, its 1-based page
+  and its box in page units from the page's top-left corner (PDF points; pixels for images);
+* ``page_sizes``: ``[[page, width, height], ...]`` in the same units.
 
 Headings themselves are ``#`` lines of the text (see ``parsing.py``), so the heading path of a
 chunk comes from the chunker. ``chunk_structure`` is what a chunk stores of all this.
@@ -85,10 +89,26 @@ def anchor_at(anchors: list[list[Any]], offset: int, not_before: int = 0) -> str
     return str(anchors[i][1]) if i >= 0 and int(anchors[i][0]) >= not_before else None
 
 
+def boxes_of(lines: list[list[Any]], start: int, end: int) -> list[list[Any]]:
+    """The ``lines`` that overlap the text ``[start, end)``, their offsets made relative to
+    ``start`` and clipped to the span: ``[[start, end, page, x0, top, x1, bottom], ...]``."""
+    if not lines or end <= start:
+        return []
+    first = bisect.bisect_right(lines, start, key=lambda ln: ln[1])  # the first ending after start
+    last = bisect.bisect_left(lines, end, key=lambda ln: ln[0])  # past the last starting before end
+    return [
+        [max(int(ln[0]), start) - start, min(int(ln[1]), end) - start, *ln[2:7]]
+        for ln in lines[first:last]
+        if int(ln[1]) > start and int(ln[0]) < end
+    ]
+
+
 def chunk_structure(structure: dict[str, Any], start: int, end: int, section: Section) -> dict[str, Any]:
     """What a chunk stores of its document's structure: ``section`` (the
     heading path), ``headings``, ``section_start``/``section_end`` (the enclosing section),
-    ``pages`` and ``page_starts`` (PDF), ``anchor`` (HTML)."""
+    ``pages`` and ``page_starts`` (PDF), ``anchor`` (HTML), ``boxes`` (the lines of its text on
+    their pages, offsets counted from the chunk's start: ``boxes_of``) and ``page_sizes`` (of
+    the pages those are on)."""
     out: dict[str, Any] = {}
     if section.headings:
         out["section"] = " > ".join(section.headings)
@@ -101,6 +121,11 @@ def chunk_structure(structure: dict[str, Any], start: int, end: int, section: Se
     anchor = anchor_at(structure.get("anchors") or [], start, section.start)
     if anchor:
         out["anchor"] = anchor
+    boxes = boxes_of(structure.get("lines") or [], start, end)
+    if boxes:
+        on = {b[2] for b in boxes}
+        out["boxes"] = boxes
+        out["page_sizes"] = [list(s) for s in structure.get("page_sizes") or [] if s[0] in on]
     return out
 
 

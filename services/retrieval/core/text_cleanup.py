@@ -168,10 +168,22 @@ def join_hyphenated(pages: list[str], keep: Keep = _never) -> list[str]:
     at. A break is left alone where ``keep(page index, line, word)`` is true for either line
     (with the word that ends it, hyphen included, or the word that begins it): code, headings.
     """
-    lines = [page.split("\n") for page in pages]
+    lines, emptied = join_hyphenated_lines([page.split("\n") for page in pages], keep)
+    return [
+        "\n".join(ln for n, ln in enumerate(page) if (p, n) not in emptied) for p, page in enumerate(lines)
+    ]
+
+
+def join_hyphenated_lines(
+    lines: list[list[str]], keep: Keep = _never
+) -> tuple[list[list[str]], set[tuple[int, int]]]:
+    """``join_hyphenated`` on pages given as lists of lines: the lines after the joins (as many
+    as before: a line whose text all moved up is ``""``) and the (page, line) of those emptied
+    by a move, for a caller that keeps track of where each line stands."""
+    lines = [list(page) for page in lines]
     breaks = _find_breaks(lines, keep)
     if not breaks:
-        return pages
+        return lines, set()
     vocab = _vocabulary(lines, breaks)
     emptied: set[tuple[int, int]] = set()
     # Last to first: a line that is both the rest of one word and the start of another
@@ -187,6 +199,4 @@ def join_hyphenated(pages: list[str], keep: Keep = _never) -> list[str]:
         lines[b.page2][b.line2] = lower[t.end() :].lstrip()
         if not lines[b.page2][b.line2]:
             emptied.add((b.page2, b.line2))
-    return [
-        "\n".join(ln for n, ln in enumerate(page) if (p, n) not in emptied) for p, page in enumerate(lines)
-    ]
+    return lines, emptied

@@ -206,6 +206,15 @@ class MilvusBackend:
     def _key(tenant: str, name: str) -> str:
         return f"{tenant}/{name}"
 
+    def _row(self, tenant: str, config: CollectionConfig) -> dict[str, Any]:
+        """The settings row of a collection in ``META``."""
+        return {
+            "key": self._key(tenant, config.name),
+            "tenant": tenant,
+            "config": config.to_json().decode(),
+            "unused": [0.0, 0.0],
+        }
+
     def _get(self, tenant: str, name: str) -> CollectionConfig | None:
         rows = self.client.get(META, ids=[self._key(tenant, name)], output_fields=["config"])
         return CollectionConfig.from_json(rows[0]["config"].encode()) if rows else None
@@ -222,13 +231,7 @@ class MilvusBackend:
                 self.client, prefix, config.dim, s.bm25_language, config.index, s.bm25_k1, s.bm25_b
             )
             # The settings row last: a collection exists once both its Milvus collections do.
-            row = {
-                "key": self._key(tenant, config.name),
-                "tenant": tenant,
-                "config": config.to_json().decode(),
-                "unused": [0.0, 0.0],
-            }
-            self.client.insert(META, [row])
+            self.client.insert(META, [self._row(tenant, config)])
 
     def load_config(self, tenant: str, name: str) -> CollectionConfig:
         config = self._get(tenant, name)
@@ -237,6 +240,12 @@ class MilvusBackend:
                 raise wrong_backend(name, tenant, "embedded", self.name)
             raise not_found(name)
         return config
+
+    def save_config(self, tenant: str, config: CollectionConfig) -> None:
+        with self._lock:
+            if self._get(tenant, config.name) is None:
+                raise not_found(config.name)
+            self.client.upsert(META, [self._row(tenant, config)])
 
     def list_configs(self, tenant: str) -> list[CollectionConfig]:
         rows = self.client.query(META, filter=f"tenant == {string_literal(tenant)}", output_fields=["config"])
