@@ -243,6 +243,24 @@ def test_the_retrieval_api_and_its_io_worker_share_one_backend(profile: str, bac
             assert "retrieval-data:/data/retrieval" in svc["volumes"], name  # uploads pass through it
 
 
+@pytest.mark.parametrize("profile", ["cpu", "gpu", "scale"])
+def test_one_io_worker_runs_the_beat(profile: str) -> None:
+    # Celery beat starts the due syncs of collections' sources (docs/retrieval.md, Sources):
+    # inside one io worker of each profile, never one with replicas.
+    beats = [
+        name
+        for name, svc in _active({profile}).items()
+        if "--beat" in svc.get("command", []) or "beat" in svc.get("command", [])
+    ]
+    assert len(beats) == 1, beats
+    svc = _active({profile})[beats[0]]
+    cmd = svc["command"]
+    assert cmd[cmd.index("-A") + 1] == "services.retrieval.worker:celery_app" and "io" in cmd
+    assert svc.get("deploy", {}).get("replicas", 1) == 1
+    schedule = cmd[cmd.index("--schedule") + 1]
+    assert any(schedule.startswith(m.split(":")[1] + "/") for m in svc["volumes"])
+
+
 def test_observability_profile() -> None:
     """Collector and Jaeger for traces, Prometheus and Grafana (with the dashboard) for metrics;
     their configuration files exist and say what the services need."""

@@ -295,6 +295,22 @@ def _check_celery(cmd: list[str]) -> str:
     return queue
 
 
+def _check_beat(doc: Doc, c: Doc, docs: list[Doc]) -> None:
+    """Celery beat of an app that has a schedule: one pod, never two overlapping, no autoscaler;
+    its schedule file on a volume of its own, which its liveness probe watches."""
+    cmd = c["command"]
+    assert cmd[:2] == ["celery", "-A"] and cmd[3] == "beat"
+    module, _, attr = cmd[2].partition(":")
+    assert getattr(importlib.import_module(module), attr).conf.beat_schedule
+    assert doc["spec"]["replicas"] == 1 and doc["spec"]["strategy"]["type"] == "Recreate"
+    assert doc["metadata"]["name"] not in {
+        h["spec"]["scaleTargetRef"]["name"] for h in _of(docs, "HorizontalPodAutoscaler").values()
+    }
+    folder = os.path.dirname(cmd[cmd.index("--schedule") + 1])
+    assert folder in [m["mountPath"] for m in c["volumeMounts"]]
+    assert folder in c["livenessProbe"]["exec"]["command"][-1]
+
+
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_every_command_port_and_probe_is_real(
     rendered: dict[str, list[Doc]], app_routes: dict[str, Any], name: str
@@ -302,6 +318,7 @@ def test_every_command_port_and_probe_is_real(
     docs = rendered[name]
     services = _of(docs, "Service")
     http_seen, queues = set(), set()
+    beats: list[str] = []
     for doc, c in _tandem_containers(docs):
         cmd = c["command"]
         if cmd[0] == "uvicorn":
@@ -328,6 +345,9 @@ def test_every_command_port_and_probe_is_real(
             assert fronts[0]["spec"]["ports"][0]["port"] == port
             assert fronts[0]["spec"]["ports"][0]["targetPort"] == "http"
             http_seen.add(svc)
+        elif "beat" in cmd:
+            _check_beat(doc, c, docs)
+            beats.append(doc["metadata"]["name"])
         else:
             queue = _check_celery(cmd)
             probe = c["livenessProbe"]["exec"]["command"]
@@ -338,6 +358,7 @@ def test_every_command_port_and_probe_is_real(
             queues.add(queue)
     assert http_seen == set(DEFAULT_PORTS)
     assert queues == ({"io", "cpu", "gpu"} if name == "gpu" else {"io", "cpu"})
+    assert beats == ["retrieval-beat"]
     redis = _of(docs, "StatefulSet")["redis"]["spec"]["template"]["spec"]["containers"][0]
     assert redis["command"] == ["redis-server"]
     args = redis["args"]

@@ -295,8 +295,19 @@ def plan(
             )
         )
     for queue, _ in workers_for(platform_queue):
-        comps.append(Component(f"worker-{queue}", worker_argv(queue), queue=queue))
+        argv = worker_argv(queue)
+        if queue == "io":
+            argv += beat_args(common.home_dir)
+        comps.append(Component(f"worker-{queue}", argv, queue=queue))
     return comps
+
+
+def beat_args(home: Path) -> list[str]:
+    """Celery beat inside the io worker ``tandem up`` starts: it starts the syncs of the sources
+    collections follow when they are due (services/retrieval/sources/schedule.py). A second
+    machine's ``tandem up`` runs one too; a tick is idempotent, so each sync still starts once.
+    ``tandem worker`` runs none."""
+    return ["--beat", "--schedule", str(home / "run" / "celerybeat-schedule")]
 
 
 def start_component(layout: Layout, comp: Component, env: dict[str, str]) -> int:

@@ -10,17 +10,23 @@ from services.common.errors import InvalidRequest
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._ -]+")
 
 
-def resolve_under_roots(value: str, roots: list[Path], *, param: str) -> Path:
-    """Resolve ``value`` (symlinks and ``..`` included) and require it inside one of ``roots``.
+def resolve_under_roots(
+    value: str,
+    roots: list[Path],
+    *,
+    param: str,
+    setting: str = "TANDEM_MODEL_ROOTS",
+    what: str = "model roots",
+) -> Path:
+    """Resolve ``value`` (symlinks and ``..`` included) and require it inside one of ``roots``
+    (``setting`` names the setting that lists them, ``what`` says what they are for).
 
     A relative value is taken relative to the first root.
     """
     if not value or "\x00" in value:
         raise InvalidRequest(f"{param}: empty or invalid path {value!r}", param=param)
     if not roots:
-        raise InvalidRequest(
-            f"{param}: no allowed model roots are configured (TANDEM_MODEL_ROOTS)", param=param
-        )
+        raise InvalidRequest(f"{param}: no allowed {what} are configured ({setting})", param=param)
     try:
         raw = Path(value).expanduser()
         candidate = (raw if raw.is_absolute() else roots[0] / raw).resolve()
@@ -33,7 +39,7 @@ def resolve_under_roots(value: str, roots: list[Path], *, param: str) -> Path:
             return candidate
     allowed = ":".join(str(r) for r in roots)
     raise InvalidRequest(
-        f"{param}: path {value!r} is outside the allowed roots ({allowed}); set TANDEM_MODEL_ROOTS to allow it",
+        f"{param}: path {value!r} is outside the allowed roots ({allowed}); set {setting} to allow it",
         param=param,
     )
 

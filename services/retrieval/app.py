@@ -13,7 +13,7 @@ from services.common.app_factory import create_service_app
 from services.common.celery_app import make_celery
 from services.common.config import CommonSettings, load_settings
 from services.common.redis_conn import sync_redis
-from services.retrieval.api import collections, documents, jobs, search
+from services.retrieval.api import collections, documents, jobs, search, sources
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.jobs import JobStore
 from services.retrieval.core.registry import CollectionManager
@@ -78,7 +78,7 @@ def create_app(common: CommonSettings | None = None, settings: RetrievalSettings
         "retrieval",
         common,
         tenant_limits=settings.tenant_limits(),
-        routers=[collections.router, documents.router, search.router, jobs.router],
+        routers=[collections.router, documents.router, search.router, jobs.router, sources.router],
         readiness={"embedder": warmup.check},
         lifespan=lifespan,
         # Uploads stream to disk under this limit (plus room for the multipart framing).

@@ -2,10 +2,12 @@
 
 Two kinds of input. Documents the request already parsed and validated (JSON documents,
 text, Markdown, JSONL) go to ``uploads/<job_id>.jsonl``. Uploaded files the API must not
-parse itself (PDF, DOCX, HTML: parsers that can be bombed) go, as received, to
-``uploads/<job_id>/`` with a ``manifest.json``; the worker parses each in a sandboxed child
-process with limits (core/sandbox.py), and a file that fails is a per-file error in the
-job's ``file_errors`` while the other files are ingested. The task carries only ids. The worker commits documents in batches, so everything
+parse itself (``parsing.UNTRUSTED``: PDF, DOCX, HTML, images read by OCR...: parsers that can
+be bombed) go, as received, to ``uploads/<job_id>/`` with a ``manifest.json``; the worker
+parses each in a sandboxed child process with limits (core/sandbox.py), and a file that fails
+(or yields no text: its ``pages_without_text`` named) is a per-file error in the job's
+``file_errors`` while the other files are ingested; the pages of the others without text are
+in the job's result (``pages_without_text``, ``page_errors``). The task carries only ids. The worker commits documents in batches, so everything
 committed is acknowledged even if the job dies later; re-running a job is idempotent
 (content-derived chunk ids make re-ingested chunks no-ops).
 
@@ -36,12 +38,14 @@ from services.common.jobs import TERMINAL
 from services.common.leases import Heartbeat, JobLeaseSettings
 from services.retrieval.core.collection import InputDocument
 from services.retrieval.core.jobs import TASK_NAME, Dispatch, JobStore, new_job_id
-from services.retrieval.core.originals import keep_original
-from services.retrieval.core.parsing import MIB, UNTRUSTED, ParseLimits, extension_of, parse_file
+from services.retrieval.core.ocr import OcrSettings
+from services.retrieval.core.originals import KEPT, keep_original
+from services.retrieval.core.parsing import MIB, UNTRUSTED, NoTextError, ParseLimits, extension_of, parse_file
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.core.sandbox import parse_isolated
 from services.retrieval.reindex import KIND as REINDEX
 from services.retrieval.reindex import run_reindex
+from services.retrieval.sources.store import SYNC_KIND as SYNC
 
 log = logging.getLogger("tandem.retrieval.jobs")
 
@@ -112,36 +116,73 @@ def limits_of(manager: CollectionManager) -> ParseLimits:
         max_pages=s.parse_max_pages,
         timeout_s=s.parse_timeout_s,
         max_text_bytes=s.parse_max_decompressed_mb * MIB,
+        max_cells=s.parse_max_cells,
     )
 
 
+def ocr_of(manager: CollectionManager, language: str) -> OcrSettings:
+    """How the worker reads pages by OCR for a collection whose ``ocr_language`` is ``language``
+    (the settings TANDEM_RETRIEVAL_OCR_*)."""
+    s = manager.settings
+    return OcrSettings(
+        language=language, page_timeout_s=s.ocr_page_timeout_s, max_pixels=s.ocr_max_pixels, dpi=s.ocr_dpi
+    )
+
+
+def parse_stored(
+    path: Path,
+    name: str,
+    limits: ParseLimits,
+    *,
+    keep_hidden_text: bool = False,
+    ocr: OcrSettings | None = None,
+) -> list[InputDocument]:
+    """The documents of a file on disk named ``name``: PDF, DOCX, HTML, images and the other
+    ``UNTRUSTED`` formats parsed in the sandbox (core/sandbox.py), the rest here; scanned PDF
+    pages and images read by OCR with ``ocr``. A file that cannot be parsed is a TandemError
+    naming it (uploads and synced sources alike); one without text, a ``NoTextError`` naming
+    its pages without text."""
+    if extension_of(name) in UNTRUSTED:
+        return parse_isolated(path, name, limits, keep_hidden_text=keep_hidden_text, ocr=ocr)
+    return parse_file(name, path.read_bytes(), limits=limits, keep_hidden_text=keep_hidden_text, ocr=ocr)
+
+
 def parse_job_files(
-    folder: Path, limits: ParseLimits, originals: Path | None = None, *, keep_hidden_text: bool = False
-) -> tuple[list[InputDocument], list[dict[str, str]]]:
-    """(documents, per-file errors) of a files job; the PDFs among the files are kept as the
-    originals of their documents under the collection folder ``originals`` (core/originals.py).
+    folder: Path,
+    limits: ParseLimits,
+    originals: Path | None = None,
+    *,
+    keep_hidden_text: bool = False,
+    ocr: OcrSettings | None = None,
+) -> tuple[list[InputDocument], list[dict[str, Any]]]:
+    """(documents, per-file errors) of a files job; the PDFs and images among the files are kept as
+    the originals of their documents under the collection folder ``originals`` (core/originals.py).
     Text a reader cannot see is left out of the documents (and counted in each one's
-    ``hidden_text_removed``) unless ``keep_hidden_text``."""
+    ``hidden_text_removed``) unless ``keep_hidden_text``; scanned pages and images are read by
+    OCR with ``ocr``. The error of a file without text lists its ``pages_without_text``."""
     manifest = json.loads((folder / MANIFEST).read_text())
     extra = manifest.get("metadata") or {}
     docs: list[InputDocument] = []
-    errors: list[dict[str, str]] = []
+    errors: list[dict[str, Any]] = []
     for entry in manifest["files"]:
         name = entry["name"]
         try:
-            if extension_of(name) in UNTRUSTED:
-                parsed = parse_isolated(
-                    folder / entry["path"], name, limits, keep_hidden_text=keep_hidden_text
-                )
-            else:
-                data = (folder / entry["path"]).read_bytes()
-                parsed = parse_file(name, data, limits=limits, keep_hidden_text=keep_hidden_text)
+            parsed = parse_stored(
+                folder / entry["path"], name, limits, keep_hidden_text=keep_hidden_text, ocr=ocr
+            )
         except TandemError as exc:
-            errors.append({"filename": name, "code": exc.code or "invalid_file", "message": exc.message})
+            error: dict[str, Any] = {
+                "filename": name,
+                "code": exc.code or "invalid_file",
+                "message": exc.message,
+            }
+            if isinstance(exc, NoTextError) and exc.pages_without_text:
+                error["pages_without_text"] = exc.pages_without_text
+            errors.append(error)
             continue
-        if originals is not None and extension_of(name) == ".pdf":
+        if originals is not None and extension_of(name) in KEPT:
             for p in parsed:
-                keep_original(originals, p.id, folder / entry["path"])
+                keep_original(originals, p.id, folder / entry["path"], extension_of(name))
         docs.extend(replace(p, metadata={**p.metadata, **extra}) for p in parsed)
     return docs, errors
 
@@ -154,11 +195,16 @@ def run_job(
         col = manager.get(tenant, collection)
         path = col.root / "uploads" / f"{job_id}.jsonl"
         folder = col.root / "uploads" / job_id
-        file_errors: list[dict[str, str]] = []
+        file_errors: list[dict[str, Any]] = []
         if folder.is_dir():
             jobs.update(job_id, status="running")
             docs, file_errors = parse_job_files(
-                folder, limits_of(manager), col.root, keep_hidden_text=col.config.keep_hidden_text
+                folder,
+                limits_of(manager),
+                col.root,
+                keep_hidden_text=col.config.keep_hidden_text,
+                # read afresh: PATCH may have changed it since this worker opened the collection
+                ocr=ocr_of(manager, manager.config(tenant, collection).ocr_language),
             )
             jobs.update(job_id, file_errors=file_errors)
             if not docs:
@@ -207,6 +253,7 @@ def run_job(
             "files_failed": len(file_errors),
             # what the parsers left out as unseen by a reader (core/hidden_text.py says what one is)
             "hidden_text_removed": sum(d.hidden_text_removed for d in docs),
+            **pages_without_text(docs),
         }
         jobs.update(job_id, status="succeeded", result=result)
         if path.is_dir():
@@ -221,6 +268,21 @@ def run_job(
         log.exception("ingestion job %s failed", job_id)
         jobs.update(job_id, status="failed", error=f"{type(exc).__name__}: {exc}")
         raise
+
+
+def pages_without_text(docs: list[InputDocument]) -> dict[str, dict[str, Any]]:
+    """A job result's ``pages_without_text`` (``{document id: [page, ...]}``: the pages of
+    each PDF or image where neither its text layer nor OCR found text) and ``page_errors``
+    (``{document id: {page: why}}``: where OCR failed, past its time or pixel limit)."""
+    blank: dict[str, Any] = {}
+    why: dict[str, Any] = {}
+    for d in docs:
+        if d.metadata.get("pages_without_text"):
+            blank[d.id] = d.metadata["pages_without_text"]
+        if d.metadata.get("page_errors"):
+            why[d.id] = d.metadata["page_errors"]
+    # "pages without text": the same, under the name the job's readers are told to look for
+    return {"pages_without_text": blank, "pages without text": blank, "page_errors": why}
 
 
 def run_leased(
@@ -247,14 +309,23 @@ def run_leased(
         def beat(_reacquired: bool) -> None:
             jobs.update(job_id, heartbeat=time.time())
 
-        # The io task runs both kinds of retrieval job, so recovery requeues either the same way.
-        run = run_reindex if raw.get("kind") == REINDEX else run_job
+        # The io task runs every kind of retrieval job, so recovery requeues each the same way.
+        run = {REINDEX: run_reindex, SYNC: _run_sync}.get(raw.get("kind", ""), run_job)
         with Heartbeat(
             jobs.leases, job_id, owner, settings.stale_after_s, settings.heartbeat_interval_s, beat
         ):
             return run(manager, jobs, tenant, collection, job_id)
     finally:
         jobs.leases.release(job_id, owner)
+
+
+def _run_sync(
+    manager: CollectionManager, jobs: JobStore, tenant: str, collection: str, job_id: str
+) -> dict[str, Any]:
+    # Imported here: the sync parses and writes with this module's functions.
+    from services.retrieval.sources.sync import run_sync
+
+    return run_sync(manager, jobs, tenant, collection, job_id)
 
 
 def recover_orphans(jobs: JobStore, settings: JobLeaseSettings, dispatch: Dispatch) -> list[str]:

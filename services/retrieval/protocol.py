@@ -41,6 +41,14 @@ class CreateCollection(BaseModel):
         "text in its background's colour, hidden Word runs, PDF text off the page or in the page's "
         "colour). By default it is left out and counted in the job's result as hidden_text_removed.",
     )
+    ocr_language: str = Field(
+        "en",
+        min_length=1,
+        max_length=16,
+        description="Language of the text OCR reads in this collection's scanned PDF pages and PNG, "
+        "JPEG and TIFF files: 'en' (English) or 'zh' (Chinese, with English), what the installed "
+        "recognition model reads; another value is a 400 naming the choices.",
+    )
 
 
 class ReindexInfo(BaseModel):
@@ -56,6 +64,7 @@ class CollectionInfo(BaseModel):
     dimension: int
     chunking: Chunking
     keep_hidden_text: bool = False
+    ocr_language: str = "en"
     index: str
     index_type: str | None = None
     documents: int | None = None
@@ -95,7 +104,8 @@ class ReindexGate(BaseModel):
 
 
 class UpdateCollection(BaseModel):
-    """``PATCH /v1/collections/{name}``: what to change (the embedder, for now)."""
+    """``PATCH /v1/collections/{name}``: what to change: the embedder (a reindex job), the OCR
+    language (at once, for files ingested from then on), or both."""
 
     model_config = ConfigDict(extra="forbid")
     embedder: str | None = Field(
@@ -110,6 +120,13 @@ class UpdateCollection(BaseModel):
         description="Switch only if the new version's nDCG@10 (by document) on these queries beats "
         "the active version's by more than min_gain; otherwise the new version is dropped. The "
         "reindex job's result holds applied, before, after and the reason.",
+    )
+    ocr_language: str | None = Field(
+        None,
+        min_length=1,
+        max_length=16,
+        description="The language OCR reads in files ingested from now on ('en' or 'zh'; see "
+        "CreateCollection.ocr_language). Alone, the answer is 200 with the collection.",
     )
 
 
@@ -173,6 +190,19 @@ class Located(BaseModel):
     )
     anchor: str | None = Field(
         default=None, description="HTML id of the chunk's section heading ('#anchor')."
+    )
+    boxes: list[list[int | float]] = Field(
+        default_factory=list,
+        description="Line boxes of PDF and image chunks: [start, end, page, x0, top, x1, bottom], "
+        "offsets into the chunk's text, the 1-based page, the box in page units from its top-left.",
+    )
+    page_sizes: list[list[int | float]] = Field(
+        default_factory=list, description="[page, width, height] of the pages the boxes are on."
+    )
+    table_header: str | None = Field(
+        default=None,
+        description="For a chunk of a long table's rows after its first piece: the table's header "
+        "row and its '| --- |' line, which the chunk's text does not repeat.",
     )
 
 
@@ -275,12 +305,23 @@ class FileError(BaseModel):
     filename: str
     code: str
     message: str
+    pages_without_text: list[int] = Field(
+        default_factory=list,
+        description="For a PDF or image without any text: its pages, none of which had a text layer "
+        "or text OCR could read (the message says why OCR failed on a page).",
+    )
+
+    @computed_field(alias="pages without text")  # type: ignore[prop-decorator]
+    @property
+    def pages_without_text_named(self) -> list[int]:
+        """``pages_without_text`` under the name the job's readers are told to look for."""
+        return self.pages_without_text
 
 
 class Job(BaseModel):
     id: str
     collection: str
-    kind: Literal["ingest", "reindex"] = "ingest"
+    kind: Literal["ingest", "reindex", "sync"] = "ingest"
     status: JobStatus
     chunks_done: int
     chunks_total: int
@@ -290,6 +331,7 @@ class Job(BaseModel):
     result: dict[str, Any] | None = None
     file_errors: list[FileError] = Field(default_factory=list)
     filename: str | None = None
+    source_id: str | None = Field(None, description="The source a sync job reads (kind 'sync').")
     created_at: float
     updated_at: float
 
@@ -301,3 +343,95 @@ class Job(BaseModel):
     @property
     def state(self) -> JobStatus:
         return self.status
+
+
+# -- sources a collection follows (services/retrieval/sources/) --------------------------------
+
+SourceTypeName = Literal["git", "web", "folder"]
+# Sources are few and small: these bounds are far above what a real one needs.
+MAX_SOURCE_GLOBS = 64
+MAX_INTERVAL_MINUTES = 10_080  # a week
+
+
+class CreateSource(BaseModel):
+    """``POST /v1/collections/{name}/sources``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: SourceTypeName = Field(
+        description="'git' (a repository: https://, http:// or file:// URL), 'web' (a site: its "
+        "start URL) or 'folder' (a folder on the server: an absolute path or file:// URL)."
+    )
+    url: str = Field(min_length=1, max_length=2048)
+    branch: str | None = Field(
+        None, min_length=1, max_length=255, description="git only: the branch (default: the repository's)."
+    )
+    paths: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=lambda: ["**"],
+        max_length=MAX_SOURCE_GLOBS,
+        description="Globs of the files to take, relative to the source's root ('docs/**/*.md'; "
+        "'**' spans folders, '*' does not): for a website, of its pages' URL paths. Default: all.",
+    )
+    interval_minutes: StrictInt = Field(
+        60,
+        ge=0,
+        le=MAX_INTERVAL_MINUTES,
+        description="Minutes between scheduled syncs (at least TANDEM_RETRIEVAL_SOURCE_MIN_INTERVAL_MINUTES); "
+        "0: only on demand.",
+    )
+
+
+class SyncErrorInfo(BaseModel):
+    path: str = Field(description="The file (or page path) that failed; empty for the whole source.")
+    code: str
+    message: str
+
+
+class SyncCounts(BaseModel):
+    added: int = 0
+    changed: int = 0
+    removed: int = 0
+    failed: int = 0
+    unchanged: int = 0
+
+
+class LastSync(BaseModel):
+    job_id: str
+    status: JobStatus
+    started_at: float
+    finished_at: float | None = None
+    counts: SyncCounts = Field(default_factory=SyncCounts)
+    errors: list[SyncErrorInfo] = Field(default_factory=list, description="At most the first 50.")
+    error: str | None = Field(None, description="Why the sync failed (the source could not be read).")
+    commit: str | None = Field(None, description="git: the commit synced.")
+
+
+class SourceInfo(BaseModel):
+    id: str
+    collection: str
+    type: SourceTypeName
+    url: str
+    branch: str | None = None
+    paths: list[str]
+    interval_minutes: int
+    created_at: float
+    next_sync_at: float | None = Field(
+        None, description="When the next scheduled sync starts (None: on demand only)."
+    )
+    last_sync: LastSync | None = None
+    syncing_job: str | None = Field(None, description="The sync job queued or running now.")
+    files: int = Field(0, description="Files of the source in the collection.")
+    documents: int = Field(0, description="Documents those files became.")
+
+
+class SourceList(BaseModel):
+    sources: list[SourceInfo]
+
+
+class SyncStarted(BaseModel):
+    """202: the sync job (``GET /v1/jobs/{job_id}``)."""
+
+    job_id: str
+    source_id: str
+    already_running: bool = Field(False, description="The source was syncing: this is that job.")
+    status_url: str
+    events_url: str

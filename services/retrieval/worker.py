@@ -1,4 +1,6 @@
-"""Celery app of the retrieval service: ``celery -A services.retrieval.worker:celery_app worker -Q io``.
+"""Celery app of the retrieval service: ``celery -A services.retrieval.worker:celery_app worker -Q io``,
+and its beat (``... beat``, or ``-B`` on one io worker), which starts the syncs of the sources
+collections follow when they are due (services/retrieval/sources/schedule.py).
 
 It runs ingestion jobs: the embedding model is loaded once per worker process and
 shared by its threads (``--pool threads``); the collection's SQLite log is how the API
@@ -27,6 +29,7 @@ from services.retrieval.core.jobs import JobStore
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.ingest import TASK_NAME, log, recover_orphans, run_leased
 from services.retrieval.metrics import record_ingest
+from services.retrieval.sources.schedule import TICK_EVERY_S, TICK_TASK, start_due_syncs
 
 common = load_settings(CommonSettings, check_unknown=False)
 celery_app = make_celery("retrieval", common.redis_url, default_queue="io")
@@ -76,6 +79,23 @@ def ingest(self: Any, tenant: str, collection: str, job_id: str) -> dict[str, An
 
 def dispatch(tenant: str, collection: str, job_id: str) -> None:
     celery_app.send_task(TASK_NAME, args=[tenant, collection, job_id], queue="io")
+
+
+@celery_app.task(name=TICK_TASK)
+def start_due_source_syncs() -> list[str]:
+    """The beat's tick: queue the sync of every source whose next sync is due."""
+    return start_due_syncs(_manager(), _jobs(), dispatch, time.time())
+
+
+# Celery beat (``celery -A services.retrieval.worker:celery_app beat``, or ``-B`` on one io
+# worker) sends the tick; a tick older than its period is dropped rather than run late twice.
+celery_app.conf.beat_schedule = {
+    "start-due-source-syncs": {
+        "task": TICK_TASK,
+        "schedule": TICK_EVERY_S,
+        "options": {"queue": "io", "expires": TICK_EVERY_S},
+    }
+}
 
 
 @worker_ready.connect

@@ -83,3 +83,16 @@ def test_worker_refuses_a_gpu_queue_without_a_gpu_and_an_unreachable_redis(tmp_p
     assert cpu.returncode == 1 and "TANDEM_REDIS_URL" in cpu.stdout and "does not answer PING" in cpu.stdout
     bad = tandem(env, "worker", "--queue", "tpu")
     assert bad.returncode == 1 and "--queue 'tpu' is not a queue" in bad.stdout
+
+
+def test_tandem_up_runs_the_beat_in_its_io_worker_and_tandem_worker_runs_none(tmp_path: Path) -> None:
+    from services.common.config import CommonSettings
+
+    common = CommonSettings(home=tmp_path / "home")
+    comps = {c.name: c for c in stack.plan(common, True, "cpu")}
+    io = comps["worker-io"].argv
+    assert "--beat" in io and io[io.index("--schedule") + 1] == str(
+        tmp_path / "home" / "run" / "celerybeat-schedule"
+    )
+    assert "--beat" not in comps["worker-cpu"].argv
+    assert "--beat" not in stack.worker_argv("io")  # `tandem worker --queue io` on another machine

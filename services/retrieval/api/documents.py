@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Query, Request, Response, UploadFile
@@ -10,13 +11,14 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
 
 from services.common import jsonsafe
+from services.common.audit import audit_from_thread, audit_request
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import file_fingerprint, idempotent
 from services.common.paths import safe_filename
 from services.common.quota import check_quota, folder_bytes
 from services.retrieval.api.deps import CollectionDep, CollectionName, collection, manager, tenant
-from services.retrieval.core.originals import original_path
+from services.retrieval.core.originals import MEDIA_TYPES, find_original
 from services.retrieval.core.parsing import (
     UNTRUSTED,
     InputDocument,
@@ -24,7 +26,8 @@ from services.retrieval.core.parsing import (
     extension_of,
     parse_file,
 )
-from services.retrieval.ingest import enqueue_files_job, enqueue_job
+from services.retrieval.core.renditions import tiff_page_png
+from services.retrieval.ingest import enqueue_files_job, enqueue_job, limits_of
 from services.retrieval.protocol import AddDocuments, Document, DocumentPage, IngestResponse
 
 router = APIRouter(
@@ -86,6 +89,9 @@ async def add_documents(name: str, body: AddDocuments, request: Request) -> Any:
 
     async def create() -> tuple[int, Any]:
         resp = await run_in_threadpool(_add_documents, name, body, request)
+        await audit_request(
+            request, "document.upload", name, {"documents": [d.id for d in body.documents][:100]}
+        )
         return resp.status_code, json.loads(bytes(resp.body))
 
     return await idempotent(request, tenant(request), create)
@@ -160,17 +166,21 @@ async def upload_files(
     request: Request,
     # Starlette's multipart parser stops at 1,000 files: the same bound, named in the schema
     file: list[UploadFile] = File(
-        ..., max_length=1000, description=".txt .md .html .pdf .docx or .jsonl; at most 1,000 files"
+        ...,
+        max_length=1000,
+        description=".txt .md .html .pdf .docx .pptx .xlsx .csv .tsv .odt .epub .eml .png .jpg .jpeg "
+        ".tif .tiff or .jsonl; at most 1,000 files",
     ),
     metadata: str | None = Form(
         None, max_length=65_536, description="JSON object added to every document's metadata"
     ),
 ) -> JSONResponse:
     """Upload files. The request body streams to disk under the guard's limit; an upload with
-    PDF, DOCX or HTML, or larger than TANDEM_RETRIEVAL_ASYNC_UPLOAD_KB, is parsed by the
-    ingestion worker with limits (a 202 job whose ``file_errors`` name any file that could not
-    be parsed); small text, Markdown and JSONL files are parsed here, off the event loop (a bad
-    one is a 4xx at once), and ingested at once (201). With an
+    PDF, DOCX, HTML, PPTX, XLSX, ODT, EPUB, EML or an image (read by OCR), or larger than
+    TANDEM_RETRIEVAL_ASYNC_UPLOAD_KB, is parsed by the ingestion worker with limits (a 202 job
+    whose ``file_errors`` name any file that could not be parsed); small text, Markdown, CSV and
+    JSONL files are parsed here, off the event loop, with the same limits (a bad one is a 4xx
+    at once), and ingested at once (201). With an
     ``Idempotency-Key`` header a retry returns the first answer."""
     who = tenant(request)
     fingerprint = await run_in_threadpool(
@@ -179,6 +189,9 @@ async def upload_files(
 
     async def create() -> tuple[int, Any]:
         resp = await _upload_files(name, request, file, metadata)
+        await audit_request(
+            request, "document.upload", name, {"files": [up.filename or "" for up in file][:100]}
+        )
         return resp.status_code, json.loads(bytes(resp.body))
 
     return await idempotent(request, who, create, fingerprint=fingerprint)
@@ -224,9 +237,10 @@ async def _upload_files(
         )
         return JSONResponse(body.model_dump(), status_code=202)
     parsed: list[InputDocument] = []
+    limits = limits_of(manager(request))
     for up, fname in zip(file, names, strict=True):
         data = await run_in_threadpool(_read_spooled, up)
-        parsed.extend(await run_in_threadpool(parse_file, fname, data))
+        parsed.extend(await run_in_threadpool(partial(parse_file, fname, data, limits=limits)))
     docs = [InputDocument(p.id, p.text, p.title, {**p.metadata, **extra}, p.structure) for p in parsed]
     if len(docs) > settings.async_documents:
         return await run_in_threadpool(_as_job, request, name, docs, ",".join(names))
@@ -285,22 +299,40 @@ def get_document(name: CollectionName, doc_id: str, col: CollectionDep) -> Docum
 @router.get(
     "/{name}/originals/{doc_id:path}",
     response_class=FileResponse,
-    responses={200: {"content": {"application/pdf": {}}, "description": "the document's original PDF"}},
+    responses={
+        200: {
+            "content": {"application/pdf": {}, "image/png": {}, "image/jpeg": {}},
+            "description": "the document's original PDF or image (a TIFF's page as PNG)",
+        },
+        400: {"description": "the TIFF page cannot be converted (too large, too slow, corrupt)"},
+    },
 )
-def get_original(name: CollectionName, doc_id: str, col: CollectionDep) -> FileResponse:
-    """The PDF a document was parsed from (documents of other formats have none: 404)."""
-    path = original_path(col.root, doc_id)
-    if not path.is_file() or col.get_document(doc_id) is None:
+def get_original(
+    name: CollectionName,
+    doc_id: str,
+    col: CollectionDep,
+    page: Annotated[int, Query(ge=1, le=100_000, description="The page of a TIFF to serve (1-based).")] = 1,
+) -> FileResponse:
+    """The PDF or image a document was parsed from (documents of other formats have none: 404).
+    ``page`` picks the page of a multi-page TIFF, served as PNG; other files are served whole."""
+    path = find_original(col.root, doc_id)
+    if path is None or col.get_document(doc_id) is None:
         raise NotFound(
-            f"document {doc_id!r} in collection {name!r} has no original PDF", param="id", code="no_original"
+            f"document {doc_id!r} in collection {name!r} has no original PDF or image",
+            param="id",
+            code="no_original",
         )
-    return FileResponse(path, media_type="application/pdf", headers={"Cache-Control": "private, no-store"})
+    media_type = MEDIA_TYPES[path.suffix]
+    if media_type == "image/tiff":
+        path, media_type = tiff_page_png(path, page, doc_id), "image/png"
+    return FileResponse(path, media_type=media_type, headers={"Cache-Control": "private, no-store"})
 
 
 @router.delete("/{name}/documents/{doc_id:path}", status_code=204)
-def delete_document(name: CollectionName, doc_id: str, col: CollectionDep) -> Response:
+def delete_document(name: CollectionName, doc_id: str, col: CollectionDep, request: Request) -> Response:
     if not col.delete_document(doc_id):
         raise NotFound(f"document {doc_id!r} not found in collection {name!r}", param="id")
+    audit_from_thread(request, "document.delete", name, {"document": doc_id})
     return Response(status_code=204)
 
 

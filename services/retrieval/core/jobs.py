@@ -60,6 +60,7 @@ def decode_job(job_id: str, raw: dict[str, str]) -> Job:
         result=json.loads(raw["result"]) if raw.get("result") else None,
         file_errors=json.loads(raw["file_errors"]) if raw.get("file_errors") else [],
         filename=raw.get("filename") or None,
+        source_id=raw.get("source_id") or None,
         created_at=float(raw.get("created_at", 0) or 0),
         updated_at=float(raw.get("updated_at", 0) or 0),
     )
