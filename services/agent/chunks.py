@@ -29,6 +29,13 @@ class Chunk:
     pages: list[int] = field(default_factory=list)
     page_starts: list[int] = field(default_factory=list)
     anchor: str | None = None
+    # PDF and image chunks: [start, end, page, x0, top, x1, bottom] per line, offsets into
+    # ``text``; the page sizes [page, width, height] they are measured in.
+    boxes: list[list[float]] = field(default_factory=list)
+    page_sizes: list[list[float]] = field(default_factory=list)
+    # A piece of a long table after its first: the table's header row and rule line, which
+    # the piece's text does not repeat (its offsets stay the document's).
+    table_header: str = ""
     # Filled by components after retrieval (relevance gate, highlighter).
     relevance: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -37,7 +44,7 @@ class Chunk:
     def from_result(cls, item: dict[str, Any]) -> Chunk:
         metadata = item.get("metadata") or {}
         text = str(item.get("text") or "")
-        start = int(item.get("start") or 0)
+        start = chunk_start = int(item.get("start") or 0)
         end = item.get("end")
         if item.get("section_text") and item.get("section_text_start") is not None:
             # the enclosing section the search returned (section_tokens): what is read and cited
@@ -59,6 +66,10 @@ class Chunk:
             pages=[int(p) for p in item.get("pages") or [] if isinstance(p, int)],
             page_starts=[int(p) for p in item.get("page_starts") or [] if isinstance(p, int)],
             anchor=str(item["anchor"]) if item.get("anchor") else None,
+            # the hit's boxes count from the chunk's start; ``text`` may begin earlier (its section)
+            boxes=_boxes(item.get("boxes"), chunk_start - start),
+            page_sizes=[[float(v) for v in s[:3]] for s in item.get("page_sizes") or [] if _numbers(s, 3)],
+            table_header=str(item.get("table_header") or ""),
         )
 
     def to_result(self) -> dict[str, Any]:
@@ -80,8 +91,26 @@ class Chunk:
             out["page_starts"] = self.page_starts
         if self.anchor:
             out["anchor"] = self.anchor
+        if self.boxes:
+            out["boxes"] = self.boxes
+            out["page_sizes"] = self.page_sizes
         out.update(self.extra)
         return out
+
+
+def _numbers(row: Any, n: int) -> bool:
+    return (
+        isinstance(row, list)
+        and len(row) >= n
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in row[:n])
+    )
+
+
+def _boxes(rows: Any, shift: int) -> list[list[float]]:
+    """Well-formed line boxes of a hit, their offsets moved by ``shift``."""
+    if not isinstance(rows, list):
+        return []
+    return [[float(r[0] + shift), float(r[1] + shift), *map(float, r[2:7])] for r in rows if _numbers(r, 7)]
 
 
 # What a citation copies of its chunk.
@@ -143,7 +172,9 @@ class Citation(ChunkCitation):
     ``span`` is the sentence of the chunk that supports the claim (services/agent/locate.py),
     as offsets in the document's text; ``page`` the PDF page it is on (1-based), ``section``
     the heading path of HTML, Markdown and DOCX (and headed PDF) documents, ``anchor`` the HTML
-    id of that section. Each is None where the source has none.
+    id of that section. Each is None where the source has none. ``boxes`` and ``page_sizes``
+    (PDF and image sources) place each line of ``text`` on its page, so a viewer highlights
+    the lines the span covers; they are left out where the source has none.
     """
 
     kind: str = "cited"
@@ -152,6 +183,18 @@ class Citation(ChunkCitation):
     anchor: str | None = Field(default=None, description="HTML id of the cited section's heading.")
     span: CitedSpan | None = Field(
         default=None, description="The cited sentence's offsets in the document text."
+    )
+    # Absent (not null) for sources without boxes, so other citations keep their shape.
+    boxes: list[list[float]] | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="PDF and image sources: each line of the cited text as [start, end, page, x0, "
+        "top, x1, bottom], offsets into 'text', the box in page units from the page's top-left.",
+    )
+    page_sizes: list[list[float]] | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="[page, width, height] of the pages in 'boxes', in the same units.",
     )
 
     @classmethod
@@ -166,6 +209,8 @@ class Citation(ChunkCitation):
             section=chunk.section or None,
             anchor=chunk.anchor,
             span=CitedSpan(start=start, end=end, text=text),
+            boxes=chunk.boxes or None,
+            page_sizes=chunk.page_sizes if chunk.boxes else None,
             **{f: getattr(chunk, f) for f in _CITED_FIELDS},
         )
 

@@ -116,6 +116,9 @@ class BudgetPromptBuilder:
         return self.counter.count(text) + TEMPLATE_TOKENS_PER_MESSAGE
 
     def _source_block(self, n: int, chunk: Chunk, text: str) -> str:
+        # rows of a long table read with their column names
+        if chunk.table_header and chunk.table_header not in text:
+            text = chunk.table_header.rstrip("\n") + "\n" + text
         return data_block("document", text, index=n, source=chunk.title) + "\n"
 
     def _fit_text(self, text: str, tokens: int) -> str:

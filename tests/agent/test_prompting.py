@@ -134,3 +134,14 @@ def test_turn_records_keep_the_sampling_as_it_was_sent() -> None:
     want = {"max_tokens": 5, "stop": ["\nObservation:"], "response_format": None, "seed": 3}
     assert json.loads(stored)["sampling"] == want
     assert TurnRecord.model_validate_json(stored).model_dump_json(round_trip=True) == stored
+
+
+def test_a_long_tables_later_piece_reads_with_its_header() -> None:
+    header = "| plan | storage limit |\n| --- | --- |"
+    hit = {"chunk_id": "t1", "document_id": "plans.xlsx", "text": "| team | 40 GB |", "table_header": header}
+    builder = BudgetPromptBuilder(EstimatingCounter(), context_tokens=2000, answer_tokens=100)
+    prompt = builder.build("q?", [], [Chunk.from_result(hit)]).messages[-1].text()
+    assert header + "\n| team | 40 GB |" in prompt
+    # a piece that already holds its header (the table's first) does not get it twice
+    first = Chunk.from_result({**hit, "text": header + "\n| solo | 5 GB |"})
+    assert builder.build("q?", [], [first]).messages[-1].text().count("storage limit") == 1

@@ -29,7 +29,9 @@ def _open_citation(page: Any, url: str, routes: dict[str, Any], pdf: Any = None)
     double_api(page, {**BASE_ROUTES, **routes})
     if pdf is not None:
         # after the JSON doubles, so it answers first
-        page.route(re.compile(r".*/api/retrieval/v1/collections/handbook/originals/solar\.pdf$"), pdf)
+        page.route(
+            re.compile(r".*/api/retrieval/v1/collections/handbook/originals/solar\.pdf(\?page=\d+)?$"), pdf
+        )
     sign_in(page, url)
     page.goto(f"{url}/#/chat/c-1")
     page.locator(".chip").click()

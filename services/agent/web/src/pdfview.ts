@@ -1,7 +1,9 @@
 // The PDF side of the source view: one page drawn by pdf.js (bundled from pdfjs-dist, its
-// worker served beside the app) and the cited sentence's text runs highlighted over it.
+// worker served beside the app) and the cited sentence highlighted over it: from the line boxes
+// the parser stored with the chunk when there are some, else by finding the sentence's text runs.
 import { getDocument, GlobalWorkerOptions, Util } from "pdfjs-dist";
 import workerUrl from "pdfjs-dist/build/pdf.worker.min.mjs?url";
+import { drawBoxes, type Highlight } from "./boxes";
 import { h } from "./dom";
 
 GlobalWorkerOptions.workerSrc = workerUrl;
@@ -37,7 +39,13 @@ export function runsOf(runs: Run[], sentence: string): number[] {
   return [...new Set(owner.slice(at, at + want.length))];
 }
 
-export async function renderPage(into: HTMLElement, data: ArrayBuffer, pageNumber: number, sentence: string): Promise<void> {
+export async function renderPage(
+  into: HTMLElement,
+  data: ArrayBuffer,
+  pageNumber: number,
+  sentence: string,
+  highlight: Highlight | null = null,
+): Promise<void> {
   // No eval (the page's CSP forbids it); fonts the file does not embed come from the system.
   const pdf = await getDocument({ data: new Uint8Array(data), isEvalSupported: false, useSystemFonts: true }).promise;
   const n = Math.min(Math.max(1, pageNumber), pdf.numPages);
@@ -49,6 +57,18 @@ export async function renderPage(into: HTMLElement, data: ArrayBuffer, pageNumbe
   layer.style.height = `${Math.floor(viewport.height)}px`;
   into.append(h("p", { class: "muted pdf-label" }, `Page ${n} of ${pdf.numPages}`), layer);
   await page.render({ canvas, canvasContext: canvas.getContext("2d") as CanvasRenderingContext2D, viewport }).promise;
+  if (highlight?.boxes.length) {
+    // Page units are PDF points from the page's top-left; the viewport is the page at scale.
+    const base = page.getViewport({ scale: 1 });
+    const width = highlight.size?.width ?? base.width;
+    const height = highlight.size?.height ?? base.height;
+    layer.dataset.highlight = "boxes";
+    drawBoxes(layer, highlight.boxes, viewport.width / width, viewport.height / height);
+    layer.querySelector(".pdf-hit")?.scrollIntoView({ block: "center" });
+    await pdf.destroy();
+    return;
+  }
+  layer.dataset.highlight = "text";
   const content = await page.getTextContent();
   const runs = content.items.filter((it): it is Run & typeof it => "str" in it) as unknown as Run[];
   for (const i of runsOf(runs, sentence)) {

@@ -6,7 +6,8 @@ import { clear, field, h, highlightSpan, toast } from "../dom";
 import { addToEvaluation } from "../evalpick";
 import { thumbIcon } from "../icons";
 import { linkCitations, renderMarkdown } from "../markdown";
-import { documentNodes, fetchOriginal, showPdfPage } from "../source";
+import { highlightOf, pageOfSpan, type LineBox, type PageSize } from "../boxes";
+import { documentNodes, fetchOriginal, showImagePage, showPdfPage } from "../source";
 
 export interface Citation {
   index: number;
@@ -21,6 +22,9 @@ export interface Citation {
   section?: string | null;
   anchor?: string | null;
   span?: { start: number; end: number; text?: string } | null;
+  /** Line boxes of the cited chunk (PDF and image sources): offsets into ``text``. */
+  boxes?: LineBox[] | null;
+  page_sizes?: PageSize[] | null;
 }
 
 interface Step {
@@ -122,8 +126,8 @@ export async function loadCollections(): Promise<string[]> {
 }
 
 /** The dialog that shows a cited passage inside its document: the cited sentence marked in the
- * document's text with its headings, and for a PDF the cited page itself (pdf.js) with the
- * sentence highlighted on it. */
+ * document's text with its headings, and for a PDF or an image the cited page itself (pdf.js, or
+ * the image) with the sentence highlighted on it (from the chunk's line boxes where it has some). */
 export function citationDialog(): { open: (c: Citation, collection: string) => void; el: HTMLDialogElement } {
   const title = h("h2", { id: "cite-title" });
   const meta = h("p", { class: "muted cite-meta" });
@@ -173,16 +177,25 @@ export function citationDialog(): { open: (c: Citation, collection: string) => v
     const sentence = span?.text ?? chunkText;
     if (c.page && c.document_id && collection) {
       pdfBox.hidden = false;
-      const note = h("p", { class: "muted" }, "Loading the PDF…");
+      // The cited sentence within the chunk's text (the boxes' offsets), else the whole chunk.
+      const inChunk = span && c.start !== undefined ? [span.start - c.start, span.end - c.start] : [0, chunkText.length];
+      const page = pageOfSpan(c.boxes, inChunk[0], inChunk[1], c.page);
+      const boxes = highlightOf(c.boxes, c.page_sizes, inChunk[0], inChunk[1], page);
+      const note = h("p", { class: "muted" }, "Loading the original…");
       pdfBox.append(note);
       void (async () => {
         try {
-          const data = await fetchOriginal(retrieval(`/collections/${enc(collection)}/originals/${enc(c.document_id ?? "")}`));
+          const url = retrieval(`/collections/${enc(collection)}/originals/${enc(c.document_id ?? "")}?page=${page}`);
+          const original = await fetchOriginal(url);
           if (mine !== opened) return;
           note.remove();
-          await showPdfPage(pdfBox, data, c.page ?? 1, sentence);
+          if (original.type.startsWith("image/")) await showImagePage(pdfBox, original, page, boxes);
+          else await showPdfPage(pdfBox, original.data, page, sentence, boxes);
         } catch (exc) {
-          if (mine === opened) note.textContent = `The PDF cannot be shown: ${(exc as Error).message}`;
+          if (mine !== opened) return;
+          // A paged document kept without its file (a deck's slides): the text below is the source.
+          if (exc instanceof ApiError && exc.status === 404) pdfBox.hidden = true;
+          else note.textContent = `The original cannot be shown: ${(exc as Error).message}`;
         }
       })();
     }

@@ -1,11 +1,14 @@
 // Documents: collections (list, create, delete), uploads with per-file progress that lasts
 // until ingestion has finished, per-file errors, the collection's documents, and "Tune
 // retrieval": an embedder fine-tuned for the collection, switched to only when it ranks better.
+// The collection's sources (Git, web, folder) and their syncs are in sources.ts.
 import { api, ApiError, enc, listOf, retrieval, trainer, uploadWithProgress } from "../api";
 import { clear, field, formatBytes, h, toast } from "../dom";
 import { followJob, isSuccess, isTerminal, jobStatus, progressOf, type Follow, type JobState } from "../jobs";
+import { sourcesPanel } from "../sources";
 
-const ACCEPT = ".txt,.md,.markdown,.html,.htm,.pdf,.docx,.jsonl";
+const ACCEPT =
+  ".txt,.md,.markdown,.html,.htm,.pdf,.docx,.jsonl,.pptx,.xlsx,.csv,.tsv,.odt,.epub,.eml,.png,.jpg,.jpeg,.tif,.tiff";
 const PAGE = 50;
 // Tune retrieval: the base a tuning starts from unless the collection already uses one of the
 // tenant's fine-tuned embedders, and where the last tuning job of each collection is kept.
@@ -135,7 +138,7 @@ export function documentsPage(root: HTMLElement, args: string[]) {
     h("p", null, "Drop files here, or "),
     pickLabel,
     picker,
-    h("p", { class: "muted" }, "Markdown, text, HTML, PDF, DOCX or JSONL; several at once."),
+    h("p", { class: "muted" }, "Markdown, text, HTML, PDF (scans too), DOCX, PPTX, XLSX, CSV, TSV, ODT, EPUB, e-mail (.eml), JSONL or images (PNG, JPEG, TIFF); several at once."),
   );
   const uploads = h("ul", { class: "uploads", "aria-label": "Uploads", "aria-live": "polite" });
   const docsBody = h("tbody");
@@ -147,6 +150,11 @@ export function documentsPage(root: HTMLElement, args: string[]) {
   );
   const more = h("button", { type: "button", hidden: true }, "Load more");
   const deleteColl = h("button", { type: "button", class: "danger" }, "Delete collection");
+  // A sync adds, changes and removes documents: the list and the counts follow.
+  const sources = sourcesPanel((coll) => {
+    if (coll === selected) void loadDocs(true);
+    void refreshCollections();
+  });
 
   // --- tune retrieval ---------------------------------------------------------------
   const tuneToggle = h("button", { type: "button", id: "tune-toggle", "aria-expanded": "false", "aria-controls": "tune-panel" }, "Tune retrieval");
@@ -177,6 +185,7 @@ export function documentsPage(root: HTMLElement, args: string[]) {
     h("h2", { id: "docs-list-title" }, "Documents in this collection"),
     docsTable,
     more,
+    sources.el,
   );
   const empty = h("section", { class: "panel empty" }, h("h1", null, "Documents"), h("p", null, "Create a collection, or pick one on the left, then add files to it."));
   root.appendChild(h("div", { class: "two-col" }, aside, panel, empty));
@@ -493,6 +502,7 @@ export function documentsPage(root: HTMLElement, args: string[]) {
 
   function show(name: string | null): void {
     if (name !== tuneFor) resetTune(name);
+    sources.show(name);
     selected = name;
     panel.hidden = !name;
     empty.hidden = Boolean(name);
@@ -515,6 +525,7 @@ export function documentsPage(root: HTMLElement, args: string[]) {
     dispose() {
       for (const f of follows) f.stop();
       tuneFollow?.stop();
+      sources.dispose();
     },
   };
 }
