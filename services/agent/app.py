@@ -10,11 +10,13 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from services.agent.api import approvals as approvals_api
+from services.agent.api import audit as audit_api
 from services.agent.api import conversations, feedback, mcp_servers, openai_compat, pipelines, proxy, ws
 from services.agent.api import evals as evals_api
 from services.agent.api import promotions as promotions_api
 from services.agent.api import quality as quality_api
 from services.agent.api import responses as responses_api
+from services.agent.api import users as users_api
 from services.agent.config import AgentSettings
 from services.agent.evals.runs import Evaluations
 from services.agent.mcp_server import install_mcp, mcp_routers
@@ -23,6 +25,7 @@ from services.agent.tokens import load_counter
 from services.common.app_factory import create_service_app
 from services.common.config import CommonSettings, load_settings
 from services.common.security_headers import SecureStaticFiles
+from services.common.users import UserStore
 
 DEFAULT_WEB_DIST = Path(__file__).parent / "web" / "dist"
 
@@ -63,6 +66,8 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
             ws.router,
             mcp_servers.router,
             evals_api.router,
+            users_api.router,
+            audit_api.router,
             mcp_keyed,
         ],
         public_routers=[proxy.router, mcp_public],
@@ -74,6 +79,7 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
     )
     app.state.settings = settings
     app.state.runtime = AgentRuntime.create(common, settings, app.state.redis)
+    app.state.users = UserStore(app.state.redis)  # people and their tokens (/v1/users)
     app.state.runtime.quality.register(app.state.metrics.registry)
     app.state.evals = Evaluations(app.state.runtime)  # evaluation sets and runs (/v1/evals)
     install_mcp(app, app.state.runtime)

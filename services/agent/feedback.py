@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from services.agent.promotions import held_out
 from services.agent.protocol import Choice, DatasetFormat, Feedback, FeedbackCreate, TurnRecord
 from services.agent.turns import FeedbackFilter, FeedbackRow, PreferenceRow, owner_scope
-from services.common.auth import Principal
+from services.common.auth import Principal, refuse_viewer
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ async def turn_of(runtime: AgentRuntime, principal: Principal, message_id: str, 
 
 async def give_feedback(runtime: AgentRuntime, principal: Principal, body: FeedbackCreate) -> Feedback:
     """Records or replaces the caller's feedback on one of its tenant's messages."""
+    refuse_viewer(principal, "feedback")  # the websocket's feedback frames come here too
     limit = runtime.settings.feedback_max_correction_chars
     if body.correction is not None and len(body.correction) > limit:
         raise PayloadTooLarge(
@@ -98,6 +99,7 @@ async def give_feedback(runtime: AgentRuntime, principal: Principal, body: Feedb
 
 async def choose(runtime: AgentRuntime, principal: Principal, message_id: str, over: str) -> Choice:
     """Records a preference pair: ``message_id`` chosen over ``over``, two drafts of one prompt."""
+    refuse_viewer(principal, "choosing a draft (feedback)")
     chosen = await turn_of(runtime, principal, message_id, "message_id")
     if over == message_id:
         raise InvalidRequest(

@@ -687,3 +687,47 @@ class WsRegenerateFrame(BaseModel):
 class WsChooseFrame(ChooseRequest):
     type: Literal["choose"]
     message_id: str = Field(min_length=1, max_length=64)
+
+
+# -- people and their tokens (/v1/users, services/common/users.py) ----------------------------
+
+UserRole = Literal["admin", "member", "viewer"]
+GroupName = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class UserCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    email: str = Field(
+        min_length=3, max_length=254, description="unique in the tenant (compared in lower case)"
+    )
+    role: UserRole = "member"
+    groups: list[GroupName] = Field(default_factory=list, max_length=64)
+
+
+class UserUpdate(BaseModel):
+    """Only the fields given change."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    email: str | None = Field(None, min_length=3, max_length=254)
+    role: UserRole | None = None
+    groups: list[GroupName] | None = Field(None, max_length=64)
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("", max_length=128, description="a label to recognise the token by")
+    expires_at: StrictFloat | None = Field(
+        None, ge=0, le=MAX_UNIX_S, description="unix seconds after which the token no longer works"
+    )
+
+
+class TokenCreated(BaseModel):
+    id: str
+    user_id: str
+    name: str
+    created_at: float
+    expires_at: float | None = None
+    token: str = Field(description="the token itself: shown this once, stored only as a hash")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import getpass
 import importlib
 import json
 import os
@@ -24,11 +26,12 @@ from services.cli.eval_retrieval import retrieval_command
 from services.cli.reader import reader_app
 from services.cli.supervise import SupervisedState, error_line, read_state
 from services.common import lockcheck
+from services.common.audit import Actor, AuditLog
 from services.common.auth import ADMIN, KeyStore
 from services.common.config import SERVICE_NAMES, CommonSettings, SettingsError, load_settings
 from services.common.errors import TandemError
 from services.common.platforms import PlatformError, detect_platform
-from services.common.redis_conn import redis_reachable, sync_redis
+from services.common.redis_conn import async_redis, redis_reachable, sync_redis
 
 app = typer.Typer(help="Tandem: RAG, agents and fine-tuning, as one stack.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys (stored hashed in Redis).", no_args_is_help=True)
@@ -579,6 +582,7 @@ def keys_create(
         key, record = store.create(tenant, name, operator=operator, role=role)
     except TandemError as exc:
         _fail(exc.message)
+    _audit(common, record.tenant, "key.create", record.key_id, {"name": name, "role": record.role_label})
     console.print(f"key id {record.key_id} for tenant {record.tenant} ({record.role_label}):")
     print(key)
 
@@ -591,6 +595,7 @@ def keys_revoke(key_id: str = typer.Argument(..., help="Key id (or the whole key
         record = _key_store(common).revoke(key_id)
     except TandemError as exc:
         _fail(exc.message)
+    _audit(common, record.tenant, "key.revoke", record.key_id, {"name": record.name})
     console.print(f"revoked key {record.key_id} of tenant {record.tenant}")
 
 
@@ -605,6 +610,25 @@ def keys_list(tenant: str | None = typer.Option(None, "--tenant")) -> None:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.created_at))
         table.add_row(rec.key_id, rec.tenant, rec.name, rec.role_label, created, "yes" if rec.revoked else "")
     console.print(table)
+
+
+def _audit(common: CommonSettings, tenant: str, action: str, target: str, detail: dict[str, object]) -> None:
+    """Records a change made here in the tenant's audit log, by the account running the cli."""
+    try:
+        who = getpass.getuser()
+    except (OSError, KeyError):  # no login name (a container without one)
+        who = "unknown"
+
+    async def write() -> None:
+        client = async_redis(_redis_url(stack.Layout(common.home_dir), common))
+        try:
+            await AuditLog.from_settings(client, common).record(
+                tenant, Actor(kind="cli", id=who), action, target, detail
+            )
+        finally:
+            await client.aclose()
+
+    asyncio.run(write())
 
 
 def _key_store(common: CommonSettings) -> KeyStore:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI
 from starlette.routing import BaseRoute
 
+from services.common.audit import AuditLog
 from services.common.auth import Principal, require_principal
 from services.common.config import CommonSettings
 from services.common.errors import ErrorResponse, install_error_handlers
@@ -140,6 +141,8 @@ def create_service_app(
     app.state.service = service
     app.state.common = common
     app.state.redis = redis_client
+    # who did what, in the tenant's append-only log (services/common/audit.py)
+    app.state.audit = AuditLog.from_settings(redis_client, common)
     app.state.readiness = Readiness(checks)
     install_error_handlers(app)
     # One limiter per process: the guard asks it per HTTP request, the agent's websocket per turn.

@@ -24,13 +24,28 @@ for everyone. Otherwise it is the key's role in its tenant:
 - ``member``: sees, rates and corrects only the answers it asked for itself; another key's
   answer is a 404, as if it did not exist. A tenant's later keys are members by default.
 
-A principal's ``owner`` is what its answers are recorded under (the key id; a signed-in
-user's id once people sign in), so the checks above compare owners, not keys.
+People have accounts too (services/common/users.py): a user's personal token looks like
+``tdu_<id>_<secret>`` and is stored the same way, so it works wherever a key works, with the
+user's role (``admin``, ``member`` or ``viewer``) read at every request::
+
+    tandem:tokens:hash:<sha256> -> token id (kept after revocation, so a revoked token says so)
+    tandem:tokens:<id>          -> hash {user_id, tenant, name, sha256, created_at, last_used,
+                                   expires_at, revoked}
+    tandem:users:<id>           -> hash {tenant, email, role, groups (JSON), created_at, updated_at}
+
+- ``viewer`` (users only): chats and searches; the routes that write (uploads and collection
+  changes, feedback, training, evaluations, MCP servers, models) answer 403 naming the role
+  (``viewer_refusal``, applied by the guard to every service).
+
+A principal's ``owner`` is what its answers are recorded under: the key id, or a user's id
+(``key_id`` holds it for a user, so every token of one person shares its answers), so the
+checks above compare owners, not keys.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 import time
@@ -45,11 +60,17 @@ from services.common.errors import Forbidden, InvalidRequest, NotFound, Unauthor
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KEY_PREFIX = "tdm_"
+TOKEN_PREFIX = "tdu_"
 WS_PROTOCOL = "tandem.bearer"
 OPERATOR = "operator"
 ADMIN = "admin"
 MEMBER = "member"
+VIEWER = "viewer"
+# The roles a key may have in its tenant; a user may also be a viewer.
 TENANT_ROLES = (ADMIN, MEMBER)
+USER_ROLES = (ADMIN, MEMBER, VIEWER)
+# A token's ``last_used`` is written at most this often (seconds): not one write per request.
+LAST_USED_EVERY_S = 60.0
 # Tandem extension: an operator key acting for one tenant (the trainer's worker writing a job's
 # questions with the model that job's tenant named) sends the tenant here; see ``acting_principal``.
 ACT_FOR_HEADER = "X-Tandem-Tenant"
@@ -61,8 +82,11 @@ class Principal:
     tenant: str
     key_id: str
     operator: bool = False
-    # The role in the tenant (``admin`` or ``member``); the least one unless said otherwise.
+    # The role in the tenant (``admin``, ``member`` or ``viewer``); a member unless said otherwise.
     role: str = MEMBER
+    # Set for a person's token: the user (``key_id`` is then the user's id too) and its groups.
+    user_id: str | None = None
+    groups: tuple[str, ...] = ()
 
     @property
     def owner(self) -> str:
@@ -72,6 +96,10 @@ class Principal:
     @property
     def is_admin(self) -> bool:
         return self.operator or self.role == ADMIN
+
+    @property
+    def is_viewer(self) -> bool:
+        return not self.operator and self.role == VIEWER
 
 
 @dataclass(frozen=True)
@@ -132,10 +160,55 @@ def _record(key_id: str, data: dict[str, str]) -> KeyRecord:
 def require_admin(principal: Principal, what: str) -> None:
     """403 ``forbidden`` unless the caller administers its tenant (an admin or operator key)."""
     if not principal.is_admin:
+        holder = "user" if principal.user_id else "key"
         raise Forbidden(
-            f"{what} needs a tenant admin key (`tandem keys create --role admin`); this key is a member",
+            f"{what} needs a tenant admin key (`tandem keys create --role admin`) or an admin user; "
+            f"this {holder} is a {principal.role}",
             code="forbidden",
         )
+
+
+def refuse_viewer(principal: Principal, what: str) -> None:
+    """403 ``forbidden`` naming the role when a viewer tries ``what`` (a write)."""
+    if principal.is_viewer:
+        raise Forbidden(
+            f"{what}: this user has the viewer role, which may chat and search only; "
+            "it needs the member or admin role",
+            code="forbidden",
+        )
+
+
+# The route templates whose writes (any method but GET, HEAD, OPTIONS) a viewer may not make,
+# by what they are, across the four services: a viewer chats (pipelines, the OpenAI facade,
+# the Responses API, websockets) and searches, and keeps its own conversations.
+VIEWER_WRITES = (
+    ("/v1/collections", "uploading documents or changing collections"),
+    ("/v1/jobs", "training and ingestion jobs"),
+    ("/v1/files", "uploading training files"),
+    ("/v1/feedback", "feedback"),
+    ("/v1/messages/", "feedback"),
+    ("/v1/evals", "evaluations"),
+    ("/v1/mcp/servers", "registering MCP servers"),
+    ("/v1/models", "changing models"),
+)
+# Write-method routes under a prefix above that a viewer may call: a search reads, and a
+# regenerated answer is another chat turn (choosing between drafts is feedback, and refused).
+# /v1/users is not above: its routes let anyone manage their own tokens, and only admins more.
+VIEWER_READS = ("/search", "/regenerate")
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def viewer_refusal(principal: Principal, method: str, template: str) -> Forbidden | None:
+    """The 403 for a viewer calling a route that writes; None when the call is allowed."""
+    if not principal.is_viewer or method.upper() in SAFE_METHODS or template.endswith(VIEWER_READS):
+        return None
+    for prefix, what in VIEWER_WRITES:
+        if template.startswith(prefix):
+            try:
+                refuse_viewer(principal, f"{method.upper()} {template} ({what})")
+            except Forbidden as exc:
+                return exc
+    return None
 
 
 class KeyStore:
@@ -230,20 +303,60 @@ class KeyStore:
 
 
 async def verify_key(client: aioredis.Redis, key: str) -> Principal | None:
-    if not key.startswith(KEY_PREFIX):
+    """The principal of a key or user token; None for anything not (or no longer) valid."""
+    try:
+        return await authenticate(client, key)
+    except Unauthorized:
         return None
-    found = await client.get(f"tandem:keys:hash:{hash_key(key)}")
-    if not found:
-        return None
-    key_id = _text(found)
-    data = _text_dict(await client.hgetall(f"tandem:keys:{key_id}"))
-    if not data or data.get("revoked") == "1":
-        return None
+
+
+async def authenticate(client: aioredis.Redis, token: str, now: float | None = None) -> Principal:
+    """The principal of a tenant key or a user's token; 401 ``Unauthorized`` saying why not
+    (unknown, revoked, expired)."""
+    if token.startswith(TOKEN_PREFIX):
+        return await _user_principal(client, token, time.time() if now is None else now)
+    found = await client.get(f"tandem:keys:hash:{hash_key(token)}") if token.startswith(KEY_PREFIX) else None
+    data = _text_dict(await client.hgetall(f"tandem:keys:{_text(found)}")) if found else {}
+    if not found or not data or data.get("revoked") == "1":
+        raise Unauthorized("invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
     return Principal(
         tenant=data["tenant"],
-        key_id=key_id,
+        key_id=_text(found),
         operator=data.get("role") == OPERATOR,
         role=tenant_role(data.get("role")),
+    )
+
+
+async def _user_principal(client: aioredis.Redis, token: str, now: float) -> Principal:
+    def refused(why: str) -> Unauthorized:
+        return Unauthorized(why, headers={"WWW-Authenticate": "Bearer"})
+
+    found = await client.get(f"tandem:tokens:hash:{hash_key(token)}")
+    if not found:
+        raise refused("invalid user token (no such token)")
+    token_id = _text(found)
+    data = _text_dict(await client.hgetall(f"tandem:tokens:{token_id}"))
+    if not data:
+        raise refused("invalid user token (no such token)")
+    if data.get("revoked") == "1":
+        raise refused(f"user token {token_id} was revoked")
+    expires = float(data.get("expires_at") or 0)
+    if expires and now >= expires:
+        raise refused(
+            f"user token {token_id} expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(expires))}"
+        )
+    user = _text_dict(await client.hgetall(f"tandem:users:{data['user_id']}"))
+    if not user or user.get("tenant") != data.get("tenant"):
+        raise refused(f"user token {token_id} was revoked (its user no longer exists)")
+    if now - float(data.get("last_used") or 0) >= LAST_USED_EVERY_S:
+        await client.hset(f"tandem:tokens:{token_id}", "last_used", str(now))  # type: ignore[misc]
+    role = user.get("role", VIEWER)
+    return Principal(
+        tenant=user["tenant"],
+        key_id=data["user_id"],
+        role=role if role in USER_ROLES else VIEWER,
+        user_id=data["user_id"],
+        groups=tuple(json.loads(user.get("groups") or "[]")),
     )
 
 
@@ -290,11 +403,12 @@ async def require_principal(conn: HTTPConnection) -> Principal:
         raise Unauthorized(
             "missing API key: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"}
         )
-    principal = await verify_key(conn.app.state.redis, token)
-    if principal is None:
+    try:
+        principal = await authenticate(conn.app.state.redis, token)
+    except Unauthorized as exc:
         if is_ws:
-            raise WebSocketException(code=1008, reason="invalid or revoked API key")
-        raise Unauthorized("invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+            raise WebSocketException(code=1008, reason=exc.message) from None
+        raise
     conn.state.principal = principal
     return principal
 

@@ -76,6 +76,15 @@ class CommonSettings(BaseSettings):
     max_body_mb: int = Field(16, ge=1)
     # Serve /docs and /openapi.json without an API key (with a key they are always served).
     public_docs: bool = False
+    audit_retention_days: int = Field(
+        365, ge=1, le=3650, description="Days the audit log keeps an entry (GET /v1/audit on the agent)."
+    )
+    audit_max_entries: int = Field(
+        1_000_000,
+        ge=1000,
+        le=100_000_000,
+        description="Most entries one tenant's audit log holds; past it the oldest are dropped first.",
+    )
 
     # Longest wait, in seconds, before `tandem up`'s supervisor restarts a component that keeps
     # exiting (the wait doubles from 1 s while it dies within a minute of starting).

@@ -6,8 +6,9 @@ any size: malformed JSON answered 400 instead of 401, and gigabytes were spooled
 middleware runs before routing does any of that:
 
 - a route handed to ``create_service_app`` in ``routers`` (and ``/docs``, ``/openapi.json``
-  unless ``TANDEM_PUBLIC_DOCS``) needs a valid key: without one the answer is 401 at once
-  and the body is never read;
+  unless ``TANDEM_PUBLIC_DOCS``) needs a valid key or user token: without one the answer is
+  401 at once (saying why: missing, unknown, revoked, expired) and the body is never read;
+  a viewer's call to a route that writes is a 403 naming the role, also before the body;
 - a JSON body nested deeper than 64 levels or holding ``NaN``/``Infinity`` is a 400 naming
   the field (services/common/jsonsafe.py) before any route parses it;
 - every HTTP request has a body limit (per route template, else the service default):
@@ -32,8 +33,8 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common import jsonsafe
-from services.common.auth import Principal, bearer_token, verify_key
-from services.common.errors import TandemError, error_body
+from services.common.auth import Principal, authenticate, bearer_token, viewer_refusal
+from services.common.errors import TandemError, Unauthorized, error_body
 from services.common.ratelimit import TenantLimiter
 
 MIB = 1024 * 1024
@@ -119,16 +120,21 @@ class GuardMiddleware:
         if protected or scope["path"] in self.protected_paths:
             conn = HTTPConnection(scope)
             token = bearer_token(conn)
-            principal: Principal | None = await verify_key(self.redis, token) if token else None
+            principal: Principal | None = None
+            why = "missing API key: send 'Authorization: Bearer <key>'"
+            if token is not None:
+                try:
+                    principal = await authenticate(self.redis, token)
+                except Unauthorized as exc:
+                    why = exc.message
             if principal is None:
-                why = (
-                    "missing API key: send 'Authorization: Bearer <key>'"
-                    if token is None
-                    else "invalid or revoked API key"
-                )
                 await self._refuse(
                     send, 401, error_body("authentication_error", why), {"WWW-Authenticate": "Bearer"}
                 )
+                return
+            forbidden = viewer_refusal(principal, scope.get("method", ""), template or scope["path"])
+            if forbidden is not None:
+                await self._refuse(send, 403, forbidden.to_dict())
                 return
             # The route's own dependency finds it here and does not look the key up again.
             scope.setdefault("state", {})["principal"] = principal

@@ -56,6 +56,7 @@ from services.agent.reader.feedback_rows import ReaderDataset, reader_dataset
 from services.agent.runtime import AgentRuntime, TurnResult, collect, peek
 from services.agent.turns import FeedbackFilter, FeedbackRow, owner_scope
 from services.common.app_factory import JSON_OR_SSE
+from services.common.audit import audit_request
 from services.common.auth import Principal, key_names, require_admin
 from services.common.bounds import MAX_UNIX_S, NAME_CHARS
 from services.common.errors import InvalidRequest, NotFound, TandemError
@@ -279,7 +280,9 @@ async def build_feedback_dataset(body: DatasetRequest, runtime: RuntimeDep, who:
 
 
 @router.post("/v1/feedback/train", response_model=TrainResult)
-async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: CallerDep) -> TrainResult:
+async def train_on_feedback(
+    body: TrainRequest, request: Request, runtime: RuntimeDep, who: CallerDep
+) -> TrainResult:
     """Builds the dataset and starts a LoRA job (defaults, published) on the model that wrote the
     answers: the tenant's model, so only an admin key may."""
     principal, key = who
@@ -326,6 +329,12 @@ async def train_on_feedback(body: TrainRequest, runtime: RuntimeDep, who: Caller
     )
     await runtime.promotions.save(principal.tenant, promotion)
     reader = await _train_reader(runtime, principal, key, body)
+    await audit_request(
+        request,
+        "training.start",
+        str(job["id"]),
+        {"format": fmt, "base_model": base_model, "rows": dataset.rows},
+    )
     return TrainResult(dataset=dataset, job=job, promotion=promotion, reader=reader)
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from services.agent.api.deps import PrincipalDep, RuntimeDep
 from services.agent.mcp_servers import McpServerCreate, McpServerInfo, McpServerUpdate
 from services.agent.tools.mcp import McpFailed, list_tools
+from services.common.audit import audit_request
 from services.common.errors import UpstreamError
 
 router = APIRouter(tags=["mcp"], responses={404: {"description": "no such MCP server"}})
@@ -24,10 +25,12 @@ router = APIRouter(tags=["mcp"], responses={404: {"description": "no such MCP se
     },
 )
 async def register_server(
-    body: McpServerCreate, runtime: RuntimeDep, principal: PrincipalDep
+    body: McpServerCreate, request: Request, runtime: RuntimeDep, principal: PrincipalDep
 ) -> McpServerInfo:
     """Registers an MCP server (Streamable HTTP); header values are stored encrypted, never returned."""
-    return await runtime.mcp.add(principal.tenant, body)
+    info = await runtime.mcp.add(principal.tenant, body)
+    await audit_request(request, "mcp_server.register", info.name, {"url": info.url})
+    return info
 
 
 @router.get("/v1/mcp/servers")
@@ -52,13 +55,18 @@ async def server_tools(name: str, runtime: RuntimeDep, principal: PrincipalDep) 
 
 @router.patch("/v1/mcp/servers/{name}", response_model=McpServerInfo)
 async def update_server(
-    name: str, body: McpServerUpdate, runtime: RuntimeDep, principal: PrincipalDep
+    name: str, body: McpServerUpdate, request: Request, runtime: RuntimeDep, principal: PrincipalDep
 ) -> McpServerInfo:
     """Which agents get the server's tools (``agents``), and which of its tools (``tools``)."""
-    return await runtime.mcp.update(principal.tenant, name, body)
+    info = await runtime.mcp.update(principal.tenant, name, body)
+    await audit_request(request, "mcp_server.update", name, body.model_dump(mode="json", exclude_unset=True))
+    return info
 
 
 @router.delete("/v1/mcp/servers/{name}", status_code=204)
-async def delete_server(name: str, runtime: RuntimeDep, principal: PrincipalDep) -> Response:
+async def delete_server(
+    name: str, request: Request, runtime: RuntimeDep, principal: PrincipalDep
+) -> Response:
     await runtime.mcp.delete(principal.tenant, name)
+    await audit_request(request, "mcp_server.remove", name)
     return Response(status_code=204)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Body, Query
+from fastapi import APIRouter, Body, Query, Request
 
 from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
 from services.agent.clients import InferenceClient
@@ -22,6 +22,7 @@ from services.agent.promotions import (
 )
 from services.agent.protocol import ModelChoice, PromoteRequest, PromotionList, ReaderChoice
 from services.agent.runtime import AgentRuntime
+from services.common.audit import audit_request
 from services.common.auth import Principal, require_admin
 from services.common.errors import NotFound
 from services.common.readers import is_reader_name
@@ -81,7 +82,11 @@ async def _reader(inference: InferenceClient, name: str) -> ReaderChoice:
 
 @router.post("/v1/models/{model}/promote", response_model=ModelChoice, responses=ERRORS)
 async def promote_model(
-    model: str, runtime: RuntimeDep, who: CallerDep, body: PromoteRequest | None = Body(None)
+    model: str,
+    request: Request,
+    runtime: RuntimeDep,
+    who: CallerDep,
+    body: PromoteRequest | None = Body(None),
 ) -> ModelChoice:
     """Makes ``model`` the tenant's default for chat (or, with ``canary_share``, has it answer
     that share of the tenant's chats); a reader (``ft-reader-...``) becomes the tenant's reader."""
@@ -93,15 +98,17 @@ async def promote_model(
         reader_promoted(current, ReaderChoice(name=model), share, time.time())  # a share: 400 first
         choice = reader_promoted(current, await _reader(runtime.inference(key), model), share, time.time())
         await runtime.promotions.save_choice(principal.tenant, choice)
+        await audit_request(request, "model.promote", model, {"reader": True})
         return choice
     choice = promoted(current, model, share, time.time())  # a bad share is a 400 before any lookup
     await _listed(runtime, principal, key, model)
     await runtime.promotions.save_choice(principal.tenant, choice)
+    await audit_request(request, "model.promote", model, {"canary_share": share})
     return choice
 
 
 @router.post("/v1/models/{model}/rollback", response_model=ModelChoice, responses=ERRORS)
-async def rollback_model(model: str, runtime: RuntimeDep, who: CallerDep) -> ModelChoice:
+async def rollback_model(model: str, request: Request, runtime: RuntimeDep, who: CallerDep) -> ModelChoice:
     """Stops ``model`` answering the tenant's chats: a canary ends; a default gives way to the one
     before it (the base model at the start); a reader gives way to the one before it (the agent's
     reader setting at the start)."""
@@ -113,9 +120,11 @@ async def rollback_model(model: str, runtime: RuntimeDep, who: CallerDep) -> Mod
             await _reader(runtime.inference(key), model)  # unknown: 404; known but not in use: 409 below
         choice = reader_rolled_back(current, model, time.time())
         await runtime.promotions.save_choice(principal.tenant, choice)
+        await audit_request(request, "model.rollback", model, {"reader": True})
         return choice
     if model not in (current.default, current.canary):
         await _listed(runtime, principal, key, model)  # unknown: 404; known but not in use: 409 below
     choice = rolled_back(current, model, time.time())
     await runtime.promotions.save_choice(principal.tenant, choice)
+    await audit_request(request, "model.rollback", model, {"default": choice.default})
     return choice

@@ -14,6 +14,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from services.common.app_factory import SSE
+from services.common.audit import audit_request
 from services.common.auth import Principal, bearer_token, principal_of
 from services.common.errors import Forbidden, NotFound
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
@@ -60,6 +61,9 @@ async def create_job(spec: JobCreate, request: Request, st: TrainerDep, tenant: 
 
     async def create() -> tuple[int, Any]:
         job = await run_in_threadpool(service.create_job, st, tenant, spec, key)
+        await audit_request(
+            request, "training.job", job.id, {"type": spec.type, "base_model": spec.base_model}
+        )
         return 201, job.to_job().model_dump(mode="json")
 
     return await idempotent(request, tenant, create)
