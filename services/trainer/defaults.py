@@ -45,6 +45,18 @@ TYPE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     # a cross-encoder's usual fine-tune (sentence-transformers' CrossEncoder examples: lr 2e-5 to
     # 5e-5 with a short warmup), sized for 2 CPU cores: one pass over the rows, 160 tokens being
     # a question with one sentence under its heading path; not yet measured on a benchmark
+    # a features reader (recipes/reader_features.py): a logistic regression over 35
+    # standardised numbers; 20 passes in batches of 1024 (about 150 steps on the question sets'
+    # tuning rows) train in about a second
+    "reader-features": {
+        "full": {
+            "learning_rate": 0.02,
+            "n_epochs": 20,
+            "batch_size": 1024,
+            "weight_decay": 1e-3,
+            "warmup_steps": 0,
+        }
+    },
     "reader": {
         "full": {
             "learning_rate": 4e-5,

@@ -502,8 +502,32 @@ def validate_reader_job(
         fraction = spec.eval_fraction or READER_HELD_OUT
         records, held = split_reader(records, fraction, spec.hyperparameters.seed)
         check_labels(records, "dataset", "rows left to train after holding out eval_fraction")
+    if spec.reader_kind == "features":
+        check_features(records, "dataset")
+        check_features(held, "eval_dataset" if eval_path is not None else "dataset", like=records[0])
+        # no model to start from: the features' model starts new
+        return ResolvedJob(Path(spec.base_model), list(records), list(held), 0, None)
     model_path = resolve_reader_base(spec.base_model, common, owner)
     return ResolvedJob(model_path, list(records), list(held), 0, None)
+
+
+def check_features(records: list[ReaderRecord], param: str, like: ReaderRecord | None = None) -> None:
+    """A features reader's rows all carry the same feature names (its model's inputs)."""
+    names = None if like is None else list(like.features or {})
+    for r in records:
+        if r.features is None:
+            raise InvalidRequest(
+                f"{param}: line {r.line} has no 'features'; a 'features' reader job reads them on every row",
+                param=param,
+            )
+        if names is None:
+            names = list(r.features)
+        elif list(r.features) != names:
+            raise InvalidRequest(
+                f"{param}: line {r.line}'s features differ from the first row's ({len(r.features)} names "
+                f"against {len(names)}); every row needs the same names in the same order",
+                param=param,
+            )
 
 
 def _embedder_dim(path: Path) -> int | None:

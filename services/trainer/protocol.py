@@ -323,6 +323,12 @@ class JobCreate(Strict):
     resources: ResourcesSpec | None = Field(
         None, description="distributed data-parallel training (torchrun); absent: one process in the worker"
     )
+    reader_kind: Literal["cross-encoder", "features"] = Field(
+        "cross-encoder",
+        description="reader jobs: a cross-encoder served by /v1/rerank, or 'features': a small model over "
+        "the answer step's signals (rows with 'features'), kept as the job's artifact "
+        "(feature_reader.json) and not published",
+    )
     eval_fraction: float | None = Field(
         None,
         gt=0.0,
@@ -341,15 +347,24 @@ class JobCreate(Strict):
         """A reader job may leave its base out (the offline all-MiniLM-L6-v2) and is published
         unless it says ``publish: false``."""
         if isinstance(data, dict) and data.get("type") == "reader":
-            data = {"base_model": READER_BASE, "publish": True, **data}
+            # a features reader is the job's artifact: nothing to serve through /v1/rerank
+            publish = data.get("reader_kind") != "features"
+            data = {"base_model": READER_BASE, "publish": publish, **data}
         return data
 
     @model_validator(mode="after")
     def _reader_fields(self) -> JobCreate:
         if (self.shared or self.name is not None) and self.type != "reader":
             raise ValueError(f"'shared' and 'name' only apply to reader jobs, not {self.type}")
+        if self.reader_kind != "cross-encoder" and self.type != "reader":
+            raise ValueError(f"'reader_kind' only applies to reader jobs, not {self.type}")
         if self.type != "reader":
             return self
+        if self.reader_kind == "features" and (self.publish or self.shared):
+            raise ValueError(
+                "a 'features' reader is kept as the job's artifact (feature_reader.json): leave "
+                "'publish' and 'shared' out"
+            )
         if self.lora is not None:
             raise ValueError("'lora' does not apply to reader jobs (they fine-tune the whole cross-encoder)")
         if self.shared and not self.publish:
@@ -468,7 +483,9 @@ class JobCreate(Strict):
         missing = {
             k: v
             for k, v in defaults_for(
-                self.type, lora=self.lora is not None, collection=self.collection is not None
+                "reader-features" if self.reader_kind == "features" else self.type,
+                lora=self.lora is not None,
+                collection=self.collection is not None,
             ).items()
             if k not in hp.model_fields_set
         }

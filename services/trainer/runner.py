@@ -54,6 +54,7 @@ def recipe_for(kind: str) -> type[Recipe]:
     from services.trainer.recipes.embedder import EmbedderRecipe
     from services.trainer.recipes.kto import KTORecipe
     from services.trainer.recipes.reader import ReaderRecipe
+    from services.trainer.recipes.reader_features import FeatureReaderRecipe
     from services.trainer.recipes.rl import GRPORecipe, PPORecipe
     from services.trainer.recipes.sft import SFTRecipe
 
@@ -67,6 +68,7 @@ def recipe_for(kind: str) -> type[Recipe]:
         "grpo": GRPORecipe,
         "embedder": EmbedderRecipe,
         "reader": ReaderRecipe,
+        "reader-features": FeatureReaderRecipe,
     }[kind]
 
 
@@ -216,7 +218,8 @@ def _train(
                 else lambda jid, endpoint, rdzv: join(jid, endpoint, rdzv, data.get("queue") or "cpu"),
             )
         else:
-            recipe = recipe_for(spec.type)(cfg, hooks=JobHooks(store, job_id, lost))
+            kind = "reader-features" if spec.reader_kind == "features" else spec.type
+            recipe = recipe_for(kind)(cfg, hooks=JobHooks(store, job_id, lost))
             with span("train.steps", job_id=job_id, kind=spec.type) as current:
                 outcome = run(recipe, work / "checkpoints")
                 set_attributes(current, outcome=outcome)

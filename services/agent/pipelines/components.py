@@ -32,6 +32,7 @@ from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooL
 from services.agent.protocol import Message, Sampling, wire_messages
 from services.agent.reader import answer_text, read
 from services.agent.reader.candidates import answer_candidates
+from services.agent.reader.features import FEATURES_READER, FeatureScorer, shipped_model
 from services.agent.reader.rules import RuleScorer
 from services.agent.reader.scorer import AnswerScorer, ReaderScorer
 from services.agent.reader.select import Selection, not_found_text, with_neighbours
@@ -372,9 +373,13 @@ async def show_answer(state: RunState, text: str, kind: AnswerKind, citations: l
         yield CitationEvent.from_citation(citation)
 
 
-def reader_scorer(ctx: RunContext, reader: str | None, threshold: float | None) -> ReaderScorer | None:
+def reader_scorer(
+    ctx: RunContext, reader: str | None, threshold: float | None, state: RunState | None = None
+) -> AnswerScorer | None:
     """The reader a step scores with: the one it names, else the tenant's promoted reader (with
-    the threshold of its own held-out rows), else the agent's ``reader`` setting; None: none."""
+    the threshold of its own held-out rows), else the agent's ``reader`` setting; None: none.
+    ``features`` names the learned scorer shipped with the agent (services/agent/reader/
+    features.py), over the collection's embedder (none without a collection: the rules then)."""
     model, cut = ctx.settings.reader, ctx.settings.reader_threshold
     if reader is not None:
         model = reader
@@ -383,6 +388,10 @@ def reader_scorer(ctx: RunContext, reader: str | None, threshold: float | None) 
         cut = cut if ctx.reader_threshold is None else ctx.reader_threshold
     if not model:
         return None
+    if model == FEATURES_READER:
+        embed = collection_embedder(state, ctx) if state is not None else None
+        # its threshold is the one chosen with it (a pipeline may still name one)
+        return None if embed is None else FeatureScorer(shipped_model(), embed, threshold=threshold)
     return ReaderScorer(model, cut if threshold is None else threshold, ctx.inference.rerank)
 
 
@@ -399,7 +408,7 @@ class ReaderRankNode:
         self.p = p
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
-        scorer = reader_scorer(ctx, self.p.reader, None)
+        scorer = reader_scorer(ctx, self.p.reader, None, state)
         candidates = answer_candidates(state.chunks)
         if scorer is None or not candidates:
             return
@@ -449,8 +458,8 @@ class AnswerSelectNode:
     def __init__(self, p: P) -> None:
         self.p = p
 
-    def _reader(self, ctx: RunContext) -> ReaderScorer | None:
-        return reader_scorer(ctx, self.p.reader, self.p.reader_threshold)
+    def _reader(self, state: RunState, ctx: RunContext) -> AnswerScorer | None:
+        return reader_scorer(ctx, self.p.reader, self.p.reader_threshold, state)
 
     def _rules(self, state: RunState, ctx: RunContext) -> RuleScorer:
         use = ctx.settings.grounding_embedder if self.p.embedder is None else self.p.embedder
@@ -461,7 +470,7 @@ class AnswerSelectNode:
         if state.search_query and state.search_query != state.question:
             asked = f"{state.question} {state.search_query}"
         scorers: list[AnswerScorer] = [
-            s for s in (self._reader(ctx), self._rules(state, ctx)) if s is not None
+            s for s in (self._reader(state, ctx), self._rules(state, ctx)) if s is not None
         ]
         for scorer in scorers:
             try:

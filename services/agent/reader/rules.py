@@ -288,7 +288,8 @@ def score(
     return sorted(candidates, key=lambda c: (-c.score, c.source, c.position))
 
 
-def _answers(c: Candidate, embedded: bool) -> bool:
+def rule_answers(c: Candidate, embedded: bool) -> bool:
+    """Whether a scored candidate answers by the rules (similar enough and holding a focus term)."""
     if embedded:
         return c.score >= MIN_ANSWER_SCORE and c.similarity >= MIN_ANSWER_SIMILARITY
     return c.focus >= MIN_LEXICAL_FOCUS
@@ -438,7 +439,7 @@ class RuleScorer:
         embedded = sims is not None
         score(question, chunks, candidates, sims)
         missing = missing_names(question, chunks)
-        answers = [not missing and _answers(c, embedded) for c in candidates]
+        answers = [not missing and rule_answers(c, embedded) for c in candidates]
         if asks_number(question):
             # "How many ...", "which year ...": a sentence without a number does not answer, however
             # close it reads.

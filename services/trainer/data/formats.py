@@ -25,7 +25,9 @@ beir          corpus ``corpus_id``, ``text``, ``title``?;            embedder
               qrel ``query_id``, ``corpus_id``, ``score``? (1)
 reader        ``question``, ``sentence``, ``label`` (0 or 1),        reader
               ``context``? (the sentence's section and headings),
-              ``source``?, ``group``? (held out whole)
+              ``source``?, ``group``? (held out whole),
+              ``features``? (name -> number: a
+              ``"reader_kind": "features"`` job's inputs)
 ============  =====================================================  ===========
 
 A ``beir`` file is BEIR's corpus, queries and qrels in one JSONL file (rows of the three
@@ -51,6 +53,7 @@ Records (what the tokenizer side sees; each keeps its 1-based ``line``):
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -184,6 +187,9 @@ class ReaderRecord:
     context: str | None = None
     source: str | None = None  # where the sentence comes from (a document), for the record
     group: str | None = None  # rows of one group (a document set) are held out together
+    # the answer step's signals for this sentence (services/agent/reader/features.py): what a
+    # "reader_kind": "features" job trains on
+    features: dict[str, float] | None = None
 
 
 Record = (
@@ -490,7 +496,36 @@ def _reader_row(row: dict[str, Any], line: int) -> ReaderRecord:
         context=_text(row, "context", line, required=False) or None,
         source=_text(row, "source", line, required=False) or None,
         group=_beir_id(row, "group", line) if row.get("group") is not None else None,
+        features=_features(row, line) if row.get("features") is not None else None,
     )
+
+
+MAX_FEATURES = 256
+
+
+def _features(row: dict[str, Any], line: int) -> dict[str, float]:
+    value = row["features"]
+    if not isinstance(value, dict) or not value or len(value) > MAX_FEATURES:
+        raise DatasetError(
+            f"field 'features' must be an object of 1 to {MAX_FEATURES} names to numbers",
+            line=line,
+            field="features",
+        )
+    out: dict[str, float] = {}
+    for name, number in value.items():
+        if (
+            not isinstance(number, int | float)
+            or isinstance(number, bool)
+            or not math.isfinite(number)
+            or len(name) > 64
+        ):
+            raise DatasetError(
+                f"field 'features.{name[:64]}' must be a finite number, got {number!r}"[:200],
+                line=line,
+                field="features",
+            )
+        out[name] = float(number)
+    return out
 
 
 def check_beir(records: list[Record]) -> None:
