@@ -6,7 +6,8 @@ Each package is fetched with ``apt-get download`` and unpacked with ``dpkg-deb -
 is installed on the system and nothing is fetched at run time by the product. Documents Debian compressed
 (``*.html.gz``, ``*.pdf.gz``, ``*.txt.gz``) are also written unpacked. A package already
 unpacked (its ``.version`` file names the version) is kept. Without package names: every package a
-set's manifest (``sets/<set>.json``) names, and the reader's FAQ packages.
+set's manifest (``sets/<set>.json``, ``benchmarks/documents/sets/<set>.json``) names, and the
+reader's FAQ packages.
 
 ``apt-get download`` needs the package lists: run ``apt-get update`` once first.
 """
@@ -64,14 +65,15 @@ def fetch(package: str, dest: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.answers.sets import SETS
+    from benchmarks.answers.sets import DOCUMENT_SETS, SETS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("packages", nargs="*", help="packages to fetch (default: every set's and the reader's)")
     ap.add_argument("--dest", type=Path, default=None, help="where to unpack (default: $TANDEM_ANSWER_DOCS)")
     args = ap.parse_args(argv)
     dest = args.dest or docs_dir()
-    wanted = args.packages or sorted({s.package for s in SETS.values() if s.package} | set(READER_PACKAGES))
+    sets = [*SETS.values(), *DOCUMENT_SETS.values()]
+    wanted = args.packages or sorted({s.package for s in sets if s.package} | set(READER_PACKAGES))
     for package in wanted:
         root = fetch(package, dest)
         print(f"{package} {(root / '.version').read_text().strip()} -> {root}", file=sys.stderr)

@@ -15,6 +15,11 @@ from its documents by reading them, and a manifest beside it, ``<set>.json``:
   (``fetch.READER_PACKAGES``) is a set here.
 
 ``--set tuning`` / ``test`` / ``all`` name the groups; a set also runs by its name.
+
+The sets of ``benchmarks/documents/sets/`` (scans, tables, two columns) load the same way into
+``DOCUMENT_SETS`` and run by their names, in none of those groups. A manifest's ``made`` names
+how ``python -m benchmarks.documents make`` makes the set's documents from the package's files
+(``root``/``made_from``), under ``$TANDEM_ANSWER_DOCS/made/<set>/``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from benchmarks.agent.stack import REPO
 from benchmarks.answers.fetch import docs_dir
 
 SETS_DIR = Path(__file__).resolve().parent / "sets"
+DOCUMENT_SETS_DIR = Path(__file__).resolve().parents[1] / "documents" / "sets"
 Role = Literal["tuning", "test"]
 
 
@@ -44,6 +50,9 @@ class QuestionSet:
     kind: str  # markdown | html | pdf
     licence: str
     role: Role
+    folder: Path = SETS_DIR  # where the set's questions and manifest are
+    made: str | None = None  # how its documents are made from ``made_from`` (benchmarks/documents)
+    made_from: tuple[str, ...] = ()
 
     @property
     def held_out(self) -> bool:
@@ -51,17 +60,25 @@ class QuestionSet:
 
     @property
     def root(self) -> Path:
+        if self.made:
+            return docs_dir() / "made" / self.name
+        return self.source_root
+
+    @property
+    def source_root(self) -> Path:
         return (docs_dir() / self.package if self.package else REPO) / self.root_in
 
     @property
     def install(self) -> str:
         if self.package is None:
             return "they are in the repository"
+        if self.made:
+            return f"make them with `python -m benchmarks.documents make` (after fetching {self.package})"
         return f"fetch them with `python -m benchmarks.answers.fetch {self.package}`"
 
     @property
     def questions(self) -> Path:
-        return SETS_DIR / f"{self.name}.jsonl"
+        return self.folder / f"{self.name}.jsonl"
 
     @property
     def collection(self) -> str:
@@ -94,10 +111,14 @@ def _load(manifest: Path) -> QuestionSet:
         kind=data["format"],
         licence=data["licence"],
         role=data["role"],
+        folder=manifest.parent,
+        made=data.get("made"),
+        made_from=tuple(data.get("made_from", ())),
     )
 
 
 SETS: dict[str, QuestionSet] = {m.stem: _load(m) for m in sorted(SETS_DIR.glob("*.json"))}
+DOCUMENT_SETS: dict[str, QuestionSet] = {m.stem: _load(m) for m in sorted(DOCUMENT_SETS_DIR.glob("*.json"))}
 
 
 def chosen_sets(names: str) -> list[str]:
@@ -115,9 +136,11 @@ def chosen_sets(names: str) -> list[str]:
 
 def get_set(name: str) -> QuestionSet:
     try:
-        return SETS[name]
+        return SETS.get(name) or DOCUMENT_SETS[name]
     except KeyError:
-        raise KeyError(f"no question set {name!r}; the sets are {', '.join(SETS)}") from None
+        raise KeyError(
+            f"no question set {name!r}; the sets are {', '.join([*SETS, *DOCUMENT_SETS])}"
+        ) from None
 
 
 # -- the documents' text (what the peer pipeline reads, and groundedness is judged against) -------
