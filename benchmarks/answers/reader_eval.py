@@ -29,6 +29,7 @@ import json
 import os
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,21 +368,7 @@ def _report(spec: str, reads: list[Read], rows: Any, questions: Any, *, threshol
         f"\n== {spec}"
         + (f" (threshold {threshold:.3f}, chosen on the tuning sets)" if threshold is not None else "")
     )
-    result: dict[str, Any] = {"threshold": threshold, "sets": {}, "kinds": {}, "loso": {}}
-    for group in ("tuning", "test"):
-        part = [j for j in judged if role[j["set"]] == group]
-        result[group] = totals(part)
-        print(_line(group, result[group]))
-        for name in sorted({j["set"] for j in part}):
-            result["sets"][name] = totals([j for j in part if j["set"] == name])
-            print(_line(f"  {name}", result["sets"][name]))
-    by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for j in judged:
-        if role[j["set"]] == "test":
-            by_kind[j["kind"]].append(j)
-    for kind, part in sorted(by_kind.items()):
-        result["kinds"][kind] = totals(part)
-        print(_line(f"  test kind {kind}", result["kinds"][kind]))
+    result = _grouped(judged, role, threshold)
     if thresholded:
         loso: list[dict[str, Any]] = []
         for name in sorted(role):
@@ -486,6 +473,32 @@ def _set_rows(folder: Path, name: str, names: list[str] | None) -> tuple[list[st
     return names, out
 
 
+def _grouped(
+    judged: list[dict[str, Any]],
+    role: Mapping[str, str],
+    threshold: float | None,
+    tuning_label: str = "tuning",
+) -> dict[str, Any]:
+    """Totals (printed as they come) per group, per set and per test-set question kind; ``loso``
+    is left for the caller."""
+    result: dict[str, Any] = {"threshold": threshold, "sets": {}, "kinds": {}, "loso": {}}
+    for group in ("tuning", "test"):
+        part = [j for j in judged if role[j["set"]] == group]
+        result[group] = totals(part)
+        print(_line(tuning_label if group == "tuning" else group, result[group]))
+        for name in sorted({j["set"] for j in part}):
+            result["sets"][name] = totals([j for j in part if j["set"] == name])
+            print(_line(f"  {name}", result["sets"][name]))
+    by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for j in judged:
+        if role[j["set"]] == "test":
+            by_kind[j["kind"]].append(j)
+    for kind, part in sorted(by_kind.items()):
+        result["kinds"][kind] = totals(part)
+        print(_line(f"  test kind {kind}", result["kinds"][kind]))
+    return result
+
+
 def learn(
     cache: Path, folder: Path, names: list[str], out: Path | None, hidden: int, epochs: int, lr: float
 ) -> dict[str, Any]:
@@ -532,21 +545,7 @@ def learn(
     judged = _judge(oof, rows, questions, threshold) + _judge(test_reads, rows, questions, threshold)
     spec = f"features (hidden {hidden}, {epochs} epochs, lr {lr})"
     print(f"\n== {spec} (threshold {threshold:.3f}, chosen on the tuning sets' out-of-set scores)")
-    result: dict[str, Any] = {"threshold": threshold, "sets": {}, "kinds": {}, "loso": {}}
-    for group in ("tuning", "test"):
-        part = [j for j in judged if role[j["set"]] == group]
-        result[group] = totals(part)
-        print(_line(group + (" (out-of-set)" if group == "tuning" else ""), result[group]))
-        for name in sorted({j["set"] for j in part}):
-            result["sets"][name] = totals([j for j in part if j["set"] == name])
-            print(_line(f"  {name}", result["sets"][name]))
-    by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for j in judged:
-        if role[j["set"]] == "test":
-            by_kind[j["kind"]].append(j)
-    for kind, part in sorted(by_kind.items()):
-        result["kinds"][kind] = totals(part)
-        print(_line(f"  test kind {kind}", result["kinds"][kind]))
+    result = _grouped(judged, role, threshold, tuning_label="tuning (out-of-set)")
     loso: list[dict[str, Any]] = [j for j in judged if role[j["set"]] == "test"]
     for name in tuning:
         others = [t for t in tuning if t != name]
