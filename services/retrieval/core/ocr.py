@@ -301,15 +301,15 @@ def _joined(pieces: Sequence[_Found], language: str) -> str:
 def _reading_order(found: list[_Found], language: str) -> list[_Found]:
     """Lines in reading order: the pieces that share a row joined left to right, rows top to
     bottom, and a band set in columns read one column after the other."""
-    from services.retrieval.core.pdf_layout import _reading_groups, _rows
+    from services.retrieval.core.pdf_layout import reading_groups, rows_of
 
     if not found:
         return []
     # The finders' ``size`` is a font size: about the height of a detected line.
     size = statistics.median(f.bottom - f.top for f in found)
     lines: list[_Found] = []
-    for group in _reading_groups(list(found), size):
-        for row in _rows(group):
+    for group in reading_groups(list(found), size):
+        for row in rows_of(group):
             pieces = row.items
             lines.append(_Found(_joined(pieces, language), row.x0, row.top, row.x1, row.bottom))
     return lines

@@ -432,7 +432,7 @@ def pdf_document(
             layouts[read.page - 1] = ocr_layout(read.page, read.width, read.height, lines)  # type: ignore[arg-type]
             if read.error:
                 errors[read.page] = read.error
-    out = _compose(layouts)
+    out = compose_pages(layouts)
     out.hidden = hidden
     out.pages_without_text = [p.number for p in layouts if not p.has_text]
     out.page_errors = {n: why for n, why in errors.items() if n in out.pages_without_text}
@@ -740,7 +740,7 @@ def _tidy_lines(lines: list[_Line]) -> list[_Line]:
     return out
 
 
-def _compose(layouts: list[PageLayout]) -> PdfText:
+def compose_pages(layouts: list[PageLayout]) -> PdfText:
     """The text of the pages' lines: running heads out, headings as ``#`` lines, characters
     fixed and hyphenated words joined; each page's start and each line's offsets and box."""
     levels = _size_levels(layouts)

@@ -360,7 +360,7 @@ class _Row:
         self.x0, self.x1 = min(self.x0, item.x0), max(self.x1, item.x1)
 
 
-def _rows(items: Iterable[Any]) -> list[_Row]:
+def rows_of(items: Iterable[Any]) -> list[_Row]:
     """``items`` grouped by baseline, top to bottom: an item joins a recent row when it shares
     half its height with the row's first item."""
     rows: list[_Row] = []
@@ -499,11 +499,11 @@ def _trimmed(rows: list[_Row], first: int, last: int, a: float, b: float) -> tup
     return first, last, a, b
 
 
-def _reading_groups(items: list[Any], size: float, depth: int = 0) -> list[list[Any]]:
+def reading_groups(items: list[Any], size: float, depth: int = 0) -> list[list[Any]]:
     """``items`` in groups read one after the other: the columns of each band in turn."""
     if not items:
         return []
-    rows = _rows(items)
+    rows = rows_of(items)
     gutter = _gutter(rows, size) if depth < 6 else None
     if gutter is None:
         return [items]
@@ -515,10 +515,10 @@ def _reading_groups(items: list[Any], size: float, depth: int = 0) -> list[list[
     left = [i for i in band if (i.x0 + i.x1) / 2 < mid]
     right = [i for i in band if (i.x0 + i.x1) / 2 >= mid]
     return [
-        *_reading_groups(above, size, depth + 1),
-        *_reading_groups(left, size, depth + 1),
-        *_reading_groups(right, size, depth + 1),
-        *_reading_groups(below, size, depth + 1),
+        *reading_groups(above, size, depth + 1),
+        *reading_groups(left, size, depth + 1),
+        *reading_groups(right, size, depth + 1),
+        *reading_groups(below, size, depth + 1),
     ]
 
 
@@ -585,7 +585,7 @@ def _group_items(group: list[Any]) -> list[Item]:
     pieces = [i for i in group if isinstance(i, _Piece)]
     tables = [i for i in group if isinstance(i, _Table)]
     left = min((p.x0 for p in pieces), default=0.0)
-    lines = [_line(r, left) for r in _rows(pieces)]
+    lines = [_line(r, left) for r in rows_of(pieces)]
     pitches = [b.box[1] - a.box[1] for a, b in itertools.pairwise(lines) if b.box[1] > a.box[1]]
     # the pitch of lines within a paragraph: a low quantile, as paragraphs may be short
     usual = sorted(pitches)[len(pitches) // 4] if len(pitches) >= 3 else None
@@ -750,7 +750,7 @@ def _outer_borders(edges: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _cell_lines(glyphs: list[_Glyph]) -> list[_Row]:
-    return _rows(_pieces(glyphs)) if glyphs else []
+    return rows_of(_pieces(glyphs)) if glyphs else []
 
 
 def _cell_text(lines: list[_Row]) -> str:
@@ -890,7 +890,7 @@ def page_layout(page: Any, number: int, *, soft_hyphens: Callable[[], set[str]] 
     sizes = Counter(round(g.size, 1) for g in glyphs)
     size = sizes.most_common(1)[0][0] if sizes else 10.0
     items: list[Any] = [*_pieces(glyphs), *(_Table(t) for t in tables)]
-    groups = _reading_groups(items, size)
+    groups = reading_groups(items, size)
     for n, group in enumerate(groups):
         lines = _group_items(group)
         if n and out.items and lines:
