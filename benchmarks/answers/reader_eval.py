@@ -334,17 +334,8 @@ def _line(label: str, t: dict[str, Any]) -> str:
 
 
 def score(cache: Path, names: list[str], scorers: list[str], home: Path | None, out: Path | None) -> None:
-    from services.cli.eval_questions import load_questions
-
     where = stack_where(home) if home else None
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
-    questions: dict[tuple[str, str], Any] = {}
-    for name in names:
-        for line in (cache / f"{name}.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            rows[(name, row["id"])] = row
-        for q in load_questions(get_set(name).questions):
-            questions[(name, q.id)] = q
+    rows, questions = _load(cache, names)
     report: dict[str, Any] = {}
     for spec in scorers:
         scorer = _scorer(spec, where)
