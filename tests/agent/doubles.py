@@ -316,7 +316,11 @@ def trainer_double(trainer: RecordingTrainer) -> FastAPI:
         body = await request.json()
         trainer.jobs.append(body)
         trainer.job_headers.append(dict(request.headers))
-        return {"id": f"ftjob-{len(trainer.jobs)}", "object": "fine_tuning.job", "status": "queued", **body}
+        job_id = f"ftjob-{len(trainer.jobs)}"
+        # a job the trainer made is known from then on (queued until a test moves it), as the
+        # real trainer's is: the gate may poll it before the test sets its state
+        trainer.job_states.setdefault(job_id, {"status": "queued"})
+        return {"id": job_id, "object": "fine_tuning.job", "status": "queued", **body}
 
     @app.get("/v1/jobs/{job_id}")
     async def get_job(job_id: str, request: Request) -> Any:
