@@ -19,7 +19,7 @@ TORCH_FROM  := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),--extra-ind
 # pytest arguments, e.g. `make test ARGS="-k retrieval"`
 ARGS   ?=
 
-.PHONY: up down status demo test test-quick lint format browser bench clean venv lock lock-check check-latest
+.PHONY: up down status demo test test-quick lint format browser oidc-provider bench clean venv lock lock-check check-latest
 
 venv: $(DEV)
 
@@ -69,10 +69,17 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 	  || echo "could not install Debian chromium: browser tests will say so"; }
 
-test: lock-check $(DEV) browser
+# The OpenID provider the sign-in tests start: npm's oidc-provider, pinned by tests/oidc/package-lock.json.
+oidc-provider:
+	@if command -v npm >/dev/null 2>&1; then \
+	  test -f tests/oidc/node_modules/oidc-provider/package.json \
+	  || (cd tests/oidc && npm ci --no-audit --no-fund --loglevel=error); \
+	else echo "npm is missing (Debian: apt-get install nodejs npm): the sign-in tests will say so"; fi
+
+test: lock-check $(DEV) browser oidc-provider
 	$(PY) -m pytest $(ARGS)
 
-test-quick: lock-check $(DEV)
+test-quick: lock-check $(DEV) oidc-provider
 	$(PY) -m pytest -m "not e2e" $(ARGS)
 
 lint: $(DEV)

@@ -262,7 +262,16 @@ def test_agent(case: Any, agent_ids: tuple[str, str, str], operator_key: str) ->
 
 # -- the schemas themselves --------------------------------------------------------------------
 
-PUBLIC = {"/healthz", "/readyz", "/metrics"}
+PUBLIC = {
+    "/healthz",
+    "/readyz",
+    "/metrics",
+    # the agent's sign-in, before there is a key: no guard's 401, no tenant limit's 429
+    "/v1/auth/config",
+    "/v1/auth/oidc/login",
+    "/v1/auth/oidc/callback",
+    "/v1/auth/logout",
+}
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from services.agent.api import evals as evals_api
 from services.agent.api import promotions as promotions_api
 from services.agent.api import quality as quality_api
 from services.agent.api import responses as responses_api
+from services.agent.api import signin as signin_api
 from services.agent.api import users as users_api
 from services.agent.config import AgentSettings
 from services.agent.evals.runs import Evaluations
@@ -68,9 +69,10 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
             evals_api.router,
             users_api.router,
             audit_api.router,
+            signin_api.router,
             mcp_keyed,
         ],
-        public_routers=[proxy.router, mcp_public],
+        public_routers=[proxy.router, mcp_public, signin_api.public_router],
         lifespan=lifespan,
         # the proxy streams uploads on; the service behind it applies its own, lower, limit
         body_limits={

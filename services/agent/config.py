@@ -188,8 +188,10 @@ class AgentSettings(TenantLimitSettings):
     feedback_rows_per_key: int = Field(
         200,
         ge=1,
-        description="Ratings and choices of one API key a training set from feedback counts (the first it "
-        "gave); later ones are stored but not counted, so one key cannot outweigh the others.",
+        description="Ratings and choices a training set from feedback counts per contributor: per user "
+        "(a person, all of its tokens together) or per API key that is no user's; the first it gave. "
+        "Later ones are stored but not counted (the set's left_out says so), so one account cannot "
+        "steer the tenant's model.",
     )
     promotion_poll_s: float = Field(
         5.0, gt=0, description="How often the agent looks for finished fine-tunes from feedback to evaluate."

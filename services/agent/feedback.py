@@ -16,20 +16,25 @@ Every row's prompt is the exact list of messages the model saw when it answered
   the question of each thumbs-up answer with each chunk the answer cites (its title opening its
   text, as the retrieval service embeds a chunk), and the document it comes from.
 
-Every row also names the key that gave the feedback it comes from (``key_id``; the trainer
-ignores the field). Each key counts for at most ``feedback_rows_per_key`` ratings and choices
-of a training set, the first it gave; the rest stay stored but are not counted (``over_cap``),
-so one key cannot outweigh the tenant's other keys however fast it rates.
+Every row also names who gave the feedback it comes from (``key_id``: a person's user id, the
+same for all of its tokens, or the id of a tenant key; the trainer ignores the field). Each
+such contributor counts for at most ``feedback_rows_per_key`` ratings and choices of a training
+set, the first it gave; the rest stay stored but are not counted (``over_cap``), so one account
+cannot steer the tenant's model however fast it rates (OWASP LLM04, data poisoning). A set says
+whose feedback it left out, how much and why (``left_out``).
+
+A set also names the collections its rows' answers came from (``collections``): a fine-tune
+trained on it is served only to people who may read all of them (services/agent/model_access.py).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from services.agent.promotions import held_out
-from services.agent.protocol import Choice, DatasetFormat, Feedback, FeedbackCreate, TurnRecord
+from services.agent.protocol import Choice, DatasetFormat, Feedback, FeedbackCreate, LeftOut, TurnRecord
 from services.agent.turns import FeedbackFilter, FeedbackRow, PreferenceRow, owner_scope
 from services.common.auth import Principal, refuse_viewer
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
@@ -39,6 +44,13 @@ if TYPE_CHECKING:
 
 # The trainer job type of each dataset format.
 JOB_TYPE: dict[str, str] = {"kto": "kto", "dpo": "dpo", "sft": "sft", "pairs": "embedder"}
+# A person's feedback is recorded under its user id (services/common/users.py makes them
+# ``u_<hex>``); a tenant key's under the key id, which is hex alone.
+USER_ID_PREFIX = "u_"
+
+
+def contributor_kind(owner: str) -> Literal["user", "key"]:
+    return "user" if owner.startswith(USER_ID_PREFIX) else "key"
 
 
 # -- feedback and preferences (the HTTP routes and the websocket both write them) ------------------
@@ -168,6 +180,31 @@ class BuiltDataset:
     cap: int | None = None  # ratings and choices counted per key
     over_cap: dict[str, int] = field(default_factory=dict)
     excluded_keys: list[str] = field(default_factory=list)
+    collections: set[str] = field(default_factory=set)  # of the answers its rows come from
+
+    def left_out(self) -> list[LeftOut]:
+        """Whose feedback the set does not count, and why."""
+        out = [
+            LeftOut(
+                contributor=owner,
+                kind=contributor_kind(owner),
+                reason="over_cap",
+                ratings_and_choices=count,
+                detail=f"{count} ratings and choices past the cap of {self.cap} per "
+                f"{contributor_kind(owner)} (the first {self.cap} it gave are counted)",
+            )
+            for owner, count in sorted(self.over_cap.items())
+        ]
+        out += [
+            LeftOut(
+                contributor=owner,
+                kind=contributor_kind(owner),
+                reason="excluded",
+                detail="named in exclude_keys: none of its feedback is counted",
+            )
+            for owner in self.excluded_keys
+        ]
+        return out
 
     def contributors(self) -> dict[str, int]:
         """Rows per key that gave their feedback."""
@@ -229,63 +266,13 @@ def build_dataset(
     counts = dict.fromkeys(_COUNT_NAMES[fmt], 0)
     rated = sorted(feedback, key=lambda pair: pair[1].created_at)
     for fb, rec in rated:
+        before = len(out.rows)
         if fmt == "pairs":
             _add_pairs(out, counts, fb, rec)
-            continue
-        if not _usable(rec):
-            continue
-        correction = (fb.correction or "").strip()
-        if rec.kind == "pipeline" and (fb.rating == 1 or correction) and held_out(rec.message_id, holdout):
-            out.held_out.append(rec.message_id)
-            continue
-        if fmt == "kto":
-            out.rows.append(
-                {
-                    "prompt": _prompt(rec),
-                    "completion": rated_completion(rec),
-                    "label": fb.rating == 1,
-                    "key_id": fb.key_id,
-                }
-            )
-            counts["desirable" if fb.rating == 1 else "undesirable"] += 1
-            if correction:
-                out.rows.append(
-                    {
-                        "prompt": _prompt(rec),
-                        "completion": corrected_completion(rec, correction),
-                        "label": True,
-                        "key_id": fb.key_id,
-                    }
-                )
-                counts["desirable"] += 1
-                counts["corrections"] += 1
-        elif fmt == "dpo":
-            if correction and correction != rec.answer.strip():
-                out.rows.append(
-                    {
-                        "prompt": _prompt(rec),
-                        "chosen": corrected_completion(rec, correction),
-                        "rejected": rated_completion(rec),
-                        "key_id": fb.key_id,
-                    }
-                )
-                counts["corrections"] += 1
         else:
-            if correction:
-                completion = corrected_completion(rec, correction)
-                counts["corrections"] += 1
-            elif fb.rating == 1:
-                completion = rated_completion(rec)
-                counts["thumbs_up"] += 1
-            else:
-                continue
-            out.rows.append(
-                {
-                    "messages": [*_prompt(rec), {"role": "assistant", "content": completion}],
-                    "key_id": fb.key_id,
-                }
-            )
-        out.models.add(rec.model)
+            _add_rated(out, counts, fb, rec, holdout)
+        if len(out.rows) > before and rec.collection:
+            out.collections.add(rec.collection)
     if fmt == "dpo":
         for pref in preferences:
             if not (_usable(pref.chosen) and _usable(pref.rejected)):
@@ -302,10 +289,72 @@ def build_dataset(
             )
             counts["preferences"] += 1
             out.models.add(pref.chosen.model)
+            out.collections.update(c for c in (pref.chosen.collection, pref.rejected.collection) if c)
     if holdout:
         counts["held_out"] = len(out.held_out)
     out.counts = counts
     return out
+
+
+def _add_rated(
+    out: BuiltDataset, counts: dict[str, int], fb: FeedbackRow, rec: TurnRecord, holdout: float
+) -> None:
+    """The rows of one rating (and its correction) in a kto, dpo or sft dataset."""
+    fmt = out.format
+    if not _usable(rec):
+        return
+    correction = (fb.correction or "").strip()
+    if rec.kind == "pipeline" and (fb.rating == 1 or correction) and held_out(rec.message_id, holdout):
+        out.held_out.append(rec.message_id)
+        return
+    if fmt == "kto":
+        out.rows.append(
+            {
+                "prompt": _prompt(rec),
+                "completion": rated_completion(rec),
+                "label": fb.rating == 1,
+                "key_id": fb.key_id,
+            }
+        )
+        counts["desirable" if fb.rating == 1 else "undesirable"] += 1
+        if correction:
+            out.rows.append(
+                {
+                    "prompt": _prompt(rec),
+                    "completion": corrected_completion(rec, correction),
+                    "label": True,
+                    "key_id": fb.key_id,
+                }
+            )
+            counts["desirable"] += 1
+            counts["corrections"] += 1
+    elif fmt == "dpo":
+        if correction and correction != rec.answer.strip():
+            out.rows.append(
+                {
+                    "prompt": _prompt(rec),
+                    "chosen": corrected_completion(rec, correction),
+                    "rejected": rated_completion(rec),
+                    "key_id": fb.key_id,
+                }
+            )
+            counts["corrections"] += 1
+    else:
+        if correction:
+            completion = corrected_completion(rec, correction)
+            counts["corrections"] += 1
+        elif fb.rating == 1:
+            completion = rated_completion(rec)
+            counts["thumbs_up"] += 1
+        else:
+            return
+        out.rows.append(
+            {
+                "messages": [*_prompt(rec), {"role": "assistant", "content": completion}],
+                "key_id": fb.key_id,
+            }
+        )
+    out.models.add(rec.model)
 
 
 def _add_pairs(out: BuiltDataset, counts: dict[str, int], fb: FeedbackRow, rec: TurnRecord) -> None:

@@ -48,7 +48,7 @@ from services.agent.config import AgentSettings
 from services.agent.events import ErrorEvent
 from services.agent.protocol import PipelineRunRequest
 from services.agent.runtime import AgentRuntime, Turn, TurnResult, collect
-from services.common.auth import Principal, verify_key
+from services.common.auth import JwtAuthenticator, Principal, verify_key
 from services.common.config import CommonSettings
 from services.common.errors import TandemError, error_body
 from services.common.guard import _read_all, _replay
@@ -82,10 +82,10 @@ class _Caller:
         self.key = key
 
 
-async def _caller(ctx: Context[Any, Any], runtime_redis: Any) -> _Caller:
+async def _caller(ctx: Context[Any, Any], runtime_redis: Any, jwt: JwtAuthenticator | None = None) -> _Caller:
     headers = ctx.headers or {}
     scheme, _, token = str(headers.get("authorization", "")).partition(" ")
-    principal = await verify_key(runtime_redis, token.strip()) if scheme.lower() == "bearer" else None
+    principal = await verify_key(runtime_redis, token.strip(), jwt) if scheme.lower() == "bearer" else None
     if principal is None:
         raise ToolError("invalid or revoked API key")
     return _Caller(principal, token.strip())
@@ -148,9 +148,13 @@ def _strict_tool(fn: Callable[..., Any], name: str, description: str) -> Tool:
     )
 
 
-def build_mcp_server(runtime: AgentRuntime, redis_client: Any) -> MCPServer:
+def build_mcp_server(
+    runtime: AgentRuntime, redis_client: Any, jwt: JwtAuthenticator | None = None
+) -> MCPServer:
+    """``jwt``: the checker of the OpenID provider's JWTs, which are bearer tokens here too."""
+
     async def caller(ctx: Context[Any, Any]) -> _Caller:
-        return await _caller(ctx, redis_client)
+        return await _caller(ctx, redis_client, jwt)
 
     async def search(args: SearchArguments, ctx: Context[Any, Any]) -> dict[str, Any]:
         who = await caller(ctx)
@@ -417,7 +421,7 @@ class _MountedMcp:
 def install_mcp(app: Any, runtime: AgentRuntime) -> MCPServer:
     """Builds the MCP server and its Streamable HTTP endpoint; the app's lifespan runs
     ``app.state.mcp.session_manager.run()``."""
-    mcp = build_mcp_server(runtime, app.state.redis)
+    mcp = build_mcp_server(runtime, app.state.redis, getattr(app.state, "oidc", None))
     security = transport_security(allowed_hosts(runtime.common, runtime.settings))
     http = mcp.streamable_http_app(
         streamable_http_path=MCP_PATH,

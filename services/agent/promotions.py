@@ -246,6 +246,22 @@ class PromotionStore:
 
         return await self.turns.read(fn)
 
+    async def trained_as(self, tenant: str, model: str) -> Promotion | None:
+        """The record of the job from the tenant's feedback that made ``model``, if one did: by
+        the candidate it published, or, before the gate has seen it, by its job (the trainer
+        publishes job ``ftjob-<x>`` as ``ft-<x>``)."""
+        job_id = f"ftjob-{model.removeprefix('ft-')}"
+
+        def fn(db: sqlite3.Connection) -> Promotion | None:
+            row = db.execute(
+                "SELECT data FROM promotions WHERE tenant = ? AND (job_id = ? OR json_extract(data, "
+                "'$.candidate') = ?) ORDER BY created_at DESC LIMIT 1",
+                (tenant, job_id, model),
+            ).fetchone()
+            return Promotion.model_validate_json(row[0]) if row else None
+
+        return await self.turns.read(fn)
+
     async def pending(self) -> list[tuple[str, Promotion]]:
         def fn(db: sqlite3.Connection) -> list[tuple[str, Promotion]]:
             marks = ", ".join("?" for _ in PENDING)

@@ -490,17 +490,42 @@ class TrainRequest(BaseModel):
     )
 
 
+class LeftOut(BaseModel):
+    """One contributor's feedback a training set does not count, and why."""
+
+    contributor: str = Field(description="a user's id (a person: all of its tokens together) or a key's id")
+    kind: Literal["user", "key"]
+    reason: Literal["over_cap", "excluded"] = Field(
+        description="over_cap: past the per-user cap (feedback_rows_per_key), the first ones counted; "
+        "excluded: named in exclude_keys"
+    )
+    ratings_and_choices: int | None = Field(
+        default=None, description="how many were left out (null for excluded: all of them)"
+    )
+    detail: str = Field(description="the reason in words")
+
+
 class DatasetResult(BaseModel):
     file_id: str
     format: DatasetFormat
     rows: int
     counts: dict[str, int]
     contributors: dict[str, int] = Field(default_factory=dict, description="rows per key that gave them")
-    per_key_cap: int | None = Field(default=None, description="ratings and choices counted per key")
+    per_key_cap: int | None = Field(
+        default=None, description="ratings and choices counted per user (or per key that is no user's)"
+    )
     over_cap: dict[str, int] = Field(
         default_factory=dict, description="per key: ratings and choices past the cap, stored but not counted"
     )
     excluded_keys: list[str] = Field(default_factory=list, description="keys whose feedback was left out")
+    left_out: list[LeftOut] = Field(
+        default_factory=list, description="whose feedback the set does not count, how much and why"
+    )
+    collections: list[str] = Field(
+        default_factory=list,
+        description="the collections the rows' answers came from: a fine-tune trained on them is served "
+        "only to people who may read them all, unless an admin allows it (POST /v1/models/{id}/allow)",
+    )
 
 
 class Contributor(BaseModel):
@@ -631,6 +656,21 @@ class GateSet(BaseModel):
     )
 
 
+class ModelAllowance(BaseModel):
+    """An admin's decision to serve a fine-tune to the whole tenant, whatever collections its
+    feedback came from."""
+
+    by: str = Field(description="the id of the admin's user or key")
+    at: float = Field(description="unix seconds")
+    reason: str = ""
+
+
+class AllowRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field("", max_length=1000, description="why (kept in the audit log)")
+
+
 class Promotion(BaseModel):
     """A fine-tune from feedback and the gate's verdict on it."""
 
@@ -654,6 +694,17 @@ class Promotion(BaseModel):
     )
     created_at: float
     decided_at: float | None = None
+    collections: list[str] = Field(
+        default_factory=list,
+        description="the collections its training rows came from: the fine-tune is served to a person "
+        "only if that person may read them all (admins read all), unless 'allowed' says otherwise",
+    )
+    left_out: list[LeftOut] = Field(
+        default_factory=list, description="feedback its training set did not count, and why"
+    )
+    allowed: ModelAllowance | None = Field(
+        default=None, description="an admin's decision to serve it to everyone in the tenant"
+    )
 
 
 class LiveQuality(BaseModel):
@@ -731,3 +782,28 @@ class TokenCreated(BaseModel):
     created_at: float
     expires_at: float | None = None
     token: str = Field(description="the token itself: shown this once, stored only as a hash")
+
+
+class AuthConfig(BaseModel):
+    """How the web front end may sign in (GET /v1/auth/config, public)."""
+
+    oidc: bool = Field(description="whether sign-in with the organisation's OpenID provider is set up")
+    name: str = Field("", description="the provider's name, for the sign-in button")
+    login_url: str | None = Field(
+        None, description="where the button leads (GET, a redirect to the provider)"
+    )
+
+
+class SessionInfo(BaseModel):
+    """Who the request is signed in as (GET /v1/auth/session)."""
+
+    tenant: str
+    role: str = Field(description="operator, admin, member or viewer")
+    user_id: str | None = Field(None, description="the signed-in person (null for an API key)")
+    email: str | None = None
+    groups: list[str] = Field(default_factory=list)
+    via: str = Field(description="cookie (a web sign-in) or bearer (a key or token in the header)")
+    csrf: str | None = Field(
+        None, description="send as X-CSRF-Token on writes signed in by the cookie (null for bearer)"
+    )
+    expires_at: float | None = Field(None, description="when the web sign-in ends (unix seconds)")

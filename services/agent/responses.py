@@ -138,7 +138,7 @@ class AgentResponses:
         body = self.body
         if body.previous_response_id is not None:
             stored = await self.store.load(
-                self.principal.tenant, body.previous_response_id, "previous_response_id"
+                self.principal.tenant, body.previous_response_id, "previous_response_id", self.principal
             )
             self.inputs = list(stored.messages)
         self.inputs += input_messages(body.input, self.inputs)
@@ -180,7 +180,10 @@ class AgentResponses:
 
     async def _save(self) -> None:
         if self.body.store:
-            await self.store.save(self.principal.tenant, self.assembly.response, self.inputs)
+            # the asker's, as a conversation is: it may quote collections only they may read
+            await self.store.save(
+                self.principal.tenant, self.assembly.response, self.inputs, self.principal.owner
+            )
 
     def _ids(self, message_id: str | None, conversation_id: str | None) -> None:
         extra = self.assembly.response.__pydantic_extra__

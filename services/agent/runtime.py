@@ -35,10 +35,11 @@ from services.agent.events import (
 )
 from services.agent.mcp_servers import McpServerStore, load_cipher
 from services.agent.memory import ConversationStore, MemoryLimits
+from services.agent.model_access import CallerModels
 from services.agent.pipelines.components import AnswerSelectNode, CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
 from services.agent.pipelines.state import AnswerForm, AnswerKind, Event, RunContext, RunState
-from services.agent.promotions import PromotionGate, PromotionStore, chat_model
+from services.agent.promotions import PromotionGate, PromotionStore
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import Message, PipelineRunRequest, ReaderChoice, TurnRecord, wire_messages
 from services.agent.quality import QualityMetrics, answer_quality
@@ -350,19 +351,34 @@ class AgentRuntime:
                 param="conversation_id",
             )
 
+    def caller_models(self, principal: Principal, api_key: str) -> CallerModels:
+        """What of the tenant's fine-tunes from feedback ``principal`` may be served
+        (services/agent/model_access.py)."""
+        return CallerModels(self.promotions, principal, self.retrieval(api_key).readable_collections)
+
     async def _answerers(
-        self, tenant: str, turn: Turn, remembered: str | None, inference: InferenceClient, message_id: str
+        self,
+        principal: Principal,
+        api_key: str,
+        turn: Turn,
+        remembered: str | None,
+        inference: InferenceClient,
+        message_id: str,
     ) -> tuple[str | None, ReaderChoice | None]:
         """The model and the reader a turn answers with: the model the turn names (checked), else
         the conversation's, else for a pipeline the tenant's promoted one (or its canary, for a
-        share of turns); for a pipeline, the tenant's promoted reader (None: the agent's setting)."""
+        share of turns); for a pipeline, the tenant's promoted reader (None: the agent's setting).
+        A fine-tune the caller may not be served is a 403 where named, passed over where not."""
         if turn.llm:
             await self.check_llm(inference, turn.llm)
         llm = turn.llm or remembered
+        models = self.caller_models(principal, api_key)
+        if llm:
+            await models.check_named(llm)
         if turn.target not in self.pipelines:
             return llm, None
-        choice = await self.promotions.choice(tenant)
-        return llm or chat_model(choice, message_id), choice.reader
+        choice = await self.promotions.choice(principal.tenant)
+        return llm or await models.default(choice, message_id), await models.reader(choice)
 
     async def turn(
         self, principal: Principal, api_key: str, turn: Turn, result: TurnResult
@@ -382,7 +398,7 @@ class AgentRuntime:
             meta = await self.memory.meta(tenant, user, turn.conversation_id)
         result.message_id = new_message_id()
         llm, reader = await self._answerers(
-            tenant, turn, meta.get("llm") or None, inference, result.message_id
+            principal, api_key, turn, meta.get("llm") or None, inference, result.message_id
         )
         history = list(turn.history or [])
         created = False
@@ -594,6 +610,7 @@ class AgentRuntime:
                 "(an agent's answer, a search or an answer without sources): there is nothing to regenerate",
                 param="message_id",
             )
+        await self.caller_models(principal, api_key).check_named(original.model, "message_id")
         chunks = [Chunk.from_result(s) for s in original.sources]
         state = RunState(
             question=original.question,

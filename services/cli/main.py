@@ -1,4 +1,5 @@
-"""``tandem``: start and stop the embedded stack, manage API keys, run evaluations."""
+"""``tandem``: start and stop the embedded stack, manage API keys, users and read the audit log,
+run evaluations."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from services.cli import stack
 from services.cli import stack_processes as processes
 from services.cli.eval_rag import rag_command
 from services.cli.eval_retrieval import retrieval_command
+from services.cli.people import audit_command, last_admin_refusal, users_app
 from services.cli.reader import reader_app
 from services.cli.supervise import SupervisedState, error_line, read_state
 from services.common import lockcheck
@@ -43,6 +45,8 @@ eval_app.command("rag")(rag_command)
 eval_app.command("retrieval")(retrieval_command)
 app.add_typer(config_app, name="config")
 app.add_typer(reader_app, name="reader")
+app.add_typer(users_app, name="users")
+app.command("audit")(audit_command)
 console = Console()
 
 
@@ -588,14 +592,23 @@ def keys_create(
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: str = typer.Argument(..., help="Key id (or the whole key) to revoke.")) -> None:
-    """Revoke a key at once, in every service."""
+def keys_revoke(
+    key_id: str = typer.Argument(..., help="Key id (or the whole key) to revoke."),
+    force: bool = typer.Option(
+        False, "--force", help="Revoke even the tenant's last admin (no admin key or user is left)."
+    ),
+) -> None:
+    """Revoke a key at once, in every service. The tenant's last admin is kept unless --force."""
     common = load_settings(CommonSettings, check_unknown=False)
+    store = _key_store(common)
+    refusal = last_admin_refusal(store, _redis_url(stack.Layout(common.home_dir), common), key_id)
+    if refusal and not force:
+        _fail(refusal)
     try:
-        record = _key_store(common).revoke(key_id)
+        record = store.revoke(key_id)
     except TandemError as exc:
         _fail(exc.message)
-    _audit(common, record.tenant, "key.revoke", record.key_id, {"name": record.name})
+    _audit(common, record.tenant, "key.revoke", record.key_id, {"name": record.name, "forced": bool(refusal)})
     console.print(f"revoked key {record.key_id} of tenant {record.tenant}")
 
 

@@ -15,12 +15,13 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.routing import BaseRoute
 
 from services.common.audit import AuditLog
-from services.common.auth import Principal, require_principal
+from services.common.auth import OPERATOR, Principal, require_principal
 from services.common.config import CommonSettings
 from services.common.errors import ErrorResponse, install_error_handlers
 from services.common.guard import DOCS_PATHS, MIB, GuardMiddleware
 from services.common.logs import configure_logging
 from services.common.observability import Readiness, ReadinessCheck, install_observability
+from services.common.oidc import OidcProvider
 from services.common.ratelimit import TenantLimiter, TenantLimits
 from services.common.redis_conn import async_redis
 from services.common.telemetry import instrument_app, shutdown
@@ -67,9 +68,18 @@ def whoami_router(service: str) -> APIRouter:
     router = APIRouter(tags=["auth"])
 
     @router.get("/v1/whoami")
-    async def whoami(principal: Principal = Depends(require_principal)) -> dict[str, str]:
-        """Which tenant the presented key belongs to (the web front end's sign-in check)."""
-        return {"tenant": principal.tenant, "key_id": principal.key_id, "service": service}
+    async def whoami(principal: Principal = Depends(require_principal)) -> dict[str, Any]:
+        """Which tenant the presented key or token belongs to, with what role (``operator``,
+        ``admin``, ``member`` or ``viewer``), and, for a person's token, the user and its
+        groups: the web front end's sign-in check, and what it shows or hides."""
+        return {
+            "tenant": principal.tenant,
+            "key_id": principal.key_id,
+            "service": service,
+            "role": OPERATOR if principal.operator else principal.role,
+            "user_id": principal.user_id,
+            "groups": list(principal.groups),
+        }
 
     return router
 
@@ -148,6 +158,8 @@ def create_service_app(
     # One limiter per process: the guard asks it per HTTP request, the agent's websocket per turn.
     limiter = TenantLimiter(tenant_limits, service) if tenant_limits is not None else None
     app.state.limiter = limiter
+    # The organisation's OpenID provider, when configured: its JWTs are bearer tokens here too.
+    app.state.oidc = OidcProvider.from_settings(common, redis_client)
     # Added before observability so that the access log and metrics also see the guard's 401s and 413s.
     app.add_middleware(
         GuardMiddleware,
@@ -157,6 +169,7 @@ def create_service_app(
         default_limit=common.max_body_mb * MIB,
         limits=body_limits or {},
         limiter=limiter,
+        jwt=app.state.oidc,
     )
     app.state.metrics = install_observability(app, service, app.state.readiness)
     # OpenTelemetry server spans (the caller's traceparent continued); OTLP export when configured

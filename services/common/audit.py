@@ -13,11 +13,16 @@ The actions recorded:
 
 - ``key.create``, ``key.revoke`` (``tandem keys``), ``user.create``, ``user.update``,
   ``user.delete``, ``token.create``, ``token.revoke`` (``/v1/users`` on the agent);
-- ``model.promote``, ``model.rollback``, ``mcp_server.register``, ``mcp_server.update``,
-  ``mcp_server.remove``, ``training.start`` (``POST /v1/feedback/train``) on the agent;
+- ``user.sign_in``, ``user.sign_out`` (the web sign-in with the OpenID provider, by the user;
+  a user made at its first sign-in also gets ``user.create`` by itself, ``"via": "oidc"``);
+- ``model.promote``, ``model.rollback``, ``model.allow``, ``model.disallow`` (a fine-tune from
+  feedback served to everyone whatever its collections, or no longer), ``mcp_server.register``,
+  ``mcp_server.update``, ``mcp_server.remove``, ``training.start`` (``POST /v1/feedback/train``)
+  on the agent;
 - ``training.job`` (``POST /v1/jobs`` on the trainer);
 - ``document.upload``, ``document.delete``, ``source.add``, ``source.delete``, ``source.sync`` (on
-  demand) on retrieval.
+  demand), ``collection.access`` (an access list set or removed: the lists before and after) on
+  retrieval.
 """
 
 from __future__ import annotations

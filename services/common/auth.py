@@ -37,6 +37,14 @@ user's role (``admin``, ``member`` or ``viewer``) read at every request::
   changes, feedback, training, evaluations, MCP servers, models) answer 403 naming the role
   (``viewer_refusal``, applied by the guard to every service).
 
+The web front end signs people in through the organisation's OpenID provider
+(services/common/oidc.py, services/common/sessions.py): a browser session is a user token like
+any other, held in the HttpOnly cookie ``tandem_session``. ``credential`` reads the bearer
+header first, then that cookie; a state-changing request the cookie authenticates must carry
+``X-CSRF-Token`` (``csrf_refusal``), and a websocket it authenticates must come from the page's
+own origin. A bearer JWT issued by the configured provider is checked by the verifier the
+service holds (``JwtAuthenticator``) and stands for its user.
+
 A principal's ``owner`` is what its answers are recorded under: the key id, or a user's id
 (``key_id`` holds it for a user, so every token of one person shares its answers), so the
 checks above compare owners, not keys.
@@ -45,18 +53,21 @@ checks above compare owners, not keys.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
 from fastapi import Request, WebSocketException
 from starlette.requests import HTTPConnection
 
-from services.common.errors import Forbidden, InvalidRequest, NotFound, Unauthorized
+from services.common.errors import Forbidden, InvalidRequest, NotFound, TandemError, Unauthorized
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KEY_PREFIX = "tdm_"
@@ -75,6 +86,9 @@ LAST_USED_EVERY_S = 60.0
 # questions with the model that job's tenant named) sends the tenant here; see ``acting_principal``.
 ACT_FOR_HEADER = "X-Tandem-Tenant"
 TENANT_INDEX_BUILT = "tandem:keys:tenant-index"
+# A browser session: a user token in an HttpOnly cookie (services/common/sessions.py).
+SESSION_COOKIE = "tandem_session"
+CSRF_HEADER = "X-CSRF-Token"
 
 
 @dataclass(frozen=True)
@@ -302,17 +316,43 @@ class KeyStore:
         return sorted(out, key=lambda r: r.created_at)
 
 
-async def verify_key(client: aioredis.Redis, key: str) -> Principal | None:
+class JwtAuthenticator(Protocol):
+    """Checks a bearer JWT of the configured OpenID provider (services/common/oidc.py)."""
+
+    async def principal(self, token: str) -> Principal:
+        """The token's user; 401 ``Unauthorized`` naming why not (expired, bad signature, ...)."""
+        ...
+
+
+def looks_like_jwt(token: str) -> bool:
+    """A compact JWS (``header.payload.signature``, the header's JSON starting ``{"``)."""
+    return token.startswith("eyJ") and token.count(".") == 2
+
+
+async def verify_key(
+    client: aioredis.Redis, key: str, jwt: JwtAuthenticator | None = None
+) -> Principal | None:
     """The principal of a key or user token; None for anything not (or no longer) valid."""
     try:
-        return await authenticate(client, key)
-    except Unauthorized:
+        return await authenticate(client, key, jwt=jwt)
+    except TandemError:
         return None
 
 
-async def authenticate(client: aioredis.Redis, token: str, now: float | None = None) -> Principal:
-    """The principal of a tenant key or a user's token; 401 ``Unauthorized`` saying why not
-    (unknown, revoked, expired)."""
+async def authenticate(
+    client: aioredis.Redis, token: str, now: float | None = None, *, jwt: JwtAuthenticator | None = None
+) -> Principal:
+    """The principal of a tenant key, a user's token, or a JWT of the configured OpenID provider
+    (checked by ``jwt``); 401 ``Unauthorized`` saying why not (unknown, revoked, expired, bad
+    signature, wrong audience)."""
+    if looks_like_jwt(token):
+        if jwt is None:
+            raise Unauthorized(
+                "a JWT was sent, but no OpenID provider is configured (TANDEM_OIDC_ISSUER): "
+                "use an API key or a personal token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await jwt.principal(token)
     if token.startswith(TOKEN_PREFIX):
         return await _user_principal(client, token, time.time() if now is None else now)
     found = await client.get(f"tandem:keys:hash:{hash_key(token)}") if token.startswith(KEY_PREFIX) else None
@@ -386,6 +426,75 @@ def bearer_token(conn: HTTPConnection) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Credential:
+    token: str
+    # Read from the session cookie: the browser sends it by itself, so a write needs the CSRF header.
+    from_cookie: bool = False
+
+
+def credential(conn: HTTPConnection) -> Credential | None:
+    """What authenticates the request: the bearer header (or websocket subprotocol), else the
+    session cookie of a signed-in browser."""
+    token = bearer_token(conn)
+    if token is not None:
+        return Credential(token)
+    cookie = conn.cookies.get(SESSION_COOKIE, "")
+    if cookie.startswith(TOKEN_PREFIX):
+        return Credential(cookie, from_cookie=True)
+    return None
+
+
+def csrf_token(session: str) -> str:
+    """The CSRF value of a session: a page of the front end reads it from GET /v1/auth/session;
+    another site can neither read that answer nor derive it from the HttpOnly cookie."""
+    return hashlib.sha256(f"tandem-csrf:{session}".encode()).hexdigest()
+
+
+def _host(value: str) -> str:
+    return value.strip().lower()
+
+
+def csrf_refusal(conn: HTTPConnection, cred: Credential) -> Forbidden | None:
+    """The 403 for a cookie-authenticated write without the session's ``X-CSRF-Token``, or a
+    cookie-authenticated websocket from another origin; None when the request may go on."""
+    if not cred.from_cookie:
+        return None
+    if conn.scope.get("type") == "websocket":
+        origin = conn.headers.get("origin", "")
+        if origin and _host(urlsplit(origin).netloc) == _host(conn.headers.get("host", "")):
+            return None
+        return Forbidden(
+            f"websocket signed in by the session cookie from origin {origin or '(none)'!r}, "
+            f"not this site ({conn.headers.get('host', '')!r})",
+            code="csrf",
+        )
+    if conn.scope.get("method", "GET").upper() in SAFE_METHODS:
+        return None
+    sent = conn.headers.get(CSRF_HEADER.lower())
+    if not sent:
+        return Forbidden(
+            f"missing {CSRF_HEADER} header: a {conn.scope.get('method')} signed in by the session cookie "
+            "must send the csrf value GET /v1/auth/session answers",
+            param=CSRF_HEADER,
+            code="csrf",
+        )
+    if not hmac.compare_digest(sent.encode(), csrf_token(cred.token).encode()):
+        return Forbidden(
+            f"{CSRF_HEADER} header does not match this session (sign in again, or read it from "
+            "GET /v1/auth/session)",
+            param=CSRF_HEADER,
+            code="csrf",
+        )
+    return None
+
+
+def jwt_authenticator(conn: HTTPConnection) -> JwtAuthenticator | None:
+    """The service's checker of the OpenID provider's JWTs (None when no provider is set)."""
+    found: JwtAuthenticator | None = getattr(conn.app.state, "oidc", None)
+    return found
+
+
 async def require_principal(conn: HTTPConnection) -> Principal:
     """FastAPI dependency guarding every route except health and metrics.
 
@@ -394,9 +503,9 @@ async def require_principal(conn: HTTPConnection) -> Principal:
     known = conn.scope.get("state", {}).get("principal")
     if isinstance(known, Principal):
         return known
-    token = bearer_token(conn)
+    cred = credential(conn)
     is_ws = conn.scope.get("type") == "websocket"
-    if token is None:
+    if cred is None:
         if is_ws:
             # Error handlers do not run for websockets: close with "policy violation".
             raise WebSocketException(code=1008, reason="missing API key")
@@ -404,10 +513,13 @@ async def require_principal(conn: HTTPConnection) -> Principal:
             "missing API key: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"}
         )
     try:
-        principal = await authenticate(conn.app.state.redis, token)
-    except Unauthorized as exc:
+        principal = await authenticate(conn.app.state.redis, cred.token, jwt=jwt_authenticator(conn))
+        refusal = csrf_refusal(conn, cred)
+        if refusal is not None:
+            raise refusal
+    except TandemError as exc:
         if is_ws:
-            raise WebSocketException(code=1008, reason=exc.message) from None
+            raise WebSocketException(code=1008, reason=exc.message[:120]) from None
         raise
     conn.state.principal = principal
     return principal

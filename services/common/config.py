@@ -34,6 +34,19 @@ def with_password(url: str, password: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def tenant_domains(value: str) -> dict[str, str]:
+    """``example.com=acme,example.org=beta`` as {domain: tenant}; ValueError naming a bad pair."""
+    out: dict[str, str] = {}
+    for pair in (p.strip() for p in value.split(",")):
+        if not pair:
+            continue
+        domain, sep, tenant = (part.strip() for part in pair.partition("="))
+        if not sep or not domain or "@" in domain or not tenant:
+            raise ValueError(f"use domain=tenant pairs separated by commas, got {pair!r}")
+        out[domain.lower()] = tenant
+    return out
+
+
 class SettingsError(RuntimeError):
     """A ``TANDEM_`` variable is missing, malformed or unknown."""
 
@@ -85,12 +98,79 @@ class CommonSettings(BaseSettings):
         le=100_000_000,
         description="Most entries one tenant's audit log holds; past it the oldest are dropped first.",
     )
+    # OpenID Connect: shared by every service, because the agent passes a caller's bearer JWT on
+    # to the others, which check it themselves.
+    oidc_issuer: str = Field(
+        "",
+        description="Issuer URL of the organisation's OpenID provider (its /.well-known/openid-configuration "
+        "is read from there); empty: no sign-in with a provider, only keys and personal tokens.",
+    )
+    oidc_client_id: str = Field("", description="Client id Tandem has at the OpenID provider.")
+    oidc_client_secret: str = Field(
+        "", description="Client secret at the OpenID provider (empty: a public client, PKCE only)."
+    )
+    oidc_redirect_url: str = Field(
+        "",
+        description="Callback URL registered at the provider (…/v1/auth/oidc/callback on the agent); "
+        "empty: derived from the request (set it behind a proxy that rewrites the host or scheme).",
+    )
+    oidc_scopes: str = Field("openid email profile", description="Scopes asked of the provider at sign-in.")
+    oidc_audience: str = Field(
+        "", description="Audience a bearer JWT from the provider must carry (empty: the client id)."
+    )
+    oidc_tenant_claim: str = Field(
+        "", description="Claim naming a user's tenant (e.g. tenant); tried before TANDEM_OIDC_TENANT_DOMAINS."
+    )
+    oidc_tenant_domains: str = Field(
+        "",
+        description="Tenant of each email domain, comma-separated: example.com=acme,example.org=beta. "
+        "A user whose claim and domain map to no tenant is refused.",
+    )
+    oidc_groups_claim: str = Field(
+        "groups", description="Claim holding a user's groups (refreshed at every sign-in)."
+    )
+    oidc_default_role: Literal["admin", "member", "viewer"] = Field(
+        "member", description="Role of a user created at its first sign-in."
+    )
+    oidc_name: str = Field(
+        "", description="Name of the provider on the sign-in button (empty: the issuer's host)."
+    )
+    session_ttl_s: int = Field(
+        43_200,
+        ge=60,
+        le=30 * 86_400,
+        description="Seconds a web sign-in lasts (the session cookie and the token behind it).",
+    )
 
     # Longest wait, in seconds, before `tandem up`'s supervisor restarts a component that keeps
     # exiting (the wait doubles from 1 s while it dies within a minute of starting).
     supervise_backoff_max_s: float = Field(30.0, ge=0)
     # Password of the Redis server when TANDEM_REDIS_URL carries none (compose sets it).
     redis_password: str = ""
+
+    @field_validator("oidc_issuer", "oidc_redirect_url")
+    @classmethod
+    def _oidc_url(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        # kept as given: an ID token's ``iss`` must equal the issuer exactly (OpenID Connect Core 3.1.3.7)
+        return value
+
+    @field_validator("oidc_tenant_domains")
+    @classmethod
+    def _tenant_domains(cls, value: str) -> str:
+        tenant_domains(value)
+        return value
+
+    @model_validator(mode="after")
+    def _oidc_client(self) -> CommonSettings:
+        if self.oidc_issuer and not self.oidc_client_id:
+            raise ValueError("TANDEM_OIDC_ISSUER is set, so TANDEM_OIDC_CLIENT_ID must be too")
+        return self
+
+    @property
+    def oidc_tenant_domain_map(self) -> dict[str, str]:
+        return tenant_domains(self.oidc_tenant_domains)
 
     @field_validator("redis_url")
     @classmethod

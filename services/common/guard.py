@@ -6,8 +6,10 @@ any size: malformed JSON answered 400 instead of 401, and gigabytes were spooled
 middleware runs before routing does any of that:
 
 - a route handed to ``create_service_app`` in ``routers`` (and ``/docs``, ``/openapi.json``
-  unless ``TANDEM_PUBLIC_DOCS``) needs a valid key or user token: without one the answer is
-  401 at once (saying why: missing, unknown, revoked, expired) and the body is never read;
+  unless ``TANDEM_PUBLIC_DOCS``) needs a valid key, user token, OpenID provider JWT or session
+  cookie: without one the answer is 401 at once (saying why: missing, unknown, revoked,
+  expired, bad signature, wrong audience) and the body is never read; a write signed in by the
+  session cookie without its ``X-CSRF-Token`` is a 403 naming the header;
   a viewer's call to a route that writes is a 403 naming the role, also before the body;
 - a JSON body nested deeper than 64 levels or holding ``NaN``/``Infinity`` is a 400 naming
   the field (services/common/jsonsafe.py) before any route parses it;
@@ -33,7 +35,14 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common import jsonsafe
-from services.common.auth import Principal, authenticate, bearer_token, viewer_refusal
+from services.common.auth import (
+    JwtAuthenticator,
+    Principal,
+    authenticate,
+    credential,
+    csrf_refusal,
+    viewer_refusal,
+)
 from services.common.errors import TandemError, Unauthorized, error_body
 from services.common.ratelimit import TenantLimiter
 
@@ -81,8 +90,10 @@ class GuardMiddleware:
         default_limit: int,
         limits: Mapping[str, int | tuple[int, str]],
         limiter: TenantLimiter | None = None,
+        jwt: JwtAuthenticator | None = None,
     ) -> None:
         self.limiter = limiter if limiter is not None and limiter.enabled else None
+        self.jwt = jwt
         self.app = app
         self.routes = routes
         self.protected_paths = frozenset(protected_paths)
@@ -119,20 +130,25 @@ class GuardMiddleware:
         hint = f" ({hint})" if hint else ""
         if protected or scope["path"] in self.protected_paths:
             conn = HTTPConnection(scope)
-            token = bearer_token(conn)
+            cred = credential(conn)
             principal: Principal | None = None
             why = "missing API key: send 'Authorization: Bearer <key>'"
-            if token is not None:
+            if cred is not None:
                 try:
-                    principal = await authenticate(self.redis, token)
+                    principal = await authenticate(self.redis, cred.token, jwt=self.jwt)
                 except Unauthorized as exc:
                     why = exc.message
-            if principal is None:
+                except TandemError as exc:  # a JWT's user maps to no tenant; the provider is away
+                    await self._refuse(send, exc.status_code, exc.to_dict(), exc.headers)
+                    return
+            if principal is None or cred is None:
                 await self._refuse(
                     send, 401, error_body("authentication_error", why), {"WWW-Authenticate": "Bearer"}
                 )
                 return
-            forbidden = viewer_refusal(principal, scope.get("method", ""), template or scope["path"])
+            forbidden = csrf_refusal(conn, cred) or viewer_refusal(
+                principal, scope.get("method", ""), template or scope["path"]
+            )
             if forbidden is not None:
                 await self._refuse(send, 403, forbidden.to_dict())
                 return

@@ -8,6 +8,11 @@ Layout (the tenant is part of the key, so one tenant can never name another's)::
 every response it continues from, then its own output): what ``previous_response_id`` puts
 before a new request's input. ``instructions`` are not part of it (OpenAI's way: each request
 gives its own).
+
+A response saved with an ``owner`` (the key or user that asked: ``Principal.owner``) is that
+owner's, like a conversation: another member of the tenant reading, continuing or deleting it
+gets the 404 of a missing one (it may hold what only its owner may read, such as passages of a
+collection with an access list); the tenant's admins see all. One saved without is the tenant's.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from services.common.auth import Principal
 from services.common.errors import NotFound
 from services.common.responses_wire import (
     RESPONSE_ID_PATTERN,
@@ -62,23 +68,38 @@ class ResponseStore:
     def _key(self, tenant: str, response_id: str) -> str:
         return f"tandem:responses:{self.service}:{tenant}:{response_id}"
 
-    async def save(self, tenant: str, response: ResponseObject, inputs: list[dict[str, Any]]) -> None:
-        """Keep ``response`` with the conversation it ends (``inputs``: what came before its output)."""
-        record = {
+    async def save(
+        self, tenant: str, response: ResponseObject, inputs: list[dict[str, Any]], owner: str | None = None
+    ) -> None:
+        """Keep ``response`` with the conversation it ends (``inputs``: what came before its output),
+        as ``owner``'s when given."""
+        record: dict[str, Any] = {
             "response": response.model_dump(mode="json"),
             "messages": [*inputs, *output_messages(response)],
         }
+        if owner is not None:
+            record["owner"] = owner
         await self.r.set(self._key(tenant, response.id), json.dumps(record), ex=self.ttl_s)
 
-    async def load(self, tenant: str, response_id: str, param: str = "response_id") -> Stored:
-        """The stored response, or a 404 naming ``param`` (also for another tenant's id)."""
+    async def load(
+        self, tenant: str, response_id: str, param: str = "response_id", reader: Principal | None = None
+    ) -> Stored:
+        """The stored response, or a 404 naming ``param`` (also for another tenant's id, and for
+        another owner's when ``reader`` is given and no admin)."""
         raw = await self.r.get(self._key(tenant, response_id)) if _ID_RE.match(response_id) else None
-        if raw is None:
+        record = json.loads(raw) if raw is not None else None
+        if record is None or not _readable(record, reader):
             raise NotFound(f"no response {response_id!r}", param=param, code="response_not_found")
-        record = json.loads(raw)
         return Stored(record["response"], record["messages"])
 
-    async def delete(self, tenant: str, response_id: str) -> None:
+    async def delete(self, tenant: str, response_id: str, reader: Principal | None = None) -> None:
+        if reader is not None:
+            await self.load(tenant, response_id, reader=reader)  # another owner's: a 404
         removed = await self.r.delete(self._key(tenant, response_id)) if _ID_RE.match(response_id) else 0
         if not removed:
             raise NotFound(f"no response {response_id!r}", param="response_id", code="response_not_found")
+
+
+def _readable(record: dict[str, Any], reader: Principal | None) -> bool:
+    owner = record.get("owner")
+    return reader is None or owner is None or reader.is_admin or owner == reader.owner

@@ -1,5 +1,6 @@
 """``GET`` and ``DELETE /v1/responses/{id}``: a service's stored responses, each its tenant's
-alone (another tenant's id is a 404), added to the router that serves ``POST /v1/responses``."""
+alone (another tenant's id is a 404), and its owner's where it was saved with one (another
+member's is a 404 too), added to the router that serves ``POST /v1/responses``."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ def add_stored_response_routes(router: APIRouter, caller: Callable[[Request], Pr
 
     @router.get("/v1/responses/{response_id}", response_model=ResponseObject)
     async def retrieve_response(response_id: str, store: StoreDep, request: Request) -> JSONResponse:
-        stored = await store.load(caller(request).tenant, response_id)
+        who = caller(request)
+        stored = await store.load(who.tenant, response_id, reader=who)
         return JSONResponse(stored.response)
 
     @router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted)
     async def delete_response(response_id: str, store: StoreDep, request: Request) -> ResponseDeleted:
-        await store.delete(caller(request).tenant, response_id)
+        who = caller(request)
+        await store.delete(who.tenant, response_id, reader=who)
         return ResponseDeleted(id=response_id)

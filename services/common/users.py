@@ -151,6 +151,16 @@ class UserStore:
     async def get(self, tenant: str, user_id: str) -> User:
         return _user(user_id, await self._data(tenant, user_id))
 
+    async def find(self, tenant: str, email: str) -> User | None:
+        """The tenant's user with this email; None when it has none."""
+        found = await self.r.get(self._email_key(tenant, normal_email(email)))
+        if found is None:
+            return None
+        try:
+            return await self.get(tenant, _text(found))
+        except NotFound:  # an address left claimed by a user removed halfway
+            return None
+
     async def users(self, tenant: str) -> list[User]:
         out = []
         for raw in await self.r.smembers(f"tandem:users:tenant:{tenant}"):  # type: ignore[misc]

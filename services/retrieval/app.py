@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from services.common.access import AccessStore
 from services.common.app_factory import create_service_app
 from services.common.celery_app import make_celery
 from services.common.config import CommonSettings, load_settings
@@ -92,6 +93,8 @@ def create_app(common: CommonSettings | None = None, settings: RetrievalSettings
     )
     app.state.settings = settings
     app.state.collections = manager
+    # who may read and write each collection (services/common/access.py)
+    app.state.access = AccessStore(app.state.redis)
     app.state.jobs = JobStore(job_redis)
     app.state.celery = make_celery("retrieval", common.redis_url, default_queue="io")
     install_retrieval_metrics(app, job_redis)

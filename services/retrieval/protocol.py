@@ -145,6 +145,19 @@ class CollectionList(BaseModel):
     collections: list[CollectionInfo]
 
 
+class CollectionAccess(BaseModel):
+    """A collection's access list as ``GET``/``PUT /v1/collections/{name}/access`` answer it."""
+
+    collection: str
+    open: bool = Field(
+        description="true: the collection has no access list, so its whole tenant reads it (and every "
+        "key or user that may write at all writes it)"
+    )
+    readers: list[str] = Field(description="user:<id>, group:<name> or key:<id>; writers read too")
+    writers: list[str]
+    updated_at: float | None = Field(None, description="unix seconds of the last change")
+
+
 class DocumentIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str = Field(..., min_length=1, max_length=512)

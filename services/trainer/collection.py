@@ -15,7 +15,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from services.common.errors import InvalidRequest
+from services.common.errors import Forbidden, InvalidRequest
 from services.common.replicas import replica_pool, request_sync
 from services.common.upstream import UpstreamReply, unreachable, upstream_error
 
@@ -84,6 +84,28 @@ def retrieval_call(
         # collection), a 429 keeps its Retry-After, a 5xx is the upstream's (502)
         raise upstream_error(UpstreamReply.of("retrieval", resp), param)
     return reply.model_validate(resp.json())
+
+
+def check_writable(st: TrainerState, key: str, name: str) -> None:
+    """403 unless the caller may write collection ``name``: a job that switches the collection to
+    its embedder (``apply``) changes the collection, which the worker later does as the tenant, so
+    the caller's own right to write it is checked here. The retrieval service shows a
+    collection's access list to the callers who may write it (its admins and writers) only."""
+    pool = replica_pool([st.common.url_of("retrieval")], "retrieval")
+    path = f"/v1/collections/{quote(name, safe='')}/access"
+    try:
+        resp = request_sync(pool, "GET", path, headers={"Authorization": f"Bearer {key}"}, timeout=60.0)
+    except httpx.HTTPError as exc:
+        raise unreachable("retrieval", exc, "collection") from None
+    if resp.status_code == 403:
+        raise Forbidden(
+            f"apply: this caller may read collection {name!r} but not write it, and switching its "
+            f"embedder writes it (retrieval: {UpstreamReply.of('retrieval', resp).message})",
+            param="apply",
+            code="forbidden",
+        )
+    if resp.status_code >= 400:
+        raise upstream_error(UpstreamReply.of("retrieval", resp), "collection")
 
 
 def indexed(context: str, text: str) -> str:

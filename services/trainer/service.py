@@ -14,7 +14,7 @@ from typing import Any
 
 from services.common.errors import InvalidRequest, NotFound
 from services.trainer import chunk_pairs
-from services.trainer.collection import CollectionDoc, collection_documents
+from services.trainer.collection import CollectionDoc, check_writable, collection_documents
 from services.trainer.data.formats import PairRecord
 from services.trainer.data.pairs import TITLE_STAGE
 from services.trainer.jobspec import (
@@ -224,6 +224,8 @@ def _create_embedder_job(
         from services.trainer.questions import service_key
 
         service_key(st.common, "apply")  # the worker switches the collection with it: refused now without it
+        if spec.collection:
+            check_writable(st, key, spec.collection)  # ... as the tenant: the caller must be a writer
     if spec.collection:
         docs = collection_documents(st, key, spec.collection)
         check_documents({"dataset": dataset, "eval_dataset": eval_ds}, spec.collection, docs)

@@ -149,7 +149,9 @@ def test_keys_made_and_revoked_with_the_cli_are_recorded(tandem_env: Path, redis
     made = runner.invoke(cli.app, ["keys", "create", "--tenant", tenant, "--name", "ci"])
     assert made.exit_code == 0, made.output
     key = made.output.strip().splitlines()[-1]
-    assert runner.invoke(cli.app, ["keys", "revoke", key.split("_")[1]]).exit_code == 0
+    # the tenant's only key is its last admin: revoked only with --force, and the log says so
+    assert runner.invoke(cli.app, ["keys", "revoke", key.split("_")[1]]).exit_code == 1
+    assert runner.invoke(cli.app, ["keys", "revoke", "--force", key.split("_")[1]]).exit_code == 0
 
     async def read() -> list[Any]:
         client = async_redis(redis_url)
@@ -164,6 +166,7 @@ def test_keys_made_and_revoked_with_the_cli_are_recorded(tandem_env: Path, redis
         ("key.revoke", key.split("_")[1], "cli"),
     ]
     assert entries[0].detail == {"name": "ci", "role": "admin"}
+    assert entries[1].detail == {"name": "ci", "forced": True}
 
 
 @pytest.mark.parametrize("by", ["age", "count"])

@@ -449,6 +449,8 @@ def test_datasets_of_each_format_have_the_exact_rows(stack: Stack, key: str) -> 
         "per_key_cap": 200,
         "over_cap": {},
         "excluded_keys": [],
+        "left_out": [],
+        "collections": ["geo"],  # the pipeline's and the agent's answers both searched geo
     }
     assert stack.trainer.file_headers[-1]["authorization"] == f"Bearer {key}"  # the caller's own key
 

@@ -86,6 +86,16 @@ def test_missing_and_wrong_keys_get_401(base_url: str, api_key: str) -> None:
     assert httpx.get(f"{base_url}/v1/whoami", headers=auth(api_key)).json()["tenant"] == "acme"
 
 
+def test_whoami_says_the_role_the_web_front_end_shows_or_hides_pages_by(
+    base_url: str, key_store: KeyStore
+) -> None:
+    admin = key_store.create("acme", role="admin")[0]
+    member = key_store.create("acme", role="member")[0]
+    who = httpx.get(f"{base_url}/v1/whoami", headers=auth(admin)).json()
+    assert (who["tenant"], who["role"], who["user_id"], who["groups"]) == ("acme", "admin", None, [])
+    assert httpx.get(f"{base_url}/v1/whoami", headers=auth(member)).json()["role"] == "member"
+
+
 def test_revoked_key_is_refused_at_once(base_url: str, key_store: KeyStore) -> None:
     key, record = key_store.create("acme")
     assert httpx.get(f"{base_url}/v1/whoami", headers=auth(key)).status_code == 200

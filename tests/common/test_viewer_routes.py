@@ -25,6 +25,8 @@ AGENT_CHAT = {
     # its own tokens (the route itself refuses anything more to a non-admin)
     "/v1/users/{user_id}/tokens",
     "/v1/users/{user_id}/tokens/{token_id}",
+    # signing out of its own browser session
+    "/v1/auth/logout",
 }
 
 

@@ -190,3 +190,21 @@ def test_bad_tuning_requests_are_4xx_naming_the_problem(rig: Rig, other_key: str
     assert "'apply' only applies to embedder jobs" in error(
         rig.c.post(f"{rig.trainer}/v1/jobs", json={**body, "type": "sft"}), 400
     )
+
+
+def test_applying_to_a_collection_one_may_only_read_is_a_403(rig: Rig, redis_url: str) -> None:
+    """Switching a collection's embedder writes it: a reader who is not among its writers may train
+    an embedder from it, but not apply one to it."""
+    from tests.helpers.people import person
+
+    reader = person(redis_url, "acme")
+    put = rig.c.put(
+        f"{rig.retrieval}/v1/collections/kb/access", json={"readers": [reader.entry], "writers": []}
+    )
+    assert put.status_code == 200, put.text
+    body = {"type": "embedder", "base_model": "all-MiniLM-L6-v2", "collection": "kb", "dataset": rig.pairs}
+    refused = rig.c.post(f"{rig.trainer}/v1/jobs", json={**body, "apply": True}, headers=auth(reader.token))
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["param"] == "apply" and "'kb'" in refused.json()["error"]["message"]
+    trained = rig.c.post(f"{rig.trainer}/v1/jobs", json=body, headers=auth(reader.token))
+    assert trained.status_code == 201, trained.text

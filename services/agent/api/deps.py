@@ -13,7 +13,7 @@ from fastapi import Depends
 from starlette.requests import HTTPConnection
 
 from services.agent.runtime import AgentRuntime
-from services.common.auth import Principal, bearer_token
+from services.common.auth import Principal, credential
 from services.common.errors import Unauthorized
 
 
@@ -28,12 +28,13 @@ def runtime_of(conn: HTTPConnection) -> AgentRuntime:
 
 
 def caller(conn: HTTPConnection) -> Caller:
-    """The authenticated principal and the key itself."""
+    """The authenticated principal and the credential itself: the bearer key or token, or the
+    token of a browser's session cookie, which the other services then receive as a bearer."""
     principal = getattr(conn.state, "principal", None)
-    key = bearer_token(conn)
-    if not isinstance(principal, Principal) or not key:
+    cred = credential(conn)
+    if not isinstance(principal, Principal) or cred is None:
         raise Unauthorized("not authenticated")
-    return Caller(principal, key)
+    return Caller(principal, cred.token)
 
 
 def principal(who: Annotated[Caller, Depends(caller)]) -> Principal:

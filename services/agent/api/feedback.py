@@ -52,7 +52,7 @@ from services.agent.protocol import (
     TrainResult,
     TurnRecord,
 )
-from services.agent.reader.feedback_rows import ReaderDataset, reader_dataset
+from services.agent.reader.feedback_rows import ReaderDataset, reader_dataset, rows_from_feedback
 from services.agent.runtime import AgentRuntime, TurnResult, collect, peek
 from services.agent.turns import FeedbackFilter, FeedbackRow, owner_scope
 from services.common.app_factory import JSON_OR_SSE
@@ -271,6 +271,8 @@ async def _upload(runtime: AgentRuntime, key: str, built: BuiltDataset) -> Datas
         per_key_cap=built.cap,
         over_cap=built.over_cap,
         excluded_keys=built.excluded_keys,
+        left_out=built.left_out(),
+        collections=sorted(built.collections),
     )
 
 
@@ -326,6 +328,8 @@ async def train_on_feedback(
         margin=runtime.settings.promotion_margin,
         holdout=built.held_out,
         created_at=time.time(),
+        collections=dataset.collections,
+        left_out=dataset.left_out,
     )
     await runtime.promotions.save(principal.tenant, promotion)
     reader = await _train_reader(runtime, principal, key, body)
@@ -333,7 +337,13 @@ async def train_on_feedback(
         request,
         "training.start",
         str(job["id"]),
-        {"format": fmt, "base_model": base_model, "rows": dataset.rows},
+        {
+            "format": fmt,
+            "base_model": base_model,
+            "rows": dataset.rows,
+            "collections": dataset.collections,
+            "left_out": {f"{o.reason}:{o.contributor}": o.ratings_and_choices for o in dataset.left_out},
+        },
     )
     return TrainResult(dataset=dataset, job=job, promotion=promotion, reader=reader)
 
@@ -390,6 +400,7 @@ async def _train_reader(
         return ReaderTraining(
             started=False, reason=f"the trainer refused the reader job: {exc.message}", counts=built.counts
         )
+    held = set(built.held_out)
     promotion = Promotion(
         job_id=str(job["id"]),
         kind="reader",
@@ -398,6 +409,13 @@ async def _train_reader(
         margin=runtime.settings.promotion_margin,
         holdout=built.held_out,
         created_at=time.time(),
+        collections=sorted(
+            {
+                rec.collection
+                for fb, rec in rated
+                if rec.collection and rec.message_id not in held and rows_from_feedback(fb, rec)
+            }
+        ),
     )
     await runtime.promotions.save(principal.tenant, promotion)
     return ReaderTraining(

@@ -1,4 +1,8 @@
-"""``/v1/mcp/servers``: the caller's registered MCP servers (their tools join agent runs)."""
+"""``/v1/mcp/servers``: the tenant's registered MCP servers (their tools join agent runs).
+
+Registering, changing and removing a server decide what every agent run of the tenant may call
+(and which headers, often credentials, go with the calls): admins only, like keys and models;
+members and viewers list the servers and their tools."""
 
 from __future__ import annotations
 
@@ -10,9 +14,14 @@ from services.agent.api.deps import PrincipalDep, RuntimeDep
 from services.agent.mcp_servers import McpServerCreate, McpServerInfo, McpServerUpdate
 from services.agent.tools.mcp import McpFailed, list_tools
 from services.common.audit import audit_request
+from services.common.auth import require_admin
 from services.common.errors import UpstreamError
 
 router = APIRouter(tags=["mcp"], responses={404: {"description": "no such MCP server"}})
+
+NOT_ADMIN: dict[int | str, dict[str, Any]] = {
+    403: {"description": "not an admin of the tenant (the message names the caller's role)"}
+}
 
 
 @router.post(
@@ -22,12 +31,14 @@ router = APIRouter(tags=["mcp"], responses={404: {"description": "no such MCP se
     responses={
         400: {"description": "invalid server: the URL is not http(s), or private (the message names it)"},
         409: {"description": "a server of that name is already registered"},
+        **NOT_ADMIN,
     },
 )
 async def register_server(
     body: McpServerCreate, request: Request, runtime: RuntimeDep, principal: PrincipalDep
 ) -> McpServerInfo:
     """Registers an MCP server (Streamable HTTP); header values are stored encrypted, never returned."""
+    require_admin(principal, "POST /v1/mcp/servers (registering an MCP server)")
     info = await runtime.mcp.add(principal.tenant, body)
     await audit_request(request, "mcp_server.register", info.name, {"url": info.url})
     return info
@@ -53,20 +64,22 @@ async def server_tools(name: str, runtime: RuntimeDep, principal: PrincipalDep) 
     return {"server": name, "data": [t.to_dict() for t in tools]}
 
 
-@router.patch("/v1/mcp/servers/{name}", response_model=McpServerInfo)
+@router.patch("/v1/mcp/servers/{name}", response_model=McpServerInfo, responses=NOT_ADMIN)
 async def update_server(
     name: str, body: McpServerUpdate, request: Request, runtime: RuntimeDep, principal: PrincipalDep
 ) -> McpServerInfo:
     """Which agents get the server's tools (``agents``), and which of its tools (``tools``)."""
+    require_admin(principal, "PATCH /v1/mcp/servers/{name} (changing an MCP server)")
     info = await runtime.mcp.update(principal.tenant, name, body)
     await audit_request(request, "mcp_server.update", name, body.model_dump(mode="json", exclude_unset=True))
     return info
 
 
-@router.delete("/v1/mcp/servers/{name}", status_code=204)
+@router.delete("/v1/mcp/servers/{name}", status_code=204, responses=NOT_ADMIN)
 async def delete_server(
     name: str, request: Request, runtime: RuntimeDep, principal: PrincipalDep
 ) -> Response:
+    require_admin(principal, "DELETE /v1/mcp/servers/{name} (removing an MCP server)")
     await runtime.mcp.delete(principal.tenant, name)
     await audit_request(request, "mcp_server.remove", name)
     return Response(status_code=204)

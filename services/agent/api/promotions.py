@@ -2,7 +2,11 @@
 reader, and the gate's verdicts on fine-tunes and readers from feedback),
 ``POST /v1/models/{id}/promote`` and ``POST /v1/models/{id}/rollback`` (services/agent/promotions.py).
 A published reader's id (``ft-reader-...``) promotes or rolls back the tenant's reader instead of
-its chat model. Promoting and rolling back change what the whole tenant is served: admin keys only."""
+its chat model. Promoting and rolling back change what the whole tenant is served: admin keys only.
+
+``POST /v1/models/{id}/allow`` serves a fine-tune from feedback to everyone in the tenant, whatever
+collections its feedback came from (services/agent/model_access.py); ``DELETE`` withdraws that.
+Both are an admin's, and recorded in the audit log (``model.allow``, ``model.disallow``)."""
 
 from __future__ import annotations
 
@@ -20,9 +24,17 @@ from services.agent.promotions import (
     reader_rolled_back,
     rolled_back,
 )
-from services.agent.protocol import ModelChoice, PromoteRequest, PromotionList, ReaderChoice
+from services.agent.protocol import (
+    AllowRequest,
+    ModelAllowance,
+    ModelChoice,
+    PromoteRequest,
+    Promotion,
+    PromotionList,
+    ReaderChoice,
+)
 from services.agent.runtime import AgentRuntime
-from services.common.audit import audit_request
+from services.common.audit import actor_of, audit_request
 from services.common.auth import Principal, require_admin
 from services.common.errors import NotFound
 from services.common.readers import is_reader_name
@@ -128,3 +140,56 @@ async def rollback_model(model: str, request: Request, runtime: RuntimeDep, who:
     await runtime.promotions.save_choice(principal.tenant, choice)
     await audit_request(request, "model.rollback", model, {"default": choice.default})
     return choice
+
+
+ALLOW_ERRORS: dict[int | str, dict[str, Any]] = {
+    403: {"description": "not an admin of the tenant"},
+    404: {"description": "no fine-tune of that name from this tenant's feedback"},
+}
+
+
+async def _trained(runtime: AgentRuntime, principal: Principal, model: str) -> Promotion:
+    found = await runtime.promotions.trained_as(principal.tenant, model)
+    if found is None:
+        raise NotFound(
+            f"model: {model!r} is no fine-tune from this tenant's feedback (GET /v1/promotions lists "
+            "them); other models are served to everyone who may use them already",
+            param="model",
+            code="model_not_found",
+        )
+    return found
+
+
+@router.post("/v1/models/{model}/allow", response_model=Promotion, responses=ALLOW_ERRORS)
+async def allow_model(
+    model: str,
+    request: Request,
+    runtime: RuntimeDep,
+    principal: PrincipalDep,
+    body: AllowRequest | None = Body(None),
+) -> Promotion:
+    """Serves the fine-tune ``model`` to everyone in the tenant, including people who may not read
+    every collection its feedback came from (``collections``)."""
+    require_admin(principal, "POST /v1/models/{model}/allow")
+    found = await _trained(runtime, principal, model)
+    reason = body.reason if body else ""
+    found.allowed = ModelAllowance(by=actor_of(principal).id, at=time.time(), reason=reason)
+    await runtime.promotions.save(principal.tenant, found)
+    await audit_request(request, "model.allow", model, {"collections": found.collections, "reason": reason})
+    return found
+
+
+@router.delete("/v1/models/{model}/allow", response_model=Promotion, responses=ALLOW_ERRORS)
+async def disallow_model(
+    model: str, request: Request, runtime: RuntimeDep, principal: PrincipalDep
+) -> Promotion:
+    """Withdraws ``allow``: the fine-tune answers only people who may read all of its collections."""
+    require_admin(principal, "DELETE /v1/models/{model}/allow")
+    found = await _trained(runtime, principal, model)
+    was = found.allowed
+    found.allowed = None
+    await runtime.promotions.save(principal.tenant, found)
+    await audit_request(
+        request, "model.disallow", model, {"collections": found.collections, "was_allowed": was is not None}
+    )
+    return found

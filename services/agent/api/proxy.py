@@ -4,7 +4,9 @@ The browser talks only to the agent's origin; these routes pass requests on to t
 other services with the caller's Authorization and X-Request-ID headers, and
 stream the answer back as it comes (SSE progress and token streams included).
 Authentication is the upstream service's job (it sees the same key), so the
-router is public here.
+router is public here. A browser signed in by the session cookie is passed on as
+``Authorization: Bearer <its token>``, once its write has shown the session's
+``X-CSRF-Token`` (the upstream service sees a bearer and would not ask).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from services.common.auth import credential, csrf_refusal
 from services.common.errors import InvalidRequest, ServiceUnavailable
 from services.common.logs import REQUEST_ID_HEADER, current_request_id
 from services.common.replicas import died, replica_pool
@@ -56,6 +59,12 @@ async def proxy(
     pool = replica_pool(common.inference_replicas()) if service == "inference" else None
     base = pool.pick() if pool is not None else common.url_of(service)
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST_HEADERS}
+    cred = credential(request)
+    if cred is not None and cred.from_cookie:
+        refusal = csrf_refusal(request, cred)
+        if refusal is not None:
+            raise refusal
+        headers["authorization"] = f"Bearer {cred.token}"
     rid = current_request_id() or request.headers.get(REQUEST_ID_HEADER)
     if rid:
         headers[REQUEST_ID_HEADER] = rid

@@ -1,21 +1,43 @@
-"""``/v1/collections``: create, list, show, delete."""
+"""``/v1/collections``: create, list, show, delete; and a collection's access list
+(``/v1/collections/{name}/access``, services/common/access.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from services.common.access import (
+    AccessList,
+    StoredAccess,
+    as_detail,
+    check_known,
+    may_read,
+    may_write,
+    normal,
+)
+from services.common.audit import audit_request
+from services.common.auth import acting_principal, require_admin
 from services.common.errors import InvalidRequest
 from services.common.idempotency import idempotent
-from services.retrieval.api.deps import CollectionDep, CollectionName, ManagerDep, TenantDep
+from services.retrieval.api.deps import (
+    AccessDep,
+    CollectionDep,
+    CollectionName,
+    ManagerDep,
+    TenantDep,
+    access_store,
+    cannot_write,
+    check_access,
+)
 from services.retrieval.core.collection import CollectionConfig
 from services.retrieval.core.jobs import TASK_NAME
 from services.retrieval.core.ocr import check_language
 from services.retrieval.protocol import (
     Chunking,
+    CollectionAccess,
     CollectionInfo,
     CollectionList,
     CreateCollection,
@@ -25,7 +47,13 @@ from services.retrieval.protocol import (
 from services.retrieval.reindex import rollback, start_reindex
 
 router = APIRouter(
-    prefix="/v1/collections", tags=["collections"], responses={404: {"description": "no such collection"}}
+    prefix="/v1/collections",
+    tags=["collections"],
+    responses={
+        403: {"description": "the caller may read the collection but not write it (the message names it)"},
+        404: {"description": "no such collection (or one the caller may not read)"},
+    },
+    dependencies=[Depends(check_access)],
 )
 
 
@@ -81,14 +109,21 @@ async def create_collection(
         return _info(config, {"documents": 0, "chunks": 0})
 
     async def create() -> tuple[int, Any]:
-        return 201, (await run_in_threadpool(make)).model_dump(mode="json")
+        made = await run_in_threadpool(make)
+        # a list left by an earlier collection of this name is not the new one's
+        await access_store(request).delete(who, body.name)
+        return 201, made.model_dump(mode="json")
 
     return await idempotent(request, who, create)
 
 
 @router.get("", response_model=CollectionList)
-def list_collections(who: TenantDep, collections: ManagerDep) -> CollectionList:
-    return CollectionList(collections=[_info(c) for c in collections.list(who)])
+async def list_collections(request: Request, collections: ManagerDep) -> CollectionList:
+    """The tenant's collections that the caller may read."""
+    principal = acting_principal(request)
+    configs = await run_in_threadpool(collections.list, principal.tenant)
+    lists = await access_store(request).all(principal.tenant)
+    return CollectionList(collections=[_info(c) for c in configs if may_read(principal, lists.get(c.name))])
 
 
 @router.get("/{name}", response_model=CollectionInfo)
@@ -172,6 +207,77 @@ def rollback_collection(
 
 
 @router.delete("/{name}", status_code=204)
-def delete_collection(name: CollectionName, who: TenantDep, collections: ManagerDep) -> Response:
-    collections.delete(who, name)
+async def delete_collection(
+    name: CollectionName, request: Request, who: TenantDep, collections: ManagerDep
+) -> Response:
+    await run_in_threadpool(collections.delete, who, name)
+    await access_store(request).delete(who, name)
+    return Response(status_code=204)
+
+
+def _access(name: str, acl: StoredAccess | None) -> CollectionAccess:
+    if acl is None:
+        return CollectionAccess(collection=name, open=True, readers=[], writers=[], updated_at=None)
+    return CollectionAccess(
+        collection=name, open=False, readers=acl.readers, writers=acl.writers, updated_at=acl.updated_at
+    )
+
+
+ACCESS_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"description": "missing or unknown API key"},
+    403: {"description": "not an admin (GET: not an admin or a writer of the collection)"},
+    404: {
+        "description": "no such collection (or one the caller may not read); for PUT also an entry "
+        "naming no user, group or live key of the tenant (the message names it)"
+    },
+}
+
+
+@router.get("/{name}/access", response_model=CollectionAccess, responses=ACCESS_ERRORS)
+async def get_access(
+    name: CollectionName, request: Request, acl: AccessDep, collections: ManagerDep
+) -> CollectionAccess:
+    """Who may read and who may write the collection (``open``: no list, the whole tenant).
+    Admins and the collection's writers may ask."""
+    principal = acting_principal(request)
+    if not may_write(principal, acl):
+        raise cannot_write(principal, name, f"GET /v1/collections/{name}/access")
+    await run_in_threadpool(collections.config, principal.tenant, name)  # 404 if missing
+    return _access(name, acl)
+
+
+@router.put(
+    "/{name}/access",
+    response_model=CollectionAccess,
+    responses={**ACCESS_ERRORS, 400: {"description": "a malformed entry (the message names it)"}},
+)
+async def put_access(
+    name: CollectionName, body: AccessList, request: Request, acl: AccessDep, collections: ManagerDep
+) -> CollectionAccess:
+    """Set who may read and who may write the collection (admins only): entries
+    ``user:<id>``, ``group:<name>``, ``key:<id>``; writers read too, and the tenant's admins
+    read and write every collection. Recorded in the audit log as ``collection.access``."""
+    principal = acting_principal(request)
+    require_admin(principal, f"PUT /v1/collections/{name}/access")
+    await run_in_threadpool(collections.config, principal.tenant, name)  # 404 if missing
+    wanted = normal(body)
+    await check_known(request.app.state.redis, principal.tenant, wanted, acl)
+    stored = await access_store(request).put(principal.tenant, name, wanted)
+    await audit_request(
+        request, "collection.access", name, {"before": as_detail(acl), "after": as_detail(stored)}
+    )
+    return _access(name, stored)
+
+
+@router.delete("/{name}/access", status_code=204, responses=ACCESS_ERRORS)
+async def delete_access(
+    name: CollectionName, request: Request, acl: AccessDep, collections: ManagerDep
+) -> Response:
+    """Remove the list: the collection is open to the whole tenant again (admins only)."""
+    principal = acting_principal(request)
+    require_admin(principal, f"DELETE /v1/collections/{name}/access")
+    await run_in_threadpool(collections.config, principal.tenant, name)  # 404 if missing
+    before = await access_store(request).delete(principal.tenant, name)
+    if before is not None:
+        await audit_request(request, "collection.access", name, {"before": as_detail(before), "after": None})
     return Response(status_code=204)

@@ -6,7 +6,7 @@ import json
 from functools import partial
 from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, Query, Request, Response, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
 
@@ -17,7 +17,14 @@ from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import file_fingerprint, idempotent
 from services.common.paths import safe_filename
 from services.common.quota import check_quota, folder_bytes
-from services.retrieval.api.deps import CollectionDep, CollectionName, collection, manager, tenant
+from services.retrieval.api.deps import (
+    CollectionDep,
+    CollectionName,
+    check_access,
+    collection,
+    manager,
+    tenant,
+)
 from services.retrieval.core.originals import MEDIA_TYPES, find_original
 from services.retrieval.core.parsing import (
     UNTRUSTED,
@@ -33,7 +40,11 @@ from services.retrieval.protocol import AddDocuments, Document, DocumentPage, In
 router = APIRouter(
     prefix="/v1/collections",
     tags=["documents"],
-    responses={404: {"description": "no such collection or document"}},
+    responses={
+        403: {"description": "the caller may read the collection but not write it (the message names it)"},
+        404: {"description": "no such collection (or one the caller may not read) or document"},
+    },
+    dependencies=[Depends(check_access)],
 )
 
 

@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from services.common.access import may_read
 from services.common.app_factory import SSE
+from services.common.auth import acting_principal
 from services.common.errors import NotFound
 from services.common.jobs import TERMINAL
-from services.retrieval.api.deps import tenant
+from services.retrieval.api.deps import access_store
 from services.retrieval.core.jobs import decode_job, job_key
 from services.retrieval.protocol import Job
 
@@ -22,9 +24,16 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={404: {"descripti
 
 async def _load(request: Request, job_id: str) -> Job:
     raw = await request.app.state.redis.hgetall(job_key(job_id))
-    # Another tenant's job is indistinguishable from a missing one.
-    if not raw or raw.get("tenant") != tenant(request):
-        raise NotFound(f"job {job_id!r} not found", param="id", code="job_not_found")
+    principal = acting_principal(request)
+    # Another tenant's job, or one of a collection the caller may not read, is indistinguishable
+    # from a missing one.
+    missing = NotFound(f"job {job_id!r} not found", param="id", code="job_not_found")
+    if not raw or raw.get("tenant") != principal.tenant:
+        raise missing
+    if raw.get("collection"):
+        acl = await access_store(request).get(principal.tenant, raw["collection"])
+        if not may_read(principal, acl):
+            raise missing
     return decode_job(job_id, raw)
 
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from opentelemetry import trace
 
 from services.common.errors import InvalidRequest
-from services.retrieval.api.deps import CollectionDep
+from services.retrieval.api.deps import CollectionDep, check_access
 from services.retrieval.metrics import QUERY_SECONDS
 from services.retrieval.protocol import SearchRequest, SearchResponse
 
 router = APIRouter(
-    prefix="/v1/collections", tags=["search"], responses={404: {"description": "no such collection"}}
+    prefix="/v1/collections",
+    tags=["search"],
+    responses={404: {"description": "no such collection (or one the caller may not read)"}},
+    dependencies=[Depends(check_access)],
 )
 
 

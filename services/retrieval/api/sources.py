@@ -7,13 +7,13 @@ import shutil
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from services.common.audit import audit_request
 from services.common.idempotency import RESPONSES as IDEMPOTENCY_RESPONSES
 from services.common.idempotency import idempotent
-from services.retrieval.api.deps import CollectionName, collection, settings, tenant
+from services.retrieval.api.deps import CollectionName, check_access, collection, settings, tenant
 from services.retrieval.core.collection import ChunkedCollection
 from services.retrieval.core.jobs import TASK_NAME
 from services.retrieval.protocol import CreateSource, LastSync, SourceInfo, SourceList, SyncStarted
@@ -21,7 +21,7 @@ from services.retrieval.sources.checks import new_source
 from services.retrieval.sources.schedule import job_busy, start_sync
 from services.retrieval.sources.store import CACHE_DIR, Source, SourceStore
 
-router = APIRouter(prefix="/v1/collections", tags=["sources"])
+router = APIRouter(prefix="/v1/collections", tags=["sources"], dependencies=[Depends(check_access)])
 
 SourceId = Annotated[str, Path(max_length=64, description="The source's id (src_...)")]
 

@@ -172,6 +172,10 @@ class EmbeddedBackend:
             config = CollectionConfig.from_json((self._dir(tenant, name) / "collection.json").read_bytes())
         except FileNotFoundError:
             raise not_found(name) from None
+        if config.name != name:
+            # another spelling of the name on a case-insensitive file system: not this collection
+            # (its access list is kept under its own name)
+            raise not_found(name)
         if config.backend != self.name:
             raise wrong_backend(name, tenant, config.backend, self.name)
         return config

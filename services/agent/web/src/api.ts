@@ -1,8 +1,15 @@
 // HTTP helpers for the agent API (/v1/...) and the agent's same-origin proxies to the
-// other services (/api/retrieval, /api/trainer, /api/inference). The API key lives in
-// sessionStorage only: it is sent as a Bearer header (or websocket subprotocol), never in a URL.
+// other services (/api/retrieval, /api/trainer, /api/inference). Two ways to be signed in:
+// - an API key or personal token, pasted: it lives in sessionStorage only and is sent as a
+//   Bearer header (or websocket subprotocol), never in a URL;
+// - a sign-in with the organisation's OpenID provider: the browser holds an HttpOnly session
+//   cookie this code never sees; the page keeps the session's CSRF value (from
+//   GET /v1/auth/session) in memory and sends it as X-CSRF-Token, which writes need.
 
 const KEY_NAME = "tandem.apiKey";
+const CSRF_HEADER = "X-CSRF-Token";
+
+let sessionCsrf: string | null = null;
 
 export function getKey(): string | null {
   return sessionStorage.getItem(KEY_NAME);
@@ -12,8 +19,50 @@ export function setKey(key: string): void {
   sessionStorage.setItem(KEY_NAME, key);
 }
 
+/** Forgets the pasted key and the session's CSRF value (the cookie stays until signOut). */
 export function forgetKey(): void {
   sessionStorage.removeItem(KEY_NAME);
+  sessionCsrf = null;
+}
+
+/** Signed in either way: a key in this tab, or a provider sign-in's session. */
+export function signedIn(): boolean {
+  return getKey() !== null || sessionCsrf !== null;
+}
+
+export interface SessionInfo {
+  tenant: string;
+  role: string;
+  user_id: string | null;
+  email: string | null;
+  groups: string[];
+  via: "cookie" | "bearer";
+  csrf: string | null;
+  expires_at: number | null;
+}
+
+/** The browser's provider sign-in, when its cookie holds a live session (null otherwise). */
+export async function loadSession(): Promise<SessionInfo | null> {
+  try {
+    const s = await api<SessionInfo>("/v1/auth/session", { noAuthRedirect: true, key: "" });
+    if (s.via !== "cookie" || !s.csrf) return null;
+    sessionCsrf = s.csrf;
+    return s;
+  } catch {
+    return null;
+  }
+}
+
+/** Signs out: a session is ended at the server (its token revoked, its cookie cleared). */
+export async function signOut(): Promise<void> {
+  const csrf = sessionCsrf;
+  forgetKey();
+  if (!csrf) return;
+  try {
+    await fetch("/v1/auth/logout", { method: "POST", headers: { [CSRF_HEADER]: csrf } });
+  } catch {
+    /* the server is away: the cookie expires by itself */
+  }
 }
 
 export class ApiError extends Error {
@@ -55,7 +104,8 @@ export function errorFromBody(status: number, body: unknown, fallback: string): 
 
 export function authHeaders(): Record<string, string> {
   const key = getKey();
-  return key ? { Authorization: `Bearer ${key}` } : {};
+  if (key) return { Authorization: `Bearer ${key}` };
+  return sessionCsrf ? { [CSRF_HEADER]: sessionCsrf } : {};
 }
 
 export interface RequestOptions {
@@ -69,7 +119,9 @@ export interface RequestOptions {
 }
 
 export async function api<T = unknown>(path: string, opts: RequestOptions = {}): Promise<T> {
-  const headers: Record<string, string> = opts.key ? { Authorization: `Bearer ${opts.key}` } : authHeaders();
+  // opts.key: that key only ("" : the session cookie alone, as when asking for the session)
+  const headers: Record<string, string> =
+    opts.key !== undefined ? (opts.key ? { Authorization: `Bearer ${opts.key}` } : {}) : authHeaders();
   let body = opts.body;
   if (opts.json !== undefined) {
     headers["Content-Type"] = "application/json";
@@ -168,8 +220,7 @@ export function uploadWithProgress(
   return new Promise((resolve, reject) => {
     const xhr = new XMLHttpRequest();
     xhr.open("POST", path);
-    const key = getKey();
-    if (key) xhr.setRequestHeader("Authorization", `Bearer ${key}`);
+    for (const [name, value] of Object.entries(authHeaders())) xhr.setRequestHeader(name, value);
     xhr.upload.onprogress = (ev) => {
       if (ev.lengthComputable) onProgress(ev.loaded / ev.total);
     };

@@ -1,16 +1,21 @@
-// Hash routing: #/signin, #/chat[/<conversation>[/<message>]], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback, #/quality, #/evaluations[/<set>], #/mcp.
+// Hash routing: #/signin, #/chat[/<conversation>[/<message>]], #/documents[/<collection>], #/search, #/training[/<job>], #/feedback, #/quality, #/evaluations[/<set>], #/mcp, #/people, #/tokens, #/audit.
 // Every page but sign-in needs a key; a visit without one lands on sign-in.
+// Navigation entries marked data-admin show for admins only, data-person for people (not keys).
 import "./style.css";
-import { forgetKey, getKey, setUnauthorizedHandler } from "./api";
+import { forgetKey, getKey, loadSession, setUnauthorizedHandler, signedIn, signOut } from "./api";
+import { caller, forgetCaller, isAdmin } from "./caller";
 import { clear } from "./dom";
 import { chatPage } from "./pages/chat";
 import { documentsPage } from "./pages/documents";
 import { evaluationsPage } from "./pages/evaluations";
 import { feedbackPage } from "./pages/feedback";
+import { auditPage } from "./pages/audit";
 import { mcpPage } from "./pages/mcp";
+import { peoplePage } from "./pages/people";
 import { qualityPage } from "./pages/quality";
 import { searchPage } from "./pages/search";
 import { signinPage, whoami } from "./pages/signin";
+import { tokensPage } from "./pages/tokens";
 import { trainingPage } from "./pages/training";
 
 export interface Page {
@@ -30,6 +35,9 @@ const pages: Record<string, PageFn> = {
   quality: qualityPage,
   evaluations: evaluationsPage,
   mcp: mcpPage,
+  people: peoplePage,
+  tokens: tokensPage,
+  audit: auditPage,
 };
 
 const titles: Record<string, string> = {
@@ -42,6 +50,9 @@ const titles: Record<string, string> = {
   quality: "Quality",
   evaluations: "Evaluations",
   mcp: "MCP servers",
+  people: "People",
+  tokens: "Personal tokens",
+  audit: "Audit log",
 };
 
 const main = document.getElementById("main") as HTMLElement;
@@ -54,8 +65,24 @@ function parseHash(): { name: string; args: string[] } {
   return { name: parts[0] ?? "chat", args: parts.slice(1) };
 }
 
+/** Shows the navigation entries the caller may use (an unknown caller sees none of the gated ones). */
+async function gateNav(): Promise<void> {
+  let admin = false;
+  let person = false;
+  try {
+    const c = await caller();
+    admin = isAdmin(c);
+    person = Boolean(c.userId);
+  } catch {
+    /* not signed in, or the server is away: keep the gated entries hidden */
+  }
+  for (const li of document.querySelectorAll<HTMLElement>("#nav [data-admin]")) li.hidden = !admin;
+  for (const li of document.querySelectorAll<HTMLElement>("#nav [data-person]")) li.hidden = !person;
+}
+
 function signedOut(): void {
   forgetKey();
+  forgetCaller();
   if (!location.hash.startsWith("#/signin")) {
     const { name } = parseHash();
     location.hash = `#/signin${name && name !== "signin" ? `?next=${encodeURIComponent(name)}` : ""}`;
@@ -66,11 +93,11 @@ setUnauthorizedHandler(signedOut);
 async function route(): Promise<void> {
   const { name, args } = parseHash();
   // Sub-routes a page handles itself (e.g. picking a conversation) don't rebuild it.
-  if (current && name === currentName && getKey() && current.onRoute?.(args)) return;
+  if (current && name === currentName && signedIn() && current.onRoute?.(args)) return;
   current?.dispose?.();
   current = undefined;
   clear(main);
-  const key = getKey();
+  const key = signedIn();
   const base = name.split("?")[0];
   currentName = base;
   if (!key || base === "signin") {
@@ -88,6 +115,7 @@ async function route(): Promise<void> {
     return;
   }
   topbar.hidden = false;
+  void gateNav();
   const fn = pages[base] ?? pages.chat;
   const active = pages[base] ? base : "chat";
   for (const a of document.querySelectorAll<HTMLAnchorElement>("#nav a")) {
@@ -99,8 +127,10 @@ async function route(): Promise<void> {
 }
 
 document.getElementById("signout")?.addEventListener("click", () => {
-  forgetKey();
-  location.hash = "#/signin";
+  forgetCaller();
+  void signOut().then(() => {
+    location.hash = "#/signin";
+  });
 });
 
 window.addEventListener("hashchange", () => void route());
@@ -116,6 +146,11 @@ async function start(): Promise<void> {
     } catch {
       forgetKey();
     }
+  } else {
+    // Back from the organisation's OpenID provider, or a reload: the session cookie, if live.
+    const session = await loadSession();
+    const el = document.getElementById("who");
+    if (session && el) el.textContent = session.email ?? `tenant ${session.tenant}`;
   }
   await route();
 }

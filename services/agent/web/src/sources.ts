@@ -84,7 +84,8 @@ export function relative(d: Date, now: number = Date.now()): string {
   return s > 0 ? `in ${n} ${unit}` : `${n} ${unit} ago`;
 }
 
-function timeEl(v: number | string | null | undefined, cls: string): HTMLElement {
+/** A time as `<time>`: local date and time, and how long ago or ahead; "–" when there is none. */
+export function timeEl(v: number | string | null | undefined, cls: string): HTMLElement {
   const d = toDate(v);
   if (!d) return h("span", { class: `${cls} muted` }, "–");
   return h("time", { class: cls, datetime: d.toISOString(), title: d.toLocaleString() }, `${d.toLocaleString()} (${relative(d)})`);

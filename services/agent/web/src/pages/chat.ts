@@ -1,7 +1,7 @@
 // Chat: conversations on the left, the exchange on the right. Answers stream over the
 // agent's websocket (/v1/ws/chat, key as the "tandem.bearer" subprotocol); citations
 // come as chips that open the cited passage with the cited span highlighted.
-import { api, ApiError, enc, getKey, inference, listOf, retrieval, sse, wsUrl } from "../api";
+import { api, ApiError, enc, getKey, inference, listOf, retrieval, signedIn, sse, wsUrl } from "../api";
 import { clear, field, h, highlightSpan, toast } from "../dom";
 import { addToEvaluation } from "../evalpick";
 import { thumbIcon } from "../icons";
@@ -968,8 +968,8 @@ export function chatPage(root: HTMLElement, args: string[]) {
   }
 
   function ask(message: string): void {
+    if (!signedIn()) return;
     const key = getKey();
-    if (!key) return;
     saveTarget();
     const collection = target.collection;
     const llm = modelSel.value;
@@ -982,7 +982,8 @@ export function chatPage(root: HTMLElement, args: string[]) {
     setStreaming(true);
     let text = "";
     let finished = false;
-    const ws = new WebSocket(wsUrl("/v1/ws/chat"), ["tandem.bearer", key]);
+    // a provider sign-in has no key here: the browser sends the session cookie with the handshake
+    const ws = new WebSocket(wsUrl("/v1/ws/chat"), key ? ["tandem.bearer", key] : []);
     socket = ws;
     const done = (error?: string) => {
       if (finished) return;

@@ -1,8 +1,11 @@
 // Documents: collections (list, create, delete), uploads with per-file progress that lasts
 // until ingestion has finished, per-file errors, the collection's documents, and "Tune
 // retrieval": an embedder fine-tuned for the collection, switched to only when it ranks better.
-// The collection's sources (Git, web, folder) and their syncs are in sources.ts.
+// The collection's sources (Git, web, folder) and their syncs are in sources.ts; who may read
+// and write it (admins only) in access.ts.
+import { accessPanel } from "../access";
 import { api, ApiError, enc, listOf, retrieval, trainer, uploadWithProgress } from "../api";
+import { caller, isAdmin } from "../caller";
 import { clear, field, formatBytes, h, toast } from "../dom";
 import { followJob, isSuccess, isTerminal, jobStatus, progressOf, type Follow, type JobState } from "../jobs";
 import { sourcesPanel } from "../sources";
@@ -175,10 +178,16 @@ export function documentsPage(root: HTMLElement, args: string[]) {
     tuneStart,
     tuneRun,
   );
+  const access = accessPanel();
+  void caller().then(
+    (c) => (access.toggle.hidden = !isAdmin(c)),
+    () => {},
+  );
   const panel = h(
     "section",
     { class: "panel", "aria-labelledby": "docs-title" },
-    h("div", { class: "panel-head" }, heading, h("div", { class: "row-buttons" }, tuneToggle, deleteColl)),
+    h("div", { class: "panel-head" }, heading, h("div", { class: "row-buttons" }, access.toggle, tuneToggle, deleteColl)),
+    access.el,
     tunePanel,
     drop,
     uploads,
@@ -503,6 +512,7 @@ export function documentsPage(root: HTMLElement, args: string[]) {
   function show(name: string | null): void {
     if (name !== tuneFor) resetTune(name);
     sources.show(name);
+    access.show(name);
     selected = name;
     panel.hidden = !name;
     empty.hidden = Boolean(name);

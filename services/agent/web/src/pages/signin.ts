@@ -1,6 +1,12 @@
 import { api, ApiError, setKey } from "../api";
 import { field, h } from "../dom";
 
+interface AuthConfig {
+  oidc: boolean;
+  name: string;
+  login_url: string | null;
+}
+
 interface WhoAmI {
   tenant?: string;
   key_id?: string;
@@ -37,6 +43,27 @@ export function signinPage(root: HTMLElement) {
     error,
     button,
   );
+  const params = new URLSearchParams(location.hash.split("?")[1] ?? "");
+  // A failed provider sign-in comes back here with the server's reason.
+  const failed = params.get("error");
+  if (failed) error.textContent = `Could not sign in: ${failed}`;
+  // With the organisation's OpenID provider set up, its button comes first; keys still work.
+  void api<AuthConfig>("/v1/auth/config", { noAuthRedirect: true, key: "" })
+    .then((cfg) => {
+      if (!cfg?.oidc || !cfg.login_url) return;
+      const next = params.get("next");
+      const query = next && /^[a-z]+$/.test(next) ? `?next=${next}` : "";
+      const sso = h(
+        "a",
+        { class: "button signin-oidc", id: "signin-oidc", href: `${cfg.login_url}${query}` },
+        `Sign in with ${cfg.name}`,
+      );
+      const title = form.querySelector("h1");
+      title?.after(sso, h("p", { class: "muted signin-or" }, "or with an API key or personal token"));
+    })
+    .catch(() => {
+      /* no provider information: the key form alone */
+    });
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
     const key = input.value.trim();
