@@ -32,7 +32,8 @@ def is_https(conn: HTTPConnection) -> bool:
 
 
 async def start_session(users: UserStore, user: User, tenant: str, ttl_s: int) -> tuple[str, Token]:
-    """A new session token of ``user``, valid for ``ttl_s`` seconds."""
+    """A new session token of ``user``, valid for ``ttl_s`` seconds (its ended sessions forgotten)."""
+    await users.forget_ended(tenant, user.id, SESSION_TOKEN_NAME)
     return await users.create_token(tenant, user.id, SESSION_TOKEN_NAME, expires_at=users.clock() + ttl_s)
 
 

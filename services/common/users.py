@@ -261,6 +261,28 @@ class UserStore:
         await self.r.hset(f"tandem:tokens:{token_id}", "revoked", "1")  # type: ignore[misc]
         return _token(token_id, {**data, "revoked": "1"})
 
+    async def forget_ended(self, tenant: str, user_id: str, name: str) -> int:
+        """Deletes ``user_id``'s tokens named ``name`` that are revoked or expired; how many.
+
+        Browser sessions are tokens too, one per sign-in: without this every sign-in would leave
+        a record behind for good. Only the caller's chosen kind goes (a personal token stays on
+        record after revocation, so using it says it was revoked)."""
+        now = self.clock()
+        gone = 0
+        for token in await self.tokens(tenant, user_id):
+            ended = token.revoked or (token.expires_at is not None and token.expires_at <= now)
+            if token.name != name or not ended:
+                continue
+            digest = await self.r.hget(f"tandem:tokens:{token.id}", "sha256")  # type: ignore[misc]
+            pipe = self.r.pipeline()
+            pipe.delete(f"tandem:tokens:{token.id}")
+            if digest is not None:
+                pipe.delete(f"tandem:tokens:hash:{_text(digest)}")
+            pipe.srem(f"tandem:users:{user_id}:tokens", token.id)
+            await pipe.execute()
+            gone += 1
+        return gone
+
     # -- admins -------------------------------------------------------------------------------
 
     async def admins(self, tenant: str) -> int:

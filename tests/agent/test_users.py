@@ -18,7 +18,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from services.common.auth import KeyStore
+from services.common.auth import KeyStore, authenticate
+from services.common.errors import Unauthorized
 from services.common.redis_conn import async_redis
 from services.common.users import UserStore
 from tests.agent.doubles import ScriptedModel
@@ -268,3 +269,29 @@ def test_an_expired_token_says_so(services: Services, tenant: tuple[str, str], r
         "POST", f"{s.agent.url}/v1/users/{uid}/tokens", admin, {"name": "new", "expires_at": 4_000_000_000}
     )
     assert call("GET", f"{s.agent.url}/v1/whoami", fresh.json()["token"]).status_code == 200
+
+
+def test_ended_sessions_are_forgotten_and_revoked_tokens_kept(redis_url: str) -> None:
+    async def run() -> None:
+        client = async_redis(redis_url)
+        now = [2_000_000.0]
+        try:
+            store = UserStore(client, clock=lambda: now[0])
+            tenant_name = f"forget{secrets.token_hex(3)}"
+            user = await store.create(tenant_name, "s@example.org", "member", [])
+            expired, _ = await store.create_token(tenant_name, user.id, "web sign-in", expires_at=now[0] + 10)
+            _, revoked = await store.create_token(tenant_name, user.id, "web sign-in")
+            _, live = await store.create_token(tenant_name, user.id, "web sign-in", expires_at=now[0] + 1000)
+            _, personal = await store.create_token(tenant_name, user.id, "laptop")
+            await store.revoke_token(tenant_name, user.id, revoked.id)
+            await store.revoke_token(tenant_name, user.id, personal.id)
+            now[0] += 100
+            assert await store.forget_ended(tenant_name, user.id, "web sign-in") == 2
+            left = {t.id for t in await store.tokens(tenant_name, user.id)}
+            assert left == {live.id, personal.id}
+            with pytest.raises(Unauthorized, match="no such token"):
+                await authenticate(client, expired, now=now[0])
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
