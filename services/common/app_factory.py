@@ -159,7 +159,7 @@ def create_service_app(
     limiter = TenantLimiter(tenant_limits, service) if tenant_limits is not None else None
     app.state.limiter = limiter
     # The organisation's OpenID provider, when configured: its JWTs are bearer tokens here too.
-    app.state.oidc = OidcProvider.from_settings(common, redis_client)
+    app.state.oidc = OidcProvider.from_settings(common, redis_client, app.state.audit)
     # Added before observability so that the access log and metrics also see the guard's 401s and 413s.
     app.add_middleware(
         GuardMiddleware,

@@ -47,6 +47,7 @@ import redis.asyncio as aioredis
 from joserfc import jwk, jwt
 from joserfc.errors import JoseError
 
+from services.common.audit import Actor, AuditLog
 from services.common.auth import Principal, validate_tenant
 from services.common.config import CommonSettings
 from services.common.errors import (
@@ -129,6 +130,7 @@ class OidcProvider:
         settings: CommonSettings,
         redis_client: aioredis.Redis,
         *,
+        audit: AuditLog | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.issuer = settings.oidc_issuer
@@ -144,15 +146,18 @@ class OidcProvider:
         self.name = settings.oidc_name or urlsplit(settings.oidc_issuer).hostname or settings.oidc_issuer
         self.redis = redis_client
         self.users = UserStore(redis_client)
+        self.audit = audit
         self.clock = clock
         self._metadata: tuple[float, ProviderMetadata] | None = None
         self._keys: dict[str, dict[str, Any]] = {}
         self._keys_at = -JWKS_REFETCH_S
 
     @classmethod
-    def from_settings(cls, settings: CommonSettings, redis_client: aioredis.Redis) -> OidcProvider | None:
+    def from_settings(
+        cls, settings: CommonSettings, redis_client: aioredis.Redis, audit: AuditLog | None = None
+    ) -> OidcProvider | None:
         """The provider, or None when ``TANDEM_OIDC_ISSUER`` is unset."""
-        return cls(settings, redis_client) if settings.oidc_issuer else None
+        return cls(settings, redis_client, audit=audit) if settings.oidc_issuer else None
 
     # -- the provider's documents -----------------------------------------------------------
 
@@ -419,15 +424,23 @@ class OidcProvider:
             log.warning("groups of %s that are not group names were left out: %r", email, dropped[:10])
         return kept[:MAX_GROUPS]
 
-    async def user_of(self, who: Identity) -> tuple[User, bool]:
-        """The tenant's user with this email, made now when it has none (True); its groups
-        follow the provider's."""
+    async def user_of(self, who: Identity, via: str = "oidc") -> tuple[User, bool]:
+        """The tenant's user with this email, made now when it has none (True, and a
+        ``user.create`` audit entry saying ``via``); its groups follow the provider's."""
         user = await self.users.find(who.tenant, who.email)
         created = False
         if user is None:
             try:
                 user = await self.users.create(who.tenant, who.email, self.default_role, who.groups or [])
                 created = True
+                if self.audit is not None:
+                    await self.audit.record(
+                        who.tenant,
+                        Actor(kind="user", id=user.id),
+                        "user.create",
+                        user.id,
+                        {"email": user.email, "role": user.role, "via": via},
+                    )
             except Conflict:  # a sign-in of the same person a moment ago made it
                 user = await self.users.find(who.tenant, who.email)
                 if user is None:
@@ -444,7 +457,7 @@ class OidcProvider:
             who = self.identity(claims)
         except TandemError as exc:
             raise _refused(f"JWT refused: {exc.message}") from None
-        user, created = await self.user_of(who)
+        user, created = await self.user_of(who, via="bearer JWT")
         if created:
             log.info("user %s (%s) of tenant %s created from a bearer JWT", user.id, user.email, who.tenant)
         return Principal(

@@ -375,6 +375,17 @@ def test_an_id_token_of_the_provider_is_a_bearer_token_on_every_service(stack: S
     assert listed.status_code == 200, listed.text
 
 
+def test_a_person_first_seen_by_a_bearer_jwt_is_made_and_audited(stack: SignInStack) -> None:
+    stack.provider.set_account("frank", {"email": "frank@example.com", "email_verified": True})
+    id_token = provider_tokens(stack.provider, CLIENT, SECRET, stack.callback, "frank", SCOPES)["id_token"]
+    assert not [u for u in users_of(stack, stack.by_domain) if u.email == "frank@example.com"]
+    who = httpx.get(f"{stack.agent}/v1/auth/session", headers=auth(id_token))
+    assert who.status_code == 200, who.text
+    (frank,) = [u for u in users_of(stack, stack.by_domain) if u.email == "frank@example.com"]
+    made = [e for e in audit(stack, "user.create") if e["target"] == frank.id]
+    assert len(made) == 1 and made[0]["detail"]["via"] == "bearer JWT", made
+
+
 @pytest.mark.anyio
 async def test_an_id_token_works_for_the_mcp_server_s_tools(stack: SignInStack) -> None:
     import httpx2

@@ -154,16 +154,12 @@ async def _sign_in(
         raise InvalidRequest(f"{missing}: the provider's redirect lacks it", param=missing)
     signin = await provider.finish(state, code, request.cookies.get(STATE_COOKIE))
     who = provider.identity(signin.claims)
-    user, created = await provider.user_of(who)
+    user, _ = await provider.user_of(who)
     common = request.app.state.common
     users = _users(request)
     token, record = await start_session(users, user, who.tenant, common.session_ttl_s)
     actor = Actor(kind="user", id=user.id)
     audit = request.app.state.audit
-    if created:
-        await audit.record(
-            who.tenant, actor, "user.create", user.id, {"email": user.email, "role": user.role, "via": "oidc"}
-        )
     await audit.record(
         who.tenant,
         actor,
