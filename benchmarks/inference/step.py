@@ -175,14 +175,18 @@ def int4(path: Path, rows: list[int], rounds: int, steps: int) -> int:
 
     from services.common.platforms import cpu_features
     from services.inference.engine import native
-    from services.inference.engine.fused_decode import ATTENTION, MLP_IN, _projection
+    from services.inference.engine.layer_ops import layer_ops, projection
     from services.inference.engine.quantized_linear import Int4Blocks, Int4WeightOnly
 
     if not native.start("on") or native.q4_linear() is None:
         raise SystemExit("the own int4 kernel needs the native module on an AVX2 CPU")
-    layer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[0]
-    products = (ATTENTION, ("o_proj",), MLP_IN, ("down_proj",))  # as fused_decode's _Layer multiplies
-    weights = [torch.cat([_projection(layer, n).weight.detach() for n in names]) for names in products]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model
+    ops = layer_ops(model.config, model.layers)
+    if isinstance(ops, str):
+        raise SystemExit(f"the lean forward does not compute this model's layers: {ops}")
+    layer = model.layers[0]
+    products = (ops.attention, ("o_proj",), ops.mlp_in, ("down_proj",))  # as fused_decode's _Layer multiplies
+    weights = [torch.cat([projection(layer, n).weight.detach() for n in names]) for names in products]
     q4, aten = native.q4_linear(), Int4WeightOnly()
     own = [Int4Blocks().prepare(w) for w in weights]
     theirs = [aten.prepare(w) for w in weights]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ModelDType, ServiceSettings
@@ -129,6 +129,33 @@ class InferenceSettings(ServiceSettings):
         "auto: a failed build is logged and the engine keeps the Python loop and the bf16 head; on: a failed "
         "build stops start-up; off: never built.",
     )
+    prompt_lookup: Literal["auto", "on", "off"] = Field(
+        defaults.PROMPT_LOOKUP,
+        description="torch engine: prompt-lookup decoding (vLLM's ngram speculative decoding): each running "
+        "stream's last tokens are looked up in its own prompt and output, the tokens that followed them there "
+        "are verified as a draft in the same batched forward, and every draft token the model's own choice "
+        "confirms is emitted in that step (greedy output unchanged, sampled output from the same "
+        "distribution). auto: on a CPU (its attention is batch-invariant, so greedy tokens stay exactly "
+        "the same), off on accelerators; on: always; off: never.",
+    )
+    prompt_lookup_tokens: int = Field(
+        defaults.PROMPT_LOOKUP_TOKENS,
+        ge=1,
+        le=16,
+        description="Prompt lookup: draft tokens verified per stream and step, at most.",
+    )
+    prompt_lookup_min: int = Field(
+        defaults.PROMPT_LOOKUP_MIN,
+        ge=1,
+        le=16,
+        description="Prompt lookup: the shortest n-gram (ending the sequence) looked up.",
+    )
+    prompt_lookup_max: int = Field(
+        defaults.PROMPT_LOOKUP_MAX,
+        ge=1,
+        le=16,
+        description="Prompt lookup: the longest n-gram looked up (the longest found wins).",
+    )
     threads: int = Field(
         defaults.THREADS,
         ge=0,
@@ -191,6 +218,15 @@ class InferenceSettings(ServiceSettings):
         description="Embedding/rerank model dtype. 'auto': bf16 on accelerators and on CPUs with native "
         "bf16, else float32.",
     )
+
+    @model_validator(mode="after")
+    def _lookup_sizes(self) -> InferenceSettings:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"TANDEM_INFERENCE_PROMPT_LOOKUP_MIN ({self.prompt_lookup_min}) must not exceed "
+                f"TANDEM_INFERENCE_PROMPT_LOOKUP_MAX ({self.prompt_lookup_max})"
+            )
+        return self
 
     @field_validator("embedding_models", "rerank_models")
     @classmethod

@@ -74,6 +74,7 @@ def build_torch_engine(
     import torch
 
     from services.common.platforms import current_platform
+    from services.inference.engine.prompt_lookup import PromptLookup
     from services.inference.engine.torch_engine import TorchEngine
 
     if settings.threads:
@@ -93,6 +94,10 @@ def build_torch_engine(
         prompt_dtype=settings.prompt_dtype,
         forward=settings.forward,
         native_decode=settings.native_decode,
+        prompt_lookup=settings.prompt_lookup,
+        prompt_lookup_sizes=PromptLookup(
+            settings.prompt_lookup_tokens, settings.prompt_lookup_min, settings.prompt_lookup_max
+        ),
         **scheduler_settings(settings),
     )
 

@@ -10,7 +10,10 @@ the stream the serving layer reads: ``vllm:time_to_first_token_seconds``,
 ``vllm:num_requests_waiting`` per tenant and adapter (the torch scheduler's own queues; for
 other engines, requests before their first token count as waiting),
 ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``
-(in tokens, as vLLM counts them), and the adapters resident and loaded.
+(in tokens, as vLLM counts them), prompt lookup's drafts as vLLM counts speculative decoding
+(``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
+``vllm:spec_decode_num_accepted_tokens_total``, and their ratio
+``vllm:spec_decode_draft_acceptance_rate``), and the adapters resident and loaded.
 
 Every metric carries ``model_name`` (the served name asked for: base model or adapter).
 """
@@ -120,6 +123,22 @@ class EngineCollector(Collector):
         loads = CounterMetricFamily(
             "tandem_adapter_loads", "LoRA adapter loads (first uses, publishes)", labels=["model_name"]
         )
+        drafts = CounterMetricFamily(
+            "vllm:spec_decode_num_drafts",
+            "Drafts verified (a sequence's draft tokens in one step)",
+            labels=["model_name"],
+        )
+        draft_tokens = CounterMetricFamily(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified", labels=["model_name"]
+        )
+        accepted = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=["model_name"]
+        )
+        rate = GaugeMetricFamily(
+            "vllm:spec_decode_draft_acceptance_rate",
+            "Draft tokens accepted / draft tokens verified, since start",
+            labels=["model_name"],
+        )
         reg = self.registry()
         engine = getattr(reg, "primary", None)
         scheduler = getattr(engine, "scheduler", None)
@@ -131,6 +150,12 @@ class EngineCollector(Collector):
                 cache = scheduler.prefix_cache
                 queries.add_metric([base], float(getattr(cache, "query_tokens", 0)))
                 hits.add_metric([base], float(cache.hit_tokens))
+                stats = getattr(scheduler, "lookup_stats", None)
+                if stats is not None and getattr(scheduler, "prompt_lookup", None) is not None:
+                    drafts.add_metric([base], float(stats.drafts))
+                    draft_tokens.add_metric([base], float(stats.draft_tokens))
+                    accepted.add_metric([base], float(stats.accepted_tokens))
+                    rate.add_metric([base], stats.acceptance_rate)
             else:
                 run, wait = self.metrics.inflight.running, self.metrics.inflight.waiting
             for key, n in run.items():
@@ -141,7 +166,19 @@ class EngineCollector(Collector):
                     waiting.add_metric(list(key), n)
             resident.add_metric([base], len(getattr(engine, "adapters", {}) or {}) + _others(reg))
             loads.add_metric([base], float(getattr(reg, "loads", 0)))
-        yield from (running, waiting, kv, queries, hits, resident, loads)
+        yield from (
+            running,
+            waiting,
+            kv,
+            queries,
+            hits,
+            resident,
+            loads,
+            drafts,
+            draft_tokens,
+            accepted,
+            rate,
+        )
 
 
 def _others(reg: Any) -> int:

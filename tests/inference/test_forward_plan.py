@@ -67,9 +67,21 @@ def test_the_engine_builds_what_the_plan_names(lively_tiny_path: Path, quantize:
         assert plan.decode == "python" and plan.layer_decode == "int4"
         assert isinstance(engine.runner.fused, FusedDecode)
     else:
-        assert plan.decode == "reference" and plan.layer_decode == "onednn-fp32"
+        # the model's own fp32 weights: the lean forward too, its products oneDNN's
+        assert plan.decode == "python" and plan.layer_decode == "onednn-fp32"
+        assert isinstance(engine.runner.fused, FusedDecode)
     assert plan.prompt == "python"
-    assert set(plan.reasons) >= {"forward", "quantize", "decode", "prompt", "layers", "head", "attention"}
+    assert set(plan.reasons) >= {
+        "forward",
+        "quantize",
+        "family",
+        "decode",
+        "prompt",
+        "layers",
+        "head",
+        "attention",
+    }
+    assert plan.reasons["family"] == "llama: Llama's layer"
 
 
 def test_reference_is_the_hugging_face_modules(lively_tiny_path: Path) -> None:
@@ -89,8 +101,9 @@ def test_a_plan_made_by_hand_is_what_runs(lively_tiny_path: Path) -> None:
     assert plan.reasons["prompt"] == "set by hand"
     assert _built(TorchEngine.from_model(model, tok, plan=plan))["prompt"] == "reference"
     with pytest.raises(ValueError, match="decode='python'"):
-        # the lean decode forward needs int4 decode
-        TorchEngine.from_model(model, tok, plan=dataclasses.replace(plan, decode="python"))
+        # the lean decode forward needs int4 decode or the model's own weights, not int8
+        int8 = plan_for(model, quantize="int8")
+        TorchEngine.from_model(model, tok, plan=dataclasses.replace(int8, decode="python"))
 
 
 def test_the_platform_record_decides_cpu_choices(lively_tiny_path: Path) -> None:

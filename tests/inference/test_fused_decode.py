@@ -201,8 +201,8 @@ def test_decode_takes_the_eager_forward_where_the_lean_one_does_not_apply(
     from peft import LoraConfig, get_peft_model
 
     model, tok = _load(lively_tiny_path)
-    # no int4 decode: nothing to fuse
-    assert TorchEngine.from_model(model, tok, quantize="none").runner.fused is None
+    # int8 decode: nothing to fuse (int4 and the model's own weights are)
+    assert TorchEngine.from_model(model, tok, quantize="int8").runner.fused is None
     runner = TorchEngine.from_model(
         model, tok, plan=plan_for(model, quantize="int4", decode="reference")
     ).runner
@@ -233,9 +233,9 @@ def test_unsupported_names_the_model_type(lively_tiny_path: Path) -> None:
     assert fused_decode.unsupported(runner) is None
     runner.config.model_type = "gpt2"
     try:
-        assert (
-            fused_decode.unsupported(runner)
-            == "model type 'gpt2' is not one of ['llama', 'mistral', 'qwen2']"
+        assert fused_decode.unsupported(runner) == (
+            "model type 'gpt2' is not one of ['gemma3_text', 'granite', 'llama', 'mistral', 'phi3', "
+            "'qwen2', 'qwen3', 'smollm3']"
         )
     finally:
         runner.config.model_type = "llama"

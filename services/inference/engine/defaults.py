@@ -29,6 +29,11 @@ FORWARD: Final = "auto"
 QUANTIZE: Final = "auto"
 PROMPT_DTYPE: Final = "auto"
 NATIVE_DECODE: Final = "auto"
+# prompt-lookup decoding (prompt_lookup.py): draft tokens a step, n-gram sizes looked up
+PROMPT_LOOKUP: Final = "auto"
+PROMPT_LOOKUP_TOKENS: Final = 4
+PROMPT_LOOKUP_MIN: Final = 4
+PROMPT_LOOKUP_MAX: Final = 6
 
 # the llama.cpp engine's
 LLAMACPP_REQUANTIZE: Final = "none"

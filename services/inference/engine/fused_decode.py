@@ -1,4 +1,4 @@
-"""The decode tokens of a Llama-family model through one lean forward (int4 decode, the default).
+"""The decode tokens through one lean forward (int4 decode or the model's own weights, the default).
 
 A decode step of a small model on a CPU spends more time around its products than in them:
 SmolLM2-135M at one row ran 210 int4 products and ~4,800 other ATen calls a step through the
@@ -30,6 +30,12 @@ modules of a decoder layer, a model whose adapters are not routed per row (the t
 in-process engine uses its model's active adapter), or a layer whose decode kernel is not
 int4 make ``unsupported`` name the reason, and decode steps run the eager forward.
 
+The layer is Llama's, with the operations of the model's family (``layer_ops.py``: norm placement
+and weights from 1, the activation, q/k norms, multipliers, the RoPE table of each layer, fused
+projections); a family outside it, or an operation the loop does not have, keeps the eager forward
+with the reason. With the model's own weights (no quantisation) the products are oneDNN's packed
+ones in the model's dtype, as the eager forward multiplies them.
+
 The loop over the layers runs in C++ where the native module is built (``native.py``, AVX2
 CPUs; the default), with its own operations between the int4 products (``decode_own``), which
 are not the eager forward's last bits but keep each row's numbers independent of the batch
@@ -48,26 +54,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
 from services.inference.engine import native, ragged
 from services.inference.engine.kv_cache import SlabKVCache
+from services.inference.engine.layer_ops import (
+    DEFAULT_ROPE,
+    LayerOps,
+    final_logits,
+    layer_ops,
+    norm_eps,
+    norm_weight,
+    projection,
+)
 from services.inference.engine.lora_rows import LoraRows
-from services.inference.engine.packed_linear import RowKernel
+from services.inference.engine.packed_linear import OneDNNPacked, RowKernel
 from services.inference.engine.prefix_cache import tensors_state
 from services.inference.engine.quantized_linear import INT4_GROUP, ByTokenKind, Int4Blocks, Int4WeightOnly
 
 if TYPE_CHECKING:
     from services.inference.engine.runner import ModelRunner
 
-# model types whose decoder layers are Llama's (RMSNorm, RoPE, GQA attention, SiLU-gated MLP)
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
-ATTENTION = ("q_proj", "k_proj", "v_proj")
-MLP_IN = ("gate_proj", "up_proj")
-PROJECTIONS = (*ATTENTION, "o_proj", *MLP_IN, "down_proj")
 _INT4 = Int4WeightOnly()
 # ragged's attention of one kind of token: (plan, queries [T, H, d], key slab, value slab, scaling)
 Attention = Callable[
@@ -78,11 +88,6 @@ Attention = Callable[
 def _base(module: Any) -> torch.nn.Linear:
     """The plain linear layer under a PEFT LoRA wrapper (or the layer itself)."""
     return getattr(module, "base_layer", module)
-
-
-def _projection(layer: Any, name: str) -> Any:
-    """A decoder layer's projection ``name`` (its attention's or its MLP's), or None."""
-    return getattr(layer.self_attn if name in (*ATTENTION, "o_proj") else layer.mlp, name, None)
 
 
 def _lora(module: Any) -> Any | None:
@@ -105,7 +110,7 @@ class _SideBySide:
 
     def use(self, layer: Any) -> None:
         """Read the projections from ``layer`` again (PEFT wraps and unwraps them)."""
-        self.modules = [_projection(layer, name) for name in self.names]
+        self.modules = [projection(layer, name) for name in self.names]
         self.linears = [_base(m) for m in self.modules]
         self.sizes = [lin.out_features for lin in self.linears]
 
@@ -179,9 +184,29 @@ class _Layer:
     kv_heads: int
     head_dim: int
     scaling: float
+    ops: LayerOps
+    # the norms before attention, on its output (sandwich), before the MLP, on its output
+    norms: tuple[Any, Any | None, Any, Any | None]
+    qk_norms: tuple[Any, Any] | None  # RMSNorm of each query / key head before RoPE
+    rope: str | None  # the RoPE table this layer takes (None: no RoPE)
 
     def products(self) -> tuple[_SideBySide, ...]:
         return (self.qkv, self.o, self.gate_up, self.down)
+
+
+# a layer's RoPE: cos and sin [T, 1, rotary dims] (sin's first half negated, see rope_tables), or
+# None for a layer without RoPE
+Rope = list[tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def _rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on heads ``[T, H, d]``: rotate_half(x) * sin as roll(x, r/2) * sin over the table's ``r``
+    rotary dims (all of them, or the first ``r`` of a partial RoPE, the rest passed as they are)."""
+    rotary = cos.shape[-1]
+    if rotary == qk.shape[-1]:
+        return (qk * cos) + (torch.roll(qk, rotary // 2, -1) * sin)
+    part = qk[..., :rotary]
+    return torch.cat(((part * cos) + (torch.roll(part, rotary // 2, -1) * sin), qk[..., rotary:]), dim=-1)
 
 
 def run_layers(
@@ -189,75 +214,110 @@ def run_layers(
     plan: ragged.RaggedPlan,
     attention: Attention,
     x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    rope: Rope,
     lora: ProductDeltas | None,
     cache: SlabKVCache,
 ) -> torch.Tensor:
     """The decoder layers on the residual stream ``x`` ``[T, hidden]`` (the lean forwards' Python
-    loop): ``attention`` is ``ragged``'s for the plan's kind of token, ``cos``/``sin``
-    ``rope_tables``'."""
+    loop): ``attention`` is ``ragged``'s for the plan's kind of token, ``rope`` ``rope_tables``'.
+    A layer's operations are its family's (``layer_ops``); Llama's are the eager forward's own."""
     tokens = x.shape[0]
-    half = sin.shape[-1] // 2
     for index, layer in enumerate(layers):
-        module = layer.module
+        ops = layer.ops
+        attn_in, attn_out, mlp_in, mlp_out = layer.norms
         kernel = layer.qkv.kernel
         residual = x
-        h = _rms_norm(module.input_layernorm, x)
+        h = _rms_norm(attn_in, x, ops)
         # the products kept as the kernel gives them (bf16) where nothing is added to them: the
         # fp32 operations they meet widen them exactly, as the cast to fp32 would
         qkv = layer.qkv(h, kernel.rows(h), lora, keep=True)
         nq, nk = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
-        # RoPE on the query and key heads together (elementwise: each head's values as alone)
         qk = qkv[:, : nq + nk].view(tokens, layer.heads + layer.kv_heads, layer.head_dim)
-        qk = (qk * cos) + (torch.roll(qk, half, -1) * sin)
+        if layer.qk_norms is not None:
+            q_norm, k_norm = layer.qk_norms
+            qk = qk.to(x.dtype)
+            qk = torch.cat(
+                (_rms_norm(q_norm, qk[:, : layer.heads], ops), _rms_norm(k_norm, qk[:, layer.heads :], ops)),
+                1,
+            )
+        table = rope[index]
+        if table is not None:
+            # RoPE on the query and key heads together (elementwise: each head's values as alone)
+            qk = _rope(qk, *table)
+        qk = qk.to(x.dtype)
         q, k = qk[:, : layer.heads], qk[:, layer.heads :]
         v = qkv[:, nq + nk :].view(tokens, layer.kv_heads, layer.head_dim).to(x.dtype)
         k_slab, v_slab = cache.update(k.unsqueeze(2), v.unsqueeze(2), index)
         attn = attention(plan, q, k_slab, v_slab, layer.scaling).reshape(tokens, nq)
-        x = residual + layer.o(attn, kernel.rows(attn), lora, keep=True)
+        x = _residual(residual, layer.o(attn, kernel.rows(attn), lora, keep=True), attn_out, ops)
         residual = x
-        h = _rms_norm(module.post_attention_layernorm, x)
+        h = _rms_norm(mlp_in, x, ops)
         gate_up = layer.gate_up(h, kernel.rows(h), lora, keep=True)
-        size = layer.gate_up.sizes[0]
-        act = F.silu(gate_up[:, :size].to(x.dtype)) * gate_up[:, size:]
-        x = residual + layer.down(act, kernel.rows(act), lora, keep=True)
+        size = gate_up.shape[-1] // 2
+        gate = gate_up[:, :size].to(x.dtype)
+        gated = F.silu(gate) if ops.activation == "silu" else F.gelu(gate, approximate="tanh")
+        act = (gated * gate_up[:, size:]).to(x.dtype)
+        x = _residual(residual, layer.down(act, kernel.rows(act), lora, keep=True), mlp_out, ops)
     return x
 
 
-def rope_tables(decoder: Any, x: torch.Tensor, plan: ragged.RaggedPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cos and sin ``[T, 1, d]`` at the plan's positions, sin with its first half negated:
-    rotate_half(x) * sin is then roll(x, d/2) * sin, the same products (a negation is exact) in two
+def _residual(residual: torch.Tensor, out: torch.Tensor, norm: Any | None, ops: LayerOps) -> torch.Tensor:
+    """The residual stream after a branch: its output normed (sandwich) and scaled (Granite)."""
+    if norm is None and ops.residual_multiplier == 1.0:
+        return residual + out
+    out = out.to(residual.dtype)
+    if norm is not None:
+        out = _rms_norm(norm, out, ops)
+    if ops.residual_multiplier != 1.0:
+        out = out * ops.residual_multiplier
+    return residual + out
+
+
+def rope_tables(decoder: Any, ops: LayerOps, x: torch.Tensor, plan: ragged.RaggedPlan) -> Rope:
+    """Each layer's RoPE cos and sin ``[T, 1, r]`` at the plan's positions (one computation per
+    distinct table: Gemma 3's local and global bases), sin with its first half negated:
+    rotate_half(x) * sin is then roll(x, r/2) * sin, the same products (a negation is exact) in two
     operations a layer instead of five."""
-    cos, sin = decoder.rotary_emb(x, plan.positions)
-    half = sin.shape[-1] // 2
-    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name in set(ops.rope) - {None}:
+        assert name is not None
+        cos, sin = (
+            decoder.rotary_emb(x, plan.positions)
+            if name == DEFAULT_ROPE
+            else decoder.rotary_emb(x, plan.positions, name)
+        )
+        half = sin.shape[-1] // 2
+        tables[name] = (cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+    return [None if name is None else tables[name] for name in ops.rope]
 
 
-def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+def embed(decoder: Any, ops: LayerOps, ids: torch.Tensor) -> torch.Tensor:
+    """The embeddings of ``ids`` as the model's decoder takes them (Granite's multiplier applied;
+    Gemma's scale is its embedding module's own)."""
+    x = decoder.embed_tokens(ids)
+    return x * ops.embedding_multiplier if ops.embedding_multiplier != 1.0 else x
+
+
+def logits(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+    """The final norm, the output head and the model's own steps after it (``final_logits``)."""
+    return final_logits(runner.config, runner.lm_head(runner.decoder.norm(hidden)))
+
+
+def _rms_norm(norm: Any, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
     # one fused kernel, the same values as LlamaRMSNorm's five operations on fp32 rows (checked
-    # bit for bit by the tests against the eager forward)
-    return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
+    # bit for bit by the tests against the eager forward); Gemma's weight counts from 1
+    return F.rms_norm(x, x.shape[-1:], norm_weight(norm, ops), norm_eps(norm))
 
 
-def llama_problem(runner: ModelRunner) -> str | None:
-    """Why this runner's decoder layers are not Llama's as the lean forwards compute them (None:
-    they are)."""
-    config = runner.config
-    model_type = getattr(config, "model_type", None)
-    if model_type not in LLAMA_FAMILY:
-        return f"model type {model_type!r} is not one of {sorted(LLAMA_FAMILY)}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} is not silu"
-    for layer in runner.decoder.layers:
-        if getattr(layer.self_attn, "q_norm", None) is not None or not hasattr(
-            layer, "post_attention_layernorm"
-        ):
-            return "the decoder layers are not Llama's"
-        for name in PROJECTIONS:
-            if _projection(layer, name) is None:
-                return f"a decoder layer has no {name}"
-    return None
+def ops_of(runner: ModelRunner) -> LayerOps | str:
+    """The runner's layer operations (``layer_ops``), or why the lean forwards cannot compute them."""
+    return layer_ops(runner.config, runner.decoder.layers)
+
+
+def layer_problem(runner: ModelRunner) -> str | None:
+    """Why this runner's decoder layers are not ones the lean forwards compute (None: they are)."""
+    ops = ops_of(runner)
+    return ops if isinstance(ops, str) else None
 
 
 def layer_kernels(runner: ModelRunner) -> dict[int, Any]:
@@ -265,37 +325,54 @@ def layer_kernels(runner: ModelRunner) -> dict[int, Any]:
     return {id(p.module): p.kernel for p in runner.packed.layers} if runner.packed is not None else {}
 
 
-def decode_kernel(runner: ModelRunner) -> Int4WeightOnly:
-    """The int4 kernel of the side-by-side decode products: ``Int4Blocks`` where the plan gave it
-    to every projection, else torch's (``Int4WeightOnly``)."""
+def _decode_side(kernel: Any) -> Any:
+    return kernel.decode if isinstance(kernel, ByTokenKind) else kernel
+
+
+def decode_kernel(runner: ModelRunner) -> RowKernel:
+    """The kernel of the side-by-side decode products: ``Int4Blocks`` where the plan gave it to
+    every projection, torch's int4 kernel (``Int4WeightOnly``) for other int4 layers, and oneDNN's
+    packed product in the model's dtype for unquantised ones."""
     kernels = layer_kernels(runner)
-    decodes = {
-        type(getattr(kernels.get(id(_base(_projection(layer, name)))), "decode", None))
+    ops = ops_of(runner)
+    names = ops.projections if isinstance(ops, LayerOps) else ()
+    decodes = [
+        _decode_side(kernels.get(id(_base(projection(layer, name)))))
         for layer in runner.decoder.layers
-        for name in PROJECTIONS
-    }
-    return Int4Blocks() if decodes == {Int4Blocks} else _INT4
+        for name in names
+    ]
+    if decodes and all(type(k) is OneDNNPacked for k in decodes):
+        return OneDNNPacked(decodes[0].batch_hint)
+    return Int4Blocks() if {type(k) for k in decodes} == {Int4Blocks} else _INT4
 
 
 def unsupported(runner: ModelRunner) -> str | None:
     """Why this runner's decode tokens cannot take the lean forward (None: they can)."""
-    problem = llama_problem(runner)
-    if problem is not None:
-        return problem
-    if runner.quantize != "int4" or runner.device.type != "cpu" or runner.dtype != torch.float32:
-        return "decode is not int4 on an fp32 CPU model"
+    ops = ops_of(runner)
+    if isinstance(ops, str):
+        return ops
+    if runner.device.type != "cpu" or runner.dtype not in (torch.float32, torch.bfloat16):
+        return f"decode is not on a CPU in fp32 or bf16 ({runner.device.type}, {runner.dtype})"
+    if runner.quantize not in ("int4", "none"):
+        return f"decode is {runner.quantize}, not int4 or the model's own weights"
+    if runner.quantize == "int4" and runner.dtype != torch.float32:
+        return "int4 decode of a model that is not fp32"
     kernels = layer_kernels(runner)
     for layer in runner.decoder.layers:
-        for name in PROJECTIONS:
-            kernel = kernels.get(id(_base(_projection(layer, name))))
-            if not (isinstance(kernel, ByTokenKind) and isinstance(kernel.decode, Int4WeightOnly)):
+        for name in ops.projections:
+            kernel = _decode_side(kernels.get(id(_base(projection(layer, name)))))
+            if runner.quantize == "int4" and not isinstance(kernel, Int4WeightOnly):
                 return f"{name} does not decode in int4"
+            if runner.quantize == "none" and type(kernel) is not OneDNNPacked:
+                return f"{name} does not decode with oneDNN's packed weights"
     return None
 
 
 def lora_unsupported(runner: ModelRunner) -> str | None:
     """Why the adapters loaded now keep decode steps on the eager forward (None: they don't)."""
-    projections = {id(_projection(layer, n)) for layer in runner.decoder.layers for n in PROJECTIONS}
+    ops = ops_of(runner)
+    names = ops.projections if isinstance(ops, LayerOps) else ()
+    projections = {id(projection(layer, n)) for layer in runner.decoder.layers for n in names}
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # pragma: no cover - peft is a dependency
@@ -332,22 +409,62 @@ def own_unsupported(runner: ModelRunner) -> str | None:
     for name in ("hidden_size", "intermediate_size"):
         if int(getattr(config, name)) % OWN_WIDTH:
             return f"{name} {getattr(config, name)} is not a multiple of {OWN_WIDTH}"
+    if runner.dtype != torch.float32:
+        return f"the C++ loop's residual stream is fp32; the model is {runner.dtype}"
+    ops = ops_of(runner)
+    if isinstance(ops, str):
+        return ops
+    rotary = rotary_dim(runner)
+    if rotary % OWN_WIDTH:
+        return f"{rotary} rotary dimensions are not a multiple of {OWN_WIDTH}"
     return None
 
 
+def rotary_dim(runner: ModelRunner) -> int:
+    """How many of a head's dimensions RoPE turns (all but under Phi's partial RoPE)."""
+    config = runner.config
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    factor = factor if factor is not None else getattr(config, "partial_rotary_factor", 1.0)
+    return int(head_dim * float(factor or 1.0))
+
+
 def native_args(layers: list[_Layer]) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
-    """The layers' weights as the C++ loops take them: each layer's two norm weights, and each
-    product's prepared weight in its two parts (int4: packed and scales; bf16 blocks: packed and
-    block rows) and its bias."""
-    norms, first, second, biases = [], [], [], []
+    """The layers' weights as the C++ loops take them: each layer's four norm weights (before and
+    after attention, before and after the MLP; None where the family has none) as they multiply,
+    and each product's prepared weight in its two parts (int4: packed and scales; bf16 blocks:
+    packed and block rows) and its bias."""
+    norms: list[Any] = []
+    first, second, biases = [], [], []
     for layer in layers:
-        norms += [layer.module.input_layernorm.weight, layer.module.post_attention_layernorm.weight]
+        norms += [None if n is None else norm_weight(n, layer.ops).float().contiguous() for n in layer.norms]
         for product in layer.products():
             (a, b), bias = product.prepared, product.bias
+            if type(product.kernel) is OneDNNPacked:
+                # oneDNN's packed weight and whether it pairs lone rows (the C++ loop always pairs
+                # them: the same numbers): an empty second part names the kind
+                b = _NO_SCALES
             first.append(a)
             second.append(b)
             biases.append(bias)
     return norms, first, second, biases
+
+
+_NO_SCALES = torch.empty(0)
+
+
+def native_layer_args(layers: list[_Layer]) -> tuple[list[Any], list[Any]]:
+    """What the C++ loops read per layer besides the products: the q/k norms' weights (two a layer,
+    None where the family has none) and whether the layer takes RoPE."""
+    qk: list[Any] = []
+    for layer in layers:
+        if layer.qk_norms is None:
+            qk += [None, None]
+        else:
+            qk += [norm_weight(n, layer.ops).float().contiguous() for n in layer.qk_norms]
+    return qk, [layer.rope is not None for layer in layers]
 
 
 # an entry of the C++ loops' LoRA columns: NativeLora.entries' eight fields and the adapter's rows
@@ -426,20 +543,31 @@ class LeanLayers:
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        ops = ops_of(runner)
+        assert isinstance(ops, LayerOps), ops
+        self.ops = ops
         self.layers = [
             _Layer(
                 module=layer,
-                qkv=_SideBySide(layer, ATTENTION, kernel),
+                qkv=_SideBySide(layer, ops.attention, kernel),
                 o=_SideBySide(layer, ("o_proj",), kernel),
-                gate_up=_SideBySide(layer, MLP_IN, kernel),
+                gate_up=_SideBySide(layer, ops.mlp_in, kernel),
                 down=_SideBySide(layer, ("down_proj",), kernel),
                 heads=heads,
                 kv_heads=kv_heads,
                 head_dim=head_dim,
                 scaling=float(layer.self_attn.scaling),
+                ops=ops,
+                norms=cast(
+                    "tuple[Any, Any | None, Any, Any | None]",
+                    tuple(None if n is None else getattr(layer, n) for n in ops.norm_names()),
+                ),
+                qk_norms=(layer.self_attn.q_norm, layer.self_attn.k_norm) if ops.qk_norm else None,
+                rope=ops.rope[index],
             )
-            for layer in self.decoder.layers
+            for index, layer in enumerate(self.decoder.layers)
         ]
+        self.rotary = rotary_dim(runner)
         self.lora_problem: str | None = None
         self._multiplied: frozenset[int] | None = None
         # the state of every weight the products were prepared from (``_fresh``), and the C++
@@ -463,8 +591,15 @@ class LeanLayers:
         """Every product prepared from its weights as they are now: one pass over the weights a
         forward (an update in place by the trainer's in-process engine shows), not one check a
         product."""
+        # the norms too: the C++ loops' arguments hold Gemma's 1 + weight as a copy
         fingerprint = tensors_state(
             [lin.weight for layer in self.layers for p in layer.products() for lin in p.linears]
+            + [
+                n.weight
+                for layer in self.layers
+                for n in (*layer.norms, *(layer.qk_norms or ()))
+                if n is not None
+            ]
         )
         if fingerprint != self._fingerprint:
             for layer in self.layers:
@@ -486,10 +621,29 @@ class LeanLayers:
         self._fresh()
 
     def native_args(self) -> tuple[list[Any], ...]:
-        """``native_args`` of the layers, made again after a weight changed (``_fresh``)."""
+        """``native_args`` and ``native_layer_args`` of the layers (norms, the products' two parts,
+        biases, q/k norms), made again after a weight changed (``_fresh``)."""
         if self._native_args is None:
-            self._native_args = native_args(self.layers)
+            self._native_args = (*native_args(self.layers), native_layer_args(self.layers)[0])
         return self._native_args
+
+    def native_rope(self, rope: Rope) -> tuple[list[Any], list[Any]]:
+        """The layers' RoPE tables as the C++ loops take them: cos and sin a layer, None for a layer
+        without RoPE."""
+        return [None if r is None else r[0] for r in rope], [None if r is None else r[1] for r in rope]
+
+    def native_sizes(self) -> tuple[Any, ...]:
+        """What the C++ loops read of the model's shapes and operations after the attention's
+        sizes: the norms' epsilon, the attention's scaling, RoPE's dimensions, the residual
+        multiplier and whether the MLP's activation is GELU (tanh)."""
+        first = self.layers[0]
+        return (
+            norm_eps(first.norms[0]),
+            first.scaling,
+            self.rotary,
+            self.ops.residual_multiplier,
+            self.ops.activation == "gelu_tanh",
+        )
 
 
 class FusedDecode(LeanLayers):
@@ -509,36 +663,33 @@ class FusedDecode(LeanLayers):
         cache = runner.cache
         ids = plan.input_ids.view(-1)
         self._fresh()
-        x = self.decoder.embed_tokens(ids)
-        cos, sin = rope_tables(self.decoder, x, plan)
+        x = embed(self.decoder, self.ops, ids)
+        rope = rope_tables(self.decoder, self.ops, x, plan)
         loop = native.decode_own() if self.native and not self.decoder.training else None
         if loop is not None:
-            x = self._native(loop, plan, x, cos, sin, lora)
-            return runner.lm_head(self.decoder.norm(x))
+            return logits(runner, self._native(loop, plan, x, rope, lora))
         deltas = None if lora is None else ModuleDeltas(lora)
-        x = run_layers(self.layers, plan, ragged.decode_attention, x, cos, sin, deltas, cache)
-        return runner.lm_head(self.decoder.norm(x))
+        return logits(runner, run_layers(self.layers, plan, ragged.decode_attention, x, rope, deltas, cache))
 
     def _native(
         self,
         loop: Any,
         plan: ragged.RaggedPlan,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         lora: LoraRows | None,
     ) -> torch.Tensor:
         """The layers' loop in C++ (``native.decode_own``): its own operations between the products;
         each token attends its own slab row up to its position (no plan-wide bias or view)."""
-        norms, packed, scales, biases = self.native_args()
+        norms, packed, scales, biases, qk_norms = self.native_args()
         columns = self._native_lora.columns(lora)
         first = self.layers[0]
         cache = self.runner.cache
         weights = (
             x,
-            cos,
-            sin,
+            *self.native_rope(rope),
             norms,
+            qk_norms,
             packed,
             scales,
             biases,
@@ -551,9 +702,9 @@ class FusedDecode(LeanLayers):
             first.heads,
             first.kv_heads,
             first.head_dim,
-            first.gate_up.sizes[0],
-            float(first.module.input_layernorm.variance_epsilon),
-            first.scaling,
+            sum(first.gate_up.sizes) // 2,
+            *self.native_sizes()[:2],
             INT4_GROUP,
+            *self.native_sizes()[2:],
         )
         return loop(*weights, *sizes, *columns)

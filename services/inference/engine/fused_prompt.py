@@ -1,4 +1,4 @@
-"""The prompt chunks of a Llama-family model through one lean forward (the default on CPUs).
+"""The prompt chunks through one lean forward (the default on CPUs; the model families of ``layer_ops.py``).
 
 Every first token waits for its prompt's forward: under a burst of 16 requests that is one
 forward of ~250 new tokens, and through the Hugging Face modules about a third of it went
@@ -49,19 +49,21 @@ import torch
 from services.inference.engine import native as native_module
 from services.inference.engine import ragged
 from services.inference.engine.fused_decode import (
-    PROJECTIONS,
     LeanLayers,
     ModuleDeltas,
+    Rope,
     _base,
     _lora,
-    _projection,
     _SideBySide,
+    embed,
     layer_kernels,
-    llama_problem,
+    logits,
+    ops_of,
     own_unsupported,
     rope_tables,
     run_layers,
 )
+from services.inference.engine.layer_ops import projection
 from services.inference.engine.lora_rows import LoraRows, Stacked
 from services.inference.engine.packed_linear import OneDNNPacked, RowKernel
 from services.inference.engine.quantized_linear import BlockedBF16, ByTokenKind
@@ -85,16 +87,16 @@ def prompt_kernel_of(kernel: Any) -> RowKernel | None:
 
 def unsupported(runner: ModelRunner) -> str | None:
     """Why this runner's prompt chunks cannot take the lean forward (None: they can)."""
-    problem = llama_problem(runner)
-    if problem is not None:
-        return problem
+    ops = ops_of(runner)
+    if isinstance(ops, str):
+        return ops
     if runner.device.type != "cpu":
         return f"prompt products are oneDNN's CPU kernels; the model runs on {runner.device.type}"
     kernels = layer_kernels(runner)
     kinds = set()
     for layer in runner.decoder.layers:
-        for name in PROJECTIONS:
-            prompt = prompt_kernel_of(kernels.get(id(_base(_projection(layer, name)))))
+        for name in ops.projections:
+            prompt = prompt_kernel_of(kernels.get(id(_base(projection(layer, name)))))
             if prompt is None:
                 return f"{name}'s prompt tokens do not multiply with a packed bf16 or model-dtype kernel"
             kinds.add(type(prompt))
@@ -135,8 +137,10 @@ class FusedPrompt(LeanLayers):
     def __init__(self, runner: ModelRunner, *, native: bool = False) -> None:
         # a kernel of the layers' own kind for the side-by-side weights (BlockedBF16 probes each
         # one's blocks when it prepares it)
+        ops = ops_of(runner)
+        first = ops.attention[0] if not isinstance(ops, str) else "q_proj"
         kernel = prompt_kernel_of(
-            layer_kernels(runner).get(id(_base(_projection(runner.decoder.layers[0], "q_proj"))))
+            layer_kernels(runner).get(id(_base(projection(runner.decoder.layers[0], first))))
         )
         assert kernel is not None, "FusedPrompt needs a runner that unsupported() accepts"
         super().__init__(runner, kernel)
@@ -174,34 +178,33 @@ class FusedPrompt(LeanLayers):
         embeddings and head)."""
         runner = self.runner
         self._fresh()
-        x = self.decoder.embed_tokens(plan.input_ids.view(-1))
-        cos, sin = rope_tables(self.decoder, x, plan)
+        x = embed(self.decoder, self.ops, plan.input_ids.view(-1))
+        rope = rope_tables(self.decoder, self.ops, x, plan)
         if self.native and not self.decoder.training:
-            x = self._native(plan, x, cos, sin, lora)
+            x = self._native(plan, x, rope, lora)
         else:
             deltas = None if lora is None else self._deltas(lora)
-            x = run_layers(self.layers, plan, ragged.prefill_attention, x, cos, sin, deltas, runner.cache)
-        return runner.lm_head(self.decoder.norm(x.index_select(0, plan.logit_rows)))
+            x = run_layers(self.layers, plan, ragged.prefill_attention, x, rope, deltas, runner.cache)
+        return logits(runner, x.index_select(0, plan.logit_rows))
 
     def _native(
         self,
         plan: ragged.RaggedPlan,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         lora: LoraRows | None,
     ) -> torch.Tensor:
         """The layers through ``native.prompt_own``."""
-        norms, packed, blocks, biases = self.native_args()
+        norms, packed, blocks, biases, qk_norms = self.native_args()
         assert plan.prefill_slots is not None and plan.gather is not None and plan.valid is not None
         first = self.layers[0]
         cache = self.runner.cache
         bias = ragged.prefill_bias_for(plan, x.dtype, first.kv_heads, first.heads // first.kv_heads)
         return native_module.prompt_own()(
             x,
-            cos,
-            sin,
+            *self.native_rope(rope),
             norms,
+            qk_norms,
             packed,
             blocks,
             biases,
@@ -219,8 +222,7 @@ class FusedPrompt(LeanLayers):
             first.heads,
             first.kv_heads,
             first.head_dim,
-            first.gate_up.sizes[0],
-            float(first.module.input_layernorm.variance_epsilon),
-            first.scaling,
+            sum(first.gate_up.sizes) // 2,
+            *self.native_sizes(),
             *self._native_lora.columns(lora),
         )

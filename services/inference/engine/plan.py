@@ -11,7 +11,7 @@ replace fields (``dataclasses.replace(plan, decode="python")``) before handing i
 Fields:
 
 - ``decode``: decode tokens' forward. ``native-own`` (the lean forward's layer loop in C++ with
-  its own operations between the int4 products, AVX2), ``python`` (the lean forward's Python
+  its own operations between the int4 or oneDNN fp32 products, AVX2), ``python`` (the lean forward's Python
   loop, the bit-exact reference of the eager forward), ``reference`` (the Hugging Face modules).
 - ``prompt``: prompt chunks' forward. ``native`` (the lean prompt forward's layers in C++),
   ``python`` (its Python loop), ``reference`` (the Hugging Face modules).
@@ -24,7 +24,11 @@ Fields:
   ``invariant`` (the batch-invariant attention of ``ragged.py``, CPU), ``sdpa`` (accelerators),
   ``own`` (the C++ loop's per-row attention).
 - ``quantize``, ``prompt_dtype``: the resolved quantisation and prompt product dtype.
-- ``reasons``: a short reason for each field.
+- ``prompt_lookup``: ``ngram`` (draft tokens looked up in the sequence's own text, verified in the
+  step's forward: ``prompt_lookup.py``, which the engine sets it with) or ``off``; plans that differ
+  only there compare equal (the forward is the same).
+- ``reasons``: a short reason for each field, and ``family``: the model type and its layer
+  operations on the lean forwards (``layer_ops.py``), or why they cannot compute them.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 
 from services.common.platforms import CpuFeatures, cpu_features
 from services.inference.engine import native, packed_linear, quantized_linear
+from services.inference.engine.layer_ops import describe
 from services.inference.engine.native import NativeDecode
 from services.inference.engine.quantized_linear import PromptDType, Quantize
 
@@ -74,6 +79,8 @@ class ForwardPlan:
     head_decode: str
     head_prompt: str
     attention: str
+    # the scheduler's, set by the engine (prompt_lookup.in_plan): not part of what a forward computes
+    prompt_lookup: str = field(default="off", compare=False)
     reasons: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -230,12 +237,13 @@ def resolve_plan(
             "no native bf16 on this CPU" if quantize in ("int4", "int8") else "decode is not quantised"
         )
 
-    # the C++ kernels: int4 decode of an fp32 CPU model, never for the reference forward
+    # the C++ kernels: int4 or unquantised decode of an fp32 CPU model, never for the reference
+    # forward
     built = False
     if forward == "reference":
         native_reason = "the reference forward runs no C++ kernels"
-    elif not (quantize == "int4" and device.type == "cpu" and dtype == torch.float32):
-        native_reason = "decode is not int4 on an fp32 CPU model"
+    elif not (quantize in ("int4", "none") and device.type == "cpu" and dtype == torch.float32):
+        native_reason = f"decode is not int4 or unquantised on an fp32 CPU model ({quantize}, {dtype})"
     elif settings.native_decode == "off":
         native_reason = "TANDEM_INFERENCE_NATIVE_DECODE=off"
     elif not native.avx2():
@@ -300,7 +308,13 @@ def resolve_plan(
     reasons["head"] = head_reason
     runner = cast(Any, probe)
 
-    # decode tokens: the lean forward where the model is Llama-family with int4 decode
+    # the decoder layer's operations of the model's family (layer_ops.py), or why the lean forwards
+    # cannot compute them
+    ops = fused_decode.ops_of(runner)
+    reasons["family"] = ops if isinstance(ops, str) else describe(ops)
+
+    # decode tokens: the lean forward where its layer loop has the family's operations and the
+    # layers decode in int4 or the model's own fp32/bf16 weights
     decode: DecodePath = "reference"
     if forward == "reference":
         reasons["decode"] = "the reference forward"
@@ -311,12 +325,13 @@ def resolve_plan(
         reasons["decode"] = f"the lean forward's Python loop: {native_reason}"
     elif (own := fused_decode.own_unsupported(runner)) is None and native.decode_own() is not None:
         decode = "native-own"
-        reasons["decode"] = "the lean forward in C++ with its own operations (AVX2)"
+        products = "int4" if quantize == "int4" else "oneDNN fp32"
+        reasons["decode"] = f"the lean forward in C++ with its own operations (AVX2), {products} products"
     else:
         decode = "python"
         reasons["decode"] = f"the lean forward's Python loop: {own or 'the C++ loop is not built'}"
 
-    # prompt chunks: the lean prompt forward where the model is Llama-family on a CPU
+    # prompt chunks: the lean prompt forward where its layer loop has the family's operations (CPU)
     prompt: PromptPath = "reference"
     if forward == "reference":
         reasons["prompt"] = "the reference forward"

@@ -104,6 +104,9 @@ class RaggedPlan:
     decode_rows: torch.Tensor | None = None  # slab row of each decode token; None: rows 0..D-1
     decode_len: int = 0
     decode_bias: torch.Tensor | None = None  # [decode_view, 1, 1, decode_len] (attention_bias)
+    # several decode tokens share a slot: each token is its own attention row (decode_view = D),
+    # its slot's keys gathered (decode_rows: each token's slot), decode_bias by token
+    decode_gathered: bool = False
     # prompt chunks (the other tokens, chunk after chunk)
     prefill_slots: torch.Tensor | None = None  # [P]
     width: int = 0  # S, the longest chunk
@@ -124,9 +127,22 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
         raise ValueError("a forward needs at least one decode token or prompt chunk")
     if any(not r.token_ids for r in prefill):
         raise ValueError("a prompt chunk must not be empty")
-    slots = [r.slot for r in decode] + [r.slot for r in prefill]
+    decode_slots = [r.slot for r in decode]
+    slots = sorted(set(decode_slots)) + [r.slot for r in prefill]
     if len(set(slots)) != len(slots):
         raise ValueError(f"a slot appears twice in one forward: {slots}")
+    # several decode tokens of one slot (a draft verified, prompt_lookup.py): consecutive positions,
+    # in order, so each attends the keys of those before it, written in the same layer
+    shared = len(set(decode_slots)) != len(decode_slots)
+    if shared:
+        last: dict[int, int] = {}
+        for row in decode:
+            if row.slot in last and row.position != last[row.slot] + 1:
+                raise ValueError(
+                    f"decode tokens of slot {row.slot} must follow each other: position {row.position} "
+                    f"after {last[row.slot]}"
+                )
+            last[row.slot] = row.position
     n_dec = len(decode)
     ids = [r.token for r in decode]
     pos = [r.position for r in decode]
@@ -155,7 +171,18 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
         adapters=adapters,
         max_position=max(pos),
     )
-    if decode:
+    if decode and shared:
+        # one attention row a token, its slot's keys gathered (``decode_attention``)
+        plan.n_decode = n_dec
+        plan.decode_view = n_dec
+        plan.decode_rows = tensor(decode_slots)
+        plan.decode_gathered = True
+        plan.decode_len = round_up(max(pos[:n_dec]) + 1)
+        keys = torch.arange(plan.decode_len, device=device)
+        plan.decode_bias = attention_bias(
+            (keys.unsqueeze(0) <= tensor(pos[:n_dec]).unsqueeze(1)).view(n_dec, 1, 1, -1)
+        )
+    elif decode:
         rows = [r.slot for r in decode]
         view = max(rows) + 1
         row_pos = [0] * view  # rows that are not decoding see key 0 only (finite, dropped)
@@ -251,6 +278,13 @@ def decode_attention(
     """The attention of a plan's decode tokens: ``query`` ``[D, H, d]`` (token ``t`` of slab row
     ``plan.decode_rows[t]``, or ``t``), ``key``/``value`` the layer's whole slab. Returns ``[D, H, d]``."""
     assert plan.decode_bias is not None
+    if plan.decode_gathered:
+        assert plan.decode_rows is not None
+        # a copy of each token's slot keys: a row's reduction is the same as over the slab's view
+        # (the product's row count and attended length do not depend on the batch)
+        k = key[:, :, : plan.decode_len].index_select(0, plan.decode_rows)
+        v = value[:, :, : plan.decode_len].index_select(0, plan.decode_rows)
+        return _attend(plan, "decode", plan.decode_bias, query.unsqueeze(2), k, v, scaling)[:, :, 0]
     if plan.decode_rows is not None:
         query = query.new_zeros(plan.decode_view, *query.shape[1:]).index_copy_(0, plan.decode_rows, query)
     k = key[: plan.decode_view, :, : plan.decode_len]

@@ -29,6 +29,7 @@ from services.inference.engine import native as native_module
 from services.inference.engine.fused_decode import FusedDecode
 from services.inference.engine.fused_prompt import FusedPrompt
 from services.inference.engine.kv_cache import SlabKVCache
+from services.inference.engine.layer_ops import final_logits
 from services.inference.engine.packed_linear import PackedLinears
 from services.inference.engine.plan import ForwardPlan, kernel_choice, resolve_plan
 from services.inference.engine.prefix_cache import weights_fingerprint
@@ -114,7 +115,7 @@ class ModelRunner:
         self.packed: PackedLinears | None = (
             PackedLinears(model, choose=choose) if choose is not None else None
         )
-        # decode tokens of a Llama-family model with int4 decode through the lean forward
+        # decode tokens through the lean forward where the plan names it (layer_ops.py: the families)
         # (fused_decode.py: the eager forward's numbers, without the modules' plumbing)
         self.fused: FusedDecode | None = None
         if plan.lean_decode:
@@ -123,7 +124,7 @@ class ModelRunner:
                 raise ValueError(f"decode={plan.decode!r}: {problem}")
             self.fused = FusedDecode(self, native=plan.decode == "native-own")
             self.fused.refresh()
-        # prompt chunks of a Llama-family model through their lean forward (fused_prompt.py)
+        # prompt chunks through their lean forward (fused_prompt.py)
         self.fused_prompt: FusedPrompt | None = None
         if plan.lean_prompt:
             problem = fused_prompt_module.unsupported(self)
@@ -265,4 +266,5 @@ class ModelRunner:
                 **{self._cache_kwarg: self.cache},
             )
             hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-            return self.lm_head(hidden[plan.logit_rows, 0])
+            # the model's own steps after its head (Granite's logits scaling, Gemma's soft-cap)
+            return final_logits(self.config, self.lm_head(hidden[plan.logit_rows, 0]))

@@ -11,7 +11,9 @@ One iteration (``step``) does, in order:
    prompt is split over several steps, so a big arrival never stalls the others for
    long). Running streams keep moving while prompts are prefilled, and a step costs one
    read of the weights however it is mixed. A sequence whose prompt is done samples its
-   first token in the same step.
+   first token in the same step. With prompt lookup (``prompt_lookup.py``) a running
+   sequence also carries draft tokens looked up in its own text, as more decode tokens of
+   its slot; it emits every draft token its own sampling confirms, plus one.
 
 Each sampled token is handed to the sequence's sink at once (streaming). The scheduler
 is driven either by its own thread (the server: ``start()``) or inline by the caller
@@ -41,6 +43,7 @@ from services.inference.engine import defaults
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.prefix_cache import PrefixCache, common_prefix_len
+from services.inference.engine.prompt_lookup import LookupStats, NgramIndex, PromptLookup
 from services.inference.engine.ragged import DecodeRow, PrefillRow, adapter_key
 from services.inference.engine.runner_protocol import Runner
 from services.inference.engine.sampling import RowSampling, sample
@@ -110,6 +113,8 @@ class Sequence:
     admitted: float | None = None  # when it got a batch slot (metrics: the queue wait)
     # who the sequence is for: admission is fair between tenants, not between requests
     tenant: str = DEFAULT_TENANT
+    # its n-grams, for draft tokens (prompt_lookup.py), made at its first decode step
+    ngrams: NgramIndex | None = None
 
     @property
     def prefilled(self) -> bool:
@@ -142,9 +147,13 @@ class Scheduler:
         tenant_max_queued: int | None = None,
         clock: Clock | None = None,
         stall_after: float = defaults.STALL_S,
+        prompt_lookup: PromptLookup | None = None,
     ) -> None:
         """``stall_after``: seconds work may wait for the loop to finish a step before
-        ``check`` calls the loop stuck."""
+        ``check`` calls the loop stuck. ``prompt_lookup``: draft tokens looked up in each
+        sequence's own text, verified in the step's forward (None: one token a step)."""
+        self.prompt_lookup = prompt_lookup
+        self.lookup_stats = LookupStats()
         self.clock: Clock = clock or MonotonicClock()
         self.stall_after = stall_after
         # the loop's heartbeat (clock time after its last iteration), and when work last
@@ -483,7 +492,15 @@ class Scheduler:
         chunks = self._prompt_chunks()
         if not decoding and not chunks:
             return 0, 0
-        decode_rows = [DecodeRow(s.slot, s.output_ids[-1], s.total_len - 1, s.adapter) for s in decoding]
+        drafts = self._drafts(decoding)
+        # each sequence's last token, then its draft tokens at the positions after it (their logits
+        # verify the draft); ``starts``: each sequence's first row
+        decode_rows: list[DecodeRow] = []
+        starts: list[int] = []
+        for s, draft in zip(decoding, drafts, strict=True):
+            starts.append(len(decode_rows))
+            decode_rows.append(DecodeRow(s.slot, s.output_ids[-1], s.total_len - 1, s.adapter))
+            decode_rows += [DecodeRow(s.slot, t, s.total_len + j, s.adapter) for j, t in enumerate(draft)]
         prefill_rows = [
             PrefillRow(s.slot, s.prompt_ids[s.num_computed : s.num_computed + c], s.num_computed, s.adapter)
             for s, c in chunks
@@ -492,20 +509,76 @@ class Scheduler:
         for seq in decoding:
             seq.num_computed = seq.total_len
         sampled = list(decoding)
-        rows = list(range(len(decoding)))
+        rows = list(starts)
         for i, (seq, chunk) in enumerate(chunks):
             seq.num_computed += chunk
             if seq.prefilled:
                 sampled.append(seq)
-                rows.append(len(decoding) + i)
+                rows.append(len(decode_rows) + i)
         if sampled:
-            self._sample_and_emit(sampled, logits if len(rows) == len(logits) else logits[rows])
+            tokens = self._sample_and_emit(sampled, logits if len(rows) == len(logits) else logits[rows])
+            if any(drafts):
+                self._verify(decoding, drafts, starts, tokens, logits)
         kv = self._prefix_kv()
         if kv is not None:
             # after the tokens went out: copying prompts into the cache is off the latency path
             for seq, _ in chunks:
                 self.prefix_cache.store(_adapter(seq), seq.prompt_ids[: seq.num_computed], kv, seq.slot)
         return len(decoding), sum(c for _, c in chunks)
+
+    def _drafts(self, decoding: list[Sequence]) -> list[list[int]]:
+        """Each decoding sequence's draft tokens this step ([] for none): looked up in its own
+        prompt and output, never past its ``max_tokens`` or the context."""
+        lookup = self.prompt_lookup
+        if lookup is None:
+            return [[] for _ in decoding]
+        drafts: list[list[int]] = []
+        budget = lookup.budget(len(decoding))
+        for seq in decoding:
+            # the step emits up to len(draft) + 1 tokens, each at a position inside the context
+            room = min(seq.max_tokens - len(seq.output_ids), self.runner.max_len - seq.total_len) - 1
+            if room <= 0 or budget <= 0:
+                drafts.append([])
+                continue
+            if seq.ngrams is None:
+                seq.ngrams = NgramIndex(seq.prompt_ids, lookup)
+            drafts.append(seq.ngrams.propose(seq.output_ids, min(room, budget)))
+            budget -= len(drafts[-1])
+        return drafts
+
+    def _verify(
+        self,
+        decoding: list[Sequence],
+        drafts: list[list[int]],
+        starts: list[int],
+        tokens: list[int],
+        logits: torch.Tensor,
+    ) -> None:
+        """Accept draft tokens while the sampled token equals the draft's next one (see
+        prompt_lookup.py): each accepted token's logits row gives the sequence's next token,
+        sampled in order, depth by depth, with the sequence's own generator and state."""
+        stats = self.lookup_stats
+        last = {i: tokens[i] for i, draft in enumerate(drafts) if draft}
+        stats.drafts += len(last)
+        stats.draft_tokens += sum(len(d) for d in drafts)
+        live = list(last)
+        depth = 0
+        while live:
+            held = [i for i in live if last[i] == drafts[i][depth]]
+            stats.accepted_tokens += len(held)
+            # an accepted draft token's key and value (written by this forward) are the sequence's own
+            go = [i for i in held if decoding[i].finish_reason is None]
+            for i in go:
+                decoding[i].num_computed += 1
+            if not go:
+                return
+            rows = [starts[i] + depth + 1 for i in go]
+            for i, token in zip(
+                go, self._sample_and_emit([decoding[i] for i in go], logits[rows]), strict=True
+            ):
+                last[i] = token
+            depth += 1
+            live = [i for i in go if depth < len(drafts[i])]
 
     def _prefix_kv(self) -> SlabKVCache | None:
         """The runner's slab when this scheduler keeps a prefix cache (None: it keeps none)."""
@@ -548,7 +621,9 @@ class Scheduler:
         for seq in fresh:
             seq.prefix_checked = True
 
-    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Sample each sequence's next token from its logits row and hand it to its sink; returns
+        the tokens."""
         rows = [
             RowSampling(
                 s.params,
@@ -561,7 +636,7 @@ class Scheduler:
         ]
         tokens, raw_logprobs = sample(logits, rows)
         chosen_lp = raw_logprobs.gather(1, tokens.to(raw_logprobs.device).unsqueeze(1)).squeeze(1).tolist()
-        token_list = tokens.tolist()
+        token_list: list[int] = [int(t) for t in tokens.tolist()]
         for i, seq in enumerate(seqs):
             token = int(token_list[i])
             seq.output_ids.append(token)
@@ -604,6 +679,7 @@ class Scheduler:
                     else None,
                 )
             )
+        return token_list
 
     def _token_text(self, token: int) -> str:
         return str(self.tokenizer.decode([token], skip_special_tokens=False))

@@ -27,6 +27,7 @@ from services.inference.engine.base import AdapterHost
 from services.inference.engine.detokenizer import IncrementalDetokenizer
 from services.inference.engine.guided import GuidedCompiler
 from services.inference.engine.prefix_cache import PrefixCache
+from services.inference.engine.prompt_lookup import PromptLookup
 from services.inference.engine.runner_protocol import Runner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import DEFAULT_TENANT, Scheduler, Sequence
@@ -99,6 +100,7 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
         admit_window: float,
         tenant_max_queued: int | None,
         stall_after: float = defaults.STALL_S,
+        prompt_lookup: PromptLookup | None = None,
     ) -> None:
         self.runner: R = runner
         self.tokenizer = tokenizer
@@ -120,6 +122,7 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
             admit_window=admit_window,
             tenant_max_queued=tenant_max_queued,
             stall_after=stall_after,
+            prompt_lookup=prompt_lookup,
         )
         # served adapter name -> where it was loaded from
         self.adapters: dict[str, str] = {}

@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from services.inference.engine import defaults
+from services.inference.engine import prompt_lookup as prompt_lookup_module
 from services.inference.engine.native import NativeDecode
 from services.inference.engine.plan import Forward, ForwardPlan, PlanSettings, resolve_plan
+from services.inference.engine.prompt_lookup import PromptLookup, PromptLookupMode
 from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.scheduler_engine import SchedulerEngine
@@ -72,9 +74,13 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
         forward: Forward = defaults.FORWARD,
         native_decode: NativeDecode = defaults.NATIVE_DECODE,
         plan: ForwardPlan | None = None,
+        prompt_lookup: PromptLookupMode = defaults.PROMPT_LOOKUP,
+        prompt_lookup_sizes: PromptLookup | None = None,
     ) -> None:
         """``max_model_len`` None: the model's own context. ``plan``: run this forward plan
-        instead of resolving one from ``forward``/``quantize``/``prompt_dtype``/``native_decode``."""
+        instead of resolving one from ``forward``/``quantize``/``prompt_dtype``/``native_decode``.
+        ``prompt_lookup``: draft tokens from the sequence's own text (``prompt_lookup.py``), with
+        ``prompt_lookup_sizes`` (None: the defaults)."""
         self.model = model
         if device is not None:
             model.to(device)
@@ -83,6 +89,11 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
                 forward=forward, quantize=quantize, prompt_dtype=prompt_dtype, native_decode=native_decode
             )
             plan = resolve_plan(model, None, settings, device=device)
+        device_type = (
+            torch.device(device).type if device is not None else next(model.parameters()).device.type
+        )
+        lookup = prompt_lookup_module.resolve(prompt_lookup, device_type, prompt_lookup_sizes)
+        plan = prompt_lookup_module.in_plan(plan, prompt_lookup, lookup)
         self.plan: ForwardPlan = plan
         runner = ModelRunner(
             model, max_slots=max_batch_size, max_len=max_model_len or 1 << 30, device=device, plan=plan
@@ -103,6 +114,7 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
             admit_window=admit_window,
             tenant_max_queued=tenant_max_queued,
             stall_after=stall_after,
+            prompt_lookup=lookup,
         )
 
     # --- construction ---------------------------------------------------------------------------

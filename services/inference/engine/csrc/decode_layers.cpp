@@ -1,9 +1,11 @@
 // The engine's C++ kernels for CPU decode and prompt chunks (native.py), AVX2 CPUs (AVX512-VNNI
 // for q4_linear).
 //
-// One loop over the Llama decoder layers (own::layer_loop) with the operations between the
-// products computed here, and two backends of its products and attention: decode_own, the rows
-// of one decode step of the lean forward (fused_decode.py; int4 products, each row's attention
+// One loop over the decoder layers (own::layer_loop: Llama's layer with the variants of the model
+// families in layer_ops.py: sandwich norms, q/k norms, GELU or SiLU, a residual multiplier, a RoPE
+// table per layer or none, partial RoPE) with the operations between the products computed here,
+// and two backends of its products and attention: decode_own, the rows of one decode step of the
+// lean forward (fused_decode.py; int4 or oneDNN fp32 products, each row's attention
 // over its own keys), and prompt_own, the prompt chunks' layers (fused_prompt.py; bf16 block
 // products, the prompt attention as batched ATen products). q4_linear: the layers' int4 decode
 // products (Q4_1 groups times int8 rows, AVX512-VNNI). q8_linear: the output head's decode rows
@@ -134,17 +136,40 @@ struct ProductRows {
   const float* row(int64_t t, float* scratch) const { return row_f32(parts[t / block], t % block, scratch); }
 };
 
-// x += delta (a product's row); then h = RMSNorm(x) * weight, as fp32 and bf16 (h16 null: fp32 only)
-inline void add_norm(float* x, const float* delta, const float* weight, int64_t n, float eps, float* h32,
-                     at::BFloat16* h16) {
+// RMSNorm(x) * weight of one row of n
+inline void norm_row(const float* x, const float* weight, int64_t n, float eps, float* out) {
+  Vec acc(0.f);
+  for (int64_t i = 0; i < n; i += W) {
+    const Vec v = Vec::loadu(x + i);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  const Vec r(1.f / std::sqrt(hsum(acc) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += W) {
+    (Vec::loadu(x + i) * r * Vec::loadu(weight + i)).store(out + i);
+  }
+}
+
+// x += delta (a product's row), the branch's output: first its own norm (delta_norm: sandwich
+// norms, else null) and its multiplier (scale: Granite's residual multiplier, else 1); then
+// h = RMSNorm(x) * weight, as fp32 and bf16 (h16 null: fp32 only; weight null: x only)
+inline void add_norm(float* x, const float* delta, const float* delta_norm, float scale, const float* weight,
+                     int64_t n, float eps, float* h32, at::BFloat16* h16) {
+  if (delta != nullptr && delta_norm != nullptr) {
+    // the normed branch into h32, free until the norm of x below writes it
+    norm_row(delta, delta_norm, n, eps, h32);
+    delta = h32;
+  }
   Vec acc(0.f);
   for (int64_t i = 0; i < n; i += W) {
     Vec v = Vec::loadu(x + i);
     if (delta != nullptr) {
-      v = v + Vec::loadu(delta + i);
+      v = scale == 1.f ? v + Vec::loadu(delta + i) : at::vec::fmadd(Vec::loadu(delta + i), Vec(scale), v);
       v.store(x + i);
     }
     acc = at::vec::fmadd(v, v, acc);
+  }
+  if (weight == nullptr) {
+    return;
   }
   const Vec r(1.f / std::sqrt(hsum(acc) / static_cast<float>(n) + eps));
   for (int64_t i = 0; i < n; i += W) {
@@ -155,31 +180,68 @@ inline void add_norm(float* x, const float* delta, const float* weight, int64_t 
   }
 }
 
-// RoPE of one head: out = x * cos + roll(x, d/2) * sin (sin's first half negated)
+// RoPE of one head over its first `rotary` dimensions: out = x * cos + roll(x, rotary/2) * sin (sin's
+// first half negated), the other dimensions (a partial RoPE's) as they are
 template <int64_t D>
-inline void rope(const float* x, const float* cos, const float* sin, float* out) {
-  constexpr int64_t half = D / 2;
-  for (int64_t c = 0; c < D; c += W) {
+inline void rope(const float* x, const float* cos, const float* sin, float* out, int64_t rotary) {
+  const int64_t half = rotary / 2;
+  int64_t c = 0;
+  for (; c < rotary; c += W) {
     const float* partner = c < half ? x + c + half : x + c - half;
     at::vec::fmadd(Vec::loadu(x + c), Vec::loadu(cos + c), Vec::loadu(partner) * Vec::loadu(sin + c)).store(out + c);
   }
+  for (; c < D; c += W) {
+    Vec::loadu(x + c).store(out + c);
+  }
+}
+
+// What a layer does to a query or key head of one token before attention: its RMSNorm (q/k-norm
+// families; norm null: none), then RoPE over `rotary` dimensions (cos null: a layer without RoPE)
+struct Head {
+  const float* norm;
+  float eps;
+  const float* cos;  // the token's row of the layer's table
+  const float* sin;
+  int64_t rotary;
+
+  template <int64_t D>
+  void apply(const float* x, float* out) const {
+    float normed[D];
+    if (norm != nullptr) {
+      norm_row(x, norm, D, eps, normed);
+      x = normed;
+    }
+    if (cos != nullptr) {
+      rope<D>(x, cos, sin, out, rotary);
+    } else {
+      std::memcpy(out, x, D * sizeof(float));
+    }
+  }
+};
+
+// token's key (RoPE'd) and value of key/value head kv_head written at position of k_row/v_row
+template <int64_t D>
+inline void write_kv(const float* qkv, const Head& k_head, float* k_row, float* v_row, int64_t position,
+                     int64_t heads, int64_t kv_head, int64_t kv_heads) {
+  k_head.apply<D>(qkv + (heads + kv_head) * D, k_row + position * D);
+  std::memcpy(v_row + position * D, qkv + (heads + kv_heads + kv_head) * D, D * sizeof(float));
 }
 
 // one (token, key/value head) of a decode step: RoPE of its key and query heads, the key and
 // value written at the token's position of its slab row, and each query head's softmax over
 // the row's keys 0..position times their values
 template <int64_t D>
-void attend(const float* qkv, const float* cos, const float* sin, float* k_row, float* v_row, int64_t length,
+void attend(const float* qkv, const Head& q_head, const Head& k_head, float* k_row, float* v_row, int64_t length,
             int64_t first_head, int64_t group, int64_t heads, int64_t kv_head, int64_t kv_heads, float scale,
-            float* out) {
-  // k_row/v_row: [capacity, D] of this slab row and head; the new key goes to length - 1
-  const float* k_in = qkv + (heads + kv_head) * D;
-  const float* v_in = qkv + (heads + kv_heads + kv_head) * D;
-  rope<D>(k_in, cos, sin, k_row + (length - 1) * D);
-  std::memcpy(v_row + (length - 1) * D, v_in, D * sizeof(float));
+            float* out, bool write = true) {
+  // k_row/v_row: [capacity, D] of this slab row and head; the new key goes to length - 1 (unless
+  // the caller wrote it already: write false)
+  if (write) {
+    write_kv<D>(qkv, k_head, k_row, v_row, length - 1, heads, kv_head, kv_heads);
+  }
   float q[8][D];
   for (int64_t h = 0; h < group; ++h) {
-    rope<D>(qkv + (first_head + h) * D, cos, sin, q[h]);
+    q_head.apply<D>(qkv + (first_head + h) * D, q[h]);
   }
   std::vector<float> weights(group * length);
   for (int64_t j = 0; j < length; ++j) {
@@ -515,13 +577,38 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm, c10::opt
   return out;
 }
 
+// rows times a oneDNN-packed weight, no bias: mkldnn::_linear_pointwise through the dispatcher (the
+// op has no C++ function of its own)
+Tensor linear_pointwise(const Tensor& rows, const Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{rows,
+                          packed,
+                          c10::IValue(),
+                          c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// x [T, K] fp32 times a weight oneDNN packed in fp32 (packed_linear.OneDNNPacked): oneDNN's product,
+// a lone row computed as the first of two as OneDNNPacked does (its lone-row path gives other last
+// bits in some shapes), so a row's numbers do not depend on what shares the step
+Tensor onednn_linear(const Tensor& x, const Tensor& packed) {
+  const bool lone = x.size(0) == 1;
+  Tensor out = linear_pointwise(lone ? at::cat({x, x}) : x, packed);
+  return lone ? out.narrow(0, 0, 1) : out;
+}
+
 // one projection's int4 product: q4_linear of the fp32 rows h32 where the weight is in its layout
 // (3-d), else aten._weight_int4pack_mm_for_cpu on the bf16 copy h16; the kernel's output, or fp32
 // with the bias and the LoRA deltas (of h32) added where there are any
 Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const Tensor& scales,
                const c10::optional<Tensor>& bias, int64_t group, int64_t index, Lora& lora) {
-  Tensor out = packed.dim() == 3 ? q4_linear(h32, packed, scales, c10::nullopt)
-                                 : at::_weight_int4pack_mm_for_cpu(h16, packed, group, scales);
+  Tensor out = packed.dim() == 3     ? q4_linear(h32, packed, scales, c10::nullopt)
+               : scales.numel() == 0 ? onednn_linear(h32, packed)
+                                     : at::_weight_int4pack_mm_for_cpu(h16, packed, group, scales);
   if (!bias.has_value() && !lora.adds_to(index)) {
     return out;
   }
@@ -535,43 +622,35 @@ Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const
 
 // the layer loop's steps between the products, row by row
 // x += the product's row (delta: none for the first layer's input); h = the next norm of x
-inline void residual_norm_rows(Tensor& x, const ProductRows* delta, const Tensor& weight, float eps, Tensor& h32,
-                               Tensor& h16) {
+// (delta_norm: the branch's own norm, none where the family has none; scale: its multiplier;
+// weight none: no next norm, after the last layer, whose final norm is applied in Python)
+inline void residual_norm_rows(Tensor& x, const ProductRows* delta, const c10::optional<Tensor>& delta_norm,
+                               float scale, const c10::optional<Tensor>& weight, float eps, Tensor& h32, Tensor& h16) {
   const int64_t hidden = x.size(1);
   float* x_p = x.data_ptr<float>();
+  const float* dn = delta_norm.has_value() ? delta_norm->data_ptr<float>() : nullptr;
+  const float* w = weight.has_value() ? weight->data_ptr<float>() : nullptr;
   rows(x.size(0), [&](int64_t t) {
     std::vector<float> scratch(delta != nullptr ? hidden : 0);
     const float* d = delta != nullptr ? delta->row(t, scratch.data()) : nullptr;
-    add_norm(x_p + t * hidden, d, weight.data_ptr<float>(), hidden, eps, h32.data_ptr<float>() + t * hidden,
-             h16.defined() ? h16.data_ptr<at::BFloat16>() + t * hidden : nullptr);
+    add_norm(x_p + t * hidden, d, dn, scale, w, hidden, eps, h32.data_ptr<float>() + t * hidden,
+             h16.defined() && w != nullptr ? h16.data_ptr<at::BFloat16>() + t * hidden : nullptr);
   });
 }
 
-// x += the last product's row (the model's final norm is applied in Python)
-inline void residual_rows(Tensor& x, const ProductRows& delta) {
-  const int64_t hidden = x.size(1);
-  float* x_p = x.data_ptr<float>();
-  rows(x.size(0), [&](int64_t t) {
-    std::vector<float> scratch(hidden);
-    const float* d = delta.row(t, scratch.data());
-    float* xr = x_p + t * hidden;
-    for (int64_t c = 0; c < hidden; c += W) {
-      (Vec::loadu(xr + c) + Vec::loadu(d + c)).store(xr + c);
-    }
-  });
-}
-
-// act = SiLU(gate) * up of gate/up's rows (SiLU as torch computes it: x / (1 + exp(-x))), as fp32
-// and bf16
-inline void silu_up_rows(const ProductRows& gate_up, int64_t tokens, Tensor& m32, Tensor& m16) {
+// act = act(gate) * up of gate/up's rows, as fp32 and bf16: SiLU as torch computes it
+// (x / (1 + exp(-x))), or GELU's tanh form as torch writes it (0.5 x (1 + tanh(b (x + k x^3))))
+inline void act_up_rows(const ProductRows& gate_up, int64_t tokens, bool gelu, Tensor& m32, Tensor& m16) {
   const int64_t intermediate = m32.size(1);
   rows(tokens, [&](int64_t t) {
     std::vector<float> scratch(2 * intermediate);
     const float* gu = gate_up.row(t, scratch.data());
     float* act = m32.data_ptr<float>() + t * intermediate;
+    const Vec beta(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5)), kappa(0.044715f), half(0.5f), one(1.f);
     for (int64_t c = 0; c < intermediate; c += W) {
       const Vec g = Vec::loadu(gu + c);
-      (g / (Vec(1.f) + g.neg().exp()) * Vec::loadu(gu + intermediate + c)).store(act + c);
+      const Vec a = gelu ? half * g * (one + (beta * (g + kappa * g * g * g)).tanh()) : g / (one + g.neg().exp());
+      (a * Vec::loadu(gu + intermediate + c)).store(act + c);
     }
     if (m16.defined()) {
       to_bf16(m16.data_ptr<at::BFloat16>() + t * intermediate, act, intermediate);
@@ -598,19 +677,10 @@ constexpr int64_t PROMPT_BLOCK = 64;  // quantized_linear.PROMPT_BLOCK
 // block as BlockedBF16.product does: the blocks' bf16 outputs, in order (not joined: a copy of
 // every output cost ~14 ms a 256-token forward)
 ProductRows blocked_bf16(const Tensor& rows16, const Tensor& packed, int64_t block) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<Tensor> parts;
   const int64_t n = rows16.size(0);
   for (int64_t start = 0; start < n; start += block) {
-    torch::jit::Stack stack{rows16.narrow(0, start, std::min(block, n - start)),
-                            packed,
-                            c10::IValue(),
-                            c10::IValue(std::string("none")),
-                            c10::IValue(c10::List<std::optional<at::Scalar>>()),
-                            c10::IValue(std::string(""))};
-    op.callBoxed(&stack);
-    parts.push_back(stack[0].toTensor());
+    parts.push_back(linear_pointwise(rows16.narrow(0, start, std::min(block, n - start)), packed));
   }
   return {parts, block};
 }
@@ -652,43 +722,48 @@ ProductRows prompt_product(const Tensor& h32, const Tensor& h16, const Tensor& p
 //     consumed in that order);
 //   attention_rows(i, qkv, a32): layer i's RoPE, key/value writes and attention, its output rows
 //     [T, heads * d] fp32 written into a32 or a32 rebound to them (a32 is its scratch until then).
+//   norms: 4 a layer (before attention, on its output, before the MLP, on its output; the
+//     second and fourth only in families with sandwich norms); residual_scale: the branches'
+//     multiplier (Granite's); gelu: the MLP's activation is GELU's tanh form, else SiLU.
 template <class Ops>
-Tensor layer_loop(Tensor x, const std::vector<Tensor>& norms, int64_t layers_n, int64_t attention_width,
-                  int64_t intermediate, double eps, Ops& ops) {
+Tensor layer_loop(Tensor x, const std::vector<c10::optional<Tensor>>& norms, int64_t layers_n,
+                  int64_t attention_width, int64_t intermediate, double eps, double residual_scale, bool gelu,
+                  Ops& ops) {
   x = x.contiguous().clone();
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const auto f32 = x.options(), bf16 = x.options().dtype(at::kBFloat16);
   Tensor h32 = at::empty({tokens, hidden}, f32), h16 = ops.bf16_rows(tokens, hidden, bf16);
   Tensor a32 = at::empty({tokens, attention_width}, f32), a16 = ops.bf16_rows(tokens, attention_width, bf16);
   Tensor m32 = at::empty({tokens, intermediate}, f32), m16 = ops.bf16_rows(tokens, intermediate, bf16);
-  const float fe = static_cast<float>(eps);
-  residual_norm_rows(x, nullptr, norms[0], fe, h32, h16);
+  const float fe = static_cast<float>(eps), scale = static_cast<float>(residual_scale);
+  const c10::optional<Tensor> none;
+  residual_norm_rows(x, nullptr, none, 1.f, norms[0], fe, h32, h16);
   for (int64_t i = 0; i < layers_n; ++i) {
     const int64_t p = 4 * i;
     const ProductRows qkv = ops.product(p, h32, h16);
     ops.attention_rows(i, qkv, a32);
     to_bf16_rows(a32, a16);
     const ProductRows o = ops.product(p + 1, a32, a16);
-    residual_norm_rows(x, &o, norms[2 * i + 1], fe, h32, h16);
+    residual_norm_rows(x, &o, norms[4 * i + 1], scale, norms[4 * i + 2], fe, h32, h16);
     const ProductRows gate_up = ops.product(p + 2, h32, h16);
-    silu_up_rows(gate_up, tokens, m32, m16);
+    act_up_rows(gate_up, tokens, gelu, m32, m16);
     const ProductRows down = ops.product(p + 3, m32, m16);
     // the residual add, and the next layer's input norm (none after the last)
-    if (i + 1 == layers_n) {
-      residual_rows(x, down);
-    } else {
-      residual_norm_rows(x, &down, norms[2 * i + 2], fe, h32, h16);
-    }
+    residual_norm_rows(x, &down, norms[4 * i + 3], scale, i + 1 == layers_n ? none : norms[4 * i + 4], fe, h32, h16);
   }
   return x;
 }
 
-// What both backends read of a step's rows: LoRA's deltas, the RoPE tables, the key/value slabs,
-// each token's slot and position, and the attention's heads and scaling.
+// What both backends read of a step's rows: LoRA's deltas, each layer's RoPE tables ([T, 1, rotary]
+// contiguous; none: a layer without RoPE) and q/k norms (2 a layer; none: no q/k norms), the
+// key/value slabs, each token's slot and position, and the attention's heads and scaling.
 struct StepRows {
   Lora& lora;
-  const Tensor& cos;
-  const Tensor& sin;
+  const std::vector<c10::optional<Tensor>>& cos;
+  const std::vector<c10::optional<Tensor>>& sin;
+  const std::vector<c10::optional<Tensor>>& qk_norms;
+  int64_t rotary;
+  float eps;
   const std::vector<Tensor>& k_slabs;
   const std::vector<Tensor>& v_slabs;
   const Tensor& slots;
@@ -696,6 +771,15 @@ struct StepRows {
   int64_t heads;
   int64_t kv_heads;
   double scaling;
+
+  // what layer i does to token t's query heads (key false) or key heads before attention
+  Head head(int64_t i, int64_t t, bool key) const {
+    const auto& norm = qk_norms[2 * i + (key ? 1 : 0)];
+    const auto& c = cos[i];
+    return {norm.has_value() ? norm->data_ptr<float>() : nullptr, eps,
+            c.has_value() ? c->data_ptr<float>() + t * rotary : nullptr,
+            c.has_value() ? sin[i]->data_ptr<float>() + t * rotary : nullptr, rotary};
+  }
 };
 
 // The decode rows' backend (decode_own): int4 products, one row a token, each token attending its
@@ -706,10 +790,14 @@ struct DecodeOps : StepRows {
   const std::vector<Tensor>& scales;
   const std::vector<c10::optional<Tensor>>& biases;
   int64_t group;
+  // several tokens of one slot (a draft verified, prompt_lookup.py): every token's key and value
+  // are written before any token attends, so each sees those of the tokens before it
+  bool shared_slots = false;
 
-  // q4_linear's layout (3-d) quantises the fp32 rows itself: no bf16 copies to make
+  // q4_linear's layout (3-d) quantises the fp32 rows itself, oneDNN's fp32 products take them as
+  // they are: no bf16 copies to make
   Tensor bf16_rows(int64_t tokens, int64_t n, const at::TensorOptions& options) const {
-    return packed.front().dim() == 3 ? Tensor() : at::empty({tokens, n}, options);
+    return packed.front().dim() == 3 || scales.front().numel() == 0 ? Tensor() : at::empty({tokens, n}, options);
   }
 
   ProductRows product(int64_t p, const Tensor& in32, const Tensor& in16) {
@@ -718,8 +806,6 @@ struct DecodeOps : StepRows {
 
   void attention_rows(int64_t i, const ProductRows& qkv, Tensor& a32) const {
     const int64_t tokens = a32.size(0), nq = heads * D, width = (heads + 2 * kv_heads) * D, per_kv = heads / kv_heads;
-    const float* cos_p = cos.data_ptr<float>();
-    const float* sin_p = sin.data_ptr<float>();
     const int64_t* slot_p = slots.data_ptr<int64_t>();
     const int64_t* pos_p = positions.data_ptr<int64_t>();
     float* k_slab = k_slabs[i].data_ptr<float>();
@@ -727,13 +813,24 @@ struct DecodeOps : StepRows {
     float* out = a32.data_ptr<float>();
     const int64_t capacity = k_slabs[i].size(2);
     const int64_t slab_row = kv_heads * capacity * D;
+    if (shared_slots) {
+      rows(tokens, [&](int64_t t) {
+        std::vector<float> scratch(width);
+        const float* r = qkv.row(t, scratch.data());
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          const int64_t offset = slot_p[t] * slab_row + g * capacity * D;
+          write_kv<D>(r, head(i, t, true), k_slab + offset, v_slab + offset, pos_p[t], heads, g, kv_heads);
+        }
+      });
+    }
     at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(width);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = task / kv_heads, g = task % kv_heads;
         const int64_t offset = slot_p[t] * slab_row + g * capacity * D;
-        attend<D>(qkv.row(t, scratch.data()), cos_p + t * D, sin_p + t * D, k_slab + offset, v_slab + offset,
-                  pos_p[t] + 1, g * per_kv, per_kv, heads, g, kv_heads, static_cast<float>(scaling), out + t * nq);
+        attend<D>(qkv.row(t, scratch.data()), head(i, t, false), head(i, t, true), k_slab + offset, v_slab + offset,
+                  pos_p[t] + 1, g * per_kv, per_kv, heads, g, kv_heads, static_cast<float>(scaling), out + t * nq,
+                  !shared_slots);
       }
     });
   }
@@ -767,8 +864,6 @@ struct PromptOps : StepRows {
 
   void attention_rows(int64_t i, const ProductRows& qkv, Tensor& a32) const {
     const int64_t tokens = a32.size(0), nq = heads * D, chunks = prefill_slots.size(0);
-    const float* cos_p = cos.data_ptr<float>();
-    const float* sin_p = sin.data_ptr<float>();
     const int64_t* slot_p = slots.data_ptr<int64_t>();
     const int64_t* pos_p = positions.data_ptr<int64_t>();
     float* k_slab = k_slabs[i].data_ptr<float>();
@@ -781,12 +876,13 @@ struct PromptOps : StepRows {
     rows(tokens, [&](int64_t t) {
       std::vector<float> scratch((heads + 2 * kv_heads) * D);
       const float* r = qkv.row(t, scratch.data());
+      const Head q_head = head(i, t, false), k_head = head(i, t, true);
       for (int64_t h = 0; h < heads; ++h) {
-        rope<D>(r + h * D, cos_p + t * D, sin_p + t * D, q_p + t * nq + h * D);
+        q_head.apply<D>(r + h * D, q_p + t * nq + h * D);
       }
       for (int64_t g = 0; g < kv_heads; ++g) {
         const int64_t at_ = ((slot_p[t] * kv_heads + g) * capacity + pos_p[t]) * D;
-        rope<D>(r + (heads + g) * D, cos_p + t * D, sin_p + t * D, k_slab + at_);
+        k_head.apply<D>(r + (heads + g) * D, k_slab + at_);
         std::memcpy(v_slab + at_, r + (heads + kv_heads + g) * D, D * sizeof(float));
       }
     });
@@ -802,6 +898,34 @@ struct PromptOps : StepRows {
               .contiguous();
   }
 };
+
+// the per-layer arguments of decode_own / prompt_own: 4 norms (the first and third always), 2 q/k
+// norms, one RoPE table pair a layer, each contiguous fp32 of its width
+inline void check_layers(const std::vector<c10::optional<Tensor>>& cos, const std::vector<c10::optional<Tensor>>& sin,
+                         const std::vector<c10::optional<Tensor>>& norms,
+                         const std::vector<c10::optional<Tensor>>& qk_norms, size_t layers, int64_t rotary,
+                         int64_t head_dim, const char* caller) {
+  TORCH_CHECK(cos.size() == layers && sin.size() == layers && norms.size() == 4 * layers &&
+                  qk_norms.size() == 2 * layers,
+              caller, ": a RoPE table pair, 4 norms and 2 q/k norms a layer");
+  TORCH_CHECK(rotary > 0 && rotary <= head_dim && rotary % WB == 0, caller, ": rotary dims ", rotary,
+              " must be a multiple of 16 up to the head's");
+  for (size_t i = 0; i < layers; ++i) {
+    TORCH_CHECK(norms[4 * i].has_value() && norms[4 * i + 2].has_value(), caller, ": layer ", i,
+                " needs its norms before attention and the MLP");
+    TORCH_CHECK(cos[i].has_value() == sin[i].has_value(), caller, ": layer ", i, ": cos and sin together");
+    if (cos[i].has_value()) {
+      TORCH_CHECK(cos[i]->is_contiguous() && sin[i]->is_contiguous() && cos[i]->size(-1) == rotary &&
+                      cos[i]->scalar_type() == at::kFloat,
+                  caller, ": layer ", i, "'s RoPE tables must be contiguous fp32 [T, 1, ", rotary, "]");
+    }
+    for (const auto& n : {norms[4 * i], norms[4 * i + 1], norms[4 * i + 2], norms[4 * i + 3], qk_norms[2 * i],
+                          qk_norms[2 * i + 1]}) {
+      TORCH_CHECK(!n.has_value() || (n->is_contiguous() && n->scalar_type() == at::kFloat), caller,
+                  ": norm weights must be contiguous fp32");
+    }
+  }
+}
 
 // f(std::integral_constant<int64_t, D>()) for the head dims the kernels are built for
 template <class F>
@@ -926,22 +1050,27 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& q, const Tensor& d) {
   return out;
 }
 
-// x [T, hidden] fp32 through every decoder layer. Per layer i: norms[2i], norms[2i+1] (input and
-// post-attention RMSNorm weights); packed[4i..4i+3], scales[4i..4i+3], biases[4i..4i+3] for
-// qkv, o, gate/up, down; k_slabs[i], v_slabs[i]. Each token t attends slab row slots[t], keys
-// 0..positions[t] (its own, written there first). cos/sin [T, 1, d] contiguous.
-Tensor decode_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
-                  const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
+// x [T, hidden] fp32 through every decoder layer. Per layer i: norms[4i..4i+3] (layer_loop's);
+// qk_norms[2i], qk_norms[2i+1] (each query / key head's RMSNorm, or none); cos[i], sin[i] (RoPE
+// over the first `rotary` dimensions of a head, [T, 1, rotary] contiguous, or none: no RoPE);
+// packed[4i..4i+3], scales[4i..4i+3], biases[4i..4i+3] for qkv, o, gate/up, down (int4 in
+// q4_linear's or torch's layout; an empty scale: oneDNN's packed fp32 weight); k_slabs[i],
+// v_slabs[i]. Each token t attends slab row slots[t], keys 0..positions[t] (its own, written
+// there first).
+Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
+                  const std::vector<c10::optional<Tensor>>& sin, const std::vector<c10::optional<Tensor>>& norms,
+                  const std::vector<c10::optional<Tensor>>& qk_norms, const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
                   const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
                   const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions, int64_t heads,
                   int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scaling, int64_t group,
-                  const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
+                  int64_t rotary, double residual_scale, bool gelu, const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
                   const std::vector<int64_t>& lora_size, const std::vector<Tensor>& lora_a,
                   const std::vector<c10::optional<Tensor>>& lora_a_bias, const std::vector<Tensor>& lora_b,
                   const std::vector<c10::optional<Tensor>>& lora_b_bias, const std::vector<double>& lora_scale,
                   const std::vector<c10::optional<Tensor>>& lora_rows) {
   Lora lora{lora_slot, lora_offset, lora_size, lora_a, lora_a_bias, lora_b, lora_b_bias, lora_scale, lora_rows};
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= 8, "decode_own: at most 8 query heads a key head");
+  own::check_layers(cos, sin, norms, qk_norms, k_slabs.size(), rotary, head_dim, "decode_own");
   TORCH_CHECK(x.size(1) % own::WB == 0 && intermediate % own::WB == 0, "decode_own: widths must be multiples of 16");
   TORCH_CHECK(slots.size(0) == x.size(0) && positions.size(0) == x.size(0), "decode_own: a slot and position a token");
   TORCH_CHECK(!packed.empty() && std::all_of(packed.begin(), packed.end(),
@@ -953,15 +1082,21 @@ Tensor decode_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vec
   }
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   const int64_t* pos_p = positions.data_ptr<int64_t>();
+  std::vector<int64_t> seen(slot_p, slot_p + x.size(0));
   for (int64_t t = 0; t < x.size(0); ++t) {
     TORCH_CHECK(slot_p[t] >= 0 && slot_p[t] < k_slabs[0].size(0) && pos_p[t] >= 0 && pos_p[t] < k_slabs[0].size(2),
                 "decode_own: token ", t, " at slot ", slot_p[t], " position ", pos_p[t], " is outside the slabs");
   }
-  Tensor c = cos.contiguous(), s = sin.contiguous();
+  std::sort(seen.begin(), seen.end());
+  const bool shared_slots = std::adjacent_find(seen.begin(), seen.end()) != seen.end();
+  const float fe = static_cast<float>(eps);
   return own::with_head_dim(head_dim, "decode_own", [&](auto d) {
     own::DecodeOps<decltype(d)::value> ops{
-        {lora, c, s, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling}, packed, scales, biases, group};
-    return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps, ops);
+        {lora, cos, sin, qk_norms, rotary, fe, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
+        packed, scales, biases, group};
+    ops.shared_slots = shared_slots;
+    return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
+                           residual_scale, gelu, ops);
   });
 }
 
@@ -969,14 +1104,16 @@ Tensor decode_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vec
 // slots[t] at positions[t]; packed/blocks: each product's BlockedBF16 weight and block rows;
 // the plan's prompt attention (prefill_slots, gather, valid, its bias expanded per key/value head,
 // width, prefill_len); LoRA as decode_own takes it.
-Tensor prompt_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& norms,
-                  const std::vector<Tensor>& packed, const std::vector<int64_t>& blocks,
+Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
+                  const std::vector<c10::optional<Tensor>>& sin, const std::vector<c10::optional<Tensor>>& norms,
+                  const std::vector<c10::optional<Tensor>>& qk_norms, const std::vector<Tensor>& packed,
+                  const std::vector<int64_t>& blocks,
                   const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
                   const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions,
                   const Tensor& prefill_slots, const Tensor& gather, const Tensor& valid, const Tensor& attention_bias,
                   int64_t width, int64_t prefill_len, int64_t key_block, int64_t heads, int64_t kv_heads,
-                  int64_t head_dim, int64_t intermediate, double eps, double scaling,
-                  const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
+                  int64_t head_dim, int64_t intermediate, double eps, double scaling, int64_t rotary,
+                  double residual_scale, bool gelu, const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
                   const std::vector<int64_t>& lora_size, const std::vector<Tensor>& lora_a,
                   const std::vector<c10::optional<Tensor>>& lora_a_bias, const std::vector<Tensor>& lora_b,
                   const std::vector<c10::optional<Tensor>>& lora_b_bias, const std::vector<double>& lora_scale,
@@ -986,6 +1123,7 @@ Tensor prompt_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vec
               "prompt_own: widths must be multiples of 16");
   TORCH_CHECK(slots.size(0) == x.size(0) && positions.size(0) == x.size(0), "prompt_own: a slot and position a token");
   TORCH_CHECK(packed.size() == blocks.size() && packed.size() == 4 * k_slabs.size(), "prompt_own: four products a layer");
+  own::check_layers(cos, sin, norms, qk_norms, k_slabs.size(), rotary, head_dim, "prompt_own");
   for (int64_t b : blocks) {
     TORCH_CHECK(b > 0 && b % own::PROMPT_BLOCK == 0, "prompt_own: blocks of a whole number of 64 rows, not ", b);
   }
@@ -999,12 +1137,13 @@ Tensor prompt_own(Tensor x, const Tensor& cos, const Tensor& sin, const std::vec
     TORCH_CHECK(slot_p[t] >= 0 && slot_p[t] < k_slabs[0].size(0) && pos_p[t] >= 0 && pos_p[t] < k_slabs[0].size(2),
                 "prompt_own: token ", t, " at slot ", slot_p[t], " position ", pos_p[t], " is outside the slabs");
   }
-  Tensor c = cos.contiguous(), s = sin.contiguous();
+  const float fe = static_cast<float>(eps);
   return own::with_head_dim(head_dim, "prompt_own", [&](auto d) {
     own::PromptOps<decltype(d)::value> ops{
-        {lora, c, s, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
+        {lora, cos, sin, qk_norms, rotary, fe, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
         packed, blocks, biases, prefill_slots, gather, valid, attention_bias, width, prefill_len, key_block};
-    return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps, ops);
+    return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
+                           residual_scale, gelu, ops);
   });
 }
 #endif
