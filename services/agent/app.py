@@ -39,6 +39,8 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Load the tokenizer (if one is configured) now, not in the first user's first-token latency.
         warm = asyncio.create_task(asyncio.to_thread(load_counter, settings.tokenizer))
+        # The inference service withholds fine-tunes by the records in Redis: those kept before go there.
+        await app.state.runtime.promotions.restrict_all()
         # Evaluates fine-tunes from feedback as they finish (services/agent/promotions.py).
         gate = asyncio.create_task(app.state.runtime.gate.run())
         try:

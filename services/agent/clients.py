@@ -160,11 +160,6 @@ class RetrievalClient(_ServiceClient):
             raise upstream_error(reply, param=reply.param)
         return dict(resp.json())
 
-    async def readable_collections(self) -> set[str]:
-        """The names of the collections the caller may read (retrieval lists no others)."""
-        listed = await self._get("/v1/collections", "collection")
-        return {str(c["name"]) for c in listed.get("collections", [])}
-
 
 # OpenAI fields a caller's request passes to the inference service as sent (the facade's tools and
 # response_format): an inference 400 naming one of them keeps its ``param``, the caller's own.

@@ -85,6 +85,8 @@ from services.agent.turns import FeedbackFilter, TurnStore
 from services.common.errors import Conflict, InvalidRequest, NotFound, TandemError
 from services.common.http import acting_for
 from services.common.judge import has_phrase, states_reference
+from services.common.model_restrictions import ModelRestrictions
+from services.common.readers import reader_name
 
 if TYPE_CHECKING:
     from services.agent.pipelines.state import RunState
@@ -206,8 +208,11 @@ class PromotionStore:
     """ModelChoice and Promotion records, in the turn store's database (their tables are in its
     schema), so they are as durable as the feedback they come from."""
 
-    def __init__(self, turns: TurnStore) -> None:
+    def __init__(self, turns: TurnStore, restrictions: ModelRestrictions) -> None:
         self.turns = turns
+        # The collections each fine-tune was trained on, and whether an admin allowed it, kept
+        # where the inference service reads them too (services/common/model_restrictions.py).
+        self.restrictions = restrictions
 
     async def choice(self, tenant: str) -> ModelChoice:
         def fn(db: sqlite3.Connection) -> ModelChoice:
@@ -235,6 +240,24 @@ class PromotionStore:
             )
 
         await self.turns.transact(fn)
+        await self.restrict(tenant, p)
+
+    async def restrict(self, tenant: str, p: Promotion) -> None:
+        """Records what ``p``'s model was trained on, under each name it is served by: its job's
+        (``ft-<x>``, ``ft-reader-<x>`` for a reader) and the published candidate's."""
+        names = [reader_name(p.job_id) if p.kind == "reader" else f"ft-{p.job_id.removeprefix('ftjob-')}"]
+        await self.restrictions.put(tenant, [*names, p.candidate or ""], p.collections, p.allowed is not None)
+
+    async def restrict_all(self) -> None:
+        """Records every tenant's fine-tunes from feedback (at start: the records kept before)."""
+
+        def fn(db: sqlite3.Connection) -> list[tuple[str, Promotion]]:
+            rows = db.execute("SELECT tenant, data FROM promotions ORDER BY created_at").fetchall()
+            return [(r[0], Promotion.model_validate_json(r[1])) for r in rows]
+
+        for tenant, p in await self.turns.read(fn):
+            if p.collections:
+                await self.restrict(tenant, p)
 
     async def recent(self, tenant: str, limit: int = 20) -> list[Promotion]:
         def fn(db: sqlite3.Connection) -> list[Promotion]:

@@ -50,6 +50,7 @@ from services.agent.turns import SqliteTurnStore, TurnStore, new_message_id, own
 from services.common.auth import Principal
 from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable, TandemError
+from services.common.model_restrictions import ModelRestrictions
 from services.common.openai_wire import ToolCall
 from services.common.replicas import replica_pool
 
@@ -213,7 +214,7 @@ class AgentRuntime:
         self.memory = memory
         self.turns = turns
         self.quality = QualityMetrics()  # on the app's /metrics (app.py registers it)
-        self.promotions = PromotionStore(turns)
+        self.promotions = PromotionStore(turns, ModelRestrictions(memory.r))
         self.gate = PromotionGate(self, self.promotions)
         self.approvals = ApprovalStore(memory.r, settings.approval_ttl_s)
         self.pipelines: dict[str, Pipeline] = load_pipelines(settings.pipelines_dir or None)
@@ -351,10 +352,10 @@ class AgentRuntime:
                 param="conversation_id",
             )
 
-    def caller_models(self, principal: Principal, api_key: str) -> CallerModels:
+    def caller_models(self, principal: Principal) -> CallerModels:
         """What of the tenant's fine-tunes from feedback ``principal`` may be served
         (services/agent/model_access.py)."""
-        return CallerModels(self.promotions, principal, self.retrieval(api_key).readable_collections)
+        return CallerModels(self.promotions.restrictions, principal)
 
     async def _answerers(
         self,
@@ -372,7 +373,7 @@ class AgentRuntime:
         if turn.llm:
             await self.check_llm(inference, turn.llm)
         llm = turn.llm or remembered
-        models = self.caller_models(principal, api_key)
+        models = self.caller_models(principal)
         if llm:
             await models.check_named(llm)
         if turn.target not in self.pipelines:
@@ -610,7 +611,7 @@ class AgentRuntime:
                 "(an agent's answer, a search or an answer without sources): there is nothing to regenerate",
                 param="message_id",
             )
-        await self.caller_models(principal, api_key).check_named(original.model, "message_id")
+        await self.caller_models(principal).check_named(original.model, "message_id")
         chunks = [Chunk.from_result(s) for s in original.sources]
         state = RunState(
             question=original.question,

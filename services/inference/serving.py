@@ -35,6 +35,7 @@ from services.common.errors import (
     UpstreamError,
     error_body,
 )
+from services.common.model_restrictions import ModelRestrictions
 from services.common.openai_wire import (
     ChatChoice,
     ChatChunkChoice,
@@ -525,6 +526,9 @@ class OpenAIServing:
         try:
             # an operator acting for a tenant (the trainer's worker) is that tenant here
             principal = acting_principal(raw)
+            if model != self.registry.base_name:
+                # a fine-tune from feedback on collections the caller may not read: as the agent does
+                await ModelRestrictions(raw.app.state.redis).check_named(principal, model, "model")
             lease = await self.registry.acquire(model, principal)
             streams: list[tuple[int, AsyncIterator[StreamEvent]]] = []
             try:

@@ -3,26 +3,28 @@ ratings and choices (all of its tokens together), and the set says whose feedbac
 why; a fine-tune from feedback remembers the collections its rows came from and answers a person
 only if that person may read all of them, unless an admin allows it for everyone (audited).
 
-Real HTTP, real Valkey, the real SQLite store and users; doubles for inference and the trainer,
-and for retrieval, whose ``GET /v1/collections`` answers per caller what that caller may read,
-as retrieval's access lists do."""
+Real HTTP, real Valkey, the real SQLite store, users and collection access lists; doubles for
+retrieval, inference and the trainer."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
 
 from services.agent.app import create_app
 from services.agent.config import AgentSettings
+from services.common.access import AccessList, AccessStore
 from services.common.auth import KeyStore
 from services.common.config import CommonSettings
+from services.common.model_restrictions import ModelRestriction, ModelRestrictions
+from services.common.redis_conn import async_redis
 from tests.agent.doubles import (
     FakeCorpus,
     RecordingTrainer,
@@ -42,38 +44,18 @@ LEAVE = "How many days of paid leave do staff get?"
 
 
 @dataclass
-class Readable:
-    """What each credential may read; one not named reads every collection (an admin)."""
-
-    by_credential: dict[str, set[str]] = field(default_factory=dict)
-
-
-def listing_retrieval(corpus: FakeCorpus, readable: Readable) -> FastAPI:
-    app = retrieval_double(corpus)
-
-    @app.get("/v1/collections")
-    async def collections(request: Request) -> Any:
-        credential = request.headers.get("authorization", "").removeprefix("Bearer ")
-        names = readable.by_credential.get(credential, set(corpus.collections))
-        return {"collections": [{"name": name} for name in sorted(names)]}
-
-    return app
-
-
-@dataclass
 class LoopStack:
     stack: Stack
-    readable: Readable
+    redis_url: str
 
 
 @pytest.fixture(scope="module")
 def loop(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopStack]:
     corpus = FakeCorpus({**{k: dict(v) for k, v in CORPUS.items()}, "hr": dict(HR)})
-    readable = Readable()
     model = ScriptedModel(replies=reply, shared=["scripted"])
     trainer = RecordingTrainer()
     with ExitStack() as es:
-        r_url = es.enter_context(serve_app(listing_retrieval(corpus, readable)))
+        r_url = es.enter_context(serve_app(retrieval_double(corpus)))
         i_url = es.enter_context(serve_app(inference_double(model)))
         t_url = es.enter_context(serve_app(trainer_double(trainer)))
         common = CommonSettings(
@@ -92,7 +74,7 @@ def loop(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[L
         )
         app = create_app(common, settings)
         url = es.enter_context(serve_app(app))
-        yield LoopStack(Stack(url, corpus, model, r_url, i_url, trainer, app), readable)
+        yield LoopStack(Stack(url, corpus, model, r_url, i_url, trainer, app), redis_url)
 
 
 def call(s: Stack, method: str, path: str, key: str, body: dict[str, Any] | None = None) -> httpx.Response:
@@ -101,6 +83,7 @@ def call(s: Stack, method: str, path: str, key: str, body: dict[str, Any] | None
 
 @dataclass
 class Team:
+    tenant: str
     admin: str
     users: dict[str, str]  # name -> user id
     tokens: dict[str, list[str]]  # name -> its tokens
@@ -110,7 +93,8 @@ class Team:
 def team(loop: LoopStack, key_store: KeyStore) -> Team:
     """A fresh tenant: its admin key, and two members, alice with two tokens and bob with one."""
     s = loop.stack
-    admin = key_store.create(f"l{secrets.token_hex(4)}", "admin", role="admin")[0]
+    tenant = f"l{secrets.token_hex(4)}"
+    admin = key_store.create(tenant, "admin", role="admin")[0]
     users: dict[str, str] = {}
     tokens: dict[str, list[str]] = {}
     for name, count in (("alice", 2), ("bob", 1)):
@@ -122,7 +106,34 @@ def team(loop: LoopStack, key_store: KeyStore) -> Team:
             tok = call(s, "POST", f"/v1/users/{users[name]}/tokens", admin, {"name": f"device {i}"})
             assert tok.status_code == 201, tok.text
             tokens[name].append(tok.json()["token"])
-    return Team(admin, users, tokens)
+    return Team(tenant, admin, users, tokens)
+
+
+def read_by(loop: LoopStack, team: Team, collection: str, *names: str) -> None:
+    """Only these people of the team (and its admins) read ``collection``."""
+    acl = AccessList(readers=[f"user:{team.users[n]}" for n in names], writers=[])
+
+    async def put() -> None:
+        client = async_redis(loop.redis_url)
+        try:
+            await AccessStore(client).put(team.tenant, collection, acl)
+        finally:
+            await client.aclose()
+
+    asyncio.run(put())
+
+
+def restriction(loop: LoopStack, team: Team, model: str) -> ModelRestriction | None:
+    """What the inference service reads about ``model`` (services/common/model_restrictions.py)."""
+
+    async def get() -> ModelRestriction | None:
+        client = async_redis(loop.redis_url)
+        try:
+            return await ModelRestrictions(client).get(team.tenant, model)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(get())
 
 
 def audit(s: Stack, key: str, action: str) -> list[dict[str, Any]]:
@@ -182,11 +193,10 @@ def test_each_person_counts_for_a_capped_share_and_the_set_says_what_it_left_out
 def test_a_fine_tune_is_served_only_to_people_who_may_read_its_collections(
     loop: LoopStack, team: Team
 ) -> None:
-    s, readable = loop.stack, loop.readable
+    s = loop.stack
     (alice,) = team.tokens["alice"][:1]
     (bob,) = team.tokens["bob"]
-    readable.by_credential[alice] = {"geo", "hr"}
-    readable.by_credential[bob] = {"geo"}  # bob may not read hr
+    read_by(loop, team, "hr", "alice")  # bob may not read hr; geo is open to the tenant
 
     # alice's feedback on an hr answer trains a fine-tune, which remembers hr
     answer = ask(s, alice, LEAVE, collection="hr")
@@ -197,6 +207,8 @@ def test_a_fine_tune_is_served_only_to_people_who_may_read_its_collections(
     assert trained.json()["promotion"]["collections"] == ["hr"]
     # the trainer published it (ftjob-N as ft-N); every credential of the tenant sees it listed
     model = "ft-" + trained.json()["job"]["id"].removeprefix("ftjob-")
+    # recorded where the inference service withholds it from bob too
+    assert restriction(loop, team, model) == ModelRestriction(collections=["hr"], allowed=False)
     for credential in (team.admin, alice, bob):
         s.model.own[credential] = [model]
     promoted = call(s, "POST", f"/v1/models/{model}/promote", team.admin)
@@ -223,9 +235,9 @@ def test_a_fine_tune_is_served_only_to_people_who_may_read_its_collections(
     assert error["param"] == "llm" and error["code"] == "model_withheld"
     assert "may not read" in error["message"] and "hr" not in error["message"].replace(model, "")
     # a conversation that named it earlier does not carry it past the check either
-    readable.by_credential[bob] = {"geo", "hr"}
+    read_by(loop, team, "hr", "alice", "bob")
     first = ask(s, bob, FRANCE, llm=model, remember=True)
-    readable.by_credential[bob] = {"geo"}
+    read_by(loop, team, "hr", "alice")
     again = call(
         s,
         "POST",
@@ -243,8 +255,10 @@ def test_a_fine_tune_is_served_only_to_people_who_may_read_its_collections(
     allowed = call(s, "POST", f"/v1/models/{model}/allow", team.admin, {"reason": "reviewed"})
     assert allowed.status_code == 200, allowed.text
     assert allowed.json()["allowed"]["by"] == team.admin.split("_")[1]
+    assert restriction(loop, team, model) == ModelRestriction(collections=["hr"], allowed=True)
     assert answered_by(bob) == model and answered_by(bob, llm=model) == model
     assert call(s, "DELETE", f"/v1/models/{model}/allow", team.admin).status_code == 200
+    assert restriction(loop, team, model) == ModelRestriction(collections=["hr"], allowed=False)
     assert answered_by(bob) == "scripted"
     [granted] = audit(s, team.admin, "model.allow")
     assert granted["target"] == model
