@@ -343,9 +343,9 @@ def score(cache: Path, names: list[str], scorers: list[str], home: Path | None, 
         for name in names:
             set_rows = [rows[k] for k in rows if k[0] == name]
             reads += asyncio.run(_read_set(name, set_rows, scorer))
-        report[spec] = _report(
-            spec, reads, rows, questions, thresholded=spec != "rules" and spec != "rules-words"
-        )
+        # the rules, and the features scorer (whose "not found" is the rules'), judge by their own verdicts
+        own = spec in ("rules", "rules-words") or spec.startswith("features")
+        report[spec] = _report(spec, reads, rows, questions, thresholded=not own)
     if out is not None:
         out.write_text(json.dumps(report, indent=1))
 

@@ -51,14 +51,16 @@ class AgentSettings(TenantLimitSettings):
         ),
     )
     reader: str = Field(
-        "",
+        "features",
         description=(
-            "The reader model that picks the source sentences answering a question (a cross-encoder "
-            "trained by the trainer's reader jobs, e.g. `tandem reader train`, served by inference's "
-            "/v1/rerank); a pipeline's answer step or a tenant's promoted reader may name another. "
-            "Empty (the default: on the held-out question sets the embedder and rules answer more "
-            "questions right than the FAQ-trained reader, benchmarks/RESULTS.md), or when it is not "
-            "served: the embedder and lexical rules."
+            "What picks the source sentences answering a question: `features` (the default: the "
+            "learned scorer shipped with the agent, fitted by a trainer `reader` job on the tuning "
+            "question sets, ordering the candidates over the collection's embedder, with the rules' "
+            "verdict on whether any answers; it states the most answers on the held-out sets, "
+            "benchmarks/RESULTS.md), a reader model (a cross-encoder trained by the trainer's reader "
+            "jobs, e.g. `tandem reader train`, served by inference's /v1/rerank), or empty: the "
+            "embedder and lexical rules alone (also what answers where neither can). A pipeline's "
+            "answer step or a tenant's promoted reader may name another."
         ),
     )
     reader_threshold: float = Field(

@@ -155,9 +155,11 @@ async def test_the_reader_orders_the_sources_a_generating_model_reads() -> None:
     assert await _ranked(_Inference({"90 secondes": 4.0, "64 Kilobyte": -1.0})) == ["fr#0", "de#0"]
     # no reader served: retrieval's order stays
     assert await _ranked(_Inference(None)) == ["de#0", "fr#0"]
-    # no reader named (the default): the step does nothing
+    # no reader (the rules alone): the step does nothing
     state = RunState(question="Quel est le délai ?", collection="relais")
     state.chunks = list(GERMAN)
-    ctx = RunContext(settings=AgentSettings(), retrieval=None, inference=None, counter=None, model="m")  # type: ignore[arg-type]
+    ctx = RunContext(
+        settings=AgentSettings(reader=""), retrieval=None, inference=None, counter=None, model="m"
+    )  # type: ignore[arg-type]
     assert [e async for e in ReaderRankNode(ReaderRankNode.P()).run(state, ctx)] == []
     assert [c.chunk_id for c in state.chunks] == ["de#0", "fr#0"]

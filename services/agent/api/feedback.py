@@ -52,6 +52,7 @@ from services.agent.protocol import (
     TrainResult,
     TurnRecord,
 )
+from services.agent.reader.features import FEATURES_READER
 from services.agent.reader.feedback_rows import ReaderDataset, reader_dataset, rows_from_feedback
 from services.agent.runtime import AgentRuntime, TurnResult, collect, peek
 from services.agent.turns import FeedbackFilter, FeedbackRow, owner_scope
@@ -384,8 +385,10 @@ async def _train_reader(
     choice = await runtime.promotions.choice(principal.tenant)
     current = choice.reader.name if choice.reader else runtime.settings.reader
     job_body: dict[str, Any] = {"type": "reader", "publish": True}
-    if current:
-        job_body["base_model"] = current  # the reader answering now trains further
+    if current and current != FEATURES_READER:
+        # the cross-encoder answering now trains further (the shipped features scorer is not one:
+        # the job then starts from its own base)
+        job_body["base_model"] = current
     try:
         trainer = runtime.trainer(key)
         stored = await trainer.upload_file(f"feedback-reader-{int(time.time())}.jsonl", built.jsonl())

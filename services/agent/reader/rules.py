@@ -416,6 +416,19 @@ def asked_kind_words(question: str) -> set[str]:
 _VERSION = re.compile(r"(?<![\w.])\d+(?:\.\d+)+(?![\w]|\.\d)")
 
 
+def verdicts(question: str, candidates: list[Candidate], embedded: bool, missing: bool) -> list[bool]:
+    """Whether each candidate, scored by the rules (``score``), answers on its own; none does
+    when a name of the question is ``missing`` from every source."""
+    answers = [not missing and rule_answers(c, embedded) for c in candidates]
+    if asks_number(question):
+        # "How many ...", "which year ...": a sentence without a number does not answer, however
+        # close it reads.
+        answers = [
+            a and answer_type_match(question, c.text) for a, c in zip(answers, candidates, strict=True)
+        ]
+    return answers
+
+
 class RuleScorer:
     """The rules, with the collection's embedder when ``embed`` is given (else words alone)."""
 
@@ -439,13 +452,7 @@ class RuleScorer:
         embedded = sims is not None
         score(question, chunks, candidates, sims)
         missing = missing_names(question, chunks)
-        answers = [not missing and rule_answers(c, embedded) for c in candidates]
-        if asks_number(question):
-            # "How many ...", "which year ...": a sentence without a number does not answer, however
-            # close it reads.
-            answers = [
-                a and answer_type_match(question, c.text) for a, c in zip(answers, candidates, strict=True)
-            ]
+        answers = verdicts(question, candidates, embedded, bool(missing))
         # words alone tell too little to add a second sentence
         margin = SECOND_MARGIN if embedded else float("-inf")
         return Scored([c.score for c in candidates], answers, self.name, margin, missing)
