@@ -222,6 +222,21 @@ def test_a_fine_tune_is_served_only_to_people_who_may_read_its_collections(
     assert answered_by(alice) == model
     assert answered_by(bob) == "scripted"
     assert answered_by(team.admin) == model  # an admin reads every collection
+    # an evaluation bob runs measures what bob would be served, and naming the model is refused
+    made = call(
+        s,
+        "POST",
+        "/v1/evals/sets",
+        bob,
+        {"name": "capitals", "collection": "geo", "questions": [{"question": FRANCE, "answers": ["Paris"]}]},
+    )
+    assert made.status_code == 201, made.text
+    run = call(s, "POST", "/v1/evals/runs", bob, {"set": made.json()["id"]})
+    assert run.status_code == 202 and run.json()["llm"] in (None, ""), run.text
+    named = call(s, "POST", "/v1/evals/runs", bob, {"set": made.json()["id"], "llm": model})
+    assert named.status_code == 403 and named.json()["error"]["code"] == "model_withheld", named.text
+    admins = call(s, "POST", "/v1/evals/runs", team.admin, {"set": made.json()["id"]})
+    assert admins.status_code == 202 and admins.json()["llm"] == model, admins.text
     # naming it is a 403 that says why, without naming the collection bob may not see
     refused = call(
         s,

@@ -281,7 +281,7 @@ async def delete_question(set_id: SetId, n: QuestionN, evals: EvalsDep, principa
 
 @router.post("/v1/evals/runs", response_model=EvalRun, status_code=202)
 async def start_run(body: EvalRunCreate, evals: EvalsDep, who: CallerDep) -> EvalRun:
-    return await evals.start(who.principal.tenant, who.key, body)
+    return await evals.start(who.principal, who.key, body)
 
 
 @router.get("/v1/evals/runs", response_model=EvalRunList)

@@ -46,6 +46,7 @@ from services.agent.evals.protocol import (
 )
 from services.agent.evals.store import EvalStore, new_id
 from services.agent.protocol import ReaderChoice
+from services.common.auth import Principal
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, TandemError
 
 if TYPE_CHECKING:
@@ -203,7 +204,8 @@ class Evaluations:
             return InferenceClient(url, self.settings.eval_judge_api_key, self.settings.upstream_timeout_s)
         return self.runtime.inference(key)
 
-    async def start(self, tenant: str, key: str, body: EvalRunCreate) -> EvalRun:
+    async def start(self, principal: Principal, key: str, body: EvalRunCreate) -> EvalRun:
+        tenant = principal.tenant
         eval_set = await self.store.get_set(tenant, body.set)
         if not eval_set.questions:
             raise InvalidRequest(f"the evaluation set {eval_set.id!r} has no questions", param="set")
@@ -222,23 +224,33 @@ class Evaluations:
         if body.judge_model and not self.settings.eval_judge_url:
             # the judge answers on the tenant's inference service: it must be one of its models
             await self.runtime.check_llm(inference, body.judge_model)
+        # a named model is checked like a chat turn's; the tenant's own default and reader only
+        # where the caller may be served them (else the earlier ones it may)
+        models = self.runtime.caller_models(principal)
+        if body.llm:
+            await models.check_named(body.llm)
         choice = await self.runtime.promotions.choice(tenant)
+        run_id = new_id("evrun")
+        # an evaluation measures the default itself, never the canary
+        as_default = choice.model_copy(update={"canary": None})
+        default = await models.default(as_default, run_id) if not body.llm else None
+        tenant_reader = await models.reader(choice) if not body.reader else None
         now = self.clock()
         run = EvalRun(
-            id=new_id("evrun"),
+            id=run_id,
             set=eval_set.id,
             set_name=eval_set.name,
             collection=eval_set.collection,
             pipeline=name,
-            llm=body.llm or choice.default,
-            reader=body.reader or (choice.reader.name if choice.reader else None),
+            llm=body.llm or default,
+            reader=body.reader or (tenant_reader.name if tenant_reader else None),
             judge_model=body.judge_model,
             progress=Progress(total=len(eval_set.questions)),
             created_at=now,
             heartbeat_at=now,
         )
         await self.store.put_run(tenant, run, keep=self.settings.eval_max_runs)
-        reader = ReaderChoice(name=body.reader) if body.reader else choice.reader
+        reader = ReaderChoice(name=body.reader) if body.reader else tenant_reader
         runner = pipeline_runner(self.runtime, key, name, run.llm, reader)
         task = asyncio.create_task(self._run(tenant, key, run, eval_set, runner, body.similarity))
         self._tasks[run.id] = task
