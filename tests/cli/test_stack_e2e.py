@@ -61,7 +61,12 @@ def test_every_service_is_ready_and_guarded(stack_env: dict[str, str]) -> None:
         assert ready.status_code == 200, ready.text
         assert httpx.get(f"{base}/v1/whoami", timeout=10).status_code == 401
         who = httpx.get(f"{base}/v1/whoami", headers={"Authorization": f"Bearer {key}"}, timeout=10)
-        assert who.json() == {"tenant": "default", "key_id": who.json()["key_id"], "service": service}
+        body = who.json()
+        assert {k: body[k] for k in ("tenant", "service", "role")} == {
+            "tenant": "default",
+            "service": service,
+            "role": "admin",
+        }, body
 
 
 def test_celery_task_round_trip_through_embedded_valkey(stack_env: dict[str, str]) -> None:
@@ -105,8 +110,14 @@ def test_keys_cli_create_and_revoke(stack_env: dict[str, str]) -> None:
     headers = {"Authorization": f"Bearer {key}"}
     base = url(stack_env, "retrieval")
     assert httpx.get(f"{base}/v1/whoami", headers=headers).json()["tenant"] == "team-b"
-    revoked = subprocess.run(
+    # the tenant's first key is its only admin: kept unless forced
+    kept = subprocess.run(
         [*TANDEM, "keys", "revoke", key], env=stack_env, capture_output=True, text=True, timeout=60
+    )
+    assert kept.returncode == 1 and "--force" in kept.stdout + kept.stderr, kept.stdout + kept.stderr
+    assert httpx.get(f"{base}/v1/whoami", headers=headers).status_code == 200
+    revoked = subprocess.run(
+        [*TANDEM, "keys", "revoke", key, "--force"], env=stack_env, capture_output=True, text=True, timeout=60
     )
     assert revoked.returncode == 0, revoked.stderr
     assert httpx.get(f"{base}/v1/whoami", headers=headers).status_code == 401
