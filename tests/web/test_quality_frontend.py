@@ -145,9 +145,23 @@ def test_the_model_for_chat_card_promotes_canaries_and_rolls_back(
         ],
         created_at=1.0,
     )
-    # a verdict of the gate, stored as the gate stores it (Playwright's loop runs in this thread)
+
+    # a verdict of the gate, stored as the gate stores it (Playwright's loop runs in this thread;
+    # the store's Redis client gets its own connection, not the server loop's)
+    async def save() -> None:
+        from services.agent.promotions import PromotionStore
+        from services.common.model_restrictions import ModelRestrictions
+        from services.common.redis_conn import async_redis
+
+        client = async_redis(stack.app.state.common.redis_url)
+        try:
+            turns = stack.app.state.runtime.promotions.turns
+            await PromotionStore(turns, ModelRestrictions(client)).save(tenant, kept)
+        finally:
+            await client.aclose()
+
     with ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, stack.app.state.runtime.promotions.save(tenant, kept)).result()
+        pool.submit(asyncio.run, save()).result()
 
     def choice() -> dict[str, Any]:
         out = httpx.get(f"{stack.url}/v1/promotions", headers=auth(key), timeout=30).json()
