@@ -82,6 +82,17 @@ export function setUnauthorizedHandler(fn: () => void): void {
   onUnauthorized = fn;
 }
 
+/** What a request was sent as: the pasted key, else the session (its CSRF value), else nothing. */
+function credentialNow(): string | null {
+  return getKey() ?? sessionCsrf;
+}
+
+/** A 401 signs out only the credential it was sent with: a request still in flight from before a
+ * sign-out (a page's poll) must not end the sign-in that came after it. */
+function unauthorized(sentAs: string | null): void {
+  if (sentAs !== null && credentialNow() === sentAs) onUnauthorized();
+}
+
 /** The message of Tandem's error shape {"error": {type, message, param}}, or FastAPI's {"detail"}. */
 export function errorFromBody(status: number, body: unknown, fallback: string): ApiError {
   if (body && typeof body === "object") {
@@ -127,6 +138,7 @@ export async function api<T = unknown>(path: string, opts: RequestOptions = {}):
     headers["Content-Type"] = "application/json";
     body = JSON.stringify(opts.json);
   }
+  const sentAs = credentialNow();
   let resp: Response;
   try {
     resp = await fetch(path, { method: opts.method ?? (body ? "POST" : "GET"), headers, body, signal: opts.signal });
@@ -144,7 +156,7 @@ export async function api<T = unknown>(path: string, opts: RequestOptions = {}):
     }
   }
   if (!resp.ok) {
-    if (resp.status === 401 && !opts.noAuthRedirect) onUnauthorized();
+    if (resp.status === 401 && !opts.noAuthRedirect) unauthorized(sentAs);
     throw errorFromBody(resp.status, data, `${resp.status} ${resp.statusText || "error"} from ${path}`);
   }
   return data as T;
@@ -172,6 +184,7 @@ export interface SseEvent {
  * Yields each event; returns when the server closes the stream.
  */
 export async function* sse(path: string, init: RequestInit = {}): AsyncGenerator<SseEvent> {
+  const sentAs = credentialNow();
   const resp = await fetch(path, {
     ...init,
     headers: { Accept: "text/event-stream", ...authHeaders(), ...(init.headers as Record<string, string>) },
@@ -183,7 +196,7 @@ export async function* sse(path: string, init: RequestInit = {}): AsyncGenerator
     } catch {
       /* not JSON */
     }
-    if (resp.status === 401) onUnauthorized();
+    if (resp.status === 401) unauthorized(sentAs);
     throw errorFromBody(resp.status, data, `${resp.status} from ${path}`);
   }
   const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
@@ -218,6 +231,7 @@ export function uploadWithProgress(
   onProgress: (fraction: number) => void,
 ): Promise<unknown> {
   return new Promise((resolve, reject) => {
+    const sentAs = credentialNow();
     const xhr = new XMLHttpRequest();
     xhr.open("POST", path);
     for (const [name, value] of Object.entries(authHeaders())) xhr.setRequestHeader(name, value);
@@ -234,7 +248,7 @@ export function uploadWithProgress(
       }
       if (xhr.status >= 200 && xhr.status < 300) resolve(data);
       else {
-        if (xhr.status === 401) onUnauthorized();
+        if (xhr.status === 401) unauthorized(sentAs);
         reject(errorFromBody(xhr.status, data, `upload failed: HTTP ${xhr.status}`));
       }
     };
