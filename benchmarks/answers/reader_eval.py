@@ -554,9 +554,37 @@ def learn(
     return result
 
 
+def reading_sheet(report: Path, scorer: str, count: int, seed: int) -> str:
+    """``reading``: a seeded sample of ``count`` test answers from ``score --json``'s report, one
+    block each (question, key phrases, the answer, the judge's verdict), for a person to read
+    and mark correct / partly / wrong; the sample is drawn before anyone reads it."""
+    import random
+
+    from services.cli.eval_questions import load_questions
+
+    answers = [
+        a for a in json.loads(report.read_text())[scorer]["answers"] if get_set(a["set"]).role == "test"
+    ]
+    questions = {
+        (name, q.id): q
+        for name in {a["set"] for a in answers}
+        for q in load_questions(get_set(name).questions)
+    }
+    blocks = []
+    for n, a in enumerate(random.Random(seed).sample(answers, min(count, len(answers))), 1):
+        q = questions[(a["set"], a["id"])]
+        verdict = "stated" if a["stated"] else ("not found" if not a["found"] else "not stated")
+        blocks.append(
+            f"{n}. {a['set']}/{a['id']} ({a['kind']}, {'answerable' if a['answerable'] else 'unanswerable'};"
+            f" judge: {verdict})\n   Q: {q.question}\n   key: {q.answers}\n"
+            f"   A: {a['answer'] or '(not found)'}\n   reading: "
+        )
+    return "\n".join(blocks)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["collect", "score", "rows", "learn"])
+    ap.add_argument("command", choices=["collect", "score", "rows", "learn", "reading"])
     ap.add_argument("--rows", type=Path, default=None, help="rows / learn: the folder of feature rows")
     ap.add_argument("--out", type=Path, default=None, help="learn: write the fitted model here")
     ap.add_argument("--hidden", type=int, default=0, help="learn: hidden units (0: logistic regression)")
@@ -564,13 +592,22 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=0.02, help="learn: learning rate")
     ap.add_argument("--set", default="all", help="set names, comma-separated, or tuning / test / all")
     ap.add_argument("--home", type=Path, default=None, help="TANDEM_HOME of the running stack")
-    ap.add_argument("--cache", type=Path, required=True, help="the folder of the collected sources")
+    ap.add_argument("--cache", type=Path, default=None, help="the folder of the collected sources")
+    ap.add_argument("--sample", type=int, default=50, help="reading: answers in the sample")
+    ap.add_argument("--seed", type=int, default=47, help="reading: the sample's seed")
     ap.add_argument(
         "--scorers", default="rules", help="rules, rules-words, reader:NAME, lm (comma-separated)"
     )
     ap.add_argument("--json", type=Path, default=None, help="write the report and every answer here")
     args = ap.parse_args()
     names = chosen_sets(args.set)
+    if args.command == "reading":
+        if args.json is None:
+            raise SystemExit("reading needs --json (a report written by score --json)")
+        print(reading_sheet(args.json, args.scorers.split(",")[0], args.sample, args.seed))
+        return 0
+    if args.cache is None:
+        raise SystemExit(f"{args.command} needs --cache (the folder of the collected sources)")
     if args.command == "collect":
         collect(names, args.home or Path(os.environ.get("TANDEM_HOME", ".tandem")), args.cache)
     elif args.command in ("rows", "learn"):
