@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from services.agent.chunks import Chunk
 from services.agent.protocol import Sampling
+from services.common.collection_embed import EMBED_TEXTS, EmbedResponse
 from services.common.errors import Conflict, InvalidRequest, NotFound
 from services.common.http import service_client
 from services.common.openai_client import OpenAIClient
@@ -111,6 +112,16 @@ class RetrievalClient(_ServiceClient):
             hits = [Chunk.from_result(item) for item in found.get("results", [])]
             set_attributes(current, hits=len(hits), ms=round((time.perf_counter() - start) * 1000, 1))
         return hits
+
+    async def embed(self, collection: str, texts: list[str]) -> list[list[float]]:
+        """``texts`` as ``collection``'s own embedder reads them (retrieval holds it in process):
+        one L2-normalised vector per text, in order; sent in parts of retrieval's per-request cap."""
+        vectors: list[list[float]] = []
+        for start in range(0, len(texts), EMBED_TEXTS):
+            part = texts[start : start + EMBED_TEXTS]
+            got = await self._post(f"/v1/collections/{collection}/embed", "collection", json={"input": part})
+            vectors += EmbedResponse.model_validate(got).vectors
+        return vectors
 
     async def embedding_model(self, collection: str) -> str:
         """The embedding model ``collection`` was built with (as the inference service names it)."""

@@ -46,7 +46,7 @@ class AgentSettings(TenantLimitSettings):
         True,
         description=(
             "The groundedness guard also judges the sentences word overlap misses with the "
-            "collection's embedding model (inference's /v1/embeddings); off, or when that fails: "
+            "collection's own embedder (retrieval's /embed); off, or when that fails: "
             "word overlap only."
         ),
     )

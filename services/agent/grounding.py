@@ -188,8 +188,8 @@ def _verdict(answer: str, checks: list[SentenceCheck], repeated: bool) -> Ground
     )
 
 
-# Texts in, one L2-normalised vector per text out (the agent calls inference's /v1/embeddings
-# with the collection's embedding model).
+# Texts in, one L2-normalised vector per text out (the agent calls retrieval's
+# /v1/collections/{name}/embed: the collection's own embedder).
 Embed = Callable[[list[str]], Awaitable[list[list[float]]]]
 
 # Measured with all-MiniLM-L6-v2 (the default embedder) on the invented facts (benchmarks/RESULTS.md,

@@ -197,23 +197,20 @@ async def test_without_an_embedder_a_sentence_must_hold_the_question_focus_words
 
 
 class EmbeddingServices:
-    """The calls the node makes: the reader (not served here, as on a stack that has none), the
-    collection's embedding model, and /v1/embeddings."""
+    """The calls the node makes: the reader (not served here, as on a stack that has none) and the
+    collection's own embedder (retrieval's /embed)."""
 
     def __init__(self, embed: Any) -> None:
         self._embed = embed
-        self.models: list[str] = []
+        self.collections: list[str] = []
         self.readers: list[str] = []
 
     async def rerank(self, model: str, query: str, documents: list[str]) -> list[float]:
         self.readers.append(model)
         raise NotFound(f"The rerank model `{model}` does not exist.", param="model")
 
-    async def embedding_model(self, collection: str) -> str:
-        return "all-MiniLM-L6-v2"
-
-    async def embed(self, model: str, texts: list[str]) -> list[list[float]]:
-        self.models.append(model)
+    async def embed(self, collection: str, texts: list[str]) -> list[list[float]]:
+        self.collections.append(collection)
         return await self._embed(texts)
 
 

@@ -274,12 +274,11 @@ async def test_a_wrong_fact_about_the_right_entity_is_not_supported_by_similarit
 async def test_when_embedding_fails_the_guard_falls_back_to_word_overlap_and_logs_it(
     services: tuple[str, str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    r_url, _, key = services
-    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the inference service is down
+    _, i_url, key = services
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the retrieval service is down
     for upstreams in [
-        (RetrievalClient(r_url, key), InferenceClient(down, key)),
-        (RetrievalClient(r_url, key), InferenceClient(r_url, key)),  # a service without /v1/embeddings
         (RetrievalClient(down, key), InferenceClient(down, key)),
+        (RetrievalClient(i_url, key), InferenceClient(i_url, key)),  # a service without /embed
     ]:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="tandem.agent.guard"):
@@ -299,11 +298,11 @@ async def test_when_embedding_fails_the_guard_falls_back_to_word_overlap_and_log
 async def test_a_stuck_embedding_service_does_not_hold_the_answer(
     services: tuple[str, str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    r_url, _, key = services
+    _, i_url, key = services
     with socket.socket() as stuck:  # accepts connections (the kernel's backlog), never answers
         stuck.bind(("127.0.0.1", 0))
         stuck.listen(8)
-        inference = InferenceClient(f"http://127.0.0.1:{stuck.getsockname()[1]}", key, timeout=120)
+        retrieval = RetrievalClient(f"http://127.0.0.1:{stuck.getsockname()[1]}", key, timeout=120)
         with caplog.at_level(logging.WARNING, logger="tandem.agent.guard"):
             started = time.monotonic()
             state, _ = await guard(
@@ -311,7 +310,7 @@ async def test_a_stuck_embedding_service_does_not_hold_the_answer(
                 chunks=TOWN_CHUNKS,
                 question=TOWN.question,
                 collection="towns",
-                upstreams=(RetrievalClient(r_url, key), inference),
+                upstreams=(retrieval, InferenceClient(i_url, key)),
                 params={"embed_timeout_s": 0.5},
             )
             waited = time.monotonic() - started

@@ -115,6 +115,7 @@ def test_two_users_of_one_tenant_read_only_the_collection_they_may(
         # every way into the other's collection is the 404 of a collection that does not exist
         for method, path in (
             ("POST", f"/v1/collections/{theirs}/search"),
+            ("POST", f"/v1/collections/{theirs}/embed"),
             ("GET", f"/v1/collections/{theirs}"),
             ("GET", f"/v1/collections/{theirs}/documents"),
             ("GET", f"/v1/collections/{theirs}/documents/{doc_id}"),
@@ -124,7 +125,8 @@ def test_two_users_of_one_tenant_read_only_the_collection_they_may(
             ("DELETE", f"/v1/collections/{theirs}/documents/{doc_id}"),
             ("DELETE", f"/v1/collections/{theirs}"),
         ):
-            body = {"query": "salary roadmap"} if path.endswith("/search") else None
+            bodies = {"/search": {"query": "salary roadmap"}, "/embed": {"input": ["salary"]}}
+            body = next((b for end, b in bodies.items() if path.endswith(end)), None)
             assert_absent(tenant.call(method, path, who.token, body), theirs)
         assert_absent(tenant.call("GET", "/v1/collections/nowhere", who.token), "nowhere")
         # its own document is there (the original's 404 is the document's, not the collection's)
@@ -161,8 +163,9 @@ def test_a_reader_who_may_not_write_gets_a_403_naming_the_collection(tenant: Ten
         refused = tenant.call(method, path, reader.token, body, files=files)
         assert refused.status_code == 403, (method, path, refused.text)
         assert "'hr'" in error(refused)["message"] and reader.id in error(refused)["message"]
-    # it still reads
+    # it still reads, and embeds with the collection's embedder (a read)
     assert tenant.search("hr", reader.token).status_code == 200
+    assert tenant.call("POST", "/v1/collections/hr/embed", reader.token, {"input": ["leave"]}).status_code == 200
     # a writer writes; a viewer named a writer is still a viewer, who never writes
     assert tenant.call("POST", "/v1/collections/hr/documents", writer.token, doc).status_code == 201
     assert tenant.call("POST", "/v1/collections/hr/documents", viewer.token, doc).status_code == 403

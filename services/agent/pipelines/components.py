@@ -348,14 +348,14 @@ class PromptNode:
 
 
 def collection_embedder(state: RunState, ctx: RunContext) -> Callable[[list[str]], Any] | None:
-    """Texts to vectors with the collection's own embedding model (inference's /v1/embeddings)."""
+    """Texts to vectors with the collection's own embedder (retrieval's ``/embed``: the model is
+    in that process, so one call, no model lookup)."""
     collection = state.collection
     if collection is None:
         return None
 
     async def embed(texts: list[str]) -> list[list[float]]:
-        model = await ctx.retrieval.embedding_model(collection)
-        return await ctx.inference.embed(model, texts)
+        return await ctx.retrieval.embed(collection, texts)
 
     return embed
 
@@ -632,7 +632,7 @@ class GuardNode:
         enabled: bool | None = None  # None: the agent's ``grounding_guard`` setting
         min_support: float = Field(0.5, ge=0.0, le=1.0)
         # Sentences the overlap misses are judged again with the collection's embedder (through
-        # inference's /v1/embeddings). None: the agent's ``grounding_embedder`` setting.
+        # retrieval's /embed). None: the agent's ``grounding_embedder`` setting.
         embedder: bool | None = None
         min_similarity: float = Field(MIN_SIMILARITY, ge=-1.0, le=1.0)
         # Embedding a few sentences takes well under a second; a stuck service must not hold the

@@ -42,7 +42,7 @@ def access_store(request: Request) -> AccessStore:
 
 
 # Routes that take a body (POST) and only read.
-READ_POSTS = ("/search",)
+READ_POSTS = ("/search", "/embed")
 
 
 async def check_access(request: Request) -> StoredAccess | None:

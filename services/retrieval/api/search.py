@@ -1,4 +1,6 @@
-"""``POST /v1/collections/{name}/search``."""
+"""``POST /v1/collections/{name}/search`` and ``POST /v1/collections/{name}/embed`` (texts as the
+collection's own embedder reads them: the model is in this process, so a reader comparing a
+question with its candidate sentences needs no second service and no model lookup)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import time
 from fastapi import APIRouter, Depends
 from opentelemetry import trace
 
+from services.common.collection_embed import EmbedRequest, EmbedResponse
 from services.common.errors import InvalidRequest
 from services.retrieval.api.deps import CollectionDep, check_access
 from services.retrieval.metrics import QUERY_SECONDS
@@ -41,3 +44,13 @@ def search(body: SearchRequest, col: CollectionDep) -> SearchResponse:
     QUERY_SECONDS.labels(body.mode).observe(took)
     trace.get_current_span().set_attributes({"mode": body.mode, "top_k": body.top_k, "hits": len(hits)})
     return SearchResponse(results=hits, mode=body.mode, took_ms=round(took * 1000, 3))
+
+
+@router.post(
+    "/{name}/embed",
+    response_model=EmbedResponse,
+    responses={400: {"description": "a text too long, or too many or no texts (the field is named)"}},
+)
+def embed(body: EmbedRequest, col: CollectionDep) -> EmbedResponse:
+    vectors = col.embedder.embed_documents(body.input)
+    return EmbedResponse(model=col.embedder.name, vectors=vectors.tolist())
