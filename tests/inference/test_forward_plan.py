@@ -56,10 +56,10 @@ def _built(engine: TorchEngine) -> dict[str, Any]:
 @pytest.mark.parametrize("quantize", ["none", "int4"] if INT4 else ["none"])
 def test_the_engine_builds_what_the_plan_names(lively_tiny_path: Path, quantize: str) -> None:
     model, tok = _load(lively_tiny_path)
-    # without the C++ kernels (PlanSettings' default; they are test_native_own's)
+    # without the C++ kernels (they are test_native_own's)
     engine = TorchEngine.from_model(model, tok, quantize=quantize, native_decode="off")  # type: ignore[arg-type]
     plan = engine.plan
-    assert plan == resolve_plan(model, None, PlanSettings(quantize=quantize))  # type: ignore[arg-type]
+    assert plan == resolve_plan(model, None, PlanSettings(quantize=quantize, native_decode="off"))  # type: ignore[arg-type]
     built = _built(engine)
     assert built == {"decode": plan.decode, "prompt": plan.prompt, "quantize": quantize, "packed": True}
     if quantize == "int4":

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.inference.engine import TorchEngine, fused_decode, native, quantized_linear
-from services.inference.engine.plan import plain_head, plan_for
+from services.inference.engine.plan import ModelFacts, plain_head, plan_for
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from services.inference.engine.types import AdapterError
 from tests.helpers.models import make_lora_adapter
@@ -230,10 +230,17 @@ def test_unsupported_names_the_model_type(lively_tiny_path: Path) -> None:
     runner = TorchEngine.from_model(
         model, tok, plan=plan_for(model, quantize="int4", decode="reference")
     ).runner
-    assert fused_decode.unsupported(runner) is None
+
+    def problem() -> str | None:
+        facts = ModelFacts.of(runner.model)
+        return fused_decode.unsupported(
+            facts.ops, facts.device, facts.dtype, "int4", runner.plan.layer_decode
+        )
+
+    assert problem() is None
     runner.config.model_type = "gpt2"
     try:
-        assert fused_decode.unsupported(runner) == (
+        assert problem() == (
             "model type 'gpt2' is not one of ['gemma3_text', 'granite', 'llama', 'mistral', 'phi3', "
             "'qwen2', 'qwen3', 'smollm3']"
         )

@@ -15,7 +15,7 @@ import torch
 from services.inference.engine import TorchEngine, fused_prompt, packed_linear, quantized_linear
 from services.inference.engine.fused_prompt import FusedPrompt
 from services.inference.engine.packed_linear import OneDNNPacked
-from services.inference.engine.plan import plan_for
+from services.inference.engine.plan import ModelFacts, plan_for
 from services.inference.engine.quantized_linear import BlockedBF16, TwoSides
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from tests.helpers.models import make_lora_adapter
@@ -217,14 +217,17 @@ def test_prompt_chunks_take_the_eager_forward_where_the_lean_one_does_not_apply(
     assert (plain.layer_prompt, plain.prompt) == ("torch", "reference")
     runner = TorchEngine.from_model(model, tok, plan=dataclasses.replace(plain, forward="auto")).runner
     assert runner.fused_prompt is None
-    assert fused_prompt.unsupported(runner) is not None
+    facts = ModelFacts.of(model)
+    assert fused_prompt.unsupported(facts.ops, facts.device, runner.plan.layer_prompt) is not None
     with pytest.raises(ValueError, match="prompt='python'"):
         TorchEngine.from_model(model, tok, plan=dataclasses.replace(plain, prompt="python"))
     eager = TorchEngine.from_model(model, tok, plan=plan_for(model, prompt="reference"))
     assert eager.runner.fused_prompt is None
     # a model type whose layers are not Llama's
     monkeypatch.setattr(model.config, "model_type", "gpt2")
-    assert "gpt2" in str(fused_prompt.unsupported(TorchEngine.from_model(model, tok).runner))
+    facts = ModelFacts.of(model)
+    layer_prompt = TorchEngine.from_model(model, tok).plan.layer_prompt
+    assert "gpt2" in str(fused_prompt.unsupported(facts.ops, facts.device, layer_prompt))
     monkeypatch.undo()
     # a PEFT model whose adapter is not routed per row (the trainer's in-process engine): its
     # prompts keep the eager forward, which applies the model's active adapter

@@ -227,12 +227,14 @@ def test_own_operations_need_a_head_size_they_are_built_for(lively_tiny_path: Pa
 
     model, tok = _load(lively_tiny_path)
     engine = TorchEngine.from_model(model, tok, quantize="int4", native_decode="on")
-    assert fused_decode.own_unsupported(engine.runner) is None
+    assert fused_decode.own_unsupported(engine.runner.config, engine.runner.dtype) is None
     config = engine.runner.config
     before = config.head_dim
     config.head_dim = 24
     try:
-        assert fused_decode.own_unsupported(engine.runner) == "head_dim 24 is not one of [16, 32, 64, 128]"
+        assert fused_decode.own_unsupported(config, engine.runner.dtype) == (
+            "head_dim 24 is not one of [16, 32, 64, 128]"
+        )
     finally:
         config.head_dim = before
 

@@ -26,9 +26,12 @@ and the engine's other tests hold unchanged; only the time goes.
 LoRA rows: each adapter's delta is added to its rows' slice of the fused products exactly as
 PEFT's mixed batch does (``lora_B(lora_A(x[rows])) * scaling`` added to the base result in
 its dtype). Adapters of another kind (DoRA and PEFT's other variants), LoRA layers on other
-modules of a decoder layer, a model whose adapters are not routed per row (the trainer's
-in-process engine uses its model's active adapter), or a layer whose decode kernel is not
-int4 make ``unsupported`` name the reason, and decode steps run the eager forward.
+modules of a decoder layer, or a model whose adapters are not routed per row (the trainer's
+in-process engine uses its model's active adapter) make ``lora_unsupported`` name the reason, and
+the runner resolves its plan again with decode steps on the eager forward (logged; unloading the
+adapter restores the plan). A model or kernels outside the lean forward (``unsupported``: the
+family's operations, the device and dtype, the plan's kernel names) keep the eager forward in the
+plan from the start.
 
 The layer is Llama's, with the operations of the model's family (``layer_ops.py``: norm placement
 and weights from 1, the activation, q/k norms, multipliers, the RoPE table of each layer, fused
@@ -36,8 +39,9 @@ projections); a family outside it, or an operation the loop does not have, keeps
 with the reason. With the model's own weights (no quantisation) the products are oneDNN's packed
 ones in the model's dtype, as the eager forward multiplies them.
 
-The loop over the layers runs in C++ where the native module is built (``native.py``, AVX2
-CPUs; the default), with its own operations between the int4 products (``decode_own``), which
+The loop over the layers runs in C++ where the plan says ``native-own`` (``native.py``: the module
+built, AVX2 CPUs; the default; ``own_unsupported``: the model's sizes fit it; not in training
+mode), with its own operations between the int4 products (``decode_own``), which
 are not the eager forward's last bits but keep each row's numbers independent of the batch
 (``test_native_own.py``); the Python loop here is the bit-exact reference.
 
@@ -85,17 +89,17 @@ Attention = Callable[
 ]
 
 
-def _base(module: Any) -> torch.nn.Linear:
+def base_linear(module: Any) -> torch.nn.Linear:
     """The plain linear layer under a PEFT LoRA wrapper (or the layer itself)."""
     return getattr(module, "base_layer", module)
 
 
-def _lora(module: Any) -> Any | None:
+def lora_layer(module: Any) -> Any | None:
     """The PEFT LoRA layer wrapping a projection, if any."""
     return module if hasattr(module, "lora_A") and hasattr(module, "base_layer") else None
 
 
-class _SideBySide:
+class SideBySide:
     """Several projections of one input as one product: their weights stacked by output rows
     (their biases too), prepared by ``kernel`` (int4 for decode tokens; the prompt kernel in
     ``fused_prompt.py``) and prepared again when any weight changes in place (the trainer)."""
@@ -111,7 +115,7 @@ class _SideBySide:
     def use(self, layer: Any) -> None:
         """Read the projections from ``layer`` again (PEFT wraps and unwraps them)."""
         self.modules = [projection(layer, name) for name in self.names]
-        self.linears = [_base(m) for m in self.modules]
+        self.linears = [base_linear(m) for m in self.modules]
         self.sizes = [lin.out_features for lin in self.linears]
 
     def current(self) -> tuple[Any, torch.Tensor | None]:
@@ -152,7 +156,7 @@ class _SideBySide:
 class ProductDeltas(Protocol):
     """How a lean forward adds the LoRA rows' deltas to a side-by-side product."""
 
-    def add(self, product: _SideBySide, x: torch.Tensor, out: torch.Tensor) -> None:
+    def add(self, product: SideBySide, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the deltas of ``x`` ``[n, in]`` to ``out`` ``[n, product's columns]``."""
         ...
 
@@ -164,10 +168,10 @@ class ModuleDeltas:
     def __init__(self, rows: LoraRows) -> None:
         self.rows = rows
 
-    def add(self, product: _SideBySide, x: torch.Tensor, out: torch.Tensor) -> None:
+    def add(self, product: SideBySide, x: torch.Tensor, out: torch.Tensor) -> None:
         start = 0
         for module, size in zip(product.modules, product.sizes, strict=True):
-            layer = _lora(module)
+            layer = lora_layer(module)
             if layer is not None:
                 self.rows.add(layer, x, out[:, start : start + size])
             start += size
@@ -176,10 +180,10 @@ class ModuleDeltas:
 @dataclass
 class _Layer:
     module: Any
-    qkv: _SideBySide
-    o: _SideBySide
-    gate_up: _SideBySide
-    down: _SideBySide
+    qkv: SideBySide
+    o: SideBySide
+    gate_up: SideBySide
+    down: SideBySide
     heads: int
     kv_heads: int
     head_dim: int
@@ -190,7 +194,7 @@ class _Layer:
     qk_norms: tuple[Any, Any] | None  # RMSNorm of each query / key head before RoPE
     rope: str | None  # the RoPE table this layer takes (None: no RoPE)
 
-    def products(self) -> tuple[_SideBySide, ...]:
+    def products(self) -> tuple[SideBySide, ...]:
         return (self.qkv, self.o, self.gate_up, self.down)
 
 
@@ -309,17 +313,6 @@ def _rms_norm(norm: Any, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], norm_weight(norm, ops), norm_eps(norm))
 
 
-def ops_of(runner: ModelRunner) -> LayerOps | str:
-    """The runner's layer operations (``layer_ops``), or why the lean forwards cannot compute them."""
-    return layer_ops(runner.config, runner.decoder.layers)
-
-
-def layer_problem(runner: ModelRunner) -> str | None:
-    """Why this runner's decoder layers are not ones the lean forwards compute (None: they are)."""
-    ops = ops_of(runner)
-    return ops if isinstance(ops, str) else None
-
-
 def layer_kernels(runner: ModelRunner) -> dict[int, Any]:
     """The kernel each base linear layer of the runner's products has, by module id."""
     return {id(p.module): p.kernel for p in runner.packed.layers} if runner.packed is not None else {}
@@ -330,14 +323,15 @@ def _decode_side(kernel: Any) -> Any:
 
 
 def decode_kernel(runner: ModelRunner) -> RowKernel:
-    """The kernel of the side-by-side decode products: ``Int4Blocks`` where the plan gave it to
-    every projection, torch's int4 kernel (``Int4WeightOnly``) for other int4 layers, and oneDNN's
-    packed product in the model's dtype for unquantised ones."""
+    """The kernel of the side-by-side decode products, of the kind the runner built for the layers
+    (what the plan's ``layer_decode`` names): ``Int4Blocks`` where every projection has it, torch's
+    int4 kernel (``Int4WeightOnly``) for other int4 layers, and oneDNN's packed product in the
+    model's dtype for unquantised ones."""
     kernels = layer_kernels(runner)
-    ops = ops_of(runner)
+    ops = layer_ops(runner.config, runner.decoder.layers)
     names = ops.projections if isinstance(ops, LayerOps) else ()
     decodes = [
-        _decode_side(kernels.get(id(_base(projection(layer, name)))))
+        _decode_side(kernels.get(id(base_linear(projection(layer, name)))))
         for layer in runner.decoder.layers
         for name in names
     ]
@@ -346,42 +340,50 @@ def decode_kernel(runner: ModelRunner) -> RowKernel:
     return Int4Blocks() if {type(k) for k in decodes} == {Int4Blocks} else _INT4
 
 
-def unsupported(runner: ModelRunner) -> str | None:
-    """Why this runner's decode tokens cannot take the lean forward (None: they can)."""
-    ops = ops_of(runner)
+# the plan's names of the decode kernels the lean forward multiplies with (``plan.kernel_name``):
+# torch's int4 kernel or the own Q4_1 one under int4; oneDNN's packed product in the model's dtype
+INT4_KERNELS = frozenset({"int4", "int4-q8"})
+
+
+def unsupported(
+    ops: LayerOps | str, device: torch.device, dtype: torch.dtype, quantize: str, layer_decode: str
+) -> str | None:
+    """Why decode tokens cannot take the lean forward (None: they can), from the model's family
+    (``layer_ops``: its config's), where and in what dtype it runs, the quantisation and the
+    decoder layers' decode kernels (the plan's ``layer_decode``: one name, or several joined by
+    ``|``)."""
     if isinstance(ops, str):
         return ops
-    if runner.device.type != "cpu" or runner.dtype not in (torch.float32, torch.bfloat16):
-        return f"decode is not on a CPU in fp32 or bf16 ({runner.device.type}, {runner.dtype})"
-    if runner.quantize not in ("int4", "none"):
-        return f"decode is {runner.quantize}, not int4 or the model's own weights"
-    if runner.quantize == "int4" and runner.dtype != torch.float32:
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return f"decode is not on a CPU in fp32 or bf16 ({device.type}, {dtype})"
+    if quantize not in ("int4", "none"):
+        return f"decode is {quantize}, not int4 or the model's own weights"
+    if quantize == "int4" and dtype != torch.float32:
         return "int4 decode of a model that is not fp32"
-    kernels = layer_kernels(runner)
-    for layer in runner.decoder.layers:
-        for name in ops.projections:
-            kernel = _decode_side(kernels.get(id(_base(projection(layer, name)))))
-            if runner.quantize == "int4" and not isinstance(kernel, Int4WeightOnly):
-                return f"{name} does not decode in int4"
-            if runner.quantize == "none" and type(kernel) is not OneDNNPacked:
-                return f"{name} does not decode with oneDNN's packed weights"
+    kernels = set(layer_decode.split("|"))
+    if quantize == "int4" and not kernels <= INT4_KERNELS:
+        return f"the decoder layers decode with {layer_decode}, not int4 in every layer"
+    # unquantised decode sides are oneDNN's packed product in the model's dtype (never bf16 blocks)
+    if quantize == "none" and any(not k.startswith("onednn-") or k == "onednn-bf16-blocks" for k in kernels):
+        return f"the decoder layers decode with {layer_decode}, not oneDNN's packed weights"
     return None
 
 
-def lora_unsupported(runner: ModelRunner) -> str | None:
-    """Why the adapters loaded now keep decode steps on the eager forward (None: they don't)."""
-    ops = ops_of(runner)
+def lora_unsupported(model: Any, ops: LayerOps | str, layers: Any, *, routed: bool) -> str | None:
+    """Why the adapters loaded on ``model`` now keep its tokens off the lean forwards (None: they
+    don't): ``layers`` are its decoder's layers, ``routed`` whether its LoRA layers are routed per
+    row (the runner's hooks; the trainer's in-process engine uses its model's active adapter)."""
     names = ops.projections if isinstance(ops, LayerOps) else ()
-    projections = {id(projection(layer, n)) for layer in runner.decoder.layers for n in names}
+    projections = {id(projection(layer, n)) for layer in layers for n in names}
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # pragma: no cover - peft is a dependency
         return None
-    decoder_layers = set(map(id, runner.decoder.layers.modules()))
-    for name, module in runner.model.named_modules():
+    decoder_layers = set(map(id, layers.modules()))
+    for name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
-        if not runner._hooks:
+        if not routed:
             return "the model's adapters are not routed per row"
         if getattr(module, "lora_variant", None):
             return f"{name}: an adapter of another kind than plain LoRA ({sorted(module.lora_variant)})"
@@ -396,9 +398,9 @@ OWN_WIDTH = 16
 OWN_MAX_GROUP = 8
 
 
-def own_unsupported(runner: ModelRunner) -> str | None:
-    """Why the C++ loop's own operations (``decode_own``) do not fit this model (None: they do)."""
-    config = runner.config
+def own_unsupported(config: Any, dtype: torch.dtype) -> str | None:
+    """Why the C++ loop's own operations (``decode_own``) do not fit a model of ``config`` in
+    ``dtype`` (None: they do)."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -409,20 +411,16 @@ def own_unsupported(runner: ModelRunner) -> str | None:
     for name in ("hidden_size", "intermediate_size"):
         if int(getattr(config, name)) % OWN_WIDTH:
             return f"{name} {getattr(config, name)} is not a multiple of {OWN_WIDTH}"
-    if runner.dtype != torch.float32:
-        return f"the C++ loop's residual stream is fp32; the model is {runner.dtype}"
-    ops = ops_of(runner)
-    if isinstance(ops, str):
-        return ops
-    rotary = rotary_dim(runner)
+    if dtype != torch.float32:
+        return f"the C++ loop's residual stream is fp32; the model is {dtype}"
+    rotary = rotary_dim(config)
     if rotary % OWN_WIDTH:
         return f"{rotary} rotary dimensions are not a multiple of {OWN_WIDTH}"
     return None
 
 
-def rotary_dim(runner: ModelRunner) -> int:
+def rotary_dim(config: Any) -> int:
     """How many of a head's dimensions RoPE turns (all but under Phi's partial RoPE)."""
-    config = runner.config
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     params = getattr(config, "rope_parameters", None) or {}
@@ -490,7 +488,7 @@ class NativeLora:
                 for k, product in enumerate(layer.products()):
                     start = 0
                     for module, size in zip(product.modules, product.sizes, strict=True):
-                        lora = _lora(module)
+                        lora = lora_layer(module)
                         if lora is not None and name in lora.lora_A:
                             modules.append(
                                 (4 * index + k, start, size, lora, lora.lora_A[name], lora.lora_B[name])
@@ -543,16 +541,16 @@ class LeanLayers:
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        ops = ops_of(runner)
+        ops = layer_ops(config, self.decoder.layers)
         assert isinstance(ops, LayerOps), ops
         self.ops = ops
         self.layers = [
             _Layer(
                 module=layer,
-                qkv=_SideBySide(layer, ops.attention, kernel),
-                o=_SideBySide(layer, ("o_proj",), kernel),
-                gate_up=_SideBySide(layer, ops.mlp_in, kernel),
-                down=_SideBySide(layer, ("down_proj",), kernel),
+                qkv=SideBySide(layer, ops.attention, kernel),
+                o=SideBySide(layer, ("o_proj",), kernel),
+                gate_up=SideBySide(layer, ops.mlp_in, kernel),
+                down=SideBySide(layer, ("down_proj",), kernel),
                 heads=heads,
                 kv_heads=kv_heads,
                 head_dim=head_dim,
@@ -567,7 +565,9 @@ class LeanLayers:
             )
             for index, layer in enumerate(self.decoder.layers)
         ]
-        self.rotary = rotary_dim(runner)
+        self.rotary = rotary_dim(config)
+        # why the adapters loaded now keep this forward's tokens on the Hugging Face modules (the
+        # plan's reason when it moved them there; the runner's ``lora_unsupported``), else None
         self.lora_problem: str | None = None
         self._multiplied: frozenset[int] | None = None
         # the state of every weight the products were prepared from (``_fresh``), and the C++
@@ -576,13 +576,13 @@ class LeanLayers:
         self._native_args: tuple[list[Any], ...] | None = None
         self._native_lora = NativeLora(self.layers)
 
-    def refresh(self) -> None:
+    def refresh(self, lora_problem: str | None = None) -> None:
         """Re-read the projections after an adapter was loaded or unloaded (PEFT wraps and
-        unwraps them) and whether the adapters loaded now can take this forward."""
+        unwraps them); ``lora_problem``: why the adapters loaded now cannot take this forward."""
         for fused in self.layers:
             for product in fused.products():
                 product.use(fused.module)
-        self.lora_problem = lora_unsupported(self.runner)
+        self.lora_problem = lora_problem
         self._multiplied = None
         self._fingerprint = None
         self._native_lora = NativeLora(self.layers)
@@ -651,9 +651,9 @@ class FusedDecode(LeanLayers):
 
     def __init__(self, runner: ModelRunner, *, native: bool = False) -> None:
         super().__init__(runner, decode_kernel(runner))
-        # the layers' loop in C++ (``decode_own``) once ``native.start`` has built it and the
-        # model's sizes fit it, else in Python
-        self.native = native and own_unsupported(runner) is None
+        # the layers' loop in C++ (``decode_own``) where the runner's plan says ``native-own``
+        # (the plan checked the model's sizes and the build), else in Python
+        self.native = native
 
     def __call__(self, plan: ragged.RaggedPlan, lora: LoraRows | None = None) -> torch.Tensor:
         """Logits ``[D, V]`` of a plan of decode tokens only, inside ``ragged.active(plan)``,
@@ -665,7 +665,7 @@ class FusedDecode(LeanLayers):
         self._fresh()
         x = embed(self.decoder, self.ops, ids)
         rope = rope_tables(self.decoder, self.ops, x, plan)
-        loop = native.decode_own() if self.native and not self.decoder.training else None
+        loop = native.decode_own() if self.native else None
         if loop is not None:
             return logits(runner, self._native(loop, plan, x, rope, lora))
         deltas = None if lora is None else ModuleDeltas(lora)

@@ -36,8 +36,9 @@ row on its own, the products in blocks whose size does not change a row's bits),
 is the same alone as in a batch, and every prompt token takes this forward whatever shares its
 step: a prefix cached from one prompt is what another's forward would have computed.
 
-Where the model, its kernels or its adapters do not fit (``unsupported``, ``lora_unsupported``),
-prompt chunks keep the eager forward.
+Where the model or its kernels do not fit (``unsupported``), the plan keeps prompt chunks on the
+eager forward; where the adapters loaded do not (``fused_decode.lora_unsupported``), the runner
+resolves its plan again with them there, until the adapters are unloaded.
 """
 
 from __future__ import annotations
@@ -52,18 +53,16 @@ from services.inference.engine.fused_decode import (
     LeanLayers,
     ModuleDeltas,
     Rope,
-    _base,
-    _lora,
-    _SideBySide,
+    SideBySide,
+    base_linear,
     embed,
     layer_kernels,
     logits,
-    ops_of,
-    own_unsupported,
+    lora_layer,
     rope_tables,
     run_layers,
 )
-from services.inference.engine.layer_ops import projection
+from services.inference.engine.layer_ops import LayerOps, layer_ops, projection
 from services.inference.engine.lora_rows import LoraRows, Stacked
 from services.inference.engine.packed_linear import OneDNNPacked, RowKernel
 from services.inference.engine.quantized_linear import BlockedBF16, ByTokenKind
@@ -85,22 +84,20 @@ def prompt_kernel_of(kernel: Any) -> RowKernel | None:
     return None
 
 
-def unsupported(runner: ModelRunner) -> str | None:
-    """Why this runner's prompt chunks cannot take the lean forward (None: they can)."""
-    ops = ops_of(runner)
+def unsupported(ops: LayerOps | str, device: torch.device, layer_prompt: str) -> str | None:
+    """Why prompt chunks cannot take the lean forward (None: they can), from the model's family
+    (``layer_ops``: its config's), where it runs and the decoder layers' prompt kernels (the plan's
+    ``layer_prompt``: one name, or several joined by ``|``): bf16 blocks or oneDNN's packed
+    product in the model's dtype (``onednn-*``: a prompt side is never another kind) in every
+    layer."""
     if isinstance(ops, str):
         return ops
-    if runner.device.type != "cpu":
-        return f"prompt products are oneDNN's CPU kernels; the model runs on {runner.device.type}"
-    kernels = layer_kernels(runner)
-    kinds = set()
-    for layer in runner.decoder.layers:
-        for name in ops.projections:
-            prompt = prompt_kernel_of(kernels.get(id(_base(projection(layer, name)))))
-            if prompt is None:
-                return f"{name}'s prompt tokens do not multiply with a packed bf16 or model-dtype kernel"
-            kinds.add(type(prompt))
-    if len(kinds) > 1:
+    if device.type != "cpu":
+        return f"prompt products are oneDNN's CPU kernels; the model runs on {device.type}"
+    kernels = layer_prompt.split("|")
+    if any(not k.startswith("onednn-") for k in kernels):
+        return f"the decoder layers' prompt tokens multiply with {layer_prompt}, not a packed bf16 or model-dtype kernel"
+    if len(kernels) > 1:
         return "the layers' prompt kernels differ"
     return None
 
@@ -115,8 +112,8 @@ class StackedDeltas:
         self.rows = rows
         self.stacks = stacks  # by (id of the product, adapter), made when first asked
 
-    def add(self, product: _SideBySide, x: torch.Tensor, out: torch.Tensor) -> None:
-        layers = [_lora(m) for m in product.modules]
+    def add(self, product: SideBySide, x: torch.Tensor, out: torch.Tensor) -> None:
+        layers = [lora_layer(m) for m in product.modules]
         if any(layer is not None and layer.training for layer in layers):
             ModuleDeltas(self.rows).add(product, x, out)
             return
@@ -137,28 +134,24 @@ class FusedPrompt(LeanLayers):
     def __init__(self, runner: ModelRunner, *, native: bool = False) -> None:
         # a kernel of the layers' own kind for the side-by-side weights (BlockedBF16 probes each
         # one's blocks when it prepares it)
-        ops = ops_of(runner)
+        ops = layer_ops(runner.config, runner.decoder.layers)
         first = ops.attention[0] if not isinstance(ops, str) else "q_proj"
         kernel = prompt_kernel_of(
-            layer_kernels(runner).get(id(_base(projection(runner.decoder.layers[0], first))))
+            layer_kernels(runner).get(id(base_linear(projection(runner.decoder.layers[0], first))))
         )
-        assert kernel is not None, "FusedPrompt needs a runner that unsupported() accepts"
+        assert kernel is not None, "FusedPrompt needs a runner whose plan names a lean prompt forward"
         super().__init__(runner, kernel)
         # the layers in C++ (``native.prompt_own``: bf16 block products, decode_own's operations
-        # between them) where the native module is built with them and the model's sizes fit
-        self.native = (
-            native
-            and isinstance(kernel, BlockedBF16)
-            and own_unsupported(runner) is None
-            and native_module.prompt_own() is not None
-        )
+        # between them) where the runner's plan says ``native`` (the plan checked the kernels, the
+        # model's sizes and the build)
+        self.native = native
         # the adapters' stacked matrices (StackedDeltas), and the state of each adapter's
         # weights they were made from
         self._stacks: dict[tuple[int, str], Stacked | None] = {}
         self._adapter_state: dict[str, tuple[int, int]] = {}
 
-    def refresh(self) -> None:
-        super().refresh()
+    def refresh(self, lora_problem: str | None = None) -> None:
+        super().refresh(lora_problem)
         self._stacks = {}
         self._adapter_state = {}
 
@@ -180,7 +173,7 @@ class FusedPrompt(LeanLayers):
         self._fresh()
         x = embed(self.decoder, self.ops, plan.input_ids.view(-1))
         rope = rope_tables(self.decoder, self.ops, x, plan)
-        if self.native and not self.decoder.training:
+        if self.native:
             x = self._native(plan, x, rope, lora)
         else:
             deltas = None if lora is None else self._deltas(lora)

@@ -1,12 +1,22 @@
 """The torch engine's forward plan: which path and kernel every part of a forward takes.
 
-``resolve_plan`` decides once, when the engine is made, from the model (its architecture, dtype
-and weights), the CPU (``services.common.platforms.cpu_features``) and the user-facing settings
-(``TANDEM_INFERENCE_FORWARD``, ``QUANTIZE``, ``PROMPT_DTYPE``, ``NATIVE_DECODE``); the runner
-builds exactly what the plan names and nothing else, so an engine's numbers never change paths
-during its life. The plan is logged as one line at start-up (``forward plan: ...``) and served by
-``/health`` and ``/v1/capabilities``. Benchmarks and tests that compare paths resolve a plan and
-replace fields (``dataclasses.replace(plan, decode="python")``) before handing it to the engine.
+``resolve_plan`` decides when the engine is made, from the model (its architecture, dtype and
+weights), the CPU (``services.common.platforms.cpu_features``) and the user-facing settings
+(``TANDEM_INFERENCE_FORWARD``, ``QUANTIZE``, ``PROMPT_DTYPE``, ``NATIVE_DECODE``; ``PlanSettings``,
+whose defaults are the server's); the runner builds exactly what the plan names and nothing else,
+and no constructor decides a path. The capability checks it calls read the model's config, its
+family's operations (``layer_ops``), its dtype and device (``ModelFacts``) and the plan's kernel
+names, never a runner.
+
+What a plan depends on can change while the engine runs: an adapter the lean forwards cannot
+serve is loaded (or unloaded), or the model enters (or leaves) training mode. The runner then
+resolves the plan again for the model's state (``in_state``: the built plan, its lean paths moved
+to the Hugging Face modules or its C++ loops to the Python ones where the state asks), logs one
+line naming what changed (``forward plan changed (...): decode python -> reference (why)``) and
+runs the new plan; ``/health`` and ``/v1/capabilities`` serve the current one. The plan is logged
+as one line at start-up (``forward plan: ...``). Benchmarks and tests that compare paths resolve a
+plan and replace fields (``plan_for``, ``dataclasses.replace(plan, decode="python")``) before
+handing it to the engine; a hand-made plan a model cannot run is refused by name (``refusal``).
 
 Fields:
 
@@ -37,13 +47,20 @@ import dataclasses
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from services.common.platforms import CpuFeatures, cpu_features
-from services.inference.engine import native, packed_linear, quantized_linear
-from services.inference.engine.layer_ops import describe
+from services.inference.engine import (
+    defaults,
+    fused_decode,
+    fused_prompt,
+    native,
+    packed_linear,
+    quantized_linear,
+)
+from services.inference.engine.layer_ops import LayerOps, describe, layer_ops
 from services.inference.engine.native import NativeDecode
 from services.inference.engine.quantized_linear import PromptDType, Quantize
 
@@ -55,16 +72,19 @@ DecodePath = Literal["native-own", "python", "reference"]
 PromptPath = Literal["native", "python", "reference"]
 LEAN_DECODE: tuple[str, ...] = ("native-own", "python")
 LEAN_PROMPT: tuple[str, ...] = ("native", "python")
+# the prompt kernel the C++ prompt layers multiply with
+BF16_BLOCKS = "onednn-bf16-blocks"
 
 
 @dataclass(frozen=True)
 class PlanSettings:
-    """The user-facing settings a plan is resolved from (``InferenceSettings`` has them too)."""
+    """The user-facing settings a plan is resolved from (``InferenceSettings`` has them too); the
+    defaults are the server's (``defaults.py``, which its settings read too)."""
 
-    forward: Forward = "auto"
-    quantize: Quantize = "none"
-    prompt_dtype: PromptDType = "auto"
-    native_decode: NativeDecode = "off"
+    forward: Forward = defaults.FORWARD
+    quantize: Quantize = defaults.QUANTIZE
+    prompt_dtype: PromptDType = defaults.PROMPT_DTYPE
+    native_decode: NativeDecode = defaults.NATIVE_DECODE
 
 
 @dataclass(frozen=True)
@@ -131,86 +151,92 @@ def kernel_name(kernel: Any, side: str, model_dtype: torch.dtype) -> str:
     return names.get(type(kernel), type(kernel).__name__)
 
 
-def kernel_choice(plan: ForwardPlan, output_head: Any, batch_hint: int) -> KernelChoice | None:
-    """The per-layer kernels ``plan`` names (None: every layer stays plain ``nn.Linear``)."""
-    if plan.layer_decode == "torch" and plan.layer_prompt == "torch":
-        return None
-    if plan.quantize != "none" or plan.prompt_dtype == "bfloat16":
+def _choice(
+    quantize: Quantize,
+    prompt_dtype: PromptDType,
+    output_head: Any,
+    batch_hint: int,
+    *,
+    q8_head: bool,
+    int4_blocks: bool,
+) -> KernelChoice:
+    """The per-layer kernels of a packed model: quantised or bf16-prompt kernels, else oneDNN's
+    packed product in the model's dtype everywhere."""
+    if quantize != "none" or prompt_dtype == "bfloat16":
         return quantized_linear.layer_kernels(
-            plan.quantize,
-            output_head,
-            batch_hint,
-            plan.prompt_dtype,
-            q8_head=plan.head_decode == "q8_0",
-            int4_blocks="int4-q8" in plan.layer_decode.split("|"),
+            quantize, output_head, batch_hint, prompt_dtype, q8_head=q8_head, int4_blocks=int4_blocks
         )
     return packed_linear.packed_layers(batch_hint)
 
 
-class _Probe:
-    """What the lean forwards' checks read of a runner, for a model not yet served."""
-
-    def __init__(
-        self, model: Any, device: torch.device, quantize: Quantize, choose: KernelChoice | None
-    ) -> None:
-        from services.inference.engine.runner import base_model_of
-
-        base = base_model_of(model)
-        self.model = model
-        self.config = base.config
-        self.decoder = base.get_decoder()
-        self.lm_head = base.get_output_embeddings()
-        self.device = device
-        self.dtype = next(base.parameters()).dtype
-        self.quantize = quantize
-        self.packed = packed_linear.PackedLinears(model, choose=choose) if choose is not None else None
-        self._hooks: list[Any] = []
-
-
-def _side_names(probe: _Probe, side: str) -> tuple[str, str]:
-    """The decoder layers' kernel for ``side`` (one name, or each distinct one joined by ``|``) and
-    the output head's."""
-    kernels = {id(p.module): p.kernel for p in probe.packed.layers} if probe.packed is not None else {}
-    layers = sorted(
-        {
-            kernel_name(kernels.get(id(m)), side, probe.dtype)
-            for name, m in probe.decoder.named_modules()
-            if type(m) is torch.nn.Linear and ".lora_" not in f".{name}"
-        }
+def kernel_choice(plan: ForwardPlan, output_head: Any, batch_hint: int) -> KernelChoice | None:
+    """The per-layer kernels ``plan`` names (None: every layer stays plain ``nn.Linear``)."""
+    if plan.layer_decode == "torch" and plan.layer_prompt == "torch":
+        return None
+    return _choice(
+        plan.quantize,
+        plan.prompt_dtype,
+        output_head,
+        batch_hint,
+        q8_head=plan.head_decode == "q8_0",
+        int4_blocks="int4-q8" in plan.layer_decode.split("|"),
     )
-    return "|".join(layers) or "torch", kernel_name(kernels.get(id(probe.lm_head)), side, probe.dtype)
 
 
-def resolve_plan(
-    model: Any,
-    platform: CpuFeatures | None = None,
-    settings: Any = None,
-    *,
-    device: Any = None,
-) -> ForwardPlan:
-    """The plan the engine runs ``model`` with (see the module doc). ``platform``: the CPU's
-    features (None: this machine's); ``settings``: ``PlanSettings`` or anything with its
-    attributes (``InferenceSettings``; None: ``PlanSettings()``). A setting that cannot run here
-    raises ``ValueError`` naming it; with ``native_decode=on`` a failed C++ build raises
-    ``native.NativeBuildError``."""
-    from services.inference.engine import fused_decode, fused_prompt
-    from services.inference.engine.runner import base_model_of
+def base_model_of(model: Any) -> Any:
+    """The transformers model under a PEFT wrapper (LoRA layers stay injected in it)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
 
-    settings = settings if settings is not None else PlanSettings()
-    cpu = platform if platform is not None else cpu_features()
-    forward: Forward = settings.forward
-    base = base_model_of(model)
-    param = next(base.parameters())
-    device = torch.device(device) if device is not None else param.device
-    dtype = param.dtype
-    head_module = base.get_output_embeddings()
-    reasons: dict[str, str] = {
-        "forward": "TANDEM_INFERENCE_FORWARD=reference: the Hugging Face modules"
-        if forward == "reference"
-        else "the fastest path this model, CPU and torch build support",
-    }
 
-    quantize = quantized_linear.resolve(settings.quantize, model, head_module, device)
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the capability checks read of a model: its config, its family's layer operations
+    (``layer_ops``, or why the lean forwards cannot compute them), its dtype and its device."""
+
+    config: Any
+    ops: LayerOps | str
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, model: Any, device: Any = None) -> ModelFacts:
+        """``model``'s facts (plain or PEFT); ``device``: where it runs (None: its weights')."""
+        base = base_model_of(model)
+        param = next(base.parameters())
+        return cls(
+            config=base.config,
+            ops=layer_ops(base.config, base.get_decoder().layers),
+            dtype=param.dtype,
+            device=torch.device(device) if device is not None else param.device,
+        )
+
+
+@dataclass(frozen=True)
+class _Native:
+    """Whether the C++ kernels are built for this plan, and why not."""
+
+    built: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    """The decoder layers' and the output head's kernel names, decode and prompt side."""
+
+    layer_decode: str
+    layer_prompt: str
+    head_decode: str
+    head_prompt: str
+
+
+def _quantisation(
+    model: Any, head: Any, facts: ModelFacts, cpu: CpuFeatures, settings: Any, reasons: dict[str, str]
+) -> tuple[Quantize, PromptDType]:
+    """The quantisation and the prompt products' dtype, with their reasons; a setting that cannot
+    run here raises ``ValueError`` naming it."""
+    device, dtype = facts.device, facts.dtype
+    quantize = quantized_linear.resolve(settings.quantize, model, head, device)
     if settings.quantize == "auto":
         reasons["quantize"] = (
             "auto: the weights hold 4-bit values already"
@@ -236,145 +262,269 @@ def resolve_plan(
         reasons["prompt_dtype"] = (
             "no native bf16 on this CPU" if quantize in ("int4", "int8") else "decode is not quantised"
         )
+    return quantize, prompt_dtype
 
-    # the C++ kernels: int4 or unquantised decode of an fp32 CPU model, never for the reference
-    # forward
-    built = False
+
+def _native(forward: Forward, quantize: Quantize, facts: ModelFacts, setting: NativeDecode) -> _Native:
+    """The C++ kernels: built for int4 or unquantised decode of an fp32 CPU model, never for the
+    reference forward (``native_decode=on``: a failed build raises ``native.NativeBuildError``)."""
     if forward == "reference":
-        native_reason = "the reference forward runs no C++ kernels"
-    elif not (quantize in ("int4", "none") and device.type == "cpu" and dtype == torch.float32):
-        native_reason = f"decode is not int4 or unquantised on an fp32 CPU model ({quantize}, {dtype})"
-    elif settings.native_decode == "off":
-        native_reason = "TANDEM_INFERENCE_NATIVE_DECODE=off"
-    elif not native.avx2():
-        native_reason = "the C++ kernels need AVX2, which this CPU lacks"
-    else:
-        built = native.start(settings.native_decode)
-        native_reason = "" if built else f"the C++ kernels were not built ({native.problem()})"
+        return _Native(False, "the reference forward runs no C++ kernels")
+    if not (quantize in ("int4", "none") and facts.device.type == "cpu" and facts.dtype == torch.float32):
+        return _Native(
+            False, f"decode is not int4 or unquantised on an fp32 CPU model ({quantize}, {facts.dtype})"
+        )
+    if setting == "off":
+        return _Native(False, "TANDEM_INFERENCE_NATIVE_DECODE=off")
+    if not native.avx2():
+        return _Native(False, "the C++ kernels need AVX2, which this CPU lacks")
+    built = native.start(setting)
+    return _Native(built, "" if built else f"the C++ kernels were not built ({native.problem()})")
 
-    # the output head's decode rows in Q8_0 blocks (needs the built module's q8_linear)
-    q8 = built and native.q8_linear() is not None
+
+def _head(quantize: Quantize, built: _Native, cpu: CpuFeatures, head: Any) -> tuple[bool, str]:
+    """Whether the output head's decode rows multiply in Q8_0 blocks (the built module's
+    q8_linear), and why."""
+    q8 = built.built and native.q8_linear() is not None
     q8_head = quantize == "int4" and q8 and not cpu.amx_usable
-    in_features = getattr(head_module, "in_features", 0)
     if quantize == "int4" and not q8:
-        head_reason = native_reason or "the C++ kernels have no q8_linear"
-    elif quantize == "int4" and cpu.amx_usable:
-        head_reason = "bf16 head: this process may use the CPU's AMX (faster at every row count)"
-    elif quantize == "int4" and in_features % quantized_linear.Q8_BLOCK:
-        head_reason = f"{in_features} input features are not whole Q8_0 blocks"
-    elif q8_head:
-        head_reason = "q8_0 head: C++ kernels built (AVX2), no usable AMX"
-    else:
-        head_reason = f"quantize={quantize}: the head multiplies as the layers do"
+        return q8_head, built.reason or "the C++ kernels have no q8_linear"
+    if quantize == "int4" and cpu.amx_usable:
+        return q8_head, "bf16 head: this process may use the CPU's AMX (faster at every row count)"
+    if quantize == "int4" and getattr(head, "in_features", 0) % quantized_linear.Q8_BLOCK:
+        return q8_head, f"{getattr(head, 'in_features', 0)} input features are not whole Q8_0 blocks"
+    if q8_head:
+        return q8_head, "q8_0 head: C++ kernels built (AVX2), no usable AMX"
+    return q8_head, f"quantize={quantize}: the head multiplies as the layers do"
 
-    # the decoder layers' int4 decode products: Q4_1 x int8 rows (the built module's q4_linear:
-    # AVX512-VNNI where the CPU has it, else AVX2, the same numbers), else torch's int4 kernel
-    int4_blocks = quantize == "int4" and built and native.q4_linear() is not None
-    linear_reason: str
+
+def _layers(
+    forward: Forward,
+    quantize: Quantize,
+    prompt_dtype: PromptDType,
+    built: _Native,
+    cpu: CpuFeatures,
+    facts: ModelFacts,
+) -> tuple[bool, bool, str]:
+    """Whether the linear layers are packed (or quantised), whether their int4 decode products are
+    the own Q4_1 x int8 rows (the built module's q4_linear: AVX512-VNNI where the CPU has it, else
+    AVX2, the same numbers; else torch's int4 kernel), and why."""
+    int4_blocks = quantize == "int4" and built.built and native.q4_linear() is not None
     if quantize != "none" or prompt_dtype == "bfloat16":
-        linear_reason = f"quantize={quantize}, prompt products in {prompt_dtype}"
+        reason = f"quantize={quantize}, prompt products in {prompt_dtype}"
         if quantize == "int4":
-            linear_reason += (
+            reason += (
                 f", int4 decode as Q4_1 x int8 rows (C++, {'AVX512-VNNI' if cpu.avx512_vnni else 'AVX2'})"
                 if int4_blocks
-                else f", int4 decode in torch's kernel ({native_reason or 'the C++ module has no q4_linear'})"
+                else f", int4 decode in torch's kernel ({built.reason or 'the C++ module has no q4_linear'})"
             )
-        packed = True
-    elif forward == "reference":
-        linear_reason = "the reference forward: torch's own nn.Linear"
-        packed = False
-    elif packed_linear.available(device, dtype):
-        linear_reason = "oneDNN-prepacked weights (this torch build has them for the model's dtype)"
-        packed = True
-    else:
-        linear_reason = f"no oneDNN packing for {dtype} on {device.type}: torch's own nn.Linear"
-        packed = False
-    draft = ForwardPlan(
-        forward=forward,
-        quantize=quantize,
-        prompt_dtype=prompt_dtype,
-        decode="reference",
-        prompt="reference",
-        layer_decode="torch" if not packed else "int4-q8" if int4_blocks else "?",
-        layer_prompt="torch" if not packed else "?",
-        head_decode="q8_0" if q8_head else "?",
-        head_prompt="?",
-        attention="?",
+        return True, int4_blocks, reason
+    if forward == "reference":
+        return False, False, "the reference forward: torch's own nn.Linear"
+    if packed_linear.available(facts.device, facts.dtype):
+        return True, False, "oneDNN-prepacked weights (this torch build has them for the model's dtype)"
+    return False, False, f"no oneDNN packing for {facts.dtype} on {facts.device.type}: torch's own nn.Linear"
+
+
+def _kernel_names(model: Any, choose: KernelChoice | None, dtype: torch.dtype) -> _Kernels:
+    """The kernel names ``choose`` gives the decoder layers (one name a side, or each distinct one
+    joined by ``|``) and the output head: what a runner built from the plan multiplies with."""
+    base = base_model_of(model)
+    head = base.get_output_embeddings()
+    kernels: dict[int, Any] = {}
+    if choose is not None:
+        # the layers a runner's ``PackedLinears`` tracks: plain linear layers, LoRA's own left out
+        for name, module in model.named_modules():
+            if type(module) is torch.nn.Linear and ".lora_" not in f".{name}":
+                kernels[id(module)] = choose(name, module)
+    decoder = [
+        m
+        for name, m in base.get_decoder().named_modules()
+        if type(m) is torch.nn.Linear and ".lora_" not in f".{name}"
+    ]
+
+    def layers(side: str) -> str:
+        return "|".join(sorted({kernel_name(kernels.get(id(m)), side, dtype) for m in decoder})) or "torch"
+
+    return _Kernels(
+        layer_decode=layers("decode"),
+        layer_prompt=layers("prompt"),
+        head_decode=kernel_name(kernels.get(id(head)), "decode", dtype),
+        head_prompt=kernel_name(kernels.get(id(head)), "prompt", dtype),
     )
-    probe = _Probe(model, device, quantize, kernel_choice(draft, head_module, 16) if packed else None)
-    layer_decode, head_decode = _side_names(probe, "decode")
-    layer_prompt, head_prompt = _side_names(probe, "prompt")
-    reasons["layers"] = linear_reason
-    reasons["head"] = head_reason
-    runner = cast(Any, probe)
 
-    # the decoder layer's operations of the model's family (layer_ops.py), or why the lean forwards
-    # cannot compute them
-    ops = fused_decode.ops_of(runner)
-    reasons["family"] = ops if isinstance(ops, str) else describe(ops)
 
-    # decode tokens: the lean forward where its layer loop has the family's operations and the
-    # layers decode in int4 or the model's own fp32/bf16 weights
-    decode: DecodePath = "reference"
+def _decode_path(
+    forward: Forward, facts: ModelFacts, quantize: Quantize, layer_decode: str, built: _Native
+) -> tuple[DecodePath, str]:
+    """Decode tokens' forward: the lean one where its layer loop has the family's operations and
+    the layers decode in int4 or the model's own fp32/bf16 weights; its loop in C++ where the
+    module is built and the model's sizes fit the loop."""
     if forward == "reference":
-        reasons["decode"] = "the reference forward"
-    elif (problem := fused_decode.unsupported(runner)) is not None:
-        reasons["decode"] = f"the Hugging Face modules: {problem}"
-    elif not built:
-        decode = "python"
-        reasons["decode"] = f"the lean forward's Python loop: {native_reason}"
-    elif (own := fused_decode.own_unsupported(runner)) is None and native.decode_own() is not None:
-        decode = "native-own"
+        return "reference", "the reference forward"
+    problem = fused_decode.unsupported(facts.ops, facts.device, facts.dtype, quantize, layer_decode)
+    if problem is not None:
+        return "reference", f"the Hugging Face modules: {problem}"
+    if not built.built:
+        return "python", f"the lean forward's Python loop: {built.reason}"
+    own = fused_decode.own_unsupported(facts.config, facts.dtype)
+    if own is None and native.decode_own() is not None:
         products = "int4" if quantize == "int4" else "oneDNN fp32"
-        reasons["decode"] = f"the lean forward in C++ with its own operations (AVX2), {products} products"
-    else:
-        decode = "python"
-        reasons["decode"] = f"the lean forward's Python loop: {own or 'the C++ loop is not built'}"
+        return "native-own", f"the lean forward in C++ with its own operations (AVX2), {products} products"
+    return "python", f"the lean forward's Python loop: {own or 'the C++ loop is not built'}"
 
-    # prompt chunks: the lean prompt forward where its layer loop has the family's operations (CPU)
-    prompt: PromptPath = "reference"
+
+def _prompt_path(
+    forward: Forward, facts: ModelFacts, layer_prompt: str, built: _Native
+) -> tuple[PromptPath, str]:
+    """Prompt chunks' forward: the lean one where its layer loop has the family's operations
+    (CPU); its layers in C++ where they multiply in bf16 blocks and the module is built."""
     if forward == "reference":
-        reasons["prompt"] = "the reference forward"
-    elif (problem := fused_prompt.unsupported(runner)) is not None:
-        reasons["prompt"] = f"the Hugging Face modules: {problem}"
-    elif (
-        built
-        and layer_prompt == "onednn-bf16-blocks"
-        and fused_decode.own_unsupported(runner) is None
-        and native.prompt_own() is not None
-    ):
-        prompt = "native"
-        reasons["prompt"] = "the lean prompt forward in C++ (bf16 block products, AVX2)"
+        return "reference", "the reference forward"
+    problem = fused_prompt.unsupported(facts.ops, facts.device, layer_prompt)
+    if problem is not None:
+        return "reference", f"the Hugging Face modules: {problem}"
+    own = fused_decode.own_unsupported(facts.config, facts.dtype)
+    if built.built and layer_prompt == BF16_BLOCKS and own is None and native.prompt_own() is not None:
+        return "native", "the lean prompt forward in C++ (bf16 block products, AVX2)"
+    if not built.built:
+        why = built.reason
+    elif layer_prompt != BF16_BLOCKS:
+        why = "its C++ layers multiply in bf16 blocks; prompts here multiply in " + layer_prompt
     else:
-        prompt = "python"
-        if not built:
-            why = native_reason
-        elif layer_prompt != "onednn-bf16-blocks":
-            why = "its C++ layers multiply in bf16 blocks; prompts here multiply in " + layer_prompt
-        else:
-            why = fused_decode.own_unsupported(runner) or "the C++ prompt layers are not built"
-        reasons["prompt"] = f"the lean prompt forward's Python loop: {why}"
+        why = own or "the C++ prompt layers are not built"
+    return "python", f"the lean prompt forward's Python loop: {why}"
 
-    prompt_attention = "invariant" if device.type == "cpu" else "sdpa"
+
+def _attention(decode: DecodePath, prompt_attention: str) -> tuple[str, str]:
+    """The attention field (decode tokens' / prompt tokens', one name where they agree) and its
+    reason: the C++ loop attends its decode rows itself."""
     decode_attention = "own" if decode == "native-own" else prompt_attention
     attention = (
         decode_attention if decode_attention == prompt_attention else f"{decode_attention}/{prompt_attention}"
     )
-    reasons["attention"] = (
-        "ragged's batch-invariant attention" if device.type == "cpu" else "SDPA on an accelerator"
+    reason = (
+        "ragged's batch-invariant attention" if prompt_attention == "invariant" else "SDPA on an accelerator"
     ) + (", decode rows' in the C++ loop" if decode == "native-own" else "")
+    return attention, reason
+
+
+def resolve_plan(
+    model: Any,
+    platform: CpuFeatures | None = None,
+    settings: Any = None,
+    *,
+    device: Any = None,
+) -> ForwardPlan:
+    """The plan the engine runs ``model`` with (see the module doc). ``platform``: the CPU's
+    features (None: this machine's); ``settings``: ``PlanSettings`` or anything with its
+    attributes (``InferenceSettings``; None: ``PlanSettings()``, the server's defaults). A setting
+    that cannot run here raises ``ValueError`` naming it; with ``native_decode=on`` a failed C++
+    build raises ``native.NativeBuildError``."""
+    settings = settings if settings is not None else PlanSettings()
+    cpu = platform if platform is not None else cpu_features()
+    forward: Forward = settings.forward
+    facts = ModelFacts.of(model, device)
+    head = base_model_of(model).get_output_embeddings()
+    reasons: dict[str, str] = {
+        "forward": "TANDEM_INFERENCE_FORWARD=reference: the Hugging Face modules"
+        if forward == "reference"
+        else "the fastest path this model, CPU and torch build support",
+    }
+    quantize, prompt_dtype = _quantisation(model, head, facts, cpu, settings, reasons)
+    built = _native(forward, quantize, facts, settings.native_decode)
+    q8_head, head_reason = _head(quantize, built, cpu, head)
+    packed, int4_blocks, reasons["layers"] = _layers(forward, quantize, prompt_dtype, built, cpu, facts)
+    reasons["head"] = head_reason
+    choose = (
+        _choice(quantize, prompt_dtype, head, 16, q8_head=q8_head, int4_blocks=int4_blocks)
+        if packed
+        else None
+    )
+    kernels = _kernel_names(model, choose, facts.dtype)
+    reasons["family"] = facts.ops if isinstance(facts.ops, str) else describe(facts.ops)
+    decode, reasons["decode"] = _decode_path(forward, facts, quantize, kernels.layer_decode, built)
+    prompt, reasons["prompt"] = _prompt_path(forward, facts, kernels.layer_prompt, built)
+    attention, reasons["attention"] = _attention(
+        decode, "invariant" if facts.device.type == "cpu" else "sdpa"
+    )
     return ForwardPlan(
         forward=forward,
         quantize=quantize,
         prompt_dtype=prompt_dtype,
         decode=decode,
         prompt=prompt,
-        layer_decode=layer_decode,
-        layer_prompt=layer_prompt,
-        head_decode=head_decode,
-        head_prompt=head_prompt,
+        layer_decode=kernels.layer_decode,
+        layer_prompt=kernels.layer_prompt,
+        head_decode=kernels.head_decode,
+        head_prompt=kernels.head_prompt,
         attention=attention,
         reasons=types.MappingProxyType(reasons),
+    )
+
+
+def refusal(plan: ForwardPlan, facts: ModelFacts) -> str | None:
+    """Why a runner cannot run ``plan`` on a model of ``facts`` (a plan made by hand: a resolved
+    plan never names a path its checks refuse), naming the field; None: it can. The C++ paths
+    are checked after ``native.start``."""
+    if plan.lean_decode:
+        problem = fused_decode.unsupported(
+            facts.ops, facts.device, facts.dtype, plan.quantize, plan.layer_decode
+        )
+        if problem is None and plan.decode == "native-own":
+            problem = fused_decode.own_unsupported(facts.config, facts.dtype)
+        if problem is not None:
+            return f"decode={plan.decode!r}: {problem}"
+    if plan.lean_prompt:
+        problem = fused_prompt.unsupported(facts.ops, facts.device, plan.layer_prompt)
+        if problem is None and plan.prompt == "native":
+            if plan.layer_prompt != BF16_BLOCKS:
+                problem = f"the C++ prompt layers multiply in bf16 blocks, not {plan.layer_prompt}"
+            else:
+                problem = fused_decode.own_unsupported(facts.config, facts.dtype)
+            if problem is None and native.prompt_own() is None:
+                problem = "the C++ prompt layers are not built"
+        if problem is not None:
+            return f"prompt={plan.prompt!r}: {problem}"
+    return None
+
+
+def in_state(plan: ForwardPlan, *, lora_problem: str | None, training: bool) -> ForwardPlan:
+    """``plan`` (what a runner built) resolved again for the model as it is now: with adapters the
+    lean forwards cannot serve (``lora_problem``, ``fused_decode.lora_unsupported``) its tokens
+    take the Hugging Face modules; in training mode (LoRA dropout is the Python loops') the C++
+    loops give way to the Python ones. ``plan`` itself when neither applies, so a runner whose
+    adapters are unloaded or whose model left training mode runs the plan it was built for."""
+    decode, prompt = plan.decode, plan.prompt
+    reasons = dict(plan.reasons)
+    if lora_problem is not None:
+        if plan.lean_decode:
+            decode, reasons["decode"] = "reference", f"the Hugging Face modules: {lora_problem}"
+        if plan.lean_prompt:
+            prompt, reasons["prompt"] = "reference", f"the Hugging Face modules: {lora_problem}"
+    elif training:
+        why = "the model is in training mode (LoRA dropout is the Python loop's)"
+        if decode == "native-own":
+            decode, reasons["decode"] = "python", f"the lean forward's Python loop: {why}"
+        if prompt == "native":
+            prompt, reasons["prompt"] = "python", f"the lean prompt forward's Python loop: {why}"
+    if (decode, prompt) == (plan.decode, plan.prompt):
+        return plan
+    attention = plan.attention
+    if decode != plan.decode:
+        attention, reasons["attention"] = _attention(decode, plan.attention.split("/")[-1])
+    return dataclasses.replace(
+        plan, decode=decode, prompt=prompt, attention=attention, reasons=types.MappingProxyType(reasons)
+    )
+
+
+def changes(before: ForwardPlan, after: ForwardPlan) -> str:
+    """What differs between two plans, one clause a field: ``decode python -> reference (why)``."""
+    old, new = before.paths(), after.paths()
+    return "; ".join(
+        f"{name} {old[name]} -> {value} ({after.reasons.get(name, '')})"
+        for name, value in new.items()
+        if old[name] != value
     )
 
 
@@ -390,7 +540,9 @@ def plan_for(
     **paths: Any,
 ) -> ForwardPlan:
     """``resolve_plan`` for these settings, then ``paths`` (plan fields) replaced: how benchmarks and
-    tests run one path against another (``plan_for(model, quantize="int4", decode="python")``)."""
+    tests run one path against another (``plan_for(model, quantize="int4", decode="python")``).
+    Its settings start from the bit-exact baseline (the model's own weights, no C++ kernels), not
+    the server's defaults (``PlanSettings()``), so a comparison names each path it turns on."""
     settings = PlanSettings(
         forward=forward, quantize=quantize, prompt_dtype=prompt_dtype, native_decode=native_decode
     )

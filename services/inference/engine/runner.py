@@ -24,14 +24,22 @@ from typing import Any
 import torch
 
 from services.inference.engine import fused_decode, lora_rows, ragged
-from services.inference.engine import fused_prompt as fused_prompt_module
 from services.inference.engine import native as native_module
 from services.inference.engine.fused_decode import FusedDecode
 from services.inference.engine.fused_prompt import FusedPrompt
 from services.inference.engine.kv_cache import SlabKVCache
 from services.inference.engine.layer_ops import final_logits
 from services.inference.engine.packed_linear import PackedLinears
-from services.inference.engine.plan import ForwardPlan, kernel_choice, resolve_plan
+from services.inference.engine.plan import (
+    ForwardPlan,
+    ModelFacts,
+    base_model_of,
+    changes,
+    in_state,
+    kernel_choice,
+    refusal,
+    resolve_plan,
+)
 from services.inference.engine.prefix_cache import weights_fingerprint
 from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.ragged import DecodeRow, PrefillRow
@@ -48,12 +56,6 @@ def sliding_window(config: Any) -> int | None:
     if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
         return None
     return window
-
-
-def base_model_of(model: Any) -> Any:
-    """The transformers model under a PEFT wrapper (LoRA layers stay injected in it)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 class ModelRunner:
@@ -102,36 +104,32 @@ class ModelRunner:
         self._attention_name = ragged.register()
         # a 4-D mask is passed through by transformers as is; ours attends by the plan instead
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        # what every part of a forward runs (plan.py), resolved once: an engine's numbers never
-        # change paths during its life
-        self.plan = plan = plan if plan is not None else resolve_plan(model, device=self.device)
+        # what every part of a forward runs (plan.py): the runner builds what ``built_plan`` names
+        # and runs ``plan``, that plan resolved again for the model's adapters and mode (``_replan``)
+        plan = plan if plan is not None else resolve_plan(model, device=self.device)
+        self.built_plan = self.plan = plan
         self.quantize: Quantize = plan.quantize
         self.prompt_dtype: PromptDType = plan.prompt_dtype
+        self._facts = ModelFacts.of(model, self.device)
         if plan.needs_native:
             # the C++ kernels, built (or loaded) before any forward; a plan made by hand that
             # names them stops here when they cannot be built
             native_module.start("on")
+        problem = refusal(plan, self._facts)
+        if problem is not None:
+            raise ValueError(problem)
         choose = kernel_choice(plan, self.lm_head, max_slots)
         self.packed: PackedLinears | None = (
             PackedLinears(model, choose=choose) if choose is not None else None
         )
         # decode tokens through the lean forward where the plan names it (layer_ops.py: the families)
-        # (fused_decode.py: the eager forward's numbers, without the modules' plumbing)
-        self.fused: FusedDecode | None = None
-        if plan.lean_decode:
-            problem = fused_decode.unsupported(self)
-            if problem is not None:
-                raise ValueError(f"decode={plan.decode!r}: {problem}")
-            self.fused = FusedDecode(self, native=plan.decode == "native-own")
-            self.fused.refresh()
-        # prompt chunks through their lean forward (fused_prompt.py)
-        self.fused_prompt: FusedPrompt | None = None
-        if plan.lean_prompt:
-            problem = fused_prompt_module.unsupported(self)
-            if problem is not None:
-                raise ValueError(f"prompt={plan.prompt!r}: {problem}")
-            self.fused_prompt = FusedPrompt(self, native=plan.prompt == "native")
-            self.fused_prompt.refresh()
+        # (fused_decode.py: the eager forward's numbers, without the modules' plumbing), prompt
+        # chunks through theirs (fused_prompt.py)
+        self.fused = FusedDecode(self, native=plan.decode == "native-own") if plan.lean_decode else None
+        self.fused_prompt = FusedPrompt(self, native=plan.prompt == "native") if plan.lean_prompt else None
+        self._training = bool(self.decoder.training)
+        self._lora_problem: str | None = None
+        self._follow_adapters(None)
 
     def prepare_weights(self) -> None:
         """Pack/quantise every weight the forwards will use now (start-up), not in a request."""
@@ -165,15 +163,40 @@ class ModelRunner:
         return weights_fingerprint(self.model)
 
     # --- LoRA: per-row adapters through PEFT's mixed-batch path -------------------------
-    def refresh_adapter_hooks(self) -> None:
+    def refresh_adapter_hooks(self, cause: str = "the adapters changed") -> None:
         """(Re)attach the hooks that hand each LoRA layer the per-row adapter names (and track
-        the linear layers an adapter added or took away)."""
+        the linear layers an adapter added or took away), and resolve the plan again for the
+        adapters loaded now (``cause``: what changed, for the log line)."""
         if self.packed is not None:
             self.packed.refresh(self.model)
         self._attach_adapter_hooks()
+        self._follow_adapters(cause)
+
+    # --- the plan in the model's state ----------------------------------------------------
+    def _follow_adapters(self, cause: str | None) -> None:
+        """Whether the adapters on the model now can take the lean forwards, and the plan again."""
+        self._lora_problem = fused_decode.lora_unsupported(
+            self.model, self._facts.ops, self.decoder.layers, routed=bool(self._hooks)
+        )
         for lean in (self.fused, self.fused_prompt):
             if lean is not None:
-                lean.refresh()
+                lean.refresh(self._lora_problem)
+        self._replan(cause)
+
+    def _replan(self, cause: str | None) -> None:
+        """Resolve the plan again for the model's adapters and mode (``plan.in_state``) and run it;
+        a change is logged as one line (``cause``: what changed; None at construction, where the
+        engine logs the whole plan)."""
+        self._training = bool(self.decoder.training)
+        plan = in_state(self.built_plan, lora_problem=self._lora_problem, training=self._training)
+        if cause is not None and plan.paths() != self.plan.paths():
+            log.info("forward plan changed (%s): %s", cause, changes(self.plan, plan))
+        self.plan = plan
+        # the lean forwards built for the built plan run the loop the current one names
+        if self.fused is not None:
+            self.fused.native = plan.decode == "native-own"
+        if self.fused_prompt is not None:
+            self.fused_prompt.native = plan.prompt == "native"
 
     def _attach_adapter_hooks(self) -> None:
         for handle in self._hooks:
@@ -229,12 +252,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, decode: list[DecodeRow], prefill: list[PrefillRow]) -> torch.Tensor:
         """Logits ``[D + P, V]``: one row per decode token, then one at each chunk's last token."""
-        lean_decode = self.fused if self.fused is not None and self.fused.lora_problem is None else None
-        lean_prompt = (
-            self.fused_prompt
-            if self.fused_prompt is not None and self.fused_prompt.lora_problem is None
-            else None
-        )
+        if self.decoder.training != self._training:
+            self._replan(
+                "the model entered training mode" if self.decoder.training else "the model left training mode"
+            )
+        plan = self.plan
+        lean_decode = self.fused if plan.lean_decode else None
+        lean_prompt = self.fused_prompt if plan.lean_prompt else None
         if lean_decode is None and lean_prompt is None:
             return self._forward(decode, prefill, None)
         # decode tokens and prompt chunks in two forwards (disjoint slots), each kind of token

@@ -94,7 +94,6 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
         )
         lookup = prompt_lookup_module.resolve(prompt_lookup, device_type, prompt_lookup_sizes)
         plan = prompt_lookup_module.in_plan(plan, prompt_lookup, lookup)
-        self.plan: ForwardPlan = plan
         runner = ModelRunner(
             model, max_slots=max_batch_size, max_len=max_model_len or 1 << 30, device=device, plan=plan
         )
@@ -181,6 +180,12 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
             if was_training:
                 self.model.train()
 
+    @property
+    def plan(self) -> ForwardPlan:
+        """The forward plan the engine runs now (resolved again by the runner when an adapter load
+        or a training-mode switch changes what it depends on)."""
+        return self.runner.plan
+
     # --- the server's face (Engine protocol) ------------------------------------------------------
     async def start(self) -> None:
         log.info("forward plan: %s: %s", self.name, self.plan.line())
@@ -231,7 +236,7 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
             self.model.eval()
             self.adapters[name] = str(folder)
             self.runner.model = self.model
-            self.runner.refresh_adapter_hooks()
+            self.runner.refresh_adapter_hooks(f"adapter {name!r} loaded")
             self.scheduler.prefix_cache.clear()
 
     def _drop_adapter_modules(self, name: str) -> None:
@@ -253,6 +258,6 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
             self._drop_adapter_modules(name)
             del self.adapters[name]
             self.runner.model = self.model
-            self.runner.refresh_adapter_hooks()
+            self.runner.refresh_adapter_hooks(f"adapter {name!r} unloaded")
             # a later adapter of the same name must not find this one's keys/values
             self.scheduler.prefix_cache.clear()
