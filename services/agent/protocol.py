@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from services.agent.chunks import ChunkCitation, Citation
 from services.agent.evals.protocol import MetricDifference, RegressionReport
@@ -15,15 +15,13 @@ from services.common.bounds import (
     JSON_SMALL,
     MAX_UNIX_S,
     NAME_CHARS,
-    TEXT_CHARS,
     JsonData,
     JsonSchema,
     JsonSmall,
     Name,
     Text,
 )
-from services.common.openai_wire import ChatDelta, SparseModel, Usage, WireModel
-from services.common.openai_wire import ToolCall as WireToolCall
+from services.common.openai_wire import ChatDelta, FunctionCall, SparseModel, ToolCall, Usage, WireModel
 
 # A request's limits (docs/contracts.md, "Request limits"), as the inference service's: a chat's
 # messages and a message's parts, the tools offered, and answer tokens (a static ceiling; the
@@ -45,19 +43,21 @@ def _llm_field() -> Any:
     )
 
 
-class FunctionCall(BaseModel):
-    name: str = Field(min_length=1, max_length=64)
-    arguments: str = Field(
-        max_length=TEXT_CHARS, description="The arguments as JSON text, as the model wrote them."
+def _history_call(call: ToolCall) -> ToolCall:
+    """A call an assistant message made, as a caller sends it back in the history: OpenAI's
+    shape with an id, a function name of 1-64 characters and type ``function``; only those
+    fields are kept."""
+    if not call.id:
+        raise ValueError("a tool call needs its id")
+    if call.type != "function":
+        raise ValueError(f"a tool call's type must be 'function', got {call.type!r}")
+    if not 1 <= len(call.function.name) <= 64:
+        raise ValueError(f"a tool call's function name must be 1-64 characters, got {call.function.name!r}")
+    if "arguments" not in call.function.model_fields_set:
+        raise ValueError("a tool call's function needs its arguments (JSON text)")
+    return ToolCall(
+        id=call.id, function=FunctionCall(name=call.function.name, arguments=call.function.arguments)
     )
-
-
-class ToolCall(BaseModel):
-    """A call an assistant message made (OpenAI's shape), sent back in the history."""
-
-    id: str = Field(min_length=1, max_length=NAME_CHARS)
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class Message(BaseModel):
@@ -69,7 +69,7 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[JsonData], Field(max_length=MAX_PARTS)] | None = None
     name: Name | None = None
-    tool_calls: list[ToolCall] | None = Field(
+    tool_calls: list[Annotated[ToolCall, AfterValidator(_history_call)]] | None = Field(
         default=None, max_length=MAX_PARTS, description="assistant: the calls it made"
     )
     tool_call_id: Name | None = Field(default=None, description="tool: the call this is the result of")
@@ -167,7 +167,7 @@ class CompletionMessage(SparseModel):
 
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[WireToolCall] | None = None
+    tool_calls: list[ToolCall] | None = None
     _omit_unset = frozenset({"tool_calls"})
 
 

@@ -11,9 +11,12 @@ does not model are kept (and written back as they came). Requests are each servi
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from services.common.bounds import NAME_CHARS, TEXT_CHARS
 
 
 class WireModel(BaseModel):
@@ -46,10 +49,12 @@ class _OpenSparse(SparseModel):
     model_config = ConfigDict(extra="allow")
 
 
-def _fixed(value: str, *others: str) -> Any:
+def _fixed(value: str, *others: str, max_length: int | None = None) -> Any:
     """A field whose value OpenAI fixes (or Tandem's few): read as any string, so that a server
-    that says otherwise is still understood, and documented as the value(s) written."""
-    return Field(value, json_schema_extra={"enum": [value, *others]} if others else {"const": value})
+    that says otherwise is still understood, and documented as the value(s) written;
+    ``max_length`` where a request also carries it."""
+    extra: dict[str, Any] = {"enum": [value, *others]} if others else {"const": value}
+    return Field(value, max_length=max_length, json_schema_extra=extra)
 
 
 class Usage(_Open):
@@ -59,14 +64,27 @@ class Usage(_Open):
 
 
 class FunctionCall(_Open):
-    name: str = ""
-    arguments: str = ""
+    name: str = Field(default="", max_length=NAME_CHARS)
+    arguments: str = Field(default="", max_length=TEXT_CHARS, description="The arguments as JSON text.")
 
 
 class ToolCall(_Open):
-    id: str = ""
-    type: str = _fixed("function")
+    """A call a model made, OpenAI's ``{"id", "type": "function", "function": {"name",
+    "arguments"}}``: in a chat completion's message, in a history a client sends back (the
+    agent's requests bound it with these limits), and as the engines' tool-call parsers
+    return it. Tandem's ids are ``call_`` and 24 hex digits."""
+
+    id: str = Field(default="", max_length=NAME_CHARS)
+    type: str = _fixed("function", max_length=NAME_CHARS)
     function: FunctionCall = Field(default_factory=FunctionCall)
+
+    @classmethod
+    def of(cls, name: str, arguments: str, call_id: str = "") -> ToolCall:
+        """A call of ``name`` with ``arguments`` (JSON text), given a fresh id unless it has one."""
+        return cls(
+            id=call_id or f"call_{uuid.uuid4().hex[:24]}",
+            function=FunctionCall(name=name, arguments=arguments),
+        )
 
 
 class FunctionDelta(_OpenSparse):

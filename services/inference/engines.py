@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,41 @@ def quantize_mode(settings: InferenceSettings, device: Any) -> Quantize:
     return settings.quantize
 
 
+def check_architecture(path: Path, model: str | None) -> None:
+    """Stops start-up, in one line, when no engine here can serve the model folder's
+    architecture (its ``config.json``'s ``model_type``), naming it and what can serve what.
+    An architecture transformers has a causal LM for is served: by the lean forward for the
+    families it covers, else by the Hugging Face forward, which the forward plan names."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from services.inference.engine.layer_ops import FAMILIES
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"TANDEM_INFERENCE_MODEL={model or path}: {path / 'config.json'} is unreadable: {exc}"
+        ) from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    what = f"architecture {model_type!r}" if model_type else "a config.json without a model_type"
+    raise ValueError(
+        f"TANDEM_INFERENCE_MODEL={model or path}: {what} cannot be served: "
+        f"TANDEM_INFERENCE_ENGINE=torch serves {', '.join(FAMILIES)} on its lean forward and the other "
+        f"causal LMs of transformers {_transformers_version()} on the Hugging Face forward "
+        f"(e.g. {', '.join(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)[:5])}, ...); "
+        "TANDEM_INFERENCE_ENGINE=llamacpp serves the GGUF files of llama.cpp's architectures; "
+        "TANDEM_INFERENCE_ENGINE=vllm (GPU images) serves vLLM's"
+    )
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
 def scheduler_settings(settings: InferenceSettings) -> dict[str, Any]:
     """The scheduler's settings, alike for every engine that runs it (torch, llamacpp)."""
     return {
@@ -82,6 +118,7 @@ def build_torch_engine(
     device = torch.device(current_platform(common.device).device())
     quantize = quantize_mode(settings, device)
     path = resolve_model(model or None, cache_root(common))
+    check_architecture(path, model)
     return TorchEngine.from_pretrained(
         path,
         name=name,

@@ -49,13 +49,15 @@ from services.common.openai_wire import (
     CompletionLogprobs,
     FunctionDelta,
     TextCompletion,
+    ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,
 )
-from services.common.openai_wire import ToolCall as WireToolCall
 from services.inference.engine.base import AdapterNotFound, NameTaken
-from services.inference.engine.tools import ToolCall, call_schema, may_be_call, parse_tool_calls
+from services.inference.engine.tool_formats import DEFAULT as DEFAULT_TOOL_FORMAT
+from services.inference.engine.tool_formats import ToolFormat, tool_names
+from services.inference.engine.tools import call_schema
 from services.inference.engine.types import (
     AdapterError,
     ContextLengthExceeded,
@@ -187,12 +189,14 @@ def guided_decoding(req: ChatCompletionRequest | CompletionRequest) -> GuidedDec
 
 @dataclass
 class ToolPlan:
-    """What a chat request asks of tools: ``mode`` none/auto/required/named."""
+    """What a chat request asks of tools: ``mode`` none/auto/required/named; ``format``: the
+    serving engine's model family's tool-call format (known once an engine is leased)."""
 
     tools: list[dict[str, Any]]
     mode: str
     name: str | None = None
     parallel: bool = True
+    format: ToolFormat = DEFAULT_TOOL_FORMAT
 
     @property
     def active(self) -> bool:
@@ -353,12 +357,20 @@ class _Choice:
                 slot["name"] += d.function.name or ""
                 slot["arguments"] += d.function.arguments or ""
 
-    def calls(self, tools: list[dict[str, Any]] | None) -> list[ToolCall] | None:
+    def answer(self, plan: ToolPlan) -> tuple[str | None, list[ToolCall] | None]:
+        """The message's content and calls: an upstream's own calls, or those parsed from the
+        text in the model family's format (the text before them is the content)."""
+        text = "".join(self.text)
         if self.upstream_calls:
-            return [
-                ToolCall(c["name"], c["arguments"], c["id"]) for _, c in sorted(self.upstream_calls.items())
+            calls = [
+                ToolCall.of(c["name"], c["arguments"], c["id"])
+                for _, c in sorted(self.upstream_calls.items())
             ]
-        return parse_tool_calls("".join(self.text), tools) if tools else None
+            return None, calls
+        found = plan.format.parse(text, plan.tools) if plan.active else None
+        if found is None:
+            return text, None
+        return found.content.strip() or None, found.calls
 
 
 def _sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -460,13 +472,17 @@ def _tool_call_chunks(index: int, calls: list[ToolCall]) -> list[ChatChunkChoice
     name (arguments empty), then the arguments in fragments."""
     out: list[ChatChunkChoice] = []
     for k, call in enumerate(calls):
+        arguments = call.function.arguments
         pieces = [
             ToolCallDelta(
-                index=k, id=call.id, type="function", function=FunctionDelta(name=call.name, arguments="")
+                index=k,
+                id=call.id,
+                type="function",
+                function=FunctionDelta(name=call.function.name, arguments=""),
             )
         ] + [
-            ToolCallDelta(index=k, function=FunctionDelta(arguments=call.arguments[start : start + 32]))
-            for start in range(0, len(call.arguments), 32)
+            ToolCallDelta(index=k, function=FunctionDelta(arguments=arguments[start : start + 32]))
+            for start in range(0, len(arguments), 32)
         ]
         out += [ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[piece])) for piece in pieces]
     return out
@@ -521,8 +537,10 @@ class OpenAIServing:
         self.registry = registry
 
     async def _open(
-        self, requests: list[EngineRequest], model: str, n: int, raw: Request
+        self, requests: list[EngineRequest], model: str, n: int, raw: Request, tools: ToolPlan | None = None
     ) -> AsyncIterator[StreamEvent]:
+        """The merged stream of ``requests`` on the engine serving ``model``; ``tools`` learns
+        that engine's tool-call format."""
         try:
             # an operator acting for a tenant (the trainer's worker) is that tenant here
             principal = acting_principal(raw)
@@ -530,6 +548,8 @@ class OpenAIServing:
                 # a fine-tune from feedback on collections the caller may not read: as the agent does
                 await ModelRestrictions(raw.app.state.redis).check_named(principal, model, "model")
             lease = await self.registry.acquire(model, principal)
+            if tools is not None:
+                tools.format = getattr(lease.engine, "tool_format", DEFAULT_TOOL_FORMAT)
             streams: list[tuple[int, AsyncIterator[StreamEvent]]] = []
             try:
                 for i, req in enumerate(requests):
@@ -591,7 +611,7 @@ class OpenAIServing:
             tools=plan.tools or None,
             extra=body,
         )
-        stream = await self._open([engine_req], req.model, req.n, raw)
+        stream = await self._open([engine_req], req.model, req.n, raw, plan)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -603,16 +623,11 @@ class OpenAIServing:
         choices = await self._collect(stream, raw, req.n)
         out_choices = []
         for i, c in enumerate(choices):
-            calls = c.calls(plan.tools if plan.active else None)
+            content, calls = c.answer(plan)
             out_choices.append(
                 ChatChoice(
                     index=i,
-                    message=ChatCompletionMessage(
-                        content=None if calls else "".join(c.text),
-                        tool_calls=[WireToolCall.model_validate(call.openai()) for call in calls]
-                        if calls
-                        else None,
-                    ),
+                    message=ChatCompletionMessage(content=content, tool_calls=calls),
                     logprobs=chat_logprobs(c.logprobs) if params.logprobs is not None else None,
                     finish_reason="tool_calls" if calls else c.finish_reason,
                 )
@@ -632,10 +647,13 @@ class OpenAIServing:
     ) -> tuple[
         list[list[ChatChunkChoice]], Callable[[StreamEvent, _Choice], Iterator[list[ChatChunkChoice]]]
     ]:
-        """The first chunks (each choice's role) and the chunks each event becomes."""
+        """The first chunks (each choice's role) and the chunks each event becomes. With tools,
+        text that may be a call (in the model family's format) is held back until it can be
+        told apart; the content before a call streams as it comes."""
         first = [[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))] for i in range(n)]
-        # with tools, text that may be a call is held back until it can be told apart
-        holding = [plan.active] * n
+        names = tool_names(plan.tools)
+        sent = [0] * n  # characters of each choice's text streamed as content
+        pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # their entries not yet sent
 
         def content(index: int, text: str, entries: list[TokenLogprob] | None) -> list[ChatChunkChoice]:
             lp = chat_logprobs(entries) if (params.logprobs is not None and entries) else None
@@ -644,29 +662,42 @@ class OpenAIServing:
         def finish(index: int, reason: str) -> list[ChatChunkChoice]:
             return [ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)]
 
+        def release(index: int, text: str) -> list[ChatChunkChoice]:
+            sent[index] += len(text)
+            entries, pending[index] = pending[index], []
+            return content(index, text, entries)
+
+        def held(ev: StreamEvent, c: _Choice) -> Iterator[list[ChatChunkChoice]]:
+            c.text.append(ev.text)
+            pending[ev.index].extend(ev.logprobs or [])
+            text, done = "".join(c.text), sent[ev.index]
+            if not plan.forced:
+                cut = plan.format.content_end(text[done:], done == 0, names)
+                if cut:
+                    yield release(ev.index, text[done : done + cut])
+            if ev.finish_reason is None:
+                return
+            found = None if c.upstream_calls else plan.format.parse(text, plan.tools)
+            if found is None:
+                if text[sent[ev.index] :] or pending[ev.index]:
+                    yield release(ev.index, text[sent[ev.index] :])
+                return
+            if found.content[sent[ev.index] :].strip():
+                yield release(ev.index, found.content[sent[ev.index] :])
+            for piece in _tool_call_chunks(ev.index, found.calls):
+                yield [piece]
+            c.finish_reason = "tool_calls"
+
         def step(ev: StreamEvent, c: _Choice) -> Iterator[list[ChatChunkChoice]]:
             if ev.tool_calls:
                 deltas = _tool_call_deltas(ev.tool_calls)
                 c.add_call_deltas(deltas)
                 yield [ChatChunkChoice(index=ev.index, delta=ChatDelta(tool_calls=deltas))]
-            if holding[ev.index]:
-                c.text.append(ev.text)
-                if ev.logprobs:
-                    c.logprobs.extend(ev.logprobs)
-                held = "".join(c.text)
-                if not plan.forced and not may_be_call(held):
-                    holding[ev.index] = False
-                    yield content(ev.index, held, c.logprobs)
-                elif ev.finish_reason is not None:
-                    calls = None if c.upstream_calls else parse_tool_calls(held, plan.tools)
-                    if calls:
-                        for piece in _tool_call_chunks(ev.index, calls):
-                            yield [piece]
-                        c.finish_reason = "tool_calls"
-                        yield finish(ev.index, "tool_calls")
-                        return
-                    if held or c.logprobs:
-                        yield content(ev.index, held, c.logprobs)
+            if plan.active:
+                yield from held(ev, c)
+                if c.finish_reason == "tool_calls":
+                    yield finish(ev.index, "tool_calls")
+                    return
             elif ev.text or (ev.logprobs and params.logprobs is not None):
                 yield content(ev.index, ev.text, ev.logprobs)
             if ev.finish_reason is not None:

@@ -112,9 +112,9 @@ def test_forced_tool_call_parses_and_validates(engine: TorchEngine) -> None:
             calls = parse_tool_calls(out.text, tools)
             assert calls, out.text
             for call in calls:
-                assert call.name in ("add", "noop")
-                schema = tools[0 if call.name == "add" else 1]["function"]["parameters"]
-                jsonschema.validate(json.loads(call.arguments), schema)  # type: ignore[arg-type]
+                assert call.function.name in ("add", "noop")
+                schema = tools[0 if call.function.name == "add" else 1]["function"]["parameters"]
+                jsonschema.validate(json.loads(call.function.arguments), schema)  # type: ignore[arg-type]
 
 
 def test_fallback_renders_tools_and_history(engine: TorchEngine) -> None:
@@ -310,8 +310,8 @@ def test_smollm2_constrained_outputs_validate() -> None:
         calls = parse_tool_calls(out.text, TOOLS)
         assert out.finish_reason == "stop" and calls, out.text
         for call in calls:
-            schema = TOOLS[0 if call.name == "add" else 1]["function"]["parameters"]
-            jsonschema.validate(json.loads(call.arguments), schema)
+            schema = TOOLS[0 if call.function.name == "add" else 1]["function"]["parameters"]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
 def test_long_prompt_with_several_choices_prefills_in_padded_chunks(engine: TorchEngine) -> None:

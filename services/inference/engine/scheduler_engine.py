@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -31,7 +32,13 @@ from services.inference.engine.prompt_lookup import PromptLookup
 from services.inference.engine.runner_protocol import Runner
 from services.inference.engine.sampling import make_generator
 from services.inference.engine.scheduler import DEFAULT_TENANT, Scheduler, Sequence
-from services.inference.engine.tools import chat_template_input, template_renders_tools
+from services.inference.engine.tool_formats import ToolFormat
+from services.inference.engine.tool_formats import select as select_tool_format
+from services.inference.engine.tools import (
+    chat_template_input,
+    template_renders_calls,
+    template_renders_tools,
+)
 from services.inference.engine.types import (
     ContextLengthExceeded,
     EngineRequest,
@@ -41,6 +48,8 @@ from services.inference.engine.types import (
     SamplingParams,
     StreamEvent,
 )
+
+log = logging.getLogger("tandem.engine")
 
 T = TypeVar("T")
 R = TypeVar("R", bound=Runner)
@@ -127,6 +136,16 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
         # served adapter name -> where it was loaded from
         self.adapters: dict[str, str] = {}
         self._renders_tools: bool | None = None
+        self._renders_calls: bool | None = None
+        # the family's tool-call format: from the chat template's markers, else the model type
+        # (a torch runner's config, llama.cpp's GGUF architecture)
+        config = getattr(runner, "config", None)
+        meta = getattr(runner, "meta", None)
+        model_type = getattr(config, "model_type", None) or (meta("general.architecture") if meta else None)
+        self.tool_format: ToolFormat
+        self.tool_format, self.tool_format_reason = select_tool_format(
+            model_type, getattr(tokenizer, "chat_template", None)
+        )
         self.vocab_size = vocab_size
         self.guided = GuidedCompiler(tokenizer, vocab_size, eos_token_ids)
 
@@ -140,7 +159,9 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
             m if isinstance(m, PromptMessage) else PromptMessage.from_openai(m, i)
             for i, m in enumerate(messages)
         ]
-        clean, extra = chat_template_input(typed, tools, self.template_renders_tools)
+        clean, extra = chat_template_input(
+            typed, tools, self.template_renders_tools, self.tool_format, self.template_renders_calls
+        )
         try:
             out = self.tokenizer.apply_chat_template(
                 clean, add_generation_prompt=True, tokenize=True, **extra
@@ -155,6 +176,12 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
         if self._renders_tools is None:
             self._renders_tools = template_renders_tools(self.tokenizer)
         return self._renders_tools
+
+    def template_renders_calls(self) -> bool:
+        """Whether the chat template writes an assistant's ``tool_calls`` itself."""
+        if self._renders_calls is None:
+            self._renders_calls = template_renders_calls(self.tokenizer)
+        return self._renders_calls
 
     def fim_tokens(self) -> tuple[str, str, str] | None:
         """The fill-in-the-middle tokens (prefix, suffix, middle) when the vocabulary has them."""
@@ -323,6 +350,7 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
 
     # --- the server's face (Engine protocol) ------------------------------------------------------
     async def start(self) -> None:
+        log.info("tool-call format: %s: %s (%s)", self.name, self.tool_format.name, self.tool_format_reason)
         # ready the weights before serving, so the first request does not pay for it
         await in_own_thread(self.runner.prepare_weights)
         self.scheduler.start()
@@ -333,7 +361,12 @@ class SchedulerEngine(AdapterHost, ABC, Generic[R]):
     async def health(self) -> dict[str, object]:
         """Through the scheduler: raises when its loop is dead or has left requests waiting
         past its stall bound (``Scheduler.check``), not only when the thread is gone."""
-        return {"engine": self.kind, "model": self.name, **self.scheduler.check()}
+        return {
+            "engine": self.kind,
+            "model": self.name,
+            "tool_format": self.tool_format.name,
+            **self.scheduler.check(),
+        }
 
     async def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

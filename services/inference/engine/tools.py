@@ -2,25 +2,28 @@
 the grammar that forces a call, and parsing calls out of the generated text.
 
 Rendering: a chat template that formats tools itself (``apply_chat_template(tools=...)``
-changes the prompt) is used as is. Otherwise (SmolLM2's template ignores ``tools``) the
-fallback adds a system message listing the tools as JSON and asking for a call as one JSON
-object ``{"name": ..., "arguments": {...}}`` (a JSON array of such objects for several
-calls); assistant ``tool_calls`` in the history are rendered in that same format and tool
-results become user messages naming the call they answer.
+changes the prompt) is used as is; a call history it leaves out (Granite 3's template writes
+only ``content``) goes into the assistant's content in the family's own format. Otherwise
+(SmolLM2's and Gemma 3's templates ignore ``tools``) the fallback adds a system message
+listing the tools as JSON and asking for a call in the family's prompted format: one JSON
+object ``{"name": ..., "arguments": {...}}`` (a JSON array of such objects for several calls),
+or for Gemma the Python-style calls of its function-calling guide; assistant ``tool_calls`` in
+the history are rendered in that same format and tool results become user messages naming
+the call they answer.
 
-Parsing accepts that format and the Hermes/Qwen one (``<tool_call>{...}</tool_call>``
-blocks), which is what templates with a native tool format make models emit.
+Parsing is each family's (``tool_formats``: Qwen's ``<tool_call>`` blocks, Llama 3's JSON,
+Granite's ``<|tool_call|>``, Gemma's calls, the default JSON), and always reads the default
+format too, which is what a forced call is generated in.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from services.common.openai_wire import ToolCall
+from services.inference.engine.tool_formats import DEFAULT, ToolFormat
 from services.inference.engine.types import InvalidParams, MessageToolCall, PromptMessage
 
 FALLBACK_INSTRUCTIONS = (
@@ -29,26 +32,14 @@ FALLBACK_INSTRUCTIONS = (
     "(a JSON array of such objects to call several). Otherwise answer normally."
 )
 
+# Gemma's templates have no tool format: its function-calling guide prompts for Python-style calls
+GEMMA_INSTRUCTIONS = (
+    "You have access to these functions (JSON Schema of each one's arguments):\n{tools}\n"
+    "To call functions, answer with only a list of calls written as in Python, "
+    "[function_name(argument_name=value, ...), ...]. Otherwise answer normally."
+)
 
 MAX_PARALLEL_CALLS = 8
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            self.id = f"call_{uuid.uuid4().hex[:24]}"
-
-    def openai(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
 
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:
@@ -66,11 +57,17 @@ def _arguments_dict(raw: Any) -> Any:
 
 
 def chat_template_input(
-    messages: Sequence[PromptMessage], tools: list[dict[str, Any]] | None, renders_tools: Callable[[], bool]
+    messages: Sequence[PromptMessage],
+    tools: list[dict[str, Any]] | None,
+    renders_tools: Callable[[], bool],
+    fmt: ToolFormat = DEFAULT,
+    renders_calls: Callable[[], bool] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and keyword arguments of ``apply_chat_template`` for a chat request: the
     ``developer`` role as ``system``, content as text, and the tools and any call history
-    rendered natively when ``renders_tools()`` (asked only then) or through the fallback."""
+    rendered natively when ``renders_tools()`` (asked only then) or through the fallback, in
+    the model family's format ``fmt``. ``renders_calls()`` (asked only for a call history):
+    whether the template writes an assistant's ``tool_calls`` itself."""
     if not messages:
         raise InvalidParams("messages must not be empty", "messages")
     # every message's content is checked, also where the rendering leaves it out
@@ -79,23 +76,32 @@ def chat_template_input(
     if not (tools or any(m.tool_calls or m.role == "tool" for m in messages)):
         return [{"role": r, "content": t} for r, t in zip(roles, texts, strict=True)], {}
     if renders_tools():
-        return _native(messages, roles, texts), ({"tools": tools} if tools else {})
-    return _fallback(messages, roles, texts, tools or []), {}
+        history = any(m.tool_calls for m in messages)
+        inline = fmt if history and renders_calls is not None and not renders_calls() else None
+        return _native(messages, roles, texts, inline), ({"tools": tools} if tools else {})
+    return _fallback(messages, roles, texts, tools or [], fmt), {}
 
 
-def _native(messages: Sequence[PromptMessage], roles: list[str], texts: list[str]) -> list[dict[str, Any]]:
-    """Messages as Hugging Face chat templates expect them: tool-call arguments as objects."""
+def _native(
+    messages: Sequence[PromptMessage], roles: list[str], texts: list[str], inline: ToolFormat | None
+) -> list[dict[str, Any]]:
+    """Messages as Hugging Face chat templates expect them: tool-call arguments as objects;
+    with ``inline`` (a template that leaves calls out), the calls in the content instead."""
     out = []
     for m, role, text in zip(messages, roles, texts, strict=True):
+        calls = m.tool_calls
+        if inline is not None and calls:
+            text = "\n".join(t for t in (text, _call_text(calls, inline)) if t)
+            calls = None
         entry = {
             "role": role,
             "content": text,
             "name": m.name,
             "tool_calls": [
                 {**c.openai(), "function": {"name": c.name, "arguments": _arguments_dict(c.arguments)}}
-                for c in m.tool_calls
+                for c in calls
             ]
-            if m.tool_calls is not None
+            if calls is not None
             else None,
             "tool_call_id": m.tool_call_id,
         }
@@ -103,36 +109,56 @@ def _native(messages: Sequence[PromptMessage], roles: list[str], texts: list[str
     return out
 
 
-def _call_text(calls: Sequence[MessageToolCall]) -> str:
-    objs = [{"name": c.name, "arguments": _arguments_dict(c.arguments)} for c in calls]
-    return json.dumps(objs[0] if len(objs) == 1 else objs)
+def _call_text(calls: Sequence[MessageToolCall], fmt: ToolFormat) -> str:
+    return fmt.call_text([(str(c.name), _arguments_dict(c.arguments)) for c in calls])
 
 
 def _fallback(
-    messages: Sequence[PromptMessage], roles: list[str], texts: list[str], tools: list[dict[str, Any]]
+    messages: Sequence[PromptMessage],
+    roles: list[str],
+    texts: list[str],
+    tools: list[dict[str, Any]],
+    fmt: ToolFormat,
 ) -> list[dict[str, Any]]:
     """The documented fallback for templates without a tool format (see the module doc)."""
+    gemma = fmt.name == "gemma"
+    style = fmt if gemma else DEFAULT  # the format the instructions below ask for
     listing = "\n".join(json.dumps(_function(t)) for t in tools)
-    system = FALLBACK_INSTRUCTIONS.format(tools=listing)
+    system = (GEMMA_INSTRUCTIONS if gemma else FALLBACK_INSTRUCTIONS).format(tools=listing)
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}
     for m, role, text in zip(messages, roles, texts, strict=True):
         if role == "assistant" and m.tool_calls:
             for c in m.tool_calls:
                 names[str(c.id)] = str(c.name)
-            out.append({"role": "assistant", "content": _call_text(m.tool_calls)})
+            out.append({"role": "assistant", "content": _call_text(m.tool_calls, style)})
         elif role == "tool":
             call_id = m.tool_call_id or ""
             name = names.get(call_id, m.name or "the tool")
-            out.append({"role": "user", "content": f"Result of {name} (call {call_id}): {text}"})
+            result = f"```tool_output\n{text}\n```" if gemma else text
+            out.append({"role": "user", "content": f"Result of {name} (call {call_id}): {result}"})
         else:
             out.append({"role": role, "content": text})
+    if gemma:
+        out = _alternating(out)
     if not tools:  # only a call history to render
         return out
     if out and out[0].get("role") == "system":
         out[0] = {"role": "system", "content": f"{out[0].get('content') or ''}\n\n{system}".strip()}
     else:
         out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def _alternating(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive messages of one role joined into one: Gemma's template refuses a history
+    whose user and model turns do not alternate (tool results are user turns here)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if out and out[-1]["role"] == m["role"]:
+            out[-1] = {"role": m["role"], "content": f"{out[-1]['content']}\n\n{m['content']}"}
+        else:
+            out.append(m)
     return out
 
 
@@ -168,61 +194,13 @@ def call_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool) -
     return one
 
 
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def _calls_from(obj: Any, known: set[str]) -> list[ToolCall] | None:
-    items = obj if isinstance(obj, list) else [obj]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or item["name"] not in known:
-            return None
-        args = item.get("arguments", item.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-        if not isinstance(args, dict):
-            return None
-        calls.append(ToolCall(item["name"], json.dumps(args)))
-    return calls or None
-
-
-def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> list[ToolCall] | None:
-    """The calls in ``text`` (the whole output is a call, or ``<tool_call>`` blocks), or None
-    when it is a plain answer. Only calls of the offered tools count."""
-    known = {str(_function(t).get("name")) for t in tools}
-    blocks = _TAGGED.findall(text)
-    if blocks:
-        calls: list[ToolCall] = []
-        for block in blocks:
-            try:
-                found = _calls_from(json.loads(block), known)
-            except ValueError:
-                return None
-            if found is None:
-                return None
-            calls += found
-        return calls
-    stripped = text.strip()
-    if stripped.startswith("```"):
-        stripped = stripped.strip("`").removeprefix("json").strip()
-    if not stripped or stripped[0] not in "[{":
-        return None
-    try:
-        return _calls_from(json.loads(stripped), known)
-    except ValueError:
-        return None
-
-
-def may_be_call(prefix: str) -> bool:
-    """Whether streamed text starting with ``prefix`` may turn out to be a tool call (so the
-    server holds it back instead of streaming it as content)."""
-    s = prefix.lstrip()
-    if not s:
-        return True
-    return s[0] in "[{" or any(s.startswith(t) or t.startswith(s) for t in ("```", "<tool_call>"))
+def parse_tool_calls(
+    text: str, tools: list[dict[str, Any]], fmt: ToolFormat = DEFAULT
+) -> list[ToolCall] | None:
+    """The calls in ``text`` in the family's format ``fmt`` (or the default one), or None when
+    it is a plain answer. Only calls of the offered tools count."""
+    found = fmt.parse(text, tools)
+    return found.calls if found is not None else None
 
 
 def template_renders_tools(tokenizer: Any) -> bool:
@@ -237,3 +215,19 @@ def template_renders_tools(tokenizer: Any) -> bool:
     except Exception:  # a template that chokes on tools has no tool format
         return False
     return plain != with_tools and "probe_tool" in str(with_tools)
+
+
+def template_renders_calls(tokenizer: Any) -> bool:
+    """Whether the chat template writes an assistant message's ``tool_calls`` itself (Granite
+    3's writes only the content)."""
+    call = {"id": "call_probe", "type": "function", "function": {"name": "probe_tool", "arguments": {}}}
+    probe = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_probe", "content": "done"},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that refuses the history does not write it
+        return False
+    return "probe_tool" in str(text)

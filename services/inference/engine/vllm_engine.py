@@ -15,8 +15,13 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from services.inference.engine import tool_formats
 from services.inference.engine.base import AdapterHost
-from services.inference.engine.tools import chat_template_input, template_renders_tools
+from services.inference.engine.tools import (
+    chat_template_input,
+    template_renders_calls,
+    template_renders_tools,
+)
 from services.inference.engine.types import (
     AdapterError,
     ContextLengthExceeded,
@@ -87,6 +92,7 @@ class VLLMEngine(AdapterHost):
         self.max_lora_rank = max_lora_rank
         self.engine: Any = None
         self.tokenizer: Any = None
+        self.tool_format = tool_formats.DEFAULT
         self.adapters: dict[str, Any] = {}
         self._lora_ids = itertools.count(1)
 
@@ -95,6 +101,10 @@ class VLLMEngine(AdapterHost):
 
         self.engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**self._args))
         self.tokenizer = await self.engine.get_tokenizer()
+        hf_config = getattr(getattr(self.engine, "model_config", None), "hf_config", None)
+        self.tool_format, _ = tool_formats.select(
+            getattr(hf_config, "model_type", None), getattr(self.tokenizer, "chat_template", None)
+        )
 
     async def shutdown(self) -> None:
         if self.engine is not None and hasattr(self.engine, "shutdown"):
@@ -164,7 +174,11 @@ class VLLMEngine(AdapterHost):
             ids = list(request.prompt_token_ids)
         elif request.messages is not None:
             messages, extra = chat_template_input(
-                request.messages, request.tools, lambda: template_renders_tools(self.tokenizer)
+                request.messages,
+                request.tools,
+                lambda: template_renders_tools(self.tokenizer),
+                self.tool_format,
+                lambda: template_renders_calls(self.tokenizer),
             )
             try:
                 ids = list(
