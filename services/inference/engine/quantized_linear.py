@@ -24,7 +24,10 @@ kernel at one row and 3.1x at 16 on 2 Zen 4 cores (AVX2 alone: 2.1x and 1.6x).
 it is GGUF's Q4_1 block format. The default model ships as a Q4_1 GGUF, so its decoder
 weights *are* 4-bit values in blocks of 32 with a scale and a minimum: re-quantising the
 de-quantised fp32 weights this way gives them back exactly (relative error 0 with fp32
-scales; 0.2% from the kernel's bf16 scales). The output head (tied to the token
+scales; 0.2% from the kernel's bf16 scales). Q4_0 and Q4_K blocks are the same shape (Q4_K's
+sub-blocks of 32 with scale ``d * sc`` and minimum ``dmin * m``), though a group's own minimum and
+maximum do not find their scales: the loader registers a GGUF's groups and ``q4_1_groups`` takes
+them for the rows that hold the file's values (``gguf_weights``). The output head (tied to the token
 embeddings, stored at higher precision in the file: int4 would be a 9% error, int8 1.2%)
 runs in bf16, oneDNN-packed (0.4%; see ``layer_kernels`` for its timings).
 
@@ -67,7 +70,8 @@ Quantize = Literal["auto", "none", "int8", "int4"]
 PromptDType = Literal["auto", "float32", "bfloat16"]
 
 # auto picks int4 when re-quantising loses at most this (relative, per layer): weights that
-# came from a 4-bit GGUF (Q4_0/Q4_1) come back with 0; other weights lose ~8% (SmolLM2 fp32)
+# came from a 4-bit GGUF (Q4_0/Q4_1/Q4_K: the file's own groups, ``gguf_weights``) come back with
+# 0; other weights lose ~8% (SmolLM2 fp32)
 LOSSLESS_INT4 = 1e-3
 
 # GGUF's Q4_0/Q4_1 block size; torch's CPU int4 kernel takes 32, 64, 128 or 256
@@ -96,13 +100,23 @@ class Int8WeightOnly:
 
 def q4_1_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] in GGUF's Q4_1 groups of ``INT4_GROUP`` inputs, ``w ~ q * scale + low``:
-    q [out, in / group, group] (0..15, as fp32), scale and low [out, in / group] in fp32."""
+    q [out, in / group, group] (0..15, as fp32), scale and low [out, in / group] in fp32. Rows
+    of a registered GGUF's Q4_0 / Q4_1 / Q4_K tensors take the file's own groups (its values bit
+    for bit, ``gguf_weights.file_groups``); other rows each group's minimum and maximum."""
+    from services.inference.engine import gguf_weights
+
     w = weight.detach().float()
     out_f, in_f = w.shape
+    kept = gguf_weights.file_groups(w)
+    if kept is not None and bool(kept[3].all()):
+        return kept[0], kept[1], kept[2]
     groups = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15).clamp(min=1e-12)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    if kept is not None:
+        file_q, file_scale, file_low, found = kept
+        q[found], scale[found], low[found] = file_q[found], file_scale[found], file_low[found]
     return q, scale, low
 
 

@@ -1,0 +1,284 @@
+"""GGUF files in the quantisation types people download (F16, Q8_0, Q4_0, Q4_1, Q4_K_M, Q5_K_M,
+Q6_K), written with the ``gguf`` package's writer from a tiny random Llama: the loader keeps every
+value of the file (de-quantised to fp32), the int4 kernels hold the file's own 4-bit groups where
+its type is Q4_0 / Q4_1 / Q4_K (bit for bit, in each layer and in the lean forward's side-by-side
+products), other types are re-quantised only where int4 decode is on (within a stated tolerance),
+greedy output matches the de-quantised model's reference forward, and a file of a type the engine
+does not load is refused naming the type."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from services.inference.engine import SamplingParams, TorchEngine, gguf_weights, quantized_linear
+from services.inference.engine.loader import resolve_model
+from services.inference.engine.quantized_linear import INT4_GROUP, Q4_TILE, Int4Blocks
+from tests.helpers.gguf_files import MIXES, write_llama_gguf
+
+pytestmark = pytest.mark.skipif(
+    quantized_linear.available("int4", torch.device("cpu")) is not None,
+    reason="this torch build has no CPU weight-only int4 kernel",
+)
+
+# hidden and intermediate sizes are whole 256-value super-blocks, so the K-quants apply
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 1024
+# a random fp32 weight (or a 5/6/8-bit one) re-quantised to int4 groups of 32 loses about 8%
+REQUANTISED_INT4 = 0.10
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@cache
+def _tiny_model() -> Any:
+    """A tiny Llama with weights large enough that greedy decoding wanders through the vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "embed" in name else 0.15))
+    return model.eval()
+
+
+class Files:
+    """The tiny model written once in each file type, resolved by the loader when asked for (as
+    an engine's start-up resolves its one model: the loader registers the file's groups then)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.types: dict[str, dict[str, str]] = {}
+
+    def __getitem__(self, mix: str) -> tuple[Path, Path, dict[str, str]]:
+        path = self.root / f"tiny-{mix}.gguf"
+        if mix not in self.types:
+            self.types[mix] = write_llama_gguf(_tiny_model(), path, mix)
+        return path, resolve_model(path, self.root / "cache"), self.types[mix]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
+    return Files(tmp_path_factory.mktemp("gguf-types"))
+
+
+def _load(folder: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _file_values(path: Path) -> dict[str, torch.Tensor]:
+    """Each 2-D tensor of the file de-quantised by ``gguf`` itself, q/k rows back in transformers'
+    order (llama.cpp's converter reorders them for its RoPE layout)."""
+    import gguf
+
+    out = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if len(tensor.shape) != 2:
+            continue
+        rows, columns = int(tensor.shape[1]), int(tensor.shape[0])
+        w = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(rows, columns)
+        heads = HEADS if "attn_q" in tensor.name else KV_HEADS if "attn_k" in tensor.name else 0
+        if heads:
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, columns).swapaxes(1, 2).reshape(rows, columns)
+        out[tensor.name] = torch.from_numpy(np.ascontiguousarray(w))
+    return out
+
+
+def _gguf_name(layer: int, projection: str) -> str:
+    names = dict(
+        zip(
+            PROJECTIONS,
+            ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"),
+            strict=True,
+        )
+    )
+    return f"blk.{layer}.{names[projection]}.weight"
+
+
+def _held_by_int4_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """The weight ``Int4Blocks`` holds for ``weight``: its packed 4-bit values times its fp32
+    scales plus its minima, unpacked from the kernel's tile layout."""
+    out_f, in_f = weight.shape
+    packed, scale_min = Int4Blocks().prepare(weight)
+    tiles, groups = out_f // Q4_TILE, in_f // INT4_GROUP
+    # byte 2c + h of (tile, quad j): output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high)
+    pairs = packed.view(tiles, in_f // 4, Q4_TILE, 2)
+    q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1)  # [tile, quad, c, h, nibble]
+    q = q.permute(0, 2, 1, 3, 4).reshape(out_f, in_f)
+    sm = scale_min.permute(0, 3, 2, 1).reshape(out_f, 2, groups)
+    return gguf_weights.values(q, sm[:, 0].contiguous(), sm[:, 1].contiguous())
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_the_int4_kernel_holds_the_files_values_where_its_format_can(files: Files, mix: str) -> None:
+    path, folder, types = files[mix]
+    expected_types = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}}.get(mix, {MIXES[mix][0]})
+    assert {t for n, t in types.items() if n.startswith("blk.") and "norm" not in n} == expected_types
+    model = _load(folder)
+    file = _file_values(path)
+    for i, layer in enumerate(model.model.layers):
+        side_by_side = []
+        for projection in PROJECTIONS:
+            module = getattr(
+                layer.self_attn
+                if projection.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
+                else layer.mlp,
+                projection,
+            )
+            weight, name = module.weight.detach(), _gguf_name(i, projection)
+            # the loader keeps every value of the file, whatever its type
+            assert torch.equal(weight, file[name]), name
+            q, scale, low = quantized_linear.q4_1_groups(weight)
+            held = (q * scale[..., None] + low[..., None]).view(weight.shape)
+            if types[name] in gguf_weights.INT4_TYPES:
+                # the file's groups, bit for bit, in the kernel's own layout too
+                assert torch.equal(held, file[name]), name
+                assert torch.equal(_held_by_int4_blocks(weight), file[name]), name
+            else:
+                # no int4 kernel holds 5/6/8/16-bit values: re-quantised where int4 decode is on
+                error = float((held - weight).norm() / weight.norm())
+                assert 0 < error <= REQUANTISED_INT4, (name, error)
+            if projection in ("q_proj", "k_proj", "v_proj"):
+                side_by_side.append(weight)
+        # the lean forward multiplies q/k/v side by side: their rows keep the file's groups there
+        qkv = torch.cat(side_by_side)
+        q, scale, low = quantized_linear.q4_1_groups(qkv)
+        rows = [file[_gguf_name(i, p)] for p in ("q_proj", "k_proj", "v_proj")]
+        exact = [types[_gguf_name(i, p)] in gguf_weights.INT4_TYPES for p in ("q_proj", "k_proj", "v_proj")]
+        held_rows = (q * scale[..., None] + low[..., None]).view(qkv.shape).split([r.shape[0] for r in rows])
+        for got, want, kept in zip(held_rows, rows, exact, strict=True):
+            assert torch.equal(got, want) == kept
+    # auto decodes in int4 where every decoder layer holds 4-bit values, else keeps fp32
+    head = model.get_output_embeddings()
+    layer_types = {t for n, t in types.items() if n.startswith("blk.") and "norm" not in n}
+    auto = quantized_linear.resolve("auto", model, head, torch.device("cpu"))
+    assert auto == ("int4" if layer_types <= set(gguf_weights.INT4_TYPES) else "none")
+
+
+def test_rows_the_trainer_changed_are_quantised_from_their_new_values(
+    files: Files,
+) -> None:
+    _path, folder, _types = files["Q4_0"]
+    weight = _load(folder).model.layers[0].mlp.up_proj.weight.detach().clone()
+    weight[3] += 0.01  # one row moved off the file's values
+    kept = gguf_weights.file_groups(weight)
+    assert kept is not None
+    found = kept[3]
+    assert not bool(found[3]) and bool(found[torch.arange(weight.shape[0]) != 3].all())
+    q, scale, _low = quantized_linear.q4_1_groups(weight)
+    assert torch.isfinite(scale).all() and q.max() <= 15 and q.min() >= 0
+
+
+def _prompts(folder: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    chats = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        for text in ("hello there", "a short question about the sea")
+    ]
+    return [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats] + [list(range(300, 340))]
+
+
+NEW_TOKENS = 12
+# tokens an int4 plan's greedy output shares with the fp32 reference forward on the tiny model
+INT4_AGREE = 3
+
+
+@pytest.mark.parametrize(
+    ("mix", "quantize"),
+    [
+        ("Q4_0", "auto"),
+        ("Q4_1", "auto"),
+        ("Q4_K_M", "auto"),
+        ("Q4_K_M", "int4"),
+        ("Q5_K_M", "auto"),
+        ("Q6_K", "auto"),
+        ("Q8_0", "auto"),
+        ("F16", "auto"),
+    ],
+)
+def test_greedy_tokens_match_the_dequantised_reference_forward(files: Files, mix: str, quantize: str) -> None:
+    _path, folder, _types = files[mix]
+    reference = _load(folder)
+    prompts = _prompts(folder)
+    expected = [
+        reference.generate(
+            torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine = TorchEngine.from_pretrained(folder, quantize=quantize)
+    got = [o.token_ids for o in engine.generate_batch(prompts, greedy)]
+    assert len({tuple(e) for e in expected}) == len(prompts)
+    if engine.runner.plan.quantize == "none":
+        # the file's values in fp32: the reference forward's tokens exactly
+        assert got == expected
+        return
+    # int4 decode multiplies rounded rows (bf16, or int8 in the C++ kernel) with the file's groups
+    # (test_the_int4_kernel_holds_the_files_values_where_its_format_can), so a random model's
+    # tokens may part from the fp32 reference after a few steps: the first ones agree
+    assert [g[:INT4_AGREE] for g in got] == [e[:INT4_AGREE] for e in expected]
+
+
+def test_a_type_the_engine_does_not_load_is_refused_naming_it(tmp_path: Path) -> None:
+    import gguf
+
+    path = tmp_path / "tiny-IQ2_XS.gguf"
+    iq2 = gguf.GGMLQuantizationType.IQ2_XS
+    _block, type_size = gguf.GGML_QUANT_SIZES[iq2]
+
+    def mix(name: str, shape: tuple[int, ...]) -> str:
+        return "F32" if len(shape) == 1 else "Q8_0"
+
+    write_llama_gguf(_tiny_model(), path, mix)
+    # one tensor rewritten as IQ2_XS blocks (well-formed zeros): the writer takes raw bytes of a type
+    writer = gguf.GGUFWriter(str(tmp_path / "iq2.gguf"), "llama")
+    reader = gguf.GGUFReader(str(path))
+    for name, field in reader.fields.items():
+        if name.startswith(("tokenizer.", "llama.")):
+            vtype = field.types[0]
+            sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    for tensor in reader.tensors:
+        if tensor.name == "blk.0.ffn_up.weight":
+            rows, columns = int(tensor.shape[1]), int(tensor.shape[0])
+            raw = np.zeros((rows, columns // 256 * type_size), dtype=np.uint8)
+            writer.add_tensor(tensor.name, raw, raw_dtype=iq2)
+        else:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cache = tmp_path / "cache"
+    with pytest.raises(gguf_weights.UnsupportedGGUFType) as refused:
+        resolve_model(tmp_path / "iq2.gguf", cache)
+    message = str(refused.value)
+    assert "IQ2_XS" in message and "blk.0.ffn_up.weight" in message
+    assert all(t in message for t in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16"))
+    assert not any(cache.glob("*/config.json")), "nothing is converted"
