@@ -18,14 +18,15 @@ from services.agent.api import quality as quality_api
 from services.agent.api import responses as responses_api
 from services.agent.api import signin as signin_api
 from services.agent.api import users as users_api
+from services.agent.api.web import mount_web
 from services.agent.config import AgentSettings
 from services.agent.evals.runs import Evaluations
+from services.agent.evals.store import EvalStore
 from services.agent.mcp_server import install_mcp, mcp_routers
 from services.agent.runtime import AgentRuntime
 from services.agent.tokens import load_counter
 from services.common.app_factory import create_service_app
 from services.common.config import CommonSettings, load_settings
-from services.common.security_headers import SecureStaticFiles
 from services.common.users import UserStore
 
 DEFAULT_WEB_DIST = Path(__file__).parent / "web" / "dist"
@@ -85,11 +86,10 @@ def create_app(common: CommonSettings | None = None, settings: AgentSettings | N
     app.state.runtime = AgentRuntime.create(common, settings, app.state.redis)
     app.state.users = UserStore(app.state.redis)  # people and their tokens (/v1/users)
     app.state.runtime.quality.register(app.state.metrics.registry)
-    app.state.evals = Evaluations(app.state.runtime)  # evaluation sets and runs (/v1/evals)
+    # evaluation sets and runs (/v1/evals), answered by the runtime's pipelines
+    runtime = app.state.runtime
+    app.state.evals = Evaluations(settings, EvalStore(app.state.redis), runtime.answers, runtime.promotions)
     install_mcp(app, app.state.runtime)
-    web = Path(settings.web_dist) if settings.web_dist else DEFAULT_WEB_DIST
-    if web.is_dir():
-        # Mounted last: every API route above wins over a file of the same path.
-        # CSP without inline script, no framing, nosniff, no referrer (services/common/security_headers.py).
-        app.mount("/", SecureStaticFiles(directory=web, html=True), name="web")
+    # Last: every API route above wins over a file of the same path.
+    mount_web(app, Path(settings.web_dist) if settings.web_dist else DEFAULT_WEB_DIST)
     return app

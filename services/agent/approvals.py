@@ -42,6 +42,23 @@ class PerformedCall(BaseModel):
     ok: bool
 
 
+class PendingApproval(BaseModel):
+    """A held call as GET /v1/agents/approvals lists it."""
+
+    approval_id: str
+    created_at: float
+    expires_at: float
+    agent: str
+    message: str
+    conversation_id: str | None = None
+    tool: str
+    arguments: Any = None
+
+
+class ApprovalList(BaseModel):
+    data: list[PendingApproval]
+
+
 class Approval(BaseModel):
     approval_id: str
     owner: str
@@ -70,20 +87,9 @@ class Approval(BaseModel):
     def messages(self) -> list[Message]:
         return [Message.model_validate(m) for m in self.history]
 
-    def public(self) -> dict[str, Any]:
+    def public(self) -> PendingApproval:
         """What GET /v1/agents/approvals lists."""
-        return self.model_dump(
-            include={
-                "approval_id",
-                "agent",
-                "message",
-                "conversation_id",
-                "tool",
-                "arguments",
-                "created_at",
-                "expires_at",
-            }
-        )
+        return PendingApproval.model_validate(self.model_dump(include=set(PendingApproval.model_fields)))
 
 
 def _when(ts: float) -> str:

@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from pydantic import ValidationError
 
 from services.agent.events import ChoiceEvent, DoneEvent, ErrorEvent, FeedbackAck, WsEvent
-from services.agent.feedback import choose, give_feedback
 from services.agent.protocol import (
     FeedbackCreate,
     WsChatFrame,
@@ -136,10 +135,10 @@ class ChatSession:
         try:
             if isinstance(frame, WsFeedbackFrame):
                 body = FeedbackCreate.model_validate(frame.model_dump(exclude={"type"}))
-                await give_feedback(self.runtime, self.principal, body)
+                await self.runtime.feedback.give(self.principal, body)
                 await self.send(FeedbackAck(message_id=frame.message_id, ok=True))
             else:
-                choice = await choose(self.runtime, self.principal, frame.message_id, frame.over)
+                choice = await self.runtime.feedback.choose(self.principal, frame.message_id, frame.over)
                 await self.send(ChoiceEvent(chosen=choice.chosen, rejected=choice.rejected))
         except TandemError as exc:
             event = error_event(exc)

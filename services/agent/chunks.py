@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.agent.locate import cited_sentence, page_at
+from services.common.jsonsafe import JsonObject
 
 
 @dataclass
@@ -19,7 +20,7 @@ class Chunk:
     text: str
     score: float = 0.0
     scores: dict[str, float] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: JsonObject = field(default_factory=dict)  # the document's, as its owner gave it
     start: int = 0
     end: int = 0
     title: str = ""
@@ -36,12 +37,12 @@ class Chunk:
     # A piece of a long table after its first: the table's header row and rule line, which
     # the piece's text does not repeat (its offsets stay the document's).
     table_header: str = ""
-    # Filled by components after retrieval (relevance gate, highlighter).
+    # Filled by the relevance gate after retrieval.
     relevance: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_result(cls, item: dict[str, Any]) -> Chunk:
+    def from_result(cls, item: JsonObject) -> Chunk:
+        """A hit of retrieval's search answer (its JSON: retrieval owns the shape)."""
         metadata = item.get("metadata") or {}
         text = str(item.get("text") or "")
         start = chunk_start = int(item.get("start") or 0)
@@ -94,7 +95,6 @@ class Chunk:
         if self.boxes:
             out["boxes"] = self.boxes
             out["page_sizes"] = self.page_sizes
-        out.update(self.extra)
         return out
 
 

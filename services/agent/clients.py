@@ -5,13 +5,17 @@ enforce and follows automatically; ``service_client`` passes the request id on.
 Upstream errors become typed errors here: a 404 from retrieval is an unknown
 collection for the caller (404), a 4xx is the caller's bad input (400), anything
 else is an upstream failure (502/503): services.common.upstream maps them.
+
+What another service answers is its JSON object (``JsonObject``): its models are its own (services
+never import each other's code), so the agent reads the members it needs and passes the rest on
+as given. What the agent sends has its shape here (``SearchBody``, ``ReindexPatch``, ``JobBody``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import httpx
 from pydantic import BaseModel
@@ -21,6 +25,7 @@ from services.agent.protocol import Sampling
 from services.common.collection_embed import EMBED_TEXTS, EmbedResponse
 from services.common.errors import Conflict, InvalidRequest, NotFound
 from services.common.http import service_client
+from services.common.jsonsafe import JsonObject
 from services.common.openai_client import OpenAIClient
 from services.common.openai_wire import (
     ChatCompletion,
@@ -42,6 +47,49 @@ from services.common.upstream import (
 )
 
 
+class SearchBody(TypedDict):
+    """``POST /v1/collections/{name}/search`` as the agent sends it."""
+
+    query: str
+    top_k: int
+    mode: str
+    rerank: NotRequired[bool]
+    section_tokens: NotRequired[int]
+    filters: NotRequired[JsonObject]
+
+
+class GateQueryBody(TypedDict):
+    query: str
+    relevant: list[str]  # the ids of the collection's documents that answer it
+
+
+class ReindexGate(TypedDict):
+    """Retrieval's ``only_if_better``: the queries that judge the new index version."""
+
+    queries: list[GateQueryBody]
+    mode: NotRequired[str]
+    min_gain: NotRequired[float]
+
+
+class ReindexPatch(TypedDict):
+    """``PATCH /v1/collections/{name}`` as a gated reindex sends it."""
+
+    embedder: str
+    only_if_better: NotRequired[ReindexGate]
+
+
+class JobBody(TypedDict, total=False):
+    """``POST /v1/jobs`` on the trainer, the fields the agent sets (the trainer checks them)."""
+
+    type: str
+    base_model: str
+    dataset: str
+    lora: JsonObject
+    publish: bool
+    eval_fraction: float
+    hyperparameters: JsonObject
+
+
 class _ServiceClient:
     service = ""
 
@@ -53,7 +101,7 @@ class _ServiceClient:
     def _client(self) -> httpx.AsyncClient:
         return service_client(self.base_url, self.api_key, self.timeout)
 
-    async def _post(self, path: str, param: str | None = None, **kwargs: Any) -> dict[str, Any]:
+    async def _post(self, path: str, param: str | None = None, **kwargs: Any) -> JsonObject:
         """The JSON object answered; an error status is the upstream's error, mapped (its own
         ``param`` when ``param`` is None)."""
         try:
@@ -66,7 +114,7 @@ class _ServiceClient:
             raise upstream_error(reply, param=param or reply.param)
         return dict(resp.json())
 
-    async def _get(self, path: str, param: str) -> dict[str, Any]:
+    async def _get(self, path: str, param: str) -> JsonObject:
         """The JSON object answered; an error status is the upstream's error, mapped, naming ``param``."""
         try:
             async with self._client() as client:
@@ -89,12 +137,12 @@ class RetrievalClient(_ServiceClient):
         top_k: int = 10,
         mode: str = "hybrid",
         rerank: bool = False,
-        filters: dict[str, Any] | None = None,
+        filters: JsonObject | None = None,
         section_tokens: int | None = None,
     ) -> list[Chunk]:
         """The hits; with ``section_tokens``, each hit's text is its enclosing section (up to that
         many tokens around the chunk) and its offsets are the section's."""
-        body: dict[str, Any] = {"query": query, "top_k": top_k, "mode": mode}
+        body: SearchBody = {"query": query, "top_k": top_k, "mode": mode}
         if rerank:
             body["rerank"] = True
         if section_tokens:
@@ -112,6 +160,11 @@ class RetrievalClient(_ServiceClient):
             hits = [Chunk.from_result(item) for item in found.get("results", [])]
             set_attributes(current, hits=len(hits), ms=round((time.perf_counter() - start) * 1000, 1))
         return hits
+
+    async def check_readable(self, collection: str) -> None:
+        """Nothing when the caller may read ``collection``; else the upstream's error, mapped (a
+        404 for a collection that does not exist or that this key may not read)."""
+        await self._get(f"/v1/collections/{collection}", "collection")
 
     async def embed(self, collection: str, texts: list[str]) -> list[list[float]]:
         """``texts`` as ``collection``'s own embedder reads them (retrieval holds it in process):
@@ -144,9 +197,9 @@ class RetrievalClient(_ServiceClient):
             pass
         return out
 
-    async def documents(self, collection: str) -> list[dict[str, Any]]:
-        """Every document of ``collection`` (id, title, metadata), a page at a time."""
-        out: list[dict[str, Any]] = []
+    async def documents(self, collection: str) -> list[JsonObject]:
+        """Every document of ``collection`` (retrieval's objects: id, title, metadata), a page at a time."""
+        out: list[JsonObject] = []
         offset: int | None = 0
         while offset is not None:
             page = await self._get(
@@ -156,7 +209,7 @@ class RetrievalClient(_ServiceClient):
             offset = page.get("next_offset")
         return out
 
-    async def reindex(self, collection: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def reindex(self, collection: str, body: ReindexPatch) -> JsonObject:
         """``PATCH /v1/collections/{name}``: the reindex job retrieval queued (its 202)."""
         try:
             async with self._client() as client:
@@ -200,7 +253,7 @@ class ChatRequest(Sampling):
     messages: list[dict[str, Any]]
     stream_options: StreamOptions | None = None
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JsonObject:
         """The JSON body: the fields given, the model and messages first (as OpenAI writes it)."""
         data = self.model_dump(exclude_unset=True)
         return {"model": data.pop("model"), "messages": data.pop("messages"), **data}
@@ -264,13 +317,13 @@ class TrainerClient(_ServiceClient):
 
     service = "trainer"
 
-    async def upload_file(self, filename: str, data: bytes) -> dict[str, Any]:
+    async def upload_file(self, filename: str, data: bytes) -> JsonObject:
         """POST /v1/files (multipart): the trainer checks every row before it stores the file."""
         return await self._post("/v1/files", "format", files={"file": (filename, data, "application/jsonl")})
 
-    async def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def create_job(self, body: JobBody) -> JsonObject:
         return await self._post("/v1/jobs", json=body)
 
-    async def job(self, job_id: str) -> dict[str, Any]:
+    async def job(self, job_id: str) -> JsonObject:
         """GET /v1/jobs/{id}; another tenant's or a missing job is a NotFound."""
         return await self._get(f"/v1/jobs/{job_id}", "job_id")

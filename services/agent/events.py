@@ -131,7 +131,31 @@ class FinalStep(_Step):
     text: str
 
 
-StepEvent = Annotated[ThoughtStep | ToolCallStep | ObservationStep | FinalStep, Field(discriminator="kind")]
+class ToolLeftOut(BaseModel):
+    """A tool an agent run was not offered, and why (agents/offering.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tool: str
+    reason: str
+    server: str | None = None  # the MCP server the tool is of
+
+
+class ToolsStep(_Step):
+    """What an agent run is offered, the tools of the servers the request names first
+    (``preferred``), and what it is not (``left_out``, each with why). Sent with the run's first
+    step when a tool was left out or a server named; ``text`` says it in one line."""
+
+    kind: Literal["tools"] = "tools"
+    text: str
+    offered: list[str]
+    preferred: list[str] = Field(default_factory=list)
+    left_out: list[ToolLeftOut] = Field(default_factory=list)
+
+
+StepEvent = Annotated[
+    ThoughtStep | ToolCallStep | ObservationStep | FinalStep | ToolsStep, Field(discriminator="kind")
+]
 
 
 class ErrorEvent(_Event):

@@ -31,16 +31,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from services.agent.promotions import held_out
+from services.agent.config import AgentSettings
+from services.agent.model_choice import held_out
 from services.agent.protocol import Choice, DatasetFormat, Feedback, FeedbackCreate, LeftOut, TurnRecord
-from services.agent.turns import FeedbackFilter, FeedbackRow, PreferenceRow, owner_scope
+from services.agent.quality import QualityMetrics
+from services.agent.turns import FeedbackFilter, FeedbackRow, PreferenceRow, TurnStore, owner_scope
 from services.common.auth import Principal, refuse_viewer
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge
-
-if TYPE_CHECKING:
-    from services.agent.runtime import AgentRuntime
 
 # The trainer job type of each dataset format.
 JOB_TYPE: dict[str, str] = {"kto": "kto", "dpo": "dpo", "sft": "sft", "pairs": "embedder"}
@@ -75,57 +74,65 @@ def feedback_object(fb: FeedbackRow, rec: TurnRecord) -> Feedback:
     )
 
 
-async def turn_of(runtime: AgentRuntime, principal: Principal, message_id: str, param: str) -> TurnRecord:
-    """The record, if the caller may see it: a member's own, any of the tenant's for an admin.
-    Another key's record is a 404 like a missing one, so a member learns nothing of it."""
-    record = await runtime.turns.get_turn(principal.tenant, message_id, owner_scope(principal))
-    if record is None:
-        raise NotFound(f"no message {message_id!r}", param=param)
-    return record
+class FeedbackWriter:
+    """Feedback and preferences on the turn records in ``turns``, each thumb counted in
+    ``quality``'s metrics, within ``settings``' limits."""
 
+    def __init__(self, turns: TurnStore, quality: QualityMetrics, settings: AgentSettings) -> None:
+        self.turns = turns
+        self.quality = quality
+        self.settings = settings
 
-async def give_feedback(runtime: AgentRuntime, principal: Principal, body: FeedbackCreate) -> Feedback:
-    """Records or replaces the caller's feedback on one of its tenant's messages."""
-    refuse_viewer(principal, "feedback")  # the websocket's feedback frames come here too
-    limit = runtime.settings.feedback_max_correction_chars
-    if body.correction is not None and len(body.correction) > limit:
-        raise PayloadTooLarge(
-            f"correction has {len(body.correction)} characters; the limit is {limit}", param="correction"
-        )
-    if body.correction is not None and not body.correction.strip():
-        raise InvalidRequest(
-            "correction is empty: leave it out, or write the answer it should have been", param="correction"
-        )
-    record = await turn_of(runtime, principal, body.message_id, "message_id")
-    fb = await runtime.turns.set_feedback(
-        principal.tenant, body.message_id, body.rating, body.correction, body.comment, principal.key_id
-    )
-    if record.quality is not None and record.quality.rating != body.rating:
-        # A new thumb, or one turned over; the same thumb given again is not counted twice.
-        runtime.quality.observe_rating(principal.tenant, record.pipeline, record.quality.model, body.rating)
-    out = feedback_object(fb, record)
-    before = await runtime.turns.given_before(principal.tenant, principal.key_id, fb.created_at)
-    out.counted = before < runtime.settings.feedback_rows_per_key
-    return out
+    async def turn_of(self, principal: Principal, message_id: str, param: str) -> TurnRecord:
+        """The record, if the caller may see it: a member's own, any of the tenant's for an admin.
+        Another key's record is a 404 like a missing one, so a member learns nothing of it."""
+        record = await self.turns.get_turn(principal.tenant, message_id, owner_scope(principal))
+        if record is None:
+            raise NotFound(f"no message {message_id!r}", param=param)
+        return record
 
+    async def give(self, principal: Principal, body: FeedbackCreate) -> Feedback:
+        """Records or replaces the caller's feedback on one of its tenant's messages."""
+        refuse_viewer(principal, "feedback")  # the websocket's feedback frames come here too
+        limit = self.settings.feedback_max_correction_chars
+        if body.correction is not None and len(body.correction) > limit:
+            raise PayloadTooLarge(
+                f"correction has {len(body.correction)} characters; the limit is {limit}", param="correction"
+            )
+        if body.correction is not None and not body.correction.strip():
+            raise InvalidRequest(
+                "correction is empty: leave it out, or write the answer it should have been",
+                param="correction",
+            )
+        record = await self.turn_of(principal, body.message_id, "message_id")
+        fb = await self.turns.set_feedback(
+            principal.tenant, body.message_id, body.rating, body.correction, body.comment, principal.key_id
+        )
+        if record.quality is not None and record.quality.rating != body.rating:
+            # A new thumb, or one turned over; the same thumb given again is not counted twice.
+            self.quality.observe_rating(principal.tenant, record.pipeline, record.quality.model, body.rating)
+        out = feedback_object(fb, record)
+        before = await self.turns.given_before(principal.tenant, principal.key_id, fb.created_at)
+        out.counted = before < self.settings.feedback_rows_per_key
+        return out
 
-async def choose(runtime: AgentRuntime, principal: Principal, message_id: str, over: str) -> Choice:
-    """Records a preference pair: ``message_id`` chosen over ``over``, two drafts of one prompt."""
-    refuse_viewer(principal, "choosing a draft (feedback)")
-    chosen = await turn_of(runtime, principal, message_id, "message_id")
-    if over == message_id:
-        raise InvalidRequest(
-            f"over: {over!r} is the chosen message itself; name the other draft", param="over"
-        )
-    rejected = await turn_of(runtime, principal, over, "over")
-    if (chosen.draft_of or chosen.message_id) != (rejected.draft_of or rejected.message_id):
-        raise InvalidRequest(
-            f"over: {over!r} is not a draft of the same prompt as {message_id!r} "
-            "(regenerate an answer to get drafts to choose from)",
-            param="over",
-        )
-    await runtime.turns.add_preference(principal.tenant, message_id, over, principal.key_id)
-    return Choice(chosen=message_id, rejected=over)
+    async def choose(self, principal: Principal, message_id: str, over: str) -> Choice:
+        """Records a preference pair: ``message_id`` chosen over ``over``, two drafts of one prompt."""
+        refuse_viewer(principal, "choosing a draft (feedback)")
+        chosen = await self.turn_of(principal, message_id, "message_id")
+        if over == message_id:
+            raise InvalidRequest(
+                f"over: {over!r} is the chosen message itself; name the other draft", param="over"
+            )
+        rejected = await self.turn_of(principal, over, "over")
+        if (chosen.draft_of or chosen.message_id) != (rejected.draft_of or rejected.message_id):
+            raise InvalidRequest(
+                f"over: {over!r} is not a draft of the same prompt as {message_id!r} "
+                "(regenerate an answer to get drafts to choose from)",
+                param="over",
+            )
+        await self.turns.add_preference(principal.tenant, message_id, over, principal.key_id)
+        return Choice(chosen=message_id, rejected=over)
 
 
 # -- datasets ------------------------------------------------------------------------------------

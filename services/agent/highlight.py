@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import math
-from typing import Any
+from typing import TypedDict
 
 from services.agent.chunks import Chunk
 from services.agent.text import WORD_RE, content_terms, overlap, sentences, stem, term_spans
@@ -27,7 +27,27 @@ def _sentence_score(
     return score
 
 
-def highlight(query: str, chunk: Chunk, tag: str = "mark") -> dict[str, Any]:
+class Passage(TypedDict):
+    text: str
+    start: int
+    end: int
+    score: float
+
+
+class Span(TypedDict):
+    start: int
+    end: int
+
+
+class Highlight(TypedDict):
+    """What a search result gains from the highlight node; offsets are the document's."""
+
+    passage: Passage
+    highlights: list[Span]
+    highlighted: str
+
+
+def highlight(query: str, chunk: Chunk, tag: str = "mark") -> Highlight:
     """The best-matching sentence of ``chunk`` plus the query words in it.
 
     Offsets are in the *document* (the chunk's ``start`` added), like the chunk's own

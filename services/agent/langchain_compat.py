@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from services.agent.chunks import Chunk
 from services.agent.clients import RetrievalClient
 from services.agent.tools.base import Tool, ToolContext, call_tool
+from services.common.jsonsafe import JsonObject
 from services.common.upstream import UpstreamReply, upstream_error
 
 
@@ -42,7 +43,7 @@ class TandemTool(BaseTool):
     ctx: Any = None
     timeout_s: float = 10.0
 
-    def _argument(self, kwargs: dict[str, Any]) -> Any:
+    def _argument(self, kwargs: JsonObject) -> Any:
         return next(iter(kwargs.values())) if len(kwargs) == 1 else kwargs
 
     async def _arun(self, **kwargs: Any) -> str:

@@ -53,6 +53,7 @@ from services.common.config import CommonSettings
 from services.common.errors import TandemError, error_body
 from services.common.guard import _read_all, _replay
 from services.common.http import service_client
+from services.common.jsonsafe import JsonObject
 
 MCP_PATH = "/mcp"
 ASK_PIPELINE = "chat-documents"
@@ -69,7 +70,7 @@ class SearchArguments(BaseModel):
     query: str = Field(..., min_length=1, max_length=8192)
     top_k: int = Field(10, ge=1, le=100)
     mode: Literal["dense", "sparse", "hybrid"] = "hybrid"
-    filters: dict[str, Any] | None = None
+    filters: JsonObject | None = None
     rerank: bool = False
 
 
@@ -96,7 +97,7 @@ def _tool_error(exc: TandemError) -> ToolError:
     return ToolError(f"{exc.message}{where}")
 
 
-def _validated(model: type[BaseModel], arguments: dict[str, Any]) -> Any:
+def _validated(model: type[BaseModel], arguments: JsonObject) -> Any:
     try:
         return model.model_validate({k: v for k, v in arguments.items() if v is not None})
     except ValidationError as exc:
@@ -106,17 +107,19 @@ def _validated(model: type[BaseModel], arguments: dict[str, Any]) -> Any:
 
 def _model_tool(
     model: type[BaseModel],
-    run: Callable[[Any, Context[Any, Any]], Awaitable[dict[str, Any]]],
+    run: Callable[[Any, Context[Any, Any]], Awaitable[JsonObject]],
     skip: tuple[str, ...] = (),
-) -> Callable[..., Awaitable[dict[str, Any]]]:
+) -> Callable[..., Awaitable[JsonObject]]:
     """A tool function whose arguments are ``model``'s fields (so the SDK publishes, and checks
     calls against, the REST route's own schema); the call is validated by ``model`` itself."""
 
-    async def tool(ctx: Context[Any, Any], **arguments: Any) -> dict[str, Any]:
+    async def tool(ctx: Context[Any, Any], **arguments: Any) -> JsonObject:
         return await run(_validated(model, arguments), ctx)
 
     params = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=Context)]
-    annotations: dict[str, Any] = {"ctx": Context, "return": dict[str, Any]}
+    # the SDK publishes the return annotation as the tool's outputSchema: the tools answer the
+    # REST routes' JSON, published as a plain object
+    annotations: dict[str, object] = {"ctx": Context, "return": JsonObject}
     for name, field in model.model_fields.items():
         if name in skip:
             continue
@@ -156,10 +159,10 @@ def build_mcp_server(
     async def caller(ctx: Context[Any, Any]) -> _Caller:
         return await _caller(ctx, redis_client, jwt)
 
-    async def search(args: SearchArguments, ctx: Context[Any, Any]) -> dict[str, Any]:
+    async def search(args: SearchArguments, ctx: Context[Any, Any]) -> JsonObject:
         who = await caller(ctx)
         try:
-            chunks = await runtime.retrieval(who.key).search(
+            chunks = await runtime.upstreams.retrieval(who.key).search(
                 args.collection,
                 args.query,
                 top_k=args.top_k,
@@ -173,8 +176,8 @@ def build_mcp_server(
 
     def turn_tool(
         target: str,
-    ) -> Callable[[PipelineRunRequest, Context[Any, Any]], Awaitable[dict[str, Any]]]:
-        async def run(body: PipelineRunRequest, ctx: Context[Any, Any]) -> dict[str, Any]:
+    ) -> Callable[[PipelineRunRequest, Context[Any, Any]], Awaitable[JsonObject]]:
+        async def run(body: PipelineRunRequest, ctx: Context[Any, Any]) -> JsonObject:
             who = await caller(ctx)
             turn = Turn.of_run(target, body)
             result = TurnResult()
@@ -189,7 +192,7 @@ def build_mcp_server(
 
         return run
 
-    async def list_collections(ctx: Context[Any, Any]) -> dict[str, Any]:
+    async def list_collections(ctx: Context[Any, Any]) -> JsonObject:
         who = await caller(ctx)
         async with service_client(runtime.common.url_of("retrieval"), who.key, 30.0) as client:
             try:
@@ -292,7 +295,7 @@ class EnvelopeError(ValueError):
         self.message = message
         self.request_id = request_id
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JsonObject:
         error = ErrorData(code=self.code, message=self.message, data={"member": self.member})
         return JSONRPCError(jsonrpc="2.0", id=self.request_id, error=error).model_dump(
             mode="json", by_alias=True

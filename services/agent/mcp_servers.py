@@ -19,7 +19,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NotRequired, TypedDict
 
 from cryptography.fernet import Fernet, InvalidToken
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
@@ -100,6 +100,23 @@ class McpServerInfo(BaseModel):
     created_at: float
 
 
+class McpServerList(BaseModel):
+    """``GET /v1/mcp/servers``: the tenant's servers, oldest first."""
+
+    data: list[McpServerInfo]
+
+
+class StoredServer(TypedDict):
+    """A registered server as kept in Redis: header values encrypted (Fernet)."""
+
+    name: str
+    url: str
+    headers: NotRequired[dict[str, str]]
+    agents: NotRequired[list[str]]
+    tools: NotRequired[list[str] | None]  # None: every tool of the server
+    created_at: NotRequired[float]
+
+
 def load_cipher(settings: AgentSettings, home: Path) -> Fernet:
     """The Fernet of the setting's key, else of the key file in the home (created once, 0600)."""
     if settings.mcp_secret_key:
@@ -132,7 +149,7 @@ class McpServerStore:
         )
 
     @staticmethod
-    def _info(record: dict[str, Any]) -> McpServerInfo:
+    def _info(record: StoredServer) -> McpServerInfo:
         return McpServerInfo(
             name=record["name"],
             url=record["url"],
@@ -142,11 +159,11 @@ class McpServerStore:
             created_at=float(record.get("created_at", 0)),
         )
 
-    async def _record(self, tenant: str, name: str) -> dict[str, Any]:
+    async def _record(self, tenant: str, name: str) -> StoredServer:
         raw = await self.redis.hget(_redis_key(tenant), name)
         if raw is None:
             raise NotFound(f"no MCP server {name!r}: register it with POST /v1/mcp/servers", param="name")
-        record: dict[str, Any] = json.loads(raw)
+        record: StoredServer = json.loads(raw)
         return record
 
     async def check_url(self, url: str) -> None:
@@ -167,7 +184,7 @@ class McpServerStore:
                 "(TANDEM_AGENT_MCP_MAX_SERVERS): delete one first",
                 param="name",
             )
-        record = {
+        record: StoredServer = {
             "name": body.name,
             "url": body.url,
             "headers": {n: self.cipher.encrypt(v.encode()).decode() for n, v in (body.headers or {}).items()},
@@ -205,7 +222,7 @@ class McpServerStore:
         record = await self._record(tenant, name)
         return self._endpoint(record)
 
-    def _endpoint(self, record: dict[str, Any]) -> McpEndpoint:
+    def _endpoint(self, record: StoredServer) -> McpEndpoint:
         headers: dict[str, str] = {}
         for header, token in record.get("headers", {}).items():
             try:
@@ -225,7 +242,7 @@ class McpServerStore:
         those the agent's definition names (``server`` or ``server/tool``). A server that cannot
         be listed gives a stand-in tool whose call is the error, so the run still goes on."""
         raw = await self.redis.hgetall(_redis_key(tenant))
-        records = {k: json.loads(v) for k, v in raw.items()}
+        records: dict[str, StoredServer] = {k: json.loads(v) for k, v in raw.items()}
         for name in requested:
             if name not in records:
                 raise NotFound(

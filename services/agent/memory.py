@@ -21,11 +21,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from pydantic import BaseModel
 
 from services.agent.protocol import Message
 from services.common.errors import NotFound
 
 ID_RE = re.compile(r"^conv_[0-9a-f]{24}$")
+
+
+class ConversationSummary(BaseModel):
+    """A conversation as listed: ``llm`` is the model its later turns generate with (None: the default)."""
+
+    id: str
+    title: str
+    pipeline: str
+    collection: str
+    llm: str | None
+    created_at: float
+    updated_at: float
+
+
+class Conversation(ConversationSummary):
+    """A conversation with its messages, as kept (role, content, ``ts``; an answer's
+    ``message_id``, citations and steps)."""
+
+    messages: list[dict[str, Any]]
 
 
 @dataclass
@@ -141,7 +161,7 @@ class ConversationStore:
             Message(role=m["role"], content=m["content"]) for m in await self.messages(tenant, user, conv_id)
         ]
 
-    async def list(self, tenant: str, user: str, limit: int = 100) -> list[dict[str, Any]]:
+    async def list(self, tenant: str, user: str, limit: int = 100) -> list[ConversationSummary]:
         index = self._index(tenant, user)
         ids = await self.r.zrevrange(index, 0, limit - 1)
         out = []
@@ -154,11 +174,12 @@ class ConversationStore:
             out.append(self._public(conv_id, data))
         return out
 
-    async def get(self, tenant: str, user: str, conv_id: str) -> dict[str, Any]:
+    async def get(self, tenant: str, user: str, conv_id: str) -> Conversation:
         data = await self.meta(tenant, user, conv_id)
-        return {**self._public(conv_id, data), "messages": await self.messages(tenant, user, conv_id)}
+        summary = self._public(conv_id, data)
+        return Conversation(**summary.model_dump(), messages=await self.messages(tenant, user, conv_id))
 
-    async def rename(self, tenant: str, user: str, conv_id: str, title: str) -> dict[str, Any]:
+    async def rename(self, tenant: str, user: str, conv_id: str, title: str) -> ConversationSummary:
         await self.meta(tenant, user, conv_id)
         await self.r.hset(self._key(tenant, conv_id), "title", title[:120])
         return self._public(conv_id, await self.meta(tenant, user, conv_id))
@@ -173,13 +194,13 @@ class ConversationStore:
         await self._delete_keys(tenant, user, conv_id)
 
     @staticmethod
-    def _public(conv_id: str, data: dict[str, str]) -> dict[str, Any]:
-        return {
-            "id": conv_id,
-            "title": data.get("title", ""),
-            "pipeline": data.get("pipeline", ""),
-            "collection": data.get("collection", ""),
-            "llm": data.get("llm") or None,
-            "created_at": float(data.get("created_at", 0)),
-            "updated_at": float(data.get("updated_at", 0)),
-        }
+    def _public(conv_id: str, data: dict[str, str]) -> ConversationSummary:
+        return ConversationSummary(
+            id=conv_id,
+            title=data.get("title", ""),
+            pipeline=data.get("pipeline", ""),
+            collection=data.get("collection", ""),
+            llm=data.get("llm") or None,
+            created_at=float(data.get("created_at", 0)),
+            updated_at=float(data.get("updated_at", 0)),
+        )

@@ -17,7 +17,7 @@ names no collection (a collection the caller may not read is, to it, one that do
 
 from __future__ import annotations
 
-from services.agent.promotions import chat_model
+from services.agent.model_choice import chat_model
 from services.agent.protocol import ModelChoice, ReaderChoice
 from services.common.auth import Principal
 from services.common.model_restrictions import ModelRestrictions

@@ -17,11 +17,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from services.agent.chunks import Citation, SearchHit
 from services.agent.events import AnswerKind, ErrorEvent, Event, ResetEvent, TokenEvent, ToolCallDeltaEvent
-from services.agent.pipelines.state import AnswerForm
+from services.agent.pipelines.state import AnswerForm, TurnOptions
 from services.agent.protocol import (
     AnswerCitation,
     ChatCompletion,
@@ -136,7 +135,7 @@ def _turn(body: ChatCompletionRequest) -> Turn:
         # as OpenAI, vLLM and the inference service answer
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     history, question, tail = _split(body.messages)
-    options: dict[str, Any] = {}
+    options = TurnOptions()
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is not None:
         options["max_tokens"] = max_tokens

@@ -48,16 +48,15 @@ leaves the job to another once the lease lapses.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import re
 import secrets
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from services.agent.config import AgentSettings
 from services.agent.evals.judge import Answered
 from services.agent.evals.protocol import EvalQuestion, MetricDifference, RegressionReport
 from services.agent.evals.runs import (
@@ -71,6 +70,8 @@ from services.agent.evals.runs import (
     regression_check,
 )
 from services.agent.evals.store import EvalStore
+from services.agent.model_choice import PromotionStore, promoted, reader_promoted
+from services.agent.pipeline_answers import PipelineAnswers
 from services.agent.protocol import (
     GateScores,
     GateSet,
@@ -82,20 +83,17 @@ from services.agent.protocol import (
 )
 from services.agent.quality import cites
 from services.agent.turns import FeedbackFilter, TurnStore
-from services.common.errors import Conflict, InvalidRequest, NotFound, TandemError
+from services.agent.upstreams import Upstreams
+from services.common.errors import NotFound, TandemError
 from services.common.http import acting_for
 from services.common.judge import has_phrase, states_reference
-from services.common.model_restrictions import ModelRestrictions
-from services.common.readers import reader_name
 
 if TYPE_CHECKING:
     from services.agent.pipelines.state import RunState
-    from services.agent.runtime import AgentRuntime
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-PENDING: tuple[PromotionStatus, ...] = ("training", "evaluating")
 LEASE_S = 120
 # Questions answered at once while evaluating (the inference service batches them).
 EVAL_CONCURRENCY = 4
@@ -103,197 +101,6 @@ METRICS = ("matches", "grounded", "cited")
 # A reader's regression sets are answered by the pipeline whose answer is the reader's selection.
 READER_PIPELINE = "chat-documents"
 _MARKERS = re.compile(r"\s*\[\d{1,3}(?:\s*[,;]\s*\d{1,3})*\]")
-
-
-def _unit(text: str) -> float:
-    """A stable number in [0, 1) for ``text``."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
-
-
-def held_out(message_id: str, share: float) -> bool:
-    return share > 0 and _unit(f"holdout:{message_id}") < share
-
-
-# -- the tenant's chat model ----------------------------------------------------------------------
-
-
-def chat_model(choice: ModelChoice, message_id: str) -> str | None:
-    """The model a chat turn answers with when neither the turn nor its conversation names one:
-    the canary for its share of turns, otherwise the tenant's default (None: the base model)."""
-    if choice.canary and _unit(f"canary:{message_id}") < choice.canary_share:
-        return choice.canary
-    return choice.default
-
-
-def promoted(choice: ModelChoice, model: str, share: float | None, now: float) -> ModelChoice:
-    """``choice`` after promoting ``model``: as the default (``share`` None or 1), as a canary
-    answering ``share`` of the chats, or, with 0, without the canary."""
-    if share is not None and not 0.0 <= share <= 1.0:
-        raise InvalidRequest(f"canary_share: {share} is outside 0 to 1", param="canary_share")
-    out = choice.model_copy(deep=True)
-    out.updated_at = now
-    if share is not None and share < 1.0:
-        if share == 0.0:
-            if out.canary == model:
-                out.canary, out.canary_share, out.canary_since = None, 0.0, None
-            return out
-        if out.default == model:
-            raise Conflict(
-                f"{model!r} is already the default for chat: a canary is for a candidate", param="model"
-            )
-        if out.canary != model:
-            out.canary_since = now
-        out.canary, out.canary_share = model, share
-        return out
-    if out.default != model:
-        out.previous.append(out.default or "")
-        out.default = model
-    if out.canary == model:
-        out.canary, out.canary_share, out.canary_since = None, 0.0, None
-    return out
-
-
-def reader_promoted(
-    choice: ModelChoice, reader: ReaderChoice, share: float | None, now: float
-) -> ModelChoice:
-    """``choice`` with ``reader`` as the tenant's reader (the one before it kept for rollback)."""
-    if share is not None and share != 1.0:
-        # a canary compares what people say of answers per model; a reader's answers are not told apart
-        raise InvalidRequest(
-            f"canary_share: a reader has no canary ({reader.name!r}); promote it whole", param="canary_share"
-        )
-    out = choice.model_copy(deep=True)
-    out.updated_at = now
-    if out.reader is None or out.reader.name != reader.name:
-        out.previous_readers.append(out.reader or ReaderChoice(name=""))
-    out.reader = reader
-    return out
-
-
-def reader_rolled_back(choice: ModelChoice, name: str, now: float) -> ModelChoice:
-    """``choice`` with the reader before ``name`` (the agent's reader setting at the start)."""
-    if choice.reader is None or choice.reader.name != name:
-        current = choice.reader.name if choice.reader else "the agent's reader setting"
-        raise Conflict(
-            f"{name!r} is not the tenant's reader ({current}): there is nothing to roll back", param="model"
-        )
-    out = choice.model_copy(deep=True)
-    out.updated_at = now
-    before = out.previous_readers.pop() if out.previous_readers else None
-    out.reader = before if before is not None and before.name else None
-    return out
-
-
-def rolled_back(choice: ModelChoice, model: str, now: float) -> ModelChoice:
-    """``choice`` without ``model``: a canary stops; a default gives way to the one before it."""
-    out = choice.model_copy(deep=True)
-    out.updated_at = now
-    if out.canary == model:
-        out.canary, out.canary_share, out.canary_since = None, 0.0, None
-        return out
-    if out.default == model:
-        out.default = (out.previous.pop() if out.previous else "") or None
-        return out
-    raise Conflict(
-        f"{model!r} is neither the tenant's default for chat ({choice.default or 'the base model'}) "
-        "nor its canary: there is nothing to roll back",
-        param="model",
-    )
-
-
-# -- the store ----------------------------------------------------------------------------------
-
-
-class PromotionStore:
-    """ModelChoice and Promotion records, in the turn store's database (their tables are in its
-    schema), so they are as durable as the feedback they come from."""
-
-    def __init__(self, turns: TurnStore, restrictions: ModelRestrictions) -> None:
-        self.turns = turns
-        # The collections each fine-tune was trained on, and whether an admin allowed it, kept
-        # where the inference service reads them too (services/common/model_restrictions.py).
-        self.restrictions = restrictions
-
-    async def choice(self, tenant: str) -> ModelChoice:
-        def fn(db: sqlite3.Connection) -> ModelChoice:
-            row = db.execute("SELECT data FROM model_choice WHERE tenant = ?", (tenant,)).fetchone()
-            return ModelChoice.model_validate_json(row[0]) if row else ModelChoice()
-
-        return await self.turns.read(fn)
-
-    async def save_choice(self, tenant: str, choice: ModelChoice) -> None:
-        def fn(db: sqlite3.Connection) -> None:
-            db.execute(
-                "INSERT INTO model_choice (tenant, data) VALUES (?, ?)"
-                " ON CONFLICT (tenant) DO UPDATE SET data = excluded.data",
-                (tenant, choice.model_dump_json()),
-            )
-
-        await self.turns.transact(fn)
-
-    async def save(self, tenant: str, p: Promotion) -> None:
-        def fn(db: sqlite3.Connection) -> None:
-            db.execute(
-                "INSERT INTO promotions (job_id, tenant, status, created_at, data) VALUES (?, ?, ?, ?, ?)"
-                " ON CONFLICT (job_id) DO UPDATE SET status = excluded.status, data = excluded.data",
-                (p.job_id, tenant, p.status, p.created_at, p.model_dump_json()),
-            )
-
-        await self.turns.transact(fn)
-        await self.restrict(tenant, p)
-
-    async def restrict(self, tenant: str, p: Promotion) -> None:
-        """Records what ``p``'s model was trained on, under each name it is served by: its job's
-        (``ft-<x>``, ``ft-reader-<x>`` for a reader) and the published candidate's."""
-        names = [reader_name(p.job_id) if p.kind == "reader" else f"ft-{p.job_id.removeprefix('ftjob-')}"]
-        await self.restrictions.put(tenant, [*names, p.candidate or ""], p.collections, p.allowed is not None)
-
-    async def restrict_all(self) -> None:
-        """Records every tenant's fine-tunes from feedback (at start: the records kept before)."""
-
-        def fn(db: sqlite3.Connection) -> list[tuple[str, Promotion]]:
-            rows = db.execute("SELECT tenant, data FROM promotions ORDER BY created_at").fetchall()
-            return [(r[0], Promotion.model_validate_json(r[1])) for r in rows]
-
-        for tenant, p in await self.turns.read(fn):
-            if p.collections:
-                await self.restrict(tenant, p)
-
-    async def recent(self, tenant: str, limit: int = 20) -> list[Promotion]:
-        def fn(db: sqlite3.Connection) -> list[Promotion]:
-            rows = db.execute(
-                "SELECT data FROM promotions WHERE tenant = ? ORDER BY created_at DESC LIMIT ?",
-                (tenant, limit),
-            ).fetchall()
-            return [Promotion.model_validate_json(r[0]) for r in rows]
-
-        return await self.turns.read(fn)
-
-    async def trained_as(self, tenant: str, model: str) -> Promotion | None:
-        """The record of the job from the tenant's feedback that made ``model``, if one did: by
-        the candidate it published, or, before the gate has seen it, by its job (the trainer
-        publishes job ``ftjob-<x>`` as ``ft-<x>``)."""
-        job_id = f"ftjob-{model.removeprefix('ft-')}"
-
-        def fn(db: sqlite3.Connection) -> Promotion | None:
-            row = db.execute(
-                "SELECT data FROM promotions WHERE tenant = ? AND (job_id = ? OR json_extract(data, "
-                "'$.candidate') = ?) ORDER BY created_at DESC LIMIT 1",
-                (tenant, job_id, model),
-            ).fetchone()
-            return Promotion.model_validate_json(row[0]) if row else None
-
-        return await self.turns.read(fn)
-
-    async def pending(self) -> list[tuple[str, Promotion]]:
-        def fn(db: sqlite3.Connection) -> list[tuple[str, Promotion]]:
-            marks = ", ".join("?" for _ in PENDING)
-            rows = db.execute(
-                f"SELECT tenant, data FROM promotions WHERE status IN ({marks}) ORDER BY created_at", PENDING
-            ).fetchall()
-            return [(r[0], Promotion.model_validate_json(r[1])) for r in rows]
-
-        return await self.turns.read(fn)
 
 
 # -- judging answers ---------------------------------------------------------------------------
@@ -465,16 +272,34 @@ def decide(sets: Sequence[GateSet], margin: float, what: str = "model") -> tuple
 
 
 class PromotionGate:
-    def __init__(self, runtime: AgentRuntime, store: PromotionStore) -> None:
-        self.runtime = runtime
+    """Decides on the fine-tunes and readers ``store`` holds as pending. It reads the feedback in
+    ``turns``, answers through ``answers`` with the agent's ``service_api_key`` acting for each
+    tenant, asks the trainer (``upstreams``) how each job went, and leases jobs in ``redis``."""
+
+    def __init__(
+        self,
+        store: PromotionStore,
+        turns: TurnStore,
+        answers: PipelineAnswers,
+        upstreams: Upstreams,
+        redis: Any,
+        service_api_key: str,
+        settings: AgentSettings,
+    ) -> None:
         self.store = store
-        self.settings = runtime.settings
+        self.turns = turns
+        self.answers = answers
+        self.upstreams = upstreams
+        self.redis = redis
+        self.evals = EvalStore(redis)
+        self.service_api_key = service_api_key
+        self.settings = settings
         self.owner = secrets.token_hex(8)
 
     async def _referenced(self, tenant: str) -> list[GateQuestion]:
         """The tenant's chat answers rated up or corrected, newest first, each with its reference:
         the correction, or the approved answer."""
-        rated, _ = await self.runtime.turns.list_feedback(tenant, FeedbackFilter())
+        rated, _ = await self.turns.list_feedback(tenant, FeedbackFilter())
         out = []
         for fb, rec in sorted(rated, key=lambda pair: -pair[1].created_at):
             if rec.kind != "pipeline" or not rec.question.strip():
@@ -516,11 +341,11 @@ class PromotionGate:
     async def recent(self, tenant: str, exclude: set[str]) -> list[GateQuestion]:
         if not self.settings.promotion_recent:
             return []
-        records = await self.runtime.turns.recent_chat_turns(tenant, self.settings.promotion_recent, exclude)
+        records = await self.turns.recent_chat_turns(tenant, self.settings.promotion_recent, exclude)
         return [GateQuestion(r.message_id, r.question, r.pipeline, r.collection, None) for r in records]
 
     async def _lease(self, job_id: str) -> bool:
-        r = self.runtime.memory.r
+        r = self.redis
         key = f"tandem:agent:gate:{job_id}"
         if await r.set(key, self.owner, nx=True, ex=LEASE_S):
             return True
@@ -531,7 +356,7 @@ class PromotionGate:
         return False
 
     async def _release(self, job_id: str) -> None:
-        await self.runtime.memory.r.delete(f"tandem:agent:gate:{job_id}")
+        await self.redis.delete(f"tandem:agent:gate:{job_id}")
 
     async def tick(self) -> None:
         """One pass over the jobs not yet decided."""
@@ -546,7 +371,7 @@ class PromotionGate:
                 await self._release(p.job_id)
 
     async def advance(self, tenant: str, p: Promotion) -> None:
-        key = self.runtime.common.service_api_key
+        key = self.service_api_key
         if not key:
             await self._finish(
                 tenant,
@@ -558,7 +383,7 @@ class PromotionGate:
             return
         with acting_for(tenant):
             try:
-                job = await self.runtime.trainer(key).job(p.job_id)
+                job = await self.upstreams.trainer(key).job(p.job_id)
             except NotFound:
                 await self._finish(tenant, p, "failed", f"the trainer has no job {p.job_id!r}")
                 return
@@ -587,7 +412,7 @@ class PromotionGate:
         p.replaces = choice.default or ""
         answering = (p.candidate, choice.default)
         runners = [
-            pipeline_runner(self.runtime, key, DEFAULT_PIPELINE, llm, choice.reader, written=True)
+            pipeline_runner(self.answers, key, DEFAULT_PIPELINE, llm, choice.reader, written=True)
             for llm in answering
         ]
         if not await self._regression_sets_pass(tenant, p, runners[0], runners[1]):
@@ -627,7 +452,7 @@ class PromotionGate:
             await self._finish(tenant, p, "failed", exc.message)
             return
         runners = [
-            pipeline_runner(self.runtime, key, READER_PIPELINE, None, reader)
+            pipeline_runner(self.answers, key, READER_PIPELINE, None, reader)
             for reader in (candidate, current)
         ]
         if not await self._regression_sets_pass(tenant, p, runners[0], runners[1], "reader"):
@@ -669,7 +494,7 @@ class PromotionGate:
             leased(candidate),
             leased(current),
             p.margin,
-            store=EvalStore(self.runtime.memory.r),
+            store=self.evals,
             concurrency=self.settings.eval_concurrency,
         )
         p.regression_sets = report
@@ -687,7 +512,7 @@ class PromotionGate:
     async def _threshold(self, tenant: str, key: str, reader: str) -> float | None:
         """The threshold ``reader``'s held-out rows chose, as the inference service lists it."""
         with acting_for(tenant):
-            cards = await self.runtime.inference(key).models()
+            cards = await self.upstreams.inference(key).models()
         for card in cards:
             if card.id == reader and card.kind == "rerank":
                 value = (card.model_extra or {}).get("threshold")
@@ -734,10 +559,10 @@ class PromotionGate:
         without recorded sources, or one either could not read, is left out of both."""
 
         async def both(q: GateQuestion) -> tuple[bool | None, bool | None] | None:
-            if q.pipeline not in self.runtime.pipelines or not q.sources:
+            if q.pipeline not in self.answers.pipelines or not q.sources:
                 return None
             sources = list(q.sources)
-            read = self.runtime.read_unrecorded
+            read = self.answers.read_unrecorded
             new = await read(key, q.pipeline, q.question, q.collection, sources, candidate)
             old = await read(key, q.pipeline, q.question, q.collection, sources, current)
             return read_matches(q, new, candidate.name), read_matches(q, old)
@@ -759,9 +584,9 @@ class PromotionGate:
         candidate, current = models
 
         async def both(q: GateQuestion) -> tuple[Judged, Judged] | None:
-            if q.pipeline not in self.runtime.pipelines:
+            if q.pipeline not in self.answers.pipelines:
                 return None
-            answer = self.runtime.answer_unrecorded
+            answer = self.answers.answer_unrecorded
             new = await answer(key, q.pipeline, q.question, q.collection, candidate, reader)
             old = await answer(key, q.pipeline, q.question, q.collection, current, reader)
             return judge(q, new), judge(q, old)

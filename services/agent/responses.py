@@ -33,6 +33,7 @@ from services.agent.runtime import AgentRuntime
 from services.common.auth import Principal
 from services.common.bounds import NAME_CHARS
 from services.common.errors import InvalidRequest, TandemError
+from services.common.jsonsafe import JsonObject
 from services.common.response_store import ResponseStore
 from services.common.responses_input import (
     chat_request,
@@ -71,7 +72,7 @@ def file_citations(text: str, citations: list[AnswerCitation]) -> list[FileCitat
     return out
 
 
-def _mcp_servers(others: list[tuple[int, dict[str, Any]]]) -> list[str]:
+def _mcp_servers(others: list[tuple[int, JsonObject]]) -> list[str]:
     servers = []
     for i, tool in others:
         label = tool.get("server_label")

@@ -19,7 +19,7 @@ from services.agent.agents.runner import AgentRunner, AgentSpec, check_tools
 from services.agent.approvals import Approval, ApprovalStore, PerformedCall
 from services.agent.chunks import Chunk
 from services.agent.citations import CitationTracker
-from services.agent.clients import InferenceClient, RetrievalClient, TrainerClient
+from services.agent.clients import InferenceClient
 from services.agent.config import AgentSettings
 from services.agent.events import (
     ApprovalRequiredEvent,
@@ -32,27 +32,30 @@ from services.agent.events import (
     ThoughtStep,
     TokenEvent,
     ToolCallStep,
+    ToolsStep,
 )
+from services.agent.feedback import FeedbackWriter
 from services.agent.mcp_servers import McpServerStore, load_cipher
 from services.agent.memory import ConversationStore, MemoryLimits
 from services.agent.model_access import CallerModels
-from services.agent.pipelines.components import AnswerSelectNode, CiteNode, Component, GenerateNode
+from services.agent.model_choice import PromotionStore
+from services.agent.pipeline_answers import PipelineAnswers
+from services.agent.pipelines.components import CiteNode, Component, GenerateNode
 from services.agent.pipelines.definition import Pipeline, load_pipelines
-from services.agent.pipelines.state import AnswerForm, AnswerKind, Event, RunContext, RunState
-from services.agent.promotions import PromotionGate, PromotionStore
+from services.agent.pipelines.state import AnswerForm, AnswerKind, Event, RunState, TurnOptions
+from services.agent.promotions import PromotionGate
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import Message, PipelineRunRequest, ReaderChoice, TurnRecord, wire_messages
 from services.agent.quality import QualityMetrics, answer_quality
-from services.agent.tokens import load_counter
 from services.agent.tools.base import Tool, ToolContext, call_fingerprint
 from services.agent.tools.registry import default_tools
 from services.agent.turns import SqliteTurnStore, TurnStore, new_message_id, owner_scope
+from services.agent.upstreams import ServedModels, Upstreams
 from services.common.auth import Principal
 from services.common.config import CommonSettings
-from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable, TandemError
+from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, TandemError
 from services.common.model_restrictions import ModelRestrictions
 from services.common.openai_wire import ToolCall
-from services.common.replicas import replica_pool
 
 log = logging.getLogger("tandem.agent")
 # Events that mean the answer has started (or ended): interfaces can commit to a streamed response then.
@@ -69,7 +72,7 @@ class Turn:
     conversation_id: str | None = None
     history: list[Message] | None = None  # given by the caller (OpenAI facade) instead of memory
     remember: bool = True
-    options: dict[str, Any] = field(default_factory=dict)
+    options: TurnOptions = field(default_factory=TurnOptions)
     llm: str | None = None  # the model that generates; None: the conversation's, else the default
     form: AnswerForm | None = None  # the caller's tools / response_format (OpenAI facade)
     mcp_servers: list[str] = field(default_factory=list)  # the caller's registered MCP servers (agents)
@@ -200,6 +203,9 @@ class _Run:
 
 
 class AgentRuntime:
+    """What a turn needs, built once per process; the components below it (the pipelines, the
+    agents, the promotion gate, evaluation runs) receive the parts they use, never the runtime."""
+
     def __init__(
         self,
         common: CommonSettings,
@@ -213,11 +219,23 @@ class AgentRuntime:
         self.settings = settings
         self.memory = memory
         self.turns = turns
+        self.upstreams = Upstreams(common, settings.upstream_timeout_s)
+        self.models = ServedModels(settings.model)
         self.quality = QualityMetrics()  # on the app's /metrics (app.py registers it)
+        self.feedback = FeedbackWriter(turns, self.quality, settings)
         self.promotions = PromotionStore(turns, ModelRestrictions(memory.r))
-        self.gate = PromotionGate(self, self.promotions)
         self.approvals = ApprovalStore(memory.r, settings.approval_ttl_s)
         self.pipelines: dict[str, Pipeline] = load_pipelines(settings.pipelines_dir or None)
+        self.answers = PipelineAnswers(settings, self.pipelines, self.upstreams, self.models)
+        self.gate = PromotionGate(
+            self.promotions,
+            turns,
+            self.answers,
+            self.upstreams,
+            memory.r,
+            common.service_api_key,
+            settings,
+        )
         self.tools, self.tool_errors = default_tools(settings)
         self.agents: dict[str, AgentSpec] = {
             "tools-agent": AgentSpec(
@@ -230,8 +248,6 @@ class AgentRuntime:
                 side_effects=settings.tool_side_effects,
             ),
         }
-        self._model: str | None = settings.model or None
-        self._model_lock = asyncio.Lock()
 
     @classmethod
     def create(cls, common: CommonSettings, settings: AgentSettings, redis: Any) -> AgentRuntime:
@@ -244,45 +260,6 @@ class AgentRuntime:
         turns = SqliteTurnStore(common.home_dir / "agent" / "turns.sqlite3")
         mcp = McpServerStore(redis, load_cipher(settings, common.home_dir), settings)
         return cls(common, settings, ConversationStore(redis, limits), turns, mcp)
-
-    # -- clients carry the caller's own key ---------------------------------------------------
-
-    def retrieval(self, api_key: str) -> RetrievalClient:
-        return RetrievalClient(self.common.url_of("retrieval"), api_key, self.settings.upstream_timeout_s)
-
-    def inference(self, api_key: str) -> InferenceClient:
-        # one pool for the process: every request shares the replicas' health and load
-        pool = replica_pool(self.common.inference_replicas())
-        return InferenceClient(pool, api_key, self.settings.upstream_timeout_s)
-
-    def trainer(self, api_key: str) -> TrainerClient:
-        return TrainerClient(self.common.url_of("trainer"), api_key, self.settings.upstream_timeout_s)
-
-    async def model(self, inference: InferenceClient) -> str:
-        if self._model:
-            return self._model
-        async with self._model_lock:
-            if not self._model:
-                models = await inference.models()
-                if not models:
-                    raise ServiceUnavailable("the inference service lists no model")
-                # The list is per tenant (shared models plus the caller's fine-tunes): the default,
-                # kept for every caller, must be a shared base model, never one tenant's adapter.
-                shared = [m for m in models if m.kind in (None, "base")]
-                self._model = (shared or models)[0].id
-        return self._model
-
-    async def check_llm(self, inference: InferenceClient, llm: str) -> None:
-        """``llm`` must be one of the models the inference service lists for the caller's key
-        (shared base models and the tenant's own fine-tunes): anything else is a 404 naming it."""
-        # Embedding and rerank models are listed too, but cannot write an answer.
-        listed = {m.id for m in await inference.models() if m.kind not in ("embedding", "rerank")}
-        if llm not in listed:
-            raise NotFound(
-                f"unknown model {llm!r} for 'llm': use one of the models GET /v1/models lists for this key",
-                param="llm",
-                code="model_not_found",
-            )
 
     def catalog(self) -> list[dict[str, str]]:
         out = [
@@ -371,7 +348,7 @@ class AgentRuntime:
         share of turns); for a pipeline, the tenant's promoted reader (None: the agent's setting).
         A fine-tune the caller may not be served is a 403 where named, passed over where not."""
         if turn.llm:
-            await self.check_llm(inference, turn.llm)
+            await self.models.check(inference, turn.llm)
         llm = turn.llm or remembered
         models = self.caller_models(principal)
         if llm:
@@ -386,91 +363,115 @@ class AgentRuntime:
     ) -> AsyncIterator[Event]:
         """Streams the events of one turn; fills ``result``. Raises TandemError for bad input
         found before the first answer event (so HTTP interfaces can still answer 4xx)."""
+        run, meta = await self._prepare(principal, api_key, turn, result)
+        created = False
+        if turn.remember:
+            created = await self._open_conversation(principal, run, meta)
+            yield ConversationEvent(conversation_id=result.conversation_id)
+        partial: list[str] = []  # the answer streamed so far, kept if the turn is stopped
+        try:
+            async for event in self._stream(principal, run, partial):
+                yield event
+        except asyncio.CancelledError:
+            # Stopped by the user or a disconnect: keep what was said so far (and its record).
+            await self._keep_stopped(principal, turn, result, "".join(partial))
+            raise
+        except BaseException:
+            if created and result.conversation_id:
+                await self.memory.delete(principal.tenant, principal.key_id, result.conversation_id)
+                result.conversation_id = None
+            raise
+        await self._keep_answer(principal, turn, result)
+        yield result.turn_done()
+
+    async def _prepare(
+        self, principal: Principal, api_key: str, turn: Turn, result: TurnResult
+    ) -> tuple[_Run, dict[str, str]]:
+        """The run of a valid turn (its model, reader and MCP tools) and its conversation's
+        metadata: every check that can refuse the turn happens here, before any event."""
         self.validate(turn)
-        tenant, user = principal.tenant, principal.key_id
-        inference = self.inference(api_key)
+        inference = self.upstreams.inference(api_key)
         mcp_tools: dict[str, Tool] = {}
         if turn.target in self.agents:
             # before any event: an unknown server name is still a 404
             spec = self.agents[turn.target]
-            mcp_tools = await self.mcp.agent_tools(tenant, spec.name, turn.mcp_servers, spec.mcp_servers)
+            mcp_tools = await self.mcp.agent_tools(
+                principal.tenant, spec.name, turn.mcp_servers, spec.mcp_servers
+            )
         meta: dict[str, str] = {}
         if turn.remember and turn.conversation_id:
-            meta = await self.memory.meta(tenant, user, turn.conversation_id)
+            meta = await self.memory.meta(principal.tenant, principal.key_id, turn.conversation_id)
         result.message_id = new_message_id()
         llm, reader = await self._answerers(
             principal, api_key, turn, meta.get("llm") or None, inference, result.message_id
         )
         history = list(turn.history or [])
+        return _Run(inference, api_key, turn, llm, history, result, mcp_tools, reader), meta
+
+    async def _open_conversation(self, principal: Principal, run: _Run, meta: dict[str, str]) -> bool:
+        """The remembered turn's conversation (its history read into ``run``), or a new one
+        (True), with the user's message appended."""
+        tenant, user, turn, result = principal.tenant, principal.key_id, run.turn, run.result
         created = False
-        partial: list[str] = []
-        if turn.remember:
-            if turn.conversation_id:
-                if not turn.resumed:
-                    history = await self.memory.history(tenant, user, turn.conversation_id)
-                result.conversation_id = turn.conversation_id
-                if turn.llm and turn.llm != meta.get("llm"):
-                    await self.memory.set_llm(tenant, user, turn.conversation_id, turn.llm)
-            else:
-                result.conversation_id = await self.memory.create(
-                    tenant,
-                    user,
-                    title=turn.message[:80],
-                    pipeline=turn.target,
-                    collection=turn.collection or "",
-                    llm=turn.llm or "",
-                )
-                created = True
-            # The user's message is kept before any work: a turn cut short by a crash of this
-            # process still leaves what the user asked in the conversation.
+        if turn.conversation_id:
             if not turn.resumed:
-                await self.memory.append(
-                    tenant, user, result.conversation_id, [{"role": "user", "content": turn.message}]
-                )
-            yield ConversationEvent(conversation_id=result.conversation_id)
+                run.history = await self.memory.history(tenant, user, turn.conversation_id)
+            result.conversation_id = turn.conversation_id
+            if turn.llm and turn.llm != meta.get("llm"):
+                await self.memory.set_llm(tenant, user, turn.conversation_id, turn.llm)
+        else:
+            result.conversation_id = await self.memory.create(
+                tenant,
+                user,
+                title=turn.message[:80],
+                pipeline=turn.target,
+                collection=turn.collection or "",
+                llm=turn.llm or "",
+            )
+            created = True
+        # The user's message is kept before any work: a turn cut short by a crash of this
+        # process still leaves what the user asked in the conversation.
+        if not turn.resumed:
+            await self.memory.append(
+                tenant, user, result.conversation_id, [{"role": "user", "content": turn.message}]
+            )
+        return created
+
+    async def _stream(self, principal: Principal, run: _Run, partial: list[str]) -> AsyncIterator[Event]:
+        """The pipeline's or the agent's events, noted in ``run.result`` (steps, error) and
+        ``partial`` (the streamed text) as they pass; a tool call held for approval is kept."""
+        turn, result = run.turn, run.result
+        events = self._run_pipeline(run) if turn.target in self.pipelines else self._run_agent(run)
+        async for event in events:
+            if isinstance(event, ApprovalRequiredEvent):
+                held = await self._hold(principal, turn, run.llm, run.history, result, event)
+                event.expires_at = held.expires_at
+            if isinstance(event, TokenEvent):
+                partial.append(event.text)
+            elif isinstance(event, ResetEvent):
+                partial.clear()  # the guard replaces what streamed so far
+            elif isinstance(
+                event,
+                ThoughtStep | ToolCallStep | ObservationStep | FinalStep | ToolsStep | ApprovalRequiredEvent,
+            ):
+                result.steps.append(event.wire())
+            elif isinstance(event, ErrorEvent):
+                result.error = event
+            yield event
+
+    async def _keep_stopped(self, principal: Principal, turn: Turn, result: TurnResult, said: str) -> None:
+        """A stopped turn's record and, in its conversation, what it said so far."""
         try:
-            if turn.target in self.pipelines:
-                events = self._run_pipeline(
-                    _Run(inference, api_key, turn, llm, history, result, reader=reader)
-                )
-            else:
-                events = self._run_agent(_Run(inference, api_key, turn, llm, history, result, mcp_tools))
-            async for event in events:
-                if isinstance(event, ApprovalRequiredEvent):
-                    held = await self._hold(principal, turn, llm, history, result, event)
-                    event.expires_at = held.expires_at
-                if isinstance(event, TokenEvent):
-                    partial.append(event.text)
-                elif isinstance(event, ResetEvent):
-                    partial.clear()  # the guard replaces what streamed so far
-                elif isinstance(
-                    event, ThoughtStep | ToolCallStep | ObservationStep | FinalStep | ApprovalRequiredEvent
-                ):
-                    result.steps.append(event.wire())
-                elif isinstance(event, ErrorEvent):
-                    result.error = event
-                yield event
-        except asyncio.CancelledError:
-            # Stopped by the user or a disconnect: keep what was said so far (and its record).
-            said = {
-                "role": "assistant",
-                "content": "".join(partial),
-                "stopped": True,
-                "message_id": result.message_id,
-            }
-            try:
-                await self._save_record(principal, turn, result, "".join(partial), "stopped")
-            except Exception:
-                log.exception("could not record the stopped turn %s", result.message_id)
-            if turn.remember and result.conversation_id:
-                await self.memory.append(tenant, user, result.conversation_id, [said])
-            raise
-        except BaseException:
-            if created and result.conversation_id:
-                await self.memory.delete(tenant, user, result.conversation_id)
-                result.conversation_id = None
-            raise
-        # Recorded before 'done' goes out: a client may rate the answer as soon as it sees it.
+            await self._save_record(principal, turn, result, said, "stopped")
+        except Exception:
+            log.exception("could not record the stopped turn %s", result.message_id)
+        if turn.remember and result.conversation_id:
+            message = {"role": "assistant", "content": said, "stopped": True, "message_id": result.message_id}
+            await self.memory.append(principal.tenant, principal.key_id, result.conversation_id, [message])
+
+    async def _keep_answer(self, principal: Principal, turn: Turn, result: TurnResult) -> None:
+        """The turn's record and, in its conversation, the answer. Recorded before 'done' goes
+        out: a client may rate the answer as soon as it sees it."""
         await self._save_record(principal, turn, result, result.answer, result.finish_reason)
         if turn.remember and result.conversation_id:
             assistant: dict[str, Any] = {
@@ -481,8 +482,7 @@ class AgentRuntime:
             }
             if result.steps:
                 assistant["steps"] = result.steps
-            await self.memory.append(tenant, user, result.conversation_id, [assistant])
-        yield result.turn_done()
+            await self.memory.append(principal.tenant, principal.key_id, result.conversation_id, [assistant])
 
     async def _hold(
         self,
@@ -622,13 +622,7 @@ class AgentRuntime:
         prompt = [Message.model_validate(m) for m in original.prompt]
         state.plan = PromptPlan(messages=prompt, sources=chunks, prompt_tokens=0, budget=0)
         state.tracker = CitationTracker(chunks)
-        ctx = RunContext(
-            settings=self.settings,
-            retrieval=self.retrieval(api_key),
-            inference=self.inference(api_key),
-            counter=load_counter(self.settings.tokenizer),
-            model=original.model,
-        )
+        ctx = self.answers.fixed_context(api_key, original.model)
         pipeline = self.pipelines.get(original.pipeline)
         nodes: list[Component] = []
         if pipeline is not None:
@@ -679,7 +673,7 @@ class AgentRuntime:
     async def _run_pipeline(self, run: _Run) -> AsyncIterator[Event]:
         inference, turn, llm, result = run.inference, run.turn, run.llm, run.result
         pipeline = self.pipelines[turn.target]
-        ctx = await self._context(pipeline, inference, run.api_key, llm, run.reader)
+        ctx = await self.answers.context(pipeline, run.api_key, llm, run.reader, inference)
         state = RunState(
             question=turn.message,
             collection=turn.collection,
@@ -696,91 +690,6 @@ class AgentRuntime:
         result.unsupported = state.unsupported
         result.grounding = state.grounding
 
-    async def _context(
-        self,
-        pipeline: Pipeline,
-        inference: InferenceClient,
-        api_key: str,
-        llm: str | None,
-        reader: ReaderChoice | None = None,
-    ) -> RunContext:
-        uses_model = any(n.type == "generator" for n in pipeline.spec.components.values())
-        return RunContext(
-            settings=self.settings,
-            retrieval=self.retrieval(api_key),
-            inference=inference,
-            counter=load_counter(self.settings.tokenizer),
-            model=(llm or await self.model(inference)) if uses_model else "",
-            chosen=bool(llm),
-            reader=reader.name if reader else None,
-            reader_threshold=reader.threshold if reader else None,
-        )
-
-    async def answer_unrecorded(
-        self,
-        api_key: str,
-        pipeline_name: str,
-        question: str,
-        collection: str | None,
-        llm: str | None,
-        reader: ReaderChoice | None = None,
-    ) -> RunState:
-        """A pipeline's answer to one question, as a chat turn would get it with ``llm`` (None: the
-        served default) and the tenant's ``reader``, kept nowhere: no turn record, no memory, no
-        quality metric. The promotion gate's evaluation answers (services/agent/promotions.py)."""
-        pipeline = self.pipelines[pipeline_name]
-        inference = self.inference(api_key)
-        ctx = await self._context(pipeline, inference, api_key, llm, reader)
-        state = RunState(question=question, collection=collection)
-        async for event in pipeline.run(state, ctx):
-            if isinstance(event, ErrorEvent):
-                raise ServiceUnavailable(event.message)
-        return state
-
-    async def read_unrecorded(
-        self,
-        api_key: str,
-        pipeline_name: str,
-        question: str,
-        collection: str | None,
-        sources: list[dict[str, Any]],
-        reader: ReaderChoice,
-    ) -> RunState:
-        """The answer step of ``pipeline_name`` alone, over ``sources`` (a turn record's retrieved
-        chunks, so every reader reads the same), with ``reader``: its selected sentences as the
-        answer, or that the documents do not say. Kept nowhere. The reader gate's answers
-        (services/agent/promotions.py)."""
-        pipeline = self.pipelines[pipeline_name]
-        p = next(
-            (n.p for n in pipeline.nodes.values() if isinstance(n, AnswerSelectNode)),
-            AnswerSelectNode.P.model_validate({}),
-        )
-        # the selection is the answer, whatever the pipeline does with it: it is the reader's
-        node = AnswerSelectNode(
-            p.model_copy(
-                update={
-                    "enabled": True,
-                    "extract": True,
-                    "reader": reader.name,
-                    "reader_threshold": reader.threshold,
-                }
-            )
-        )
-        chunks = [Chunk.from_result(s) for s in sources]
-        state = RunState(question=question, collection=collection)
-        state.chunks = chunks
-        state.plan = PromptPlan(messages=[], sources=chunks, prompt_tokens=0, budget=0)
-        ctx = RunContext(
-            settings=self.settings,
-            retrieval=self.retrieval(api_key),
-            inference=self.inference(api_key),
-            counter=load_counter(self.settings.tokenizer),
-            model="",
-        )
-        async for _ in node.run(state, ctx):
-            pass
-        return state
-
     async def _run_agent(self, run: _Run) -> AsyncIterator[Event]:
         inference, turn, result = run.inference, run.turn, run.result
         spec = self.agents[turn.target]
@@ -789,14 +698,16 @@ class AgentRuntime:
             tools.setdefault(name, tool)  # a built-in keeps its name
         runner = AgentRunner(
             inference=inference,
-            model=run.llm or await self.model(inference),
+            model=run.llm or await self.models.default(inference),
             tools=tools,
-            tool_ctx=ToolContext(retrieval=self.retrieval(run.api_key), collection=turn.collection),
+            tool_ctx=ToolContext(retrieval=self.upstreams.retrieval(run.api_key), collection=turn.collection),
             max_steps=self.settings.agent_max_steps,
             time_budget_s=self.settings.agent_time_budget_s,
             tool_timeout_s=self.settings.tool_timeout_s,
             max_tokens=self.settings.max_answer_tokens,
             side_effects=spec.side_effects,
+            outbound=self.settings.http_tool_enabled,
+            named_servers=tuple(turn.mcp_servers),
             approved=turn.approved,
             denied=turn.denied,
             performed=dict(turn.performed),

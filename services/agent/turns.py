@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypedDict, TypeVar
 
 from services.agent.protocol import TurnRecord
 from services.common.auth import Principal
@@ -77,6 +77,41 @@ class PreferenceRow:
     key_id: str = ""  # who chose
 
 
+class ContributorRow(TypedDict):
+    """One key's feedback in a tenant (``GET /v1/feedback/contributors``)."""
+
+    key_id: str
+    ratings: int
+    corrections: int
+    preferences: int
+    last_at: float
+
+
+class ModelFeedbackRow(TypedDict):
+    """The feedback on one model's answers (``GET /v1/feedback/stats``)."""
+
+    model: str
+    up: int
+    down: int
+    corrections: int
+    preferences: int
+
+
+class QualityRow(TypedDict):
+    """One model's answers in one time bucket (``GET /v1/quality``)."""
+
+    model: str
+    start: float
+    answers: int
+    groundedness_mean: float | None
+    judged: int
+    cited_share: float
+    extractive_share: float
+    not_found_share: float
+    rated: int
+    thumbs_up_rate: float | None
+
+
 class TurnStore(Protocol):
     async def add_turn(self, tenant: str, user: str, record: TurnRecord) -> None: ...
 
@@ -108,13 +143,13 @@ class TurnStore(Protocol):
 
     async def given_before(self, tenant: str, key_id: str, at: float) -> int: ...
 
-    async def contributors(self, tenant: str) -> list[dict[str, Any]]: ...
+    async def contributors(self, tenant: str) -> list[ContributorRow]: ...
 
-    async def stats(self, tenant: str, owner: str | None = None) -> list[dict[str, Any]]: ...
+    async def stats(self, tenant: str, owner: str | None = None) -> list[ModelFeedbackRow]: ...
 
     async def quality_series(
         self, tenant: str, since: float, bucket_s: int, model: str | None = None
-    ) -> list[dict[str, Any]]: ...
+    ) -> list[QualityRow]: ...
 
     async def worst_answers(
         self, tenant: str, since: float, limit: int, model: str | None = None, owner: str | None = None
@@ -166,7 +201,7 @@ CREATE TABLE IF NOT EXISTS quality (
 );
 CREATE INDEX IF NOT EXISTS quality_tenant ON quality (tenant, created_at);
 -- The model each tenant's chat answers with, and the fine-tunes the promotion gate judged
--- (services/agent/promotions.py): JSON of ModelChoice and Promotion.
+-- (services/agent/model_choice.py): JSON of ModelChoice and Promotion.
 CREATE TABLE IF NOT EXISTS model_choice (
     tenant  TEXT PRIMARY KEY,
     data    TEXT NOT NULL
@@ -507,13 +542,13 @@ class SqliteTurnStore:
 
         return await self.read(fn)
 
-    async def contributors(self, tenant: str) -> list[dict[str, Any]]:
+    async def contributors(self, tenant: str) -> list[ContributorRow]:
         """Per key that gave feedback: its ratings, corrections and choices, and when it last gave one."""
 
-        def fn(db: sqlite3.Connection) -> list[dict[str, Any]]:
-            out: dict[str, dict[str, Any]] = {}
+        def fn(db: sqlite3.Connection) -> list[ContributorRow]:
+            out: dict[str, ContributorRow] = {}
 
-            def entry(key_id: str) -> dict[str, Any]:
+            def entry(key_id: str) -> ContributorRow:
                 return out.setdefault(
                     key_id,
                     {"key_id": key_id, "ratings": 0, "corrections": 0, "preferences": 0, "last_at": 0.0},
@@ -526,7 +561,7 @@ class SqliteTurnStore:
                 (tenant,),
             ):
                 e = entry(str(key_id))
-                e.update(ratings=int(n), corrections=int(corrections or 0), last_at=float(last))
+                e["ratings"], e["corrections"], e["last_at"] = int(n), int(corrections or 0), float(last)
             for key_id, n, last in db.execute(
                 f"SELECT {PREF_GIVER}, COUNT(*), MAX(p.created_at) FROM preferences p"
                 f" JOIN turns c ON c.message_id = p.chosen WHERE p.tenant = ? GROUP BY {PREF_GIVER}",
@@ -539,11 +574,11 @@ class SqliteTurnStore:
 
         return await self.read(fn)
 
-    async def stats(self, tenant: str, owner: str | None = None) -> list[dict[str, Any]]:
-        def fn(db: sqlite3.Connection) -> list[dict[str, Any]]:
-            out: dict[str, dict[str, Any]] = {}
+    async def stats(self, tenant: str, owner: str | None = None) -> list[ModelFeedbackRow]:
+        def fn(db: sqlite3.Connection) -> list[ModelFeedbackRow]:
+            out: dict[str, ModelFeedbackRow] = {}
 
-            def entry(model: str) -> dict[str, Any]:
+            def entry(model: str) -> ModelFeedbackRow:
                 return out.setdefault(
                     model, {"model": model, "up": 0, "down": 0, "corrections": 0, "preferences": 0}
                 )
@@ -556,7 +591,7 @@ class SqliteTurnStore:
                 (tenant, owner, owner),
             ):
                 e = entry(model)
-                e.update(up=int(up or 0), down=int(down or 0), corrections=int(corrections or 0))
+                e["up"], e["down"], e["corrections"] = int(up or 0), int(down or 0), int(corrections or 0)
             for model, n in db.execute(
                 "SELECT t.model, COUNT(*) FROM preferences p JOIN turns t ON t.message_id = p.chosen"
                 " WHERE p.tenant = ? AND (? IS NULL OR t.user = ?) GROUP BY t.model",
@@ -571,7 +606,7 @@ class SqliteTurnStore:
 
     async def quality_series(
         self, tenant: str, since: float, bucket_s: int, model: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[QualityRow]:
         """Per model and time bucket: answers, groundedness, citing and kinds, and thumbs."""
         offset = MONDAY_OFFSET_S if bucket_s == WEEK_S else 0
         where = "q.tenant = ? AND q.created_at >= ?"
@@ -580,7 +615,7 @@ class SqliteTurnStore:
             where += " AND q.model = ?"
             args.append(model)
 
-        def fn(db: sqlite3.Connection) -> list[dict[str, Any]]:
+        def fn(db: sqlite3.Connection) -> list[QualityRow]:
             rows = db.execute(
                 # CAST truncates, which is floor for the (positive) times since the offset.
                 "SELECT q.model, CAST((q.created_at - ?) / ? AS INTEGER) * ? + ? AS start, COUNT(*),"
@@ -591,7 +626,7 @@ class SqliteTurnStore:
                 f" WHERE {where} GROUP BY q.model, start ORDER BY q.model, start",
                 args,
             ).fetchall()
-            out = []
+            out: list[QualityRow] = []
             for m, start, n, mean, judged, cited, extractive, not_found, rated, up in rows:
                 out.append(
                     {

@@ -12,6 +12,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
+from pydantic import BaseModel
 from starlette.routing import BaseRoute
 
 from services.common.audit import AuditLog
@@ -19,6 +20,7 @@ from services.common.auth import OPERATOR, Principal, require_principal
 from services.common.config import CommonSettings
 from services.common.errors import ErrorResponse, install_error_handlers
 from services.common.guard import DOCS_PATHS, MIB, GuardMiddleware
+from services.common.jsonsafe import JsonObject
 from services.common.logs import configure_logging
 from services.common.observability import Readiness, ReadinessCheck, install_observability
 from services.common.oidc import OidcProvider
@@ -26,8 +28,11 @@ from services.common.ratelimit import TenantLimiter, TenantLimits
 from services.common.redis_conn import async_redis
 from services.common.telemetry import instrument_app, shutdown
 
+# A route's ``responses=``: OpenAPI response objects by status code, in FastAPI's own type.
+RouteResponses = dict[int | str, dict[str, Any]]
+
 # What the guard answers on any route that needs a key, declared so the OpenAPI schema tells the truth.
-GUARD_RESPONSES: dict[int | str, dict[str, Any]] = {
+GUARD_RESPONSES: RouteResponses = {
     400: {
         "model": ErrorResponse,
         "description": "invalid request: the message names the field and value (JSON nested too deep, NaN, ...)",
@@ -40,7 +45,7 @@ GUARD_RESPONSES: dict[int | str, dict[str, Any]] = {
     },
 }
 # Routes that answer JSON, or a server-sent event stream when the request asks for one.
-JSON_OR_SSE: dict[int | str, dict[str, Any]] = {
+JSON_OR_SSE: RouteResponses = {
     200: {
         "description": "JSON, or a server-sent event stream when the request has stream: true",
         "content": {"text/event-stream": {}},
@@ -48,14 +53,14 @@ JSON_OR_SSE: dict[int | str, dict[str, Any]] = {
 }
 
 
-def json_or_sse(model: type[Any]) -> dict[int | str, dict[str, Any]]:
+def json_or_sse(model: type[Any]) -> RouteResponses:
     """``JSON_OR_SSE`` with the JSON answer's schema: ``model``."""
     return {**JSON_OR_SSE, 200: {**JSON_OR_SSE[200], "model": model}}
 
 
 # Routes that answer only with a server-sent event stream (with response_class=StreamingResponse,
 # which declares no JSON of its own).
-SSE: dict[int | str, dict[str, Any]] = {
+SSE: RouteResponses = {
     200: {"description": "a server-sent event stream", "content": {"text/event-stream": {}}}
 }
 _ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -64,22 +69,33 @@ _ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorResponse"}
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
+class WhoAmI(BaseModel):
+    """``GET /v1/whoami``: the caller as the service sees it."""
+
+    tenant: str
+    key_id: str
+    service: str
+    role: str
+    user_id: str | None
+    groups: list[str]
+
+
 def whoami_router(service: str) -> APIRouter:
     router = APIRouter(tags=["auth"])
 
     @router.get("/v1/whoami")
-    async def whoami(principal: Principal = Depends(require_principal)) -> dict[str, Any]:
+    async def whoami(principal: Principal = Depends(require_principal)) -> WhoAmI:
         """Which tenant the presented key or token belongs to, with what role (``operator``,
         ``admin``, ``member`` or ``viewer``), and, for a person's token, the user and its
         groups: the web front end's sign-in check, and what it shows or hides."""
-        return {
-            "tenant": principal.tenant,
-            "key_id": principal.key_id,
-            "service": service,
-            "role": OPERATOR if principal.operator else principal.role,
-            "user_id": principal.user_id,
-            "groups": list(principal.groups),
-        }
+        return WhoAmI(
+            tenant=principal.tenant,
+            key_id=principal.key_id,
+            service=service,
+            role=OPERATOR if principal.operator else principal.role,
+            user_id=principal.user_id,
+            groups=list(principal.groups),
+        )
 
     return router
 
@@ -91,7 +107,7 @@ def _declare_errors(app: FastAPI) -> None:
     the error shape, so routers list their errors without repeating the model."""
     build = app.openapi
 
-    def openapi() -> dict[str, Any]:
+    def openapi() -> JsonObject:
         schema = build()  # cached by FastAPI until routes change; the edits below are idempotent
         for operations in schema.get("paths", {}).values():
             for operation in operations.values():

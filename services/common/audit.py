@@ -42,6 +42,7 @@ from starlette.requests import HTTPConnection
 from services.common.auth import Principal
 from services.common.config import CommonSettings
 from services.common.errors import Unauthorized
+from services.common.jsonsafe import JsonObject
 
 DAY_S = 86_400.0
 BATCH = 500
@@ -60,7 +61,7 @@ class AuditEntry(BaseModel):
     actor: Actor
     action: str
     target: str = ""
-    detail: dict[str, Any] = Field(default_factory=dict)
+    detail: JsonObject = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class AuditLog:
         return cls(client, common.audit_retention_days, common.audit_max_entries)
 
     async def record(
-        self, tenant: str, actor: Actor, action: str, target: str = "", detail: dict[str, Any] | None = None
+        self, tenant: str, actor: Actor, action: str, target: str = "", detail: JsonObject | None = None
     ) -> AuditEntry:
         at = self.clock()
         fields: dict[Any, Any] = {
@@ -206,7 +207,7 @@ class AuditLog:
 
 
 async def audit_request(
-    conn: HTTPConnection, action: str, target: str = "", detail: dict[str, Any] | None = None
+    conn: HTTPConnection, action: str, target: str = "", detail: JsonObject | None = None
 ) -> None:
     """Records ``action`` by the request's caller in its tenant's log (one line in a route)."""
     principal = conn.scope.get("state", {}).get("principal")
@@ -217,7 +218,7 @@ async def audit_request(
 
 
 def audit_from_thread(
-    conn: HTTPConnection, action: str, target: str = "", detail: dict[str, Any] | None = None
+    conn: HTTPConnection, action: str, target: str = "", detail: JsonObject | None = None
 ) -> None:
     """``audit_request`` from a synchronous route (run in a worker thread of the event loop)."""
     from_thread.run(audit_request, conn, action, target, detail)

@@ -16,6 +16,8 @@ from pydantic import Field, GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, core_schema
 
+from services.common.jsonsafe import JsonObject
+
 # Unix seconds of 2100-01-01T00:00:00Z: a timestamp past it is a mistake (or a probe), not a date.
 MAX_UNIX_S = 4_102_444_800.0
 
@@ -88,6 +90,6 @@ JSON_DATA = JsonBound(values=10_000, chars=TEXT_CHARS)
 JSON_SMALL = JsonBound(values=1_000, chars=65_536)
 
 Text = Annotated[str, Field(max_length=TEXT_CHARS)]
-JsonSchema = Annotated[dict[str, Any], JSON_SCHEMA]
-JsonData = Annotated[dict[str, Any], JSON_DATA]
-JsonSmall = Annotated[dict[str, Any], JSON_SMALL]
+JsonSchema = Annotated[JsonObject, JSON_SCHEMA]
+JsonData = Annotated[JsonObject, JSON_DATA]
+JsonSmall = Annotated[JsonObject, JSON_SMALL]

@@ -44,6 +44,7 @@ from services.common.auth import (
     viewer_refusal,
 )
 from services.common.errors import TandemError, Unauthorized, error_body
+from services.common.jsonsafe import JsonObject
 from services.common.ratelimit import TenantLimiter
 
 MIB = 1024 * 1024
@@ -67,9 +68,7 @@ def describe_bytes(n: int) -> str:
     return f"{n / MIB:g} MiB" if n >= MIB else f"{n} bytes"
 
 
-def _json_response(
-    status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None
-) -> list[Message]:
+def _json_response(status: int, body: JsonObject, headers: Mapping[str, str] | None = None) -> list[Message]:
     raw = json.dumps(body).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -115,7 +114,7 @@ class GuardMiddleware:
         return partial
 
     async def _refuse(
-        self, send: Send, status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None
+        self, send: Send, status: int, body: JsonObject, headers: Mapping[str, str] | None = None
     ) -> None:
         for message in _json_response(status, body, headers):
             await send(message)

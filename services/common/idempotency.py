@@ -23,6 +23,7 @@ from typing import IO, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from services.common.app_factory import RouteResponses
 from services.common.errors import Conflict, InvalidRequest
 
 HEADER = "Idempotency-Key"
@@ -35,7 +36,7 @@ REPLAYED = "Idempotent-Replayed"
 Create = Callable[[], Awaitable[tuple[int, Any]]]
 
 # For the OpenAPI of the routes that take the header.
-RESPONSES: dict[int | str, dict[str, Any]] = {
+RESPONSES: RouteResponses = {
     409: {
         "description": "the Idempotency-Key was used with a different request, or its first request is still running"
     },

@@ -18,6 +18,11 @@ from services.common.errors import InvalidRequest
 
 MAX_DEPTH = 64
 
+# A JSON object whose members belong to someone else's format, read member by member where it is
+# used: a tool's arguments, a JSON schema, a provider's document, a token's claims. Things with
+# a shape of Tandem's own get a model or a TypedDict instead.
+JsonObject = dict[str, Any]
+
 
 def _path(parts: tuple[str | int, ...], where: str) -> str:
     return ".".join([where, *(str(p) for p in parts)]) if parts else where

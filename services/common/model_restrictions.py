@@ -7,7 +7,7 @@ tenant (the agent's ``POST /v1/models/{id}/allow``). Admins (admin keys and user
 key acting for the tenant) read every collection, so nothing is withheld from them.
 
 The agent records the facts when a training round from feedback starts (the collections) and
-when an admin allows or disallows the model (services/agent/promotions.py); the agent, choosing
+when an admin allows or disallows the model (services/agent/model_choice.py); the agent, choosing
 a tenant's model for a turn, and the inference service, serving a model a caller named, both
 decide here. Redis layout (one hash per tenant)::
 

@@ -39,7 +39,6 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
 import httpx
@@ -58,6 +57,7 @@ from services.common.errors import (
     TandemError,
     Unauthorized,
 )
+from services.common.jsonsafe import JsonObject
 from services.common.users import GROUP_RE, MAX_GROUPS, User, UserStore, normal_email
 
 log = logging.getLogger("tandem.oidc")
@@ -116,7 +116,7 @@ class Identity:
 class SignIn:
     """A finished sign-in: the ID token's claims and the page to return to."""
 
-    claims: dict[str, Any]
+    claims: JsonObject
     next_route: str
 
 
@@ -149,7 +149,7 @@ class OidcProvider:
         self.audit = audit
         self.clock = clock
         self._metadata: tuple[float, ProviderMetadata] | None = None
-        self._keys: dict[str, dict[str, Any]] = {}
+        self._keys: dict[str, JsonObject] = {}
         self._keys_at = -JWKS_REFETCH_S
 
     @classmethod
@@ -161,7 +161,7 @@ class OidcProvider:
 
     # -- the provider's documents -----------------------------------------------------------
 
-    async def _get_json(self, url: str, what: str) -> dict[str, Any]:
+    async def _get_json(self, url: str, what: str) -> JsonObject:
         try:
             async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as client:
                 resp = await client.get(url, headers={"Accept": "application/json"})
@@ -206,7 +206,7 @@ class OidcProvider:
         self._metadata = (now, meta)
         return meta
 
-    async def _signing_keys(self, kid: str | None) -> list[dict[str, Any]]:
+    async def _signing_keys(self, kid: str | None) -> list[JsonObject]:
         """The JWKS keys that may have signed a token with this key id (all, without one)."""
         if (kid is None or kid not in self._keys) and self.clock() - self._keys_at >= JWKS_REFETCH_S:
             meta = await self.metadata()
@@ -220,7 +220,7 @@ class OidcProvider:
 
     # -- checking a JWT ----------------------------------------------------------------------
 
-    async def verify(self, token: str, *, what: str = "JWT", nonce: str | None = None) -> dict[str, Any]:
+    async def verify(self, token: str, *, what: str = "JWT", nonce: str | None = None) -> JsonObject:
         """The claims of a token the provider signed for this audience; 401 naming why not."""
         try:
             header = json.loads(base64.urlsafe_b64decode(token.split(".", 1)[0] + "=="))
@@ -237,7 +237,7 @@ class OidcProvider:
         candidates = await self._signing_keys(kid if isinstance(kid, str) else None)
         if not candidates:
             raise _refused(f"{what} refused: bad signature (the provider has no signing key with id {kid!r})")
-        claims: dict[str, Any] | None = None
+        claims: JsonObject | None = None
         for key_data in candidates:
             try:
                 decoded = jwt.decode(token, jwk.import_key(key_data), algorithms=[alg])
@@ -252,7 +252,7 @@ class OidcProvider:
         self._check_claims(claims, what, nonce)
         return claims
 
-    def _check_claims(self, claims: dict[str, Any], what: str, nonce: str | None) -> None:
+    def _check_claims(self, claims: JsonObject, what: str, nonce: str | None) -> None:
         now = self.clock()
         if claims.get("iss") != self.issuer:
             raise _refused(f"{what} refused: wrong issuer ({claims.get('iss')!r}, not {self.issuer!r})")
@@ -325,7 +325,7 @@ class OidcProvider:
 
     async def _exchange(
         self, meta: ProviderMetadata, code: str, redirect_uri: str, verifier: str
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         form = {
             "grant_type": "authorization_code",
             "code": code,
@@ -357,7 +357,7 @@ class OidcProvider:
             )
         return body
 
-    async def _userinfo(self, url: str, access_token: str, subject: object) -> dict[str, Any]:
+    async def _userinfo(self, url: str, access_token: str, subject: object) -> JsonObject:
         try:
             async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as client:
                 resp = await client.get(url, headers={"Authorization": f"Bearer {access_token}"})
@@ -369,7 +369,7 @@ class OidcProvider:
 
     # -- users from claims --------------------------------------------------------------------
 
-    def identity(self, claims: dict[str, Any]) -> Identity:
+    def identity(self, claims: JsonObject) -> Identity:
         """The tenant, email and groups a verified token names; 403 naming why it maps to none."""
         subject = str(claims.get("sub", ""))
         raw_email = claims.get("email")

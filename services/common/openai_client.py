@@ -22,6 +22,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from services.common.http import service_client, sync_service_client
+from services.common.jsonsafe import JsonObject
 from services.common.openai_stream import Chunk, openai_chunks
 from services.common.replicas import ReplicaPool, api_root
 from services.common.upstream import UpstreamBroken, UpstreamReply, UpstreamStatus
@@ -93,7 +94,7 @@ class OpenAIClient:
             raise UpstreamBroken(f"{self.service} answered {path} with no JSON") from None
 
     async def request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True
+        self, method: str, path: str, body: JsonObject | None = None, *, idempotent: bool = True
     ) -> Any:
         """The JSON answer of ``{replica}/v1{path}``."""
         for attempt in self.pool.attempts(idempotent=idempotent):
@@ -104,7 +105,7 @@ class OpenAIClient:
         raise RuntimeError(f"{self.service}: no replica was tried")  # attempts() always yields one
 
     def request_sync(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True
+        self, method: str, path: str, body: JsonObject | None = None, *, idempotent: bool = True
     ) -> Any:
         """:meth:`request` for synchronous code: the same replicas, retry and errors, and the
         caller's trace goes on (a client span per call)."""
@@ -114,7 +115,7 @@ class OpenAIClient:
         raise RuntimeError(f"{self.service}: no replica was tried")  # attempts() always yields one
 
     async def request_as(
-        self, kind: type[Model], method: str, path: str, body: dict[str, Any] | None = None
+        self, kind: type[Model], method: str, path: str, body: JsonObject | None = None
     ) -> Model:
         """:meth:`request`'s answer as ``kind``; another shape is :class:`UpstreamBroken`."""
         data = await self.request(method, path, body)
@@ -123,7 +124,7 @@ class OpenAIClient:
         except ValidationError as exc:
             raise UpstreamBroken(f"{self.service} answered {path} in an unexpected shape: {exc}") from None
 
-    async def stream(self, path: str, body: dict[str, Any], kind: type[Chunk]) -> AsyncGenerator[Chunk, None]:
+    async def stream(self, path: str, body: JsonObject, kind: type[Chunk]) -> AsyncGenerator[Chunk, None]:
         """The chunks of ``POST {replica}/v1{path}`` with ``stream: true``. Chunks without output
         (the opening role chunk) are held until the first one with output: a replica that dies
         before then leaves no trace, and the request goes once to another. Leaving early closes

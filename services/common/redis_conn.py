@@ -8,7 +8,7 @@ a Redis restart costs a few hundred milliseconds rather than every pooled connec
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 import redis
 import redis.asyncio as aioredis
@@ -23,7 +23,17 @@ RETRIES = 3
 RETRY_ON = [redis.ConnectionError, redis.TimeoutError]
 
 
-def client_options() -> dict[str, Any]:
+class ClientOptions(TypedDict):
+    """What every Redis client of the stack is built with (sync and asyncio alike)."""
+
+    socket_connect_timeout: float
+    socket_timeout: float
+    socket_keepalive: bool
+    health_check_interval: int
+    retry_on_error: list[type[redis.RedisError]]
+
+
+def client_options() -> ClientOptions:
     return {
         "socket_connect_timeout": CONNECT_TIMEOUT_S,
         "socket_timeout": SOCKET_TIMEOUT_S,

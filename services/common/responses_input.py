@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from services.common.errors import InvalidRequest, TandemError
+from services.common.jsonsafe import JsonObject
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
@@ -46,7 +47,7 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def _field(item: dict[str, Any], name: str, param: str) -> str:
+def _field(item: JsonObject, name: str, param: str) -> str:
     value = item.get(name)
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"{param}.{name} must be a non-empty string", param=f"{param}.{name}")
@@ -54,7 +55,7 @@ def _field(item: dict[str, Any], name: str, param: str) -> str:
 
 
 def input_messages(
-    items: str | list[dict[str, Any]], earlier: Sequence[dict[str, Any]] = ()
+    items: str | list[JsonObject], earlier: Sequence[dict[str, Any]] = ()
 ) -> list[dict[str, Any]]:
     """The request's ``input`` as chat messages; a tool result names its call's function (a call
     of the input, or of the ``earlier`` messages: a stored conversation)."""
@@ -119,12 +120,12 @@ class ChatTools:
     """The function tools in chat's shape, ``positions[k]`` the index in the request of chat
     tool ``k``; ``others`` the tools of the types the caller takes itself (by their index)."""
 
-    tools: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[JsonObject] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    others: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    others: list[tuple[int, JsonObject]] = field(default_factory=list)
 
 
-def chat_tools(tools: list[dict[str, Any]] | None, also: Sequence[str] = ()) -> ChatTools:
+def chat_tools(tools: list[JsonObject] | None, also: Sequence[str] = ()) -> ChatTools:
     """Flat Responses function tools as chat tools; a type in ``also`` is set aside for the
     caller, any other type is a 400 naming it."""
     out = ChatTools()
@@ -145,7 +146,7 @@ def chat_tools(tools: list[dict[str, Any]] | None, also: Sequence[str] = ()) -> 
     return out
 
 
-def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+def chat_tool_choice(choice: str | JsonObject | None) -> str | JsonObject | None:
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function":
@@ -156,7 +157,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     )
 
 
-def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+def chat_response_format(text: JsonObject | None) -> JsonObject | None:
     """``text.format`` as chat's ``response_format`` (none for plain text)."""
     if text is None:
         return None

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from services.common.jsonsafe import JsonObject
 from services.common.responses_wire import (
     FileCitation,
     FunctionCallItem,
@@ -33,12 +34,12 @@ from services.common.responses_wire import (
 )
 
 
-def sse_event(payload: dict[str, Any]) -> str:
+def sse_event(payload: JsonObject) -> str:
     return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _dump(model: BaseModel) -> dict[str, Any]:
-    data: dict[str, Any] = model.model_dump(mode="json")
+def _dump(model: BaseModel) -> JsonObject:
+    data: JsonObject = model.model_dump(mode="json")
     return data
 
 
@@ -59,7 +60,7 @@ class ResponseAssembly:
         self.sequence += 1
         return sse_event(payload)
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> JsonObject:
         return _dump(self.response)
 
     @property

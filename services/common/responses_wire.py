@@ -22,6 +22,7 @@ from services.common.bounds import (
     MetadataValue,
     Name,
 )
+from services.common.jsonsafe import JsonObject
 from services.common.openai_wire import WireModel
 
 
@@ -193,9 +194,9 @@ class ResponseObject(WireModel):
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     temperature: float | None = None
-    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    tool_choice: str | dict[str, Any] = "auto"
-    tools: list[dict[str, Any]] = Field(default_factory=list)
+    text: JsonObject = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: str | JsonObject = "auto"
+    tools: list[JsonObject] = Field(default_factory=list)
     top_p: float | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
     usage: ResponseUsage | None = None

@@ -20,6 +20,7 @@ import httpx
 
 from services.common import errors
 from services.common.errors import TandemError
+from services.common.jsonsafe import JsonObject
 
 
 def error_message(body: Any) -> str:
@@ -42,7 +43,7 @@ class UpstreamReply:
     status_code: int
     message: str
     # The JSON object it answered (OpenAI's error shape from Tandem, vLLM, OpenAI); None for text.
-    body: dict[str, Any] | None = None
+    body: JsonObject | None = None
     retry_after: str | None = None
 
     @classmethod

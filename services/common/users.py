@@ -60,6 +60,18 @@ class Token(BaseModel):
     revoked: bool = False
 
 
+class UserList(BaseModel):
+    """``GET /v1/users``: the tenant's people."""
+
+    data: list[User]
+
+
+class TokenList(BaseModel):
+    """``GET /v1/users/{user_id}/tokens``: a person's tokens, never the tokens themselves."""
+
+    data: list[Token]
+
+
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 

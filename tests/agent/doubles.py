@@ -66,6 +66,14 @@ def retrieval_double(corpus: FakeCorpus) -> FastAPI:
         title, text = corpus.collections[name][doc_id]
         return {"id": doc_id, "title": title, "text": text}
 
+    @app.get("/v1/collections/{name}")
+    async def collection(name: str) -> Any:
+        if name not in corpus.collections:
+            return JSONResponse(
+                {"error": {"type": "not_found_error", "message": f"no collection {name!r}"}}, status_code=404
+            )
+        return {"name": name, "documents": len(corpus.collections[name])}
+
     return app
 
 

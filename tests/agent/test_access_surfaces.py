@@ -217,9 +217,13 @@ def test_the_agents_document_tool_searches_only_what_a_person_may_read(
         other = people.post(
             "/v1/pipelines/tools-agent/run", who.token, {"query": QUESTION, "collection": theirs}
         )
-        [failed] = observations(other)
-        # the tool's failure is what the model reads: the collection is unknown to this person
-        assert not failed["ok"] and f"'{theirs}'" in failed["text"], other.text
+        # a collection this person may not read: the document tool is not offered, and the run's
+        # tools step says why, naming the collection
+        assert "document_search" not in [t["function"]["name"] for t in model.requests[0]["tools"]]
+        [tools] = [s for s in other.json()["steps"] if s["kind"] == "tools"]
+        [why] = [lo for lo in tools["left_out"] if lo["tool"] == "document_search"]
+        assert f"'{theirs}'" in why["reason"] and "may not read" in why["reason"], other.text
+        assert not any(o["ok"] for o in observations(other))  # called anyway: an unknown tool
         assert secret(theirs) not in other.text
         not_in_prompts(model, theirs)
 

@@ -10,13 +10,14 @@ import math
 import time
 import uuid
 from collections.abc import Iterator
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from services.agent.config import AgentSettings
 from services.agent.evals.judge import Answered
 from services.agent.evals.protocol import EvalQuestion, EvalResult, EvalRun, EvalSet
 from services.agent.evals.runs import (
@@ -30,7 +31,9 @@ from services.agent.evals.runs import (
     regression_check,
 )
 from services.agent.evals.store import EvalStore
+from services.agent.runtime import AgentRuntime
 from services.common.auth import KeyStore
+from services.common.config import CommonSettings
 from tests.agent.stack import Stack, agent_stack
 from tests.conftest import auth
 
@@ -486,12 +489,13 @@ async def test_regression_check_compares_the_tenant_regression_sets(redis_url: s
 
 
 @pytest.mark.anyio
-async def test_a_run_whose_replica_died_reads_as_failed(redis_url: str) -> None:
+async def test_a_run_whose_replica_died_reads_as_failed(redis_url: str, tmp_path: Path) -> None:
     client = aioredis.from_url(redis_url, decode_responses=True)
     store = EvalStore(client)
     now = [1000.0]
-    runtime = SimpleNamespace(settings=SimpleNamespace(), memory=SimpleNamespace(r=client))
-    evals = Evaluations(runtime, store, clock=lambda: now[0])  # type: ignore[arg-type]
+    common = CommonSettings(home=tmp_path, redis_url=redis_url, log_json=False)
+    runtime = AgentRuntime.create(common, AgentSettings(), client)
+    evals = Evaluations(runtime.settings, store, runtime.answers, runtime.promotions, clock=lambda: now[0])
     tenant = f"stale-{uuid.uuid4().hex[:8]}"
     run = EvalRun(id="r1", set="s", pipeline="p", status="running", created_at=900.0, heartbeat_at=990.0)
     await store.put_run(tenant, run)
@@ -500,4 +504,5 @@ async def test_a_run_whose_replica_died_reads_as_failed(redis_url: str) -> None:
     got = await evals.run(tenant, "r1")
     assert got.status == "failed" and "interrupted" in (got.error or "")
     assert (await store.get_run(tenant, "r1")).status == "failed"
+    runtime.turns.close()
     await client.aclose()

@@ -273,13 +273,21 @@ def test_a_failing_slow_or_flooding_tool_is_an_error_the_agent_sees(
     assert "error" not in resp.json()
 
 
-def test_an_unreachable_server_is_a_tool_error_not_a_failed_turn(stack: Stack, api_key: str) -> None:
+def test_an_unreachable_server_is_left_out_with_why_not_a_failed_turn(stack: Stack, api_key: str) -> None:
     assert register(stack, api_key, "gone", "http://127.0.0.1:9/mcp").status_code == 201
-    stack.model.replies = calls_then_answers("gone__unavailable", {}, "unknown")
+    stack.model.requests.clear()
+    stack.model.replies = calls_then_answers("calculator", {"expression": "2+2"}, "4")
     resp = run_agent(stack, api_key, {"query": "Anything?", "mcp_servers": ["gone"]})
     assert resp.status_code == 200, resp.text
-    [observation] = [s for s in resp.json()["steps"] if s["kind"] == "observation"]
-    assert observation["ok"] is False and "127.0.0.1:9" in observation["text"]
+    # the model is not offered a tool that cannot run: the server's stand-in, nor document search
+    offered = [t["function"]["name"] for t in stack.model.requests[0]["tools"]]
+    assert "calculator" in offered and not any(n.startswith("gone") for n in offered)
+    assert "document_search" not in offered
+    [tools] = [s for s in resp.json()["steps"] if s["kind"] == "tools"]
+    why = {lo["tool"]: lo for lo in tools["left_out"]}
+    assert why["gone__unavailable"]["server"] == "gone" and "127.0.0.1:9" in why["gone__unavailable"]["reason"]
+    assert why["document_search"]["reason"] == "no collection was given for this conversation"
+    assert tools["preferred"] == [] and "gone__unavailable" in tools["text"]
 
 
 def test_the_chat_completions_facade_takes_mcp_servers(

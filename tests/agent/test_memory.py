@@ -25,7 +25,7 @@ async def test_roundtrip_caps_and_ttl(store: ConversationStore) -> None:
     assert all(len(m["content"]) == 50 for m in msgs)  # each capped
     ttl = await store.r.ttl(f"tandem:agent:conv:acme:{cid}:messages")
     assert 0 < ttl <= 120
-    assert (await store.get("acme", "k1", cid))["title"] == "hello"
+    assert (await store.get("acme", "k1", cid)).title == "hello"
 
 
 async def test_isolation_between_tenants_and_users(store: ConversationStore) -> None:
@@ -35,7 +35,7 @@ async def test_isolation_between_tenants_and_users(store: ConversationStore) -> 
             await store.get(tenant, user, cid)
         with pytest.raises(NotFound):
             await store.delete(tenant, user, cid)
-        assert cid not in [c["id"] for c in await store.list(tenant, user)]
+        assert cid not in [c.id for c in await store.list(tenant, user)]
     with pytest.raises(NotFound):
         await store.get("acme", "k1", "conv_../../etc")
     await store.delete("acme", "k1", cid)
@@ -45,7 +45,7 @@ async def test_isolation_between_tenants_and_users(store: ConversationStore) -> 
 
 async def test_oldest_conversations_are_evicted(store: ConversationStore) -> None:
     ids = [await store.create("evict", "u") for _ in range(5)]
-    listed = [c["id"] for c in await store.list("evict", "u")]
+    listed = [c.id for c in await store.list("evict", "u")]
     assert set(listed) == set(ids[2:])
     with pytest.raises(NotFound):
         await store.get("evict", "u", ids[0])

@@ -15,19 +15,16 @@ from typing import Any
 import httpx
 import pytest
 
+from services.agent.model_choice import chat_model, held_out, promoted, rolled_back
 from services.agent.promotions import (
     GateQuestion,
     Values,
     adversarial_probe,
     adversarial_rewordings,
-    chat_model,
     compare,
     decide,
-    held_out,
     judge,
     judged_values,
-    promoted,
-    rolled_back,
 )
 from services.agent.protocol import ModelChoice
 from services.common.auth import KeyStore

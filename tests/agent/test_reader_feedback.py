@@ -11,15 +11,10 @@ import pytest
 
 from services.agent.chunks import Chunk
 from services.agent.config import AgentSettings
+from services.agent.model_choice import reader_promoted, reader_rolled_back
 from services.agent.pipelines.components import AnswerSelectNode
 from services.agent.pipelines.state import RunContext, RunState
-from services.agent.promotions import (
-    GateQuestion,
-    read_matches,
-    read_scores,
-    reader_promoted,
-    reader_rolled_back,
-)
+from services.agent.promotions import GateQuestion, read_matches, read_scores
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import ModelChoice, ReaderChoice, TurnRecord
 from services.agent.reader.feedback_rows import ReaderRow, question_key, reader_dataset, rows_from_feedback

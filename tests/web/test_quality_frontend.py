@@ -149,7 +149,7 @@ def test_the_model_for_chat_card_promotes_canaries_and_rolls_back(
     # a verdict of the gate, stored as the gate stores it (Playwright's loop runs in this thread;
     # the store's Redis client gets its own connection, not the server loop's)
     async def save() -> None:
-        from services.agent.promotions import PromotionStore
+        from services.agent.model_choice import PromotionStore
         from services.common.model_restrictions import ModelRestrictions
         from services.common.redis_conn import async_redis
 

@@ -237,10 +237,12 @@ def step_schema(
     final_only: bool = False,
     answers: list[str] | None = None,
     inputs: dict[str, dict[str, object]] | None = None,
+    act_only: bool = False,
 ) -> dict[str, object]:
     """``answers``: what the final answer may be (spans of a tool result), or None for any text;
     ``inputs``: a tool's own schema of its input (the calculator's arithmetic pattern), which its
-    action then follows; the other tools share one action with a bounded string input."""
+    action then follows; the other tools share one action with a bounded string input;
+    ``act_only``: the step must call one of ``tools`` (a server the request names, first)."""
     answer: dict[str, object] = (
         {"type": "string", "enum": answers}
         if answers
@@ -276,7 +278,7 @@ def step_schema(
     if plain:
         free_input = {"type": "string", "minLength": 1, "maxLength": _INPUT_MAX}
         actions.insert(0, action({"type": "string", "enum": plain}, free_input))
-    return {"anyOf": [*actions, final]}
+    return {"anyOf": actions if act_only else [*actions, final]}
 
 
 def step_response_format(
@@ -284,12 +286,13 @@ def step_response_format(
     final_only: bool = False,
     answers: list[str] | None = None,
     inputs: dict[str, dict[str, object]] | None = None,
+    act_only: bool = False,
 ) -> dict[str, object]:
     return {
         "type": "json_schema",
         "json_schema": {
             "name": "final_step" if final_only else "react_step",
-            "schema": step_schema(tools, final_only, answers, inputs),
+            "schema": step_schema(tools, final_only, answers, inputs, act_only),
             "strict": True,
         },
     }

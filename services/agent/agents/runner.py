@@ -20,11 +20,23 @@ from typing import Any, Literal
 
 from services.agent.agents import tool_mode
 from services.agent.agents.answer_spans import answer_spans
+from services.agent.agents.offering import (
+    NO_COLLECTION,
+    Conditions,
+    LeftOut,
+    Offer,
+    SideEffects,
+    offer,
+    preference_note,
+    readable_collection,
+    summary,
+)
 from services.agent.agents.react import (
     JSON_FAILED_PROMPT,
     JSON_OBSERVATION_PROMPT,
     OBSERVATION_PROMPT,
     REPAIR_PROMPT,
+    ReactStep,
     example_turns,
     format_instructions,
     json_example_turns,
@@ -45,6 +57,8 @@ from services.agent.events import (
     ThoughtStep,
     TokenEvent,
     ToolCallStep,
+    ToolLeftOut,
+    ToolsStep,
 )
 from services.agent.prompting import tool_result_block
 from services.agent.protocol import Sampling
@@ -55,17 +69,15 @@ from services.agent.tools.base import (
     call_tool,
     constrained_input,
     has_side_effects,
+    tool_needs,
 )
 from services.common.errors import InvalidRequest
 from services.common.openai_wire import ChatCompletion
+from services.common.telemetry import set_attributes, span
 
 log = logging.getLogger("tandem.agent.runner")
 STOP = ["\nObservation:", "Observation:"]
 CONSTRAINED_MIN_TOKENS = 128
-# What an agent does with a tool call that has side effects (tools/base.py ``has_side_effects``):
-# "refuse": such tools are not offered to the model at all; "approve": the run pauses at the call
-# with an ``approval_required`` event, and runs again once a person approved or denied it.
-SideEffects = Literal["refuse", "approve"]
 DENIED = "error: a person denied this call of {tool!r}; do not call it again, answer without it"
 
 
@@ -95,6 +107,16 @@ class AgentRun:
     prompt: list[dict[str, Any]] = field(default_factory=list)
     sampling: Sampling = field(default_factory=Sampling)
     completion: str = ""
+
+
+@dataclass
+class _ReactPrompt:
+    """What every ReAct step of a run is asked with: the tool names, the tools' own input schemas
+    (a pattern or an enum), and the conversation so far (grown by each step)."""
+
+    names: list[str]
+    inputs: dict[str, dict[str, Any]]
+    messages: list[dict[str, str]]
 
 
 @dataclass
@@ -130,15 +152,71 @@ class AgentRunner:
     result: AgentRun = field(default_factory=AgentRun)
     # The call the run paused at (side_effects "approve"), once it did.
     paused: ApprovalRequiredEvent | None = None
-    withheld: list[str] = field(default_factory=list)  # tools not offered (side_effects "refuse")
+    # Whether outbound calls are on (the service's TANDEM_AGENT_HTTP_TOOL_ENABLED): a tool that
+    # needs them (``http_get``) is offered only then.
+    outbound: bool = True
+    # The MCP servers the request names: their tools are offered first, and the prompt points at them.
+    named_servers: tuple[str, ...] = ()
+    # What the run is offered and what was left out, and why (set when the run starts).
+    offer: Offer = field(default_factory=lambda: Offer({}))
+    conditions: Conditions = field(default_factory=Conditions)
+
+    @property
+    def left_out(self) -> list[LeftOut]:
+        return self.offer.left_out
+
+    @property
+    def withheld(self) -> list[str]:
+        """The tools left out for their side effects (``side_effects`` "refuse")."""
+        return [lo.tool for lo in self.left_out if lo.cause == "side_effects"]
+
+    async def _offer(self) -> None:
+        """Keeps only the tools that can run for this request (agents/offering.py); the trace
+        says what was left out and why."""
+        with span("agent.tools", named_servers=list(self.named_servers) or None) as current:
+            collection, no_collection = None, NO_COLLECTION
+            if any("collection" in tool_needs(t) for t in self.tools.values()):
+                collection, no_collection = await readable_collection(self.tool_ctx)
+            self.conditions = Conditions(
+                collection=collection,
+                no_collection=no_collection,
+                outbound=self.outbound,
+                side_effects=self.side_effects,
+                named=self.named_servers,
+            )
+            self.offer = offer(self.tools, self.conditions)
+            self.tools = self.offer.tools
+            set_attributes(
+                current,
+                offered=list(self.offer.tools),
+                preferred=self.offer.preferred or None,
+                left_out=[f"{lo.tool}: {lo.reason}" for lo in self.left_out] or None,
+            )
+
+    def _tools_step(self) -> ToolsStep:
+        return ToolsStep(
+            text=summary(self.offer),
+            offered=list(self.offer.tools),
+            preferred=self.offer.preferred,
+            left_out=[
+                ToolLeftOut(tool=lo.tool, reason=lo.reason, **({"server": lo.server} if lo.server else {}))
+                for lo in self.left_out
+            ],
+        )
 
     async def run(
         self, question: str, history: list[dict[str, str]], mode: str = "react"
     ) -> AsyncIterator[Event]:
         queue: asyncio.Queue[Event | None] = asyncio.Queue()
-        if self.side_effects == "refuse":
-            self.withheld = [n for n, t in self.tools.items() if has_side_effects(t)]
-            self.tools = {n: t for n, t in self.tools.items() if n not in self.withheld}
+        await self._offer()
+        # Sent with the run's first event, not before: a bad request found by the first model call
+        # still raises before anything streamed (an HTTP interface answers it with a 4xx).
+        pending: list[Event] = [self._tools_step()] if self.offer.notable else []
+
+        async def put(event: Event) -> None:
+            while pending:
+                await queue.put(pending.pop(0))
+            await queue.put(event)
 
         async def produce() -> None:
             try:
@@ -146,7 +224,7 @@ class AgentRunner:
                     try:
                         loop = self._openai if mode == "openai" else self._react
                         async for event in loop(question, history):
-                            await queue.put(event)
+                            await put(event)
                     except InvalidRequest as exc:
                         if not (mode == "openai" and self._tools_refused(exc)):
                             raise
@@ -155,10 +233,10 @@ class AgentRunner:
                         log.warning("tool calls refused by the inference service (%s): ReAct instead", exc)
                         self.result = AgentRun()
                         async for event in self._react(question, history):
-                            await queue.put(event)
+                            await put(event)
             except TimeoutError:
                 self.result.finish_reason = "time_budget"
-                await queue.put(
+                await put(
                     ErrorEvent(
                         code="time_budget_exceeded",
                         message=f"the agent used its time budget of {self.time_budget_s:g} s",
@@ -229,42 +307,105 @@ class AgentRunner:
         self.result.answer = answer
         return [FinalStep(text=answer), TokenEvent(text=answer)]
 
-    async def _react(self, question: str, history: list[dict[str, str]]) -> AsyncIterator[Event]:
-        names = list(self.tools)
+    def _forced(self, step: int) -> bool:
+        """Whether this step may only finish: the budget's last, or (``finish_after_result``) the
+        one after a good tool result. With a constrained engine it is always a final answer."""
+        return step > 1 and (step == self.max_steps or (self.finish_after_result and self._last_ok))
+
+    def _react_prompt(self, question: str, history: list[dict[str, str]]) -> _ReactPrompt:
         described = {n: t.description for n, t in self.tools.items()}
         instructions = json_instructions(described) if self.constrained else format_instructions(described)
+        if note := preference_note(self.offer, self.conditions):
+            instructions += "\n" + note
         examples = json_example_turns(described) if self.constrained else example_turns(described)
-        observation_prompt = JSON_OBSERVATION_PROMPT if self.constrained else OBSERVATION_PROMPT
-        inputs = {n: s for n, t in self.tools.items() if (s := constrained_input(t.parameters)) is not None}
-        messages: list[dict[str, str]] = [
-            {"role": "system", "content": instructions},
-            *examples,
-            *history,
-            {"role": "user", "content": f"Question: {question}"},
+        return _ReactPrompt(
+            names=list(self.tools),
+            inputs={
+                n: s for n, t in self.tools.items() if (s := constrained_input(t.parameters)) is not None
+            },
+            messages=[
+                {"role": "system", "content": instructions},
+                *examples,
+                *history,
+                {"role": "user", "content": f"Question: {question}"},
+            ],
+        )
+
+    def _named_first(self, step: int) -> list[str]:
+        """The tools the first step may only call: the named servers' (empty: no server named).
+        A request that names a server asks for it; a small model otherwise follows the worked
+        example's tool (``named_server`` benchmark: the calculator for "42 kilometres in miles")."""
+        return self.offer.preferred if step == 1 else []
+
+    async def _react_reply(self, prompt: _ReactPrompt, step: int, forced: bool) -> tuple[str, ReactStep]:
+        """One ReAct step of the model: its raw text and the step parsed (with repairs)."""
+        request = ChatRequest(
+            model=self.model, messages=prompt.messages, max_tokens=self.max_tokens, temperature=0.0
+        )
+        if self.constrained:
+            # the JSON step must be able to close: its bounded strings plus the keys need this many tokens
+            request.max_tokens = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
+            # no stop strings: the grammar ends the step, and a stop inside a JSON string would break it
+            named = self._named_first(step)
+            request.response_format = step_response_format(
+                named or prompt.names,
+                final_only=forced,
+                answers=self._answer_spans() if forced else None,
+                inputs=prompt.inputs,
+                act_only=bool(named),
+            )
+        else:
+            request.stop = STOP
+        text = (await self._complete(request)).message.content or ""
+        self.result.completion = text
+        as_text = json_step_as_text(text) if self.constrained else None
+        return text, parse_react(as_text if as_text is not None else text, prompt.names)
+
+    def _repeats(self, parsed: ReactStep, last_call: tuple[str, str] | None) -> bool:
+        """The same call again right after its answer, or the answer itself fed back as a new
+        input: small models loop here instead of finishing."""
+        return self._last_ok and (
+            (parsed.tool, parsed.argument) == last_call
+            or parsed.argument.strip() == self._last_observation.strip()
+        )
+
+    async def _react_action(self, step: int, parsed: ReactStep, prompt: _ReactPrompt) -> AsyncIterator[Event]:
+        """The step's tool call and its observation; the model then sees both."""
+        yield ToolCallStep(step=step, tool=parsed.tool, input=parsed.argument, repairs=parsed.repairs)
+        async for event in self._tool(parsed.tool, parsed.argument):
+            yield event
+        if self.paused is not None:
+            return
+        # The model sees its step rewritten in the strict format: small models copy what they see.
+        canonical = (
+            json_step(parsed.thought, parsed.tool, parsed.argument)
+            if self.constrained
+            else (f"Thought: {parsed.thought}\n" if parsed.thought else "")
+            + f"Action: {parsed.tool}\nAction Input: {parsed.argument}"
+        )
+        # a failed tool is not the answer's source: say so, or the model repeats the error
+        if not self.constrained:
+            template = OBSERVATION_PROMPT
+        else:
+            template = JSON_OBSERVATION_PROMPT if self._last_ok else JSON_FAILED_PROMPT
+        prompt.messages += [
+            {"role": "assistant", "content": canonical},
+            {
+                "role": "user",
+                "content": template.format(
+                    observation=tool_result_block(parsed.tool, self._last_observation)
+                ),
+            },
         ]
+
+    async def _react(self, question: str, history: list[dict[str, str]]) -> AsyncIterator[Event]:
+        prompt = self._react_prompt(question, history)
         repairs_left = self.max_repairs
         last_call: tuple[str, str] | None = None
         for step in range(1, self.max_steps + 1):
             self.result.steps = step
-            # The last step may only finish: with a constrained engine it is always a final answer.
-            forced = step > 1 and (step == self.max_steps or (self.finish_after_result and self._last_ok))
-            request = ChatRequest(
-                model=self.model, messages=messages, max_tokens=self.max_tokens, temperature=0.0
-            )
-            if self.constrained:
-                # the JSON step must be able to close: its bounded strings plus the keys need this many tokens
-                request.max_tokens = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
-                # no stop strings: the grammar ends the step, and a stop inside a JSON string would break it
-                request.response_format = step_response_format(
-                    names, final_only=forced, answers=self._answer_spans() if forced else None, inputs=inputs
-                )
-            else:
-                request.stop = STOP
-            resp = await self._complete(request)
-            text = resp.message.content or ""
-            self.result.completion = text
-            as_text = json_step_as_text(text) if self.constrained else None
-            parsed = parse_react(as_text if as_text is not None else text, names)
+            forced = self._forced(step)
+            text, parsed = await self._react_reply(prompt, step, forced)
             if forced and parsed.kind != "final":
                 break
             self.result.repairs.extend(parsed.repairs)
@@ -274,53 +415,24 @@ class AgentRunner:
                 for event in self._final(parsed.answer):
                     yield event
                 return
-            if (
-                parsed.kind == "action"
-                and self._last_ok
-                and (
-                    (parsed.tool, parsed.argument) == last_call
-                    or parsed.argument.strip() == self._last_observation.strip()
-                )
-            ):
-                # The same call again right after its answer, or the answer itself fed back as a new
-                # input: small models loop here instead of finishing. The observation already answers
-                # it; take it as the final answer.
+            if parsed.kind == "action" and self._repeats(parsed, last_call):
+                # The observation already answers it: take it as the final answer.
                 self.result.repairs.append("repeated call: its last observation taken as the final answer")
                 for event in self._final(self._last_observation):
                     yield event
                 return
             if parsed.kind == "action":
                 last_call = (parsed.tool, parsed.argument)
-                yield ToolCallStep(step=step, tool=parsed.tool, input=parsed.argument, repairs=parsed.repairs)
-                async for event in self._tool(parsed.tool, parsed.argument):
+                async for event in self._react_action(step, parsed, prompt):
                     yield event
                 if self.paused is not None:
                     return
-                # The model sees its step rewritten in the strict format: small models copy what they see.
-                canonical = (
-                    json_step(parsed.thought, parsed.tool, parsed.argument)
-                    if self.constrained
-                    else (f"Thought: {parsed.thought}\n" if parsed.thought else "")
-                    + f"Action: {parsed.tool}\nAction Input: {parsed.argument}"
-                )
-                messages += [
-                    {"role": "assistant", "content": canonical},
-                    {
-                        "role": "user",
-                        # a failed tool is not the answer's source: say so, or the model repeats the error
-                        "content": (
-                            observation_prompt
-                            if self._last_ok or not self.constrained
-                            else JSON_FAILED_PROMPT
-                        ).format(observation=tool_result_block(parsed.tool, self._last_observation)),
-                    },
-                ]
                 continue
             # Invalid: ask for the format again, a bounded number of times; then take plain text as the answer.
             if repairs_left > 0 and step < self.max_steps:
                 repairs_left -= 1
                 yield ThoughtStep(step=step, text=text.strip(), error=parsed.error)
-                messages += [
+                prompt.messages += [
                     {"role": "assistant", "content": text},
                     {"role": "user", "content": REPAIR_PROMPT.format(error=parsed.error)},
                 ]
@@ -333,41 +445,51 @@ class AgentRunner:
         self.result.finish_reason = "step_budget"
         yield self._step_budget_exceeded()
 
+    def _call_request(
+        self, step: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> tuple[ChatRequest, list[str] | None]:
+        """One tool-calling step's request, and the spans its answer must be one of (None: free)."""
+        request = ChatRequest(model=self.model, messages=messages, max_tokens=self.max_tokens)
+        if not self.constrained:
+            request.tools = tools
+            return request, None
+        request.temperature = 0.0
+        request.max_tokens = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
+        forced = self._forced(step)
+        spans = self._answer_spans() if forced else None
+        if spans:
+            # The answer copied from the result: the final_answer call's shape as the response
+            # format, without tools (a listed enum of spans would fill the prompt).
+            request.response_format = tool_mode.final_call_format(spans)
+            return request, spans
+        # forced: only final_answer listed, so the prompt shows no other call to imitate
+        named = self._named_first(step)
+        request.tools = (
+            [tool_mode.FINAL_FUNCTION]
+            if forced
+            else [t for t in tools if t["function"]["name"] in named] or tools
+        )
+        request.tool_choice = {"type": "function", "function": {"name": FINAL_TOOL}} if forced else "required"
+        # one call a step: an array of calls lets a small model run on with invented calls
+        # until max_tokens cuts the JSON (the engine then returns it as plain content)
+        request.parallel_tool_calls = False
+        return request, None
+
     async def _openai(self, question: str, history: list[dict[str, str]]) -> AsyncIterator[Event]:
         tools = tool_mode.functions(self.tools)
         if self.constrained:
             # Finishing is itself a (constrained) call, so tool_choice "required" never traps the model.
             tools.append(tool_mode.FINAL_FUNCTION)
+        note = preference_note(self.offer, self.conditions)
         messages: list[dict[str, Any]] = [
-            {"role": "system", "content": tool_mode.SYSTEM_PROMPT},
+            {"role": "system", "content": tool_mode.SYSTEM_PROMPT + (f" {note}" if note else "")},
             *(tool_mode.example_turns(self.tools) if self.constrained else []),
             *history,
             {"role": "user", "content": question},
         ]
         for step in range(1, self.max_steps + 1):
             self.result.steps = step
-            request = ChatRequest(model=self.model, messages=messages, max_tokens=self.max_tokens)
-            spans = None
-            if not self.constrained:
-                request.tools = tools
-            else:
-                request.temperature = 0.0
-                request.max_tokens = max(self.max_tokens, CONSTRAINED_MIN_TOKENS)
-                forced = step > 1 and (step == self.max_steps or (self.finish_after_result and self._last_ok))
-                spans = self._answer_spans() if forced else None
-                if spans:
-                    # The answer copied from the result: the final_answer call's shape as the response
-                    # format, without tools (a listed enum of spans would fill the prompt).
-                    request.response_format = tool_mode.final_call_format(spans)
-                else:
-                    # forced: only final_answer listed, so the prompt shows no other call to imitate
-                    request.tools = [tool_mode.FINAL_FUNCTION] if forced else tools
-                    request.tool_choice = (
-                        {"type": "function", "function": {"name": FINAL_TOOL}} if forced else "required"
-                    )
-                    # one call a step: an array of calls lets a small model run on with invented calls
-                    # until max_tokens cuts the JSON (the engine then returns it as plain content)
-                    request.parallel_tool_calls = False
+            request, spans = self._call_request(step, messages, tools)
             resp = await self._complete(request)
             message = resp.message
             self.result.completion = message.content or ""

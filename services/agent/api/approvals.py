@@ -10,6 +10,7 @@ from fastapi import APIRouter
 
 from services.agent.api.common import event_stream
 from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
+from services.agent.approvals import ApprovalList
 from services.agent.events import ErrorEvent
 from services.agent.protocol import ApprovalDecision
 from services.agent.runtime import TurnResult, collect, peek
@@ -26,9 +27,9 @@ router = APIRouter(
 
 
 @router.get("/v1/agents/approvals")
-async def list_approvals(runtime: RuntimeDep, principal: PrincipalDep) -> dict[str, Any]:
+async def list_approvals(runtime: RuntimeDep, principal: PrincipalDep) -> ApprovalList:
     pending = await runtime.approvals.pending(principal.tenant, principal.owner)
-    return {"data": [a.public() for a in pending]}
+    return ApprovalList(data=[a.public() for a in pending])
 
 
 @router.post("/v1/agents/approvals/{approval_id}", response_model=None, responses=JSON_OR_SSE)

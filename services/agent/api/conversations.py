@@ -6,16 +6,21 @@ not exist. Renaming and deleting stay with the conversation's owner."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.agent.api.deps import PrincipalDep, RuntimeDep
+from services.agent.memory import Conversation, ConversationSummary
 from services.common.auth import require_admin
 from services.common.errors import NotFound
 
 router = APIRouter(tags=["conversations"], responses={404: {"description": "no such conversation"}})
+
+
+class ConversationList(BaseModel):
+    """The caller's conversations, the most recently active first."""
+
+    data: list[ConversationSummary]
 
 
 @router.get("/v1/conversations")
@@ -26,27 +31,27 @@ async def list_conversations(
     key_id: str | None = Query(
         None, min_length=1, max_length=64, description="admin keys: this key's conversations instead"
     ),
-) -> dict[str, Any]:
+) -> ConversationList:
     owner = principal.owner
     if key_id is not None and key_id != owner:
         require_admin(principal, "GET /v1/conversations?key_id=")
         owner = key_id
     items = await runtime.memory.list(principal.tenant, owner, limit)
-    return {"data": items}
+    return ConversationList(data=items)
 
 
 @router.get("/v1/conversations/{conversation_id}")
 async def get_conversation(
     conversation_id: str, runtime: RuntimeDep, principal: PrincipalDep
-) -> dict[str, Any]:
+) -> Conversation:
     owner = principal.owner
     if principal.is_admin:
         owner = await runtime.memory.owner(principal.tenant, conversation_id) or owner
     conversation = await runtime.memory.get(principal.tenant, owner, conversation_id)
     # The caller's feedback rides on its messages, so a reopened conversation shows its thumbs.
-    ids = [str(m["message_id"]) for m in conversation["messages"] if m.get("message_id")]
+    ids = [str(m["message_id"]) for m in conversation.messages if m.get("message_id")]
     given = await runtime.turns.feedback_of(principal.tenant, ids)
-    for message in conversation["messages"]:
+    for message in conversation.messages:
         row = given.get(str(message.get("message_id", "")))
         if row is not None:
             message["feedback"] = {"rating": row.rating, "correction": row.correction, "comment": row.comment}
@@ -62,7 +67,7 @@ class Rename(BaseModel):
 @router.patch("/v1/conversations/{conversation_id}")
 async def rename_conversation(
     conversation_id: str, body: Rename, runtime: RuntimeDep, principal: PrincipalDep
-) -> dict[str, Any]:
+) -> ConversationSummary:
     return await runtime.memory.rename(principal.tenant, principal.key_id, conversation_id, body.title)
 
 

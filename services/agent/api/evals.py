@@ -35,7 +35,7 @@ from services.agent.evals.protocol import (
 from services.agent.evals.reindex import gated_reindex
 from services.agent.evals.runs import Evaluations, compare
 from services.agent.evals.store import new_id
-from services.agent.runtime import AgentRuntime
+from services.agent.turns import TurnStore
 from services.common.auth import Principal, require_admin
 from services.common.errors import InvalidRequest, NotFound, describe_validation_error
 
@@ -100,15 +100,15 @@ def numbered(existing: list[EvalQuestion], new: list[EvalQuestion]) -> list[Eval
     return out
 
 
-async def from_message(runtime: AgentRuntime, tenant: str, body: FromMessage) -> EvalQuestion:
+async def from_message(turns: TurnStore, tenant: str, body: FromMessage) -> EvalQuestion:
     """A chat answer as a question: its question, the document it cited first as the source, the
     given reference, else the answer's correction, else the answer itself."""
-    turn = await runtime.turns.get_turn(tenant, body.message_id)
+    turn = await turns.get_turn(tenant, body.message_id)
     if turn is None or not turn.question.strip():
         raise NotFound(f"no chat answer {body.message_id!r}", param="from_message.message_id")
     reference = body.reference
     if reference is None:
-        feedback = (await runtime.turns.feedback_of(tenant, [turn.message_id])).get(turn.message_id)
+        feedback = (await turns.feedback_of(tenant, [turn.message_id])).get(turn.message_id)
         reference = (feedback.correction if feedback else None) or turn.answer
     cited = next((c for c in turn.citations if c.get("document_id")), None)
     try:
@@ -225,7 +225,7 @@ async def add_questions(
             new = body.questions
         else:
             assert body.from_message is not None
-            new = [await from_message(runtime, tenant, body.from_message)]
+            new = [await from_message(runtime.turns, tenant, body.from_message)]
 
     def apply(s: EvalSet) -> EvalSet:
         questions = numbered([] if replace else s.questions, new)
@@ -336,5 +336,5 @@ async def reindex_collection(
     only if the new index ranks the tenant's regression questions over the collection (and
     ``queries``) better by more than ``min_gain``."""
     require_admin(who.principal, "POST /v1/collections/{name}/reindex")
-    retrieval = evals.runtime.retrieval(who.key)
+    retrieval = evals.upstreams.retrieval(who.key)
     return await gated_reindex(evals.store, retrieval, who.principal.tenant, name, body)

@@ -16,9 +16,11 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel
 
 from services.agent.api.common import event_stream
 from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
+from services.agent.clients import JobBody
 from services.agent.feedback import (
     JOB_TYPE,
     BuiltDataset,
@@ -26,12 +28,9 @@ from services.agent.feedback import (
     build_dataset,
     cap_per_key,
     check_enough,
-    choose,
     feedback_object,
-    give_feedback,
-    turn_of,
 )
-from services.agent.promotions import held_out
+from services.agent.model_choice import held_out
 from services.agent.protocol import (
     Choice,
     ChooseRequest,
@@ -89,7 +88,7 @@ async def post_feedback(
     """Record feedback; with an ``Idempotency-Key`` header a retry returns the first answer."""
 
     async def create() -> tuple[int, Any]:
-        return 200, (await give_feedback(runtime, principal, body)).model_dump(mode="json")
+        return 200, (await runtime.feedback.give(principal, body)).model_dump(mode="json")
 
     return await idempotent(request, principal.tenant, create)
 
@@ -150,16 +149,21 @@ async def feedback_contributors(runtime: RuntimeDep, principal: PrincipalDep) ->
     )
 
 
+class FeedbackDeleted(BaseModel):
+    message_id: str
+    deleted: bool
+
+
 @router.delete("/v1/feedback/{message_id}")
-async def delete_feedback(message_id: str, runtime: RuntimeDep, principal: PrincipalDep) -> dict[str, Any]:
+async def delete_feedback(message_id: str, runtime: RuntimeDep, principal: PrincipalDep) -> FeedbackDeleted:
     if not await runtime.turns.delete_feedback(principal.tenant, message_id, owner_scope(principal)):
         raise NotFound(f"no feedback on message {message_id!r}", param="message_id")
-    return {"message_id": message_id, "deleted": True}
+    return FeedbackDeleted(message_id=message_id, deleted=True)
 
 
 @router.get("/v1/messages/{message_id}", response_model=TurnRecord)
 async def get_message(message_id: str, runtime: RuntimeDep, principal: PrincipalDep) -> TurnRecord:
-    return await turn_of(runtime, principal, message_id, "message_id")
+    return await runtime.feedback.turn_of(principal, message_id, "message_id")
 
 
 @router.post("/v1/messages/{message_id}/regenerate", response_model=None, responses=JSON_OR_SSE)
@@ -187,7 +191,7 @@ async def regenerate(
 async def choose_draft(
     message_id: str, body: ChooseRequest, runtime: RuntimeDep, principal: PrincipalDep
 ) -> Choice:
-    return await choose(runtime, principal, message_id, body.over)
+    return await runtime.feedback.choose(principal, message_id, body.over)
 
 
 # -- datasets and training -------------------------------------------------------------------
@@ -262,7 +266,7 @@ async def _auto_format(runtime: AgentRuntime, principal: Principal, req: TrainRe
 
 async def _upload(runtime: AgentRuntime, key: str, built: BuiltDataset) -> DatasetResult:
     name = f"feedback-{built.format}-{int(time.time())}.jsonl"
-    stored = await runtime.trainer(key).upload_file(name, built.jsonl())
+    stored = await runtime.upstreams.trainer(key).upload_file(name, built.jsonl())
     return DatasetResult(
         file_id=str(stored["id"]),
         format=built.format,
@@ -309,7 +313,7 @@ async def train_on_feedback(
         )
     [base_model] = built.models
     dataset = await _upload(runtime, key, built)
-    job_body: dict[str, Any] = {
+    job_body: JobBody = {
         "type": JOB_TYPE[fmt],
         "base_model": base_model,
         "dataset": dataset.file_id,
@@ -320,7 +324,7 @@ async def train_on_feedback(
         job_body["eval_fraction"] = body.eval_fraction
     if body.hyperparameters:
         job_body["hyperparameters"] = body.hyperparameters
-    job = await runtime.trainer(key).create_job(job_body)
+    job = await runtime.upstreams.trainer(key).create_job(job_body)
     # The gate evaluates the adapter once it is published (services/agent/promotions.py).
     promotion = Promotion(
         job_id=str(job["id"]),
@@ -384,20 +388,22 @@ async def _train_reader(
         return ReaderTraining(started=False, reason=reason, rows=len(built.rows), counts=built.counts)
     choice = await runtime.promotions.choice(principal.tenant)
     current = choice.reader.name if choice.reader else runtime.settings.reader
-    job_body: dict[str, Any] = {"type": "reader", "publish": True}
+    job_body: JobBody = {"type": "reader", "publish": True}
     if current and current != FEATURES_READER:
         # the cross-encoder answering now trains further (the shipped features scorer is not one:
         # the job then starts from its own base)
         job_body["base_model"] = current
     try:
-        trainer = runtime.trainer(key)
+        trainer = runtime.upstreams.trainer(key)
         stored = await trainer.upload_file(f"feedback-reader-{int(time.time())}.jsonl", built.jsonl())
         job_body["dataset"] = str(stored["id"])
         try:
             job = await trainer.create_job(job_body)
         except NotFound:
             # the reader answering now is not published (yet): the trainer's base starts it
-            job = await trainer.create_job({k: v for k, v in job_body.items() if k != "base_model"})
+            from_base = job_body.copy()
+            from_base.pop("base_model", None)
+            job = await trainer.create_job(from_base)
     except TandemError as exc:
         log.warning("train on feedback: no reader job for tenant %s: %s", principal.tenant, exc.message)
         return ReaderTraining(

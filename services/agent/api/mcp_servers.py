@@ -11,15 +11,16 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from services.agent.api.deps import PrincipalDep, RuntimeDep
-from services.agent.mcp_servers import McpServerCreate, McpServerInfo, McpServerUpdate
+from services.agent.mcp_servers import McpServerCreate, McpServerInfo, McpServerList, McpServerUpdate
 from services.agent.tools.mcp import McpFailed, list_tools
+from services.common.app_factory import RouteResponses
 from services.common.audit import audit_request
 from services.common.auth import require_admin
 from services.common.errors import UpstreamError
 
 router = APIRouter(tags=["mcp"], responses={404: {"description": "no such MCP server"}})
 
-NOT_ADMIN: dict[int | str, dict[str, Any]] = {
+NOT_ADMIN: RouteResponses = {
     403: {"description": "not an admin of the tenant (the message names the caller's role)"}
 }
 
@@ -45,9 +46,8 @@ async def register_server(
 
 
 @router.get("/v1/mcp/servers")
-async def list_servers(runtime: RuntimeDep, principal: PrincipalDep) -> dict[str, Any]:
-    servers = await runtime.mcp.servers(principal.tenant)
-    return {"data": [s.model_dump() for s in servers]}
+async def list_servers(runtime: RuntimeDep, principal: PrincipalDep) -> McpServerList:
+    return McpServerList(data=await runtime.mcp.servers(principal.tenant))
 
 
 @router.get(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+from pydantic import BaseModel
 
 from services.agent.api.common import event_stream
 from services.agent.api.deps import CallerDep, RuntimeDep
@@ -16,9 +17,15 @@ from services.common.app_factory import JSON_OR_SSE
 router = APIRouter(tags=["pipelines"], responses={404: {"description": "no such pipeline, or collection"}})
 
 
+class Catalog(BaseModel):
+    """The pipelines and agents a message may name: ``id``, ``kind`` and ``description`` each."""
+
+    data: list[dict[str, str]]
+
+
 @router.get("/v1/pipelines")
-async def list_pipelines(runtime: RuntimeDep) -> dict[str, Any]:
-    return {"data": runtime.catalog()}
+async def list_pipelines(runtime: RuntimeDep) -> Catalog:
+    return Catalog(data=runtime.catalog())
 
 
 @router.post("/v1/pipelines/{name}/run", response_model=None, responses=JSON_OR_SSE)

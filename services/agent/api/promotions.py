@@ -11,19 +11,19 @@ Both are an admin's, and recorded in the audit log (``model.allow``, ``model.dis
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from fastapi import APIRouter, Body, Query, Request
 
 from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
 from services.agent.clients import InferenceClient
-from services.agent.promotions import (
-    live_quality,
+from services.agent.model_choice import (
+    PromotionStore,
     promoted,
     reader_promoted,
     reader_rolled_back,
     rolled_back,
 )
+from services.agent.promotions import live_quality
 from services.agent.protocol import (
     AllowRequest,
     ModelAllowance,
@@ -33,7 +33,8 @@ from services.agent.protocol import (
     PromotionList,
     ReaderChoice,
 )
-from services.agent.runtime import AgentRuntime
+from services.agent.upstreams import ServedModels
+from services.common.app_factory import RouteResponses
 from services.common.audit import actor_of, audit_request
 from services.common.auth import Principal, require_admin
 from services.common.errors import NotFound
@@ -41,7 +42,7 @@ from services.common.readers import is_reader_name
 
 router = APIRouter(tags=["promotions"])
 
-ERRORS: dict[int | str, dict[str, Any]] = {
+ERRORS: RouteResponses = {
     400: {"description": "canary_share outside 0 to 1, or given for a reader"},
     403: {"description": "a member key (only an admin key changes the tenant's models)"},
     404: {"description": "no such model (or reader) for this tenant"},
@@ -63,11 +64,11 @@ async def list_promotions(
     )
 
 
-async def _listed(runtime: AgentRuntime, principal: Principal, key: str, model: str) -> None:
+async def _listed(models: ServedModels, inference: InferenceClient, model: str) -> None:
     """``model`` must be one the inference service lists for the caller (another tenant's is
     not listed: a 404 like a missing one)."""
     try:
-        await runtime.check_llm(runtime.inference(key), model)
+        await models.check(inference, model)
     except NotFound:
         raise NotFound(
             f"unknown model {model!r}: use one of the models GET /v1/models on the inference service "
@@ -108,12 +109,14 @@ async def promote_model(
     current = await runtime.promotions.choice(principal.tenant)
     if is_reader_name(model):
         reader_promoted(current, ReaderChoice(name=model), share, time.time())  # a share: 400 first
-        choice = reader_promoted(current, await _reader(runtime.inference(key), model), share, time.time())
+        choice = reader_promoted(
+            current, await _reader(runtime.upstreams.inference(key), model), share, time.time()
+        )
         await runtime.promotions.save_choice(principal.tenant, choice)
         await audit_request(request, "model.promote", model, {"reader": True})
         return choice
     choice = promoted(current, model, share, time.time())  # a bad share is a 400 before any lookup
-    await _listed(runtime, principal, key, model)
+    await _listed(runtime.models, runtime.upstreams.inference(key), model)
     await runtime.promotions.save_choice(principal.tenant, choice)
     await audit_request(request, "model.promote", model, {"canary_share": share})
     return choice
@@ -129,27 +132,31 @@ async def rollback_model(model: str, request: Request, runtime: RuntimeDep, who:
     current = await runtime.promotions.choice(principal.tenant)
     if is_reader_name(model):
         if current.reader is None or current.reader.name != model:
-            await _reader(runtime.inference(key), model)  # unknown: 404; known but not in use: 409 below
+            await _reader(
+                runtime.upstreams.inference(key), model
+            )  # unknown: 404; known but not in use: 409 below
         choice = reader_rolled_back(current, model, time.time())
         await runtime.promotions.save_choice(principal.tenant, choice)
         await audit_request(request, "model.rollback", model, {"reader": True})
         return choice
     if model not in (current.default, current.canary):
-        await _listed(runtime, principal, key, model)  # unknown: 404; known but not in use: 409 below
+        await _listed(
+            runtime.models, runtime.upstreams.inference(key), model
+        )  # unknown: 404; known but not in use: 409 below
     choice = rolled_back(current, model, time.time())
     await runtime.promotions.save_choice(principal.tenant, choice)
     await audit_request(request, "model.rollback", model, {"default": choice.default})
     return choice
 
 
-ALLOW_ERRORS: dict[int | str, dict[str, Any]] = {
+ALLOW_ERRORS: RouteResponses = {
     403: {"description": "not an admin of the tenant"},
     404: {"description": "no fine-tune of that name from this tenant's feedback"},
 }
 
 
-async def _trained(runtime: AgentRuntime, principal: Principal, model: str) -> Promotion:
-    found = await runtime.promotions.trained_as(principal.tenant, model)
+async def _trained(store: PromotionStore, principal: Principal, model: str) -> Promotion:
+    found = await store.trained_as(principal.tenant, model)
     if found is None:
         raise NotFound(
             f"model: {model!r} is no fine-tune from this tenant's feedback (GET /v1/promotions lists "
@@ -171,7 +178,7 @@ async def allow_model(
     """Serves the fine-tune ``model`` to everyone in the tenant, including people who may not read
     every collection its feedback came from (``collections``)."""
     require_admin(principal, "POST /v1/models/{model}/allow")
-    found = await _trained(runtime, principal, model)
+    found = await _trained(runtime.promotions, principal, model)
     reason = body.reason if body else ""
     found.allowed = ModelAllowance(by=actor_of(principal).id, at=time.time(), reason=reason)
     await runtime.promotions.save(principal.tenant, found)
@@ -185,7 +192,7 @@ async def disallow_model(
 ) -> Promotion:
     """Withdraws ``allow``: the fine-tune answers only people who may read all of its collections."""
     require_admin(principal, "DELETE /v1/models/{model}/allow")
-    found = await _trained(runtime, principal, model)
+    found = await _trained(runtime.promotions, principal, model)
     was = found.allowed
     found.allowed = None
     await runtime.promotions.save(principal.tenant, found)

@@ -13,13 +13,14 @@ back to the sign-in page with the reason instead, where it is shown.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import RedirectResponse
 
 from services.agent.protocol import AuthConfig, SessionInfo
+from services.common.app_factory import RouteResponses
 from services.common.audit import Actor
 from services.common.auth import OPERATOR, Principal, authenticate, credential, csrf_refusal, csrf_token
 from services.common.errors import InvalidRequest, NotFound, TandemError, Unauthorized
@@ -46,10 +47,8 @@ NextRoute = Annotated[
     str, Query(alias="next", max_length=32, pattern=r"^[a-z]{1,32}$", description="the page to return to")
 ]
 
-NOT_SET_UP: dict[int | str, dict[str, Any]] = {
-    404: {"description": "no OpenID provider is configured (TANDEM_OIDC_ISSUER)"}
-}
-PROVIDER_DOWN: dict[int | str, dict[str, Any]] = {
+NOT_SET_UP: RouteResponses = {404: {"description": "no OpenID provider is configured (TANDEM_OIDC_ISSUER)"}}
+PROVIDER_DOWN: RouteResponses = {
     503: {"description": "the OpenID provider is unreachable or its documents are unusable"}
 }
 

@@ -13,25 +13,22 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 
 from services.agent.api.deps import PrincipalDep
 from services.agent.protocol import TokenCreate, TokenCreated, UserCreate, UserUpdate
+from services.common.app_factory import RouteResponses
 from services.common.audit import actor_of
 from services.common.auth import Principal, require_admin
-from services.common.users import Token, User, UserStore
+from services.common.users import Token, TokenList, User, UserList, UserStore
 
 router = APIRouter(tags=["users"])
 
 UserId = Annotated[str, Path(max_length=64)]
 TokenId = Annotated[str, Path(max_length=64)]
 
-FORBIDDEN: dict[int | str, dict[str, Any]] = {
+FORBIDDEN: RouteResponses = {
     403: {"description": "not an admin (a user may only read itself and manage its own tokens)"}
 }
-NO_USER: dict[int | str, dict[str, Any]] = {
-    404: {"description": "no user with that id in this tenant (the message names it)"}
-}
-BAD: dict[int | str, dict[str, Any]] = {
-    400: {"description": "an invalid field (the message names it and its value)"}
-}
-LAST_ADMIN: dict[int | str, dict[str, Any]] = {
+NO_USER: RouteResponses = {404: {"description": "no user with that id in this tenant (the message names it)"}}
+BAD: RouteResponses = {400: {"description": "an invalid field (the message names it and its value)"}}
+LAST_ADMIN: RouteResponses = {
     409: {"description": "the change would leave the tenant without an admin, or the email is taken"}
 }
 
@@ -64,9 +61,9 @@ async def create_user(body: UserCreate, request: Request, users: Users, principa
 
 
 @router.get("/v1/users", responses=FORBIDDEN)
-async def list_users(users: Users, principal: PrincipalDep) -> dict[str, Any]:
+async def list_users(users: Users, principal: PrincipalDep) -> UserList:
     require_admin(principal, "GET /v1/users")
-    return {"data": [u.model_dump() for u in await users.users(principal.tenant)]}
+    return UserList(data=await users.users(principal.tenant))
 
 
 @router.get("/v1/users/{user_id}", response_model=User, responses={**FORBIDDEN, **NO_USER})
@@ -103,10 +100,10 @@ async def delete_user(user_id: UserId, request: Request, users: Users, principal
 
 
 @router.get("/v1/users/{user_id}/tokens", responses={**FORBIDDEN, **NO_USER})
-async def list_tokens(user_id: UserId, users: Users, principal: PrincipalDep) -> dict[str, Any]:
+async def list_tokens(user_id: UserId, users: Users, principal: PrincipalDep) -> TokenList:
     """Names, ids, when made, last used and expiring; never the tokens themselves."""
     _self_or_admin(principal, user_id, "GET /v1/users/{user_id}/tokens of another user")
-    return {"data": [t.model_dump() for t in await users.tokens(principal.tenant, user_id)]}
+    return TokenList(data=await users.tokens(principal.tenant, user_id))
 
 
 @router.post(

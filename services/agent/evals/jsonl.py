@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 from services.common import jsonsafe
 from services.common.errors import InvalidRequest
+from services.common.jsonsafe import JsonObject
 
 
 class LineError(ValueError):
@@ -20,7 +20,7 @@ class LineError(ValueError):
         self.message = message
 
 
-def json_objects(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+def json_objects(lines: Iterable[str]) -> Iterator[tuple[int, JsonObject]]:
     """(line number, object) of each line; blank lines and ``#`` lines are skipped. Lines go
     through the JSON limits (depth, NaN) every request body has: an upload is a body."""
     for n, raw in enumerate(lines, start=1):

@@ -8,9 +8,8 @@ asks retrieval over HTTP, with the caller's key: its documents, then the ``PATCH
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from services.agent.clients import RetrievalClient
+from services.agent.clients import ReindexGate, ReindexPatch, RetrievalClient
 from services.agent.evals.judge import source_matches
 from services.agent.evals.protocol import (
     MAX_GATE_QUERIES,
@@ -24,9 +23,10 @@ from services.agent.evals.protocol import (
 )
 from services.agent.evals.store import EvalStore
 from services.common.errors import InvalidRequest
+from services.common.jsonsafe import JsonObject
 
 
-def gate_queries(s: EvalSet, documents: Sequence[dict[str, Any]]) -> tuple[list[GateQuery], ReindexSet]:
+def gate_queries(s: EvalSet, documents: Sequence[JsonObject]) -> tuple[list[GateQuery], ReindexSet]:
     """The set's questions that can judge a ranking: answerable, naming a source that matches at
     least one document (the source's and ``also_in``'s documents are all relevant)."""
     out: list[GateQuery] = []
@@ -89,9 +89,9 @@ async def gated_reindex(
             f"most {MAX_GATE_QUERIES}",
             param="queries",
         )
-    patch: dict[str, Any] = {"embedder": body.embedder}
+    patch: ReindexPatch = {"embedder": body.embedder}
     if queries:
-        gate: dict[str, Any] = {"queries": [q.model_dump() for q in queries]}
+        gate: ReindexGate = {"queries": [{"query": q.query, "relevant": q.relevant} for q in queries]}
         if body.mode is not None:
             gate["mode"] = body.mode
         if body.min_gain is not None:

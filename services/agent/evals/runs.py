@@ -1,6 +1,6 @@
 """Evaluation runs: a set's questions answered through a pipeline, judged, added up and compared.
 
-A run answers each question of the set with ``AgentRuntime.answer_unrecorded`` (no turn record,
+A run answers each question of the set with ``PipelineAnswers.answer_unrecorded`` (no turn record,
 no memory, no quality metric: an evaluation is not traffic), as a chat turn of the tenant would
 get it with the run's ``llm`` and ``reader``, a few at a time, in the background of the replica
 that took the request; its record in Redis carries the progress and a heartbeat, so a run whose
@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 from services.agent.clients import ChatRequest, InferenceClient
+from services.agent.config import AgentSettings
 from services.agent.evals.judge import (
     Answered,
     cosine,
@@ -45,13 +46,15 @@ from services.agent.evals.protocol import (
     RunComparison,
 )
 from services.agent.evals.store import EvalStore, new_id
+from services.agent.model_access import CallerModels
+from services.agent.model_choice import PromotionStore
+from services.agent.pipeline_answers import PipelineAnswers
 from services.agent.protocol import ReaderChoice
 from services.common.auth import Principal
 from services.common.errors import InvalidRequest, NotFound, PayloadTooLarge, TandemError
 
 if TYPE_CHECKING:
     from services.agent.pipelines.state import RunState
-    from services.agent.runtime import AgentRuntime
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +102,7 @@ def answered_of(state: RunState, seconds: float, written: bool = False) -> Answe
 
 
 def pipeline_runner(
-    runtime: AgentRuntime,
+    answers: PipelineAnswers,
     key: str,
     pipeline: str,
     llm: str | None,
@@ -115,7 +118,7 @@ def pipeline_runner(
     async def run(q: EvalQuestion, collection: str) -> Answered:
         start = timer()
         try:
-            state = await runtime.answer_unrecorded(key, pipeline, q.question, collection, llm, reader)
+            state = await answers.answer_unrecorded(key, pipeline, q.question, collection, llm, reader)
         except TandemError as exc:
             return Answered(answer="", error=exc.message, latency_seconds=timer() - start)
         return answered_of(state, timer() - start, written)
@@ -177,14 +180,24 @@ async def judge_verdict(client: InferenceClient, model: str, q: EvalQuestion, an
 
 
 class Evaluations:
-    """Sets and runs of the agent's tenants; runs go on in tasks of this process."""
+    """Sets and runs of the agent's tenants, kept in ``store``; runs go on in tasks of this
+    process, answered by ``answers`` with the models ``models`` checks and the tenant's choice
+    in ``promotions``."""
 
     def __init__(
-        self, runtime: AgentRuntime, store: EvalStore | None = None, clock: Clock = time.time
+        self,
+        settings: AgentSettings,
+        store: EvalStore,
+        answers: PipelineAnswers,
+        promotions: PromotionStore,
+        clock: Clock = time.time,
     ) -> None:
-        self.runtime = runtime
-        self.settings = runtime.settings
-        self.store = store or EvalStore(runtime.memory.r)
+        self.settings = settings
+        self.store = store
+        self.answers = answers
+        self.upstreams = answers.upstreams
+        self.models = answers.models
+        self.promotions = promotions
         self.clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -202,7 +215,7 @@ class Evaluations:
         url = self.settings.eval_judge_url
         if url:
             return InferenceClient(url, self.settings.eval_judge_api_key, self.settings.upstream_timeout_s)
-        return self.runtime.inference(key)
+        return self.upstreams.inference(key)
 
     async def start(self, principal: Principal, key: str, body: EvalRunCreate) -> EvalRun:
         tenant = principal.tenant
@@ -210,26 +223,26 @@ class Evaluations:
         if not eval_set.questions:
             raise InvalidRequest(f"the evaluation set {eval_set.id!r} has no questions", param="set")
         name = body.pipeline or DEFAULT_PIPELINE
-        pipeline = self.runtime.pipelines.get(name)
+        pipeline = self.answers.pipelines.get(name)
         if pipeline is None or pipeline.spec.kind != "chat":
-            chat = ", ".join(p for p, v in self.runtime.pipelines.items() if v.spec.kind == "chat")
+            chat = ", ".join(p for p, v in self.answers.pipelines.items() if v.spec.kind == "chat")
             raise NotFound(f"unknown chat pipeline {name!r} (known: {chat})", param="pipeline")
-        inference = self.runtime.inference(key)
+        inference = self.upstreams.inference(key)
         if body.llm:
-            await self.runtime.check_llm(inference, body.llm)
+            await self.models.check(inference, body.llm)
         if body.reader and body.reader != self.settings.reader:
             readers = {m.id for m in await inference.models() if m.kind == "rerank"}
             if body.reader not in readers:
                 raise NotFound(f"unknown reader {body.reader!r} for this key", param="reader")
         if body.judge_model and not self.settings.eval_judge_url:
             # the judge answers on the tenant's inference service: it must be one of its models
-            await self.runtime.check_llm(inference, body.judge_model)
+            await self.models.check(inference, body.judge_model)
         # a named model is checked like a chat turn's; the tenant's own default and reader only
         # where the caller may be served them (else the earlier ones it may)
-        models = self.runtime.caller_models(principal)
+        models = CallerModels(self.promotions.restrictions, principal)
         if body.llm:
             await models.check_named(body.llm)
-        choice = await self.runtime.promotions.choice(tenant)
+        choice = await self.promotions.choice(tenant)
         run_id = new_id("evrun")
         # an evaluation measures the default itself, never the canary
         as_default = choice.model_copy(update={"canary": None})
@@ -251,7 +264,7 @@ class Evaluations:
         )
         await self.store.put_run(tenant, run, keep=self.settings.eval_max_runs)
         reader = ReaderChoice(name=body.reader) if body.reader else tenant_reader
-        runner = pipeline_runner(self.runtime, key, name, run.llm, reader)
+        runner = pipeline_runner(self.answers, key, name, run.llm, reader)
         task = asyncio.create_task(self._run(tenant, key, run, eval_set, runner, body.similarity))
         self._tasks[run.id] = task
         task.add_done_callback(lambda _: self._tasks.pop(run.id, None))
@@ -278,8 +291,8 @@ class Evaluations:
             if run.llm is None:
                 run.llm = next((a.model for _, a in pairs if a.model), None)
             if similarity:
-                inference = self.runtime.inference(key)
-                model = await self.runtime.retrieval(key).embedding_model(eval_set.collection)
+                inference = self.upstreams.inference(key)
+                model = await self.upstreams.retrieval(key).embedding_model(eval_set.collection)
                 await add_similarity(inference, model, eval_set.questions, results)
             if run.judge_model:
                 client = self.judge_client(key)

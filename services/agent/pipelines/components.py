@@ -40,6 +40,7 @@ from services.agent.repetition import RepetitionGuard
 from services.agent.rewrite import HistoryRewriter, QueryRewriter
 from services.agent.text import content_terms, overlap
 from services.common.errors import InvalidRequest, TandemError
+from services.common.jsonsafe import JsonObject
 from services.common.openai_wire import ToolCallDelta
 
 from .state import AnswerKind, EventStream, RunContext, RunState
@@ -154,7 +155,7 @@ class InferenceGenerator:
         max_tokens: int | None,
         temperature: float | None,
         top_p: float | None = None,
-        extra: dict[str, Any] | None = None,
+        extra: JsonObject | None = None,
     ) -> None:
         self.max_tokens = max_tokens
         self.temperature = temperature

@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.common.errors import InvalidRequest
+from services.common.jsonsafe import JsonObject
 from services.common.telemetry import set_attributes, tracer, within
 
 from .components import NODE_TYPES, Component
@@ -44,7 +45,7 @@ class NodeSpec(BaseModel):
 
     type: str
     after: list[str] = Field(default_factory=list)
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: JsonObject = Field(default_factory=dict)  # checked by the component's own ``P``
 
 
 class PipelineSpec(BaseModel):
@@ -132,7 +133,11 @@ class Pipeline:
                 current.end()
 
 
-def node_attributes(kind: str, state: RunState) -> dict[str, Any]:
+# A span attribute's value (None: left out, see telemetry.set_attributes).
+SpanValue = str | int | float | None
+
+
+def node_attributes(kind: str, state: RunState) -> dict[str, SpanValue]:
     """What a node's span says once it ran: hits, prompt tokens, the model and its usage, the
     groundedness guard's verdict."""
     if kind in ("retriever", "overlap_reranker", "reader_ranker", "relevance_filter"):

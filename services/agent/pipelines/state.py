@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from services.agent.chunks import Chunk, Citation
 from services.agent.citations import CitationTracker
@@ -15,9 +15,20 @@ from services.agent.prompting import PromptPlan
 from services.agent.protocol import Message, Sampling, wire_messages
 from services.agent.reader.select import Selection
 from services.agent.tokens import TokenCounter
+from services.common.jsonsafe import JsonObject
 from services.common.openai_wire import ToolCall, ToolCallDelta
 
-__all__ = ["AnswerForm", "AnswerKind", "Event", "EventStream", "RunContext", "RunState"]
+__all__ = [
+    "AnswerFields",
+    "AnswerForm",
+    "AnswerKind",
+    "Event",
+    "EventStream",
+    "RunContext",
+    "RunState",
+    "StateView",
+    "TurnOptions",
+]
 
 EventStream = AsyncIterator[Event]
 
@@ -40,6 +51,36 @@ class RunContext:
     reader_threshold: float | None = None
 
 
+class TurnOptions(TypedDict, total=False):
+    """What a turn asks of the pipeline's steps beyond its question: the retriever's ``top_k``
+    (a run request's), the generator's ``temperature`` (a regenerated draft's) and ``max_tokens``
+    (the OpenAI facade's, at most the pipeline's own)."""
+
+    top_k: int
+    temperature: float
+    max_tokens: int
+
+
+class AnswerFields(TypedDict, total=False):
+    """The caller's answer-form fields of an inference request, those given only."""
+
+    tools: list[JsonObject]
+    tool_choice: str | JsonObject
+    parallel_tool_calls: bool
+    response_format: JsonObject
+
+
+class StateView(TypedDict):
+    """A run's state as foreign components (LangChain runnables) read it."""
+
+    question: str
+    collection: str | None
+    history: list[dict[str, Any]]
+    search_query: str
+    chunks: list[dict[str, Any]]
+    answer: str
+
+
 @dataclass
 class AnswerForm:
     """What a caller asked of the answer's form beyond text (the OpenAI facade): ``tools``,
@@ -47,21 +88,24 @@ class AnswerForm:
     as given (it validates them and constrains the output), and the assistant tool calls and tool
     results that follow the question, sent after the prompt the pipeline builds."""
 
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[JsonObject] | None = None
+    tool_choice: str | JsonObject | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: JsonObject | None = None
     tail: list[Message] = field(default_factory=list)
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> AnswerFields:
         """The fields of the inference request, those given only."""
-        fields = {
-            "tools": self.tools,
-            "tool_choice": self.tool_choice,
-            "parallel_tool_calls": self.parallel_tool_calls,
-            "response_format": self.response_format,
-        }
-        return {k: v for k, v in fields.items() if v is not None}
+        fields = AnswerFields()
+        if self.tools is not None:
+            fields["tools"] = self.tools
+        if self.tool_choice is not None:
+            fields["tool_choice"] = self.tool_choice
+        if self.parallel_tool_calls is not None:
+            fields["parallel_tool_calls"] = self.parallel_tool_calls
+        if self.response_format is not None:
+            fields["response_format"] = self.response_format
+        return fields
 
     @property
     def json_answer(self) -> bool:
@@ -77,7 +121,7 @@ class RunState:
     question: str
     collection: str | None
     history: list[Message] = field(default_factory=list)
-    options: dict[str, Any] = field(default_factory=dict)
+    options: TurnOptions = field(default_factory=TurnOptions)
     search_query: str = ""
     chunks: list[Chunk] = field(default_factory=list)
     plan: PromptPlan | None = None
@@ -122,7 +166,7 @@ class RunState:
             call.function.name = delta.function.name or call.function.name
             call.function.arguments += delta.function.arguments or ""
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> StateView:
         """A plain-dict view for foreign components (LangChain runnables)."""
         return {
             "question": self.question,

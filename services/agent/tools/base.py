@@ -24,7 +24,8 @@ class ToolContext:
 class Tool(Protocol):
     """A tool: ``run`` takes the model's argument (a string, or a dict from OpenAI tool calls) and
     returns the observation text. ``run`` may be sync or async; ``parameters`` is a JSON schema.
-    A tool whose calls act on the world also sets ``side_effects = True`` (``has_side_effects``)."""
+    A tool whose calls act on the world also sets ``side_effects = True`` (``has_side_effects``),
+    and one that can run only under some conditions says which in ``needs`` (``tool_needs``)."""
 
     name: str
     description: str
@@ -38,6 +39,14 @@ def has_side_effects(tool: Tool) -> bool:
     ``side_effects`` attribute (``http_get``; an MCP tool its server does not mark read-only).
     A tool that does not say is taken to have none, as the built-in calculator and search."""
     return bool(getattr(tool, "side_effects", False))
+
+
+def tool_needs(tool: Tool) -> frozenset[str]:
+    """What ``tool`` needs to run for a request (its ``needs`` attribute): ``collection``, a
+    collection the caller may read; ``outbound``, outbound calls switched on. An agent offers a
+    tool only when the request has what it needs (agents/offering.py); a tool that does not say
+    needs nothing."""
+    return frozenset(getattr(tool, "needs", ()))
 
 
 def call_fingerprint(tool: str, argument: Any) -> str:

@@ -31,6 +31,7 @@ class HttpGet:
     parameters = single_string_schema("url", "an http(s) URL on the public internet")
     # a GET to a URL the model chose (maybe from an injected document) can leak what the run read
     side_effects = True
+    needs = ("outbound",)  # offered only while outbound calls are on
 
     max_bytes: int = 200_000
     timeout: float = 10.0

@@ -362,12 +362,14 @@ class McpTool:
 
 @dataclass
 class UnavailableServer:
-    """Stands in for a server whose tools could not be listed: the agent sees why, as a tool error."""
+    """Stands in for a server whose tools could not be listed: an agent run is not offered it, and
+    its ``tools`` step says why (agents/offering.py); called anyway, it raises that error."""
 
     name: str
     description: str
     parameters: dict[str, Any]
     error: str
+    server: str = ""
 
     @classmethod
     def of(cls, server: str, error: str) -> UnavailableServer:
@@ -376,6 +378,7 @@ class UnavailableServer:
             description=f"MCP server {server!r} (unavailable right now)",
             parameters={"type": "object", "properties": {}, "additionalProperties": False},
             error=error,
+            server=server,
         )
 
     async def run(self, argument: Any, ctx: ToolContext) -> str:

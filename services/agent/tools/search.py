@@ -11,6 +11,7 @@ class DocumentSearch:
     name = "document_search"
     description = "Searches the documents of the current collection. Input: what to look for."
     parameters = single_string_schema("query", "what to search for", max_length=80)
+    needs = ("collection",)  # offered only with a collection the caller may read
 
     def __init__(self, top_k: int = 3, max_chars: int = 400) -> None:
         self.top_k = top_k
