@@ -19,9 +19,9 @@ TORCH_FROM  := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),--extra-ind
 # pytest arguments, e.g. `make test ARGS="-k retrieval"`
 ARGS   ?=
 
-.PHONY: up down status demo test test-quick lint format browser oidc-provider bench clean venv lock lock-check check-latest
+.PHONY: up down status demo test test-quick lint format browser oidc-provider web web-if-npm bench clean venv lock lock-check check-latest
 
-venv: $(DEV)
+venv: $(DEV) web-if-npm
 
 lock-check:
 	@$(PYTHON) requirements/lock.py check
@@ -50,7 +50,7 @@ $(DEV): $(BASE) requirements/dev.txt
 	$(PIP) -r requirements/dev.txt
 	touch $(DEV)
 
-up: $(BASE)
+up: $(BASE) web-if-npm
 	$(VENV)/bin/tandem up
 	$(VENV)/bin/tandem demo
 
@@ -62,6 +62,32 @@ status: $(BASE)
 
 demo: $(BASE)
 	$(VENV)/bin/tandem demo
+
+# The web front end the agent serves at / (services/agent/web): built here from its sources,
+# never committed. npm ci runs when the lockfile changes (npm rewrites node_modules/.package-lock.json
+# at each install), the build when a source is newer than dist/index.html.
+WEB      := services/agent/web
+WEB_DEPS := $(WEB)/node_modules/.package-lock.json
+WEB_SRC  := $(shell find $(WEB)/src -type f 2>/dev/null) \
+            $(addprefix $(WEB)/,index.html package.json tsconfig.json vite.config.ts)
+WEB_DIST := $(WEB)/dist/index.html
+
+web: $(WEB_DIST)
+
+$(WEB_DEPS): $(WEB)/package-lock.json $(WEB)/package.json
+	cd $(WEB) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+# type-checks (tsc --noEmit), then writes dist/
+$(WEB_DIST): $(WEB_DEPS) $(WEB_SRC)
+	cd $(WEB) && npm run build
+	touch $@
+
+# What `make up` and `make test` run: without npm the stack still starts, and the agent's page at /
+# says the front end is not built (the browser tests skip and say so).
+web-if-npm:
+	@if command -v npm >/dev/null 2>&1; then $(MAKE) --no-print-directory web; \
+	else echo "npm is missing (Debian: apt-get install nodejs npm): the web front end is not built (make web)"; fi
 
 # Debian's chromium for the browser tests (never a browser downloaded by Playwright).
 browser:
@@ -76,10 +102,10 @@ oidc-provider:
 	  || (cd tests/oidc && npm ci --no-audit --no-fund --loglevel=error); \
 	else echo "npm is missing (Debian: apt-get install nodejs npm): the sign-in tests will say so"; fi
 
-test: lock-check $(DEV) browser oidc-provider
+test: lock-check $(DEV) web-if-npm browser oidc-provider
 	$(PY) -m pytest $(ARGS)
 
-test-quick: lock-check $(DEV) oidc-provider
+test-quick: lock-check $(DEV) web-if-npm oidc-provider
 	$(PY) -m pytest -m "not e2e" $(ARGS)
 
 lint: $(DEV)
@@ -114,4 +140,4 @@ check-latest:
 	  ARGS="--deselect tests/common/test_lockcheck.py::test_every_locked_package_is_installed_at_its_version $(ARGS)"
 
 clean:
-	rm -rf $(VENV) .venv-latest .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest .pytest_cache .mypy_cache .ruff_cache $(WEB)/dist

@@ -26,7 +26,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 import typer
@@ -91,12 +91,30 @@ class QueryOutcome:
     error: str | None = None
 
 
+class RagSummary(TypedDict):
+    """A BEIR run's figures (``RagReport.summary``), printed and written to --json as they are."""
+
+    queries: int
+    errors: int
+    cited_chunk_relevance: float | None
+    cited_chunks: int
+    citation_validity: float | None
+    markers: int
+    answers_with_citation: float | None
+    attributed_relevance: float | None
+    answers_attributed_only: float | None
+    first_token_p50_s: float
+    first_token_p95_s: float
+    total_p50_s: float
+    total_p95_s: float
+
+
 @dataclass
 class RagReport:
     outcomes: list[QueryOutcome] = field(default_factory=list)
     qrels: dict[str, set[str]] = field(default_factory=dict)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RagSummary:
         ok = [o for o in self.outcomes if o.error is None]
         cited = [(o.query_id, d) for o in ok for d in o.cited_docs]
         attributed = [(o.query_id, d) for o in ok for d in o.attributed_docs]
@@ -244,7 +262,7 @@ def run_rag_eval(
     return report
 
 
-def print_summary(summary: dict[str, Any]) -> None:
+def print_summary(summary: RagSummary) -> None:
     def fmt(v: Any, pct: bool = False) -> str:
         if v is None:
             return "n/a"
@@ -320,58 +338,82 @@ def rag_command(
     if sum(x is not None for x in (beir, facts, questions)) != 1:
         console.print("[bold red]error:[/] give exactly one of --beir DIR, --facts N and --questions FILE")
         raise typer.Exit(2)
+    run = _Run(
+        agent_url=agent_url or common.url_of("agent"),
+        retrieval_url=retrieval_url or common.url_of("retrieval"),
+        api_key=key,
+        pipeline=pipeline,
+        llm=llm or None,
+        show=show,
+        json_out=json_out,
+    )
     if questions is not None:
-        _questions_command(
-            questions,
-            collection,
-            agent_url=agent_url or common.url_of("agent"),
-            retrieval_url=retrieval_url or common.url_of("retrieval"),
-            api_key=key,
-            pipeline=pipeline,
-            llm=llm or None,
-            show=show,
-            json_out=json_out,
+        _questions_command(questions, collection, run)
+    elif facts is not None:
+        _facts_command(facts, seed, collection, run)
+    else:
+        assert beir is not None
+        _beir_command(
+            beir, collection, run, limit=limit, ingest_corpus=ingest_corpus, distractors=distractors
         )
-        return
-    if facts is not None:
-        try:
-            outcomes = run_facts_eval(
-                facts,
-                seed,
-                agent_url=agent_url or common.url_of("agent"),
-                retrieval_url=retrieval_url or common.url_of("retrieval"),
-                api_key=key,
-                collection=collection or f"facts-{seed}-{facts}",
-                pipeline=pipeline,
-                llm=llm or None,
-                progress=show,
-            )
-        except (httpx.HTTPError, RuntimeError) as exc:
-            console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
-            raise typer.Exit(1) from None
-        fsum = facts_summary(outcomes)
-        print_facts_summary(fsum, f"{pipeline} on {facts} invented facts (seed {seed})")
-        if json_out:
-            payload = {"summary": fsum, "answers": [o.__dict__ for o in outcomes]}
-            json_out.write_text(json.dumps(payload, indent=2, default=str))
-        return
-    assert beir is not None
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Where and how a question set is asked, and where its report goes (the options every set shares)."""
+
+    agent_url: str
+    retrieval_url: str
+    api_key: str
+    pipeline: str
+    llm: str | None  # the agent's model when None (--beir always asks it)
+    show: bool
+    json_out: Path | None
+
+
+def _facts_command(facts: int, seed: int, collection: str, run: _Run) -> None:
+    """``--facts N``: asks the invented-facts set, prints its summary (and writes it to --json)."""
     try:
-        data = load_beir(beir)
+        outcomes = run_facts_eval(
+            facts,
+            seed,
+            agent_url=run.agent_url,
+            retrieval_url=run.retrieval_url,
+            api_key=run.api_key,
+            collection=collection or f"facts-{seed}-{facts}",
+            pipeline=run.pipeline,
+            llm=run.llm,
+            progress=run.show,
+        )
+    except (httpx.HTTPError, RuntimeError) as exc:
+        console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+        raise typer.Exit(1) from None
+    fsum = facts_summary(outcomes)
+    print_facts_summary(fsum, f"{run.pipeline} on {facts} invented facts (seed {seed})")
+    if run.json_out:
+        payload = {"summary": fsum, "answers": [o.__dict__ for o in outcomes]}
+        run.json_out.write_text(json.dumps(payload, indent=2, default=str))
+
+
+def _beir_command(
+    folder: Path, collection: str, run: _Run, *, limit: int, ingest_corpus: bool, distractors: int | None
+) -> None:
+    """``--beir DIR``: asks the set's judged queries, prints its summary (and writes it to --json)."""
+    try:
+        data = load_beir(folder)
     except (FileNotFoundError, ValueError) as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(1) from None
-    name = collection or f"beir-{beir.resolve().name}".lower()
     try:
         report = run_rag_eval(
             data,
-            agent_url=agent_url or common.url_of("agent"),
-            retrieval_url=retrieval_url or common.url_of("retrieval"),
-            api_key=key,
-            collection=name,
+            agent_url=run.agent_url,
+            retrieval_url=run.retrieval_url,
+            api_key=run.api_key,
+            collection=collection or f"beir-{folder.resolve().name}".lower(),
             limit=limit,
             do_ingest=ingest_corpus,
-            pipeline=pipeline,
+            pipeline=run.pipeline,
             distractors=distractors,
         )
     except httpx.HTTPError as exc:
@@ -379,8 +421,8 @@ def rag_command(
         raise typer.Exit(1) from None
     summary = report.summary()
     print_summary(summary)
-    if json_out:
-        json_out.write_text(
+    if run.json_out:
+        run.json_out.write_text(
             json.dumps(
                 {"summary": summary, "answers": [o.__dict__ for o in report.outcomes]}, indent=2, default=str
             )
@@ -445,7 +487,26 @@ def judge_fact(fact: Any, out: dict[str, Any], documents: list[str]) -> FactOutc
     )
 
 
-def facts_summary(outcomes: list[FactOutcome]) -> dict[str, Any]:
+class FactsSummary(TypedDict):
+    """An invented-facts run's figures (shares of the answered questions; None when none was)."""
+
+    questions: int
+    errors: int
+    fact_stated: float | None
+    right_document_cited: float | None
+    valid_citation: float | None
+    model_wrote_marker: float | None
+    model_cited_right_document: float | None
+    extractive: float | None
+    repeated_sentence: float | None
+    groundedness_mean: float | None
+    first_token_p50_s: float
+    first_token_p95_s: float
+    total_p50_s: float
+    total_p95_s: float
+
+
+def facts_summary(outcomes: list[FactOutcome]) -> FactsSummary:
     ok = [o for o in outcomes if o.error is None]
 
     def share(attr: str) -> float | None:
@@ -520,7 +581,7 @@ def run_facts_evals(
     return outcomes
 
 
-def print_facts_summary(summary: dict[str, Any], title: str = "chat-documents on invented facts") -> None:
+def print_facts_summary(summary: FactsSummary, title: str = "chat-documents on invented facts") -> None:
     def pct(v: Any) -> str:
         return "n/a" if v is None else f"{100 * v:.1f}%"
 
@@ -654,18 +715,7 @@ def print_questions_summary(
     out.print(table)
 
 
-def _questions_command(
-    path: Path,
-    collection: str,
-    *,
-    agent_url: str,
-    retrieval_url: str,
-    api_key: str,
-    pipeline: str,
-    llm: str | None,
-    show: bool,
-    json_out: Path | None,
-) -> None:
+def _questions_command(path: Path, collection: str, run: _Run) -> None:
     from services.cli.eval_questions import QuestionSetError, load_questions, summary
 
     if not collection:
@@ -681,13 +731,13 @@ def _questions_command(
     try:
         outcomes = run_questions_eval(
             qs,
-            agent_url=agent_url,
-            retrieval_url=retrieval_url,
-            api_key=api_key,
+            agent_url=run.agent_url,
+            retrieval_url=run.retrieval_url,
+            api_key=run.api_key,
             collection=collection,
-            pipeline=pipeline,
-            llm=llm,
-            progress=show,
+            pipeline=run.pipeline,
+            llm=run.llm,
+            progress=run.show,
         )
     except CollectionNotFound as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
@@ -696,7 +746,9 @@ def _questions_command(
         console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
         raise typer.Exit(1) from None
     result = summary(outcomes)
-    print_questions_summary({pipeline: result}, f"{pipeline} on {path.name} over collection {collection!r}")
-    if json_out:
+    print_questions_summary(
+        {run.pipeline: result}, f"{run.pipeline} on {path.name} over collection {collection!r}"
+    )
+    if run.json_out:
         payload = {"summary": result, "answers": [o.to_dict() for o in outcomes]}
-        json_out.write_text(json.dumps(payload, indent=2, default=str))
+        run.json_out.write_text(json.dumps(payload, indent=2, default=str))

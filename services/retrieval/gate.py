@@ -9,7 +9,7 @@ document is taken. The switch happens only when the new version is better by mor
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TypedDict
 
 from services.common.ranking import first_seen, ndcg_at
 from services.retrieval.core.collection import CandidateIndex, Collection
@@ -43,7 +43,19 @@ def candidate_index(col: Collection, target: IndexVersion, embedder: Embedder) -
     return CandidateIndex(embedder, dense)
 
 
-def judge(col: Collection, target: IndexVersion, embedder: Embedder, gate: ReindexGate) -> dict[str, Any]:
+class GateVerdict(TypedDict):
+    """A gated reindex's verdict, stored on its job and spread into the job's result."""
+
+    applied: bool  # the collection switches to the new version
+    before: float  # nDCG@10 of the active version
+    after: float  # nDCG@10 of the new one
+    mode: str
+    queries: int
+    min_gain: float
+    reason: str
+
+
+def judge(col: Collection, target: IndexVersion, embedder: Embedder, gate: ReindexGate) -> GateVerdict:
     """The verdict on ``target``: ``applied`` (switch or not), both figures and the reason."""
     before = score(col, gate)
     after = score(col, gate, candidate_index(col, target, embedder))

@@ -37,7 +37,7 @@ from services.common.errors import InvalidRequest, TandemError
 from services.common.jobs import TERMINAL
 from services.common.leases import Heartbeat, JobLeaseSettings
 from services.retrieval.core.collection import InputDocument
-from services.retrieval.core.jobs import TASK_NAME, Dispatch, JobStore, new_job_id
+from services.retrieval.core.jobs import TASK_NAME, Dispatch, FileErrorRow, JobStore, new_job_id
 from services.retrieval.core.ocr import OcrSettings
 from services.retrieval.core.originals import KEPT, keep_original
 from services.retrieval.core.parsing import MIB, UNTRUSTED, NoTextError, ParseLimits, extension_of, parse_file
@@ -154,7 +154,7 @@ def parse_job_files(
     *,
     keep_hidden_text: bool = False,
     ocr: OcrSettings | None = None,
-) -> tuple[list[InputDocument], list[dict[str, Any]]]:
+) -> tuple[list[InputDocument], list[FileErrorRow]]:
     """(documents, per-file errors) of a files job; the PDFs and images among the files are kept as
     the originals of their documents under the collection folder ``originals`` (core/originals.py).
     Text a reader cannot see is left out of the documents (and counted in each one's
@@ -163,7 +163,7 @@ def parse_job_files(
     manifest = json.loads((folder / MANIFEST).read_text())
     extra = manifest.get("metadata") or {}
     docs: list[InputDocument] = []
-    errors: list[dict[str, Any]] = []
+    errors: list[FileErrorRow] = []
     for entry in manifest["files"]:
         name = entry["name"]
         try:
@@ -171,7 +171,7 @@ def parse_job_files(
                 folder / entry["path"], name, limits, keep_hidden_text=keep_hidden_text, ocr=ocr
             )
         except TandemError as exc:
-            error: dict[str, Any] = {
+            error: FileErrorRow = {
                 "filename": name,
                 "code": exc.code or "invalid_file",
                 "message": exc.message,
@@ -195,7 +195,7 @@ def run_job(
         col = manager.get(tenant, collection)
         path = col.root / "uploads" / f"{job_id}.jsonl"
         folder = col.root / "uploads" / job_id
-        file_errors: list[dict[str, Any]] = []
+        file_errors: list[FileErrorRow] = []
         if folder.is_dir():
             jobs.update(job_id, status="running")
             docs, file_errors = parse_job_files(

@@ -29,7 +29,7 @@ from services.retrieval.core.jobs import Dispatch, JobStore, new_job_id
 from services.retrieval.core.onnx_export import EmbeddingBackend
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.core.versions import IndexState, IndexVersion, VersionSuperseded
-from services.retrieval.gate import judge
+from services.retrieval.gate import GateVerdict, judge
 from services.retrieval.protocol import ReindexGate, ReindexResponse
 
 log = logging.getLogger("tandem.retrieval.reindex")
@@ -148,11 +148,11 @@ def run_reindex(
         col = embedded(manager.get(tenant, collection))
         state = col.versions()
         raw = jobs.raw(job_id)
-        verdict: dict[str, Any] = json.loads(raw["verdict"]) if raw.get("verdict") else {}
+        verdict: GateVerdict | None = json.loads(raw["verdict"]) if raw.get("verdict") else None
         if state.active.job_id == job_id:
             # switched before a crash marked it done
             return _succeeded(jobs, job_id, col, state, verdict)
-        if verdict and not verdict["applied"]:
+        if verdict is not None and not verdict["applied"]:
             return _kept(jobs, job_id, col, state, verdict)  # dropped before a crash marked it done
         if state.building is None or state.building.job_id != job_id:
             raise VersionSuperseded(
@@ -201,7 +201,7 @@ def _give_up(col: Collection | None, target: IndexVersion | None) -> None:
 
 
 def _succeeded(
-    jobs: JobStore, job_id: str, col: Collection, state: IndexState, verdict: dict[str, Any] | None = None
+    jobs: JobStore, job_id: str, col: Collection, state: IndexState, verdict: GateVerdict | None = None
 ) -> dict[str, Any]:
     chunks = col.store.counts()[1]
     result = {
@@ -216,7 +216,7 @@ def _succeeded(
 
 
 def _kept(
-    jobs: JobStore, job_id: str, col: Collection, state: IndexState, verdict: dict[str, Any]
+    jobs: JobStore, job_id: str, col: Collection, state: IndexState, verdict: GateVerdict
 ) -> dict[str, Any]:
     """The job's end when its gate kept the active version: succeeded, not applied."""
     result = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
 from urllib.parse import quote
 
 import httpx
@@ -26,7 +26,7 @@ import httpx
 from services.common.config import CommonSettings
 from services.common.jobs import TERMINAL
 from services.common.replicas import replica_pool, request_sync
-from services.trainer.data.pairs import TITLE_STAGE, relevant_document
+from services.trainer.data.pairs import TITLE_STAGE, EmbedderPair, relevant_document
 from services.trainer.protocol import ApplyOutcome
 from services.trainer.questions import acting_headers
 from services.trainer.store import TrainerStore
@@ -36,7 +36,14 @@ POLL_S = 2.0
 WAIT_S = 6 * 3600.0
 
 
-def gate_queries(held_out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+class GateQuery(TypedDict):
+    """A query of the retrieval service's reindex gate (its ``only_if_better.queries``)."""
+
+    query: str
+    relevant: list[str]  # the documents it should find
+
+
+def gate_queries(held_out: list[EmbedderPair]) -> list[GateQuery]:
     """The held-out pairs as the gate's queries: each query with the documents it should find."""
     relevant: dict[str, list[str]] = {}
     for pair in held_out:
@@ -46,7 +53,7 @@ def gate_queries(held_out: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"query": q, "relevant": docs} for q, docs in relevant.items() if docs]
 
 
-def yardstick(held_out: list[dict[str, Any]]) -> str:
+def yardstick(held_out: list[EmbedderPair]) -> str:
     titles = bool(held_out) and all(p.get("_stage") == TITLE_STAGE for p in held_out)
     return "titles and headings" if titles else "labelled pairs"
 
@@ -56,7 +63,7 @@ def apply_embedder(
     tenant: str,
     collection: str,
     embedder: str,
-    held_out: list[dict[str, Any]],
+    held_out: list[EmbedderPair],
     *,
     store: TrainerStore,
     common: CommonSettings,

@@ -25,12 +25,12 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from services.common.atomic import atomic_write
 from services.common.errors import InvalidRequest
 from services.trainer.collection import CollectionDoc, indexed, search
-from services.trainer.data.pairs import doc_ref, ranked_negatives
+from services.trainer.data.pairs import EmbedderPair, doc_ref, ranked_negatives
 
 if TYPE_CHECKING:
     from services.trainer.protocol import JobCreate
@@ -53,7 +53,7 @@ def wanted(spec: JobCreate) -> bool:
     )
 
 
-def check_named(records: list[dict[str, Any]], docs: dict[str, CollectionDoc], name: str, param: str) -> None:
+def check_named(records: list[EmbedderPair], docs: dict[str, CollectionDoc], name: str, param: str) -> None:
     """With ``positives: "chunks"`` every labelled pair must name a document of the collection
     (a 400 naming the file's line and the document otherwise)."""
     for rec in records:
@@ -76,8 +76,8 @@ def prepare(
     st: TrainerState,
     key: str,
     spec: JobCreate,
-    labelled: list[dict[str, Any]],
-    training: list[dict[str, Any]],
+    labelled: list[EmbedderPair],
+    training: list[EmbedderPair],
     docs: dict[str, CollectionDoc],
 ) -> ChunkPairs:
     """The chunks of the documents ``labelled`` (the job's dataset rows) names, and, with
@@ -96,9 +96,7 @@ def prepare(
         for rec in [*labelled, *training]:  # a query's positives in any of its pairs, held out too
             if (ref := doc_ref(rec)) is not None:
                 named.setdefault(rec["query"], set()).add(ref)
-        first: dict[
-            str, dict[str, Any]
-        ] = {}  # a query's first training pair: the text its overlap check reads
+        first: dict[str, EmbedderPair] = {}  # a query's first training pair: the text its overlap check reads
         for rec in training:
             first.setdefault(rec["query"], rec)
         top_k = min(100, max(DEPTH, hp.hard_negatives_skip + hp.hard_negatives + 10))
@@ -129,7 +127,7 @@ def load(work_dir: Path) -> ChunkPairs:
     return ChunkPairs(dict(data["chunks"]), dict(data["negatives"]))
 
 
-def with_negatives(records: list[dict[str, Any]], pairs: ChunkPairs) -> list[dict[str, Any]]:
+def with_negatives(records: list[EmbedderPair], pairs: ChunkPairs) -> list[EmbedderPair]:
     """``records`` with each query's negatives from the collection after the pair's own. A pair
     whose query found none keeps its own: the batch then uses the fewest any of its rows has."""
     return [

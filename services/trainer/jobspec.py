@@ -14,7 +14,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.common.config import CommonSettings
 from services.common.errors import InvalidRequest, NotFound
@@ -34,6 +34,9 @@ from services.trainer.data.formats import (
     records_for,
 )
 from services.trainer.protocol import READER_HELD_OUT, JobCreate
+
+if TYPE_CHECKING:
+    from services.trainer.data.pairs import EmbedderPair
 
 KIND_OF: dict[str, Kind] = {
     "sft": "sft",
@@ -319,7 +322,7 @@ def check_lengths(tokenizer: Any, spec: JobCreate, records: list[Record], cap: i
             )
 
 
-def prompt_key(rec: Record | dict[str, Any]) -> str:
+def prompt_key(rec: Record | EmbedderPair) -> str:
     if isinstance(rec, PromptRecord | PreferenceRecord | KTORecord):
         return json.dumps(rec.prompt, sort_keys=True)
     # an embedder pair's query plays the prompt: a held-out query is never trained on
@@ -327,7 +330,7 @@ def prompt_key(rec: Record | dict[str, Any]) -> str:
     return json.dumps(rec["query"], sort_keys=True)
 
 
-T = TypeVar("T", bound=Record | dict[str, Any])
+T = TypeVar("T", bound="Record | EmbedderPair")
 
 
 def split_eval(records: list[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
@@ -552,7 +555,7 @@ def embedder_corpus(path: Path) -> dict[str, str]:
     return embedder_data(load_records(path, "embedder")).corpus
 
 
-def held_out_from(labelled: list[dict[str, Any]], titles: list[dict[str, Any]], apply: bool) -> str:
+def held_out_from(labelled: list[EmbedderPair], titles: list[EmbedderPair], apply: bool) -> str:
     """Which pairs an embedder job holds out: its labelled pairs, or the collection's titles and
     headings when it has none. A job that applies its embedder scores the held-out queries on
     the collection, so they must name the documents they should find: labelled pairs that name
@@ -597,8 +600,8 @@ def validate_embedder_job(
             param="resources",
         )
     parts: list[EmbedderData] = []
-    labelled: list[dict[str, Any]] = []  # the file's and the generated pairs
-    titles: list[dict[str, Any]] = []  # the collection's title and heading pairs
+    labelled: list[EmbedderPair] = []  # the file's and the generated pairs
+    titles: list[EmbedderPair] = []  # the collection's title and heading pairs
     for path, param in (
         (dataset_path, "dataset"),
         (collection_path, "collection"),

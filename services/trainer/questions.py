@@ -24,7 +24,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -35,6 +34,7 @@ from services.common.errors import InvalidRequest, ServiceUnavailable
 from services.common.replicas import replica_pool, request_sync
 from services.common.upstream import UpstreamReply, unreachable, upstream_error
 from services.trainer.config import TrainerSettings
+from services.trainer.data.pairs import EmbedderPair
 from services.trainer.data.queries import Passage, questions
 from services.trainer.protocol import QueryGeneration
 from services.trainer.state import TrainerState
@@ -166,13 +166,13 @@ def load_replies(root: Path) -> dict[int, str]:
     return out
 
 
-def pair_rows(picked: list[Sampled], replies: dict[int, str]) -> list[dict[str, Any]]:
+def pair_rows(picked: list[Sampled], replies: dict[int, str]) -> list[EmbedderPair]:
     """The generated pairs: each usable question with its passage (``document_id`` for one of
     the collection's), repeats dropped (``questions``)."""
     cited = {s.passage: s.cited for s in picked}
-    rows: list[dict[str, Any]] = []
+    rows: list[EmbedderPair] = []
     for p, query in questions([s.passage for s in picked], [replies[i] for i in range(len(picked))]):
-        row: dict[str, Any] = {"query": query, "positive": p.text}
+        row: EmbedderPair = {"query": query, "positive": p.text}
         if cited[p]:
             row["document_id"] = p.document
         rows.append(row)

@@ -140,91 +140,25 @@ def _train(
     attempt: int = 1,
     join: Join | None = None,
 ) -> str:
+    """Questions (when asked for), training, then the artifact saved and published; the outcome.
+    Any error but a lost lease fails the job with its message."""
     tenant = data["tenant"]
     try:
         spec = JobCreate.model_validate_json(data["spec"])
-        target = data.get("generated_target")
-        if spec.generate_queries is not None and target and not data.get("generated_file"):
-            # the job's first phase: the questions (a resumed job asks only what is not kept)
-            from services.trainer.questions import questions_dir, write_questions
-
-            with span("train.generate_queries", job_id=job_id):
-                made = write_questions(
-                    job_id,
-                    tenant,
-                    spec.generate_queries,
-                    spec.hyperparameters.seed,
-                    target,
-                    root=questions_dir(job_dir(common, job_id)),
-                    store=store,
-                    common=common,
-                    settings=settings,
-                    should_stop=JobHooks(store, job_id, lost).should_stop,
-                )
-            if made is None:
-                store.set_status(job_id, "cancelled")
-                return "cancelled"
-            data = {**data, "generated_file": made}
+        with_questions = _generate_questions(job_id, spec, data, store, common, settings, lost)
+        if with_questions is None:
+            store.set_status(job_id, "cancelled")
+            return "cancelled"
+        data = with_questions
         resolved = _resolve(spec, data, common, settings, JobOwner(tenant, store))
-        reward = resolved.reward
-        if isinstance(reward, Path):
-            from services.trainer.rewards import RewardModel
-
-            reward = RewardModel(reward)
         work = job_dir(common, job_id)
-        records, chunks = resolved.records, None
-        if spec.type == "embedder" and chunk_pairs.wanted(spec):
-            # prepared at submission from the collection (services/trainer/chunk_pairs.py)
-            prepared = chunk_pairs.load(work)
-            records = chunk_pairs.with_negatives(records, prepared)
-            chunks = prepared.chunks if spec.positives == "chunks" else None
-        cfg = TrainConfig(
-            kind=spec.type,
-            model_path=resolved.model_path,
-            records=records,
-            eval_records=resolved.eval_records,
-            hp=spec.hyperparameters,
-            lora=spec.lora,
-            packing=spec.packing,
-            max_tokens_per_pack=resolved.capacity,
-            pad_to_multiple_of=PAD_MULTIPLE,
-            reward=reward,
-            checkpoint_every=spec.hyperparameters.checkpoint_every or settings.checkpoint_every,
-            keep_checkpoints=settings.keep_checkpoints,
-            work_dir=work,
-            init_adapter=resolved.lineage.init_adapter if resolved.lineage else None,
-            corpus=resolved.corpus,
-            chunks=chunks,
-            stages=spec.stages or "together",
-        )
+        cfg = _train_config(spec, resolved, work, settings)
         out = artifact_dir(common, job_id)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        if spec.resources is not None:
-            from services.trainer.launch import run_distributed
-
-            outcome = run_distributed(
-                job_id,
-                cfg,
-                spec.resources,
-                work=work,
-                artifact_tmp=tmp,  # rank 0 saves the final weights there
-                owner=owner,
-                attempt=attempt,
-                settings=settings,
-                lost=lost,
-                join=None
-                if join is None
-                else lambda jid, endpoint, rdzv: join(jid, endpoint, rdzv, data.get("queue") or "cpu"),
-            )
-        else:
-            kind = "reader-features" if spec.reader_kind == "features" else spec.type
-            recipe = recipe_for(kind)(cfg, hooks=JobHooks(store, job_id, lost))
-            with span("train.steps", job_id=job_id, kind=spec.type) as current:
-                outcome = run(recipe, work / "checkpoints")
-                set_attributes(current, outcome=outcome)
-            if outcome == "succeeded":
-                recipe.save_final(tmp)
+        queue = data.get("queue") or "cpu"
+        join_job = None if join is None else lambda jid, endpoint, rdzv: join(jid, endpoint, rdzv, queue)
+        outcome = _run_steps(job_id, spec, cfg, work, tmp, store, settings, lost, owner, attempt, join_job)
         if outcome == "cancelled":
             store.set_status(job_id, "cancelled")
             return "cancelled"
@@ -247,6 +181,116 @@ def _train(
         store.log(job_id, "failed:\n" + traceback.format_exc(limit=8), level="error")
         store.set_status(job_id, "failed", error=f"{type(exc).__name__}: {message}")
         return "failed"
+
+
+def _generate_questions(
+    job_id: str,
+    spec: JobCreate,
+    data: dict[str, str],
+    store: TrainerStore,
+    common: CommonSettings,
+    settings: TrainerSettings,
+    lost: threading.Event,
+) -> dict[str, str] | None:
+    """The job's record with ``generated_file`` once its questions are written (the first phase
+    of an embedder job with ``generate_queries``; a resumed job asks only what is not kept);
+    ``data`` itself when there is nothing to generate; None when the job was cancelled meanwhile."""
+    target = data.get("generated_target")
+    if spec.generate_queries is None or not target or data.get("generated_file"):
+        return data
+    from services.trainer.questions import questions_dir, write_questions
+
+    with span("train.generate_queries", job_id=job_id):
+        made = write_questions(
+            job_id,
+            data["tenant"],
+            spec.generate_queries,
+            spec.hyperparameters.seed,
+            target,
+            root=questions_dir(job_dir(common, job_id)),
+            store=store,
+            common=common,
+            settings=settings,
+            should_stop=JobHooks(store, job_id, lost).should_stop,
+        )
+    return None if made is None else {**data, "generated_file": made}
+
+
+def _train_config(
+    spec: JobCreate, resolved: ResolvedJob, work: Path, settings: TrainerSettings
+) -> TrainConfig:
+    """What the recipe trains on: the resolved job, its reward model loaded, and for an embedder
+    job over a collection the chunk pairs prepared at submission (services/trainer/chunk_pairs.py)."""
+    reward = resolved.reward
+    if isinstance(reward, Path):
+        from services.trainer.rewards import RewardModel
+
+        reward = RewardModel(reward)
+    records, chunks = resolved.records, None
+    if spec.type == "embedder" and chunk_pairs.wanted(spec):
+        prepared = chunk_pairs.load(work)
+        records = chunk_pairs.with_negatives(records, prepared)
+        chunks = prepared.chunks if spec.positives == "chunks" else None
+    return TrainConfig(
+        kind=spec.type,
+        model_path=resolved.model_path,
+        records=records,
+        eval_records=resolved.eval_records,
+        hp=spec.hyperparameters,
+        lora=spec.lora,
+        packing=spec.packing,
+        max_tokens_per_pack=resolved.capacity,
+        pad_to_multiple_of=PAD_MULTIPLE,
+        reward=reward,
+        checkpoint_every=spec.hyperparameters.checkpoint_every or settings.checkpoint_every,
+        keep_checkpoints=settings.keep_checkpoints,
+        work_dir=work,
+        init_adapter=resolved.lineage.init_adapter if resolved.lineage else None,
+        corpus=resolved.corpus,
+        chunks=chunks,
+        stages=spec.stages or "together",
+    )
+
+
+def _run_steps(
+    job_id: str,
+    spec: JobCreate,
+    cfg: TrainConfig,
+    work: Path,
+    tmp: Path,
+    store: TrainerStore,
+    settings: TrainerSettings,
+    lost: threading.Event,
+    owner: str,
+    attempt: int,
+    join: Callable[[str, str, str], None] | None,
+) -> str:
+    """The training steps, in this process or under torchrun when ``spec.resources`` asks for
+    several (``join``: another machine asked to take part); a successful run leaves the final
+    weights in ``tmp``. The outcome."""
+    if spec.resources is not None:
+        from services.trainer.launch import run_distributed
+
+        return run_distributed(
+            job_id,
+            cfg,
+            spec.resources,
+            work=work,
+            artifact_tmp=tmp,  # rank 0 saves the final weights there
+            owner=owner,
+            attempt=attempt,
+            settings=settings,
+            lost=lost,
+            join=join,
+        )
+    kind = "reader-features" if spec.reader_kind == "features" else spec.type
+    recipe = recipe_for(kind)(cfg, hooks=JobHooks(store, job_id, lost))
+    with span("train.steps", job_id=job_id, kind=spec.type) as current:
+        outcome = run(recipe, work / "checkpoints")
+        set_attributes(current, outcome=outcome)
+    if outcome == "succeeded":
+        recipe.save_final(tmp)
+    return outcome
 
 
 def _publish_result(

@@ -16,7 +16,7 @@ from services.common.errors import InvalidRequest, NotFound
 from services.trainer import chunk_pairs
 from services.trainer.collection import CollectionDoc, check_writable, collection_documents
 from services.trainer.data.formats import PairRecord
-from services.trainer.data.pairs import TITLE_STAGE
+from services.trainer.data.pairs import TITLE_STAGE, EmbedderPair
 from services.trainer.jobspec import (
     KIND_OF,
     JobOwner,
@@ -186,7 +186,7 @@ def _queue(
     return st.store.record(job_id)
 
 
-def resolve_recipe(spec: JobCreate, labelled: list[dict[str, Any]]) -> JobCreate:
+def resolve_recipe(spec: JobCreate, labelled: list[EmbedderPair]) -> JobCreate:
     """``spec`` with the recipe choices it left open made (the stored request shows what ran):
     ``positives`` "chunks" when the job has a collection and every labelled pair names its
     document, and ``stages`` "titles_first" when it has a collection's titles and labelled pairs

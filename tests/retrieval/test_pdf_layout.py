@@ -232,7 +232,7 @@ def table_pdf(outer: bool = True) -> bytes:
         c.line(x, ys[0], x, ys[-1])
     for r, row in enumerate(TABLE):
         c.setFont("Helvetica-Bold" if r == 0 else "Helvetica", 10)
-        for x, cell in zip(xs, row, strict=False):
+        for x, cell in zip(xs[:-1], row, strict=True):
             c.drawString(x + 4, ys[r] - 14, cell)
     c.setFont("Helvetica", 10)
     c.drawString(72, ys[-1] - 30, AFTER_TABLE)

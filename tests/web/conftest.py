@@ -40,7 +40,7 @@ def browser() -> Iterator[object]:
     if not CHROMIUM.exists():
         pytest.skip(f"Debian chromium is not installed at {CHROMIUM} (run `make browser`)")
     if not (DIST / "index.html").exists():
-        pytest.skip(f"the web build is missing: {DIST}/index.html (run `npm ci && npm run build` there)")
+        pytest.skip(f"the web build is missing: {DIST}/index.html (run `make web`)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:

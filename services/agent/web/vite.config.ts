@@ -1,5 +1,5 @@
-// Build for the agent service, which serves dist/ at "/". Asset names carry no
-// content hash so that the committed build output changes only where the code did.
+// Build for the agent service, which serves dist/ at "/" (`make web` runs it; dist/ is not
+// committed). Asset names carry no content hash: the pages and tests name assets/app.js.
 import { defineConfig } from "vite";
 
 // `npm run dev` proxies the APIs to a running stack (default: the agent on :8000).

@@ -502,27 +502,60 @@ def drop_hidden_pdf_text(page: Any) -> int:
     if contents is None:
         return 0
     resources = page.get("/Resources")
-    resources = resources.get_object() if resources is not None else {}
-    box = _page_box(page)
-    gs = _Graphics()
-    saved: list[_Graphics] = []
-    tm = tlm = IDENTITY
-    path: list[tuple[float, float]] = []
-    painted: list[tuple[Box, RGB | None]] = []
-    colours: set[RGB] = {WHITE}  # what text could be lost against: the page and what was painted
+    scan = _PageScan(_page_box(page), resources.get_object() if resources is not None else {})
     kept: list[tuple[list[Any], bytes]] = []
     removed = 0
+    for operands, op in contents.operations:
+        if op in _SHOW_TEXT:
+            if op in (b"'", b'"'):
+                scan.next_line()
+            if scan.hidden(_string_length(operands)):
+                removed += 1
+                kept += _line_moves_of(operands, op)
+                continue
+        else:
+            scan.read(operands, op)
+        kept.append((operands, op))
+    if removed:
+        contents.operations = kept
+        page[NameObject("/Contents")] = ContentStream(contents, page.pdf)
+    return removed
 
-    def paint(points: list[tuple[float, float]], colour: RGB | None) -> None:
-        if points:
-            painted.append((_bbox([_apply(gs.ctm, x, y) for x, y in points]), colour))
-            if colour is not None:
-                colours.add(colour)
 
-    def hidden(n: int) -> bool:
-        trm = _mul((gs.size, 0.0, 0.0, gs.size, 0.0, 0.0), _mul(tm, gs.ctm))
+_SHOW_TEXT = (b"Tj", b"TJ", b"'", b'"')
+
+
+def _line_moves_of(operands: list[Any], op: bytes) -> list[tuple[list[Any], bytes]]:
+    """What stays of a text-showing operator taken out: the spacing and the line move of ``"``
+    and the line move of ``'`` (later lines depend on them)."""
+    if op == b'"':
+        return [([operands[0]], b"Tw"), ([operands[1]], b"Tc"), ([], b"T*")]
+    if op == b"'":
+        return [([], b"T*")]
+    return []
+
+
+class _PageScan:
+    """What a page's content stream has set up so far, as far as it decides whether text shows:
+    the graphics state (and those ``q`` saved), the text matrices, the path being built, and the
+    areas filled with their colours."""
+
+    def __init__(self, box: Box, resources: Any) -> None:
+        self.box, self.resources = box, resources
+        self.gs = _Graphics()
+        self.saved: list[_Graphics] = []
+        self.tm = self.tlm = IDENTITY
+        self.path: list[tuple[float, float]] = []
+        self.painted: list[tuple[Box, RGB | None]] = []
+        self.colours: set[RGB] = {WHITE}  # what text could be lost against: the page and what was painted
+
+    def hidden(self, n: int) -> bool:
+        """Whether ``n`` characters shown now, at the text matrix, would not be seen."""
+        gs = self.gs
+        trm = _mul((gs.size, 0.0, 0.0, gs.size, 0.0, 0.0), _mul(self.tm, gs.ctm))
         width = max(n, 1) * 0.6  # about a glyph's width, in text space: an estimate on the wide side
         x0, y0, x1, y1 = _bbox([_apply(trm, x, y) for x in (0.0, width) for y in (-0.25, 1.0)])
+        box = self.box
         if x1 < box[0] or x0 > box[2] or y1 < box[1] or y0 > box[3]:
             return True
         if gs.mode == 3:
@@ -530,78 +563,92 @@ def drop_hidden_pdf_text(page: Any) -> int:
         if math.hypot(trm[2], trm[3]) < MIN_PDF_TEXT_PT:
             return True
         fill = gs.fill
-        if gs.mode not in (0, 4) or fill is None or not any(same_colour(fill, c) for c in colours):
+        if gs.mode not in (0, 4) or fill is None or not any(same_colour(fill, c) for c in self.colours):
             return False
         at = _apply(trm, 0.25, 0.3)  # inside the first glyph
         under: RGB | None = WHITE
-        for area, colour in reversed(painted):
+        for area, colour in reversed(self.painted):
             if _inside(at, area):
                 under = colour
                 break
         return under is not None and same_colour(fill, under)
 
-    for operands, op in contents.operations:
-        if op in (b"Tj", b"TJ", b"'", b'"'):
-            if op in (b"'", b'"'):
-                tlm = tm = _mul((1.0, 0.0, 0.0, 1.0, 0.0, -gs.leading), tlm)
-            if hidden(_string_length(operands)):
-                removed += 1
-                if op == b'"':  # its spacing and its line move stay: later lines depend on them
-                    kept += [([operands[0]], b"Tw"), ([operands[1]], b"Tc"), ([], b"T*")]
-                elif op == b"'":
-                    kept.append(([], b"T*"))
-                continue
-        elif op == b"q":
-            saved.append(gs)
+    def next_line(self) -> None:
+        self.tm = self.tlm = _mul((1.0, 0.0, 0.0, 1.0, 0.0, -self.gs.leading), self.tlm)
+
+    def read(self, operands: list[Any], op: bytes) -> None:
+        """Follow any operator but one that shows text (one that changes nothing here is passed over)."""
+        for step in (self._graphics_state, self._text_position, self._painting):
+            if step(operands, op):
+                return
+
+    def _graphics_state(self, operands: list[Any], op: bytes) -> bool:
+        gs = self.gs
+        if op == b"q":
+            self.saved.append(gs)
         elif op == b"Q":
-            gs = saved.pop() if saved else gs
+            self.gs = self.saved.pop() if self.saved else gs
         elif op == b"cm" and (m := _nums(operands)) and len(m) == 6:
-            gs = replace(gs, ctm=_mul((m[0], m[1], m[2], m[3], m[4], m[5]), gs.ctm))
+            self.gs = replace(gs, ctm=_mul((m[0], m[1], m[2], m[3], m[4], m[5]), gs.ctm))
         elif op in (b"g", b"rg", b"k"):
             space = {b"g": "gray", b"rg": "rgb", b"k": "cmyk"}[op]
-            gs = replace(gs, space=space, fill=_device_colour(space, operands))
+            self.gs = replace(gs, space=space, fill=_device_colour(space, operands))
         elif op == b"cs" and operands:
-            space = _colour_space(operands[0], resources)
-            gs = replace(gs, space=space, fill=BLACK if space else None)
+            space = _colour_space(operands[0], self.resources)
+            self.gs = replace(gs, space=space, fill=BLACK if space else None)
         elif op in (b"sc", b"scn"):
-            gs = replace(gs, fill=_device_colour(gs.space, operands))
-        elif op == b"BT":
-            tm = tlm = IDENTITY
+            self.gs = replace(gs, fill=_device_colour(gs.space, operands))
+        elif op == b"TL" and (m := _nums(operands)):
+            self.gs = replace(gs, leading=m[0])
+        elif op == b"Tf" and len(operands) == 2 and (m := _nums(operands[1:])):
+            self.gs = replace(gs, size=m[0])
+        elif op == b"Tr" and (m := _nums(operands)):
+            self.gs = replace(gs, mode=int(m[0]))
+        else:
+            return False
+        return True
+
+    def _text_position(self, operands: list[Any], op: bytes) -> bool:
+        if op == b"BT":
+            self.tm = self.tlm = IDENTITY
         elif op == b"Tm" and (m := _nums(operands)) and len(m) == 6:
-            tm = tlm = (m[0], m[1], m[2], m[3], m[4], m[5])
+            self.tm = self.tlm = (m[0], m[1], m[2], m[3], m[4], m[5])
         elif op in (b"Td", b"TD") and (m := _nums(operands)) and len(m) == 2:
             if op == b"TD":
-                gs = replace(gs, leading=-m[1])
-            tm = tlm = _mul((1.0, 0.0, 0.0, 1.0, m[0], m[1]), tlm)
+                self.gs = replace(self.gs, leading=-m[1])
+            self.tm = self.tlm = _mul((1.0, 0.0, 0.0, 1.0, m[0], m[1]), self.tlm)
         elif op == b"T*":
-            tm = tlm = _mul((1.0, 0.0, 0.0, 1.0, 0.0, -gs.leading), tlm)
-        elif op == b"TL" and (m := _nums(operands)):
-            gs = replace(gs, leading=m[0])
-        elif op == b"Tf" and len(operands) == 2 and (m := _nums(operands[1:])):
-            gs = replace(gs, size=m[0])
-        elif op == b"Tr" and (m := _nums(operands)):
-            gs = replace(gs, mode=int(m[0]))
-        elif op == b"re" and (m := _nums(operands)) and len(m) == 4:
+            self.next_line()
+        else:
+            return False
+        return True
+
+    def _painting(self, operands: list[Any], op: bytes) -> bool:
+        if op == b"re" and (m := _nums(operands)) and len(m) == 4:
             x, y, w, h = m
-            path += [(x, y), (x + w, y), (x, y + h), (x + w, y + h)]
+            self.path += [(x, y), (x + w, y), (x, y + h), (x + w, y + h)]
         elif op in (b"m", b"l", b"c", b"v", b"y") and (m := _nums(operands)):
-            path += list(zip(m[0::2], m[1::2], strict=False))
+            self.path += list(zip(m[0::2], m[1::2], strict=False))
         elif op in (b"f", b"F", b"f*", b"B", b"B*", b"b", b"b*"):
-            paint(path, gs.fill)
-            path = []
+            self._paint(self.path, self.gs.fill)
+            self.path = []
         elif op in (b"S", b"s", b"n"):
-            path = []
+            self.path = []
         elif op == b"sh":
-            painted.append((box, None))
+            self.painted.append((self.box, None))
         elif op == b"INLINE IMAGE":
-            paint([(0.0, 0.0), (1.0, 1.0)], None)
+            self._paint([(0.0, 0.0), (1.0, 1.0)], None)
         elif op == b"Do" and operands:
-            paint(_xobject_outline(operands[0], resources), None)
-        kept.append((operands, op))
-    if removed:
-        contents.operations = kept
-        page[NameObject("/Contents")] = ContentStream(contents, page.pdf)
-    return removed
+            self._paint(_xobject_outline(operands[0], self.resources), None)
+        else:
+            return False
+        return True
+
+    def _paint(self, points: list[tuple[float, float]], colour: RGB | None) -> None:
+        if points:
+            self.painted.append((_bbox([_apply(self.gs.ctm, x, y) for x, y in points]), colour))
+            if colour is not None:
+                self.colours.add(colour)
 
 
 def _xobject_outline(name: Any, resources: Any) -> list[tuple[float, float]]:

@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import redis
 
@@ -30,6 +30,15 @@ ACTIVE = f"{PREFIX}active"
 TASK_NAME = "tandem.retrieval.ingest"
 
 Dispatch = Callable[[str, str, str], None]  # (tenant, collection, job_id): queue the task
+
+
+class FileErrorRow(TypedDict):
+    """A job's ``file_errors`` entry as stored in its hash (read back as ``protocol.FileError``)."""
+
+    filename: str
+    code: str
+    message: str
+    pages_without_text: NotRequired[list[int]]  # a PDF or image without any text: its pages
 
 
 def job_key(job_id: str) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 from services.common.errors import TandemError
 from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.collection import ChunkedCollection, InputDocument
-from services.retrieval.core.jobs import JobStore
+from services.retrieval.core.jobs import FileErrorRow, JobStore
 from services.retrieval.core.originals import KEPT, keep_original
 from services.retrieval.core.parsing import MIB, extension_of
 from services.retrieval.core.registry import CollectionManager
@@ -327,7 +327,7 @@ def run_sync(
         jobs.update(job_id, status="running")
         sync = Sync(manager, jobs, col, store, source, job_id, manager.settings.source_max_file_mb * MIB)
         result = sync.run()
-        file_errors = [
+        file_errors: list[FileErrorRow] = [
             {"filename": e["path"], "code": e["code"], "message": e["message"]}
             for e in result["errors"]
             if e["path"]

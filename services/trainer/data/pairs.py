@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from services.trainer.data.formats import BeirDoc, BeirQrel, BeirQuery, PairRecord, Record, of_kind
 
@@ -32,12 +32,26 @@ PASSAGE_CHARS = 4000  # a passage is cut here: the model reads at most max_seq_l
 _HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
 
 
+class EmbedderPair(TypedDict):
+    """One pair of an embedder job, training or held out. A plain dict at run time: it is
+    written to and read from JSON (the job's files, generated questions) as it is."""
+
+    query: str
+    positive: str
+    negatives: NotRequired[list[str]]  # its own negatives, then those mined for it
+    document_id: NotRequired[str]  # the collection document the positive comes from
+    title_of: NotRequired[str]  # a title or heading pair: the document it came from
+    corpus_id: NotRequired[str]  # a beir qrel's document
+    query_id: NotRequired[str]  # a beir qrel's query
+    _line: NotRequired[int]  # its line in the job's file (errors name it)
+    _stage: NotRequired[int]  # TITLE_STAGE or LABELLED_STAGE
+
+
 @dataclass
 class EmbedderData:
-    """A file's pairs (``{"query", "positive", "negatives", "_line", "corpus_id"?}``) and its own
-    corpus (``corpus_id -> text``; empty for pairs files)."""
+    """A file's pairs and its own corpus (``corpus_id -> text``; empty for pairs files)."""
 
-    pairs: list[dict[str, Any]]
+    pairs: list[EmbedderPair]
     corpus: dict[str, str] = field(default_factory=dict)
 
 
@@ -51,8 +65,8 @@ def doc_text(title: str, text: str) -> str:
     return f"{title}\n{text}" if title.strip() else text
 
 
-def _pair(r: PairRecord) -> dict[str, Any]:
-    pair: dict[str, Any] = {"query": r.query, "positive": r.positive, "negatives": list(r.negatives)}
+def _pair(r: PairRecord) -> EmbedderPair:
+    pair: EmbedderPair = {"query": r.query, "positive": r.positive, "negatives": list(r.negatives)}
     if r.document_id is not None:
         pair["document_id"] = r.document_id
     if r.title_of is not None:
@@ -67,7 +81,7 @@ def embedder_data(records: list[Record]) -> EmbedderData:
         return EmbedderData([_pair(r) for r in of_kind(records, PairRecord)])
     docs = {r.corpus_id: doc_text(r.title, r.text) for r in records if isinstance(r, BeirDoc)}
     queries = {r.query_id: r.text for r in records if isinstance(r, BeirQuery)}
-    pairs = [
+    pairs: list[EmbedderPair] = [
         {
             "query": queries[r.query_id],
             "positive": docs[r.corpus_id],
@@ -82,7 +96,7 @@ def embedder_data(records: list[Record]) -> EmbedderData:
     return EmbedderData(pairs, docs)
 
 
-def title_pairs(documents: list[tuple[str, str]], ids: list[str] | None = None) -> list[dict[str, Any]]:
+def title_pairs(documents: list[tuple[str, str]], ids: list[str] | None = None) -> list[EmbedderPair]:
     """Label-free pairs from ``(title, text)`` documents: the title with the document's text,
     and each Markdown heading with its section. A heading that several sections share
     ("Introduction") says nothing about any one of them, and would pair one query with
@@ -103,14 +117,17 @@ def title_pairs(documents: list[tuple[str, str]], ids: list[str] | None = None) 
     seen: dict[str, int] = {}
     for query, _, _ in candidates:
         seen[query] = seen.get(query, 0) + 1
-    return [
-        {"query": q, "positive": p, "negatives": [], **({"title_of": of} if of is not None else {})}
-        for q, p, of in candidates
-        if seen[q] == 1 and q != p
-    ]
+    pairs: list[EmbedderPair] = []
+    for q, p, of in candidates:
+        if seen[q] == 1 and q != p:
+            pair: EmbedderPair = {"query": q, "positive": p, "negatives": []}
+            if of is not None:
+                pair["title_of"] = of
+            pairs.append(pair)
+    return pairs
 
 
-def relevant_document(pair: dict[str, Any]) -> str | None:
+def relevant_document(pair: EmbedderPair) -> str | None:
     """The collection document a held-out pair's query should find: the one its positive names
     (``doc_ref``), or the one its title or heading came from."""
     ref = doc_ref(pair) or pair.get("title_of")
@@ -131,7 +148,7 @@ class RetrievalSet:
 
 
 def retrieval_set(
-    train: list[dict[str, Any]], held_out: list[dict[str, Any]], corpus: dict[str, str]
+    train: list[EmbedderPair], held_out: list[EmbedderPair], corpus: dict[str, str]
 ) -> RetrievalSet:
     """The held-out pairs as a retrieval task over ``corpus`` (the files' own corpora) plus the
     held-out texts, or, when there is no corpus, over every text of ``train`` and ``held_out``."""
@@ -163,7 +180,7 @@ def retrieval_set(
 class MinedNegatives:
     """Pairs with their mined negatives appended, and what mining found."""
 
-    pairs: list[dict[str, Any]]
+    pairs: list[EmbedderPair]
     mined: int  # negatives mine_hard_negatives found
     repeated: int  # places filled by repeating a row's mined negatives, where too few passed
     short: int  # rows left with fewer than asked (no candidate passed at all)
@@ -221,7 +238,7 @@ def _mine(
 
 def mine_negatives(
     model: Any,
-    pairs: list[dict[str, Any]],
+    pairs: list[EmbedderPair],
     corpus: list[str],
     *,
     count: int,
@@ -251,7 +268,7 @@ def mine_negatives(
     unique = list(dict.fromkeys((p["query"], p["positive"]) for p in pairs))
     want = count + 4  # candidates beyond count, for those the overlap check drops
 
-    def pick(p: dict[str, Any], found: dict[str, list[str]]) -> list[str]:
+    def pick(p: EmbedderPair, found: dict[str, list[str]]) -> list[str]:
         own = list(p.get("negatives") or [])
         chosen: list[str] = []
         for neg in found.get(p["query"], []):
@@ -279,7 +296,7 @@ def mine_negatives(
             )
             for q in short:
                 found[q] = list(dict.fromkeys([*found.get(q, []), *again.get(q, [])]))
-    out: list[dict[str, Any]] = []
+    out: list[EmbedderPair] = []
     n_mined = n_repeated = n_short = 0
     widened = len(short) if wide >= 1 else 0
     for p in pairs:
@@ -293,7 +310,7 @@ def mine_negatives(
     return MinedNegatives(out, n_mined, n_repeated, n_short, widened)
 
 
-def doc_ref(pair: dict[str, Any]) -> str | None:
+def doc_ref(pair: EmbedderPair) -> str | None:
     """The collection document a pair's positive is (a usage pair's ``document_id``, a beir
     qrel's corpus id), if it names one."""
     ref = pair.get("document_id") or pair.get("corpus_id")
@@ -321,8 +338,8 @@ def ranked_negatives(
 
 
 def chunk_positives(
-    model: Any, pairs: list[dict[str, Any]], chunks: dict[str, list[str]], batch_size: int = 64
-) -> tuple[list[dict[str, Any]], int]:
+    model: Any, pairs: list[EmbedderPair], chunks: dict[str, list[str]], batch_size: int = 64
+) -> tuple[list[EmbedderPair], int]:
     """``pairs`` with each positive that names a document of ``chunks`` (id -> the texts its
     collection indexes for it) replaced by that document's chunk nearest the query by ``model``
     (cosine), and how many were replaced. A pair naming no such document keeps its text."""
@@ -334,12 +351,12 @@ def chunk_positives(
     queries = list(dict.fromkeys(p["query"] for p in mapped))
     texts = list(dict.fromkeys(t for p in mapped for t in chunks[str(doc_ref(p))]))
 
-    def encode(items: list[str]) -> dict[str, Any]:
+    def encode(items: list[str]) -> dict[str, np.ndarray[Any, Any]]:
         vecs = model.encode(items, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True)
         return dict(zip(items, vecs, strict=True))
 
     q_vec, t_vec = encode(queries), encode(texts)
-    out: list[dict[str, Any]] = []
+    out: list[EmbedderPair] = []
     for p in pairs:
         own = chunks.get(doc_ref(p) or "")
         if not own:

@@ -35,6 +35,7 @@ import torch
 
 from services.trainer.data.pairs import (
     TITLE_STAGE,
+    EmbedderPair,
     RetrievalSet,
     chunk_positives,
     mine_negatives,
@@ -47,7 +48,7 @@ EVAL_METRICS = ("ndcg@10", "recall@100", "recall@10", "mrr@10")
 MAX_NEGATIVES = 4  # a row's own negatives used (every row of a batch must give as many), plus the mined
 
 
-def batch_schedule(pairs: list[dict[str, Any]], batch_size: int, epochs: int, seed: int) -> list[list[int]]:
+def batch_schedule(pairs: list[EmbedderPair], batch_size: int, epochs: int, seed: int) -> list[list[int]]:
     """Batches of pair indices, every epoch reshuffled (seeded) and no text twice in a batch."""
     out: list[list[int]] = []
     for epoch in range(epochs):
@@ -110,7 +111,7 @@ class EmbedderRecipe(Recipe):
             loss = losses.MatryoshkaLoss(self.model, loss, hp.matryoshka_dims)
         return loss
 
-    def _hard_negatives(self, pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _hard_negatives(self, pairs: list[EmbedderPair]) -> list[EmbedderPair]:
         """The pairs with ``hard_negatives`` mined negatives each (see ``data/pairs.py``), by the
         base model before any update. Kept in the work folder, so a resumed job trains on the
         very negatives it started with (mining again after a crash is minutes, and a different
