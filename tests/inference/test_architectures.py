@@ -98,13 +98,15 @@ def _config(arch: str, vocab: int) -> Any:
     raise KeyError(arch)
 
 
-def _build(arch: str, vocab: int, dtype: torch.dtype = torch.float32) -> Any:
-    """The architecture with weights large enough that greedy decoding wanders (not one token
-    repeated), norms away from their initial values (Gemma's from 0, the others' from 1)."""
+def _build(arch: str, vocab: int, dtype: torch.dtype = torch.float32, config: Any = None) -> Any:
+    """The architecture (``config``: one of it, else ``_config``'s) with weights large enough that
+    greedy decoding wanders (not one token repeated), norms away from their initial values (Gemma's
+    from 0, the others' from 1)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(arch, vocab), dtype=torch.float32).eval()
+    config = _config(arch, vocab) if config is None else config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(1)
     embed_std = {"gemma3": 0.05, "granite": 0.2}.get(arch, 0.5)  # Gemma scales its embeddings by ~11
     with torch.no_grad():

@@ -193,6 +193,7 @@ class _Layer:
     norms: tuple[Any, Any | None, Any, Any | None]
     qk_norms: tuple[Any, Any] | None  # RMSNorm of each query / key head before RoPE
     rope: str | None  # the RoPE table this layer takes (None: no RoPE)
+    window: int | None = None  # its sliding attention window (None: full attention)
 
     def products(self) -> tuple[SideBySide, ...]:
         return (self.qkv, self.o, self.gate_up, self.down)
@@ -224,7 +225,8 @@ def run_layers(
 ) -> torch.Tensor:
     """The decoder layers on the residual stream ``x`` ``[T, hidden]`` (the lean forwards' Python
     loop): ``attention`` is ``ragged``'s for the plan's kind of token, ``rope`` ``rope_tables``'.
-    A layer's operations are its family's (``layer_ops``); Llama's are the eager forward's own."""
+    A layer's operations are its family's (``layer_ops``); Llama's are the eager forward's own. A
+    layer with a sliding window attends the plan's ``ragged.windowed`` form."""
     tokens = x.shape[0]
     for index, layer in enumerate(layers):
         ops = layer.ops
@@ -252,7 +254,8 @@ def run_layers(
         q, k = qk[:, : layer.heads], qk[:, layer.heads :]
         v = qkv[:, nq + nk :].view(tokens, layer.kv_heads, layer.head_dim).to(x.dtype)
         k_slab, v_slab = cache.update(k.unsqueeze(2), v.unsqueeze(2), index)
-        attn = attention(plan, q, k_slab, v_slab, layer.scaling).reshape(tokens, nq)
+        attended = plan if layer.window is None else ragged.windowed(plan, layer.window)
+        attn = attention(attended, q, k_slab, v_slab, layer.scaling).reshape(tokens, nq)
         x = _residual(residual, layer.o(attn, kernel.rows(attn), lora, keep=True), attn_out, ops)
         residual = x
         h = _rms_norm(mlp_in, x, ops)
@@ -562,6 +565,7 @@ class LeanLayers:
                 ),
                 qk_norms=(layer.self_attn.q_norm, layer.self_attn.k_norm) if ops.qk_norm else None,
                 rope=ops.rope[index],
+                window=ops.window[index],
             )
             for index, layer in enumerate(self.decoder.layers)
         ]
@@ -680,7 +684,8 @@ class FusedDecode(LeanLayers):
         lora: LoraRows | None,
     ) -> torch.Tensor:
         """The layers' loop in C++ (``native.decode_own``): its own operations between the products;
-        each token attends its own slab row up to its position (no plan-wide bias or view)."""
+        each token attends its own slab row up to its position, from past a windowed layer's window
+        (no plan-wide bias or view)."""
         norms, packed, scales, biases, qk_norms = self.native_args()
         columns = self._native_lora.columns(lora)
         first = self.layers[0]
@@ -706,5 +711,7 @@ class FusedDecode(LeanLayers):
             *self.native_sizes()[:2],
             INT4_GROUP,
             *self.native_sizes()[2:],
+            # each layer's sliding window (0: full attention)
+            [layer.window or 0 for layer in self.layers],
         )
         return loop(*weights, *sizes, *columns)

@@ -192,7 +192,17 @@ class FusedPrompt(LeanLayers):
         assert plan.prefill_slots is not None and plan.gather is not None and plan.valid is not None
         first = self.layers[0]
         cache = self.runner.cache
-        bias = ragged.prefill_bias_for(plan, x.dtype, first.kv_heads, first.heads // first.kv_heads)
+        group = first.heads // first.kv_heads
+        # each layer's bias: a windowed layer's masks the keys past its window (ragged.windowed)
+        attention_biases = [
+            ragged.prefill_bias_for(
+                plan if layer.window is None else ragged.windowed(plan, layer.window),
+                x.dtype,
+                first.kv_heads,
+                group,
+            )
+            for layer in self.layers
+        ]
         return native_module.prompt_own()(
             x,
             *self.native_rope(rope),
@@ -208,7 +218,7 @@ class FusedPrompt(LeanLayers):
             plan.prefill_slots,
             plan.gather,
             plan.valid,
-            bias,
+            attention_biases,
             plan.width,
             plan.prefill_len,
             ragged.KEY_BLOCK,

@@ -4,15 +4,17 @@ The families people run are Llama's decoder layer with a few operations changed,
 different loop: where the norms sit and whether their weight counts from 1, the MLP's
 activation, norms on the query and key heads, constant multipliers on the embeddings, the
 residual branches, the attention scores and the logits, and which RoPE table a layer takes
-(none, a partial one, one of two bases). ``layer_ops`` reads those from the model's config and
+(none, a partial one, one of two bases) and its attention window (full attention, or only the
+last ``window`` positions: Gemma 3's local layers, Mistral v0.1, Qwen2 with ``use_sliding_window``).
+``layer_ops`` reads those from the model's config and
 modules once; the Python loop (``fused_decode.run_layers``) and the C++ loop
 (``csrc/decode_layers.cpp``) run the same steps with them.
 
 | family (``model_type``) | what differs from Llama |
 |---|---|
-| ``llama`` (Llama 3.x, SmolLM2), ``mistral``, ``qwen2`` | nothing (Llama 3's RoPE scaling and Qwen2's q/k/v biases are in the RoPE tables and the products) |
+| ``llama`` (Llama 3.x, SmolLM2), ``mistral``, ``qwen2`` | nothing (Llama 3's RoPE scaling and Qwen2's q/k/v biases are in the RoPE tables and the products; Mistral v0.1's and Qwen2's sliding windows are the layers' windows) |
 | ``qwen3`` | RMSNorm on each query and key head before RoPE |
-| ``gemma3_text`` | sandwich norms (after attention and after the MLP too), norm weights counting from 1, GELU (tanh), q/k norms, per-layer RoPE bases (local and global); its scaled embeddings are its embedding module's |
+| ``gemma3_text`` | sandwich norms (after attention and after the MLP too), norm weights counting from 1, GELU (tanh), q/k norms, per-layer RoPE bases (local and global), a sliding window on its local layers; its scaled embeddings are its embedding module's |
 | ``granite`` | embedding, residual, attention and logits multipliers |
 | ``smollm3`` | layers without RoPE |
 | ``phi3`` (Phi-3, Phi-4-mini) | q/k/v and gate/up as single fused projections, partial RoPE |
@@ -53,6 +55,14 @@ class LayerOps:
     logits_divisor: float
     logits_softcap: float | None
     rope: tuple[str | None, ...]  # per layer, the RoPE table it takes (None: no RoPE)
+    # per layer, its sliding attention window (a query attends keys at positions > its own -
+    # window, as transformers' sliding-window mask), None for full attention
+    window: tuple[int | None, ...] = ()
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return any(w is not None for w in self.window)
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -105,6 +115,7 @@ def layer_ops(config: Any, layers: Any) -> LayerOps | str:
     fused = model_type == "phi3"
     sandwich = model_type == "gemma3_text"
     rope: list[str | None] = []
+    windows: list[int | None] = []
     layer_types = getattr(config, "layer_types", None)
     no_rope = getattr(config, "no_rope_layers", None)
     for index, layer in enumerate(layers):
@@ -117,6 +128,7 @@ def layer_ops(config: Any, layers: Any) -> LayerOps | str:
             rope.append(DEFAULT_ROPE if no_rope is None or no_rope[index] else None)
         else:
             rope.append(DEFAULT_ROPE)
+        windows.append(layer_window(config, attn))
         if (getattr(attn, "q_norm", None) is None) != (model_type not in ("qwen3", "gemma3_text")):
             return "the decoder layers' q/k norms are not their family's"
     ops = LayerOps(
@@ -132,6 +144,7 @@ def layer_ops(config: Any, layers: Any) -> LayerOps | str:
         logits_divisor=_number(config, "logits_scaling", 1.0),
         logits_softcap=getattr(config, "final_logit_softcapping", None),
         rope=tuple(rope),
+        window=tuple(windows),
     )
     for layer in layers:
         for name in ops.norm_names():
@@ -164,7 +177,24 @@ def describe(ops: LayerOps) -> str:
         parts.append(f"{ops.rope.count(None)} layers without RoPE")
     if len(set(ops.rope) - {None}) > 1:
         parts.append("a RoPE base per layer type")
+    windowed = [w for w in ops.window if w is not None]
+    if windowed:
+        parts.append(f"a sliding window of {max(windowed)} on {len(windowed)} of {len(ops.window)} layers")
     return f"{ops.model_type}: Llama's layer" + (" with " + ", ".join(parts) if parts else "")
+
+
+def layer_window(config: Any, attn: Any) -> int | None:
+    """The sliding window of a decoder layer's attention module, as it hands it to its attention
+    function: Gemma 3's, Qwen2/3's and SmolLM3's modules hold it (None on full-attention layers),
+    Mistral's and Phi-3's read their config's (every layer)."""
+    window = (
+        attn.sliding_window
+        if hasattr(attn, "sliding_window")
+        else getattr(config, "sliding_window", None)
+        if getattr(config, "model_type", None) in ("mistral", "phi3")
+        else None
+    )
+    return int(window) if isinstance(window, int) and window > 0 else None
 
 
 def projection(layer: Any, name: str) -> Any:

@@ -44,6 +44,7 @@ by ``tests/inference/test_ragged.py``, bit for bit, at 1 and 2 threads):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -117,6 +118,9 @@ class RaggedPlan:
     # the biases expanded to every key/value head's rows (``expand_bias``), made at the first
     # layer and shared by the others
     expanded: dict[str, torch.Tensor] = field(default_factory=dict)
+    # this plan as layers with a sliding window attend it (``windowed``), by window, made at the
+    # first such layer and shared by the others
+    windows: dict[int, RaggedPlan] = field(default_factory=dict)
 
 
 _ACTIVE_PLAN: ContextVar[RaggedPlan | None] = ContextVar("tandem_ragged_plan", default=None)
@@ -218,6 +222,43 @@ def build_plan(decode: list[DecodeRow], prefill: list[PrefillRow], device: torch
     return plan
 
 
+def windowed(plan: RaggedPlan, window: int) -> RaggedPlan:
+    """``plan`` for a layer with a sliding attention window: each query attends only the keys at
+    positions > its own - ``window`` (transformers' sliding-window mask), the others masked as
+    past its position are (exact zeros in the same reductions: the batch invariance holds).
+    ``plan`` itself where no query reaches past the window."""
+    if plan.max_position < window:
+        return plan
+    found = plan.windows.get(window)
+    if found is not None:
+        return found
+    positions = plan.positions.view(-1)
+    decode_bias, prefill_bias = plan.decode_bias, plan.prefill_bias
+    if decode_bias is not None:
+        query = positions[: plan.n_decode]
+        if not plan.decode_gathered:
+            # one row of the slab's view a slot: rows that are not decoding see key 0 only
+            rows = plan.decode_rows
+            if rows is None:
+                rows = torch.arange(plan.n_decode, device=query.device)
+            query = query.new_zeros(plan.decode_view).index_copy_(0, rows, query)
+        keys = torch.arange(plan.decode_len, device=query.device)
+        far = keys.unsqueeze(0) <= (query - window).unsqueeze(1)
+        decode_bias = decode_bias.masked_fill(far.view(decode_bias.shape), float("-inf"))
+    if prefill_bias is not None:
+        assert plan.gather is not None
+        # a padded query takes its chunk's last token's position: it attends that token's keys
+        query = positions[plan.n_decode :].index_select(0, plan.gather).view(-1, plan.width)
+        keys = torch.arange(plan.prefill_len, device=query.device)
+        far = keys.view(1, 1, -1) <= (query - window).unsqueeze(2)
+        prefill_bias = prefill_bias.masked_fill(far.unsqueeze(1), float("-inf"))
+    found = dataclasses.replace(
+        plan, decode_bias=decode_bias, prefill_bias=prefill_bias, expanded={}, windows={}
+    )
+    plan.windows[window] = found
+    return found
+
+
 def ragged_attention(
     module: Any,
     query: torch.Tensor,
@@ -227,6 +268,7 @@ def ragged_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     tandem_decode_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """``query`` ``[T, H, 1, d]``; ``key``/``value``: the layer's whole slab ``[slots, Hkv, cap, d]``.
@@ -234,7 +276,8 @@ def ragged_attention(
     Returns ``[T, 1, H, d]`` (the layout transformers' attention functions return).
     ``tandem_decode_mask`` (``[T, 1, 1, L]``, handed down the forward's keyword arguments):
     a pure decode step, token ``t`` in slab row ``t`` (the compiled step: no context variable
-    for dynamo to trace), through SDPA: the compiled step is not batch-invariant (see the module doc)."""
+    for dynamo to trace), through SDPA: the compiled step is not batch-invariant (see the module doc).
+    ``sliding_window``: the layer's window, as the model's attention module hands it (``windowed``)."""
     if tandem_decode_mask is not None:
         rows, length = tandem_decode_mask.shape[0], tandem_decode_mask.shape[-1]
         k, v = key[:rows, :, :length], value[:rows, :, :length]
@@ -245,6 +288,8 @@ def ragged_attention(
     plan = _ACTIVE_PLAN.get()
     if plan is None:
         raise RuntimeError("tandem_ragged attention runs only inside a ModelRunner forward")
+    if sliding_window is not None:
+        plan = windowed(plan, sliding_window)
     q = query[:, :, 0]  # [T, H, d]
     parts = []
     if plan.n_decode:

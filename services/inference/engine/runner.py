@@ -4,8 +4,10 @@ The model's own modules do the work (so PEFT LoRA layers, weights the trainer ju
 updated, and the model's exact numerics all apply); only the cache and attention are
 ours. Any decoder that reads its keys/values through ``cache.update`` and calls its
 attention through transformers' attention interface works (the Llama family: Llama,
-SmolLM2, Mistral, Qwen2/3). A model with a sliding attention window is served with a
-context no longer than the window, where full attention is exactly what it computes.
+SmolLM2, Mistral, Qwen2/3). A layer with a sliding attention window (``layer_ops``' window,
+the model's attention module's) attends only the keys its window reaches, on every path
+(``ragged.windowed``; the C++ loops take each layer's window), so such a model is served with
+its whole context.
 
 A forward takes decode tokens and prompt chunks of any slots together, flattened into
 one token per batch row (``ragged.py`` holds the layout and the attention); it returns
@@ -44,18 +46,9 @@ from services.inference.engine.prefix_cache import weights_fingerprint
 from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 
-__all__ = ["DecodeRow", "ModelRunner", "PrefillRow", "base_model_of", "sliding_window"]
+__all__ = ["DecodeRow", "ModelRunner", "PrefillRow", "base_model_of"]
 
 log = logging.getLogger("tandem.engine.runner")
-
-
-def sliding_window(config: Any) -> int | None:
-    """The sliding attention window some of the model's layers use, if any (Mistral v0.1,
-    Gemma 2/3, Qwen2 with ``use_sliding_window``)."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window
 
 
 class ModelRunner:
@@ -82,11 +75,6 @@ class ModelRunner:
         head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
         ctx = int(getattr(text_config, "max_position_embeddings", max_len) or max_len)
         self.max_len = min(max_len, ctx)
-        window = sliding_window(text_config)
-        if window is not None and window < self.max_len:
-            # our attention is full attention: within the window that is exactly the model's
-            log.warning("serving a context of %d tokens, the model's sliding window", window)
-            self.max_len = window
         self.cache = SlabKVCache(
             num_layers=int(text_config.num_hidden_layers),
             max_slots=max_slots,

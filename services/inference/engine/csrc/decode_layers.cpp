@@ -790,6 +790,8 @@ struct DecodeOps : StepRows {
   const std::vector<Tensor>& scales;
   const std::vector<c10::optional<Tensor>>& biases;
   int64_t group;
+  // each layer's sliding window (0: full attention): a token attends keys > its position - window
+  const std::vector<int64_t>& windows;
   // several tokens of one slot (a draft verified, prompt_lookup.py): every token's key and value
   // are written before any token attends, so each sees those of the tokens before it
   bool shared_slots = false;
@@ -827,9 +829,12 @@ struct DecodeOps : StepRows {
       std::vector<float> scratch(width);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = task / kv_heads, g = task % kv_heads;
-        const int64_t offset = slot_p[t] * slab_row + g * capacity * D;
+        // a windowed layer's keys start past the window: the row's view from there (its own key
+        // written at the same position of the slab)
+        const int64_t first = windows[i] > 0 ? std::max<int64_t>(0, pos_p[t] + 1 - windows[i]) : 0;
+        const int64_t offset = slot_p[t] * slab_row + g * capacity * D + first * D;
         attend<D>(qkv.row(t, scratch.data()), head(i, t, false), head(i, t, true), k_slab + offset, v_slab + offset,
-                  pos_p[t] + 1, g * per_kv, per_kv, heads, g, kv_heads, static_cast<float>(scaling), out + t * nq,
+                  pos_p[t] + 1 - first, g * per_kv, per_kv, heads, g, kv_heads, static_cast<float>(scaling), out + t * nq,
                   !shared_slots);
       }
     });
@@ -847,7 +852,8 @@ struct PromptOps : StepRows {
   const Tensor& prefill_slots;
   const Tensor& gather;
   const Tensor& valid;
-  const Tensor& attention_bias;
+  // each layer's bias (a windowed layer's masks the keys past its window)
+  const std::vector<Tensor>& attention_biases;
   int64_t width;
   int64_t prefill_len;
   int64_t key_block;
@@ -890,7 +896,7 @@ struct PromptOps : StepRows {
     Tensor qp = a32.view({tokens, heads, D}).index_select(0, gather).view({chunks, width, heads, D}).transpose(1, 2);
     Tensor keys = k_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots);
     Tensor values = v_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots);
-    a32 = attention(qp, keys, values, attention_bias, scaling, key_block)
+    a32 = attention(qp, keys, values, attention_biases[i], scaling, key_block)
               .transpose(1, 2)
               .reshape({chunks * width, heads, D})
               .index_select(0, valid)
@@ -1056,19 +1062,21 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& q, const Tensor& d) {
 // packed[4i..4i+3], scales[4i..4i+3], biases[4i..4i+3] for qkv, o, gate/up, down (int4 in
 // q4_linear's or torch's layout; an empty scale: oneDNN's packed fp32 weight); k_slabs[i],
 // v_slabs[i]. Each token t attends slab row slots[t], keys 0..positions[t] (its own, written
-// there first).
+// there first), or of a layer with a window (windows[i] > 0) only keys > positions[t] - windows[i].
 Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
                   const std::vector<c10::optional<Tensor>>& sin, const std::vector<c10::optional<Tensor>>& norms,
                   const std::vector<c10::optional<Tensor>>& qk_norms, const std::vector<Tensor>& packed, const std::vector<Tensor>& scales,
                   const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
                   const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions, int64_t heads,
                   int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scaling, int64_t group,
-                  int64_t rotary, double residual_scale, bool gelu, const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
+                  int64_t rotary, double residual_scale, bool gelu, const std::vector<int64_t>& windows,
+                  const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
                   const std::vector<int64_t>& lora_size, const std::vector<Tensor>& lora_a,
                   const std::vector<c10::optional<Tensor>>& lora_a_bias, const std::vector<Tensor>& lora_b,
                   const std::vector<c10::optional<Tensor>>& lora_b_bias, const std::vector<double>& lora_scale,
                   const std::vector<c10::optional<Tensor>>& lora_rows) {
   Lora lora{lora_slot, lora_offset, lora_size, lora_a, lora_a_bias, lora_b, lora_b_bias, lora_scale, lora_rows};
+  TORCH_CHECK(windows.size() == k_slabs.size(), "decode_own: a window a layer (0: full attention)");
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= 8, "decode_own: at most 8 query heads a key head");
   own::check_layers(cos, sin, norms, qk_norms, k_slabs.size(), rotary, head_dim, "decode_own");
   TORCH_CHECK(x.size(1) % own::WB == 0 && intermediate % own::WB == 0, "decode_own: widths must be multiples of 16");
@@ -1093,7 +1101,7 @@ Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
   return own::with_head_dim(head_dim, "decode_own", [&](auto d) {
     own::DecodeOps<decltype(d)::value> ops{
         {lora, cos, sin, qk_norms, rotary, fe, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
-        packed, scales, biases, group};
+        packed, scales, biases, group, windows};
     ops.shared_slots = shared_slots;
     return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
                            residual_scale, gelu, ops);
@@ -1102,15 +1110,16 @@ Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
 
 // The prompt chunks' decoder layers (fused_prompt.py): x [T, hidden] fp32, token t of slab row
 // slots[t] at positions[t]; packed/blocks: each product's BlockedBF16 weight and block rows;
-// the plan's prompt attention (prefill_slots, gather, valid, its bias expanded per key/value head,
-// width, prefill_len); LoRA as decode_own takes it.
+// the plan's prompt attention (prefill_slots, gather, valid, each layer's bias expanded per key/value
+// head: a windowed layer's masks keys past its window, width, prefill_len); LoRA as decode_own takes it.
 Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
                   const std::vector<c10::optional<Tensor>>& sin, const std::vector<c10::optional<Tensor>>& norms,
                   const std::vector<c10::optional<Tensor>>& qk_norms, const std::vector<Tensor>& packed,
                   const std::vector<int64_t>& blocks,
                   const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
                   const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions,
-                  const Tensor& prefill_slots, const Tensor& gather, const Tensor& valid, const Tensor& attention_bias,
+                  const Tensor& prefill_slots, const Tensor& gather, const Tensor& valid,
+                  const std::vector<Tensor>& attention_biases,
                   int64_t width, int64_t prefill_len, int64_t key_block, int64_t heads, int64_t kv_heads,
                   int64_t head_dim, int64_t intermediate, double eps, double scaling, int64_t rotary,
                   double residual_scale, bool gelu, const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
@@ -1123,6 +1132,7 @@ Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
               "prompt_own: widths must be multiples of 16");
   TORCH_CHECK(slots.size(0) == x.size(0) && positions.size(0) == x.size(0), "prompt_own: a slot and position a token");
   TORCH_CHECK(packed.size() == blocks.size() && packed.size() == 4 * k_slabs.size(), "prompt_own: four products a layer");
+  TORCH_CHECK(attention_biases.size() == k_slabs.size(), "prompt_own: an attention bias a layer");
   own::check_layers(cos, sin, norms, qk_norms, k_slabs.size(), rotary, head_dim, "prompt_own");
   for (int64_t b : blocks) {
     TORCH_CHECK(b > 0 && b % own::PROMPT_BLOCK == 0, "prompt_own: blocks of a whole number of 64 rows, not ", b);
@@ -1141,7 +1151,7 @@ Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
   return own::with_head_dim(head_dim, "prompt_own", [&](auto d) {
     own::PromptOps<decltype(d)::value> ops{
         {lora, cos, sin, qk_norms, rotary, fe, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
-        packed, blocks, biases, prefill_slots, gather, valid, attention_bias, width, prefill_len, key_block};
+        packed, blocks, biases, prefill_slots, gather, valid, attention_biases, width, prefill_len, key_block};
     return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
                            residual_scale, gelu, ops);
   });
