@@ -145,7 +145,7 @@ async def check_known(
 
 
 async def _live_key(client: aioredis.Redis, tenant: str, key_id: str) -> bool:
-    data = await client.hgetall(f"tandem:keys:{key_id}")  # type: ignore[misc]
+    data = await client.hgetall(f"tandem:keys:{key_id}")
     fields = {_text(k): _text(v) for k, v in dict(data).items()}
     return fields.get("tenant") == tenant and fields.get("revoked") == "0"
 
@@ -166,22 +166,22 @@ class AccessStore:
         return f"tandem:access:{tenant}"
 
     async def get(self, tenant: str, collection: str) -> StoredAccess | None:
-        raw = await self.r.hget(self.key(tenant), collection)  # type: ignore[misc]
+        raw = await self.r.hget(self.key(tenant), collection)
         return StoredAccess.model_validate_json(raw) if raw is not None else None
 
     async def all(self, tenant: str) -> dict[str, StoredAccess]:
-        raw: dict[Any, Any] = await self.r.hgetall(self.key(tenant))  # type: ignore[misc]
+        raw: dict[Any, Any] = await self.r.hgetall(self.key(tenant))
         return {_text(k): StoredAccess.model_validate_json(v) for k, v in raw.items()}
 
     async def put(self, tenant: str, collection: str, acl: AccessList) -> StoredAccess:
         stored = StoredAccess(readers=acl.readers, writers=acl.writers, updated_at=self.clock())
-        await self.r.hset(self.key(tenant), collection, stored.model_dump_json())  # type: ignore[misc]
+        await self.r.hset(self.key(tenant), collection, stored.model_dump_json())
         return stored
 
     async def delete(self, tenant: str, collection: str) -> StoredAccess | None:
         """Removes the list (the collection is open again); the list it had, if any."""
         before = await self.get(tenant, collection)
-        await self.r.hdel(self.key(tenant), collection)  # type: ignore[misc]
+        await self.r.hdel(self.key(tenant), collection)
         return before
 
 

@@ -389,7 +389,7 @@ async def _user_principal(client: aioredis.Redis, token: str, now: float) -> Pri
     if not user or user.get("tenant") != data.get("tenant"):
         raise refused(f"user token {token_id} was revoked (its user no longer exists)")
     if now - float(data.get("last_used") or 0) >= LAST_USED_EVERY_S:
-        await client.hset(f"tandem:tokens:{token_id}", "last_used", str(now))  # type: ignore[misc]
+        await client.hset(f"tandem:tokens:{token_id}", "last_used", str(now))
     role = user.get("role", VIEWER)
     return Principal(
         tenant=user["tenant"],
@@ -404,7 +404,7 @@ async def key_names(client: aioredis.Redis, key_ids: list[str]) -> dict[str, str
     """The names (labels) of these keys; a key that no longer exists is left out."""
     out: dict[str, str] = {}
     for key_id in key_ids:
-        name = await client.hget(f"tandem:keys:{key_id}", "name")  # type: ignore[misc]
+        name = await client.hget(f"tandem:keys:{key_id}", "name")
         if name is not None:
             out[key_id] = _text(name)
     return out

@@ -45,7 +45,7 @@ class ModelRestrictions:
         return f"tandem:model-collections:{tenant}"
 
     async def get(self, tenant: str, model: str) -> ModelRestriction | None:
-        raw = await self.r.hget(self.key(tenant), model)  # type: ignore[misc]
+        raw = await self.r.hget(self.key(tenant), model)
         return ModelRestriction.model_validate_json(raw) if raw is not None else None
 
     async def put(self, tenant: str, models: Iterable[str], collections: list[str], allowed: bool) -> None:
@@ -55,10 +55,10 @@ class ModelRestrictions:
         if not names:
             return
         if not collections:
-            await self.r.hdel(self.key(tenant), *names)  # type: ignore[misc]
+            await self.r.hdel(self.key(tenant), *names)
             return
         record = ModelRestriction(collections=sorted(set(collections)), allowed=allowed).model_dump_json()
-        await self.r.hset(self.key(tenant), mapping=dict.fromkeys(names, record))  # type: ignore[misc]
+        await self.r.hset(self.key(tenant), mapping=dict.fromkeys(names, record))
 
     async def withheld(self, principal: Principal, model: str | None) -> bool:
         """Whether ``model`` (None or '': the base model) is withheld from ``principal``."""

@@ -175,8 +175,8 @@ class UserStore:
 
     async def users(self, tenant: str) -> list[User]:
         out = []
-        for raw in await self.r.smembers(f"tandem:users:tenant:{tenant}"):  # type: ignore[misc]
-            data = _hash(await self.r.hgetall(f"tandem:users:{_text(raw)}"))  # type: ignore[misc]
+        for raw in await self.r.smembers(f"tandem:users:tenant:{tenant}"):
+            data = _hash(await self.r.hgetall(f"tandem:users:{_text(raw)}"))
             if data.get("tenant") == tenant:
                 out.append(_user(_text(raw), data))
         return sorted(out, key=lambda u: (u.created_at, u.id))
@@ -209,7 +209,7 @@ class UserStore:
             await self.r.delete(self._email_key(tenant, before.email))
             changes["email"] = email
         changes["updated_at"] = repr(self.clock())
-        await self.r.hset(f"tandem:users:{user_id}", mapping=changes)  # type: ignore[misc,arg-type]
+        await self.r.hset(f"tandem:users:{user_id}", mapping=changes)  # type: ignore[arg-type]  # redis-py types a Mapping invariant in its keys
         return before, _user(user_id, {**data, **changes})
 
     async def delete(self, tenant: str, user_id: str) -> User:
@@ -218,7 +218,7 @@ class UserStore:
         if user.role == ADMIN:
             await self._keep_an_admin(tenant, f"removing user {user_id!r}")
         for token in await self.tokens(tenant, user_id):
-            await self.r.hset(f"tandem:tokens:{token.id}", "revoked", "1")  # type: ignore[misc]
+            await self.r.hset(f"tandem:tokens:{token.id}", "revoked", "1")
         pipe = self.r.pipeline()
         pipe.delete(f"tandem:users:{user_id}")
         pipe.srem(f"tandem:users:tenant:{tenant}", user_id)
@@ -259,18 +259,18 @@ class UserStore:
     async def tokens(self, tenant: str, user_id: str) -> list[Token]:
         await self._data(tenant, user_id)
         out = []
-        for raw in await self.r.smembers(f"tandem:users:{user_id}:tokens"):  # type: ignore[misc]
-            data = _hash(await self.r.hgetall(f"tandem:tokens:{_text(raw)}"))  # type: ignore[misc]
+        for raw in await self.r.smembers(f"tandem:users:{user_id}:tokens"):
+            data = _hash(await self.r.hgetall(f"tandem:tokens:{_text(raw)}"))
             if data.get("tenant") == tenant:
                 out.append(_token(_text(raw), data))
         return sorted(out, key=lambda t: (t.created_at, t.id))
 
     async def revoke_token(self, tenant: str, user_id: str, token_id: str) -> Token:
         await self._data(tenant, user_id)
-        data = _hash(await self.r.hgetall(f"tandem:tokens:{token_id}"))  # type: ignore[misc]
+        data = _hash(await self.r.hgetall(f"tandem:tokens:{token_id}"))
         if not data or data.get("user_id") != user_id or data.get("tenant") != tenant:
             raise NotFound(f"user {user_id!r} has no token with id {token_id!r}", param="token_id")
-        await self.r.hset(f"tandem:tokens:{token_id}", "revoked", "1")  # type: ignore[misc]
+        await self.r.hset(f"tandem:tokens:{token_id}", "revoked", "1")
         return _token(token_id, {**data, "revoked": "1"})
 
     async def forget_ended(self, tenant: str, user_id: str, name: str) -> int:
@@ -285,7 +285,7 @@ class UserStore:
             ended = token.revoked or (token.expires_at is not None and token.expires_at <= now)
             if token.name != name or not ended:
                 continue
-            digest = await self.r.hget(f"tandem:tokens:{token.id}", "sha256")  # type: ignore[misc]
+            digest = await self.r.hget(f"tandem:tokens:{token.id}", "sha256")
             pipe = self.r.pipeline()
             pipe.delete(f"tandem:tokens:{token.id}")
             if digest is not None:
@@ -304,12 +304,12 @@ class UserStore:
 
     async def _admin_keys(self, tenant: str) -> int:
         if await self.r.exists(TENANT_INDEX_BUILT):
-            ids = [_text(i) for i in await self.r.smembers(f"tandem:keys:tenant:{tenant}")]  # type: ignore[misc]
+            ids = [_text(i) for i in await self.r.smembers(f"tandem:keys:tenant:{tenant}")]
         else:  # keys made before the per-tenant sets existed (KeyStore builds the index once)
-            ids = [_text(i) for i in await self.r.smembers("tandem:keys:ids")]  # type: ignore[misc]
+            ids = [_text(i) for i in await self.r.smembers("tandem:keys:ids")]
         count = 0
         for key_id in ids:
-            data = _hash(await self.r.hgetall(f"tandem:keys:{key_id}"))  # type: ignore[misc]
+            data = _hash(await self.r.hgetall(f"tandem:keys:{key_id}"))
             role = data.get("role")
             if data.get("tenant") == tenant and data.get("revoked") == "0" and role != OPERATOR:
                 count += tenant_role(role) == ADMIN
@@ -330,7 +330,7 @@ class UserStore:
         return f"tandem:users:email:{tenant}:{email}"
 
     async def _data(self, tenant: str, user_id: str) -> dict[str, str]:
-        data = _hash(await self.r.hgetall(f"tandem:users:{user_id}"))  # type: ignore[misc]
+        data = _hash(await self.r.hgetall(f"tandem:users:{user_id}"))
         if not data or data.get("tenant") != tenant:
             raise NotFound(
                 f"no user with id {user_id!r} in this tenant", param="user_id", code="user_not_found"

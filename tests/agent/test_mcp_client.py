@@ -285,7 +285,9 @@ def test_an_unreachable_server_is_left_out_with_why_not_a_failed_turn(stack: Sta
     assert "document_search" not in offered
     [tools] = [s for s in resp.json()["steps"] if s["kind"] == "tools"]
     why = {lo["tool"]: lo for lo in tools["left_out"]}
-    assert why["gone__unavailable"]["server"] == "gone" and "127.0.0.1:9" in why["gone__unavailable"]["reason"]
+    assert (
+        why["gone__unavailable"]["server"] == "gone" and "127.0.0.1:9" in why["gone__unavailable"]["reason"]
+    )
     assert why["document_search"]["reason"] == "no collection was given for this conversation"
     assert tools["preferred"] == [] and "gone__unavailable" in tools["text"]
 

@@ -242,7 +242,9 @@ def test_agent_steps_stream_over_the_websocket(stack: Stack, api_key: str) -> No
     assert kinds == ["tools", "tool_call", "observation", "final"]
     # no collection: the document tool is left out, and the first step says why
     tools = next(e for e in events if e.get("kind") == "tools")
-    assert [lo["tool"] for lo in tools["left_out"]] == ["document_search"] and "calculator" in tools["offered"]
+    assert [lo["tool"] for lo in tools["left_out"]] == ["document_search"] and "calculator" in tools[
+        "offered"
+    ]
     assert stack.model.requests[-2]["tool_choice"] == "required"
     assert next(e for e in events if e.get("kind") == "final")["text"] == "5555"
     assert next(e for e in events if e.get("kind") == "observation")["text"] == "5555"

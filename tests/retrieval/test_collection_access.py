@@ -165,7 +165,9 @@ def test_a_reader_who_may_not_write_gets_a_403_naming_the_collection(tenant: Ten
         assert "'hr'" in error(refused)["message"] and reader.id in error(refused)["message"]
     # it still reads, and embeds with the collection's embedder (a read)
     assert tenant.search("hr", reader.token).status_code == 200
-    assert tenant.call("POST", "/v1/collections/hr/embed", reader.token, {"input": ["leave"]}).status_code == 200
+    assert (
+        tenant.call("POST", "/v1/collections/hr/embed", reader.token, {"input": ["leave"]}).status_code == 200
+    )
     # a writer writes; a viewer named a writer is still a viewer, who never writes
     assert tenant.call("POST", "/v1/collections/hr/documents", writer.token, doc).status_code == 201
     assert tenant.call("POST", "/v1/collections/hr/documents", viewer.token, doc).status_code == 403
