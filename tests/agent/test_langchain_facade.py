@@ -20,7 +20,7 @@ import pytest
 
 from tests.agent.stack import RealStack, new_key, real_services
 from tests.helpers.models import smollm2_dir
-from tests.inference.test_langchain_standard import FLIPS, XFAIL
+from tests.inference.test_langchain_standard import XFAIL
 
 # under a name pytest does not collect: only its subclass below runs here
 from tests.inference.test_langchain_standard import TestInferenceChatOpenAI as InferenceSuite
@@ -73,7 +73,7 @@ class TestFacadeChatOpenAI(InferenceSuite):
     @pytest.fixture(autouse=True)
     def _server(self, facade: RealStack, request: pytest.FixtureRequest) -> None:
         type(self).base_url, type(self).api_key = facade.agent + "/v1", facade.key
-        reason = XFAIL.get(request.node.originalname) or FLIPS.get(request.node.name)
+        reason = XFAIL.get(request.node.originalname)
         if reason:
             pytest.skip(
                 f"model quality, asserted once by tests/inference/test_langchain_standard.py: {reason}"
