@@ -111,23 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from benchmarks.agent.stack import free_port, service_env, start_service, wait_ready
+    from benchmarks.agent.stack import bench_base, free_port, service_env, start_service, wait_ready
     from services.agent.app import create_app as create_agent
     from services.agent.config import AgentSettings
-    from services.common.auth import KeyStore
-    from services.common.config import CommonSettings
-    from services.common.redis_conn import sync_redis
     from tests.helpers.models import smollm2_dir
-    from tests.helpers.servers import serve_app, valkey_server
+    from tests.helpers.servers import serve_app
 
     smollm2 = smollm2_dir()
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         home = Path(tmp)
-        redis_url = stack.enter_context(valkey_server(home / "valkey"))
-        key = KeyStore(sync_redis(redis_url)).create("bench")[0]
-        base = CommonSettings(
-            home=home, redis_url=redis_url, log_json=False, model_roots=f"{home}:{smollm2.parent}"
-        )
+        redis_url, key, base = bench_base(stack, home, smollm2)
         port = free_port()
         env = service_env(
             home,

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -24,6 +25,22 @@ REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("retrieval", "inference", "agent")
 
 __all__ = ["REPO", "CpuStack", "cpu_stack", "free_port", "service_env", "start_service", "uvicorn_command"]
+
+
+def bench_base(stack: ExitStack, home: Path, model_dir: Path) -> tuple[str, str, Any]:
+    """A Valkey under ``home`` (closed with ``stack``), a tenant key of it, and the common settings
+    of in-process services that find ``model_dir``'s model: (redis URL, key, settings)."""
+    from services.common.auth import KeyStore
+    from services.common.config import CommonSettings
+    from services.common.redis_conn import sync_redis
+    from tests.helpers.servers import valkey_server
+
+    redis_url = stack.enter_context(valkey_server(home / "valkey"))
+    key = KeyStore(sync_redis(redis_url)).create("bench")[0]
+    base = CommonSettings(
+        home=home, redis_url=redis_url, log_json=False, model_roots=f"{home}:{model_dir.parent}"
+    )
+    return redis_url, key, base
 
 
 def uvicorn_command(service: str, port: int) -> list[str]:

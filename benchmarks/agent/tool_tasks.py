@@ -148,24 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from services.common.auth import KeyStore
-    from services.common.config import CommonSettings
-    from services.common.redis_conn import sync_redis
+    from benchmarks.agent.stack import bench_base
     from services.inference.app import create_app as create_inference
     from services.inference.config import InferenceSettings
     from services.retrieval.app import create_app as create_retrieval
     from services.retrieval.config import RetrievalSettings
     from tests.helpers.models import smollm2_dir
-    from tests.helpers.servers import serve_app, valkey_server
+    from tests.helpers.servers import serve_app
 
     smollm2 = smollm2_dir()
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         home = Path(tmp)
-        redis_url = stack.enter_context(valkey_server(home / "valkey"))
-        key = KeyStore(sync_redis(redis_url)).create("bench")[0]
-        base = CommonSettings(
-            home=home, redis_url=redis_url, log_json=False, model_roots=f"{home}:{smollm2.parent}"
-        )
+        _, key, base = bench_base(stack, home, smollm2)
         r_url = stack.enter_context(serve_app(create_retrieval(base, RetrievalSettings())))
         for _ in range(600):  # the embedder loads before the model (transformers' lazy imports)
             if httpx.get(f"{r_url}/readyz").status_code == 200:
