@@ -1,5 +1,6 @@
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,3 +91,109 @@ def test_a_per_request_top_k_reaches_any_retriever_through_the_protocol() -> Non
     assert len(asyncio.run(run({"top_k": 3})).chunks) == 3
     assert len(asyncio.run(run({})).chunks) == 10
     assert retriever.asked == [3, None]
+
+
+def test_a_component_that_needs_what_no_earlier_one_writes_is_refused() -> None:
+    """A generator with no prompt builder before it, or a reranker that nothing feeds chunks,
+    is a definition error naming the component, the slot and the node type that writes it."""
+    with pytest.raises(
+        PipelineDefinitionError, match=r"'gen' \(generator\) needs 'plan'.*written by: prompt_builder"
+    ):
+        build_pipeline(spec(r={"type": "retriever"}, gen={"type": "generator", "after": ["r"]}))
+    # written in the pipeline, but by a component it does not run after: order is not defined
+    with pytest.raises(PipelineDefinitionError, match=r"'rr' \(overlap_reranker\) needs 'chunks'") as caught:
+        build_pipeline(spec(r={"type": "retriever"}, rr={"type": "overlap_reranker"}))
+    assert caught.value.param == "components.rr.after"
+    # through another component counts
+    built = build_pipeline(
+        spec(
+            r={"type": "retriever"},
+            p={"type": "prompt_builder", "after": ["r"]},
+            g={"type": "generator", "after": ["p"]},
+            c={"type": "citation_resolver", "after": ["g"]},
+        )
+    )
+    assert built.order == ["r", "p", "g", "c"]
+
+
+def test_every_state_field_is_an_input_or_a_declared_slot() -> None:
+    """A new field of the run state must be classified, or no component could declare it."""
+    import dataclasses
+
+    from services.agent.pipelines.state import INPUTS, SLOTS, RunState
+
+    fields = {f.name for f in dataclasses.fields(RunState)}
+    assert fields == INPUTS | set(SLOTS)
+    assert not INPUTS & set(SLOTS)
+
+
+def test_each_builtin_component_declares_only_slots_of_the_state() -> None:
+    from services.agent.pipelines.components import NODE_TYPES
+    from services.agent.pipelines.state import SLOTS
+
+    for name, (_, make) in NODE_TYPES.items():
+        if name == "langchain_runnable":
+            continue  # its sockets depend on its params (checked below)
+        sockets = make.sockets  # type: ignore[attr-defined]
+        assert sockets.writes and set(sockets.reads) | set(sockets.writes) <= set(SLOTS), name
+        assert sockets.needs <= sockets.reads, name
+
+
+def test_a_component_that_writes_an_undeclared_slot_fails_its_run() -> None:
+    """The run checks each component's writes against its sockets: a rewriter that also sets
+    the answer is a bug reported by name, not a surprise three components later."""
+    import asyncio
+    from typing import cast
+
+    from services.agent.pipelines.components import NODE_TYPES, Params, register_node_type
+    from services.agent.pipelines.state import RunContext, RunState, Sockets, UndeclaredWrite
+
+    class Sloppy:
+        sockets = Sockets.of(writes=("search_query",))
+
+        class P(Params):
+            pass
+
+        def __init__(self, p: P) -> None:
+            pass
+
+        async def run(self, state: RunState, ctx: RunContext):  # type: ignore[no-untyped-def]
+            state.search_query = "rewritten"
+            state.chunks.append(cast(Any, "a chunk"))
+            return
+            yield
+
+    register_node_type("sloppy_rewriter", Sloppy.P, Sloppy)
+    try:
+        pipeline = build_pipeline(spec(s={"type": "sloppy_rewriter"}))
+
+        async def run() -> None:
+            async for _ in pipeline.run(RunState(question="q", collection=None), cast(RunContext, None)):
+                pass
+
+        with pytest.raises(UndeclaredWrite, match=r"'s' \(sloppy_rewriter\) wrote chunks"):
+            asyncio.run(run())
+    finally:
+        NODE_TYPES.pop("sloppy_rewriter")
+
+
+def test_the_docs_list_each_component_s_sockets_as_declared() -> None:
+    import re
+
+    from services.agent.pipelines.components import NODE_TYPES
+
+    table = Path(__file__).parents[2].joinpath("docs/agent.md").read_text(encoding="utf-8")
+    documented = {
+        m.group(1): (m.group(2), m.group(4))
+        for m in re.finditer(r"^\| `(\w+)` \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", table, re.MULTILINE)
+    }
+
+    def listed(cell: str) -> set[str]:
+        return set(re.findall(r"`(\w+)`", cell))
+
+    for name, (_, make) in NODE_TYPES.items():
+        if name == "langchain_runnable":
+            continue
+        needs, writes = documented[name]
+        assert listed(needs) == set(make.sockets.needs), name  # type: ignore[attr-defined]
+        assert listed(writes) == set(make.sockets.writes), name  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ import importlib
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,7 +43,7 @@ from services.common.errors import InvalidRequest, TandemError
 from services.common.jsonsafe import JsonObject
 from services.common.openai_wire import ToolCallDelta
 
-from .state import AnswerKind, EventStream, RunContext, RunState
+from .state import AnswerKind, EventStream, RunContext, RunState, Sockets
 
 log = logging.getLogger("tandem.agent.guard")
 
@@ -80,6 +80,10 @@ class Generator(Protocol):
 
 
 class Component(Protocol):
+    # What the component needs, reads and writes of the run state (checked: see state.Sockets).
+    @property
+    def sockets(self) -> Sockets: ...
+
     def run(self, state: RunState, ctx: RunContext) -> EventStream:
         """The component's events (an async generator): it reads and writes ``state``."""
         ...
@@ -202,6 +206,8 @@ class InferenceGenerator:
 
 
 class RewriteNode:
+    sockets: ClassVar[Sockets] = Sockets.of(writes=("search_query",))
+
     class P(Params):
         max_turns: int = Field(2, ge=1, le=20)
 
@@ -215,6 +221,8 @@ class RewriteNode:
 
 
 class RetrieveNode:
+    sockets: ClassVar[Sockets] = Sockets.of(reads=("search_query",), writes=("chunks",))
+
     class P(Params):
         top_k: int | None = Field(None, ge=1, le=100)
         mode: Literal["dense", "sparse", "hybrid"] = "hybrid"
@@ -248,6 +256,8 @@ class RetrieveNode:
 
 
 class RerankNode:
+    sockets: ClassVar[Sockets] = Sockets.of(needs=("chunks",), reads=("search_query",), writes=("chunks",))
+
     class P(Params):
         weight: float = Field(0.5, ge=0.0, le=1.0)
 
@@ -267,6 +277,8 @@ class RelevanceNode:
     ``dense`` score, else the share of the query's content words in the chunk.
     Nothing left means the chat answers "I don't know" rather than inventing.
     """
+
+    sockets: ClassVar[Sockets] = Sockets.of(needs=("chunks",), reads=("search_query",), writes=("chunks",))
 
     class P(Params):
         min_relevance: float | None = Field(None, ge=0.0, le=1.0)
@@ -290,6 +302,8 @@ class RelevanceNode:
 
 
 class HighlightNode:
+    sockets: ClassVar[Sockets] = Sockets.of(needs=("chunks",), reads=("search_query",), writes=("results",))
+
     class P(Params):
         tag: str = Field("mark", pattern=r"^[a-z]{1,10}$")
 
@@ -309,6 +323,10 @@ class HighlightNode:
 
 
 class PromptNode:
+    sockets: ClassVar[Sockets] = Sockets.of(
+        reads=("chunks",), writes=("plan", "chunks", "no_context", "tracker")
+    )
+
     class P(Params):
         instructions: str | None = None
         max_history_messages: int = Field(6, ge=0, le=100)
@@ -401,6 +419,8 @@ class ReaderRankNode:
     generating model reads opens with the sources most likely to answer, and what its budget
     drops is the least likely. Without a served reader the order stays as retrieval gave it."""
 
+    sockets: ClassVar[Sockets] = Sockets.of(needs=("chunks",), writes=("chunks",))
+
     class P(Params):
         reader: str | None = Field(None, max_length=200)
         timeout_s: float = Field(10.0, gt=0.0, le=300.0)
@@ -436,6 +456,12 @@ class AnswerSelectNode:
 
     The turn record of a "not found" keeps the prompt the model would have answered from, so a
     correction of it trains the model like any other."""
+
+    sockets: ClassVar[Sockets] = Sockets.of(
+        needs=("plan",),
+        reads=("search_query", "no_context"),
+        writes=("selection", "prompt", "model", "answer", "answer_kind", "citations", "groundedness"),
+    )
 
     class P(Params):
         enabled: bool = True
@@ -509,6 +535,24 @@ class AnswerSelectNode:
 
 
 class GenerateNode:
+    sockets: ClassVar[Sockets] = Sockets.of(
+        needs=("plan",),
+        reads=("no_context", "answer_kind"),
+        # the tracker: it is fed the answer as it streams, and yields its citations
+        writes=(
+            "prompt",
+            "model",
+            "sampling",
+            "answer",
+            "answer_kind",
+            "completion",
+            "tool_calls",
+            "usage",
+            "finish_reason",
+            "tracker",
+        ),
+    )
+
     class P(Params):
         max_tokens: int | None = Field(None, ge=1, le=8192)
         temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -589,6 +633,12 @@ class GenerateNode:
 
 
 class CiteNode:
+    sockets: ClassVar[Sockets] = Sockets.of(
+        needs=("tracker", "answer"),
+        reads=("answer_kind", "tool_calls"),
+        writes=("tracker", "citations", "invalid_citations"),
+    )
+
     class P(Params):
         attribute_uncited: bool = True
         min_overlap: float = Field(0.5, ge=0.0, le=1.0)
@@ -628,6 +678,20 @@ class GuardNode:
     partly supported answer stays; its unsupported sentences are listed in ``state.unsupported``.
     The model's own text stays in ``state.completion`` (the turn record's ``completion``).
     """
+
+    sockets: ClassVar[Sockets] = Sockets.of(
+        needs=("tracker", "answer"),
+        reads=("no_context", "answer_kind", "tool_calls", "search_query", "finish_reason", "selection"),
+        writes=(
+            "grounding",
+            "groundedness",
+            "unsupported",
+            "invalid_citations",
+            "answer",
+            "answer_kind",
+            "citations",
+        ),
+    )
 
     class P(Params):
         enabled: bool | None = None  # None: the agent's ``grounding_guard`` setting
@@ -735,6 +799,8 @@ class RunnableNode:
 
     def __init__(self, p: P, runnable: Any = None) -> None:
         self.p = p
+        # the view it is fed holds the search query, the chunks and the answer; it writes one slot
+        self.sockets = Sockets.of(reads=("search_query", "chunks", "answer"), writes=(p.field,))
         self.runnable = runnable if runnable is not None else _import_target(p.target)
         if not hasattr(self.runnable, "ainvoke"):
             raise InvalidRequest(f"{p.target!r} is not a LangChain Runnable", param="target")

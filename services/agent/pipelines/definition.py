@@ -11,7 +11,9 @@ A definition names its components and the order constraints between them::
 
 Validation errors name the file, the pipeline, the component and the value: an
 unknown component type (listing the known ones), a dependency on a component
-that does not exist, a cycle (printed as ``a -> b -> a``), a bad parameter.
+that does not exist, a cycle (printed as ``a -> b -> a``), a bad parameter, a
+component that needs a slot of the run state (``state.Sockets``) that none of
+the components it runs after writes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from services.common.jsonsafe import JsonObject
 from services.common.telemetry import set_attributes, tracer, within
 
 from .components import NODE_TYPES, Component
-from .state import Event, RunContext, RunState
+from .state import Event, RunContext, RunState, Sockets, UndeclaredWrite
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 BUILTIN_DIR = Path(__file__).parent / "builtin"
@@ -125,9 +127,17 @@ class Pipeline:
         for name in self.order:
             kind = self.spec.components[name].type
             current = tracer("tandem.agent").start_span(f"pipeline.{kind}", attributes={"node": name})
+            node = self.nodes[name]
+            before = state.held()
             try:
-                async for event in within(current, self.nodes[name].run(state, ctx)):
+                async for event in within(current, node.run(state, ctx)):
                     yield event
+                undeclared = state.changed(before) - node.sockets.writes
+                if undeclared:
+                    raise UndeclaredWrite(
+                        f"pipeline {self.name!r}: component {name!r} ({kind}) wrote "
+                        f"{', '.join(sorted(undeclared))}, which its sockets do not declare"
+                    )
                 set_attributes(current, **node_attributes(kind, state))
             finally:
                 current.end()
@@ -202,7 +212,52 @@ def build_pipeline(data: Any, source: str = "<definition>") -> Pipeline:
             raise PipelineDefinitionError(
                 f"{where}: component {name!r} ({node.type}): {exc.message}", param=f"components.{name}.params"
             ) from None
+    check_needs(spec, edges, nodes, where)
     return Pipeline(spec=spec, order=topological_order(edges), nodes=nodes, source=source)
+
+
+def ancestors(edges: dict[str, list[str]], name: str) -> set[str]:
+    """The components ``name`` runs after, directly or through others."""
+    seen: set[str] = set()
+    stack = list(edges[name])
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(edges[node])
+    return seen
+
+
+def check_needs(
+    spec: PipelineSpec, edges: dict[str, list[str]], nodes: dict[str, Component], where: str
+) -> None:
+    """Every slot a component needs is written by a component it runs after: order among
+    components without an ``after`` between them is not defined, so an earlier one by chance
+    does not count."""
+    for name, node in nodes.items():
+        before = ancestors(edges, name)
+        written = {slot for other in before for slot in nodes[other].sockets.writes}
+        missing = sorted(node.sockets.needs - written)
+        if not missing:
+            continue
+        slot = missing[0]
+        writers = sorted(
+            {
+                f"{spec.components[n].type}"
+                for n, other in nodes.items()
+                if slot in other.sockets.writes and n != name
+            }
+        )
+        if not writers:  # none in this pipeline: the node types that would
+            writers = sorted(
+                t for t, (_, make) in NODE_TYPES.items() if slot in getattr(make, "sockets", Sockets()).writes
+            )
+        known = f"; written by: {', '.join(writers)}" if writers else ""
+        raise PipelineDefinitionError(
+            f"{where}: component {name!r} ({spec.components[name].type}) needs {slot!r}, which none of the "
+            f"components it runs after writes (add the one that writes it to its 'after'{known})",
+            param=f"components.{name}.after",
+        )
 
 
 def parse_definition_text(text: str, source: str) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict, get_args
 
 from services.agent.chunks import Chunk, Citation
 from services.agent.citations import CitationTracker
@@ -26,6 +26,8 @@ __all__ = [
     "EventStream",
     "RunContext",
     "RunState",
+    "Slot",
+    "Sockets",
     "StateView",
     "TurnOptions",
 ]
@@ -116,6 +118,71 @@ class AnswerForm:
         return forced or (self.response_format or {}).get("type") in ("json_object", "json_schema")
 
 
+# A run's inputs: the caller's, there from the start for every component to read.
+Input = Literal["question", "collection", "history", "options", "form"]
+# What components make of them: each node type declares the slots it needs, reads and writes
+# (its sockets, ``Sockets``), so a definition whose component needs what no component it runs
+# after writes is refused when it is built, and a component that writes a slot it does not
+# declare fails its run instead of surprising a later one.
+Slot = Literal[
+    "search_query",
+    "chunks",
+    "results",
+    "plan",
+    "tracker",
+    "no_context",
+    "selection",
+    "prompt",
+    "model",
+    "sampling",
+    "answer",
+    "answer_kind",
+    "completion",
+    "tool_calls",
+    "usage",
+    "finish_reason",
+    "citations",
+    "invalid_citations",
+    "grounding",
+    "groundedness",
+    "unsupported",
+]
+INPUTS: frozenset[str] = frozenset(get_args(Input))
+SLOTS: tuple[Slot, ...] = get_args(Slot)
+
+
+@dataclass(frozen=True)
+class Sockets:
+    """What a component does with the run state beyond the inputs (which it may always read):
+    ``needs`` must have been written by a component it runs after (else the definition is
+    refused), ``reads`` are read when an earlier component wrote them, ``writes`` are the only
+    slots its run may change."""
+
+    needs: frozenset[Slot] = frozenset()
+    reads: frozenset[Slot] = frozenset()
+    writes: frozenset[Slot] = frozenset()
+
+    @classmethod
+    def of(
+        cls, needs: tuple[Slot, ...] = (), reads: tuple[Slot, ...] = (), writes: tuple[Slot, ...] = ()
+    ) -> Sockets:
+        return cls(frozenset(needs), frozenset(needs) | frozenset(reads), frozenset(writes))
+
+
+class UndeclaredWrite(RuntimeError):
+    """A component changed a slot its sockets do not name: a bug in that component."""
+
+
+def _held(value: object) -> object:
+    """What a slot holds, for telling whether a run changed it: the object itself, and for a
+    list or dict its members' identities (an append changes it; a member's own fields do not)."""
+    if isinstance(value, list):
+        return (id(value), tuple(id(v) for v in value))
+    if isinstance(value, dict):
+        return (id(value), tuple((k, id(v)) for k, v in value.items()))
+    return (id(value), value)
+
+
 @dataclass
 class RunState:
     question: str
@@ -165,6 +232,15 @@ class RunState:
         if delta.function is not None:
             call.function.name = delta.function.name or call.function.name
             call.function.arguments += delta.function.arguments or ""
+
+    def held(self) -> dict[Slot, object]:
+        """Each slot's value as ``changed`` compares it."""
+        return {slot: _held(getattr(self, slot)) for slot in SLOTS}
+
+    def changed(self, before: dict[Slot, object]) -> set[Slot]:
+        """The slots whose value differs from ``before`` (``held()`` taken earlier)."""
+        now = self.held()
+        return {slot for slot in SLOTS if now[slot] != before[slot]}
 
     def view(self) -> StateView:
         """A plain-dict view for foreign components (LangChain runnables)."""
