@@ -32,6 +32,7 @@ from services.agent.protocol import (
 from services.agent.runtime import AgentRuntime
 from services.common.auth import Principal
 from services.common.bounds import NAME_CHARS
+from services.common.chat_messages import ChatMessage
 from services.common.errors import InvalidRequest, TandemError
 from services.common.jsonsafe import JsonObject
 from services.common.response_store import ResponseStore
@@ -129,7 +130,7 @@ class AgentResponses:
         body: AgentResponseRequest,
     ) -> None:
         self.runtime, self.principal, self.key, self.store, self.body = runtime, principal, key, store, body
-        self.inputs: list[dict[str, Any]] = []
+        self.inputs: list[ChatMessage] = []
         self.servers: list[str] = []
         self.assembly = ResponseAssembly(ResponseObject.started(body))
         self._positions: list[int] = []

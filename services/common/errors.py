@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,7 +43,7 @@ class TandemError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ErrorJson:
         return error_body(self.type, self.message, self.param, self.code)
 
 
@@ -124,7 +124,22 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def error_body(type_: str, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+class ErrorFields(TypedDict):
+    """``ErrorDetail`` as JSON."""
+
+    type: str
+    message: str
+    param: str | None
+    code: str | None
+
+
+class ErrorJson(TypedDict):
+    """``ErrorResponse`` as JSON: what every 4xx/5xx body and stream error event holds."""
+
+    error: ErrorFields
+
+
+def error_body(type_: str, message: str, param: str | None = None, code: str | None = None) -> ErrorJson:
     return {"error": {"type": type_, "message": message, "param": param, "code": code}}
 
 

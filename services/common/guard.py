@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
 
 import redis.asyncio as aioredis
 from starlette.concurrency import run_in_threadpool
@@ -43,8 +42,7 @@ from services.common.auth import (
     csrf_refusal,
     viewer_refusal,
 )
-from services.common.errors import TandemError, Unauthorized, error_body
-from services.common.jsonsafe import JsonObject
+from services.common.errors import ErrorJson, TandemError, Unauthorized, error_body
 from services.common.ratelimit import TenantLimiter
 
 MIB = 1024 * 1024
@@ -68,7 +66,7 @@ def describe_bytes(n: int) -> str:
     return f"{n / MIB:g} MiB" if n >= MIB else f"{n} bytes"
 
 
-def _json_response(status: int, body: JsonObject, headers: Mapping[str, str] | None = None) -> list[Message]:
+def _json_response(status: int, body: ErrorJson, headers: Mapping[str, str] | None = None) -> list[Message]:
     raw = json.dumps(body).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -114,7 +112,7 @@ class GuardMiddleware:
         return partial
 
     async def _refuse(
-        self, send: Send, status: int, body: JsonObject, headers: Mapping[str, str] | None = None
+        self, send: Send, status: int, body: ErrorJson, headers: Mapping[str, str] | None = None
     ) -> None:
         for message in _json_response(status, body, headers):
             await send(message)
@@ -257,11 +255,11 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _json_problem(body: bytes) -> dict[str, Any] | None:
+async def _json_problem(body: bytes) -> ErrorJson | None:
     """The error body for JSON too deep or with NaN/Infinity; None if fine or not JSON at all
     (a malformed body is left to the route, whose 400 names the position)."""
 
-    def scan() -> dict[str, Any] | None:
+    def scan() -> ErrorJson | None:
         try:
             jsonsafe.loads(body)
         except json.JSONDecodeError:

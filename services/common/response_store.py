@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import redis.asyncio as aioredis
 
 from services.common.auth import Principal
+from services.common.chat_messages import ChatMessage, MessageCall
 from services.common.errors import NotFound
 from services.common.responses_wire import (
     RESPONSE_ID_PATTERN,
@@ -37,25 +38,33 @@ TTL_S = 30 * 24 * 3600
 _ID_RE = re.compile(RESPONSE_ID_PATTERN)
 
 
+class StoredRecord(TypedDict):
+    """The JSON kept under a response's key."""
+
+    response: dict[str, Any]  # ResponseObject's JSON, returned as stored
+    messages: list[ChatMessage]
+    owner: NotRequired[str]
+
+
 @dataclass
 class Stored:
     response: dict[str, Any]
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage]
 
 
-def output_messages(response: ResponseObject) -> list[dict[str, Any]]:
+def output_messages(response: ResponseObject) -> list[ChatMessage]:
     """The response's output as chat messages: its text, and the calls it made."""
     text = "".join(
         p.text for item in response.output if isinstance(item, OutputMessage) for p in item.content
     )
-    calls = [
+    calls: list[MessageCall] = [
         {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
         for item in response.output
         if isinstance(item, FunctionCallItem)
     ]
     if not text and not calls:
         return []
-    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    message: ChatMessage = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
     return [message]
@@ -69,11 +78,11 @@ class ResponseStore:
         return f"tandem:responses:{self.service}:{tenant}:{response_id}"
 
     async def save(
-        self, tenant: str, response: ResponseObject, inputs: list[dict[str, Any]], owner: str | None = None
+        self, tenant: str, response: ResponseObject, inputs: list[ChatMessage], owner: str | None = None
     ) -> None:
         """Keep ``response`` with the conversation it ends (``inputs``: what came before its output),
         as ``owner``'s when given."""
-        record: dict[str, Any] = {
+        record: StoredRecord = {
             "response": response.model_dump(mode="json"),
             "messages": [*inputs, *output_messages(response)],
         }
@@ -87,7 +96,7 @@ class ResponseStore:
         """The stored response, or a 404 naming ``param`` (also for another tenant's id, and for
         another owner's when ``reader`` is given and no admin)."""
         raw = await self.r.get(self._key(tenant, response_id)) if _ID_RE.match(response_id) else None
-        record = json.loads(raw) if raw is not None else None
+        record: StoredRecord | None = json.loads(raw) if raw is not None else None
         if record is None or not _readable(record, reader):
             raise NotFound(f"no response {response_id!r}", param=param, code="response_not_found")
         return Stored(record["response"], record["messages"])
@@ -100,6 +109,6 @@ class ResponseStore:
             raise NotFound(f"no response {response_id!r}", param="response_id", code="response_not_found")
 
 
-def _readable(record: dict[str, Any], reader: Principal | None) -> bool:
+def _readable(record: StoredRecord, reader: Principal | None) -> bool:
     owner = record.get("owner")
     return reader is None or owner is None or reader.is_admin or owner == reader.owner

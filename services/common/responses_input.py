@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from services.common.chat_messages import ChatMessage, MessageCall
 from services.common.errors import InvalidRequest, TandemError
 from services.common.jsonsafe import JsonObject
 
@@ -54,20 +55,16 @@ def _field(item: JsonObject, name: str, param: str) -> str:
     return value
 
 
-def input_messages(
-    items: str | list[JsonObject], earlier: Sequence[dict[str, Any]] = ()
-) -> list[dict[str, Any]]:
+def input_messages(items: str | list[JsonObject], earlier: Sequence[ChatMessage] = ()) -> list[ChatMessage]:
     """The request's ``input`` as chat messages; a tool result names its call's function (a call
     of the input, or of the ``earlier`` messages: a stored conversation)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
         raise InvalidRequest("input must not be empty", param="input")
-    messages: list[dict[str, Any]] = []
+    messages: list[ChatMessage] = []
     names = {
-        str(call.get("id")): str((call.get("function") or {}).get("name"))
-        for m in earlier
-        for call in m.get("tool_calls") or []
+        str(call["id"]): str(call["function"]["name"]) for m in earlier for call in m.get("tool_calls") or []
     }
     for i, item in enumerate(items):
         param = f"input[{i}]"
@@ -88,7 +85,11 @@ def input_messages(
             if not isinstance(arguments, str):
                 raise InvalidRequest(f"{param}.arguments must be JSON text", param=f"{param}.arguments")
             names[call_id] = name
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            call: MessageCall = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
             last = messages[-1] if messages else None
             # calls right after an assistant message (or after each other) are that message's
             if last is not None and last["role"] == "assistant":
@@ -101,7 +102,7 @@ def input_messages(
             call_id = _field(item, "call_id", param)
             output = item.get("output", "")
             text = output if isinstance(output, str) else _text_of(output, f"{param}.output")
-            message = {"role": "tool", "tool_call_id": call_id, "content": text}
+            message: ChatMessage = {"role": "tool", "tool_call_id": call_id, "content": text}
             if call_id in names:
                 message["name"] = names[call_id]
             messages.append(message)

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.common.auth import acting_principal
+from services.common.chat_messages import ChatMessage
 from services.common.errors import InvalidRequest, TandemError
 from services.common.response_store import ResponseStore
 from services.common.responses_input import (
@@ -55,7 +56,7 @@ class InferenceResponses:
 
     async def create(self, body: ResponseRequest, raw: Request) -> JSONResponse | StreamingResponse:
         tenant = acting_principal(raw).tenant
-        history: list[dict[str, Any]] = []
+        history: list[ChatMessage] = []
         if body.previous_response_id is not None:
             history = (
                 await self.store.load(tenant, body.previous_response_id, "previous_response_id")
@@ -84,9 +85,12 @@ class InferenceResponses:
 
     @staticmethod
     def _chat_request(
-        body: ResponseRequest, inputs: list[dict[str, Any]], tools: list[dict[str, Any]]
+        body: ResponseRequest, inputs: list[ChatMessage], tools: list[dict[str, Any]]
     ) -> ChatCompletionRequest:
-        messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + inputs
+        system: list[ChatMessage] = (
+            [{"role": "system", "content": body.instructions}] if body.instructions else []
+        )
+        messages = system + inputs
         if not messages:
             raise InvalidRequest("input must not be empty", param="input")
         extra = {k: v for k, v in (body.model_extra or {}).items() if k in _PASSED_ON}
@@ -113,7 +117,7 @@ class InferenceResponses:
         chunks: AsyncIterable[Any],
         assembly: ResponseAssembly,
         tenant: str,
-        inputs: list[dict[str, Any]] | None,
+        inputs: list[ChatMessage] | None,
     ) -> AsyncIterator[str]:
         """The chat stream's chunks as the response's events; stored at the end when asked."""
         for frame in assembly.start():

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from services.common.auth import acting_principal
 from services.common.errors import (
     Conflict,
+    ErrorJson,
     Forbidden,
     InvalidRequest,
     NotFound,
@@ -373,7 +374,7 @@ class _Choice:
         return found.content.strip() or None, found.calls
 
 
-def _sse(payload: BaseModel | dict[str, Any]) -> str:
+def _sse(payload: BaseModel | ErrorJson) -> str:
     # json.dumps of the dump, not pydantic's own JSON: the bytes (separators, float digits)
     # stay those clients have always been sent
     data = payload.model_dump() if isinstance(payload, BaseModel) else payload
@@ -400,7 +401,7 @@ class _Chunks(Generic[ChoiceT]):
     include_usage: bool
 
     def make(self, choices: list[ChoiceT], usage: Usage | None = None) -> str:
-        fields: dict[str, Any] = {"usage": usage} if self.include_usage else {}
+        fields: dict[str, Usage | None] = {"usage": usage} if self.include_usage else {}
         return _sse(self.cls(id=self.id, created=self.created, model=self.model, choices=choices, **fields))
 
 
@@ -414,7 +415,7 @@ def _usage(choices: list[_Choice], n: int) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _stream_error(ev: StreamEvent) -> dict[str, Any]:
+def _stream_error(ev: StreamEvent) -> ErrorJson:
     if ev.finish_reason == "timeout":
         return error_body("timeout_error", ev.error or "the request timed out", None, "timeout")
     return error_body("internal_error", ev.error or "generation was interrupted", None, ev.finish_reason)
@@ -439,7 +440,7 @@ async def _stream(
     for choices in first or []:
         yield chunks.make(choices)
     state = [_Choice() for _ in range(total)]
-    failure: dict[str, Any] | None = None
+    failure: ErrorJson | None = None
     try:
         async for ev in events:
             c = state[ev.index]

@@ -26,9 +26,10 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from celery import Celery
 
@@ -43,6 +44,7 @@ from services.retrieval.core.originals import KEPT, keep_original
 from services.retrieval.core.parsing import MIB, UNTRUSTED, NoTextError, ParseLimits, extension_of, parse_file
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.core.sandbox import parse_isolated
+from services.retrieval.job_results import IngestResult, JobFailed, JobOutcome, PagesWithoutText, SyncResult
 from services.retrieval.reindex import KIND as REINDEX
 from services.retrieval.reindex import run_reindex
 from services.retrieval.sources.store import SYNC_KIND as SYNC
@@ -189,7 +191,7 @@ def parse_job_files(
 
 def run_job(
     manager: CollectionManager, jobs: JobStore, tenant: str, collection: str, job_id: str
-) -> dict[str, Any]:
+) -> IngestResult | JobFailed:
     """Ingest a queued job's documents, reporting progress in its Redis hash."""
     try:
         col = manager.get(tenant, collection)
@@ -216,7 +218,8 @@ def run_job(
         elif not path.exists():
             job = jobs.get(job_id)
             if job and job.status == "succeeded":
-                return job.result or {}  # redelivered after it finished
+                # redelivered after it finished: the result it stored then
+                return cast(IngestResult, job.result or {})
             raise FileNotFoundError(f"job input {path.name} is gone")
         else:
             docs = [
@@ -245,7 +248,7 @@ def run_job(
                 unchanged + res.chunks_unchanged,
             )
             jobs.update(job_id, chunks_done=done_chunks, documents_done=done_docs)
-        result = {
+        result: IngestResult = {
             "documents": len(records),
             "chunks_added": added,
             "chunks_removed": removed,
@@ -270,12 +273,12 @@ def run_job(
         raise
 
 
-def pages_without_text(docs: list[InputDocument]) -> dict[str, dict[str, Any]]:
+def pages_without_text(docs: list[InputDocument]) -> PagesWithoutText:
     """A job result's ``pages_without_text`` (``{document id: [page, ...]}``: the pages of
     each PDF or image where neither its text layer nor OCR found text) and ``page_errors``
     (``{document id: {page: why}}``: where OCR failed, past its time or pixel limit)."""
-    blank: dict[str, Any] = {}
-    why: dict[str, Any] = {}
+    blank: dict[str, list[int]] = {}
+    why: dict[str, dict[str, str]] = {}
     for d in docs:
         if d.metadata.get("pages_without_text"):
             blank[d.id] = d.metadata["pages_without_text"]
@@ -283,6 +286,10 @@ def pages_without_text(docs: list[InputDocument]) -> dict[str, dict[str, Any]]:
             why[d.id] = d.metadata["page_errors"]
     # "pages without text": the same, under the name the job's readers are told to look for
     return {"pages_without_text": blank, "pages without text": blank, "page_errors": why}
+
+
+# (manager, jobs, tenant, collection, job id) -> the job's result
+JobRunner = Callable[[CollectionManager, JobStore, str, str, str], JobOutcome]
 
 
 def run_leased(
@@ -293,7 +300,7 @@ def run_leased(
     collection: str,
     job_id: str,
     owner: str | None = None,
-) -> dict[str, Any]:
+) -> JobOutcome:
     """``run_job`` under the job's lease: a job another live worker holds, or one already
     finished (a redelivered message), is left alone."""
     owner = owner or f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{time.time_ns()}"
@@ -310,7 +317,8 @@ def run_leased(
             jobs.update(job_id, heartbeat=time.time())
 
         # The io task runs every kind of retrieval job, so recovery requeues each the same way.
-        run = {REINDEX: run_reindex, SYNC: _run_sync}.get(raw.get("kind", ""), run_job)
+        runners: dict[str, JobRunner] = {REINDEX: run_reindex, SYNC: _run_sync}
+        run = runners.get(raw.get("kind", ""), run_job)
         with Heartbeat(
             jobs.leases, job_id, owner, settings.stale_after_s, settings.heartbeat_interval_s, beat
         ):
@@ -321,7 +329,7 @@ def run_leased(
 
 def _run_sync(
     manager: CollectionManager, jobs: JobStore, tenant: str, collection: str, job_id: str
-) -> dict[str, Any]:
+) -> SyncResult | JobFailed:
     # Imported here: the sync parses and writes with this module's functions.
     from services.retrieval.sources.sync import run_sync
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -61,16 +61,18 @@ def ingest_totals(client: Any) -> RedisTotals:
     return RedisTotals(client, INGEST_TOTALS_KEY)
 
 
-def record_ingest(client: Any, result: dict[str, Any], seconds: float) -> None:
+def record_ingest(client: Any, result: Mapping[str, object], seconds: float) -> None:
     """A finished ingestion job's counts (a worker calls this)."""
     if "error" in result:
         ingest_totals(client).add(jobs_failed=1)
         return
+
+    def count(key: str) -> float:  # a reindex or skipped job has neither count
+        value = result.get(key, 0)
+        return float(value) if isinstance(value, int | float) else 0.0
+
     ingest_totals(client).add(
-        jobs=1,
-        documents=float(result.get("documents", 0)),
-        chunks=float(result.get("chunks_added", 0)),
-        seconds=seconds,
+        jobs=1, documents=count("documents"), chunks=count("chunks_added"), seconds=seconds
     )
 
 

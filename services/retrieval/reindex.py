@@ -19,7 +19,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from services.common.errors import Conflict, InvalidRequest, TandemError
 from services.common.jobs import TERMINAL
@@ -30,6 +29,7 @@ from services.retrieval.core.onnx_export import EmbeddingBackend
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.core.versions import IndexState, IndexVersion, VersionSuperseded
 from services.retrieval.gate import GateVerdict, judge
+from services.retrieval.job_results import JobFailed, ReindexGated, ReindexResult, ReindexVersions
 from services.retrieval.protocol import ReindexGate, ReindexResponse
 
 log = logging.getLogger("tandem.retrieval.reindex")
@@ -139,7 +139,7 @@ def run_reindex(
     collection: str,
     job_id: str,
     hook: Hook | None = None,
-) -> dict[str, Any]:
+) -> ReindexResult | JobFailed:
     """Build the version ``job_id`` was queued for and switch to it (see the module's doc)."""
     step = hook or (lambda _s: None)
     target: IndexVersion | None = None
@@ -200,31 +200,29 @@ def _give_up(col: Collection | None, target: IndexVersion | None) -> None:
         col.store.abandon_build(target.version)
 
 
-def _succeeded(
-    jobs: JobStore, job_id: str, col: Collection, state: IndexState, verdict: GateVerdict | None = None
-) -> dict[str, Any]:
-    chunks = col.store.counts()[1]
-    result = {
+def _versions(state: IndexState, chunks: int) -> ReindexVersions:
+    return {
         "embedder": state.active.embedder,
         "index_version": state.active.version,
         "previous_version": state.previous.version if state.previous else None,
         "chunks": chunks,
-        **(verdict or {}),
     }
+
+
+def _succeeded(
+    jobs: JobStore, job_id: str, col: Collection, state: IndexState, verdict: GateVerdict | None = None
+) -> ReindexResult:
+    chunks = col.store.counts()[1]
+    versions = _versions(state, chunks)
+    result: ReindexResult = versions if verdict is None else {**versions, **verdict}
     jobs.update(job_id, status="succeeded", result=result, chunks_done=chunks, chunks_total=chunks)
     return result
 
 
 def _kept(
     jobs: JobStore, job_id: str, col: Collection, state: IndexState, verdict: GateVerdict
-) -> dict[str, Any]:
+) -> ReindexGated:
     """The job's end when its gate kept the active version: succeeded, not applied."""
-    result = {
-        "embedder": state.active.embedder,
-        "index_version": state.active.version,
-        "previous_version": state.previous.version if state.previous else None,
-        "chunks": col.store.counts()[1],
-        **verdict,
-    }
+    result: ReindexGated = {**_versions(state, col.store.counts()[1]), **verdict}
     jobs.update(job_id, status="succeeded", result=result)
     return result

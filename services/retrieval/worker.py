@@ -28,6 +28,7 @@ from services.retrieval.config import RetrievalSettings
 from services.retrieval.core.jobs import JobStore
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.ingest import TASK_NAME, log, recover_orphans, run_leased
+from services.retrieval.job_results import JobOutcome
 from services.retrieval.metrics import record_ingest
 from services.retrieval.sources.schedule import TICK_EVERY_S, TICK_TASK, start_due_syncs
 
@@ -54,7 +55,7 @@ def _jobs() -> JobStore:
 
 
 @celery_app.task(name=TASK_NAME, bind=True)
-def ingest(self: Any, tenant: str, collection: str, job_id: str) -> dict[str, Any]:
+def ingest(self: Any, tenant: str, collection: str, job_id: str) -> JobOutcome:
     try:
         manager = _manager()
     except SettingsError as exc:

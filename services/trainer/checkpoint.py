@@ -19,7 +19,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -30,11 +30,19 @@ from services.common.atomic import fsync_path
 _STEP = re.compile(r"^step-(\d+)$")
 
 
-def rng_state() -> dict[str, Any]:
+class RngState(TypedDict):
+    """The random generators' states a checkpoint keeps (``state.pt``'s ``rng``)."""
+
+    torch: torch.Tensor
+    python: tuple[Any, ...]  # random.getstate()
+    numpy: tuple[Any, ...] | dict[str, Any]  # np.random.get_state(), legacy or dict form
+
+
+def rng_state() -> RngState:
     return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])

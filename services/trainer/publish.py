@@ -82,7 +82,7 @@ def publish(common: CommonSettings, job_id: str, spec: JobCreate, path: Path, ti
     job = _job(common, job_id)
     tenant = job.get("tenant") or ""
     name = published_name(job_id)
-    body: dict[str, Any]
+    body: dict[str, str]  # the route's fields, all strings
     if spec.lora is not None:
         route, body = "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}
         adapter_base = _adapter_base(common, job.get("model_path", ""), job)

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NotRequired, TypedDict, cast
 
 import redis
 
@@ -56,6 +57,37 @@ def lease_key(job_id: str) -> str:
 
 
 ACTIVE = f"{P}active"
+
+
+class FileRecord(TypedDict):
+    """A dataset file as recorded (the ``file:<id>`` hash, before its values become strings)."""
+
+    id: str
+    filename: str
+    bytes: int
+    rows: int
+    format: str
+    kinds: list[str]  # the kinds of job it suits
+    created_at: float
+
+
+class LogLine(TypedDict):
+    """One of a job's ``logs`` (and the data of its ``log`` event)."""
+
+    time: float
+    level: str
+    message: str
+
+
+class StatusData(TypedDict):
+    """The data of a job's ``status`` event."""
+
+    status: str
+    error: NotRequired[str]
+
+
+# A job's ``metrics`` point: ``step``, each metric by name, and ``time``.
+MetricPoint = dict[str, float]
 
 
 def new_id(prefix: str) -> str:
@@ -89,7 +121,7 @@ class JobRecord:
     published: bool = False
     model_path: str | None = None
     generated_dataset: str | None = None  # embedder jobs' generate_queries: the file they were saved to
-    apply: dict[str, Any] | None = None  # embedder jobs with apply: the decision (ApplyOutcome)
+    apply: ApplyOutcome | None = None  # embedder jobs with apply: the decision
 
     @classmethod
     def from_hash(cls, job_id: str, data: dict[str, str]) -> JobRecord:
@@ -113,7 +145,7 @@ class JobRecord:
             published=data.get("published") == "1",
             model_path=data.get("model_path") or None,
             generated_dataset=data.get("generated_file") or None,
-            apply=json.loads(data["apply"]) if data.get("apply") else None,
+            apply=ApplyOutcome.model_validate_json(data["apply"]) if data.get("apply") else None,
         )
 
     def to_job(self) -> Job:
@@ -138,8 +170,8 @@ class JobRecord:
             fine_tuned_model=self.fine_tuned_model,
             published=self.published,
             request=self.spec,
-            applied=self.apply.get("applied") if self.apply else None,
-            apply=ApplyOutcome.model_validate(self.apply) if self.apply else None,
+            applied=self.apply.applied if self.apply else None,
+            apply=self.apply,
         )
 
 
@@ -158,7 +190,7 @@ class TrainerStore:
         self.leases.clock = clock
 
     # ---- files
-    def add_file(self, tenant: str, record: dict[str, Any]) -> None:
+    def add_file(self, tenant: str, record: FileRecord) -> None:
         fid = record["id"]
         data = {k: json.dumps(v) if isinstance(v, list | dict) else str(v) for k, v in record.items()}
         pipe = self.r.pipeline()
@@ -239,7 +271,7 @@ class TrainerStore:
             self.r.sadd(ACTIVE, job_id)
         self.update(job_id, **fields)
         status_totals(self.r).add(**{status: 1})  # tandem_trainer_jobs_total{status}
-        payload: dict[str, Any] = {"status": status}
+        payload: StatusData = {"status": status}
         if error:
             payload["error"] = error
         self.event(job_id, "status", payload)
@@ -299,21 +331,22 @@ class TrainerStore:
             pipe.rpush(key, *[json.dumps(p) for p in kept])
         pipe.execute()
 
-    def metrics(self, job_id: str) -> list[dict[str, Any]]:
+    def metrics(self, job_id: str) -> list[MetricPoint]:
         return [json.loads(x) for x in self.r.lrange(f"{P}job:{job_id}:metrics", 0, -1)]  # type: ignore[union-attr]
 
     def log(self, job_id: str, message: str, level: str = "info") -> None:
-        line = {"time": time.time(), "level": level, "message": message}
+        line: LogLine = {"time": time.time(), "level": level, "message": message}
         pipe = self.r.pipeline()
         pipe.rpush(f"{P}job:{job_id}:logs", json.dumps(line))
         pipe.ltrim(f"{P}job:{job_id}:logs", -LOGS_MAXLEN, -1)
         pipe.execute()
         self.event(job_id, "log", line)
 
-    def logs(self, job_id: str) -> list[dict[str, Any]]:
+    def logs(self, job_id: str) -> list[LogLine]:
         return [json.loads(x) for x in self.r.lrange(f"{P}job:{job_id}:logs", 0, -1)]  # type: ignore[union-attr]
 
-    def event(self, job_id: str, type_: str, data: dict[str, Any]) -> None:
+    def event(self, job_id: str, type_: str, data: Mapping[str, object]) -> None:
+        """Append to the job's event stream; ``data`` is sent as JSON."""
         self.r.xadd(
             events_key(job_id),
             {"type": type_, "data": json.dumps(data)},

@@ -11,19 +11,19 @@ import io
 import os
 import shutil
 import time
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from services.common.errors import InvalidRequest, PayloadTooLarge
 from services.common.quota import check_quota
 from services.trainer.data.formats import BeirPartError, DatasetError, beir_upload, parse_dataset
 from services.trainer.paths import dataset_path
 from services.trainer.state import TrainerState
-from services.trainer.store import new_id
+from services.trainer.store import FileRecord, new_id
 
 
 def store_upload(
     st: TrainerState, tenant: str, src: BinaryIO, name: str, *, file_id: str | None = None
-) -> dict[str, Any]:
+) -> FileRecord:
     """Check, copy and parse a spooled upload (in a thread: file I/O and parsing stay off the loop);
     ``file_id``: the id to save it as (the worker saving a job's questions where the job said)."""
     limit = st.settings.max_dataset_mb * 1024 * 1024
@@ -60,7 +60,7 @@ def store_upload(
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
-    record = {
+    record: FileRecord = {
         "id": fid,
         "filename": name,
         "bytes": size,
@@ -80,7 +80,7 @@ def store_beir_upload(
     corpus: tuple[str, BinaryIO] | None,
     queries: tuple[str, BinaryIO] | None,
     name: str,
-) -> dict[str, Any]:
+) -> FileRecord:
     """BEIR's qrels TSV with its corpus and queries JSONL, checked and stored as one ``beir`` file
     (see ``formats.beir_upload``); a bad row is a 400 naming the part and its line."""
     missing = [p for p, f in (("corpus", corpus), ("queries", queries)) if f is None]

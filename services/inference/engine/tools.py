@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from services.common.openai_wire import ToolCall
 from services.inference.engine.tool_formats import DEFAULT, ToolFormat
@@ -40,6 +40,22 @@ GEMMA_INSTRUCTIONS = (
 )
 
 MAX_PARALLEL_CALLS = 8
+
+
+class TemplateMessage(TypedDict):
+    """A message as Hugging Face chat templates read it (``apply_chat_template``'s ``messages``)."""
+
+    role: str
+    content: str
+    name: NotRequired[str]
+    tool_calls: NotRequired[list[dict[str, Any]]]  # OpenAI's call objects, arguments as objects
+    tool_call_id: NotRequired[str]
+
+
+class TemplateOptions(TypedDict, total=False):
+    """The keyword arguments of ``apply_chat_template`` beside the messages."""
+
+    tools: list[dict[str, Any]]  # the request's tools, as OpenAI's tool objects
 
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +78,7 @@ def chat_template_input(
     renders_tools: Callable[[], bool],
     fmt: ToolFormat = DEFAULT,
     renders_calls: Callable[[], bool] | None = None,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[TemplateMessage], TemplateOptions]:
     """The messages and keyword arguments of ``apply_chat_template`` for a chat request: the
     ``developer`` role as ``system``, content as text, and the tools and any call history
     rendered natively when ``renders_tools()`` (asked only then) or through the fallback, in
@@ -74,7 +90,7 @@ def chat_template_input(
     texts = [m.text() for m in messages]
     roles = ["system" if m.role == "developer" else m.role for m in messages]
     if not (tools or any(m.tool_calls or m.role == "tool" for m in messages)):
-        return [{"role": r, "content": t} for r, t in zip(roles, texts, strict=True)], {}
+        return [TemplateMessage(role=r, content=t) for r, t in zip(roles, texts, strict=True)], {}
     if renders_tools():
         history = any(m.tool_calls for m in messages)
         inline = fmt if history and renders_calls is not None and not renders_calls() else None
@@ -84,7 +100,7 @@ def chat_template_input(
 
 def _native(
     messages: Sequence[PromptMessage], roles: list[str], texts: list[str], inline: ToolFormat | None
-) -> list[dict[str, Any]]:
+) -> list[TemplateMessage]:
     """Messages as Hugging Face chat templates expect them: tool-call arguments as objects;
     with ``inline`` (a template that leaves calls out), the calls in the content instead."""
     out = []
@@ -93,19 +109,17 @@ def _native(
         if inline is not None and calls:
             text = "\n".join(t for t in (text, _call_text(calls, inline)) if t)
             calls = None
-        entry = {
-            "role": role,
-            "content": text,
-            "name": m.name,
-            "tool_calls": [
+        entry = TemplateMessage(role=role, content=text)
+        if m.name is not None:
+            entry["name"] = m.name
+        if calls is not None:
+            entry["tool_calls"] = [
                 {**c.openai(), "function": {"name": c.name, "arguments": _arguments_dict(c.arguments)}}
                 for c in calls
             ]
-            if calls is not None
-            else None,
-            "tool_call_id": m.tool_call_id,
-        }
-        out.append({k: v for k, v in entry.items() if v is not None})
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        out.append(entry)
     return out
 
 
@@ -119,13 +133,13 @@ def _fallback(
     texts: list[str],
     tools: list[dict[str, Any]],
     fmt: ToolFormat,
-) -> list[dict[str, Any]]:
+) -> list[TemplateMessage]:
     """The documented fallback for templates without a tool format (see the module doc)."""
     gemma = fmt.name == "gemma"
     style = fmt if gemma else DEFAULT  # the format the instructions below ask for
     listing = "\n".join(json.dumps(_function(t)) for t in tools)
     system = (GEMMA_INSTRUCTIONS if gemma else FALLBACK_INSTRUCTIONS).format(tools=listing)
-    out: list[dict[str, Any]] = []
+    out: list[TemplateMessage] = []
     names: dict[str, str] = {}
     for m, role, text in zip(messages, roles, texts, strict=True):
         if role == "assistant" and m.tool_calls:
@@ -143,17 +157,17 @@ def _fallback(
         out = _alternating(out)
     if not tools:  # only a call history to render
         return out
-    if out and out[0].get("role") == "system":
-        out[0] = {"role": "system", "content": f"{out[0].get('content') or ''}\n\n{system}".strip()}
+    if out and out[0]["role"] == "system":
+        out[0] = {"role": "system", "content": f"{out[0]['content'] or ''}\n\n{system}".strip()}
     else:
         out.insert(0, {"role": "system", "content": system})
     return out
 
 
-def _alternating(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _alternating(messages: list[TemplateMessage]) -> list[TemplateMessage]:
     """Consecutive messages of one role joined into one: Gemma's template refuses a history
     whose user and model turns do not alternate (tool results are user turns here)."""
-    out: list[dict[str, Any]] = []
+    out: list[TemplateMessage] = []
     for m in messages:
         if out and out[-1]["role"] == m["role"]:
             out[-1] = {"role": m["role"], "content": f"{out[-1]['content']}\n\n{m['content']}"}

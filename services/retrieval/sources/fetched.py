@@ -35,7 +35,7 @@ class Fetch:
     files: list[FetchedFile] = field(default_factory=list)
     kept: set[str] = field(default_factory=set)  # not read this time: their documents stay
     errors: list[dict[str, str]] = field(default_factory=list)  # {"path", "code", "message"}
-    info: dict[str, Any] = field(default_factory=dict)  # e.g. the commit synced
+    commit: str | None = None  # a git source: the commit synced
 
 
 def file_error(path: str, code: str, message: str) -> dict[str, str]:

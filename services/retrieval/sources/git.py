@@ -244,5 +244,5 @@ def fetch_git(
         raise SourceError(f"url {url!r}: {getattr(exc, 'message', None) or exc}") from None
     work, commit = checkout(remote, branch, cache, timeout_s)
     out = walk_files(work, wanted, max_files, max_bytes, skip=(".git",))
-    out.info["commit"] = commit
+    out.commit = commit
     return out

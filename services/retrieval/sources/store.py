@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from services.common.errors import Conflict, NotFound
+from services.retrieval.job_results import LastSyncRow
 
 SourceType = Literal["git", "web", "folder"]
 FILE_NAME = "sources.sqlite3"
@@ -66,7 +67,7 @@ class Source:
     interval_minutes: int
     created_at: float
     next_sync_at: float | None
-    last_sync: dict[str, Any] | None = None
+    last_sync: LastSyncRow | None = None
     running_job: str | None = None
 
 
@@ -223,9 +224,7 @@ class SourceStore:
             con.execute("UPDATE sources SET running_job = ? WHERE id = ?", (job_id, source_id))
         return None
 
-    def finish(
-        self, source_id: str, job_id: str, last_sync: dict[str, Any], next_sync_at: float | None
-    ) -> None:
+    def finish(self, source_id: str, job_id: str, last_sync: LastSyncRow, next_sync_at: float | None) -> None:
         """Record the outcome of the sync ``job_id`` and when the next one is due."""
         with self._tx() as con:
             con.execute(

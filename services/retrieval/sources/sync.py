@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 from services.common.errors import TandemError
 from services.retrieval.config import RetrievalSettings
@@ -39,6 +39,7 @@ from services.retrieval.core.parsing import MIB, extension_of
 from services.retrieval.core.registry import CollectionManager
 from services.retrieval.core.store import DocumentRecord
 from services.retrieval.ingest import BATCH_DOCS, limits_of, ocr_of, parse_stored
+from services.retrieval.job_results import JobFailed, LastSyncRow, SyncCounts, SyncResult
 from services.retrieval.sources.fetched import Fetch, FetchedFile, SourceError, file_error
 from services.retrieval.sources.folder import fetch_folder
 from services.retrieval.sources.git import fetch_git
@@ -48,7 +49,8 @@ from services.retrieval.sources.web import fetch_web
 
 log = logging.getLogger("tandem.retrieval.sources")
 
-COUNTS = ("added", "changed", "removed", "failed", "unchanged")
+CountName = Literal["added", "changed", "removed", "failed", "unchanged"]
+COUNTS: tuple[CountName, ...] = ("added", "changed", "removed", "failed", "unchanged")
 # Errors a source's last_sync keeps (the job's own record has them all).
 LAST_SYNC_ERRORS = 50
 Clock = Callable[[], float]
@@ -123,7 +125,7 @@ class Tally:
     )
     documents: int = 0
     hidden_text_removed: int = 0
-    pages_without_text: dict[str, Any] = field(default_factory=dict)
+    pages_without_text: dict[str, list[int]] = field(default_factory=dict)  # by the file's path
 
     def fail(self, error: dict[str, str]) -> None:
         self.errors.append(error)
@@ -149,7 +151,7 @@ class Sync:
         self.chunks_done = 0
         self.chunks_total = 0
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> SyncResult:
         cache = self.col.root / CACHE_DIR / self.source.id
         got = fetch(self.source, self.manager.settings, cache, self.max_bytes)
         for error in got.errors:
@@ -269,36 +271,51 @@ class Sync:
         self.done += 1
         self.jobs.update(self.job_id, documents_done=self.done, chunks_done=self.chunks_done)
 
-    def result(self, got: Fetch) -> dict[str, Any]:
+    def result(self, got: Fetch) -> SyncResult:
         t = self.tally
-        out: dict[str, Any] = {
+        out: SyncResult = {
             "source_id": self.source.id,
-            **t.counts,
+            "added": t.counts["added"],
+            "changed": t.counts["changed"],
+            "removed": t.counts["removed"],
+            "failed": t.counts["failed"],
+            "unchanged": t.counts["unchanged"],
             "files": len(got.files),
             "documents": t.documents,
-            **t.chunks,
+            "chunks_added": t.chunks["chunks_added"],
+            "chunks_removed": t.chunks["chunks_removed"],
+            "chunks_unchanged": t.chunks["chunks_unchanged"],
             "hidden_text_removed": t.hidden_text_removed,
             "errors": t.errors,
-            **got.info,
         }
+        if got.commit is not None:
+            out["commit"] = got.commit
         if t.pages_without_text:
             out["pages without text"] = t.pages_without_text
         return out
 
 
 def _last_sync(
-    job_id: str, status: str, started: float, finished: float, result: dict[str, Any], error: str | None
-) -> dict[str, Any]:
-    return {
+    job_id: str,
+    status: str,
+    started: float,
+    finished: float,
+    result: SyncCounts | None,
+    error: str | None,
+) -> LastSyncRow:
+    """``result``: what the sync did, None when it failed before it had anything to count."""
+    out: LastSyncRow = {
         "job_id": job_id,
         "status": status,
         "started_at": started,
         "finished_at": finished,
-        "counts": {k: int(result.get(k, 0)) for k in COUNTS},
-        "errors": list(result.get("errors", []))[:LAST_SYNC_ERRORS],
+        "counts": {k: result[k] if result is not None else 0 for k in COUNTS},
+        "errors": result["errors"][:LAST_SYNC_ERRORS] if result is not None else [],
         "error": error,
-        **({"commit": result["commit"]} if "commit" in result else {}),
     }
+    if result is not None and "commit" in result:
+        out["commit"] = result["commit"]
+    return out
 
 
 def next_sync(source: Source, finished: float) -> float | None:
@@ -313,7 +330,7 @@ def run_sync(
     job_id: str,
     *,
     clock: Clock = time.time,
-) -> dict[str, Any]:
+) -> SyncResult | JobFailed:
     """Run the sync job ``job_id`` (see the module's doc); its outcome goes to the job and to
     the source's ``last_sync``."""
     started = clock()
@@ -363,10 +380,19 @@ def _failed(
     message: str,
 ) -> None:
     """The sync ends failed: what it did before (a failure after the fetch) is counted."""
-    result: dict[str, Any] = {}
+    result: SyncCounts | None = None
     if sync is not None and source is not None:
-        result = {"source_id": source.id, **sync.tally.counts, "errors": sync.tally.errors}
-    jobs.update(job_id, status="failed", error=message, result=result or None)
+        counts = sync.tally.counts
+        result = {
+            "source_id": source.id,
+            "added": counts["added"],
+            "changed": counts["changed"],
+            "removed": counts["removed"],
+            "failed": counts["failed"],
+            "unchanged": counts["unchanged"],
+            "errors": sync.tally.errors,
+        }
+    jobs.update(job_id, status="failed", error=message, result=result)
     if store is not None and source is not None:
         store.finish(
             source.id,
