@@ -20,7 +20,7 @@ import pytest
 
 from tests.agent.stack import RealStack, new_key, real_services
 from tests.helpers.models import smollm2_dir
-from tests.inference.test_langchain_standard import XFAIL
+from tests.inference.test_langchain_standard import MODEL_PASSES, RECORDED_KIND, XFAIL
 
 # under a name pytest does not collect: only its subclass below runs here
 from tests.inference.test_langchain_standard import TestInferenceChatOpenAI as InferenceSuite
@@ -78,6 +78,10 @@ class TestFacadeChatOpenAI(InferenceSuite):
             pytest.skip(
                 f"model quality, asserted once by tests/inference/test_langchain_standard.py: {reason}"
             )
+        if not RECORDED_KIND and request.node.originalname in MODEL_PASSES:
+            # what the model writes, recorded on CPUs without AMX (see the inference module)
+            why = "greedy outcomes are recorded on CPUs without AMX; AMX kernels move near ties"
+            request.applymarker(pytest.mark.xfail(reason=why, strict=False))
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
