@@ -11,6 +11,10 @@ first variant.
     python -m benchmarks.inference.step --head --rows 1,4,16             # the output head's kernels alone
     python -m benchmarks.inference.step --int4 --rows 1,16               # a layer's int4 products alone
     python -m benchmarks.inference.step --prompts 1,16 --lora            # prompt forwards: lean vs eager
+    python -m benchmarks.inference.step --dtype bfloat16 --variants python,lean  # a bf16 model's own weights
+
+``--dtype bfloat16``: the model loaded in bf16 (as downloaded from a hub) and decoded with its own
+weights (no quantisation: int4 decode is an fp32 model's), oneDNN's bf16 products in every variant.
 
 ``--prompts N,..``: instead of decode steps, one prompt forward of N prompts of 16 new tokens each
 after a cached 26-token prefix (a burst of chat requests: SmolLM2's template shares 26 tokens), for
@@ -67,15 +71,19 @@ def load(model: str | None, threads: int) -> tuple[Any, Path]:
     return AutoTokenizer.from_pretrained(path), path
 
 
-def runner_for(path: Path, name: str, slots: int, adapter: Path | None) -> Any:
-    """A runner of its own model (a loaded adapter wraps the model it is loaded into)."""
+def runner_for(
+    path: Path, name: str, slots: int, adapter: Path | None, dtype: torch.dtype = torch.float32
+) -> Any:
+    """A runner of its own model (a loaded adapter wraps the model it is loaded into): an fp32 model
+    decoding in int4, or a bf16 one with its own weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.inference.engine import TorchEngine
 
     variant = VARIANTS[name]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    plan = plan_for(model, quantize="int4", native_decode="on" if variant["native"] else "off")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    quantize = "int4" if dtype == torch.float32 else "none"
+    plan = plan_for(model, quantize=quantize, native_decode="on" if variant["native"] else "off")
     if not variant["fused"]:
         plan = dataclasses.replace(plan, decode="reference")
     if not variant["own_int4"] and plan.layer_decode == "int4-q8":
@@ -293,6 +301,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16, help="timed steps a round (their median)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the model's dtype: float32 decodes in int4, bfloat16 with the model's own bf16 weights",
+    )
     ap.add_argument("--profile", default=None, help="a variant: print its 1-row step's top ops")
     ap.add_argument(
         "--lora",
@@ -335,7 +349,12 @@ def main() -> int:
         from benchmarks.inference.__main__ import make_lora
 
         adapter = make_lora(path, Path(tempfile.mkdtemp()) / "lora")
-    runners = {name: runner_for(path, name, slots, adapter) for name in names}
+    dtype = getattr(torch, args.dtype)
+    runners = {name: runner_for(path, name, slots, adapter, dtype) for name in names}
+    for name, runner in runners.items():
+        print(
+            f"{name}: decode={runner.plan.decode} layers={runner.plan.layer_decode} ({runner.plan.reasons['decode']})"
+        )
     # (label, rows, lora)
     cases = [(f"{r}", r, False) for r in rows] + ([(f"{r} LoRA", r, True) for r in rows] if args.lora else [])
     with torch.inference_mode():

@@ -209,8 +209,13 @@ def test_capability_checks_read_a_config_alone() -> None:
     )
     # the C++ loop's own operations
     assert fused_decode.own_unsupported(llama, fp32) is None
-    assert fused_decode.own_unsupported(llama, torch.bfloat16) == (
-        "the C++ loop's residual stream is fp32; the model is torch.bfloat16"
+    # a bf16 model's weights and KV slabs as they are in decode; the prompt layers' slabs are fp32
+    assert fused_decode.own_unsupported(llama, torch.bfloat16) is None
+    assert fused_decode.own_unsupported(llama, torch.bfloat16, prompt=True) == (
+        "the C++ prompt layers' KV slabs are fp32; the model is torch.bfloat16"
+    )
+    assert fused_decode.own_unsupported(llama, torch.float16) == (
+        "the C++ loop takes fp32 or bf16 weights and KV slabs; the model is torch.float16"
     )
     odd = LlamaConfig(hidden_size=96, intermediate_size=128, num_attention_heads=4, head_dim=24)
     assert fused_decode.own_unsupported(odd, fp32) == "head_dim 24 is not one of [16, 32, 64, 128]"

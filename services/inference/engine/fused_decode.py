@@ -41,7 +41,9 @@ ones in the model's dtype, as the eager forward multiplies them.
 
 The loop over the layers runs in C++ where the plan says ``native-own`` (``native.py``: the module
 built, AVX2 CPUs; the default; ``own_unsupported``: the model's sizes fit it; not in training
-mode), with its own operations between the int4 products (``decode_own``), which
+mode), with its own operations between the products (``decode_own``: int4, or oneDNN's of the
+model's own fp32 or bf16 weights; a bf16 model's KV slabs stay bf16, its residual stream goes
+through the loop in fp32), which
 are not the eager forward's last bits but keep each row's numbers independent of the batch
 (``test_native_own.py``); the Python loop here is the bit-exact reference.
 
@@ -401,9 +403,10 @@ OWN_WIDTH = 16
 OWN_MAX_GROUP = 8
 
 
-def own_unsupported(config: Any, dtype: torch.dtype) -> str | None:
-    """Why the C++ loop's own operations (``decode_own``) do not fit a model of ``config`` in
-    ``dtype`` (None: they do)."""
+def own_unsupported(config: Any, dtype: torch.dtype, *, prompt: bool = False) -> str | None:
+    """Why the C++ loop's own operations (``decode_own``; ``prompt``: ``prompt_own``) do not fit a
+    model of ``config`` in ``dtype`` (None: they do). Decode takes fp32 and bf16 models (their
+    weights and KV slabs as they are, the residual stream fp32); the prompt layers fp32 ones."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -414,8 +417,10 @@ def own_unsupported(config: Any, dtype: torch.dtype) -> str | None:
     for name in ("hidden_size", "intermediate_size"):
         if int(getattr(config, name)) % OWN_WIDTH:
             return f"{name} {getattr(config, name)} is not a multiple of {OWN_WIDTH}"
-    if dtype != torch.float32:
-        return f"the C++ loop's residual stream is fp32; the model is {dtype}"
+    if prompt and dtype != torch.float32:
+        return f"the C++ prompt layers' KV slabs are fp32; the model is {dtype}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the C++ loop takes fp32 or bf16 weights and KV slabs; the model is {dtype}"
     rotary = rotary_dim(config)
     if rotary % OWN_WIDTH:
         return f"{rotary} rotary dimensions are not a multiple of {OWN_WIDTH}"
@@ -668,10 +673,14 @@ class FusedDecode(LeanLayers):
         ids = plan.input_ids.view(-1)
         self._fresh()
         x = embed(self.decoder, self.ops, ids)
-        rope = rope_tables(self.decoder, self.ops, x, plan)
         loop = native.decode_own() if self.native else None
         if loop is not None:
-            return logits(runner, self._native(loop, plan, x, rope, lora))
+            # the C++ loop's residual stream and RoPE tables are fp32 (a bf16 model's too: its
+            # weights and KV slabs stay bf16); its output goes on in the model's dtype
+            x32 = x.float()
+            hidden = self._native(loop, plan, x32, rope_tables(self.decoder, self.ops, x32, plan), lora)
+            return logits(runner, hidden.to(x.dtype))
+        rope = rope_tables(self.decoder, self.ops, x, plan)
         deltas = None if lora is None else ModuleDeltas(lora)
         return logits(runner, run_layers(self.layers, plan, ragged.decode_attention, x, rope, deltas, cache))
 

@@ -9,8 +9,10 @@ holds four things:
   the int4 products computed by the loop itself (add + RMSNorm, RoPE and the KV write, each
   row's attention over its own keys, SiLU * up): 4 ATen calls a layer instead of ~60. Its own
   sums, so not the Python loop's last bits (that loop is the bit-exact reference), but each
-  row's numbers depend on that row alone (the same alone as in any batch). The default (the
-  plan's ``decode="native-own"``).
+  row's numbers depend on that row alone (the same alone as in any batch). The products are the
+  int4 ones of an fp32 model or oneDNN's of the model's own fp32 or bf16 weights (bf16: the KV
+  slabs bf16 too, as they are; the residual stream fp32 either way). The default (the plan's
+  ``decode="native-own"``).
 - ``q8_linear``: the output head's decode rows against int8 weights in blocks of 32 with an fp32
   scale each (GGUF's Q8_0, the default model file's own head format), fp32 activations: about
   half the bytes of the bf16 head, and the file's values exactly.

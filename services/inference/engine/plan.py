@@ -21,7 +21,8 @@ handing it to the engine; a hand-made plan a model cannot run is refused by name
 Fields:
 
 - ``decode``: decode tokens' forward. ``native-own`` (the lean forward's layer loop in C++ with
-  its own operations between the int4 or oneDNN fp32 products, AVX2), ``python`` (the lean forward's Python
+  its own operations between the int4 products of an fp32 model or the oneDNN products of an fp32
+  or bf16 model's own weights, AVX2), ``python`` (the lean forward's Python
   loop, the bit-exact reference of the eager forward), ``reference`` (the Hugging Face modules).
 - ``prompt``: prompt chunks' forward. ``native`` (the lean prompt forward's layers in C++),
   ``python`` (its Python loop), ``reference`` (the Hugging Face modules).
@@ -266,13 +267,17 @@ def _quantisation(
 
 
 def _native(forward: Forward, quantize: Quantize, facts: ModelFacts, setting: NativeDecode) -> _Native:
-    """The C++ kernels: built for int4 or unquantised decode of an fp32 CPU model, never for the
-    reference forward (``native_decode=on``: a failed build raises ``native.NativeBuildError``)."""
+    """The C++ kernels: built for int4 decode of an fp32 CPU model or unquantised decode of an fp32
+    or bf16 one, never for the reference forward (``native_decode=on``: a failed build raises
+    ``native.NativeBuildError``)."""
     if forward == "reference":
         return _Native(False, "the reference forward runs no C++ kernels")
-    if not (quantize in ("int4", "none") and facts.device.type == "cpu" and facts.dtype == torch.float32):
+    own_dtypes = (torch.float32,) if quantize == "int4" else (torch.float32, torch.bfloat16)
+    if not (quantize in ("int4", "none") and facts.device.type == "cpu" and facts.dtype in own_dtypes):
         return _Native(
-            False, f"decode is not int4 or unquantised on an fp32 CPU model ({quantize}, {facts.dtype})"
+            False,
+            "decode is not int4 of an fp32 CPU model or unquantised of an fp32/bf16 one "
+            f"({quantize}, {facts.dtype})",
         )
     if setting == "off":
         return _Native(False, "TANDEM_INFERENCE_NATIVE_DECODE=off")
@@ -369,7 +374,7 @@ def _decode_path(
         return "python", f"the lean forward's Python loop: {built.reason}"
     own = fused_decode.own_unsupported(facts.config, facts.dtype)
     if own is None and native.decode_own() is not None:
-        products = "int4" if quantize == "int4" else "oneDNN fp32"
+        products = "int4" if quantize == "int4" else f"oneDNN {str(facts.dtype).removeprefix('torch.')}"
         return "native-own", f"the lean forward in C++ with its own operations (AVX2), {products} products"
     return "python", f"the lean forward's Python loop: {own or 'the C++ loop is not built'}"
 
@@ -384,7 +389,7 @@ def _prompt_path(
     problem = fused_prompt.unsupported(facts.ops, facts.device, layer_prompt)
     if problem is not None:
         return "reference", f"the Hugging Face modules: {problem}"
-    own = fused_decode.own_unsupported(facts.config, facts.dtype)
+    own = fused_decode.own_unsupported(facts.config, facts.dtype, prompt=True)
     if built.built and layer_prompt == BF16_BLOCKS and own is None and native.prompt_own() is not None:
         return "native", "the lean prompt forward in C++ (bf16 block products, AVX2)"
     if not built.built:
@@ -481,7 +486,7 @@ def refusal(plan: ForwardPlan, facts: ModelFacts) -> str | None:
             if plan.layer_prompt != BF16_BLOCKS:
                 problem = f"the C++ prompt layers multiply in bf16 blocks, not {plan.layer_prompt}"
             else:
-                problem = fused_decode.own_unsupported(facts.config, facts.dtype)
+                problem = fused_decode.own_unsupported(facts.config, facts.dtype, prompt=True)
             if problem is None and native.prompt_own() is None:
                 problem = "the C++ prompt layers are not built"
         if problem is not None:

@@ -5,7 +5,7 @@
 // families in layer_ops.py: sandwich norms, q/k norms, GELU or SiLU, a residual multiplier, a RoPE
 // table per layer or none, partial RoPE) with the operations between the products computed here,
 // and two backends of its products and attention: decode_own, the rows of one decode step of the
-// lean forward (fused_decode.py; int4 or oneDNN fp32 products, each row's attention
+// lean forward (fused_decode.py; int4 or oneDNN fp32/bf16 products, each row's attention
 // over its own keys), and prompt_own, the prompt chunks' layers (fused_prompt.py; bf16 block
 // products, the prompt attention as batched ATen products). q4_linear: the layers' int4 decode
 // products (Q4_1 groups times int8 rows, AVX512-VNNI). q8_linear: the output head's decode rows
@@ -219,25 +219,46 @@ struct Head {
   }
 };
 
-// token's key (RoPE'd) and value of key/value head kv_head written at position of k_row/v_row
+// The KV slabs hold the model's dtype: fp32, or bf16 for a bf16 model (half the cache's bytes;
+// its keys and values are what the Python loop writes, bf16-rounded). 8 values as fp32 lanes:
+// a bf16's bits are the top half of its fp32 (exact)
+inline Vec load8(const float* p) { return Vec::loadu(p); }
+inline Vec load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+}
+
+// a head's D fp32 values into a slab (rounded to nearest even for bf16, as torch's cast)
 template <int64_t D>
-inline void write_kv(const float* qkv, const Head& k_head, float* k_row, float* v_row, int64_t position,
+inline void store_head(float* dst, const float* src) { std::memcpy(dst, src, D * sizeof(float)); }
+template <int64_t D>
+inline void store_head(at::BFloat16* dst, const float* src) { to_bf16(dst, src, D); }
+
+// token's key (RoPE'd) and value of key/value head kv_head written at position of k_row/v_row
+template <int64_t D, typename S>
+inline void write_kv(const float* qkv, const Head& k_head, S* k_row, S* v_row, int64_t position,
                      int64_t heads, int64_t kv_head, int64_t kv_heads) {
-  k_head.apply<D>(qkv + (heads + kv_head) * D, k_row + position * D);
-  std::memcpy(v_row + position * D, qkv + (heads + kv_heads + kv_head) * D, D * sizeof(float));
+  if constexpr (std::is_same_v<S, float>) {
+    k_head.apply<D>(qkv + (heads + kv_head) * D, k_row + position * D);
+  } else {
+    float key[D];
+    k_head.apply<D>(qkv + (heads + kv_head) * D, key);
+    store_head<D>(k_row + position * D, key);
+  }
+  store_head<D>(v_row + position * D, qkv + (heads + kv_heads + kv_head) * D);
 }
 
 // one (token, key/value head) of a decode step: RoPE of its key and query heads, the key and
 // value written at the token's position of its slab row, and each query head's softmax over
 // the row's keys 0..position times their values
-template <int64_t D>
-void attend(const float* qkv, const Head& q_head, const Head& k_head, float* k_row, float* v_row, int64_t length,
+template <int64_t D, typename S>
+void attend(const float* qkv, const Head& q_head, const Head& k_head, S* k_row, S* v_row, int64_t length,
             int64_t first_head, int64_t group, int64_t heads, int64_t kv_head, int64_t kv_heads, float scale,
             float* out, bool write = true) {
   // k_row/v_row: [capacity, D] of this slab row and head; the new key goes to length - 1 (unless
   // the caller wrote it already: write false)
   if (write) {
-    write_kv<D>(qkv, k_head, k_row, v_row, length - 1, heads, kv_head, kv_heads);
+    write_kv<D, S>(qkv, k_head, k_row, v_row, length - 1, heads, kv_head, kv_heads);
   }
   float q[8][D];
   for (int64_t h = 0; h < group; ++h) {
@@ -245,13 +266,13 @@ void attend(const float* qkv, const Head& q_head, const Head& k_head, float* k_r
   }
   std::vector<float> weights(group * length);
   for (int64_t j = 0; j < length; ++j) {
-    const float* key = k_row + j * D;
+    const S* key = k_row + j * D;
     Vec acc[8];
     for (int64_t h = 0; h < group; ++h) {
       acc[h] = Vec(0.f);
     }
     for (int64_t c = 0; c < D; c += W) {
-      const Vec k = Vec::loadu(key + c);
+      const Vec k = load8(key + c);
       for (int64_t h = 0; h < group; ++h) {
         acc[h] = at::vec::fmadd(Vec::loadu(q[h] + c), k, acc[h]);
       }
@@ -289,7 +310,7 @@ void attend(const float* qkv, const Head& q_head, const Head& k_head, float* k_r
     for (int64_t c = 0; c < D; c += W) {
       Vec sum(0.f);
       for (int64_t k = 0; k < length; ++k) {
-        sum = at::vec::fmadd(Vec(w[k]), Vec::loadu(v_row + k * D + c), sum);
+        sum = at::vec::fmadd(Vec(w[k]), load8(v_row + k * D + c), sum);
       }
       (sum * Vec(inv)).store(o + c);
     }
@@ -601,13 +622,15 @@ Tensor onednn_linear(const Tensor& x, const Tensor& packed) {
   return lone ? out.narrow(0, 0, 1) : out;
 }
 
-// one projection's int4 product: q4_linear of the fp32 rows h32 where the weight is in its layout
-// (3-d), else aten._weight_int4pack_mm_for_cpu on the bf16 copy h16; the kernel's output, or fp32
-// with the bias and the LoRA deltas (of h32) added where there are any
+// one projection's product: q4_linear of the fp32 rows h32 where the weight is in its layout
+// (3-d); oneDNN's of the rows in the packed weight's dtype (h32, or the bf16 copy h16 for a bf16
+// model's weights: bf16 operands, fp32 sums, as the Python loop multiplies them); else
+// aten._weight_int4pack_mm_for_cpu on h16. The kernel's output, or fp32 with the bias and the
+// LoRA deltas (of h32) added where there are any
 Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const Tensor& scales,
                const c10::optional<Tensor>& bias, int64_t group, int64_t index, Lora& lora) {
   Tensor out = packed.dim() == 3     ? q4_linear(h32, packed, scales, c10::nullopt)
-               : scales.numel() == 0 ? onednn_linear(h32, packed)
+               : scales.numel() == 0 ? onednn_linear(packed.scalar_type() == at::kBFloat16 ? h16 : h32, packed)
                                      : at::_weight_int4pack_mm_for_cpu(h16, packed, group, scales);
   if (!bias.has_value() && !lora.adds_to(index)) {
     return out;
@@ -782,9 +805,10 @@ struct StepRows {
   }
 };
 
-// The decode rows' backend (decode_own): int4 products, one row a token, each token attending its
-// own slab row's keys 0..position (attend: its key and value written there first).
-template <int64_t D>
+// The decode rows' backend (decode_own): int4 or oneDNN (fp32 or bf16) products, one row a token,
+// each token attending its own slab row's keys 0..position (attend: its key and value written there
+// first); S: the slabs' element type (float or at::BFloat16, the model's)
+template <int64_t D, typename S>
 struct DecodeOps : StepRows {
   const std::vector<Tensor>& packed;
   const std::vector<Tensor>& scales;
@@ -797,9 +821,11 @@ struct DecodeOps : StepRows {
   bool shared_slots = false;
 
   // q4_linear's layout (3-d) quantises the fp32 rows itself, oneDNN's fp32 products take them as
-  // they are: no bf16 copies to make
+  // they are: no bf16 copies to make (torch's int4 kernel and oneDNN's bf16 weights take them)
   Tensor bf16_rows(int64_t tokens, int64_t n, const at::TensorOptions& options) const {
-    return packed.front().dim() == 3 || scales.front().numel() == 0 ? Tensor() : at::empty({tokens, n}, options);
+    const bool fp32_rows = packed.front().dim() == 3 ||
+                           (scales.front().numel() == 0 && packed.front().scalar_type() == at::kFloat);
+    return fp32_rows ? Tensor() : at::empty({tokens, n}, options);
   }
 
   ProductRows product(int64_t p, const Tensor& in32, const Tensor& in16) {
@@ -810,8 +836,8 @@ struct DecodeOps : StepRows {
     const int64_t tokens = a32.size(0), nq = heads * D, width = (heads + 2 * kv_heads) * D, per_kv = heads / kv_heads;
     const int64_t* slot_p = slots.data_ptr<int64_t>();
     const int64_t* pos_p = positions.data_ptr<int64_t>();
-    float* k_slab = k_slabs[i].data_ptr<float>();
-    float* v_slab = v_slabs[i].data_ptr<float>();
+    S* k_slab = k_slabs[i].data_ptr<S>();
+    S* v_slab = v_slabs[i].data_ptr<S>();
     float* out = a32.data_ptr<float>();
     const int64_t capacity = k_slabs[i].size(2);
     const int64_t slab_row = kv_heads * capacity * D;
@@ -821,7 +847,7 @@ struct DecodeOps : StepRows {
         const float* r = qkv.row(t, scratch.data());
         for (int64_t g = 0; g < kv_heads; ++g) {
           const int64_t offset = slot_p[t] * slab_row + g * capacity * D;
-          write_kv<D>(r, head(i, t, true), k_slab + offset, v_slab + offset, pos_p[t], heads, g, kv_heads);
+          write_kv<D, S>(r, head(i, t, true), k_slab + offset, v_slab + offset, pos_p[t], heads, g, kv_heads);
         }
       });
     }
@@ -833,7 +859,7 @@ struct DecodeOps : StepRows {
         // written at the same position of the slab)
         const int64_t first = windows[i] > 0 ? std::max<int64_t>(0, pos_p[t] + 1 - windows[i]) : 0;
         const int64_t offset = slot_p[t] * slab_row + g * capacity * D + first * D;
-        attend<D>(qkv.row(t, scratch.data()), head(i, t, false), head(i, t, true), k_slab + offset, v_slab + offset,
+        attend<D, S>(qkv.row(t, scratch.data()), head(i, t, false), head(i, t, true), k_slab + offset, v_slab + offset,
                   pos_p[t] + 1 - first, g * per_kv, per_kv, heads, g, kv_heads, static_cast<float>(scaling), out + t * nq,
                   !shared_slots);
       }
@@ -1060,8 +1086,8 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& q, const Tensor& d) {
 // qk_norms[2i], qk_norms[2i+1] (each query / key head's RMSNorm, or none); cos[i], sin[i] (RoPE
 // over the first `rotary` dimensions of a head, [T, 1, rotary] contiguous, or none: no RoPE);
 // packed[4i..4i+3], scales[4i..4i+3], biases[4i..4i+3] for qkv, o, gate/up, down (int4 in
-// q4_linear's or torch's layout; an empty scale: oneDNN's packed fp32 weight); k_slabs[i],
-// v_slabs[i]. Each token t attends slab row slots[t], keys 0..positions[t] (its own, written
+// q4_linear's or torch's layout; an empty scale: oneDNN's packed weight, fp32 or bf16); k_slabs[i],
+// v_slabs[i] (fp32, or bf16 for a bf16 model). Each token t attends slab row slots[t], keys 0..positions[t] (its own, written
 // there first), or of a layer with a window (windows[i] > 0) only keys > positions[t] - windows[i].
 Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
                   const std::vector<c10::optional<Tensor>>& sin, const std::vector<c10::optional<Tensor>>& norms,
@@ -1084,9 +1110,14 @@ Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
   TORCH_CHECK(!packed.empty() && std::all_of(packed.begin(), packed.end(),
                                              [&](const Tensor& w) { return w.dim() == packed.front().dim(); }),
               "decode_own: every product's weight in one layout (q4_linear's or torch's int4)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "decode_own: the residual stream x must be fp32");
+  const auto slab_type = k_slabs.front().scalar_type();
+  TORCH_CHECK(slab_type == at::kFloat || slab_type == at::kBFloat16, "decode_own: the slabs must be fp32 or bf16");
   for (size_t i = 0; i < k_slabs.size(); ++i) {
     TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous() && k_slabs[i].size(3) == head_dim,
                 "decode_own: the slabs must be contiguous [slots, kv_heads, capacity, head_dim]");
+    TORCH_CHECK(k_slabs[i].scalar_type() == slab_type && v_slabs[i].scalar_type() == slab_type,
+                "decode_own: every slab in one dtype");
   }
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   const int64_t* pos_p = positions.data_ptr<int64_t>();
@@ -1099,12 +1130,15 @@ Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
   const bool shared_slots = std::adjacent_find(seen.begin(), seen.end()) != seen.end();
   const float fe = static_cast<float>(eps);
   return own::with_head_dim(head_dim, "decode_own", [&](auto d) {
-    own::DecodeOps<decltype(d)::value> ops{
-        {lora, cos, sin, qk_norms, rotary, fe, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
-        packed, scales, biases, group, windows};
-    ops.shared_slots = shared_slots;
-    return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
-                           residual_scale, gelu, ops);
+    auto run = [&](auto slab) {
+      own::DecodeOps<decltype(d)::value, decltype(slab)> ops{
+          {lora, cos, sin, qk_norms, rotary, fe, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
+          packed, scales, biases, group, windows};
+      ops.shared_slots = shared_slots;
+      return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
+                             residual_scale, gelu, ops);
+    };
+    return slab_type == at::kBFloat16 ? run(at::BFloat16()) : run(0.f);
   });
 }
 
@@ -1138,8 +1172,9 @@ Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
     TORCH_CHECK(b > 0 && b % own::PROMPT_BLOCK == 0, "prompt_own: blocks of a whole number of 64 rows, not ", b);
   }
   for (size_t i = 0; i < k_slabs.size(); ++i) {
-    TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous() && k_slabs[i].size(3) == head_dim,
-                "prompt_own: the slabs must be contiguous [slots, kv_heads, capacity, head_dim]");
+    TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous() && k_slabs[i].size(3) == head_dim &&
+                    k_slabs[i].scalar_type() == at::kFloat && v_slabs[i].scalar_type() == at::kFloat,
+                "prompt_own: the slabs must be contiguous fp32 [slots, kv_heads, capacity, head_dim]");
   }
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   const int64_t* pos_p = positions.data_ptr<int64_t>();
