@@ -97,9 +97,10 @@ class Read:
 def _scorer(spec: str, where: dict[str, Any] | None) -> Any:
     from services.agent.reader.rules import RuleScorer
     from services.agent.reader.scorer import ReaderScorer
+    from services.agent.reader.similarity import by_embedding
 
     if spec == "rules" or spec == "rules-words":
-        return RuleScorer(None if spec == "rules-words" else _embedder(where))
+        return RuleScorer(None if spec == "rules-words" else by_embedding(_embedder(where)))
     if spec.startswith("reader:"):
         if where is None:
             raise SystemExit("a reader scorer needs --home (the stack serving it)")
@@ -108,7 +109,9 @@ def _scorer(spec: str, where: dict[str, Any] | None) -> Any:
         from services.agent.reader.features import SHIPPED, FeatureModel, FeatureScorer
 
         path = spec.partition(":")[2]
-        return FeatureScorer(FeatureModel.load(Path(path) if path else SHIPPED), _embedder(where))
+        return FeatureScorer(
+            FeatureModel.load(Path(path) if path else SHIPPED), by_embedding(_embedder(where))
+        )
     if spec == "lm":
         return LikelihoodScorer()
     if spec == "embedder" or spec.startswith("embedder:"):
@@ -222,7 +225,7 @@ class LikelihoodScorer:
 
 async def _read_set(name: str, rows: list[dict[str, Any]], scorer: Any) -> list[Read]:
     from services.agent.chunks import Chunk
-    from services.agent.reader.candidates import answer_candidates
+    from services.common.candidates import answer_candidates
 
     out = []
     for row in rows:
@@ -255,10 +258,10 @@ def _judge(
     """Each read, its selection at ``threshold`` (None: the scorer's own verdicts), judged."""
     from services.agent.chunks import Chunk, Citation
     from services.agent.reader import answer_text
-    from services.agent.reader.candidates import answer_candidates
     from services.agent.reader.scorer import Scored
     from services.agent.reader.select import select
     from services.cli.eval_questions import locates, states
+    from services.common.candidates import answer_candidates
 
     out = []
     for r in reads:
@@ -402,16 +405,18 @@ async def _feature_rows(
     """Every candidate of the set's questions as a reader row with its features; label 1 when
     the judge says the sentence states the answer (never for an unanswerable question)."""
     from services.agent.chunks import Chunk
-    from services.agent.reader.candidates import answer_candidates
     from services.agent.reader.features import FEATURES, candidate_features
+    from services.agent.reader.question import Asked
+    from services.agent.reader.similarity import by_embedding
     from services.cli.eval_questions import states
+    from services.common.candidates import answer_candidates
 
     out = []
     for row in rows:
         q = questions[(name, row["id"])]
         chunks = [Chunk.from_result(s) for s in row["sources"]]
         candidates = answer_candidates(chunks)
-        x = await candidate_features(_asked(row), chunks, candidates, embed)
+        x = await candidate_features(Asked.parse(_asked(row)), chunks, candidates, by_embedding(embed))
         for c, values in zip(candidates, x.tolist(), strict=True):
             out.append(
                 {

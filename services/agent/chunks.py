@@ -39,6 +39,11 @@ class Chunk:
     table_header: str = ""
     # Filled by the relevance gate after retrieval.
     relevance: float = 0.0
+    # With a search that asked for sentences: the cosine to the search's query of each candidate
+    # answer sentence and of the heading path they are read under, by their text (the reader's
+    # similarities, without embedding them again).
+    query_cosines: dict[str, float] = field(default_factory=dict)
+    cosines_of: str = ""  # the question they were scored against
 
     @classmethod
     def from_result(cls, item: JsonObject) -> Chunk:
@@ -71,6 +76,7 @@ class Chunk:
             boxes=_boxes(item.get("boxes"), chunk_start - start),
             page_sizes=[[float(v) for v in s[:3]] for s in item.get("page_sizes") or [] if _numbers(s, 3)],
             table_header=str(item.get("table_header") or ""),
+            query_cosines=_query_cosines(item),
         )
 
     def to_result(self) -> dict[str, Any]:
@@ -216,3 +222,14 @@ class Citation(ChunkCitation):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()
+
+
+def _query_cosines(item: JsonObject) -> dict[str, float]:
+    """A hit's scored sentences and context (search ``sentences``) by their text."""
+    out: dict[str, float] = {}
+    for sentence in item.get("sentences") or []:
+        if isinstance(sentence, dict) and isinstance(sentence.get("score"), int | float):
+            out[str(sentence.get("text") or "")] = float(sentence["score"])
+    if item.get("context") and isinstance(item.get("context_score"), int | float):
+        out[str(item["context"])] = float(item["context_score"])
+    return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from services.agent.chunks import Chunk, Citation
 from services.agent.locate import claim_before
-from services.agent.text import content_terms, overlap, sentences
+from services.common.text import content_terms, overlap, sentences
 
 # "[1]", "[1, 3]", "[1][2]", "[Source 2]", "[source: 2]"
 MARKER_RE = re.compile(r"\[\s*(?:sources?\s*:?\s*)?(\d{1,3}(?:\s*[,;]\s*\d{1,3})*)\s*\]", re.IGNORECASE)

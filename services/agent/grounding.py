@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 
 from services.agent.citations import MARKER_RE, TITLE_MARKER_RE
-from services.agent.text import content_terms, overlap, sentences, stem
+from services.common.text import content_terms, overlap, sentences, stem, unwrap
 
 # Words that carry no fact of their own in an answer ("Based on the sources, the answer is ...").
 FILLER = frozenset(
@@ -97,21 +97,6 @@ def repeats_sentence(answer: str, min_chars: int = 8) -> bool:
             return True
         seen.add(key)
     return False
-
-
-# A line break inside a paragraph (wrapped Markdown or plain text) does not end a sentence; one
-# before a heading, list item, table row, quote, code fence or a line of an option table
-# ("-c, --check checks the syntax only") does. A wrapped line may start with an option itself
-# ("... invoked with the\n--tool option."): that one goes on. A heading's own line ends it ("## 1
-# Introduction" then "This document describes ...": two lines, not one sentence that reads as
-# a heading).
-_WRAP = re.compile(
-    r"(^[ \t]*#[^\n]*\n)|[ \t]*\n(?![ \t]*(?:\n|[#>|]|[*+-][ \t]|-\w, |\d+[.)]|```))[ \t]*", re.MULTILINE
-)
-
-
-def unwrap(text: str) -> str:
-    return _WRAP.sub(lambda m: m.group(1) or " ", text)
 
 
 def _source_sentences(texts: list[str]) -> list[tuple[int, str]]:

@@ -7,7 +7,7 @@ import math
 from typing import TypedDict
 
 from services.agent.chunks import Chunk
-from services.agent.text import WORD_RE, content_terms, overlap, sentences, stem, term_spans
+from services.common.text import WORD_RE, content_terms, overlap, sentences, stem, term_spans
 
 
 def _sentence_score(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import re
 
-from services.agent.text import content_terms, overlap, sentences
+from services.common.text import content_terms, overlap, sentences
 
 # The answer text a marker closes: back to the previous sentence end (markers themselves dropped).
 _MARKERS_RE = re.compile(r"\[[^\[\]]{0,120}\]")

@@ -12,7 +12,7 @@ import re
 from typing import Protocol
 
 from services.agent.protocol import Message
-from services.agent.text import content_terms
+from services.common.text import content_terms
 
 FOLLOW_UP_RE = re.compile(
     r"\b(it|its|it's|they|them|their|this|that|these|those|he|she|his|her|one|ones|former|latter|"

@@ -4,18 +4,37 @@ A candidate is never a heading, a question, a table's header or rule, code, or a
 chunk boundary cut. Each keeps its *context*: the heading path of its section (or its
 document's title), so a reader can tell a sentence under "Options > port" from the same words
 elsewhere, and a definition list's term stays with its description.
+
+They are read from any ``Passage``: the agent's chunks, and retrieval's hits when a search asks
+for their sentences scored against its query (so the reader needs no second call).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from services.agent.chunks import Chunk
-from services.agent.grounding import unwrap
-from services.agent.text import WORD_RE, is_heading, sentences
+from services.common.text import WORD_RE, is_heading, sentences, unwrap
 
 BULLET = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s+")
+
+
+class Passage(Protocol):
+    """What the candidates of a source are read from: its text (offset ``start`` in its
+    document), its section's heading path and its document's title."""
+
+    @property
+    def text(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def section(self) -> str: ...
+    @property
+    def title(self) -> str: ...
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
 
 
 @dataclass
@@ -30,7 +49,7 @@ class Candidate:
     focus: float = 0.0
 
 
-def context_of(chunk: Chunk) -> str:
+def context_of(chunk: Passage) -> str:
     """The heading path a reader reads a chunk's sentences under: its section, else its title."""
     section = chunk.section or str(chunk.metadata.get("section") or "")
     return section or chunk.title
@@ -61,7 +80,7 @@ _FENCE = re.compile(r"^[ \t]*```.*?(?:^[ \t]*```[^\n]*$|\Z)", re.MULTILINE | re.
 _INLINE_FENCE = re.compile(r"```[ \t]*([^`\n]+?)[ \t]*```")
 
 
-def _sentence_spans(chunk: Chunk) -> tuple[str, list[tuple[int, int]]]:
+def _sentence_spans(chunk: Passage) -> tuple[str, list[tuple[int, int]]]:
     """A chunk's text with wrapped lines joined and fenced code left out, and its sentences' spans."""
     text = chunk.text
     if text.count("```") % 2:
@@ -70,7 +89,7 @@ def _sentence_spans(chunk: Chunk) -> tuple[str, list[tuple[int, int]]]:
     return flat, sentences(flat)
 
 
-def source_sentences(chunk: Chunk) -> list[str]:
+def source_sentences(chunk: Passage) -> list[str]:
     """The sentences of a chunk's text (wrapped lines joined, fenced code left out)."""
     flat, spans = _sentence_spans(chunk)
     return [flat[s:e] for s, e in spans]
@@ -88,7 +107,7 @@ def _asking(flat: str, spans: list[tuple[int, int]]) -> set[int]:
     }
 
 
-def answer_candidates(chunks: list[Chunk]) -> list[Candidate]:
+def answer_candidates(chunks: Sequence[Passage]) -> list[Candidate]:
     """The sentences of ``chunks`` that can be an answer, in source order."""
     out: list[Candidate] = []
     for n, chunk in enumerate(chunks, start=1):

@@ -229,3 +229,19 @@ def is_heading(line: str) -> bool:
     words = WORD_RE.findall(text)
     # A short line with no sentence end: "Token budget", "Datasets and training".
     return len(words) <= 6 and not re.search(r"[.!]\s*$", text) and not text.startswith("|")
+
+
+# A line break inside a paragraph (wrapped Markdown or plain text) does not end a sentence; one
+# before a heading, list item, table row, quote, code fence or a line of an option table
+# ("-c, --check checks the syntax only") does. A wrapped line may start with an option itself
+# ("... invoked with the\n--tool option."): that one goes on. A heading's own line ends it ("## 1
+# Introduction" then "This document describes ...": two lines, not one sentence that reads as
+# a heading).
+_WRAP = re.compile(
+    r"(^[ \t]*#[^\n]*\n)|[ \t]*\n(?![ \t]*(?:\n|[#>|]|[*+-][ \t]|-\w, |\d+[.)]|```))[ \t]*", re.MULTILINE
+)
+
+
+def unwrap(text: str) -> str:
+    """``text`` with the line breaks inside its paragraphs read as spaces."""
+    return _WRAP.sub(lambda m: m.group(1) or " ", text)

@@ -288,6 +288,28 @@ class SearchRequest(BaseModel):
         "of the collection's embedding model around the chunk: small chunks are what is ranked, the "
         "section is what a reader (or a model) reads.",
     )
+    sentences: StrictBool = Field(
+        default=False,
+        description="Also return each hit's candidate answer sentences (of its section with "
+        "section_tokens) and the heading path they are read under, each scored by the cosine of its "
+        "embedding to the query's with the collection's own embedder: a reader picks among them "
+        "without embedding them again.",
+    )
+    sentence_query: str | None = Field(
+        default=None,
+        max_length=8192,
+        description="What the sentences are scored against (default: query): a reader may read the "
+        "question otherwise than the search does (e.g. without a follow-up's added words).",
+    )
+
+
+class ScoredSentence(BaseModel):
+    """A sentence of a hit that can stand as an answer, as a reader reads it (services/common/
+    candidates.py), and its cosine to the query."""
+
+    position: int = Field(description="Its place among the hit's sentences.")
+    text: str
+    score: float
 
 
 class SearchResult(Located):
@@ -304,6 +326,11 @@ class SearchResult(Located):
     # it starts in the document (section_text == document.text[section_text_start:...]).
     section_text: str | None = None
     section_text_start: int | None = None
+    # Only with the request's sentences: the hit's candidate answer sentences, and the heading path
+    # (else the title) they are read under with its cosine to the query.
+    sentences: list[ScoredSentence] | None = None
+    context: str | None = None
+    context_score: float | None = None
 
 
 class SearchResponse(BaseModel):

@@ -27,16 +27,11 @@ from services.agent.pipelines.state import RunContext, RunState
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import Message
 from services.agent.reader import read
-from services.agent.reader.candidates import answer_candidates
-from services.agent.reader.rules import (
-    RuleScorer,
-    answer_type_match,
-    asked_kind_words,
-    asks_number,
-    missing_names,
-    names_instance,
-)
+from services.agent.reader.question import Asked
+from services.agent.reader.rules import RuleScorer, answer_type_match, missing_names, names_instance
 from services.agent.reader.select import Selection, extractive_text, not_found_text
+from services.agent.reader.similarity import by_embedding
+from services.common.candidates import answer_candidates
 from services.common.errors import NotFound
 
 pytestmark = pytest.mark.anyio
@@ -44,7 +39,7 @@ pytestmark = pytest.mark.anyio
 
 async def select_answer(question: str, chunks: list[Chunk], embed: Any) -> Selection:
     """The answer step with the fallback rules (the collection's embedder, or words alone)."""
-    return await read(question, chunks, RuleScorer(embed))
+    return await read(question, chunks, RuleScorer(by_embedding(embed) if embed is not None else None))
 
 
 ARCHIVE = [
@@ -315,13 +310,14 @@ async def test_a_question_asking_for_a_kind_no_source_names_is_not_found(embed: 
     ],
 )
 def test_the_kind_a_question_asks_for(question: str, kind: set[str]) -> None:
-    assert asked_kind_words(question) == kind
+    assert Asked.parse(question).kind_words == kind
 
 
 def test_british_and_american_spellings_of_the_kind_meet() -> None:
     chunks = [Chunk("c#1", "d", "Links in the default theme are drawn in the color teal.")]
-    assert missing_names("In which colour does the default theme draw links?", chunks) == []
-    assert missing_names("In which typeface does the default theme draw links?", chunks) == ["typeface"]
+    assert missing_names(Asked.parse("In which colour does the default theme draw links?"), chunks) == []
+    typeface = Asked.parse("In which typeface does the default theme draw links?")
+    assert missing_names(typeface, chunks) == ["typeface"]
 
 
 async def test_extract_answers_with_the_selected_sentences_without_calling_the_model(embed: Any) -> None:
@@ -503,8 +499,8 @@ async def test_a_question_opening_on_a_when_clause_asks_for_the_thing_not_a_time
     ]
     question = "When compiling Ferrule stops on 'quorzip.h: No such file', which package must be installed?"
     # "when" asks for a time or a condition: neither needs a number; "which year" does
-    assert not asks_number(question) and not asks_number("When is the cache flushed?")
-    assert asks_number("In which year was version 2.10.0 released?")
+    assert not Asked.parse(question).asks_number and not Asked.parse("When is the cache flushed?").asks_number
+    assert Asked.parse("In which year was version 2.10.0 released?").asks_number
     selection = await select_answer(question, faq, embed)
     assert selection.found and "quorzip-devel" in extractive_text(selection)[0]
 
@@ -526,8 +522,9 @@ async def test_a_question_opening_on_a_when_clause_asks_for_the_thing_not_a_time
 def test_a_which_question_is_answered_by_a_name_beside_the_kind(
     question: str, sentence: str, names: bool
 ) -> None:
-    assert names_instance(question, sentence) is names
-    assert answer_type_match(question, sentence) is names
+    asked = Asked.parse(question)
+    assert names_instance(asked, sentence) is names
+    assert answer_type_match(asked, sentence) is names
 
 
 async def test_a_which_mode_question_gets_the_next_sentence_that_names_the_mode(embed: Any) -> None:
@@ -547,3 +544,38 @@ async def test_a_which_mode_question_gets_the_next_sentence_that_names_the_mode(
     )
     text, _ = extractive_text(await select_answer(question, faq, embed))
     assert "Ledger" in text
+
+
+def _as_searched(question: str, chunks: list[Chunk], model: Any) -> list[Chunk]:
+    """``chunks`` as a search with ``sentences`` returns them: each candidate sentence and the
+    heading path it is read under, scored against the question by the collection's embedder."""
+    import dataclasses
+
+    from services.common.candidates import context_of
+
+    out = []
+    for chunk in chunks:
+        texts = [c.text for c in answer_candidates([chunk])] + [context_of(chunk)]
+        vectors = model.encode([question, *texts], normalize_embeddings=True)
+        cosines = {t: float(v @ vectors[0]) for t, v in zip(texts, vectors[1:], strict=True)}
+        out.append(dataclasses.replace(chunk, query_cosines=cosines, cosines_of=question))
+    return out
+
+
+async def test_the_answer_step_reads_the_scores_a_search_sent_and_embeds_nothing(
+    embed: Any, model: Any
+) -> None:
+    question = "Which object stores can the archive service use?"
+    computed = planned(question, ARCHIVE)
+    await run_answer_nodes(computed, embed, extract=True)
+    assert embed.calls, "without scores from the search, the answer step embeds"
+    embed.calls.clear()
+    state = planned(question, _as_searched(question, ARCHIVE, model))
+    await run_answer_nodes(state, embed, extract=True)
+    assert embed.calls == []  # no embedding round trip
+    assert state.answer_kind == computed.answer_kind == "extractive"
+    assert state.answer == computed.answer and state.citations == computed.citations
+    # scores of another question are not this one's: it is embedded as before
+    other = planned("How does the archive service verify a restore?", _as_searched(question, ARCHIVE, model))
+    await run_answer_nodes(other, embed, extract=True)
+    assert embed.calls and embed.calls[0][0] == "How does the archive service verify a restore?"

@@ -74,7 +74,7 @@ def test_a_per_request_top_k_reaches_any_retriever_through_the_protocol() -> Non
             self.asked: list[int | None] = []
 
         async def retrieve(
-            self, ctx: RunContext, collection: str, query: str, top_k: int | None = None
+            self, ctx: RunContext, collection: str, query: str, top_k: int | None = None, reader: str = ""
         ) -> list[Chunk]:
             self.asked.append(top_k)
             return [Chunk(chunk_id=f"c{i}", document_id="d", text="t", title="T") for i in range(top_k or 10)]

@@ -331,7 +331,7 @@ async def test_an_answer_the_overlap_supports_needs_no_embedding(services: tuple
 
 
 def test_a_wrapped_line_may_start_with_an_option_but_an_option_table_keeps_its_lines() -> None:
-    from services.agent.grounding import unwrap
+    from services.common.text import unwrap
 
     assert (
         unwrap("tools can be invoked with the\n--tool option.")

@@ -4,35 +4,23 @@ model read from its JSON artifact, and the answer step's selection and "not foun
 from __future__ import annotations
 
 import asyncio
-import zlib
 
 import numpy as np
 import pytest
 
 from services.agent.chunks import Chunk
 from services.agent.reader import read
-from services.agent.reader.candidates import answer_candidates
 from services.agent.reader.features import (
     FEATURES,
     FeatureModel,
     FeatureModelError,
     FeatureScorer,
     candidate_features,
-    question_kind,
 )
-
-DIM = 256
-
-
-async def bag_of_words(texts: list[str]) -> list[list[float]]:
-    """A deterministic stand-in for an embedder: hashed word counts (cosine = shared words)."""
-    out = []
-    for text in texts:
-        v = np.zeros(DIM, dtype=np.float32)
-        for w in text.lower().replace(".", " ").replace("?", " ").split():
-            v[zlib.crc32(w.encode()) % DIM] += 1.0
-        out.append(v.tolist())
-    return out
+from services.agent.reader.question import Asked
+from services.agent.reader.similarity import by_embedding
+from services.common.candidates import answer_candidates
+from tests.helpers.embedders import bag_of_words
 
 
 def chunks() -> list[Chunk]:
@@ -86,14 +74,14 @@ def model(threshold: float = 0.5) -> FeatureModel:
     ],
 )
 def test_question_kind_from_its_first_words(question: str, kind: str) -> None:
-    assert question_kind(question) == kind
+    assert Asked.parse(question).opening == kind
 
 
 def test_features_of_real_candidates() -> None:
     cs = chunks()
     candidates = answer_candidates(cs)
     question = "How many worker threads does the brellow daemon start?"
-    x = asyncio.run(candidate_features(question, cs, candidates, bag_of_words))
+    x = asyncio.run(candidate_features(Asked.parse(question), cs, candidates, by_embedding(bag_of_words)))
     assert x.shape == (len(candidates), len(FEATURES))
     col = {name: x[:, i] for i, name in enumerate(FEATURES)}
     answer = next(i for i, c in enumerate(candidates) if "six worker" in c.text)
@@ -110,14 +98,18 @@ def test_features_of_real_candidates() -> None:
 def test_word_overlap_reads_any_alphabet() -> None:
     cs = [Chunk("c", "d", "Die Größe des Puffers beträgt 4096 Bytes. Der Dienst läuft im Hintergrund.")]
     candidates = answer_candidates(cs)
-    x = asyncio.run(candidate_features("Wie groß ist die Größe des Puffers?", cs, candidates, bag_of_words))
+    x = asyncio.run(
+        candidate_features(
+            Asked.parse("Wie groß ist die Größe des Puffers?"), cs, candidates, by_embedding(bag_of_words)
+        )
+    )
     words = x[:, FEATURES.index("words_sentence")]
     assert words[0] > 0.0 == words[1]  # "Größe", "des", "Puffers" held; none in the second
 
 
 def test_the_model_orders_and_the_rules_say_whether_anything_answers() -> None:
     cs = chunks()
-    scorer = FeatureScorer(model(), bag_of_words)
+    scorer = FeatureScorer(model(), by_embedding(bag_of_words))
     found = asyncio.run(read("Where does the brellow daemon keep its queue?", cs, scorer))
     assert found.found and found.best is not None and "queue in memory" in found.best.text
     off_topic = asyncio.run(read("What colour are the ferry tickets in winter?", cs, scorer))
@@ -126,10 +118,12 @@ def test_the_model_orders_and_the_rules_say_whether_anything_answers() -> None:
     # the model rates the sentence that spells the count out highest
     counted = "How many worker threads does the brellow daemon start?"
     assert not asyncio.run(read(counted, cs, scorer)).found
-    by_probability = asyncio.run(read(counted, cs, FeatureScorer(model(), bag_of_words, threshold=0.5)))
+    by_probability = asyncio.run(
+        read(counted, cs, FeatureScorer(model(), by_embedding(bag_of_words), threshold=0.5))
+    )
     assert by_probability.found and by_probability.best is not None
     assert "six worker threads" in by_probability.best.text
-    strict = FeatureScorer(model(), bag_of_words, threshold=0.999)
+    strict = FeatureScorer(model(), by_embedding(bag_of_words), threshold=0.999)
     assert not asyncio.run(read(counted, cs, strict)).found
 
 

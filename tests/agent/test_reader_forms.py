@@ -9,10 +9,11 @@ from services.agent.config import AgentSettings
 from services.agent.pipelines.components import ReaderRankNode
 from services.agent.pipelines.state import RunContext, RunState
 from services.agent.reader import answer_text, read
-from services.agent.reader.candidates import answer_candidates
-from services.agent.reader.forms import Asked, default_value, lead, yes_or_no
+from services.agent.reader.forms import default_value, lead, yes_or_no
+from services.agent.reader.question import Asked
 from services.agent.reader.scorer import ReaderScorer, Scored
 from services.agent.reader.select import select
+from services.common.candidates import answer_candidates
 from services.common.errors import NotFound
 from services.common.judge import has_phrase, states_reference
 

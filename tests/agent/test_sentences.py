@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.agent.text import sentences
+from services.common.text import sentences
 
 
 def split(text: str) -> list[str]:

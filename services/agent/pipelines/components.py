@@ -25,23 +25,25 @@ from services.agent.grounding import (
     MIN_SIMILARITY,
     GroundingReport,
     check,
+    strip_markers,
     with_embeddings,
 )
 from services.agent.highlight import highlight
 from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooLong
 from services.agent.protocol import Message, Sampling, wire_messages
 from services.agent.reader import answer_text, read
-from services.agent.reader.candidates import answer_candidates
 from services.agent.reader.features import FEATURES_READER, FeatureScorer, shipped_model
 from services.agent.reader.rules import RuleScorer
 from services.agent.reader.scorer import AnswerScorer, ReaderScorer
 from services.agent.reader.select import Selection, not_found_text, with_neighbours
+from services.agent.reader.similarity import Similarity, by_embedding, with_known
 from services.agent.repetition import RepetitionGuard
 from services.agent.rewrite import HistoryRewriter, QueryRewriter
-from services.agent.text import content_terms, overlap
+from services.common.candidates import answer_candidates
 from services.common.errors import InvalidRequest, TandemError
 from services.common.jsonsafe import JsonObject
 from services.common.openai_wire import ToolCallDelta
+from services.common.text import content_terms, overlap
 
 from .state import AnswerKind, EventStream, RunContext, RunState, Sockets
 
@@ -55,9 +57,10 @@ NO_CONTEXT_ANSWER = "I don't know: nothing in the collection {collection!r} is r
 
 class Retriever(Protocol):
     async def retrieve(
-        self, ctx: RunContext, collection: str, query: str, top_k: int | None = None
+        self, ctx: RunContext, collection: str, query: str, top_k: int | None = None, reader: str = ""
     ) -> list[Chunk]:
-        """Up to ``top_k`` chunks (None: the retriever's own default)."""
+        """Up to ``top_k`` chunks (None: the retriever's own default). ``reader``: the question as
+        the answer step embeds it, for a retriever that scores the hits' sentences against it."""
         ...
 
 
@@ -99,14 +102,22 @@ class Params(BaseModel):
 class ServiceRetriever:
     """Hybrid (or dense / sparse) search through the retrieval service."""
 
-    def __init__(self, top_k: int | None, mode: str, rerank: bool, section_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        top_k: int | None,
+        mode: str,
+        rerank: bool,
+        section_tokens: int | None = None,
+        sentences: bool = False,
+    ) -> None:
         self.top_k = top_k
         self.mode = mode
         self.rerank = rerank
         self.section_tokens = section_tokens
+        self.sentences = sentences
 
     async def retrieve(
-        self, ctx: RunContext, collection: str, query: str, top_k: int | None = None
+        self, ctx: RunContext, collection: str, query: str, top_k: int | None = None, reader: str = ""
     ) -> list[Chunk]:
         hits = await ctx.retrieval.search(
             collection,
@@ -115,6 +126,7 @@ class ServiceRetriever:
             mode=self.mode,
             rerank=self.rerank,
             section_tokens=self.section_tokens,
+            sentences=(reader or query) if self.sentences else None,
         )
         return distinct_passages(hits) if self.section_tokens else hits
 
@@ -231,10 +243,15 @@ class RetrieveNode:
         # What the model and the answer step read of each hit: its enclosing section, at most this
         # many tokens around it (None: the chunk alone). Small chunks rank; sections answer.
         section_tokens: int | None = Field(None, ge=16, le=8192)
+        # Each hit's candidate answer sentences scored by retrieval against the query (its
+        # embedder is in that process): the answer step then embeds nothing itself.
+        sentences: bool = False
 
     def __init__(self, p: P, retriever: Retriever | None = None) -> None:
         self.p = p
-        self.retriever = retriever or ServiceRetriever(p.top_k, p.mode, p.rerank, p.section_tokens)
+        self.retriever = retriever or ServiceRetriever(
+            p.top_k, p.mode, p.rerank, p.section_tokens, p.sentences
+        )
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         if not state.collection:
@@ -243,7 +260,11 @@ class RetrieveNode:
         top_k = state.options.get("top_k")
         # A per-request top_k reaches any retriever through the protocol.
         state.chunks = await self.retriever.retrieve(
-            ctx, state.collection, query, top_k=top_k if isinstance(top_k, int) else None
+            ctx,
+            state.collection,
+            query,
+            top_k=top_k if isinstance(top_k, int) else None,
+            reader=embedded_question(state),
         )
         if self.p.fetch_titles:
             missing = [c.document_id for c in state.chunks if not c.title]
@@ -366,6 +387,19 @@ class PromptNode:
         yield
 
 
+def reader_question(state: RunState) -> str:
+    """The question as the answer step and the guard read it: a follow-up ("and its capital?")
+    with what the rewriter made of it too."""
+    if state.search_query and state.search_query != state.question:
+        return f"{state.question} {state.search_query}"
+    return state.question
+
+
+def embedded_question(state: RunState) -> str:
+    """``reader_question`` as the reader's embedder reads it (services/agent/reader/question.py)."""
+    return strip_markers(reader_question(state)).strip()
+
+
 def collection_embedder(state: RunState, ctx: RunContext) -> Callable[[list[str]], Any] | None:
     """Texts to vectors with the collection's own embedder (retrieval's ``/embed``: the model is
     in that process, so one call, no model lookup)."""
@@ -377,6 +411,22 @@ def collection_embedder(state: RunState, ctx: RunContext) -> Callable[[list[str]
         return await ctx.retrieval.embed(collection, texts)
 
     return embed
+
+
+def collection_similarity(state: RunState, ctx: RunContext) -> Similarity | None:
+    """The reader's similarities: those retrieval computed for the hits' sentences (a retriever
+    with ``sentences``), and the collection's embedder for what they lack (one call, none when
+    nothing is missing)."""
+    embed = collection_embedder(state, ctx)
+    if embed is None:
+        return None
+    asked = embedded_question(state)
+    known: dict[str, float] = {}
+    for chunk in state.chunks:
+        if chunk.cosines_of == asked:
+            known.update(chunk.query_cosines)
+    fallback = by_embedding(embed)
+    return with_known(asked, known, fallback) if known else fallback
 
 
 async def show_answer(state: RunState, text: str, kind: AnswerKind, citations: list[Citation]) -> EventStream:
@@ -408,9 +458,9 @@ def reader_scorer(
     if not model:
         return None
     if model == FEATURES_READER:
-        embed = collection_embedder(state, ctx) if state is not None else None
+        similarity = collection_similarity(state, ctx) if state is not None else None
         # its threshold is the one chosen with it (a pipeline may still name one)
-        return None if embed is None else FeatureScorer(shipped_model(), embed, threshold=threshold)
+        return None if similarity is None else FeatureScorer(shipped_model(), similarity, threshold=threshold)
     return ReaderScorer(model, cut if threshold is None else threshold, ctx.inference.rerank)
 
 
@@ -490,12 +540,10 @@ class AnswerSelectNode:
 
     def _rules(self, state: RunState, ctx: RunContext) -> RuleScorer:
         use = ctx.settings.grounding_embedder if self.p.embedder is None else self.p.embedder
-        return RuleScorer(collection_embedder(state, ctx) if use else None)
+        return RuleScorer(collection_similarity(state, ctx) if use else None)
 
     async def _select(self, state: RunState, ctx: RunContext, chunks: list[Chunk]) -> Selection:
-        asked = state.question
-        if state.search_query and state.search_query != state.question:
-            asked = f"{state.question} {state.search_query}"
+        asked = reader_question(state)
         scorers: list[AnswerScorer] = [
             s for s in (self._reader(state, ctx), self._rules(state, ctx)) if s is not None
         ]
@@ -753,10 +801,7 @@ class GuardNode:
             # would replace them with text, and sentence support means nothing for them.
             return
         chunks = state.tracker.chunks
-        # A follow-up ("and its capital?") is judged with what the rewriter made of it too.
-        asked = state.question
-        if state.search_query and state.search_query != state.question:
-            asked = f"{state.question} {state.search_query}"
+        asked = reader_question(state)
         report = check(
             state.answer,
             asked,

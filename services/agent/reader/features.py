@@ -7,8 +7,9 @@ texts; the question's cosine to the whole chunk is retrieval's dense score); the
 share of the question's words in the sentence, its heading path and its chunk; its chunk's
 retrieval rank and scores; its place in the chunk; its length; and whether it holds a number, a
 "default" or a negation, crossed with the question's kind told from its first words. Words are
-``\\w`` tokens compared by their first letters, so the lexical signals read any language written
-with spaces; the kind of question and the three sentence marks are English words.
+``\\w`` tokens compared by their first letters (``question.prefixes``), so the lexical signals
+read any language written with spaces; the kind of question and the three sentence marks are
+English words. The question is read as ``question.Asked`` parsed it, once per scoring.
 
 A trainer ``reader`` job with ``"reader_kind": "features"`` fits the model (a logistic
 regression, or a small MLP, on standardised features; services/trainer/recipes/reader_features.py)
@@ -30,44 +31,23 @@ from typing import Any
 import numpy as np
 
 from services.agent.chunks import Chunk
-from services.agent.grounding import strip_markers
-from services.agent.reader.candidates import Candidate
-from services.agent.reader.rules import Embed, missing_names, rule_answers, verdicts
+from services.agent.reader.question import OPENING_KINDS, Asked, parsed, prefixes
+from services.agent.reader.rules import missing_names, rule_answers, verdicts
 from services.agent.reader.rules import score as rule_score
 from services.agent.reader.scorer import Scored
+from services.agent.reader.similarity import Similarity
+from services.common.candidates import Candidate
 
 ARTIFACT = "feature_reader.json"
-# Letters two words must share at their start to count as one word ("configure" / "configured"):
-# a stemmer for no language in particular.
-PREFIX = 5
 
 _WORD = re.compile(r"\w+")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,:]\d+)*(?!\w)")
 _DEFAULT = re.compile(r"\bdefaults?\b|\bby default\b", re.IGNORECASE)
 _NEGATION = re.compile(r"\b(?:not|no|never|cannot|none|neither|nor)\b|n't\b", re.IGNORECASE)
 
-# The question's kind, from its first words (one of them, in this order; "other" when none).
-KINDS = ("how_many", "how", "why", "what", "which", "when", "yes_no", "default", "other")
-_YES_NO = frozenset(
-    [
-        "is",
-        "are",
-        "was",
-        "were",
-        "does",
-        "do",
-        "did",
-        "can",
-        "could",
-        "should",
-        "will",
-        "would",
-        "may",
-        "must",
-        "has",
-        "have",
-    ]
-)
+# The question's kind, from its first words (one of them, in this order; "other" when none):
+# ``Asked.opening``.
+KINDS = OPENING_KINDS
 
 FEATURES = (
     "cos_sentence",
@@ -100,49 +80,25 @@ FEATURES = (
 )
 
 
-def question_kind(question: str) -> str:
-    """The kind of ``question`` from its first words ("default" when it names a default)."""
-    words = [w.lower() for w in _WORD.findall(question)]
-    first = words[0] if words else ""
-    if first == "how" and len(words) > 1 and words[1] in ("many", "much"):
-        return "how_many"
-    if first in ("how", "why", "what", "which", "when"):
-        return first
-    if first in _YES_NO:
-        return "yes_no"
-    if "default" in words or "defaults" in words:
-        return "default"
-    return "other"
-
-
-def _terms(text: str) -> list[str]:
-    return [w.lower()[:PREFIX] for w in _WORD.findall(text)]
-
-
 def _share(asked: dict[str, float], text: str) -> float:
     """The IDF-weighted share of the question's words that ``text`` holds."""
     total = sum(asked.values())
     if not total:
         return 0.0
-    held = set(_terms(text))
+    held = set(prefixes(text))
     return sum(w for t, w in asked.items() if t in held) / total
 
 
-def _asked_words(question: str, chunks: list[Chunk]) -> dict[str, float]:
+def _asked_words(asked: Asked, chunks: list[Chunk]) -> dict[str, float]:
     """The question's words, each weighted by its inverse document frequency among the chunks
     (a word every source holds tells nothing)."""
-    docs = [set(_terms(c.text + " " + c.section + " " + c.title)) for c in chunks]
+    docs = [set(prefixes(c.text + " " + c.section + " " + c.title)) for c in chunks]
     n = max(len(docs), 1)
-    return {t: math.log((n + 1) / (1 + sum(t in d for d in docs))) + 0.1 for t in set(_terms(question))}
-
-
-def _unit(vectors: Any) -> np.ndarray:
-    v = np.asarray(vectors, dtype=np.float32)
-    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    return {t: math.log((n + 1) / (1 + sum(t in d for d in docs))) + 0.1 for t in asked.word_prefixes}
 
 
 async def candidate_features(
-    question: str, chunks: list[Chunk], candidates: list[Candidate], embed: Embed
+    asked: Asked, chunks: list[Chunk], candidates: list[Candidate], similarity: Similarity
 ) -> np.ndarray:
     """One row of ``FEATURES`` per candidate (``candidates``' scores are the rules' afterwards)."""
     if not candidates:
@@ -150,21 +106,20 @@ async def candidate_features(
     n = len(candidates)
     # the heading paths once each: a question's candidates share a few
     contexts = sorted({c.context for c in candidates if c.context})
-    texts = [strip_markers(question).strip()] + [c.text for c in candidates] + contexts
-    vectors = _unit(await embed(texts))
-    if vectors.shape[0] != len(texts):
-        raise ValueError(f"the embedder returned {vectors.shape[0]} vectors for {len(texts)} texts")
-    cos = vectors[1:] @ vectors[0]
+    texts = [c.text for c in candidates] + contexts
+    cos = np.asarray(await similarity(asked.embedded, texts), dtype=np.float32)
+    if cos.shape != (len(texts),):
+        raise ValueError(f"{cos.shape[0]} similarities for {len(texts)} texts")
     cos_sentence = cos[:n]
     of_context = dict(zip(contexts, cos[n:].tolist(), strict=True))
     cos_context = np.array([of_context.get(c.context, 0.0) for c in candidates], dtype=np.float32)
-    rule_score(question, chunks, candidates, [float(s) for s in cos_sentence])
-    missing = bool(missing_names(question, chunks))
+    rule_score(asked, chunks, candidates, [float(s) for s in cos_sentence])
+    missing = bool(missing_names(asked, chunks))
     rules_scores = np.array([c.score for c in candidates], dtype=np.float32)
-    asked = _asked_words(question, chunks)
-    words_sentence = np.array([_share(asked, c.text) for c in candidates], dtype=np.float32)
+    weights = _asked_words(asked, chunks)
+    words_sentence = np.array([_share(weights, c.text) for c in candidates], dtype=np.float32)
     top_hybrid = max((abs(c.score) for c in chunks), default=0.0) or 1.0
-    kind = question_kind(question)
+    kind = asked.opening
     rows = []
     for k, c in enumerate(candidates):
         chunk = chunks[c.source - 1]
@@ -182,8 +137,8 @@ async def candidate_features(
             "rules_answers": float(not missing and rule_answers(c, True)),
             "rules_missing": float(missing),
             "words_sentence": words_sentence[k],
-            "words_context": _share(asked, c.context),
-            "words_chunk": _share(asked, chunk.text),
+            "words_context": _share(weights, c.context),
+            "words_chunk": _share(weights, chunk.text),
             "words_sentence_gap": words_sentence[k] - words_sentence.max(),
             "source_rank": 1.0 / c.source,
             "top_source": float(c.source == 1),
@@ -294,7 +249,7 @@ def shipped_model() -> FeatureModel:
 
 
 class FeatureScorer:
-    """The learned scorer over the collection's embedder (``embed``).
+    """The learned scorer over the collection's embedder's similarities (``similarity``).
 
     The model orders the candidates; whether any answers is the rules' verdict (some candidate
     answers by ``rules.verdicts``), unless a ``threshold`` on the model's probability is given.
@@ -305,15 +260,18 @@ class FeatureScorer:
 
     name = "features"
 
-    def __init__(self, model: FeatureModel, embed: Embed, *, threshold: float | None = None) -> None:
+    def __init__(
+        self, model: FeatureModel, similarity: Similarity, *, threshold: float | None = None
+    ) -> None:
         self.model = model
-        self.embed = embed
+        self.similarity = similarity
         self.threshold = threshold
 
-    async def score(self, question: str, chunks: list[Chunk], candidates: list[Candidate]) -> Scored:
-        x = await candidate_features(question, chunks, candidates, self.embed)
+    async def score(self, question: str | Asked, chunks: list[Chunk], candidates: list[Candidate]) -> Scored:
+        asked = parsed(question)
+        x = await candidate_features(asked, chunks, candidates, self.similarity)
         # the candidates carry the rules' scores until the model's replace them
-        found = any(verdicts(question, candidates, True, bool(missing_names(question, chunks))))
+        found = any(verdicts(asked, candidates, True, bool(missing_names(asked, chunks))))
         scores = [float(p) for p in self.model.probabilities(x)] if len(x) else []
         for c, s in zip(candidates, scores, strict=True):
             c.score = s

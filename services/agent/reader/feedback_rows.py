@@ -26,9 +26,9 @@ from typing import Any, Literal
 from services.agent.chunks import Chunk
 from services.agent.grounding import strip_markers
 from services.agent.protocol import TurnRecord
-from services.agent.reader.candidates import Candidate, answer_candidates
-from services.agent.text import content_terms, overlap
 from services.agent.turns import FeedbackRow
+from services.common.candidates import Candidate, answer_candidates
+from services.common.text import content_terms, overlap
 
 # Share of the correction's content words a source sentence must hold to be the one it means.
 MIN_HOLD = 0.5

@@ -9,25 +9,25 @@ number). It answers when similar enough and holding a focus term; a question nam
 no source holds ("Which Kotlin client ...") is answered by none, and one asking for a number only by a
 sentence holding one.
 
+The question comes parsed (``question.Asked``): the rules read its fields for every candidate,
+and the patterns here read sentences only.
+
 These are rules for English text: the reader replaces them wherever it is served.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
 
 import numpy as np
 
 from services.agent.chunks import Chunk
-from services.agent.grounding import FILLER, names, strip_markers
-from services.agent.reader.candidates import Candidate, balanced, clean, source_sentences
+from services.agent.reader.question import CONSTANT, TOKEN, VERSION, WRITTEN, Asked, parsed
 from services.agent.reader.scorer import Scored
 from services.agent.reader.select import Selection, places
-from services.agent.text import STOPWORDS, WORD_RE, content_terms, is_heading, sentences, stem
-
-# Texts in, one vector per text out (inference's /v1/embeddings with the collection's model).
-Embed = Callable[[list[str]], Awaitable[list[list[float]]]]
+from services.agent.reader.similarity import Similarity
+from services.common.candidates import Candidate, balanced, clean, source_sentences
+from services.common.text import STOPWORDS, WORD_RE, content_terms, is_heading, stem
 
 # Weights and thresholds, measured with all-MiniLM-L6-v2 on the question set of
 # tests/agent/data/answer_dev.json (docs/agent.md, "Answers").
@@ -63,90 +63,12 @@ _MONTHS = [
     "november",
     "december",
 ]
-# A named constant as a manual writes one: "QUOR_TRACE", "QUOR_BUF_SHORT" (not "-D__X").
-_CONSTANT = re.compile(r"(?<![\w-])[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
-# "When ...?" asks for a time; "When compiling stops on X, which package ...?" is a condition.
-_WHEN_Q = r"^\s*when\b(?![^?]*,\s*(?:which|what|how|who|whom|where|why|is|are|does|do|can|should)\b)"
-# "When ...?" is not here: it asks for a time or for a condition ("when the cache is full"),
-# and a condition holds no number (measured on the tuning sets: RESULTS, "thirteen sets").
-_NUMBER_Q = re.compile(
-    r"\bhow (many|much|deep|high|tall|long|old|far|big|large|wide|heavy)\b"
-    r"|\b(what|which)( \w+){0,3} (year|date|number|version)\b|\bnumeric\b"
-)
 # A number standing alone: "15 s", "3 to 5 times", "2.10.0", not the digit of "X.25" or "md5".
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,:]\d+)*(?!\w)")
-# "How long may a key name be?": a manual may answer with a named constant
-# ("at most QUOR_MAX_KEY_LEN").
-_SIZE_Q = re.compile(r"\bhow (many|much|large|big|long)\b")
-# A year or a date: "in which year", "on which date", answered by a year or a month.
-_YEAR_Q = re.compile(r"\b(what|which) (year|date)\b")
-# "When was it released?" asks for a time; "what does it return when ...?" does not.
-_MONTH_Q = re.compile(rf"\b(which|what) month\b|{_WHEN_Q}")
-_WHO_Q = re.compile(r"^\s*(who|whom|whose)\b")
-
-
-# "Which option ...", "what environment variable ...", "which function ...", "which header file
-# ...": the asked kind of thing, by the noun after the question word, and how a manual writes one.
-_ASKED = "|".join(["which", "what", "the"])
-_TERM_KINDS: list[tuple[re.Pattern[str], re.Pattern[str]]] = [
-    (
-        re.compile(rf"\b(?:{_ASKED})\s+(?:\w+\s+){{0,2}}?(?:option|flag|switch|argument)s?\b"),
-        re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*(?:=\S+)?"),
-    ),
-    (
-        re.compile(rf"\b(?:{_ASKED})\s+(?:\w+\s+){{0,2}}?(?:variable|constant|macro|error|code|value)s?\b"),
-        _CONSTANT,
-    ),
-    (
-        re.compile(rf"\b(?:{_ASKED})\s+(?:\w+\s+){{0,2}}?(?:function|method|call|routine)s?\b"),
-        re.compile(r"\b[A-Za-z]\w*_\w+\b|\b\w+\(\)"),
-    ),
-    (
-        re.compile(rf"\b(?:{_ASKED})\s+(?:\w+\s+){{0,2}}?(?:file|header|library)s?\b"),
-        re.compile(
-            r"\b[\w.-]+\.(?:h|c|so|a|py|md|json|toml|ya?ml|txt|html?|pdf|conf|cfg|ini|sh|db|sqlite3)\b"
-        ),
-    ),
-    (
-        # "What does quor_get_entry return when ...?": a constant, a number, NULL
-        re.compile(r"\bwhat\b.*\breturns?\b|\bwhat\b.*\bset to\b"),
-        re.compile(rf"{_CONSTANT.pattern}|(?<![\w.-])-1\b|\bNULL\b|\b(?:true|false)\b"),
-    ),
-]
-
-
-def asks_term(question: str) -> bool:
-    """Whether ``question`` asks for an option, a variable, a function, a file or a return value,
-    or names the kind of thing it asks for ("which program ...", "which tool ...")."""
-    q = question.lower()
-    return any(asked.search(q) for asked, _term in _TERM_KINDS) or bool(_kind_nouns(question))
-
-
-# "Which program receives ...", "Which Ferrule mode is the default mode?", "which package is
-# required": the words after "which" (up to a stopword, at most three) name the kind of thing asked
-# for; a manual names one beside the kind's own word ("the ferrule-collector program", "use the
-# Mirror mode", "install the quorzip-devel package", "Ledger is the only mode").
-_WHICH = re.compile(r"\bwhich\s+((?:[\w.'-]+\s+){1,3})", re.IGNORECASE)
-# A token as a manual writes a name: inline code, or a word with a capital after its first letter
-# place, a digit, "-", "_", "." or "/" inside it.
-_TOKEN = re.compile(r"`[^`]+`|[A-Za-z0-9][\w.+/-]*[\w+]|[A-Za-z]")
 # how far before (a subject: "Ledger is the only mode") and after ("variable QUOR_TRACE")
 # the kind's word an instance may stand
 _INSTANCE_BEFORE = 4
 _INSTANCE_AFTER = 2
-
-
-def _kind_nouns(question: str) -> set[str]:
-    """The stems of the words a "which ..." question names its kind with."""
-    out: set[str] = set()
-    for match in _WHICH.finditer(question):
-        for word in match.group(1).split():
-            w = word.lower().removesuffix("'s")
-            if w in STOPWORDS:
-                break
-            if w.isalpha() and len(w) > 2 and stem(w) not in FILLER:
-                out.add(stem(w))
-    return out
 
 
 def _name_like(token: str, first: bool) -> bool:
@@ -156,14 +78,14 @@ def _name_like(token: str, first: bool) -> bool:
     return any(ch.isupper() or ch.isdigit() or ch in "-_./" for ch in body)
 
 
-def names_instance(question: str, sentence: str) -> bool:
+def names_instance(asked: Asked, sentence: str) -> bool:
     """Whether ``sentence`` names a thing of the kind a "which ..." question asks for: a name the
     question lacks within a few words of the kind's word."""
-    kinds = _kind_nouns(question)
+    kinds = asked.kind_nouns
     if not kinds:
         return False
-    known = {w.lower() for w in _TOKEN.findall(question)}
-    tokens = _TOKEN.findall(sentence)
+    known = asked.tokens
+    tokens = TOKEN.findall(sentence)
     for i, token in enumerate(tokens):
         if stem(token.lower()) not in kinds:
             continue
@@ -178,20 +100,14 @@ def names_instance(question: str, sentence: str) -> bool:
     return False
 
 
-def asked_terms(question: str, sentence: str) -> list[str] | None:
-    """The terms of the kind ``question`` asks for ("which option": ``--deep-scan``; "which
+def asked_terms(asked: Asked, sentence: str) -> list[str] | None:
+    """The terms of the kind the question asks for ("which option": ``--deep-scan``; "which
     variable": ``QUOR_TRACE``; "which function": ``quor_clone_tree``; "which file": ``libquor.h``)
     that ``sentence`` holds and the question does not; None when it asks for no such kind."""
-    q = question.lower()
-    kinds = [term for asked, term in _TERM_KINDS if asked.search(q)]
-    if not kinds:
+    if not asked.term_kinds:
         return None
-    known = {t.lower() for term in kinds for t in term.findall(question)}
-    return [t for term in kinds for t in term.findall(sentence) if t.lower() not in known]
-
-
-# "What does Taisbrith Works make?": the sentence that answers holds the asked verb ("makes").
-_VERB_Q = re.compile(r"^\s*what (?:does|do|did) .+ (\w+)\s*\?\s*$")
+    known = asked.known_terms
+    return [t for kind in asked.term_kinds for t in WRITTEN[kind].findall(sentence) if t.lower() not in known]
 
 
 def _names_month(sentence: str) -> bool:
@@ -199,43 +115,33 @@ def _names_month(sentence: str) -> bool:
     return any(w.lower() in _MONTHS for w in re.findall(r"\b[A-Z][a-z]+\b", sentence))
 
 
-def asks_number(question: str) -> bool:
-    """Whether ``question`` asks for a number, a date or a year ("how many", "which year",
-    "which version"): an answer without one does not answer it."""
-    q = question.lower()
-    return bool(_NUMBER_Q.search(q) or _YEAR_Q.search(q))
-
-
-def answer_type_match(question: str, sentence: str) -> bool:
-    """Whether ``sentence`` holds the kind of thing ``question`` asks for: a number for "how deep",
+def answer_type_match(asked: Asked, sentence: str) -> bool:
+    """Whether ``sentence`` holds the kind of thing the question asks for: a number for "how deep",
     a month for "which month", a name (a capitalised word the question lacks) for "who", a term
     written as a manual writes one for "which option / variable / function / file"."""
-    q = question.lower()
-    if _MONTH_Q.search(q) and _names_month(sentence):
+    if asked.month and _names_month(sentence):
         return True
-    if _YEAR_Q.search(q):
+    if asked.year:
         return bool(re.search(r"\b(1[5-9]|20)\d\d\b", sentence)) or _names_month(sentence)
-    if _NUMBER_Q.search(q):
-        return bool(_NUMBER.search(sentence) or (_SIZE_Q.search(q) and _CONSTANT.search(sentence)))
-    if _WHO_Q.search(q):
-        asked = {w.lower() for w in re.findall(r"[A-Za-z]+", question)}
+    if asked.number:
+        return bool(_NUMBER.search(sentence) or (asked.size and CONSTANT.search(sentence)))
+    if asked.person:
         words = re.findall(r"[A-Za-z]+", sentence)[1:]  # the first word is capitalised anyway
-        return any(w[0].isupper() and w.lower() not in asked for w in words)
-    terms = asked_terms(question, sentence)
+        return any(w[0].isupper() and w.lower() not in asked.letters for w in words)
+    terms = asked_terms(asked, sentence)
     if terms is not None:
         return bool(terms)  # a kind with a written form ("--check" for "which option")
-    if names_instance(question, sentence):
+    if names_instance(asked, sentence):
         return True
-    verb = _VERB_Q.match(q)
-    if verb is None:
+    if asked.verb is None:
         return False
-    return stem(verb.group(1)) in {stem(w) for w in re.findall(r"[a-z]+", sentence.lower())}
+    return asked.verb in {stem(w) for w in re.findall(r"[a-z]+", sentence.lower())}
 
 
-def focus_terms(question: str, chunks: list[Chunk]) -> list[str]:
+def focus_terms(asked: Asked, chunks: list[Chunk]) -> list[str]:
     """The question's content words (filler aside) that are not in every source's body (its
     headings aside: a heading that repeats the question says nothing about where the answer is)."""
-    terms = [t for t in content_terms(question) if t not in FILLER]
+    terms = list(asked.focus)
     if len(chunks) < 2:
         return terms
     vocab = [_stems(" ".join(s for s in source_sentences(c) if not is_heading(s))) for c in chunks]
@@ -265,25 +171,25 @@ def _section(chunk: Chunk) -> str:
 
 
 def score(
-    question: str,
+    asked: Asked,
     chunks: list[Chunk],
     candidates: list[Candidate],
     similarities: list[float] | None,
 ) -> list[Candidate]:
     """``candidates`` scored (``similarities``: the question's cosine to each; None: words only),
     best first (ties: the better-ranked source, then the earlier sentence)."""
-    focus = focus_share(focus_terms(question, chunks), candidates)
-    asked = {stem(t) for t in content_terms(question) if t not in FILLER}
+    focus = focus_share(focus_terms(asked, chunks), candidates)
+    stems = asked.focus_stems
     top = _section(chunks[0]) if chunks else ""
     for k, c in enumerate(candidates):
         c.focus = focus[k]
         c.similarity = similarities[k] if similarities is not None else 0.0
         c.score = c.similarity + FOCUS_WEIGHT * c.focus
-        if asked:
-            c.score += WORDS_WEIGHT * len(asked & _stems(c.text)) / len(asked)
+        if stems:
+            c.score += WORDS_WEIGHT * len(stems & _stems(c.text)) / len(stems)
         if _section(chunks[c.source - 1]) == top:
             c.score += SECTION_BONUS
-        if c.focus > 0 and answer_type_match(question, c.text):
+        if c.focus > 0 and answer_type_match(asked, c.text):
             c.score += TYPE_BONUS
     return sorted(candidates, key=lambda c: (-c.score, c.source, c.position))
 
@@ -304,23 +210,23 @@ TYPED_REACH = 4
 
 
 def _typed_neighbour(
-    question: str, best: Candidate, chunks: list[Chunk], reach: int = TYPED_REACH
+    asked: Asked, best: Candidate, chunks: list[Chunk], reach: int = TYPED_REACH
 ) -> Candidate | None:
     """The sentence of ``best``'s source within ``reach`` of it that holds the kind of thing
     the question asks for (an option, a variable, a function, a file, a number), when it asks for
     one: the one sharing most of the question's words ("-o, --out=FILE output file" for "which
     option sets the output file?"), then the nearest, one after ``best`` before one before it."""
-    if not asks_term(question) and not asks_number(question):
+    if not asked.asks_term and not asked.asks_number:
         return None
     raws = source_sentences(chunks[best.source - 1])
-    terms = set(content_terms(question))
+    terms = set(asked.terms)
     found: list[tuple[int, int, int, int, str]] = []  # (-shared words, distance, side, place, text)
     for d in range(1, reach + 1):
         for side, k in enumerate((best.position + d, best.position - d)):
             if not 0 <= k < len(raws):
                 continue
             text = clean(raws[k])
-            if text and not text.endswith("?") and balanced(text) and answer_type_match(question, text):
+            if text and not text.endswith("?") and balanced(text) and answer_type_match(asked, text):
                 found.append((-len(terms & set(content_terms(text))), d, side, k, text))
     if not found:
         return None
@@ -328,51 +234,19 @@ def _typed_neighbour(
     return Candidate(best.source, k, text)
 
 
-def missing_names(question: str, chunks: list[Chunk]) -> list[str]:
-    """The names and numbers of ``question`` (capitalised words after the first, words with a
+def missing_names(asked: Asked, chunks: list[Chunk]) -> list[str]:
+    """The names and numbers of the question (capitalised words after the first, words with a
     digit, version numbers such as "5.0" whole), and the words naming what a "which / what ..."
     question asks for, that no source's text or title holds, compared by stem."""
     texts = " ".join(c.text + " " + c.title for c in chunks)
     held = _stems(texts)
-    asked: set[str] = set()
-    for start, end in sentences(question):  # each sentence's first word is not a name
-        asked |= names(question[start:end])
-    missing = {n for n in asked if n not in STOPWORDS and stem(n) not in held}
+    missing = {n for n in asked.names if n not in STOPWORDS and stem(n) not in held}
     spelt = {_spelling(w) for w in WORD_RE.findall(texts.lower())}
-    missing |= {w for w in asked_kind_words(question) if _spelling(w) not in spelt}
-    held_versions = set(_VERSION.findall(texts))
-    versions = {v for v in _VERSION.findall(question) if v not in held_versions}
+    missing |= {w for w in asked.kind_words if _spelling(w) not in spelt}
+    held_versions = set(VERSION.findall(texts))
+    versions = {v for v in asked.versions if v not in held_versions}
     pieces = {p for v in versions for p in v.split(".")}
     return sorted((missing - pieces) | versions)
-
-
-# "Which spreadsheet tracks ...", "What is the fax number of ...", "What archive format does ...":
-# the words after "which" / "what (is the)" name the kind of thing asked for. Sources that never name
-# that kind cannot say which one it is.
-_ASKED_KIND = re.compile(
-    r"\b(?:which|what)\s+(?:(?:is|are|was|were)\s+(?:the|a|an)\s+)?((?:[\w.'-]+\s+){1,4})",
-    re.IGNORECASE,
-)
-# words that name no kind of their own ("what kind of", "which one"); kinds a source states by an
-# instance, not by name ("9 March 2021" answers "which date", "$5" "what price"); and the kinds
-# a manual writes as terms (`--snapshot=all` answers "which option", `quillon serve --workers 2`
-# "which command")
-_GENERIC_KINDS = frozenset(
-    [
-        *("kind", "sort", "type", "one", "ones", "thing", "things", "way", "part", "value", "values"),
-        *("date", "dates", "year", "years", "month", "day", "time", "times", "number", "numbers"),
-        *("version", "versions", "size", "amount", "price", "cost", "name", "names", "count", "length"),
-        *("duration", "percentage", "ratio"),
-        *("option", "options", "command", "commands", "function", "functions", "file", "files"),
-        *("variable", "variables", "flag", "flags", "program", "programs", "package", "packages"),
-        *("tool", "tools", "setting", "settings", "macro", "constant", "header", "argument"),
-        *("parameter", "field", "key", "library", "module", "class", "method", "error", "code"),
-    ]
-)
-# a phrase ended by an article ends on its verb: "Which index holds the ..."
-_ARTICLES = frozenset({"the", "a", "an", "this", "that", "these", "those", "its", "their", "his", "her"})
-_KIND_WORDS = 3
-_MODALS = frozenset({"must", "can", "could", "may", "might", "shall", "should", "will", "would"})
 
 
 # British and American spellings of one word ("licence" / "license", "colour" / "color") meet.
@@ -389,84 +263,55 @@ def _spelling(word: str) -> str:
     return stem(word)
 
 
-def asked_kind_words(question: str) -> set[str]:
-    """The words a "which / what" question names its answer's kind with (lower-cased):
-    "fax" of "What is the fax number of ...", "archive" and "format" of "What archive format does
-    ...". The phrase is the words before the first stopword, at most three, less a last word an
-    article follows ("Which index holds the ...": a verb); where no stopword ends it that soon
-    ("Which spreadsheet tracks Quillon's ..."), its first word alone ("spreadsheet"): without a
-    tagger, a verb cannot be told from a noun. Only plain words count (names and terms are
-    compared as names)."""
-    out: set[str] = set()
-    for match in _ASKED_KIND.finditer(question):
-        words = [w.lower().removesuffix("'s") for w in match.group(1).split()]
-        ends = next((i for i, w in enumerate(words) if w in STOPWORDS or w in _MODALS), None)
-        phrase = words[:ends] if ends is not None and ends <= _KIND_WORDS else words[:1]
-        if ends is not None and ends <= _KIND_WORDS and len(phrase) > 1 and words[ends] in _ARTICLES:
-            phrase = phrase[:-1]
-        out |= {
-            w
-            for w in phrase
-            if w.isalpha() and len(w) > 2 and w not in _GENERIC_KINDS and stem(w) not in FILLER
-        }
-    return out
-
-
-# "3.0", "2.10.0": compared whole ("version 3.0" is not in a text that says "2.10.0" and "0").
-_VERSION = re.compile(r"(?<![\w.])\d+(?:\.\d+)+(?![\w]|\.\d)")
-
-
-def verdicts(question: str, candidates: list[Candidate], embedded: bool, missing: bool) -> list[bool]:
+def verdicts(asked: Asked, candidates: list[Candidate], embedded: bool, missing: bool) -> list[bool]:
     """Whether each candidate, scored by the rules (``score``), answers on its own; none does
     when a name of the question is ``missing`` from every source."""
     answers = [not missing and rule_answers(c, embedded) for c in candidates]
-    if asks_number(question):
+    if asked.asks_number:
         # "How many ...", "which year ...": a sentence without a number does not answer, however
         # close it reads.
-        answers = [
-            a and answer_type_match(question, c.text) for a, c in zip(answers, candidates, strict=True)
-        ]
+        answers = [a and answer_type_match(asked, c.text) for a, c in zip(answers, candidates, strict=True)]
     return answers
 
 
 class RuleScorer:
-    """The rules, with the collection's embedder when ``embed`` is given (else words alone)."""
+    """The rules, with the collection's embedder's similarities when ``similarity`` is given (else
+    words alone)."""
 
     name = "rules"
 
-    def __init__(self, embed: Embed | None) -> None:
-        self.embed = embed
+    def __init__(self, similarity: Similarity | None) -> None:
+        self.similarity = similarity
 
-    async def similarities(self, question: str, candidates: list[Candidate]) -> list[float] | None:
-        if self.embed is None or not candidates:
+    async def similarities(self, asked: Asked, candidates: list[Candidate]) -> list[float] | None:
+        if self.similarity is None or not candidates:
             return None
-        texts = [strip_markers(question).strip()] + [c.text for c in candidates]
-        vectors = np.asarray(await self.embed(texts), dtype=np.float32)
-        if vectors.ndim != 2 or vectors.shape[0] != len(texts):
-            raise ValueError(f"the embedder returned {vectors.shape[0]} vectors for {len(texts)} texts")
-        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        return [float(s) for s in (vectors[1:] @ vectors[0]).tolist()]
+        sims = await self.similarity(asked.embedded, [c.text for c in candidates])
+        if len(sims) != len(candidates):
+            raise ValueError(f"{len(sims)} similarities for {len(candidates)} sentences")
+        return sims
 
-    async def score(self, question: str, chunks: list[Chunk], candidates: list[Candidate]) -> Scored:
-        sims = await self.similarities(question, candidates)
+    async def score(self, question: str | Asked, chunks: list[Chunk], candidates: list[Candidate]) -> Scored:
+        asked = parsed(question)
+        sims = await self.similarities(asked, candidates)
         embedded = sims is not None
-        score(question, chunks, candidates, sims)
-        missing = missing_names(question, chunks)
-        answers = verdicts(question, candidates, embedded, bool(missing))
+        score(asked, chunks, candidates, sims)
+        missing = missing_names(asked, chunks)
+        answers = verdicts(asked, candidates, embedded, bool(missing))
         # words alone tell too little to add a second sentence
         margin = SECOND_MARGIN if embedded else float("-inf")
         return Scored([c.score for c in candidates], answers, self.name, margin, missing)
 
 
-def with_typed_neighbour(question: str, selection: Selection, chunks: list[Chunk]) -> Selection:
+def with_typed_neighbour(asked: Asked, selection: Selection, chunks: list[Chunk]) -> Selection:
     """``selection`` with the nearby sentence holding the kind of thing asked for (an option, a
     number), when no picked sentence holds one."""
     best = selection.best
     if not selection.found or best is None:
         return selection
-    if any(answer_type_match(question, p.text) for p in selection.picked):
+    if any(answer_type_match(asked, p.text) for p in selection.picked):
         return selection
-    kin = _typed_neighbour(question, best, chunks)
+    kin = _typed_neighbour(asked, best, chunks)
     if kin is not None and (kin.source, kin.position) not in places(selection.picked):
         selection.picked = sorted(
             [*selection.picked, kin], key=lambda c: (c.source != best.source, c.source, c.position)

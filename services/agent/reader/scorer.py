@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.agent.chunks import Chunk
-from services.agent.reader.candidates import Candidate
+from services.agent.reader.question import Asked
+from services.common.candidates import Candidate
 from services.common.readers import reader_passage
 
 # (model, question, passages) -> one score per passage, in order (inference's /v1/rerank).
@@ -39,9 +40,14 @@ class Scored:
 
 
 class AnswerScorer(Protocol):
+    """Scores ``candidates`` for the question: ``read`` hands it the question parsed
+    (``question.Asked``); a caller that holds only its text may pass that, parsed at the top."""
+
     name: str
 
-    async def score(self, question: str, chunks: list[Chunk], candidates: list[Candidate]) -> Scored: ...
+    async def score(
+        self, question: str | Asked, chunks: list[Chunk], candidates: list[Candidate]
+    ) -> Scored: ...
 
 
 class ReaderScorer:
@@ -59,10 +65,12 @@ class ReaderScorer:
         self.max_candidates = max_candidates
         self.name = f"reader:{model}"
 
-    async def score(self, question: str, chunks: list[Chunk], candidates: list[Candidate]) -> Scored:
+    async def score(self, question: str | Asked, chunks: list[Chunk], candidates: list[Candidate]) -> Scored:
         kept = candidates[: self.max_candidates]
         passages = [reader_passage(c.text, c.context) for c in kept]
-        scores = await self.rerank(self.model, question, passages) if passages else []
+        # the model reads the question as written: no rule of this package reads it
+        text = question.text if isinstance(question, Asked) else question
+        scores = await self.rerank(self.model, text, passages) if passages else []
         if len(scores) != len(kept):
             raise ValueError(f"the reader returned {len(scores)} scores for {len(kept)} sentences")
         scores = [float(s) for s in scores] + [float("-inf")] * (len(candidates) - len(kept))

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from services.agent.chunks import Chunk
 from services.agent.grounding import strip_markers
-from services.agent.reader.candidates import BULLET, Candidate, balanced, clean, source_sentences
 from services.agent.reader.scorer import Scored
-from services.agent.text import WORD_RE, is_heading
+from services.common.candidates import BULLET, Candidate, balanced, clean, source_sentences
+from services.common.text import WORD_RE, is_heading
 
 SEE_ALSO = 3
 

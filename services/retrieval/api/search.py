@@ -11,6 +11,7 @@ from opentelemetry import trace
 
 from services.common.collection_embed import EmbedRequest, EmbedResponse
 from services.common.errors import InvalidRequest
+from services.retrieval.answer_sentences import with_sentences
 from services.retrieval.api.deps import CollectionDep, check_access
 from services.retrieval.metrics import QUERY_SECONDS
 from services.retrieval.protocol import SearchRequest, SearchResponse
@@ -40,6 +41,8 @@ def search(body: SearchRequest, col: CollectionDep) -> SearchResponse:
     )
     if body.section_tokens:
         hits = col.with_sections(hits, body.section_tokens)
+    if body.sentences:
+        hits = with_sentences(body.sentence_query or body.query, hits, col.embedder)
     took = time.perf_counter() - t0
     QUERY_SECONDS.labels(body.mode).observe(took)
     trace.get_current_span().set_attributes({"mode": body.mode, "top_k": body.top_k, "hits": len(hits)})
