@@ -124,7 +124,8 @@ def use_more_bits(layer: int, layers: int) -> bool:
 
 
 def gguf_name(hf_name: str) -> str:
-    """A Llama tensor's GGUF name (``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``)."""
+    """A Llama or Qwen3 tensor's GGUF name (``model.layers.3.self_attn.q_proj.weight`` ->
+    ``blk.3.attn_q.weight``)."""
     parts = {
         "self_attn.q_proj": "attn_q",
         "self_attn.k_proj": "attn_k",
@@ -135,6 +136,8 @@ def gguf_name(hf_name: str) -> str:
         "mlp.down_proj": "ffn_down",
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
     }
     stem = hf_name.removesuffix(".weight")
     if stem == "model.embed_tokens":
@@ -209,10 +212,10 @@ def write_llama_gguf(
     *,
     tokenizer_from: Path | None = None,
 ) -> dict[str, str]:
-    """Write the Llama ``model`` (a transformers model) to ``path`` as a GGUF in the tensor types
-    of ``mix`` (a key of ``MIXES``, or a function of a tensor's GGUF name and shape), with the
-    default model's tokenizer cut to the model's vocabulary; return each tensor's type by GGUF
-    name."""
+    """Write the Llama or Qwen3 ``model`` (a transformers model) to ``path`` as a GGUF in the
+    tensor types of ``mix`` (a key of ``MIXES``, or a function of a tensor's GGUF name and shape),
+    with the default model's tokenizer cut to the model's vocabulary; return each tensor's type by
+    GGUF name."""
     import gguf
     import torch
 
@@ -223,7 +226,9 @@ def write_llama_gguf(
     heads = int(config.num_attention_heads)
     kv_heads = int(config.num_key_value_heads)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = {"llama": "llama", "qwen3": "qwen3"}[config.model_type]
+    head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
@@ -232,7 +237,10 @@ def write_llama_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or 10000.0))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_rope_dimension_count(int(config.hidden_size) // heads)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != int(config.hidden_size) // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_vocab_size(int(config.vocab_size))
     # a model whose vocabulary is smaller than the tokenizer's keeps the tokenizer's first tokens
     _copy_tokenizer(writer, tokenizer_from or default_gguf_path(), int(config.vocab_size))
@@ -243,9 +251,10 @@ def write_llama_gguf(
             continue
         name = gguf_name(hf_name)
         w = tensor.detach().float().numpy()
-        if name.endswith("attn_q.weight"):
+        # llama.cpp's converter permutes Llama's q/k rows only (Qwen's RoPE is its NeoX layout)
+        if arch == "llama" and name.endswith("attn_q.weight"):
             w = _permute(w, heads)
-        elif name.endswith("attn_k.weight"):
+        elif arch == "llama" and name.endswith("attn_k.weight"):
             w = _permute(w, kv_heads)
         chosen = mix(name, w.shape) if callable(mix) else tensor_type(mix, name, w.shape, layers, tied)
         data, raw_dtype = quantize(np.ascontiguousarray(w), chosen)

@@ -282,3 +282,50 @@ def test_a_type_the_engine_does_not_load_is_refused_naming_it(tmp_path: Path) ->
     assert "IQ2_XS" in message and "blk.0.ffn_up.weight" in message
     assert all(t in message for t in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16"))
     assert not any(cache.glob("*/config.json")), "nothing is converted"
+
+
+def test_a_qwen3_gguf_loads_with_its_q_k_norms_and_unpermuted_rows(tmp_path: Path) -> None:
+    """A Qwen3 file as llama.cpp's converter writes one (its own architecture keys, head size
+    apart from hidden / heads, q/k norms, q/k rows in the order transformers keeps): resolved by
+    the loader and served by the engine, it answers as the model it was written from."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=2 * HIDDEN // HEADS,  # as Qwen3-0.6B: 16 heads of 128 on a hidden size of 1024
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.5 if "embed" in name else 0.15
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if p.dim() == 1 else 0.0))
+    path = tmp_path / "qwen3-F32.gguf"
+    write_llama_gguf(model, path, lambda name, shape: "F32")
+    folder = resolve_model(path, tmp_path / "cache")
+    loaded = _load(folder)
+    assert loaded.config.model_type == "qwen3" and loaded.config.head_dim == 2 * HIDDEN // HEADS
+    for name, tensor in model.state_dict().items():
+        if name != "lm_head.weight":
+            assert torch.equal(loaded.state_dict()[name], tensor), name
+    prompts = [list(range(300, 330)), list(range(500, 520))]
+    expected = [
+        model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+            0, len(p) :
+        ].tolist()
+        for p in prompts
+    ]
+    engine = TorchEngine.from_pretrained(folder, quantize="none")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in engine.generate_batch(prompts, greedy)] == expected
