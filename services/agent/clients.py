@@ -141,11 +141,11 @@ class RetrievalClient(_ServiceClient):
         rerank: bool = False,
         filters: JsonObject | None = None,
         section_tokens: int | None = None,
-        sentences: str | None = None,
+        sentence_query: str | None = None,
     ) -> list[Chunk]:
         """The hits; with ``section_tokens``, each hit's text is its enclosing section (up to that
-        many tokens around the chunk) and its offsets are the section's; with ``sentences`` (the
-        question as the reader embeds it), each hit's candidate answer sentences come scored
+        many tokens around the chunk) and its offsets are the section's; with ``sentence_query``
+        (the question as the reader embeds it), each hit's candidate answer sentences come scored
         against it (``Chunk.query_cosines``)."""
         body: SearchBody = {"query": query, "top_k": top_k, "mode": mode}
         if rerank:
@@ -154,9 +154,9 @@ class RetrievalClient(_ServiceClient):
             body["section_tokens"] = section_tokens
         if filters:
             body["filters"] = filters
-        if sentences is not None:
+        if sentence_query is not None:
             body["sentences"] = True
-            body["sentence_query"] = sentences
+            body["sentence_query"] = sentence_query
         with span(
             "retrieval.search", collection=collection, mode=mode, top_k=top_k, rerank=rerank
         ) as current:
@@ -167,7 +167,7 @@ class RetrievalClient(_ServiceClient):
                 raise NotFound(f"unknown collection {collection!r}", param="collection") from None
             hits = [Chunk.from_result(item) for item in found.get("results", [])]
             for hit in hits:
-                hit.cosines_of = sentences or ""
+                hit.cosines_of = sentence_query or ""
             set_attributes(current, hits=len(hits), ms=round((time.perf_counter() - start) * 1000, 1))
         return hits
 

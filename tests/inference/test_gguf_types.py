@@ -28,6 +28,19 @@ pytestmark = pytest.mark.skipif(
 
 # hidden and intermediate sizes are whole 256-value super-blocks, so the K-quants apply
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 1024
+# the tiny models' shape, whatever their architecture
+SIZES: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": INTERMEDIATE,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 # a random fp32 weight (or a 5/6/8-bit one) re-quantised to int4 groups of 32 loses about 8%
 REQUANTISED_INT4 = 0.10
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -38,19 +51,7 @@ def _tiny_model() -> Any:
     """A tiny Llama with weights large enough that greedy decoding wanders through the vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = LlamaConfig(**SIZES, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     gen = torch.Generator().manual_seed(1)
@@ -290,20 +291,8 @@ def test_a_qwen3_gguf_loads_with_its_q_k_norms_and_unpermuted_rows(tmp_path: Pat
     the loader and served by the engine, it answers as the model it was written from."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=2 * HIDDEN // HEADS,  # as Qwen3-0.6B: 16 heads of 128 on a hidden size of 1024
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    # head_dim as Qwen3-0.6B's: 16 heads of 128 on a hidden size of 1024
+    config = Qwen3Config(**SIZES, head_dim=2 * HIDDEN // HEADS, rms_norm_eps=1e-6)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(1)

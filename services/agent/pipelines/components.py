@@ -25,7 +25,6 @@ from services.agent.grounding import (
     MIN_SIMILARITY,
     GroundingReport,
     check,
-    strip_markers,
     with_embeddings,
 )
 from services.agent.highlight import highlight
@@ -33,6 +32,7 @@ from services.agent.prompting import BudgetPromptBuilder, PromptPlan, PromptTooL
 from services.agent.protocol import Message, Sampling, wire_messages
 from services.agent.reader import answer_text, read
 from services.agent.reader.features import FEATURES_READER, FeatureScorer, shipped_model
+from services.agent.reader.question import embedded_text
 from services.agent.reader.rules import RuleScorer
 from services.agent.reader.scorer import AnswerScorer, ReaderScorer
 from services.agent.reader.select import Selection, not_found_text, with_neighbours
@@ -126,7 +126,7 @@ class ServiceRetriever:
             mode=self.mode,
             rerank=self.rerank,
             section_tokens=self.section_tokens,
-            sentences=(reader or query) if self.sentences else None,
+            sentence_query=(reader or query) if self.sentences else None,
         )
         return distinct_passages(hits) if self.section_tokens else hits
 
@@ -396,8 +396,8 @@ def reader_question(state: RunState) -> str:
 
 
 def embedded_question(state: RunState) -> str:
-    """``reader_question`` as the reader's embedder reads it (services/agent/reader/question.py)."""
-    return strip_markers(reader_question(state)).strip()
+    """``reader_question`` as the reader's embedder reads it."""
+    return embedded_text(reader_question(state))
 
 
 def collection_embedder(state: RunState, ctx: RunContext) -> Callable[[list[str]], Any] | None:

@@ -291,7 +291,7 @@ class Asked:
             kind=_kind(question.strip()),
             opening=_opening(question),
             negated=NEGATION.search(question) is not None,
-            embedded=strip_markers(question).strip(),
+            embedded=embedded_text(question),
             terms=terms,
             focus=focus,
             focus_stems=frozenset(stem(t) for t in focus),
@@ -324,6 +324,11 @@ class Asked:
         """It asks for an option, a variable, a function, a file or a return value, or names the
         kind of thing it asks for ("which program ...", "which tool ...")."""
         return bool(self.term_kinds) or bool(self.kind_nouns)
+
+
+def embedded_text(question: str) -> str:
+    """What the embedder reads of a question: citation markers out, trimmed."""
+    return strip_markers(question).strip()
 
 
 def parsed(question: str | Asked) -> Asked:

@@ -36,16 +36,12 @@ def with_known(scored: str, known: Mapping[str, float], fallback: Similarity | N
     scorer's caller treats as the embedder failing)."""
 
     async def similarity(question: str, texts: list[str]) -> list[float]:
-        if question == scored:
-            missing = list(dict.fromkeys(t for t in texts if t not in known))
-        else:
-            missing = list(dict.fromkeys(texts))
-        if missing and fallback is None:
-            raise ValueError(f"no similarity for {len(missing)} texts and no embedder to ask")
-        found = (
-            dict(zip(missing, await fallback(question, missing), strict=True)) if missing and fallback else {}
-        )
-        table = known if question == scored else {}
-        return [found[t] if t in found else table[t] for t in texts]
+        table = dict(known) if question == scored else {}
+        missing = list(dict.fromkeys(t for t in texts if t not in table))
+        if missing:
+            if fallback is None:
+                raise ValueError(f"no similarity for {len(missing)} texts and no embedder to ask")
+            table.update(zip(missing, await fallback(question, missing), strict=True))
+        return [table[t] for t in texts]
 
     return similarity
