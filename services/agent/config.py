@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.agent.reader.select import PASSAGE
 from services.common.ratelimit import TenantLimitSettings
 
 
@@ -61,6 +62,17 @@ class AgentSettings(TenantLimitSettings):
             "jobs, e.g. `tandem reader train`, served by inference's /v1/rerank), or empty: the "
             "embedder and lexical rules alone (also what answers where neither can). A pipeline's "
             "answer step or a tenant's promoted reader may name another."
+        ),
+    )
+    answer_passage: int = Field(
+        PASSAGE,
+        ge=0,
+        le=5,
+        description=(
+            "Sentences of the source either side of the best one that an extractive answer carries "
+            "(0: the best sentence alone, with only the neighbours it cannot be read without). A "
+            "manual often restates a question in one sentence and answers it in the next; chosen "
+            'on the tuning question sets (benchmarks/RESULTS.md, "thirteen document sets").'
         ),
     )
     reader_threshold: float = Field(

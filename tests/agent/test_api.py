@@ -435,7 +435,8 @@ def test_a_degenerate_answer_is_replaced_by_cited_source_sentences(stack: Stack,
     reset = types.index("reset")
     assert events[reset]["reason"] == "preamble"
     shown = "".join(e["text"] for e in events[reset + 1 :] if e["type"] == "token")
-    assert shown == "Berlin is the capital of Germany [1]."
+    # the answering sentence and the rest of its passage
+    assert shown == "Berlin is the capital of Germany. Germany has many forests [1]."
     done = events[-1]
     assert (done["type"], done["kind"], done["grounding"], done["unsupported"]) == (
         "done",

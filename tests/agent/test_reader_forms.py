@@ -126,9 +126,11 @@ async def test_the_reader_scores_each_sentence_under_its_heading_and_the_thresho
 def test_the_selector_keeps_a_second_close_sentence_of_the_same_section_only() -> None:
     candidates = answer_candidates(GERMAN)
     scores = [2.0 - 0.05 * k if c.source == 1 else 1.5 for k, c in enumerate(candidates)]
-    same = select(GERMAN, candidates, Scored(scores, [True] * len(scores), "t", margin=0.1))
+    # the best sentence alone (no passage around it), so a second one is the selector's choice
+    same = select(GERMAN, candidates, Scored(scores, [True] * len(scores), "t", margin=0.1), passage=0)
     assert [c.source for c in same.picked] == [1, 1]
-    apart = select(GERMAN, answer_candidates(GERMAN), Scored(scores, [True] * len(scores), "t", margin=0.0))
+    scored = Scored(scores, [True] * len(scores), "t", margin=0.0)
+    apart = select(GERMAN, answer_candidates(GERMAN), scored, passage=0)
     assert [c.source for c in apart.picked] == [1]
 
 
@@ -164,3 +166,59 @@ async def test_the_reader_orders_the_sources_a_generating_model_reads() -> None:
     )  # type: ignore[arg-type]
     assert [e async for e in ReaderRankNode(ReaderRankNode.P()).run(state, ctx)] == []
     assert [c.chunk_id for c in state.chunks] == ["de#0", "fr#0"]
+
+
+RELAY = [
+    Chunk(
+        "relay#0",
+        "relay",
+        "## Timeouts\n"
+        "The relay does not close a link that is busy. "
+        "Idle links are closed after 90 seconds. "
+        "A closed link is opened again on the next message. "
+        "Links to a peer that never answers are dropped at once.\n"
+        "## Keys\n"
+        "Each relay signs its messages with its own key.",
+        title="Relay",
+    )
+]
+
+
+def _best(sentence: str) -> Scored:
+    candidates = answer_candidates(RELAY)
+    scores = [1.0 if c.text.startswith(sentence) else 0.0 for c in candidates]
+    assert max(scores) == 1.0, [c.text for c in candidates]
+    return Scored(scores, [s > 0 for s in scores], "t")
+
+
+def test_an_answer_carries_the_sentences_around_its_best_one_in_source_order() -> None:
+    picked = select(RELAY, answer_candidates(RELAY), _best("Idle links are closed")).picked
+    assert [c.text for c in picked] == [
+        "The relay does not close a link that is busy.",
+        "Idle links are closed after 90 seconds.",
+        "A closed link is opened again on the next message.",
+    ]
+    wider = select(RELAY, answer_candidates(RELAY), _best("Idle links are closed"), passage=2).picked
+    assert len(wider) == 4 and wider[-1].text.startswith("Links to a peer")
+    alone = select(RELAY, answer_candidates(RELAY), _best("Idle links are closed"), passage=0).picked
+    assert [c.text for c in alone] == ["Idle links are closed after 90 seconds."]
+
+
+def test_a_passage_stops_at_a_heading() -> None:
+    picked = select(RELAY, answer_candidates(RELAY), _best("Links to a peer"), passage=2).picked
+    assert [c.text[:12] for c in picked] == ["Idle links a", "A closed lin", "Links to a p"]
+    first = select(RELAY, answer_candidates(RELAY), _best("The relay does"), passage=1).picked
+    assert [c.text[:12] for c in first] == ["The relay do", "Idle links a"]
+
+
+async def test_the_best_sentence_decides_yes_or_no_not_its_neighbours() -> None:
+    class Picks:
+        name = "picks"
+
+        async def score(self, question: object, chunks: object, candidates: object) -> Scored:
+            return _best("Idle links are closed")
+
+    selection = await read("Are idle links closed after a while?", RELAY, Picks())
+    text, numbers = answer_text("Are idle links closed after a while?", selection)
+    # the sentence before the best one holds a "not", the best one none: the verdict is the best one's
+    assert text.startswith("Yes. The relay does not close a link") and numbers == [1]

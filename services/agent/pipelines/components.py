@@ -550,12 +550,12 @@ class AnswerSelectNode:
         for scorer in scorers:
             try:
                 async with asyncio.timeout(self.p.embed_timeout_s):
-                    return await read(asked, chunks, scorer)
+                    return await read(asked, chunks, scorer, ctx.settings.answer_passage)
             except TimeoutError:
                 log.warning("answer step: %s gave no scores in %s s", scorer.name, self.p.embed_timeout_s)
             except (TandemError, ValueError, KeyError, TypeError) as exc:
                 log.warning("answer step: %s failed: %s", scorer.name, exc)
-        return await read(asked, chunks, RuleScorer(None))
+        return await read(asked, chunks, RuleScorer(None), ctx.settings.answer_passage)
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
         if not self.p.enabled or state.form is not None or state.plan is None or state.no_context:
@@ -776,18 +776,21 @@ class GuardNode:
             log.warning("groundedness guard: lexical overlap only, embedding failed: %s", exc)
         return report
 
-    async def _extractive(self, state: RunState, asked: str, chunks: list[Chunk]) -> tuple[str, list[int]]:
+    async def _extractive(
+        self, state: RunState, asked: str, chunks: list[Chunk], passage: int
+    ) -> tuple[str, list[int]]:
         """The answer step's selection; where it found none (or the pipeline has no answer step),
         the best-scored sentence with the neighbours it needs: the guard replaces an answer that
         says nothing, so even a weak sentence of the sources is better."""
         selection = state.selection
         if selection is None:
-            selection = await read(asked, chunks, RuleScorer(None))
+            selection = await read(asked, chunks, RuleScorer(None), passage)
         if not selection.found:
             if selection.best is None:
                 return "", []
-            selection = Selection(True, picked=with_neighbours(selection.best, chunks), best=selection.best)
-        selection.picked = selection.picked[: max(self.p.max_sentences, 1) + 2]
+            picked = with_neighbours(selection.best, chunks, passage)
+            selection = Selection(True, picked=picked, best=selection.best)
+        selection.picked = selection.picked[: max(self.p.max_sentences, 1) + 2 * (passage + 1)]
         return answer_text(state.question, selection)
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
@@ -817,7 +820,7 @@ class GuardNode:
         if not report.degenerate:
             state.unsupported = [{"text": s.text, "start": s.start, "end": s.end} for s in report.unsupported]
             return
-        text, numbers = await self._extractive(state, asked, chunks)
+        text, numbers = await self._extractive(state, asked, chunks, ctx.settings.answer_passage)
         if not text:
             return
         yield ResetEvent(reason=report.verdict)

@@ -14,17 +14,20 @@ from services.agent.reader.forms import lead
 from services.agent.reader.question import Asked, parsed
 from services.agent.reader.rules import RuleScorer, with_typed_neighbour
 from services.agent.reader.scorer import AnswerScorer
-from services.agent.reader.select import Selection, extractive_text, select
+from services.agent.reader.select import PASSAGE, Selection, extractive_text, select
 from services.common.candidates import answer_candidates
 
 
-async def read(question: str | Asked, chunks: list[Chunk], scorer: AnswerScorer) -> Selection:
-    """What ``chunks`` answer to ``question``, as ``scorer`` judges their sentences; its errors
-    propagate (the caller falls back to another scorer). The question is parsed here, once."""
+async def read(
+    question: str | Asked, chunks: list[Chunk], scorer: AnswerScorer, passage: int = PASSAGE
+) -> Selection:
+    """What ``chunks`` answer to ``question``, as ``scorer`` judges their sentences, the best one
+    with up to ``passage`` sentences on each side; the scorer's errors propagate (the caller falls
+    back to another scorer). The question is parsed here, once."""
     asked = parsed(question)
     candidates = answer_candidates(chunks)
     scored = await scorer.score(asked, chunks, candidates)
-    selection = select(chunks, candidates, scored)
+    selection = select(chunks, candidates, scored, passage)
     if isinstance(scorer, RuleScorer):
         selection = with_typed_neighbour(asked, selection, chunks)
     return selection
@@ -34,5 +37,7 @@ def answer_text(question: str | Asked, selection: Selection) -> tuple[str, list[
     """The extractive answer: its form's opening ("The default is 8080.", "Yes.") and the picked
     sentences, each source's last followed by its ``[n]``; the source numbers used."""
     text, numbers = extractive_text(selection)
-    opening = lead(parsed(question), [c.text for c in selection.picked])
+    # the best sentence decides a yes/no question; its passage's neighbours only surround it
+    best = [selection.best] if selection.best is not None and selection.best in selection.picked else []
+    opening = lead(parsed(question), [c.text for c in best + [c for c in selection.picked if c not in best]])
     return (f"{opening} {text}" if opening else text), numbers

@@ -19,6 +19,14 @@ from services.common.candidates import BULLET, Candidate, balanced, clean, sourc
 from services.common.text import WORD_RE, is_heading
 
 SEE_ALSO = 3
+# The sentences before and after the best one that an answer carries with it, on each side: the answer is a
+# short passage, not one sentence. A manual often restates the question in one sentence and
+# answers it in the next ("X is performed after Y." then "There are seven kinds of X: ..."), or
+# gives the value after the description ("keyseq-timeout Specifies ..." then "The default value
+# is 500."); the scorers rank the restatement first. Chosen on the tuning question sets
+# (benchmarks/answers, ``reader_eval score``): RESULTS.md, "thirteen document sets". The agent's
+# ``answer_passage`` setting.
+PASSAGE = 1
 
 # Sentence openings that lean on the sentence before them.
 _ANAPHORA = frozenset(
@@ -71,8 +79,11 @@ def _section(chunk: Chunk) -> str:
     return f"{chunk.document_id}#{section}" if section else chunk.document_id
 
 
-def select(chunks: list[Chunk], candidates: list[Candidate], scored: Scored) -> Selection:
-    """The answer ``chunks`` give, from ``scored`` (one score and verdict per candidate)."""
+def select(
+    chunks: list[Chunk], candidates: list[Candidate], scored: Scored, passage: int = PASSAGE
+) -> Selection:
+    """The answer ``chunks`` give, from ``scored`` (one score and verdict per candidate): the best
+    answering sentence with up to ``passage`` sentences of its source on each side."""
     for c, s in zip(candidates, scored.scores, strict=True):
         c.score = s
     answers = {id(c): a for c, a in zip(candidates, scored.answers, strict=True)}
@@ -93,7 +104,7 @@ def select(chunks: list[Chunk], candidates: list[Candidate], scored: Scored) -> 
             missing=scored.missing or [],
         )
     best = answering[0]
-    picked = with_neighbours(best, chunks)
+    picked = with_neighbours(best, chunks, passage)
     for c in answering[1:2]:
         # nearly as close, and (the rules' measure) holding as much of what the question asks for
         close = c.score >= best.score - scored.margin and c.focus >= best.focus
@@ -104,10 +115,29 @@ def select(chunks: list[Chunk], candidates: list[Candidate], scored: Scored) -> 
     return Selection(True, picked=picked, best=best, ranked=ranked, scorer=scored.scorer)
 
 
-def with_neighbours(best: Candidate, chunks: list[Chunk]) -> list[Candidate]:
+def with_neighbours(best: Candidate, chunks: list[Chunk], passage: int = 0) -> list[Candidate]:
     """``best`` and the sentences of its source it leans on: the one before when it opens on a
-    word pointing back, the one after when it ends on a colon (a list follows)."""
+    word pointing back, the one after when it ends on a colon (a list follows); then its passage,
+    up to ``passage`` sentences before and after it, neither a heading nor a question nor across one."""
     raws = source_sentences(chunks[best.source - 1])
+    out = _leaning(best, raws)
+    for step in (-1, 1):
+        k = best.position
+        for _ in range(passage):
+            k += step
+            if not 0 <= k < len(raws) or is_heading(raws[k]):
+                break
+            text = clean(raws[k])
+            if not text or not balanced(text) or text.endswith("?"):
+                break
+            if k not in {c.position for c in out}:
+                out.append(Candidate(best.source, k, text))
+    out.sort(key=lambda c: c.position)
+    return out
+
+
+def _leaning(best: Candidate, raws: list[str]) -> list[Candidate]:
+    """``best`` and the neighbours it cannot be read without."""
     out = [best]
     if BULLET.match(raws[best.position]) and best.text[:1].islower():
         # A list item that continues its lead-in ("`tandem up` (what `make up` runs):" then
