@@ -255,21 +255,24 @@ async def _read_set(name: str, rows: list[dict[str, Any]], scorer: Any) -> list[
 def _judge(
     reads: list[Read], rows: dict[str, dict[str, Any]], questions: dict[str, Any], threshold: float | None
 ) -> list[dict[str, Any]]:
-    """Each read, its selection at ``threshold`` (None: the scorer's own verdicts), judged."""
+    """Each read, its selection at ``threshold`` (None: the scorer's own verdicts), judged; the
+    answer's passage is the agent's (``TANDEM_AGENT_ANSWER_PASSAGE``)."""
     from services.agent.chunks import Chunk, Citation
+    from services.agent.config import AgentSettings
     from services.agent.reader import answer_text
     from services.agent.reader.scorer import Scored
     from services.agent.reader.select import select
     from services.cli.eval_questions import locates, states
     from services.common.candidates import answer_candidates
 
+    passage = AgentSettings().answer_passage
     out = []
     for r in reads:
         q = questions[(r.set, r.qid)]
         chunks = [Chunk.from_result(s) for s in rows[(r.set, r.qid)]["sources"]]
         candidates = answer_candidates(chunks)
         answers = r.answers if threshold is None else [s >= threshold for s in r.scores]
-        selection = select(chunks, candidates, Scored(r.scores, answers, "", r.margin))
+        selection = select(chunks, candidates, Scored(r.scores, answers, "", r.margin), passage)
         found = selection.found
         text, numbers = answer_text(q.question, selection) if found else ("", [])
         cites = [Citation.of(n, chunks[n - 1], kind="extractive", claim=text).model_dump() for n in numbers]
