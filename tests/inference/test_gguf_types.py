@@ -205,8 +205,9 @@ def _prompts(folder: Path) -> list[list[int]]:
 
 
 NEW_TOKENS = 12
-# tokens an int4 plan's greedy output shares with the fp32 reference forward on the tiny model
-INT4_AGREE = 3
+# how far below the reference's best logit a token an int4 plan chose may score: seen up to 1.4 on
+# a CPU with AMX, where the tiny model's best token leads its median one by 21-24
+NEAR_TIE = 2.0
 
 
 @pytest.mark.parametrize(
@@ -240,10 +241,18 @@ def test_greedy_tokens_match_the_dequantised_reference_forward(files: Files, mix
         # the file's values in fp32: the reference forward's tokens exactly
         assert got == expected
         return
-    # int4 decode multiplies rounded rows (bf16, or int8 in the C++ kernel) with the file's groups
-    # (test_the_int4_kernel_holds_the_files_values_where_its_format_can), so a random model's
-    # tokens may part from the fp32 reference after a few steps: the first ones agree
-    assert [g[:INT4_AGREE] for g in got] == [e[:INT4_AGREE] for e in expected]
+    # int4 decode multiplies rounded rows (bf16, or int8 in the C++ kernel; AMX's bf16 tiles on a
+    # CPU that has them) with the file's groups (test_the_int4_kernel_holds_the_files_values_where_
+    # its_format_can), so where a random model's next token is a near tie the two may part. Each
+    # token the engine chose is one the reference, fed the engine's own tokens, scores within
+    # NEAR_TIE of its best (a token the reference ranks far lower would be a wrong forward).
+    for prompt, tokens in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        behind = logits.max(dim=-1).values - chosen
+        spread = logits.max(dim=-1).values - logits.median(dim=-1).values
+        assert float(behind.max()) <= NEAR_TIE < float(spread.min()), (behind.tolist(), spread.min())
 
 
 def test_a_type_the_engine_does_not_load_is_refused_naming_it(tmp_path: Path) -> None:
