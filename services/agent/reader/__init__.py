@@ -38,6 +38,7 @@ def answer_text(question: str | Asked, selection: Selection) -> tuple[str, list[
     sentences, each source's last followed by its ``[n]``; the source numbers used."""
     text, numbers = extractive_text(selection)
     # the best sentence decides a yes/no question; its passage's neighbours only surround it
-    best = [selection.best] if selection.best is not None and selection.best in selection.picked else []
-    opening = lead(parsed(question), [c.text for c in best + [c for c in selection.picked if c not in best]])
+    best = selection.best
+    first = [best] if best is not None else []
+    opening = lead(parsed(question), [c.text for c in first + [c for c in selection.picked if c is not best]])
     return (f"{opening} {text}" if opening else text), numbers
