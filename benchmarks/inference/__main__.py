@@ -21,6 +21,14 @@ real Valkey for API keys; each of C client streams sends its requests one after 
 tokens exactly (``ignore_eos``) and greedy decoding, so every run generates the same
 token counts. Ratios are against llama.cpp's single stream when it ran, else against the
 ``generate`` segment run just before that level.
+
+Prefill (``--prefill-tokens``, 1,500 by default; 0 turns it off): one long prompt at a time, the
+median prompt tokens per second of ``--prefill-requests`` prompts, each starting with a number no
+other prompt starts with (no prefix cache reuses more than the chat template's opening). llama.cpp
+decodes the prompt's ids in one ``llama_decode`` in a context of its own; a Tandem server gets the
+same text as a streamed chat completion of one token, and its rate is the prompt tokens of the
+usage over the time to that token (HTTP included). Each server's prefill follows its decode levels
+in every round and is rated against that round's llama.cpp prefill.
 """
 
 from __future__ import annotations
@@ -388,6 +396,79 @@ def raw_prompts(tokenizer: Any, streams: int, per_stream: int, offset: int) -> l
     return out
 
 
+PREFILL_TEXT = " ".join(QUESTIONS)
+
+
+def long_prompt(tokenizer: Any, tokens: int, i: int) -> tuple[str, list[int]]:
+    """A user message whose chat prompt is about ``tokens`` tokens, and those token ids: a
+    number no other prompt of the run starts with (so no prefix cache reuses more than the
+    template's opening), then text repeated to length."""
+    head = f"Document {i}. "
+    body = tokenizer(PREFILL_TEXT, add_special_tokens=False)["input_ids"]
+    overhead = len(chat_ids(tokenizer, head))
+    need = max(tokens - overhead, 1)
+    text = head + tokenizer.decode((body * (need // len(body) + 1))[:need])
+    return text, chat_ids(tokenizer, text)
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    return [int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+
+
+async def server_prefill(url: str, key: str, text: str) -> tuple[int, float]:
+    """(prompt tokens, seconds to the first token) of one request with one token to make."""
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    from services.common.openai_stream import openai_chunks
+    from services.common.openai_wire import ChatCompletionChunk
+
+    first = float("nan")
+    prompt = 0
+    async with httpx.AsyncClient(timeout=600) as client:
+        t0 = time.perf_counter()
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        ) as resp:
+            resp.raise_for_status()
+            async for chunk in openai_chunks(resp.aiter_lines(), ChatCompletionChunk):
+                if chunk.usage is not None:
+                    prompt = chunk.usage.prompt_tokens
+                if first != first and any(choice.text for choice in chunk.choices):
+                    first = time.perf_counter() - t0
+    return prompt, first
+
+
+def print_prefill(prefills: list[tuple[str, float, float | None]], tokens: int, requests: int) -> None:
+    """Prefill tokens/s per run, and against the same round's llama.cpp where it ran."""
+    import statistics
+
+    print()
+    print(f"Prefill: one {tokens}-token prompt at a time, median of {requests} requests per run")
+    print()
+    print("| run | prefill tokens/s | vs llama.cpp |")
+    print("| --- | ---: | ---: |")
+    by_run: dict[str, list[float]] = {}
+    for label, tps, ref in prefills:
+        ratio = f"{tps / ref:.2f}x" if ref else "-"
+        print(f"| {label} | {tps:.0f} | {ratio} |")
+        if ref and ", round " in label:
+            by_run.setdefault(label.rsplit(", round ", 1)[0], []).append(tps / ref)
+    for run, ratios in by_run.items():
+        print(
+            f"| {run}: median over rounds | | {statistics.median(ratios):.2f}x "
+            f"({' / '.join(f'{x:.2f}' for x in ratios)}) |"
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -422,6 +503,14 @@ def main() -> int:
     )
     ap.add_argument("--baseline-requests", type=int, default=2, help="baseline requests before each level")
     ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=1500,
+        help="also time the prefill of prompts this long, one at a time (0: not); llama.cpp's and the "
+        "servers', interleaved by round as the decode levels are",
+    )
+    ap.add_argument("--prefill-requests", type=int, default=3, help="prompts per prefill run (median)")
     ap.add_argument(
         "--threads",
         type=int,
@@ -475,6 +564,10 @@ def main() -> int:
     if bad:
         ap.error(f"--server-env wants TANDEM_INFERENCE_NAME=VALUE, got {bad[0]!r}")
     extra_env = dict(e.split("=", 1) for e in args.server_env)
+    if not 0 <= args.prefill_tokens <= 2000:
+        ap.error(
+            f"--prefill-tokens: {args.prefill_tokens} is not in 0-2000 (the server's 2,048-token context)"
+        )
     engines = [e for e in (args.engines or ",".join(ENGINES)).split(",") if e]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
@@ -548,6 +641,36 @@ def main() -> int:
                 raw = LlamaCppRaw(path, threads=args.threads or os.cpu_count() or 1, max_seqs=max(levels))
                 raw.run(raw_prompts(tokenizer, 1, 1, 10_000), 4)  # warm-up
                 raws.append((what, raw))
+        if args.prefill_tokens and servers and tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prefills: list[tuple[str, float, float | None]] = []
+        prefill_numbers = itertools.count(60_000)
+        prefill_raw = None
+        if args.prefill_tokens and raws:
+            assert gguf is not None
+            # a context of its own: the decode one holds max(levels) sequences of 1,024 tokens
+            prefill_raw = LlamaCppRaw(
+                gguf,
+                threads=args.threads or os.cpu_count() or 1,
+                max_seqs=1,
+                n_ctx_per_seq=args.prefill_tokens + 64,
+            )
+            prefill_raw.prefill(long_prompt(tokenizer, args.prefill_tokens, next(prefill_numbers))[1])
+        # the last llama.cpp prefill: the reference of the server's prefill in the same round
+        prefill_ref: list[float | None] = [None]
+
+        def prefill_rates(one: Any) -> float:
+            """Median prefill tokens/s of --prefill-requests new long prompts; ``one`` maps a
+            prompt (text, ids) to (prompt tokens, seconds)."""
+            import statistics
+
+            rates = []
+            for _ in range(args.prefill_requests):
+                n, secs = one(long_prompt(tokenizer, args.prefill_tokens, next(prefill_numbers)))
+                rates.append(n / secs)
+            return statistics.median(rates)
 
         def run_raw(tag: str) -> dict[str, Any] | None:
             """llama.cpp's levels; returns this round's single stream (the reference)."""
@@ -559,6 +682,11 @@ def main() -> int:
                     if c == 1 and first is None:
                         first = res
                     results.append((f"llama.cpp (llama-cpp-python){what}, {c} streams{tag}", res, first))
+            if prefill_raw is not None:
+                print(f"llama.cpp{tag}: prefill of {args.prefill_tokens}-token prompts ...", flush=True)
+                tps = prefill_rates(lambda p: (len(p[1]), prefill_raw.prefill(p[1])))
+                prefills.append((f"llama.cpp (llama-cpp-python){tag}", tps, None))
+                prefill_ref[0] = tps
             return first
 
         if raws and contender_rounds == 1:
@@ -599,6 +727,9 @@ def main() -> int:
                 )
                 try:
                     asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up
+                    if args.prefill_tokens:
+                        text = long_prompt(tokenizer, args.prefill_tokens, next(prefill_numbers))[0]
+                        asyncio.run(server_prefill(url, key, text))
                     print(f"{engine} server: {served_plan(url, key)}", flush=True)
                     # the registry is durable and shared by the servers of this run: a name each
                     lora = f"bench-lora-{engine}"
@@ -637,6 +768,13 @@ def main() -> int:
                                 results.append(
                                     (f"tandem {engine} engine, {c} streams, {label}{tag}", res, base)
                                 )
+                        if args.prefill_tokens:
+                            print(
+                                f"{engine} server{tag}: prefill of {args.prefill_tokens}-token prompts ...",
+                                flush=True,
+                            )
+                            tps = prefill_rates(lambda p, u=url: asyncio.run(server_prefill(u, key, p[0])))
+                            prefills.append((f"tandem {engine} engine{tag}", tps, prefill_ref[0]))
                 finally:
                     proc.terminate()
                     proc.wait(30)
@@ -651,8 +789,12 @@ def main() -> int:
         print(row(label, res, base))
     if contender_rounds > 1:
         print_round_medians(results, contender_rounds)
+    if prefills:
+        print_prefill(prefills, args.prefill_tokens, args.prefill_requests)
     for _, raw in raws:
         raw.close()
+    if prefill_raw is not None:
+        prefill_raw.close()
     return 0
 
 

@@ -70,6 +70,14 @@ class LlamaCppRaw:
         ptr = ctypes.cast(self.ll.llama_get_logits(self.ctx), ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
 
+    def prefill(self, ids: list[int]) -> float:
+        """Seconds for one prompt in one ``llama_decode`` (logits at its last token), alone in an
+        emptied cache: llama.cpp's prefill as its server runs a lone request."""
+        self.ll.llama_memory_clear(self.mem, True)
+        t0 = time.perf_counter()
+        self._decode([(t, k, 0, k == len(ids) - 1) for k, t in enumerate(ids)]).argmax()
+        return time.perf_counter() - t0
+
     def run(self, prompts_per_stream: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
         """Each stream's prompts one after another, all streams batched together."""
         if len(prompts_per_stream) > self.max_seqs:
