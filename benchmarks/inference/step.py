@@ -72,7 +72,12 @@ def load(model: str | None, threads: int) -> tuple[Any, Path]:
 
 
 def runner_for(
-    path: Path, name: str, slots: int, adapter: Path | None, dtype: torch.dtype = torch.float32
+    path: Path,
+    name: str,
+    slots: int,
+    adapter: Path | None,
+    dtype: torch.dtype = torch.float32,
+    max_model_len: int = 512,
 ) -> Any:
     """A runner of its own model (a loaded adapter wraps the model it is loaded into): an fp32 model
     decoding in int4, or a bf16 one with its own weights."""
@@ -89,7 +94,11 @@ def runner_for(
     if not variant["own_int4"] and plan.layer_decode == "int4-q8":
         plan = dataclasses.replace(plan, layer_decode="int4")
     engine = TorchEngine.from_model(
-        model, AutoTokenizer.from_pretrained(path), max_batch_size=slots, max_model_len=512, plan=plan
+        model,
+        AutoTokenizer.from_pretrained(path),
+        max_batch_size=slots,
+        max_model_len=max_model_len,
+        plan=plan,
     )
     if adapter is not None:
         engine.load_adapter_sync("lora", str(adapter))
@@ -302,6 +311,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16, help="timed steps a round (their median)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
+        "--context",
+        type=int,
+        default=64,
+        help="tokens each slot holds before the timed steps (a RAG prompt: 1500; attention grows with it)",
+    )
+    ap.add_argument(
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16"],
@@ -340,7 +355,8 @@ def main() -> int:
     if args.prompts:
         counts = [int(n) for n in args.prompts.split(",")]
         return prompts(path, tokenizer, counts, args.rounds, min(args.steps, 8), args.lora)
-    prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][:64]
+    text = tokenizer("The quick brown fox jumps over the lazy dog. ")["input_ids"]
+    prompt = (text * (args.context // len(text) + 1))[: args.context]
     slots = max(rows)
     adapter = None
     if args.lora:
@@ -350,7 +366,8 @@ def main() -> int:
 
         adapter = make_lora(path, Path(tempfile.mkdtemp()) / "lora")
     dtype = getattr(torch, args.dtype)
-    runners = {name: runner_for(path, name, slots, adapter, dtype) for name in names}
+    longest = args.context + 8 + args.rounds * args.steps + 128
+    runners = {name: runner_for(path, name, slots, adapter, dtype, max(512, longest)) for name in names}
     for name, runner in runners.items():
         print(
             f"{name}: decode={runner.plan.decode} layers={runner.plan.layer_decode} ({runner.plan.reasons['decode']})"

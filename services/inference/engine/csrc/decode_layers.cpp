@@ -265,7 +265,36 @@ void attend(const float* qkv, const Head& q_head, const Head& k_head, S* k_row, 
     q_head.apply<D>(qkv + (first_head + h) * D, q[h]);
   }
   std::vector<float> weights(group * length);
-  for (int64_t j = 0; j < length; ++j) {
+  // KEYS keys at a time: independent FMA chains (one chain per key and head waits on the FMA's
+  // latency); each dot product still sums its columns in the same order, so the same numbers
+  constexpr int64_t KEYS = 4;
+  int64_t j = 0;
+  for (; j + KEYS <= length; j += KEYS) {
+    Vec acc[KEYS][8];
+    for (int64_t u = 0; u < KEYS; ++u) {
+      for (int64_t h = 0; h < group; ++h) {
+        acc[u][h] = Vec(0.f);
+      }
+    }
+    for (int64_t c = 0; c < D; c += W) {
+      Vec k[KEYS];
+      for (int64_t u = 0; u < KEYS; ++u) {
+        k[u] = load8(k_row + (j + u) * D + c);
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        const Vec qc = Vec::loadu(q[h] + c);
+        for (int64_t u = 0; u < KEYS; ++u) {
+          acc[u][h] = at::vec::fmadd(qc, k[u], acc[u][h]);
+        }
+      }
+    }
+    for (int64_t u = 0; u < KEYS; ++u) {
+      for (int64_t h = 0; h < group; ++h) {
+        weights[h * length + j + u] = hsum(acc[u][h]) * scale;
+      }
+    }
+  }
+  for (; j < length; ++j) {
     const S* key = k_row + j * D;
     Vec acc[8];
     for (int64_t h = 0; h < group; ++h) {
@@ -307,12 +336,24 @@ void attend(const float* qkv, const Head& q_head, const Head& k_head, S* k_row, 
     }
     const float inv = 1.f / total;
     float* o = out + (first_head + h) * D;
-    for (int64_t c = 0; c < D; c += W) {
-      Vec sum(0.f);
-      for (int64_t k = 0; k < length; ++k) {
-        sum = at::vec::fmadd(Vec(w[k]), load8(v_row + k * D + c), sum);
+    // COLS vectors of the output at a time, each its own chain over the keys in key order (the
+    // same sums as one vector at a time, without waiting on one FMA chain)
+    constexpr int64_t VECS = D / W, COLS = VECS < 8 ? VECS : 8;
+    for (int64_t c0 = 0; c0 < VECS; c0 += COLS) {
+      Vec sum[COLS];
+      for (int64_t u = 0; u < COLS; ++u) {
+        sum[u] = Vec(0.f);
       }
-      (sum * Vec(inv)).store(o + c);
+      for (int64_t k = 0; k < length; ++k) {
+        const Vec wk(w[k]);
+        const S* v = v_row + k * D + c0 * W;
+        for (int64_t u = 0; u < COLS; ++u) {
+          sum[u] = at::vec::fmadd(wk, load8(v + u * W), sum[u]);
+        }
+      }
+      for (int64_t u = 0; u < COLS; ++u) {
+        (sum[u] * Vec(inv)).store(o + (c0 + u) * W);
+      }
     }
   }
 }
