@@ -29,6 +29,10 @@ decodes the prompt's ids in one ``llama_decode`` in a context of its own; a Tand
 same text as a streamed chat completion of one token, and its rate is the prompt tokens of the
 usage over the time to that token (HTTP included). Each server's prefill follows its decode levels
 in every round and is rated against that round's llama.cpp prefill.
+
+``--prompt-tokens N``: the decode levels send prompts of about N tokens (built as the prefill's
+are) instead of short questions, so each step reads a RAG answer's long KV cache; TTFT then
+includes each prompt's prefill.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -239,16 +244,23 @@ async def one_request(
 
 
 async def load(
-    url: str, key: str, model: str | list[str], concurrency: int, per_stream: int, max_tokens: int
+    url: str,
+    key: str,
+    model: str | list[str],
+    concurrency: int,
+    per_stream: int,
+    max_tokens: int,
+    question: Callable[[int], str] = unique_question,
 ) -> dict[str, Any]:
-    """``model`` may list several names: stream w uses ``model[w % len(model)]``."""
+    """``model`` may list several names: stream w uses ``model[w % len(model)]``; ``question``
+    makes request i's user message."""
     models = [model] if isinstance(model, str) else model
     results: list[dict[str, Any]] = []
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def worker(w: int) -> None:
             for r in range(per_stream):
-                q = unique_question(w * per_stream + r)
+                q = question(w * per_stream + r)
                 name = models[w % len(models)]
                 results.append(await one_request(client, url, key, name, q, max_tokens))
 
@@ -381,19 +393,18 @@ def load_adapter(url: str, key: str, name: str, path: Path) -> None:
     resp.raise_for_status()
 
 
-def raw_prompts(tokenizer: Any, streams: int, per_stream: int, offset: int) -> list[list[list[int]]]:
+def raw_prompts(
+    tokenizer: Any,
+    streams: int,
+    per_stream: int,
+    offset: int,
+    question: Callable[[int], str] = unique_question,
+) -> list[list[list[int]]]:
     """The same kind of chat prompts the server gets, as token ids, per stream."""
-    out = []
-    for w in range(streams):
-        prompts = []
-        for r in range(per_stream):
-            q = unique_question(offset + w * per_stream + r)
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-            )
-            prompts.append([int(x) for x in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
-        out.append(prompts)
-    return out
+    return [
+        [chat_ids(tokenizer, question(offset + w * per_stream + r)) for r in range(per_stream)]
+        for w in range(streams)
+    ]
 
 
 PREFILL_TEXT = " ".join(QUESTIONS)
@@ -512,6 +523,13 @@ def main() -> int:
     )
     ap.add_argument("--prefill-requests", type=int, default=3, help="prompts per prefill run (median)")
     ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="the decode levels' prompts this long (a RAG answer's context, e.g. 1500) instead of short "
+        "questions: decode then reads a long KV cache",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -564,6 +582,10 @@ def main() -> int:
     if bad:
         ap.error(f"--server-env wants TANDEM_INFERENCE_NAME=VALUE, got {bad[0]!r}")
     extra_env = dict(e.split("=", 1) for e in args.server_env)
+    if not 0 <= args.prompt_tokens <= 2000 - args.max_tokens:
+        ap.error(
+            f"--prompt-tokens: {args.prompt_tokens} and {args.max_tokens} new tokens exceed the 2,048-token context"
+        )
     if not 0 <= args.prefill_tokens <= 2000:
         ap.error(
             f"--prefill-tokens: {args.prefill_tokens} is not in 0-2000 (the server's 2,048-token context)"
@@ -638,13 +660,23 @@ def main() -> int:
                 kind = args.raw_requantize
                 files.append((f", the file re-quantised to {kind}", requantized(gguf, kind, MODEL_CACHE)))
             for what, path in files:
-                raw = LlamaCppRaw(path, threads=args.threads or os.cpu_count() or 1, max_seqs=max(levels))
+                raw = LlamaCppRaw(
+                    path,
+                    threads=args.threads or os.cpu_count() or 1,
+                    max_seqs=max(levels),
+                    n_ctx_per_seq=max(1024, args.prompt_tokens + args.max_tokens + 64),
+                )
                 raw.run(raw_prompts(tokenizer, 1, 1, 10_000), 4)  # warm-up
                 raws.append((what, raw))
-        if args.prefill_tokens and servers and tokenizer is None:
+        if (args.prefill_tokens or args.prompt_tokens) and servers and tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # the decode levels' user messages: short questions, or RAG-length prompts (--prompt-tokens)
+        question: Callable[[int], str] = unique_question
+        if args.prompt_tokens:
+            long_numbers = itertools.count(100_000)
+            question = lambda _i: long_prompt(tokenizer, args.prompt_tokens, next(long_numbers))[0]  # noqa: E731
         prefills: list[tuple[str, float, float | None]] = []
         prefill_numbers = itertools.count(60_000)
         prefill_raw = None
@@ -678,7 +710,8 @@ def main() -> int:
             for what, raw in raws:
                 for c in sorted(levels):
                     print(f"llama.cpp{what}{tag}: {c} streams x {per_level[c]} requests ...", flush=True)
-                    res = raw.run(raw_prompts(tokenizer, c, per_level[c], 20_000 + 100 * c), args.max_tokens)
+                    prompts = raw_prompts(tokenizer, c, per_level[c], 20_000 + 100 * c, question)
+                    res = raw.run(prompts, args.max_tokens)
                     if c == 1 and first is None:
                         first = res
                     results.append((f"llama.cpp (llama-cpp-python){what}, {c} streams{tag}", res, first))
@@ -727,8 +760,10 @@ def main() -> int:
                 )
                 try:
                     asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up
-                    if args.prefill_tokens:
-                        text = long_prompt(tokenizer, args.prefill_tokens, next(prefill_numbers))[0]
+                    if args.prefill_tokens or args.prompt_tokens:
+                        # the KV cache grows to a long prompt once per process (every slot, by
+                        # doubling): a cost of the first long request, not of the steady state
+                        text = long_prompt(tokenizer, max(args.prefill_tokens, args.prompt_tokens), 99_999)[0]
                         asyncio.run(server_prefill(url, key, text))
                     print(f"{engine} server: {served_plan(url, key)}", flush=True)
                     # the registry is durable and shared by the servers of this run: a name each
@@ -758,13 +793,17 @@ def main() -> int:
                                 f"{engine} server{tag}: {c} concurrent streams x {per_level[c]} requests ...",
                                 flush=True,
                             )
-                            res = asyncio.run(load(url, key, "bench", c, per_level[c], args.max_tokens))
+                            res = asyncio.run(
+                                load(url, key, "bench", c, per_level[c], args.max_tokens, question)
+                            )
                             results.append((f"tandem {engine} engine, {c} streams{tag}", res, base))
                             if adapter is not None:
                                 models = ["bench", lora] if c > 1 else [lora]
                                 label = "LoRA on half the streams" if c > 1 else "LoRA"
                                 print(f"{engine} server{tag}: {c} streams, {label} ...", flush=True)
-                                res = asyncio.run(load(url, key, models, c, per_level[c], args.max_tokens))
+                                res = asyncio.run(
+                                    load(url, key, models, c, per_level[c], args.max_tokens, question)
+                                )
                                 results.append(
                                     (f"tandem {engine} engine, {c} streams, {label}{tag}", res, base)
                                 )

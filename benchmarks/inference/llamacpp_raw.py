@@ -6,7 +6,8 @@ low-level API, in this process, with no server in between.
 - C streams: llama.cpp's own batched decoding of several sequences (as its ``batched``
   example and server do): one ``llama_batch`` per step holding one token of every running
   sequence (each tagged with its sequence id in a multi-sequence KV cache) plus the whole
-  prompts of requests that just started; each stream sends its requests one after another
+  prompts of requests that just started, as many as the batch's 2,048 tokens hold (the others wait
+  for the next step); each stream sends its requests one after another
   (closed loop, as the server load does), its next request joining the next step.
 
 Times are taken as each token's logits come back, so TTFT (request start to first token)
@@ -48,7 +49,8 @@ class LlamaCppRaw:
         ll = self.ll
         self.mem = ll.llama_get_memory(self.ctx)
         self.n_vocab = int(ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model)))
-        self.batch = ll.llama_batch_init(2048, 0, 1)
+        self.capacity = 2048
+        self.batch = ll.llama_batch_init(self.capacity, 0, 1)
         self.max_seqs = max_seqs
 
     def close(self) -> None:
@@ -96,6 +98,8 @@ class LlamaCppRaw:
             entries: list[tuple[int, int, int, bool]] = []
             owners: list[_Stream] = []
             for s in active:
+                if s.pending and len(entries) + len(s.pending) > self.capacity:
+                    continue  # no room in this step's batch: the prompt waits for the next
                 if s.pending:  # a new request: its whole prompt, logits at its last token
                     last = len(s.pending) - 1
                     entries += [(t, k, s.seq, k == last) for k, t in enumerate(s.pending)]
