@@ -231,16 +231,17 @@ async def one_request(
 
     t0 = time.perf_counter()
     times: list[float] = []
-    usage = 0
+    usage = prompt = 0
     async with client.stream(
         "POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
     ) as resp:
         resp.raise_for_status()
         async for chunk in openai_chunks(resp.aiter_lines(), ChatCompletionChunk):
             if chunk.usage is not None:
-                usage = chunk.usage.completion_tokens
+                usage, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
             times += [time.perf_counter() for choice in chunk.choices if choice.text]
-    return {"ttft": times[0] - t0 if times else float("nan"), "times": times, "tokens": usage}
+    ttft = times[0] - t0 if times else float("nan")
+    return {"ttft": ttft, "times": times, "tokens": usage, "prompt_tokens": prompt}
 
 
 async def load(
@@ -431,31 +432,9 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
 
 async def server_prefill(url: str, key: str, text: str) -> tuple[int, float]:
     """(prompt tokens, seconds to the first token) of one request with one token to make."""
-    body = {
-        "model": "bench",
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 1,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    from services.common.openai_stream import openai_chunks
-    from services.common.openai_wire import ChatCompletionChunk
-
-    first = float("nan")
-    prompt = 0
     async with httpx.AsyncClient(timeout=600) as client:
-        t0 = time.perf_counter()
-        async with client.stream(
-            "POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-        ) as resp:
-            resp.raise_for_status()
-            async for chunk in openai_chunks(resp.aiter_lines(), ChatCompletionChunk):
-                if chunk.usage is not None:
-                    prompt = chunk.usage.prompt_tokens
-                if first != first and any(choice.text for choice in chunk.choices):
-                    first = time.perf_counter() - t0
-    return prompt, first
+        res = await one_request(client, url, key, "bench", text, 1)
+    return res["prompt_tokens"], res["ttft"]
 
 
 def print_prefill(prefills: list[tuple[str, float, float | None]], tokens: int, requests: int) -> None:
