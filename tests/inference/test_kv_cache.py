@@ -73,3 +73,16 @@ def test_a_grown_slab_doubles_and_keeps_what_was_written() -> None:
 def test_a_lazy_cache_off_the_cpu_is_refused() -> None:
     with pytest.raises(ValueError, match="meta"):
         _cache(lazy=True, device=torch.device("meta"))
+
+
+def test_a_map_the_system_refuses_falls_back_to_growing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.inference.engine import kv_cache
+
+    def refuse(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(kv_cache, "mapped_zeros", refuse)
+    cache = _cache(initial_capacity=64)
+    assert not cache.lazy and cache.capacity == 64 and not cache.k[1].any()
+    cache.ensure_capacity(100)
+    assert cache.capacity == 128

@@ -70,11 +70,17 @@ class SlabKVCache:
             raise ValueError(f"a lazily mapped KV cache lives in CPU memory, not on {self.device}")
         # the context rounded up to whole blocks (the positions past it are never written)
         self._max_capacity = round_up(self.max_len)
-        self.capacity = (
-            self._max_capacity if self.lazy else min(self._max_capacity, round_up(initial_capacity))
-        )
-        self.k = [self._alloc(self.capacity) for _ in range(self.num_layers)]
-        self.v = [self._alloc(self.capacity) for _ in range(self.num_layers)]
+        if self.lazy:
+            self.capacity = self._max_capacity
+            try:
+                self.k = [self._alloc(self.capacity) for _ in range(self.num_layers)]
+                self.v = [self._alloc(self.capacity) for _ in range(self.num_layers)]
+            except OSError:  # an address space the system will not promise (strict overcommit)
+                self.lazy = False
+        if not self.lazy:
+            self.capacity = min(self._max_capacity, round_up(initial_capacity))
+            self.k = [self._alloc(self.capacity) for _ in range(self.num_layers)]
+            self.v = [self._alloc(self.capacity) for _ in range(self.num_layers)]
         # where the forward about to run writes its keys/values (set by plan_writes)
         self._slots: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
