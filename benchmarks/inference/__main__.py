@@ -652,10 +652,12 @@ def main() -> int:
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # the decode levels' user messages: short questions, or RAG-length prompts (--prompt-tokens)
-        question: Callable[[int], str] = unique_question
-        if args.prompt_tokens:
-            long_numbers = itertools.count(100_000)
-            question = lambda _i: long_prompt(tokenizer, args.prompt_tokens, next(long_numbers))[0]  # noqa: E731
+        long_numbers = itertools.count(100_000)
+
+        def long_question(_i: int) -> str:
+            return long_prompt(tokenizer, args.prompt_tokens, next(long_numbers))[0]
+
+        question: Callable[[int], str] = long_question if args.prompt_tokens else unique_question
         prefills: list[tuple[str, float, float | None]] = []
         prefill_numbers = itertools.count(60_000)
         prefill_raw = None
@@ -740,8 +742,8 @@ def main() -> int:
                 try:
                     asyncio.run(load(url, key, "bench", 1, 1, 8))  # warm-up
                     if args.prefill_tokens or args.prompt_tokens:
-                        # the KV cache grows to a long prompt once per process (every slot, by
-                        # doubling): a cost of the first long request, not of the steady state
+                        # a first long prompt's one-off costs (new product and attention shapes,
+                        # the KV slab's first pages) are not the steady state's
                         text = long_prompt(tokenizer, max(args.prefill_tokens, args.prompt_tokens), 99_999)[0]
                         asyncio.run(server_prefill(url, key, text))
                     print(f"{engine} server: {served_plan(url, key)}", flush=True)

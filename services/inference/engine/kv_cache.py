@@ -71,19 +71,20 @@ class SlabKVCache:
         # the context rounded up to whole blocks (the positions past it are never written)
         self._max_capacity = round_up(self.max_len)
         if self.lazy:
-            self.capacity = self._max_capacity
             try:
-                self.k = [self._alloc(self.capacity) for _ in range(self.num_layers)]
-                self.v = [self._alloc(self.capacity) for _ in range(self.num_layers)]
+                self._allocate(self._max_capacity)
             except OSError:  # an address space the system will not promise (strict overcommit)
                 self.lazy = False
         if not self.lazy:
-            self.capacity = min(self._max_capacity, round_up(initial_capacity))
-            self.k = [self._alloc(self.capacity) for _ in range(self.num_layers)]
-            self.v = [self._alloc(self.capacity) for _ in range(self.num_layers)]
+            self._allocate(min(self._max_capacity, round_up(initial_capacity)))
         # where the forward about to run writes its keys/values (set by plan_writes)
         self._slots: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
+
+    def _allocate(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.k = [self._alloc(capacity) for _ in range(self.num_layers)]
+        self.v = [self._alloc(capacity) for _ in range(self.num_layers)]
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         # zeros, not empty: masked positions must hold finite numbers (0 * NaN is NaN).

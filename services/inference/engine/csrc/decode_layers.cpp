@@ -265,50 +265,42 @@ void attend(const float* qkv, const Head& q_head, const Head& k_head, S* k_row, 
     q_head.apply<D>(qkv + (first_head + h) * D, q[h]);
   }
   std::vector<float> weights(group * length);
-  // KEYS keys at a time: independent FMA chains (one chain per key and head waits on the FMA's
-  // latency); each dot product still sums its columns in the same order, so the same numbers
-  constexpr int64_t KEYS = 4;
-  int64_t j = 0;
-  for (; j + KEYS <= length; j += KEYS) {
-    Vec acc[KEYS][8];
-    for (int64_t u = 0; u < KEYS; ++u) {
+  // N keys at a time (KEYS, then one for the rest): independent FMA chains (one chain per key and
+  // head waits on the FMA's latency); each dot product still sums its columns in the same order,
+  // so the same numbers
+  auto score = [&](int64_t j, auto keys) {
+    constexpr int64_t N = decltype(keys)::value;
+    Vec acc[N][8];
+    for (int64_t u = 0; u < N; ++u) {
       for (int64_t h = 0; h < group; ++h) {
         acc[u][h] = Vec(0.f);
       }
     }
     for (int64_t c = 0; c < D; c += W) {
-      Vec k[KEYS];
-      for (int64_t u = 0; u < KEYS; ++u) {
+      Vec k[N];
+      for (int64_t u = 0; u < N; ++u) {
         k[u] = load8(k_row + (j + u) * D + c);
       }
       for (int64_t h = 0; h < group; ++h) {
         const Vec qc = Vec::loadu(q[h] + c);
-        for (int64_t u = 0; u < KEYS; ++u) {
+        for (int64_t u = 0; u < N; ++u) {
           acc[u][h] = at::vec::fmadd(qc, k[u], acc[u][h]);
         }
       }
     }
-    for (int64_t u = 0; u < KEYS; ++u) {
+    for (int64_t u = 0; u < N; ++u) {
       for (int64_t h = 0; h < group; ++h) {
         weights[h * length + j + u] = hsum(acc[u][h]) * scale;
       }
     }
+  };
+  constexpr int64_t KEYS = 4;
+  int64_t j = 0;
+  for (; j + KEYS <= length; j += KEYS) {
+    score(j, std::integral_constant<int64_t, KEYS>{});
   }
   for (; j < length; ++j) {
-    const S* key = k_row + j * D;
-    Vec acc[8];
-    for (int64_t h = 0; h < group; ++h) {
-      acc[h] = Vec(0.f);
-    }
-    for (int64_t c = 0; c < D; c += W) {
-      const Vec k = load8(key + c);
-      for (int64_t h = 0; h < group; ++h) {
-        acc[h] = at::vec::fmadd(Vec::loadu(q[h] + c), k, acc[h]);
-      }
-    }
-    for (int64_t h = 0; h < group; ++h) {
-      weights[h * length + j] = hsum(acc[h]) * scale;
-    }
+    score(j, std::integral_constant<int64_t, 1>{});
   }
   for (int64_t h = 0; h < group; ++h) {
     float* w = weights.data() + h * length;
