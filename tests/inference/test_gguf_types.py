@@ -18,7 +18,7 @@ import torch
 
 from services.inference.engine import SamplingParams, TorchEngine, gguf_weights, quantized_linear
 from services.inference.engine.loader import resolve_model
-from services.inference.engine.quantized_linear import INT4_GROUP, Q4_TILE, Int4Blocks
+from services.inference.engine.quantized_linear import Int4Blocks
 from tests.helpers.gguf_files import MIXES, write_llama_gguf
 
 pytestmark = pytest.mark.skipif(
@@ -118,17 +118,9 @@ def _gguf_name(layer: int, projection: str) -> str:
 
 
 def _held_by_int4_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """The weight ``Int4Blocks`` holds for ``weight``: its packed 4-bit values times its fp32
-    scales plus its minima, unpacked from the kernel's tile layout."""
-    out_f, in_f = weight.shape
-    packed, scale_min = Int4Blocks().prepare(weight)
-    tiles, groups = out_f // Q4_TILE, in_f // INT4_GROUP
-    # byte 2c + h of (tile, quad j): output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high)
-    pairs = packed.view(tiles, in_f // 4, Q4_TILE, 2)
-    q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1)  # [tile, quad, c, h, nibble]
-    q = q.permute(0, 2, 1, 3, 4).reshape(out_f, in_f)
-    sm = scale_min.permute(0, 3, 2, 1).reshape(out_f, 2, groups)
-    return gguf_weights.values(q, sm[:, 0].contiguous(), sm[:, 1].contiguous())
+    """The weight ``Int4Blocks`` holds for ``weight``: its packed 4-bit values times its scales
+    (fp32 bases times fp16 multipliers) plus its minima, unpacked from the kernel's layout."""
+    return gguf_weights.values(*Int4Blocks.held(Int4Blocks().prepare(weight)))
 
 
 @pytest.mark.parametrize("mix", list(MIXES))

@@ -176,7 +176,9 @@ def test_the_q8_head_follows_the_bf16_head(lively_tiny_path: Path, built: None) 
     rows = [DecodeRow(slot=s, token=500 + s, position=positions[s]) for s in range(5)]
     ref, out = (e.runner.forward(rows, []) for e in (python_loop, own))
     assert _relative(out, ref) < 3e-2
-    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    # each row's token is the reference's best, or ties with it (the reference's logits are bf16)
+    chosen = ref.gather(1, out.argmax(-1, keepdim=True))[:, 0]
+    assert bool((chosen >= ref.max(-1).values - 0.02).all()), (out.argmax(-1), ref.argmax(-1))
 
 
 @pytest.mark.parametrize("with_adapter", [False, True])
@@ -367,13 +369,14 @@ def test_int4_blocks_keep_the_q4_1_values_and_multiply_each_row_on_its_own(built
     kernel = Int4Blocks()
     packed, scale_min = kernel.prepare(weight)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 24, 32)
-    assert scale_min.dtype == torch.float32 and scale_min.shape == (3, 3, 2, 16)
+    # per tile, one super-block (3 groups padded to 8): 2 x 16 fp32 bases, 8 x 2 x 16 fp16 multipliers
+    assert scale_min.dtype == torch.uint8 and scale_min.shape == (3, 640)
     assert torch.equal(_unpack(packed), q)
-    # scale and min per group, fp32: the weight back to within fp32 rounding
-    scale = scale_min[:, :, 0].permute(0, 2, 1).reshape(48, 3)
-    low = scale_min[:, :, 1].permute(0, 2, 1).reshape(48, 3)
+    held_q, scale, low = Int4Blocks.held((packed, scale_min))
+    assert torch.equal(held_q.long(), q)
+    # scales and minima re-derived from fp32 values: base times an fp16 multiplier, within 2^-11
     back = (q.view(48, 3, 32) * scale[..., None] + low[..., None]).view(48, 96)
-    assert torch.allclose(back, weight, rtol=0, atol=1e-6)
+    assert 0 < float((back - weight).abs().max()) < 2e-4
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(19, 96, generator=gen)  # more rows than a pass over a tile takes (8)
     bias = torch.randn(48, generator=gen)

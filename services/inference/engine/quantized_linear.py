@@ -151,9 +151,49 @@ class Int4WeightOnly:
 Q4_TILE = 16
 
 
+# Int4Blocks' super-blocks: groups whose scales (and, apart, minima) share an fp32 base per output
+Q4_SUPER = 8
+# the multipliers tried for a super-block of a file's groups that are not fp16 values already: Q4_K's
+# scales and minima are an fp16 value times 6-bit integers, the largest 63 as its quantiser leaves it
+Q4_K_LEVELS = 63
+
+
+def fp16_factors(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``values`` [rows, groups] (fp32) as ``base * multiplier`` per super-block of ``Q4_SUPER``
+    groups: base [rows, S] fp32, multipliers [rows, S * Q4_SUPER] fp16 (the last super-block padded
+    with zeros), and which super-blocks are exact (``base * multiplier == value`` in fp32 for
+    each). Exact where the values are fp16 (base 1: Q4_0's and Q4_1's) or an fp16 base times
+    integers up to ``Q4_K_LEVELS`` (Q4_K's, found by trying the largest value over each count of
+    levels); elsewhere the base is the super-block's largest magnitude, its multipliers rounded
+    (a relative 2^-11 at most)."""
+    rows, groups = values.shape
+    supers = -(-groups // Q4_SUPER)
+    v = torch.nn.functional.pad(values.float(), (0, supers * Q4_SUPER - groups)).view(rows, supers, Q4_SUPER)
+    base = torch.ones(rows, supers)
+    mult = v.to(torch.float16)
+    exact = (mult.float() == v).all(dim=-1)
+    top = v.abs().amax(dim=-1)
+    for levels in range(Q4_K_LEVELS, 0, -1):
+        todo = (~exact).nonzero(as_tuple=True)
+        if not todo[0].numel():
+            break
+        b = top[todo] / levels
+        m = (v[todo] / b[:, None]).to(torch.float16)
+        ok = (b[:, None] * m.float() == v[todo]).all(dim=-1)
+        hit = tuple(i[ok] for i in todo)
+        base[hit], mult[hit], exact[hit] = b[ok], m[ok], True
+    rest = (~exact).nonzero(as_tuple=True)
+    if rest[0].numel():
+        b = torch.where(top[rest] > 0, top[rest], 1.0)
+        base[rest], mult[rest] = b, (v[rest] / b[:, None]).to(torch.float16)
+    return base, mult.view(rows, supers * Q4_SUPER), exact
+
+
 class Int4Blocks(Int4WeightOnly):
-    """Int4 in GGUF's Q4_1 groups (``w = q * scale + min``, fp32 scale and min: the file's values
-    exactly, where ``Int4WeightOnly``'s bf16 scales round them), multiplied by the native module's
+    """Int4 in GGUF's Q4_1 groups (``w = q * scale + min``; each group's scale and min an fp32 base
+    of its super-block times an fp16 multiplier, ``fp16_factors``: the file's values exactly for
+    Q4_0, Q4_1 and Q4_K, where ``Int4WeightOnly``'s bf16 scales round them; 5.25 bits a weight,
+    where fp32 scales and minima took 6), multiplied by the native module's
     ``q4_linear`` with each row's inputs quantised to int8 in groups of 32, as llama.cpp's Q4_1 x
     Q8_1 product does: a group's sum is exact int32 arithmetic (AVX512-VNNI's ``vpdpbusd``, 64
     products an instruction, where the CPU has it; AVX2's ``maddubs`` elsewhere, the same numbers
@@ -169,13 +209,61 @@ class Int4Blocks(Int4WeightOnly):
                 f"Int4Blocks: a {out_f} x {in_f} weight is not whole {Q4_TILE} x {INT4_GROUP} tiles"
             )
         q_float, scale, low = q4_1_groups(weight)
-        q = q_float.to(torch.uint8)
+        groups = in_f // INT4_GROUP
+        (scale_base, scale_mult, scale_exact), (low_base, low_mult, low_exact) = map(
+            fp16_factors, (scale, low)
+        )
+        inexact = (~(scale_exact & low_exact)).repeat_interleave(Q4_SUPER, dim=1)[:, :groups]
+        if inexact.any():  # the rounded scales and minima: their groups quantised again with them
+            held_scale = (
+                scale_base.repeat_interleave(Q4_SUPER, dim=1)[:, :groups] * scale_mult[:, :groups].float()
+            )
+            held_low = low_base.repeat_interleave(Q4_SUPER, dim=1)[:, :groups] * low_mult[:, :groups].float()
+            w = weight.detach().float().view(out_f, groups, INT4_GROUP)
+            again = torch.round((w - held_low[..., None]) / held_scale.clamp(min=1e-12)[..., None]).clamp(
+                0, 15
+            )
+            q_float = torch.where(inexact[..., None], again, q_float.view(out_f, groups, INT4_GROUP))
+        q = q_float.reshape(out_f, in_f).to(torch.uint8)
         # per tile t and quad j of 4 inputs, byte 2c + h: output c's inputs 4j + 2h | 4j + 2h + 1 << 4
         pairs = q.view(out_f // Q4_TILE, Q4_TILE, in_f // 4, 2, 2)
         packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1, 3).contiguous()
-        tiles = out_f // Q4_TILE
-        scale_min = torch.stack([scale, low], dim=1).view(tiles, Q4_TILE, 2, in_f // INT4_GROUP)
-        return packed.view(tiles, in_f // 4, 2 * Q4_TILE), scale_min.permute(0, 3, 2, 1).contiguous()
+        tiles, supers = out_f // Q4_TILE, scale_base.shape[1]
+        # per tile and super-block: [2, 16] fp32 bases, then [8, 2, 16] fp16 multipliers (the kernel's sm)
+        bases = torch.stack([scale_base, low_base], dim=1).view(tiles, Q4_TILE, 2, supers).permute(0, 3, 2, 1)
+        mults = torch.stack([scale_mult, low_mult], dim=1).view(tiles, Q4_TILE, 2, supers, Q4_SUPER)
+        mults = mults.permute(0, 3, 4, 2, 1)
+        blob = torch.cat(
+            [
+                bases.contiguous().view(torch.uint8).reshape(tiles, supers, -1),
+                mults.contiguous().view(torch.uint8).reshape(tiles, supers, -1),
+            ],
+            dim=2,
+        )
+        return packed.view(tiles, in_f // 4, 2 * Q4_TILE), blob.reshape(tiles, -1)
+
+    @staticmethod
+    def held(prepared: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What ``prepare`` holds: ``q`` [out, in] (0..15), each group's scale and minimum [out,
+        groups] in fp32 (base times multiplier, as the kernel computes them)."""
+        packed, blob = prepared
+        tiles, in_f = packed.shape[0], packed.shape[1] * 4
+        out_f, groups = tiles * Q4_TILE, in_f // INT4_GROUP
+        # byte 2c + h of (tile, quad j): output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high)
+        pairs = packed.view(tiles, in_f // 4, Q4_TILE, 2)
+        q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).permute(0, 2, 1, 3, 4).reshape(out_f, in_f)
+        supers = blob.shape[1] // (2 * Q4_TILE * 4 + Q4_SUPER * 2 * Q4_TILE * 2)
+        parts = blob.view(tiles, supers, -1)
+        bases = parts[..., : 2 * Q4_TILE * 4].contiguous().view(torch.float32).view(tiles, supers, 2, Q4_TILE)
+        mults = (
+            parts[..., 2 * Q4_TILE * 4 :]
+            .contiguous()
+            .view(torch.float16)
+            .view(tiles, supers, Q4_SUPER, 2, Q4_TILE)
+        )
+        values = bases[:, :, None] * mults.float()  # [tile, super, group, 2, c]
+        values = values.permute(0, 4, 3, 1, 2).reshape(out_f, 2, supers * Q4_SUPER)[..., :groups]
+        return q, values[:, 0].contiguous(), values[:, 1].contiguous()
 
     def rows(self, input: torch.Tensor) -> torch.Tensor:
         return input.float().contiguous()

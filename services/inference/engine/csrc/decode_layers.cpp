@@ -423,11 +423,17 @@ void add_lora(int64_t index, const Tensor& x, Tensor& out, Lora& lora) {
 // sum over groups of d * (scale * sum(q * xq) + min * sum(xq)). Each row is computed alone, in a
 // fixed order: the same numbers alone as in any batch. Layout (quantized_linear.Int4Blocks):
 // w [N/16, K/4, 32] uint8, per tile of 16 outputs and quad j of 4 inputs, byte 2c + h holds
-// output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high); sm [N/16, K/32, 2, 16] fp32:
-// each group's 16 scales, then its 16 mins.
+// output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high); sm [N/16, S * 640] bytes, per
+// tile and super-block of 8 groups (S of them, the last padded): 16 fp32 bases of the scales, 16
+// of the mins, then per group 16 fp16 multipliers of the scales and 16 of the mins. A group's
+// scale is base * multiplier in fp32 (exact where the layout was made from a file: Q4_0/Q4_1's
+// fp16 values times 1, Q4_K's fp16 d times its 6-bit integers), so the sums are the ones of fp32
+// scales and mins, at 5.25 bits a weight instead of 6.
 
 constexpr int64_t Q4_GROUP = 32;  // quantized_linear.INT4_GROUP
 constexpr int64_t Q4_TILE = 16;   // outputs a tile: one vector of fp32 lanes
+constexpr int64_t Q4_SUPER = 8;   // groups a super-block (quantized_linear.Q4_SUPER)
+constexpr int64_t Q4_SUPER_BYTES = 2 * Q4_TILE * 4 + Q4_SUPER * 2 * Q4_TILE * 2;  // 640
 constexpr int64_t Q4_ROWS = 8;    // rows a pass over a tile's weights (their sums stay in registers)
 constexpr int64_t Q4_ROWS_AVX2 = 4;  // the same with AVX2's 16 registers
 
@@ -453,7 +459,7 @@ OWN_VNNI inline void quantize_row(const float* x, int64_t k_size, int8_t* xq, fl
 // one tile of 16 outputs, into out (ld_out apart)
 template <int R>
 OWN_VNNI void q4_tile(const int32_t* xq, int64_t ld, const float* d, const float* c, int64_t groups,
-                      const uint8_t* w, const float* sm, float* out, int64_t ld_out) {
+                      const uint8_t* w, const uint8_t* sm, float* out, int64_t ld_out) {
   __m512 total[R];
   for (int r = 0; r < R; ++r) {
     total[r] = _mm512_setzero_ps();
@@ -475,7 +481,13 @@ OWN_VNNI void q4_tile(const int32_t* xq, int64_t ld, const float* d, const float
         acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(xg[r * ld + j]));
       }
     }
-    const __m512 scale = _mm512_loadu_ps(sm + g * 2 * Q4_TILE), min = _mm512_loadu_ps(sm + g * 2 * Q4_TILE + Q4_TILE);
+    const uint8_t* sb = sm + (g / Q4_SUPER) * Q4_SUPER_BYTES;
+    const auto* base = reinterpret_cast<const float*>(sb);
+    const uint8_t* mult = sb + 2 * Q4_TILE * 4 + (g % Q4_SUPER) * 2 * Q4_TILE * 2;
+    const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(base), _mm512_cvtph_ps(_mm256_loadu_si256(
+                                                                   reinterpret_cast<const __m256i*>(mult))));
+    const __m512 min = _mm512_mul_ps(_mm512_loadu_ps(base + Q4_TILE), _mm512_cvtph_ps(_mm256_loadu_si256(
+                                                                           reinterpret_cast<const __m256i*>(mult + 32))));
     for (int r = 0; r < R; ++r) {
       const __m512 sums = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), scale);
       total[r] = _mm512_fmadd_ps(sums, _mm512_set1_ps(d[r * groups + g]), total[r]);
@@ -524,7 +536,7 @@ inline void quantize_row_avx2(const float* x, int64_t k_size, int8_t* xq, float*
 
 template <int R>
 void q4_tile_avx2(const int32_t* xq, int64_t ld, const float* d, const float* c, int64_t groups, const uint8_t* w,
-                  const float* sm, float* out, int64_t ld_out) {
+                  const uint8_t* sm, float* out, int64_t ld_out) {
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) {
     total[r][0] = total[r][1] = _mm256_setzero_ps();
@@ -551,9 +563,16 @@ void q4_tile_avx2(const int32_t* xq, int64_t ld, const float* d, const float* c,
         }
       }
     }
-    const float* smg = sm + g * 2 * Q4_TILE;
+    const uint8_t* sb = sm + (g / Q4_SUPER) * Q4_SUPER_BYTES;
+    const auto* base = reinterpret_cast<const float*>(sb);
+    const uint8_t* mult = sb + 2 * Q4_TILE * 4 + (g % Q4_SUPER) * 2 * Q4_TILE * 2;
     for (int half = 0; half < 2; ++half) {
-      const __m256 scale = _mm256_loadu_ps(smg + 8 * half), min = _mm256_loadu_ps(smg + Q4_TILE + 8 * half);
+      const __m256 scale = _mm256_mul_ps(
+          _mm256_loadu_ps(base + 8 * half),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mult + 16 * half))));
+      const __m256 min = _mm256_mul_ps(
+          _mm256_loadu_ps(base + Q4_TILE + 8 * half),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mult + 32 + 16 * half))));
       for (int r = 0; r < R; ++r) {
         const __m256 sums = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][half]), scale);
         total[r][half] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d[r * groups + g]), total[r][half]);
@@ -567,7 +586,7 @@ void q4_tile_avx2(const int32_t* xq, int64_t ld, const float* d, const float* c,
   }
 }
 
-using Q4Tile = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, const float*,
+using Q4Tile = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, const uint8_t*,
                         float*, int64_t);
 
 template <int... Rs>
@@ -590,14 +609,14 @@ inline bool vnni() {
 Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm, c10::optional<bool> wide_in) {
   const bool wide = wide_in.value_or(vnni());
   TORCH_CHECK(!wide || vnni(), "q4_linear: this CPU has no AVX512-VNNI");
-  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 3 && sm.dim() == 4 && w.scalar_type() == at::kByte &&
-                  sm.scalar_type() == at::kFloat && w.is_contiguous() && sm.is_contiguous(),
-              "q4_linear: x [T, K], w [N/16, K/4, 32] uint8, sm [N/16, K/32, 2, 16] fp32");
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 3 && sm.dim() == 2 && w.scalar_type() == at::kByte &&
+                  sm.scalar_type() == at::kByte && w.is_contiguous() && sm.is_contiguous(),
+              "q4_linear: x [T, K], w [N/16, K/4, 32] uint8, sm [N/16, S * 640] uint8");
   const Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t tokens = x.size(0), k_size = x.size(1), tiles = w.size(0), n_size = tiles * Q4_TILE;
   const int64_t groups = k_size / Q4_GROUP;
   TORCH_CHECK(k_size % Q4_GROUP == 0 && w.size(1) * 4 == k_size && w.size(2) == 32 && sm.size(0) == tiles &&
-                  sm.size(1) == groups && sm.size(2) == 2 && sm.size(3) == Q4_TILE,
+                  sm.size(1) == (groups + Q4_SUPER - 1) / Q4_SUPER * Q4_SUPER_BYTES,
               "q4_linear: shapes x ", x.sizes(), " w ", w.sizes(), " sm ", sm.sizes());
   Tensor out = at::empty({tokens, n_size}, x.options());
   Tensor xq = at::empty({tokens, k_size}, x.options().dtype(at::kChar));
@@ -616,14 +635,14 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm, c10::opt
   const int64_t pass = wide ? Q4_ROWS : Q4_ROWS_AVX2;
   const auto* quads = reinterpret_cast<const int32_t*>(xq_p);
   const uint8_t* w_p = w.data_ptr<uint8_t>();
-  const float* sm_p = sm.data_ptr<float>();
+  const uint8_t* sm_p = sm.data_ptr<uint8_t>();
   float* o_p = out.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       for (int64_t t = 0; t < tokens; t += pass) {
         const int64_t r = std::min(pass, tokens - t);
         kernels[r - 1](quads + t * (k_size / 4), k_size / 4, d_p + t * groups, c_p + t * groups, groups,
-                       w_p + tile * (k_size / 2) * Q4_TILE, sm_p + tile * groups * 2 * Q4_TILE,
+                       w_p + tile * (k_size / 2) * Q4_TILE, sm_p + tile * sm.size(1),
                        o_p + t * n_size + tile * Q4_TILE, n_size);
       }
     }
