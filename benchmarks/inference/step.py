@@ -139,8 +139,9 @@ def head(path: Path, rows: list[int], rounds: int, steps: int) -> int:
     """The output head's decode product alone, per kernel and row count (medians over rounds)."""
     from transformers import AutoModelForCausalLM
 
+    from services.common.platforms import cpu_features
     from services.inference.engine import native
-    from services.inference.engine.quantized_linear import BF16Packed, Q8Blocks
+    from services.inference.engine.quantized_linear import BF16Packed, Q8Blocks, Q8Rows
 
     if not native.start("on") or native.q8_linear() is None:
         raise SystemExit("the Q8_0 kernel needs the native module on an AVX2 CPU")
@@ -149,7 +150,9 @@ def head(path: Path, rows: list[int], rounds: int, steps: int) -> int:
         .get_output_embeddings()
         .weight.detach()
     )
-    kernels = {"Q8_0 blocks (own)": Q8Blocks(), "bf16 oneDNN-packed": BF16Packed(max(rows))}
+    kernels: dict[str, Any] = {"Q8_0 blocks (own)": Q8Blocks(), "bf16 oneDNN-packed": BF16Packed(max(rows))}
+    if cpu_features().avx512_vnni:
+        kernels = {"Q8_0 x int8 rows (own, AVX512-VNNI)": Q8Rows(), **kernels}
     prepared = {name: k.prepare(weight) for name, k in kernels.items()}
     calls = {
         name: (lambda xs, k=kernel, p=prepared[name]: k.apply(xs[0], p, None))

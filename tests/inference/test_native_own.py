@@ -18,7 +18,7 @@ from services.common.platforms import cpu_features
 from services.inference.engine import TorchEngine, native, packed_linear, quantized_linear
 from services.inference.engine.fused_decode import decode_kernel
 from services.inference.engine.plan import plain_head, plan_for
-from services.inference.engine.quantized_linear import Int4Blocks, Q8Blocks
+from services.inference.engine.quantized_linear import Int4Blocks, Q8Blocks, Q8Rows
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from tests.helpers.models import make_lora_adapter
 from tests.inference.test_fused_decode import _load
@@ -127,9 +127,7 @@ def test_own_operations_follow_the_python_loop(
         adapter, name = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=5, modules=modules), "a"
     python_loop = _engine(lively_tiny_path, "python", adapter)
     # the own loop with the same bf16 head as the Python loop's: only the layers differ
-    with monkeypatch.context() as patch:
-        patch.setattr(native, "q8_linear", lambda: None)
-        own = _engine(lively_tiny_path, "own", adapter)
+    own = _engine(lively_tiny_path, "own", adapter, head="bf16")
     assert own.runner.fused is not None and own.runner.fused.native
     assert python_loop.runner.fused is not None and not python_loop.runner.fused.native
     assert type(_head_kernel(own)) is type(_head_kernel(python_loop))
@@ -167,10 +165,13 @@ def test_own_operations_follow_the_python_loop(
         assert _relative(store[:5], ref_store[:5]) < 2e-2
 
 
-def test_the_q8_head_follows_the_bf16_head(lively_tiny_path: Path, built: None) -> None:
-    python_loop, own = _engine(lively_tiny_path, "python"), _engine(lively_tiny_path, "own", head="q8_0")
-    assert isinstance(_head_kernel(own), Q8Blocks)
-    assert not isinstance(_head_kernel(python_loop), Q8Blocks)
+@pytest.mark.parametrize("head", ["q8_0", "q8_0-int8"])
+def test_the_q8_head_follows_the_bf16_head(lively_tiny_path: Path, built: None, head: str) -> None:
+    if head == "q8_0-int8" and not cpu_features().avx512_vnni:
+        pytest.skip("Q8_0 times int8 rows needs AVX512-VNNI")
+    python_loop, own = _engine(lively_tiny_path, "python"), _engine(lively_tiny_path, "own", head=head)
+    assert isinstance(_head_kernel(own), Q8Rows if head == "q8_0-int8" else Q8Blocks)
+    assert not isinstance(_head_kernel(python_loop), (Q8Blocks, Q8Rows))
     positions = _fill(python_loop)
     assert _fill(own) == positions
     rows = [DecodeRow(slot=s, token=500 + s, position=positions[s]) for s in range(5)]
@@ -246,13 +247,20 @@ def test_the_head_kernel_follows_the_setting_and_the_cpus_amx(
 ) -> None:
     from services.common.platforms import cpu_features
 
-    # the plan: oneDNN's bf16 head where AMX is usable (faster at every row count there), else Q8_0
-    for amx, want in ((True, False), (False, True)):
-        platform = dataclasses.replace(cpu_features(), amx_usable=amx)
+    # the plan: Q8_0 times int8 rows where the CPU has AVX512-VNNI (AMX or not); without it,
+    # oneDNN's bf16 head where AMX is usable, else Q8_0 times fp32 rows
+    for vnni, amx, want in (
+        (True, True, Q8Rows),
+        (True, False, Q8Rows),
+        (False, True, None),
+        (False, False, Q8Blocks),
+    ):
+        platform = dataclasses.replace(cpu_features(), amx_usable=amx, avx512_vnni=vnni)
         engine = _engine(lively_tiny_path, "own", platform=platform)
-        assert isinstance(_head_kernel(engine), Q8Blocks) == want, amx
-        assert (engine.plan.head_decode == "q8_0") == want
-        assert engine.plan.reasons["head"].startswith("bf16 head" if amx else "q8_0 head")
+        kernel = _head_kernel(engine)
+        assert (type(kernel) if isinstance(kernel, (Q8Rows, Q8Blocks)) else None) is want, (vnni, amx)
+        assert engine.plan.head_decode == {Q8Rows: "q8_0-int8", Q8Blocks: "q8_0", None: "onednn-bf16"}[want]
+        assert engine.plan.reasons["head"].startswith("bf16 head" if want is None else "q8_0 head")
     assert not isinstance(_head_kernel(_engine(lively_tiny_path, "own", head="bf16")), Q8Blocks)
     # a plan made by hand may pair the Q8_0 head with the loop on ATen's operations
     assert isinstance(_head_kernel(_engine(lively_tiny_path, "python", head="q8_0")), Q8Blocks)
@@ -405,6 +413,30 @@ def test_the_avx2_kernels_give_the_vnni_kernels_numbers_bit_for_bit(built: None)
             wide = kernel(x, packed, scale_min, wide=True)
             assert torch.equal(wide, kernel(x, packed, scale_min, wide=False)), (out_f, rows)
             assert torch.equal(wide, kernel(x, packed, scale_min)), (out_f, rows)
+
+
+@pytest.mark.skipif(not cpu_features().avx512_vnni, reason="Q8_0 times int8 rows needs AVX512-VNNI")
+def test_q8_rows_keep_a_q8_0_files_values_and_multiply_each_row_on_its_own(built: None) -> None:
+    gen = torch.Generator().manual_seed(3)
+    # Q8_0 as a file stores it: an fp16 scale a block of 32, int8 values reaching +-127
+    q = torch.randint(-127, 128, (40, 9, 32), generator=gen)
+    q[..., 0] = 127
+    d = (torch.rand(40, 9, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    weight = (q * d).view(40, 288)
+    kernel = Q8Rows()
+    packed, blob, out_f = kernel.prepare(weight)
+    assert out_f == 40 and packed.shape == (3, 72, 64) and blob.shape == (3, 2 * 640)
+    # the values back exactly: byte 4c + i of quad j is output c's input 4j + i, as q + 128
+    held_q = (packed.view(3, 72, 16, 4).permute(0, 2, 1, 3).reshape(48, 288).long() - 128)[:40]
+    assert torch.equal(held_q, q.view(40, 288))
+    x = torch.randn(11, 288, generator=gen)
+    out = kernel.apply(x, (packed, blob, out_f), None)
+    ref = x.double() @ weight.double().T
+    assert out.shape == (11, 40)
+    # the rows' int8 rounding, as llama.cpp's Q8_0 x Q8_0
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+    for row in range(11):
+        assert torch.equal(kernel.apply(x[row : row + 1], (packed, blob, out_f), None)[0], out[row]), row
 
 
 def test_int4_blocks_refuse_a_weight_that_is_not_whole_tiles() -> None:

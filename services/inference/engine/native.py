@@ -146,6 +146,11 @@ def prompt_own() -> Any:
     return getattr(_BUILD.module, "prompt_own", None)
 
 
+def q8_rows() -> Any:
+    """The Q8_0 x int8 rows product (it refuses a CPU without AVX512-VNNI), or None (not built)."""
+    return getattr(_BUILD.module, "q8_rows", None)
+
+
 def q8_linear() -> Any:
     """The Q8_0 block product, or None (not built)."""
     return getattr(_BUILD.module, "q8_linear", None)

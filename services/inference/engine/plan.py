@@ -63,7 +63,7 @@ from services.inference.engine import (
 )
 from services.inference.engine.layer_ops import LayerOps, describe, layer_ops
 from services.inference.engine.native import NativeDecode
-from services.inference.engine.quantized_linear import PromptDType, Quantize
+from services.inference.engine.quantized_linear import Q8_HEADS, PromptDType, Q8Head, Quantize
 
 if TYPE_CHECKING:
     from services.inference.engine.packed_linear import KernelChoice
@@ -115,7 +115,7 @@ class ForwardPlan:
     @property
     def needs_native(self) -> bool:
         """Whether the plan runs any of the C++ kernels (``native.py``)."""
-        return self.decode == "native-own" or self.prompt == "native" or self.head_decode == "q8_0"
+        return self.decode == "native-own" or self.prompt == "native" or self.head_decode in Q8_HEADS
 
     def paths(self) -> dict[str, str]:
         """Every field but the reasons."""
@@ -148,6 +148,7 @@ def kernel_name(kernel: Any, side: str, model_dtype: torch.dtype) -> str:
         quantized_linear.Int4Blocks: "int4-q8",
         quantized_linear.Int8WeightOnly: "int8",
         quantized_linear.Q8Blocks: "q8_0",
+        quantized_linear.Q8Rows: "q8_0-int8",
     }
     return names.get(type(kernel), type(kernel).__name__)
 
@@ -158,7 +159,7 @@ def _choice(
     output_head: Any,
     batch_hint: int,
     *,
-    q8_head: bool,
+    q8_head: Q8Head,
     int4_blocks: bool,
 ) -> KernelChoice:
     """The per-layer kernels of a packed model: quantised or bf16-prompt kernels, else oneDNN's
@@ -179,7 +180,11 @@ def kernel_choice(plan: ForwardPlan, output_head: Any, batch_hint: int) -> Kerne
         plan.prompt_dtype,
         output_head,
         batch_hint,
-        q8_head=plan.head_decode == "q8_0",
+        q8_head="q8_0-int8"
+        if plan.head_decode == "q8_0-int8"
+        else "q8_0"
+        if plan.head_decode == "q8_0"
+        else None,
         int4_blocks="int4-q8" in plan.layer_decode.split("|"),
     )
 
@@ -287,20 +292,22 @@ def _native(forward: Forward, quantize: Quantize, facts: ModelFacts, setting: Na
     return _Native(built, "" if built else f"the C++ kernels were not built ({native.problem()})")
 
 
-def _head(quantize: Quantize, built: _Native, cpu: CpuFeatures, head: Any) -> tuple[bool, str]:
-    """Whether the output head's decode rows multiply in Q8_0 blocks (the built module's
-    q8_linear), and why."""
-    q8 = built.built and native.q8_linear() is not None
-    q8_head = quantize == "int4" and q8 and not cpu.amx_usable
-    if quantize == "int4" and not q8:
-        return q8_head, built.reason or "the C++ kernels have no q8_linear"
-    if quantize == "int4" and cpu.amx_usable:
-        return q8_head, "bf16 head: this process may use the CPU's AMX (faster at every row count)"
-    if quantize == "int4" and getattr(head, "in_features", 0) % quantized_linear.Q8_BLOCK:
-        return q8_head, f"{getattr(head, 'in_features', 0)} input features are not whole Q8_0 blocks"
-    if q8_head:
-        return q8_head, "q8_0 head: C++ kernels built (AVX2), no usable AMX"
-    return q8_head, f"quantize={quantize}: the head multiplies as the layers do"
+def _head(quantize: Quantize, built: _Native, cpu: CpuFeatures, head: Any) -> tuple[Q8Head, str]:
+    """Whether the output head's decode rows multiply in Q8_0 blocks, which kernel, and why: times
+    int8 rows (the built module's q8_rows) where the CPU has AVX512-VNNI, AMX or not (fewer bytes
+    than the bf16 head, and at 16 rows as fast); times fp32 rows (q8_linear) on AVX2 alone, where no
+    AMX can be usable."""
+    if quantize != "int4":
+        return None, f"quantize={quantize}: the head multiplies as the layers do"
+    if getattr(head, "in_features", 0) % quantized_linear.Q8_BLOCK:
+        return None, f"{getattr(head, 'in_features', 0)} input features are not whole Q8_0 blocks"
+    if built.built and cpu.avx512_vnni and native.q8_rows() is not None:
+        return "q8_0-int8", "q8_0 head times int8 rows: C++ kernels built, AVX512-VNNI"
+    if not built.built or native.q8_linear() is None:
+        return None, built.reason or "the C++ kernels have no q8_linear"
+    if cpu.amx_usable:
+        return None, "bf16 head: this process may use the CPU's AMX (faster than fp32 rows' Q8_0 at 16 rows)"
+    return "q8_0", "q8_0 head: C++ kernels built (AVX2), no AVX512-VNNI"
 
 
 def _layers(

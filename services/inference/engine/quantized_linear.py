@@ -189,6 +189,31 @@ def fp16_factors(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return base, mult.view(rows, supers * Q4_SUPER), exact
 
 
+def _scale_blob(
+    scale: tuple[torch.Tensor, torch.Tensor], low: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Each group's scale and minimum (``fp16_factors``' bases [out, S] and multipliers [out, S *
+    Q4_SUPER]) in the native kernels' layout: per tile of ``Q4_TILE`` outputs and super-block,
+    [2, 16] fp32 bases (scales, minima), then [Q4_SUPER, 2, 16] fp16 multipliers; [tiles, S * 640]
+    bytes."""
+    out_f, supers = scale[0].shape
+    tiles = out_f // Q4_TILE
+    bases = torch.stack([scale[0], low[0]], dim=1).view(tiles, Q4_TILE, 2, supers).permute(0, 3, 2, 1)
+    mults = (
+        torch.stack([scale[1], low[1]], dim=1)
+        .view(tiles, Q4_TILE, 2, supers, Q4_SUPER)
+        .permute(0, 3, 4, 2, 1)
+    )
+    blob = torch.cat(
+        [
+            bases.contiguous().view(torch.uint8).reshape(tiles, supers, -1),
+            mults.contiguous().view(torch.uint8).reshape(tiles, supers, -1),
+        ],
+        dim=2,
+    )
+    return blob.reshape(tiles, -1)
+
+
 class Int4Blocks(Int4WeightOnly):
     """Int4 in GGUF's Q4_1 groups (``w = q * scale + min``; each group's scale and min an fp32 base
     of its super-block times an fp16 multiplier, ``fp16_factors``: the file's values exactly for
@@ -228,19 +253,8 @@ class Int4Blocks(Int4WeightOnly):
         # per tile t and quad j of 4 inputs, byte 2c + h: output c's inputs 4j + 2h | 4j + 2h + 1 << 4
         pairs = q.view(out_f // Q4_TILE, Q4_TILE, in_f // 4, 2, 2)
         packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1, 3).contiguous()
-        tiles, supers = out_f // Q4_TILE, scale_base.shape[1]
-        # per tile and super-block: [2, 16] fp32 bases, then [8, 2, 16] fp16 multipliers (the kernel's sm)
-        bases = torch.stack([scale_base, low_base], dim=1).view(tiles, Q4_TILE, 2, supers).permute(0, 3, 2, 1)
-        mults = torch.stack([scale_mult, low_mult], dim=1).view(tiles, Q4_TILE, 2, supers, Q4_SUPER)
-        mults = mults.permute(0, 3, 4, 2, 1)
-        blob = torch.cat(
-            [
-                bases.contiguous().view(torch.uint8).reshape(tiles, supers, -1),
-                mults.contiguous().view(torch.uint8).reshape(tiles, supers, -1),
-            ],
-            dim=2,
-        )
-        return packed.view(tiles, in_f // 4, 2 * Q4_TILE), blob.reshape(tiles, -1)
+        blob = _scale_blob((scale_base, scale_mult), (low_base, low_mult))
+        return packed.view(out_f // Q4_TILE, in_f // 4, 2 * Q4_TILE), blob
 
     @staticmethod
     def held(prepared: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -278,6 +292,9 @@ class Int4Blocks(Int4WeightOnly):
         return kernel(rows, packed, scale_min)
 
 
+# the output head's Q8_0 kernels (plan.resolve_plan): Q8Blocks (fp32 rows), Q8Rows (int8 rows); None: neither
+Q8Head = Literal["q8_0", "q8_0-int8"] | None
+Q8_HEADS = ("q8_0", "q8_0-int8")
 # GGUF's Q8_0 block size (Q8Blocks), and its output tiles (native.q8_linear's layout)
 Q8_BLOCK = 32
 Q8_TILE = 32
@@ -321,6 +338,46 @@ class Q8Blocks:
             raise RuntimeError("Q8Blocks needs the native module's q8_linear (native.start)")
         x = input.reshape(-1, input.shape[-1])
         out = kernel(x, q_tiles, scale_tiles)[:, :out_f].to(input.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*input.shape[:-1], -1)
+
+
+class Q8Rows:
+    """GGUF's Q8_0 (int8 in blocks of 32 inputs, a scale each: base times fp16 multiplier as in
+    ``Int4Blocks``, the file's fp16 values exactly) times each row's inputs as int8 in blocks of 32,
+    as llama.cpp multiplies a Q8_0 head (Q8_0 x Q8_0): exact int32 sums by AVX512-VNNI, each row
+    alone (the same logits alone as in any batch). For the output head's decode rows: half a bf16
+    head's bytes, and at 16 rows 64 products an instruction where ``Q8Blocks``' fp32 FMAs do 16."""
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        w = weight.detach().float()
+        out_f, in_f = w.shape
+        if in_f % Q8_BLOCK:
+            raise ValueError(f"Q8Rows: {in_f} input features are not a multiple of {Q8_BLOCK}")
+        padded = -(-out_f // Q4_TILE) * Q4_TILE
+        if padded != out_f:  # zero rows up to whole tiles (their outputs are dropped)
+            w = torch.cat([w, w.new_zeros(padded - out_f, in_f)])
+        groups = in_f // Q8_BLOCK
+        blocks = w.view(padded, groups, Q8_BLOCK)
+        base, mult, _ = fp16_factors(blocks.abs().amax(dim=-1) / 127)
+        held = (base.repeat_interleave(Q4_SUPER, dim=1)[:, :groups] * mult[:, :groups].float())[..., None]
+        q = torch.round(blocks / torch.where(held > 0, held, 1.0)).clamp(-127, 127)
+        # byte 4c + i of (tile, quad j): output c's input 4j + i, as q + 128
+        unsigned = (q + 128).to(torch.uint8).view(padded // Q4_TILE, Q4_TILE, in_f // 4, 4)
+        packed = unsigned.permute(0, 2, 1, 3).reshape(padded // Q4_TILE, in_f // 4, 4 * Q4_TILE).contiguous()
+        # w = (u - 128) * scale: the minimum is -128 times the scale (exact in fp16)
+        return packed, _scale_blob((base, mult), (base, mult * -128)), out_f
+
+    def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        from services.inference.engine import native
+
+        packed, blob, out_f = prepared
+        kernel = native.q8_rows()
+        if kernel is None:  # chosen only once the module is built (plan.resolve_plan)
+            raise RuntimeError("Q8Rows needs the native module's q8_rows (native.start)")
+        x = input.reshape(-1, input.shape[-1])
+        out = kernel(x, packed, blob)[:, :out_f].to(input.dtype)
         if bias is not None:
             out = out + bias
         return out.view(*input.shape[:-1], -1)
@@ -583,7 +640,7 @@ def layer_kernels(
     batch_hint: int = 16,
     prompt_dtype: PromptDType = "float32",
     *,
-    q8_head: bool = False,
+    q8_head: Q8Head = None,
     int4_blocks: bool = False,
 ) -> KernelChoice:
     """The kernel of each base linear layer under ``mode``. Prompt tokens multiply with the
@@ -606,7 +663,9 @@ def layer_kernels(
     # AVX-NE-CONVERT, or AVX512BW/VL/DQ): an AVX2-only CPU's head keeps the model's dtype
     other = bf16 if mode == "int4" and packed_linear.available(torch.device("cpu"), COMPUTE_DTYPE) else own
     # the head's decode rows in Q8_0 blocks where the plan says so (plan.resolve_plan)
-    head_decode = Q8Blocks() if mode == "int4" and q8_head else other
+    head_decode: LinearKernel = other
+    if mode == "int4" and q8_head is not None:
+        head_decode = Q8Rows() if q8_head == "q8_0-int8" else Q8Blocks()
 
     def choose(_name: str, module: torch.nn.Linear) -> LinearKernel | None:
         head = module is output_head

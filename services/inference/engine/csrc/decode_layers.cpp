@@ -457,7 +457,10 @@ OWN_VNNI inline void quantize_row(const float* x, int64_t k_size, int8_t* xq, fl
 
 // R rows (xq: their int8 rows as int32 quads, ld apart; d, c: their groups' d and d * sum) times
 // one tile of 16 outputs, into out (ld_out apart)
-template <int R>
+// BITS 4: the layout above; BITS 8 (q8_rows): w [N/16, K/4, 64] uint8, byte 4c + i of quad j output
+// c's input 4j + i as q + 128 (a Q8_0 value 0..255, vpdpbusd's unsigned operand; the min is -128
+// times the scale)
+template <int R, int BITS>
 OWN_VNNI void q4_tile(const int32_t* xq, int64_t ld, const float* d, const float* c, int64_t groups,
                       const uint8_t* w, const uint8_t* sm, float* out, int64_t ld_out) {
   __m512 total[R];
@@ -470,13 +473,18 @@ OWN_VNNI void q4_tile(const int32_t* xq, int64_t ld, const float* d, const float
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_setzero_si512();
     }
-    const uint8_t* wg = w + g * (Q4_GROUP / 2) * Q4_TILE;
+    const uint8_t* wg = w + g * (Q4_GROUP * BITS / 8) * Q4_TILE;
     const int32_t* xg = xq + g * (Q4_GROUP / 4);
 #pragma GCC unroll 8
     for (int64_t j = 0; j < Q4_GROUP / 4; ++j) {
-      // 32 bytes -> 64: each byte's two nibbles side by side ((v | v << 4) & 0x0F0F a word)
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 32)));
-      const __m512i q = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), nibbles, 0xA8);
+      __m512i q;
+      if constexpr (BITS == 8) {
+        q = _mm512_loadu_si512(wg + j * 64);
+      } else {
+        // 32 bytes -> 64: each byte's two nibbles side by side ((v | v << 4) & 0x0F0F a word)
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 32)));
+        q = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), nibbles, 0xA8);
+      }
       for (int r = 0; r < R; ++r) {
         acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(xg[r * ld + j]));
       }
@@ -589,9 +597,9 @@ void q4_tile_avx2(const int32_t* xq, int64_t ld, const float* d, const float* c,
 using Q4Tile = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, const uint8_t*,
                         float*, int64_t);
 
-template <int... Rs>
+template <int BITS, int... Rs>
 constexpr std::array<Q4Tile, sizeof...(Rs)> q4_tiles(std::integer_sequence<int, Rs...>) {
-  return {{&q4_tile<Rs + 1>...}};
+  return {{&q4_tile<Rs + 1, BITS>...}};
 }
 
 template <int... Rs>
@@ -604,20 +612,20 @@ inline bool vnni() {
   return has;
 }
 
-// x [T, K] fp32 times a weight in the layout above: [T, N] fp32; wide: the AVX512-VNNI kernels
-// (None: where the CPU has them), else the AVX2 ones (the same numbers)
-Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm, c10::optional<bool> wide_in) {
-  const bool wide = wide_in.value_or(vnni());
-  TORCH_CHECK(!wide || vnni(), "q4_linear: this CPU has no AVX512-VNNI");
+// x [T, K] fp32 times a weight in the layout above (bits: 4 or 8): [T, N] fp32; wide: the
+// AVX512-VNNI kernels, else the AVX2 ones (4 bits only; the same numbers)
+Tensor block_linear(const char* name, int bits, const Tensor& x_in, const Tensor& w, const Tensor& sm, bool wide) {
+  TORCH_CHECK(!wide || vnni(), name, ": this CPU has no AVX512-VNNI");
+  TORCH_CHECK(wide || bits == 4, name, ": 8-bit weights need AVX512-VNNI");
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 3 && sm.dim() == 2 && w.scalar_type() == at::kByte &&
                   sm.scalar_type() == at::kByte && w.is_contiguous() && sm.is_contiguous(),
-              "q4_linear: x [T, K], w [N/16, K/4, 32] uint8, sm [N/16, S * 640] uint8");
+              name, ": x [T, K], w [N/16, K/4, ", 8 * bits, "] uint8, sm [N/16, S * 640] uint8");
   const Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t tokens = x.size(0), k_size = x.size(1), tiles = w.size(0), n_size = tiles * Q4_TILE;
   const int64_t groups = k_size / Q4_GROUP;
-  TORCH_CHECK(k_size % Q4_GROUP == 0 && w.size(1) * 4 == k_size && w.size(2) == 32 && sm.size(0) == tiles &&
+  TORCH_CHECK(k_size % Q4_GROUP == 0 && w.size(1) * 4 == k_size && w.size(2) == 8 * bits && sm.size(0) == tiles &&
                   sm.size(1) == (groups + Q4_SUPER - 1) / Q4_SUPER * Q4_SUPER_BYTES,
-              "q4_linear: shapes x ", x.sizes(), " w ", w.sizes(), " sm ", sm.sizes());
+              name, ": shapes x ", x.sizes(), " w ", w.sizes(), " sm ", sm.sizes());
   Tensor out = at::empty({tokens, n_size}, x.options());
   Tensor xq = at::empty({tokens, k_size}, x.options().dtype(at::kChar));
   Tensor dc = at::empty({2, tokens, groups}, x.options());
@@ -629,9 +637,10 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm, c10::opt
     (wide ? quantize_row : quantize_row_avx2)(x_p + t * k_size, k_size, xq_p + t * k_size, d_p + t * groups,
                                               c_p + t * groups);
   });
-  static const auto wide_kernels = q4_tiles(std::make_integer_sequence<int, Q4_ROWS>());
+  static const auto wide_kernels = q4_tiles<4>(std::make_integer_sequence<int, Q4_ROWS>());
+  static const auto wide8_kernels = q4_tiles<8>(std::make_integer_sequence<int, Q4_ROWS>());
   static const auto avx2_kernels = q4_tiles_avx2(std::make_integer_sequence<int, Q4_ROWS_AVX2>());
-  const Q4Tile* kernels = wide ? wide_kernels.data() : avx2_kernels.data();
+  const Q4Tile* kernels = !wide ? avx2_kernels.data() : bits == 8 ? wide8_kernels.data() : wide_kernels.data();
   const int64_t pass = wide ? Q4_ROWS : Q4_ROWS_AVX2;
   const auto* quads = reinterpret_cast<const int32_t*>(xq_p);
   const uint8_t* w_p = w.data_ptr<uint8_t>();
@@ -642,12 +651,21 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& w, const Tensor& sm, c10::opt
       for (int64_t t = 0; t < tokens; t += pass) {
         const int64_t r = std::min(pass, tokens - t);
         kernels[r - 1](quads + t * (k_size / 4), k_size / 4, d_p + t * groups, c_p + t * groups, groups,
-                       w_p + tile * (k_size / 2) * Q4_TILE, sm_p + tile * sm.size(1),
+                       w_p + tile * (k_size * bits / 8) * Q4_TILE, sm_p + tile * sm.size(1),
                        o_p + t * n_size + tile * Q4_TILE, n_size);
       }
     }
   });
   return out;
+}
+
+Tensor q4_linear(const Tensor& x, const Tensor& w, const Tensor& sm, c10::optional<bool> wide) {
+  return block_linear("q4_linear", 4, x, w, sm, wide.value_or(vnni()));
+}
+
+// the output head's decode rows: Q8_0 blocks times int8 rows (llama.cpp's Q8_0 x Q8_0), AVX512-VNNI
+Tensor q8_rows(const Tensor& x, const Tensor& w, const Tensor& sm) {
+  return block_linear("q8_rows", 8, x, w, sm, true);
 }
 
 // rows times a oneDNN-packed weight, no bias: mkldnn::_linear_pointwise through the dispatcher (the
@@ -1253,6 +1271,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("q4_linear", &own::q4_linear, "x times a weight in Q4_1 groups, its rows as int8", py::arg("x"),
         py::arg("w"), py::arg("sm"), py::arg("wide") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("q8_rows", &own::q8_rows, "x times a weight in Q8_0 blocks, its rows as int8 (AVX512-VNNI)", py::arg("x"),
+        py::arg("w"), py::arg("sm"), py::call_guard<py::gil_scoped_release>());
   m.def("decode_own", &decode_own, "the decoder layers of one decode step, the ops between the products its own",
         py::call_guard<py::gil_scoped_release>());
   m.def("prompt_own", &prompt_own, "the decoder layers of prompt chunks, bf16 products, the ops between them its own",
