@@ -5,8 +5,9 @@ Each text (GSM8K questions with their worked answers, ``../shared/data/gsm8k``) 
 its first 16 tokens; every later token is then fed as a decode row (16 texts a step, as a busy
 server decodes) and the log-probability the engine gives the text's next token is kept. Runs:
 ``fp32`` (no quantisation: the GGUF's values in fp32, oneDNN products), ``int4`` (torch's int4
-kernel, bf16 rows) and ``int4-q8`` (the engine's own Q4_1 x int8 rows, the default where the
-C++ module is built). Prints mean NLL, perplexity and how often the engine's top token is the text's.
+kernel, bf16 rows), ``int4-q8`` (the engine's own Q4_1 x int8 rows, the default where the
+C++ module is built, with the plan's head: Q8_0 times int8 rows where the CPU has AVX512-VNNI)
+and ``int4-q8-bf16-head`` (the same layers, the head in bf16). Prints mean NLL, perplexity and how often the engine's top token is the text's.
 
     python -m benchmarks.inference.decode_nll                 # 32 texts, 96 tokens each
     python -m benchmarks.inference.decode_nll --texts 64 --threads 2
@@ -26,7 +27,7 @@ import torch
 
 from benchmarks.inference.invariance import GSM8K
 
-KINDS = ("fp32", "int4", "int4-q8")
+KINDS = ("fp32", "int4", "int4-q8", "int4-q8-bf16-head")
 
 
 def runner(path: Path, kind: str, rows: int) -> Any:
@@ -34,7 +35,7 @@ def runner(path: Path, kind: str, rows: int) -> Any:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.inference.engine import TorchEngine
-    from services.inference.engine.plan import plan_for
+    from services.inference.engine.plan import plain_head, plan_for
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if kind == "fp32":
@@ -43,8 +44,10 @@ def runner(path: Path, kind: str, rows: int) -> Any:
         plan = plan_for(model, quantize="int4", native_decode="on")
         if kind == "int4" and plan.layer_decode == "int4-q8":
             plan = dataclasses.replace(plan, layer_decode="int4")
-        elif kind == "int4-q8" and plan.layer_decode != "int4-q8":
+        elif kind.startswith("int4-q8") and plan.layer_decode != "int4-q8":
             return None
+        if kind == "int4-q8-bf16-head":
+            plan = dataclasses.replace(plan, head_decode=plain_head())
     engine = TorchEngine.from_model(
         model, AutoTokenizer.from_pretrained(path), max_batch_size=rows, max_model_len=256, plan=plan
     )
