@@ -205,7 +205,7 @@ def int4(path: Path, rows: list[int], rounds: int, steps: int) -> int:
     if isinstance(ops, str):
         raise SystemExit(f"the lean forward does not compute this model's layers: {ops}")
     layer = model.layers[0]
-    products = (ops.attention, ("o_proj",), ops.mlp_in, ("down_proj",))  # as fused_decode's _Layer multiplies
+    products = (ops.attention, ("o_proj",), ops.mlp_in, (ops.mlp_out,))  # as fused_decode's _Layer multiplies
     weights = [torch.cat([projection(layer, n).weight.detach() for n in names]) for names in products]
     q4, aten = native.q4_linear(), Int4WeightOnly()
     own = [Int4Blocks().prepare(w) for w in weights]

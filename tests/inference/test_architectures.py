@@ -49,10 +49,11 @@ SIZES = {
     "eos_token_id": 2,
     "pad_token_id": 2,
 }
-ARCHITECTURES = ["llama3", "qwen2", "qwen3", "mistral", "gemma3", "granite", "smollm3", "phi3"]
+ARCHITECTURES = ["llama3", "qwen2", "qwen3", "mistral", "gemma3", "granite", "granite4", "smollm3", "phi3"]
 # the projections each family's LoRA adapter targets (every one the layer loop multiplies)
 LORA_MODULES = {
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "granite4": ["q_proj", "k_proj", "v_proj", "o_proj", "input_linear", "output_linear"],
 }
 LLAMA_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [list(range(300 + 11 * i, 318 + 13 * i)) for i in range(4)]
@@ -98,6 +99,19 @@ def _config(arch: str, vocab: int) -> Any:
             attention_multiplier=0.05,
             logits_scaling=4.0,
         )
+    if arch == "granite4":
+        # Granite 4.0 dense (the "micro" models): every layer attention, no experts
+        return tf.GraniteMoeHybridConfig(
+            **sizes,
+            shared_intermediate_size=SIZES["intermediate_size"],
+            num_local_experts=0,
+            layer_types=["full_attention"] * SIZES["num_hidden_layers"],
+            position_embedding_type="rope",
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.05,
+            logits_scaling=4.0,
+        )
     if arch == "smollm3":
         return tf.SmolLM3Config(**sizes, no_rope_layers=[1, 0], no_rope_layer_interval=2)
     if arch == "phi3":
@@ -117,7 +131,9 @@ def _build(arch: str, vocab: int, dtype: torch.dtype = torch.float32, config: An
     config = _config(arch, vocab) if config is None else config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(1)
-    embed_std = {"gemma3": 0.05, "granite": 0.2}.get(arch, 0.5)  # Gemma scales its embeddings by ~11
+    embed_std = {"gemma3": 0.05, "granite": 0.2, "granite4": 0.2}.get(
+        arch, 0.5
+    )  # Gemma scales its embeddings by ~11
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
@@ -289,7 +305,7 @@ def _near_top(reference: Any, prompt: list[int], tokens: list[int], tolerance: f
 
 
 @pytest.mark.parametrize("with_adapter", [False, True], ids=["base", "lora"])
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "phi3", "llama3", "granite"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "phi3", "llama3", "granite", "granite4"])
 def test_bf16_weights_through_the_cpp_and_python_loops_near_transformers(
     arch: str, with_adapter: bool, tokenizer: Any, tmp_path: Path
 ) -> None:
@@ -334,3 +350,12 @@ def test_layer_ops_name_what_the_loop_cannot_compute(tokenizer: Any) -> None:
     assert "activation 'relu2'" in str(layer_ops(config, model.model.layers))
     config.model_type = "gpt2"
     assert str(layer_ops(config, model.model.layers)).startswith("model type 'gpt2' is not one of")
+    granite = _build("granite4", len(tokenizer))
+    hybrid = copy.deepcopy(granite.config)
+    hybrid.layer_types = ["linear_attention", "full_attention"]
+    assert layer_ops(hybrid, granite.model.layers) == (
+        "Granite 4.0 hybrid: 1 of 2 layers are Mamba layers, not attention"
+    )
+    experts = copy.deepcopy(granite.config)
+    experts.num_local_experts = 4
+    assert layer_ops(experts, granite.model.layers) == "Granite 4.0 with 4 experts (mixture of experts)"

@@ -176,6 +176,7 @@ def test_the_family_is_chosen_from_the_template_or_model_type(name: str, smollm2
     assert fmt.name == family.format, why
     # a template without markers falls back to the config's model_type
     assert tool_formats.select("qwen3", None)[0].name == "hermes"
+    assert tool_formats.select("granitemoehybrid", None)[0].name == "hermes"
     assert tool_formats.select("gemma3_text", "")[0].name == "gemma"
     assert tool_formats.select("gpt2", None)[0].name == "json"
 

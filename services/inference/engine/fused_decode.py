@@ -558,7 +558,7 @@ class LeanLayers:
                 qkv=SideBySide(layer, ops.attention, kernel),
                 o=SideBySide(layer, ("o_proj",), kernel),
                 gate_up=SideBySide(layer, ops.mlp_in, kernel),
-                down=SideBySide(layer, ("down_proj",), kernel),
+                down=SideBySide(layer, (ops.mlp_out,), kernel),
                 heads=heads,
                 kv_heads=kv_heads,
                 head_dim=head_dim,

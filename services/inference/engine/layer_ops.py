@@ -16,11 +16,13 @@ modules once; the Python loop (``fused_decode.run_layers``) and the C++ loop
 | ``qwen3`` | RMSNorm on each query and key head before RoPE |
 | ``gemma3_text`` | sandwich norms (after attention and after the MLP too), norm weights counting from 1, GELU (tanh), q/k norms, per-layer RoPE bases (local and global), a sliding window on its local layers; its scaled embeddings are its embedding module's |
 | ``granite`` | embedding, residual, attention and logits multipliers |
+| ``granitemoehybrid`` (Granite 4.0 dense: every layer attention, no experts) | Granite's multipliers; gate/up as one fused projection (``shared_mlp.input_linear``, then ``output_linear``); no RoPE where ``position_embedding_type`` is not ``rope`` |
 | ``smollm3`` | layers without RoPE |
 | ``phi3`` (Phi-3, Phi-4-mini) | q/k/v and gate/up as single fused projections, partial RoPE |
 
 A family outside the table, or one of these with an operation the loop does not have (attention
-score soft-capping, another activation), keeps the Hugging Face modules, with the reason.
+score soft-capping, another activation, Granite 4.0's Mamba layers or experts), keeps the Hugging
+Face modules, with the reason.
 """
 
 from __future__ import annotations
@@ -32,7 +34,17 @@ import torch
 
 # activations the loop computes, by the configs' names
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "granite", "smollm3", "phi3")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "granite",
+    "granitemoehybrid",
+    "smollm3",
+    "phi3",
+)
 # the RoPE table of a layer that takes the model's one table
 DEFAULT_ROPE = "default"
 
@@ -46,6 +58,7 @@ class LayerOps:
     # MLP's gate/up (Phi's gate_up_proj), each in the order their outputs are split
     attention: tuple[str, ...]
     mlp_in: tuple[str, ...]
+    mlp_out: str  # the MLP's down projection (Granite 4.0's output_linear)
     activation: str  # "silu" or "gelu_tanh"
     norm_offset: float  # Gemma's RMSNorm multiplies by 1 + weight
     sandwich: bool  # norms on the attention's and the MLP's outputs too (Gemma 3)
@@ -66,7 +79,7 @@ class LayerOps:
 
     @property
     def projections(self) -> tuple[str, ...]:
-        return (*self.attention, "o_proj", *self.mlp_in, "down_proj")
+        return (*self.attention, "o_proj", *self.mlp_in, self.mlp_out)
 
     @property
     def llama(self) -> bool:
@@ -112,6 +125,14 @@ def layer_ops(config: Any, layers: Any) -> LayerOps | str:
         return f"activation {act_name!r} is not one of {sorted(ACTIVATIONS)}"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention scores are soft-capped (attn_logit_softcapping)"
+    granite4 = model_type == "granitemoehybrid"
+    if granite4:
+        kinds = list(getattr(config, "layers_block_type", None) or [])
+        mamba = [i for i, kind in enumerate(kinds) if kind != "full_attention"]
+        if mamba:
+            return f"Granite 4.0 hybrid: {len(mamba)} of {len(kinds)} layers are Mamba layers, not attention"
+        if int(getattr(config, "num_local_experts", 0) or 0) > 0:
+            return f"Granite 4.0 with {config.num_local_experts} experts (mixture of experts)"
     fused = model_type == "phi3"
     sandwich = model_type == "gemma3_text"
     rope: list[str | None] = []
@@ -126,6 +147,8 @@ def layer_ops(config: Any, layers: Any) -> LayerOps | str:
             rope.append(str(layer_types[index]))
         elif model_type == "smollm3":
             rope.append(DEFAULT_ROPE if no_rope is None or no_rope[index] else None)
+        elif granite4:
+            rope.append(DEFAULT_ROPE if getattr(config, "position_embedding_type", None) == "rope" else None)
         else:
             rope.append(DEFAULT_ROPE)
         windows.append(layer_window(config, attn))
@@ -134,7 +157,8 @@ def layer_ops(config: Any, layers: Any) -> LayerOps | str:
     ops = LayerOps(
         model_type=model_type,
         attention=("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"),
-        mlp_in=("gate_up_proj",) if fused else ("gate_proj", "up_proj"),
+        mlp_in=("gate_up_proj",) if fused else ("input_linear",) if granite4 else ("gate_proj", "up_proj"),
+        mlp_out="output_linear" if granite4 else "down_proj",
         activation=activation,
         norm_offset=1.0 if model_type == "gemma3_text" else 0.0,
         sandwich=sandwich,
@@ -161,6 +185,8 @@ def describe(ops: LayerOps) -> str:
     parts = []
     if len(ops.attention) == 1:
         parts.append("fused q/k/v and gate/up")
+    elif len(ops.mlp_in) == 1:
+        parts.append("fused gate/up")
     if ops.qk_norm:
         parts.append("q/k norms")
     if ops.sandwich:
@@ -198,9 +224,11 @@ def layer_window(config: Any, attn: Any) -> int | None:
 
 
 def projection(layer: Any, name: str) -> Any:
-    """A decoder layer's projection ``name`` (its attention's or its MLP's), or None."""
+    """A decoder layer's projection ``name`` (its attention's or its MLP's: ``mlp``, Granite 4.0's
+    ``shared_mlp``), or None."""
     found = getattr(layer.self_attn, name, None)
-    return found if found is not None else getattr(layer.mlp, name, None)
+    mlp = getattr(layer, "mlp", None) or getattr(layer, "shared_mlp", None)
+    return found if found is not None else getattr(mlp, name, None)
 
 
 def norm_eps(norm: Any) -> float:

@@ -3,7 +3,7 @@ the machine where the CPU has AVX2.
 
 At one row, a SmolLM2 decode step through Python is ~1,800 small ATen calls, each paying its
 argument parsing, torch-function checks and tensor wrappers on top of the kernel. The module
-holds four things:
+holds five things:
 
 - ``decode_own``: the lean forward's loop over the decoder layers with the operations between
   the int4 products computed by the loop itself (add + RMSNorm, RoPE and the KV write, each
@@ -13,13 +13,16 @@ holds four things:
   int4 ones of an fp32 model or oneDNN's of the model's own fp32 or bf16 weights (bf16: the KV
   slabs bf16 too, as they are; the residual stream fp32 either way). The default (the plan's
   ``decode="native-own"``).
-- ``q8_linear``: the output head's decode rows against int8 weights in blocks of 32 with an fp32
-  scale each (GGUF's Q8_0, the default model file's own head format), fp32 activations: about
-  half the bytes of the bf16 head, and the file's values exactly.
+- ``q8_rows``: the output head's decode rows against GGUF's Q8_0 (int8 in blocks of 32, the
+  default model file's own head format, exactly), each row's inputs as int8 in blocks of 32
+  (llama.cpp's Q8_0 x Q8_0), exact integer sums by AVX512-VNNI: about half the bytes of the bf16
+  head, and faster than oneDNN's bf16 head at 1 to 16 rows on a Xeon with AMX. ``q8_linear``: the same weights times fp32 rows
+  (fp32 FMAs), for CPUs with AVX2 alone.
 - ``q4_linear``: the decoder layers' int4 decode products: the weights in Q4_1 groups (the
-  default model file's own format, exactly), each row's inputs as int8 in groups of 32
-  (llama.cpp's Q4_1 x Q8_1), exact integer sums; AVX512-VNNI where the CPU has it, else AVX2,
-  the same numbers bit for bit. Without the module the layers keep
+  default model file's own format, exactly; scales and minima as fp32 bases times fp16
+  multipliers, 5.25 bits a weight), each row's inputs as int8 in groups of 32 (llama.cpp's Q4_1
+  x Q8_1), exact integer sums; AVX512-VNNI where the CPU has it, else AVX2, the same numbers bit
+  for bit. Without the module the layers keep
   ``aten._weight_int4pack_mm_for_cpu`` with bf16 rows.
 - ``prompt_own``: the lean prompt forward's layers (``fused_prompt.py``), the products oneDNN's
   bf16 ones in blocks, the attention ragged's prompt attention as ATen calls, ``decode_own``'s

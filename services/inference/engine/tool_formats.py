@@ -4,7 +4,7 @@ in that format when the chat template does not write it itself.
 
 | format | families | a call as the model writes it |
 |---|---|---|
-| ``hermes`` | Qwen2.5, Qwen3 (and templates with the same markers) | ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call, text before them is content |
+| ``hermes`` | Qwen2.5, Qwen3, Granite 4.0 (and templates with the same markers) | ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call, text before them is content |
 | ``llama3`` | Llama 3.1-3.3 | ``{"name": ..., "parameters": {...}}``, also after ``<|python_tag|>``, several separated by ``;`` |
 | ``granite`` | Granite 3.x | ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`` |
 | ``gemma`` | Gemma 3 | the Python-style calls of Gemma's function-calling guide, ``[name(arg=value, ...), ...]``, also inside a ```` ```tool_code ```` block |
@@ -46,6 +46,8 @@ MODEL_TYPES = {
     "qwen3": "hermes",
     "qwen3_moe": "hermes",
     "granite": "granite",
+    # Granite 4.0 writes its calls in <tool_call> tags, as Qwen does
+    "granitemoehybrid": "hermes",
     "gemma3": "gemma",
     "gemma3_text": "gemma",
 }
