@@ -7,7 +7,8 @@ server decodes) and the log-probability the engine gives the text's next token i
 ``fp32`` (no quantisation: the GGUF's values in fp32, oneDNN products), ``int4`` (torch's int4
 kernel, bf16 rows), ``int4-q8`` (the engine's own Q4_1 x int8 rows, the default where the
 C++ module is built, with the plan's head: Q8_0 times int8 rows where the CPU has AVX512-VNNI)
-and ``int4-q8-bf16-head`` (the same layers, the head in bf16). Prints mean NLL, perplexity and how often the engine's top token is the text's.
+``int4-q8-bf16-head`` (the same layers, the head in bf16) and ``q8_0`` (int8 decode: Q8_0 blocks
+times int8 rows in every layer and the head, AVX512-VNNI; a Q8_0 file's values exactly). Prints mean NLL, perplexity and how often the engine's top token is the text's.
 
     python -m benchmarks.inference.decode_nll                 # 32 texts, 96 tokens each
     python -m benchmarks.inference.decode_nll --texts 64 --threads 2
@@ -27,7 +28,7 @@ import torch
 
 from benchmarks.inference.invariance import GSM8K
 
-KINDS = ("fp32", "int4", "int4-q8", "int4-q8-bf16-head")
+KINDS = ("fp32", "int4", "int4-q8", "int4-q8-bf16-head", "q8_0")
 
 
 def runner(path: Path, kind: str, rows: int) -> Any:
@@ -40,6 +41,10 @@ def runner(path: Path, kind: str, rows: int) -> Any:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if kind == "fp32":
         plan = plan_for(model, quantize="none")
+    elif kind == "q8_0":
+        plan = plan_for(model, quantize="int8", native_decode="on")
+        if plan.layer_decode != "q8_0-int8":
+            return None
     else:
         plan = plan_for(model, quantize="int4", native_decode="on")
         if kind == "int4" and plan.layer_decode == "int4-q8":

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.common.platforms import cpu_features
 from services.inference.engine import TorchEngine, native, quantized_linear
 from services.inference.engine.layer_ops import layer_ops
 from services.inference.engine.plan import plan_for
@@ -242,8 +243,8 @@ def _logit_error(engine: TorchEngine, reference: Any, adapter: str | None) -> fl
 
 
 def _plan(model: Any, path: str) -> Any:
-    if path == "int4":
-        plan = plan_for(model, quantize="int4", native_decode="on")
+    if path in ("int4", "int8"):
+        plan = plan_for(model, quantize=path, native_decode="on")
     else:
         plan = plan_for(model, quantize="none", native_decode="on" if path == "native" else "off")
     return plan
@@ -288,6 +289,32 @@ def test_int4_through_the_cpp_loop_follows_the_reference_forward(
         ours, theirs = _alone_and_batched(lean, name), _alone_and_batched(reference, name)
         # the C++ loop's own sums on bf16-rounded prompt products may flip a near tie of a random
         # model's first token: at most one prompt of four
+        assert sum(a == b for a, b in zip(ours, theirs, strict=True)) >= 3, (name, ours, theirs)
+        errors = [_relative(a, b) for a, b in zip(_logits(lean, name), _logits(reference, name), strict=True)]
+        assert max(errors) < 2e-2, (name, errors)
+
+
+@pytest.mark.skipif(
+    not cpu_features().avx512_vnni, reason="int8 decode as Q8_0 x int8 rows needs AVX512-VNNI"
+)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_int8_through_the_cpp_loop_follows_the_reference_forward(
+    arch: str, tokenizer: Any, tmp_path: Path
+) -> None:
+    model = _build(arch, len(tokenizer))
+    adapter = _adapter(model, arch, tmp_path / "lora")
+    lean_plan = _plan(model, "int8")
+    assert (lean_plan.decode, lean_plan.layer_decode, lean_plan.head_decode) == (
+        "native-own",
+        "q8_0-int8",
+        "q8_0-int8",
+    ), lean_plan.reasons
+    reference_plan = dataclasses.replace(lean_plan, decode="reference", prompt="reference")
+    lean = _engine(model, tokenizer, lean_plan, adapter)
+    reference = _engine(model, tokenizer, reference_plan, adapter)
+    assert lean.runner.fused is not None and lean.runner.fused.native
+    for name in (None, "a"):
+        ours, theirs = _alone_and_batched(lean, name), _alone_and_batched(reference, name)
         assert sum(a == b for a, b in zip(ours, theirs, strict=True)) >= 3, (name, ours, theirs)
         errors = [_relative(a, b) for a, b in zip(_logits(lean, name), _logits(reference, name), strict=True)]
         assert max(errors) < 2e-2, (name, errors)

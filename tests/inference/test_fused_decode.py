@@ -4,12 +4,14 @@ prompt chunk, LoRA rows beside base rows), and the eager forward wherever it doe
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from services.common.platforms import cpu_features
 from services.inference.engine import TorchEngine, fused_decode, native, quantized_linear
 from services.inference.engine.plan import ModelFacts, plain_head, plan_for
 from services.inference.engine.ragged import DecodeRow, PrefillRow
@@ -201,8 +203,12 @@ def test_decode_takes_the_eager_forward_where_the_lean_one_does_not_apply(
     from peft import LoraConfig, get_peft_model
 
     model, tok = _load(lively_tiny_path)
-    # int8 decode: nothing to fuse (int4 and the model's own weights are)
-    assert TorchEngine.from_model(model, tok, quantize="int8").runner.fused is None
+    # int8 decode in torch's per-channel kernel (a CPU without AVX512-VNNI): nothing to fuse (int4,
+    # Q8_0 blocks times int8 rows and the model's own weights are)
+    no_vnni = dataclasses.replace(cpu_features(), avx512_vnni=False)
+    plan = plan_for(model, quantize="int8", platform=no_vnni)
+    assert plan.layer_decode == "int8" and plan.decode == "reference", plan.reasons
+    assert TorchEngine.from_model(model, tok, plan=plan).runner.fused is None
     runner = TorchEngine.from_model(
         model, tok, plan=plan_for(model, quantize="int4", decode="reference")
     ).runner
@@ -241,8 +247,8 @@ def test_unsupported_names_the_model_type(lively_tiny_path: Path) -> None:
     runner.config.model_type = "gpt2"
     try:
         assert problem() == (
-            "model type 'gpt2' is not one of ['gemma3_text', 'granite', 'llama', 'mistral', 'phi3', "
-            "'qwen2', 'qwen3', 'smollm3']"
+            "model type 'gpt2' is not one of ['gemma3_text', 'granite', 'granitemoehybrid', 'llama', 'mistral', "
+            "'phi3', 'qwen2', 'qwen3', 'smollm3']"
         )
     finally:
         runner.config.model_type = "llama"

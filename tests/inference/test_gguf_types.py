@@ -167,6 +167,18 @@ def test_the_int4_kernel_holds_the_files_values_where_its_format_can(files: File
     layer_types = {t for n, t in types.items() if n.startswith("blk.") and "norm" not in n}
     auto = quantized_linear.resolve("auto", model, head, torch.device("cpu"))
     assert auto == ("int4" if layer_types <= set(gguf_weights.INT4_TYPES) else "none")
+    # where the CPU multiplies Q8_0 blocks times int8 rows, a Q8_0 file's layers decode in int8
+    with_q8 = quantized_linear.resolve("auto", model, head, torch.device("cpu"), q8_rows=True)
+    assert with_q8 == ("int4" if auto == "int4" else "int8" if layer_types == {"Q8_0"} else "none"), mix
+
+
+def test_q8_rows_hold_a_q8_0_files_values(files: Files) -> None:
+    path, folder, _types = files["Q8_0"]
+    model, file = _load(folder), _file_values(path)
+    for i, layer in enumerate(model.model.layers):
+        for projection, module in (("gate_proj", layer.mlp.gate_proj), ("o_proj", layer.self_attn.o_proj)):
+            held = quantized_linear.Q8Rows.held(quantized_linear.Q8Rows().prepare(module.weight))
+            assert torch.equal(held, file[_gguf_name(i, projection)]), projection
 
 
 def test_rows_the_trainer_changed_are_quantised_from_their_new_values(

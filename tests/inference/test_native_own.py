@@ -429,6 +429,7 @@ def test_q8_rows_keep_a_q8_0_files_values_and_multiply_each_row_on_its_own(built
     # the values back exactly: byte 4c + i of quad j is output c's input 4j + i, as q + 128
     held_q = (packed.view(3, 72, 16, 4).permute(0, 2, 1, 3).reshape(48, 288).long() - 128)[:40]
     assert torch.equal(held_q, q.view(40, 288))
+    assert torch.equal(Q8Rows.held((packed, blob, out_f)), weight)
     x = torch.randn(11, 288, generator=gen)
     out = kernel.apply(x, (packed, blob, out_f), None)
     ref = x.double() @ weight.double().T

@@ -187,8 +187,12 @@ def test_capability_checks_read_a_config_alone() -> None:
     # decode tokens
     assert fused_decode.unsupported(ops, CPU, fp32, "int4", "int4-q8") is None
     assert fused_decode.unsupported(ops, CPU, fp32, "none", "onednn-fp32") is None
+    assert fused_decode.unsupported(ops, CPU, fp32, "int8", "q8_0-int8") is None
     assert fused_decode.unsupported(ops, CPU, fp32, "int8", "int8") == (
-        "decode is int8, not int4 or the model's own weights"
+        "the decoder layers decode with int8, not Q8_0 blocks times int8 rows in every layer"
+    )
+    assert fused_decode.unsupported(ops, CPU, torch.bfloat16, "int8", "q8_0-int8") == (
+        "int8 decode of a model that is not fp32"
     )
     assert fused_decode.unsupported(ops, CPU, fp32, "int4", "int4|onednn-bf16") == (
         "the decoder layers decode with int4|onednn-bf16, not int4 in every layer"
@@ -238,7 +242,7 @@ def test_a_plan_made_by_hand_that_the_model_cannot_run_is_refused_by_name() -> N
         "prompt='native': the C++ prompt layers multiply in bf16 blocks, not onednn-fp32"
     )
     assert refusal(dataclasses.replace(plan, quantize="int8"), facts) == (
-        "decode='python': decode is int8, not int4 or the model's own weights"
+        "decode='python': the decoder layers decode with int4-q8, not Q8_0 blocks times int8 rows in every layer"
     )
 
 

@@ -79,7 +79,13 @@ from services.inference.engine.layer_ops import (
 from services.inference.engine.lora_rows import LoraRows
 from services.inference.engine.packed_linear import OneDNNPacked, RowKernel
 from services.inference.engine.prefix_cache import tensors_state
-from services.inference.engine.quantized_linear import INT4_GROUP, ByTokenKind, Int4Blocks, Int4WeightOnly
+from services.inference.engine.quantized_linear import (
+    INT4_GROUP,
+    ByTokenKind,
+    Int4Blocks,
+    Int4WeightOnly,
+    Q8Rows,
+)
 
 if TYPE_CHECKING:
     from services.inference.engine.runner import ModelRunner
@@ -342,12 +348,16 @@ def decode_kernel(runner: ModelRunner) -> RowKernel:
     ]
     if decodes and all(type(k) is OneDNNPacked for k in decodes):
         return OneDNNPacked(decodes[0].batch_hint)
+    if decodes and all(type(k) is Q8Rows for k in decodes):
+        return Q8Rows()
     return Int4Blocks() if {type(k) for k in decodes} == {Int4Blocks} else _INT4
 
 
 # the plan's names of the decode kernels the lean forward multiplies with (``plan.kernel_name``):
 # torch's int4 kernel or the own Q4_1 one under int4; oneDNN's packed product in the model's dtype
 INT4_KERNELS = frozenset({"int4", "int4-q8"})
+# Q8_0 blocks times int8 rows (int8 decode on AVX512-VNNI; plan.kernel_name of Q8Rows)
+Q8_ROWS = "q8_0-int8"
 
 
 def unsupported(
@@ -361,13 +371,17 @@ def unsupported(
         return ops
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return f"decode is not on a CPU in fp32 or bf16 ({device.type}, {dtype})"
-    if quantize not in ("int4", "none"):
-        return f"decode is {quantize}, not int4 or the model's own weights"
-    if quantize == "int4" and dtype != torch.float32:
-        return "int4 decode of a model that is not fp32"
+    if quantize not in ("int4", "int8", "none"):
+        return f"decode is {quantize}, not int4, int8 or the model's own weights"
+    if quantize in ("int4", "int8") and dtype != torch.float32:
+        return f"{quantize} decode of a model that is not fp32"
     kernels = set(layer_decode.split("|"))
     if quantize == "int4" and not kernels <= INT4_KERNELS:
         return f"the decoder layers decode with {layer_decode}, not int4 in every layer"
+    if quantize == "int8" and kernels != {Q8_ROWS}:
+        return (
+            f"the decoder layers decode with {layer_decode}, not Q8_0 blocks times int8 rows in every layer"
+        )
     # unquantised decode sides are oneDNN's packed product in the model's dtype (never bf16 blocks)
     if quantize == "none" and any(not k.startswith("onednn-") or k == "onednn-bf16-blocks" for k in kernels):
         return f"the decoder layers decode with {layer_decode}, not oneDNN's packed weights"
@@ -447,7 +461,8 @@ def native_args(layers: list[_Layer]) -> tuple[list[Any], list[Any], list[Any], 
     for layer in layers:
         norms += [None if n is None else norm_weight(n, layer.ops).float().contiguous() for n in layer.norms]
         for product in layer.products():
-            (a, b), bias = product.prepared, product.bias
+            # int4 / Q8_0 blocks: packed and scales (Q8_0's third part, its output count, is the packed size)
+            (a, b), bias = product.prepared[:2], product.bias
             if type(product.kernel) is OneDNNPacked:
                 # oneDNN's packed weight and whether it pairs lone rows (the C++ loop always pairs
                 # them: the same numbers): an empty second part names the kind

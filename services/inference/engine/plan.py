@@ -161,12 +161,19 @@ def _choice(
     *,
     q8_head: Q8Head,
     int4_blocks: bool,
+    int8_blocks: bool = False,
 ) -> KernelChoice:
     """The per-layer kernels of a packed model: quantised or bf16-prompt kernels, else oneDNN's
     packed product in the model's dtype everywhere."""
     if quantize != "none" or prompt_dtype == "bfloat16":
         return quantized_linear.layer_kernels(
-            quantize, output_head, batch_hint, prompt_dtype, q8_head=q8_head, int4_blocks=int4_blocks
+            quantize,
+            output_head,
+            batch_hint,
+            prompt_dtype,
+            q8_head=q8_head,
+            int4_blocks=int4_blocks,
+            int8_blocks=int8_blocks,
         )
     return packed_linear.packed_layers(batch_hint)
 
@@ -186,6 +193,7 @@ def kernel_choice(plan: ForwardPlan, output_head: Any, batch_hint: int) -> Kerne
         if plan.head_decode == "q8_0"
         else None,
         int4_blocks="int4-q8" in plan.layer_decode.split("|"),
+        int8_blocks=fused_decode.Q8_ROWS in plan.layer_decode.split("|"),
     )
 
 
@@ -242,13 +250,14 @@ def _quantisation(
     """The quantisation and the prompt products' dtype, with their reasons; a setting that cannot
     run here raises ``ValueError`` naming it."""
     device, dtype = facts.device, facts.dtype
-    quantize = quantized_linear.resolve(settings.quantize, model, head, device)
+    quantize = quantized_linear.resolve(
+        settings.quantize, model, head, device, q8_rows=cpu.avx512_vnni and native.avx2()
+    )
     if settings.quantize == "auto":
-        reasons["quantize"] = (
-            "auto: the weights hold 4-bit values already"
-            if quantize == "int4"
-            else "auto: weights kept as they are"
-        )
+        reasons["quantize"] = {
+            "int4": "auto: the weights hold 4-bit values already",
+            "int8": "auto: the weights hold Q8_0 values already (AVX512-VNNI multiplies them as they are)",
+        }.get(quantize, "auto: weights kept as they are")
     else:
         reasons["quantize"] = f"TANDEM_INFERENCE_QUANTIZE={settings.quantize}"
     prompt_dtype = quantized_linear.resolve_prompt_dtype(settings.prompt_dtype, quantize, dtype, cpu)
@@ -277,11 +286,13 @@ def _native(forward: Forward, quantize: Quantize, facts: ModelFacts, setting: Na
     ``native.NativeBuildError``)."""
     if forward == "reference":
         return _Native(False, "the reference forward runs no C++ kernels")
-    own_dtypes = (torch.float32,) if quantize == "int4" else (torch.float32, torch.bfloat16)
-    if not (quantize in ("int4", "none") and facts.device.type == "cpu" and facts.dtype in own_dtypes):
+    own_dtypes = (torch.float32,) if quantize in ("int4", "int8") else (torch.float32, torch.bfloat16)
+    if not (
+        quantize in ("int4", "int8", "none") and facts.device.type == "cpu" and facts.dtype in own_dtypes
+    ):
         return _Native(
             False,
-            "decode is not int4 of an fp32 CPU model or unquantised of an fp32/bf16 one "
+            "decode is not int4/int8 of an fp32 CPU model or unquantised of an fp32/bf16 one "
             f"({quantize}, {facts.dtype})",
         )
     if setting == "off":
@@ -318,10 +329,12 @@ def _layers(
     cpu: CpuFeatures,
     facts: ModelFacts,
 ) -> tuple[bool, bool, str]:
-    """Whether the linear layers are packed (or quantised), whether their int4 decode products are
-    the own Q4_1 x int8 rows (the built module's q4_linear: AVX512-VNNI where the CPU has it, else
-    AVX2, the same numbers; else torch's int4 kernel), and why."""
+    """Whether the linear layers are packed (or quantised), whether their decode products are the
+    own blocks times int8 rows (int4: Q4_1 groups, the built module's q4_linear, AVX512-VNNI where
+    the CPU has it, else AVX2, the same numbers, else torch's int4 kernel; int8: Q8_0 blocks,
+    q8_rows, where the CPU has AVX512-VNNI, else torch's per-channel int8), and why."""
     int4_blocks = quantize == "int4" and built.built and native.q4_linear() is not None
+    int8_blocks = quantize == "int8" and built.built and cpu.avx512_vnni and native.q8_rows() is not None
     if quantize != "none" or prompt_dtype == "bfloat16":
         reason = f"quantize={quantize}, prompt products in {prompt_dtype}"
         if quantize == "int4":
@@ -330,7 +343,13 @@ def _layers(
                 if int4_blocks
                 else f", int4 decode in torch's kernel ({built.reason or 'the C++ module has no q4_linear'})"
             )
-        return True, int4_blocks, reason
+        if quantize == "int8":
+            reason += (
+                ", int8 decode as Q8_0 blocks x int8 rows (C++, AVX512-VNNI)"
+                if int8_blocks
+                else f", int8 decode in torch's per-channel kernel ({built.reason or 'no AVX512-VNNI'})"
+            )
+        return True, int4_blocks or int8_blocks, reason
     if forward == "reference":
         return False, False, "the reference forward: torch's own nn.Linear"
     if packed_linear.available(facts.device, facts.dtype):
@@ -381,7 +400,9 @@ def _decode_path(
         return "python", f"the lean forward's Python loop: {built.reason}"
     own = fused_decode.own_unsupported(facts.config, facts.dtype)
     if own is None and native.decode_own() is not None:
-        products = "int4" if quantize == "int4" else f"oneDNN {str(facts.dtype).removeprefix('torch.')}"
+        products = {"int4": "int4", "int8": "Q8_0 x int8"}.get(
+            quantize
+        ) or f"oneDNN {str(facts.dtype).removeprefix('torch.')}"
         return "native-own", f"the lean forward in C++ with its own operations (AVX2), {products} products"
     return "python", f"the lean forward's Python loop: {own or 'the C++ loop is not built'}"
 
@@ -446,10 +467,18 @@ def resolve_plan(
     quantize, prompt_dtype = _quantisation(model, head, facts, cpu, settings, reasons)
     built = _native(forward, quantize, facts, settings.native_decode)
     q8_head, head_reason = _head(quantize, built, cpu, head)
-    packed, int4_blocks, reasons["layers"] = _layers(forward, quantize, prompt_dtype, built, cpu, facts)
+    packed, own_blocks, reasons["layers"] = _layers(forward, quantize, prompt_dtype, built, cpu, facts)
     reasons["head"] = head_reason
     choose = (
-        _choice(quantize, prompt_dtype, head, 16, q8_head=q8_head, int4_blocks=int4_blocks)
+        _choice(
+            quantize,
+            prompt_dtype,
+            head,
+            16,
+            q8_head=q8_head,
+            int4_blocks=own_blocks and quantize == "int4",
+            int8_blocks=own_blocks and quantize == "int8",
+        )
         if packed
         else None
     )

@@ -369,18 +369,38 @@ class Q8Rows:
         # w = (u - 128) * scale: the minimum is -128 times the scale (exact in fp16)
         return packed, _scale_blob((base, mult), (base, mult * -128)), out_f
 
+    @staticmethod
+    def held(prepared: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
+        """The weight ``prepare`` holds, [out, in] fp32: each value times its block's scale (base
+        times multiplier, as the kernel computes it)."""
+        packed, blob, out_f = prepared
+        tiles, quads = packed.shape[:2]
+        # byte 4c + i of (tile, quad j): output c's input 4j + i, as q + 128
+        q = packed.view(tiles, quads, Q4_TILE, 4).permute(0, 2, 1, 3).reshape(tiles * Q4_TILE, quads * 4)
+        scale = Int4Blocks.held((packed[:, :, : 2 * Q4_TILE].contiguous(), blob))[1]
+        return ((q.float() - 128).view(tiles * Q4_TILE, -1, Q8_BLOCK) * scale[..., None]).view(
+            tiles * Q4_TILE, -1
+        )[:out_f]
+
     def apply(self, input: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        out = self.product(self.rows(input.reshape(-1, input.shape[-1])), prepared).to(input.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*input.shape[:-1], -1)
+
+    # the lean forwards' two steps (``RowKernel``): the rows in fp32 (quantised by the kernel), the product
+    def rows(self, input: torch.Tensor) -> torch.Tensor:
+        return input.float().contiguous()
+
+    def product(self, rows: torch.Tensor, prepared: Any) -> torch.Tensor:
         from services.inference.engine import native
 
         packed, blob, out_f = prepared
         kernel = native.q8_rows()
         if kernel is None:  # chosen only once the module is built (plan.resolve_plan)
             raise RuntimeError("Q8Rows needs the native module's q8_rows (native.start)")
-        x = input.reshape(-1, input.shape[-1])
-        out = kernel(x, packed, blob)[:, :out_f].to(input.dtype)
-        if bias is not None:
-            out = out + bias
-        return out.view(*input.shape[:-1], -1)
+        out = kernel(rows, packed, blob)
+        return out if out.shape[1] == out_f else out[:, :out_f]
 
 
 class BF16Packed(OneDNNPacked):
@@ -562,13 +582,32 @@ def int4_round_trip_error(weight: torch.Tensor) -> float:
     return float((back - groups).norm() / groups.norm().clamp(min=1e-12))
 
 
+def q8_round_trip_error(weight: torch.Tensor) -> float:
+    """Relative error of ``weight`` in Q8_0 blocks (``Q8Rows``: a scale of max|w| / 127 a block of
+    32; 0 for a Q8_0 file's values, whose largest in a block is 127 times its fp16 scale)."""
+    w = weight.detach().float()
+    if w.shape[1] % Q8_BLOCK:
+        return float("inf")
+    blocks = w.view(w.shape[0], -1, Q8_BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    back = torch.round(blocks / torch.where(scale > 0, scale, 1.0)).clamp(-127, 127) * scale
+    return float((back - blocks).norm() / blocks.norm().clamp(min=1e-12))
+
+
 def resolve(
-    mode: Quantize, model: torch.nn.Module, output_head: torch.nn.Module | None, device: torch.device
+    mode: Quantize,
+    model: torch.nn.Module,
+    output_head: torch.nn.Module | None,
+    device: torch.device,
+    *,
+    q8_rows: bool = False,
 ) -> Quantize:
     """``auto``: int4 on a CPU when every layer int4 would quantise holds 4-bit values already
     (a model de-quantised from a Q4_0/Q4_1 GGUF, such as the default one), so quantising loses
-    nothing; otherwise none (an fp32/bf16 checkpoint or a full fine-tune keeps its own numbers;
-    ask for int4 or int8 explicitly). Other modes are returned as they are."""
+    nothing; int8 where ``q8_rows`` (the CPU multiplies Q8_0 blocks times int8 rows) and every
+    layer holds Q8_0 values (a Q8_0 GGUF's); otherwise none (an fp32/bf16 checkpoint or a full
+    fine-tune keeps its own numbers; ask for int4 or int8 explicitly). Other modes are returned as
+    they are."""
     if mode != "auto":
         return mode
     if device.type != "cpu" or available("int4", device) is not None:
@@ -582,8 +621,11 @@ def resolve(
         and m.in_features % INT4_GROUP == 0
     ]
     with torch.no_grad():
-        exact = bool(layers) and all(int4_round_trip_error(m.weight) <= LOSSLESS_INT4 for m in layers)
-    return "int4" if exact else "none"
+        if bool(layers) and all(int4_round_trip_error(m.weight) <= LOSSLESS_INT4 for m in layers):
+            return "int4"
+        if q8_rows and bool(layers) and all(q8_round_trip_error(m.weight) <= LOSSLESS_INT4 for m in layers):
+            return "int8"
+    return "none"
 
 
 def available(mode: Quantize, device: torch.device) -> str | None:
@@ -642,6 +684,7 @@ def layer_kernels(
     *,
     q8_head: Q8Head = None,
     int4_blocks: bool = False,
+    int8_blocks: bool = False,
 ) -> KernelChoice:
     """The kernel of each base linear layer under ``mode``. Prompt tokens multiply with the
     model's own weights, oneDNN-packed, never quantised (int4/int8 kernels are slower than
@@ -658,7 +701,7 @@ def layer_kernels(
     int8, bf16 = Int8WeightOnly(), BF16Packed(batch_hint)
     # the own Q4_1 x int8 kernel where the plan says so (the module built), each layer whose outputs
     # are whole tiles; torch's int4 kernel elsewhere
-    int4, q4 = Int4WeightOnly(), Int4Blocks()
+    int4, q4, q8 = Int4WeightOnly(), Int4Blocks(), Q8Rows()
     # oneDNN packs bf16 weights only where the CPU has bf16 instructions (AVX512-BF16, AMX,
     # AVX-NE-CONVERT, or AVX512BW/VL/DQ): an AVX2-only CPU's head keeps the model's dtype
     other = bf16 if mode == "int4" and packed_linear.available(torch.device("cpu"), COMPUTE_DTYPE) else own
@@ -674,7 +717,12 @@ def layer_kernels(
             # quantisation off: decode tokens in the model's dtype; prompt tokens in bf16 if asked
             return own if prompt_side is own else ByTokenKind(own, prompt_side)
         if mode == "int8":
-            return ByTokenKind(int8, prompt_side)
+            # Q8_0 blocks times int8 rows where the plan says so (AVX512-VNNI, the module built),
+            # for every layer whose outputs are whole tiles and the head; torch's per-channel int8 elsewhere
+            blocks = int8_blocks and module.in_features % Q8_BLOCK == 0
+            return ByTokenKind(
+                q8 if blocks and (head or module.out_features % Q4_TILE == 0) else int8, prompt_side
+            )
         if not head and module.in_features % INT4_GROUP == 0:
             return ByTokenKind(
                 q4 if int4_blocks and module.out_features % Q4_TILE == 0 else int4, prompt_side

@@ -692,14 +692,15 @@ Tensor onednn_linear(const Tensor& x, const Tensor& packed) {
   return lone ? out.narrow(0, 0, 1) : out;
 }
 
-// one projection's product: q4_linear of the fp32 rows h32 where the weight is in its layout
-// (3-d); oneDNN's of the rows in the packed weight's dtype (h32, or the bf16 copy h16 for a bf16
+// one projection's product: q4_linear (or q8_rows: 64 bytes a quad) of the fp32 rows h32 where the
+// weight is in their layout (3-d); oneDNN's of the rows in the packed weight's dtype (h32, or the bf16 copy h16 for a bf16
 // model's weights: bf16 operands, fp32 sums, as the Python loop multiplies them); else
 // aten._weight_int4pack_mm_for_cpu on h16. The kernel's output, or fp32 with the bias and the
 // LoRA deltas (of h32) added where there are any
 Tensor product(const Tensor& h32, const Tensor& h16, const Tensor& packed, const Tensor& scales,
                const c10::optional<Tensor>& bias, int64_t group, int64_t index, Lora& lora) {
-  Tensor out = packed.dim() == 3     ? q4_linear(h32, packed, scales, c10::nullopt)
+  Tensor out = packed.dim() == 3     ? (packed.size(2) == 64 ? q8_rows(h32, packed, scales)
+                                                           : q4_linear(h32, packed, scales, c10::nullopt))
                : scales.numel() == 0 ? onednn_linear(packed.scalar_type() == at::kBFloat16 ? h16 : h32, packed)
                                      : at::_weight_int4pack_mm_for_cpu(h16, packed, group, scales);
   if (!bias.has_value() && !lora.adds_to(index)) {
