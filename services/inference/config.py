@@ -108,9 +108,11 @@ class InferenceSettings(ServiceSettings):
         defaults.QUANTIZE,
         description="CPU engine: weight-only quantised products for the linear layers (the model stays "
         "fp32 otherwise; LoRA adapters stay fp32 on top). int4: groups of 32 with a minimum (GGUF's Q4_1, "
-        "exact for the default model's weights), the output head in bf16; int8: per channel, every layer; "
-        "none: fp32 (greedy output equals transformers'). auto: int4 on a CPU when the weights are 4-bit "
-        "already (a model from a Q4_0/Q4_1 GGUF, such as the default one: quantising loses nothing), else none.",
+        "exact for the default model's weights), the output head in Q8_0 blocks (bf16 without AVX512-VNNI); "
+        "int8: Q8_0 blocks times int8 rows where the CPU has AVX512-VNNI (a Q8_0 file's values exactly), "
+        "else per channel, every layer; none: fp32 (greedy output equals transformers'). auto: int4 on a CPU "
+        "when the weights are 4-bit already (a model from a Q4_0/Q4_1 GGUF, such as the default one: "
+        "quantising loses nothing), int8 when they are Q8_0 values and the CPU has AVX512-VNNI, else none.",
     )
     prompt_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         defaults.PROMPT_DTYPE,
