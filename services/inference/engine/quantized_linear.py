@@ -103,21 +103,28 @@ def q4_1_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     q [out, in / group, group] (0..15, as fp32), scale and low [out, in / group] in fp32. Rows
     of a registered GGUF's Q4_0 / Q4_1 / Q4_K tensors take the file's own groups (its values bit
     for bit, ``gguf_weights.file_groups``); other rows each group's minimum and maximum."""
+    q, scale, low, _from_file = _groups(weight)
+    return q, scale, low
+
+
+def _groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q4_1_groups`` and which rows [out] took a file's groups."""
     from services.inference.engine import gguf_weights
 
     w = weight.detach().float()
     out_f, in_f = w.shape
     kept = gguf_weights.file_groups(w)
     if kept is not None and bool(kept[3].all()):
-        return kept[0], kept[1], kept[2]
+        return kept[0], kept[1], kept[2], kept[3]
     groups = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15).clamp(min=1e-12)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-    if kept is not None:
-        file_q, file_scale, file_low, found = kept
-        q[found], scale[found], low[found] = file_q[found], file_scale[found], file_low[found]
-    return q, scale, low
+    if kept is None:
+        return q, scale, low, torch.zeros(out_f, dtype=torch.bool)
+    file_q, file_scale, file_low, found = kept
+    q[found], scale[found], low[found] = file_q[found], file_scale[found], file_low[found]
+    return q, scale, low, found
 
 
 class Int4WeightOnly:
@@ -158,14 +165,17 @@ Q4_SUPER = 8
 Q4_K_LEVELS = 63
 
 
-def fp16_factors(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp16_factors(
+    values: torch.Tensor, searched: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``values`` [rows, groups] (fp32) as ``base * multiplier`` per super-block of ``Q4_SUPER``
     groups: base [rows, S] fp32, multipliers [rows, S * Q4_SUPER] fp16 (the last super-block padded
     with zeros), and which super-blocks are exact (``base * multiplier == value`` in fp32 for
-    each). Exact where the values are fp16 (base 1: Q4_0's and Q4_1's) or an fp16 base times
-    integers up to ``Q4_K_LEVELS`` (Q4_K's, found by trying the largest value over each count of
-    levels); elsewhere the base is the super-block's largest magnitude, its multipliers rounded
-    (a relative 2^-11 at most)."""
+    each). Exact where the values are fp16 (base 1: Q4_0's and Q4_1's) or, in the rows
+    ``searched`` [rows] names (a file's), an fp16 base times integers up to ``Q4_K_LEVELS`` (Q4_K's,
+    found by trying the largest value over each count of levels: up to 63 passes, so only where a
+    file's values can be); elsewhere the base is the super-block's largest magnitude, its
+    multipliers rounded (a relative 2^-11 at most)."""
     rows, groups = values.shape
     supers = -(-groups // Q4_SUPER)
     v = torch.nn.functional.pad(values.float(), (0, supers * Q4_SUPER - groups)).view(rows, supers, Q4_SUPER)
@@ -173,8 +183,9 @@ def fp16_factors(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     mult = v.to(torch.float16)
     exact = (mult.float() == v).all(dim=-1)
     top = v.abs().amax(dim=-1)
-    for levels in range(Q4_K_LEVELS, 0, -1):
-        todo = (~exact).nonzero(as_tuple=True)
+    tried = searched if searched is not None else torch.zeros(rows, dtype=torch.bool)
+    for levels in range(Q4_K_LEVELS, 0, -1) if bool(tried.any()) else ():
+        todo = (~exact & tried[:, None]).nonzero(as_tuple=True)
         if not todo[0].numel():
             break
         b = top[todo] / levels
@@ -233,11 +244,10 @@ class Int4Blocks(Int4WeightOnly):
             raise ValueError(
                 f"Int4Blocks: a {out_f} x {in_f} weight is not whole {Q4_TILE} x {INT4_GROUP} tiles"
             )
-        q_float, scale, low = q4_1_groups(weight)
+        q_float, scale, low, from_file = _groups(weight)
         groups = in_f // INT4_GROUP
-        (scale_base, scale_mult, scale_exact), (low_base, low_mult, low_exact) = map(
-            fp16_factors, (scale, low)
-        )
+        scale_base, scale_mult, scale_exact = fp16_factors(scale, from_file)
+        low_base, low_mult, low_exact = fp16_factors(low, from_file)
         inexact = (~(scale_exact & low_exact)).repeat_interleave(Q4_SUPER, dim=1)[:, :groups]
         if inexact.any():  # the rounded scales and minima: their groups quantised again with them
             held_scale = (
