@@ -460,3 +460,21 @@ def test_the_plan_takes_the_own_int4_kernel_where_the_module_is_built(
     model, _ = _load(lively_tiny_path)
     plan = plan_for(model, quantize="int4", native_decode="off")
     assert plan.layer_decode == "int4" and "torch's kernel" in plan.reasons["layers"]
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = Path(_get_build_directory(native._module_name(), verbose=False)) / "lock"
+    lock.touch()
+    made = lock.stat().st_mtime
+    # a build in progress (a minute old): kept
+    assert not native.clear_stale_lock(now=made + 60)
+    assert lock.exists()
+    # older than any build takes: removed
+    assert native.clear_stale_lock(now=made + native.STALE_BUILD_S + 1)
+    assert not lock.exists()
+    assert not native.clear_stale_lock(now=made + native.STALE_BUILD_S + 1)

@@ -88,6 +88,29 @@ def _module_name() -> str:
     return "tandem_decode_layers_avx2_" + re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
 
 
+# a build holds torch's lock file for ~30-65 s on 2 cores; one older than this was left by a
+# process killed while building (torch's lock names no process), and every later start would wait
+# on it forever
+STALE_BUILD_S = 600.0
+
+
+def clear_stale_lock(now: float | None = None) -> bool:
+    """Remove the build folder's lock when it is older than ``STALE_BUILD_S`` (``now``: the clock,
+    seconds since the epoch; None: the time now); True when one was removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(_module_name(), verbose=False)) / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_BUILD_S:
+        return False
+    log.warning("removing a stale build lock (%.0f s old, a build killed half-way): %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _compile() -> Any:
     if not avx2():
         raise NativeBuildError("the CPU has no AVX2 (the kernels' vectors are AVX2's)")
@@ -102,6 +125,7 @@ def _compile() -> Any:
     from torch.utils.cpp_extension import load
 
     start = time.monotonic()
+    clear_stale_lock()
     # the vectors are ATen's AVX2 ones (its headers pick them by CPU_CAPABILITY; q4_linear's
     # AVX512-VNNI kernels are compiled for their own target and called only where the CPU has it).
     # -fopenmp: at::parallel_for is inlined from ATen's header as an OpenMP loop, serial without

@@ -225,6 +225,28 @@ def _scale_blob(
     return blob.reshape(tiles, -1)
 
 
+def _blob_values(blob: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_scale_blob``'s scales and minima back, [out, groups] fp32 each (base times multiplier, as
+    the kernels compute them)."""
+    tiles, supers = blob.shape[0], blob.shape[1] // (2 * Q4_TILE * 4 + Q4_SUPER * 2 * Q4_TILE * 2)
+    parts = blob.view(tiles, supers, -1)
+    bases = parts[..., : 2 * Q4_TILE * 4].contiguous().view(torch.float32).view(tiles, supers, 2, Q4_TILE)
+    mults = (
+        parts[..., 2 * Q4_TILE * 4 :]
+        .contiguous()
+        .view(torch.float16)
+        .view(tiles, supers, Q4_SUPER, 2, Q4_TILE)
+    )
+    values = bases[:, :, None] * mults.float()  # [tile, super, group, 2, c]
+    values = values.permute(0, 4, 3, 1, 2).reshape(tiles * Q4_TILE, 2, supers * Q4_SUPER)[..., :groups]
+    return values[:, 0].contiguous(), values[:, 1].contiguous()
+
+
+def _per_group(base: torch.Tensor, mult: torch.Tensor, groups: int) -> torch.Tensor:
+    """``fp16_factors``' bases and multipliers as each group's value [rows, groups] in fp32."""
+    return base.repeat_interleave(Q4_SUPER, dim=1)[:, :groups] * mult[:, :groups].float()
+
+
 class Int4Blocks(Int4WeightOnly):
     """Int4 in GGUF's Q4_1 groups (``w = q * scale + min``; each group's scale and min an fp32 base
     of its super-block times an fp16 multiplier, ``fp16_factors``: the file's values exactly for
@@ -250,10 +272,8 @@ class Int4Blocks(Int4WeightOnly):
         low_base, low_mult, low_exact = fp16_factors(low, from_file)
         inexact = (~(scale_exact & low_exact)).repeat_interleave(Q4_SUPER, dim=1)[:, :groups]
         if inexact.any():  # the rounded scales and minima: their groups quantised again with them
-            held_scale = (
-                scale_base.repeat_interleave(Q4_SUPER, dim=1)[:, :groups] * scale_mult[:, :groups].float()
-            )
-            held_low = low_base.repeat_interleave(Q4_SUPER, dim=1)[:, :groups] * low_mult[:, :groups].float()
+            held_scale = _per_group(scale_base, scale_mult, groups)
+            held_low = _per_group(low_base, low_mult, groups)
             w = weight.detach().float().view(out_f, groups, INT4_GROUP)
             again = torch.round((w - held_low[..., None]) / held_scale.clamp(min=1e-12)[..., None]).clamp(
                 0, 15
@@ -276,18 +296,7 @@ class Int4Blocks(Int4WeightOnly):
         # byte 2c + h of (tile, quad j): output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high)
         pairs = packed.view(tiles, in_f // 4, Q4_TILE, 2)
         q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).permute(0, 2, 1, 3, 4).reshape(out_f, in_f)
-        supers = blob.shape[1] // (2 * Q4_TILE * 4 + Q4_SUPER * 2 * Q4_TILE * 2)
-        parts = blob.view(tiles, supers, -1)
-        bases = parts[..., : 2 * Q4_TILE * 4].contiguous().view(torch.float32).view(tiles, supers, 2, Q4_TILE)
-        mults = (
-            parts[..., 2 * Q4_TILE * 4 :]
-            .contiguous()
-            .view(torch.float16)
-            .view(tiles, supers, Q4_SUPER, 2, Q4_TILE)
-        )
-        values = bases[:, :, None] * mults.float()  # [tile, super, group, 2, c]
-        values = values.permute(0, 4, 3, 1, 2).reshape(out_f, 2, supers * Q4_SUPER)[..., :groups]
-        return q, values[:, 0].contiguous(), values[:, 1].contiguous()
+        return (q, *_blob_values(blob, groups))
 
     def rows(self, input: torch.Tensor) -> torch.Tensor:
         return input.float().contiguous()
@@ -371,7 +380,7 @@ class Q8Rows:
         groups = in_f // Q8_BLOCK
         blocks = w.view(padded, groups, Q8_BLOCK)
         base, mult, _ = fp16_factors(blocks.abs().amax(dim=-1) / 127)
-        held = (base.repeat_interleave(Q4_SUPER, dim=1)[:, :groups] * mult[:, :groups].float())[..., None]
+        held = _per_group(base, mult, groups)[..., None]
         q = torch.round(blocks / torch.where(held > 0, held, 1.0)).clamp(-127, 127)
         # byte 4c + i of (tile, quad j): output c's input 4j + i, as q + 128
         unsigned = (q + 128).to(torch.uint8).view(padded // Q4_TILE, Q4_TILE, in_f // 4, 4)
@@ -387,7 +396,7 @@ class Q8Rows:
         tiles, quads = packed.shape[:2]
         # byte 4c + i of (tile, quad j): output c's input 4j + i, as q + 128
         q = packed.view(tiles, quads, Q4_TILE, 4).permute(0, 2, 1, 3).reshape(tiles * Q4_TILE, quads * 4)
-        scale = Int4Blocks.held((packed[:, :, : 2 * Q4_TILE].contiguous(), blob))[1]
+        scale = _blob_values(blob, quads * 4 // Q8_BLOCK)[0]
         return ((q.float() - 128).view(tiles * Q4_TILE, -1, Q8_BLOCK) * scale[..., None]).view(
             tiles * Q4_TILE, -1
         )[:out_f]
