@@ -35,6 +35,10 @@ from tests.agent.test_api import cite_first
 from tests.conftest import auth
 from tests.helpers.waiting import wait_until
 
+# how long a gate may take to decide: ~15 s on a quiet 2-core machine for the adversarial one
+# (every regression question answered again reworded), several times that beside a busy suite
+GATE_S = 180
+
 QUESTIONS = [
     "What is the capital of France?",
     "What is the capital of Germany?",
@@ -394,7 +398,7 @@ def test_the_gate_keeps_a_worse_fine_tune_and_promotes_a_better_one(
         assert stack.trainer.read_headers[-1]["authorization"] != f"Bearer {key}"  # the service's key
         assert status_of(job) == "training"
         stack.trainer.job_states[job] = {"status": "succeeded", "published": True, "fine_tuned_model": model}
-        return dict(wait_until(lambda: decided(job), 60, f"the gate did not decide on {job}"))
+        return dict(wait_until(lambda: decided(job), GATE_S, f"the gate did not decide on {job}"))
 
     def status_of(job: str) -> str:
         return str(next(p["status"] for p in promotions(stack, key)["data"] if p["job_id"] == job))
@@ -535,7 +539,7 @@ def test_the_reader_learns_from_feedback_and_the_gate_keeps_a_worse_one(
             q in held for q in (m["question"] for m in feedback_on(out["promotion"]["holdout"]))
         )
         stack.trainer.job_states[job] = {"status": "succeeded", "published": True, "fine_tuned_model": reader}
-        return dict(wait_until(lambda: decided(job), 60, f"the gate did not decide on {job}"))
+        return dict(wait_until(lambda: decided(job), GATE_S, f"the gate did not decide on {job}"))
 
     def feedback_on(ids: list[str]) -> list[dict[str, Any]]:
         listed = httpx.get(f"{stack.url}/v1/feedback?limit=1000", headers=auth(key), timeout=30).json()[
@@ -600,7 +604,7 @@ def test_the_gate_keeps_a_fine_tune_a_reworded_question_misleads(
         p = next(p for p in promotions(stack, key)["data"] if p["job_id"] == job)
         return p if p["status"] not in ("training", "evaluating") else None
 
-    verdict = dict(wait_until(decided, 60, f"the gate did not decide on {job}"))
+    verdict = dict(wait_until(decided, GATE_S, f"the gate did not decide on {job}"))
     assert verdict["status"] == "kept", json.dumps(verdict)
     sets = {s["name"]: s for s in verdict["sets"]}
     # as written, the fine-tune answers as well as the model it would replace ...
@@ -653,7 +657,7 @@ def test_a_regression_set_the_candidate_breaks_keeps_it_and_names_the_questions(
         p = next(p for p in promotions(stack, key)["data"] if p["job_id"] == job)
         return p if p["status"] not in ("training", "evaluating") else None
 
-    verdict = dict(wait_until(decided, 60, f"the gate did not decide on {job}"))
+    verdict = dict(wait_until(decided, GATE_S, f"the gate did not decide on {job}"))
     assert verdict["status"] == "kept", json.dumps(verdict)
     report = verdict["regression_sets"]
     assert not report["passed"] and [s["name"] for s in report["sets"]] == ["set True"]
