@@ -114,13 +114,15 @@ class InferenceSettings(ServiceSettings):
         "when the weights are 4-bit already (a model from a Q4_0/Q4_1 GGUF, such as the default one: "
         "quantising loses nothing), int8 when they are Q8_0 values and the CPU has AVX512-VNNI, else none.",
     )
-    prompt_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    prompt_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
         defaults.PROMPT_DTYPE,
         description="CPU torch engine, fp32 models: the dtype prompt tokens multiply in, in the decoder layers "
-        "(the output head's prompt rows stay fp32). bfloat16: oneDNN's bf16 products, about 1.7x faster prompt "
-        "forwards on CPUs with AVX512-BF16 or AMX (sooner first tokens under a burst), at bf16 rounding of the "
-        "prompt's keys/values; float32: the fp32 model's. auto: bfloat16 where decode tokens already run with "
-        "bf16 activations (quantize int4/int8) on a CPU with native bf16, else float32.",
+        "(the output head's prompt rows stay fp32). int8: the decode weights' int4/Q8_0 blocks times prompt rows "
+        "quantised to int8 as decode rows are (the C++ kernels; no second copy of the weights); bfloat16: "
+        "oneDNN's bf16 products, about 1.7x faster prompt forwards than fp32 on CPUs with AVX512-BF16 or AMX, at "
+        "bf16 rounding of the prompt's keys/values; float32: the fp32 model's. auto, with quantize int4/int8: "
+        "int8 where the decode blocks run and oneDNN has no AMX (2.7x bf16's products on AVX512 without AMX), "
+        "bfloat16 on AMX or other CPUs with native bf16, else float32; float32 when decode is not quantised.",
     )
     native_decode: Literal["auto", "on", "off"] = Field(
         defaults.NATIVE_DECODE,

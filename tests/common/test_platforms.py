@@ -59,3 +59,15 @@ def test_override_to_missing_device_is_an_error(monkeypatch: pytest.MonkeyPatch)
         detect_platform("npu")  # torch_npu is not installed here
     with pytest.raises(PlatformError, match="tpu"):
         detect_platform("tpu")
+
+
+def test_a_onednn_isa_cap_below_amx_keeps_amx_out_of_the_choices() -> None:
+    from services.common.platforms import onednn_may_use_amx
+
+    assert onednn_may_use_amx({})
+    assert onednn_may_use_amx({"ONEDNN_MAX_CPU_ISA": "all"})
+    assert onednn_may_use_amx({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"})
+    assert not onednn_may_use_amx({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})
+    assert not onednn_may_use_amx({"DNNL_MAX_CPU_ISA": "AVX2"})
+    # the newer name wins over the older one
+    assert onednn_may_use_amx({"ONEDNN_MAX_CPU_ISA": "DEFAULT", "DNNL_MAX_CPU_ISA": "AVX2"})

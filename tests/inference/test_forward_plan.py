@@ -111,7 +111,9 @@ def test_the_platform_record_decides_cpu_choices(lively_tiny_path: Path) -> None
     if not INT4:
         pytest.skip("this torch build has no CPU weight-only int4 kernel")
     plain = dataclasses.replace(cpu_features(), avx512_bf16=False, amx_bf16=False, amx_usable=False)
-    assert resolve_plan(model, plain, PlanSettings(quantize="int4")).prompt_dtype == "float32"
+    # without the C++ kernels no decode blocks to share: the model's own dtype
+    off = PlanSettings(quantize="int4", native_decode="off")
+    assert resolve_plan(model, plain, off).prompt_dtype == "float32"
     bf16 = dataclasses.replace(plain, avx512_bf16=True)
     settings = PlanSettings(quantize="int4")
     plan = quantized_linear.resolve_prompt_dtype(settings.prompt_dtype, "int4", torch.float32, bf16)

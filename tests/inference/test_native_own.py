@@ -266,9 +266,36 @@ def test_the_head_kernel_follows_the_setting_and_the_cpus_amx(
     assert isinstance(_head_kernel(_engine(lively_tiny_path, "python", head="q8_0")), Q8Blocks)
 
 
-def _prompt_engine(path: Path, native_prompt: bool, adapter: Path | None = None) -> TorchEngine:
+def test_prompt_rows_take_the_decode_blocks_where_onednn_has_no_amx(
+    lively_tiny_path: Path, built: None
+) -> None:
+    model, _ = _load(lively_tiny_path)
+    for amx, bf16, want in (
+        (False, True, "int8"),
+        (False, False, "int8"),
+        (True, True, "bfloat16"),
+    ):
+        platform = dataclasses.replace(cpu_features(), amx_usable=amx, amx_bf16=amx, avx512_bf16=bf16)
+        plan = plan_for(model, platform=platform, quantize="int4", native_decode="on")
+        assert plan.prompt_dtype == want, (amx, bf16)
+        if want == "int8":
+            assert (plan.layer_prompt, plan.prompt) == ("int4-q8", "native")
+            assert "no AMX" in plan.reasons["prompt_dtype"]
+    # without the C++ kernels there are no blocks to take: bf16 where the CPU has it, and int8 asked
+    # for by name is refused with the reason
+    platform = dataclasses.replace(cpu_features(), amx_usable=False, avx512_bf16=True)
+    assert plan_for(model, platform=platform, quantize="int4").prompt_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="prompt_dtype='int8'"):
+        plan_for(model, quantize="int4", prompt_dtype="int8")
+    with pytest.raises(ValueError, match="prompt_dtype='int8'"):
+        plan_for(model, quantize="none", prompt_dtype="int8", native_decode="on")
+
+
+def _prompt_engine(
+    path: Path, native_prompt: bool, adapter: Path | None = None, prompt_dtype: str = "bfloat16"
+) -> TorchEngine:
     model, tok = _load(path)
-    plan = plan_for(model, quantize="int4", prompt_dtype="bfloat16", native_decode="on")
+    plan = plan_for(model, quantize="int4", prompt_dtype=prompt_dtype, native_decode="on")  # type: ignore[arg-type]
     assert plan.prompt == "native"
     if not native_prompt:
         plan = dataclasses.replace(plan, prompt="python")
@@ -282,20 +309,26 @@ def _prompt_engine(path: Path, native_prompt: bool, adapter: Path | None = None)
 
 
 ONEDNN_BF16 = packed_linear.available(torch.device("cpu"), torch.bfloat16)
+# the C++ prompt loop's products: bf16 blocks (where oneDNN has bf16 products), and the int4
+# decode blocks times int8 rows (every AVX2 CPU)
+PROMPT_KINDS = (["bfloat16"] if ONEDNN_BF16 else []) + ["int8"]
 
 
-@pytest.mark.skipif(
-    not ONEDNN_BF16, reason="the C++ prompt loop multiplies in bf16: no oneDNN bf16 products here"
-)
+@pytest.mark.parametrize("prompt_dtype", PROMPT_KINDS)
 @pytest.mark.parametrize("with_adapter", [False, True])
 def test_the_native_prompt_loop_follows_the_python_one_and_each_prompt_is_its_own(
-    lively_tiny_path: Path, tmp_path: Path, built: None, monkeypatch: pytest.MonkeyPatch, with_adapter: bool
+    lively_tiny_path: Path,
+    tmp_path: Path,
+    built: None,
+    monkeypatch: pytest.MonkeyPatch,
+    with_adapter: bool,
+    prompt_dtype: str,
 ) -> None:
     adapter, name = None, None
     if with_adapter:
         modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         adapter, name = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=9, modules=modules), "a"
-    python, own = (_prompt_engine(lively_tiny_path, flag, adapter) for flag in (False, True))
+    python, own = (_prompt_engine(lively_tiny_path, flag, adapter, prompt_dtype) for flag in (False, True))
     calls = []
     loop = native.prompt_own()
 
@@ -315,6 +348,14 @@ def test_the_native_prompt_loop_follows_the_python_one_and_each_prompt_is_its_ow
     alone = [e.runner.forward([], [chunks[5]]) for e in (python, own)]
     assert _relative(alone[1], alone[0]) < 2e-2
     assert calls == [sum(len(p) for p in prompts[:5]), len(prompts[5])]
+    if prompt_dtype == "int8":
+        # prompt rows on the decode blocks: the two lean forwards share one prepared copy of the
+        # weights, and no layer keeps a prompt side of its own
+        runner = own.runner
+        assert runner.fused_prompt is not None and runner.fused is not None and runner.packed is not None
+        assert runner.fused_prompt.layers is runner.fused.layers
+        layers = [p for p in runner.packed.layers if p.module is not runner.lm_head]
+        assert layers and all(type(p.kernel) is Int4Blocks for p in layers)
     for ref_store, store in zip(
         python.runner.cache.k + python.runner.cache.v, own.runner.cache.k + own.runner.cache.v, strict=True
     ):
@@ -338,11 +379,11 @@ def test_the_native_prompt_loop_follows_the_python_one_and_each_prompt_is_its_ow
         assert torch.equal(store[0, :, : len(prompts[3])], store[6, :, : len(prompts[3])])
 
 
-@pytest.mark.skipif(
-    not ONEDNN_BF16, reason="the C++ prompt loop multiplies in bf16: no oneDNN bf16 products here"
-)
-def test_the_native_prompt_loop_follows_weights_changed_in_place(lively_tiny_path: Path, built: None) -> None:
-    engines = [_prompt_engine(lively_tiny_path, flag) for flag in (False, True)]
+@pytest.mark.parametrize("prompt_dtype", PROMPT_KINDS)
+def test_the_native_prompt_loop_follows_weights_changed_in_place(
+    lively_tiny_path: Path, built: None, prompt_dtype: str
+) -> None:
+    engines = [_prompt_engine(lively_tiny_path, flag, prompt_dtype=prompt_dtype) for flag in (False, True)]
     prompt = list(range(500, 545))
     before = [e.runner.forward([], [PrefillRow(slot=0, token_ids=prompt, start=0)]) for e in engines]
     for engine in engines:

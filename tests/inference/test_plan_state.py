@@ -204,8 +204,9 @@ def test_capability_checks_read_a_config_alone() -> None:
     # prompt chunks
     assert fused_prompt.unsupported(ops, CPU, "onednn-bf16-blocks") is None
     assert fused_prompt.unsupported(ops, torch.device("meta"), "onednn-fp32") == (
-        "prompt products are oneDNN's CPU kernels; the model runs on meta"
+        "prompt products are oneDNN's or the own int8 rows' CPU kernels; the model runs on meta"
     )
+    assert fused_prompt.unsupported(ops, CPU, "int4-q8") is None
     assert "multiply with torch" in str(fused_prompt.unsupported(ops, CPU, "torch"))
     assert (
         fused_prompt.unsupported(ops, CPU, "onednn-bf16-blocks|onednn-fp32")
@@ -239,7 +240,8 @@ def test_a_plan_made_by_hand_that_the_model_cannot_run_is_refused_by_name() -> N
         "decode='native-own': head_dim 24 is not one of [16, 32, 64, 128]"
     )
     assert refusal(dataclasses.replace(plan, prompt="native", layer_prompt="onednn-fp32"), facts) == (
-        "prompt='native': the C++ prompt layers multiply in bf16 blocks, not onednn-fp32"
+        "prompt='native': the C++ prompt layers multiply in bf16 blocks or int4/Q8_0 blocks times int8 rows, "
+        "not onednn-fp32"
     )
     assert refusal(dataclasses.replace(plan, quantize="int8"), facts) == (
         "decode='python': the decoder layers decode with int4-q8, not Q8_0 blocks times int8 rows in every layer"

@@ -11,6 +11,8 @@ objects (``CommonSettings.device``): callers that hold them pass it in. No code 
 from __future__ import annotations
 
 import importlib
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -165,13 +167,23 @@ def cpu_amx_usable() -> bool:
     """Whether this process can use the CPU's AMX tiles (Intel Sapphire Rapids and later): the CPU
     lists ``amx_bf16`` and the Linux kernel grants the tile state (torch asks it, as oneDNN does
     before its AMX kernels; a VM may list AMX yet refuse it). oneDNN's bf16 products run on AMX
-    there, and some kernel choices follow (the CPU engine's output head)."""
-    if " amx_bf16" not in cpu_flags():
+    there, and some kernel choices follow (the CPU engine's output head, its prompt products).
+    ``ONEDNN_MAX_CPU_ISA`` set below AMX (``AVX512_CORE_BF16``, ``AVX2``, ...) keeps oneDNN off the
+    tiles, so the choices then follow what oneDNN will run: no AMX."""
+    if " amx_bf16" not in cpu_flags() or not onednn_may_use_amx():
         return False
     import torch
 
     init_amx = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
     return bool(init_amx()) if callable(init_amx) else False
+
+
+def onednn_may_use_amx(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``ONEDNN_MAX_CPU_ISA`` (or its older name ``DNNL_MAX_CPU_ISA``) lets oneDNN run its
+    AMX kernels: unset, ``ALL``/``DEFAULT``, or an ISA name that includes AMX."""
+    env = os.environ if environ is None else environ
+    cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
+    return cap in ("ALL", "DEFAULT") or "AMX" in cap
 
 
 def cpu_has_native_bf16() -> bool:
@@ -193,4 +205,5 @@ __all__ = [
     "cpu_has_native_bf16",
     "current_platform",
     "detect_platform",
+    "onednn_may_use_amx",
 ]

@@ -21,7 +21,8 @@ class CpuFeatures:
     avx2: bool  # torch runs AVX2 (or AVX-512) kernels here
     avx512_bf16: bool  # listed by /proc/cpuinfo
     amx_bf16: bool  # listed by /proc/cpuinfo
-    amx_usable: bool  # listed, and the Linux kernel grants this process the tile state
+    # listed, the Linux kernel grants this process the tile state, and ONEDNN_MAX_CPU_ISA allows it
+    amx_usable: bool
     avx512_vnni: bool  # AVX512-VNNI and AVX512BW listed by /proc/cpuinfo (q4_linear's wide kernels)
     onednn: bool  # this torch build has oneDNN (mkldnn)
 

@@ -466,14 +466,14 @@ def native_args(layers: list[_Layer]) -> tuple[list[Any], list[Any], list[Any], 
             if type(product.kernel) is OneDNNPacked:
                 # oneDNN's packed weight and whether it pairs lone rows (the C++ loop always pairs
                 # them: the same numbers): an empty second part names the kind
-                b = _NO_SCALES
+                b = NO_SCALES
             first.append(a)
             second.append(b)
             biases.append(bias)
     return norms, first, second, biases
 
 
-_NO_SCALES = torch.empty(0)
+NO_SCALES = torch.empty(0)
 
 
 def native_layer_args(layers: list[_Layer]) -> tuple[list[Any], list[Any]]:
@@ -557,7 +557,10 @@ class LeanLayers:
     decoder layers' projections multiplied side by side with one kernel, prepared again when a
     weight changed in place, and the C++ loops' arguments made from them."""
 
-    def __init__(self, runner: ModelRunner, kernel: RowKernel) -> None:
+    def __init__(self, runner: ModelRunner, kernel: RowKernel, share: LeanLayers | None = None) -> None:
+        """``share``: another lean forward of the runner; where it multiplies with a kernel of the
+        same kind (prompt rows on the decode blocks: prompt_dtype int8) its side-by-side weights
+        are this forward's too, prepared once."""
         self.runner = runner
         self.decoder = runner.decoder
         config = runner.config
@@ -567,28 +570,32 @@ class LeanLayers:
         ops = layer_ops(config, self.decoder.layers)
         assert isinstance(ops, LayerOps), ops
         self.ops = ops
-        self.layers = [
-            _Layer(
-                module=layer,
-                qkv=SideBySide(layer, ops.attention, kernel),
-                o=SideBySide(layer, ("o_proj",), kernel),
-                gate_up=SideBySide(layer, ops.mlp_in, kernel),
-                down=SideBySide(layer, (ops.mlp_out,), kernel),
-                heads=heads,
-                kv_heads=kv_heads,
-                head_dim=head_dim,
-                scaling=float(layer.self_attn.scaling),
-                ops=ops,
-                norms=cast(
-                    "tuple[Any, Any | None, Any, Any | None]",
-                    tuple(None if n is None else getattr(layer, n) for n in ops.norm_names()),
-                ),
-                qk_norms=(layer.self_attn.q_norm, layer.self_attn.k_norm) if ops.qk_norm else None,
-                rope=ops.rope[index],
-                window=ops.window[index],
-            )
-            for index, layer in enumerate(self.decoder.layers)
-        ]
+        self.layers: list[_Layer]
+        if share is not None and type(share.layers[0].qkv.kernel) is type(kernel):
+            self.layers = share.layers
+        else:
+            self.layers = [
+                _Layer(
+                    module=layer,
+                    qkv=SideBySide(layer, ops.attention, kernel),
+                    o=SideBySide(layer, ("o_proj",), kernel),
+                    gate_up=SideBySide(layer, ops.mlp_in, kernel),
+                    down=SideBySide(layer, (ops.mlp_out,), kernel),
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    head_dim=head_dim,
+                    scaling=float(layer.self_attn.scaling),
+                    ops=ops,
+                    norms=cast(
+                        "tuple[Any, Any | None, Any, Any | None]",
+                        tuple(None if n is None else getattr(layer, n) for n in ops.norm_names()),
+                    ),
+                    qk_norms=(layer.self_attn.q_norm, layer.self_attn.k_norm) if ops.qk_norm else None,
+                    rope=ops.rope[index],
+                    window=ops.window[index],
+                )
+                for index, layer in enumerate(self.decoder.layers)
+            ]
         self.rotary = rotary_dim(config)
         # why the adapters loaded now keep this forward's tokens on the Hugging Face modules (the
         # plan's reason when it moved them there; the runner's ``lora_unsupported``), else None

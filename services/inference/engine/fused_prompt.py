@@ -43,13 +43,14 @@ resolves its plan again with them there, until the adapters are unloaded.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from services.inference.engine import native as native_module
 from services.inference.engine import ragged
 from services.inference.engine.fused_decode import (
+    NO_SCALES,
     LeanLayers,
     ModuleDeltas,
     Rope,
@@ -65,22 +66,29 @@ from services.inference.engine.fused_decode import (
 from services.inference.engine.layer_ops import LayerOps, layer_ops, projection
 from services.inference.engine.lora_rows import LoraRows, Stacked
 from services.inference.engine.packed_linear import OneDNNPacked, RowKernel
-from services.inference.engine.quantized_linear import BlockedBF16, ByTokenKind
+from services.inference.engine.quantized_linear import BlockedBF16, ByTokenKind, Int4Blocks, Q8Rows
 
 if TYPE_CHECKING:
     from services.inference.engine.runner import ModelRunner
 
+# the decode blocks times int8 rows, which prompt rows take too under prompt_dtype int8 (their
+# kernels, and the plan's names of them)
+INT8_ROWS = (Int4Blocks, Q8Rows)
+INT8_ROWS_NAMES = ("int4-q8", "q8_0-int8")
+
 
 def prompt_kernel_of(kernel: Any) -> RowKernel | None:
     """A kernel of the kind a layer multiplies prompt tokens with (for weights side by side), where
-    the lean forward has it (a bf16 block kernel or oneDNN's packed product in the model's
-    dtype), else None."""
+    the lean forward has it (a bf16 block kernel, oneDNN's packed product in the model's dtype, or
+    the decode blocks times int8 rows: ``Int4Blocks``, ``Q8Rows``), else None."""
     prompt = kernel.prompt if isinstance(kernel, ByTokenKind) else kernel
     # exactly these classes (BF16Packed, a OneDNNPacked too, pairs lone rows unprobed)
     if type(prompt) is BlockedBF16:
         return BlockedBF16(prompt.batch_hint)
     if type(prompt) is OneDNNPacked:
         return OneDNNPacked(prompt.batch_hint)
+    if type(prompt) in INT8_ROWS:
+        return cast("RowKernel", type(prompt)())
     return None
 
 
@@ -88,15 +96,20 @@ def unsupported(ops: LayerOps | str, device: torch.device, layer_prompt: str) ->
     """Why prompt chunks cannot take the lean forward (None: they can), from the model's family
     (``layer_ops``: its config's), where it runs and the decoder layers' prompt kernels (the plan's
     ``layer_prompt``: one name, or several joined by ``|``): bf16 blocks or oneDNN's packed
-    product in the model's dtype (``onednn-*``: a prompt side is never another kind) in every
-    layer."""
+    product in the model's dtype (``onednn-*``), or the decode blocks times int8 rows
+    (``int4-q8``, ``q8_0-int8``: prompt_dtype int8), in every layer."""
     if isinstance(ops, str):
         return ops
     if device.type != "cpu":
-        return f"prompt products are oneDNN's CPU kernels; the model runs on {device.type}"
+        return (
+            f"prompt products are oneDNN's or the own int8 rows' CPU kernels; the model runs on {device.type}"
+        )
     kernels = layer_prompt.split("|")
-    if any(not k.startswith("onednn-") for k in kernels):
-        return f"the decoder layers' prompt tokens multiply with {layer_prompt}, not a packed bf16 or model-dtype kernel"
+    if any(not k.startswith("onednn-") and k not in INT8_ROWS_NAMES for k in kernels):
+        return (
+            f"the decoder layers' prompt tokens multiply with {layer_prompt}, not a packed bf16 or "
+            "model-dtype kernel nor int4/Q8_0 blocks times int8 rows"
+        )
     if len(kernels) > 1:
         return "the layers' prompt kernels differ"
     return None
@@ -131,7 +144,9 @@ class StackedDeltas:
 class FusedPrompt(LeanLayers):
     """Prompt chunks through the lean forward (see the module doc)."""
 
-    def __init__(self, runner: ModelRunner, *, native: bool = False) -> None:
+    def __init__(
+        self, runner: ModelRunner, *, native: bool = False, decode: LeanLayers | None = None
+    ) -> None:
         # a kernel of the layers' own kind for the side-by-side weights (BlockedBF16 probes each
         # one's blocks when it prepares it)
         ops = layer_ops(runner.config, runner.decoder.layers)
@@ -140,7 +155,8 @@ class FusedPrompt(LeanLayers):
             layer_kernels(runner).get(id(base_linear(projection(runner.decoder.layers[0], first))))
         )
         assert kernel is not None, "FusedPrompt needs a runner whose plan names a lean prompt forward"
-        super().__init__(runner, kernel)
+        # the decode forward's weights where prompt rows multiply with the decode blocks (one copy)
+        super().__init__(runner, kernel, share=decode)
         # the layers in C++ (``native.prompt_own``: bf16 block products, decode_own's operations
         # between them) where the runner's plan says ``native`` (the plan checked the kernels, the
         # model's sizes and the build)
@@ -188,7 +204,10 @@ class FusedPrompt(LeanLayers):
         lora: LoraRows | None,
     ) -> torch.Tensor:
         """The layers through ``native.prompt_own``."""
-        norms, packed, blocks, biases, qk_norms = self.native_args()
+        norms, packed, seconds, biases, qk_norms = self.native_args()
+        # a product's second part: bf16 blocks' row count, or the int8 rows' kernels' scales
+        blocks = [b if isinstance(b, int) else 0 for b in seconds]
+        scales = [NO_SCALES if isinstance(b, int) else b for b in seconds]
         assert plan.prefill_slots is not None and plan.gather is not None and plan.valid is not None
         first = self.layers[0]
         cache = self.runner.cache
@@ -210,6 +229,7 @@ class FusedPrompt(LeanLayers):
             qk_norms,
             packed,
             blocks,
+            scales,
             biases,
             cache.k,
             cache.v,

@@ -73,8 +73,10 @@ DecodePath = Literal["native-own", "python", "reference"]
 PromptPath = Literal["native", "python", "reference"]
 LEAN_DECODE: tuple[str, ...] = ("native-own", "python")
 LEAN_PROMPT: tuple[str, ...] = ("native", "python")
-# the prompt kernel the C++ prompt layers multiply with
+# the prompt kernels the C++ prompt layers multiply with: bf16 blocks, or the decode blocks
+# times int8 rows (prompt_dtype int8: the layers' one kernel)
 BF16_BLOCKS = "onednn-bf16-blocks"
+NATIVE_PROMPT_KERNELS = (BF16_BLOCKS, *fused_prompt.INT8_ROWS_NAMES)
 
 
 @dataclass(frozen=True)
@@ -246,12 +248,11 @@ class _Kernels:
 
 def _quantisation(
     model: Any, head: Any, facts: ModelFacts, cpu: CpuFeatures, settings: Any, reasons: dict[str, str]
-) -> tuple[Quantize, PromptDType]:
-    """The quantisation and the prompt products' dtype, with their reasons; a setting that cannot
-    run here raises ``ValueError`` naming it."""
-    device, dtype = facts.device, facts.dtype
+) -> Quantize:
+    """The quantisation, with its reason; a setting that cannot run here raises ``ValueError``
+    naming it."""
     quantize = quantized_linear.resolve(
-        settings.quantize, model, head, device, q8_rows=cpu.avx512_vnni and native.avx2()
+        settings.quantize, model, head, facts.device, q8_rows=cpu.avx512_vnni and native.avx2()
     )
     if settings.quantize == "auto":
         reasons["quantize"] = {
@@ -260,24 +261,53 @@ def _quantisation(
         }.get(quantize, "auto: weights kept as they are")
     else:
         reasons["quantize"] = f"TANDEM_INFERENCE_QUANTIZE={settings.quantize}"
-    prompt_dtype = quantized_linear.resolve_prompt_dtype(settings.prompt_dtype, quantize, dtype, cpu)
+    problem = quantized_linear.available(quantize, facts.device)
+    if problem is not None:
+        raise ValueError(f"quantize={quantize!r}: {problem}")
+    return quantize
+
+
+def _prompt_dtype(
+    quantize: Quantize,
+    blocks: bool,
+    facts: ModelFacts,
+    cpu: CpuFeatures,
+    settings: Any,
+    reasons: dict[str, str],
+) -> PromptDType:
+    """The prompt products' dtype (``blocks``: the decode products are the own blocks times int8
+    rows), with its reason; a setting that cannot run here raises ``ValueError`` naming it."""
+    device, dtype = facts.device, facts.dtype
+    prompt_dtype = quantized_linear.resolve_prompt_dtype(
+        settings.prompt_dtype, quantize, dtype, cpu, blocks=blocks
+    )
     if prompt_dtype == "bfloat16" and not packed_linear.available(device, torch.bfloat16):
         raise ValueError(f"prompt_dtype='bfloat16': this torch build has no oneDNN bf16 products on {device}")
-    if quantize != "none" or prompt_dtype == "bfloat16":
-        problem = quantized_linear.available(quantize, device)
-        if problem is not None:
-            raise ValueError(f"quantize={quantize!r}: {problem}")
+    if prompt_dtype == "int8" and not blocks:
+        raise ValueError(
+            "prompt_dtype='int8': prompt rows take the decode kernel's int4/Q8_0 blocks times int8 rows, "
+            f"which this plan does not multiply with (quantize={quantize}; they need the C++ kernels built, "
+            "and AVX512-VNNI for int8)"
+        )
     if dtype != torch.float32:
         reasons["prompt_dtype"] = f"the model's own dtype ({str(dtype).removeprefix('torch.')})"
     elif settings.prompt_dtype != "auto":
         reasons["prompt_dtype"] = f"TANDEM_INFERENCE_PROMPT_DTYPE={settings.prompt_dtype}"
+    elif prompt_dtype == "int8":
+        reasons["prompt_dtype"] = (
+            f"{quantize} decode blocks times int8 rows for prompt rows too: oneDNN has no AMX here"
+        )
     elif prompt_dtype == "bfloat16":
-        reasons["prompt_dtype"] = f"{quantize} decode on a CPU with native bf16 (AVX512-BF16/AMX)"
+        reasons["prompt_dtype"] = (
+            f"{quantize} decode on a CPU with native bf16 (AMX)"
+            if cpu.amx_usable
+            else f"{quantize} decode on a CPU with native bf16 (AVX512-BF16), no own int4/Q8_0 blocks"
+        )
     else:
         reasons["prompt_dtype"] = (
             "no native bf16 on this CPU" if quantize in ("int4", "int8") else "decode is not quantised"
         )
-    return quantize, prompt_dtype
+    return prompt_dtype
 
 
 def _native(forward: Forward, quantize: Quantize, facts: ModelFacts, setting: NativeDecode) -> _Native:
@@ -321,6 +351,15 @@ def _head(quantize: Quantize, built: _Native, cpu: CpuFeatures, head: Any) -> tu
     return "q8_0", "q8_0 head: C++ kernels built (AVX2), no AVX512-VNNI"
 
 
+def _own_blocks(quantize: Quantize, built: _Native, cpu: CpuFeatures) -> bool:
+    """Whether the layers' decode products are the own blocks times int8 rows: int4 as Q4_1 groups
+    (the built module's q4_linear, AVX512-VNNI where the CPU has it, else AVX2, the same numbers);
+    int8 as Q8_0 blocks (q8_rows) where the CPU has AVX512-VNNI."""
+    if quantize == "int4":
+        return built.built and native.q4_linear() is not None
+    return quantize == "int8" and built.built and cpu.avx512_vnni and native.q8_rows() is not None
+
+
 def _layers(
     forward: Forward,
     quantize: Quantize,
@@ -330,26 +369,24 @@ def _layers(
     facts: ModelFacts,
 ) -> tuple[bool, bool, str]:
     """Whether the linear layers are packed (or quantised), whether their decode products are the
-    own blocks times int8 rows (int4: Q4_1 groups, the built module's q4_linear, AVX512-VNNI where
-    the CPU has it, else AVX2, the same numbers, else torch's int4 kernel; int8: Q8_0 blocks,
-    q8_rows, where the CPU has AVX512-VNNI, else torch's per-channel int8), and why."""
-    int4_blocks = quantize == "int4" and built.built and native.q4_linear() is not None
-    int8_blocks = quantize == "int8" and built.built and cpu.avx512_vnni and native.q8_rows() is not None
+    own blocks times int8 rows (``_own_blocks``; else torch's int4 kernel or its per-channel int8),
+    and why."""
+    blocks = _own_blocks(quantize, built, cpu)
     if quantize != "none" or prompt_dtype == "bfloat16":
         reason = f"quantize={quantize}, prompt products in {prompt_dtype}"
         if quantize == "int4":
             reason += (
                 f", int4 decode as Q4_1 x int8 rows (C++, {'AVX512-VNNI' if cpu.avx512_vnni else 'AVX2'})"
-                if int4_blocks
+                if blocks
                 else f", int4 decode in torch's kernel ({built.reason or 'the C++ module has no q4_linear'})"
             )
         if quantize == "int8":
             reason += (
                 ", int8 decode as Q8_0 blocks x int8 rows (C++, AVX512-VNNI)"
-                if int8_blocks
+                if blocks
                 else f", int8 decode in torch's per-channel kernel ({built.reason or 'no AVX512-VNNI'})"
             )
-        return True, int4_blocks or int8_blocks, reason
+        return True, blocks, reason
     if forward == "reference":
         return False, False, "the reference forward: torch's own nn.Linear"
     if packed_linear.available(facts.device, facts.dtype):
@@ -411,19 +448,29 @@ def _prompt_path(
     forward: Forward, facts: ModelFacts, layer_prompt: str, built: _Native
 ) -> tuple[PromptPath, str]:
     """Prompt chunks' forward: the lean one where its layer loop has the family's operations
-    (CPU); its layers in C++ where they multiply in bf16 blocks and the module is built."""
+    (CPU); its layers in C++ where they multiply in bf16 blocks or the decode blocks times int8
+    rows and the module is built."""
     if forward == "reference":
         return "reference", "the reference forward"
     problem = fused_prompt.unsupported(facts.ops, facts.device, layer_prompt)
     if problem is not None:
         return "reference", f"the Hugging Face modules: {problem}"
     own = fused_decode.own_unsupported(facts.config, facts.dtype, prompt=True)
-    if built.built and layer_prompt == BF16_BLOCKS and own is None and native.prompt_own() is not None:
-        return "native", "the lean prompt forward in C++ (bf16 block products, AVX2)"
+    if (
+        built.built
+        and layer_prompt in NATIVE_PROMPT_KERNELS
+        and own is None
+        and native.prompt_own() is not None
+    ):
+        products = "bf16 block" if layer_prompt == BF16_BLOCKS else f"{layer_prompt} (int8 rows)"
+        return "native", f"the lean prompt forward in C++ ({products} products, AVX2)"
     if not built.built:
         why = built.reason
-    elif layer_prompt != BF16_BLOCKS:
-        why = "its C++ layers multiply in bf16 blocks; prompts here multiply in " + layer_prompt
+    elif layer_prompt not in NATIVE_PROMPT_KERNELS:
+        why = (
+            "its C++ layers multiply in bf16 blocks or int4/Q8_0 blocks times int8 rows; prompts here "
+            "multiply in " + layer_prompt
+        )
     else:
         why = own or "the C++ prompt layers are not built"
     return "python", f"the lean prompt forward's Python loop: {why}"
@@ -464,8 +511,9 @@ def resolve_plan(
         if forward == "reference"
         else "the fastest path this model, CPU and torch build support",
     }
-    quantize, prompt_dtype = _quantisation(model, head, facts, cpu, settings, reasons)
+    quantize = _quantisation(model, head, facts, cpu, settings, reasons)
     built = _native(forward, quantize, facts, settings.native_decode)
+    prompt_dtype = _prompt_dtype(quantize, _own_blocks(quantize, built, cpu), facts, cpu, settings, reasons)
     q8_head, head_reason = _head(quantize, built, cpu, head)
     packed, own_blocks, reasons["layers"] = _layers(forward, quantize, prompt_dtype, built, cpu, facts)
     reasons["head"] = head_reason
@@ -519,8 +567,11 @@ def refusal(plan: ForwardPlan, facts: ModelFacts) -> str | None:
     if plan.lean_prompt:
         problem = fused_prompt.unsupported(facts.ops, facts.device, plan.layer_prompt)
         if problem is None and plan.prompt == "native":
-            if plan.layer_prompt != BF16_BLOCKS:
-                problem = f"the C++ prompt layers multiply in bf16 blocks, not {plan.layer_prompt}"
+            if plan.layer_prompt not in NATIVE_PROMPT_KERNELS:
+                problem = (
+                    "the C++ prompt layers multiply in bf16 blocks or int4/Q8_0 blocks times int8 rows, "
+                    f"not {plan.layer_prompt}"
+                )
             else:
                 problem = fused_decode.own_unsupported(facts.config, facts.dtype, prompt=True)
             if problem is None and native.prompt_own() is None:

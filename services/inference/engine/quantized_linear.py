@@ -35,11 +35,12 @@ The model keeps its fp32 weights and stays fp32 everywhere else (norms, residual
 attention, KV cache): only the layers' products change, inside the engine's forwards
 (``packed_linear.PackedLinears`` swaps the forwards in and out), so PEFT's LoRA layers
 (their A/B matrices stay fp32), the trainer, ``state_dict`` and deep copies see plain
-modules, and a weight the trainer changed in place is quantised again. Only decode tokens
-use the quantised weights; prompt tokens multiply with packed unquantised ones (``ByTokenKind``:
-faster for many rows), in the decoder layers in bf16 by default where the CPU has native bf16
-products (``resolve_prompt_dtype``: a prompt forward about 1.7x faster), the output head's
-prompt rows in fp32. The head matters most for the first token: with it in bf16 too, SmolLM2
+modules, and a weight the trainer changed in place is quantised again. Where oneDNN has AMX
+only decode tokens use the quantised weights; prompt tokens multiply with packed unquantised ones
+(``ByTokenKind``: faster for many rows), in the decoder layers in bf16 by default
+(``resolve_prompt_dtype``: a prompt forward about 1.7x faster than fp32), the output head's
+prompt rows in fp32; without AMX, prompt rows take the own int4 / Q8_0 blocks times int8 rows
+as decode rows do (faster there than oneDNN's bf16 or fp32, and no second copy of the weights). The head matters most for the first token: with it in bf16 too, SmolLM2
 answered "What is the capital of France?" with "L'Étoile, la Marseillaise, ..." (as llama.cpp's
 Q4_1 does) instead of "The capital of France is Paris."; with it in fp32, 24 of 24 test prompts
 keep the fp32 prompt's first token (``TANDEM_INFERENCE_PROMPT_DTYPE=float32`` keeps the
@@ -67,7 +68,7 @@ log = logging.getLogger("tandem.engine.quantized_linear")
 
 Quantize = Literal["auto", "none", "int8", "int4"]
 # the dtype prompt tokens multiply in (``TANDEM_INFERENCE_PROMPT_DTYPE``; see ``resolve_prompt_dtype``)
-PromptDType = Literal["auto", "float32", "bfloat16"]
+PromptDType = Literal["auto", "float32", "bfloat16", "int8"]
 
 # auto picks int4 when re-quantising loses at most this (relative, per layer): weights that
 # came from a 4-bit GGUF (Q4_0/Q4_1/Q4_K: the file's own groups, ``gguf_weights``) come back with
@@ -665,17 +666,30 @@ def available(mode: Quantize, device: torch.device) -> str | None:
 
 
 def resolve_prompt_dtype(
-    setting: PromptDType, quantize: Quantize, model_dtype: torch.dtype, cpu: CpuFeatures | None = None
+    setting: PromptDType,
+    quantize: Quantize,
+    model_dtype: torch.dtype,
+    cpu: CpuFeatures | None = None,
+    *,
+    blocks: bool = False,
 ) -> PromptDType:
-    """The dtype prompt tokens multiply in. ``auto``: bfloat16 where decode tokens already run
-    with bf16 activations (int4/int8 decode of an fp32 model) on a CPU with native bf16 products
-    (AVX512-BF16 or AMX; ``cpu``: the CPU's features, None for this machine's), else the model's
-    own. A prompt forward is ~85% products, and oneDNN's bf16 ones (bf16 operands, fp32 sums) take
-    about half the time of its fp32 ones on such a CPU, so a burst's first tokens come sooner
-    (benchmarks/RESULTS.md, "Prompt tokens in bf16"). The prompt's keys/values and first token then
-    carry bf16 rounding, as the decode tokens' products do already; ``float32`` keeps them the fp32
-    model's. An explicit ``bfloat16`` is honoured whatever the quantisation (emulated, and slow, on
-    a CPU without native bf16).
+    """The dtype prompt tokens multiply in. ``auto`` for an fp32 model whose decode tokens run
+    quantised (int4/int8; ``cpu``: the CPU's features, None for this machine's):
+
+    - ``int8`` where the decode products are the own blocks times int8 rows (``blocks``:
+      ``Int4Blocks`` or ``Q8Rows``) and oneDNN cannot use AMX: prompt rows take the decode
+      weights, quantised to int8 in groups of 32 as decode rows are. On a Xeon's AVX512-VNNI
+      without AMX a layer's products at 256 rows took 16 ms this way against 43 ms in bf16 (oneDNN
+      on AVX512-BF16) and, on AVX2 alone, 36 ms against 37 ms in fp32; no second copy of the
+      weights is prepared for prompts, and prompt and decode tokens share one kernel's numbers;
+    - ``bfloat16`` where the CPU has native bf16 products (AMX: 7 ms against the int8 rows' 17);
+      the prompt's keys/values and first token then carry bf16 rounding, as the decode tokens'
+      products do already (benchmarks/RESULTS.md, "Prompt tokens in bf16");
+    - else the model's own (``float32`` keeps the prompt the fp32 model's).
+
+    An explicit ``bfloat16`` is honoured whatever the quantisation (emulated, and slow, on a CPU
+    without native bf16); an explicit ``int8`` needs the block kernels (``plan.resolve_plan``
+    refuses it otherwise).
 
     The bf16 products run in blocks of a fixed row count (``BlockedBF16``): oneDNN's bf16 result
     for a row moves with the row count on some CPUs (an AMX Xeon's greedy SmolLM2 tokens differed
@@ -684,14 +698,19 @@ def resolve_prompt_dtype(
         return "auto"  # a bf16/fp16 model's prompt products are in its own dtype already
     if setting != "auto":
         return setting
-    native_bf16 = (cpu if cpu is not None else cpu_features()).native_bf16
-    return "bfloat16" if quantize in ("int4", "int8") and native_bf16 else "float32"
+    features = cpu if cpu is not None else cpu_features()
+    if quantize not in ("int4", "int8"):
+        return "float32"
+    if blocks and not features.amx_usable:
+        return "int8"
+    return "bfloat16" if features.native_bf16 else "float32"
 
 
 def prompt_kernel(prompt_dtype: PromptDType, batch_hint: int = 16) -> LinearKernel:
-    """The kernel prompt tokens multiply with: oneDNN-packed in the model's dtype, or in bf16 in
-    blocks of ``PROMPT_BLOCK`` rows (``BlockedBF16``: each row's result independent of the batch,
-    a one-token chunk's lone row included)."""
+    """The kernel prompt tokens multiply with where they do not take the decode kernel (``int8``:
+    ``layer_kernels``): oneDNN-packed in the model's dtype, or in bf16 in blocks of
+    ``PROMPT_BLOCK`` rows (``BlockedBF16``: each row's result independent of the batch, a
+    one-token chunk's lone row included)."""
     return BlockedBF16(batch_hint) if prompt_dtype == "bfloat16" else OneDNNPacked(batch_hint)
 
 
@@ -705,10 +724,11 @@ def layer_kernels(
     int4_blocks: bool = False,
     int8_blocks: bool = False,
 ) -> KernelChoice:
-    """The kernel of each base linear layer under ``mode``. Prompt tokens multiply with the
-    model's own weights, oneDNN-packed, never quantised (int4/int8 kernels are slower than
-    oneDNN's at a prompt's many rows): in the model's dtype, or in the decoder layers in bf16
-    (``prompt_dtype``, resolved by ``resolve_prompt_dtype``). The output head's prompt rows (a
+    """The kernel of each base linear layer under ``mode``. Prompt tokens in the decoder layers
+    (``prompt_dtype``, resolved by ``resolve_prompt_dtype``): with the decode blocks themselves
+    (``int8``: the layer's one kernel, where its decode kernel is ``Int4Blocks`` or ``Q8Rows``),
+    or with the model's own weights oneDNN-packed, in bf16 or the model's dtype (torch's int4/int8
+    kernels are slower than oneDNN's at a prompt's many rows). The output head's prompt rows (a
     prompt's last token: its first generated token's logits) stay in the model's dtype: at 1 row
     per prompt they cost little, and a bf16 head moved SmolLM2's first-token logits most of all
     the layers (benchmarks/RESULTS.md). Decode tokens: int8 in every layer; or int4 in every layer
@@ -729,6 +749,12 @@ def layer_kernels(
     if mode == "int4" and q8_head is not None:
         head_decode = Q8Rows() if q8_head == "q8_0-int8" else Q8Blocks()
 
+    def by_kind(decode: LinearKernel, prompt_side: LinearKernel) -> LinearKernel:
+        # int8 prompt rows: the decode blocks for every token of the layer (one prepared weight)
+        if prompt_dtype == "int8" and prompt_side is not own and type(decode) in (Int4Blocks, Q8Rows):
+            return decode
+        return ByTokenKind(decode, prompt_side)
+
     def choose(_name: str, module: torch.nn.Linear) -> LinearKernel | None:
         head = module is output_head
         prompt_side = own if head else prompt
@@ -739,13 +765,11 @@ def layer_kernels(
             # Q8_0 blocks times int8 rows where the plan says so (AVX512-VNNI, the module built),
             # for every layer whose outputs are whole tiles and the head; torch's per-channel int8 elsewhere
             blocks = int8_blocks and module.in_features % Q8_BLOCK == 0
-            return ByTokenKind(
+            return by_kind(
                 q8 if blocks and (head or module.out_features % Q4_TILE == 0) else int8, prompt_side
             )
         if not head and module.in_features % INT4_GROUP == 0:
-            return ByTokenKind(
-                q4 if int4_blocks and module.out_features % Q4_TILE == 0 else int4, prompt_side
-            )
+            return by_kind(q4 if int4_blocks and module.out_features % Q4_TILE == 0 else int4, prompt_side)
         if head and module.in_features % Q8_BLOCK == 0:
             return ByTokenKind(head_decode, prompt_side)
         return ByTokenKind(other, prompt_side)

@@ -114,7 +114,9 @@ class ModelRunner:
         # (fused_decode.py: the eager forward's numbers, without the modules' plumbing), prompt
         # chunks through theirs (fused_prompt.py)
         self.fused = FusedDecode(self, native=plan.decode == "native-own") if plan.lean_decode else None
-        self.fused_prompt = FusedPrompt(self, native=plan.prompt == "native") if plan.lean_prompt else None
+        self.fused_prompt = (
+            FusedPrompt(self, native=plan.prompt == "native", decode=self.fused) if plan.lean_prompt else None
+        )
         self._training = bool(self.decoder.training)
         self._lora_problem: str | None = None
         self._follow_adapters(None)

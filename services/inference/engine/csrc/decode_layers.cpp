@@ -939,12 +939,14 @@ struct DecodeOps : StepRows {
 };
 
 // The prompt chunks' backend (prompt_own): bf16 block products (their input rows padded with
-// zeros to whole blocks), and the attention ragged's prefill_attention as ATen calls (batched
+// zeros to whole blocks), or the decode blocks times int8 rows (q4_linear's or q8_rows' layout,
+// 3-d: the fp32 rows alone), and the attention ragged's prefill_attention as ATen calls (batched
 // products: a prompt's rows attend many keys each) once every key of the chunks is written.
 template <int64_t D>
 struct PromptOps : StepRows {
   const std::vector<Tensor>& packed;
   const std::vector<int64_t>& blocks;
+  const std::vector<Tensor>& scales;
   const std::vector<c10::optional<Tensor>>& biases;
   const Tensor& prefill_slots;
   const Tensor& gather;
@@ -955,13 +957,19 @@ struct PromptOps : StepRows {
   int64_t prefill_len;
   int64_t key_block;
 
-  // the padding rows zero once (the loop's steps write rows < T)
+  // the padding rows zero once (the loop's steps write rows < T); none for the int8 rows' kernels
   Tensor bf16_rows(int64_t tokens, int64_t n, const at::TensorOptions& options) const {
+    if (packed.front().dim() == 3) {
+      return Tensor();
+    }
     const int64_t padded = (tokens + PROMPT_BLOCK - 1) / PROMPT_BLOCK * PROMPT_BLOCK;
     return at::zeros({padded, n}, options);
   }
 
   ProductRows product(int64_t p, const Tensor& in32, const Tensor& in16) {
+    if (packed[p].dim() == 3) {
+      return ProductRows::of(own::product(in32, in16, packed[p], scales[p], biases[p], 0, p, lora));
+    }
     return prompt_product(in32, in16, packed[p], blocks[p], biases[p], p, lora);
   }
 
@@ -1214,13 +1222,15 @@ Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
 }
 
 // The prompt chunks' decoder layers (fused_prompt.py): x [T, hidden] fp32, token t of slab row
-// slots[t] at positions[t]; packed/blocks: each product's BlockedBF16 weight and block rows;
+// slots[t] at positions[t]; packed/blocks/scales: each product's BlockedBF16 weight and block rows
+// (its scales empty), or every product's decode blocks (q4_linear's or q8_rows' packed weight and
+// scales; its block rows unused);
 // the plan's prompt attention (prefill_slots, gather, valid, each layer's bias expanded per key/value
 // head: a windowed layer's masks keys past its window, width, prefill_len); LoRA as decode_own takes it.
 Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
                   const std::vector<c10::optional<Tensor>>& sin, const std::vector<c10::optional<Tensor>>& norms,
                   const std::vector<c10::optional<Tensor>>& qk_norms, const std::vector<Tensor>& packed,
-                  const std::vector<int64_t>& blocks,
+                  const std::vector<int64_t>& blocks, const std::vector<Tensor>& scales,
                   const std::vector<c10::optional<Tensor>>& biases, const std::vector<Tensor>& k_slabs,
                   const std::vector<Tensor>& v_slabs, const Tensor& slots, const Tensor& positions,
                   const Tensor& prefill_slots, const Tensor& gather, const Tensor& valid,
@@ -1236,11 +1246,16 @@ Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
   TORCH_CHECK(x.size(1) % own::WB == 0 && intermediate % own::WB == 0 && (heads * head_dim) % own::WB == 0,
               "prompt_own: widths must be multiples of 16");
   TORCH_CHECK(slots.size(0) == x.size(0) && positions.size(0) == x.size(0), "prompt_own: a slot and position a token");
-  TORCH_CHECK(packed.size() == blocks.size() && packed.size() == 4 * k_slabs.size(), "prompt_own: four products a layer");
+  TORCH_CHECK(packed.size() == blocks.size() && packed.size() == scales.size() && packed.size() == 4 * k_slabs.size(),
+              "prompt_own: four products a layer");
   TORCH_CHECK(attention_biases.size() == k_slabs.size(), "prompt_own: an attention bias a layer");
   own::check_layers(cos, sin, norms, qk_norms, k_slabs.size(), rotary, head_dim, "prompt_own");
-  for (int64_t b : blocks) {
-    TORCH_CHECK(b > 0 && b % own::PROMPT_BLOCK == 0, "prompt_own: blocks of a whole number of 64 rows, not ", b);
+  const bool int8_rows = packed.front().dim() == 3;
+  for (size_t p = 0; p < packed.size(); ++p) {
+    TORCH_CHECK((packed[p].dim() == 3) == int8_rows,
+                "prompt_own: every product's weight in one kind (bf16 blocks, or int4/Q8_0 blocks)");
+    TORCH_CHECK(int8_rows || (blocks[p] > 0 && blocks[p] % own::PROMPT_BLOCK == 0),
+                "prompt_own: blocks of a whole number of 64 rows, not ", blocks[p]);
   }
   for (size_t i = 0; i < k_slabs.size(); ++i) {
     TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous() && k_slabs[i].size(3) == head_dim &&
@@ -1257,7 +1272,7 @@ Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
   return own::with_head_dim(head_dim, "prompt_own", [&](auto d) {
     own::PromptOps<decltype(d)::value> ops{
         {lora, cos, sin, qk_norms, rotary, fe, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
-        packed, blocks, biases, prefill_slots, gather, valid, attention_biases, width, prefill_len, key_block};
+        packed, blocks, scales, biases, prefill_slots, gather, valid, attention_biases, width, prefill_len, key_block};
     return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
                            residual_scale, gelu, ops);
   });
@@ -1276,7 +1291,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("sm"), py::call_guard<py::gil_scoped_release>());
   m.def("decode_own", &decode_own, "the decoder layers of one decode step, the ops between the products its own",
         py::call_guard<py::gil_scoped_release>());
-  m.def("prompt_own", &prompt_own, "the decoder layers of prompt chunks, bf16 products, the ops between them its own",
+  m.def("prompt_own", &prompt_own,
+        "the decoder layers of prompt chunks, bf16 or int8 rows' products, the ops between them its own",
         py::call_guard<py::gil_scoped_release>());
 #endif
 }
