@@ -130,6 +130,9 @@ def test_the_plan_in_a_state_moves_only_the_paths_the_state_rules_out() -> None:
     )
     training = in_state(plan, lora_problem=None, training=True)
     assert (training.decode, training.prompt, training.attention) == ("python", "python", "invariant")
+    # the C++ prompt layers' own attention goes with them
+    own = in_state(dataclasses.replace(plan, attention="own"), lora_problem=None, training=True)
+    assert own.attention == "invariant" and "C++" not in own.reasons["attention"]
     assert "training mode" in training.reasons["decode"] and "training mode" in training.reasons["prompt"]
     assert in_state(plan, lora_problem=None, training=False) is plan
     routed = in_state(plan, lora_problem="why", training=True)

@@ -20,10 +20,15 @@ hook dispatch). This forward computes the same layers the way the lean decode fo
   scatter an adapter and product instead of one per module).
 
 Where the native module is built with its own operations (``native.prompt_own``, AVX2) and the
-prompt products are bf16 blocks, the layers run in C++: the same block products, the decode
-loop's own norms, RoPE with the key/value writes, SiLU and LoRA rows (row by row) between them,
-and the same attention as ATen calls (a 16-prompt burst: 96 ms against 115 in the Python loop
-and 144 through the Hugging Face modules; ``benchmarks.inference.step --prompts``).
+prompt products are bf16 blocks or the decode blocks times int8 rows (``prompt_dtype`` int8: the
+layers' one kernel, whose side-by-side weights the decode forward shares), the layers run in C++:
+the same products, the decode loop's own norms, RoPE with the key/value writes, SiLU and LoRA
+rows (row by row) between them (a 16-prompt burst: 96 ms against 115 in the Python loop and 144
+through the Hugging Face modules; ``benchmarks.inference.step --prompts``), and on AVX-512 CPUs
+their own attention (the plan's prompt attention ``own``: blocks of prompt tokens over blocks of
+keys with an online softmax, no score matrix, mask or key gather; a 1,500-token prompt of a
+Qwen3-0.6B-sized model on 2 Xeon cores: 1.7 s of attention in ATen's products, 1.1 s in ours),
+elsewhere the same attention as ATen calls.
 
 Numbers: in the Python loop each operation is the eager forward's on the same values, except that
 q/k/v and gate/up multiply side by side. A product's output column depends on its own weight row
@@ -145,7 +150,12 @@ class FusedPrompt(LeanLayers):
     """Prompt chunks through the lean forward (see the module doc)."""
 
     def __init__(
-        self, runner: ModelRunner, *, native: bool = False, decode: LeanLayers | None = None
+        self,
+        runner: ModelRunner,
+        *,
+        native: bool = False,
+        own_attention: bool = False,
+        decode: LeanLayers | None = None,
     ) -> None:
         # a kernel of the layers' own kind for the side-by-side weights (BlockedBF16 probes each
         # one's blocks when it prepares it)
@@ -161,6 +171,9 @@ class FusedPrompt(LeanLayers):
         # between them) where the runner's plan says ``native`` (the plan checked the kernels, the
         # model's sizes and the build)
         self.native = native
+        # the C++ layers attend the prompt rows with their own kernel (the plan's prompt attention
+        # ``own``: AVX-512), else with ragged's prefill_attention as ATen calls
+        self.own_attention = own_attention
         # the adapters' stacked matrices (StackedDeltas), and the state of each adapter's
         # weights they were made from
         self._stacks: dict[tuple[int, str], Stacked | None] = {}
@@ -247,5 +260,8 @@ class FusedPrompt(LeanLayers):
             first.head_dim,
             sum(first.gate_up.sizes) // 2,
             *self.native_sizes(),
+            # each layer's sliding window (0: full attention), for the C++ loop's own attention
+            [layer.window or 0 for layer in self.layers],
+            self.own_attention,
             *self._native_lora.columns(lora),
         )

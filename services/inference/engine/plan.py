@@ -476,17 +476,31 @@ def _prompt_path(
     return "python", f"the lean prompt forward's Python loop: {why}"
 
 
-def _attention(decode: DecodePath, prompt_attention: str) -> tuple[str, str]:
-    """The attention field (decode tokens' / prompt tokens', one name where they agree) and its
-    reason: the C++ loop attends its decode rows itself."""
-    decode_attention = "own" if decode == "native-own" else prompt_attention
-    attention = (
-        decode_attention if decode_attention == prompt_attention else f"{decode_attention}/{prompt_attention}"
-    )
-    reason = (
-        "ragged's batch-invariant attention" if prompt_attention == "invariant" else "SDPA on an accelerator"
-    ) + (", decode rows' in the C++ loop" if decode == "native-own" else "")
-    return attention, reason
+def _attention(decode: str, prompt: str) -> tuple[str, str]:
+    """The attention field from decode tokens' and prompt tokens' attention (one name where they
+    agree) and its reason."""
+    attention = decode if decode == prompt else f"{decode}/{prompt}"
+    parts = [
+        "SDPA on an accelerator" if name == "sdpa" else "ragged's batch-invariant attention"
+        for name in dict.fromkeys((decode, prompt))
+        if name != "own"
+    ]
+    if decode == "own":
+        parts.append("decode rows' in the C++ loop")
+    if prompt == "own":
+        parts.append("prompt rows' in the C++ loop (AVX-512: blocks of keys, an online softmax)")
+    return attention, ", ".join(parts)
+
+
+def _attentions(
+    decode: DecodePath, prompt: PromptPath, device: torch.device, cpu: CpuFeatures
+) -> tuple[str, str]:
+    """Decode tokens' and prompt tokens' attention: the C++ loops' own where they run (the prompt
+    layers' on a CPU with AVX-512, where torch runs its AVX512 kernels), else ragged's on a CPU,
+    SDPA on an accelerator."""
+    base = "invariant" if device.type == "cpu" else "sdpa"
+    own_prompt = prompt == "native" and cpu.capability == "AVX512"
+    return ("own" if decode == "native-own" else base), ("own" if own_prompt else base)
 
 
 def resolve_plan(
@@ -534,9 +548,7 @@ def resolve_plan(
     reasons["family"] = facts.ops if isinstance(facts.ops, str) else describe(facts.ops)
     decode, reasons["decode"] = _decode_path(forward, facts, quantize, kernels.layer_decode, built)
     prompt, reasons["prompt"] = _prompt_path(forward, facts, kernels.layer_prompt, built)
-    attention, reasons["attention"] = _attention(
-        decode, "invariant" if facts.device.type == "cpu" else "sdpa"
-    )
+    attention, reasons["attention"] = _attention(*_attentions(decode, prompt, facts.device, cpu))
     return ForwardPlan(
         forward=forward,
         quantize=quantize,
@@ -578,6 +590,8 @@ def refusal(plan: ForwardPlan, facts: ModelFacts) -> str | None:
                 problem = "the C++ prompt layers are not built"
         if problem is not None:
             return f"prompt={plan.prompt!r}: {problem}"
+    if plan.prompt == "native" and attentions(plan)[1] == "own" and cpu_features().capability != "AVX512":
+        return f"attention={plan.attention!r}: the C++ prompt layers' own attention needs AVX-512"
     return None
 
 
@@ -602,12 +616,27 @@ def in_state(plan: ForwardPlan, *, lora_problem: str | None, training: bool) -> 
             prompt, reasons["prompt"] = "python", f"the lean prompt forward's Python loop: {why}"
     if (decode, prompt) == (plan.decode, plan.prompt):
         return plan
-    attention = plan.attention
-    if decode != plan.decode:
-        attention, reasons["attention"] = _attention(decode, plan.attention.split("/")[-1])
+    attention, reasons["attention"] = _moved_attention(plan, decode, prompt)
     return dataclasses.replace(
         plan, decode=decode, prompt=prompt, attention=attention, reasons=types.MappingProxyType(reasons)
     )
+
+
+def _moved_attention(plan: ForwardPlan, decode: str, prompt: str) -> tuple[str, str]:
+    """``plan``'s attention field and reason once its loops are ``decode`` and ``prompt``: a loop
+    that left C++ takes the attention of the forward it moved to."""
+    base = "sdpa" if "sdpa" in plan.attention else "invariant"
+    decode_attention, prompt_attention = attentions(plan)
+    return _attention(
+        decode_attention if decode == "native-own" else base,
+        prompt_attention if prompt == "native" else base,
+    )
+
+
+def attentions(plan: ForwardPlan) -> tuple[str, str]:
+    """Decode tokens' and prompt tokens' attention in ``plan``."""
+    parts = plan.attention.split("/")
+    return parts[0], parts[-1]
 
 
 def changes(before: ForwardPlan, after: ForwardPlan) -> str:
@@ -642,7 +671,11 @@ def plan_for(
     if not paths:
         return plan
     reasons = {**plan.reasons, **{name: "set by hand" for name in paths}}
-    return dataclasses.replace(plan, **paths, reasons=types.MappingProxyType(reasons))
+    chosen = dataclasses.replace(plan, **paths, reasons=types.MappingProxyType(reasons))
+    if "attention" in paths:
+        return chosen
+    attention, reasons["attention"] = _moved_attention(plan, chosen.decode, chosen.prompt)
+    return dataclasses.replace(chosen, attention=attention, reasons=types.MappingProxyType(reasons))
 
 
 def plain_head() -> str:

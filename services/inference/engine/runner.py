@@ -35,6 +35,7 @@ from services.inference.engine.packed_linear import PackedLinears
 from services.inference.engine.plan import (
     ForwardPlan,
     ModelFacts,
+    attentions,
     base_model_of,
     changes,
     in_state,
@@ -115,7 +116,14 @@ class ModelRunner:
         # chunks through theirs (fused_prompt.py)
         self.fused = FusedDecode(self, native=plan.decode == "native-own") if plan.lean_decode else None
         self.fused_prompt = (
-            FusedPrompt(self, native=plan.prompt == "native", decode=self.fused) if plan.lean_prompt else None
+            FusedPrompt(
+                self,
+                native=plan.prompt == "native",
+                own_attention=plan.prompt == "native" and attentions(plan)[1] == "own",
+                decode=self.fused,
+            )
+            if plan.lean_prompt
+            else None
         )
         self._training = bool(self.decoder.training)
         self._lora_problem: str | None = None
@@ -187,6 +195,7 @@ class ModelRunner:
             self.fused.native = plan.decode == "native-own"
         if self.fused_prompt is not None:
             self.fused_prompt.native = plan.prompt == "native"
+            self.fused_prompt.own_attention = plan.prompt == "native" and attentions(plan)[1] == "own"
 
     def _attach_adapter_hooks(self) -> None:
         for handle in self._hooks:

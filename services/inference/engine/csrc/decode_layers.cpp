@@ -7,9 +7,9 @@
 // and two backends of its products and attention: decode_own, the rows of one decode step of the
 // lean forward (fused_decode.py; int4 or oneDNN fp32/bf16 products, each row's attention
 // over its own keys), and prompt_own, the prompt chunks' layers (fused_prompt.py; bf16 block
-// products, the prompt attention as batched ATen products). q4_linear: the layers' int4 decode
-// products (Q4_1 groups times int8 rows, AVX512-VNNI). q8_linear: the output head's decode rows
-// against Q8_0 blocks. What goes is the Python around ~60 small ATen calls a layer
+// products or the decode blocks times int8 rows, the prompt attention our own by blocks of keys on
+// AVX-512, else batched ATen products). q4_linear: the layers' int4 products (Q4_1 groups times
+// int8 rows, AVX512-VNNI or AVX2). q8_rows / q8_linear: Q8_0 blocks times int8 / fp32 rows. What goes is the Python around ~60 small ATen calls a layer
 // (argument parsing, torch-function checks, tensor wrappers): at one row a step is ~1,800 of
 // them, and on a CPU that plumbing cost more than the int4 products did. The embeddings, RoPE's
 // tables, the final norm and the head's dispatch stay in Python.
@@ -18,9 +18,12 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <utility>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -938,6 +941,216 @@ struct DecodeOps : StepRows {
   }
 };
 
+// ---- the prompt chunks' attention, our own (AVX-512) ---------------------------------------------
+// Flash-style: per block of up to PA_TOKENS consecutive tokens of one prompt and key/value head,
+// its query heads' rows attend the keys in blocks of PA_KEYS at fixed positions (0, 64, ...) with
+// an online softmax, so no score matrix, bias, key gather or second softmax pass is made (ATen's
+// path above: a third of its time around the two products), and key blocks past a block's last
+// position or before a window are skipped. Rows are the vector lanes: the queries transposed
+// once a block ([D][rows], scaled), each key's score is a broadcast of its D values times them,
+// each row's softmax and sums are its own lane's, each row's output its own accumulators, all
+// in a fixed order: a row's numbers do not depend on the other rows of its block, on the block's
+// size, or on the step's other prompts. Masked keys weigh exactly 0.
+
+constexpr int64_t PA_KEYS = 64;    // keys a block (kv_cache.CAPACITY_BLOCK: slab capacities are whole blocks)
+constexpr int64_t PA_TOKENS = 32;  // query tokens a block (times the query heads of a key/value head)
+constexpr int64_t PA_KEY_TILE = 4;  // keys a pass of the score kernel
+
+#define OWN_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+inline bool avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+// exp(x) for x <= 0 (a score minus its row's maximum): 2^n * p(f), Cephes' expf polynomial
+OWN_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// scores st [PA_KEY_TILE][ld] of PA_KEY_TILE keys (rows of D, ld_k apart) for NV vectors of rows
+// from the transposed queries qt [D][ld]: st[k][r] = sum over d in order of key[k][d] * qt[d][r]
+template <int64_t D, int NV>
+OWN_AVX512 inline void score_tile(const float* keys, int64_t ld_k, const float* qt, int64_t ld, float* st) {
+  __m512 acc[PA_KEY_TILE][NV];
+  for (int k = 0; k < PA_KEY_TILE; ++k) {
+    for (int v = 0; v < NV; ++v) {
+      acc[k][v] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 q[NV];
+    for (int v = 0; v < NV; ++v) {
+      q[v] = _mm512_loadu_ps(qt + d * ld + 16 * v);
+    }
+    for (int k = 0; k < PA_KEY_TILE; ++k) {
+      const __m512 key = _mm512_set1_ps(keys[k * ld_k + d]);
+      for (int v = 0; v < NV; ++v) {
+        acc[k][v] = _mm512_fmadd_ps(key, q[v], acc[k][v]);
+      }
+    }
+  }
+  for (int k = 0; k < PA_KEY_TILE; ++k) {
+    for (int v = 0; v < NV; ++v) {
+      _mm512_storeu_ps(st + k * ld + 16 * v, acc[k][v]);
+    }
+  }
+}
+
+// o[r] = o[r] * alpha[r] + sum over keys k < n in order of p[k][r] * value[k], for R rows from row r0
+template <int64_t D, int R>
+OWN_AVX512 inline void value_tile(const float* pt, int64_t ld, int64_t r0, const float* values, int64_t n,
+                                  const float* alpha, float* o) {
+  constexpr int64_t NV = D / 16;
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
+    for (int64_t v = 0; v < NV; ++v) {
+      acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + r) * D + 16 * v), a);
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    // the rows' weights of key k once (not a broadcast load per product: loads would bound it)
+    __m512 weight[R];
+    for (int r = 0; r < R; ++r) {
+      weight[r] = _mm512_set1_ps(pt[k * ld + r0 + r]);
+    }
+    for (int64_t v = 0; v < NV; ++v) {
+      const __m512 value = _mm512_loadu_ps(values + k * D + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        acc[r][v] = _mm512_fmadd_ps(weight[r], value, acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t v = 0; v < NV; ++v) {
+      _mm512_storeu_ps(o + (r0 + r) * D + 16 * v, acc[r][v]);
+    }
+  }
+}
+
+// value_tile for rows [r0, r0 + count) in tiles of R (a row's sums the same in any tile)
+template <int64_t D, int R>
+OWN_AVX512 void value_rows(const float* pt, int64_t ld, int64_t r0, int64_t count, const float* values, int64_t n,
+                           const float* alpha, float* o) {
+  int64_t r = r0;
+  for (; r + R <= r0 + count; r += R) {
+    value_tile<D, R>(pt, ld, r, values, n, alpha, o);
+  }
+  if constexpr (R > 1) {
+    if (r < r0 + count) {
+      value_rows<D, R - 1>(pt, ld, r, r0 + count - r, values, n, alpha, o);
+    }
+  }
+}
+
+// The rows of one block: tokens[0..n_tokens) (consecutive positions of one slab row) times the
+// per_kv query heads of key/value head g (row i * per_kv + j: token i's head g * per_kv + j) from
+// q_all [T, nq] (after RoPE), attending keys/values k_rows, v_rows ([capacity, D] of the slab row
+// and head) from position max(0, pos + 1 - window) (window 0: from 0) to pos; each row's output
+// written over its query in out_all (the block's own rows: no other task reads them)
+template <int64_t D>
+OWN_AVX512 void attend_prompt_block(const float* q_all, int64_t nq, const int64_t* tokens, int64_t n_tokens,
+                                    const int64_t* pos_p, int64_t g, int64_t per_kv, const float* k_rows,
+                                    const float* v_rows, int64_t window, float scale, float* out_all) {
+  const int64_t rows = n_tokens * per_kv, ld = (rows + 15) / 16 * 16, vectors = ld / 16;
+  constexpr int64_t VALUE_ROWS = D >= 128 ? 3 : D == 64 ? 6 : 8;  // accumulators: 24 (D 128, 64), 16, 8
+  std::vector<float> qt(D * ld, 0.f), st(PA_KEYS * ld), o(rows * D, 0.f);
+  std::vector<float> m(ld, -std::numeric_limits<float>::infinity()), l(ld, 0.f), alpha(ld, 1.f);
+  // each row's first and last key (a padding row: none)
+  std::vector<int32_t> lo(ld, std::numeric_limits<int32_t>::max()), hi(ld, -1);
+  int64_t first = std::numeric_limits<int64_t>::max(), last = -1;
+  for (int64_t i = 0; i < n_tokens; ++i) {
+    const int64_t t = tokens[i], pos = pos_p[t];
+    const int64_t from = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
+    first = std::min(first, from);
+    last = std::max(last, pos);
+    for (int64_t j = 0; j < per_kv; ++j) {
+      const int64_t r = i * per_kv + j;
+      const float* q = q_all + t * nq + (g * per_kv + j) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        qt[d * ld + r] = q[d] * scale;
+      }
+      lo[r] = static_cast<int32_t>(from);
+      hi[r] = static_cast<int32_t>(pos);
+    }
+  }
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  float pad[PA_KEY_TILE * D];
+  for (int64_t kb = first / PA_KEYS * PA_KEYS; kb <= last; kb += PA_KEYS) {
+    const int64_t n = std::min(PA_KEYS, last + 1 - kb);
+    // scores st[k][r] of the block's keys, PA_KEY_TILE at a time (the last tile's keys past n: zeros)
+    for (int64_t k0 = 0; k0 < n; k0 += PA_KEY_TILE) {
+      const float* keys = k_rows + (kb + k0) * D;
+      if (k0 + PA_KEY_TILE > n) {
+        std::memset(pad, 0, sizeof(pad));
+        std::memcpy(pad, keys, (n - k0) * D * sizeof(float));
+        keys = pad;
+      }
+      for (int64_t v0 = 0; v0 < vectors; v0 += 4) {
+        const float* q = qt.data() + 16 * v0;
+        float* s = st.data() + k0 * ld + 16 * v0;
+        switch (std::min<int64_t>(4, vectors - v0)) {
+          case 1: score_tile<D, 1>(keys, D, q, ld, s); break;
+          case 2: score_tile<D, 2>(keys, D, q, ld, s); break;
+          case 3: score_tile<D, 3>(keys, D, q, ld, s); break;
+          default: score_tile<D, 4>(keys, D, q, ld, s); break;
+        }
+      }
+    }
+    // the online softmax, 16 rows a vector: st becomes each key's weight (0 where masked)
+    for (int64_t r = 0; r < ld; r += 16) {
+      const __m512i row_lo = _mm512_loadu_si512(lo.data() + r), row_hi = _mm512_loadu_si512(hi.data() + r);
+      __m512 block_max = minus_inf;
+      std::array<__mmask16, PA_KEYS> keep;
+      for (int64_t k = 0; k < n; ++k) {
+        const __m512i at_ = _mm512_set1_epi32(static_cast<int32_t>(kb + k));
+        keep[k] = _mm512_cmp_epi32_mask(at_, row_lo, _MM_CMPINT_NLT) & _mm512_cmp_epi32_mask(at_, row_hi, _MM_CMPINT_LE);
+        block_max = _mm512_mask_max_ps(block_max, keep[k], block_max, _mm512_loadu_ps(st.data() + k * ld + r));
+      }
+      const __m512 old_max = _mm512_loadu_ps(m.data() + r), new_max = _mm512_max_ps(old_max, block_max);
+      // a row with no key yet keeps 0 as its maximum (its weights are all 0, its sums still 0)
+      const __m512 shift = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(new_max, minus_inf, _CMP_EQ_OQ), new_max,
+                                                _mm512_setzero_ps());
+      const __m512 a = exp512(_mm512_sub_ps(old_max, shift));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = 0; k < n; ++k) {
+        float* s = st.data() + k * ld + r;
+        const __m512 p = _mm512_maskz_mov_ps(keep[k], exp512(_mm512_sub_ps(_mm512_loadu_ps(s), shift)));
+        _mm512_storeu_ps(s, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      _mm512_storeu_ps(l.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(l.data() + r), a, sum));
+      _mm512_storeu_ps(m.data() + r, new_max);
+      _mm512_storeu_ps(alpha.data() + r, a);
+    }
+    value_rows<D, VALUE_ROWS>(st.data(), ld, 0, rows, v_rows + kb * D, n, alpha.data(), o.data());
+  }
+  for (int64_t i = 0; i < n_tokens; ++i) {
+    for (int64_t j = 0; j < per_kv; ++j) {
+      const int64_t r = i * per_kv + j;
+      float* out = out_all + tokens[i] * nq + (g * per_kv + j) * D;
+      const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+      for (int64_t v = 0; v < D / 16; ++v) {
+        _mm512_storeu_ps(out + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * D + 16 * v), inv));
+      }
+    }
+  }
+}
+
 // The prompt chunks' backend (prompt_own): bf16 block products (their input rows padded with
 // zeros to whole blocks), or the decode blocks times int8 rows (q4_linear's or q8_rows' layout,
 // 3-d: the fp32 rows alone), and the attention ragged's prefill_attention as ATen calls (batched
@@ -956,6 +1169,10 @@ struct PromptOps : StepRows {
   int64_t width;
   int64_t prefill_len;
   int64_t key_block;
+  // each layer's sliding window (0: full attention), for the own attention
+  const std::vector<int64_t>& windows;
+  // attend with attend_prompt_block (AVX-512), else with ragged's prefill_attention as ATen calls
+  bool own_attention;
 
   // the padding rows zero once (the loop's steps write rows < T); none for the int8 rows' kernels
   Tensor bf16_rows(int64_t tokens, int64_t n, const at::TensorOptions& options) const {
@@ -971,6 +1188,42 @@ struct PromptOps : StepRows {
       return ProductRows::of(own::product(in32, in16, packed[p], scales[p], biases[p], 0, p, lora));
     }
     return prompt_product(in32, in16, packed[p], blocks[p], biases[p], p, lora);
+  }
+
+  // attend_prompt_block over blocks of up to PA_TOKENS consecutive tokens of one slab row, each
+  // key/value head of a block a task; q: the queries [T, heads * D], overwritten by the outputs
+  void attend_own(int64_t i, int64_t tokens, float* q) const {
+    const int64_t* slot_p = slots.data_ptr<int64_t>();
+    const int64_t* pos_p = positions.data_ptr<int64_t>();
+    std::vector<int64_t> ids(tokens), starts;
+    std::iota(ids.begin(), ids.end(), 0);
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (t == 0 || t - starts.back() == PA_TOKENS || slot_p[t] != slot_p[t - 1] || pos_p[t] != pos_p[t - 1] + 1) {
+        starts.push_back(t);
+      }
+    }
+    starts.push_back(tokens);
+    const int64_t blocks_n = static_cast<int64_t>(starts.size()) - 1, capacity = k_slabs[i].size(2);
+    const float* k_slab = k_slabs[i].data_ptr<float>();
+    const float* v_slab = v_slabs[i].data_ptr<float>();
+    // the blocks with the most keys first, each thread taking the next task when done with one (a
+    // prompt's later blocks attend more keys: contiguous halves of the tasks left one thread
+    // most of the work)
+    std::vector<int64_t> order(blocks_n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return pos_p[starts[a + 1] - 1] > pos_p[starts[b + 1] - 1];
+    });
+    std::atomic<int64_t> next{0};
+    const int64_t tasks = blocks_n * kv_heads;
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+      for (int64_t task = next++; task < tasks; task = next++) {
+        const int64_t b = order[task / kv_heads], g = task % kv_heads, start = starts[b];
+        const int64_t offset = (slot_p[start] * kv_heads + g) * capacity * D;
+        attend_prompt_block<D>(q, heads * D, ids.data() + start, starts[b + 1] - start, pos_p, g, heads / kv_heads,
+                               k_slab + offset, v_slab + offset, windows[i], static_cast<float>(scaling), q);
+      }
+    });
   }
 
   void attention_rows(int64_t i, const ProductRows& qkv, Tensor& a32) const {
@@ -997,6 +1250,10 @@ struct PromptOps : StepRows {
         std::memcpy(v_slab + at_, r + (heads + kv_heads + g) * D, D * sizeof(float));
       }
     });
+    if (own_attention) {
+      attend_own(i, tokens, q_p);
+      return;  // a32 holds the attention's rows
+    }
     // ragged.prefill_attention
     Tensor qp = a32.view({tokens, heads, D}).index_select(0, gather).view({chunks, width, heads, D}).transpose(1, 2);
     Tensor keys = k_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots);
@@ -1237,7 +1494,8 @@ Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
                   const std::vector<Tensor>& attention_biases,
                   int64_t width, int64_t prefill_len, int64_t key_block, int64_t heads, int64_t kv_heads,
                   int64_t head_dim, int64_t intermediate, double eps, double scaling, int64_t rotary,
-                  double residual_scale, bool gelu, const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
+                  double residual_scale, bool gelu, const std::vector<int64_t>& windows, bool own_attention,
+                  const std::vector<int64_t>& lora_slot, const std::vector<int64_t>& lora_offset,
                   const std::vector<int64_t>& lora_size, const std::vector<Tensor>& lora_a,
                   const std::vector<c10::optional<Tensor>>& lora_a_bias, const std::vector<Tensor>& lora_b,
                   const std::vector<c10::optional<Tensor>>& lora_b_bias, const std::vector<double>& lora_scale,
@@ -1248,7 +1506,9 @@ Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
   TORCH_CHECK(slots.size(0) == x.size(0) && positions.size(0) == x.size(0), "prompt_own: a slot and position a token");
   TORCH_CHECK(packed.size() == blocks.size() && packed.size() == scales.size() && packed.size() == 4 * k_slabs.size(),
               "prompt_own: four products a layer");
-  TORCH_CHECK(attention_biases.size() == k_slabs.size(), "prompt_own: an attention bias a layer");
+  TORCH_CHECK(attention_biases.size() == k_slabs.size() && windows.size() == k_slabs.size(),
+              "prompt_own: an attention bias and a window (0: full attention) a layer");
+  TORCH_CHECK(!own_attention || own::avx512(), "prompt_own: the own attention needs AVX-512, which this CPU lacks");
   own::check_layers(cos, sin, norms, qk_norms, k_slabs.size(), rotary, head_dim, "prompt_own");
   const bool int8_rows = packed.front().dim() == 3;
   for (size_t p = 0; p < packed.size(); ++p) {
@@ -1272,7 +1532,8 @@ Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
   return own::with_head_dim(head_dim, "prompt_own", [&](auto d) {
     own::PromptOps<decltype(d)::value> ops{
         {lora, cos, sin, qk_norms, rotary, fe, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
-        packed, blocks, scales, biases, prefill_slots, gather, valid, attention_biases, width, prefill_len, key_block};
+        packed, blocks, scales, biases, prefill_slots, gather, valid, attention_biases, width, prefill_len, key_block,
+        windows, own_attention};
     return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
                            residual_scale, gelu, ops);
   });
