@@ -43,6 +43,30 @@ def test_hit_gives_the_same_tokens_as_a_miss(lively: tuple[Any, Any]) -> None:
     assert cache.hit_tokens - before == len(prompts[0]) - 1
 
 
+def test_a_prompt_in_chunks_is_stored_once_whole(
+    lively: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tok = lively
+    engine = TorchEngine.from_model(model, tok, max_batch_size=2, prefill_chunk=16)
+    cache = engine.scheduler.prefix_cache
+    stored: list[int] = []
+    original = cache.store
+
+    def counting(adapter: str, tokens: list[int], kv: Any, slot: int) -> None:
+        stored.append(len(tokens))
+        original(adapter, tokens, kv, slot)
+
+    monkeypatch.setattr(cache, "store", counting)
+    prompt = list(range(300, 370))  # five chunks of at most 16 tokens
+    engine.generate_batch([prompt], GREEDY)
+    # the chunks' prefixes are not copied on the way: the prompt is, once it is whole
+    assert stored == [len(prompt)]
+    assert [len(e.tokens) for e in cache.entries.values()] == [len(prompt)]
+    before = cache.hit_tokens
+    engine.generate_batch([[*prompt, 5, 6]], GREEDY)
+    assert cache.hit_tokens - before == len(prompt)
+
+
 def test_prompts_arriving_together_share_one_prefix_computation(lively: tuple[Any, Any]) -> None:
     model, tok = lively
     prompts = [_chat(tok, q) for q in QUESTIONS[:4]]
