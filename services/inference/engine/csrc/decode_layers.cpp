@@ -458,14 +458,16 @@ OWN_VNNI inline void quantize_row(const float* x, int64_t k_size, int8_t* xq, fl
   }
 }
 
-// R rows (xq: their int8 rows as int32 quads, ld apart; d, c: their groups' d and d * sum) times
-// one tile of 16 outputs, into out (ld_out apart)
+// R rows (xq: their int8 rows as int32 quads, interleaved: quad j of row r at j * R + r; d, c:
+// their groups' d and d * sum, group g of row r at g * R + r: one pointer and constant offsets
+// for the R rows, where R row pointers spilled the general registers) times one tile of 16
+// outputs, into out (ld_out apart)
 // BITS 4: the layout above; BITS 8 (q8_rows): w [N/16, K/4, 64] uint8, byte 4c + i of quad j output
 // c's input 4j + i as q + 128 (a Q8_0 value 0..255, vpdpbusd's unsigned operand; the min is -128
 // times the scale)
 template <int R, int BITS>
-OWN_VNNI void q4_tile(const int32_t* xq, int64_t ld, const float* d, const float* c, int64_t groups,
-                      const uint8_t* w, const uint8_t* sm, float* out, int64_t ld_out) {
+OWN_VNNI void q4_tile(const int32_t* xq, const float* d, const float* c, int64_t groups, const uint8_t* w,
+                      const uint8_t* sm, float* out, int64_t ld_out) {
   __m512 total[R];
   for (int r = 0; r < R; ++r) {
     total[r] = _mm512_setzero_ps();
@@ -477,7 +479,7 @@ OWN_VNNI void q4_tile(const int32_t* xq, int64_t ld, const float* d, const float
       acc[r] = _mm512_setzero_si512();
     }
     const uint8_t* wg = w + g * (Q4_GROUP * BITS / 8) * Q4_TILE;
-    const int32_t* xg = xq + g * (Q4_GROUP / 4);
+    const int32_t* xg = xq + g * (Q4_GROUP / 4) * R;
 #pragma GCC unroll 8
     for (int64_t j = 0; j < Q4_GROUP / 4; ++j) {
       __m512i q;
@@ -489,7 +491,7 @@ OWN_VNNI void q4_tile(const int32_t* xq, int64_t ld, const float* d, const float
         q = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), nibbles, 0xA8);
       }
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(xg[r * ld + j]));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(xg[j * R + r]));
       }
     }
     const uint8_t* sb = sm + (g / Q4_SUPER) * Q4_SUPER_BYTES;
@@ -501,8 +503,8 @@ OWN_VNNI void q4_tile(const int32_t* xq, int64_t ld, const float* d, const float
                                                                            reinterpret_cast<const __m256i*>(mult + 32))));
     for (int r = 0; r < R; ++r) {
       const __m512 sums = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), scale);
-      total[r] = _mm512_fmadd_ps(sums, _mm512_set1_ps(d[r * groups + g]), total[r]);
-      total[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(c[r * groups + g]), total[r]);
+      total[r] = _mm512_fmadd_ps(sums, _mm512_set1_ps(d[g * R + r]), total[r]);
+      total[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(c[g * R + r]), total[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -546,7 +548,7 @@ inline void quantize_row_avx2(const float* x, int64_t k_size, int8_t* xq, float*
 }
 
 template <int R>
-void q4_tile_avx2(const int32_t* xq, int64_t ld, const float* d, const float* c, int64_t groups, const uint8_t* w,
+void q4_tile_avx2(const int32_t* xq, const float* d, const float* c, int64_t groups, const uint8_t* w,
                   const uint8_t* sm, float* out, int64_t ld_out) {
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) {
@@ -559,7 +561,7 @@ void q4_tile_avx2(const int32_t* xq, int64_t ld, const float* d, const float* c,
       acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     }
     const uint8_t* wg = w + g * (Q4_GROUP / 2) * Q4_TILE;
-    const int32_t* xg = xq + g * (Q4_GROUP / 4);
+    const int32_t* xg = xq + g * (Q4_GROUP / 4) * R;
     for (int64_t j = 0; j < Q4_GROUP / 4; ++j) {
       __m256i q[2];
       for (int half = 0; half < 2; ++half) {
@@ -568,7 +570,7 @@ void q4_tile_avx2(const int32_t* xq, int64_t ld, const float* d, const float* c,
         q[half] = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi16(v, 4)), nibbles);
       }
       for (int r = 0; r < R; ++r) {
-        const __m256i x4 = _mm256_set1_epi32(xg[r * ld + j]);
+        const __m256i x4 = _mm256_set1_epi32(xg[j * R + r]);
         for (int half = 0; half < 2; ++half) {
           acc[r][half] = _mm256_add_epi32(acc[r][half], _mm256_madd_epi16(_mm256_maddubs_epi16(q[half], x4), ones));
         }
@@ -586,8 +588,8 @@ void q4_tile_avx2(const int32_t* xq, int64_t ld, const float* d, const float* c,
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mult + 32 + 16 * half))));
       for (int r = 0; r < R; ++r) {
         const __m256 sums = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][half]), scale);
-        total[r][half] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d[r * groups + g]), total[r][half]);
-        total[r][half] = _mm256_fmadd_ps(min, _mm256_set1_ps(c[r * groups + g]), total[r][half]);
+        total[r][half] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d[g * R + r]), total[r][half]);
+        total[r][half] = _mm256_fmadd_ps(min, _mm256_set1_ps(c[g * R + r]), total[r][half]);
       }
     }
   }
@@ -597,8 +599,8 @@ void q4_tile_avx2(const int32_t* xq, int64_t ld, const float* d, const float* c,
   }
 }
 
-using Q4Tile = void (*)(const int32_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, const uint8_t*,
-                        float*, int64_t);
+using Q4Tile = void (*)(const int32_t*, const float*, const float*, int64_t, const uint8_t*, const uint8_t*, float*,
+                        int64_t);
 
 template <int BITS, int... Rs>
 constexpr std::array<Q4Tile, sizeof...(Rs)> q4_tiles(std::integer_sequence<int, Rs...>) {
@@ -630,22 +632,34 @@ Tensor block_linear(const char* name, int bits, const Tensor& x_in, const Tensor
                   sm.size(1) == (groups + Q4_SUPER - 1) / Q4_SUPER * Q4_SUPER_BYTES,
               name, ": shapes x ", x.sizes(), " w ", w.sizes(), " sm ", sm.sizes());
   Tensor out = at::empty({tokens, n_size}, x.options());
-  Tensor xq = at::empty({tokens, k_size}, x.options().dtype(at::kChar));
-  Tensor dc = at::empty({2, tokens, groups}, x.options());
-  const float* x_p = x.data_ptr<float>();
-  int8_t* xq_p = xq.data_ptr<int8_t>();
-  float* d_p = dc.data_ptr<float>();
-  float* c_p = d_p + tokens * groups;
-  rows(tokens, [&](int64_t t) {
-    (wide ? quantize_row : quantize_row_avx2)(x_p + t * k_size, k_size, xq_p + t * k_size, d_p + t * groups,
-                                              c_p + t * groups);
-  });
   static const auto wide_kernels = q4_tiles<4>(std::make_integer_sequence<int, Q4_ROWS>());
   static const auto wide8_kernels = q4_tiles<8>(std::make_integer_sequence<int, Q4_ROWS>());
   static const auto avx2_kernels = q4_tiles_avx2(std::make_integer_sequence<int, Q4_ROWS_AVX2>());
   const Q4Tile* kernels = !wide ? avx2_kernels.data() : bits == 8 ? wide8_kernels.data() : wide_kernels.data();
-  const int64_t pass = wide ? Q4_ROWS : Q4_ROWS_AVX2;
-  const auto* quads = reinterpret_cast<const int32_t*>(xq_p);
+  const int64_t pass = wide ? Q4_ROWS : Q4_ROWS_AVX2, quads_n = k_size / 4;
+  // each row as int8 quads with its groups' d and d * sum, written where q4_tile reads them: the
+  // rows of each pass interleaved (row i of a pass of r rows: quad j at j * r + i, group g's d and
+  // c at g * r + i)
+  Tensor mixed = at::empty({tokens * quads_n}, x.options().dtype(at::kInt));
+  Tensor mixed_dc = at::empty({2, tokens * groups}, x.options());
+  int32_t* mq = mixed.data_ptr<int32_t>();
+  float* md = mixed_dc.data_ptr<float>();
+  float* mc = md + tokens * groups;
+  const float* x_p = x.data_ptr<float>();
+  rows(tokens, [&](int64_t t) {
+    std::vector<int32_t> row(quads_n);
+    std::vector<float> dc(2 * groups);
+    (wide ? quantize_row : quantize_row_avx2)(x_p + t * k_size, k_size, reinterpret_cast<int8_t*>(row.data()),
+                                              dc.data(), dc.data() + groups);
+    const int64_t start = t / pass * pass, r = std::min(pass, tokens - start), i = t - start;
+    for (int64_t j = 0; j < quads_n; ++j) {
+      mq[start * quads_n + j * r + i] = row[j];
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      md[start * groups + g * r + i] = dc[g];
+      mc[start * groups + g * r + i] = dc[groups + g];
+    }
+  });
   const uint8_t* w_p = w.data_ptr<uint8_t>();
   const uint8_t* sm_p = sm.data_ptr<uint8_t>();
   float* o_p = out.data_ptr<float>();
@@ -653,7 +667,7 @@ Tensor block_linear(const char* name, int bits, const Tensor& x_in, const Tensor
     for (int64_t tile = begin; tile < end; ++tile) {
       for (int64_t t = 0; t < tokens; t += pass) {
         const int64_t r = std::min(pass, tokens - t);
-        kernels[r - 1](quads + t * (k_size / 4), k_size / 4, d_p + t * groups, c_p + t * groups, groups,
+        kernels[r - 1](mq + t * quads_n, md + t * groups, mc + t * groups, groups,
                        w_p + tile * (k_size * bits / 8) * Q4_TILE, sm_p + tile * sm.size(1),
                        o_p + t * n_size + tile * Q4_TILE, n_size);
       }
