@@ -9,7 +9,7 @@ first variant.
     python -m benchmarks.inference.step --rows 1,4,16 --rounds 5 --threads 2
     python -m benchmarks.inference.step --profile lean                   # top ATen ops of a 1-row step
     python -m benchmarks.inference.step --head --rows 1,4,16             # the output head's kernels alone
-    python -m benchmarks.inference.step --int4 --rows 1,16               # a layer's int4 products alone
+    python -m benchmarks.inference.step --int4 --rows 1,16,256           # a layer's products alone, by kernel
     python -m benchmarks.inference.step --prompts 1,16 --lora            # prompt forwards: lean vs eager
     python -m benchmarks.inference.step --dtype bfloat16 --variants python,lean  # a bf16 model's own weights
 
@@ -189,14 +189,16 @@ def time_kernels(
 
 
 def int4(path: Path, rows: list[int], rounds: int, steps: int) -> int:
-    """A decoder layer's four int4 decode products alone (the first layer's weights side by side
-    as the lean forward multiplies them), per kernel and row count (medians over rounds)."""
+    """A decoder layer's four products alone (the first layer's weights side by side as the lean
+    forwards multiply them), per kernel and row count (medians over rounds): the int4 kernels decode
+    rows take, and at a prompt chunk's rows those prompt rows may take (the int4 blocks, or oneDNN's
+    bf16 blocks)."""
     from transformers import AutoModelForCausalLM
 
     from services.common.platforms import cpu_features
-    from services.inference.engine import native
+    from services.inference.engine import native, packed_linear
     from services.inference.engine.layer_ops import layer_ops, projection
-    from services.inference.engine.quantized_linear import Int4Blocks, Int4WeightOnly
+    from services.inference.engine.quantized_linear import BlockedBF16, Int4Blocks, Int4WeightOnly
 
     if not native.start("on") or native.q4_linear() is None:
         raise SystemExit("the own int4 kernel needs the native module on an AVX2 CPU")
@@ -223,6 +225,13 @@ def int4(path: Path, rows: list[int], rounds: int, steps: int) -> int:
             ],
             **kernels,
         }
+    if packed_linear.available(torch.device("cpu"), torch.bfloat16):
+        # the other kernel prompt rows may take (PROMPT_DTYPE=bfloat16, what auto picks with AMX)
+        blocked = BlockedBF16()
+        bf16 = [blocked.prepare(w) for w in weights]
+        kernels["bf16 blocks (oneDNN: AMX where usable)"] = lambda xs: [
+            blocked.product(blocked.rows(x), p) for x, p in zip(xs, bf16, strict=True)
+        ]
     time_kernels(
         "a layer's int4 products", kernels, [w.shape[1] for w in weights], rows, rounds, steps, unit="us"
     )
@@ -340,7 +349,8 @@ def main() -> int:
     ap.add_argument(
         "--int4",
         action="store_true",
-        help="instead: a layer's int4 decode products alone (the own kernel, AVX512-VNNI and AVX2, vs torch's)",
+        help="instead: a layer's products alone (the own int4 kernel, AVX512-VNNI and AVX2, vs torch's int4 and "
+        "oneDNN's bf16 blocks); --rows 64,256 for prompt chunks",
     )
     ap.add_argument(
         "--prompts",

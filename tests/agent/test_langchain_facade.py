@@ -20,12 +20,20 @@ import pytest
 
 from tests.agent.stack import RealStack, new_key, real_services
 from tests.helpers.models import smollm2_dir
-from tests.inference.test_langchain_standard import MODEL_PASSES, RECORDED_KIND, XFAIL
+from tests.inference.test_langchain_standard import MODEL_FAILURES, MODEL_PASSES, RECORDED_KIND, XFAIL
 
 # under a name pytest does not collect: only its subclass below runs here
 from tests.inference.test_langchain_standard import TestInferenceChatOpenAI as InferenceSuite
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
+
+# What the model writes behind the facade where it differs from the inference module's record
+# (greedy, on the recorded kind of CPU: without AMX, where the default plan multiplies prompt rows
+# as int8 times the int4 blocks): a strict xfail naming the model's failure there
+FACADE_XFAIL = {
+    "test_bind_runnables_as_tools": "behind the chat-documents pipeline (its retrieved passages in the "
+    "prompt), SmolLM2-135M answers in text instead of calling the bound runnable",
+}
 
 # The pipeline's answer budget (the facade never raises it): long enough for the suite's JSON
 # answers and calls to close, short enough that a looping one ends in seconds.
@@ -78,10 +86,15 @@ class TestFacadeChatOpenAI(InferenceSuite):
             pytest.skip(
                 f"model quality, asserted once by tests/inference/test_langchain_standard.py: {reason}"
             )
-        if not RECORDED_KIND and request.node.originalname in MODEL_PASSES:
+        name = request.node.originalname
+        if not RECORDED_KIND and (name in MODEL_PASSES or name in FACADE_XFAIL):
             # what the model writes, recorded on CPUs without AMX (see the inference module)
             why = "greedy outcomes are recorded on CPUs without AMX; AMX kernels move near ties"
             request.applymarker(pytest.mark.xfail(reason=why, strict=False))
+        elif name in FACADE_XFAIL:
+            request.applymarker(
+                pytest.mark.xfail(reason=FACADE_XFAIL[name], strict=True, raises=MODEL_FAILURES)
+            )
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
