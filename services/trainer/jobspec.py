@@ -511,7 +511,25 @@ def validate_reader_job(
         # no model to start from: the features' model starts new
         return ResolvedJob(Path(spec.base_model), list(records), list(held), 0, None)
     model_path = resolve_reader_base(spec.base_model, common, owner)
+    check_reader_base_kind(spec, model_path)
     return ResolvedJob(model_path, list(records), list(held), 0, None)
+
+
+def check_reader_base_kind(spec: JobCreate, model_path: Path) -> None:
+    """A published reader goes on training as what it is: a bi-encoder job cannot start from a
+    cross-encoder reader (its head scores pairs, it has no sentence vectors), nor the reverse."""
+    from services.common.readers import MANIFEST, ReaderManifest
+
+    manifest = model_path / MANIFEST
+    if not manifest.is_file():
+        return
+    kind = ReaderManifest.model_validate_json(manifest.read_text()).kind
+    if kind != spec.reader_kind:
+        raise InvalidRequest(
+            f"base_model {spec.base_model!r} is a {kind} reader; a {spec.reader_kind!r} reader job "
+            f"cannot start from it (start from all-MiniLM-L6-v2 or a {spec.reader_kind} reader)",
+            param="base_model",
+        )
 
 
 def check_features(records: list[ReaderRecord], param: str, like: ReaderRecord | None = None) -> None:

@@ -226,6 +226,14 @@ READER_HELD_OUT = 0.2
 # its classification head starts new)
 READER_BASE = "all-MiniLM-L6-v2"
 
+
+def recipe_kind(job_type: str, reader_kind: str) -> str:
+    """The recipe (and its defaults) a job runs: a reader job's kind picks among the readers."""
+    if job_type != "reader" or reader_kind == "cross-encoder":
+        return job_type
+    return f"reader-{'bi' if reader_kind == 'bi-encoder' else reader_kind}"
+
+
 # The share of an applying job's pairs held out as its yardstick: on SciFact (173 pairs) 0.1 gave
 # held-out hybrid nDCG@10 0.7353 and 0.2 gave 0.7344 (fewer pairs train); see defaults.py.
 APPLY_HELD_OUT = 0.1
@@ -323,11 +331,12 @@ class JobCreate(Strict):
     resources: ResourcesSpec | None = Field(
         None, description="distributed data-parallel training (torchrun); absent: one process in the worker"
     )
-    reader_kind: Literal["cross-encoder", "features"] = Field(
+    reader_kind: Literal["cross-encoder", "bi-encoder", "features"] = Field(
         "cross-encoder",
-        description="reader jobs: a cross-encoder served by /v1/rerank, or 'features': a small model over "
-        "the answer step's signals (rows with 'features'), kept as the job's artifact "
-        "(feature_reader.json) and not published",
+        description="reader jobs: a cross-encoder served by /v1/rerank; 'bi-encoder': a sentence encoder "
+        "tuned on each question's candidate sentences (listwise), served by /v1/rerank as cosines; or "
+        "'features': a small model over the answer step's signals (rows with 'features'), kept as the "
+        "job's artifact (feature_reader.json) and not published",
     )
     eval_fraction: float | None = Field(
         None,
@@ -483,7 +492,7 @@ class JobCreate(Strict):
         missing = {
             k: v
             for k, v in defaults_for(
-                "reader-features" if self.reader_kind == "features" else self.type,
+                recipe_kind(self.type, self.reader_kind),
                 lora=self.lora is not None,
                 collection=self.collection is not None,
             ).items()

@@ -204,6 +204,7 @@ def publish_reader_job(common: CommonSettings, tenant: str, job_id: str, spec: J
         base_model=spec.base_model,
         job_id=job_id,
         metrics=figures,
+        kind="bi-encoder" if spec.reader_kind == "bi-encoder" else "cross-encoder",
         threshold=threshold,
     )
     publish_reader(common.home_dir, path, manifest)

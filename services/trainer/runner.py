@@ -39,7 +39,7 @@ from services.trainer.config import TrainerSettings
 from services.trainer.hooks import JobHooks, LeaseLost
 from services.trainer.jobspec import PAD_MULTIPLE, JobOwner, ResolvedJob, validate_embedder_job, validate_job
 from services.trainer.paths import artifact_dir, dataset_path, job_dir
-from services.trainer.protocol import TERMINAL, JobCreate
+from services.trainer.protocol import TERMINAL, JobCreate, recipe_kind
 from services.trainer.recipes.base import Recipe, TrainConfig, run
 from services.trainer.store import TrainerStore
 
@@ -54,6 +54,7 @@ def recipe_for(kind: str) -> type[Recipe]:
     from services.trainer.recipes.embedder import EmbedderRecipe
     from services.trainer.recipes.kto import KTORecipe
     from services.trainer.recipes.reader import ReaderRecipe
+    from services.trainer.recipes.reader_bi import BiEncoderReaderRecipe
     from services.trainer.recipes.reader_features import FeatureReaderRecipe
     from services.trainer.recipes.rl import GRPORecipe, PPORecipe
     from services.trainer.recipes.sft import SFTRecipe
@@ -69,6 +70,7 @@ def recipe_for(kind: str) -> type[Recipe]:
         "embedder": EmbedderRecipe,
         "reader": ReaderRecipe,
         "reader-features": FeatureReaderRecipe,
+        "reader-bi": BiEncoderReaderRecipe,
     }[kind]
 
 
@@ -283,8 +285,7 @@ def _run_steps(
             lost=lost,
             join=join,
         )
-    kind = "reader-features" if spec.reader_kind == "features" else spec.type
-    recipe = recipe_for(kind)(cfg, hooks=JobHooks(store, job_id, lost))
+    recipe = recipe_for(recipe_kind(spec.type, spec.reader_kind))(cfg, hooks=JobHooks(store, job_id, lost))
     with span("train.steps", job_id=job_id, kind=spec.type) as current:
         outcome = run(recipe, work / "checkpoints")
         set_attributes(current, outcome=outcome)

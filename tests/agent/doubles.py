@@ -170,6 +170,7 @@ class ScriptedModel:
     # is a 404, as the inference service answers for a reader it does not serve.
     readers: dict[str, ReaderScript] = field(default_factory=dict)
     reader_thresholds: dict[str, float] = field(default_factory=dict)
+    reader_kinds: dict[str, str] = field(default_factory=dict)  # listed as the card's reader_kind
     reranks: list[dict[str, Any]] = field(default_factory=list)
 
     def next_reply(self, body: dict[str, Any]) -> Reply:
@@ -190,7 +191,13 @@ def inference_double(model: ScriptedModel) -> FastAPI:
         cards = [{"id": i, "object": "model"} for i in ids]
         cards += [{"id": i, "object": "model", "kind": "embedding"} for i in model.embedding]
         cards += [
-            {"id": i, "object": "model", "kind": "rerank", "threshold": model.reader_thresholds.get(i)}
+            {
+                "id": i,
+                "object": "model",
+                "kind": "rerank",
+                "threshold": model.reader_thresholds.get(i),
+                "reader_kind": model.reader_kinds.get(i, "cross-encoder"),
+            }
             for i in model.readers
         ]
         return {"object": "list", "data": cards}

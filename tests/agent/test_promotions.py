@@ -266,6 +266,9 @@ def stack(redis_url: str, key_store: KeyStore, tmp_path_factory: pytest.TempPath
         dataset_min_rows_kto=2,
         # an operator's shared reader answers for every tenant (the double serves it)
         reader="tandem-reader",
+        # its threshold decides what answers (this stack's retrieval has no embedder for the
+        # rules' verdict)
+        reader_threshold=0.5,
         # answers of one sentence: the documents here are two sentences long, so a passage would
         # hold the right sentence whichever reader picked it
         answer_passage=0,
@@ -486,6 +489,7 @@ def test_the_reader_learns_from_feedback_and_the_gate_keeps_a_worse_one(
     readers = {"tandem-reader": oracle, "ft-reader-good": oracle, "ft-reader-bad": contrary}
     stack.model.readers.update(readers)
     stack.model.reader_thresholds.update(dict.fromkeys(readers, 0.0))
+    stack.model.reader_kinds["tandem-reader"] = "bi-encoder"
 
     def rate(out: dict[str, Any], rating: int, correction: str | None = None) -> None:
         body = {"message_id": out["message_id"], "rating": rating, "correction": correction}
@@ -525,8 +529,9 @@ def test_the_reader_learns_from_feedback_and_the_gate_keeps_a_worse_one(
         assert resp.status_code == 200, resp.text
         out = resp.json()["reader"]
         assert out["started"] and out["promotion"]["kind"] == "reader", out
-        # the reader answering now trains further
+        # the reader answering now trains further, as what it is
         want = {"type": "reader", "publish": True, "dataset": out["file_id"], "base_model": current}
+        want["reader_kind"] = stack.model.reader_kinds.get(current, "cross-encoder")
         assert stack.trainer.jobs[-1] == want
         rows = stack.trainer.files[out["file_id"]]
         assert {r["question"] for r in rows} == set(QUESTIONS) - held

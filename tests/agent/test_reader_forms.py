@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from services.agent.chunks import Chunk
@@ -144,11 +146,19 @@ class _Inference:
         return [next((v for k, v in self.scores.items() if k in p), 0.0) for p in passages]
 
 
-async def _ranked(inference: _Inference) -> list[str]:
-    state = RunState(question="Quel est le délai d'attente par défaut ?", collection="relais")
+class _Retrieval:
+    """The collection's embedder, as a test double: one dimension per word."""
+
+    async def embed(self, collection: str, texts: list[str]) -> list[list[float]]:
+        words = sorted({w for t in texts for w in re.findall(r"\w+", t.lower())})
+        return [[float(w in re.findall(r"\w+", t.lower())) for w in words] for t in texts]
+
+
+async def _ranked(inference: _Inference, collection: str | None = "relais") -> list[str]:
+    state = RunState(question="Quel est le délai d'attente par défaut ?", collection=collection)
     state.chunks = list(GERMAN)
     settings = AgentSettings(reader="tandem-reader")
-    ctx = RunContext(settings=settings, retrieval=None, inference=inference, counter=None, model="m")  # type: ignore[arg-type]
+    ctx = RunContext(settings=settings, retrieval=_Retrieval(), inference=inference, counter=None, model="m")  # type: ignore[arg-type]
     node = ReaderRankNode(ReaderRankNode.P())
     assert [e async for e in node.run(state, ctx)] == []
     return [c.chunk_id for c in state.chunks]
@@ -156,8 +166,11 @@ async def _ranked(inference: _Inference) -> list[str]:
 
 async def test_the_reader_orders_the_sources_a_generating_model_reads() -> None:
     assert await _ranked(_Inference({"90 secondes": 4.0, "64 Kilobyte": -1.0})) == ["fr#0", "de#0"]
-    # no reader served: retrieval's order stays
-    assert await _ranked(_Inference(None)) == ["de#0", "fr#0"]
+    # no reader served: the features scorer shipped with the agent orders them (the question's
+    # words are the second source's)
+    assert await _ranked(_Inference(None)) == ["fr#0", "de#0"]
+    # nor a collection to embed with: retrieval's order stays
+    assert await _ranked(_Inference(None), collection=None) == ["de#0", "fr#0"]
     # no reader (the rules alone): the step does nothing
     state = RunState(question="Quel est le délai ?", collection="relais")
     state.chunks = list(GERMAN)
@@ -222,3 +235,23 @@ async def test_the_best_sentence_decides_yes_or_no_not_its_neighbours() -> None:
     text, numbers = answer_text("Are idle links closed after a while?", selection)
     # the sentence before the best one holds a "not", the best one none: the verdict is the best one's
     assert text.startswith("Yes. The relay does not close a link") and numbers == [1]
+
+
+async def test_a_reader_without_a_threshold_orders_and_the_rules_say_whether_any_answers() -> None:
+    from services.agent.reader.rules import RuleScorer
+
+    async def rerank(model: str, question: str, passages: list[str]) -> list[float]:
+        # a reader that prefers the buffer's sentences whatever is asked
+        return [0.9 if "Puffer" in p else 0.1 for p in passages]
+
+    asked = "Quel est le délai d'attente par défaut ?"
+    scorer = ReaderScorer("tandem-reader", None, rerank, verdict=RuleScorer(None))
+    found = await read(asked, GERMAN, scorer)
+    # the rules find an answer among the sources, and the reader's order picks which
+    assert found.found and found.scorer == "reader:tandem-reader"
+    assert found.best is not None and "Puffers" in found.best.text
+    # a name no source holds: the rules say nothing answers, whatever the reader scores
+    missing = await read("Quel est le délai du Zorblax ?", GERMAN, scorer)
+    assert not missing.found and missing.missing == ["zorblax"]
+    with pytest.raises(ValueError, match="verdict"):
+        ReaderScorer("tandem-reader", None, rerank)

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from services.agent.api.common import event_stream
 from services.agent.api.deps import CallerDep, PrincipalDep, RuntimeDep
-from services.agent.clients import JobBody
+from services.agent.clients import InferenceClient, JobBody
 from services.agent.feedback import (
     JOB_TYPE,
     BuiltDataset,
@@ -376,6 +376,16 @@ def _reader_rows(rated: list[tuple[FeedbackRow, TurnRecord]], share: float) -> t
     return built, short(built)
 
 
+async def _reader_kind(inference: InferenceClient, name: str) -> str | None:
+    """The kind of the published reader ``name`` as the inference service lists it (None: not
+    served, or a configured rerank model)."""
+    for card in await inference.models():
+        if card.id == name and card.kind == "rerank":
+            kind = (card.model_extra or {}).get("reader_kind")
+            return str(kind) if kind else None
+    return None
+
+
 async def _train_reader(
     runtime: AgentRuntime, principal: Principal, key: str, req: TrainRequest
 ) -> ReaderTraining:
@@ -390,10 +400,13 @@ async def _train_reader(
     current = choice.reader.name if choice.reader else runtime.settings.reader
     job_body: JobBody = {"type": "reader", "publish": True}
     if current and current != FEATURES_READER:
-        # the cross-encoder answering now trains further (the shipped features scorer is not one:
-        # the job then starts from its own base)
+        # the reader answering now trains further, as what it is (a cross-encoder or a bi-encoder;
+        # the shipped features scorer is neither: the job then starts from its own base)
         job_body["base_model"] = current
     try:
+        kind = await _reader_kind(runtime.upstreams.inference(key), current) if current else None
+        if kind is not None:
+            job_body["reader_kind"] = kind
         trainer = runtime.upstreams.trainer(key)
         stored = await trainer.upload_file(f"feedback-reader-{int(time.time())}.jsonl", built.jsonl())
         job_body["dataset"] = str(stored["id"])

@@ -442,13 +442,15 @@ async def show_answer(state: RunState, text: str, kind: AnswerKind, citations: l
         yield CitationEvent.from_citation(citation)
 
 
-def reader_scorer(
+def reader_scorers(
     ctx: RunContext, reader: str | None, threshold: float | None, state: RunState | None = None
-) -> AnswerScorer | None:
-    """The reader a step scores with: the one it names, else the tenant's promoted reader (with
-    the threshold of its own held-out rows), else the agent's ``reader`` setting; None: none.
-    ``features`` names the learned scorer shipped with the agent (services/agent/reader/
-    features.py), over the collection's embedder (none without a collection: the rules then)."""
+) -> list[AnswerScorer]:
+    """The readers a step tries in turn: the one it names, else the tenant's promoted reader
+    (with the threshold of its own held-out rows), else the agent's ``reader`` setting; then the
+    learned scorer shipped with the agent (``features``: services/agent/reader/features.py, over
+    the collection's embedder) for when a served reader is not there (not yet trained,
+    unpublished) or fails. Empty: the rules alone. A served reader without a threshold orders the
+    candidates and the rules say whether any answers."""
     model, cut = ctx.settings.reader, ctx.settings.reader_threshold
     if reader is not None:
         model = reader
@@ -456,18 +458,24 @@ def reader_scorer(
         model = ctx.reader
         cut = cut if ctx.reader_threshold is None else ctx.reader_threshold
     if not model:
-        return None
+        return []
+    similarity = collection_similarity(state, ctx) if state is not None else None
+    # the features scorer needs the collection's embedder (none without a collection)
+    features: list[AnswerScorer] = (
+        [] if similarity is None else [FeatureScorer(shipped_model(), similarity, threshold=threshold)]
+    )
     if model == FEATURES_READER:
-        similarity = collection_similarity(state, ctx) if state is not None else None
-        # its threshold is the one chosen with it (a pipeline may still name one)
-        return None if similarity is None else FeatureScorer(shipped_model(), similarity, threshold=threshold)
-    return ReaderScorer(model, cut if threshold is None else threshold, ctx.inference.rerank)
+        return features
+    cut = cut if threshold is None else threshold
+    verdict = RuleScorer(similarity) if cut is None else None
+    return [ReaderScorer(model, cut, ctx.inference.rerank, verdict=verdict), *features]
 
 
 class ReaderRankNode:
     """The reader orders the retrieved chunks by their best sentence's score, so the prompt a
     generating model reads opens with the sources most likely to answer, and what its budget
-    drops is the least likely. Without a served reader the order stays as retrieval gave it."""
+    drops is the least likely. When no reader scores (none served, none named), the order stays
+    as retrieval gave it."""
 
     sockets: ClassVar[Sockets] = Sockets.of(needs=("chunks",), writes=("chunks",))
 
@@ -479,15 +487,17 @@ class ReaderRankNode:
         self.p = p
 
     async def run(self, state: RunState, ctx: RunContext) -> EventStream:
-        scorer = reader_scorer(ctx, self.p.reader, None, state)
         candidates = answer_candidates(state.chunks)
-        if scorer is None or not candidates:
-            return
-        try:
-            async with asyncio.timeout(self.p.timeout_s):
-                scored = await scorer.score(state.question, state.chunks, candidates)
-        except (TimeoutError, TandemError, ValueError) as exc:
-            log.warning("reader ranking: %s gave no scores (%s); retrieval's order stays", scorer.name, exc)
+        scored = None
+        # the order alone is read here: no threshold, and no verdict asked for
+        for scorer in reader_scorers(ctx, self.p.reader, float("-inf"), state) if candidates else []:
+            try:
+                async with asyncio.timeout(self.p.timeout_s):
+                    scored = await scorer.score(state.question, state.chunks, candidates)
+                break
+            except (TimeoutError, TandemError, ValueError) as exc:
+                log.warning("reader ranking: %s gave no scores (%s)", scorer.name, exc)
+        if scored is None:  # retrieval's order stays
             return
         best = [float("-inf")] * len(state.chunks)
         for c, score in zip(candidates, scored.scores, strict=True):
@@ -535,17 +545,15 @@ class AnswerSelectNode:
     def __init__(self, p: P) -> None:
         self.p = p
 
-    def _reader(self, state: RunState, ctx: RunContext) -> AnswerScorer | None:
-        return reader_scorer(ctx, self.p.reader, self.p.reader_threshold, state)
-
     def _rules(self, state: RunState, ctx: RunContext) -> RuleScorer:
         use = ctx.settings.grounding_embedder if self.p.embedder is None else self.p.embedder
         return RuleScorer(collection_similarity(state, ctx) if use else None)
 
     async def _select(self, state: RunState, ctx: RunContext, chunks: list[Chunk]) -> Selection:
         asked = reader_question(state)
-        scorers: list[AnswerScorer] = [
-            s for s in (self._reader(state, ctx), self._rules(state, ctx)) if s is not None
+        scorers = [
+            *reader_scorers(ctx, self.p.reader, self.p.reader_threshold, state),
+            self._rules(state, ctx),
         ]
         for scorer in scorers:
             try:

@@ -51,11 +51,25 @@ class AnswerScorer(Protocol):
 
 
 class ReaderScorer:
-    """A served cross-encoder reader: one ``/v1/rerank`` call per question."""
+    """A served reader (a cross-encoder, or a bi-encoder answering cosines): one ``/v1/rerank``
+    call per question. A sentence answers when it scores at least ``threshold``; without one,
+    the reader only orders the candidates and whether any answers is ``verdict``'s (the rules')
+    say, as ``features.FeatureScorer`` does: measured on the held-out sets, one threshold on a
+    reader's score says "not found" to far more answerable questions than the rules do."""
 
     def __init__(
-        self, model: str, threshold: float, rerank: Rerank, *, margin: float = 0.05, max_candidates: int = 256
+        self,
+        model: str,
+        threshold: float | None,
+        rerank: Rerank,
+        *,
+        verdict: AnswerScorer | None = None,
+        margin: float = 0.05,
+        max_candidates: int = 256,
     ) -> None:
+        if threshold is None and verdict is None:
+            raise ValueError("a reader without a threshold needs a verdict scorer")
+        self.verdict = verdict
         self.model = model
         self.threshold = threshold
         self.margin = margin
@@ -74,4 +88,9 @@ class ReaderScorer:
         if len(scores) != len(kept):
             raise ValueError(f"the reader returned {len(scores)} scores for {len(kept)} sentences")
         scores = [float(s) for s in scores] + [float("-inf")] * (len(candidates) - len(kept))
-        return Scored(scores, [s >= self.threshold for s in scores], self.name, self.margin)
+        if self.threshold is not None:
+            return Scored(scores, [s >= self.threshold for s in scores], self.name, self.margin)
+        assert self.verdict is not None
+        judged = await self.verdict.score(question, chunks, candidates)
+        found = any(judged.answers)
+        return Scored(scores, [found] * len(scores), self.name, self.margin, judged.missing)
