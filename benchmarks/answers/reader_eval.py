@@ -15,6 +15,14 @@ tuning-set questions right (stated, or "not found" when unanswerable); figures a
 the tuning sets, the test sets (that threshold) and leave-one-set-out (each set with the
 threshold chosen on all the others), per set and per question kind. ``--json`` writes it all.
 
+A scorer named with ``+rules`` (``reader:tandem-reader+rules``, ``embedder:PATH+rules``) only
+orders the candidates and the rules say whether any answers, as the answer step does with a
+reader and no threshold: it is judged by those verdicts, with no threshold to choose.
+
+``dataset --set tuning --rows DIR --out FILE.jsonl.gz``: the tuning sets' rows (written by
+``rows``) as one reader dataset without their features, what the default reader trains on
+(``services/trainer/reader_data/tuning.jsonl.gz``); a test set is refused.
+
 ``lm`` scores a sentence by how much it raises the served model's likelihood of the question
 (the mean log-probability of the question's tokens after the sentence, less that after no
 sentence), with the served GGUF's weights loaded here by transformers: the inference service
@@ -639,7 +647,10 @@ def main() -> int:
     ap.add_argument("--sample", type=int, default=50, help="reading: answers in the sample")
     ap.add_argument("--seed", type=int, default=47, help="reading: the sample's seed")
     ap.add_argument(
-        "--scorers", default="rules", help="rules, rules-words, reader:NAME, lm (comma-separated)"
+        "--scorers",
+        default="rules",
+        help="rules, rules-words, features, reader:NAME, embedder[:PATH], lm; +rules after a reader or "
+        "an embedder: the rules say whether any answers (comma-separated)",
     )
     ap.add_argument("--json", type=Path, default=None, help="write the report and every answer here")
     args = ap.parse_args()
