@@ -1,8 +1,9 @@
-"""Readers: cross-encoders that score whether a sentence answers a question, published per tenant.
+"""Readers: models that score whether a sentence answers a question, published per tenant.
 
 The answer step of chat with documents asks a *reader* which candidate sentences answer the
-question. The trainer's ``reader`` jobs train one (a sentence-transformers ``CrossEncoder``,
-one logit) and publish its folder under ``$TANDEM_HOME/models/readers/<tenant>/<name>/`` with
+question. The trainer's ``reader`` jobs train one (a sentence-transformers bi-encoder whose
+cosines order the sentences, the default; or a ``CrossEncoder`` with one logit: the manifest's
+``kind``) and publish its folder under ``$TANDEM_HOME/models/readers/<tenant>/<name>/`` with
 the manifest ``tandem_reader.json``; an operator's job may publish it to the shared folder
 ``_shared`` instead, which every tenant resolves after its own. The inference service serves
 a published reader through ``/v1/rerank`` by its name.

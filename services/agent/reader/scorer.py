@@ -1,12 +1,13 @@
 """The reader's scorers: how well each candidate sentence answers a question, and whether any does.
 
-``AnswerScorer`` is the answer step's one seam. ``ReaderScorer``, the default, is a cross-encoder
-trained by the trainer's ``reader`` jobs (on human-written FAQ questions and answers, then on a
-tenant's feedback) and served by the inference service's ``/v1/rerank``: it reads the question
-beside each sentence under its section's heading path, and a sentence answers when its score
-passes the threshold chosen on the tuning question sets (benchmarks/answers, ``reader_eval``).
-``services/agent/reader/rules.py`` holds the fallback: the collection's embedder and lexical
-rules, used when no reader is served.
+``AnswerScorer`` is the answer step's one seam. ``ReaderScorer``, the default, is a reader
+trained by the trainer's ``reader`` jobs (the default ``tandem-reader``: the collections'
+embedder tuned on the tuning question sets' candidate sentences; a tenant's, trained further on
+its feedback) and served by the inference service's ``/v1/rerank``: it reads the question beside
+each sentence under its section's heading path and orders them; whether any answers is the
+rules' verdict, or a threshold on its score where one is set. ``features.FeatureScorer`` answers
+while no reader is served, and ``services/agent/reader/rules.py`` holds the last fallback: the
+collection's embedder and lexical rules.
 """
 
 from __future__ import annotations
