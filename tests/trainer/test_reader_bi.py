@@ -16,8 +16,6 @@ import pytest
 
 from services.common.readers import find_reader, reader_name, reader_passage
 from services.trainer.data.formats import ReaderRecord, of_kind, parse_dataset
-from services.trainer.jobspec import split_reader
-from services.trainer.protocol import Hyperparameters
 from services.trainer.recipes.base import NullHooks, TrainConfig, run
 from services.trainer.recipes.reader_bi import (
     MAX_ANSWERING,
@@ -29,6 +27,7 @@ from services.trainer.recipes.reader_bi import (
 from tests.conftest import auth
 from tests.trainer.conftest import jsonl
 from tests.trainer.test_api import Harness, upload
+from tests.trainer.test_reader_job import config as reader_config
 from tests.trainer.test_reader_job import harness, inference, post_job, reader_rows, rerank, tiny_st
 from tests.trainer.test_recipes import KillAt
 
@@ -42,16 +41,7 @@ def records(rows: list[dict[str, Any]]) -> list[ReaderRecord]:
 
 
 def config(model: Path, work: Path | None, **hp: Any) -> TrainConfig:
-    train, held = split_reader(records(reader_rows()), 0.2, 0)
-    return TrainConfig(
-        kind="reader",
-        model_path=model,
-        records=list(train),
-        eval_records=list(held),
-        hp=Hyperparameters.model_validate({**HP, **hp}),
-        checkpoint_every=5,
-        work_dir=work,
-    )
+    return reader_config(model, work, base=HP, checkpoint_every=5, **hp)
 
 
 def test_questions_are_grouped_and_shown_answering_first_from_the_seed() -> None:
