@@ -20,6 +20,7 @@ from services.agent.pipelines.definition import Pipeline
 from services.agent.pipelines.state import RunContext, RunState
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import ReaderChoice
+from services.agent.reader.unserved import UnservedReaders
 from services.agent.tokens import load_counter
 from services.agent.upstreams import ServedModels, Upstreams
 from services.common.errors import ServiceUnavailable
@@ -39,6 +40,8 @@ class PipelineAnswers:
         self.pipelines = pipelines
         self.upstreams = upstreams
         self.models = models
+        # one table for every request: a reader's 404 is remembered across answers
+        self.unserved = UnservedReaders()
 
     def fixed_context(self, api_key: str, model: str, inference: InferenceClient | None = None) -> RunContext:
         """The context of steps that answer with ``model`` as given ('' where none generates)."""
@@ -48,6 +51,8 @@ class PipelineAnswers:
             inference=inference or self.upstreams.inference(api_key),
             counter=load_counter(self.settings.tokenizer),
             model=model,
+            unserved=self.unserved,
+            api_key=api_key,
         )
 
     async def context(

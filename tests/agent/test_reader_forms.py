@@ -15,6 +15,7 @@ from services.agent.reader.forms import default_value, lead, yes_or_no
 from services.agent.reader.question import Asked
 from services.agent.reader.scorer import ReaderScorer, Scored
 from services.agent.reader.select import select
+from services.agent.reader.unserved import UnservedReaders
 from services.common.candidates import answer_candidates
 from services.common.errors import NotFound
 from services.common.judge import has_phrase, states_reference
@@ -139,8 +140,10 @@ def test_the_selector_keeps_a_second_close_sentence_of_the_same_section_only() -
 class _Inference:
     def __init__(self, scores: dict[str, float] | None) -> None:
         self.scores = scores
+        self.calls = 0
 
     async def rerank(self, model: str, question: str, passages: list[str]) -> list[float]:
+        self.calls += 1
         if self.scores is None:
             raise NotFound(f"The rerank model `{model}` does not exist.", param="model")
         return [next((v for k, v in self.scores.items() if k in p), 0.0) for p in passages]
@@ -154,11 +157,24 @@ class _Retrieval:
         return [[float(w in re.findall(r"\w+", t.lower())) for w in words] for t in texts]
 
 
-async def _ranked(inference: _Inference, collection: str | None = "relais") -> list[str]:
+async def _ranked(
+    inference: _Inference,
+    collection: str | None = "relais",
+    unserved: UnservedReaders | None = None,
+    api_key: str = "key-a",
+) -> list[str]:
     state = RunState(question="Quel est le délai d'attente par défaut ?", collection=collection)
     state.chunks = list(GERMAN)
     settings = AgentSettings(reader="tandem-reader")
-    ctx = RunContext(settings=settings, retrieval=_Retrieval(), inference=inference, counter=None, model="m")  # type: ignore[arg-type]
+    ctx = RunContext(
+        settings=settings,
+        retrieval=_Retrieval(),
+        inference=inference,
+        counter=None,
+        model="m",
+        unserved=unserved,
+        api_key=api_key,
+    )  # type: ignore[arg-type]
     node = ReaderRankNode(ReaderRankNode.P())
     assert [e async for e in node.run(state, ctx)] == []
     return [c.chunk_id for c in state.chunks]
@@ -179,6 +195,35 @@ async def test_the_reader_orders_the_sources_a_generating_model_reads() -> None:
     )  # type: ignore[arg-type]
     assert [e async for e in ReaderRankNode(ReaderRankNode.P()).run(state, ctx)] == []
     assert [c.chunk_id for c in state.chunks] == ["de#0", "fr#0"]
+
+
+async def test_a_reader_the_service_does_not_serve_is_not_asked_again_until_the_hold_ends() -> None:
+    now = [100.0]
+    unserved = UnservedReaders(hold_s=60.0, clock=lambda: now[0])
+    missing = _Inference(None)
+    # the first answer asks, gets the 404, and the features scorer orders the sources
+    assert await _ranked(missing, unserved=unserved) == ["fr#0", "de#0"]
+    assert missing.calls == 1 and unserved.holds("key-a", "tandem-reader")
+    # the next answers go straight to the features scorer: no call
+    assert await _ranked(missing, unserved=unserved) == ["fr#0", "de#0"]
+    now[0] += 59.0
+    assert await _ranked(missing, unserved=unserved) == ["fr#0", "de#0"]
+    assert missing.calls == 1
+    # another caller's key asks for itself (a tenant's reader is found by its own key)
+    assert await _ranked(missing, unserved=unserved, api_key="key-b") == ["fr#0", "de#0"]
+    assert missing.calls == 2
+    # once the hold ends the reader is asked again, and a reader published meanwhile answers
+    now[0] += 1.0
+    served = _Inference({"64 Kilobyte": 4.0, "90 secondes": -1.0})
+    assert await _ranked(served, unserved=unserved) == ["de#0", "fr#0"]
+    assert served.calls == 1 and not unserved.holds("key-a", "tandem-reader")
+
+
+def test_the_unserved_table_keeps_its_newest_pairs() -> None:
+    unserved = UnservedReaders(hold_s=60.0, clock=lambda: 0.0, limit=2)
+    for model in ("r1", "r2", "r3"):
+        unserved.mark("k", model)
+    assert [unserved.holds("k", m) for m in ("r1", "r2", "r3")] == [False, True, True]
 
 
 RELAY = [

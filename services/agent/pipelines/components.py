@@ -9,6 +9,7 @@ events it produces (tokens, citations) as they happen.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import logging
 import re
@@ -468,7 +469,11 @@ def reader_scorers(
         return features
     cut = cut if threshold is None else threshold
     verdict = RuleScorer(similarity) if cut is None else None
-    return [ReaderScorer(model, cut, ctx.inference.rerank, verdict=verdict), *features]
+    unserved = ctx.unserved
+    if unserved is not None and unserved.holds(ctx.api_key, model):
+        return features  # a 404 for it lately: not asked again until the hold ends
+    missing = None if unserved is None else functools.partial(unserved.mark, ctx.api_key, model)
+    return [ReaderScorer(model, cut, ctx.inference.rerank, verdict=verdict, on_missing=missing), *features]
 
 
 class ReaderRankNode:

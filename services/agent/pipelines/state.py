@@ -14,6 +14,7 @@ from services.agent.events import AnswerKind, Event
 from services.agent.prompting import PromptPlan
 from services.agent.protocol import Message, Sampling, wire_messages
 from services.agent.reader.select import Selection
+from services.agent.reader.unserved import UnservedReaders
 from services.agent.tokens import TokenCounter
 from services.common.jsonsafe import JsonObject
 from services.common.openai_wire import ToolCall, ToolCallDelta
@@ -51,6 +52,11 @@ class RunContext:
     # answer step's reader when the pipeline names none.
     reader: str | None = None
     reader_threshold: float | None = None
+    # The readers the inference service answered 404 for lately (the agent's one table; None:
+    # every answer asks).
+    unserved: UnservedReaders | None = None
+    # The caller's key, which that table is kept by.
+    api_key: str = ""
 
 
 class TurnOptions(TypedDict, total=False):

@@ -19,6 +19,7 @@ from typing import Protocol
 from services.agent.chunks import Chunk
 from services.agent.reader.question import Asked
 from services.common.candidates import Candidate
+from services.common.errors import NotFound
 from services.common.readers import reader_passage
 
 # (model, question, passages) -> one score per passage, in order (inference's /v1/rerank).
@@ -67,6 +68,7 @@ class ReaderScorer:
         verdict: AnswerScorer | None = None,
         margin: float = 0.05,
         max_candidates: int = 256,
+        on_missing: Callable[[], None] | None = None,
     ) -> None:
         if threshold is None and verdict is None:
             raise ValueError("a reader without a threshold needs a verdict scorer")
@@ -79,13 +81,20 @@ class ReaderScorer:
         # order, and the sources are ranked, so what falls past it is the least likely
         self.max_candidates = max_candidates
         self.name = f"reader:{model}"
+        # told when the inference service does not serve ``model`` (its 404)
+        self.on_missing = on_missing
 
     async def score(self, question: str | Asked, chunks: list[Chunk], candidates: list[Candidate]) -> Scored:
         kept = candidates[: self.max_candidates]
         passages = [reader_passage(c.text, c.context) for c in kept]
         # the model reads the question as written: no rule of this package reads it
         text = question.text if isinstance(question, Asked) else question
-        scores = await self.rerank(self.model, text, passages) if passages else []
+        try:
+            scores = await self.rerank(self.model, text, passages) if passages else []
+        except NotFound:
+            if self.on_missing is not None:
+                self.on_missing()
+            raise
         if len(scores) != len(kept):
             raise ValueError(f"the reader returned {len(scores)} scores for {len(kept)} sentences")
         scores = [float(s) for s in scores] + [float("-inf")] * (len(candidates) - len(kept))
