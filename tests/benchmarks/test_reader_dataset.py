@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.answers.reader_eval import reader_dataset
+from benchmarks.answers.reader_eval import out_of_set, reader_dataset
 from benchmarks.answers.sets import chosen_sets
 
 
@@ -48,3 +48,10 @@ def test_the_tuning_sets_rows_make_one_dataset_and_a_test_set_is_refused(tmp_pat
     with pytest.raises(SystemExit, match=f"{test} is a test set"):
         reader_dataset(tmp_path, [tuning[0], test], tmp_path / "mixed.jsonl")
     assert not (tmp_path / "mixed.jsonl").exists()
+
+
+def test_the_out_of_set_readers_are_refused_a_test_set_before_anything_trains(tmp_path: Path) -> None:
+    test = chosen_sets("test")[0]
+    with pytest.raises(SystemExit, match=f"loso: {test}: the default reader never trained on a test set"):
+        out_of_set(tmp_path / "cache", [chosen_sets("tuning")[0], test], tmp_path / "readers")
+    assert not (tmp_path / "readers").exists()
