@@ -169,6 +169,19 @@ def _inference(where: dict[str, Any]) -> Any:
     return InferenceClient(where["urls"]["inference"], where["key"])
 
 
+async def _judged_by(
+    verdict: Any, scores: list[float], name: str, margin: float, question: str, chunks: Any, candidates: Any
+) -> Any:
+    """A local scorer's scores with ``verdict``'s (the rules') say on whether any answers; every
+    candidate answers where there is no verdict (a threshold decides then)."""
+    from services.agent.reader.scorer import Scored
+
+    if verdict is None:
+        return Scored(scores, [True] * len(scores), name, margin)
+    judged = await verdict.score(question, chunks, candidates)
+    return Scored(scores, [any(judged.answers)] * len(scores), name, margin, judged.missing)
+
+
 class CosineScorer:
     """The cosine of a bi-encoder's question and passage vectors (default all-MiniLM-L6-v2, the
     collections' embedder), loaded here: the similarity alone, thresholded."""
@@ -182,17 +195,13 @@ class CosineScorer:
         self.verdict = verdict  # the rules say whether any answers (None: a threshold does)
 
     async def score(self, question: str, chunks: list[Any], candidates: list[Any]) -> Any:
-        from services.agent.reader.scorer import Scored
         from services.common.readers import reader_passage
 
         vectors = self.model.encode(
             [question] + [reader_passage(c.text, c.context) for c in candidates], normalize_embeddings=True
         )
         scores = [float(v) for v in vectors[1:] @ vectors[0]]
-        if self.verdict is None:
-            return Scored(scores, [True] * len(scores), self.name, 0.05)
-        judged = await self.verdict.score(question, chunks, candidates)
-        return Scored(scores, [any(judged.answers)] * len(scores), self.name, 0.05, judged.missing)
+        return await _judged_by(self.verdict, scores, self.name, 0.05, question, chunks, candidates)
 
 
 class LikelihoodScorer:
@@ -238,17 +247,13 @@ class LikelihoodScorer:
         return out
 
     async def score(self, question: str, chunks: list[Any], candidates: list[Any]) -> Any:
-        from services.agent.reader.scorer import Scored
         from services.common.readers import reader_passage
 
         prefixes = [f"Text: {reader_passage(c.text, c.context)}\nQuestion:" for c in candidates]
         with_text = self._mean_logprob(prefixes, question) if prefixes else []
         [alone] = self._mean_logprob(["Question:"], question)
         scores = [s - alone for s in with_text]
-        if self.verdict is None:
-            return Scored(scores, [True] * len(scores), self.name, 0.5)
-        judged = await self.verdict.score(question, chunks, candidates)
-        return Scored(scores, [any(judged.answers)] * len(scores), self.name, 0.5, judged.missing)
+        return await _judged_by(self.verdict, scores, self.name, 0.5, question, chunks, candidates)
 
 
 async def _read_set(name: str, rows: list[dict[str, Any]], scorer: Any) -> list[Read]:
