@@ -42,6 +42,25 @@ TABLE_ROW_RE = re.compile(r"^ {0,3}\|.*\|[ \t]*$")
 TABLE_RULE_RE = re.compile(r"^ {0,3}\|(?:[ \t]*:?-+:?[ \t]*\|)+[ \t]*$")
 
 
+def body_line(line: str) -> str:
+    """A line of a document's own text (not a heading the parser found), as the chunker must
+    read it: one that would read as a Markdown heading (a root prompt "# apt-get update", a
+    comment in an example, a "#" term of a list) is indented four spaces, Markdown's indent for
+    code, so that it opens no section and its words name none."""
+    return "    " + line if HEADING_RE.match(line) else line
+
+
+def body_text(text: str) -> str:
+    """``text`` with each line outside code fences through ``body_line``."""
+    out = []
+    in_fence = False
+    for line in text.split("\n"):
+        if FENCE_RE.match(line):
+            in_fence = not in_fence
+        out.append(line if in_fence else body_line(line))
+    return "\n".join(out)
+
+
 def regex_offsets(text: str) -> list[tuple[int, int]]:
     """A model-free token counter (whitespace words), for tests and tools without a model."""
     return [(m.start(), m.end()) for m in _WORD_RE.finditer(text)]

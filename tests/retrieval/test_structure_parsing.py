@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import pytest
+
 from services.common.chunking import atomic_blocks, regex_offsets
 from services.retrieval.core.chunking import make_chunks
 from services.retrieval.core.parsing import ParseLimits, parse_file
@@ -208,3 +210,59 @@ def test_a_section_window_grows_around_its_chunk_within_the_section() -> None:
     assert text[s:e] == text[lo:hi].strip()
     # a budget below the chunk's own length: the chunk alone
     assert section_window(text, lo, hi, start, end, 1, regex_offsets) == (start, end)
+
+
+def _hash_lines_pdf() -> bytes:
+    from reportlab.lib.pagesizes import A4
+    from reportlab.pdfgen import canvas
+
+    buf = io.BytesIO()
+    c = canvas.Canvas(buf, pagesize=A4)
+    c.setFont("Helvetica-Bold", 16)
+    c.drawString(72, 780, "Installing the relay")
+    c.setFont("Helvetica", 10)
+    for n, line in enumerate(
+        ["Become root, then fetch the package index and install the relay.", "Each step"]
+    ):
+        c.drawString(72, 750 - 12 * n, line)
+    c.setFont("Courier", 10)
+    c.drawString(72, 720, "# apt-get install relayd")
+    c.setFont("Helvetica", 10)
+    for n, line in enumerate(["The relay starts at boot once installed.", "It listens on port 7400."]):
+        c.drawString(72, 700 - 12 * n, line)
+    c.showPage()
+    c.save()
+    return buf.getvalue()
+
+
+def _hash_lines_docx() -> bytes:
+    from docx import Document
+
+    d = Document()
+    d.add_heading("Installing the relay", level=1)
+    d.add_paragraph("Become root, then fetch the package index and install the relay.")
+    d.add_paragraph("# apt-get install relayd")
+    d.add_paragraph("The relay starts at boot once installed. It listens on port 7400.")
+    buf = io.BytesIO()
+    d.save(buf)
+    return buf.getvalue()
+
+
+HASH_HTML = b"""<html><body><h1>Installing the relay</h1>
+<p>Become root, then fetch the package index and install the relay.</p><p># apt-get install relayd</p>
+<pre># relayd.conf
+port 7400</pre><p>The relay starts at boot once installed. It listens on port 7400.</p></body></html>"""
+
+
+@pytest.mark.parametrize("name", ["relay.pdf", "relay.html", "relay.docx"])
+def test_a_line_of_text_that_begins_with_a_hash_opens_no_section(name: str) -> None:
+    # a root prompt or a comment in the document's own text: a line, not a heading
+    data = {"relay.pdf": _hash_lines_pdf, "relay.html": lambda: HASH_HTML, "relay.docx": _hash_lines_docx}[
+        name
+    ]()
+    doc = parse_file(name, data)[0]
+    assert "# Installing the relay" in doc.text and "# apt-get install relayd" in doc.text
+    chunks = make_chunks(doc.id, doc.text, size=512, overlap=0, structure=doc.structure)
+    assert {c.structure["section"] for c in chunks} == {"Installing the relay"}
+    port = next(c for c in chunks if "port 7400." in c.text)
+    assert "apt-get install relayd" in port.text  # the example stays with what it explains

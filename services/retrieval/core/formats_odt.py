@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from services.common.chunking import body_text
 from services.retrieval.core.format_errors import reading
 from services.retrieval.core.parsing import ParseLimits, _tidy, check_zip
 from services.retrieval.core.tables import CellBudget, markdown_table, used_range
@@ -95,7 +96,7 @@ def _blocks(el: Any, lines: list[str], budget: CellBudget, depth: int = 0) -> No
             if text:
                 lines += ["", f"{hashes} {text}", ""]
         elif name == (TEXT, "p"):
-            lines += [_inline(child).strip("\n"), ""]
+            lines += [body_text(_inline(child).strip("\n")), ""]
         elif name == (TEXT, "list"):
             _list(child, lines, budget, depth)
             lines.append("")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from services.common.chunking import body_text
 from services.retrieval.core.format_errors import check_text_size, reading
 from services.retrieval.core.parsing import ParseLimits, _limit, _tidy, check_zip
 from services.retrieval.core.tables import CellBudget, cell_text, markdown_table
@@ -73,12 +74,12 @@ def _slide_text(slide: Any, number: int, budget: CellBudget) -> str:
             continue  # it is the heading
         block = _shape_text(shape, budget)
         if block.strip():
-            lines += [block, ""]
+            lines += [body_text(block), ""]
     if slide.has_notes_slide:
         frame = slide.notes_slide.notes_text_frame
         notes = frame.text.replace("\v", "\n").strip() if frame is not None else ""
         if notes:
-            lines.append(f"Notes: {notes}")
+            lines.append(body_text(f"Notes: {notes}"))
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common import jsonsafe
+from services.common.chunking import body_line, body_text
 from services.common.errors import InvalidRequest, UnsupportedMediaType
 from services.retrieval.core import formats
 from services.retrieval.core.hidden_text import docx_run_hidden, drop_hidden_html, drop_hidden_pdf_text
@@ -211,7 +212,10 @@ def html_to_text(source: str) -> tuple[str, str]:
 # stays one block of text (see ``_definition_text``). Control characters: the source's own are
 # taken out first.
 _LINE, _PARA, _HARD, _ITEM, _LIST, _SUB = "\x04", "\x01", "\x02", "\x03", "\x05", "\x06"
-_MARKS = "\x00-\x06"  # the breaks, and structure.py's anchor sentinels
+# A heading's "#" while the page becomes text: the page's own text that begins a line with "#"
+# (a root prompt, a comment) is told from it, and kept from reading as a heading (``body_text``).
+_HEAD = "\x07"
+_MARKS = "\x00-\x07"  # the breaks, the heading mark, and structure.py's anchor sentinels
 _SOURCE_MARKS = re.compile(f"[{_MARKS}]")
 # White space as a browser collapses it (ASCII, and the no-break space this text never kept).
 _SPACE = re.compile(r"[ \t\n\r\f\v\xa0]+")
@@ -262,7 +266,7 @@ def html_document(source: str, keep_hidden_text: bool = False) -> tuple[str, str
         if anchor:
             mark = sentinel(len(ids))
             ids.append(anchor)
-        h.replace_with(f"{_HARD}{mark}{'#' * level} {h.get_text(' ', strip=True)}{_HARD}")
+        h.replace_with(f"{_HARD}{mark}{_HEAD * level} {h.get_text(' ', strip=True)}{_HARD}")
     for br in soup.find_all("br"):
         br.replace_with(_LINE)
     for block in soup.find_all(_BLOCKS):
@@ -278,7 +282,8 @@ def html_document(source: str, keep_hidden_text: bool = False) -> tuple[str, str
         else:
             part = _BREAK_RUN.sub(_blank_line, _SPACE.sub(" ", part))
             pieces.append("\n".join(ln.strip() for ln in part.split("\n")))
-    text, anchors = take_sentinels(fix_characters(_tidy("".join(pieces))), ids)
+    text = body_text(_tidy("".join(pieces))).replace(_HEAD, "#")
+    text, anchors = take_sentinels(fix_characters(text), ids)
     return text, title, anchors, hidden
 
 
@@ -782,6 +787,8 @@ def compose_pages(layouts: list[PageLayout]) -> PdfText:
                 continue
             if not body:
                 text = text.lstrip()
+            if not ln.level:
+                text = body_line(text)
             size += 1 if body else 0
             if ln.box is not None:
                 placed.append((size, size + len(text), ln.box))
@@ -897,7 +904,7 @@ def _docx_to_text(data: bytes, keep_hidden_text: bool = False) -> tuple[str, str
         elif style == "Title":
             lines.append(f"\n# {text}\n")
         else:
-            lines.append(text + "\n")
+            lines.append(body_text(text) + "\n")
     title = (doc.core_properties.title or "").strip()
     return _tidy("\n".join(lines)), title, len(hidden)
 
