@@ -469,7 +469,7 @@ def test_the_avx2_kernels_give_the_vnni_kernels_numbers_bit_for_bit(built: None)
     gen = torch.Generator().manual_seed(2)
     for out_f, in_f in ((48, 96), (160, 576)):
         packed, scale_min = Int4Blocks().prepare(torch.randn(out_f, in_f, generator=gen))
-        for rows in (1, 3, 4, 5, 8, 9, 17):
+        for rows in (1, 3, 4, 5, 8, 9, 17, 32, 45):
             x = torch.randn(rows, in_f, generator=gen) * torch.rand(rows, 1, generator=gen) * 10
             wide = kernel(x, packed, scale_min, wide=True)
             assert torch.equal(wide, kernel(x, packed, scale_min, wide=False)), (out_f, rows)
