@@ -1,8 +1,10 @@
-"""Small real documents made in tests: a PDF of three pages with headings (reportlab)."""
+"""Small real documents made in tests: a PDF of three pages with headings, and a page of lines
+in given fonts (reportlab)."""
 
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 
 # (heading, sentences) of each page of ``solar_pdf``; the first page also has the title.
 SOLAR_TITLE = "Solar System Guide"
@@ -45,5 +47,21 @@ def solar_pdf(running: bool = False) -> bytes:
             c.setFont("Helvetica", 9)
             c.drawString(290, 40, str(n + 1))
         c.showPage()
+    c.save()
+    return buf.getvalue()
+
+
+def lines_pdf(lines: Sequence[tuple[str, float, float, str]], x: float = 72) -> bytes:
+    """One A4 page: each ``(font, size, y, text)`` drawn as a line at ``x`` (points from the
+    page's bottom)."""
+    from reportlab.lib.pagesizes import A4
+    from reportlab.pdfgen import canvas
+
+    buf = io.BytesIO()
+    c = canvas.Canvas(buf, pagesize=A4)
+    for font, size, y, text in lines:
+        c.setFont(font, size)
+        c.drawString(x, y, text)
+    c.showPage()
     c.save()
     return buf.getvalue()

@@ -18,7 +18,7 @@ from services.retrieval.core.chunking import make_chunks
 from services.retrieval.core.ocr import OcrSettings
 from services.retrieval.core.parsing import parse_file, pdf_document
 from services.retrieval.core.structure import boxes_of
-from tests.helpers.documents import solar_pdf
+from tests.helpers.documents import lines_pdf, solar_pdf
 from tests.retrieval.conftest import run_queued_job
 from tests.retrieval.test_api import make, search
 
@@ -472,16 +472,10 @@ def test_a_landscape_page_reads_upright() -> None:
 
 
 def test_code_keeps_its_indentation() -> None:
-    from reportlab.pdfgen import canvas
-
-    buf = io.BytesIO()
-    c = canvas.Canvas(buf, pagesize=A4)
-    c.setFont("Helvetica", 10)
-    c.drawString(72, 760, "Run the loop like this:")
-    c.setFont("Courier", 10)
-    for n, line in enumerate(["for item in queue:", "    if item.ready:", "        send(item)"]):
-        c.drawString(72, 748 - 12 * n, line)
-    c.showPage()
-    c.save()
-    text = parse_file("loop.pdf", buf.getvalue())[0].text
+    code = ["for item in queue:", "    if item.ready:", "        send(item)"]
+    data = lines_pdf(
+        [("Helvetica", 10, 760, "Run the loop like this:")]
+        + [("Courier", 10, 748 - 12 * n, line) for n, line in enumerate(code)]
+    )
+    text = parse_file("loop.pdf", data)[0].text
     assert "Run the loop like this:\nfor item in queue:\n    if item.ready:\n        send(item)" in text

@@ -12,7 +12,7 @@ from services.common.chunking import atomic_blocks, regex_offsets
 from services.retrieval.core.chunking import make_chunks
 from services.retrieval.core.parsing import ParseLimits, parse_file
 from services.retrieval.core.sandbox import parse_isolated
-from tests.helpers.documents import SOLAR_PAGES, SOLAR_TITLE, solar_pdf
+from tests.helpers.documents import SOLAR_PAGES, SOLAR_TITLE, lines_pdf, solar_pdf
 
 
 def _page_of(doc_text: str, pages: list[list[int]], needle: str) -> int:
@@ -213,26 +213,16 @@ def test_a_section_window_grows_around_its_chunk_within_the_section() -> None:
 
 
 def _hash_lines_pdf() -> bytes:
-    from reportlab.lib.pagesizes import A4
-    from reportlab.pdfgen import canvas
-
-    buf = io.BytesIO()
-    c = canvas.Canvas(buf, pagesize=A4)
-    c.setFont("Helvetica-Bold", 16)
-    c.drawString(72, 780, "Installing the relay")
-    c.setFont("Helvetica", 10)
-    for n, line in enumerate(
-        ["Become root, then fetch the package index and install the relay.", "Each step"]
-    ):
-        c.drawString(72, 750 - 12 * n, line)
-    c.setFont("Courier", 10)
-    c.drawString(72, 720, "# apt-get install relayd")
-    c.setFont("Helvetica", 10)
-    for n, line in enumerate(["The relay starts at boot once installed.", "It listens on port 7400."]):
-        c.drawString(72, 700 - 12 * n, line)
-    c.showPage()
-    c.save()
-    return buf.getvalue()
+    return lines_pdf(
+        [
+            ("Helvetica-Bold", 16, 780, "Installing the relay"),
+            ("Helvetica", 10, 750, "Become root, then fetch the package index and install the relay."),
+            ("Helvetica", 10, 738, "Each step"),
+            ("Courier", 10, 720, "# apt-get install relayd"),
+            ("Helvetica", 10, 700, "The relay starts at boot once installed."),
+            ("Helvetica", 10, 688, "It listens on port 7400."),
+        ]
+    )
 
 
 def _hash_lines_docx() -> bytes:
