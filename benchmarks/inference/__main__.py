@@ -362,7 +362,16 @@ def served_plan(url: str, key: str) -> str:
     plan = health.get("forward_plan")
     if not plan:
         return f"engine {health.get('engine')} (no forward plan)"
-    fields = ("decode", "prompt", "layer_decode", "layer_prompt", "head_decode", "head_prompt", "attention")
+    fields = (
+        "decode",
+        "prompt",
+        "layer_decode",
+        "layer_prompt",
+        "head_decode",
+        "head_prompt",
+        "attention",
+        "kv_dtype",
+    )
     return "forward plan " + " ".join(f"{k}={plan.get(k)}" for k in fields)
 
 

@@ -5,9 +5,10 @@ Each text (GSM8K questions with their worked answers, ``../shared/data/gsm8k``) 
 its first 16 tokens; every later token is then fed as a decode row (16 texts a step, as a busy
 server decodes) and the log-probability the engine gives the text's next token is kept. Runs:
 ``fp32`` (no quantisation: the GGUF's values in fp32, oneDNN products), ``int4`` (torch's int4
-kernel, bf16 rows), ``int4-q8`` (the engine's own Q4_1 x int8 rows, the default where the
-C++ module is built, with the plan's head: Q8_0 times int8 rows where the CPU has AVX512-VNNI)
-``int4-q8-bf16-head`` (the same layers, the head in bf16) and ``q8_0`` (int8 decode: Q8_0 blocks
+kernel, bf16 rows), ``int4-q8`` (the engine's own Q4_1 x int8 rows where the C++ module is
+built, with the plan's head: Q8_0 times int8 rows where the CPU has AVX512-VNNI; fp32 keys and
+values), ``int4-q8-f16-kv`` / ``int4-q8-bf16-kv`` (the same with the keys and values stored in
+fp16 / bf16: ``TANDEM_INFERENCE_KV_DTYPE``), ``int4-q8-bf16-head`` (the same layers, the head in bf16) and ``q8_0`` (int8 decode: Q8_0 blocks
 times int8 rows in every layer and the head, AVX512-VNNI; a Q8_0 file's values exactly). Prints mean NLL, perplexity and how often the engine's top token is the text's.
 
     python -m benchmarks.inference.decode_nll                 # 32 texts, 96 tokens each
@@ -28,7 +29,7 @@ import torch
 
 from benchmarks.inference.invariance import GSM8K
 
-KINDS = ("fp32", "int4", "int4-q8", "int4-q8-bf16-head", "q8_0")
+KINDS = ("fp32", "int4", "int4-q8", "int4-q8-f16-kv", "int4-q8-bf16-kv", "int4-q8-bf16-head", "q8_0")
 
 
 def runner(path: Path, kind: str, rows: int) -> Any:
@@ -36,7 +37,7 @@ def runner(path: Path, kind: str, rows: int) -> Any:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.inference.engine import TorchEngine
-    from services.inference.engine.plan import plain_head, plan_for
+    from services.inference.engine.plan import KVDType, plain_head, plan_for
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if kind == "fp32":
@@ -46,7 +47,8 @@ def runner(path: Path, kind: str, rows: int) -> Any:
         if plan.layer_decode != "q8_0-int8":
             return None
     else:
-        plan = plan_for(model, quantize="int4", native_decode="on")
+        kv_dtype: KVDType = {"int4-q8-f16-kv": "float16", "int4-q8-bf16-kv": "bfloat16"}.get(kind, "model")  # type: ignore[assignment]
+        plan = plan_for(model, quantize="int4", native_decode="on", kv_dtype=kv_dtype)
         if kind == "int4" and plan.layer_decode == "int4-q8":
             plan = dataclasses.replace(plan, layer_decode="int4")
         elif kind.startswith("int4-q8") and plan.layer_decode != "int4-q8":

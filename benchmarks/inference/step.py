@@ -12,6 +12,7 @@ first variant.
     python -m benchmarks.inference.step --int4 --rows 1,16,256           # a layer's products alone, by kernel
     python -m benchmarks.inference.step --prompts 1,16 --lora            # prompt forwards: lean vs eager
     python -m benchmarks.inference.step --dtype bfloat16 --variants python,lean  # a bf16 model's own weights
+    python -m benchmarks.inference.step --variants lean,lean-f16-kv --context 1500  # fp32 vs fp16 KV cache
 
 ``--dtype bfloat16``: the model loaded in bf16 (as downloaded from a hub) and decoded with its own
 weights (no quantisation: int4 decode is an fp32 model's), oneDNN's bf16 products in every variant.
@@ -38,9 +39,11 @@ from services.inference.engine.plan import plan_for
 
 # lean: the lean decode forward with its C++ loop (the plan's int4 kernel: Q4_1 x int8 rows where
 # the C++ module is built); lean-torch-int4: the same with torch's int4 kernel (bf16 rows); python:
-# its Python loop (no C++ kernels, so no Q8_0 head nor C++ prompt layers either); eager: HF's modules
+# its Python loop (no C++ kernels, so no Q8_0 head nor C++ prompt layers either); eager: HF's modules;
+# lean-f16-kv: lean with the keys and values stored in fp16 (TANDEM_INFERENCE_KV_DTYPE=float16)
 VARIANTS: dict[str, dict[str, bool]] = {
     "lean": {"fused": True, "native": True, "own_int4": True},
+    "lean-f16-kv": {"fused": True, "native": True, "own_int4": True, "f16_kv": True},
     "lean-torch-int4": {"fused": True, "native": True, "own_int4": False},
     "python": {"fused": True, "native": False, "own_int4": False},
     "eager": {"fused": False, "native": False, "own_int4": False},
@@ -88,7 +91,12 @@ def runner_for(
     variant = VARIANTS[name]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     quantize = "int4" if dtype == torch.float32 else "none"
-    plan = plan_for(model, quantize=quantize, native_decode="on" if variant["native"] else "off")
+    plan = plan_for(
+        model,
+        quantize=quantize,
+        native_decode="on" if variant["native"] else "off",
+        kv_dtype="float16" if variant.get("f16_kv") else "model",
+    )
     if not variant["fused"]:
         plan = dataclasses.replace(plan, decode="reference")
     if not variant["own_int4"] and plan.layer_decode == "int4-q8":

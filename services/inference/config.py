@@ -133,6 +133,14 @@ class InferenceSettings(ServiceSettings):
         "auto: a failed build is logged and the engine keeps the Python loop and the bf16 head; on: a failed "
         "build stops start-up; off: never built.",
     )
+    kv_dtype: Literal["model", "float16", "bfloat16"] = Field(
+        defaults.KV_DTYPE,
+        description="CPU torch engine: the KV cache's dtype. model: the model's (fp32 keys and values for an "
+        "fp32 model); float16, bfloat16: 16-bit keys and values for an fp32 or bf16 model, half the bytes a "
+        "decode step reads (it reads every cached key and value of every running sequence: at a RAG-length "
+        "prompt as many as the weights), widened exactly to fp32 to attend; llama.cpp's default cache type is "
+        "f16. bf16 rounds 8x coarser than fp16.",
+    )
     prompt_lookup: Literal["auto", "on", "off"] = Field(
         defaults.PROMPT_LOOKUP,
         description="torch engine: prompt-lookup decoding (vLLM's ngram speculative decoding): each running "

@@ -131,6 +131,7 @@ def build_torch_engine(
         prompt_dtype=settings.prompt_dtype,
         forward=settings.forward,
         native_decode=settings.native_decode,
+        kv_dtype=settings.kv_dtype,
         prompt_lookup=settings.prompt_lookup,
         prompt_lookup_sizes=PromptLookup(
             settings.prompt_lookup_tokens, settings.prompt_lookup_min, settings.prompt_lookup_max

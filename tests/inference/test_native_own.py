@@ -17,7 +17,7 @@ import torch
 from services.common.platforms import cpu_features
 from services.inference.engine import TorchEngine, native, packed_linear, quantized_linear
 from services.inference.engine.fused_decode import decode_kernel
-from services.inference.engine.plan import plain_head, plan_for
+from services.inference.engine.plan import PlanSettings, plain_head, plan_for, resolve_plan
 from services.inference.engine.quantized_linear import Int4Blocks, Q8Blocks, Q8Rows
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from tests.helpers.models import make_lora_adapter
@@ -75,13 +75,19 @@ def test_q8_blocks_refuse_a_width_that_is_not_whole_blocks() -> None:
 
 
 def _engine(
-    path: Path, ops: str, adapter: Path | None = None, head: str = "auto", platform: Any = None
+    path: Path,
+    ops: str,
+    adapter: Path | None = None,
+    head: str = "auto",
+    platform: Any = None,
+    kv_dtype: str = "model",
 ) -> TorchEngine:
     """int4 decode through the C++ loop (``own``) or the Python loop (``python``, the bit-exact
     reference, with the prompt chunks' Python loop and the plain head, as without the C++
-    kernels); ``head``: the head's decode kernel (``auto``: the plan's)."""
+    kernels); ``head``: the head's decode kernel (``auto``: the plan's); ``kv_dtype``: the plan's
+    KV cache setting (``model``: fp32 keys and values)."""
     model, tok = _load(path)
-    plan = plan_for(model, platform=platform, quantize="int4", native_decode="on")
+    plan = plan_for(model, platform=platform, quantize="int4", native_decode="on", kv_dtype=kv_dtype)  # type: ignore[arg-type]
     assert plan.decode == "native-own"
     if ops == "python":
         prompt = "python" if plan.prompt == "native" else plan.prompt
@@ -116,18 +122,27 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.parametrize("kv_dtype", ["model", "float16"])
 @pytest.mark.parametrize("with_adapter", [False, True])
 def test_own_operations_follow_the_python_loop(
-    lively_tiny_path: Path, tmp_path: Path, built: None, monkeypatch: pytest.MonkeyPatch, with_adapter: bool
+    lively_tiny_path: Path,
+    tmp_path: Path,
+    built: None,
+    monkeypatch: pytest.MonkeyPatch,
+    with_adapter: bool,
+    kv_dtype: str,
 ) -> None:
     adapter, name = None, None
     if with_adapter:
         # LoRA rows (odd slots) beside base rows: decode_own adds their deltas row by row
         modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         adapter, name = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=5, modules=modules), "a"
-    python_loop = _engine(lively_tiny_path, "python", adapter)
+    # float16: both loops store fp16 keys and values and widen them to fp32 to attend
+    python_loop = _engine(lively_tiny_path, "python", adapter, kv_dtype=kv_dtype)
     # the own loop with the same bf16 head as the Python loop's: only the layers differ
-    own = _engine(lively_tiny_path, "own", adapter, head="bf16")
+    own = _engine(lively_tiny_path, "own", adapter, head="bf16", kv_dtype=kv_dtype)
+    dtype = torch.float16 if kv_dtype == "float16" else torch.float32
+    assert own.runner.cache.k[0].dtype == python_loop.runner.cache.k[0].dtype == dtype
     assert own.runner.fused is not None and own.runner.fused.native
     assert python_loop.runner.fused is not None and not python_loop.runner.fused.native
     assert type(_head_kernel(own)) is type(_head_kernel(python_loop))
@@ -162,7 +177,65 @@ def test_own_operations_follow_the_python_loop(
         own.runner.cache.k + own.runner.cache.v,
         strict=True,
     ):
-        assert _relative(store[:5], ref_store[:5]) < 2e-2
+        assert _relative(store[:5].float(), ref_store[:5].float()) < 2e-2
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_kv_cache_rounds_the_keys_and_values_it_stores(
+    lively_tiny_path: Path, built: None, kv_dtype: str
+) -> None:
+    dtype = getattr(torch, kv_dtype)
+    wide, narrow = (_engine(lively_tiny_path, "own", head="q8_0", kv_dtype=kv) for kv in ("model", kv_dtype))
+    assert wide.runner.plan.kv_dtype == "float32" and narrow.runner.plan.kv_dtype == kv_dtype
+    positions = _fill(wide)
+    assert _fill(narrow) == positions
+    cache, half = wide.runner.cache, narrow.runner.cache
+    assert half.nbytes() * 2 == cache.nbytes()
+    # the first layer's keys and values are the same numbers, rounded to nearest even as torch casts
+    # them (the later layers' are not: their inputs attended rounded keys)
+    for store, rounded in ((cache.k[0], half.k[0]), (cache.v[0], half.v[0])):
+        assert torch.equal(store[:5].to(dtype), rounded[:5])
+    rows = [DecodeRow(slot=s, token=500 + s, position=positions[s]) for s in range(5)]
+    full, rounded_out = (e.runner.forward(rows, []) for e in (wide, narrow))
+    assert not torch.equal(full, rounded_out)
+    # a tiny random model is touchy: its logits move by a few hundredths, its choices do not
+    assert _relative(rounded_out, full) < 5e-2 and torch.equal(rounded_out.argmax(-1), full.argmax(-1))
+
+
+def test_the_kv_cache_takes_the_models_dtype_or_16_bits_where_asked(
+    lively_tiny_path: Path, built: None
+) -> None:
+    model, tok = _load(lively_tiny_path)
+    plain = resolve_plan(model, None, PlanSettings(quantize="int4", native_decode="on"))
+    assert (plain.decode, plain.kv_dtype, plain.reasons["kv_dtype"]) == (
+        "native-own",
+        "float32",
+        "the model's dtype",
+    )
+    asked = resolve_plan(model, None, PlanSettings(quantize="int4", native_decode="on", kv_dtype="float16"))
+    assert asked.kv_dtype == "float16" and "kv_dtype=float16" in asked.line()
+    assert asked.reasons["kv_dtype"].startswith("TANDEM_INFERENCE_KV_DTYPE=float16")
+    assert TorchEngine.from_model(model, tok, plan=asked).runner.cache.k[0].dtype == torch.float16
+    with pytest.raises(ValueError, match=r"kv_dtype='bfloat16'.*float16 model"):
+        resolve_plan(model.half(), None, PlanSettings(kv_dtype="bfloat16"))
+    model.float()
+    # on the Hugging Face modules too: they store rounded keys and attend them widened
+    reference = {
+        kv: TorchEngine.from_model(
+            model,
+            tok,
+            plan=resolve_plan(model, None, PlanSettings(forward="reference", quantize="none", kv_dtype=kv)),  # type: ignore[arg-type]
+        )
+        for kv in ("model", "bfloat16")
+    }
+    outs = {}
+    for kv, engine in reference.items():
+        engine.runner.forward([], [PrefillRow(slot=0, token_ids=list(range(300, 340)), start=0)])
+        outs[kv] = engine.runner.forward([DecodeRow(slot=0, token=401, position=40)], [])
+    assert reference["bfloat16"].runner.cache.k[0].dtype == torch.bfloat16
+    assert not torch.equal(outs["bfloat16"], outs["model"])
+    assert _relative(outs["bfloat16"], outs["model"]) < 5e-2
+    assert torch.equal(outs["bfloat16"].argmax(-1), outs["model"].argmax(-1))
 
 
 @pytest.mark.parametrize("head", ["q8_0", "q8_0-int8"])
@@ -182,16 +255,18 @@ def test_the_q8_head_follows_the_bf16_head(lively_tiny_path: Path, built: None, 
     assert bool((chosen >= ref.max(-1).values - 0.02).all()), (out.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("with_adapter", [False, True])
+@pytest.mark.parametrize(
+    ("with_adapter", "kv_dtype"), [(False, "model"), (True, "model"), (True, "float16"), (False, "bfloat16")]
+)
 def test_a_rows_numbers_are_the_same_alone_and_in_any_batch(
-    lively_tiny_path: Path, tmp_path: Path, built: None, with_adapter: bool
+    lively_tiny_path: Path, tmp_path: Path, built: None, with_adapter: bool, kv_dtype: str
 ) -> None:
     adapter = None
     if with_adapter:
         modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         adapter = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=5, modules=modules)
     name = "a" if with_adapter else None
-    engines = [_engine(lively_tiny_path, "own", adapter, head="q8_0") for _ in range(2)]
+    engines = [_engine(lively_tiny_path, "own", adapter, head="q8_0", kv_dtype=kv_dtype) for _ in range(2)]
     for engine in engines:
         assert engine.runner.fused is not None and engine.runner.fused.native
         assert engine.runner.fused.lora_problem is None
@@ -307,9 +382,10 @@ def _prompt_engine(
     adapter: Path | None = None,
     prompt_dtype: str = "bfloat16",
     own_attention: bool = OWN_PROMPT_ATTENTION,
+    kv_dtype: str = "model",
 ) -> TorchEngine:
     model, tok = _load(path)
-    plan = plan_for(model, quantize="int4", prompt_dtype=prompt_dtype, native_decode="on")  # type: ignore[arg-type]
+    plan = plan_for(model, quantize="int4", prompt_dtype=prompt_dtype, native_decode="on", kv_dtype=kv_dtype)  # type: ignore[arg-type]
     assert plan.prompt == "native"
     assert plan.attention == ("own" if OWN_PROMPT_ATTENTION else "own/invariant"), plan.reasons["attention"]
     if not native_prompt:
@@ -326,6 +402,7 @@ def _prompt_engine(
     return engine
 
 
+@pytest.mark.parametrize("kv_dtype", ["model", "float16"])
 @pytest.mark.parametrize("own_attention", PROMPT_ATTENTIONS)
 @pytest.mark.parametrize("prompt_dtype", PROMPT_KINDS)
 @pytest.mark.parametrize("with_adapter", [False, True])
@@ -337,14 +414,18 @@ def test_the_native_prompt_loop_follows_the_python_one_and_each_prompt_is_its_ow
     with_adapter: bool,
     prompt_dtype: str,
     own_attention: bool,
+    kv_dtype: str,
 ) -> None:
     adapter, name = None, None
     if with_adapter:
         modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         adapter, name = make_lora_adapter(lively_tiny_path, tmp_path / "lora", seed=9, modules=modules), "a"
     python, own = (
-        _prompt_engine(lively_tiny_path, flag, adapter, prompt_dtype, own_attention) for flag in (False, True)
+        _prompt_engine(lively_tiny_path, flag, adapter, prompt_dtype, own_attention, kv_dtype)
+        for flag in (False, True)
     )
+    if kv_dtype == "float16":
+        assert own.runner.cache.k[0].dtype == python.runner.cache.k[0].dtype == torch.float16
     calls = []
     loop = native.prompt_own()
 
@@ -362,8 +443,9 @@ def test_the_native_prompt_loop_follows_the_python_one_and_each_prompt_is_its_ow
     ref, out = (e.runner.forward([], chunks[:5]) for e in (python, own))
     # int8 rows: both loops multiply with the same kernel, so what differs is the operations between
     # the products and the attention (the C++ loop's own where the CPU has AVX-512): ~1e-6 apart;
-    # bf16 blocks round those differences into the next product's input
-    limit = 1e-4 if prompt_dtype == "int8" else 2e-2
+    # bf16 blocks, or keys and values stored in fp16, round those differences into the next
+    # product's input
+    limit = 1e-4 if prompt_dtype == "int8" and kv_dtype == "model" else 2e-2
     assert _relative(out, ref) < limit and torch.equal(out.argmax(-1), ref.argmax(-1))
     alone = [e.runner.forward([], [chunks[5]]) for e in (python, own)]
     assert _relative(alone[1], alone[0]) < 2e-2
@@ -379,7 +461,7 @@ def test_the_native_prompt_loop_follows_the_python_one_and_each_prompt_is_its_ow
     for ref_store, store in zip(
         python.runner.cache.k + python.runner.cache.v, own.runner.cache.k + own.runner.cache.v, strict=True
     ):
-        assert _relative(store[:6], ref_store[:6]) < 2e-2
+        assert _relative(store[:6].float(), ref_store[:6].float()) < 2e-2
     # each prompt's numbers are its own: alone, beside others, and after a cached first part
     runner = own.runner
     mine = PrefillRow(slot=6, token_ids=prompts[3], start=0, adapter=name)

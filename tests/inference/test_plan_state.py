@@ -217,10 +217,10 @@ def test_capability_checks_read_a_config_alone() -> None:
     )
     # the C++ loop's own operations
     assert fused_decode.own_unsupported(llama, fp32) is None
-    # a bf16 model's weights and KV slabs as they are in decode; the prompt layers' slabs are fp32
+    # a bf16 model's weights as they are in decode; the prompt layers take fp32 models
     assert fused_decode.own_unsupported(llama, torch.bfloat16) is None
     assert fused_decode.own_unsupported(llama, torch.bfloat16, prompt=True) == (
-        "the C++ prompt layers' KV slabs are fp32; the model is torch.bfloat16"
+        "the C++ prompt layers take fp32 models; the model is torch.bfloat16"
     )
     assert fused_decode.own_unsupported(llama, torch.float16) == (
         "the C++ loop takes fp32 or bf16 weights and KV slabs; the model is torch.float16"
@@ -253,9 +253,10 @@ def test_a_plan_made_by_hand_that_the_model_cannot_run_is_refused_by_name() -> N
 
 def test_plan_settings_defaults_are_the_servers() -> None:
     fields = [f.name for f in dataclasses.fields(PlanSettings)]
-    assert fields == ["forward", "quantize", "prompt_dtype", "native_decode"]
+    assert fields == ["forward", "quantize", "prompt_dtype", "native_decode", "kv_dtype"]
     server = InferenceSettings.model_fields
     assert {name: getattr(PlanSettings(), name) for name in fields} == {
         name: server[name].default for name in fields
     }
     assert PlanSettings().quantize == "auto" and PlanSettings().native_decode == "auto"
+    assert PlanSettings().kv_dtype == "model"

@@ -255,6 +255,25 @@ def test_prompt_dtype_setting(
     assert (engine.runner.quantize, engine.runner.prompt_dtype) == ("int4", "float32")
 
 
+def test_kv_dtype_setting(monkeypatch: pytest.MonkeyPatch, lively_tiny_path: Path, tmp_path: Path) -> None:
+    monkeypatch.setenv("TANDEM_INFERENCE_KV_DTYPE", "half")
+    with pytest.raises(ValidationError, match="kv_dtype"):
+        InferenceSettings()
+    monkeypatch.setenv("TANDEM_INFERENCE_KV_DTYPE", "float16")
+    settings = InferenceSettings(model=str(lively_tiny_path))
+    engine = build_torch_engine(settings, CommonSettings(home=tmp_path), "tiny", str(lively_tiny_path))
+    assert isinstance(engine, TorchEngine)
+    assert engine.plan.kv_dtype == "float16" and engine.runner.cache.k[0].dtype == torch.float16
+    monkeypatch.delenv("TANDEM_INFERENCE_KV_DTYPE")
+    plain = build_torch_engine(
+        InferenceSettings(model=str(lively_tiny_path)),
+        CommonSettings(home=tmp_path),
+        "t",
+        str(lively_tiny_path),
+    )
+    assert isinstance(plain, TorchEngine) and plain.runner.cache.k[0].dtype == torch.float32
+
+
 def test_quantised_engine_follows_weight_updates(lively_tiny_path: Path) -> None:
     """The trainer changes weights in place between rollouts: the quantised copies follow."""
     model, tok = _load(lively_tiny_path)

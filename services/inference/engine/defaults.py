@@ -29,6 +29,7 @@ FORWARD: Final = "auto"
 QUANTIZE: Final = "auto"
 PROMPT_DTYPE: Final = "auto"
 NATIVE_DECODE: Final = "auto"
+KV_DTYPE: Final = "model"
 # prompt-lookup decoding (prompt_lookup.py): draft tokens a step, n-gram sizes looked up
 PROMPT_LOOKUP: Final = "auto"
 PROMPT_LOOKUP_TOKENS: Final = 4

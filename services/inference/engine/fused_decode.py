@@ -420,7 +420,8 @@ OWN_MAX_GROUP = 8
 def own_unsupported(config: Any, dtype: torch.dtype, *, prompt: bool = False) -> str | None:
     """Why the C++ loop's own operations (``decode_own``; ``prompt``: ``prompt_own``) do not fit a
     model of ``config`` in ``dtype`` (None: they do). Decode takes fp32 and bf16 models (their
-    weights and KV slabs as they are, the residual stream fp32); the prompt layers fp32 ones."""
+    weights as they are, the residual stream fp32); the prompt layers fp32 ones. Both read fp32 or
+    bf16 KV slabs."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -432,7 +433,7 @@ def own_unsupported(config: Any, dtype: torch.dtype, *, prompt: bool = False) ->
         if int(getattr(config, name)) % OWN_WIDTH:
             return f"{name} {getattr(config, name)} is not a multiple of {OWN_WIDTH}"
     if prompt and dtype != torch.float32:
-        return f"the C++ prompt layers' KV slabs are fp32; the model is {dtype}"
+        return f"the C++ prompt layers take fp32 models; the model is {dtype}"
     if dtype not in (torch.float32, torch.bfloat16):
         return f"the C++ loop takes fp32 or bf16 weights and KV slabs; the model is {dtype}"
     rotary = rotary_dim(config)

@@ -142,8 +142,9 @@ class SlabKVCache:
         (the ragged attention reads the rows and positions its plan names)."""
         assert self._slots is not None and self._positions is not None, "plan_writes first"
         k_store, v_store = self.k[layer_idx], self.v[layer_idx]
-        k_store[self._slots, :, self._positions] = key[:, :, 0]
-        v_store[self._slots, :, self._positions] = value[:, :, 0]
+        # (a 16-bit cache of an fp32 model, plan.kv_dtype: the keys and values rounded as stored)
+        k_store[self._slots, :, self._positions] = key[:, :, 0].to(k_store.dtype)
+        v_store[self._slots, :, self._positions] = value[:, :, 0].to(v_store.dtype)
         return k_store, v_store
 
     # Hugging Face models may ask these of a cache object.

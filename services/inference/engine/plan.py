@@ -35,6 +35,13 @@ Fields:
   ``invariant`` (the batch-invariant attention of ``ragged.py``, CPU), ``sdpa`` (accelerators),
   ``own`` (the C++ loop's per-row attention).
 - ``quantize``, ``prompt_dtype``: the resolved quantisation and prompt product dtype.
+- ``kv_dtype``: the KV cache's dtype (``float32``, ``float16``, ``bfloat16``): the model's, or
+  16 bits where ``TANDEM_INFERENCE_KV_DTYPE`` asks (llama.cpp's default cache type is f16). Decode
+  reads every key and value of every running sequence each step, as many bytes as the weights at
+  a few hundred tokens; 16 bits halve them. Products and softmax stay fp32 (a stored key or value
+  is widened exactly); only the stored keys and values are rounded. Not the default: with int4
+  weights and int8 prompt rows the default model's logits move by a few tenths under any such
+  perturbation, which reorders its near-tied first answer tokens on some prompts.
 - ``prompt_lookup``: ``ngram`` (draft tokens looked up in the sequence's own text, verified in the
   step's forward: ``prompt_lookup.py``, which the engine sets it with) or ``off``; plans that differ
   only there compare equal (the forward is the same).
@@ -71,6 +78,7 @@ if TYPE_CHECKING:
 Forward = Literal["auto", "reference"]
 DecodePath = Literal["native-own", "python", "reference"]
 PromptPath = Literal["native", "python", "reference"]
+KVDType = Literal["model", "float16", "bfloat16"]
 LEAN_DECODE: tuple[str, ...] = ("native-own", "python")
 LEAN_PROMPT: tuple[str, ...] = ("native", "python")
 # the prompt kernels the C++ prompt layers multiply with: bf16 blocks, or the decode blocks
@@ -88,6 +96,7 @@ class PlanSettings:
     quantize: Quantize = defaults.QUANTIZE
     prompt_dtype: PromptDType = defaults.PROMPT_DTYPE
     native_decode: NativeDecode = defaults.NATIVE_DECODE
+    kv_dtype: KVDType = defaults.KV_DTYPE
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ class ForwardPlan:
     head_decode: str
     head_prompt: str
     attention: str
+    kv_dtype: str = "float32"
     # the scheduler's, set by the engine (prompt_lookup.in_plan): not part of what a forward computes
     prompt_lookup: str = field(default="off", compare=False)
     reasons: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -549,6 +559,7 @@ def resolve_plan(
     decode, reasons["decode"] = _decode_path(forward, facts, quantize, kernels.layer_decode, built)
     prompt, reasons["prompt"] = _prompt_path(forward, facts, kernels.layer_prompt, built)
     attention, reasons["attention"] = _attention(*_attentions(decode, prompt, facts.device, cpu))
+    kv_dtype, reasons["kv_dtype"] = _kv_dtype(settings.kv_dtype, facts)
     return ForwardPlan(
         forward=forward,
         quantize=quantize,
@@ -560,8 +571,23 @@ def resolve_plan(
         head_decode=kernels.head_decode,
         head_prompt=kernels.head_prompt,
         attention=attention,
+        kv_dtype=kv_dtype,
         reasons=types.MappingProxyType(reasons),
     )
+
+
+def _kv_dtype(setting: KVDType, facts: ModelFacts) -> tuple[str, str]:
+    """The KV cache's dtype and its reason; a 16-bit cache asked for where it cannot be raises
+    ``ValueError`` naming the setting."""
+    model = str(facts.dtype).removeprefix("torch.")
+    if setting == "model" or setting == model:
+        return model, "the model's dtype"
+    if facts.device.type != "cpu" or facts.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"kv_dtype={setting!r}: a 16-bit KV cache is the CPU engine's for fp32 or bf16 models, "
+            f"not a {model} model on {facts.device}"
+        )
+    return setting, f"TANDEM_INFERENCE_KV_DTYPE={setting}: half the bytes a decode step reads"
 
 
 def refusal(plan: ForwardPlan, facts: ModelFacts) -> str | None:
@@ -658,6 +684,7 @@ def plan_for(
     quantize: Quantize = "none",
     prompt_dtype: PromptDType = "auto",
     native_decode: NativeDecode = "off",
+    kv_dtype: KVDType = "model",
     **paths: Any,
 ) -> ForwardPlan:
     """``resolve_plan`` for these settings, then ``paths`` (plan fields) replaced: how benchmarks and
@@ -665,7 +692,11 @@ def plan_for(
     Its settings start from the bit-exact baseline (the model's own weights, no C++ kernels), not
     the server's defaults (``PlanSettings()``), so a comparison names each path it turns on."""
     settings = PlanSettings(
-        forward=forward, quantize=quantize, prompt_dtype=prompt_dtype, native_decode=native_decode
+        forward=forward,
+        quantize=quantize,
+        prompt_dtype=prompt_dtype,
+        native_decode=native_decode,
+        kv_dtype=kv_dtype,
     )
     plan = resolve_plan(model, platform, settings, device=device)
     if not paths:

@@ -280,7 +280,7 @@ def ragged_attention(
     ``sliding_window``: the layer's window, as the model's attention module hands it (``windowed``)."""
     if tandem_decode_mask is not None:
         rows, length = tandem_decode_mask.shape[0], tandem_decode_mask.shape[-1]
-        k, v = key[:rows, :, :length], value[:rows, :, :length]
+        k, v = key[:rows, :, :length].to(query.dtype), value[:rows, :, :length].to(query.dtype)
         out = F.scaled_dot_product_attention(
             query, k, v, attn_mask=tandem_decode_mask, scale=scaling, enable_gqa=True
         )
@@ -415,6 +415,9 @@ def _attend(
     fused kernels (the block loop would cost a kernel launch per 64 keys per layer), where greedy
     output may depend on the batch."""
     cpu = query.device.type == "cpu"
+    if key.dtype != query.dtype:
+        # a 16-bit KV cache under an fp32 model (plan.kv_dtype): widened exactly to the queries' dtype
+        key, value = key.to(query.dtype), value.to(query.dtype)
     group = query.shape[1] // key.shape[1] if cpu else None
     expanded = _expanded(plan, kind, bias, query.dtype, key.shape[1], group)
     if cpu:

@@ -76,15 +76,6 @@ class ModelRunner:
         head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
         ctx = int(getattr(text_config, "max_position_embeddings", max_len) or max_len)
         self.max_len = min(max_len, ctx)
-        self.cache = SlabKVCache(
-            num_layers=int(text_config.num_hidden_layers),
-            max_slots=max_slots,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            max_len=self.max_len,
-            dtype=self.dtype,
-            device=self.device,
-        )
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._adapter_names: list[str] | None = None
@@ -100,6 +91,17 @@ class ModelRunner:
         self.quantize: Quantize = plan.quantize
         self.prompt_dtype: PromptDType = plan.prompt_dtype
         self._facts = ModelFacts.of(model, self.device)
+        # the plan's KV dtype for every forward the runner may take (a plan resolved again for an
+        # adapter or training reads the same slabs: every path widens bf16 keys to its own dtype)
+        self.cache = SlabKVCache(
+            num_layers=int(text_config.num_hidden_layers),
+            max_slots=max_slots,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_len=self.max_len,
+            dtype=getattr(torch, plan.kv_dtype),
+            device=self.device,
+        )
         if plan.needs_native:
             # the C++ kernels, built (or loaded) before any forward; a plan made by hand that
             # names them stops here when they cannot be built

@@ -25,7 +25,7 @@ import torch
 from services.inference.engine import defaults
 from services.inference.engine import prompt_lookup as prompt_lookup_module
 from services.inference.engine.native import NativeDecode
-from services.inference.engine.plan import Forward, ForwardPlan, PlanSettings, resolve_plan
+from services.inference.engine.plan import Forward, ForwardPlan, KVDType, PlanSettings, resolve_plan
 from services.inference.engine.prompt_lookup import PromptLookup, PromptLookupMode
 from services.inference.engine.quantized_linear import PromptDType, Quantize
 from services.inference.engine.runner import ModelRunner
@@ -73,12 +73,14 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
         prompt_dtype: PromptDType = defaults.PROMPT_DTYPE,
         forward: Forward = defaults.FORWARD,
         native_decode: NativeDecode = defaults.NATIVE_DECODE,
+        kv_dtype: KVDType = defaults.KV_DTYPE,
         plan: ForwardPlan | None = None,
         prompt_lookup: PromptLookupMode = defaults.PROMPT_LOOKUP,
         prompt_lookup_sizes: PromptLookup | None = None,
     ) -> None:
         """``max_model_len`` None: the model's own context. ``plan``: run this forward plan
-        instead of resolving one from ``forward``/``quantize``/``prompt_dtype``/``native_decode``.
+        instead of resolving one from ``forward``/``quantize``/``prompt_dtype``/``native_decode``/
+        ``kv_dtype``.
         ``prompt_lookup``: draft tokens from the sequence's own text (``prompt_lookup.py``), with
         ``prompt_lookup_sizes`` (None: the defaults)."""
         self.model = model
@@ -86,7 +88,11 @@ class TorchEngine(SchedulerEngine[ModelRunner]):
             model.to(device)
         if plan is None:
             settings = PlanSettings(
-                forward=forward, quantize=quantize, prompt_dtype=prompt_dtype, native_decode=native_decode
+                forward=forward,
+                quantize=quantize,
+                prompt_dtype=prompt_dtype,
+                native_decode=native_decode,
+                kv_dtype=kv_dtype,
             )
             plan = resolve_plan(model, None, settings, device=device)
         device_type = (

@@ -117,6 +117,20 @@ inline void to_f32(float* dst, const at::BFloat16* src, int64_t n) {
   }
 }
 
+// fp16 (F16C): converted exactly to fp32; from fp32 rounded to nearest even, as torch casts
+inline void to_f32(float* dst, const at::Half* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += W) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+}
+
+inline void to_f16(at::Half* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += W) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
 // row t of a product's output (bf16 from the kernel, or fp32 once a bias or LoRA was added) as
 // fp32: a pointer into it, or into scratch
 inline const float* row_f32(const Tensor& out, int64_t t, float* scratch) {
@@ -222,13 +236,17 @@ struct Head {
   }
 };
 
-// The KV slabs hold the model's dtype: fp32, or bf16 for a bf16 model (half the cache's bytes;
-// its keys and values are what the Python loop writes, bf16-rounded). 8 values as fp32 lanes:
-// a bf16's bits are the top half of its fp32 (exact)
+// The KV slabs hold fp32, bf16 (a bf16 model's) or fp16 (the plan's kv_dtype for an fp32 model's
+// quantised decode: half the cache's bytes, which decode reads whole every step); a narrow slab's
+// keys and values are what the Python loop writes, rounded the same way. 8 values as fp32 lanes:
+// a bf16's bits are the top half of its fp32, an fp16 widens exactly (F16C)
 inline Vec load8(const float* p) { return Vec::loadu(p); }
 inline Vec load8(const at::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+}
+inline Vec load8(const at::Half* p) {
+  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // a head's D fp32 values into a slab (rounded to nearest even for bf16, as torch's cast)
@@ -236,6 +254,8 @@ template <int64_t D>
 inline void store_head(float* dst, const float* src) { std::memcpy(dst, src, D * sizeof(float)); }
 template <int64_t D>
 inline void store_head(at::BFloat16* dst, const float* src) { to_bf16(dst, src, D); }
+template <int64_t D>
+inline void store_head(at::Half* dst, const float* src) { to_f16(dst, src, D); }
 
 // token's key (RoPE'd) and value of key/value head kv_head written at position of k_row/v_row
 template <int64_t D, typename S>
@@ -1083,10 +1103,12 @@ OWN_AVX512 void value_rows(const float* pt, int64_t ld, int64_t r0, int64_t coun
 // q_all [T, nq] (after RoPE), attending keys/values k_rows, v_rows ([capacity, D] of the slab row
 // and head) from position max(0, pos + 1 - window) (window 0: from 0) to pos; each row's output
 // written over its query in out_all (the block's own rows: no other task reads them)
-template <int64_t D>
+// (S: the slab's element type; a narrow slab's block of keys and of values is widened to fp32
+// once a block, exactly, before the products read it)
+template <int64_t D, typename S>
 OWN_AVX512 void attend_prompt_block(const float* q_all, int64_t nq, const int64_t* tokens, int64_t n_tokens,
-                                    const int64_t* pos_p, int64_t g, int64_t per_kv, const float* k_rows,
-                                    const float* v_rows, int64_t window, float scale, float* out_all) {
+                                    const int64_t* pos_p, int64_t g, int64_t per_kv, const S* k_rows,
+                                    const S* v_rows, int64_t window, float scale, float* out_all) {
   const int64_t rows = n_tokens * per_kv, ld = (rows + 15) / 16 * 16, vectors = ld / 16;
   constexpr int64_t VALUE_ROWS = D >= 128 ? 3 : D == 64 ? 6 : 8;  // accumulators: 24 (D 128, 64), 16, 8
   std::vector<float> qt(D * ld, 0.f), st(PA_KEYS * ld), o(rows * D, 0.f);
@@ -1111,11 +1133,23 @@ OWN_AVX512 void attend_prompt_block(const float* q_all, int64_t nq, const int64_
   }
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   float pad[PA_KEY_TILE * D];
+  std::vector<float> wide(std::is_same_v<S, float> ? 0 : 2 * PA_KEYS * D);
   for (int64_t kb = first / PA_KEYS * PA_KEYS; kb <= last; kb += PA_KEYS) {
     const int64_t n = std::min(PA_KEYS, last + 1 - kb);
+    const float* k_block;
+    const float* v_block;
+    if constexpr (std::is_same_v<S, float>) {
+      k_block = k_rows + kb * D;
+      v_block = v_rows + kb * D;
+    } else {
+      to_f32(wide.data(), k_rows + kb * D, n * D);
+      to_f32(wide.data() + PA_KEYS * D, v_rows + kb * D, n * D);
+      k_block = wide.data();
+      v_block = wide.data() + PA_KEYS * D;
+    }
     // scores st[k][r] of the block's keys, PA_KEY_TILE at a time (the last tile's keys past n: zeros)
     for (int64_t k0 = 0; k0 < n; k0 += PA_KEY_TILE) {
-      const float* keys = k_rows + (kb + k0) * D;
+      const float* keys = k_block + k0 * D;
       if (k0 + PA_KEY_TILE > n) {
         std::memset(pad, 0, sizeof(pad));
         std::memcpy(pad, keys, (n - k0) * D * sizeof(float));
@@ -1158,7 +1192,7 @@ OWN_AVX512 void attend_prompt_block(const float* q_all, int64_t nq, const int64_
       _mm512_storeu_ps(m.data() + r, new_max);
       _mm512_storeu_ps(alpha.data() + r, a);
     }
-    value_rows<D, VALUE_ROWS>(st.data(), ld, 0, rows, v_rows + kb * D, n, alpha.data(), o.data());
+    value_rows<D, VALUE_ROWS>(st.data(), ld, 0, rows, v_block, n, alpha.data(), o.data());
   }
   for (int64_t i = 0; i < n_tokens; ++i) {
     for (int64_t j = 0; j < per_kv; ++j) {
@@ -1175,8 +1209,9 @@ OWN_AVX512 void attend_prompt_block(const float* q_all, int64_t nq, const int64_
 // The prompt chunks' backend (prompt_own): bf16 block products (their input rows padded with
 // zeros to whole blocks), or the decode blocks times int8 rows (q4_linear's or q8_rows' layout,
 // 3-d: the fp32 rows alone), and the attention ragged's prefill_attention as ATen calls (batched
-// products: a prompt's rows attend many keys each) once every key of the chunks is written.
-template <int64_t D>
+// products: a prompt's rows attend many keys each) once every key of the chunks is written. S: the
+// slabs' element type (float, at::Half or at::BFloat16: the keys and values rounded as written).
+template <int64_t D, typename S>
 struct PromptOps : StepRows {
   const std::vector<Tensor>& packed;
   const std::vector<int64_t>& blocks;
@@ -1225,8 +1260,8 @@ struct PromptOps : StepRows {
     }
     starts.push_back(tokens);
     const int64_t blocks_n = static_cast<int64_t>(starts.size()) - 1, capacity = k_slabs[i].size(2);
-    const float* k_slab = k_slabs[i].data_ptr<float>();
-    const float* v_slab = v_slabs[i].data_ptr<float>();
+    const S* k_slab = k_slabs[i].data_ptr<S>();
+    const S* v_slab = v_slabs[i].data_ptr<S>();
     // the blocks with the most keys first, each thread taking the next task when done with one (a
     // prompt's later blocks attend more keys: contiguous halves of the tasks left one thread
     // most of the work)
@@ -1241,7 +1276,7 @@ struct PromptOps : StepRows {
       for (int64_t task = next++; task < tasks; task = next++) {
         const int64_t b = order[task / kv_heads], g = task % kv_heads, start = starts[b];
         const int64_t offset = (slot_p[start] * kv_heads + g) * capacity * D;
-        attend_prompt_block<D>(q, heads * D, ids.data() + start, starts[b + 1] - start, pos_p, g, heads / kv_heads,
+        attend_prompt_block<D, S>(q, heads * D, ids.data() + start, starts[b + 1] - start, pos_p, g, heads / kv_heads,
                                k_slab + offset, v_slab + offset, windows[i], static_cast<float>(scaling), q);
       }
     });
@@ -1251,8 +1286,8 @@ struct PromptOps : StepRows {
     const int64_t tokens = a32.size(0), nq = heads * D, chunks = prefill_slots.size(0);
     const int64_t* slot_p = slots.data_ptr<int64_t>();
     const int64_t* pos_p = positions.data_ptr<int64_t>();
-    float* k_slab = k_slabs[i].data_ptr<float>();
-    float* v_slab = v_slabs[i].data_ptr<float>();
+    S* k_slab = k_slabs[i].data_ptr<S>();
+    S* v_slab = v_slabs[i].data_ptr<S>();
     float* q_p = a32.data_ptr<float>();
     const int64_t capacity = k_slabs[i].size(2);
     // RoPE of each token's query heads (into a32: free until the attention's rows replace it)
@@ -1266,9 +1301,8 @@ struct PromptOps : StepRows {
         q_head.apply<D>(r + h * D, q_p + t * nq + h * D);
       }
       for (int64_t g = 0; g < kv_heads; ++g) {
-        const int64_t at_ = ((slot_p[t] * kv_heads + g) * capacity + pos_p[t]) * D;
-        k_head.apply<D>(r + (heads + g) * D, k_slab + at_);
-        std::memcpy(v_slab + at_, r + (heads + kv_heads + g) * D, D * sizeof(float));
+        const int64_t row = (slot_p[t] * kv_heads + g) * capacity * D;
+        write_kv<D, S>(r, k_head, k_slab + row, v_slab + row, pos_p[t], heads, g, kv_heads);
       }
     });
     if (own_attention) {
@@ -1277,8 +1311,8 @@ struct PromptOps : StepRows {
     }
     // ragged.prefill_attention
     Tensor qp = a32.view({tokens, heads, D}).index_select(0, gather).view({chunks, width, heads, D}).transpose(1, 2);
-    Tensor keys = k_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots);
-    Tensor values = v_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots);
+    Tensor keys = k_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots).to(at::kFloat);
+    Tensor values = v_slabs[i].narrow(2, 0, prefill_len).index_select(0, prefill_slots).to(at::kFloat);
     a32 = attention(qp, keys, values, attention_biases[i], scaling, key_block)
               .transpose(1, 2)
               .reshape({chunks * width, heads, D})
@@ -1444,7 +1478,7 @@ Tensor q8_linear(const Tensor& x_in, const Tensor& q, const Tensor& d) {
 // over the first `rotary` dimensions of a head, [T, 1, rotary] contiguous, or none: no RoPE);
 // packed[4i..4i+3], scales[4i..4i+3], biases[4i..4i+3] for qkv, o, gate/up, down (int4 in
 // q4_linear's or torch's layout; an empty scale: oneDNN's packed weight, fp32 or bf16); k_slabs[i],
-// v_slabs[i] (fp32, or bf16 for a bf16 model). Each token t attends slab row slots[t], keys 0..positions[t] (its own, written
+// v_slabs[i] (fp32, fp16 or bf16: the runner's KV cache). Each token t attends slab row slots[t], keys 0..positions[t] (its own, written
 // there first), or of a layer with a window (windows[i] > 0) only keys > positions[t] - windows[i].
 Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
                   const std::vector<c10::optional<Tensor>>& sin, const std::vector<c10::optional<Tensor>>& norms,
@@ -1469,7 +1503,8 @@ Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
               "decode_own: every product's weight in one layout (q4_linear's or torch's int4)");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "decode_own: the residual stream x must be fp32");
   const auto slab_type = k_slabs.front().scalar_type();
-  TORCH_CHECK(slab_type == at::kFloat || slab_type == at::kBFloat16, "decode_own: the slabs must be fp32 or bf16");
+  TORCH_CHECK(slab_type == at::kFloat || slab_type == at::kBFloat16 || slab_type == at::kHalf,
+              "decode_own: the slabs must be fp32, fp16 or bf16");
   for (size_t i = 0; i < k_slabs.size(); ++i) {
     TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous() && k_slabs[i].size(3) == head_dim,
                 "decode_own: the slabs must be contiguous [slots, kv_heads, capacity, head_dim]");
@@ -1495,7 +1530,7 @@ Tensor decode_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
       return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
                              residual_scale, gelu, ops);
     };
-    return slab_type == at::kBFloat16 ? run(at::BFloat16()) : run(0.f);
+    return slab_type == at::kBFloat16 ? run(at::BFloat16()) : slab_type == at::kHalf ? run(at::Half()) : run(0.f);
   });
 }
 
@@ -1538,10 +1573,13 @@ Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
     TORCH_CHECK(int8_rows || (blocks[p] > 0 && blocks[p] % own::PROMPT_BLOCK == 0),
                 "prompt_own: blocks of a whole number of 64 rows, not ", blocks[p]);
   }
+  const auto slab_type = k_slabs.front().scalar_type();
+  TORCH_CHECK(slab_type == at::kFloat || slab_type == at::kBFloat16 || slab_type == at::kHalf,
+              "prompt_own: the slabs must be fp32, fp16 or bf16");
   for (size_t i = 0; i < k_slabs.size(); ++i) {
     TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous() && k_slabs[i].size(3) == head_dim &&
-                    k_slabs[i].scalar_type() == at::kFloat && v_slabs[i].scalar_type() == at::kFloat,
-                "prompt_own: the slabs must be contiguous fp32 [slots, kv_heads, capacity, head_dim]");
+                    k_slabs[i].scalar_type() == slab_type && v_slabs[i].scalar_type() == slab_type,
+                "prompt_own: the slabs must be contiguous [slots, kv_heads, capacity, head_dim], all of one dtype");
   }
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   const int64_t* pos_p = positions.data_ptr<int64_t>();
@@ -1551,12 +1589,15 @@ Tensor prompt_own(Tensor x, const std::vector<c10::optional<Tensor>>& cos,
   }
   const float fe = static_cast<float>(eps);
   return own::with_head_dim(head_dim, "prompt_own", [&](auto d) {
-    own::PromptOps<decltype(d)::value> ops{
-        {lora, cos, sin, qk_norms, rotary, fe, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
-        packed, blocks, scales, biases, prefill_slots, gather, valid, attention_biases, width, prefill_len, key_block,
-        windows, own_attention};
-    return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
-                           residual_scale, gelu, ops);
+    auto run = [&](auto slab) {
+      own::PromptOps<decltype(d)::value, decltype(slab)> ops{
+          {lora, cos, sin, qk_norms, rotary, fe, k_slabs, v_slabs, slots, positions, heads, kv_heads, scaling},
+          packed, blocks, scales, biases, prefill_slots, gather, valid, attention_biases, width, prefill_len,
+          key_block, windows, own_attention};
+      return own::layer_loop(x, norms, static_cast<int64_t>(k_slabs.size()), heads * d, intermediate, eps,
+                             residual_scale, gelu, ops);
+    };
+    return slab_type == at::kBFloat16 ? run(at::BFloat16()) : slab_type == at::kHalf ? run(at::Half()) : run(0.f);
   });
 }
 #endif
