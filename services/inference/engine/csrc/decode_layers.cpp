@@ -236,8 +236,8 @@ struct Head {
   }
 };
 
-// The KV slabs hold fp32, bf16 (a bf16 model's) or fp16 (the plan's kv_dtype for an fp32 model's
-// quantised decode: half the cache's bytes, which decode reads whole every step); a narrow slab's
+// The KV slabs hold the plan's kv_dtype: the model's (fp32, or bf16 for a bf16 model), or fp16 /
+// bf16 where asked (half the cache's bytes, which decode reads whole every step); a narrow slab's
 // keys and values are what the Python loop writes, rounded the same way. 8 values as fp32 lanes:
 // a bf16's bits are the top half of its fp32, an fp16 widens exactly (F16C)
 inline Vec load8(const float* p) { return Vec::loadu(p); }
