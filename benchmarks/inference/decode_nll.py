@@ -47,7 +47,9 @@ def runner(path: Path, kind: str, rows: int) -> Any:
         if plan.layer_decode != "q8_0-int8":
             return None
     else:
-        kv_dtype: KVDType = {"int4-q8-f16-kv": "float16", "int4-q8-bf16-kv": "bfloat16"}.get(kind, "model")  # type: ignore[assignment]
+        kv_dtype: KVDType = (
+            "float16" if kind == "int4-q8-f16-kv" else "bfloat16" if kind == "int4-q8-bf16-kv" else "model"
+        )
         plan = plan_for(model, quantize="int4", native_decode="on", kv_dtype=kv_dtype)
         if kind == "int4" and plan.layer_decode == "int4-q8":
             plan = dataclasses.replace(plan, layer_decode="int4")
