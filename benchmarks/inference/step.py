@@ -40,9 +40,12 @@ from services.inference.engine.plan import plan_for
 # lean: the lean decode forward with its C++ loop (the plan's int4 kernel: Q4_1 x int8 rows where
 # the C++ module is built); lean-torch-int4: the same with torch's int4 kernel (bf16 rows); python:
 # its Python loop (no C++ kernels, so no Q8_0 head nor C++ prompt layers either); eager: HF's modules;
-# lean-f16-kv: lean with the keys and values stored in fp16 (TANDEM_INFERENCE_KV_DTYPE=float16)
+# lean-f16-kv: lean with the keys and values stored in fp16 (TANDEM_INFERENCE_KV_DTYPE=float16);
+# lean-fp16-mult: lean with every int4 weight's scales as fp16 multipliers (5.25 bits a weight,
+# where a Q4_K file's take int8 ones: 4.75)
 VARIANTS: dict[str, dict[str, bool]] = {
     "lean": {"fused": True, "native": True, "own_int4": True},
+    "lean-fp16-mult": {"fused": True, "native": True, "own_int4": True, "fp16_mult": True},
     "lean-f16-kv": {"fused": True, "native": True, "own_int4": True, "f16_kv": True},
     "lean-torch-int4": {"fused": True, "native": True, "own_int4": False},
     "python": {"fused": True, "native": False, "own_int4": False},
@@ -87,8 +90,10 @@ def runner_for(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.inference.engine import TorchEngine
+    from services.inference.engine.quantized_linear import Int4Blocks
 
     variant = VARIANTS[name]
+    Int4Blocks.multipliers = "fp16" if variant.get("fp16_mult") else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     quantize = "int4" if dtype == torch.float32 else "none"
     plan = plan_for(

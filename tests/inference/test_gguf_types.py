@@ -117,10 +117,15 @@ def _gguf_name(layer: int, projection: str) -> str:
     return f"blk.{layer}.{names[projection]}.weight"
 
 
-def _held_by_int4_blocks(weight: torch.Tensor) -> torch.Tensor:
+def _held_by_int4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, quantized_linear.Multipliers]:
     """The weight ``Int4Blocks`` holds for ``weight``: its packed 4-bit values times its scales
-    (fp32 bases times fp16 multipliers) plus its minima, unpacked from the kernel's layout."""
-    return gguf_weights.values(*Int4Blocks.held(Int4Blocks().prepare(weight)))
+    (fp32 bases times multipliers) plus its minima, unpacked from the kernel's layout; and the
+    multipliers it holds them with."""
+    prepared = Int4Blocks().prepare(weight)
+    groups = weight.shape[1] // quantized_linear.INT4_GROUP
+    return gguf_weights.values(*Int4Blocks.held(prepared)), quantized_linear.blob_multipliers(
+        prepared[1], groups
+    )
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -147,7 +152,11 @@ def test_the_int4_kernel_holds_the_files_values_where_its_format_can(files: File
             if types[name] in gguf_weights.INT4_TYPES:
                 # the file's groups, bit for bit, in the kernel's own layout too
                 assert torch.equal(held, file[name]), name
-                assert torch.equal(_held_by_int4_blocks(weight), file[name]), name
+                held_by_blocks, multipliers = _held_by_int4_blocks(weight)
+                assert torch.equal(held_by_blocks, file[name]), name
+                # Q4_K's 6-bit scales and minima in one byte each (4.75 bits a weight); Q4_0's and
+                # Q4_1's fp16 ones need two (5.25)
+                assert multipliers == ("int8" if types[name] == "Q4_K" else "fp16"), name
             else:
                 # no int4 kernel holds 5/6/8/16-bit values: re-quantised where int4 decode is on
                 error = float((held - weight).norm() / weight.norm())

@@ -8,6 +8,7 @@ alone as in any batch, LoRA rows included."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from services.common.platforms import cpu_features
 from services.inference.engine import TorchEngine, native, packed_linear, quantized_linear
 from services.inference.engine.fused_decode import decode_kernel
 from services.inference.engine.plan import PlanSettings, plain_head, plan_for, resolve_plan
-from services.inference.engine.quantized_linear import Int4Blocks, Q8Blocks, Q8Rows
+from services.inference.engine.quantized_linear import Int4Blocks, Multipliers, Q8Blocks, Q8Rows
 from services.inference.engine.ragged import DecodeRow, PrefillRow
 from tests.helpers.models import make_lora_adapter
 from tests.inference.test_fused_decode import _load
@@ -515,19 +516,32 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return nibbles.permute(0, 2, 1, 3, 4).reshape(tiles * 16, quads * 4).long()
 
 
-def test_int4_blocks_keep_the_q4_1_values_and_multiply_each_row_on_its_own(built: None) -> None:
+@pytest.mark.parametrize("multipliers", ["fp16", "int8"])
+def test_int4_blocks_keep_the_q4_1_values_and_multiply_each_row_on_its_own(
+    built: None, multipliers: Multipliers
+) -> None:
     weight, q = _q4_1_weight(48, 96, seed=0)
     kernel = Int4Blocks()
-    packed, scale_min = kernel.prepare(weight)
+    packed, scale_min = kernel.prepare(weight, multipliers)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 24, 32)
-    # per tile, one super-block (3 groups padded to 8): 2 x 16 fp32 bases, 8 x 2 x 16 fp16 multipliers
-    assert scale_min.dtype == torch.uint8 and scale_min.shape == (3, 640)
-    assert torch.equal(_unpack(packed), q)
+    # per tile, one super-block (3 groups padded to 8): 2 x 16 fp32 bases, 8 x 2 x 16 multipliers
+    # of 2 bytes (fp16) or 1 (int8)
+    assert scale_min.dtype == torch.uint8
+    assert scale_min.shape == (3, 640 if multipliers == "fp16" else 384)
     held_q, scale, low = Int4Blocks.held((packed, scale_min))
-    assert torch.equal(held_q.long(), q)
-    # scales and minima re-derived from fp32 values: base times an fp16 multiplier, within 2^-11
-    back = (q.view(48, 3, 32) * scale[..., None] + low[..., None]).view(48, 96)
-    assert 0 < float((back - weight).abs().max()) < 2e-4
+    back = (held_q.view(48, 3, 32) * scale[..., None] + low[..., None]).view(48, 96)
+    if multipliers == "fp16":
+        # scales and minima re-derived from fp32 values: base times an fp16 multiplier, within 2^-11
+        assert torch.equal(_unpack(packed), q) and torch.equal(held_q.long(), q)
+        assert 0 < float((back - weight).abs().max()) < 2e-4
+    else:
+        # int8 multipliers round a group's scale and minimum by up to a 127th of the super-block's
+        # largest: the values are quantised again, within half a held step, none clipped
+        step = scale.repeat_interleave(32, dim=1)
+        assert float(((back - weight).abs() - step / 2).max()) <= 1e-6
+        assert float((back - weight).abs().max()) > 0
+        assert bool((scale > 0).all())
+    weight = back  # the products below are of the values held
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(19, 96, generator=gen)  # more rows than a pass over a tile takes (8)
     bias = torch.randn(48, generator=gen)
@@ -549,12 +563,12 @@ def test_int4_blocks_keep_the_q4_1_values_and_multiply_each_row_on_its_own(built
 def test_the_avx2_kernels_give_the_vnni_kernels_numbers_bit_for_bit(built: None) -> None:
     kernel = native.q4_linear()
     gen = torch.Generator().manual_seed(2)
-    for out_f, in_f in ((48, 96), (160, 576)):
-        packed, scale_min = Int4Blocks().prepare(torch.randn(out_f, in_f, generator=gen))
+    for (out_f, in_f), multipliers in itertools.product(((48, 96), (160, 576)), ("fp16", "int8")):
+        packed, scale_min = Int4Blocks().prepare(torch.randn(out_f, in_f, generator=gen), multipliers)
         for rows in (1, 3, 4, 5, 8, 9, 17, 32, 45):
             x = torch.randn(rows, in_f, generator=gen) * torch.rand(rows, 1, generator=gen) * 10
             wide = kernel(x, packed, scale_min, wide=True)
-            assert torch.equal(wide, kernel(x, packed, scale_min, wide=False)), (out_f, rows)
+            assert torch.equal(wide, kernel(x, packed, scale_min, wide=False)), (out_f, multipliers, rows)
             assert torch.equal(wide, kernel(x, packed, scale_min)), (out_f, rows)
 
 

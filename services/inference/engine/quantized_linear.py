@@ -164,6 +164,14 @@ Q4_SUPER = 8
 # the multipliers tried for a super-block of a file's groups that are not fp16 values already: Q4_K's
 # scales and minima are an fp16 value times 6-bit integers, the largest 63 as its quantiser leaves it
 Q4_K_LEVELS = 63
+# the largest one-byte multiplier (``Multipliers`` "int8"), either sign
+INT8_LEVELS = 127
+# a super-block's multipliers of its groups' scales and minima: fp16 (5.25 bits a weight; Q4_0's and
+# Q4_1's fp16 values exactly) or int8 (4.75 bits; Q4_K's 6-bit integers exactly)
+Multipliers = Literal["fp16", "int8"]
+# rounding of an int8 multiplier that is not exact: "down" and "up" keep a group's range inside the
+# held minimum and scale (``Int4Blocks.prepare``)
+Rounding = Literal["nearest", "down", "up"]
 
 
 def fp16_factors(
@@ -177,12 +185,41 @@ def fp16_factors(
     found by trying the largest value over each count of levels: up to 63 passes, so only where a
     file's values can be); elsewhere the base is the super-block's largest magnitude, its
     multipliers rounded (a relative 2^-11 at most)."""
+    return _factors(values, searched, "fp16", "nearest")
+
+
+def int8_factors(
+    values: torch.Tensor, searched: torch.Tensor | None = None, rounding: Rounding = "nearest"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp16_factors`` with int8 multipliers: exact where the rows ``searched`` names hold a base
+    times integers up to ``Q4_K_LEVELS`` (Q4_K's scales and minima); elsewhere the base is the
+    super-block's largest magnitude over ``INT8_LEVELS`` and each multiplier rounded as
+    ``rounding`` says (at most a 127th of the largest value off)."""
+    return _factors(values, searched, "int8", rounding)
+
+
+def _factors(
+    values: torch.Tensor, searched: torch.Tensor | None, multipliers: Multipliers, rounding: Rounding
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, groups = values.shape
     supers = -(-groups // Q4_SUPER)
     v = torch.nn.functional.pad(values.float(), (0, supers * Q4_SUPER - groups)).view(rows, supers, Q4_SUPER)
+
+    def held(ratio: torch.Tensor, how: Rounding = "nearest") -> torch.Tensor:
+        if multipliers == "fp16":
+            return ratio.to(torch.float16)
+        rounded = (
+            torch.floor(ratio) if how == "down" else torch.ceil(ratio) if how == "up" else torch.round(ratio)
+        )
+        return rounded.clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+
     base = torch.ones(rows, supers)
-    mult = v.to(torch.float16)
-    exact = (mult.float() == v).all(dim=-1)
+    if multipliers == "fp16":
+        mult = v.to(torch.float16)
+        exact = (mult.float() == v).all(dim=-1)
+    else:  # integers of base 1 are exact too (a super-block of zeros)
+        mult = held(v)
+        exact = (mult.float() == v).all(dim=-1)
     top = v.abs().amax(dim=-1)
     tried = searched if searched is not None else torch.zeros(rows, dtype=torch.bool)
     for levels in range(Q4_K_LEVELS, 0, -1) if bool(tried.any()) else ():
@@ -190,24 +227,25 @@ def fp16_factors(
         if not todo[0].numel():
             break
         b = top[todo] / levels
-        m = (v[todo] / b[:, None]).to(torch.float16)
+        m = held(v[todo] / b[:, None])
         ok = (b[:, None] * m.float() == v[todo]).all(dim=-1)
         hit = tuple(i[ok] for i in todo)
         base[hit], mult[hit], exact[hit] = b[ok], m[ok], True
     rest = (~exact).nonzero(as_tuple=True)
     if rest[0].numel():
-        b = torch.where(top[rest] > 0, top[rest], 1.0)
-        base[rest], mult[rest] = b, (v[rest] / b[:, None]).to(torch.float16)
+        levels = 1 if multipliers == "fp16" else INT8_LEVELS
+        b = torch.where(top[rest] > 0, top[rest] / levels, 1.0)
+        base[rest], mult[rest] = b, held(v[rest] / b[:, None], rounding)
     return base, mult.view(rows, supers * Q4_SUPER), exact
 
 
 def _scale_blob(
     scale: tuple[torch.Tensor, torch.Tensor], low: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
-    """Each group's scale and minimum (``fp16_factors``' bases [out, S] and multipliers [out, S *
-    Q4_SUPER]) in the native kernels' layout: per tile of ``Q4_TILE`` outputs and super-block,
-    [2, 16] fp32 bases (scales, minima), then [Q4_SUPER, 2, 16] fp16 multipliers; [tiles, S * 640]
-    bytes."""
+    """Each group's scale and minimum (``fp16_factors``' or ``int8_factors``' bases [out, S] and
+    multipliers [out, S * Q4_SUPER]) in the native kernels' layout: per tile of ``Q4_TILE`` outputs
+    and super-block, [2, 16] fp32 bases (scales, minima), then [Q4_SUPER, 2, 16] multipliers;
+    [tiles, S * 640] bytes with fp16 multipliers, [tiles, S * 384] with int8 ones."""
     out_f, supers = scale[0].shape
     tiles = out_f // Q4_TILE
     bases = torch.stack([scale[0], low[0]], dim=1).view(tiles, Q4_TILE, 2, supers).permute(0, 3, 2, 1)
@@ -226,33 +264,65 @@ def _scale_blob(
     return blob.reshape(tiles, -1)
 
 
+def blob_multipliers(blob: torch.Tensor, groups: int) -> Multipliers:
+    """Which multipliers a ``_scale_blob`` of ``groups`` groups an output holds (by its size)."""
+    per_super = blob.shape[1] // -(-groups // Q4_SUPER)
+    return "fp16" if per_super == 2 * Q4_TILE * 4 + Q4_SUPER * 2 * Q4_TILE * 2 else "int8"
+
+
 def _blob_values(blob: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``_scale_blob``'s scales and minima back, [out, groups] fp32 each (base times multiplier, as
     the kernels compute them)."""
-    tiles, supers = blob.shape[0], blob.shape[1] // (2 * Q4_TILE * 4 + Q4_SUPER * 2 * Q4_TILE * 2)
+    dtype = torch.float16 if blob_multipliers(blob, groups) == "fp16" else torch.int8
+    tiles, supers = blob.shape[0], -(-groups // Q4_SUPER)
     parts = blob.view(tiles, supers, -1)
     bases = parts[..., : 2 * Q4_TILE * 4].contiguous().view(torch.float32).view(tiles, supers, 2, Q4_TILE)
-    mults = (
-        parts[..., 2 * Q4_TILE * 4 :]
-        .contiguous()
-        .view(torch.float16)
-        .view(tiles, supers, Q4_SUPER, 2, Q4_TILE)
-    )
+    mults = parts[..., 2 * Q4_TILE * 4 :].contiguous().view(dtype).view(tiles, supers, Q4_SUPER, 2, Q4_TILE)
     values = bases[:, :, None] * mults.float()  # [tile, super, group, 2, c]
     values = values.permute(0, 4, 3, 1, 2).reshape(tiles * Q4_TILE, 2, supers * Q4_SUPER)[..., :groups]
     return values[:, 0].contiguous(), values[:, 1].contiguous()
 
 
 def _per_group(base: torch.Tensor, mult: torch.Tensor, groups: int) -> torch.Tensor:
-    """``fp16_factors``' bases and multipliers as each group's value [rows, groups] in fp32."""
+    """``fp16_factors``' (or ``int8_factors``') bases and multipliers as each group's value [rows,
+    groups] in fp32."""
     return base.repeat_interleave(Q4_SUPER, dim=1)[:, :groups] * mult[:, :groups].float()
+
+
+def _int4_factors(
+    scale: torch.Tensor, low: torch.Tensor, from_file: torch.Tensor, multipliers: Multipliers | None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Each group's scale and minimum as bases and multipliers, and which super-blocks [out, S]
+    hold ``scale`` and ``low`` exactly. ``multipliers`` None: int8 multipliers (4.75 bits a weight,
+    10% fewer bytes than fp16's 5.25: a decode step reads every byte) unless they would lose
+    values that fp16 ones keep: a file's rows (Q4_0's and Q4_1's fp16 scales), or a weight whose
+    every group fp16 holds (such a file's values de-quantised, served from a folder); fp16
+    multipliers then, as everywhere for Q8_0. Groups int8 does not hold exactly keep their range:
+    the minimum rounded down, then the scale that still reaches the group's top rounded up (their
+    values are quantised again with them)."""
+    groups = scale.shape[1]
+    low_base, low_mult, low_exact = int8_factors(low, from_file, "down")
+    if multipliers is None:
+        int8_exact = low_exact & int8_factors(scale, from_file)[2]
+        fp16_exact = fp16_factors(scale, from_file)[2] & fp16_factors(low, from_file)[2]
+        file_lost = bool((from_file[:, None] & ~int8_exact).any())
+        multipliers = "fp16" if file_lost or bool(fp16_exact.all() & ~int8_exact.all()) else "int8"
+    if multipliers == "fp16":
+        s_base, s_mult, s_exact = fp16_factors(scale, from_file)
+        l_base, l_mult, l_exact = fp16_factors(low, from_file)
+        return (s_base, s_mult), (l_base, l_mult), s_exact & l_exact
+    held_low = _per_group(low_base, low_mult, groups)
+    kept = low_exact.repeat_interleave(Q4_SUPER, dim=1)[:, :groups]
+    reach = torch.where(kept, scale, (low + 15 * scale - held_low) / 15)
+    scale_base, scale_mult, scale_exact = int8_factors(reach, from_file, "up")
+    return (scale_base, scale_mult), (low_base, low_mult), scale_exact & low_exact
 
 
 class Int4Blocks(Int4WeightOnly):
     """Int4 in GGUF's Q4_1 groups (``w = q * scale + min``; each group's scale and min an fp32 base
-    of its super-block times an fp16 multiplier, ``fp16_factors``: the file's values exactly for
-    Q4_0, Q4_1 and Q4_K, where ``Int4WeightOnly``'s bf16 scales round them; 5.25 bits a weight,
-    where fp32 scales and minima took 6), multiplied by the native module's
+    of its super-block times a multiplier, ``_int4_factors``: int8 multipliers, 4.75 bits a weight
+    and Q4_K's values exactly, or fp16 ones where a Q4_0 or Q4_1 file's values need them, 5.25
+    bits; ``Int4WeightOnly``'s bf16 scales round them, fp32 scales and minima took 6 bits), multiplied by the native module's
     ``q4_linear`` with each row's inputs quantised to int8 in groups of 32, as llama.cpp's Q4_1 x
     Q8_1 product does: a group's sum is exact int32 arithmetic (AVX512-VNNI's ``vpdpbusd``, 64
     products an instruction, where the CPU has it; AVX2's ``maddubs`` elsewhere, the same numbers
@@ -261,7 +331,15 @@ class Int4Blocks(Int4WeightOnly):
     kernel, 16 rows 229 (425) vs 700 us (``benchmarks/RESULTS.md``). The plan picks it where the
     native module is built, for each layer whose outputs are whole tiles of ``Q4_TILE``."""
 
-    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # the multipliers every weight takes (None: as ``_int4_factors`` picks): a benchmark's baseline
+    multipliers: Multipliers | None = None
+
+    def prepare(
+        self, weight: torch.Tensor, multipliers: Multipliers | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed values and the scales' blob (``multipliers``: the ones asked for, else the
+        class's, else as ``_int4_factors`` picks)."""
+        multipliers = multipliers or self.multipliers
         out_f, in_f = weight.shape
         if in_f % INT4_GROUP or out_f % Q4_TILE:
             raise ValueError(
@@ -269,12 +347,11 @@ class Int4Blocks(Int4WeightOnly):
             )
         q_float, scale, low, from_file = _groups(weight)
         groups = in_f // INT4_GROUP
-        scale_base, scale_mult, scale_exact = fp16_factors(scale, from_file)
-        low_base, low_mult, low_exact = fp16_factors(low, from_file)
-        inexact = (~(scale_exact & low_exact)).repeat_interleave(Q4_SUPER, dim=1)[:, :groups]
+        scale_factors, low_factors, exact = _int4_factors(scale, low, from_file, multipliers)
+        inexact = (~exact).repeat_interleave(Q4_SUPER, dim=1)[:, :groups]
         if inexact.any():  # the rounded scales and minima: their groups quantised again with them
-            held_scale = _per_group(scale_base, scale_mult, groups)
-            held_low = _per_group(low_base, low_mult, groups)
+            held_scale = _per_group(*scale_factors, groups)
+            held_low = _per_group(*low_factors, groups)
             w = weight.detach().float().view(out_f, groups, INT4_GROUP)
             again = torch.round((w - held_low[..., None]) / held_scale.clamp(min=1e-12)[..., None]).clamp(
                 0, 15
@@ -284,7 +361,7 @@ class Int4Blocks(Int4WeightOnly):
         # per tile t and quad j of 4 inputs, byte 2c + h: output c's inputs 4j + 2h | 4j + 2h + 1 << 4
         pairs = q.view(out_f // Q4_TILE, Q4_TILE, in_f // 4, 2, 2)
         packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1, 3).contiguous()
-        blob = _scale_blob((scale_base, scale_mult), (low_base, low_mult))
+        blob = _scale_blob(scale_factors, low_factors)
         return packed.view(out_f // Q4_TILE, in_f // 4, 2 * Q4_TILE), blob
 
     @staticmethod

@@ -446,17 +446,19 @@ void add_lora(int64_t index, const Tensor& x, Tensor& out, Lora& lora) {
 // sum over groups of d * (scale * sum(q * xq) + min * sum(xq)). Each row is computed alone, in a
 // fixed order: the same numbers alone as in any batch. Layout (quantized_linear.Int4Blocks):
 // w [N/16, K/4, 32] uint8, per tile of 16 outputs and quad j of 4 inputs, byte 2c + h holds
-// output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high); sm [N/16, S * 640] bytes, per
-// tile and super-block of 8 groups (S of them, the last padded): 16 fp32 bases of the scales, 16
-// of the mins, then per group 16 fp16 multipliers of the scales and 16 of the mins. A group's
-// scale is base * multiplier in fp32 (exact where the layout was made from a file: Q4_0/Q4_1's
-// fp16 values times 1, Q4_K's fp16 d times its 6-bit integers), so the sums are the ones of fp32
-// scales and mins, at 5.25 bits a weight instead of 6.
+// output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high); sm [N/16, S * 640] bytes (MB 2)
+// or [N/16, S * 384] (MB 1), per tile and super-block of 8 groups (S of them, the last padded): 16
+// fp32 bases of the scales, 16 of the mins, then per group 16 multipliers of the scales and 16 of
+// the mins, fp16 (MB 2) or int8 (MB 1). A group's scale is base * multiplier in fp32 (exact where
+// the layout was made from a file: Q4_0/Q4_1's fp16 values times fp16 1, Q4_K's fp16 d times its
+// 6-bit integers as int8), so the sums are the ones of fp32 scales and mins, at 5.25 bits a
+// weight (fp16) or 4.75 (int8) instead of 6: a one-row step reads every byte once.
 
 constexpr int64_t Q4_GROUP = 32;  // quantized_linear.INT4_GROUP
 constexpr int64_t Q4_TILE = 16;   // outputs a tile: one vector of fp32 lanes
 constexpr int64_t Q4_SUPER = 8;   // groups a super-block (quantized_linear.Q4_SUPER)
-constexpr int64_t Q4_SUPER_BYTES = 2 * Q4_TILE * 4 + Q4_SUPER * 2 * Q4_TILE * 2;  // 640
+// a super-block's bytes with multipliers of MB bytes: 640 (fp16), 384 (int8)
+constexpr int64_t q4_super_bytes(int mb) { return 2 * Q4_TILE * 4 + Q4_SUPER * 2 * Q4_TILE * mb; }
 // rows a pass over a tile's weights (their int32 sums in registers): 8 for decode rows; 16 from
 // 32 rows on (prompt chunks), where the unpacked weights and the scales serve twice the rows
 // (the fp32 totals, touched once a group, partly spilled): 6-12% faster at 32-256 rows on a
@@ -490,8 +492,26 @@ OWN_VNNI inline void quantize_row(const float* x, int64_t k_size, int8_t* xq, fl
 // outputs, into out (ld_out apart)
 // BITS 4: the layout above; BITS 8 (q8_rows): w [N/16, K/4, 64] uint8, byte 4c + i of quad j output
 // c's input 4j + i as q + 128 (a Q8_0 value 0..255, vpdpbusd's unsigned operand; the min is -128
-// times the scale)
-template <int R, int BITS>
+// times the scale, fp16 multipliers). MB: the multipliers' bytes
+template <int MB>
+OWN_VNNI inline __m512 multipliers16(const uint8_t* p) {
+  if constexpr (MB == 2) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+}
+
+template <int MB>
+inline __m256 multipliers8(const uint8_t* p) {
+  if constexpr (MB == 2) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+}
+
+template <int R, int BITS, int MB>
 OWN_VNNI void q4_tile(const int32_t* xq, const float* d, const float* c, int64_t groups, const uint8_t* w,
                       const uint8_t* sm, float* out, int64_t ld_out) {
   __m512 total[R];
@@ -520,13 +540,11 @@ OWN_VNNI void q4_tile(const int32_t* xq, const float* d, const float* c, int64_t
         acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(xg[j * R + r]));
       }
     }
-    const uint8_t* sb = sm + (g / Q4_SUPER) * Q4_SUPER_BYTES;
+    const uint8_t* sb = sm + (g / Q4_SUPER) * q4_super_bytes(MB);
     const auto* base = reinterpret_cast<const float*>(sb);
-    const uint8_t* mult = sb + 2 * Q4_TILE * 4 + (g % Q4_SUPER) * 2 * Q4_TILE * 2;
-    const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(base), _mm512_cvtph_ps(_mm256_loadu_si256(
-                                                                   reinterpret_cast<const __m256i*>(mult))));
-    const __m512 min = _mm512_mul_ps(_mm512_loadu_ps(base + Q4_TILE), _mm512_cvtph_ps(_mm256_loadu_si256(
-                                                                           reinterpret_cast<const __m256i*>(mult + 32))));
+    const uint8_t* mult = sb + 2 * Q4_TILE * 4 + (g % Q4_SUPER) * 2 * Q4_TILE * MB;
+    const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(base), multipliers16<MB>(mult));
+    const __m512 min = _mm512_mul_ps(_mm512_loadu_ps(base + Q4_TILE), multipliers16<MB>(mult + Q4_TILE * MB));
     for (int r = 0; r < R; ++r) {
       const __m512 sums = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), scale);
       total[r] = _mm512_fmadd_ps(sums, _mm512_set1_ps(d[g * R + r]), total[r]);
@@ -573,7 +591,7 @@ inline void quantize_row_avx2(const float* x, int64_t k_size, int8_t* xq, float*
   }
 }
 
-template <int R>
+template <int R, int MB>
 void q4_tile_avx2(const int32_t* xq, const float* d, const float* c, int64_t groups, const uint8_t* w,
                   const uint8_t* sm, float* out, int64_t ld_out) {
   __m256 total[R][2];
@@ -602,16 +620,13 @@ void q4_tile_avx2(const int32_t* xq, const float* d, const float* c, int64_t gro
         }
       }
     }
-    const uint8_t* sb = sm + (g / Q4_SUPER) * Q4_SUPER_BYTES;
+    const uint8_t* sb = sm + (g / Q4_SUPER) * q4_super_bytes(MB);
     const auto* base = reinterpret_cast<const float*>(sb);
-    const uint8_t* mult = sb + 2 * Q4_TILE * 4 + (g % Q4_SUPER) * 2 * Q4_TILE * 2;
+    const uint8_t* mult = sb + 2 * Q4_TILE * 4 + (g % Q4_SUPER) * 2 * Q4_TILE * MB;
     for (int half = 0; half < 2; ++half) {
-      const __m256 scale = _mm256_mul_ps(
-          _mm256_loadu_ps(base + 8 * half),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mult + 16 * half))));
-      const __m256 min = _mm256_mul_ps(
-          _mm256_loadu_ps(base + Q4_TILE + 8 * half),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mult + 32 + 16 * half))));
+      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(base + 8 * half), multipliers8<MB>(mult + 8 * MB * half));
+      const __m256 min = _mm256_mul_ps(_mm256_loadu_ps(base + Q4_TILE + 8 * half),
+                                       multipliers8<MB>(mult + Q4_TILE * MB + 8 * MB * half));
       for (int r = 0; r < R; ++r) {
         const __m256 sums = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][half]), scale);
         total[r][half] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d[g * R + r]), total[r][half]);
@@ -628,14 +643,14 @@ void q4_tile_avx2(const int32_t* xq, const float* d, const float* c, int64_t gro
 using Q4Tile = void (*)(const int32_t*, const float*, const float*, int64_t, const uint8_t*, const uint8_t*, float*,
                         int64_t);
 
-template <int BITS, int... Rs>
+template <int BITS, int MB, int... Rs>
 constexpr std::array<Q4Tile, sizeof...(Rs)> q4_tiles(std::integer_sequence<int, Rs...>) {
-  return {{&q4_tile<Rs + 1, BITS>...}};
+  return {{&q4_tile<Rs + 1, BITS, MB>...}};
 }
 
-template <int... Rs>
+template <int MB, int... Rs>
 constexpr std::array<Q4Tile, sizeof...(Rs)> q4_tiles_avx2(std::integer_sequence<int, Rs...>) {
-  return {{&q4_tile_avx2<Rs + 1>...}};
+  return {{&q4_tile_avx2<Rs + 1, MB>...}};
 }
 
 inline bool vnni() {
@@ -643,25 +658,32 @@ inline bool vnni() {
   return has;
 }
 
-// x [T, K] fp32 times a weight in the layout above (bits: 4 or 8): [T, N] fp32; wide: the
-// AVX512-VNNI kernels, else the AVX2 ones (4 bits only; the same numbers)
+// x [T, K] fp32 times a weight in the layout above (bits: 4 or 8; the multipliers' bytes read from
+// sm's size): [T, N] fp32; wide: the AVX512-VNNI kernels, else the AVX2 ones (4 bits only; the
+// same numbers)
 Tensor block_linear(const char* name, int bits, const Tensor& x_in, const Tensor& w, const Tensor& sm, bool wide) {
   TORCH_CHECK(!wide || vnni(), name, ": this CPU has no AVX512-VNNI");
   TORCH_CHECK(wide || bits == 4, name, ": 8-bit weights need AVX512-VNNI");
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 3 && sm.dim() == 2 && w.scalar_type() == at::kByte &&
                   sm.scalar_type() == at::kByte && w.is_contiguous() && sm.is_contiguous(),
-              name, ": x [T, K], w [N/16, K/4, ", 8 * bits, "] uint8, sm [N/16, S * 640] uint8");
+              name, ": x [T, K], w [N/16, K/4, ", 8 * bits, "] uint8, sm [N/16, S * 640 or S * 384] uint8");
   const Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t tokens = x.size(0), k_size = x.size(1), tiles = w.size(0), n_size = tiles * Q4_TILE;
-  const int64_t groups = k_size / Q4_GROUP;
+  const int64_t groups = k_size / Q4_GROUP, supers = (groups + Q4_SUPER - 1) / Q4_SUPER;
+  const int mb = sm.size(1) == supers * q4_super_bytes(1) ? 1 : 2;
   TORCH_CHECK(k_size % Q4_GROUP == 0 && w.size(1) * 4 == k_size && w.size(2) == 8 * bits && sm.size(0) == tiles &&
-                  sm.size(1) == (groups + Q4_SUPER - 1) / Q4_SUPER * Q4_SUPER_BYTES,
+                  sm.size(1) == supers * q4_super_bytes(mb) && (bits == 4 || mb == 2),
               name, ": shapes x ", x.sizes(), " w ", w.sizes(), " sm ", sm.sizes());
   Tensor out = at::empty({tokens, n_size}, x.options());
-  static const auto wide_kernels = q4_tiles<4>(std::make_integer_sequence<int, Q4_ROWS_PROMPT>());
-  static const auto wide8_kernels = q4_tiles<8>(std::make_integer_sequence<int, Q4_ROWS_PROMPT>());
-  static const auto avx2_kernels = q4_tiles_avx2(std::make_integer_sequence<int, Q4_ROWS_AVX2>());
-  const Q4Tile* kernels = !wide ? avx2_kernels.data() : bits == 8 ? wide8_kernels.data() : wide_kernels.data();
+  static const auto wide_kernels = q4_tiles<4, 2>(std::make_integer_sequence<int, Q4_ROWS_PROMPT>());
+  static const auto wide_i8_kernels = q4_tiles<4, 1>(std::make_integer_sequence<int, Q4_ROWS_PROMPT>());
+  static const auto wide8_kernels = q4_tiles<8, 2>(std::make_integer_sequence<int, Q4_ROWS_PROMPT>());
+  static const auto avx2_kernels = q4_tiles_avx2<2>(std::make_integer_sequence<int, Q4_ROWS_AVX2>());
+  static const auto avx2_i8_kernels = q4_tiles_avx2<1>(std::make_integer_sequence<int, Q4_ROWS_AVX2>());
+  const Q4Tile* kernels = !wide        ? (mb == 1 ? avx2_i8_kernels : avx2_kernels).data()
+                          : bits == 8  ? wide8_kernels.data()
+                          : mb == 1    ? wide_i8_kernels.data()
+                                       : wide_kernels.data();
   const int64_t pass = !wide ? Q4_ROWS_AVX2 : tokens >= 2 * Q4_ROWS_PROMPT ? Q4_ROWS_PROMPT : Q4_ROWS;
   const int64_t quads_n = k_size / 4;
   // each row as int8 quads with its groups' d and d * sum, written where q4_tile reads them: the
