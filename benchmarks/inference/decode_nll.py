@@ -8,7 +8,9 @@ server decodes) and the log-probability the engine gives the text's next token i
 kernel, bf16 rows), ``int4-q8`` (the engine's own Q4_1 x int8 rows where the C++ module is
 built, with the plan's head: Q8_0 times int8 rows where the CPU has AVX512-VNNI; fp32 keys and
 values), ``int4-q8-f16-kv`` / ``int4-q8-bf16-kv`` (the same with the keys and values stored in
-fp16 / bf16: ``TANDEM_INFERENCE_KV_DTYPE``), ``int4-q8-bf16-head`` (the same layers, the head in bf16) and ``q8_0`` (int8 decode: Q8_0 blocks
+fp16 / bf16: ``TANDEM_INFERENCE_KV_DTYPE``), ``int4-q8-int8-mult`` (the same with every int4 group's
+scale and minimum held as an int8 multiplier of its super-block's base, as a Q4_K file's or a
+float model's are, where this Q4_1 file's fp16 ones are kept by default), ``int4-q8-bf16-head`` (the same layers, the head in bf16) and ``q8_0`` (int8 decode: Q8_0 blocks
 times int8 rows in every layer and the head, AVX512-VNNI; a Q8_0 file's values exactly). Prints mean NLL, perplexity and how often the engine's top token is the text's.
 
     python -m benchmarks.inference.decode_nll                 # 32 texts, 96 tokens each
@@ -29,7 +31,16 @@ import torch
 
 from benchmarks.inference.invariance import GSM8K
 
-KINDS = ("fp32", "int4", "int4-q8", "int4-q8-f16-kv", "int4-q8-bf16-kv", "int4-q8-bf16-head", "q8_0")
+KINDS = (
+    "fp32",
+    "int4",
+    "int4-q8",
+    "int4-q8-f16-kv",
+    "int4-q8-bf16-kv",
+    "int4-q8-int8-mult",
+    "int4-q8-bf16-head",
+    "q8_0",
+)
 
 
 def runner(path: Path, kind: str, rows: int) -> Any:
@@ -38,6 +49,9 @@ def runner(path: Path, kind: str, rows: int) -> Any:
 
     from services.inference.engine import TorchEngine
     from services.inference.engine.plan import KVDType, plain_head, plan_for
+    from services.inference.engine.quantized_linear import Int4Blocks
+
+    Int4Blocks.multipliers = "int8" if kind == "int4-q8-int8-mult" else None
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if kind == "fp32":

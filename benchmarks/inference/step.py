@@ -224,6 +224,9 @@ def int4(path: Path, rows: list[int], rounds: int, steps: int) -> int:
     weights = [torch.cat([projection(layer, n).weight.detach() for n in names]) for names in products]
     q4, aten = native.q4_linear(), Int4WeightOnly()
     own = [Int4Blocks().prepare(w) for w in weights]
+    # the same values with fp16 multipliers of their scales (5.25 bits a weight; a Q4_K file's
+    # take int8 ones by default, 4.75)
+    own_fp16 = [Int4Blocks().prepare(w, "fp16") for w in weights]
     theirs = [aten.prepare(w) for w in weights]
     kernels: dict[str, Any] = {
         "Q4_1 x int8 rows, AVX2": lambda xs: [q4(x, *p, wide=False) for x, p in zip(xs, own, strict=True)],
@@ -235,6 +238,9 @@ def int4(path: Path, rows: list[int], rounds: int, steps: int) -> int:
         kernels = {
             "Q4_1 x int8 rows, AVX512-VNNI": lambda xs: [
                 q4(x, *p, wide=True) for x, p in zip(xs, own, strict=True)
+            ],
+            "the same, fp16 multipliers": lambda xs: [
+                q4(x, *p, wide=True) for x, p in zip(xs, own_fp16, strict=True)
             ],
             **kernels,
         }

@@ -19,8 +19,9 @@ holds five things:
   head, and faster than oneDNN's bf16 head at 1 to 16 rows on a Xeon with AMX. ``q8_linear``: the same weights times fp32 rows
   (fp32 FMAs), for CPUs with AVX2 alone.
 - ``q4_linear``: the decoder layers' int4 decode products: the weights in Q4_1 groups (the
-  default model file's own format, exactly; scales and minima as fp32 bases times fp16
-  multipliers, 5.25 bits a weight), each row's inputs as int8 in groups of 32 (llama.cpp's Q4_1
+  default model file's own format, exactly; scales and minima as fp32 bases times int8
+  multipliers, 4.75 bits a weight, Q4_K's values exactly, or fp16 ones, 5.25 bits, Q4_0's and
+  Q4_1's exactly), each row's inputs as int8 in groups of 32 (llama.cpp's Q4_1
   x Q8_1), exact integer sums; AVX512-VNNI where the CPU has it, else AVX2, the same numbers bit
   for bit. Without the module the layers keep
   ``aten._weight_int4pack_mm_for_cpu`` with bf16 rows.
