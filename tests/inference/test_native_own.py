@@ -559,6 +559,24 @@ def test_int4_blocks_keep_the_q4_1_values_and_multiply_each_row_on_its_own(
     assert torch.equal(zero, torch.zeros(1, 48))
 
 
+def test_int4_blocks_take_fp16_multipliers_only_where_int8_ones_would_lose_values() -> None:
+    groups = 96 // 32
+    # a float model's weight: no multiplier holds its scales; int8 ones, 4.75 bits a weight
+    _packed, blob = Int4Blocks().prepare(torch.randn(48, 96, generator=torch.Generator().manual_seed(4)))
+    assert quantized_linear.blob_multipliers(blob, groups) == "int8" and blob.shape == (3, 384)
+    # a Q4_1 file's values served from a folder: fp16 scales and minima, which int8 would round
+    weight, q = _q4_1_weight(48, 96, seed=5)
+    in_groups = weight.view(48, groups, 32)
+    scale = ((in_groups.amax(-1) - in_groups.amin(-1)) / 15).half().float()
+    low = in_groups.amin(-1).half().float()
+    fp16_weight = (q.view(48, groups, 32) * scale[..., None] + low[..., None]).view(48, 96)
+    prepared = Int4Blocks().prepare(fp16_weight)
+    assert quantized_linear.blob_multipliers(prepared[1], groups) == "fp16"
+    held_q, held_scale, held_low = Int4Blocks.held(prepared)
+    back = (held_q.view(48, groups, 32) * held_scale[..., None] + held_low[..., None]).view(48, 96)
+    assert torch.equal(back, fp16_weight)
+
+
 @pytest.mark.skipif(not cpu_features().avx512_vnni, reason="compares AVX512-VNNI's kernels with AVX2's")
 def test_the_avx2_kernels_give_the_vnni_kernels_numbers_bit_for_bit(built: None) -> None:
     kernel = native.q4_linear()

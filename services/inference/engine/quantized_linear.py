@@ -213,13 +213,10 @@ def _factors(
         )
         return rounded.clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
 
+    # base 1: exact where the values are fp16 values (Q4_0's, Q4_1's), or integers for int8 (zeros)
     base = torch.ones(rows, supers)
-    if multipliers == "fp16":
-        mult = v.to(torch.float16)
-        exact = (mult.float() == v).all(dim=-1)
-    else:  # integers of base 1 are exact too (a super-block of zeros)
-        mult = held(v)
-        exact = (mult.float() == v).all(dim=-1)
+    mult = held(v)
+    exact = (mult.float() == v).all(dim=-1)
     top = v.abs().amax(dim=-1)
     tried = searched if searched is not None else torch.zeros(rows, dtype=torch.bool)
     for levels in range(Q4_K_LEVELS, 0, -1) if bool(tried.any()) else ():

@@ -1293,7 +1293,8 @@ struct PromptOps : StepRows {
         lasts[row_of[slot_p[t]]] = std::max(lasts[row_of[slot_p[t]]], pos_p[t]);
       }
       const int64_t span = *std::max_element(lasts.begin(), lasts.end()) + 1, n_rows = slot_ids.size() * kv_heads;
-      // kept across layers and steps: a fresh allocation a layer faulted its pages in again
+      // kept across layers and steps (a fresh allocation a layer faulted its pages in again): one
+      // layer's keys and values of the longest prompt seen, in fp32
       static thread_local std::vector<float> wide;
       wide.resize(std::max<size_t>(wide.size(), 2 * n_rows * span * D));
       const S* k_slab = k_slabs[i].data_ptr<S>();
