@@ -299,14 +299,18 @@ def _int4_factors(
     values are quantised again with them)."""
     groups = scale.shape[1]
     low_base, low_mult, low_exact = int8_factors(low, from_file, "down")
+    fp16 = None  # the fp16 factors of scale and low, made once where both choosing and holding need them
     if multipliers is None:
+        fp16 = fp16_factors(scale, from_file), fp16_factors(low, from_file)
         int8_exact = low_exact & int8_factors(scale, from_file)[2]
-        fp16_exact = fp16_factors(scale, from_file)[2] & fp16_factors(low, from_file)[2]
+        fp16_exact = fp16[0][2] & fp16[1][2]
         file_lost = bool((from_file[:, None] & ~int8_exact).any())
         multipliers = "fp16" if file_lost or bool(fp16_exact.all() & ~int8_exact.all()) else "int8"
     if multipliers == "fp16":
-        s_base, s_mult, s_exact = fp16_factors(scale, from_file)
-        l_base, l_mult, l_exact = fp16_factors(low, from_file)
+        (s_base, s_mult, s_exact), (l_base, l_mult, l_exact) = fp16 or (
+            fp16_factors(scale, from_file),
+            fp16_factors(low, from_file),
+        )
         return (s_base, s_mult), (l_base, l_mult), s_exact & l_exact
     held_low = _per_group(low_base, low_mult, groups)
     kept = low_exact.repeat_interleave(Q4_SUPER, dim=1)[:, :groups]
