@@ -510,10 +510,18 @@ def _q4_1_weight(out_f: int, in_f: int, seed: int) -> tuple[torch.Tensor, torch.
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The q of each output and input back from the layout (tile, quad, byte 2c + h)."""
+    """The q of each output and input back from the layout: per tile and pair p of quads, byte
+    4c + i holds output c's input 8p + i (low nibble) and 8p + 4 + i (high)."""
     tiles, quads, _ = packed.shape
-    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(tiles, quads, 16, 2, 2)
-    return nibbles.permute(0, 2, 1, 3, 4).reshape(tiles * 16, quads * 4).long()
+    q = torch.zeros(tiles * 16, quads * 4, dtype=torch.long)
+    for t in range(tiles):
+        for p in range(quads // 2):
+            for c in range(16):
+                for i in range(4):
+                    byte = int(packed.view(tiles, quads // 2, 64)[t, p, 4 * c + i])
+                    q[16 * t + c, 8 * p + i] = byte & 0x0F
+                    q[16 * t + c, 8 * p + 4 + i] = byte >> 4
+    return q
 
 
 @pytest.mark.parametrize("multipliers", ["fp16", "int8"])

@@ -359,9 +359,10 @@ class Int4Blocks(Int4WeightOnly):
             )
             q_float = torch.where(inexact[..., None], again, q_float.view(out_f, groups, INT4_GROUP))
         q = q_float.reshape(out_f, in_f).to(torch.uint8)
-        # per tile t and quad j of 4 inputs, byte 2c + h: output c's inputs 4j + 2h | 4j + 2h + 1 << 4
-        pairs = q.view(out_f // Q4_TILE, Q4_TILE, in_f // 4, 2, 2)
-        packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1, 3).contiguous()
+        # per tile and pair p of quads (8 inputs), byte 4c + i: output c's input 8p + i (low nibble)
+        # and 8p + 4 + i (high): one mask and one shift unpack two quads for vpdpbusd
+        quads = q.view(out_f // Q4_TILE, Q4_TILE, in_f // 8, 2, 4)
+        packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
         blob = _scale_blob(scale_factors, low_factors)
         return packed.view(out_f // Q4_TILE, in_f // 4, 2 * Q4_TILE), blob
 
@@ -372,9 +373,9 @@ class Int4Blocks(Int4WeightOnly):
         packed, blob = prepared
         tiles, in_f = packed.shape[0], packed.shape[1] * 4
         out_f, groups = tiles * Q4_TILE, in_f // INT4_GROUP
-        # byte 2c + h of (tile, quad j): output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high)
-        pairs = packed.view(tiles, in_f // 4, Q4_TILE, 2)
-        q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).permute(0, 2, 1, 3, 4).reshape(out_f, in_f)
+        # byte 4c + i of (tile, pair p): output c's input 8p + i (low nibble) and 8p + 4 + i (high)
+        pairs = packed.view(tiles, in_f // 8, Q4_TILE, 4)
+        q = torch.stack([pairs & 0x0F, pairs >> 4], dim=2).permute(0, 3, 1, 2, 4).reshape(out_f, in_f)
         return (q, *_blob_values(blob, groups))
 
     def rows(self, input: torch.Tensor) -> torch.Tensor:

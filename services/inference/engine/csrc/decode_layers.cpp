@@ -445,8 +445,10 @@ void add_lora(int64_t index, const Tensor& x, Tensor& out, Lora& lora) {
 // 64 products an instruction, 4x fp32's 16 a lane-wide FMA; AVX2 below), and the row's output is
 // sum over groups of d * (scale * sum(q * xq) + min * sum(xq)). Each row is computed alone, in a
 // fixed order: the same numbers alone as in any batch. Layout (quantized_linear.Int4Blocks):
-// w [N/16, K/4, 32] uint8, per tile of 16 outputs and quad j of 4 inputs, byte 2c + h holds
-// output c's inputs 4j + 2h (low nibble) and 4j + 2h + 1 (high); sm [N/16, S * 640] bytes (MB 2)
+// w [N/16, K/4, 32] uint8, per tile of 16 outputs and pair p of quads (8 inputs), byte 4c + i holds
+// output c's input 8p + i (low nibble) and 8p + 4 + i (high): a mask and a shift make two quads'
+// vpdpbusd operands, with no widening shuffle (1-row products 15% faster in cache, 16 rows 4%,
+// on 2 Zen 4 cores); sm [N/16, S * 640] bytes (MB 2)
 // or [N/16, S * 384] (MB 1), per tile and super-block of 8 groups (S of them, the last padded): 16
 // fp32 bases of the scales, 16 of the mins, then per group 16 multipliers of the scales and 16 of
 // the mins, fp16 (MB 2) or int8 (MB 1). A group's scale is base * multiplier in fp32 (exact where
@@ -518,7 +520,7 @@ OWN_VNNI void q4_tile(const int32_t* xq, const float* d, const float* c, int64_t
   for (int r = 0; r < R; ++r) {
     total[r] = _mm512_setzero_ps();
   }
-  const __m512i nibbles = _mm512_set1_epi16(0x0F0F);
+  const __m512i nibbles = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[R];
     for (int r = 0; r < R; ++r) {
@@ -526,18 +528,25 @@ OWN_VNNI void q4_tile(const int32_t* xq, const float* d, const float* c, int64_t
     }
     const uint8_t* wg = w + g * (Q4_GROUP * BITS / 8) * Q4_TILE;
     const int32_t* xg = xq + g * (Q4_GROUP / 4) * R;
+    if constexpr (BITS == 8) {
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < Q4_GROUP / 4; ++j) {
-      __m512i q;
-      if constexpr (BITS == 8) {
-        q = _mm512_loadu_si512(wg + j * 64);
-      } else {
-        // 32 bytes -> 64: each byte's two nibbles side by side ((v | v << 4) & 0x0F0F a word)
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 32)));
-        q = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), nibbles, 0xA8);
+      for (int64_t j = 0; j < Q4_GROUP / 4; ++j) {
+        const __m512i q = _mm512_loadu_si512(wg + j * 64);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(xg[j * R + r]));
+        }
       }
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(xg[j * R + r]));
+    } else {
+#pragma GCC unroll 4
+      for (int64_t p = 0; p < Q4_GROUP / 8; ++p) {
+        const __m512i v = _mm512_loadu_si512(wg + p * 64);
+        const __m512i lo = _mm512_and_si512(v, nibbles), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibbles);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(xg[2 * p * R + r]));
+        }
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(xg[(2 * p + 1) * R + r]));
+        }
       }
     }
     const uint8_t* sb = sm + (g / Q4_SUPER) * q4_super_bytes(MB);
@@ -598,7 +607,7 @@ void q4_tile_avx2(const int32_t* xq, const float* d, const float* c, int64_t gro
   for (int r = 0; r < R; ++r) {
     total[r][0] = total[r][1] = _mm256_setzero_ps();
   }
-  const __m256i nibbles = _mm256_set1_epi16(0x0F0F), ones = _mm256_set1_epi16(1);
+  const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i acc[R][2];
     for (int r = 0; r < R; ++r) {
@@ -606,17 +615,20 @@ void q4_tile_avx2(const int32_t* xq, const float* d, const float* c, int64_t gro
     }
     const uint8_t* wg = w + g * (Q4_GROUP / 2) * Q4_TILE;
     const int32_t* xg = xq + g * (Q4_GROUP / 4) * R;
-    for (int64_t j = 0; j < Q4_GROUP / 4; ++j) {
-      __m256i q[2];
+    for (int64_t p = 0; p < Q4_GROUP / 8; ++p) {
+      __m256i q[2][2];  // [quad 2p + k][half]
       for (int half = 0; half < 2; ++half) {
-        const __m256i v =
-            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + j * 32 + half * 16)));
-        q[half] = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi16(v, 4)), nibbles);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * 64 + half * 32));
+        q[0][half] = _mm256_and_si256(v, nibbles);
+        q[1][half] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles);
       }
-      for (int r = 0; r < R; ++r) {
-        const __m256i x4 = _mm256_set1_epi32(xg[j * R + r]);
-        for (int half = 0; half < 2; ++half) {
-          acc[r][half] = _mm256_add_epi32(acc[r][half], _mm256_madd_epi16(_mm256_maddubs_epi16(q[half], x4), ones));
+      for (int k = 0; k < 2; ++k) {
+        for (int r = 0; r < R; ++r) {
+          const __m256i x4 = _mm256_set1_epi32(xg[(2 * p + k) * R + r]);
+          for (int half = 0; half < 2; ++half) {
+            acc[r][half] =
+                _mm256_add_epi32(acc[r][half], _mm256_madd_epi16(_mm256_maddubs_epi16(q[k][half], x4), ones));
+          }
         }
       }
     }
