@@ -254,25 +254,33 @@ def test_request_joins_mid_generation_without_disturbing_others(
     assert short_out["times"][-1] < long_out["times"][-1]
 
 
-def test_disconnect_mid_stream_frees_the_slot(server: tuple[str, Any], key: str) -> None:
-    url, app = server
-    engine = app.state.registry.primary
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "go on forever"}],
-        "max_tokens": 200,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with _chat_stream(url, key, body) as r:
-        seen = 0
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                seen += 1
-            if seen >= 4:
-                break
-        assert engine.scheduler.load()["running"] == 1
-    wait_until(lambda: engine.scheduler.load() == {"running": 0, "waiting": 0}, 10, "the slot is freed")
+def test_disconnect_mid_stream_frees_the_slot(
+    home: Path, redis_url: str, lively_tiny_path: Path, key: str
+) -> None:
+    # Long enough (2048 positions, one token a step: no drafts) that the request still runs when
+    # the client has read four events, however fast this machine decodes or slowly the client reads
+    settings = InferenceSettings(
+        model=str(lively_tiny_path), served_model_name="tiny", max_model_len=2048, prompt_lookup="off"
+    )
+    app = create_app(_common(home, redis_url), settings)
+    with serve_app(app) as url:
+        engine = app.state.registry.primary
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "go on forever"}],
+            "max_tokens": 1800,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with _chat_stream(url, key, body) as r:
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 4:
+                    break
+            assert engine.scheduler.load()["running"] == 1
+        wait_until(lambda: engine.scheduler.load() == {"running": 0, "waiting": 0}, 10, "the slot is freed")
 
 
 def test_queue_full_is_429_with_retry_after(
