@@ -513,12 +513,13 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     """The q of each output and input back from the layout: per tile and pair p of quads, byte
     4c + i holds output c's input 8p + i (low nibble) and 8p + 4 + i (high)."""
     tiles, quads, _ = packed.shape
+    pairs = packed.view(tiles, quads // 2, 64).tolist()
     q = torch.zeros(tiles * 16, quads * 4, dtype=torch.long)
     for t in range(tiles):
         for p in range(quads // 2):
             for c in range(16):
                 for i in range(4):
-                    byte = int(packed.view(tiles, quads // 2, 64)[t, p, 4 * c + i])
+                    byte = pairs[t][p][4 * c + i]
                     q[16 * t + c, 8 * p + i] = byte & 0x0F
                     q[16 * t + c, 8 * p + 4 + i] = byte >> 4
     return q
